@@ -1,0 +1,3 @@
+from colibri_stream.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,35 @@
+"""The ``colibri-stream`` command line: one sub-command per user job."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from colibri_stream import __version__
+
+DESCRIPTION = """\
+Run huge Mixture-of-Experts language models (DeepSeek-V3/R1, Kimi-K2, DeepSeek-V3.2, GLM-5) on a
+machine that cannot hold them: the dense part stays resident, routed experts stream from disk as
+int4 into a RAM cache and a VRAM budget, and each conversation's compressed KV state lives in a
+file so a chat resumes after a restart without re-prefill."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="colibri-stream",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_subparsers(dest="command", metavar="COMMAND")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,41 @@
+"""Session-wide fixtures: the tiny reference checkpoints every correctness test compares against."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from colibri_stream import testing
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """family -> directory of a tiny random float32 HF checkpoint (built once per session)."""
+    return testing.build_all(tmp_path_factory.mktemp("tiny-checkpoints"))
+
+
+@pytest.fixture(scope="session", params=testing.FAMILIES)
+def family(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tiny_checkpoints, family) -> Path:
+    return tiny_checkpoints[family]
+
+
+@pytest.fixture(scope="session")
+def reference(checkpoint):
+    """The transformers model of ``checkpoint`` (float32, eval)."""
+    return testing.load_reference(checkpoint)
