@@ -80,6 +80,7 @@ class TinySpec:
     family: str
     config_kwargs: dict[str, Any] = field(default_factory=dict)
     legacy_rope: bool = False  # rewrite config.json with rope_theta + rope_scaling (real V3/K2 files)
+    seed: int = 0  # chosen so greedy output is varied, not a short loop
 
 
 TINY_SPECS: dict[str, TinySpec] = {
@@ -93,6 +94,7 @@ TINY_SPECS: dict[str, TinySpec] = {
             rope_parameters=dict(_YARN, rope_theta=50000.0),
         ),
         legacy_rope=True,
+        seed=1,
     ),
     "deepseek_v32": TinySpec("deepseek_v32", dict(n_group=2, topk_group=1, **_DSA)),
     "glm_moe_dsa": TinySpec(
@@ -124,7 +126,7 @@ def _transformers_classes(model_type: str) -> tuple[type, type]:
     return getattr(transformers, config_name), getattr(transformers, model_name)
 
 
-def build_tiny_checkpoint(family: str, dst: str | Path, seed: int = 0) -> Path:
+def build_tiny_checkpoint(family: str, dst: str | Path, seed: int | None = None) -> Path:
     """Write a tiny random float32 checkpoint of ``family`` into ``dst`` and return the path."""
     if family not in TINY_SPECS:
         raise ValueError(f"unknown family {family!r}; known: {list(TINY_SPECS)}")
@@ -133,11 +135,21 @@ def build_tiny_checkpoint(family: str, dst: str | Path, seed: int = 0) -> Path:
     config_cls, model_cls = _transformers_classes(_ORACLE_MODEL_TYPE.get(family, family))
     config = config_cls(**{**_COMMON, **spec.config_kwargs})
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.manual_seed(spec.seed if seed is None else seed)
         model = model_cls(config).float().eval()
+        _randomise_correction_bias(model)
     model.save_pretrained(dst)
     _rewrite_config(dst / "config.json", family, spec.legacy_rope)
     return dst
+
+
+def _randomise_correction_bias(model: torch.nn.Module) -> None:
+    """transformers initialises ``e_score_correction_bias`` to zeros, which would hide any bug in how the
+    bias steers selection (but not the weights); real checkpoints carry non-zero biases."""
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn_like(buffer) * 0.1)
 
 
 def _rewrite_config(path: Path, family: str, legacy_rope: bool) -> None:

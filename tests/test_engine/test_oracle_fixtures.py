@@ -90,3 +90,16 @@ def test_checkpoints_are_float32_and_deterministic(tmp_path, tiny_checkpoints):
     for name, tensor in first.items():
         assert tensor.dtype == torch.float32, name
         assert torch.equal(tensor, second[name]), name
+
+
+def test_router_correction_bias_is_not_zero(tiny_checkpoints):
+    """A zero bias would let a router that ignores it pass every comparison."""
+    from safetensors.torch import load_file
+
+    for family, path in tiny_checkpoints.items():
+        biases = [
+            t
+            for k, t in load_file(path / "model.safetensors").items()
+            if k.endswith("e_score_correction_bias")
+        ]
+        assert biases and all(b.abs().min().item() > 0 for b in biases), family
