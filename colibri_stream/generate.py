@@ -1,0 +1,130 @@
+"""The generation loop: prefill -> decode_one_token -> generate.
+
+Greedy (temperature 0) or temperature/top-p sampling with a seeded generator. Timing stats are
+measured around the real forward calls.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.cache import KVCache
+from engine.experts import ExpertProvider
+from engine.model import Transformer
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class GenerationStats:
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def decode_tok_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {
+            "prefill_tokens": self.prefill_tokens,
+            "decode_tokens": self.decode_tokens,
+            "prefill_s": round(self.prefill_s, 6),
+            "decode_s": round(self.decode_s, 6),
+            "ttft_s": round(self.prefill_s, 6),
+            "decode_tok_per_s": round(self.decode_tok_per_s, 3),
+        }
+
+
+@dataclass
+class GenerationResult:
+    ids: list[int]
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    stopped_on: int | None = None  # the stop id that ended generation, if any
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Pick one id from logits [vocab] (float32)."""
+    if params.temperature == 0:
+        return int(logits.argmax())
+    probs = (logits / params.temperature).softmax(dim=-1)
+    if params.top_p < 1:
+        sorted_probs, order = probs.sort(descending=True)
+        # keep the smallest prefix whose mass reaches top_p (always at least the best token)
+        outside = sorted_probs.cumsum(0) - sorted_probs >= params.top_p
+        sorted_probs[outside] = 0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def prefill(model: Transformer, ids: Sequence[int], cache: KVCache, experts: ExpertProvider) -> torch.Tensor:
+    """Run the prompt from the cache's end; return the last position's logits [vocab]."""
+    tokens = torch.tensor([list(ids)], dtype=torch.long, device=model.device)
+    return model(tokens, cache.length, cache, experts, last_only=True)[0, -1]
+
+
+def decode_one_token(model: Transformer, token: int, cache: KVCache, experts: ExpertProvider) -> torch.Tensor:
+    tokens = torch.tensor([[token]], dtype=torch.long, device=model.device)
+    return model(tokens, cache.length, cache, experts)[0, -1]
+
+
+def generate(
+    model: Transformer,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    experts: ExpertProvider,
+    sampling: SamplingParams = SamplingParams(),
+    stop_ids: Iterable[int] = (),
+    cache: KVCache | None = None,
+    on_token: Callable[[int], None] | None = None,
+) -> GenerationResult:
+    """Continue ``prompt_ids`` by up to ``max_new_tokens``; stops early on any of ``stop_ids``
+    (the stop id is included in ``ids``). ``cache`` may already hold a prefix of the prompt."""
+    if not prompt_ids:
+        raise ValueError("prompt is empty")
+    cache = model.new_cache() if cache is None else cache
+    if cache.length >= len(prompt_ids):
+        raise ValueError(
+            f"cache holds {cache.length} positions; the prompt must extend it (has {len(prompt_ids)})"
+        )
+    stop = set(stop_ids)
+    generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+    result = GenerationResult(ids=[])
+    stats = result.stats
+    if max_new_tokens <= 0:
+        return result
+    start = time.perf_counter()
+    stats.prefill_tokens = len(prompt_ids) - cache.length
+    logits = prefill(model, prompt_ids[cache.length :], cache, experts)
+    stats.prefill_s = time.perf_counter() - start
+    start = time.perf_counter()
+    while True:
+        token = sample(logits, sampling, generator)
+        result.ids.append(token)
+        if on_token is not None:
+            on_token(token)
+        if token in stop:
+            result.stopped_on = token
+            break
+        if len(result.ids) >= max_new_tokens:
+            break
+        logits = decode_one_token(model, token, cache, experts)
+        stats.decode_tokens += 1
+    stats.decode_s = time.perf_counter() - start
+    return result

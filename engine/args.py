@@ -1,0 +1,254 @@
+"""ModelArgs: everything the forward pass needs to know about a model, read from an HF config.json.
+
+Supported model types: ``deepseek_v3`` and ``kimi_k2`` (DeepSeek-V3 semantics), ``deepseek_v32`` and
+``glm_moe_dsa`` (MLA plus the DSA lightning indexer). Fields that would change the maths and that we
+do not implement raise ConfigError instead of being guessed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+MODEL_TYPES = ("deepseek_v3", "kimi_k2", "deepseek_v32", "glm_moe_dsa")
+DSA_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
+
+IndexerKind = Literal["full", "shared"]
+
+
+class ConfigError(ValueError):
+    """A config.json the engine cannot run faithfully; the message names the field."""
+
+
+@dataclass(frozen=True)
+class RopeArgs:
+    """Rotary embedding of the qk_rope part (and of the DSA indexer)."""
+
+    theta: float = 10000.0
+    kind: Literal["default", "yarn"] = "default"
+    factor: float = 1.0  # yarn: context extension factor
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None  # explicit cos/sin scale; derived from mscale* when None
+    truncate: bool = True
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Shapes and semantics of an MLA/DSA MoE model."""
+
+    model_type: str
+    vocab_size: int
+    dim: int  #: hidden size
+    inter_dim: int  #: intermediate size of the dense MLP layers
+    moe_inter_dim: int  #: intermediate size of one routed (and one shared) expert
+    n_layers: int
+    n_heads: int
+    q_lora_rank: int  #: 0 means no q compression (q_proj straight from the hidden state)
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int
+    n_shared_experts: int
+    n_activated_experts: int  #: experts per token
+    n_expert_groups: int
+    n_limited_groups: int  #: groups a token may route into
+    route_scale: float
+    norm_topk_prob: bool
+    dense_layers: tuple[bool, ...]  #: True where the layer has a dense MLP instead of MoE
+    rms_norm_eps: float
+    rope: RopeArgs
+    rope_interleave: bool = True  #: MLA rope pairs are (x0, x1), (x2, x3), ... in the checkpoint
+    index_n_heads: int = 0  #: 0 means no DSA indexer
+    index_head_dim: int = 0
+    index_topk: int = 0
+    indexer_types: tuple[IndexerKind, ...] = ()  #: per layer; empty without DSA
+    indexer_rope_interleave: bool = False  #: GLM-5 ropes its indexer interleaved, V3.2 half-split
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def has_dsa(self) -> bool:
+        return self.index_n_heads > 0
+
+    def is_moe(self, layer: int) -> bool:
+        return not self.dense_layers[layer]
+
+    def has_indexer(self, layer: int) -> bool:
+        """True where ``layer`` runs its own indexer (and caches indexer keys)."""
+        return self.has_dsa and self.indexer_types[layer] == "full"
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.n_layers) if self.is_moe(i))
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any]) -> ModelArgs:
+        return _parse(config)
+
+
+# ----------------------------------------------------------------------------------------- parsing
+
+
+def _require(config: Mapping[str, Any], key: str) -> Any:
+    if config.get(key) is None:
+        raise ConfigError(f"config.json: missing required field {key!r}")
+    return config[key]
+
+
+def _expect(config: Mapping[str, Any], key: str, allowed: tuple[Any, ...], default: Any) -> None:
+    value = config.get(key, default)
+    if value not in allowed:
+        raise ConfigError(f"config.json: {key}={value!r} is not supported (supported: {list(allowed)})")
+
+
+def _parse(config: Mapping[str, Any]) -> ModelArgs:
+    model_type = config.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ConfigError(
+            f"config.json: model_type {model_type!r} is not supported (supported: {list(MODEL_TYPES)})"
+        )
+    _check_semantics(config)
+    n_layers = int(_require(config, "num_hidden_layers"))
+    n_heads = int(_require(config, "num_attention_heads"))
+    n_routed = int(_require(config, "n_routed_experts"))
+    n_groups = int(config.get("n_group") or 1)
+    if n_routed % n_groups:
+        raise ConfigError(f"config.json: n_routed_experts={n_routed} is not divisible by n_group={n_groups}")
+    dsa = _parse_dsa(config, model_type, n_layers)
+    q_lora = config.get("q_lora_rank") or 0
+    if dsa and not q_lora:
+        raise ConfigError(
+            "config.json: q_lora_rank is required for DSA models (the indexer reads the q latent)"
+        )
+    return ModelArgs(
+        model_type=model_type,
+        vocab_size=int(_require(config, "vocab_size")),
+        dim=int(_require(config, "hidden_size")),
+        inter_dim=int(_require(config, "intermediate_size")),
+        moe_inter_dim=int(_require(config, "moe_intermediate_size")),
+        n_layers=n_layers,
+        n_heads=n_heads,
+        q_lora_rank=int(q_lora),
+        kv_lora_rank=int(_require(config, "kv_lora_rank")),
+        qk_nope_head_dim=int(_require(config, "qk_nope_head_dim")),
+        qk_rope_head_dim=int(_require(config, "qk_rope_head_dim")),
+        v_head_dim=int(_require(config, "v_head_dim")),
+        n_routed_experts=n_routed,
+        n_shared_experts=int(config.get("n_shared_experts") or 0),
+        n_activated_experts=int(_require(config, "num_experts_per_tok")),
+        n_expert_groups=n_groups,
+        n_limited_groups=int(config.get("topk_group") or 1),
+        route_scale=float(config.get("routed_scaling_factor", 1.0)),
+        norm_topk_prob=bool(config.get("norm_topk_prob", True)),
+        dense_layers=_parse_dense_layers(config, n_layers),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope=_parse_rope(config),
+        rope_interleave=bool(config.get("rope_interleave", True)),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+        **dsa,
+    )
+
+
+def _check_semantics(config: Mapping[str, Any]) -> None:
+    """Refuse fields whose other values would change the maths we implement."""
+    _expect(config, "scoring_func", ("sigmoid",), "sigmoid")
+    _expect(config, "topk_method", ("noaux_tc",), "noaux_tc")
+    _expect(config, "hidden_act", ("silu",), "silu")
+    _expect(config, "attention_bias", (False,), False)
+    _expect(config, "mlp_bias", (False,), False)
+    _expect(config, "moe_layer_freq", (1,), 1)
+    heads, kv_heads = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if kv_heads is not None and kv_heads != heads:
+        raise ConfigError(
+            f"config.json: num_key_value_heads={kv_heads} must equal num_attention_heads={heads} (MLA)"
+        )
+    if config.get("quantization_config"):
+        method = config["quantization_config"].get("quant_method", "?")
+        raise ConfigError(
+            f"config.json: quantization_config ({method}) — quantised checkpoints are read by "
+            "`colibri-stream convert`, not loaded directly"
+        )
+
+
+def _parse_dense_layers(config: Mapping[str, Any], n_layers: int) -> tuple[bool, ...]:
+    kinds = config.get("mlp_layer_types")
+    if kinds is not None:
+        if len(kinds) != n_layers or not set(kinds) <= {"dense", "sparse"}:
+            raise ConfigError(
+                f"config.json: mlp_layer_types must list 'dense'/'sparse' for {n_layers} layers"
+            )
+        return tuple(kind == "dense" for kind in kinds)
+    first_dense = int(config.get("first_k_dense_replace") or 0)
+    return tuple(i < first_dense for i in range(n_layers))
+
+
+def _parse_dsa(config: Mapping[str, Any], model_type: str, n_layers: int) -> dict[str, Any]:
+    if model_type not in DSA_MODEL_TYPES:
+        return {}
+    kinds = config.get("indexer_types")
+    if kinds is None:
+        kinds = ["full"] * n_layers
+    if len(kinds) != n_layers or not set(kinds) <= {"full", "shared"}:
+        raise ConfigError(f"config.json: indexer_types must list 'full'/'shared' for {n_layers} layers")
+    if kinds[0] != "full":
+        raise ConfigError(
+            "config.json: indexer_types[0] must be 'full' (a shared layer reuses an earlier selection)"
+        )
+    rope_dim = int(_require(config, "qk_rope_head_dim"))
+    head_dim = int(_require(config, "index_head_dim"))
+    if head_dim < rope_dim:
+        raise ConfigError(
+            f"config.json: index_head_dim={head_dim} is smaller than qk_rope_head_dim={rope_dim}"
+        )
+    return dict(
+        index_n_heads=int(_require(config, "index_n_heads")),
+        index_head_dim=head_dim,
+        index_topk=int(_require(config, "index_topk")),
+        indexer_types=tuple(kinds),
+        indexer_rope_interleave=model_type == "glm_moe_dsa",
+    )
+
+
+def _parse_rope(config: Mapping[str, Any]) -> RopeArgs:
+    """Both spellings: transformers-5 ``rope_parameters`` and legacy ``rope_theta`` + ``rope_scaling``."""
+    params = dict(config.get("rope_parameters") or {})
+    legacy = dict(config.get("rope_scaling") or {})
+    merged = {**legacy, **params}
+    theta = merged.get("rope_theta", config.get("rope_theta", 10000.0))
+    kind = merged.get("rope_type", merged.get("type", "default"))
+    if kind == "default":
+        return RopeArgs(theta=float(theta))
+    if kind != "yarn":
+        raise ConfigError(
+            f"config.json: rope type {kind!r} is not supported (supported: ['default', 'yarn'])"
+        )
+    for key in ("factor", "original_max_position_embeddings"):
+        if merged.get(key) is None:
+            raise ConfigError(f"config.json: yarn rope scaling needs {key!r}")
+    return RopeArgs(
+        theta=float(theta),
+        kind="yarn",
+        factor=float(merged["factor"]),
+        original_max_position_embeddings=int(merged["original_max_position_embeddings"]),
+        beta_fast=float(merged.get("beta_fast") or 32.0),
+        beta_slow=float(merged.get("beta_slow") or 1.0),
+        mscale=_optional_float(merged.get("mscale")),
+        mscale_all_dim=_optional_float(merged.get("mscale_all_dim")),
+        attention_factor=_optional_float(merged.get("attention_factor")),
+        truncate=bool(merged.get("truncate", True)),
+    )
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)

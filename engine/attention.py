@@ -1,0 +1,143 @@
+"""Multi-head Latent Attention (MLA) over the compressed cache, optionally DSA-sparse.
+
+Shapes: B batch, S new positions, T = start_pos + S cached positions, H heads, c kv_lora_rank,
+r qk_rope_head_dim, n qk_nope_head_dim, v v_head_dim, K positions selected by the DSA indexer.
+
+Two mathematically equal ways to attend:
+- non-absorbed (prefill): wkv_b expands every cached latent into per-head k_nope [T, H, n] and v
+  [T, H, v]; cost grows with T*H*(n+v), fine once per prompt.
+- absorbed (decode): the k half of wkv_b is folded into the query (q_nope [H, n] -> [H, c]) and
+  scores are taken against the cached latents directly; the v half is applied after the weighted
+  sum of latents. With DSA the K selected latents are gathered, never masked from all T.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.args import ModelArgs
+from engine.cache import LayerCache
+from engine.indexer import Indexer
+from engine.layers import RMSNorm
+from engine.rope import apply_rope, softmax_scale
+
+ABSORB_MAX_NEW_POSITIONS = 4  # auto mode: absorbed attention for decode-sized steps
+
+
+class MLA(nn.Module):
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.kv_lora_rank = args.kv_lora_rank
+        self.nope_dim = args.qk_nope_head_dim
+        self.rope_dim = args.qk_rope_head_dim
+        self.v_dim = args.v_head_dim
+        self.rope_interleave = args.rope_interleave
+        self.softmax_scale = softmax_scale(args)
+        q_out = args.n_heads * args.qk_head_dim
+        self.q_lora_rank = args.q_lora_rank
+        if self.q_lora_rank:
+            self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(
+                args.q_lora_rank, eps=1e-6
+            )  # the q/kv latent norms use 1e-6, not rms_norm_eps
+            self.wq_b = nn.Linear(args.q_lora_rank, q_out, bias=False)
+        else:
+            self.wq = nn.Linear(args.dim, q_out, bias=False)
+        self.wkv_a = nn.Linear(args.dim, args.kv_lora_rank + args.qk_rope_head_dim, bias=False)
+        self.kv_norm = RMSNorm(args.kv_lora_rank, eps=1e-6)
+        self.wkv_b = nn.Linear(
+            args.kv_lora_rank, args.n_heads * (args.qk_nope_head_dim + args.v_head_dim), bias=False
+        )
+        self.wo = nn.Linear(args.n_heads * args.v_head_dim, args.dim, bias=False)
+        self.indexer = Indexer(args) if args.has_indexer(layer_id) else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        start_pos: int,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: LayerCache,
+        selection: torch.Tensor | None = None,
+        absorb: bool | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [B, S, dim] -> (out [B, S, dim], DSA selection [B, S, K] or None).
+
+        ``selection`` is the previous full layer's choice, reused on DSA "shared" layers.
+        ``absorb`` forces an attention path; None picks absorbed for S <= ABSORB_MAX_NEW_POSITIONS.
+        """
+        bsz, seqlen, _ = x.shape
+        if cache.length != start_pos:
+            raise ValueError(f"cache holds {cache.length} positions but start_pos is {start_pos}")
+        q_latent = self.q_norm(self.wq_a(x)) if self.q_lora_rank else None  # [B, S, q_lora]
+        q = (self.wq_b(q_latent) if q_latent is not None else self.wq(x)).view(bsz, seqlen, self.n_heads, -1)
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_rope = apply_rope(q_rope, *rope, interleaved=self.rope_interleave)
+        latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        latent = self.kv_norm(latent)
+        k_rope = apply_rope(k_rope, *rope, interleaved=self.rope_interleave)
+        latents, rope_keys = cache.append(latent, k_rope)  # [B, T, c], [B, T, r]
+        if self.indexer is not None:
+            selection = self.indexer(x, q_latent, start_pos, rope, cache)
+        if absorb is None:
+            absorb = seqlen <= ABSORB_MAX_NEW_POSITIONS
+        attend = self._absorbed if absorb else self._expanded
+        out = attend(q_nope, q_rope, latents, rope_keys, start_pos, selection)  # [B, S, H, v]
+        return self.wo(out.flatten(2)), selection
+
+    def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """wkv_b split per head: k part [H, n, c] and v part [H, v, c]."""
+        w = self.wkv_b.weight.view(self.n_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        return w[:, : self.nope_dim], w[:, self.nope_dim :]
+
+    def _expanded(self, q_nope, q_rope, latents, rope_keys, start_pos, selection):
+        bsz, seqlen, total = q_nope.shape[0], q_nope.shape[1], latents.shape[1]
+        kv = self.wkv_b(latents).view(bsz, total, self.n_heads, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        scores = torch.einsum("bshn,bthn->bsht", q_nope, k_nope) + torch.einsum(
+            "bshr,btr->bsht", q_rope, rope_keys
+        )
+        visible = _causal(start_pos, seqlen, total, q_nope.device)[None]  # [1, S, T]
+        if selection is not None:
+            chosen = torch.zeros(bsz, seqlen, total, dtype=torch.bool, device=q_nope.device)
+            visible = visible & chosen.scatter_(-1, selection, True)
+        scores = scores.mul(self.softmax_scale).masked_fill(~visible[:, :, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1, dtype=torch.float32).to(q_nope.dtype)
+        return torch.einsum("bsht,bthv->bshv", probs, v)
+
+    def _absorbed(self, q_nope, q_rope, latents, rope_keys, start_pos, selection):
+        bsz, seqlen, total = q_nope.shape[0], q_nope.shape[1], latents.shape[1]
+        w_k, w_v = self._kv_b()
+        q_latent = torch.einsum("bshn,hnc->bshc", q_nope, w_k)
+        positions = torch.arange(total, device=q_nope.device).expand(bsz, seqlen, total)
+        if selection is not None:  # attend only to the K gathered positions
+            positions = selection
+            latents = _gather_positions(latents, selection)  # [B, S, K, c]
+            rope_keys = _gather_positions(rope_keys, selection)  # [B, S, K, r]
+        else:
+            latents, rope_keys = latents[:, None], rope_keys[:, None]  # broadcast over S
+        scores = torch.einsum("bshc,bstc->bsht", q_latent, latents.expand(-1, seqlen, -1, -1)) + torch.einsum(
+            "bshr,bstr->bsht", q_rope, rope_keys.expand(-1, seqlen, -1, -1)
+        )
+        query_pos = torch.arange(start_pos, start_pos + seqlen, device=q_nope.device)[None, :, None]
+        visible = positions <= query_pos  # [B, S, K or T]
+        scores = scores.mul(self.softmax_scale).masked_fill(~visible[:, :, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1, dtype=torch.float32).to(q_nope.dtype)
+        mixed = torch.einsum("bsht,bstc->bshc", probs, latents.expand(-1, seqlen, -1, -1))
+        return torch.einsum("bshc,hvc->bshv", mixed, w_v)
+
+
+def _causal(start_pos: int, seqlen: int, total: int, device: torch.device) -> torch.Tensor:
+    """[S, T] True where query start_pos + s may see key t."""
+    return (
+        torch.arange(total, device=device)[None, :]
+        <= torch.arange(start_pos, start_pos + seqlen, device=device)[:, None]
+    )
+
+
+def _gather_positions(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """x [B, T, d], positions [B, S, K] -> [B, S, K, d]"""
+    bsz, seqlen, k = positions.shape
+    flat = positions.reshape(bsz, seqlen * k, 1).expand(-1, -1, x.shape[-1])
+    return x.gather(1, flat).view(bsz, seqlen, k, x.shape[-1])

@@ -1,0 +1,134 @@
+"""The compressed MLA KV cache: per layer exactly what MLA needs to attend again.
+
+Per position and layer that is the normalised latent [kv_lora_rank], the roped key [qk_rope_head_dim]
+shared by all heads, and, on layers that run their own DSA indexer, the indexer key [index_head_dim].
+Nothing per head is stored: keys and values are rebuilt from the latent (prefill) or never built at
+all (absorbed decode). Buffers grow by doubling so a long decode does not copy the cache per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.args import ModelArgs
+
+
+def _grow(buffer: torch.Tensor, needed: int) -> torch.Tensor:
+    if buffer.shape[1] >= needed:
+        return buffer
+    capacity = max(needed, 2 * buffer.shape[1], 16)
+    bigger = buffer.new_empty((buffer.shape[0], capacity) + tuple(buffer.shape[2:]))
+    bigger[:, : buffer.shape[1]] = buffer
+    return bigger
+
+
+@dataclass
+class LayerCache:
+    """One layer's compressed state for a batch of B sequences of equal length."""
+
+    latent: torch.Tensor  # [B, capacity, kv_lora_rank]
+    rope_key: torch.Tensor  # [B, capacity, qk_rope_head_dim]
+    index_key: torch.Tensor | None  # [B, capacity, index_head_dim] on DSA full layers
+    length: int = 0
+
+    def append(self, latent: torch.Tensor, rope_key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store S new positions ([B, S, *]) and return the whole valid latent and rope key ([B, T, *])."""
+        end = self.length + latent.shape[1]
+        self.latent, self.rope_key = _grow(self.latent, end), _grow(self.rope_key, end)
+        self.latent[:, self.length : end] = latent
+        self.rope_key[:, self.length : end] = rope_key
+        self.length = end
+        return self.latent[:, :end], self.rope_key[:, :end]
+
+    def append_index_key(self, index_key: torch.Tensor) -> torch.Tensor:
+        """Store the indexer keys of the positions just appended; return all of them [B, T, index_head_dim].
+
+        Called after ``append`` for the same positions, so the latent length is already the new end.
+        """
+        if self.index_key is None:
+            raise ValueError("this layer has no DSA indexer keys")
+        start = self.length - index_key.shape[1]
+        self.index_key = _grow(self.index_key, self.length)
+        self.index_key[:, start : self.length] = index_key
+        return self.index_key[:, : self.length]
+
+    def trim(self, length: int) -> None:
+        """Forget every position from ``length`` on (prefix reuse, edited conversations)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot trim a cache of {self.length} positions to {length}")
+        self.length = length
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The valid positions as plain tensors (copies), e.g. to persist them."""
+        state = {
+            "latent": self.latent[:, : self.length].clone(),
+            "rope_key": self.rope_key[:, : self.length].clone(),
+        }
+        if self.index_key is not None:
+            state["index_key"] = self.index_key[:, : self.length].clone()
+        return state
+
+    @classmethod
+    def from_state(cls, state: dict[str, torch.Tensor]) -> LayerCache:
+        latent, rope_key = state["latent"], state["rope_key"]
+        index_key = state.get("index_key")
+        lengths = {t.shape[1] for t in (latent, rope_key, index_key) if t is not None}
+        if len(lengths) != 1:
+            raise ValueError(f"layer state tensors disagree on the number of positions: {sorted(lengths)}")
+        return cls(
+            latent.clone(), rope_key.clone(), None if index_key is None else index_key.clone(), lengths.pop()
+        )
+
+
+@dataclass
+class KVCache:
+    """All layers' compressed state; ``length`` positions are valid in every layer."""
+
+    layers: list[LayerCache] = field(default_factory=list)
+
+    @classmethod
+    def empty(
+        cls,
+        args: ModelArgs,
+        batch: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> KVCache:
+        def buffer(width: int) -> torch.Tensor:
+            return torch.empty((batch, 0, width), dtype=dtype, device=device)
+
+        return cls(
+            [
+                LayerCache(
+                    latent=buffer(args.kv_lora_rank),
+                    rope_key=buffer(args.qk_rope_head_dim),
+                    # Indexer keys are scored in float32 (as the reference does), so cached in float32.
+                    index_key=(
+                        torch.empty((batch, 0, args.index_head_dim), dtype=torch.float32, device=device)
+                        if args.has_indexer(layer)
+                        else None
+                    ),
+                )
+                for layer in range(args.n_layers)
+            ]
+        )
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length if self.layers else 0
+
+    def trim(self, length: int) -> None:
+        for layer in self.layers:
+            layer.trim(length)
+
+    def state(self) -> list[dict[str, torch.Tensor]]:
+        return [layer.state() for layer in self.layers]
+
+    @classmethod
+    def from_state(cls, state: list[dict[str, torch.Tensor]]) -> KVCache:
+        cache = cls([LayerCache.from_state(layer) for layer in state])
+        if len({layer.length for layer in cache.layers}) > 1:
+            raise ValueError("layers disagree on the number of cached positions")
+        return cache

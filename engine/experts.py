@@ -1,0 +1,85 @@
+"""How the MoE layer gets routed-expert weights: the ExpertProvider protocol.
+
+The engine never owns routed experts. It asks a provider for the experts the router picked, which
+lets storage stream them from disk into RAM/VRAM tiers (the tiered store satisfies this protocol
+structurally) while tests and small models use ``ResidentExperts``.
+
+Call order within one MoE layer, so loads overlap compute:
+    prefetch(layer, ids)  -> start bringing these in, never blocks
+    ...shared expert runs...
+    acquire(layer, ids)   -> block until every id is available, pin them, return the weights
+    release(layer, ids)   -> unpin: the provider may evict them again
+A prefetch of the next layer (the lookahead guess) uses the same verb.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """One routed expert in float: w1 (gate) and w3 (up) [inter, dim], w2 (down) [dim, inter]."""
+
+    w1: torch.Tensor
+    w2: torch.Tensor
+    w3: torch.Tensor
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, dim] -> [N, dim]"""
+        return F.linear(F.silu(F.linear(x, self.w1)) * F.linear(x, self.w3), self.w2)
+
+
+class Expert(Protocol):
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class ExpertProvider(Protocol):
+    def prefetch(self, layer: int, expert_ids: Sequence[int]) -> None: ...
+
+    def acquire(self, layer: int, expert_ids: Sequence[int]) -> Mapping[int, Expert]: ...
+
+    def release(self, layer: int, expert_ids: Sequence[int]) -> None: ...
+
+
+class ResidentExperts:
+    """Every routed expert held in memory; records what was asked, for tests of "only routed bytes"."""
+
+    def __init__(self, experts: Mapping[int, Mapping[int, Expert]]):
+        self._experts = experts  # layer -> expert id -> weights
+        self.acquired: list[tuple[int, tuple[int, ...]]] = []
+        self.prefetched: list[tuple[int, tuple[int, ...]]] = []
+
+    def prefetch(self, layer: int, expert_ids: Sequence[int]) -> None:
+        self.prefetched.append((layer, tuple(expert_ids)))
+
+    def acquire(self, layer: int, expert_ids: Sequence[int]) -> Mapping[int, Expert]:
+        self.acquired.append((layer, tuple(expert_ids)))
+        try:
+            return {e: self._experts[layer][e] for e in expert_ids}
+        except KeyError as exc:
+            raise KeyError(f"layer {layer} has no routed expert {exc.args[0]}") from None
+
+    def release(self, layer: int, expert_ids: Sequence[int]) -> None:
+        pass
+
+    def to(
+        self, dtype: torch.dtype | None = None, device: str | torch.device | None = None
+    ) -> ResidentExperts:
+        """A copy with every float expert cast/moved."""
+
+        def cast(expert: Expert) -> Expert:
+            if not isinstance(expert, ExpertWeights):
+                return expert
+            return ExpertWeights(
+                *(w.to(device=device, dtype=dtype) for w in (expert.w1, expert.w2, expert.w3))
+            )
+
+        return ResidentExperts(
+            {layer: {e: cast(w) for e, w in experts.items()} for layer, experts in self._experts.items()}
+        )

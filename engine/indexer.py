@@ -1,0 +1,67 @@
+"""DSA lightning indexer: picks, per query, the index_topk past positions MLA attends to.
+
+score[s, t] = sum_h w[s, h] * ReLU(q[s, h] . k[t] / sqrt(d)),  w = weights_proj(x) / sqrt(H)
+with k = RoPE(LayerNorm(wk x)) cached per layer and q = RoPE(wq_b(q latent)). Only the first
+qk_rope_head_dim dims of each indexer head are roped. Scoring runs in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.args import ModelArgs
+from engine.cache import LayerCache
+from engine.moe import stable_topk_indices
+from engine.rope import apply_rope
+
+
+class Indexer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads = args.index_n_heads
+        self.head_dim = args.index_head_dim
+        self.rope_dim = args.qk_rope_head_dim
+        self.topk = args.index_topk
+        self.interleaved = args.indexer_rope_interleave
+        self.wq_b = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(args.dim, self.n_heads, bias=False)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rotated = apply_rope(x[..., : self.rope_dim], cos, sin, self.interleaved)
+        return torch.cat([rotated, x[..., self.rope_dim :]], dim=-1)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        q_latent: torch.Tensor,
+        start_pos: int,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: LayerCache,
+    ) -> torch.Tensor | None:
+        """x [B, S, dim], q_latent [B, S, q_lora] -> selected positions [B, S, K], or None (keep all).
+
+        The layer's latent/rope key for these positions must already be in ``cache``. Selection is
+        skipped while the whole context fits in index_topk; rows that see fewer than K positions get
+        non-causal fillers, which the attention's causal mask removes.
+        """
+        bsz, seqlen, _ = x.shape
+        q = self._rope(self.wq_b(q_latent).view(bsz, seqlen, self.n_heads, self.head_dim), *rope)
+        k = self._rope(self.k_norm(self.wk(x)), *rope)
+        keys = cache.append_index_key(k.float())  # [B, T, D]
+        total = keys.shape[1]
+        if total <= self.topk:
+            return None
+        scores = torch.einsum("bshd,btd->bsht", q.float(), keys).mul_(self.head_dim**-0.5).relu_()
+        # weights_proj stays float32 even in bf16 models (the reference keeps it in fp32).
+        weights = F.linear(x.float(), self.weights_proj.weight.float()) * self.n_heads**-0.5  # [B, S, H]
+        index_scores = torch.einsum("bsh,bsht->bst", weights, scores)
+        future = (
+            torch.arange(total, device=x.device)[None, :]
+            > torch.arange(start_pos, start_pos + seqlen)[:, None]
+        )
+        index_scores = index_scores.masked_fill(future.to(x.device), float("-inf"))
+        return stable_topk_indices(index_scores, self.topk)

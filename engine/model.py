@@ -1,0 +1,82 @@
+"""Block and Transformer: the whole forward pass, reading top to bottom.
+
+    tokens -> embed -> n_layers x [attn_norm -> MLA(+DSA) -> residual -> ffn_norm -> MLP|MoE -> residual]
+           -> norm -> head -> logits
+
+Routed experts are not parameters of this module: every MoE layer asks the ExpertProvider passed to
+``forward`` for the experts its router picked.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.args import ModelArgs
+from engine.attention import MLA
+from engine.cache import KVCache
+from engine.experts import ExpertProvider
+from engine.layers import MLP, RMSNorm
+from engine.moe import MoE
+from engine.rope import rope_tables
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attn_norm = RMSNorm(args.dim, args.rms_norm_eps)
+        self.attn = MLA(args, layer_id)
+        self.ffn_norm = RMSNorm(args.dim, args.rms_norm_eps)
+        self.ffn = MoE(args, layer_id) if args.is_moe(layer_id) else MLP(args.dim, args.inter_dim)
+
+    def forward(self, x, start_pos, rope, cache, experts, selection, absorb):
+        attn_out, selection = self.attn(self.attn_norm(x), start_pos, rope, cache, selection, absorb)
+        x = x + attn_out
+        h = self.ffn_norm(x)
+        x = x + (self.ffn(h, experts) if isinstance(self.ffn, MoE) else self.ffn(h))
+        return x, selection
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.rms_norm_eps)
+        self.head = nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def new_cache(self, batch: int = 1) -> KVCache:
+        return KVCache.empty(self.args, batch, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        start_pos: int,
+        cache: KVCache,
+        experts: ExpertProvider,
+        absorb: bool | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """tokens [B, S] at positions start_pos.. -> float32 logits [B, S, vocab] (S=1 if last_only).
+
+        Appends the S positions to ``cache``. ``absorb`` forces the attention path (None: automatic).
+        """
+        x = self.embed(tokens)
+        rope = rope_tables(self.args, start_pos, tokens.shape[1], x.device)
+        selection = None  # DSA: the last full layer's choice, reused by "shared" layers
+        for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
+            x, selection = layer(x, start_pos, rope, layer_cache, experts, selection, absorb)
+        if last_only:
+            x = x[:, -1:]
+        return self.head(self.norm(x)).float()

@@ -1,0 +1,90 @@
+"""The router (Gate) and the MoE layer that applies routed experts fetched through an ExpertProvider."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.args import ModelArgs
+from engine.experts import ExpertProvider
+from engine.layers import MLP
+
+
+def stable_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest entries of the last dim; among equal scores the lower index wins.
+
+    Agrees with ``torch.topk`` (as a set) whenever there is no tie at the boundary, and unlike it is
+    deterministic across devices and input lengths when there is.
+    """
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+class Gate(nn.Module):
+    """Sigmoid router with DeepSeek's auxiliary-loss-free correction bias and group-limited top-k.
+
+    The bias steers *which* experts are chosen, never their weights: weights come from the unbiased
+    sigmoid scores, optionally normalised over the chosen experts, then scaled by ``route_scale``.
+    Groups are ranked by the sum of their two best biased scores; only the best ``n_limited_groups``
+    groups may be chosen from.
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.topk = args.n_activated_experts
+        self.n_groups = args.n_expert_groups
+        self.topk_groups = args.n_limited_groups
+        self.norm_topk_prob = args.norm_topk_prob
+        self.route_scale = args.route_scale
+        self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.dim))
+        self.bias = nn.Parameter(torch.zeros(args.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, dim] -> (weights [N, topk] float32, expert ids [N, topk])"""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        biased = scores + self.bias.float()
+        if self.n_groups > 1:
+            biased = self._mask_unchosen_groups(biased)
+        ids = stable_topk_indices(biased, self.topk)
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.route_scale, ids
+
+    def _mask_unchosen_groups(self, biased: torch.Tensor) -> torch.Tensor:
+        grouped = biased.view(biased.shape[0], self.n_groups, -1)  # [N, groups, experts per group]
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, groups]
+        chosen = stable_topk_indices(group_scores, self.topk_groups)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen, True)
+        return grouped.masked_fill(~keep[..., None], float("-inf")).flatten(1)
+
+
+class MoE(nn.Module):
+    """Routed experts (fetched per call from the provider) plus always-on shared experts."""
+
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.gate = Gate(args)
+        self.shared_experts = (
+            MLP(args.dim, args.n_shared_experts * args.moe_inter_dim) if args.n_shared_experts else None
+        )
+
+    def forward(self, x: torch.Tensor, experts: ExpertProvider) -> torch.Tensor:
+        """x [B, S, dim] -> [B, S, dim]. Batch-union: each distinct expert is acquired once for all rows."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, ids = self.gate(x)
+        unique_ids = ids.unique().tolist()
+        experts.prefetch(self.layer_id, unique_ids)  # start loading misses; the shared expert overlaps
+        out = self.shared_experts(x) if self.shared_experts is not None else torch.zeros_like(x)
+        routed = torch.zeros_like(x, dtype=torch.float32)
+        acquired = experts.acquire(self.layer_id, unique_ids)
+        try:
+            for expert_id in unique_ids:
+                rows, slot = torch.where(ids == expert_id)
+                y = acquired[expert_id](x[rows])
+                routed.index_add_(0, rows, y.float() * weights[rows, slot, None])
+        finally:
+            experts.release(self.layer_id, unique_ids)
+        return (routed.to(x.dtype) + out).view(shape)

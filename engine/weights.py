@@ -1,0 +1,103 @@
+"""The one HF -> engine weight-name table, and the strict "every tensor consumed" check.
+
+Names are pure string logic here (no file I/O): the loader in colibri_stream reads tensors, asks
+``engine_name`` where each goes, and ``check_complete`` refuses a checkpoint with tensors left over
+or parameters missing. Routed experts are recognised separately (``routed_expert_key``) because they
+live with the ExpertProvider, not in the Transformer module.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+# (HF pattern, engine name); \1 is the layer index where present.
+HF_TO_ENGINE: tuple[tuple[str, str], ...] = (
+    (r"model\.embed_tokens\.weight", "embed.weight"),
+    (r"model\.norm\.weight", "norm.weight"),
+    (r"lm_head\.weight", "head.weight"),
+    (r"model\.layers\.(\d+)\.input_layernorm\.weight", r"layers.\1.attn_norm.weight"),
+    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", r"layers.\1.ffn_norm.weight"),
+    (r"model\.layers\.(\d+)\.self_attn\.q_proj\.weight", r"layers.\1.attn.wq.weight"),
+    (r"model\.layers\.(\d+)\.self_attn\.q_a_proj\.weight", r"layers.\1.attn.wq_a.weight"),
+    (r"model\.layers\.(\d+)\.self_attn\.q_a_layernorm\.weight", r"layers.\1.attn.q_norm.weight"),
+    (r"model\.layers\.(\d+)\.self_attn\.q_b_proj\.weight", r"layers.\1.attn.wq_b.weight"),
+    (r"model\.layers\.(\d+)\.self_attn\.kv_a_proj_with_mqa\.weight", r"layers.\1.attn.wkv_a.weight"),
+    (r"model\.layers\.(\d+)\.self_attn\.kv_a_layernorm\.weight", r"layers.\1.attn.kv_norm.weight"),
+    (r"model\.layers\.(\d+)\.self_attn\.kv_b_proj\.weight", r"layers.\1.attn.wkv_b.weight"),
+    (r"model\.layers\.(\d+)\.self_attn\.o_proj\.weight", r"layers.\1.attn.wo.weight"),
+    (
+        r"model\.layers\.(\d+)\.self_attn\.indexer\.(wq_b|wk|weights_proj)\.weight",
+        r"layers.\1.attn.indexer.\2.weight",
+    ),
+    (r"model\.layers\.(\d+)\.self_attn\.indexer\.k_norm\.(weight|bias)", r"layers.\1.attn.indexer.k_norm.\2"),
+    (r"model\.layers\.(\d+)\.mlp\.gate_proj\.weight", r"layers.\1.ffn.w1.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.down_proj\.weight", r"layers.\1.ffn.w2.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.up_proj\.weight", r"layers.\1.ffn.w3.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.gate\.weight", r"layers.\1.ffn.gate.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.gate\.e_score_correction_bias", r"layers.\1.ffn.gate.bias"),
+    (
+        r"model\.layers\.(\d+)\.mlp\.shared_experts\.gate_proj\.weight",
+        r"layers.\1.ffn.shared_experts.w1.weight",
+    ),
+    (
+        r"model\.layers\.(\d+)\.mlp\.shared_experts\.down_proj\.weight",
+        r"layers.\1.ffn.shared_experts.w2.weight",
+    ),
+    (
+        r"model\.layers\.(\d+)\.mlp\.shared_experts\.up_proj\.weight",
+        r"layers.\1.ffn.shared_experts.w3.weight",
+    ),
+)
+_COMPILED = tuple((re.compile(pattern), target) for pattern, target in HF_TO_ENGINE)
+
+_ROUTED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+ROUTED_PROJ_TO_ENGINE = {"gate": "w1", "down": "w2", "up": "w3"}
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+class WeightNameError(ValueError):
+    """Checkpoint tensors and engine parameters do not match one to one."""
+
+
+def layer_of(hf_name: str) -> int | None:
+    match = _LAYER.match(hf_name)
+    return int(match.group(1)) if match else None
+
+
+def is_extra_layer(hf_name: str, n_layers: int) -> bool:
+    """Multi-token-prediction layers (model.layers.N with N >= num_hidden_layers, as DeepSeek-V3 ships
+    them) are not part of next-token inference and are skipped on purpose."""
+    layer = layer_of(hf_name)
+    return layer is not None and layer >= n_layers
+
+
+def routed_expert_key(hf_name: str) -> tuple[int, int, str] | None:
+    """(layer, expert, "w1"|"w2"|"w3") for a routed-expert tensor name, else None."""
+    match = _ROUTED.fullmatch(hf_name)
+    if match is None:
+        return None
+    return int(match.group(1)), int(match.group(2)), ROUTED_PROJ_TO_ENGINE[match.group(3)]
+
+
+def engine_name(hf_name: str) -> str | None:
+    """The engine parameter a dense HF tensor loads into, or None if the table has no rule for it."""
+    for pattern, target in _COMPILED:
+        if pattern.fullmatch(hf_name):
+            return pattern.sub(target, hf_name)
+    return None
+
+
+def check_complete(
+    unmapped: Iterable[str], expected: Iterable[str], loaded: Iterable[str], source: str
+) -> None:
+    """Raise WeightNameError naming leftover checkpoint tensors and missing engine parameters."""
+    unmapped = sorted(unmapped)
+    missing = sorted(set(expected) - set(loaded))
+    problems = []
+    if unmapped:
+        problems.append(f"{len(unmapped)} tensor(s) the engine does not use, e.g. {unmapped[:5]}")
+    if missing:
+        problems.append(f"{len(missing)} parameter(s) missing, e.g. {missing[:5]}")
+    if problems:
+        raise WeightNameError(f"{source}: " + "; ".join(problems))
