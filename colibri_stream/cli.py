@@ -6,13 +6,20 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from colibri_stream import __version__
+from colibri_stream import __version__, cli_run
+from colibri_stream.checkpoint import CheckpointError
+from colibri_stream.text import TokenizerMissingError
+from engine.args import ConfigError
+from engine.weights import WeightNameError
 
 DESCRIPTION = """\
 Run huge Mixture-of-Experts language models (DeepSeek-V3/R1, Kimi-K2, DeepSeek-V3.2, GLM-5) on a
 machine that cannot hold them: the dense part stays resident, routed experts stream from disk as
 int4 into a RAM cache and a VRAM budget, and each conversation's compressed KV state lives in a
 file so a chat resumes after a restart without re-prefill."""
+
+# Errors about the user's input: printed as one line, exit status 1, no traceback.
+USER_ERRORS = (CheckpointError, ConfigError, WeightNameError, TokenizerMissingError, ValueError)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    cli_run.add_parser(commands)
     return parser
 
 
@@ -32,4 +40,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
-    return 0
+    try:
+        return args.handler(args)
+    except USER_ERRORS as exc:
+        print(f"colibri-stream {args.command}: error: {exc}", file=sys.stderr)
+        return 1

@@ -126,20 +126,25 @@ def _transformers_classes(model_type: str) -> tuple[type, type]:
     return getattr(transformers, config_name), getattr(transformers, model_name)
 
 
-def build_tiny_checkpoint(family: str, dst: str | Path, seed: int | None = None) -> Path:
-    """Write a tiny random float32 checkpoint of ``family`` into ``dst`` and return the path."""
+def build_tiny_checkpoint(
+    family: str, dst: str | Path, seed: int | None = None, config_overrides: dict[str, Any] | None = None
+) -> Path:
+    """Write a tiny random float32 checkpoint of ``family`` into ``dst`` and return the path.
+
+    ``config_overrides`` builds variants (e.g. ``q_lora_rank=None``) of a family's tiny config."""
     if family not in TINY_SPECS:
         raise ValueError(f"unknown family {family!r}; known: {list(TINY_SPECS)}")
     spec = TINY_SPECS[family]
     dst = Path(dst)
     config_cls, model_cls = _transformers_classes(_ORACLE_MODEL_TYPE.get(family, family))
-    config = config_cls(**{**_COMMON, **spec.config_kwargs})
+    config = config_cls(**{**_COMMON, **spec.config_kwargs, **(config_overrides or {})})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed if seed is None else seed)
         model = model_cls(config).float().eval()
         _randomise_correction_bias(model)
     model.save_pretrained(dst)
     _rewrite_config(dst / "config.json", family, spec.legacy_rope)
+    write_tiny_tokenizer(dst, config.vocab_size)
     return dst
 
 
@@ -162,6 +167,33 @@ def _rewrite_config(path: Path, family: str, legacy_rope: bool) -> None:
         rope["type"] = rope.pop("rope_type")
         config["rope_scaling"] = rope
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+_TOKENIZER_CORPUS = """\
+The quick brown fox jumps over the lazy dog. Mixture-of-Experts models route every token to a few experts.
+Experts stream from disk into a RAM cache and then into VRAM. The router decides; storage places.
+A conversation resumes after a restart with zero re-prefill because the compressed KV state is on disk.
+Placement changes speed, never tokens. Only routed bytes move. Hello, world! 0123456789
+"""
+
+
+def write_tiny_tokenizer(dst: str | Path, vocab_size: int) -> Path:
+    """Train a byte-level BPE tokenizer (ids < vocab_size, <bos>=0, <eos>=1) and save tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<bos>", "<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_TOKENIZER_CORPUS.splitlines() * 10, trainer)
+    path = Path(dst) / "tokenizer.json"
+    tokenizer.save(str(path))
+    return path
 
 
 def build_all(root: str | Path, families: Iterable[str] = FAMILIES) -> dict[str, Path]:

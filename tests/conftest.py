@@ -39,3 +39,11 @@ def checkpoint(tiny_checkpoints, family) -> Path:
 def reference(checkpoint):
     """The transformers model of ``checkpoint`` (float32, eval)."""
     return testing.load_reference(checkpoint)
+
+
+@pytest.fixture(scope="session")
+def loaded(checkpoint):
+    """Our engine on ``checkpoint`` (float32, resident experts)."""
+    from colibri_stream.checkpoint import load_checkpoint
+
+    return load_checkpoint(checkpoint)

@@ -1,0 +1,69 @@
+"""KV cache state/trim and the ExpertProvider contract (batch-union, only routed experts)."""
+
+from __future__ import annotations
+
+import torch
+
+from colibri_stream import testing
+from engine.cache import KVCache
+
+
+def _forward(loaded, ids, start, cache):
+    return loaded.model(torch.tensor([ids]), start, cache, loaded.experts)[0]
+
+
+def test_cache_holds_only_the_compressed_state(loaded):
+    args = loaded.args
+    cache = loaded.model.new_cache()
+    _forward(loaded, testing.make_prompt(args.vocab_size, 9), 0, cache)
+    for layer, state in enumerate(cache.state()):
+        assert state["latent"].shape == (1, 9, args.kv_lora_rank)
+        assert state["rope_key"].shape == (1, 9, args.qk_rope_head_dim)
+        if args.has_indexer(layer):
+            assert state["index_key"].shape == (1, 9, args.index_head_dim)
+        else:
+            assert "index_key" not in state
+
+
+def test_state_round_trip_resumes_exactly(loaded):
+    ids = testing.make_prompt(loaded.args.vocab_size, 30, seed=5)
+    cache = loaded.model.new_cache()
+    _forward(loaded, ids[:20], 0, cache)
+    restored = KVCache.from_state(cache.state())
+    assert restored.length == 20
+    assert torch.equal(_forward(loaded, ids[20:], 20, restored), _forward(loaded, ids[20:], 20, cache))
+
+
+def test_trim_then_new_suffix_equals_fresh_run(loaded):
+    ids = testing.make_prompt(loaded.args.vocab_size, 24, seed=6)
+    edited = ids[:15] + testing.make_prompt(loaded.args.vocab_size, 9, seed=7)
+    cache = loaded.model.new_cache()
+    _forward(loaded, ids, 0, cache)
+    cache.trim(15)
+    resumed = _forward(loaded, edited[15:], 15, cache)
+    fresh = _forward(loaded, edited, 0, loaded.model.new_cache())[15:]
+    assert (resumed - fresh).abs().max().item() <= 1e-5
+
+
+def test_prefill_acquires_each_routed_expert_once_per_layer_and_nothing_else(loaded, monkeypatch):
+    from engine.moe import Gate
+
+    routed: dict[int, set[int]] = {}
+    original = Gate.forward
+
+    def spy(self, x):
+        weights, ids = original(self, x)
+        layer = next(
+            i for i, block in enumerate(loaded.model.layers) if getattr(block.ffn, "gate", None) is self
+        )
+        routed[layer] = set(ids.flatten().tolist())
+        return weights, ids
+
+    monkeypatch.setattr(Gate, "forward", spy)
+    loaded.experts.acquired.clear()
+    _forward(loaded, testing.make_prompt(loaded.args.vocab_size, 16, seed=8), 0, loaded.model.new_cache())
+    layers = [layer for layer, _ in loaded.experts.acquired]
+    assert layers == list(loaded.args.moe_layers)  # one acquire per MoE layer, in order
+    for layer, expert_ids in loaded.experts.acquired:
+        assert len(expert_ids) == len(set(expert_ids))  # batch-union: no expert twice
+        assert set(expert_ids) == routed[layer]  # exactly the routed experts

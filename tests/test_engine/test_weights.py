@@ -1,0 +1,83 @@
+"""The strict HF -> engine weight mapping: every tensor consumed, none missing."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from colibri_stream.checkpoint import CheckpointError, load_checkpoint
+from engine.weights import WeightNameError, engine_name, routed_expert_key
+
+
+def _copy_with(tmp_path, source, edit):
+    dst = tmp_path / "edited"
+    shutil.copytree(source, dst)
+    tensors = load_file(dst / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def test_name_table_examples():
+    assert engine_name("model.layers.3.self_attn.kv_b_proj.weight") == "layers.3.attn.wkv_b.weight"
+    assert engine_name("model.layers.0.mlp.gate.e_score_correction_bias") == "layers.0.ffn.gate.bias"
+    assert engine_name("model.layers.2.self_attn.indexer.k_norm.bias") == "layers.2.attn.indexer.k_norm.bias"
+    assert engine_name("model.layers.1.mlp.experts.5.up_proj.weight") is None
+    assert routed_expert_key("model.layers.1.mlp.experts.5.up_proj.weight") == (1, 5, "w3")
+
+
+def test_unknown_tensor_is_refused_by_name(tmp_path, tiny_checkpoints):
+    path = _copy_with(
+        tmp_path, tiny_checkpoints["deepseek_v3"], lambda t: t.update({"model.surprise": torch.ones(2)})
+    )
+    with pytest.raises(WeightNameError, match="model.surprise"):
+        load_checkpoint(path)
+
+
+def test_missing_tensor_is_refused_by_name(tmp_path, tiny_checkpoints):
+    path = _copy_with(
+        tmp_path,
+        tiny_checkpoints["deepseek_v32"],
+        lambda t: t.pop("model.layers.1.self_attn.indexer.wk.weight"),
+    )
+    with pytest.raises(WeightNameError, match=r"layers\.1\.attn\.indexer\.wk\.weight"):
+        load_checkpoint(path)
+
+
+def test_missing_routed_expert_is_refused(tmp_path, tiny_checkpoints):
+    path = _copy_with(
+        tmp_path,
+        tiny_checkpoints["deepseek_v3"],
+        lambda t: t.pop("model.layers.2.mlp.experts.7.down_proj.weight"),
+    )
+    with pytest.raises(CheckpointError, match="layer 2 expert 7 lacks"):
+        load_checkpoint(path)
+
+
+def test_multi_token_prediction_layers_are_skipped(tmp_path, tiny_checkpoints):
+    """DeepSeek-V3 ships an MTP layer as model.layers.<num_hidden_layers>; inference ignores it."""
+    source = tiny_checkpoints["deepseek_v3"]
+
+    def add_mtp(tensors):
+        for name in [n for n in tensors if n.startswith("model.layers.2.")]:
+            tensors[name.replace("model.layers.2.", "model.layers.3.")] = tensors[name].clone()
+        tensors["model.layers.3.eh_proj.weight"] = torch.ones(4, 4)
+
+    baseline = load_checkpoint(source)
+    loaded = load_checkpoint(_copy_with(tmp_path, source, add_mtp))
+    ids = torch.tensor([[3, 4, 5, 6]])
+    assert torch.equal(
+        loaded.model(ids, 0, loaded.model.new_cache(), loaded.experts),
+        baseline.model(ids, 0, baseline.model.new_cache(), baseline.experts),
+    )
+
+
+def test_not_a_checkpoint_directory(tmp_path):
+    with pytest.raises(CheckpointError, match="config.json: not found"):
+        load_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="invalid JSON"):
+        load_checkpoint(tmp_path)
