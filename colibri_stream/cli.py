@@ -6,11 +6,12 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from colibri_stream import __version__, cli_run
+from colibri_stream import __version__, cli_container, cli_run
 from colibri_stream.checkpoint import CheckpointError
 from colibri_stream.text import TokenizerMissingError
 from engine.args import ConfigError
 from engine.weights import WeightNameError
+from storage.errors import StorageError
 
 DESCRIPTION = """\
 Run huge Mixture-of-Experts language models (DeepSeek-V3/R1, Kimi-K2, DeepSeek-V3.2, GLM-5) on a
@@ -19,7 +20,7 @@ int4 into a RAM cache and a VRAM budget, and each conversation's compressed KV s
 file so a chat resumes after a restart without re-prefill."""
 
 # Errors about the user's input: printed as one line, exit status 1, no traceback.
-USER_ERRORS = (CheckpointError, ConfigError, WeightNameError, TokenizerMissingError, ValueError)
+USER_ERRORS = (CheckpointError, ConfigError, WeightNameError, TokenizerMissingError, StorageError, ValueError)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     cli_run.add_parser(commands)
+    cli_container.add_parsers(commands)
     return parser
 
 

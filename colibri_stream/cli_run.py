@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from colibri_stream.checkpoint import load_checkpoint
+from colibri_stream.container_model import load_model
 from colibri_stream.generate import SamplingParams, generate
 from colibri_stream.text import load_tokenizer
 
@@ -31,7 +31,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="generate a continuation of a prompt",
         description="Generate a continuation of a prompt with a Hugging Face checkpoint directory.",
     )
-    parser.add_argument("path", help="Hugging Face checkpoint directory (config.json + *.safetensors)")
+    parser.add_argument("path", help="a converted container, or a Hugging Face checkpoint directory")
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--ids", type=parse_ids, help="prompt token ids, comma-separated (e.g. 1,2,3)")
     prompt.add_argument("--prompt", help="prompt text (needs tokenizer.json in PATH)")
@@ -40,25 +40,21 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
     parser.add_argument("--seed", type=int, default=None, help="sampling seed, for reproducible samples")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="compute dtype")
-    parser.add_argument(
-        "--json", action="store_true", help="print one JSON object {ids, stats} as the last line"
-    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object {ids, stats} as the last line")
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
     sampling = SamplingParams(args.temperature, args.top_p, args.seed)
     tokenizer = load_tokenizer(args.path) if args.prompt is not None else None
-    loaded = load_checkpoint(args.path, dtype=DTYPES[args.dtype])
+    loaded = load_model(args.path, dtype=DTYPES[args.dtype])
     prompt_ids = tokenizer.encode(args.prompt).ids if tokenizer is not None else args.ids
     vocab = loaded.args.vocab_size
     if bad := [i for i in prompt_ids if i >= vocab]:
         raise ValueError(f"prompt ids {bad[:5]} are outside the vocabulary (size {vocab})")
     stream = tokenizer is not None and not args.json
     on_token = (lambda t: print(tokenizer.decode([t]), end="", flush=True)) if stream else None
-    result = generate(
-        loaded.model, prompt_ids, args.max_new_tokens, loaded.experts, sampling, on_token=on_token
-    )
+    result = generate(loaded.model, prompt_ids, args.max_new_tokens, loaded.experts, sampling, on_token=on_token)
     if args.json:
         out = {"ids": result.ids, "stats": result.stats.as_dict()}
         if tokenizer is not None:

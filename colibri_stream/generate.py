@@ -100,9 +100,7 @@ def generate(
         raise ValueError("prompt is empty")
     cache = model.new_cache() if cache is None else cache
     if cache.length >= len(prompt_ids):
-        raise ValueError(
-            f"cache holds {cache.length} positions; the prompt must extend it (has {len(prompt_ids)})"
-        )
+        raise ValueError(f"cache holds {cache.length} positions; the prompt must extend it (has {len(prompt_ids)})")
     stop = set(stop_ids)
     generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
     result = GenerationResult(ids=[])

@@ -114,9 +114,7 @@ def _expect(config: Mapping[str, Any], key: str, allowed: tuple[Any, ...], defau
 def _parse(config: Mapping[str, Any]) -> ModelArgs:
     model_type = config.get("model_type")
     if model_type not in MODEL_TYPES:
-        raise ConfigError(
-            f"config.json: model_type {model_type!r} is not supported (supported: {list(MODEL_TYPES)})"
-        )
+        raise ConfigError(f"config.json: model_type {model_type!r} is not supported (supported: {list(MODEL_TYPES)})")
     _check_semantics(config)
     n_layers = int(_require(config, "num_hidden_layers"))
     n_heads = int(_require(config, "num_attention_heads"))
@@ -127,9 +125,7 @@ def _parse(config: Mapping[str, Any]) -> ModelArgs:
     dsa = _parse_dsa(config, model_type, n_layers)
     q_lora = config.get("q_lora_rank") or 0
     if dsa and not q_lora:
-        raise ConfigError(
-            "config.json: q_lora_rank is required for DSA models (the indexer reads the q latent)"
-        )
+        raise ConfigError("config.json: q_lora_rank is required for DSA models (the indexer reads the q latent)")
     return ModelArgs(
         model_type=model_type,
         vocab_size=int(_require(config, "vocab_size")),
@@ -170,9 +166,7 @@ def _check_semantics(config: Mapping[str, Any]) -> None:
     _expect(config, "moe_layer_freq", (1,), 1)
     heads, kv_heads = config.get("num_attention_heads"), config.get("num_key_value_heads")
     if kv_heads is not None and kv_heads != heads:
-        raise ConfigError(
-            f"config.json: num_key_value_heads={kv_heads} must equal num_attention_heads={heads} (MLA)"
-        )
+        raise ConfigError(f"config.json: num_key_value_heads={kv_heads} must equal num_attention_heads={heads} (MLA)")
     if config.get("quantization_config"):
         method = config["quantization_config"].get("quant_method", "?")
         raise ConfigError(
@@ -185,9 +179,7 @@ def _parse_dense_layers(config: Mapping[str, Any], n_layers: int) -> tuple[bool,
     kinds = config.get("mlp_layer_types")
     if kinds is not None:
         if len(kinds) != n_layers or not set(kinds) <= {"dense", "sparse"}:
-            raise ConfigError(
-                f"config.json: mlp_layer_types must list 'dense'/'sparse' for {n_layers} layers"
-            )
+            raise ConfigError(f"config.json: mlp_layer_types must list 'dense'/'sparse' for {n_layers} layers")
         return tuple(kind == "dense" for kind in kinds)
     first_dense = int(config.get("first_k_dense_replace") or 0)
     return tuple(i < first_dense for i in range(n_layers))
@@ -202,15 +194,11 @@ def _parse_dsa(config: Mapping[str, Any], model_type: str, n_layers: int) -> dic
     if len(kinds) != n_layers or not set(kinds) <= {"full", "shared"}:
         raise ConfigError(f"config.json: indexer_types must list 'full'/'shared' for {n_layers} layers")
     if kinds[0] != "full":
-        raise ConfigError(
-            "config.json: indexer_types[0] must be 'full' (a shared layer reuses an earlier selection)"
-        )
+        raise ConfigError("config.json: indexer_types[0] must be 'full' (a shared layer reuses an earlier selection)")
     rope_dim = int(_require(config, "qk_rope_head_dim"))
     head_dim = int(_require(config, "index_head_dim"))
     if head_dim < rope_dim:
-        raise ConfigError(
-            f"config.json: index_head_dim={head_dim} is smaller than qk_rope_head_dim={rope_dim}"
-        )
+        raise ConfigError(f"config.json: index_head_dim={head_dim} is smaller than qk_rope_head_dim={rope_dim}")
     return dict(
         index_n_heads=int(_require(config, "index_n_heads")),
         index_head_dim=head_dim,
@@ -230,9 +218,7 @@ def _parse_rope(config: Mapping[str, Any]) -> RopeArgs:
     if kind == "default":
         return RopeArgs(theta=float(theta))
     if kind != "yarn":
-        raise ConfigError(
-            f"config.json: rope type {kind!r} is not supported (supported: ['default', 'yarn'])"
-        )
+        raise ConfigError(f"config.json: rope type {kind!r} is not supported (supported: ['default', 'yarn'])")
     for key in ("factor", "original_max_position_embeddings"):
         if merged.get(key) is None:
             raise ConfigError(f"config.json: yarn rope scaling needs {key!r}")

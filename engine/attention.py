@@ -39,17 +39,13 @@ class MLA(nn.Module):
         self.q_lora_rank = args.q_lora_rank
         if self.q_lora_rank:
             self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=False)
-            self.q_norm = RMSNorm(
-                args.q_lora_rank, eps=1e-6
-            )  # the q/kv latent norms use 1e-6, not rms_norm_eps
+            self.q_norm = RMSNorm(args.q_lora_rank, eps=1e-6)  # the q/kv latent norms use 1e-6, not rms_norm_eps
             self.wq_b = nn.Linear(args.q_lora_rank, q_out, bias=False)
         else:
             self.wq = nn.Linear(args.dim, q_out, bias=False)
         self.wkv_a = nn.Linear(args.dim, args.kv_lora_rank + args.qk_rope_head_dim, bias=False)
         self.kv_norm = RMSNorm(args.kv_lora_rank, eps=1e-6)
-        self.wkv_b = nn.Linear(
-            args.kv_lora_rank, args.n_heads * (args.qk_nope_head_dim + args.v_head_dim), bias=False
-        )
+        self.wkv_b = nn.Linear(args.kv_lora_rank, args.n_heads * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
         self.wo = nn.Linear(args.n_heads * args.v_head_dim, args.dim, bias=False)
         self.indexer = Indexer(args) if args.has_indexer(layer_id) else None
 
@@ -95,9 +91,7 @@ class MLA(nn.Module):
         bsz, seqlen, total = q_nope.shape[0], q_nope.shape[1], latents.shape[1]
         kv = self.wkv_b(latents).view(bsz, total, self.n_heads, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-        scores = torch.einsum("bshn,bthn->bsht", q_nope, k_nope) + torch.einsum(
-            "bshr,btr->bsht", q_rope, rope_keys
-        )
+        scores = torch.einsum("bshn,bthn->bsht", q_nope, k_nope) + torch.einsum("bshr,btr->bsht", q_rope, rope_keys)
         visible = _causal(start_pos, seqlen, total, q_nope.device)[None]  # [1, S, T]
         if selection is not None:
             chosen = torch.zeros(bsz, seqlen, total, dtype=torch.bool, device=q_nope.device)

@@ -77,9 +77,7 @@ class LayerCache:
         lengths = {t.shape[1] for t in (latent, rope_key, index_key) if t is not None}
         if len(lengths) != 1:
             raise ValueError(f"layer state tensors disagree on the number of positions: {sorted(lengths)}")
-        return cls(
-            latent.clone(), rope_key.clone(), None if index_key is None else index_key.clone(), lengths.pop()
-        )
+        return cls(latent.clone(), rope_key.clone(), None if index_key is None else index_key.clone(), lengths.pop())
 
 
 @dataclass

@@ -68,17 +68,13 @@ class ResidentExperts:
     def release(self, layer: int, expert_ids: Sequence[int]) -> None:
         pass
 
-    def to(
-        self, dtype: torch.dtype | None = None, device: str | torch.device | None = None
-    ) -> ResidentExperts:
+    def to(self, dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> ResidentExperts:
         """A copy with every float expert cast/moved."""
 
         def cast(expert: Expert) -> Expert:
             if not isinstance(expert, ExpertWeights):
                 return expert
-            return ExpertWeights(
-                *(w.to(device=device, dtype=dtype) for w in (expert.w1, expert.w2, expert.w3))
-            )
+            return ExpertWeights(*(w.to(device=device, dtype=dtype) for w in (expert.w1, expert.w2, expert.w3)))
 
         return ResidentExperts(
             {layer: {e: cast(w) for e, w in experts.items()} for layer, experts in self._experts.items()}

@@ -59,9 +59,6 @@ class Indexer(nn.Module):
         # weights_proj stays float32 even in bf16 models (the reference keeps it in fp32).
         weights = F.linear(x.float(), self.weights_proj.weight.float()) * self.n_heads**-0.5  # [B, S, H]
         index_scores = torch.einsum("bsh,bsht->bst", weights, scores)
-        future = (
-            torch.arange(total, device=x.device)[None, :]
-            > torch.arange(start_pos, start_pos + seqlen)[:, None]
-        )
+        future = torch.arange(total, device=x.device)[None, :] > torch.arange(start_pos, start_pos + seqlen)[:, None]
         index_scores = index_scores.masked_fill(future.to(x.device), float("-inf"))
         return stable_topk_indices(index_scores, self.topk)

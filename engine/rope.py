@@ -67,9 +67,7 @@ def softmax_scale(args: ModelArgs) -> float:
     return scale
 
 
-def rope_tables(
-    args: ModelArgs, start_pos: int, length: int, device: torch.device
-) -> tuple[torch.Tensor, ...]:
+def rope_tables(args: ModelArgs, start_pos: int, length: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """(cos, sin), each [length, qk_rope_head_dim // 2] float32, for positions start_pos .. +length."""
     inv_freq = inverse_frequencies(args.rope, args.qk_rope_head_dim).to(device)
     positions = torch.arange(start_pos, start_pos + length, dtype=torch.float32, device=device)

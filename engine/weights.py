@@ -88,9 +88,7 @@ def engine_name(hf_name: str) -> str | None:
     return None
 
 
-def check_complete(
-    unmapped: Iterable[str], expected: Iterable[str], loaded: Iterable[str], source: str
-) -> None:
+def check_complete(unmapped: Iterable[str], expected: Iterable[str], loaded: Iterable[str], source: str) -> None:
     """Raise WeightNameError naming leftover checkpoint tensors and missing engine parameters."""
     unmapped = sorted(unmapped)
     missing = sorted(set(expected) - set(loaded))

@@ -41,9 +41,7 @@ def test_run_json_matches_the_oracle(tiny_checkpoints, capsys):
 
 
 def test_run_prompt_text_uses_the_tokenizer(tiny_checkpoints, capsys):
-    code, out, _ = _run(
-        capsys, "run", str(tiny_checkpoints["glm_moe_dsa"]), "--prompt", "Hello experts", "--json"
-    )
+    code, out, _ = _run(capsys, "run", str(tiny_checkpoints["glm_moe_dsa"]), "--prompt", "Hello experts", "--json")
     result = json.loads(out.strip().splitlines()[-1])
     assert code == 0 and len(result["ids"]) == 32 and isinstance(result["text"], str)
 

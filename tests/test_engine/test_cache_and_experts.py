@@ -53,9 +53,7 @@ def test_prefill_acquires_each_routed_expert_once_per_layer_and_nothing_else(loa
 
     def spy(self, x):
         weights, ids = original(self, x)
-        layer = next(
-            i for i, block in enumerate(loaded.model.layers) if getattr(block.ffn, "gate", None) is self
-        )
+        layer = next(i for i, block in enumerate(loaded.model.layers) if getattr(block.ffn, "gate", None) is self)
         routed[layer] = set(ids.flatten().tolist())
         return weights, ids
 

@@ -42,9 +42,7 @@ def test_prefill_then_decode_equals_one_forward(loaded, chunk):
     cache = loaded.model.new_cache()
     pieces = [loaded.model(torch.tensor([ids[:12]]), 0, cache, loaded.experts)[0]]
     for start in range(12, len(ids), chunk):
-        pieces.append(
-            loaded.model(torch.tensor([ids[start : start + chunk]]), start, cache, loaded.experts)[0]
-        )
+        pieces.append(loaded.model(torch.tensor([ids[start : start + chunk]]), start, cache, loaded.experts)[0])
     assert cache.length == len(ids)
     assert (torch.cat(pieces) - whole).abs().max().item() <= 1e-5
 
@@ -82,9 +80,7 @@ def test_dsa_selecting_every_position_equals_dense(tiny_checkpoints, absorb):
     try:
         with torch.no_grad():
             dense, _ = attn(x, 0, rope, loaded.model.new_cache().layers[0], selection=None, absorb=absorb)
-            full, _ = attn(
-                x, 0, rope, loaded.model.new_cache().layers[0], selection=everything, absorb=absorb
-            )
+            full, _ = attn(x, 0, rope, loaded.model.new_cache().layers[0], selection=everything, absorb=absorb)
     finally:
         attn.indexer = indexer
     assert (full - dense).abs().max().item() <= 1e-6

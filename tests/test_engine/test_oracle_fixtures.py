@@ -33,9 +33,7 @@ def test_cached_greedy_equals_uncached_equals_teacher_forced(reference):
 def test_fixture_is_tie_free(reference):
     """The top-1/top-2 logit gap must dwarf the 1e-4 tolerance later issues compare logits with."""
     prompt = _prompt(reference)
-    forced = testing.oracle_teacher_forced(
-        reference, prompt + testing.oracle_greedy(reference, prompt, NEW_TOKENS)
-    )
+    forced = testing.oracle_teacher_forced(reference, prompt + testing.oracle_greedy(reference, prompt, NEW_TOKENS))
     top2 = forced.logits.topk(2, dim=-1).values
     assert (top2[:, 0] - top2[:, 1]).min().item() > 1e-3
 
@@ -97,9 +95,5 @@ def test_router_correction_bias_is_not_zero(tiny_checkpoints):
     from safetensors.torch import load_file
 
     for family, path in tiny_checkpoints.items():
-        biases = [
-            t
-            for k, t in load_file(path / "model.safetensors").items()
-            if k.endswith("e_score_correction_bias")
-        ]
+        biases = [t for k, t in load_file(path / "model.safetensors").items() if k.endswith("e_score_correction_bias")]
         assert biases and all(b.abs().min().item() > 0 for b in biases), family

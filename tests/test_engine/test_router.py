@@ -47,9 +47,7 @@ def route(gate: Gate, x: torch.Tensor) -> tuple[list[int], list[float]]:
 
 def test_group_limit_excludes_the_best_expert_of_a_weaker_group():
     # group 0 = experts 0-3 (top-2 sum 1.0), group 1 = experts 4-7 (top-2 sum 1.5): only group 1 allowed
-    gate, x = gate_for(
-        [0.9, 0.1, 0.1, 0.1, 0.8, 0.7, 0.1, 0.1], n_group=2, topk_group=1, routed_scaling_factor=2.0
-    )
+    gate, x = gate_for([0.9, 0.1, 0.1, 0.1, 0.8, 0.7, 0.1, 0.1], n_group=2, topk_group=1, routed_scaling_factor=2.0)
     ids, weights = route(gate, x)
     assert ids == [4, 5]
     assert weights == pytest.approx([2.0 * 0.8 / 1.5, 2.0 * 0.7 / 1.5], abs=1e-6)

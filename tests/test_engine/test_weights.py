@@ -30,9 +30,7 @@ def test_name_table_examples():
 
 
 def test_unknown_tensor_is_refused_by_name(tmp_path, tiny_checkpoints):
-    path = _copy_with(
-        tmp_path, tiny_checkpoints["deepseek_v3"], lambda t: t.update({"model.surprise": torch.ones(2)})
-    )
+    path = _copy_with(tmp_path, tiny_checkpoints["deepseek_v3"], lambda t: t.update({"model.surprise": torch.ones(2)}))
     with pytest.raises(WeightNameError, match="model.surprise"):
         load_checkpoint(path)
 

@@ -1,0 +1,72 @@
+"""Group-wise symmetric quantisation primitives (pure functions) and the quantised routed expert.
+
+A weight [out, in] is cut into groups of ``group_size`` consecutive input columns; each group gets one
+scale = absmax / qmax and values q = round(w / scale) clamped to [-qmax, qmax]. int4 stores q + 8 as
+nibbles, two per byte along the input dimension (even column in the low nibble); int8 stores q as
+int8. Scales are float16: 10 mantissa bits put the scale's own rounding error (<= 2^-11 relative)
+far below int4's step (1/7 of the group's absmax), at half the bytes of float32; bf16's 7 bits would
+not be negligible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+QMAX = {4: 7, 8: 127}
+SCALE_DTYPE = torch.float16
+
+
+def quantize(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] float -> (q, scales [out, in // group] float16).
+
+    q is uint8 [out, in // 2] (packed nibbles) for 4 bits, int8 [out, in] for 8 bits.
+    """
+    out_dim, in_dim = w.shape
+    if in_dim % group_size:
+        raise ValueError(f"input dimension {in_dim} is not a multiple of the group size {group_size}")
+    qmax = QMAX[bits]
+    groups = w.float().reshape(out_dim, in_dim // group_size, group_size)
+    scales = (groups.abs().amax(dim=-1) / qmax).to(SCALE_DTYPE)
+    # Quantise against the float16 scale actually stored, so dequantisation inverts exactly this.
+    safe = torch.where(scales == 0, torch.ones_like(scales), scales).float()
+    q = torch.round(groups / safe[..., None]).clamp_(-qmax, qmax).reshape(out_dim, in_dim).to(torch.int8)
+    if bits == 8:
+        return q, scales
+    nibbles = (q + 8).to(torch.uint8)
+    return nibbles[:, 0::2] | (nibbles[:, 1::2] << 4), scales
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor, bits: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of ``quantize``: -> [out, in] in ``dtype`` (computed in float32, then cast)."""
+    if bits == 4:
+        q = torch.stack([(q & 0x0F).to(torch.int8) - 8, (q >> 4).to(torch.int8) - 8], dim=-1).flatten(1)
+    out_dim, in_dim = q.shape
+    groups = q.float().reshape(out_dim, scales.shape[1], -1) * scales.float()[..., None]
+    return groups.reshape(out_dim, in_dim).to(dtype)
+
+
+@dataclass(frozen=True)
+class QuantizedMatrix:
+    q: torch.Tensor
+    scales: torch.Tensor
+    bits: int
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize(self.q, self.scales, self.bits, dtype)
+
+
+@dataclass(frozen=True)
+class QuantizedExpert:
+    """A routed expert whose gate (w1), down (w2) and up (w3) matrices are group-quantised."""
+
+    w1: QuantizedMatrix
+    w2: QuantizedMatrix
+    w3: QuantizedMatrix
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, dim] -> [N, dim]; dequantises to x's dtype, then the SwiGLU FFN."""
+        w1, w2, w3 = (m.dequantize(x.dtype) for m in (self.w1, self.w2, self.w3))
+        return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)

@@ -1,0 +1,257 @@
+"""The expert container: a zarr v3 directory store, and its fast read path.
+
+    DST/zarr.json                    root group; attributes hold everything below ("colibri" key)
+    DST/dense/<engine name>/         one array per dense tensor, real shape, float32 or bfloat16 bits
+    DST/experts/layer_NNN/           uint8 [n_experts, record_bytes], one uncompressed chunk per expert
+    DST/experts/layer_NNN/c/<e>/0    that chunk: exactly one expert record (see layout.py)
+    DST/config.json, tokenizer*, ... copied from the source checkpoint
+
+Stock ``zarr.open`` reads all of it. The hot path does not: a zarr chunk read costs ~1 ms per 4 MiB
+against 0.2 ms for one ``pread``, so ``ExpertReader`` opens the chunk file itself and reads the
+record in one call, optionally with O_DIRECT (records are 4 KiB multiples at offset 0).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zarr
+
+from storage.checksum import crc32c
+from storage.errors import CorruptDataError, FormatError
+from storage.layout import DTYPES, ExpertRecordLayout
+
+FORMAT_NAME = "colibri-stream-container"
+FORMAT_VERSION = 1
+ATTRS_KEY = "colibri"
+DENSE_GROUP = "dense"
+EXPERTS_GROUP = "experts"
+DENSE_DTYPES = ("float32", "bfloat16")
+
+
+def expert_array_name(layer: int) -> str:
+    return f"layer_{layer:03d}"
+
+
+def expert_chunk_relpath(layer: int, expert: int) -> str:
+    """zarr v3 default chunk key encoding ("/" separator) for chunk (expert, 0)."""
+    return f"{EXPERTS_GROUP}/{expert_array_name(layer)}/c/{expert}/0"
+
+
+def read_json(path: Path, what: str) -> Any:
+    if not path.is_file():
+        raise FormatError(f"{path}: missing ({what})")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise FormatError(f"{path}: not valid JSON ({what}): {exc}") from None
+
+
+def is_container(path: str | Path) -> bool:
+    meta = Path(path) / "zarr.json"
+    if not meta.is_file():
+        return False
+    try:
+        return ATTRS_KEY in json.loads(meta.read_text()).get("attributes", {})
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return False
+
+
+@dataclass(frozen=True)
+class DenseEntry:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # "float32" | "bfloat16"
+    crc32c: int
+
+
+class Container:
+    """Read side of a finished container. Opening checks the metadata; bytes are checked when read."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        root = read_json(self.path / "zarr.json", "zarr root metadata")
+        attrs = root.get("attributes", {}).get(ATTRS_KEY) if isinstance(root, dict) else None
+        if not isinstance(attrs, dict):
+            raise FormatError(f"{self.path}: not a colibri-stream container (no '{ATTRS_KEY}' attributes)")
+        self.attrs = attrs
+        self._check_header()
+        self.model_config: dict[str, Any] = attrs["model_config"]
+        experts = attrs["experts"]
+        self.layout = ExpertRecordLayout.from_attrs(
+            experts.get("layout"), self._config_int("hidden_size"), self._config_int("moe_intermediate_size")
+        )
+        self.n_experts = self._config_int("n_routed_experts")
+        self.moe_layers: tuple[int, ...] = tuple(int(layer) for layer in experts["layers"])
+        self._expert_crcs = self._parse_expert_checksums(experts.get("checksums"))
+        self.dense = self._parse_dense(attrs["dense"])
+
+    # ------------------------------------------------------------------------------------ metadata
+    def _check_header(self) -> None:
+        name, version = self.attrs.get("format"), self.attrs.get("format_version")
+        if name != FORMAT_NAME:
+            raise FormatError(f"{self.path}: format {name!r} is not {FORMAT_NAME!r}")
+        if version != FORMAT_VERSION:
+            raise FormatError(
+                f"{self.path}: format version {version!r} is not supported (this build reads {FORMAT_VERSION})"
+            )
+        if not self.attrs.get("complete"):
+            raise FormatError(f"{self.path}: conversion did not finish; rerun `colibri-stream convert` to resume it")
+        for key in ("model_config", "experts", "dense"):
+            if not isinstance(self.attrs.get(key), dict):
+                raise FormatError(f"{self.path}: attributes lack '{key}'")
+
+    def _config_int(self, key: str) -> int:
+        value = self.model_config.get(key)
+        if not isinstance(value, int):
+            raise FormatError(f"{self.path}: model_config.{key} is missing or not an integer")
+        return value
+
+    def _parse_expert_checksums(self, checksums: Any) -> dict[int, list[int]]:
+        if not isinstance(checksums, dict):
+            raise FormatError(f"{self.path}: experts.checksums is missing")
+        parsed = {}
+        for layer in self.moe_layers:
+            crcs = checksums.get(str(layer))
+            if not isinstance(crcs, list) or len(crcs) != self.n_experts:
+                raise FormatError(f"{self.path}: experts.checksums[{layer}] must list {self.n_experts} crc32c values")
+            parsed[layer] = [int(c) for c in crcs]
+        return parsed
+
+    def _parse_dense(self, table: dict[str, Any]) -> dict[str, DenseEntry]:
+        entries = {}
+        for name, entry in table.items():
+            try:
+                dense = DenseEntry(name, tuple(entry["shape"]), entry["dtype"], int(entry["crc32c"]))
+            except (KeyError, TypeError, ValueError):
+                raise FormatError(f"{self.path}: dense entry {name!r} needs shape, dtype and crc32c") from None
+            if dense.dtype not in DENSE_DTYPES:
+                raise FormatError(
+                    f"{self.path}: dense array {name}: dtype {dense.dtype!r} is not one of {DENSE_DTYPES}"
+                )
+            entries[name] = dense
+        return entries
+
+    def array_metadata(self, relpath: str) -> dict[str, Any]:
+        meta = read_json(self.path / relpath / "zarr.json", f"array metadata of {relpath}")
+        if not isinstance(meta, dict) or meta.get("node_type") != "array":
+            raise FormatError(f"{self.path / relpath}: not a zarr array")
+        return meta
+
+    def check_dense_metadata(self, name: str) -> None:
+        entry = self.dense[name]
+        meta = self.array_metadata(f"{DENSE_GROUP}/{name}")
+        stored = str(np.dtype(DTYPES[entry.dtype]))
+        if tuple(meta.get("shape", ())) != entry.shape or meta.get("data_type") != stored:
+            raise FormatError(
+                f"dense array {name}: zarr metadata says {meta.get('data_type')}{meta.get('shape')}, "
+                f"container attributes say {stored}{list(entry.shape)}"
+            )
+
+    def check_expert_metadata(self, layer: int) -> None:
+        relpath = f"{EXPERTS_GROUP}/{expert_array_name(layer)}"
+        meta = self.array_metadata(relpath)
+        chunks = meta.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape")
+        codecs = [c.get("name") for c in meta.get("codecs", [])]
+        encoding = meta.get("chunk_key_encoding", {})
+        expected_shape = [self.n_experts, self.layout.record_bytes]
+        if meta.get("shape") != expected_shape or meta.get("data_type") != "uint8":
+            raise FormatError(
+                f"expert array {relpath}: expected uint8{expected_shape}, "
+                f"got {meta.get('data_type')}{meta.get('shape')}"
+            )
+        if chunks != [1, self.layout.record_bytes] or codecs != ["bytes"]:
+            raise FormatError(
+                f"expert array {relpath}: needs one uncompressed chunk per expert (chunks {chunks}, codecs {codecs})"
+            )
+        if encoding.get("name") != "default" or encoding.get("configuration", {}).get("separator", "/") != "/":
+            raise FormatError(f"expert array {relpath}: unsupported chunk key encoding {encoding}")
+
+    # ---------------------------------------------------------------------------------------- data
+    def expert_path(self, layer: int, expert: int) -> Path:
+        if layer not in self._expert_crcs:
+            raise KeyError(f"layer {layer} has no routed experts in {self.path}")
+        if not 0 <= expert < self.n_experts:
+            raise KeyError(f"layer {layer} has no routed expert {expert}")
+        return self.path / expert_chunk_relpath(layer, expert)
+
+    def expert_checksum(self, layer: int, expert: int) -> int:
+        return self._expert_crcs[layer][expert]
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of all routed-expert records (what a cold prefill may read at most)."""
+        return len(self.moe_layers) * self.n_experts * self.layout.record_bytes
+
+    def read_dense(self, name: str) -> np.ndarray:
+        """The dense array through zarr, checksum-verified. bfloat16 comes back as its uint16 bits."""
+        if name not in self.dense:
+            raise FormatError(f"{self.path}: no dense array {name!r}")
+        self.check_dense_metadata(name)
+        entry = self.dense[name]
+        try:
+            array = zarr.open_array(self.path / DENSE_GROUP / name, mode="r")[...]
+        except Exception as exc:  # zarr raises assorted types for unreadable chunks
+            raise CorruptDataError(f"dense array {name}: unreadable chunk ({type(exc).__name__}: {exc})") from None
+        if crc32c(np.ascontiguousarray(array)) != entry.crc32c:
+            raise CorruptDataError(f"dense array {name}: checksum mismatch (corrupted or missing chunk)")
+        return array
+
+
+class ExpertReader:
+    """The hot path: one ``pread`` of one whole expert record into a caller-provided buffer.
+
+    A record's crc32c is checked the first time it is read from disk; short reads and I/O errors
+    become CorruptDataError naming the expert. Thread-safe (reads from a thread pool).
+    """
+
+    def __init__(self, container: Container, direct: bool = False, verify: bool = True):
+        self.container = container
+        self.direct = direct
+        self.verify = verify
+        self._verified: set[tuple[int, int]] = set()
+        self._lock = threading.Lock()
+
+    @property
+    def record_bytes(self) -> int:
+        return self.container.layout.record_bytes
+
+    def read_into(self, layer: int, expert: int, out: np.ndarray) -> int:
+        path = self.container.expert_path(layer, expert)
+        size = self.record_bytes
+        if out.nbytes < size:
+            raise ValueError(f"buffer of {out.nbytes} bytes cannot hold a {size}-byte record")
+        flags = os.O_RDONLY | (os.O_DIRECT if self.direct else 0)
+        target = memoryview(out.reshape(-1)[:size])
+        try:
+            fd = os.open(path, flags)
+        except FileNotFoundError:
+            raise CorruptDataError(f"layer {layer} expert {expert}: chunk file {path} is missing") from None
+        try:
+            got = os.preadv(fd, [target], 0)
+        except OSError as exc:
+            raise CorruptDataError(f"layer {layer} expert {expert}: read of {path} failed: {exc}") from None
+        finally:
+            os.close(fd)
+        if got != size:
+            raise CorruptDataError(f"layer {layer} expert {expert}: short read of {path} ({got} of {size} bytes)")
+        if self.verify:
+            self._verify_once(layer, expert, target)
+        return got
+
+    def _verify_once(self, layer: int, expert: int, data: memoryview) -> None:
+        key = (layer, expert)
+        if key in self._verified:
+            return
+        if crc32c(data) != self.container.expert_checksum(layer, expert):
+            raise CorruptDataError(
+                f"layer {layer} expert {expert}: checksum mismatch in {self.container.expert_path(layer, expert)}"
+            )
+        with self._lock:
+            self._verified.add(key)
