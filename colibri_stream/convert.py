@@ -28,9 +28,9 @@ from engine.args import ModelArgs
 from engine.quant import quantize
 from engine.weights import check_complete, engine_name, is_extra_layer, routed_expert_key
 from storage.atomic import atomic_write_json
-from storage.container import is_container, read_json
+from storage.container import Container, read_json
 from storage.container_write import ContainerWriter
-from storage.errors import IncompatibleStateError
+from storage.errors import IncompatibleStateError, StorageError
 from storage.layout import ExpertRecordLayout
 
 JOURNAL = "convert-journal.json"
@@ -229,10 +229,8 @@ class Converter:
                 )
             return journal
         if self.dst.exists() and any(self.dst.iterdir()):
-            if is_container(self.dst):
-                attrs = read_json(self.dst / "zarr.json", "zarr root metadata")["attributes"]["colibri"]
-                if attrs.get("complete") and attrs.get("conversion") == fingerprint:
-                    return None
+            if _finished_conversion(self.dst) == fingerprint:
+                return None
             raise IncompatibleStateError(f"{self.dst}: exists and is not an unfinished conversion of this source")
         self.dst.mkdir(parents=True, exist_ok=True)
         journal = {**fingerprint, "sha256": self.source.shard_sha256(), "done": {}}
@@ -267,6 +265,14 @@ class Converter:
             }
         )
         (self.dst / JOURNAL).unlink()
+
+
+def _finished_conversion(dst: Path) -> dict[str, Any] | None:
+    """The fingerprint recorded by a finished conversion in ``dst``, if it holds one."""
+    try:
+        return Container(dst).attrs.get("conversion")
+    except StorageError:
+        return None
 
 
 def _crash_if(crash: bool) -> None:

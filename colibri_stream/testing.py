@@ -196,6 +196,45 @@ def write_tiny_tokenizer(dst: str | Path, vocab_size: int) -> Path:
     return path
 
 
+_FP8_SKIP = ("embed_tokens", "lm_head", "mlp.gate.weight", "layernorm", "norm.weight", "weights_proj")
+
+
+def build_fp8_checkpoint(source: str | Path, dst: str | Path, block: int = 128) -> Path:
+    """Re-save a float checkpoint the way DeepSeek-V3/V3.2/Kimi-K2 ship FP8: every 2-D projection
+    as float8_e4m3fn plus a float32 ``weight_scale_inv`` per ``block``x``block`` tile (the multiplier
+    that dequantises it), and ``quantization_config`` in config.json."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source, dst = Path(source), Path(dst)
+    shutil.copytree(source, dst)
+    tensors = load_file(source / "model.safetensors")
+    out: dict[str, torch.Tensor] = {}
+    for name, w in tensors.items():
+        if w.dim() != 2 or any(part in name for part in _FP8_SKIP):
+            out[name] = w
+            continue
+        rows, cols = -(-w.shape[0] // block), -(-w.shape[1] // block)
+        padded = torch.zeros(rows * block, cols * block)
+        padded[: w.shape[0], : w.shape[1]] = w
+        tiles = padded.view(rows, block, cols, block)
+        scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0  # e4m3's largest finite value
+        q = (tiles / scale[:, None, :, None]).view(rows * block, cols * block)[: w.shape[0], : w.shape[1]]
+        out[name] = q.to(torch.float8_e4m3fn)
+        out[name + "_scale_inv"] = scale.float()
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [block, block],
+    }
+    (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return dst
+
+
 def build_all(root: str | Path, families: Iterable[str] = FAMILIES) -> dict[str, Path]:
     """Build every family's checkpoint under ``root/<family>``."""
     root = Path(root)

@@ -7,6 +7,7 @@ conversion resume into a container byte-identical to an uninterrupted one.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -84,9 +85,6 @@ class ContainerWriter:
 
     def publish(self, attrs: dict[str, Any]) -> None:
         """Write the final attributes; from here on the container opens as complete."""
-        self.root.attrs[ATTRS_KEY] = {
-            "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
-            **attrs,
-            "complete": True,
-        }
+        attrs = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **attrs, "complete": True}
+        # Canonical key order: attributes built fresh or replayed from a journal serialise identically.
+        self.root.attrs[ATTRS_KEY] = json.loads(json.dumps(attrs, sort_keys=True))

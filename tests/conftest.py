@@ -47,3 +47,22 @@ def loaded(checkpoint):
     from colibri_stream.checkpoint import load_checkpoint
 
     return load_checkpoint(checkpoint)
+
+
+@pytest.fixture(scope="session")
+def make_container(tiny_checkpoints, tmp_path_factory):
+    """(family, experts scheme, dense scheme) -> a converted container directory, built once each."""
+    from colibri_stream.convert import Converter, ConvertOptions
+
+    built: dict[tuple[str, str, str], Path] = {}
+    root = tmp_path_factory.mktemp("containers")
+
+    def make(family: str, experts: str = "int4", dense: str = "f32") -> Path:
+        key = (family, experts, dense)
+        if key not in built:
+            dst = root / f"{family}-{experts}-{dense}"
+            Converter(tiny_checkpoints[family], dst, ConvertOptions(experts=experts, dense=dense), progress=False).run()
+            built[key] = dst
+        return built[key]
+
+    return make
