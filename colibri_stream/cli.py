@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from colibri_stream import __version__, cli_container, cli_run
+from colibri_stream.budget import BudgetFileError
 from colibri_stream.checkpoint import CheckpointError
 from colibri_stream.text import TokenizerMissingError
 from engine.args import ConfigError
@@ -20,7 +21,15 @@ int4 into a RAM cache and a VRAM budget, and each conversation's compressed KV s
 file so a chat resumes after a restart without re-prefill."""
 
 # Errors about the user's input: printed as one line, exit status 1, no traceback.
-USER_ERRORS = (CheckpointError, ConfigError, WeightNameError, TokenizerMissingError, StorageError, ValueError)
+USER_ERRORS = (
+    CheckpointError,
+    ConfigError,
+    WeightNameError,
+    TokenizerMissingError,
+    StorageError,
+    BudgetFileError,
+    ValueError,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

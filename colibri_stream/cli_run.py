@@ -5,12 +5,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 
-from colibri_stream.container_model import load_model
+from colibri_stream.budget import Budget, load_budget_file, parse_size
+from colibri_stream.checkpoint import load_checkpoint
+from colibri_stream.container_model import load_container
 from colibri_stream.generate import SamplingParams, generate
+from colibri_stream.memory import USSSampler, peak_rss_bytes
 from colibri_stream.text import load_tokenizer
+from storage.container import Container, is_container
+from storage.tiered import POLICY_NAMES, StoreConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -25,11 +31,46 @@ def parse_ids(text: str) -> list[int]:
     return ids
 
 
+def add_store_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags sizing and tuning the tiered expert store (containers only); they override --budget."""
+    group = parser.add_argument_group("expert streaming (containers)")
+    group.add_argument("--budget", help="TOML budget file ([memory] ram/vram, [io] direct/threads, [cache] ...)")
+    group.add_argument("--ram", help="RAM for expert slots: 8GiB, 512MB, 25%% (of expert bytes) or auto")
+    group.add_argument("--vram", help="VRAM for expert slots, same forms as --ram (default 0: no VRAM tier)")
+    group.add_argument("--vram-device", default=None, help="device of the VRAM tier (default cuda; cpu stands in)")
+    group.add_argument("--policy", choices=POLICY_NAMES, help="eviction policy (default lru)")
+    group.add_argument("--no-prefetch", action="store_true", help="disable router-lookahead prefetch")
+    group.add_argument("--direct", action="store_true", help="read experts with O_DIRECT (bypass the page cache)")
+    group.add_argument("--io-threads", type=int, help="disk reader threads (default 4)")
+    group.add_argument("--history", help="usage-history file (learned hot store), updated after the run")
+
+
+def store_config(args: argparse.Namespace, container: Container) -> StoreConfig:
+    budget = load_budget_file(args.budget) if args.budget else Budget()
+    expert_bytes = container.expert_bytes
+    ram = parse_size(args.ram if args.ram is not None else budget.ram, expert_bytes, "ram")
+    vram = parse_size(args.vram if args.vram is not None else budget.vram, expert_bytes, "vram")
+    history = args.history if args.history is not None else budget.history
+    return StoreConfig(
+        ram_bytes=ram,
+        vram_bytes=vram,
+        vram_device=args.vram_device or ("cuda" if torch.cuda.is_available() else "cpu"),
+        policy=args.policy or budget.policy,
+        prefetch=budget.prefetch and not args.no_prefetch,
+        direct=args.direct or budget.direct,
+        threads=args.io_threads or budget.threads,
+        history_path=Path(history) if history else None,
+    )
+
+
 def add_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "run",
         help="generate a continuation of a prompt",
-        description="Generate a continuation of a prompt with a Hugging Face checkpoint directory.",
+        description=(
+            "Generate a continuation of a prompt. PATH is a converted container (experts streamed under the "
+            "memory budget) or a Hugging Face checkpoint directory (everything resident)."
+        ),
     )
     parser.add_argument("path", help="a converted container, or a Hugging Face checkpoint directory")
     prompt = parser.add_mutually_exclusive_group(required=True)
@@ -41,22 +82,42 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=None, help="sampling seed, for reproducible samples")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="compute dtype")
     parser.add_argument("--json", action="store_true", help="print one JSON object {ids, stats} as the last line")
+    add_store_arguments(parser)
     parser.set_defaults(handler=run)
+
+
+def load_for_run(args: argparse.Namespace):
+    dtype = DTYPES[args.dtype]
+    if is_container(args.path):
+        return load_container(args.path, dtype, store_config(args, Container(args.path)))
+    return load_checkpoint(args.path, dtype)
 
 
 def run(args: argparse.Namespace) -> int:
     sampling = SamplingParams(args.temperature, args.top_p, args.seed)
     tokenizer = load_tokenizer(args.path) if args.prompt is not None else None
-    loaded = load_model(args.path, dtype=DTYPES[args.dtype])
+    loaded = load_for_run(args)
     prompt_ids = tokenizer.encode(args.prompt).ids if tokenizer is not None else args.ids
     vocab = loaded.args.vocab_size
     if bad := [i for i in prompt_ids if i >= vocab]:
         raise ValueError(f"prompt ids {bad[:5]} are outside the vocabulary (size {vocab})")
     stream = tokenizer is not None and not args.json
     on_token = (lambda t: print(tokenizer.decode([t]), end="", flush=True)) if stream else None
-    result = generate(loaded.model, prompt_ids, args.max_new_tokens, loaded.experts, sampling, on_token=on_token)
+    try:
+        with USSSampler() as uss:
+            result = generate(
+                loaded.model, prompt_ids, args.max_new_tokens, loaded.experts, sampling, on_token=on_token
+            )
+        stats = result.stats.as_dict()
+        if hasattr(loaded.experts, "report"):
+            loaded.experts.end_turn()
+            stats.update(loaded.experts.report())
+    finally:
+        if hasattr(loaded.experts, "close"):
+            loaded.experts.close()
+    stats.update(peak_rss_bytes=peak_rss_bytes(), peak_uss_bytes=uss.peak)
     if args.json:
-        out = {"ids": result.ids, "stats": result.stats.as_dict()}
+        out = {"ids": result.ids, "stats": stats}
         if tokenizer is not None:
             out["text"] = tokenizer.decode(result.ids)
         print(json.dumps(out))
@@ -64,10 +125,9 @@ def run(args: argparse.Namespace) -> int:
         print()
     else:
         print(",".join(map(str, result.ids)))
-        stats = result.stats
         print(
-            f"prefill {stats.prefill_tokens} tok in {stats.prefill_s:.3f}s, "
-            f"decode {stats.decode_tokens} tok at {stats.decode_tok_per_s:.2f} tok/s",
+            f"prefill {stats['prefill_tokens']} tok in {stats['prefill_s']:.3f}s, "
+            f"decode {stats['decode_tokens']} tok at {stats['decode_tok_per_s']:.2f} tok/s",
             file=sys.stderr,
         )
     return 0

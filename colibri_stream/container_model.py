@@ -3,6 +3,8 @@ tiered store): dense arrays through zarr, expert records through the fast read p
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 import numpy as np
@@ -17,32 +19,41 @@ from engine.weights import check_complete
 from storage.buffers import aligned_empty
 from storage.container import Container, ExpertReader, is_container
 from storage.errors import FormatError
+from storage.history import UsageHistory
 from storage.layout import ExpertRecordLayout
+from storage.tiered import StoreConfig, TieredExpertStore
 
 MATRICES = ("w1", "w2", "w3")
 
 
 def to_torch(array: np.ndarray, dtype_tag: str) -> torch.Tensor:
-    """A numpy array from the container as torch (bfloat16 bits reinterpreted, no copy)."""
+    """A dense numpy array from the container as torch (bfloat16 bits reinterpreted, no copy)."""
     tensor = torch.from_numpy(array)
-    if dtype_tag == "bfloat16":
-        return tensor.view(torch.int16).view(torch.bfloat16) if array.dtype == np.uint16 else tensor
-    return tensor
+    return tensor.view(torch.bfloat16) if dtype_tag == "bfloat16" else tensor
 
 
-def expert_from_record(layout: ExpertRecordLayout, record: np.ndarray, dtype: torch.dtype) -> Expert:
+TORCH_DTYPES = {
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def record_views(layout: ExpertRecordLayout, record: np.ndarray | torch.Tensor) -> dict[str, torch.Tensor]:
+    """Zero-copy typed torch views of every field of a record (host numpy buffer or device tensor)."""
+    data = torch.from_numpy(record) if isinstance(record, np.ndarray) else record
+    return {f.name: data[f.offset : f.end].view(TORCH_DTYPES[f.dtype]).view(f.shape) for f in layout.fields}
+
+
+def expert_from_record(layout: ExpertRecordLayout, record: np.ndarray | torch.Tensor, dtype: torch.dtype) -> Expert:
     """Engine expert over the views of one record (quantised records stay quantised)."""
-    views = layout.views(record)
+    views = record_views(layout, record)
     if layout.scheme in ("int4", "int8"):
         bits = 4 if layout.scheme == "int4" else 8
-        return QuantizedExpert(
-            *(
-                QuantizedMatrix(torch.from_numpy(views[f"{m}.q"]), torch.from_numpy(views[f"{m}.scale"]), bits)
-                for m in MATRICES
-            )
-        )
-    tag = "bfloat16" if layout.scheme == "bf16" else "float32"
-    return ExpertWeights(*(to_torch(views[m], tag).to(dtype) for m in MATRICES))
+        return QuantizedExpert(*(QuantizedMatrix(views[f"{m}.q"], views[f"{m}.scale"], bits) for m in MATRICES))
+    return ExpertWeights(*(views[m].to(dtype) for m in MATRICES))
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> LoadedModel:
@@ -50,15 +61,37 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> LoadedMo
     return load_container(path, dtype) if is_container(path) else load_checkpoint(path, dtype)
 
 
-def load_container(path: str | Path, dtype: torch.dtype = torch.float32, direct: bool = False) -> LoadedModel:
+def load_container(
+    path: str | Path, dtype: torch.dtype = torch.float32, store: StoreConfig | None = None
+) -> LoadedModel:
+    """Dense part resident; experts all resident (``store`` None) or streamed by a TieredExpertStore."""
     container = Container(path)
     args = ModelArgs.from_hf_config(container.model_config)
+    model = _load_dense(container, args, dtype)
+    if store is None:
+        experts = ResidentExperts(_read_experts(container, dtype, direct=False))
+    else:
+        history = None
+        if store.history_path is not None:
+            history = UsageHistory.load(store.history_path, container.n_experts, container_fingerprint(container))
+        experts = TieredExpertStore(
+            container, store, lambda record: expert_from_record(container.layout, record, dtype), history
+        )
+    return LoadedModel(Path(path), container.model_config, args, model, experts)
+
+
+def container_fingerprint(container: Container) -> str:
+    """Identifies the container's contents (its expert checksums and config), for histories and KV logs."""
+    payload = json.dumps({"config": container.model_config, "experts": container.attrs["experts"]}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:32]
+
+
+def _load_dense(container: Container, args: ModelArgs, dtype: torch.dtype) -> Transformer:
     with torch.device("meta"):
         model = Transformer(args)
     expected = dict(model.state_dict())
-    check_complete(
-        [n for n in container.dense if n not in expected], expected.keys(), container.dense.keys(), str(path)
-    )
+    path = str(container.path)
+    check_complete([n for n in container.dense if n not in expected], expected.keys(), container.dense.keys(), path)
     state = {}
     for name, entry in container.dense.items():
         if tuple(expected[name].shape) != entry.shape:
@@ -68,13 +101,7 @@ def load_container(path: str | Path, dtype: torch.dtype = torch.float32, direct:
         tensor = to_torch(container.read_dense(name), entry.dtype)
         state[name] = tensor.to(torch.float32 if name.endswith(FLOAT32_PARAMETERS) else dtype)
     model.load_state_dict(state, strict=True, assign=True)
-    return LoadedModel(
-        Path(path),
-        container.model_config,
-        args,
-        model.eval(),
-        ResidentExperts(_read_experts(container, dtype, direct)),
-    )
+    return model.eval()
 
 
 def _read_experts(container: Container, dtype: torch.dtype, direct: bool) -> dict[int, dict[int, Expert]]:

@@ -4,12 +4,13 @@ The engine never owns routed experts. It asks a provider for the experts the rou
 lets storage stream them from disk into RAM/VRAM tiers (the tiered store satisfies this protocol
 structurally) while tests and small models use ``ResidentExperts``.
 
-Call order within one MoE layer, so loads overlap compute:
-    prefetch(layer, ids)  -> start bringing these in, never blocks
-    ...shared expert runs...
-    acquire(layer, ids)   -> block until every id is available, pin them, return the weights
+Verbs:
+    acquire(layer, ids)   -> start bringing every id in and return at once; indexing the result
+                             waits for that expert only, so the shared expert (computed right after
+                             acquire) overlaps the loads; the ids stay pinned until release
     release(layer, ids)   -> unpin: the provider may evict them again
-A prefetch of the next layer (the lookahead guess) uses the same verb.
+    prefetch(layer, ids)  -> a non-blocking lookahead hint for a coming layer (the next layer's router
+                             applied to the current hidden state); it may be ignored, never changes tokens
 """
 
 from __future__ import annotations

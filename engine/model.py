@@ -20,6 +20,10 @@ from engine.layers import MLP, RMSNorm
 from engine.moe import MoE
 from engine.rope import rope_tables
 
+# Lookahead prefetch only for decode-sized steps: a prompt's rows together route to nearly every
+# expert of the next layer, which that layer's own acquire reads (once each) anyway.
+LOOKAHEAD_MAX_NEW_POSITIONS = 4
+
 
 class Block(nn.Module):
     def __init__(self, args: ModelArgs, layer_id: int):
@@ -30,9 +34,11 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.rms_norm_eps)
         self.ffn = MoE(args, layer_id) if args.is_moe(layer_id) else MLP(args.dim, args.inter_dim)
 
-    def forward(self, x, start_pos, rope, cache, experts, selection, absorb):
+    def forward(self, x, start_pos, rope, cache, experts, selection, absorb, lookahead=None):
         attn_out, selection = self.attn(self.attn_norm(x), start_pos, rope, cache, selection, absorb)
         x = x + attn_out
+        if lookahead is not None:
+            lookahead(x)
         h = self.ffn_norm(x)
         x = x + (self.ffn(h, experts) if isinstance(self.ffn, MoE) else self.ffn(h))
         return x, selection
@@ -46,6 +52,14 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.rms_norm_eps)
         self.head = nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    def _lookahead(self, layer: int, experts: ExpertProvider):
+        """A hook giving layer ``layer``'s router the current post-attention hidden state; the experts
+        it picks are prefetched while the current layer's FFN runs. None if that layer is not MoE."""
+        if layer >= len(self.layers) or not isinstance(self.layers[layer].ffn, MoE):
+            return None
+        block = self.layers[layer]
+        return lambda x: experts.prefetch(layer, block.ffn.predict(block.ffn_norm(x)))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -75,8 +89,10 @@ class Transformer(nn.Module):
         x = self.embed(tokens)
         rope = rope_tables(self.args, start_pos, tokens.shape[1], x.device)
         selection = None  # DSA: the last full layer's choice, reused by "shared" layers
-        for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
-            x, selection = layer(x, start_pos, rope, layer_cache, experts, selection, absorb)
+        guess = tokens.shape[1] <= LOOKAHEAD_MAX_NEW_POSITIONS
+        for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers, strict=True)):
+            lookahead = self._lookahead(i + 1, experts) if guess else None
+            x, selection = layer(x, start_pos, rope, layer_cache, experts, selection, absorb, lookahead)
         if last_only:
             x = x[:, -1:]
         return self.head(self.norm(x)).float()

@@ -70,20 +70,23 @@ class MoE(nn.Module):
             MLP(args.dim, args.n_shared_experts * args.moe_inter_dim) if args.n_shared_experts else None
         )
 
+    def predict(self, x: torch.Tensor) -> list[int]:
+        """The experts this layer's router would pick for x [B, S, dim] (normalised), as a lookahead guess."""
+        return self.gate(x.reshape(-1, x.shape[-1]))[1].unique().tolist()
+
     def forward(self, x: torch.Tensor, experts: ExpertProvider) -> torch.Tensor:
         """x [B, S, dim] -> [B, S, dim]. Batch-union: each distinct expert is acquired once for all rows."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, ids = self.gate(x)
         unique_ids = ids.unique().tolist()
-        experts.prefetch(self.layer_id, unique_ids)  # start loading misses; the shared expert overlaps
-        out = self.shared_experts(x) if self.shared_experts is not None else torch.zeros_like(x)
-        routed = torch.zeros_like(x, dtype=torch.float32)
-        acquired = experts.acquire(self.layer_id, unique_ids)
+        acquired = experts.acquire(self.layer_id, unique_ids)  # misses start loading now...
         try:
+            out = self.shared_experts(x) if self.shared_experts is not None else torch.zeros_like(x)  # ...meanwhile
+            routed = torch.zeros_like(x, dtype=torch.float32)
             for expert_id in unique_ids:
                 rows, slot = torch.where(ids == expert_id)
-                y = acquired[expert_id](x[rows])
+                y = acquired[expert_id](x[rows])  # waits for this expert's read only
                 routed.index_add_(0, rows, y.float() * weights[rows, slot, None])
         finally:
             experts.release(self.layer_id, unique_ids)

@@ -17,3 +17,7 @@ class CorruptDataError(StorageError):
 
 class IncompatibleStateError(StorageError):
     """State written for another model, source or geometry."""
+
+
+class BudgetError(StorageError):
+    """A memory budget that cannot work: below the minimum, above the machine, or exhausted."""

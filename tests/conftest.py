@@ -66,3 +66,20 @@ def make_container(tiny_checkpoints, tmp_path_factory):
         return built[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def stream_container(tmp_path_factory) -> Path:
+    """A generated 8-layer model (7 MoE layers x 16 experts) as an int4 container: one layer's experts
+    are 1/7 of all, so budgets from 20% up are legal and force eviction."""
+    import dataclasses
+
+    from colibri_stream.convert import Converter, ConvertOptions
+    from colibri_stream.stress import QUICK, write_stress_checkpoint
+
+    root = tmp_path_factory.mktemp("stream")
+    shape = dataclasses.replace(QUICK, num_hidden_layers=8, hidden_size=128, moe_intermediate_size=64, vocab_size=512)
+    source = write_stress_checkpoint(root / "hf", shape, progress=False)
+    dst = root / "container"
+    Converter(source, dst, ConvertOptions(experts="int4", dense="f32"), progress=False).run()
+    return dst

@@ -1,0 +1,74 @@
+"""Usage history: how often each (layer, expert) was routed to, persisted across runs.
+
+It drives the learned hot store (the most-used experts are pinned in RAM) and ``plan``. Written
+atomically (temp file + rename) after each turn, so a crash leaves the previous history intact;
+``decay`` < 1 lets old conversations fade.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+from storage.atomic import atomic_write_json
+from storage.errors import FormatError, IncompatibleStateError
+
+HISTORY_FORMAT = "colibri-stream-usage-history"
+HISTORY_VERSION = 1
+
+
+class UsageHistory:
+    def __init__(self, n_experts: int, fingerprint: str = "", counts: dict[int, list[float]] | None = None):
+        self.n_experts = n_experts
+        self.fingerprint = fingerprint  # the container this history belongs to
+        self.counts: dict[int, list[float]] = counts or {}
+
+    def record(self, layer: int, experts: Iterable[int]) -> None:
+        row = self.counts.setdefault(layer, [0.0] * self.n_experts)
+        for expert in experts:
+            row[expert] += 1
+
+    def decay(self, factor: float) -> None:
+        for row in self.counts.values():
+            for i, value in enumerate(row):
+                row[i] = value * factor
+
+    def hottest(self, n: int) -> list[tuple[int, int]]:
+        """The n most-routed (layer, expert) keys, most used first (ties: lower layer, lower expert)."""
+        ranked = sorted(
+            ((count, layer, expert) for layer, row in self.counts.items() for expert, count in enumerate(row) if count),
+            key=lambda item: (-item[0], item[1], item[2]),
+        )
+        return [(layer, expert) for _, layer, expert in ranked[:n]]
+
+    def save(self, path: str | Path) -> None:
+        atomic_write_json(
+            path,
+            {
+                "format": HISTORY_FORMAT,
+                "version": HISTORY_VERSION,
+                "fingerprint": self.fingerprint,
+                "n_experts": self.n_experts,
+                "counts": {str(layer): row for layer, row in sorted(self.counts.items())},
+            },
+        )
+
+    @classmethod
+    def load(cls, path: str | Path, n_experts: int, fingerprint: str = "") -> UsageHistory:
+        """Read a history file; a missing file is an empty history, a foreign one an error."""
+        path = Path(path)
+        if not path.exists():
+            return cls(n_experts, fingerprint)
+        try:
+            data = json.loads(path.read_text())
+            if data.get("format") != HISTORY_FORMAT or data.get("version") != HISTORY_VERSION:
+                raise FormatError(f"{path}: not a usage history (format {data.get('format')!r} v{data.get('version')})")
+            counts = {int(layer): [float(c) for c in row] for layer, row in data["counts"].items()}
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise FormatError(f"{path}: unreadable usage history ({exc!r})") from None
+        if data.get("fingerprint") != fingerprint or data.get("n_experts") != n_experts:
+            raise IncompatibleStateError(f"{path}: usage history of another model; delete it or pick another path")
+        if any(len(row) != n_experts for row in counts.values()):
+            raise FormatError(f"{path}: a layer's counts do not list {n_experts} experts")
+        return cls(n_experts, fingerprint, counts)

@@ -1,0 +1,270 @@
+"""The tiered expert store: disk -> RAM slots -> VRAM slots, driven by the router.
+
+It satisfies the engine's ExpertProvider structurally:
+    acquire(layer, ids)  -> starts every missing read at once and returns at once; each expert is
+                            waited for only when the MoE first touches it, so the shared expert and
+                            already-resident experts compute while misses load; all are pinned
+    release(layer, ids)  -> unpins them
+    prefetch(layer, ids) -> lookahead: reads predicted experts of the next layer into free or
+                            evictable RAM slots; never blocks, never evicts anything in use
+Experts are materialised by a caller-supplied function over the slot bytes (storage knows bytes,
+not maths). Reads run on a thread pool: one ``pread`` per expert straight into its slot.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from storage.buffers import aligned_empty
+from storage.container import Container, ExpertReader
+from storage.errors import BudgetError
+from storage.history import UsageHistory
+from storage.policy import POLICIES, LRUPolicy
+from storage.stats import StoreStats
+from storage.tier import Entry, SlotTier
+
+POLICY_NAMES = ("lru", "hybrid", "pinned")
+
+Materialize = Callable[[Any], Any]  # slot bytes (numpy uint8 or torch uint8 tensor) -> expert
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    ram_bytes: int
+    vram_bytes: int = 0
+    vram_device: str = "cuda"  # "cpu" stands in for a GPU so the tier logic runs anywhere
+    policy: str = "lru"  # lru | hybrid | pinned (lru + learned hot store)
+    prefetch: bool = True
+    direct: bool = False  # O_DIRECT reads
+    threads: int = 4
+    history_path: Path | None = None
+    history_decay: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICY_NAMES:
+            raise ValueError(f"cache policy must be one of {POLICY_NAMES}, got {self.policy!r}")
+        if self.threads < 1:
+            raise ValueError(f"io threads must be >= 1, got {self.threads}")
+
+
+def slots_for(budget_bytes: int, record_bytes: int) -> int:
+    return budget_bytes // record_bytes
+
+
+def minimum_slots(container: Container) -> int:
+    """One layer's routed experts: a prefill step may route to all of them at once."""
+    return container.n_experts
+
+
+class TieredExpertStore:
+    def __init__(
+        self,
+        container: Container,
+        config: StoreConfig,
+        materialize: Materialize,
+        history: UsageHistory | None = None,
+    ):
+        self.container = container
+        self.config = config
+        self.materialize = materialize
+        self.record_bytes = container.layout.record_bytes
+        self.history = history if history is not None else UsageHistory(container.n_experts)
+        self.stats = StoreStats()
+        self._stats_lock = threading.Lock()
+        self._reader = ExpertReader(container, direct=config.direct)
+        self._pool = ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="expert-io")
+        self.ram = self._make_ram_tier()
+        self.vram = self._make_vram_tier()
+        self._predicted: dict[int, set[int]] = {}  # lookahead guesses per layer, for recall
+
+    # ------------------------------------------------------------------------------ construction
+    def _make_ram_tier(self) -> SlotTier:
+        n_slots = slots_for(self.config.ram_bytes, self.record_bytes)
+        hot: list[tuple[int, int]] = []
+        if self.config.policy == "pinned":
+            # Keep room for one layer's worth of unpinned slots; pin the most-routed of the rest.
+            hot = self.history.hottest(max(0, n_slots - minimum_slots(self.container)))
+        if n_slots < minimum_slots(self.container):
+            raise BudgetError(
+                f"RAM budget {self.config.ram_bytes} B holds {n_slots} expert records of {self.record_bytes} B; "
+                f"the minimum is one layer's routed experts: {minimum_slots(self.container)} records "
+                f"= {minimum_slots(self.container) * self.record_bytes} B"
+            )
+        policy = POLICIES["hybrid"]() if self.config.policy == "hybrid" else LRUPolicy()
+        self._ram_block = self._host_block(n_slots)
+        return SlotTier("ram", n_slots, policy, hot=frozenset(hot))
+
+    def _host_block(self, n_slots: int) -> np.ndarray:
+        """All RAM slots in one aligned allocation; pinned when it feeds a CUDA tier (async copies)."""
+        if self.config.vram_bytes and self.config.vram_device.startswith("cuda") and torch.cuda.is_available():
+            return torch.empty(n_slots * self.record_bytes, dtype=torch.uint8, pin_memory=True).numpy()
+        return aligned_empty(n_slots * self.record_bytes)
+
+    def _make_vram_tier(self) -> SlotTier | None:
+        if not self.config.vram_bytes:
+            return None
+        n_slots = slots_for(self.config.vram_bytes, self.record_bytes)
+        if n_slots < 1:
+            raise BudgetError(f"VRAM budget {self.config.vram_bytes} B holds no {self.record_bytes} B expert record")
+        self._vram_block = torch.empty((n_slots, self.record_bytes), dtype=torch.uint8, device=self.config.vram_device)
+        return SlotTier("vram", n_slots, LRUPolicy())
+
+    def ram_slot(self, slot: int) -> np.ndarray:
+        return self._ram_block[slot * self.record_bytes : (slot + 1) * self.record_bytes]
+
+    # ---------------------------------------------------------------------------------- verbs
+    def prefetch(self, layer: int, expert_ids: Sequence[int]) -> None:
+        if not self.config.prefetch:
+            return
+        self._predicted[layer] = set(expert_ids)
+        for expert in expert_ids:
+            key = (layer, expert)
+            if key in self.ram or (self.vram is not None and key in self.vram):
+                continue
+            entry = self.ram.allocate(key)
+            if entry is None:
+                return  # full of experts in use: a guess never displaces them
+            entry.prefetched = True
+            self._start_read(key, entry)
+            self._count(prefetch_issued=1)
+
+    def acquire(self, layer: int, expert_ids: Sequence[int]) -> Mapping[int, Any]:
+        self.history.record(layer, expert_ids)
+        predicted = self._predicted.pop(layer, None)
+        if predicted is not None:
+            self._count(recall_hits=len(predicted & set(expert_ids)), recall_total=len(expert_ids))
+        self._count(requests=len(expert_ids))
+        for expert in expert_ids:  # pin hits and start every miss before waiting on anything
+            self._pin(layer, expert)
+        return AcquiredExperts(self, layer, tuple(expert_ids))
+
+    def release(self, layer: int, expert_ids: Sequence[int]) -> None:
+        keys = [(layer, e) for e in expert_ids]
+        self.ram.unpin(keys)
+        if self.vram is not None:
+            self.vram.unpin(keys)
+
+    # ------------------------------------------------------------------------------- internals
+    def _pin(self, layer: int, expert: int) -> None:
+        key = (layer, expert)
+        if self.vram is not None and (entry := self.vram.lookup(key)) is not None:
+            entry.pins += 1
+            self._count(hits_vram=1)
+            return
+        entry = self.ram.lookup(key)
+        if entry is not None:
+            self._count(hits_ram=1)
+            if entry.prefetched:
+                entry.prefetched = False
+                self._count(prefetch_useful=1)
+        else:
+            entry = self._allocate_ram(key)
+            self._start_read(key, entry)
+            self._count(misses=1)
+        entry.pins += 1
+
+    def _allocate_ram(self, key: tuple[int, int]) -> Entry:
+        while (entry := self.ram.allocate(key)) is None:
+            in_flight = self.ram.loading()
+            if not in_flight:
+                raise BudgetError(
+                    f"RAM tier full: {self.ram.n_slots} slots are all in use by this step; raise the RAM budget"
+                )
+            self._wait(in_flight[0].loading)  # a prefetch still reading: let it land, then evict it
+        return entry
+
+    def _start_read(self, key: tuple[int, int], entry: Entry) -> None:
+        entry.loading = self._pool.submit(self._read, key, self.ram_slot(entry.slot))
+
+    def _read(self, key: tuple[int, int], slot: np.ndarray) -> None:
+        start = time.perf_counter()
+        self._reader.read_into(key[0], key[1], slot)
+        self._count(io_service_s=time.perf_counter() - start, expert_bytes_read=self.record_bytes, reads=1)
+
+    def _wait(self, future: Future) -> None:
+        if future.done():
+            future.result()
+            return
+        start = time.perf_counter()
+        try:
+            future.result()
+        finally:
+            self._count(io_wait_s=time.perf_counter() - start)
+
+    def expert(self, layer: int, expert: int) -> Any:
+        """The materialised expert of a pinned key, waiting for its read if needed."""
+        key = (layer, expert)
+        if self.vram is not None and (entry := self.vram.entries.get(key)) is not None:
+            return self._materialized(entry, self._vram_block[entry.slot])
+        entry = self.ram.entries[key]
+        if entry.loading is not None:
+            try:
+                self._wait(entry.loading)
+            except BaseException:
+                self.ram.remove(key)  # the slot holds garbage; a later acquire reads it again
+                raise
+            entry.loading = None
+        if self.vram is not None:
+            return self._copy_up(key, entry)
+        return self._materialized(entry, self.ram_slot(entry.slot))
+
+    def _copy_up(self, key: tuple[int, int], ram_entry: Entry) -> Any:
+        vram_entry = self.vram.allocate(key)
+        if vram_entry is None:  # VRAM full of experts in use: compute from RAM this time
+            return self._materialized(ram_entry, self.ram_slot(ram_entry.slot))
+        vram_entry.pins = 1
+        target = self._vram_block[vram_entry.slot]
+        target.copy_(torch.from_numpy(self.ram_slot(ram_entry.slot)), non_blocking=target.is_cuda)
+        return self._materialized(vram_entry, target)
+
+    def _materialized(self, entry: Entry, data: Any) -> Any:
+        if entry.expert is None:
+            entry.expert = self.materialize(data)
+        return entry.expert
+
+    def _count(self, **deltas: float) -> None:
+        with self._stats_lock:
+            self.stats.add(**deltas)
+
+    # ------------------------------------------------------------------------------- lifecycle
+    def report(self) -> dict[str, Any]:
+        with self._stats_lock:
+            self.stats.prefetch_wasted = self.ram.evicted_unused_prefetches
+            return self.stats.as_dict()
+
+    def end_turn(self) -> None:
+        """Persist the usage history (atomically) after a turn."""
+        if self.config.history_decay != 1.0:
+            self.history.decay(self.config.history_decay)
+        if self.config.history_path is not None:
+            self.history.save(self.config.history_path)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class AcquiredExperts(Mapping[int, Any]):
+    """The experts of one acquire; indexing waits for that expert's read only."""
+
+    def __init__(self, store: TieredExpertStore, layer: int, expert_ids: tuple[int, ...]):
+        self._store, self._layer, self._ids = store, layer, expert_ids
+
+    def __getitem__(self, expert: int) -> Any:
+        if expert not in self._ids:
+            raise KeyError(expert)
+        return self._store.expert(self._layer, expert)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._ids)
+
+    def __len__(self) -> int:
+        return len(self._ids)
