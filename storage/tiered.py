@@ -26,7 +26,7 @@ import torch
 
 from storage.buffers import aligned_empty
 from storage.container import Container, ExpertReader
-from storage.errors import BudgetError
+from storage.errors import BudgetError, CorruptDataError
 from storage.history import UsageHistory
 from storage.policy import POLICIES, LRUPolicy
 from storage.stats import StoreStats
@@ -60,6 +60,22 @@ def slots_for(budget_bytes: int, record_bytes: int) -> int:
     return budget_bytes // record_bytes
 
 
+def check_expert_files(container: Container) -> None:
+    """Structure checks that cost no reads: every expert array's metadata, every record file's size.
+    (Contents are checked by crc32c on first read.)"""
+    size = container.layout.record_bytes
+    for layer in container.moe_layers:
+        container.check_expert_metadata(layer)
+        for expert in range(container.n_experts):
+            path = container.expert_path(layer, expert)
+            try:
+                actual = path.stat().st_size
+            except FileNotFoundError:
+                raise CorruptDataError(f"layer {layer} expert {expert}: chunk file {path} is missing") from None
+            if actual != size:
+                raise CorruptDataError(f"layer {layer} expert {expert}: {path} holds {actual} bytes, expected {size}")
+
+
 def minimum_slots(container: Container) -> int:
     """One layer's routed experts: a prefill step may route to all of them at once."""
     return container.n_experts
@@ -75,6 +91,7 @@ class TieredExpertStore:
     ):
         self.container = container
         self.config = config
+        check_expert_files(container)
         self.materialize = materialize
         self.record_bytes = container.layout.record_bytes
         self.history = history if history is not None else UsageHistory(container.n_experts)

@@ -134,3 +134,20 @@ def test_history_is_persisted_and_refuses_another_model(history_file, stream_con
     assert len(history.hottest(5)) == 5
     with pytest.raises(IncompatibleStateError, match="another model"):
         UsageHistory.load(history_file, container.n_experts, "someone-else")
+
+
+def test_a_corrupted_record_read_while_streaming_is_a_typed_error(stream_container, tmp_path):
+    import shutil
+
+    from storage.errors import CorruptDataError
+
+    broken = tmp_path / "broken"
+    shutil.copytree(stream_container, broken)
+    for chunk in (broken / "experts" / "layer_001" / "c").glob("*/0"):
+        data = bytearray(chunk.read_bytes())
+        data[10] ^= 0x01
+        chunk.write_bytes(bytes(data))
+    _, loaded = _fresh(broken)
+    with pytest.raises(CorruptDataError, match=r"layer 1 expert \d+: checksum mismatch"):
+        generate(loaded.model, PROMPT, 2, loaded.experts)
+    loaded.experts.close()
