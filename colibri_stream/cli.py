@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from colibri_stream import __version__, cli_container, cli_run
 from colibri_stream.budget import BudgetFileError
 from colibri_stream.checkpoint import CheckpointError
+from colibri_stream.memory import return_large_frees_to_the_os
 from colibri_stream.text import TokenizerMissingError
 from engine.args import ConfigError
 from engine.weights import WeightNameError
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    return_large_frees_to_the_os()
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

@@ -16,6 +16,7 @@ from colibri_stream.generate import SamplingParams, generate
 from colibri_stream.memory import USSSampler, peak_rss_bytes
 from colibri_stream.text import load_tokenizer
 from storage.container import Container, is_container
+from storage.simulate import write_trace
 from storage.tiered import POLICY_NAMES, StoreConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -43,6 +44,7 @@ def add_store_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--direct", action="store_true", help="read experts with O_DIRECT (bypass the page cache)")
     group.add_argument("--io-threads", type=int, help="disk reader threads (default 4)")
     group.add_argument("--history", help="usage-history file (learned hot store), updated after the run")
+    group.add_argument("--trace", help="write the routing trace (one JSON line per MoE acquire) to this file")
 
 
 def store_config(args: argparse.Namespace, container: Container) -> StoreConfig:
@@ -112,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
         if hasattr(loaded.experts, "report"):
             loaded.experts.end_turn()
             stats.update(loaded.experts.report())
+            if args.trace:
+                write_trace(args.trace, loaded.experts.trace)
     finally:
         if hasattr(loaded.experts, "close"):
             loaded.experts.close()

@@ -2,10 +2,30 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import resource
 import threading
 
 import psutil
+
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+MMAP_THRESHOLD_BYTES = 1 << 20
+
+
+def return_large_frees_to_the_os() -> bool:
+    """Fix glibc's mmap threshold at 1 MiB.
+
+    By default glibc raises the threshold to the size of each freed mmapped block (up to 32 MiB), so
+    after the first few dequantised expert matrices (MBs each) are freed, later ones come from the
+    heap and stay mapped: measured here as ~260-390 MB of USS retained during generation beyond the
+    expert slots. A fixed threshold keeps large temporaries in mmaps that go back at free. Returns
+    False where libc has no mallopt (not glibc)."""
+    libc_name = ctypes.util.find_library("c")
+    if libc_name is None:
+        return False
+    mallopt = getattr(ctypes.CDLL(libc_name), "mallopt", None)
+    return bool(mallopt is not None and mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
 
 
 def peak_rss_bytes() -> int:

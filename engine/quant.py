@@ -40,12 +40,22 @@ def quantize(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor,
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, bits: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Inverse of ``quantize``: -> [out, in] in ``dtype`` (computed in float32, then cast)."""
+    """Inverse of ``quantize``: -> [out, in] in ``dtype`` (computed in float32, then cast).
+
+    Written to keep temporaries small (peak about 1.5x the float32 result): experts are dequantised
+    per call, so these bytes come and go once per routed expert per token.
+    """
+    out_dim = q.shape[0]
     if bits == 4:
-        q = torch.stack([(q & 0x0F).to(torch.int8) - 8, (q >> 4).to(torch.int8) - 8], dim=-1).flatten(1)
-    out_dim, in_dim = q.shape
-    groups = q.float().reshape(out_dim, scales.shape[1], -1) * scales.float()[..., None]
-    return groups.reshape(out_dim, in_dim).to(dtype)
+        w = torch.empty((out_dim, q.shape[1], 2), dtype=torch.float32, device=q.device)
+        w[..., 0] = q & 0x0F
+        w[..., 1] = q >> 4
+        w = w.view(out_dim, -1).sub_(8)
+    else:
+        w = q.to(torch.float32)
+    in_dim = w.shape[1]
+    w.view(out_dim, scales.shape[1], -1).mul_(scales.to(torch.float32)[..., None])
+    return w.view(out_dim, in_dim).to(dtype)
 
 
 @dataclass(frozen=True)
@@ -67,6 +77,7 @@ class QuantizedExpert:
     w3: QuantizedMatrix
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, dim] -> [N, dim]; dequantises to x's dtype, then the SwiGLU FFN."""
-        w1, w2, w3 = (m.dequantize(x.dtype) for m in (self.w1, self.w2, self.w3))
-        return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+        """x [N, dim] -> [N, dim]; dequantises one matrix at a time to x's dtype, then the SwiGLU FFN."""
+        hidden = F.silu(F.linear(x, self.w1.dequantize(x.dtype)))
+        hidden = hidden * F.linear(x, self.w3.dequantize(x.dtype))
+        return F.linear(hidden, self.w2.dequantize(x.dtype))

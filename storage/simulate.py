@@ -8,8 +8,10 @@ Keys requested by the same step are not distinguished here; the live store pins 
 from __future__ import annotations
 
 import bisect
-from collections import defaultdict
+import json
+from collections import Counter, defaultdict
 from collections.abc import Hashable, Sequence
+from pathlib import Path
 
 from storage.policy import POLICIES
 from storage.tier import SlotTier
@@ -48,3 +50,39 @@ def belady_hits(trace: Sequence[Hashable], capacity: int) -> int:
             cached.remove(max(cached, key=lambda k: next_use(k, now)))
         cached.add(key)
     return hits
+
+
+def write_trace(path: str | Path, acquires: Sequence[tuple[int, Sequence[int]]]) -> None:
+    """One JSON line per acquire: {"layer": L, "experts": [...]}."""
+    with open(path, "w") as f:
+        for layer, experts in acquires:
+            f.write(json.dumps({"layer": layer, "experts": list(experts)}) + "\n")
+
+
+def read_trace(path: str | Path) -> list[tuple[int, int]]:
+    """The flat key sequence of a trace file."""
+    keys = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        try:
+            record = json.loads(line)
+            keys.extend((int(record["layer"]), int(e)) for e in record["experts"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            raise ValueError(f"{path}:{number}: not a trace line ({line[:60]!r})") from None
+    return keys
+
+
+def compare_policies(trace: Sequence[Hashable], capacities: Sequence[int], room: int) -> list[dict]:
+    """Hit rates of LRU, the hybrid, learned pins (the trace's own most frequent keys, leaving ``room``
+    unpinned slots, i.e. pins learned from a history equal to this trace) and Belady, per capacity."""
+    frequency = Counter(trace)
+    rows = []
+    for capacity in capacities:
+        hot = frozenset(key for key, _ in frequency.most_common(max(0, capacity - room)))
+        hits = {
+            "lru": replay(trace, capacity, "lru"),
+            "hybrid": replay(trace, capacity, "hybrid"),
+            "pinned": replay(trace, capacity, "lru", hot=hot),
+            "belady": belady_hits(trace, capacity),
+        }
+        rows.append({"capacity": capacity, **{k: round(v / len(trace), 4) for k, v in hits.items()}})
+    return rows

@@ -102,6 +102,7 @@ class TieredExpertStore:
         self.ram = self._make_ram_tier()
         self.vram = self._make_vram_tier()
         self._predicted: dict[int, set[int]] = {}  # lookahead guesses per layer, for recall
+        self.trace: list[tuple[int, tuple[int, ...]]] = []  # every acquire, in order (for --trace)
 
     # ------------------------------------------------------------------------------ construction
     def _make_ram_tier(self) -> SlotTier:
@@ -156,6 +157,7 @@ class TieredExpertStore:
 
     def acquire(self, layer: int, expert_ids: Sequence[int]) -> Mapping[int, Any]:
         self.history.record(layer, expert_ids)
+        self.trace.append((layer, tuple(expert_ids)))
         predicted = self._predicted.pop(layer, None)
         if predicted is not None:
             self._count(recall_hits=len(predicted & set(expert_ids)), recall_total=len(expert_ids))
