@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from colibri_stream import __version__, cli_container, cli_run
+from colibri_stream import __version__, cli_container, cli_run, plan
 from colibri_stream.budget import BudgetFileError
 from colibri_stream.checkpoint import CheckpointError
 from colibri_stream.memory import return_large_frees_to_the_os
@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     cli_run.add_parser(commands)
     cli_container.add_parsers(commands)
+    plan.add_parser(commands, cli_run.add_store_arguments)
     return parser
 
 

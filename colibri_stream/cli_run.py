@@ -14,6 +14,7 @@ from colibri_stream.checkpoint import load_checkpoint
 from colibri_stream.container_model import load_container
 from colibri_stream.generate import SamplingParams, generate
 from colibri_stream.memory import USSSampler, peak_rss_bytes
+from colibri_stream.plan import check_fits, plan
 from colibri_stream.text import load_tokenizer
 from storage.container import Container, is_container
 from storage.simulate import write_trace
@@ -91,7 +92,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def load_for_run(args: argparse.Namespace):
     dtype = DTYPES[args.dtype]
     if is_container(args.path):
-        return load_container(args.path, dtype, store_config(args, Container(args.path)))
+        container = Container(args.path)
+        config = store_config(args, container)
+        check_fits(plan(container, config, args.dtype))
+        return load_container(args.path, dtype, config)
     return load_checkpoint(args.path, dtype)
 
 

@@ -76,6 +76,10 @@ def check_expert_files(container: Container) -> None:
                 raise CorruptDataError(f"layer {layer} expert {expert}: {path} holds {actual} bytes, expected {size}")
 
 
+def total_records(container: Container) -> int:
+    return len(container.moe_layers) * container.n_experts
+
+
 def minimum_slots(container: Container) -> int:
     """One layer's routed experts: a prefill step may route to all of them at once."""
     return container.n_experts
@@ -106,7 +110,8 @@ class TieredExpertStore:
 
     # ------------------------------------------------------------------------------ construction
     def _make_ram_tier(self) -> SlotTier:
-        n_slots = slots_for(self.config.ram_bytes, self.record_bytes)
+        # More slots than records would never be used: a budget above the expert bytes holds them all.
+        n_slots = min(slots_for(self.config.ram_bytes, self.record_bytes), total_records(self.container))
         hot: list[tuple[int, int]] = []
         if self.config.policy == "pinned":
             # Keep room for one layer's worth of unpinned slots; pin the most-routed of the rest.

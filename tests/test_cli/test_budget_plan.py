@@ -1,0 +1,91 @@
+"""Budget sizes and files, `plan`, and the streaming stats `run --json` reports."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from colibri_stream import cli
+from colibri_stream.budget import BudgetFileError, load_budget_file, parse_size
+from storage.container import Container
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("8GiB", 8 * GIB), ("512MB", 512 * 10**6), ("1.5g", 1_500_000_000), ("25%", 250), (4096, 4096), ("0", 0)],
+)
+def test_sizes(text, expected):
+    assert parse_size(text, expert_bytes=1000) == expected
+
+
+@pytest.mark.parametrize("text", ["eight", "8 parsecs", "%", True])
+def test_bad_sizes_name_the_key(text):
+    with pytest.raises(BudgetFileError, match="memory.ram"):
+        parse_size(text, 1000, key="memory.ram")
+
+
+def test_budget_file_reads_every_section(tmp_path):
+    path = tmp_path / "b.toml"
+    path.write_text(
+        '[memory]\nram = "25%"\nvram = "2GiB"\n[io]\ndirect = true\nthreads = 2\n'
+        '[cache]\npolicy = "hybrid"\nprefetch = false\nhistory = "h.json"\n[kv]\ndir = "/tmp/kv"\n'
+    )
+    budget = load_budget_file(path)
+    assert (budget.ram, budget.vram, budget.direct, budget.threads) == ("25%", "2GiB", True, 2)
+    assert (budget.policy, budget.prefetch, budget.history) == ("hybrid", False, "h.json")
+
+
+@pytest.mark.parametrize(
+    "content, culprit",
+    [
+        ("[cache]\npolcy = 'lru'\n", "cache.polcy"),
+        ("[memory]\nram = true\n", "memory.ram"),
+        ("[io]\nthreads = 0\n", "io.threads"),
+        ("[cache]\npolicy = 'mru'\n", "cache.policy"),
+        ("[disk]\nx = 1\n", "[disk]"),
+        ("[memory\nram = 1\n", "not valid TOML"),
+    ],
+)
+def test_budget_file_errors_name_the_key(tmp_path, content, culprit):
+    path = tmp_path / "bad.toml"
+    path.write_text(content)
+    with pytest.raises(BudgetFileError, match=culprit.replace("[", r"\[").replace("]", r"\]")):
+        load_budget_file(path)
+
+
+def test_plan_reports_the_placement_before_loading(stream_container, capsys):
+    container = Container(stream_container)
+    record = container.layout.record_bytes
+    assert cli.main(["plan", str(stream_container), "--ram", str(40 * record), "--json"]) == 0
+    placement = json.loads(capsys.readouterr().out)
+    assert placement["ram_slots"] == 40 and placement["minimum_ram_slots"] == container.n_experts
+    assert placement["bytes_per_token_at_zero_hits"] == len(container.moe_layers) * 4 * record
+    assert placement["expert_bytes"] == container.expert_bytes
+    assert placement["kv_bytes_per_token"] > 0 and placement["dense_bytes"] > 0
+
+
+def test_plan_and_run_refuse_impossible_budgets_with_numbers(stream_container, capsys):
+    record = Container(stream_container).layout.record_bytes
+    assert cli.main(["plan", str(stream_container), "--ram", str(3 * record)]) == 1
+    assert "holds 3 expert records; one layer needs 16" in capsys.readouterr().err
+    assert cli.main(["run", str(stream_container), "--ids", "5,6", "--ram", "100TiB"]) == 1
+    assert "exceed this machine" in capsys.readouterr().err
+
+
+def test_run_json_reports_measured_streaming_stats(stream_container, tmp_path, capsys):
+    budget = tmp_path / "b.toml"
+    budget.write_text('[memory]\nram = "30%"\n[cache]\npolicy = "hybrid"\n')
+    trace = tmp_path / "trace.jsonl"
+    argv = ["run", str(stream_container), "--ids", "5,9,17,33", "--max-new-tokens", "6", "--budget", str(budget)]
+    assert cli.main([*argv, "--trace", str(trace), "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["stats"]
+    assert stats["hits"]["ram"] + stats["hits"]["vram"] + stats["misses"] == stats["expert_requests"]
+    assert stats["expert_bytes_read"] == stats["reads"] * Container(stream_container).layout.record_bytes
+    assert stats["io_service_s"] > 0 and stats["io_wait_s"] >= 0
+    assert set(stats["prefetch"]) == {"issued", "useful", "wasted"}
+    assert stats["peak_rss_bytes"] > 0 and stats["peak_uss_bytes"] > 0
+    lines = trace.read_text().splitlines()
+    assert sum(len(json.loads(line)["experts"]) for line in lines) == stats["expert_requests"]
