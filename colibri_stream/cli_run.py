@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from colibri_stream.budget import Budget, load_budget_file, parse_size
+from colibri_stream.budget import Budget, auto_ram_bytes, load_budget_file, parse_size
 from colibri_stream.checkpoint import load_checkpoint
 from colibri_stream.container_model import load_container
 from colibri_stream.generate import SamplingParams, generate
@@ -51,7 +51,9 @@ def add_store_arguments(parser: argparse.ArgumentParser) -> None:
 def store_config(args: argparse.Namespace, container: Container) -> StoreConfig:
     budget = load_budget_file(args.budget) if args.budget else Budget()
     expert_bytes = container.expert_bytes
-    ram = parse_size(args.ram if args.ram is not None else budget.ram, expert_bytes, "ram")
+    provisional = plan(container, StoreConfig(ram_bytes=0), getattr(args, "dtype", "float32"))
+    auto = auto_ram_bytes(provisional.dense_bytes, provisional.kv_bytes_at_max_context)
+    ram = parse_size(args.ram if args.ram is not None else budget.ram, expert_bytes, "ram", auto_bytes=auto)
     vram = parse_size(args.vram if args.vram is not None else budget.vram, expert_bytes, "vram")
     history = args.history if args.history is not None else budget.history
     return StoreConfig(

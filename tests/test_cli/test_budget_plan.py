@@ -89,3 +89,17 @@ def test_run_json_reports_measured_streaming_stats(stream_container, tmp_path, c
     assert stats["peak_rss_bytes"] > 0 and stats["peak_uss_bytes"] > 0
     lines = trace.read_text().splitlines()
     assert sum(len(json.loads(line)["experts"]) for line in lines) == stats["expert_requests"]
+
+
+def test_auto_ram_leaves_room_for_dense_kv_and_a_margin(stream_container, capsys, monkeypatch):
+    import psutil
+
+    class Memory:
+        available = 10 * GIB
+        total = 16 * GIB
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Memory)
+    assert cli.main(["plan", str(stream_container), "--ram", "auto", "--json"]) == 0
+    placement = json.loads(capsys.readouterr().out)
+    expected = int((10 * GIB - placement["dense_bytes"] - placement["kv_bytes_at_max_context"]) * 0.9)
+    assert placement["ram_budget_bytes"] == expected
