@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from colibri_stream import __version__, cli_container, cli_run, plan
+from colibri_stream import __version__, cli_container, cli_kv, cli_run, plan
 from colibri_stream.budget import BudgetFileError
 from colibri_stream.checkpoint import CheckpointError
 from colibri_stream.memory import return_large_frees_to_the_os
@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_run.add_parser(commands)
     cli_container.add_parsers(commands)
     plan.add_parser(commands, cli_run.add_store_arguments)
+    cli_kv.add_parser(commands)
     return parser
 
 

@@ -15,8 +15,10 @@ from colibri_stream.container_model import load_container
 from colibri_stream.generate import SamplingParams, generate
 from colibri_stream.memory import USSSampler, peak_rss_bytes
 from colibri_stream.plan import check_fits, plan
+from colibri_stream.sessions import Session, default_kv_dir, model_fingerprint
 from colibri_stream.text import load_tokenizer
 from storage.container import Container, is_container
+from storage.kvlog import RECORD_DTYPES
 from storage.simulate import write_trace
 from storage.tiered import POLICY_NAMES, StoreConfig
 
@@ -87,8 +89,27 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=None, help="sampling seed, for reproducible samples")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="compute dtype")
     parser.add_argument("--json", action="store_true", help="print one JSON object {ids, stats} as the last line")
+    sessions = parser.add_argument_group("sessions (compressed KV on disk)")
+    sessions.add_argument("--session", help="continue (or start) this named conversation: reuses its stored KV prefix")
+    sessions.add_argument("--reset", action="store_true", help="clear the session before this turn")
+    sessions.add_argument("--kv-dir", help="where session files live (default: ~/.cache/colibri-stream/kv/<model>)")
+    sessions.add_argument(
+        "--kv-dtype",
+        choices=sorted(RECORD_DTYPES),
+        default="float32",
+        help="record dtype (float32 is exact; bfloat16 halves the file)",
+    )
     add_store_arguments(parser)
     parser.set_defaults(handler=run)
+
+
+def open_session(args: argparse.Namespace, model_args) -> Session:
+    fingerprint = model_fingerprint(args.path)
+    kv_dir = Path(args.kv_dir) if args.kv_dir else default_kv_dir(fingerprint)
+    session = Session(kv_dir, args.session, fingerprint, model_args, args.kv_dtype)
+    if args.reset:
+        session.reset()
+    return session
 
 
 def load_for_run(args: argparse.Namespace):
@@ -111,18 +132,28 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"prompt ids {bad[:5]} are outside the vocabulary (size {vocab})")
     stream = tokenizer is not None and not args.json
     on_token = (lambda t: print(tokenizer.decode([t]), end="", flush=True)) if stream else None
+    session = open_session(args, loaded.args) if args.session else None
     try:
+        turn = session.start_turn(prompt_ids, loaded.model.dtype) if session else None
+        cache = turn.cache if turn else None
+        if cache is None:
+            cache = loaded.model.new_cache()
         with USSSampler() as uss:
             result = generate(
-                loaded.model, prompt_ids, args.max_new_tokens, loaded.experts, sampling, on_token=on_token
+                loaded.model, prompt_ids, args.max_new_tokens, loaded.experts, sampling, cache=cache, on_token=on_token
             )
         stats = result.stats.as_dict()
+        if session:
+            session.end_turn(cache, prompt_ids + result.ids)
+            stats.update(reused_tokens=turn.reused_tokens, kv_load_s=round(turn.kv_load_s, 6))
         if hasattr(loaded.experts, "report"):
             loaded.experts.end_turn()
             stats.update(loaded.experts.report())
             if args.trace:
                 write_trace(args.trace, loaded.experts.trace)
     finally:
+        if session:
+            session.close()
         if hasattr(loaded.experts, "close"):
             loaded.experts.close()
     stats.update(peak_rss_bytes=peak_rss_bytes(), peak_uss_bytes=uss.peak)

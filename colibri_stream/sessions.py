@@ -1,0 +1,159 @@
+"""Conversation sessions: the engine's compressed KV cache persisted in a per-session KV log.
+
+A turn restores the longest stored prefix of the new prompt (zero re-prefill after a restart), cuts
+the log where the conversation diverged, prefills only what is new, and appends the turn's new
+positions at the end (fsynced). One file and one exclusive lock per session, so many sessions can
+be open at once (the server's slots) and a second process gets a clear error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.args import ModelArgs
+from engine.cache import KVCache
+from storage.kvlog import HEADER_BYTES, RECORD_DTYPES, KVGeometry, KVLog, read_header
+
+SESSION_SUFFIX = ".kvlog"
+
+
+def kv_geometry(args: ModelArgs, dtype: str = "float32") -> KVGeometry:
+    index_layers = tuple(layer for layer in range(args.n_layers) if args.has_indexer(layer))
+    return KVGeometry(args.n_layers, args.kv_lora_rank, args.qk_rope_head_dim, index_layers, args.index_head_dim, dtype)
+
+
+def naive_kv_bytes_per_token(args: ModelArgs, dtype_bytes: int) -> int:
+    """What a plain per-head K/V cache would hold: K [H, qk_head_dim] and V [H, v_head_dim] per layer."""
+    return args.n_layers * args.n_heads * (args.qk_head_dim + args.v_head_dim) * dtype_bytes
+
+
+def default_kv_dir(fingerprint: str) -> Path:
+    cache_home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache_home / "colibri-stream" / "kv" / fingerprint[:16]
+
+
+def model_fingerprint(path: str | Path) -> str:
+    """Identifies the weights, config and tokenizer a KV state belongs to (cheap: metadata, not weights)."""
+    path = Path(path)
+    digest = hashlib.sha256()
+    for name in ("config.json", "tokenizer.json", "zarr.json", "model.safetensors.index.json"):
+        if (path / name).is_file():
+            digest.update(name.encode() + (path / name).read_bytes())
+    for shard in sorted(path.glob("*.safetensors")):  # HF directories: shard names and sizes
+        digest.update(f"{shard.name}:{shard.stat().st_size}".encode())
+    return digest.hexdigest()[:32]
+
+
+def _as_bytes(t: torch.Tensor, dtype: str) -> np.ndarray:
+    """[n, d] tensor -> [n, d * itemsize] uint8 in the record dtype."""
+    if dtype == "bfloat16":
+        return t.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint8)
+    return t.to(torch.float32).contiguous().numpy().view(np.uint8)
+
+
+def _from_bytes(b: np.ndarray, dtype: str, width: int) -> torch.Tensor:
+    """[n, width * itemsize] uint8 -> float32 [n, width]."""
+    raw = torch.from_numpy(np.ascontiguousarray(b))
+    values = raw.view(torch.bfloat16) if dtype == "bfloat16" else raw.view(torch.float32)
+    return values.view(-1, width).float()
+
+
+def cache_payloads(cache: KVCache, start: int, end: int, geometry: KVGeometry) -> np.ndarray:
+    """Positions start..end of batch row 0 as record payloads [n, payload_bytes] uint8."""
+    parts = []
+    for layer in cache.layers:
+        parts += [layer.latent[0, start:end], layer.rope_key[0, start:end]]
+    parts += [cache.layers[i].index_key[0, start:end] for i in geometry.index_layers]
+    return np.concatenate([_as_bytes(p, geometry.dtype) for p in parts], axis=1)
+
+
+def cache_from_payloads(payloads: np.ndarray, geometry: KVGeometry, args: ModelArgs, dtype: torch.dtype) -> KVCache:
+    item = RECORD_DTYPES[geometry.dtype]
+    cache = KVCache.empty(args, 1, dtype)
+    offset = 0
+
+    def take(width: int) -> torch.Tensor:
+        nonlocal offset
+        values = _from_bytes(payloads[:, offset : offset + width * item], geometry.dtype, width)
+        offset += width * item
+        return values[None]  # [1, n, width]
+
+    state = []
+    for _ in range(geometry.n_layers):
+        state.append(
+            {"latent": take(geometry.kv_lora_rank).to(dtype), "rope_key": take(geometry.qk_rope_head_dim).to(dtype)}
+        )
+    for layer in geometry.index_layers:
+        state[layer]["index_key"] = take(geometry.index_head_dim)
+    return KVCache.from_state(state) if len(payloads) else cache
+
+
+@dataclass
+class TurnStart:
+    cache: KVCache
+    reused_tokens: int
+    kv_load_s: float
+
+
+class Session:
+    """One named conversation of one model; the log is locked while the Session is open."""
+
+    def __init__(self, kv_dir: str | Path, name: str, fingerprint: str, args: ModelArgs, record_dtype: str = "float32"):
+        if not name or "/" in name or name.startswith("."):
+            raise ValueError(f"session name {name!r} must be a plain file name")
+        self.name = name
+        self.args = args
+        self.geometry = kv_geometry(args, record_dtype)
+        self.log = KVLog(Path(kv_dir) / f"{name}{SESSION_SUFFIX}", fingerprint, self.geometry)
+
+    def reset(self) -> None:
+        self.log.truncate(0)
+
+    def start_turn(self, prompt_ids: list[int], dtype: torch.dtype) -> TurnStart:
+        """The cache holding the longest stored prefix of ``prompt_ids`` (at least one token left to run)."""
+        start = time.perf_counter()
+        tokens, payloads = self.log.read()
+        common = 0
+        for stored, new in zip(tokens.tolist(), prompt_ids, strict=False):
+            if stored != new:
+                break
+            common += 1
+        reused = min(common, len(prompt_ids) - 1)
+        if reused < self.log.length:
+            self.log.truncate(reused)  # diverged (or nothing new): forget the rest
+        cache = cache_from_payloads(payloads[:reused], self.geometry, self.args, dtype)
+        return TurnStart(cache, reused, time.perf_counter() - start)
+
+    def end_turn(self, cache: KVCache, token_ids: list[int]) -> int:
+        """Append positions the log lacks (token_ids[i] is the token at position i); fsync. Returns count."""
+        start, end = self.log.length, cache.length
+        if end > start:
+            tokens = np.asarray(token_ids[start:end], dtype=np.uint32)
+            self.log.append(tokens, cache_payloads(cache, start, end, self.geometry))
+        return end - start
+
+    def close(self) -> None:
+        self.log.close()
+
+
+def session_info(path: Path, args: ModelArgs) -> dict:
+    """Tokens, bytes per token and the ratio against a naive per-head K/V cache of the same model."""
+    _, geometry = read_header(path)
+    size = path.stat().st_size
+    naive = naive_kv_bytes_per_token(args, RECORD_DTYPES[geometry.dtype])
+    return {
+        "session": path.name[: -len(SESSION_SUFFIX)],
+        "tokens": max(0, size - HEADER_BYTES) // geometry.record_bytes,
+        "file_bytes": size,
+        "record_dtype": geometry.dtype,
+        "bytes_per_token": geometry.record_bytes,
+        "naive_kv_bytes_per_token": naive,
+        "compression_vs_naive": round(naive / geometry.record_bytes, 2),
+    }

@@ -1,0 +1,243 @@
+"""The per-conversation KV log: an append-only file of fixed-size, checksummed records.
+
+    header (4096 bytes): magic "COLIKV\\x00\\x01", u32 header JSON length, the JSON (format version,
+                         model fingerprint, geometry, record layout), u32 crc32c of the JSON; zero pad
+    record i (record_bytes each, at 4096 + i * record_bytes):
+                         u32 token id | payload (per layer latent + roped key, per DSA full layer the
+                         indexer key, in the record dtype) | u32 crc32c(position i, token, payload)
+
+The position is folded into each record's checksum, so a record copied or shifted to another place
+fails. Opening scans the records and keeps the longest valid prefix (point-in-time recovery: a torn
+or corrupted record and everything after it are cut off, never half-used). A file of another model
+or geometry is refused before anything is touched. An exclusive flock guards each file: a second
+process gets a clear error instead of interleaving appends.
+
+Storage sees the payload as bytes of a known width; which floats go where is the app's business.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import struct
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from storage.checksum import crc32c
+from storage.errors import CorruptDataError, FormatError, IncompatibleStateError
+
+MAGIC = b"COLIKV\x00\x01"
+KV_FORMAT_VERSION = 1
+HEADER_BYTES = 4096
+_TOKEN = struct.Struct("<I")
+_CRC = struct.Struct("<I")
+_POSITION = struct.Struct("<Q")
+RECORD_DTYPES = {"float32": 4, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """What one record holds: per layer (kv_lora + qk_rope) values, plus index_dim per DSA full layer."""
+
+    n_layers: int
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    index_layers: tuple[int, ...]
+    index_head_dim: int
+    dtype: str  # "float32" | "bfloat16"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in RECORD_DTYPES:
+            raise FormatError(f"KV record dtype {self.dtype!r} is not one of {sorted(RECORD_DTYPES)}")
+
+    @property
+    def values_per_token(self) -> int:
+        return (
+            self.n_layers * (self.kv_lora_rank + self.qk_rope_head_dim) + len(self.index_layers) * self.index_head_dim
+        )
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.values_per_token * RECORD_DTYPES[self.dtype]
+
+    @property
+    def record_bytes(self) -> int:
+        return _TOKEN.size + self.payload_bytes + _CRC.size
+
+
+def _record_crc(position: int, body: bytes | memoryview) -> int:
+    return crc32c(body, crc32c(_POSITION.pack(position)))
+
+
+def encode_header(fingerprint: str, geometry: KVGeometry) -> bytes:
+    meta = json.dumps(
+        {"format_version": KV_FORMAT_VERSION, "fingerprint": fingerprint, "geometry": asdict(geometry)}, sort_keys=True
+    ).encode()
+    header = MAGIC + _TOKEN.pack(len(meta)) + meta + _CRC.pack(crc32c(meta))
+    if len(header) > HEADER_BYTES:
+        raise FormatError(f"KV header metadata too large ({len(header)} bytes)")
+    return header.ljust(HEADER_BYTES, b"\x00")
+
+
+def decode_header(data: bytes, path: Path) -> dict[str, Any]:
+    if len(data) < len(MAGIC) + _TOKEN.size or data[: len(MAGIC)] != MAGIC:
+        raise FormatError(f"{path}: not a colibri-stream KV log (bad magic or shorter than a header)")
+    (length,) = _TOKEN.unpack_from(data, len(MAGIC))
+    start = len(MAGIC) + _TOKEN.size
+    if len(data) < HEADER_BYTES or start + length + _CRC.size > HEADER_BYTES:
+        raise FormatError(f"{path}: KV log header is truncated")
+    meta = data[start : start + length]
+    (stored,) = _CRC.unpack_from(data, start + length)
+    if crc32c(meta) != stored:
+        raise CorruptDataError(f"{path}: KV log header checksum mismatch")
+    header = json.loads(meta)
+    if header.get("format_version") != KV_FORMAT_VERSION:
+        raise FormatError(f"{path}: KV log format version {header.get('format_version')!r} is not supported")
+    return header
+
+
+def read_header(path: str | Path) -> tuple[str, KVGeometry]:
+    """(fingerprint, geometry) from a KV log's header, without locking or scanning it."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        header = decode_header(f.read(HEADER_BYTES), path)
+    try:
+        geometry = KVGeometry(**{**header["geometry"], "index_layers": tuple(header["geometry"]["index_layers"])})
+    except (KeyError, TypeError) as exc:
+        raise FormatError(f"{path}: KV log geometry is malformed ({exc!r})") from None
+    return header["fingerprint"], geometry
+
+
+def count_valid_records(data: bytes | memoryview, record_bytes: int) -> int:
+    """How many records from the start of ``data`` (the bytes after the header) are whole and valid."""
+    view = memoryview(data)
+    n = len(view) // record_bytes
+    for i in range(n):
+        record = view[i * record_bytes : (i + 1) * record_bytes]
+        (stored,) = _CRC.unpack_from(record, record_bytes - _CRC.size)
+        if _record_crc(i, record[: record_bytes - _CRC.size]) != stored:
+            return i
+    return n
+
+
+# Fault injection for the crash tests: SIGKILL this process at the named point of an append.
+FaultHook = Callable[[str], None]
+
+
+def kill_at(point: str) -> FaultHook:
+    def hook(reached: str) -> None:
+        if reached == point:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
+
+
+class KVLog:
+    """One conversation slot's log, opened exclusively. ``tokens`` and ``payloads`` mirror the valid file."""
+
+    def __init__(self, path: str | Path, fingerprint: str, geometry: KVGeometry, fault: FaultHook | None = None):
+        self.path = Path(path)
+        self.fingerprint = fingerprint
+        self.geometry = geometry
+        self._fault = fault or (lambda point: None)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._fd)
+            raise IncompatibleStateError(f"{self.path}: session is in use by another process") from None
+        try:
+            self.recovered_from_bytes = self._open_or_create()
+        except BaseException:
+            self.close()
+            raise
+
+    # -------------------------------------------------------------------------------- open/scan
+    def _open_or_create(self) -> int:
+        size = os.fstat(self._fd).st_size
+        if size == 0:
+            os.pwrite(self._fd, encode_header(self.fingerprint, self.geometry), 0)
+            os.fsync(self._fd)
+            self.length = 0
+            return 0
+        data = os.pread(self._fd, size, 0)
+        header = decode_header(data[:HEADER_BYTES], self.path)
+        if header.get("fingerprint") != self.fingerprint:
+            raise IncompatibleStateError(f"{self.path}: KV log of another model (fingerprint mismatch)")
+        if header.get("geometry") != json.loads(json.dumps(asdict(self.geometry))):
+            raise IncompatibleStateError(
+                f"{self.path}: KV log geometry {header.get('geometry')} differs from the model's"
+            )
+        self.length = count_valid_records(memoryview(data)[HEADER_BYTES:], self.geometry.record_bytes)
+        valid_end = HEADER_BYTES + self.length * self.geometry.record_bytes
+        if size != valid_end:  # cut the torn or corrupted tail so appends continue a valid file
+            os.ftruncate(self._fd, valid_end)
+            os.fsync(self._fd)
+        return size
+
+    # ------------------------------------------------------------------------------------ verbs
+    def read(self, count: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids [n] uint32, payloads [n, payload_bytes] uint8) of the first ``count`` records."""
+        count = self.length if count is None else min(count, self.length)
+        size = self.geometry.record_bytes
+        raw = np.frombuffer(bytearray(os.pread(self._fd, count * size, HEADER_BYTES)), dtype=np.uint8).reshape(
+            count, size
+        )
+        tokens = raw[:, : _TOKEN.size].copy().view("<u4").reshape(count)
+        return tokens, raw[:, _TOKEN.size : size - _CRC.size]
+
+    def append(self, tokens: np.ndarray, payloads: np.ndarray, sync: bool = True) -> None:
+        """Append records for positions length.. (tokens [n], payloads [n, payload_bytes] uint8)."""
+        n = len(tokens)
+        if payloads.shape != (n, self.geometry.payload_bytes) or payloads.dtype != np.uint8:
+            raise ValueError(
+                f"payloads must be uint8[{n}, {self.geometry.payload_bytes}], got {payloads.dtype}{payloads.shape}"
+            )
+        records = np.empty((n, self.geometry.record_bytes), dtype=np.uint8)
+        records[:, : _TOKEN.size] = np.asarray(tokens, dtype="<u4").reshape(n, 1).view(np.uint8)
+        records[:, _TOKEN.size : -_CRC.size] = payloads
+        for i in range(n):
+            crc = _record_crc(self.length + i, records[i, : -_CRC.size])
+            records[i, -_CRC.size :] = np.frombuffer(_CRC.pack(crc), dtype=np.uint8)
+        offset = HEADER_BYTES + self.length * self.geometry.record_bytes
+        self._fault("before_write")
+        data = records.tobytes()
+        # Two writes with the "mid_record" fault point between them: a kill there leaves a torn record.
+        split = max(0, len(data) - self.geometry.record_bytes // 2)
+        os.pwrite(self._fd, data[:split], offset)
+        self._fault("mid_record")
+        os.pwrite(self._fd, data[split:], offset + split)
+        self.length += n
+        self._fault("before_fsync")
+        if sync:
+            os.fsync(self._fd)
+        self._fault("after_fsync")
+
+    def sync(self) -> None:
+        os.fsync(self._fd)
+
+    def truncate(self, length: int) -> None:
+        """Forget records from ``length`` on (the conversation diverged there)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a log of {self.length} records to {length}")
+        os.ftruncate(self._fd, HEADER_BYTES + length * self.geometry.record_bytes)
+        os.fsync(self._fd)
+        self.length = length
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)  # releases the flock
+            self._fd = -1
+
+    def __enter__(self) -> KVLog:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
