@@ -58,6 +58,38 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, bits: int, dtype: torch.dt
     return w.view(out_dim, in_dim).to(dtype)
 
 
+try:  # the C kernel (engine/csrc/int4.c), built at install time when a compiler is there
+    from engine import _int4
+except ImportError:  # pragma: no cover - exercised on machines without a compiler
+    _int4 = None
+
+
+def int4_kernel_available() -> bool:
+    return _int4 is not None
+
+
+def int4_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, force_scalar: bool = False) -> torch.Tensor:
+    """x [rows <= MAX_ROWS, in] float32 @ dequant(q, scales)^T -> [rows, out], reading q once (C kernel)."""
+    rows, in_dim = x.shape
+    out_dim, groups = scales.shape
+    x = x.contiguous()
+    y = torch.empty((rows, out_dim), dtype=torch.float32)
+    work = torch.empty(rows * (in_dim + groups), dtype=torch.float32)
+    _int4.gemm(
+        q.data_ptr(),
+        scales.data_ptr(),
+        x.data_ptr(),
+        y.data_ptr(),
+        rows,
+        in_dim,
+        out_dim,
+        in_dim // groups,
+        work.data_ptr(),
+        force_scalar,
+    )
+    return y
+
+
 @dataclass(frozen=True)
 class QuantizedMatrix:
     q: torch.Tensor
@@ -66,6 +98,22 @@ class QuantizedMatrix:
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize(self.q, self.scales, self.bits, dtype)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, in] @ W^T. Few float32 rows on the CPU go through the int4 kernel; everything else
+        (prefill-sized batches, bf16, int8, other devices) dequantises once and uses a dense matmul."""
+        if (
+            self.bits == 4
+            and _int4 is not None
+            and x.dtype == torch.float32
+            and x.device.type == "cpu"
+            and self.q.device.type == "cpu"
+            and 0 < x.shape[0] <= _int4.MAX_ROWS
+            and self.q.is_contiguous()
+            and self.scales.is_contiguous()
+        ):
+            return int4_matmul(x, self.q, self.scales)
+        return F.linear(x, self.dequantize(x.dtype))
 
 
 @dataclass(frozen=True)
@@ -77,7 +125,6 @@ class QuantizedExpert:
     w3: QuantizedMatrix
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, dim] -> [N, dim]; dequantises one matrix at a time to x's dtype, then the SwiGLU FFN."""
-        hidden = F.silu(F.linear(x, self.w1.dequantize(x.dtype)))
-        hidden = hidden * F.linear(x, self.w3.dequantize(x.dtype))
-        return F.linear(hidden, self.w2.dequantize(x.dtype))
+        """x [N, dim] -> [N, dim]: the SwiGLU FFN, one quantised matrix at a time."""
+        hidden = F.silu(self.w1.matmul(x)) * self.w3.matmul(x)
+        return self.w2.matmul(hidden)

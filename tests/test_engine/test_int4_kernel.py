@@ -1,0 +1,50 @@
+"""The int4 C kernel against dequantise-then-matmul, and the torch fallback when it is missing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import quant
+from engine.quant import QuantizedExpert, QuantizedMatrix, dequantize, int4_kernel_available, int4_matmul, quantize
+
+needs_kernel = pytest.mark.skipif(not int4_kernel_available(), reason="engine._int4 was not built")
+
+
+@needs_kernel
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+@pytest.mark.parametrize("force_scalar", [False, True], ids=["simd", "scalar"])
+def test_kernel_equals_dequantise_then_matmul(group, rows, force_scalar):
+    gen = torch.Generator().manual_seed(group * 10 + rows)
+    w = torch.distributions.StudentT(4.0).sample((96, 256)) * 0.05
+    q, scales = quantize(w, 4, group)
+    x = torch.randn(rows, 256, generator=gen)
+    expected = F.linear(x, dequantize(q, scales, 4))
+    got = int4_matmul(x, q, scales, force_scalar=force_scalar)
+    assert got.shape == (rows, 96)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+@needs_kernel
+def test_kernel_rejects_shapes_it_cannot_do():
+    q, scales = quantize(torch.randn(8, 64), 4, 32)
+    with pytest.raises(ValueError, match="unsupported shape"):
+        int4_matmul(torch.randn(9, 64), q, scales)  # more rows than the kernel blocks
+
+
+def test_quantised_expert_without_the_kernel_gives_the_same_output(monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+
+    def matrix(out_dim, in_dim):
+        return QuantizedMatrix(*quantize(torch.randn(out_dim, in_dim, generator=gen) * 0.05, 4, 64), 4)
+
+    expert = QuantizedExpert(matrix(128, 64), matrix(64, 128), matrix(128, 64))
+    x = torch.randn(1, 64, generator=gen)
+    fast = expert(x)
+    monkeypatch.setattr(quant, "_int4", None)
+    slow = expert(x)
+    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-6)
+    many = torch.randn(20, 64, generator=gen)  # prefill-sized: always the dequantise path
+    torch.testing.assert_close(expert(many)[:1], expert(many[:1]), rtol=1e-5, atol=1e-6)

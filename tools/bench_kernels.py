@@ -1,0 +1,23 @@
+"""int4 expert FFN vs memcpy of the same bytes, measured side by side (colibri_stream/kernel_bench.py).
+
+python tools/bench_kernels.py [--rows 1] [--experts 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from colibri_stream.kernel_bench import measure
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=1)
+    parser.add_argument("--experts", type=int, default=48)
+    args = parser.parse_args()
+    print(json.dumps(measure(n_experts=args.experts, rows=args.rows)))
+
+
+if __name__ == "__main__":
+    main()
