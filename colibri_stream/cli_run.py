@@ -99,6 +99,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default="float32",
         help="record dtype (float32 is exact; bfloat16 halves the file)",
     )
+    sessions.add_argument(
+        "--kv-sync-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also append + fsync the KV log every N generated tokens (default 0: once, at the end of the turn)",
+    )
     add_store_arguments(parser)
     parser.set_defaults(handler=run)
 
@@ -122,6 +129,22 @@ def load_for_run(args: argparse.Namespace):
     return load_checkpoint(args.path, dtype)
 
 
+def with_periodic_sync(show, session: Session | None, cache, prompt_ids: list[int], every: int):
+    """The per-token callback: print the token, and every ``every`` tokens persist the session so far."""
+    if session is None or every <= 0:
+        return show
+    generated: list[int] = []
+
+    def on_token(token: int) -> None:
+        generated.append(token)
+        if show is not None:
+            show(token)
+        if len(generated) % every == 0:
+            session.end_turn(cache, prompt_ids + generated)  # positions computed so far; fsynced
+
+    return on_token
+
+
 def run(args: argparse.Namespace) -> int:
     sampling = SamplingParams(args.temperature, args.top_p, args.seed)
     tokenizer = load_tokenizer(args.path) if args.prompt is not None else None
@@ -131,13 +154,12 @@ def run(args: argparse.Namespace) -> int:
     if bad := [i for i in prompt_ids if i >= vocab]:
         raise ValueError(f"prompt ids {bad[:5]} are outside the vocabulary (size {vocab})")
     stream = tokenizer is not None and not args.json
-    on_token = (lambda t: print(tokenizer.decode([t]), end="", flush=True)) if stream else None
+    show = (lambda t: print(tokenizer.decode([t]), end="", flush=True)) if stream else None
     session = open_session(args, loaded.args) if args.session else None
     try:
         turn = session.start_turn(prompt_ids, loaded.model.dtype) if session else None
-        cache = turn.cache if turn else None
-        if cache is None:
-            cache = loaded.model.new_cache()
+        cache = turn.cache if turn else loaded.model.new_cache()
+        on_token = with_periodic_sync(show, session, cache, prompt_ids, args.kv_sync_every)
         with USSSampler() as uss:
             result = generate(
                 loaded.model, prompt_ids, args.max_new_tokens, loaded.experts, sampling, cache=cache, on_token=on_token

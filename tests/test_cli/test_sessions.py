@@ -168,3 +168,22 @@ def test_bfloat16_records_restore_close_to_float32(tiny_checkpoints, tmp_path):
         for a, b in zip(cache.state(), restored.state(), strict=True):
             for key in a:
                 assert (a[key] - b[key]).abs().max().item() <= tolerance * a[key].abs().max().item()
+
+
+def test_kv_sync_every_n_tokens_appends_during_the_turn(tiny_checkpoints, tmp_path, monkeypatch, capsys):
+    from storage.kvlog import KVLog
+
+    appends: list[int] = []
+    original = KVLog.append
+
+    def spy(self, tokens, payloads, sync=True):
+        appends.append(len(tokens))
+        return original(self, tokens, payloads, sync)
+
+    monkeypatch.setattr(KVLog, "append", spy)
+    argv = ["run", str(tiny_checkpoints["deepseek_v3"]), "--ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "9"]
+    assert cli.main([*argv, "--session", "s", "--kv-dir", str(tmp_path), "--kv-sync-every", "3"]) == 0
+    # tokens 3 and 6 and 9 each persist what was computed so far; the turn end has nothing left to add
+    assert appends == [len(PROMPT) + 2, 3, 3]
+    assert cli.main(["kv", "info", argv[1], "s", "--kv-dir", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"] == len(PROMPT) + 8
