@@ -14,7 +14,7 @@ from colibri_stream.checkpoint import FLOAT32_PARAMETERS, LoadedModel, load_chec
 from engine.args import ModelArgs
 from engine.experts import Expert, ExpertWeights, ResidentExperts
 from engine.model import Transformer
-from engine.quant import QuantizedExpert, QuantizedMatrix
+from engine.quant import QuantizedExpert, QuantizedMatrix, dequantize
 from engine.weights import check_complete
 from storage.buffers import aligned_empty
 from storage.container import Container, ExpertReader, is_container
@@ -98,8 +98,15 @@ def _load_dense(container: Container, args: ModelArgs, dtype: torch.dtype) -> Tr
             raise FormatError(
                 f"dense array {name}: shape {list(entry.shape)}, the model needs {list(expected[name].shape)}"
             )
-        tensor = to_torch(container.read_dense(name), entry.dtype)
-        state[name] = tensor.to(torch.float32 if name.endswith(FLOAT32_PARAMETERS) else dtype)
+        target = torch.float32 if name.endswith(FLOAT32_PARAMETERS) else dtype
+        if entry.dtype == "int8":
+            q, scales = (
+                torch.from_numpy(container.read_dense(name)),
+                torch.from_numpy(container.read_dense_scales(name)),
+            )
+            state[name] = dequantize(q, scales, 8, target)
+        else:
+            state[name] = to_torch(container.read_dense(name), entry.dtype).to(target)
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()
 

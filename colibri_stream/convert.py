@@ -35,7 +35,7 @@ from storage.layout import ExpertRecordLayout
 
 JOURNAL = "convert-journal.json"
 EXPERT_SCHEMES = ("int4", "int8", "bf16", "f32")
-DENSE_SCHEMES = ("bf16", "f32")
+DENSE_SCHEMES = ("bf16", "f32", "int8")
 # Fault injection for the kill/resume tests: SIGKILL this process midway through unit N+1.
 CRASH_ENV = "COLIBRI_STREAM_CRASH_AFTER_UNITS"
 
@@ -136,10 +136,17 @@ def bf16_bits(t: torch.Tensor) -> np.ndarray:
     return t.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
 
 
-def dense_array(engine: str, tensor: torch.Tensor, scheme: str) -> tuple[np.ndarray, str]:
+def dense_arrays(engine: str, tensor: torch.Tensor, scheme: str, group_size: int) -> list[tuple[str, np.ndarray, str]]:
+    """(array name, array, dtype tag) to store for one dense tensor under ``scheme``.
+
+    int8 applies to 2-D weights whose input dimension the group size divides; other tensors (norms,
+    biases, odd shapes) and the float32-only parameters keep bf16/float32."""
     if scheme == "f32" or engine.endswith(FLOAT32_PARAMETERS):
-        return tensor.float().contiguous().numpy(), "float32"
-    return bf16_bits(tensor), "bfloat16"
+        return [(engine, tensor.float().contiguous().numpy(), "float32")]
+    if scheme == "int8" and tensor.dim() == 2 and tensor.shape[1] % group_size == 0:
+        q, scales = quantize(tensor, 8, group_size)
+        return [(engine, q.numpy(), "int8"), (f"{engine}.scale", scales.numpy(), "float16")]
+    return [(engine, bf16_bits(tensor), "bfloat16")]
 
 
 # ------------------------------------------------------------------------------------------- driver
@@ -197,8 +204,13 @@ class Converter:
     def _convert_unit(self, unit: Unit, reader: TensorReader, writer: ContainerWriter, crash: bool) -> dict[str, Any]:
         result: dict[str, Any] = {}
         for hf, engine in unit.dense:
-            array, dtype = dense_array(engine, reader.get(hf), self.options.dense)
-            result[engine] = writer.write_dense(engine, array, dtype)
+            written = [
+                writer.write_dense(name, array, dtype)
+                for name, array, dtype in dense_arrays(
+                    engine, reader.get(hf), self.options.dense, self.options.group_size
+                )
+            ]
+            result[engine] = written[0] if len(written) == 1 else {**written[0], "scales": written[1]}
             _crash_if(crash)
         if unit.experts_layer is not None:
             layer = unit.experts_layer

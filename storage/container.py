@@ -32,7 +32,7 @@ FORMAT_VERSION = 1
 ATTRS_KEY = "colibri"
 DENSE_GROUP = "dense"
 EXPERTS_GROUP = "experts"
-DENSE_DTYPES = ("float32", "bfloat16")
+DENSE_DTYPES = ("float32", "bfloat16", "int8")  # int8: group-quantised, with a float16 scale array
 
 
 def expert_array_name(layer: int) -> str:
@@ -63,8 +63,9 @@ def is_container(path: str | Path) -> bool:
 class DenseEntry:
     name: str
     shape: tuple[int, ...]
-    dtype: str  # "float32" | "bfloat16"
+    dtype: str  # "float32" | "bfloat16" | "int8" | "float16" (int8 scales)
     crc32c: int
+    scales: DenseEntry | None = None  # int8 only: float16 [out, in / group] stored as "<name>.scale"
 
 
 class Container:
@@ -123,16 +124,24 @@ class Container:
     def _parse_dense(self, table: dict[str, Any]) -> dict[str, DenseEntry]:
         entries = {}
         for name, entry in table.items():
-            try:
-                dense = DenseEntry(name, tuple(entry["shape"]), entry["dtype"], int(entry["crc32c"]))
-            except (KeyError, TypeError, ValueError):
-                raise FormatError(f"{self.path}: dense entry {name!r} needs shape, dtype and crc32c") from None
+            dense = self._dense_entry(name, entry)
             if dense.dtype not in DENSE_DTYPES:
                 raise FormatError(
                     f"{self.path}: dense array {name}: dtype {dense.dtype!r} is not one of {DENSE_DTYPES}"
                 )
+            if dense.dtype == "int8":
+                scales = self._dense_entry(f"{name}.scale", entry.get("scales"), "float16")
+                if len(scales.shape) != 2 or scales.shape[0] != dense.shape[0] or dense.shape[1] % scales.shape[1]:
+                    raise FormatError(f"{self.path}: dense array {name}: scales {list(scales.shape)} do not fit it")
+                dense = DenseEntry(name, dense.shape, "int8", dense.crc32c, scales)
             entries[name] = dense
         return entries
+
+    def _dense_entry(self, name: str, entry: Any, dtype: str | None = None) -> DenseEntry:
+        try:
+            return DenseEntry(name, tuple(entry["shape"]), dtype or entry["dtype"], int(entry["crc32c"]))
+        except (KeyError, TypeError, ValueError):
+            raise FormatError(f"{self.path}: dense entry {name!r} needs shape, dtype and crc32c") from None
 
     def array_metadata(self, relpath: str) -> dict[str, Any]:
         meta = read_json(self.path / relpath / "zarr.json", f"array metadata of {relpath}")
@@ -140,13 +149,12 @@ class Container:
             raise FormatError(f"{self.path / relpath}: not a zarr array")
         return meta
 
-    def check_dense_metadata(self, name: str) -> None:
-        entry = self.dense[name]
-        meta = self.array_metadata(f"{DENSE_GROUP}/{name}")
+    def check_dense_metadata(self, entry: DenseEntry) -> None:
+        meta = self.array_metadata(f"{DENSE_GROUP}/{entry.name}")
         stored = str(np.dtype(DTYPES[entry.dtype]))
         if tuple(meta.get("shape", ())) != entry.shape or meta.get("data_type") != stored:
             raise FormatError(
-                f"dense array {name}: zarr metadata says {meta.get('data_type')}{meta.get('shape')}, "
+                f"dense array {entry.name}: zarr metadata says {meta.get('data_type')}{meta.get('shape')}, "
                 f"container attributes say {stored}{list(entry.shape)}"
             )
 
@@ -186,17 +194,29 @@ class Container:
         return len(self.moe_layers) * self.n_experts * self.layout.record_bytes
 
     def read_dense(self, name: str) -> np.ndarray:
-        """The dense array through zarr, checksum-verified. bfloat16 comes back as its uint16 bits."""
+        """The dense array through zarr, checksum-verified. bfloat16 comes back as its uint16 bits,
+        int8 as its quantised values (see ``read_dense_scales``)."""
         if name not in self.dense:
             raise FormatError(f"{self.path}: no dense array {name!r}")
-        self.check_dense_metadata(name)
-        entry = self.dense[name]
+        return self._read_entry(self.dense[name])
+
+    def read_dense_scales(self, name: str) -> np.ndarray:
+        """float16 group scales of an int8 dense array."""
+        scales = self.dense[name].scales
+        if scales is None:
+            raise FormatError(f"{self.path}: dense array {name} is not int8-quantised")
+        return self._read_entry(scales)
+
+    def _read_entry(self, entry: DenseEntry) -> np.ndarray:
+        self.check_dense_metadata(entry)
         try:
-            array = zarr.open_array(self.path / DENSE_GROUP / name, mode="r")[...]
+            array = zarr.open_array(self.path / DENSE_GROUP / entry.name, mode="r")[...]
         except Exception as exc:  # zarr raises assorted types for unreadable chunks
-            raise CorruptDataError(f"dense array {name}: unreadable chunk ({type(exc).__name__}: {exc})") from None
+            raise CorruptDataError(
+                f"dense array {entry.name}: unreadable chunk ({type(exc).__name__}: {exc})"
+            ) from None
         if crc32c(np.ascontiguousarray(array)) != entry.crc32c:
-            raise CorruptDataError(f"dense array {name}: checksum mismatch (corrupted or missing chunk)")
+            raise CorruptDataError(f"dense array {entry.name}: checksum mismatch (corrupted or missing chunk)")
         return array
 
 

@@ -64,7 +64,8 @@ class ContainerWriter:
         return crc32c(record)
 
     def write_dense(self, name: str, array: np.ndarray, dtype: str) -> dict[str, Any]:
-        """Store one dense tensor (float32, or bfloat16 bits as uint16); return its attribute entry."""
+        """Store one dense array (float32, bfloat16 bits as uint16, int8, or float16 scales); return its
+        attribute entry."""
         array = np.ascontiguousarray(array)
         if array.dtype != DTYPES[dtype]:
             raise ValueError(

@@ -21,9 +21,11 @@ def verify_container(path: str | Path) -> list[str]:
 
 
 def _dense_problems(container: Container) -> Iterator[str]:
-    for name in container.dense:
+    for name, entry in container.dense.items():
         try:
             container.read_dense(name)
+            if entry.scales is not None:
+                container.read_dense_scales(name)
         except StorageError as exc:
             yield str(exc)
 

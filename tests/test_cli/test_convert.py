@@ -170,3 +170,29 @@ def test_int8_and_int4_records_dequantise_close_to_the_source(make_container, ti
         errors[scheme] = ((approx - w).norm() / w.norm()).item()
     assert errors["int8"] < 0.01 < errors["int4"] < 0.15
     assert np.isfinite(list(errors.values())).all()
+
+
+def test_int8_dense_weights_load_close_to_float_and_are_verified(make_container, tiny_checkpoints, tmp_path, capsys):
+    from colibri_stream import cli
+    from storage.container import Container
+
+    f32 = load_container(make_container("deepseek_v32", experts="f32", dense="f32"))
+    dst = tmp_path / "int8-dense"
+    Converter(tiny_checkpoints["deepseek_v32"], dst, ConvertOptions(experts="f32", dense="int8"), progress=False).run()
+    container = Container(dst)
+    assert container.dense["layers.1.attn.wq_a.weight"].dtype == "int8"
+    assert container.dense["layers.1.attn.wq_a.weight"].scales is not None
+    assert container.dense["norm.weight"].dtype == "bfloat16"  # 1-D: not quantised
+    assert container.dense["layers.1.ffn.gate.bias"].dtype == "float32"  # kept float32 always
+    int8 = load_container(dst)
+    ids = torch.tensor([_prompt()])
+    a = f32.model(ids, 0, f32.model.new_cache(), f32.experts)[0]
+    b = int8.model(ids, 0, int8.model.new_cache(), int8.experts)[0]
+    cosine = torch.nn.functional.cosine_similarity(a, b, dim=-1)
+    assert cosine.mean().item() > 0.995  # single positions drift where a routing or DSA choice flips
+    scale_chunk = dst / "dense" / "layers.1.attn.wq_a.weight.scale" / "c" / "0" / "0"
+    data = bytearray(scale_chunk.read_bytes())
+    data[3] ^= 0x01
+    scale_chunk.write_bytes(bytes(data))
+    assert cli.main(["verify", str(dst)]) == 1
+    assert "layers.1.attn.wq_a.weight.scale: checksum mismatch" in capsys.readouterr().err
