@@ -74,12 +74,14 @@ def _run_child(path, fault_point=None, batches=10_000, kill_after=None) -> int:
 def test_kill_9_at_random_points_recovers_a_prefix_holding_every_acknowledged_record(tmp_path):
     path = tmp_path / "s.kvlog"
     rng = random.Random(0)
-    previous = 0
+    previous, landed = 0, 0
     for _ in range(200):
-        acked = _run_child(path, kill_after=rng.uniform(0, 0.004))
+        acked = _run_child(path, kill_after=rng.uniform(0, 0.01))
         recovered = assert_is_a_prefix(path, at_least=max(acked, previous))
+        landed += recovered > previous
         previous = recovered
-    assert previous > 200  # the kills really landed among appends (measured: ~1400 records, 109 growing)
+    # The kills really landed among appends (measured idle: ~110 of 200; under heavy load fewer).
+    assert landed >= 20
 
 
 @pytest.mark.parametrize("point", ["before_write", "mid_record", "before_fsync", "after_fsync"])
