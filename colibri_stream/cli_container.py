@@ -6,8 +6,23 @@ import argparse
 import json
 import sys
 
+from colibri_stream.cli_help import help_options
 from colibri_stream.convert import DENSE_SCHEMES, EXPERT_SCHEMES, Converter, ConvertOptions
 from storage.verify import verify_container
+
+CONVERT_EPILOG = """\
+examples:
+  colibri-stream convert ~/hf/DeepSeek-V3 ~/models/dsv3.cstream              # int4 experts, bf16 dense
+  colibri-stream convert ~/hf/Kimi-K2 kimi.cstream --experts int8 --group-size 128
+  colibri-stream convert tiny-hf tiny.cstream --experts f32 --dense f32      # lossless, for exactness tests
+exit status: 0 when the container is complete, 1 on a user error (unreadable source, mismatched resume),
+2 on bad flags. Interrupted? Run the same command again: it resumes."""
+
+VERIFY_EPILOG = """\
+examples:
+  colibri-stream verify ~/models/dsv3.cstream
+exit status: 0 when every check passes, 1 when a problem was found (each printed on stderr),
+2 on bad flags."""
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
@@ -19,6 +34,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
             "zarr v3 container colibri-stream streams experts from. Streams tensor by tensor (peak memory about "
             "one layer), and resumes where it stopped if interrupted: rerun the same command."
         ),
+        **help_options(CONVERT_EPILOG),
     )
     convert.add_argument("src", help="Hugging Face checkpoint directory")
     convert.add_argument("dst", help="container directory to create (or to resume)")
@@ -36,6 +52,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         "verify",
         help="check a container's structure, shapes and every checksum",
         description="Read every array and expert record of a container and check it; one line per problem.",
+        **help_options(VERIFY_EPILOG),
     )
     verify.add_argument("path", help="container directory")
     verify.set_defaults(handler=run_verify)

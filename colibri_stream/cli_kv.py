@@ -7,10 +7,18 @@ import json
 from pathlib import Path
 
 from colibri_stream.checkpoint import read_config
-from colibri_stream.sessions import SESSION_SUFFIX, default_kv_dir, model_fingerprint, session_info
+from colibri_stream.cli_help import help_options
+from colibri_stream.sessions import SESSION_SUFFIX, TRANSCRIPT_SUFFIX, default_kv_dir, model_fingerprint, session_info
 from engine.args import ModelArgs
 from storage.container import Container, is_container
 from storage.kvlog import KVLog, read_header
+
+KV_EPILOG = """\
+examples:
+  colibri-stream kv ls MODEL.cstream
+  colibri-stream kv info MODEL.cstream chat --json
+  colibri-stream kv rm MODEL.cstream chat          # refused while another process has it open
+exit status: 0 on success, 1 for an unknown session or one in use, 2 on bad flags."""
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -18,6 +26,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "kv",
         help="list, inspect or delete a model's stored conversation sessions",
         description="Sessions are per model: MODEL (a container or HF directory) selects their directory.",
+        **help_options(KV_EPILOG),
     )
     actions = kv.add_subparsers(dest="kv_command", metavar="ACTION", required=True)
     for name, text in (("ls", "list sessions"), ("info", "show one session"), ("rm", "delete one session")):
@@ -55,5 +64,6 @@ def run_kv(args: argparse.Namespace) -> int:
     fingerprint, geometry = read_header(path)
     with KVLog(path, fingerprint, geometry):  # refuses a session another process has open
         path.unlink()
+    (kv_dir / f"{args.session}{TRANSCRIPT_SUFFIX}").unlink(missing_ok=True)
     print(f"removed {path}")
     return 0

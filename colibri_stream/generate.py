@@ -57,6 +57,7 @@ class GenerationResult:
     ids: list[int]
     stats: GenerationStats = field(default_factory=GenerationStats)
     stopped_on: int | None = None  # the stop id that ended generation, if any
+    cancelled: bool = False  # should_stop() returned True before max_new_tokens or a stop id
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
@@ -93,9 +94,13 @@ def generate(
     stop_ids: Iterable[int] = (),
     cache: KVCache | None = None,
     on_token: Callable[[int], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> GenerationResult:
     """Continue ``prompt_ids`` by up to ``max_new_tokens``; stops early on any of ``stop_ids``
-    (the stop id is included in ``ids``). ``cache`` may already hold a prefix of the prompt."""
+    (the stop id is included in ``ids``). ``cache`` may already hold a prefix of the prompt.
+
+    ``should_stop`` is polled after every token (a client gone, Ctrl-C, a stop string): a cancelled
+    generation costs at most the decode step already running, and the cache stays consistent."""
     if not prompt_ids:
         raise ValueError("prompt is empty")
     cache = model.new_cache() if cache is None else cache
@@ -121,6 +126,9 @@ def generate(
             result.stopped_on = token
             break
         if len(result.ids) >= max_new_tokens:
+            break
+        if should_stop is not None and should_stop():
+            result.cancelled = True
             break
         logits = decode_one_token(model, token, cache, experts)
         stats.decode_tokens += 1

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 import psutil
 
 from colibri_stream.budget import BudgetFileError
+from colibri_stream.cli_help import help_options
 from engine.args import ModelArgs
 from storage.container import Container
 from storage.tiered import StoreConfig, minimum_slots, slots_for, total_records
@@ -116,12 +117,21 @@ def describe(placement: Placement) -> str:
     return "\n".join(lines)
 
 
+PLAN_EPILOG = """\
+examples:
+  colibri-stream plan MODEL.cstream --ram 25%
+  colibri-stream plan MODEL.cstream --budget budgets/workstation-128g-24gvram.toml --dtype bfloat16 --json
+exit status: 0 when the budget fits, 1 when it is below one layer's experts or beyond this machine
+(the placement is printed first, then the reason), 2 on bad flags."""
+
+
 def add_parser(commands: argparse._SubParsersAction, add_store_arguments) -> None:
     parser = commands.add_parser(
         "plan",
         help="show where dense weights, experts and KV will live, before loading",
         description="Compute the placement (dense, KV at max context, expert slots per tier, disk bytes per token "
-        "at 0%% hits, expected peak RSS) from a container's metadata and a budget, without loading anything.",
+        "at 0% hits, expected peak RSS) from a container's metadata and a budget, without loading anything.",
+        **help_options(PLAN_EPILOG),
     )
     parser.add_argument("path", help="container directory")
     parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="float32", help="compute dtype")

@@ -22,6 +22,7 @@ from engine.cache import KVCache
 from storage.kvlog import HEADER_BYTES, RECORD_DTYPES, KVGeometry, KVLog, read_header
 
 SESSION_SUFFIX = ".kvlog"
+TRANSCRIPT_SUFFIX = ".chat.json"  # `chat`'s messages beside the log: the text the template renders
 
 
 def kv_geometry(args: ModelArgs, dtype: str = "float32") -> KVGeometry:

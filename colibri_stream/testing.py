@@ -177,8 +177,16 @@ Placement changes speed, never tokens. Only routed bytes move. Hello, world! 012
 """
 
 
+# A minimal chat template in the Hugging Face convention (tokenizer_config.json "chat_template").
+TINY_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}{{ eos_token }}"
+    "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
 def write_tiny_tokenizer(dst: str | Path, vocab_size: int) -> Path:
-    """Train a byte-level BPE tokenizer (ids < vocab_size, <bos>=0, <eos>=1) and save tokenizer.json."""
+    """Train a byte-level BPE tokenizer (ids < vocab_size, <bos>=0, <eos>=1), save tokenizer.json and a
+    tokenizer_config.json with the special tokens and a chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -193,6 +201,8 @@ def write_tiny_tokenizer(dst: str | Path, vocab_size: int) -> Path:
     tokenizer.train_from_iterator(_TOKENIZER_CORPUS.splitlines() * 10, trainer)
     path = Path(dst) / "tokenizer.json"
     tokenizer.save(str(path))
+    config = {"bos_token": "<bos>", "eos_token": "<eos>", "chat_template": TINY_CHAT_TEMPLATE}
+    (Path(dst) / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return path
 
 

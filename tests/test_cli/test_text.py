@@ -1,0 +1,79 @@
+"""Chat templates and stop ids: rendering in a sandbox, the sources a model may ship, the fallback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from colibri_stream import testing
+from colibri_stream.text import (
+    FALLBACK_CHAT_TEMPLATE,
+    ChatTemplateError,
+    IncrementalDecoder,
+    load_chat_format,
+    load_tokenizer,
+    stop_token_ids,
+)
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+
+
+def test_the_fixture_template_renders_with_its_special_tokens(tiny_checkpoints):
+    chat = load_chat_format(tiny_checkpoints["deepseek_v3"])
+    assert not chat.is_fallback and chat.stop_ids == (1,)
+    assert chat.render(MESSAGES) == "<bos>system: Be brief.<eos>user: Hi<eos>assistant:"
+    assert chat.render(MESSAGES, add_generation_prompt=False).endswith("user: Hi<eos>")
+
+
+def test_chat_template_jinja_wins_over_tokenizer_config(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "config"}))
+    assert load_chat_format(tmp_path).render([]) == "config"
+    (tmp_path / "chat_template.jinja").write_text("file")
+    assert load_chat_format(tmp_path).render([]) == "file"
+
+
+def test_named_template_list_picks_default(tmp_path):
+    templates = [{"name": "tool_use", "template": "tools"}, {"name": "default", "template": "plain"}]
+    config = {"chat_template": templates, "bos_token": {"content": "<s>"}}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    chat = load_chat_format(tmp_path)
+    assert chat.render([]) == "plain" and chat.bos_token == "<s>"
+
+
+def test_no_template_uses_the_documented_fallback(tmp_path):
+    chat = load_chat_format(tmp_path)
+    assert chat.is_fallback and chat.template == FALLBACK_CHAT_TEMPLATE
+    assert chat.render(MESSAGES) == "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n"
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ messages.__class__.__mro__ }}",
+        "{{ ''.__class__.__subclasses__() }}",
+        "{% set _ = messages.append(1) %}",
+        "{{ raise_exception('no system role') }}",
+        "{% for %}",
+        "{{ cycler.__init__.__globals__ }}",
+    ],
+)
+def test_untrusted_templates_cannot_escape_the_sandbox(tmp_path, template):
+    (tmp_path / "chat_template.jinja").write_text(template)
+    with pytest.raises(ChatTemplateError):
+        load_chat_format(tmp_path).render(MESSAGES)
+
+
+def test_stop_ids_merge_config_and_generation_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 7}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9, "x", True, -1]}))
+    assert stop_token_ids(tmp_path) == (7, 9)
+
+
+def test_incremental_decoding_equals_whole_decoding(tmp_path):
+    testing.write_tiny_tokenizer(tmp_path, 512)
+    tokenizer = load_tokenizer(tmp_path)
+    ids = tokenizer.encode("Placement changes speed, never tokens. é ü 🙂").ids + [1]
+    decoder = IncrementalDecoder(tokenizer, skip_ids=[1])
+    text = "".join(decoder.push(t) for t in ids) + decoder.flush()
+    assert text == tokenizer.decode(ids[:-1])
