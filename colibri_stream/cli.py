@@ -6,7 +6,18 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from colibri_stream import __version__, cli_container, cli_kv, cli_run, plan
+from colibri_stream import (
+    __version__,
+    cli_bench,
+    cli_chat,
+    cli_container,
+    cli_demo,
+    cli_doctor,
+    cli_kv,
+    cli_run,
+    cli_serve,
+    plan,
+)
 from colibri_stream.budget import BudgetFileError
 from colibri_stream.checkpoint import CheckpointError
 from colibri_stream.memory import return_large_frees_to_the_os
@@ -42,9 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     cli_run.add_parser(commands)
+    cli_demo.add_parser(commands)
     cli_container.add_parsers(commands)
     plan.add_parser(commands, cli_run.add_store_arguments)
     cli_kv.add_parser(commands)
+    cli_bench.add_parser(commands)
+    cli_serve.add_parser(commands)
+    cli_chat.add_parser(commands)
+    cli_doctor.add_parser(commands)
     return parser
 
 

@@ -5,14 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from colibri_stream.budget import Budget, auto_ram_bytes, load_budget_file, parse_size
-from colibri_stream.checkpoint import load_checkpoint
+from colibri_stream.checkpoint import LoadedModel, load_checkpoint
+from colibri_stream.cli_help import help_options
 from colibri_stream.container_model import load_container
-from colibri_stream.generate import SamplingParams, generate
+from colibri_stream.generate import GenerationResult, SamplingParams, generate
 from colibri_stream.memory import USSSampler, peak_rss_bytes
 from colibri_stream.plan import check_fits, plan
 from colibri_stream.sessions import Session, default_kv_dir, model_fingerprint
@@ -23,6 +25,14 @@ from storage.simulate import write_trace
 from storage.tiered import POLICY_NAMES, StoreConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+RUN_EPILOG = """\
+examples:
+  colibri-stream run MODEL --ids 1,2,3 --max-new-tokens 32 --json       # ids in, ids + stats out
+  colibri-stream run MODEL --prompt "Hello" --temperature 0.7 --seed 1  # text (needs tokenizer.json)
+  colibri-stream run MODEL.cstream --prompt "Hi" --budget budgets/laptop-32g.toml --dtype bfloat16
+  colibri-stream run MODEL.cstream --ids 1,2,3 --session notes           # continue a stored conversation
+exit status: 0 on success, 1 on a user error (bad path, config, budget, session), 2 on bad flags."""
 
 
 def parse_ids(text: str) -> list[int]:
@@ -78,6 +88,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
             "Generate a continuation of a prompt. PATH is a converted container (experts streamed under the "
             "memory budget) or a Hugging Face checkpoint directory (everything resident)."
         ),
+        **help_options(RUN_EPILOG),
     )
     parser.add_argument("path", help="a converted container, or a Hugging Face checkpoint directory")
     prompt = parser.add_mutually_exclusive_group(required=True)
@@ -145,6 +156,47 @@ def with_periodic_sync(show, session: Session | None, cache, prompt_ids: list[in
     return on_token
 
 
+def run_turn(
+    loaded: LoadedModel,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    session: Session | None = None,
+    show: Callable[[int], None] | None = None,
+    trace: str | None = None,
+    sync_every: int = 0,
+) -> tuple[GenerationResult, dict]:
+    """One generation turn: restore the session's KV prefix, generate (``show`` sees each token; the
+    session is persisted every ``sync_every`` tokens), persist the turn, and collect the measured stats
+    (generation, session reuse, expert tiers, memory). Closes nothing: callers (run, demo) own the
+    session and the store."""
+    turn = session.start_turn(prompt_ids, loaded.model.dtype) if session else None
+    cache = turn.cache if turn else loaded.model.new_cache()
+    on_token = with_periodic_sync(show, session, cache, prompt_ids, sync_every)
+    with USSSampler() as uss:
+        result = generate(
+            loaded.model, prompt_ids, max_new_tokens, loaded.experts, sampling, cache=cache, on_token=on_token
+        )
+    stats = result.stats.as_dict()
+    if session:
+        session.end_turn(cache, prompt_ids + result.ids)
+        stats.update(reused_tokens=turn.reused_tokens, kv_load_s=round(turn.kv_load_s, 6))
+    if hasattr(loaded.experts, "report"):
+        loaded.experts.end_turn()
+        stats.update(loaded.experts.report())
+        if trace:
+            write_trace(trace, loaded.experts.trace)
+    stats.update(peak_rss_bytes=peak_rss_bytes(), peak_uss_bytes=uss.peak)
+    return result, stats
+
+
+def close_run(loaded: LoadedModel, session: Session | None) -> None:
+    if session:
+        session.close()
+    if hasattr(loaded.experts, "close"):
+        loaded.experts.close()
+
+
 def run(args: argparse.Namespace) -> int:
     sampling = SamplingParams(args.temperature, args.top_p, args.seed)
     tokenizer = load_tokenizer(args.path) if args.prompt is not None else None
@@ -157,28 +209,11 @@ def run(args: argparse.Namespace) -> int:
     show = (lambda t: print(tokenizer.decode([t]), end="", flush=True)) if stream else None
     session = open_session(args, loaded.args) if args.session else None
     try:
-        turn = session.start_turn(prompt_ids, loaded.model.dtype) if session else None
-        cache = turn.cache if turn else loaded.model.new_cache()
-        on_token = with_periodic_sync(show, session, cache, prompt_ids, args.kv_sync_every)
-        with USSSampler() as uss:
-            result = generate(
-                loaded.model, prompt_ids, args.max_new_tokens, loaded.experts, sampling, cache=cache, on_token=on_token
-            )
-        stats = result.stats.as_dict()
-        if session:
-            session.end_turn(cache, prompt_ids + result.ids)
-            stats.update(reused_tokens=turn.reused_tokens, kv_load_s=round(turn.kv_load_s, 6))
-        if hasattr(loaded.experts, "report"):
-            loaded.experts.end_turn()
-            stats.update(loaded.experts.report())
-            if args.trace:
-                write_trace(args.trace, loaded.experts.trace)
+        result, stats = run_turn(
+            loaded, prompt_ids, args.max_new_tokens, sampling, session, show, args.trace, args.kv_sync_every
+        )
     finally:
-        if session:
-            session.close()
-        if hasattr(loaded.experts, "close"):
-            loaded.experts.close()
-    stats.update(peak_rss_bytes=peak_rss_bytes(), peak_uss_bytes=uss.peak)
+        close_run(loaded, session)
     if args.json:
         out = {"ids": result.ids, "stats": stats}
         if tokenizer is not None:

@@ -1,0 +1,129 @@
+"""`colibri-stream demo`: the shipped demo model, converted once, then streamed under a small RAM budget.
+
+The demo model (``demo/model``, a small MoE trained on the Python standard library, see
+demo/README.md) is converted to int4 into the user's cache directory on first use. Each run then
+generates under a RAM budget smaller than the model's routed experts, so experts really stream from
+disk, and continues a named session so a second run restores the prompt's KV state from its file.
+Everything after the conversion is `colibri-stream run`'s own code path (load_for_run, run_turn).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+from colibri_stream.checkpoint import CheckpointError
+from colibri_stream.cli_help import help_options
+from colibri_stream.cli_run import add_store_arguments, close_run, load_for_run, open_session, run_turn
+from colibri_stream.convert import Converter, ConvertOptions
+from colibri_stream.generate import SamplingParams
+from colibri_stream.sessions import model_fingerprint
+from colibri_stream.text import load_tokenizer
+
+DEMO_PROMPT = "import sys\n\n\ndef main():\n"
+DEMO_SESSION = "demo"
+DEFAULT_RAM = "40%"  # of the routed experts' bytes: less than the model, so experts stream
+MIB = 1024 * 1024
+DEMO_EPILOG = """\
+examples:
+  colibri-stream demo                                              # convert once, complete, print stats
+  colibri-stream demo --prompt "class Stack:" --max-new-tokens 64  # your own Python prompt
+  colibri-stream demo --ram 100% --json                            # every expert fits: {text, ids, stats}
+  colibri-stream demo --reset                                      # forget the session: a cold start
+exit status: 0 on success, 1 on a user error (missing demo model, budget, session in use), 2 on bad flags."""
+
+
+REPO_ROOT = Path(__file__).resolve().parents[1]  # the package is installed editable from the repository
+
+
+def demo_model_dir(root: Path = REPO_ROOT) -> Path:
+    """``demo/model`` of the repository this package is installed from."""
+    path = root / "demo" / "model"
+    if not (path / "config.json").is_file():
+        raise CheckpointError(
+            f"the demo model is missing: {path} has no config.json (reinstall from a clone of the "
+            "repository with `pip install -e .`, or remake it with `python tools/train_demo.py`)"
+        )
+    return path
+
+
+def demo_cache_dir() -> Path:
+    cache_home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache_home / "colibri-stream" / "demo"
+
+
+def ensure_container(model_dir: Path, cache_dir: Path, progress: bool) -> Path:
+    """The int4 container of ``model_dir``; converted (or an interrupted conversion resumed) on first use.
+
+    The name carries the model's fingerprint, so a remade demo model gets a fresh container instead
+    of the converter refusing to mix sources."""
+    dst = cache_dir / f"model-{model_fingerprint(model_dir)[:12]}.cstream"
+    report = Converter(model_dir, dst, ConvertOptions(), progress=progress).run()
+    if report["status"] == "converted" and progress:
+        print(f"converted the demo model to int4: {dst}", file=sys.stderr)
+    return dst
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "demo",
+        help="run the shipped demo model, streaming its experts from disk",
+        description=(
+            "Convert the shipped demo MoE (trained on the Python standard library) to int4 on first use, "
+            f"then complete a Python prompt under a RAM budget smaller than its experts (default {DEFAULT_RAM}), "
+            "continuing a session so the next run reuses the prompt's stored KV state."
+        ),
+        **help_options(DEMO_EPILOG),
+    )
+    parser.add_argument("--prompt", default=DEMO_PROMPT, help=f"text to complete (default {DEMO_PROMPT!r})")
+    parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens to generate (default 48)")
+    parser.add_argument("--reset", action="store_true", help="forget the demo session first (a cold start)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object {text, ids, stats} as the last line")
+    add_store_arguments(parser)
+    parser.set_defaults(
+        handler=demo, ram=DEFAULT_RAM, dtype="float32", session=DEMO_SESSION, kv_dir=None, kv_dtype="float32"
+    )
+
+
+def demo(args: argparse.Namespace) -> int:
+    args.path = str(ensure_container(demo_model_dir(), demo_cache_dir(), progress=True))
+    tokenizer = load_tokenizer(args.path)
+    loaded = load_for_run(args)
+    prompt_ids = tokenizer.encode(args.prompt).ids  # the same ids as `run --prompt`
+    show = None
+    if not args.json:
+        print(args.prompt, end="", flush=True)
+        show = lambda t: print(tokenizer.decode([t]), end="", flush=True)  # noqa: E731
+    session = open_session(args, loaded.args)
+    try:
+        result, stats = run_turn(loaded, prompt_ids, args.max_new_tokens, SamplingParams(), session, show)
+    finally:
+        close_run(loaded, session)
+    if args.json:
+        print(json.dumps({"text": tokenizer.decode(result.ids), "ids": result.ids, "stats": stats}))
+    else:
+        print("\n")
+        print(describe(stats, loaded.experts.config.ram_bytes))
+    return 0
+
+
+def describe(stats: dict, ram_bytes: int) -> str:
+    """The tier stats in two lines and one sentence saying what they mean."""
+    recall = stats["prefetch_recall"]
+    meaning = (
+        f"The {ram_bytes / MIB:.1f} MiB RAM cache holds only part of the routed experts, so a miss is an expert "
+        "read from disk when the router picked it, a hit one already in RAM; prefetch recall is the share of "
+        "used experts guessed one layer ahead, and reused tokens were restored from disk instead of recomputed."
+    )
+    return (
+        f"experts: {stats['expert_requests']} requests, {stats['hits']['ram']} RAM hits, {stats['misses']} misses "
+        f"({stats['expert_bytes_read'] / MIB:.1f} MiB read from disk), prefetch recall "
+        f"{'n/a' if recall is None else f'{recall:.2f}'}\n"
+        f"session: {stats['reused_tokens']} prompt tokens reused from the KV file, "
+        f"{stats['prefill_tokens']} prefilled, decode {stats['decode_tok_per_s']:.1f} tok/s\n"
+        + textwrap.fill(meaning, width=100)
+    )
