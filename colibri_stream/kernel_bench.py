@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.quant import QuantizedExpert, QuantizedMatrix, dequantize, int4_kernel_available, quantize
+from engine.quant import QuantizedExpert, QuantizedMatrix, dequantize_torch, int4_kernel_available, quantize
 
 
 def _best_seconds(fn: Callable[[], None], repeats: int) -> float:
@@ -54,7 +54,7 @@ def measure(n_experts: int = 48, dim: int = 2048, inter: int = 1024, rows: int =
 
     def torch_path() -> None:
         for e in sample:
-            w1, w2, w3 = (dequantize(m.q, m.scales, 4) for m in (e.w1, e.w2, e.w3))
+            w1, w2, w3 = (dequantize_torch(m.q, m.scales, 4) for m in (e.w1, e.w2, e.w3))
             F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
 
     torch_s = _best_seconds(torch_path, repeats) * n_experts / len(sample)

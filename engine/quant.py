@@ -15,6 +15,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+try:  # the C kernel (engine/csrc/int4.c), built at install time when a compiler is there
+    from engine import _int4
+except ImportError:  # pragma: no cover - exercised on machines without a compiler
+    _int4 = None
+
+
 QMAX = {4: 7, 8: 127}
 SCALE_DTYPE = torch.float16
 
@@ -42,9 +48,22 @@ def quantize(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor,
 def dequantize(q: torch.Tensor, scales: torch.Tensor, bits: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of ``quantize``: -> [out, in] in ``dtype`` (computed in float32, then cast).
 
-    Written to keep temporaries small (peak about 1.5x the float32 result): experts are dequantised
-    per call, so these bytes come and go once per routed expert per token.
-    """
+    int4 on the CPU goes through the C kernel's one-pass dequantiser (bit-identical to the torch
+    version: the same float operations), everything else through ``dequantize_torch``."""
+    if bits == 4 and _int4 is not None and q.device.type == "cpu" and q.is_contiguous() and scales.is_contiguous():
+        w = torch.empty((q.shape[0], q.shape[1] * 2), dtype=torch.float32)
+        _int4.dequant(
+            q.data_ptr(), scales.data_ptr(), w.data_ptr(), w.shape[0], w.shape[1], w.shape[1] // scales.shape[1]
+        )
+        return w.to(dtype)
+    return dequantize_torch(q, scales, bits, dtype)
+
+
+def dequantize_torch(
+    q: torch.Tensor, scales: torch.Tensor, bits: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The reference dequantisation in torch (any device). Keeps temporaries small (peak about 1.5x
+    the float32 result): experts are dequantised per call, so these bytes come and go per token."""
     out_dim = q.shape[0]
     if bits == 4:
         w = torch.empty((out_dim, q.shape[1], 2), dtype=torch.float32, device=q.device)
@@ -56,12 +75,6 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, bits: int, dtype: torch.dt
     in_dim = w.shape[1]
     w.view(out_dim, scales.shape[1], -1).mul_(scales.to(torch.float32)[..., None])
     return w.view(out_dim, in_dim).to(dtype)
-
-
-try:  # the C kernel (engine/csrc/int4.c), built at install time when a compiler is there
-    from engine import _int4
-except ImportError:  # pragma: no cover - exercised on machines without a compiler
-    _int4 = None
 
 
 def int4_kernel_available() -> bool:

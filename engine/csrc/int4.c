@@ -200,7 +200,38 @@ static PyObject *py_gemm(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* dequant(q_ptr, scales_ptr, out_ptr, out, in, group): float32 [out, in] = (nibble - 8) * scale.
+ * The same float operations as the torch reference, so the result is bit-identical to it. */
+static PyObject *py_dequant(PyObject *self, PyObject *args) {
+    unsigned long long q, scales, dst;
+    int out, in, group;
+    if (!PyArg_ParseTuple(args, "KKKiii", &q, &scales, &dst, &out, &in, &group)) return NULL;
+    if (group < 2 || group % 2 || in % group || out < 1) {
+        PyErr_Format(PyExc_ValueError, "int4 dequant: unsupported shape in=%d out=%d group=%d", in, out, group);
+        return NULL;
+    }
+    const uint8_t *qp = (const uint8_t *)(uintptr_t)q;
+    const uint16_t *sp = (const uint16_t *)(uintptr_t)scales;
+    float *w = (float *)(uintptr_t)dst;
+    int groups = in / group;
+    Py_BEGIN_ALLOW_THREADS
+    for (int o = 0; o < out; o++) {
+        for (int g = 0; g < groups; g++) {
+            float scale = half_to_float(sp[(size_t)o * groups + g]);
+            const uint8_t *qg = qp + (size_t)o * (in / 2) + (size_t)g * (group / 2);
+            float *wg = w + (size_t)o * in + (size_t)g * group;
+            for (int j = 0; j < group / 2; j++) {
+                wg[2 * j] = ((float)(qg[j] & 0x0F) - 8.f) * scale;
+                wg[2 * j + 1] = ((float)(qg[j] >> 4) - 8.f) * scale;
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"dequant", py_dequant, METH_VARARGS, "float32 [out, in] from int4 group-quantised q and float16 scales."},
     {"gemm", py_gemm, METH_VARARGS, "y[rows, out] = x[rows, in] @ dequant(q, scales)^T for int4 group-quantised q."},
     {NULL, NULL, 0, NULL},
 };

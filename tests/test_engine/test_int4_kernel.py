@@ -48,3 +48,14 @@ def test_quantised_expert_without_the_kernel_gives_the_same_output(monkeypatch):
     torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-6)
     many = torch.randn(20, 64, generator=gen)  # prefill-sized: always the dequantise path
     torch.testing.assert_close(expert(many)[:1], expert(many[:1]), rtol=1e-5, atol=1e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_c_dequantiser_is_bit_identical_to_the_torch_reference(group):
+    from engine.quant import dequantize_torch
+
+    w = torch.distributions.StudentT(4.0).sample((64, 256)) * 0.05
+    q, scales = quantize(w, 4, group)
+    assert torch.equal(dequantize(q, scales, 4), dequantize_torch(q, scales, 4))
+    assert torch.equal(dequantize(q, scales, 4, torch.bfloat16), dequantize_torch(q, scales, 4, torch.bfloat16))
