@@ -22,7 +22,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         epilog="example: colibri-stream bench --kernels --json",
     )
     parser.add_argument("--kernels", action="store_true", help="run the expert-FFN vs memcpy micro-benchmarks")
-    parser.add_argument("--experts", type=int, default=48, help="experts in the working set (default 48)")
+    parser.add_argument("--experts", type=int, default=8, help="experts in the working set (default 8)")
+    parser.add_argument("--dim", type=int, default=7168, help="hidden size of the experts (default 7168, DeepSeek-V3)")
+    parser.add_argument("--inter", type=int, default=2048, help="expert intermediate size (default 2048, DeepSeek-V3)")
     parser.add_argument("--rows", type=int, default=1, help="activation rows per expert call (default 1: decode)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
@@ -34,7 +36,7 @@ def run_bench(args: argparse.Namespace) -> int:
         raise ValueError("only `bench --kernels` exists so far; the full side-by-side benchmark is not built yet")
     if args.threads:
         torch.set_num_threads(args.threads)
-    result = measure(n_experts=args.experts, rows=args.rows)
+    result = measure(n_experts=args.experts, dim=args.dim, inter=args.inter, rows=args.rows)
     if args.json:
         print(json.dumps(result))
     else:

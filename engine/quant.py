@@ -99,6 +99,7 @@ def int4_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, force_sc
         in_dim // groups,
         work.data_ptr(),
         force_scalar,
+        torch.get_num_threads(),  # 2+: a persistent helper thread takes half of the output rows
     )
     return y
 

@@ -14,9 +14,11 @@ from colibri_stream.kernel_bench import measure
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=1)
-    parser.add_argument("--experts", type=int, default=48)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=7168)
+    parser.add_argument("--inter", type=int, default=2048)
     args = parser.parse_args()
-    print(json.dumps(measure(n_experts=args.experts, rows=args.rows)))
+    print(json.dumps(measure(n_experts=args.experts, dim=args.dim, inter=args.inter, rows=args.rows)))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -171,31 +172,124 @@ static int use_avx2(int group) {
 #endif
 }
 
+typedef struct {
+    const uint8_t *q;
+    const uint16_t *scales;
+    const float *xs, *sums;
+    float *y;
+    int rows, in, out, group, force_scalar, begin, end;
+} Slice;
+
+/* Output rows [begin, end): those rows' weights are contiguous, so a slice is the same computation on
+ * a smaller matrix; results go to a small buffer, then into y's columns (y is [rows, out]). */
+static void run_slice(const Slice *s) {
+    int n = s->end - s->begin, groups = s->in / s->group;
+    float tmp[MAX_ROWS * 64];
+    for (int o = 0; o < n; o += 64) {
+        int m = n - o < 64 ? n - o : 64;
+        const uint8_t *qb = s->q + (size_t)(s->begin + o) * (s->in / 2);
+        const uint16_t *sb = s->scales + (size_t)(s->begin + o) * groups;
+#if HAVE_X86
+        if (!s->force_scalar && s->rows == 1 && s->group % 32 == 0 && use_avx2(s->group))
+            gemv_avx2(qb, sb, s->xs, s->sums, s->in, m, s->group, tmp);
+        else if (!s->force_scalar && use_avx2(s->group))
+            gemm_avx2(qb, sb, s->xs, s->sums, s->rows, s->in, m, s->group, tmp);
+        else
+#endif
+            gemm_scalar(qb, sb, s->xs, s->sums, s->rows, s->in, m, s->group, tmp);
+        for (int r = 0; r < s->rows; r++)
+            memcpy(s->y + (size_t)r * s->out + s->begin + o, tmp + (size_t)r * m, (size_t)m * sizeof(float));
+    }
+}
+
+/* One persistent helper thread (started on first use) takes the second half of the output rows, so a
+ * call costs a wake-up, not a thread start. Calls are serialised by the caller holding `call_lock`. */
+static pthread_mutex_t call_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t work_ready = PTHREAD_COND_INITIALIZER, work_done = PTHREAD_COND_INITIALIZER;
+static const Slice *pending = NULL;
+static int helper_state = 0; /* 0 not started, 1 running, -1 could not start */
+
+static void *helper_main(void *unused) {
+    (void)unused;
+    pthread_mutex_lock(&mu);
+    for (;;) {
+        while (pending == NULL) pthread_cond_wait(&work_ready, &mu);
+        const Slice *s = pending;
+        pthread_mutex_unlock(&mu);
+        run_slice(s);
+        pthread_mutex_lock(&mu);
+        pending = NULL;
+        pthread_cond_signal(&work_done);
+    }
+    return NULL;
+}
+
+/* A forked child has no helper thread (only the forking thread survives): start afresh there. */
+static void reset_after_fork(void) {
+    helper_state = 0;
+    pending = NULL;
+    pthread_mutex_init(&call_lock, NULL);
+    pthread_mutex_init(&mu, NULL);
+    pthread_cond_init(&work_ready, NULL);
+    pthread_cond_init(&work_done, NULL);
+}
+
+static int ensure_helper(void) {
+    if (helper_state == 0) {
+        pthread_t id;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        helper_state = pthread_create(&id, &attr, helper_main, NULL) == 0 ? 1 : -1;
+        pthread_attr_destroy(&attr);
+    }
+    return helper_state == 1;
+}
+
+static void run_split(const Slice *whole, int threads) {
+    if (threads < 2 || whole->out < 512) {
+        run_slice(whole);
+        return;
+    }
+    pthread_mutex_lock(&call_lock);
+    if (!ensure_helper()) {
+        pthread_mutex_unlock(&call_lock);
+        run_slice(whole);
+        return;
+    }
+    Slice first = *whole, second = *whole;
+    first.end = second.begin = whole->out / 2;
+    pthread_mutex_lock(&mu);
+    pending = &second;
+    pthread_cond_signal(&work_ready);
+    pthread_mutex_unlock(&mu);
+    run_slice(&first);
+    pthread_mutex_lock(&mu);
+    while (pending != NULL) pthread_cond_wait(&work_done, &mu);
+    pthread_mutex_unlock(&mu);
+    pthread_mutex_unlock(&call_lock);
+}
+
 /* gemm(q_ptr, scales_ptr, x_ptr, y_ptr, rows, in, out, group, workspace_ptr, force_scalar)
  * All pointers are addresses of contiguous buffers; workspace holds rows * (in + in / group) floats. */
 static PyObject *py_gemm(PyObject *self, PyObject *args) {
     unsigned long long q, scales, x, y, work;
-    int rows, in, out, group, force_scalar;
-    if (!PyArg_ParseTuple(args, "KKKKiiiiKp", &q, &scales, &x, &y, &rows, &in, &out, &group, &work, &force_scalar))
+    int rows, in, out, group, force_scalar, threads = 1;
+    if (!PyArg_ParseTuple(args, "KKKKiiiiKp|i", &q, &scales, &x, &y, &rows, &in, &out, &group, &work, &force_scalar,
+                          &threads))
         return NULL;
     if (rows < 1 || rows > MAX_ROWS || group < 2 || group % 2 || in % group || out < 1) {
         PyErr_Format(PyExc_ValueError, "int4 gemm: unsupported shape rows=%d in=%d out=%d group=%d", rows, in, out, group);
         return NULL;
     }
     float *xs = (float *)(uintptr_t)work, *sums = xs + (size_t)rows * in;
+    (void)use_avx2(group); /* detect the CPU once, before any helper thread looks */
+    Slice whole = {(const uint8_t *)(uintptr_t)q, (const uint16_t *)(uintptr_t)scales, xs, sums, (float *)(uintptr_t)y,
+                   rows, in, out, group, force_scalar, 0, out};
     Py_BEGIN_ALLOW_THREADS
     prepare_rows((const float *)(uintptr_t)x, rows, in, group, xs, sums);
-#if HAVE_X86
-    if (!force_scalar && rows == 1 && group % 32 == 0 && use_avx2(group))
-        gemv_avx2((const uint8_t *)(uintptr_t)q, (const uint16_t *)(uintptr_t)scales, xs, sums, in, out, group,
-                  (float *)(uintptr_t)y);
-    else if (!force_scalar && use_avx2(group))
-        gemm_avx2((const uint8_t *)(uintptr_t)q, (const uint16_t *)(uintptr_t)scales, xs, sums, rows, in, out, group,
-                  (float *)(uintptr_t)y);
-    else
-#endif
-        gemm_scalar((const uint8_t *)(uintptr_t)q, (const uint16_t *)(uintptr_t)scales, xs, sums, rows, in, out, group,
-                    (float *)(uintptr_t)y);
+    run_split(&whole, threads);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -240,6 +334,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_int4", NULL, -1, me
 
 PyMODINIT_FUNC PyInit__int4(void) {
     PyObject *m = PyModule_Create(&module);
+    pthread_atfork(NULL, NULL, reset_after_fork);
     if (m) PyModule_AddIntConstant(m, "MAX_ROWS", MAX_ROWS);
     return m;
 }

@@ -59,3 +59,26 @@ def test_c_dequantiser_is_bit_identical_to_the_torch_reference(group):
     q, scales = quantize(w, 4, group)
     assert torch.equal(dequantize(q, scales, 4), dequantize_torch(q, scales, 4))
     assert torch.equal(dequantize(q, scales, 4, torch.bfloat16), dequantize_torch(q, scales, 4, torch.bfloat16))
+
+
+@needs_kernel
+def test_kernel_splits_rows_across_threads_and_survives_fork():
+    """Two threads give the same result as one; a forked child (no helper thread) still computes."""
+    import os
+
+    q, scales = quantize(torch.randn(1024, 512) * 0.05, 4, 64)
+    x = torch.randn(1, 512)
+    expected = F.linear(x, dequantize(q, scales, 4))
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            torch.testing.assert_close(int4_matmul(x, q, scales), expected, rtol=1e-5, atol=1e-5)
+        pid = os.fork()
+        if pid == 0:  # child: must not wait for the parent's helper thread
+            ok = torch.allclose(int4_matmul(x, q, scales), expected, rtol=1e-5, atol=1e-5)
+            os._exit(0 if ok else 3)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        torch.set_num_threads(previous)
