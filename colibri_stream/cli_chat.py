@@ -17,9 +17,9 @@ from typing import Any
 
 from colibri_stream.cli_help import help_options
 from colibri_stream.cli_serve import add_runtime_arguments
-from colibri_stream.conversation import Runtime, TurnResult, check_session_name, load_runtime, run_turn
+from colibri_stream.conversation import Runtime, TurnResult, load_runtime, run_turn
 from colibri_stream.generate import SamplingParams
-from colibri_stream.sessions import SESSION_SUFFIX, TRANSCRIPT_SUFFIX, session_info
+from colibri_stream.sessions import SESSION_SUFFIX, TRANSCRIPT_SUFFIX, check_session_name, session_info
 from colibri_stream.text import IncrementalDecoder
 from storage.atomic import atomic_write_json
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import asdict, dataclass
 
 import psutil
@@ -49,7 +50,7 @@ def kv_bytes_per_token(args: ModelArgs, dtype_bytes: int) -> int:
 def plan(container: Container, config: StoreConfig, dtype: str = "float32") -> Placement:
     args = ModelArgs.from_hf_config(container.model_config)
     dtype_bytes = DTYPE_BYTES[dtype]
-    dense = sum(_numel(e.shape) * (4 if e.dtype == "float32" else dtype_bytes) for e in container.dense.values())
+    dense = sum(math.prod(e.shape) * (4 if e.dtype == "float32" else dtype_bytes) for e in container.dense.values())
     kv_token = kv_bytes_per_token(args, dtype_bytes)
     record = container.layout.record_bytes
     ram_slots = min(slots_for(config.ram_bytes, record), total_records(container))
@@ -74,13 +75,6 @@ def plan(container: Container, config: StoreConfig, dtype: str = "float32") -> P
         + kv_token * args.max_position_embeddings,
         machine_ram_bytes=psutil.virtual_memory().total,
     )
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def check_fits(placement: Placement) -> None:

@@ -26,9 +26,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
-from colibri_stream.conversation import Runtime, TurnResult, check_session_name, run_turn
+from colibri_stream.conversation import Runtime, TurnResult, run_turn
 from colibri_stream.generate import SamplingParams
 from colibri_stream.server_schemas import ChatRequest, CompletionRequest, describe_validation_error
+from colibri_stream.sessions import check_session_name
 from colibri_stream.text import ChatTemplateError, IncrementalDecoder
 from storage.errors import StorageError
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,17 @@ from engine.cache import KVCache
 from storage.kvlog import HEADER_BYTES, RECORD_DTYPES, KVGeometry, KVLog, read_header
 
 SESSION_SUFFIX = ".kvlog"
+# Session names become file names: a conservative alphabet, no leading dot, no separators.
+SESSION_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}$")
 TRANSCRIPT_SUFFIX = ".chat.json"  # `chat`'s messages beside the log: the text the template renders
+
+
+def check_session_name(name: str) -> str:
+    """The name unchanged, or ValueError: names are file names under the KV directory, so anything
+    that could leave it ("../x", "a/b", ".hidden") is refused."""
+    if not isinstance(name, str) or not SESSION_NAME.match(name) or ".." in name:
+        raise ValueError(f"session name {name!r} must be 1-128 of A-Z a-z 0-9 _ - . (no leading dot, no '..')")
+    return name
 
 
 def kv_geometry(args: ModelArgs, dtype: str = "float32") -> KVGeometry:
@@ -107,9 +118,7 @@ class Session:
     """One named conversation of one model; the log is locked while the Session is open."""
 
     def __init__(self, kv_dir: str | Path, name: str, fingerprint: str, args: ModelArgs, record_dtype: str = "float32"):
-        if not name or "/" in name or name.startswith("."):
-            raise ValueError(f"session name {name!r} must be a plain file name")
-        self.name = name
+        self.name = check_session_name(name)
         self.args = args
         self.geometry = kv_geometry(args, record_dtype)
         self.log = KVLog(Path(kv_dir) / f"{name}{SESSION_SUFFIX}", fingerprint, self.geometry)
