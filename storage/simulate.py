@@ -7,9 +7,9 @@ Keys requested by the same step are not distinguished here; the live store pins 
 
 from __future__ import annotations
 
-import bisect
+import heapq
 import json
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Hashable, Sequence
 from pathlib import Path
 
@@ -17,38 +17,47 @@ from storage.policy import POLICIES
 from storage.tier import SlotTier
 
 
-def replay(trace: Sequence[Hashable], capacity: int, policy: str = "lru", hot: frozenset = frozenset()) -> int:
-    """Hits of ``policy`` (lru | hybrid) over ``trace`` with ``capacity`` slots; ``hot`` keys never leave."""
+def replay(
+    trace: Sequence[Hashable], capacity: int, policy: str = "lru", hot: frozenset = frozenset(), count_from: int = 0
+) -> int:
+    """Hits of ``policy`` (lru | hybrid) over ``trace`` with ``capacity`` slots; ``hot`` keys never leave.
+    Requests before ``count_from`` warm the cache without being counted (e.g. the prompt's)."""
     tier = SlotTier("sim", capacity, POLICIES[policy](), hot=hot)
     hits = 0
-    for key in trace:
+    for now, key in enumerate(trace):
         if tier.lookup(key) is not None:
-            hits += 1
+            hits += now >= count_from
         elif tier.allocate(key) is None:
             raise ValueError(f"capacity {capacity} is all hot keys; nothing can be cached")
     return hits
 
 
-def belady_hits(trace: Sequence[Hashable], capacity: int) -> int:
-    """Hits of the offline optimum (MIN)."""
-    uses: dict[Hashable, list[int]] = defaultdict(list)
-    for i, key in enumerate(trace):
-        uses[key].append(i)
-
-    def next_use(key: Hashable, now: int) -> float:
-        positions = uses[key]
-        j = bisect.bisect_right(positions, now)
-        return positions[j] if j < len(positions) else float("inf")
-
-    cached: set[Hashable] = set()
+def belady_hits(trace: Sequence[Hashable], capacity: int, count_from: int = 0) -> int:
+    """Hits of the offline optimum (MIN): on a miss with the cache full, evict the cached key whose
+    next use is farthest away. A max-heap of next uses with stale entries skipped: O(n log n).
+    Hits before ``count_from`` are not counted (as in ``replay``)."""
+    if capacity <= 0:
+        return 0
+    never = float("inf")
+    next_use: list[float] = [never] * len(trace)
+    seen_at: dict[Hashable, int] = {}
+    for i in range(len(trace) - 1, -1, -1):
+        next_use[i] = seen_at.get(trace[i], never)
+        seen_at[trace[i]] = i
+    cached: dict[Hashable, float] = {}  # key -> its next use
+    heap: list[tuple[float, int, Hashable]] = []  # (-next use, tie-break, key); may hold stale entries
     hits = 0
     for now, key in enumerate(trace):
         if key in cached:
-            hits += 1
-            continue
-        if len(cached) >= capacity:
-            cached.remove(max(cached, key=lambda k: next_use(k, now)))
-        cached.add(key)
+            hits += now >= count_from
+        elif len(cached) >= capacity:
+            while True:
+                negated, _, victim = heapq.heappop(heap)
+                if cached.get(victim) == -negated:
+                    break
+            del cached[victim]
+        cached[key] = next_use[now]
+        heapq.heappush(heap, (-next_use[now], now, key))
     return hits
 
 
@@ -59,30 +68,44 @@ def write_trace(path: str | Path, acquires: Sequence[tuple[int, Sequence[int]]])
             f.write(json.dumps({"layer": layer, "experts": list(experts)}) + "\n")
 
 
-def read_trace(path: str | Path) -> list[tuple[int, int]]:
-    """The flat key sequence of a trace file."""
-    keys = []
+def read_acquires(path: str | Path) -> list[tuple[int, list[int]]]:
+    """The (layer, experts) acquires of a trace file, in order."""
+    acquires = []
     for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         try:
             record = json.loads(line)
-            keys.extend((int(record["layer"]), int(e)) for e in record["experts"])
+            acquires.append((int(record["layer"]), [int(e) for e in record["experts"]]))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError):
             raise ValueError(f"{path}:{number}: not a trace line ({line[:60]!r})") from None
-    return keys
+    return acquires
 
 
-def compare_policies(trace: Sequence[Hashable], capacities: Sequence[int], room: int) -> list[dict]:
-    """Hit rates of LRU, the hybrid, learned pins (the trace's own most frequent keys, leaving ``room``
-    unpinned slots, i.e. pins learned from a history equal to this trace) and Belady, per capacity."""
-    frequency = Counter(trace)
+def read_trace(path: str | Path) -> list[tuple[int, int]]:
+    """The flat key sequence of a trace file."""
+    return [(layer, expert) for layer, experts in read_acquires(path) for expert in experts]
+
+
+def compare_policies(
+    trace: Sequence[Hashable],
+    capacities: Sequence[int],
+    room: int,
+    count_from: int = 0,
+    learned_from: Sequence[Hashable] | None = None,
+) -> list[dict]:
+    """Hit rates of LRU, the hybrid, learned pins and Belady, per capacity, over the requests from
+    ``count_from`` on. Pins are the most frequent keys of ``learned_from`` (another run's trace, as the
+    live store learns from earlier runs; default: this trace itself, an optimistic history), leaving
+    ``room`` unpinned slots."""
+    frequency = Counter(trace if learned_from is None else learned_from)
     rows = []
     for capacity in capacities:
         hot = frozenset(key for key, _ in frequency.most_common(max(0, capacity - room)))
         hits = {
-            "lru": replay(trace, capacity, "lru"),
-            "hybrid": replay(trace, capacity, "hybrid"),
-            "pinned": replay(trace, capacity, "lru", hot=hot),
-            "belady": belady_hits(trace, capacity),
+            "lru": replay(trace, capacity, "lru", count_from=count_from),
+            "hybrid": replay(trace, capacity, "hybrid", count_from=count_from),
+            "pinned": replay(trace, capacity, "lru", hot=hot, count_from=count_from),
+            "belady": belady_hits(trace, capacity, count_from),
         }
-        rows.append({"capacity": capacity, **{k: round(v / len(trace), 4) for k, v in hits.items()}})
+        counted = max(1, len(trace) - count_from)
+        rows.append({"capacity": capacity, **{k: round(v / counted, 4) for k, v in hits.items()}})
     return rows

@@ -64,3 +64,36 @@ def test_no_policy_beats_belady(policy):
     trace = [rng.choice([0, 0, 0, 1, 1, 2, 3, 4, 5, 6, 7]) for _ in range(400)]
     for capacity in (2, 3, 5):
         assert replay(trace, capacity, policy) <= belady_hits(trace, capacity)
+
+
+def _belady_by_scanning(trace, capacity):
+    """MIN written the slow, obvious way: on each miss scan the cache for the farthest next use."""
+    cached, hits = set(), 0
+    for now, key in enumerate(trace):
+        if key in cached:
+            hits += 1
+            continue
+        if len(cached) >= capacity:
+            later = trace[now + 1 :]
+            cached.remove(max(cached, key=lambda k: later.index(k) if k in later else len(trace)))
+        cached.add(key)
+    return hits
+
+
+def test_heap_belady_equals_the_scanning_definition():
+    import random
+
+    rng = random.Random(1)
+    for _ in range(20):
+        keys = rng.randint(3, 12)
+        trace = [(rng.randint(0, 2), rng.randint(0, keys)) for _ in range(rng.randint(1, 300))]
+        for capacity in (1, 2, 4, 7, 20):
+            assert belady_hits(trace, capacity) == _belady_by_scanning(trace, capacity)
+    assert belady_hits([1, 2, 1], 0) == 0
+
+
+def test_count_from_warms_the_cache_without_counting():
+    trace = [1, 2, 1, 2, 3, 1]
+    assert replay(trace, 2, "lru") == 2 and belady_hits(trace, 2) == 3  # Belady keeps 1 over 2 at step 4
+    assert replay(trace, 2, "lru", count_from=3) == 1  # only step 3 (2) hits among steps 3-5
+    assert belady_hits(trace, 2, count_from=3) == 2  # steps 3 (2) and 5 (1)
