@@ -15,7 +15,7 @@ from colibri_stream.checkpoint import LoadedModel, load_checkpoint
 from colibri_stream.cli_help import help_options
 from colibri_stream.container_model import load_container
 from colibri_stream.generate import GenerationResult, SamplingParams, generate
-from colibri_stream.memory import USSSampler, peak_rss_bytes
+from colibri_stream.memory import USSSampler, disk_read_bytes, peak_rss_bytes
 from colibri_stream.plan import check_fits, plan
 from colibri_stream.sessions import Session, default_kv_dir, model_fingerprint
 from colibri_stream.text import load_tokenizer
@@ -156,6 +156,21 @@ def with_periodic_sync(show, session: Session | None, cache, prompt_ids: list[in
     return on_token
 
 
+def with_prefill_snapshot(on_token, experts, snapshots: list):
+    """Wrap the per-token callback so the store's counters are copied when the first token arrives:
+    everything after that copy is decode (hit rates and bytes per token without the prompt's reads)."""
+    if not hasattr(experts, "snapshot"):
+        return on_token
+
+    def first_token_aware(token: int) -> None:
+        if not snapshots:
+            snapshots.append((experts.snapshot(), disk_read_bytes()))
+        if on_token is not None:
+            on_token(token)
+
+    return first_token_aware
+
+
 def run_turn(
     loaded: LoadedModel,
     prompt_ids: list[int],
@@ -172,7 +187,9 @@ def run_turn(
     session and the store."""
     turn = session.start_turn(prompt_ids, loaded.model.dtype) if session else None
     cache = turn.cache if turn else loaded.model.new_cache()
+    at_first_token: list = []
     on_token = with_periodic_sync(show, session, cache, prompt_ids, sync_every)
+    on_token = with_prefill_snapshot(on_token, loaded.experts, at_first_token)
     with USSSampler() as uss:
         result = generate(
             loaded.model, prompt_ids, max_new_tokens, loaded.experts, sampling, cache=cache, on_token=on_token
@@ -184,6 +201,10 @@ def run_turn(
     if hasattr(loaded.experts, "report"):
         loaded.experts.end_turn()
         stats.update(loaded.experts.report())
+        if at_first_token:
+            store_then, disk_then = at_first_token[0]
+            stats["decode_phase"] = loaded.experts.snapshot().minus(store_then).as_dict()
+            stats["decode_phase"]["disk_read_bytes"] = disk_read_bytes() - disk_then
         if trace:
             write_trace(trace, loaded.experts.trace)
     stats.update(peak_rss_bytes=peak_rss_bytes(), peak_uss_bytes=uss.peak)

@@ -32,6 +32,11 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def disk_read_bytes() -> int:
+    """Bytes this process has caused to be read from block devices (page-cache hits excluded)."""
+    return psutil.Process().io_counters().read_bytes
+
+
 def uss_bytes() -> int:
     return psutil.Process().memory_full_info().uss
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 
@@ -25,6 +25,10 @@ class StoreStats:
     def add(self, **deltas: float) -> None:
         for name, delta in deltas.items():
             setattr(self, name, getattr(self, name) + delta)
+
+    def minus(self, earlier: StoreStats) -> StoreStats:
+        """The counts accumulated since ``earlier`` (a snapshot of this object), e.g. decode only."""
+        return replace(self, **{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)})
 
     @property
     def prefetch_recall(self) -> float | None:

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -260,10 +260,14 @@ class TieredExpertStore:
             self.stats.add(**deltas)
 
     # ------------------------------------------------------------------------------- lifecycle
-    def report(self) -> dict[str, Any]:
+    def snapshot(self) -> StoreStats:
+        """A copy of the counters now; ``store.snapshot().minus(earlier)`` is a phase's own counts."""
         with self._stats_lock:
             self.stats.prefetch_wasted = self.ram.evicted_unused_prefetches
-            return self.stats.as_dict()
+            return replace(self.stats)
+
+    def report(self) -> dict[str, Any]:
+        return self.snapshot().as_dict()
 
     def end_turn(self) -> None:
         """Persist the usage history (atomically) after a turn."""

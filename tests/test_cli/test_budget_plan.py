@@ -89,6 +89,14 @@ def test_run_json_reports_measured_streaming_stats(stream_container, tmp_path, c
     assert stats["peak_rss_bytes"] > 0 and stats["peak_uss_bytes"] > 0
     lines = trace.read_text().splitlines()
     assert sum(len(json.loads(line)["experts"]) for line in lines) == stats["expert_requests"]
+    # The decode-phase counters start at the first token: the prompt is one acquire per MoE layer.
+    moe_layers = len(Container(stream_container).moe_layers)
+    assert len(lines) == moe_layers * (1 + stats["decode_tokens"])
+    decode = stats["decode_phase"]
+    assert decode["expert_requests"] == sum(len(json.loads(line)["experts"]) for line in lines[moe_layers:])
+    assert decode["hits"]["ram"] + decode["misses"] == decode["expert_requests"]
+    assert decode["misses"] <= stats["misses"] and decode["expert_bytes_read"] <= stats["expert_bytes_read"]
+    assert decode["disk_read_bytes"] >= 0
 
 
 def test_auto_ram_leaves_room_for_dense_kv_and_a_margin(stream_container, capsys, monkeypatch):
