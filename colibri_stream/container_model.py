@@ -47,13 +47,14 @@ def record_views(layout: ExpertRecordLayout, record: np.ndarray | torch.Tensor) 
     return {f.name: data[f.offset : f.end].view(TORCH_DTYPES[f.dtype]).view(f.shape) for f in layout.fields}
 
 
-def expert_from_record(layout: ExpertRecordLayout, record: np.ndarray | torch.Tensor, dtype: torch.dtype) -> Expert:
-    """Engine expert over the views of one record (quantised records stay quantised)."""
+def expert_from_record(layout: ExpertRecordLayout, record: np.ndarray | torch.Tensor) -> Expert:
+    """Engine expert over the views of one record, copying nothing: quantised records stay quantised,
+    float records are cast to the activations' dtype per call."""
     views = record_views(layout, record)
     if layout.scheme in ("int4", "int8"):
         bits = 4 if layout.scheme == "int4" else 8
         return QuantizedExpert(*(QuantizedMatrix(views[f"{m}.q"], views[f"{m}.scale"], bits) for m in MATRICES))
-    return ExpertWeights(*(views[m].to(dtype) for m in MATRICES))
+    return ExpertWeights(*(views[m] for m in MATRICES))
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> LoadedModel:
@@ -69,13 +70,13 @@ def load_container(
     args = ModelArgs.from_hf_config(container.model_config)
     model = _load_dense(container, args, dtype)
     if store is None:
-        experts = ResidentExperts(_read_experts(container, dtype, direct=False))
+        experts = ResidentExperts(_read_experts(container, direct=False))
     else:
         history = None
         if store.history_path is not None:
             history = UsageHistory.load(store.history_path, container.n_experts, container_fingerprint(container))
         experts = TieredExpertStore(
-            container, store, lambda record: expert_from_record(container.layout, record, dtype), history
+            container, store, lambda record: expert_from_record(container.layout, record), history
         )
     return LoadedModel(Path(path), container.model_config, args, model, experts)
 
@@ -111,7 +112,7 @@ def _load_dense(container: Container, args: ModelArgs, dtype: torch.dtype) -> Tr
     return model.eval()
 
 
-def _read_experts(container: Container, dtype: torch.dtype, direct: bool) -> dict[int, dict[int, Expert]]:
+def _read_experts(container: Container, direct: bool) -> dict[int, dict[int, Expert]]:
     reader = ExpertReader(container, direct=direct)
     size = container.layout.record_bytes
     experts: dict[int, dict[int, Expert]] = {}
@@ -122,5 +123,5 @@ def _read_experts(container: Container, dtype: torch.dtype, direct: bool) -> dic
         for expert in range(container.n_experts):
             record = block[expert * size : (expert + 1) * size]
             reader.read_into(layer, expert, record)
-            experts[layer][expert] = expert_from_record(container.layout, record, dtype)
+            experts[layer][expert] = expert_from_record(container.layout, record)
     return experts

@@ -25,7 +25,11 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class ExpertWeights:
-    """One routed expert in float: w1 (gate) and w3 (up) [inter, dim], w2 (down) [dim, inter]."""
+    """One routed expert in float: w1 (gate) and w3 (up) [inter, dim], w2 (down) [dim, inter].
+
+    Weights stored in another float dtype than the activations (bf16 records, f32 compute) are cast
+    per call, not once: a cast copy kept with the expert would double or triple the memory of every
+    cached slot, beyond the budget the slots were sized for."""
 
     w1: torch.Tensor
     w2: torch.Tensor
@@ -33,7 +37,8 @@ class ExpertWeights:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, dim] -> [N, dim]"""
-        return F.linear(F.silu(F.linear(x, self.w1)) * F.linear(x, self.w3), self.w2)
+        w1, w2, w3 = (w if w.dtype == x.dtype else w.to(x.dtype) for w in (self.w1, self.w2, self.w3))
+        return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
 
 
 class Expert(Protocol):
