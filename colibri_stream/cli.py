@@ -18,6 +18,7 @@ from colibri_stream import (
     cli_serve,
     plan,
 )
+from colibri_stream.bench_system import ContenderFailed
 from colibri_stream.budget import BudgetFileError
 from colibri_stream.checkpoint import CheckpointError
 from colibri_stream.memory import return_large_frees_to_the_os
@@ -40,6 +41,7 @@ USER_ERRORS = (
     TokenizerMissingError,
     StorageError,
     BudgetFileError,
+    ContenderFailed,
     ValueError,
 )
 

@@ -24,7 +24,7 @@ class StressShape:
     intermediate_size: int = 4096
     n_routed_experts: int = 64
     num_experts_per_tok: int = 6
-    num_hidden_layers: int = 12
+    num_hidden_layers: int = 20
     first_k_dense_replace: int = 1
     num_attention_heads: int = 16
     kv_lora_rank: int = 256

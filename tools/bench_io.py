@@ -10,25 +10,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import aiofiles
 
+from colibri_stream.bench_system import drop_page_cache
 from storage.buffers import aligned_empty
 from storage.container import Container, ExpertReader
-
-
-def drop_page_cache() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def timed(fn) -> float:

@@ -1,0 +1,72 @@
+"""`colibri-stream bench --quick` end to end on a tiny generated model: every section, every ratio,
+the plots, and the invariants the numbers must respect (never a timing)."""
+
+import json
+import math
+
+import pytest
+
+from colibri_stream import cli
+from colibri_stream.bench_system import cgroup_available
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    out = root / "out"
+    argv = ["bench", "--quick", "--json", "--out", str(out), "--work", str(root / "work")]
+    return argv, out
+
+
+def test_quick_bench_reports_every_section_and_ratio(bench, capsys):
+    argv, out = bench
+    assert cli.main(argv) == 0
+    results = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert results == json.loads((out / "results.json").read_text())
+
+    ratios = results["ratios"]
+    assert set(ratios) == {"vs_accelerate", "io_efficiency", "hit_vs_belady_pp", "resume_speedup"}
+    assert all(math.isfinite(v) for v in ratios.values())
+    assert ratios["vs_accelerate"] > 0 and ratios["io_efficiency"] > 0 and ratios["resume_speedup"] > 0
+    assert ratios["hit_vs_belady_pp"] >= 0  # no online policy beats the optimum
+    assert results["memory_limits"]["enforced"] == cgroup_available()
+
+    disk = results["disk"]
+    for name in ("raw_sequential_odirect", "raw_expert_random_odirect", "ours_cold_buffered", "ours_cold_odirect"):
+        assert disk[name]["MBps"] > 0 and disk[name]["bytes"] > 0
+
+    # Placement changes speed, never tokens: every budget, policy, prefetch and page-cache state agrees.
+    decode = results["decode"]
+    int4_ids = {json.dumps(row["ids"]) for row in decode if row["container"] == "int4"}
+    assert len(int4_ids) == 1 and len(json.loads(int4_ids.pop())) == 12
+    budgets = {row["budget_pct"] for row in decode if row["container"] == "int4"}
+    assert budgets == {10, 25, 50, 100}
+    assert {row["policy"] for row in decode} == {"lru", "hybrid", "pinned"}
+    assert any(not row["prefetch"] for row in decode) and any(not row["cold"] for row in decode)
+    assert {row["container"] for row in decode} == {"int4", "bf16"}
+    cold_lru = {r["budget_pct"]: r for r in decode if r["name"].startswith("int4") and r["name"].endswith("fetch cold")}
+    assert cold_lru[100]["hit_rate"] >= cold_lru[10]["hit_rate"]
+    assert cold_lru[100]["bytes_per_token"] <= cold_lru[10]["bytes_per_token"]
+
+    peer = results["peer"]
+    assert [row["budget_pct"] for row in peer] == [10, 25, 50, 100]
+    assert all(len(row["ids"]) == 12 and row["decode_tok_per_s"] > 0 for row in peer)
+
+    for section in results["caching"].values():
+        for row in section["at_budgets"] + section["sweep"]:
+            assert row["belady"] >= max(row["lru"], row["hybrid"], row["pinned"])
+        assert section["sweep"][-1]["capacity"] == section["total_records"]
+
+    sessions = results["sessions"]
+    assert sessions["same_first_token"]
+    assert sessions["warm"]["reused_tokens"] == sessions["conversation_tokens"]
+    assert sessions["warm"]["prefill_tokens"] == sessions["follow_up_tokens"] - sessions["conversation_tokens"]
+    assert sessions["cold"]["prefill_tokens"] == sessions["follow_up_tokens"]
+
+    for path in results["plots"]:
+        assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    report = (out / "benchmarks.md").read_text()
+    for heading in ("## Ratios", "## 1. Disk", "## 2-3. Decode", "## 4. Caching", "## 5. Sessions"):
+        assert heading in report
