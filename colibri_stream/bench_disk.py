@@ -6,7 +6,7 @@ cache), file descriptors opened before the clock starts, ``preadv`` into 4 KiB-a
   - expert-sized random reads: whole container record files in a shuffled order, with as many reads
     in flight as the store has I/O threads (the access pattern a cold decode has).
 Ours: the tiered store itself acquiring the same records cold (page cache dropped), each acquire
-one layer's worth of experts, checksums on, as prefill does; buffered (the default) and O_DIRECT.
+one layer's worth of experts, checksums on, as prefill does; O_DIRECT (the default) and buffered.
 """
 
 from __future__ import annotations
@@ -127,11 +127,10 @@ def disk_section(container: Container, scratch: Path, sequential_bytes: int, rec
         "ours_cold_buffered": our_cold_reads(container, keys, threads, direct=False),
         "ours_cold_odirect": our_cold_reads(container, keys, threads, direct=True),
     }
-    # The headline uses the store's default (buffered) reads: what a user gets without tuning.
-    ours = result["ours_cold_buffered"]["MBps"]
-    result["io_efficiency"] = round(ours / result["raw_expert_random_odirect"]["MBps"], 3)
-    result["io_efficiency_odirect"] = round(
-        result["ours_cold_odirect"]["MBps"] / result["raw_expert_random_odirect"]["MBps"], 3
-    )
+    # The headline uses the store's default (O_DIRECT) reads: what a user gets without tuning.
+    raw = result["raw_expert_random_odirect"]["MBps"]
+    ours = result["ours_cold_odirect"]["MBps"]
+    result["io_efficiency"] = round(ours / raw, 3)
+    result["io_efficiency_buffered"] = round(result["ours_cold_buffered"]["MBps"] / raw, 3)
     result["io_efficiency_vs_sequential"] = round(ours / result["raw_sequential_odirect"]["MBps"], 3)
     return result

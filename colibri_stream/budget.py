@@ -1,7 +1,7 @@
 """Memory budgets: human sizes, percentages of the model's routed-expert bytes, `auto`, TOML files.
 
     [memory]            ram = "8GiB" | "25%" | "auto"    vram = "0" | "12GiB" | "50%"
-    [io]                direct = false    threads = 4
+    [io]                direct = true     threads = 4
     [cache]             policy = "lru" | "hybrid" | "pinned"    prefetch = true    history = "path.json"
 
 Errors name the file and the key. ``auto`` sizes the RAM tier from what psutil says is available,
@@ -75,7 +75,7 @@ def auto_ram_bytes(dense_bytes: int, kv_bytes: int) -> int:
 class Budget:
     ram: str | int = "100%"
     vram: str | int = 0
-    direct: bool = False
+    direct: bool = True
     threads: int = 4
     policy: str = "lru"
     prefetch: bool = True
@@ -119,7 +119,7 @@ def load_budget_file(path: str | Path) -> Budget:
     return Budget(
         ram=values.get("memory.ram", "100%"),
         vram=values.get("memory.vram", 0),
-        direct=values.get("io.direct", False),
+        direct=values.get("io.direct", True),
         threads=values.get("io.threads", 4),
         policy=policy,
         prefetch=values.get("cache.prefetch", True),

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import platform
 import shutil
@@ -20,6 +19,8 @@ from pathlib import Path
 import psutil
 
 from colibri_stream.cli_help import help_options
+from storage.buffers import PAGE
+from storage.container import o_direct_refusal
 
 EPILOG = """\
 examples:
@@ -90,24 +91,14 @@ def disk_check(name: str, path: Path) -> Check:
 
 
 def o_direct_check(path: Path) -> Check:
-    """One aligned O_DIRECT read of a model file: the fastest streaming mode needs the filesystem's support."""
-    files = [p for p in sorted(path.rglob("*")) if p.is_file() and p.stat().st_size >= 4096]
-    if not hasattr(os, "O_DIRECT"):
-        return Check(WARN, "o_direct", "this OS has no O_DIRECT: reads go through the page cache")
+    """One aligned O_DIRECT read of a model file: the default streaming mode needs the filesystem's support."""
+    files = [p for p in sorted(path.rglob("*")) if p.is_file() and p.stat().st_size >= PAGE]
     if not files:
         return Check(WARN, "o_direct", f"no file of 4 KiB or more under {path} to probe")
-    buffer = mmap.mmap(-1, 4096)  # page aligned, as O_DIRECT requires
-    try:
-        fd = os.open(files[0], os.O_RDONLY | os.O_DIRECT)
-        try:
-            os.preadv(fd, [buffer], 0)
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        return Check(WARN, "o_direct", f"unsupported on this filesystem ({exc.strerror}): use --direct off")
-    finally:
-        buffer.close()
-    return Check(OK, "o_direct", "supported (--direct / [io] direct = true available)")
+    refusal = o_direct_refusal(files[0])
+    if refusal is not None:
+        return Check(WARN, "o_direct", f"{refusal}: experts will be read through the page cache")
+    return Check(OK, "o_direct", "supported: experts are read with O_DIRECT (the default; --buffered to opt out)")
 
 
 def container_checks(args: argparse.Namespace) -> Iterator[Check]:

@@ -54,7 +54,9 @@ def add_store_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--vram-device", default=None, help="device of the VRAM tier (default cuda; cpu stands in)")
     group.add_argument("--policy", choices=POLICY_NAMES, help="eviction policy (default lru)")
     group.add_argument("--no-prefetch", action="store_true", help="disable router-lookahead prefetch")
-    group.add_argument("--direct", action="store_true", help="read experts with O_DIRECT (bypass the page cache)")
+    io = group.add_mutually_exclusive_group()
+    io.add_argument("--direct", action="store_true", help="read experts with O_DIRECT (the default where supported)")
+    io.add_argument("--buffered", action="store_true", help="read experts through the page cache instead of O_DIRECT")
     group.add_argument("--io-threads", type=int, help="disk reader threads (default 4)")
     group.add_argument("--history", help="usage-history file (learned hot store), updated after the run")
     group.add_argument("--trace", help="write the routing trace (one JSON line per MoE acquire) to this file")
@@ -74,7 +76,7 @@ def store_config(args: argparse.Namespace, container: Container) -> StoreConfig:
         vram_device=args.vram_device or ("cuda" if torch.cuda.is_available() else "cpu"),
         policy=args.policy or budget.policy,
         prefetch=budget.prefetch and not args.no_prefetch,
-        direct=args.direct or budget.direct,
+        direct=args.direct or (budget.direct and not args.buffered),
         threads=args.io_threads or budget.threads,
         history_path=Path(history) if history else None,
     )

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import zarr
 
+from storage.buffers import PAGE, aligned_empty
 from storage.checksum import crc32c
 from storage.errors import CorruptDataError, FormatError
 from storage.layout import DTYPES, ExpertRecordLayout
@@ -218,6 +219,23 @@ class Container:
         if crc32c(np.ascontiguousarray(array)) != entry.crc32c:
             raise CorruptDataError(f"dense array {entry.name}: checksum mismatch (corrupted or missing chunk)")
         return array
+
+
+def o_direct_refusal(file: Path) -> str | None:
+    """Why an aligned O_DIRECT read of ``file`` fails here (None: it works). tmpfs and some network
+    filesystems refuse O_DIRECT; the reader then goes through the page cache."""
+    if not hasattr(os, "O_DIRECT"):
+        return "this OS has no O_DIRECT"
+    buffer = aligned_empty(PAGE)
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_DIRECT)
+        try:
+            os.preadv(fd, [memoryview(buffer)], 0)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        return f"O_DIRECT unsupported on this filesystem ({exc.strerror})"
+    return None
 
 
 class ExpertReader:

@@ -151,3 +151,22 @@ def test_a_corrupted_record_read_while_streaming_is_a_typed_error(stream_contain
     with pytest.raises(CorruptDataError, match=r"layer 1 expert \d+: checksum mismatch"):
         generate(loaded.model, PROMPT, 2, loaded.experts)
     loaded.experts.close()
+
+
+def test_o_direct_is_the_default_and_falls_back_where_the_filesystem_refuses(
+    stream_container, reference_ids, monkeypatch
+):
+    import storage.tiered
+
+    container = Container(stream_container)
+    config = StoreConfig(ram_bytes=_budget(container, "min"))
+    assert config.direct
+    loaded = load_container(stream_container, store=config)
+    assert loaded.experts.report()["direct_io"]  # this filesystem takes O_DIRECT (the 96-way grid reads with it)
+    loaded.experts.close()
+
+    monkeypatch.setattr(storage.tiered, "o_direct_refusal", lambda path: "O_DIRECT unsupported (test)")
+    loaded = load_container(stream_container, store=config)
+    assert generate(loaded.model, PROMPT, NEW_TOKENS, loaded.experts).ids == reference_ids
+    assert loaded.experts.report()["direct_io"] is False
+    loaded.experts.close()
