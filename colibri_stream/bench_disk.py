@@ -3,8 +3,8 @@
 Raw contenders use the least code possible between the program and the device: O_DIRECT (no page
 cache), file descriptors opened before the clock starts, ``preadv`` into 4 KiB-aligned buffers.
   - sequential: one large scratch file read front to back in 8 MiB blocks (the device's best case);
-  - expert-sized random reads: whole container record files in a shuffled order, with as many reads
-    in flight as the store has I/O threads (the access pattern a cold decode has).
+  - expert-sized random reads: whole container record files, a random sample read layer by layer
+    (the order a cold prefill asks for them), with as many reads in flight as the store has threads.
 Ours: the tiered store itself acquiring the same records cold (page cache dropped), each acquire
 one layer's worth of experts, checksums on, as prefill does; O_DIRECT (the default) and buffered.
 """
@@ -57,9 +57,12 @@ def _write_scratch(path: Path, size: int) -> None:
 
 
 def sample_records(container: Container, count: int, seed: int = 0) -> list[tuple[int, int]]:
+    """``count`` random records, grouped by layer (each layer's experts in random order): the order
+    both the raw reads and the store's acquires use, so neither gets a friendlier layout."""
     keys = [(layer, e) for layer in container.moe_layers for e in range(container.n_experts)]
     random.Random(seed).shuffle(keys)
-    return keys[:count]
+    chosen = keys[:count]
+    return sorted(chosen, key=lambda key: container.moe_layers.index(key[0]))
 
 
 def raw_expert_reads(container: Container, keys: list[tuple[int, int]], threads: int) -> dict:
