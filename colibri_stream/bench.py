@@ -127,9 +127,12 @@ class Bench:
     # -------------------------------------------------------------------------------- sections
     def disk(self) -> None:
         self.log("1/5 disk: raw O_DIRECT vs our cold reads")
-        records = min(self.settings.disk_records, total_records(self.container))
         self.results["disk"] = disk_section(
-            self.container, self.work / "sequential.scratch", self.settings.sequential_bytes, records, threads=4
+            self.container,
+            self.work / "sequential.scratch",
+            self.settings.sequential_bytes,
+            self.settings.disk_records,
+            threads=4,
         )
 
     def decode(self) -> None:
