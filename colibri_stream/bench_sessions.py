@@ -1,6 +1,6 @@
 """Section 5 of the bench: resuming a long conversation from its KV log vs re-prefilling it.
 
-Three fresh processes under the same memory limit and expert budget:
+Three fresh processes under the same memory limit and expert budget (50% in the full bench):
   1. build: a ~2k-token conversation is prefilled once and its compressed KV appended to a session;
   2. warm: the next user turn (the conversation + the answer token + a few new tokens) resumes from
      the log: its time to first token is the log read plus the new tokens' prefill;
@@ -18,7 +18,7 @@ from pathlib import Path
 from colibri_stream.bench_system import MemoryLimit, cli_argv
 
 
-def conversation_ids(vocab_size: int, length: int, seed: int) -> list[int]:
+def random_prompt_ids(vocab_size: int, length: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(2, vocab_size) for _ in range(length)]  # ids 0/1 are bos/eos in stress models
 
@@ -43,9 +43,9 @@ def sessions_section(
     limit: MemoryLimit,
     timeout_s: float,
 ) -> dict:
-    history = conversation_ids(vocab_size, conversation_tokens, seed=1)
+    history = random_prompt_ids(vocab_size, conversation_tokens, seed=1)
     built = _turn(container, history, ram, kv_dir, "bench-resume", limit, timeout_s)
-    follow_up = history + built["ids"] + conversation_ids(vocab_size, new_tokens, seed=2)
+    follow_up = history + built["ids"] + random_prompt_ids(vocab_size, new_tokens, seed=2)
     warm = _turn(container, follow_up, ram, kv_dir, "bench-resume", limit, timeout_s)
     cold = _turn(container, follow_up, ram, kv_dir, None, limit, timeout_s)
     warm_ttft = warm["stats"]["kv_load_s"] + warm["stats"]["ttft_s"]
