@@ -19,7 +19,7 @@ from torch import nn
 from engine.args import ModelArgs
 from engine.cache import LayerCache
 from engine.indexer import Indexer
-from engine.layers import RMSNorm
+from engine.layers import RMSNorm, query_blocks
 from engine.rope import apply_rope, softmax_scale
 
 ABSORB_MAX_NEW_POSITIONS = 4  # auto mode: absorbed attention for decode-sized steps
@@ -88,9 +88,29 @@ class MLA(nn.Module):
         return w[:, : self.nope_dim], w[:, self.nope_dim :]
 
     def _expanded(self, q_nope, q_rope, latents, rope_keys, start_pos, selection):
-        bsz, seqlen, total = q_nope.shape[0], q_nope.shape[1], latents.shape[1]
+        bsz, total = latents.shape[0], latents.shape[1]
         kv = self.wkv_b(latents).view(bsz, total, self.n_heads, self.nope_dim + self.v_dim)
-        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # [B, T, H, n], [B, T, H, v]
+        score_bytes = bsz * self.n_heads * total * 4  # one query's float32 scores
+        return torch.cat(
+            [
+                self._expanded_block(
+                    q_nope[:, block],
+                    q_rope[:, block],
+                    k_nope,
+                    v,
+                    rope_keys,
+                    start_pos + block.start,
+                    None if selection is None else selection[:, block],
+                )
+                for block in query_blocks(q_nope.shape[1], score_bytes)
+            ],
+            dim=1,
+        )
+
+    def _expanded_block(self, q_nope, q_rope, k_nope, v, rope_keys, start_pos, selection):
+        """Queries start_pos.. of one block against all T expanded keys -> [B, S_block, H, v]."""
+        bsz, seqlen, total = q_nope.shape[0], q_nope.shape[1], k_nope.shape[1]
         scores = torch.einsum("bshn,bthn->bsht", q_nope, k_nope) + torch.einsum("bshr,btr->bsht", q_rope, rope_keys)
         visible = _causal(start_pos, seqlen, total, q_nope.device)[None]  # [1, S, T]
         if selection is not None:

@@ -13,6 +13,7 @@ from torch import nn
 
 from engine.args import ModelArgs
 from engine.cache import LayerCache
+from engine.layers import query_blocks
 from engine.moe import stable_topk_indices
 from engine.rope import apply_rope
 
@@ -55,10 +56,23 @@ class Indexer(nn.Module):
         total = keys.shape[1]
         if total <= self.topk:
             return None
-        scores = torch.einsum("bshd,btd->bsht", q.float(), keys).mul_(self.head_dim**-0.5).relu_()
         # weights_proj stays float32 even in bf16 models (the reference keeps it in fp32).
         weights = F.linear(x.float(), self.weights_proj.weight.float()) * self.n_heads**-0.5  # [B, S, H]
+        score_bytes = bsz * self.n_heads * total * 4  # one query's float32 head scores
+        return torch.cat(
+            [
+                self._select(q[:, block].float(), keys, weights[:, block], start_pos + block.start)
+                for block in query_blocks(seqlen, score_bytes)
+            ],
+            dim=1,
+        )
+
+    def _select(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """One block of queries q [B, S, H, D] (positions start_pos..) vs keys [B, T, D] -> [B, S, K]."""
+        seqlen, total = q.shape[1], keys.shape[1]
+        scores = torch.einsum("bshd,btd->bsht", q, keys).mul_(self.head_dim**-0.5).relu_()
         index_scores = torch.einsum("bsh,bsht->bst", weights, scores)
-        future = torch.arange(total, device=x.device)[None, :] > torch.arange(start_pos, start_pos + seqlen)[:, None]
-        index_scores = index_scores.masked_fill(future.to(x.device), float("-inf"))
+        query_pos = torch.arange(start_pos, start_pos + seqlen, device=q.device)[:, None]
+        future = torch.arange(total, device=q.device)[None, :] > query_pos  # [S, T]
+        index_scores = index_scores.masked_fill(future, float("-inf"))
         return stable_topk_indices(index_scores, self.topk)

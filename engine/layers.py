@@ -1,6 +1,8 @@
-"""Small building blocks: RMSNorm and the SwiGLU MLP (dense layers and shared experts)."""
+"""Small building blocks: RMSNorm, the SwiGLU MLP (dense layers and shared experts), query blocks."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -33,3 +35,16 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+# A long prefill's [S, H, T] score tensors grow with S*T (2000 tokens x 16 heads: 256 MB each, several
+# alive at once); cutting S into blocks keeps that memory flat. Softmax, masking and top-k are per
+# query, so the blocks are independent and the result is the same.
+SCORE_BLOCK_BYTES = 64 << 20
+
+
+def query_blocks(seqlen: int, bytes_per_query: int) -> Iterator[slice]:
+    """Slices of the S new positions whose score tensors take at most SCORE_BLOCK_BYTES each."""
+    step = max(1, SCORE_BLOCK_BYTES // max(bytes_per_query, 1))
+    for start in range(0, seqlen, step):
+        yield slice(start, min(start + step, seqlen))

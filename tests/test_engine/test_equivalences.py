@@ -35,6 +35,26 @@ def test_absorbed_equals_expanded(loaded):
     assert (absorbed - expanded).abs().max().item() <= 1e-5
 
 
+def test_query_blocked_scores_equal_one_block(loaded, monkeypatch):
+    """Prefill attention and DSA scoring cut into blocks of 1 and 3 queries give the same logits."""
+    import engine.layers
+
+    ids = _ids(loaded)
+    whole = _logits(loaded, ids)
+    per_query = loaded.args.n_heads * len(ids) * 4
+    for block_queries in (1, 3):
+        monkeypatch.setattr(engine.layers, "SCORE_BLOCK_BYTES", block_queries * per_query)
+        assert (_logits(loaded, ids) - whole).abs().max().item() <= 1e-5
+
+
+def test_query_blocks_cover_every_position_once():
+    from engine.layers import SCORE_BLOCK_BYTES, query_blocks
+
+    blocks = list(query_blocks(10, SCORE_BLOCK_BYTES // 3))
+    assert [(b.start, b.stop) for b in blocks] == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert list(query_blocks(5, SCORE_BLOCK_BYTES * 2)) == [slice(i, i + 1) for i in range(5)]
+
+
 @pytest.mark.parametrize("chunk", [1, 7])
 def test_prefill_then_decode_equals_one_forward(loaded, chunk):
     ids = _ids(loaded)
