@@ -25,58 +25,15 @@ import argparse
 import json
 import os
 import sys
-import threading
 import time
 from collections import Counter
 from pathlib import Path
 
 import torch
 
+from colibri_stream.memory import PeakSampler, anon_rss_bytes, disk_read_bytes, disk_write_bytes, peak_rss_bytes
+
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-def _proc_io(field: str) -> int:
-    """One counter of /proc/self/io (read_bytes, write_bytes: real block-device traffic)."""
-    for line in Path("/proc/self/io").read_text().splitlines():
-        name, _, value = line.partition(":")
-        if name == field:
-            return int(value)
-    raise RuntimeError(f"/proc/self/io has no {field}")
-
-
-def _status_bytes(field: str) -> int:
-    """A kB field of /proc/self/status (VmHWM, RssAnon, ...) in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-class AnonPeak:
-    """Peak anonymous RSS while the block runs, sampled every 10 ms.
-
-    VmHWM counts the safetensors files accelerate and transformers mmap, which are page cache a cgroup
-    reclaims under pressure; anonymous memory is what the budget must really hold."""
-
-    def __init__(self, interval_s: float = 0.01) -> None:
-        self.interval_s, self.peak = interval_s, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    def _sample(self) -> None:
-        while True:
-            self.peak = max(self.peak, _status_bytes("RssAnon"))
-            if self._stop.wait(self.interval_s):
-                return
-
-    def __enter__(self) -> AnonPeak:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _status_bytes("RssAnon"))
 
 
 def _tree_bytes(folder: Path) -> int:
@@ -134,15 +91,15 @@ def _step(model: torch.nn.Module, ids: torch.Tensor, past: object | None) -> tup
 @torch.inference_mode()
 def _greedy(model: torch.nn.Module, ids: list[int], max_new_tokens: int) -> dict:
     """Exactly max_new_tokens greedy tokens (no eos stop), timing and I/O split at the first token."""
-    read, start = _proc_io("read_bytes"), time.perf_counter()
+    read, start = disk_read_bytes(), time.perf_counter()
     token, past = _step(model, torch.tensor([ids]), None)
-    ttft, prefill_read = time.perf_counter() - start, _proc_io("read_bytes") - read
+    ttft, prefill_read = time.perf_counter() - start, disk_read_bytes() - read
     out = [token]
-    read, start = _proc_io("read_bytes"), time.perf_counter()
+    read, start = disk_read_bytes(), time.perf_counter()
     for _ in range(max_new_tokens - 1):
         token, past = _step(model, torch.tensor([[token]]), past)
         out.append(token)
-    decode_s, decode_read = time.perf_counter() - start, _proc_io("read_bytes") - read
+    decode_s, decode_read = time.perf_counter() - start, disk_read_bytes() - read
     decode_tokens = max_new_tokens - 1
     return {
         "ids": out,
@@ -185,25 +142,25 @@ def run_peer(
     if cold:
         evict_page_cache(model_dir)
 
-    written, start = _proc_io("write_bytes"), time.perf_counter()
-    with AnonPeak() as load_anon:
+    written, start = disk_write_bytes(), time.perf_counter()
+    with PeakSampler(anon_rss_bytes, interval=0.01) as load_anon:
         model = _load(model_dir, max_memory_bytes, offload_folder, DTYPES[dtype])
     load_s = time.perf_counter() - start
     device_map = _device_map(model)
     load = {
         "load_s": load_s,
         "load_peak_anon_bytes": load_anon.peak,
-        "load_write_bytes": _proc_io("write_bytes") - written,
+        "load_write_bytes": disk_write_bytes() - written,
         "offload_folder_bytes": _tree_bytes(offload_folder) if offload_folder.exists() else 0,
     }
-    with AnonPeak() as run_anon:
+    with PeakSampler(anon_rss_bytes, interval=0.01) as run_anon:
         result = _greedy(model, ids, max_new_tokens)
     return {
         **result,
         **load,
         "run_peak_anon_bytes": run_anon.peak,
         # VmHWM includes the mmapped safetensors (reclaimable page cache); the anon peak is what must fit.
-        "peak_rss_bytes": _status_bytes("VmHWM"),
+        "peak_rss_bytes": peak_rss_bytes(),
         "peak_anon_bytes": max(load_anon.peak, run_anon.peak),
         "offloaded_bytes": _offloaded_bytes(model, device_map),
         "dtype": dtype,

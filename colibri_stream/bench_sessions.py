@@ -1,6 +1,6 @@
 """Section 5 of the bench: resuming a long conversation from its KV log vs re-prefilling it.
 
-Three fresh processes under the same memory limit and expert budget (50% in the full bench):
+Three fresh processes under the same memory limit and expert budget (the ratios' 25%):
   1. build: a ~2k-token conversation is prefilled once and its compressed KV appended to a session;
   2. warm: the next user turn (the conversation + the answer token + a few new tokens) resumes from
      the log: its time to first token is the log read plus the new tokens' prefill;

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -14,6 +13,7 @@ import torch
 
 from colibri_stream.cli_help import help_options
 from colibri_stream.kernel_bench import measure
+from colibri_stream.paths import user_cache_dir
 
 BENCH_EPILOG = """\
 examples:
@@ -27,8 +27,7 @@ exit status: 0 on success, 1 when a contender fails (its error is printed), 2 on
 
 
 def default_work_dir(quick: bool) -> Path:
-    cache_home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache_home / "colibri-stream" / "bench" / ("quick" if quick else "full")
+    return user_cache_dir("bench", "quick" if quick else "full")
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import textwrap
 from pathlib import Path
@@ -21,6 +20,7 @@ from colibri_stream.cli_help import help_options
 from colibri_stream.cli_run import add_store_arguments, close_run, load_for_run, open_session, run_turn
 from colibri_stream.convert import Converter, ConvertOptions
 from colibri_stream.generate import SamplingParams
+from colibri_stream.paths import user_cache_dir
 from colibri_stream.sessions import model_fingerprint
 from colibri_stream.text import load_tokenizer
 
@@ -52,8 +52,7 @@ def demo_model_dir(root: Path = REPO_ROOT) -> Path:
 
 
 def demo_cache_dir() -> Path:
-    cache_home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache_home / "colibri-stream" / "demo"
+    return user_cache_dir("demo")
 
 
 def ensure_container(model_dir: Path, cache_dir: Path, progress: bool) -> Path:

@@ -15,7 +15,7 @@ from colibri_stream.checkpoint import LoadedModel, load_checkpoint
 from colibri_stream.cli_help import help_options
 from colibri_stream.container_model import load_container
 from colibri_stream.generate import GenerationResult, SamplingParams, generate
-from colibri_stream.memory import USSSampler, disk_read_bytes, peak_rss_bytes
+from colibri_stream.memory import PeakSampler, disk_read_bytes, peak_rss_bytes
 from colibri_stream.plan import check_fits, plan
 from colibri_stream.sessions import Session, default_kv_dir, model_fingerprint
 from colibri_stream.text import load_tokenizer
@@ -192,7 +192,7 @@ def run_turn(
     at_first_token: list = []
     on_token = with_periodic_sync(show, session, cache, prompt_ids, sync_every)
     on_token = with_prefill_snapshot(on_token, loaded.experts, at_first_token)
-    with USSSampler() as uss:
+    with PeakSampler() as uss:
         result = generate(
             loaded.model, prompt_ids, max_new_tokens, loaded.experts, sampling, cache=cache, on_token=on_token
         )

@@ -1,4 +1,4 @@
-"""Measured memory: peak RSS from the kernel, peak USS sampled by a background thread."""
+"""Measured memory and I/O: peak RSS from the kernel, peaks (USS, anonymous RSS) sampled by a thread."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import ctypes
 import ctypes.util
 import resource
 import threading
+from collections.abc import Callable
+from pathlib import Path
 
 import psutil
 
@@ -37,30 +39,43 @@ def disk_read_bytes() -> int:
     return psutil.Process().io_counters().read_bytes
 
 
+def disk_write_bytes() -> int:
+    """Bytes this process has caused to be written to block devices."""
+    return psutil.Process().io_counters().write_bytes
+
+
 def uss_bytes() -> int:
     return psutil.Process().memory_full_info().uss
 
 
-class USSSampler:
-    """Samples this process's USS every ``interval`` seconds while active; ``peak`` is the maximum seen."""
+def anon_rss_bytes() -> int:
+    """Resident anonymous memory (RssAnon): RSS without the mmapped files a cgroup may reclaim."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024  # kB
+    raise RuntimeError("/proc/self/status has no RssAnon (not Linux?)")
 
-    def __init__(self, interval: float = 0.05):
-        self.interval = interval
+
+class PeakSampler:
+    """Samples ``measure()`` every ``interval`` seconds while active; ``peak`` is the maximum seen."""
+
+    def __init__(self, measure: Callable[[], int] = uss_bytes, interval: float = 0.05):
+        self.measure, self.interval = measure, interval
         self.peak = 0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="uss-sampler", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="peak-sampler", daemon=True)
 
     def _run(self) -> None:
         while True:
-            self.peak = max(self.peak, uss_bytes())
+            self.peak = max(self.peak, self.measure())
             if self._stop.wait(self.interval):
                 return
 
-    def __enter__(self) -> USSSampler:
+    def __enter__(self) -> PeakSampler:
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, uss_bytes())
+        self.peak = max(self.peak, self.measure())

@@ -9,7 +9,6 @@ be open at once (the server's slots) and a second process gets a clear error.
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import time
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from colibri_stream.paths import user_cache_dir
 from engine.args import ModelArgs
 from engine.cache import KVCache
 from storage.kvlog import HEADER_BYTES, RECORD_DTYPES, KVGeometry, KVLog, read_header
@@ -47,8 +47,7 @@ def naive_kv_bytes_per_token(args: ModelArgs, dtype_bytes: int) -> int:
 
 
 def default_kv_dir(fingerprint: str) -> Path:
-    cache_home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache_home / "colibri-stream" / "kv" / fingerprint[:16]
+    return user_cache_dir("kv", fingerprint[:16])
 
 
 def model_fingerprint(path: str | Path) -> str:

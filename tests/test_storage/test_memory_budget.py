@@ -18,7 +18,7 @@ import json, sys
 import torch
 from colibri_stream.container_model import load_container
 from colibri_stream.generate import generate
-from colibri_stream.memory import USSSampler, return_large_frees_to_the_os, uss_bytes
+from colibri_stream.memory import PeakSampler, return_large_frees_to_the_os, uss_bytes
 from storage.container import Container
 from storage.tiered import StoreConfig
 
@@ -33,7 +33,7 @@ generate(small.model, [5, 9, 17, 33], 4, small.experts)
 small.experts.close()
 del small
 baseline = uss_bytes()
-with USSSampler(interval=0.01) as uss:
+with PeakSampler(interval=0.01) as uss:
     loaded = load_container(path, store=StoreConfig(ram_bytes=budget, threads=2))
     cache = loaded.model.new_cache()
     generate(loaded.model, [5, 9, 17, 33, 65, 129, 257, 300], 24, loaded.experts, cache=cache)
