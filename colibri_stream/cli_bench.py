@@ -19,7 +19,7 @@ BENCH_EPILOG = """\
 examples:
   colibri-stream bench --quick                 # a small model, every section, a few minutes
   colibri-stream bench --json --out results/   # the full run (<= 30 min): results.json, benchmarks.md, plots
-  colibri-stream bench --kernels --json        # int4 expert FFN vs memcpy, same run
+  colibri-stream bench --kernels --json        # int4 expert FFN vs memcpy (+ CUDA copies/FFN on a GPU)
 The full run generates a ~15 GB bf16 model and its int4 and bf16 containers (~20 GB) in --work once.
 Run as root on an idle machine: contenders are confined by a memory cgroup (page cache counted) and
 the page cache is dropped before cold runs; without root both are skipped with a warning.
@@ -47,7 +47,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--work", help="where the generated model and containers live (default ~/.cache/...)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     kernels = parser.add_argument_group("kernel micro-benchmarks (--kernels)")
-    kernels.add_argument("--kernels", action="store_true", help="run the expert-FFN vs memcpy micro-benchmarks")
+    kernels.add_argument(
+        "--kernels",
+        action="store_true",
+        help="run the expert-FFN vs memcpy micro-benchmarks (with CUDA also H2D copies and GPU expert FFN)",
+    )
     kernels.add_argument("--experts", type=int, default=8, help="experts in the working set (default 8)")
     kernels.add_argument("--dim", type=int, default=7168, help="hidden size of the experts (default 7168, DeepSeek-V3)")
     kernels.add_argument("--inter", type=int, default=2048, help="expert intermediate size (default 2048)")
@@ -84,6 +88,10 @@ def run_kernels(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     result = measure(n_experts=args.experts, dim=args.dim, inter=args.inter, rows=args.rows)
+    if torch.cuda.is_available():  # the VRAM tier's copies and GPU expert compute, same run
+        from colibri_stream.cuda_bench import measure_cuda
+
+        result["cuda"] = measure_cuda(n_experts=args.experts, dim=args.dim, inter=args.inter)
     if args.json:
         print(json.dumps(result))
     else:
@@ -92,4 +100,10 @@ def run_kernels(args: argparse.Namespace) -> int:
             f"(ratio {result['ratios']['int4_ffn_vs_memcpy']}), torch dequantise+matmul "
             f"{result['torch_dequant_matmul_GBps']} GB/s"
         )
+        if "cuda" in result:
+            cuda = result["cuda"]
+            print(
+                f"{cuda['device']}: H2D {cuda['h2d_GBps']} GB/s, GPU int4 FFN {cuda['gpu_ffn_GBps']} GB/s, "
+                f"side-stream copies {cuda['ratios']['side_stream_speedup']}x faster than on the compute stream"
+            )
     return 0

@@ -35,6 +35,10 @@ class ExpertWeights:
     w2: torch.Tensor
     w3: torch.Tensor
 
+    @property
+    def device(self) -> torch.device:
+        return self.w1.device
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, dim] -> [N, dim]"""
         w1, w2, w3 = (w if w.dtype == x.dtype else w.to(x.dtype) for w in (self.w1, self.w2, self.w3))
@@ -42,6 +46,9 @@ class ExpertWeights:
 
 
 class Expert(Protocol):
+    """x [N, dim] -> [N, dim] on the expert's own device. Experts may also expose ``device`` (where
+    their weights live, e.g. a VRAM slot); the MoE layer then sends x there (see RoutedSum)."""
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
 

@@ -83,11 +83,51 @@ class MoE(nn.Module):
         acquired = experts.acquire(self.layer_id, unique_ids)  # misses start loading now...
         try:
             out = self.shared_experts(x) if self.shared_experts is not None else torch.zeros_like(x)  # ...meanwhile
-            routed = torch.zeros_like(x, dtype=torch.float32)
+            routed = RoutedSum(x, weights)
             for expert_id in unique_ids:
                 rows, slot = torch.where(ids == expert_id)
-                y = acquired[expert_id](x[rows])  # waits for this expert's read only
-                routed.index_add_(0, rows, y.float() * weights[rows, slot, None])
+                routed.add(acquired[expert_id], rows, slot)  # waits for this expert's read only
+            total = routed.total()
         finally:
             experts.release(self.layer_id, unique_ids)
-        return (routed.to(x.dtype) + out).view(shape)
+        return (total.to(x.dtype) + out).view(shape)
+
+
+class RoutedSum:
+    """sum over experts e of gate weight * e(x[rows]), float32, kept on each expert's device until the end.
+
+    An expert computes where its weights are (``expert.device``; the activations' device if it has
+    none): a VRAM-tier expert on the GPU. x and the gate weights go to such a device once per layer,
+    and each device's partial sum comes back in one transfer at ``total()``: a transfer per expert
+    would stall the CPU on every GPU matmul and serialise the side-stream copies behind them. With all
+    experts on the activations' device this is the plain index_add_ in expert order.
+    """
+
+    def __init__(self, x: torch.Tensor, weights: torch.Tensor):
+        self.home = x.device
+        self._inputs = {x.device: (x, weights)}  # device -> (x [N, dim], weights [N, topk]) there
+        self._sums: dict[torch.device, torch.Tensor] = {}
+
+    def add(self, expert, rows: torch.Tensor, slot: torch.Tensor) -> None:
+        """rows/slot: which rows of x routed to ``expert`` and in which of their top-k places."""
+        device = getattr(expert, "device", self.home)
+        # non_blocking: a blocking host-to-device copy waits for the GPU's queued work (every earlier
+        # expert), while from pageable memory a non-blocking one is staged at once and waits for nothing.
+        if device not in self._inputs:
+            x, weights = self._inputs[self.home]
+            self._inputs[device] = (x.to(device, non_blocking=True), weights.to(device, non_blocking=True))
+        x, weights = self._inputs[device]
+        rows, slot = rows.to(device, non_blocking=True), slot.to(device, non_blocking=True)
+        if device not in self._sums:
+            self._sums[device] = torch.zeros(x.shape, dtype=torch.float32, device=device)
+        self._sums[device].index_add_(0, rows, expert(x[rows]).float() * weights[rows, slot, None])
+
+    def total(self) -> torch.Tensor:
+        """[N, dim] float32 on the activations' device."""
+        x = self._inputs[self.home][0]
+        total = self._sums.pop(self.home, None)
+        if total is None:
+            total = torch.zeros(x.shape, dtype=torch.float32, device=self.home)
+        for partial in self._sums.values():
+            total += partial.to(self.home)
+        return total

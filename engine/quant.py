@@ -138,6 +138,10 @@ class QuantizedExpert:
     w2: QuantizedMatrix
     w3: QuantizedMatrix
 
+    @property
+    def device(self) -> torch.device:
+        return self.w1.q.device
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, dim] -> [N, dim]: the SwiGLU FFN, one quantised matrix at a time."""
         hidden = F.silu(self.w1.matmul(x)) * self.w3.matmul(x)

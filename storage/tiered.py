@@ -26,6 +26,7 @@ import torch
 
 from storage.buffers import aligned_empty
 from storage.container import Container, ExpertReader, o_direct_refusal
+from storage.device_copy import DeviceCopies
 from storage.errors import BudgetError, CorruptDataError
 from storage.history import UsageHistory
 from storage.policy import POLICIES, LRUPolicy
@@ -149,6 +150,7 @@ class TieredExpertStore:
         if n_slots < 1:
             raise BudgetError(f"VRAM budget {self.config.vram_bytes} B holds no {self.record_bytes} B expert record")
         self._vram_block = torch.empty((n_slots, self.record_bytes), dtype=torch.uint8, device=self.config.vram_device)
+        self._copies = DeviceCopies(self._vram_block.device)
         return SlotTier("vram", n_slots, LRUPolicy())
 
     def ram_slot(self, slot: int) -> np.ndarray:
@@ -183,9 +185,12 @@ class TieredExpertStore:
 
     def release(self, layer: int, expert_ids: Sequence[int]) -> None:
         keys = [(layer, e) for e in expert_ids]
-        self.ram.unpin(keys)
         if self.vram is not None:
+            for key in keys:  # before the RAM unpin: a queued copy may still read the RAM slot
+                entry = self.vram.entries.get(key)
+                self._copies.release(key, None if entry is None else entry.slot)
             self.vram.unpin(keys)
+        self.ram.unpin(keys)
 
     # ------------------------------------------------------------------------------- internals
     def _pin(self, layer: int, expert: int) -> None:
@@ -257,7 +262,7 @@ class TieredExpertStore:
             return self._materialized(ram_entry, self.ram_slot(ram_entry.slot))
         vram_entry.pins = 1
         target = self._vram_block[vram_entry.slot]
-        target.copy_(torch.from_numpy(self.ram_slot(ram_entry.slot)), non_blocking=target.is_cuda)
+        self._copies.copy(key, vram_entry.slot, target, torch.from_numpy(self.ram_slot(ram_entry.slot)))
         return self._materialized(vram_entry, target)
 
     def _materialized(self, entry: Entry, data: Any) -> Any:

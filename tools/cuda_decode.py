@@ -1,0 +1,74 @@
+"""Decode on a stress model with the experts in RAM vs in VRAM, same run (part of tools/cuda_check.sh).
+
+python tools/cuda_decode.py [--layers 5] [--tokens 32] [--out decode.json]
+
+The model has the bench's proportions (hidden 2048, 64 experts of 1024, top-6), fewer layers so it
+builds in seconds. Both runs hold every expert in RAM (100% budget, warmed by one run first), so the
+difference is where the experts compute: the CPU int4 kernel vs the GPU; the ids must be identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from colibri_stream.container_model import load_container
+from colibri_stream.convert import Converter, ConvertOptions
+from colibri_stream.generate import generate
+from colibri_stream.stress import StressShape, write_stress_checkpoint
+from storage.container import Container
+from storage.tiered import StoreConfig
+
+
+def decode(container: Path, vram: bool, prompt: list[int], tokens: int) -> dict:
+    expert_bytes = Container(container).expert_bytes
+    config = StoreConfig(ram_bytes=expert_bytes, vram_bytes=expert_bytes if vram else 0, vram_device="cuda")
+    loaded = load_container(container, store=config)
+    try:
+        generate(loaded.model, prompt, tokens, loaded.experts)  # warm: every expert read (and copied up)
+        result = generate(loaded.model, prompt, tokens, loaded.experts)
+        stats = loaded.experts.report()
+    finally:
+        loaded.experts.close()
+    return {
+        "vram": vram,
+        "decode_tok_per_s": round(result.stats.decode_tok_per_s, 2),
+        "ids": result.ids,
+        "hits_vram": stats["hits"]["vram"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    shape = dataclasses.replace(StressShape(), num_hidden_layers=args.layers)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = write_stress_checkpoint(Path(tmp) / "hf", shape, progress=False)
+        container = Path(tmp) / "int4"
+        Converter(hf, container, ConvertOptions(experts="int4"), progress=False).run()
+        prompt = list(range(2, 34))
+        ram, gpu = (decode(container, vram, prompt, args.tokens) for vram in (False, True))
+    result = {
+        "shape": dataclasses.asdict(shape),
+        "threads": torch.get_num_threads(),
+        "ram_tok_per_s": ram["decode_tok_per_s"],
+        "vram_tok_per_s": gpu["decode_tok_per_s"],
+        "vram_vs_ram": round(gpu["decode_tok_per_s"] / max(ram["decode_tok_per_s"], 1e-9), 2),
+        "same_ids": ram["ids"] == gpu["ids"],
+        "hits_vram": gpu["hits_vram"],
+    }
+    print(json.dumps(result))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
