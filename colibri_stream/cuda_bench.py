@@ -50,12 +50,12 @@ def measure_cuda(n_experts: int = 8, dim: int = 7168, inter: int = 2048, repeats
     total = sum(expert_bytes(e) for e in experts)
     host = [[t.pin_memory() for t in _flat(e)] for e in experts]
     vram = [[torch.empty_like(t, device=device) for t in ts] for ts in host]
-    on_gpu = [_on(e, ts) for e, ts in zip(experts, vram)]
+    on_gpu = [_on(e, ts) for e, ts in zip(experts, vram, strict=True)]
     x = torch.randn(1, dim, device=device)
 
     def copy_all() -> None:
-        for src, dst in zip(host, vram):
-            for s, d in zip(src, dst):
+        for src, dst in zip(host, vram, strict=True):
+            for s, d in zip(src, dst, strict=True):
                 d.copy_(s, non_blocking=True)
 
     def compute_all() -> None:
@@ -63,8 +63,8 @@ def measure_cuda(n_experts: int = 8, dim: int = 7168, inter: int = 2048, repeats
             e(x)
 
     def serial() -> None:  # every copy on the compute stream: nothing overlaps
-        for e, src, dst in zip(on_gpu, host, vram):
-            for s, d in zip(src, dst):
+        for e, src, dst in zip(on_gpu, host, vram, strict=True):
+            for s, d in zip(src, dst, strict=True):
                 d.copy_(s, non_blocking=True)
             e(x)
 
@@ -73,7 +73,7 @@ def measure_cuda(n_experts: int = 8, dim: int = 7168, inter: int = 2048, repeats
 
     def side_stream() -> None:  # as the tiered store does: copies on a side stream, compute waits per expert
         for i, e in enumerate(on_gpu):
-            for j, (s, d) in enumerate(zip(host[i], vram[i])):
+            for j, (s, d) in enumerate(zip(host[i], vram[i], strict=True)):
                 copies.copy((i, j), slots.index((i, j)), d, s)
             e(x)
         for slot, key in enumerate(slots):

@@ -65,3 +65,39 @@ def test_prefill_acquires_each_routed_expert_once_per_layer_and_nothing_else(loa
     for layer, expert_ids in loaded.experts.acquired:
         assert len(expert_ids) == len(set(expert_ids))  # batch-union: no expert twice
         assert set(expert_ids) == routed[layer]  # exactly the routed experts
+
+
+class _ElsewhereExpert:
+    """An expert that claims another device ("cpu:0" != "cpu" to torch), so RoutedSum keeps its
+    inputs and partial sum apart exactly as for a VRAM-tier expert, without needing a GPU."""
+
+    device = torch.device("cpu", 0)
+
+    def __init__(self, expert):
+        self.expert = expert
+        self.inputs: list[torch.Tensor] = []
+
+    def __call__(self, x):
+        self.inputs.append(x)
+        return self.expert(x)
+
+
+def test_experts_on_another_device_give_the_same_layer_output(loaded, monkeypatch):
+    """The MoE layer with every other expert "elsewhere": one partial sum per device, same output."""
+    from engine.experts import ResidentExperts
+    from engine.moe import MoE, RoutedSum
+
+    layer = next(i for i, block in enumerate(loaded.model.layers) if isinstance(block.ffn, MoE))
+    moe = loaded.model.layers[layer].ffn
+    x = torch.randn(1, 9, loaded.args.dim, generator=torch.Generator().manual_seed(0))
+    experts = loaded.experts.acquire(layer, range(loaded.args.n_routed_experts))
+    moved = {e: _ElsewhereExpert(w) if e % 2 else w for e, w in experts.items()}
+    partial_sums: list[set] = []
+    total = RoutedSum.total
+    monkeypatch.setattr(RoutedSum, "total", lambda self: partial_sums.append(set(self._sums)) or total(self))
+    with torch.no_grad():
+        expected = moe(x, ResidentExperts({layer: experts}))
+        got = moe(x, ResidentExperts({layer: moved}))
+    assert partial_sums == [{torch.device("cpu")}, {torch.device("cpu"), torch.device("cpu", 0)}]
+    assert any(w.inputs for w in moved.values() if isinstance(w, _ElsewhereExpert))
+    assert (got - expected).abs().max().item() <= 1e-6
