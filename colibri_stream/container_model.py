@@ -12,6 +12,7 @@ import torch
 
 from colibri_stream.checkpoint import FLOAT32_PARAMETERS, LoadedModel, load_checkpoint
 from engine.args import ModelArgs
+from engine.bf16 import bf16_candidates, bf16_kernel_available, hold_in_bf16
 from engine.experts import Expert, ExpertWeights, ResidentExperts
 from engine.model import Transformer
 from engine.quant import QuantizedExpert, QuantizedMatrix, dequantize
@@ -87,12 +88,23 @@ def container_fingerprint(container: Container) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:32]
 
 
+def bf16_held_weights(container: Container, candidates: set[str], dtype: torch.dtype) -> set[str]:
+    """The dense arrays a float32 model on this CPU keeps in bf16: bf16 in the container and candidates
+    of engine.bf16 (bias-free Linears used only through forward). None without the C kernel."""
+    if dtype != torch.float32 or not bf16_kernel_available():
+        return set()
+    return {name for name, entry in container.dense.items() if entry.dtype == "bfloat16" and name in candidates}
+
+
 def _load_dense(container: Container, args: ModelArgs, dtype: torch.dtype) -> Transformer:
+    """The resident model. bf16 Linear weights of a float32 model stay bf16 on the CPU (engine/bf16.py:
+    exact, half the memory and bytes per token); everything else is cast to ``dtype``."""
     with torch.device("meta"):
         model = Transformer(args)
     expected = dict(model.state_dict())
     path = str(container.path)
     check_complete([n for n in container.dense if n not in expected], expected.keys(), container.dense.keys(), path)
+    held_bf16 = bf16_held_weights(container, bf16_candidates(model), dtype)
     state = {}
     for name, entry in container.dense.items():
         if tuple(expected[name].shape) != entry.shape:
@@ -106,9 +118,12 @@ def _load_dense(container: Container, args: ModelArgs, dtype: torch.dtype) -> Tr
                 torch.from_numpy(container.read_dense_scales(name)),
             )
             state[name] = dequantize(q, scales, 8, target)
+        elif name in held_bf16:
+            state[name] = to_torch(container.read_dense(name), entry.dtype)
         else:
             state[name] = to_torch(container.read_dense(name), entry.dtype).to(target)
     model.load_state_dict(state, strict=True, assign=True)
+    hold_in_bf16(model, held_bf16)
     return model.eval()
 
 

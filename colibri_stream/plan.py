@@ -47,10 +47,27 @@ def kv_bytes_per_token(args: ModelArgs, dtype_bytes: int) -> int:
     return args.n_layers * per_layer + index
 
 
+def _bf16_held(container: Container, args: ModelArgs, dtype: str) -> set[str]:
+    """The dense arrays the loaded model keeps in bf16 (colibri_stream.container_model does the same)."""
+    import torch
+
+    from colibri_stream.container_model import bf16_held_weights
+    from engine.bf16 import bf16_candidates
+    from engine.model import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(args)
+    return bf16_held_weights(container, bf16_candidates(model), getattr(torch, dtype))
+
+
 def plan(container: Container, config: StoreConfig, dtype: str = "float32") -> Placement:
     args = ModelArgs.from_hf_config(container.model_config)
     dtype_bytes = DTYPE_BYTES[dtype]
-    dense = sum(math.prod(e.shape) * (4 if e.dtype == "float32" else dtype_bytes) for e in container.dense.values())
+    held_bf16 = _bf16_held(container, args, dtype)
+    dense = sum(
+        math.prod(e.shape) * (2 if name in held_bf16 else 4 if e.dtype == "float32" else dtype_bytes)
+        for name, e in container.dense.items()
+    )
     kv_token = kv_bytes_per_token(args, dtype_bytes)
     record = container.layout.record_bytes
     ram_slots = min(slots_for(config.ram_bytes, record), total_records(container))

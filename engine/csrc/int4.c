@@ -11,6 +11,10 @@
  * sum (q - 8) x = sum q x - 8 sum x, with sum x per group computed once per row.
  * Float32 throughout, summing each group separately before scaling, so it agrees with
  * dequantise-then-matmul to float rounding (not bit for bit: the summation order differs).
+ *
+ * Also bf16 weights times float32 rows (the dense part of a bf16 checkpoint): bf16 -> float32 is exact
+ * (the 16 bits become the high half), so this equals a float32 matmul of the upcast weights to float
+ * rounding while reading half the bytes, and no float32 copy of the weights is kept.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -158,6 +162,71 @@ __attribute__((target("avx2,fma,f16c"))) static void gemm_avx2(const uint8_t *q,
 }
 #endif
 
+static inline float bf16_to_float(uint16_t b) {
+    uint32_t bits = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static void bf16_gemm_scalar(const uint16_t *w, const float *x, int rows, int in, int out, float *y) {
+    for (int o = 0; o < out; o++) {
+        const uint16_t *row = w + (size_t)o * in;
+        for (int r = 0; r < rows; r++) {
+            float acc = 0.f;
+            for (int i = 0; i < in; i++) acc += bf16_to_float(row[i]) * x[(size_t)r * in + i];
+            y[(size_t)r * out + o] = acc;
+        }
+    }
+}
+
+#if HAVE_X86
+__attribute__((target("avx512f"))) static inline __m512 load_bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* in a multiple of 64. One row: four accumulators so FMA latency does not serialise the loop; a few
+ * rows: each loaded weight vector is reused for every row. */
+__attribute__((target("avx512f"))) static void bf16_gemm_avx512(const uint16_t *w, const float *x, int rows, int in,
+                                                                 int out, float *y) {
+    for (int o = 0; o < out; o++) {
+        const uint16_t *row = w + (size_t)o * in;
+        if (rows == 1) {
+            __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+            for (int i = 0; i < in; i += 64) {
+                a0 = _mm512_fmadd_ps(load_bf16x16(row + i), _mm512_loadu_ps(x + i), a0);
+                a1 = _mm512_fmadd_ps(load_bf16x16(row + i + 16), _mm512_loadu_ps(x + i + 16), a1);
+                a2 = _mm512_fmadd_ps(load_bf16x16(row + i + 32), _mm512_loadu_ps(x + i + 32), a2);
+                a3 = _mm512_fmadd_ps(load_bf16x16(row + i + 48), _mm512_loadu_ps(x + i + 48), a3);
+            }
+            y[o] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+            continue;
+        }
+        __m512 acc[MAX_ROWS];
+        for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+        for (int i = 0; i < in; i += 16) {
+            __m512 wv = load_bf16x16(row + i);
+            for (int r = 0; r < rows; r++) acc[r] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + (size_t)r * in + i), acc[r]);
+        }
+        for (int r = 0; r < rows; r++) y[(size_t)r * out + o] = _mm512_reduce_add_ps(acc[r]);
+    }
+}
+#endif
+
+static int use_avx512(int in) {
+#if HAVE_X86
+    static int supported = -1;
+    if (supported < 0) {
+        __builtin_cpu_init();
+        supported = __builtin_cpu_supports("avx512f");
+    }
+    return supported && in % 64 == 0;
+#else
+    (void)in;
+    return 0;
+#endif
+}
+
 static int use_avx2(int group) {
 #if HAVE_X86
     static int supported = -1;
@@ -173,7 +242,8 @@ static int use_avx2(int group) {
 }
 
 typedef struct {
-    const uint8_t *q;
+    const uint8_t *q; /* int4 weights, or NULL for a bf16 slice (w16) */
+    const uint16_t *w16;
     const uint16_t *scales;
     const float *xs, *sums;
     float *y;
@@ -182,7 +252,28 @@ typedef struct {
 
 /* Output rows [begin, end): those rows' weights are contiguous, so a slice is the same computation on
  * a smaller matrix; results go to a small buffer, then into y's columns (y is [rows, out]). */
+static void run_bf16_slice(const Slice *s) {
+    int n = s->end - s->begin;
+    float tmp[MAX_ROWS * 64];
+    for (int o = 0; o < n; o += 64) {
+        int m = n - o < 64 ? n - o : 64;
+        const uint16_t *wb = s->w16 + (size_t)(s->begin + o) * s->in;
+#if HAVE_X86
+        if (!s->force_scalar && use_avx512(s->in))
+            bf16_gemm_avx512(wb, s->xs, s->rows, s->in, m, tmp);
+        else
+#endif
+            bf16_gemm_scalar(wb, s->xs, s->rows, s->in, m, tmp);
+        for (int r = 0; r < s->rows; r++)
+            memcpy(s->y + (size_t)r * s->out + s->begin + o, tmp + (size_t)r * m, (size_t)m * sizeof(float));
+    }
+}
+
 static void run_slice(const Slice *s) {
+    if (s->q == NULL) {
+        run_bf16_slice(s);
+        return;
+    }
     int n = s->end - s->begin, groups = s->in / s->group;
     float tmp[MAX_ROWS * 64];
     for (int o = 0; o < n; o += 64) {
@@ -285,8 +376,8 @@ static PyObject *py_gemm(PyObject *self, PyObject *args) {
     }
     float *xs = (float *)(uintptr_t)work, *sums = xs + (size_t)rows * in;
     (void)use_avx2(group); /* detect the CPU once, before any helper thread looks */
-    Slice whole = {(const uint8_t *)(uintptr_t)q, (const uint16_t *)(uintptr_t)scales, xs, sums, (float *)(uintptr_t)y,
-                   rows, in, out, group, force_scalar, 0, out};
+    Slice whole = {(const uint8_t *)(uintptr_t)q, NULL, (const uint16_t *)(uintptr_t)scales, xs, sums,
+                   (float *)(uintptr_t)y, rows, in, out, group, force_scalar, 0, out};
     Py_BEGIN_ALLOW_THREADS
     prepare_rows((const float *)(uintptr_t)x, rows, in, group, xs, sums);
     run_split(&whole, threads);
@@ -324,9 +415,29 @@ static PyObject *py_dequant(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* bf16_gemm(w_ptr, x_ptr, y_ptr, rows, in, out, force_scalar, threads): y[rows, out] = x[rows, in] @ w^T
+ * for w bf16 [out, in]; contiguous buffers. */
+static PyObject *py_bf16_gemm(PyObject *self, PyObject *args) {
+    unsigned long long w, x, y;
+    int rows, in, out, force_scalar, threads = 1;
+    if (!PyArg_ParseTuple(args, "KKKiiip|i", &w, &x, &y, &rows, &in, &out, &force_scalar, &threads)) return NULL;
+    if (rows < 1 || rows > MAX_ROWS || in < 1 || out < 1) {
+        PyErr_Format(PyExc_ValueError, "bf16 gemm: unsupported shape rows=%d in=%d out=%d", rows, in, out);
+        return NULL;
+    }
+    (void)use_avx512(in); /* detect the CPU once, before any helper thread looks */
+    Slice whole = {NULL, (const uint16_t *)(uintptr_t)w, NULL, (const float *)(uintptr_t)x, NULL, (float *)(uintptr_t)y,
+                   rows, in, out, 1, force_scalar, 0, out};
+    Py_BEGIN_ALLOW_THREADS
+    run_split(&whole, threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"dequant", py_dequant, METH_VARARGS, "float32 [out, in] from int4 group-quantised q and float16 scales."},
     {"gemm", py_gemm, METH_VARARGS, "y[rows, out] = x[rows, in] @ dequant(q, scales)^T for int4 group-quantised q."},
+    {"bf16_gemm", py_bf16_gemm, METH_VARARGS, "y[rows, out] = x[rows, in] @ w^T for bf16 w [out, in], float32 x and y."},
     {NULL, NULL, 0, NULL},
 };
 

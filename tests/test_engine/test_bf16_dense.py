@@ -1,0 +1,78 @@
+"""bf16 dense weights computed in float32: the C kernel, Bf16Linear, and a bf16 container's model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import bf16
+from engine.bf16 import Bf16Linear, bf16_kernel_available, bf16_matmul
+
+needs_kernel = pytest.mark.skipif(not bf16_kernel_available(), reason="engine._int4 was not built")
+
+
+def _weight(out_dim: int, in_dim: int, seed: int) -> torch.Tensor:
+    return (torch.randn(out_dim, in_dim, generator=torch.Generator().manual_seed(seed)) * 0.05).bfloat16()
+
+
+@needs_kernel
+@pytest.mark.parametrize("in_dim", [256, 200])  # a multiple of 64 (SIMD) and not (scalar)
+@pytest.mark.parametrize("out_dim", [96, 1024])  # 1024: the helper thread takes half the outputs
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("force_scalar", [False, True], ids=["simd", "scalar"])
+def test_kernel_equals_float32_matmul_of_the_upcast_weight(in_dim, out_dim, rows, force_scalar):
+    w = _weight(out_dim, in_dim, rows)
+    x = torch.randn(rows, in_dim, generator=torch.Generator().manual_seed(7))
+    expected = F.linear(x, w.float())
+    got = bf16_matmul(x, w, force_scalar=force_scalar)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+@needs_kernel
+def test_kernel_rejects_more_rows_than_it_blocks():
+    with pytest.raises(ValueError, match="unsupported shape"):
+        bf16_matmul(torch.randn(9, 64), _weight(8, 64, 0))
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 128), (2, 5, 128), (1, 40, 128)], ids=["decode", "few-rows", "prefill"])
+def test_bf16_linear_equals_linear_over_the_upcast_weight(shape, monkeypatch):
+    """Any rows, any leading dims; the prefill path upcasts blocks of 7 output rows here."""
+    monkeypatch.setattr(bf16, "UPCAST_BLOCK_BYTES", 7 * 128 * 4)
+    w = _weight(50, 128, 1)
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(2))
+    expected = F.linear(x, w.float())
+    got = Bf16Linear(w)(x)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+def test_bf16_linear_refuses_other_dtypes():
+    with pytest.raises(TypeError, match="bfloat16"):
+        Bf16Linear(torch.zeros(4, 4))
+
+
+@needs_kernel
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v32", "glm_moe_dsa"])
+def test_bf16_container_keeps_linears_in_bf16_with_the_same_tokens(make_container, family, monkeypatch):
+    """A container with bf16 dense arrays (convert's default): its Linears stay bf16 (wkv_b and the
+    indexer's weights_proj excepted), half the bytes, and logits/greedy ids equal the model whose
+    weights were upcast at load."""
+    from colibri_stream import testing
+    from colibri_stream.container_model import load_container
+    from colibri_stream.generate import generate
+
+    path = make_container(family, dense="bf16")
+    held = load_container(path)
+    monkeypatch.setattr("colibri_stream.container_model.bf16_kernel_available", lambda: False)
+    upcast = load_container(path)
+    kinds = {name: type(m).__name__ for name, m in held.model.named_modules() if name.endswith(("wkv_b", "wo", "head"))}
+    assert kinds["head"] == "Bf16Linear" and kinds["layers.0.attn.wo"] == "Bf16Linear"
+    assert kinds["layers.0.attn.wkv_b"] == "Linear"
+    held_bytes, upcast_bytes = (sum(p.nbytes for p in m.model.parameters()) for m in (held, upcast))
+    assert held_bytes < 0.7 * upcast_bytes
+    ids = testing.make_prompt(held.args.vocab_size, 24, seed=5)
+    with torch.no_grad():
+        logits = [m.model(torch.tensor([ids]), 0, m.model.new_cache(), m.experts)[0] for m in (held, upcast)]
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+    assert generate(held.model, ids, 12, held.experts).ids == generate(upcast.model, ids, 12, upcast.experts).ids
