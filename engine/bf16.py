@@ -85,9 +85,9 @@ def bf16_candidates(model: nn.Module) -> set[str]:
 def hold_in_bf16(model: nn.Module, bf16_weights: set[str]) -> int:
     """Swap each nn.Linear whose ``<name>.weight`` is in ``bf16_weights`` (and already a bf16 tensor) for
     a Bf16Linear over that tensor, except KEEP_FLOAT32. Returns how many were swapped."""
-    swapped = 0
+    swapped, eligible = 0, bf16_weights & bf16_candidates(model)
     for name, module in list(model.named_modules()):
-        if f"{name}.weight" not in bf16_weights & bf16_candidates(model) or module.weight.dtype != torch.bfloat16:
+        if f"{name}.weight" not in eligible or module.weight.dtype != torch.bfloat16:
             continue
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, Bf16Linear(module.weight.data))
