@@ -30,8 +30,12 @@ def bf16_kernel_available() -> bool:
     return _int4 is not None and hasattr(_int4, "bf16_gemm")
 
 
-def bf16_matmul(x: torch.Tensor, weight: torch.Tensor, force_scalar: bool = False) -> torch.Tensor:
-    """x [rows <= MAX_ROWS, in] float32 @ weight^T for weight bf16 [out, in] -> [rows, out] float32 (C kernel)."""
+ISA = {"best": 2, "avx2": 1, "scalar": 0}  # the highest SIMD path the kernel may take
+
+
+def bf16_matmul(x: torch.Tensor, weight: torch.Tensor, isa: str = "best") -> torch.Tensor:
+    """x [rows <= MAX_ROWS, in] float32 @ weight^T for weight bf16 [out, in] -> [rows, out] float32 (C kernel).
+    ``isa`` caps the path (tests reach each one on any CPU)."""
     rows, in_dim = x.shape
     x = x.contiguous()
     y = torch.empty((rows, weight.shape[0]), dtype=torch.float32)
@@ -42,7 +46,7 @@ def bf16_matmul(x: torch.Tensor, weight: torch.Tensor, force_scalar: bool = Fals
         rows,
         in_dim,
         weight.shape[0],
-        force_scalar,
+        ISA[isa],
         torch.get_num_threads(),
     )
     return y

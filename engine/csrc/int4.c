@@ -211,20 +211,52 @@ __attribute__((target("avx512f"))) static void bf16_gemm_avx512(const uint16_t *
         for (int r = 0; r < rows; r++) y[(size_t)r * out + o] = _mm512_reduce_add_ps(acc[r]);
     }
 }
+
+__attribute__((target("avx2,fma"))) static inline __m256 load_bf16x8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* The same for CPUs without AVX-512 (most desktop parts): 8 wide, in a multiple of 32. */
+__attribute__((target("avx2,fma"))) static void bf16_gemm_avx2(const uint16_t *w, const float *x, int rows, int in,
+                                                               int out, float *y) {
+    for (int o = 0; o < out; o++) {
+        const uint16_t *row = w + (size_t)o * in;
+        __m256 acc[MAX_ROWS * 4];
+        int lanes = rows == 1 ? 4 : 1; /* one row: four accumulators, 32 inputs per iteration */
+        for (int k = 0; k < rows * lanes; k++) acc[k] = _mm256_setzero_ps();
+        for (int i = 0; i < in; i += 8 * lanes) {
+            for (int l = 0; l < lanes; l++) {
+                __m256 wv = load_bf16x8(row + i + 8 * l);
+                for (int r = 0; r < rows; r++)
+                    acc[r * lanes + l] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (size_t)r * in + i + 8 * l), acc[r * lanes + l]);
+            }
+        }
+        for (int r = 0; r < rows; r++) {
+            __m256 sum = acc[r * lanes];
+            for (int l = 1; l < lanes; l++) sum = _mm256_add_ps(sum, acc[r * lanes + l]);
+            y[(size_t)r * out + o] = hsum256(sum);
+        }
+    }
+}
 #endif
 
-static int use_avx512(int in) {
+/* bf16 kernel choice: 2 AVX-512 (in % 64 == 0), 1 AVX2+FMA (in % 32 == 0), 0 scalar; capped by `limit`
+ * (tests reach every path on any CPU). */
+static int bf16_isa(int in, int limit) {
 #if HAVE_X86
-    static int supported = -1;
-    if (supported < 0) {
+    static int avx512 = -1, avx2 = -1;
+    if (avx512 < 0) {
         __builtin_cpu_init();
-        supported = __builtin_cpu_supports("avx512f");
+        avx512 = __builtin_cpu_supports("avx512f");
+        avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     }
-    return supported && in % 64 == 0;
+    if (limit >= 2 && avx512 && in % 64 == 0) return 2;
+    if (limit >= 1 && avx2 && in % 32 == 0) return 1;
 #else
     (void)in;
-    return 0;
+    (void)limit;
 #endif
+    return 0;
 }
 
 static int use_avx2(int group) {
@@ -247,7 +279,7 @@ typedef struct {
     const uint16_t *scales;
     const float *xs, *sums;
     float *y;
-    int rows, in, out, group, force_scalar, begin, end;
+    int rows, in, out, group, force_scalar, begin, end; /* force_scalar: the bf16 isa limit in bf16 slices */
 } Slice;
 
 /* Output rows [begin, end): those rows' weights are contiguous, so a slice is the same computation on
@@ -258,9 +290,12 @@ static void run_bf16_slice(const Slice *s) {
     for (int o = 0; o < n; o += 64) {
         int m = n - o < 64 ? n - o : 64;
         const uint16_t *wb = s->w16 + (size_t)(s->begin + o) * s->in;
+        int isa = bf16_isa(s->in, s->force_scalar); /* for bf16 slices: the highest path allowed */
 #if HAVE_X86
-        if (!s->force_scalar && use_avx512(s->in))
+        if (isa == 2)
             bf16_gemm_avx512(wb, s->xs, s->rows, s->in, m, tmp);
+        else if (isa == 1)
+            bf16_gemm_avx2(wb, s->xs, s->rows, s->in, m, tmp);
         else
 #endif
             bf16_gemm_scalar(wb, s->xs, s->rows, s->in, m, tmp);
@@ -415,19 +450,19 @@ static PyObject *py_dequant(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* bf16_gemm(w_ptr, x_ptr, y_ptr, rows, in, out, force_scalar, threads): y[rows, out] = x[rows, in] @ w^T
- * for w bf16 [out, in]; contiguous buffers. */
+/* bf16_gemm(w_ptr, x_ptr, y_ptr, rows, in, out, isa_limit, threads): y[rows, out] = x[rows, in] @ w^T
+ * for w bf16 [out, in]; contiguous buffers. isa_limit: 2 best available, 1 at most AVX2, 0 scalar. */
 static PyObject *py_bf16_gemm(PyObject *self, PyObject *args) {
     unsigned long long w, x, y;
-    int rows, in, out, force_scalar, threads = 1;
-    if (!PyArg_ParseTuple(args, "KKKiiip|i", &w, &x, &y, &rows, &in, &out, &force_scalar, &threads)) return NULL;
+    int rows, in, out, isa_limit, threads = 1;
+    if (!PyArg_ParseTuple(args, "KKKiiii|i", &w, &x, &y, &rows, &in, &out, &isa_limit, &threads)) return NULL;
     if (rows < 1 || rows > MAX_ROWS || in < 1 || out < 1) {
         PyErr_Format(PyExc_ValueError, "bf16 gemm: unsupported shape rows=%d in=%d out=%d", rows, in, out);
         return NULL;
     }
-    (void)use_avx512(in); /* detect the CPU once, before any helper thread looks */
+    (void)bf16_isa(in, 2); /* detect the CPU once, before any helper thread looks */
     Slice whole = {NULL, (const uint16_t *)(uintptr_t)w, NULL, (const float *)(uintptr_t)x, NULL, (float *)(uintptr_t)y,
-                   rows, in, out, 1, force_scalar, 0, out};
+                   rows, in, out, 1, isa_limit, 0, out};
     Py_BEGIN_ALLOW_THREADS
     run_split(&whole, threads);
     Py_END_ALLOW_THREADS

@@ -17,15 +17,15 @@ def _weight(out_dim: int, in_dim: int, seed: int) -> torch.Tensor:
 
 
 @needs_kernel
-@pytest.mark.parametrize("in_dim", [256, 200])  # a multiple of 64 (SIMD) and not (scalar)
+@pytest.mark.parametrize("in_dim", [256, 160, 200])  # a multiple of 64 (AVX-512), of 32 (AVX2), neither
 @pytest.mark.parametrize("out_dim", [96, 1024])  # 1024: the helper thread takes half the outputs
 @pytest.mark.parametrize("rows", [1, 3, 8])
-@pytest.mark.parametrize("force_scalar", [False, True], ids=["simd", "scalar"])
-def test_kernel_equals_float32_matmul_of_the_upcast_weight(in_dim, out_dim, rows, force_scalar):
+@pytest.mark.parametrize("isa", ["best", "avx2", "scalar"])
+def test_kernel_equals_float32_matmul_of_the_upcast_weight(in_dim, out_dim, rows, isa):
     w = _weight(out_dim, in_dim, rows)
     x = torch.randn(rows, in_dim, generator=torch.Generator().manual_seed(7))
     expected = F.linear(x, w.float())
-    got = bf16_matmul(x, w, force_scalar=force_scalar)
+    got = bf16_matmul(x, w, isa=isa)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
