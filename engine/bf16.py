@@ -27,7 +27,9 @@ UPCAST_BLOCK_BYTES = 64 << 20  # float32 weight rows upcast at once on the matmu
 
 
 def bf16_kernel_available() -> bool:
-    return _int4 is not None and hasattr(_int4, "bf16_gemm")
+    """The kernel is built and this CPU has a SIMD path for it (its scalar loop is slower than keeping
+    the weights in float32, so without SIMD the model keeps them float32)."""
+    return _int4 is not None and getattr(_int4, "BF16_SIMD", 0) > 0
 
 
 ISA = {"best": 2, "avx2": 1, "scalar": 0}  # the highest SIMD path the kernel may take

@@ -482,5 +482,7 @@ PyMODINIT_FUNC PyInit__int4(void) {
     PyObject *m = PyModule_Create(&module);
     pthread_atfork(NULL, NULL, reset_after_fork);
     if (m) PyModule_AddIntConstant(m, "MAX_ROWS", MAX_ROWS);
+    /* 2 AVX-512, 1 AVX2, 0 none: without SIMD the bf16 path would be slower than float32 matmul. */
+    if (m) PyModule_AddIntConstant(m, "BF16_SIMD", bf16_isa(64, 2));
     return m;
 }
