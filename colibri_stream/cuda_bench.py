@@ -69,14 +69,14 @@ def measure_cuda(n_experts: int = 8, dim: int = 7168, inter: int = 2048, repeats
             e(x)
 
     copies = DeviceCopies(device)
-    slots = [(i, j) for i, ts in enumerate(host) for j in range(len(ts))]  # every tensor its own slot
+    slots = {(i, j): n for n, (i, j) in enumerate((i, j) for i, ts in enumerate(host) for j in range(len(ts)))}
 
     def side_stream() -> None:  # as the tiered store does: copies on a side stream, compute waits per expert
         for i, e in enumerate(on_gpu):
             for j, (s, d) in enumerate(zip(host[i], vram[i], strict=True)):
-                copies.copy((i, j), slots.index((i, j)), d, s)
+                copies.copy((i, j), slots[i, j], d, s)  # every tensor its own slot
             e(x)
-        for slot, key in enumerate(slots):
+        for key, slot in slots.items():
             copies.release(key, slot)
 
     h2d_s = _best_cuda_seconds(copy_all, repeats)

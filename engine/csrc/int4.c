@@ -279,7 +279,8 @@ typedef struct {
     const uint16_t *scales;
     const float *xs, *sums;
     float *y;
-    int rows, in, out, group, force_scalar, begin, end; /* force_scalar: the bf16 isa limit in bf16 slices */
+    int rows, in, out, group, begin, end;
+    int isa_limit; /* the highest path allowed: 0 scalar, 1 AVX2, 2 AVX-512 (bf16 only); tests lower it */
 } Slice;
 
 /* Output rows [begin, end): those rows' weights are contiguous, so a slice is the same computation on
@@ -290,7 +291,7 @@ static void run_bf16_slice(const Slice *s) {
     for (int o = 0; o < n; o += 64) {
         int m = n - o < 64 ? n - o : 64;
         const uint16_t *wb = s->w16 + (size_t)(s->begin + o) * s->in;
-        int isa = bf16_isa(s->in, s->force_scalar); /* for bf16 slices: the highest path allowed */
+        int isa = bf16_isa(s->in, s->isa_limit);
 #if HAVE_X86
         if (isa == 2)
             bf16_gemm_avx512(wb, s->xs, s->rows, s->in, m, tmp);
@@ -316,9 +317,9 @@ static void run_slice(const Slice *s) {
         const uint8_t *qb = s->q + (size_t)(s->begin + o) * (s->in / 2);
         const uint16_t *sb = s->scales + (size_t)(s->begin + o) * groups;
 #if HAVE_X86
-        if (!s->force_scalar && s->rows == 1 && s->group % 32 == 0 && use_avx2(s->group))
+        if (s->isa_limit >= 1 && s->rows == 1 && s->group % 32 == 0 && use_avx2(s->group))
             gemv_avx2(qb, sb, s->xs, s->sums, s->in, m, s->group, tmp);
-        else if (!s->force_scalar && use_avx2(s->group))
+        else if (s->isa_limit >= 1 && use_avx2(s->group))
             gemm_avx2(qb, sb, s->xs, s->sums, s->rows, s->in, m, s->group, tmp);
         else
 #endif
@@ -412,7 +413,7 @@ static PyObject *py_gemm(PyObject *self, PyObject *args) {
     float *xs = (float *)(uintptr_t)work, *sums = xs + (size_t)rows * in;
     (void)use_avx2(group); /* detect the CPU once, before any helper thread looks */
     Slice whole = {(const uint8_t *)(uintptr_t)q, NULL, (const uint16_t *)(uintptr_t)scales, xs, sums,
-                   (float *)(uintptr_t)y, rows, in, out, group, force_scalar, 0, out};
+                   (float *)(uintptr_t)y, rows, in, out, group, 0, out, force_scalar ? 0 : 2};
     Py_BEGIN_ALLOW_THREADS
     prepare_rows((const float *)(uintptr_t)x, rows, in, group, xs, sums);
     run_split(&whole, threads);
@@ -462,7 +463,7 @@ static PyObject *py_bf16_gemm(PyObject *self, PyObject *args) {
     }
     (void)bf16_isa(in, 2); /* detect the CPU once, before any helper thread looks */
     Slice whole = {NULL, (const uint16_t *)(uintptr_t)w, NULL, (const float *)(uintptr_t)x, NULL, (float *)(uintptr_t)y,
-                   rows, in, out, 1, isa_limit, 0, out};
+                   rows, in, out, 1, 0, out, isa_limit};
     Py_BEGIN_ALLOW_THREADS
     run_split(&whole, threads);
     Py_END_ALLOW_THREADS
