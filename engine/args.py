@@ -23,18 +23,32 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class RopeArgs:
-    """Rotary embedding of the qk_rope part (and of the DSA indexer)."""
+    """Rotary embedding of the qk_rope part (and of the DSA indexer).
+
+    Read from ``rope_parameters`` (transformers 5) merged over the legacy ``rope_scaling``; a key in
+    ``rope_parameters`` wins. Plain rope sets only ``theta``; the other fields matter for YaRN only.
+    """
 
     theta: float = 10000.0
+    """Rope base. <- ``rope_parameters.rope_theta``, else top-level ``rope_theta``; default 10000."""
     kind: Literal["default", "yarn"] = "default"
-    factor: float = 1.0  # yarn: context extension factor
+    """Rope variant. <- ``rope_type`` (legacy ``type``); default "default"; others raise ConfigError."""
+    factor: float = 1.0
+    """YaRN context extension factor. <- ``factor`` (required for yarn)."""
     original_max_position_embeddings: int = 4096
+    """Pretraining context length YaRN extends. <- ``original_max_position_embeddings`` (required for yarn)."""
     beta_fast: float = 32.0
+    """YaRN: rotations bounding the extrapolated (high-frequency) band. <- ``beta_fast``; default 32."""
     beta_slow: float = 1.0
+    """YaRN: rotations bounding the interpolated (low-frequency) band. <- ``beta_slow``; default 1."""
     mscale: float | None = None
+    """YaRN mscale of the cos/sin attention factor. <- ``mscale``; optional."""
     mscale_all_dim: float | None = None
-    attention_factor: float | None = None  # explicit cos/sin scale; derived from mscale* when None
+    """YaRN mscale_all_dim; also scales the softmax by mscale^2 (DeepSeek-V3). <- ``mscale_all_dim``; optional."""
+    attention_factor: float | None = None
+    """Explicit cos/sin scale; derived from mscale* when None. <- ``attention_factor``; optional."""
     truncate: bool = True
+    """YaRN: round the correction band to whole frequency indices. <- ``truncate``; default True."""
 
 
 @dataclass(frozen=True)
@@ -42,35 +56,65 @@ class ModelArgs:
     """Shapes and semantics of an MLA/DSA MoE model."""
 
     model_type: str
+    """Architecture family, one of MODEL_TYPES. <- ``model_type``."""
     vocab_size: int
-    dim: int  #: hidden size
-    inter_dim: int  #: intermediate size of the dense MLP layers
-    moe_inter_dim: int  #: intermediate size of one routed (and one shared) expert
+    """Rows of the embedding and the output head. <- ``vocab_size``."""
+    dim: int
+    """Hidden size. <- ``hidden_size``."""
+    inter_dim: int
+    """Intermediate size of the dense MLP layers. <- ``intermediate_size``."""
+    moe_inter_dim: int
+    """Intermediate size of one routed (and one shared) expert. <- ``moe_intermediate_size``."""
     n_layers: int
+    """Number of transformer blocks. <- ``num_hidden_layers``."""
     n_heads: int
-    q_lora_rank: int  #: 0 means no q compression (q_proj straight from the hidden state)
+    """Attention heads (``num_key_value_heads`` must equal it if set: MLA). <- ``num_attention_heads``."""
+    q_lora_rank: int
+    """Rank of the q latent; 0: no q compression (q_proj from the hidden state). <- ``q_lora_rank``; null -> 0."""
     kv_lora_rank: int
+    """Rank of the cached kv latent. <- ``kv_lora_rank``."""
     qk_nope_head_dim: int
+    """Per-head q/k dims without rope. <- ``qk_nope_head_dim``."""
     qk_rope_head_dim: int
+    """Per-head q/k dims with rope (the rope key is shared by all heads). <- ``qk_rope_head_dim``."""
     v_head_dim: int
+    """Per-head value dims. <- ``v_head_dim``."""
     n_routed_experts: int
+    """Routed experts per MoE layer. <- ``n_routed_experts``."""
     n_shared_experts: int
-    n_activated_experts: int  #: experts per token
+    """Always-on shared experts per MoE layer. <- ``n_shared_experts``; null -> 0."""
+    n_activated_experts: int
+    """Routed experts per token. <- ``num_experts_per_tok``."""
     n_expert_groups: int
-    n_limited_groups: int  #: groups a token may route into
+    """Groups the routed experts are split into. <- ``n_group``; null -> 1."""
+    n_limited_groups: int
+    """Groups a token may route into. <- ``topk_group``; null -> 1."""
     route_scale: float
+    """Multiplier on the routing weights. <- ``routed_scaling_factor``; default 1.0."""
     norm_topk_prob: bool
-    dense_layers: tuple[bool, ...]  #: True where the layer has a dense MLP instead of MoE
+    """Renormalise the chosen experts' weights to sum to 1. <- ``norm_topk_prob``; default True."""
+    dense_layers: tuple[bool, ...]
+    """Per layer, True for a dense MLP instead of MoE. <- ``mlp_layer_types``, else ``first_k_dense_replace``."""
     rms_norm_eps: float
+    """Epsilon of the block and final RMSNorms. <- ``rms_norm_eps``; default 1e-6."""
     rope: RopeArgs
-    rope_interleave: bool = True  #: MLA rope pairs are (x0, x1), (x2, x3), ... in the checkpoint
-    index_n_heads: int = 0  #: 0 means no DSA indexer
+    """Rope settings. <- ``rope_parameters``, or legacy ``rope_theta`` + ``rope_scaling``."""
+    rope_interleave: bool = True
+    """MLA rope pairs are (x0, x1), (x2, x3), ... in the checkpoint. <- ``rope_interleave``; default True."""
+    index_n_heads: int = 0
+    """DSA indexer heads; 0 means no DSA indexer. <- ``index_n_heads`` (DSA model types only)."""
     index_head_dim: int = 0
+    """DSA indexer head dims (>= qk_rope_head_dim). <- ``index_head_dim`` (DSA only)."""
     index_topk: int = 0
-    indexer_types: tuple[IndexerKind, ...] = ()  #: per layer; empty without DSA
-    indexer_rope_interleave: bool = False  #: GLM-5 ropes its indexer interleaved, V3.2 half-split
+    """Past positions the DSA indexer selects per query. <- ``index_topk`` (DSA only)."""
+    indexer_types: tuple[IndexerKind, ...] = ()
+    """Per layer "full" (own indexer) or "shared"; empty without DSA. <- ``indexer_types``; DSA default all "full"."""
+    indexer_rope_interleave: bool = False
+    """GLM-5 ropes its indexer interleaved, V3.2 half-split. No key: True iff model_type is ``glm_moe_dsa``."""
     tie_word_embeddings: bool = False
+    """Output head shares the embedding weights. <- ``tie_word_embeddings``; default False."""
     max_position_embeddings: int = 4096
+    """Longest context the model supports. <- ``max_position_embeddings``; default 4096."""
 
     @property
     def qk_head_dim(self) -> int:

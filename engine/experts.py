@@ -61,18 +61,15 @@ class ExpertProvider(Protocol):
 
 
 class ResidentExperts:
-    """Every routed expert held in memory; records what was asked, for tests of "only routed bytes"."""
+    """Every routed expert held in memory (small models, tests)."""
 
     def __init__(self, experts: Mapping[int, Mapping[int, Expert]]):
         self._experts = experts  # layer -> expert id -> weights
-        self.acquired: list[tuple[int, tuple[int, ...]]] = []
-        self.prefetched: list[tuple[int, tuple[int, ...]]] = []
 
     def prefetch(self, layer: int, expert_ids: Sequence[int]) -> None:
-        self.prefetched.append((layer, tuple(expert_ids)))
+        pass
 
     def acquire(self, layer: int, expert_ids: Sequence[int]) -> Mapping[int, Expert]:
-        self.acquired.append((layer, tuple(expert_ids)))
         try:
             return {e: self._experts[layer][e] for e in expert_ids}
         except KeyError as exc:
@@ -80,15 +77,3 @@ class ResidentExperts:
 
     def release(self, layer: int, expert_ids: Sequence[int]) -> None:
         pass
-
-    def to(self, dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> ResidentExperts:
-        """A copy with every float expert cast/moved."""
-
-        def cast(expert: Expert) -> Expert:
-            if not isinstance(expert, ExpertWeights):
-                return expert
-            return ExpertWeights(*(w.to(device=device, dtype=dtype) for w in (expert.w1, expert.w2, expert.w3)))
-
-        return ResidentExperts(
-            {layer: {e: cast(w) for e, w in experts.items()} for layer, experts in self._experts.items()}
-        )

@@ -9,12 +9,14 @@ Routed experts are not parameters of this module: every MoE layer asks the Exper
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from engine.args import ModelArgs
 from engine.attention import MLA
-from engine.cache import KVCache
+from engine.cache import KVCache, LayerCache
 from engine.experts import ExpertProvider
 from engine.layers import MLP, RMSNorm
 from engine.moe import MoE
@@ -34,7 +36,30 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.rms_norm_eps)
         self.ffn = MoE(args, layer_id) if args.is_moe(layer_id) else MLP(args.dim, args.inter_dim)
 
-    def forward(self, x, start_pos, rope, cache, experts, selection, absorb, lookahead=None):
+    def forward(
+        self,
+        x: torch.Tensor,
+        start_pos: int,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: LayerCache,
+        experts: ExpertProvider,
+        selection: torch.Tensor | None,
+        absorb: bool | None,
+        lookahead: Callable[[torch.Tensor], None] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [B, S, dim] at positions start_pos.. -> (x [B, S, dim], DSA selection [B, S, K] or None).
+
+        ``rope``: (cos, sin) from ``rope_tables``, each [S, qk_rope_head_dim // 2] float32.
+        ``cache``: this layer's compressed KV cache; the S new positions are appended to it.
+        ``selection``: DSA only, int64 [B, S, K], the cached positions each query attends to, as
+        chosen by the last "full" layer's indexer; None without DSA or while the context fits in
+        index_topk. Layers with their own indexer replace it, "shared" layers reuse it; the returned
+        one is passed on to the next layer.
+        ``absorb``: forces the attention path, True absorbed (decode), False expanded (prefill),
+        None automatic by S.
+        ``lookahead``: optional hook called with the post-attention hidden state [B, S, dim] before
+        this layer's FFN, to prefetch the experts the next MoE layer will probably route to.
+        """
         attn_out, selection = self.attn(self.attn_norm(x), start_pos, rope, cache, selection, absorb)
         x = x + attn_out
         if lookahead is not None:
@@ -96,3 +121,10 @@ class Transformer(nn.Module):
         if last_only:
             x = x[:, -1:]
         return self.head(self.norm(x)).float()
+
+
+def meta_transformer(args: ModelArgs) -> Transformer:
+    """The model's modules and parameter shapes without memory (on torch's meta device): what loaders
+    check names and shapes against before any tensor is read."""
+    with torch.device("meta"):
+        return Transformer(args)

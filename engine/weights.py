@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 # (HF pattern, engine name); \1 is the layer index where present.
 HF_TO_ENGINE: tuple[tuple[str, str], ...] = (
@@ -99,3 +100,28 @@ def check_complete(unmapped: Iterable[str], expected: Iterable[str], loaded: Ite
         problems.append(f"{len(missing)} parameter(s) missing, e.g. {missing[:5]}")
     if problems:
         raise WeightNameError(f"{source}: " + "; ".join(problems))
+
+
+@dataclass
+class SortedNames:
+    """A checkpoint's tensor names by destination (see ``sort_names``)."""
+
+    dense: dict[str, str] = field(default_factory=dict)  # hf name -> engine parameter
+    routed: dict[tuple[int, int, str], str] = field(default_factory=dict)  # (layer, expert, w1|w2|w3) -> hf name
+    unmapped: list[str] = field(default_factory=list)  # names no rule claims (check_complete refuses them)
+
+
+def sort_names(hf_names: Iterable[str], n_layers: int) -> SortedNames:
+    """Every tensor name classified once: routed expert, dense parameter, unmapped; extra (MTP) layers
+    are left out on purpose."""
+    sorted_names = SortedNames()
+    for name in hf_names:
+        if is_extra_layer(name, n_layers):
+            continue
+        if (key := routed_expert_key(name)) is not None:
+            sorted_names.routed[key] = name
+        elif (target := engine_name(name)) is not None:
+            sorted_names.dense[name] = target
+        else:
+            sorted_names.unmapped.append(name)
+    return sorted_names

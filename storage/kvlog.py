@@ -31,6 +31,7 @@ import numpy as np
 
 from storage.checksum import crc32c
 from storage.errors import CorruptDataError, FormatError, IncompatibleStateError
+from storage.layout import DTYPES
 
 MAGIC = b"COLIKV\x00\x01"
 KV_FORMAT_VERSION = 1
@@ -38,7 +39,8 @@ HEADER_BYTES = 4096
 _TOKEN = struct.Struct("<I")
 _CRC = struct.Struct("<I")
 _POSITION = struct.Struct("<Q")
-RECORD_DTYPES = {"float32": 4, "bfloat16": 2}
+# Record dtypes (float32 is exact; bfloat16 halves the file); sizes from the one table, storage.layout.DTYPES.
+RECORD_DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,7 @@ class KVGeometry:
 
     @property
     def payload_bytes(self) -> int:
-        return self.values_per_token * RECORD_DTYPES[self.dtype]
+        return self.values_per_token * np.dtype(DTYPES[self.dtype]).itemsize
 
     @property
     def record_bytes(self) -> int:

@@ -87,3 +87,5 @@ class HybridPolicy:
 
 
 POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LRUPolicy, "hybrid": HybridPolicy}
+# What a user may choose (--policy, [cache] policy): "pinned" is LRU plus the learned hot store.
+POLICY_NAMES = ("lru", "hybrid", "pinned")

@@ -61,13 +61,6 @@ def belady_hits(trace: Sequence[Hashable], capacity: int, count_from: int = 0) -
     return hits
 
 
-def write_trace(path: str | Path, acquires: Sequence[tuple[int, Sequence[int]]]) -> None:
-    """One JSON line per acquire: {"layer": L, "experts": [...]}."""
-    with open(path, "w") as f:
-        for layer, experts in acquires:
-            f.write(json.dumps({"layer": layer, "experts": list(experts)}) + "\n")
-
-
 def read_acquires(path: str | Path) -> list[tuple[int, list[int]]]:
     """The (layer, experts) acquires of a trace file, in order."""
     acquires = []

@@ -29,11 +29,10 @@ from storage.container import Container, ExpertReader, o_direct_refusal
 from storage.device_copy import DeviceCopies
 from storage.errors import BudgetError, CorruptDataError
 from storage.history import UsageHistory
-from storage.policy import POLICIES, LRUPolicy
+from storage.policy import POLICIES, POLICY_NAMES, LRUPolicy
 from storage.stats import StoreStats
 from storage.tier import Entry, SlotTier
-
-POLICY_NAMES = ("lru", "hybrid", "pinned")
+from storage.trace import TraceWriter
 
 HUGE_PAGE = 2 << 20  # slot block alignment: lets the kernel back it with transparent huge pages
 
@@ -57,9 +56,9 @@ class StoreConfig:
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_NAMES:
-            raise ValueError(f"cache policy must be one of {POLICY_NAMES}, got {self.policy!r}")
+            raise BudgetError(f"cache policy must be one of {POLICY_NAMES}, got {self.policy!r}")
         if self.threads < 1:
-            raise ValueError(f"io threads must be >= 1, got {self.threads}")
+            raise BudgetError(f"io threads must be >= 1, got {self.threads}")
 
 
 def slots_for(budget_bytes: int, record_bytes: int) -> int:
@@ -98,6 +97,7 @@ class TieredExpertStore:
         config: StoreConfig,
         materialize: Materialize,
         history: UsageHistory | None = None,
+        trace: TraceWriter | None = None,
     ):
         self.container = container
         self.config = config
@@ -113,7 +113,7 @@ class TieredExpertStore:
         self.ram = self._make_ram_tier()
         self.vram = self._make_vram_tier()
         self._predicted: dict[int, set[int]] = {}  # lookahead guesses per layer, for recall
-        self.trace: list[tuple[int, tuple[int, ...]]] = []  # every acquire, in order (for --trace)
+        self.trace = trace  # every acquire, streamed to a file (--trace); never accumulated here
 
     # ------------------------------------------------------------------------------ construction
     def _make_ram_tier(self) -> SlotTier:
@@ -174,7 +174,8 @@ class TieredExpertStore:
 
     def acquire(self, layer: int, expert_ids: Sequence[int]) -> Mapping[int, Any]:
         self.history.record(layer, expert_ids)
-        self.trace.append((layer, tuple(expert_ids)))
+        if self.trace is not None:
+            self.trace.write(layer, expert_ids)
         predicted = self._predicted.pop(layer, None)
         if predicted is not None:
             self._count(recall_hits=len(predicted & set(expert_ids)), recall_total=len(expert_ids))
@@ -282,10 +283,12 @@ class TieredExpertStore:
             return replace(self.stats)
 
     def report(self) -> dict[str, Any]:
-        return {**self.snapshot().as_dict(), "direct_io": self._reader.direct}
+        return {**self.snapshot().as_dict(), "store": "tiered", "direct_io": self._reader.direct}
 
     def end_turn(self) -> None:
-        """Persist the usage history (atomically) after a turn."""
+        """Persist the usage history (atomically) and flush the trace after a turn."""
+        if self.trace is not None:
+            self.trace.flush()
         if self.config.history_decay != 1.0:
             self.history.decay(self.config.history_decay)
         if self.config.history_path is not None:
@@ -293,6 +296,8 @@ class TieredExpertStore:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        if self.trace is not None:
+            self.trace.close()
 
 
 class AcquiredExperts(Mapping[int, Any]):
