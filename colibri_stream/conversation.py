@@ -1,13 +1,20 @@
-"""One model with its text side, and one turn of a named conversation: what `chat` and `serve` share.
+"""One model with its text side (``Runtime``), and the one turn every command runs (``run_turn``):
+`run`, `demo`, `chat` and `serve` all generate through it and report the same stats schema.
 
-A turn opens the session's KV log (restoring the longest stored prefix of the prompt), generates,
-appends the new positions and closes the log again, so the log's lock is held only while the turn
-runs and a session is never open twice in one process.
+A turn with a session opens the session's KV log (restoring the longest stored prefix of the prompt),
+generates, appends the new positions and closes the log again, so the log's lock is held only while
+the turn runs and a session is never open twice in one process. After every turn the store persists
+its usage history and flushes its routing trace.
+
+The stats schema (README "Stats"): generation (prefill_tokens, decode_tokens, prefill_s, decode_s,
+ttft_s, decode_tok_per_s, wall_s), session (reused_tokens, kv_load_s), experts over the turn
+(expert_requests, hits {ram, vram}, hit_rate, misses, reads, expert_bytes_read, io_wait_s,
+io_service_s, prefetch {issued, useful, wasted}, prefetch_recall, store, direct_io), decode_phase (the same
+expert counters from the first token on, plus disk_read_bytes), memory (peak_rss_bytes, peak_uss_bytes).
 """
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,19 +23,36 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from colibri_stream.checkpoint import LoadedModel
-from colibri_stream.generate import SamplingParams, generate
-from colibri_stream.sessions import Session, default_kv_dir, model_fingerprint
+from colibri_stream.config import StoreOptions
+from colibri_stream.errors import RequestError, TokenizerError
+from colibri_stream.expert_store import ExpertStore
+from colibri_stream.fingerprint import model_fingerprint
+from colibri_stream.generate import GenerationResult, SamplingParams, generate
+from colibri_stream.loader import LoadedModel, load
+from colibri_stream.memory import PeakSampler, disk_read_bytes, peak_rss_bytes
+from colibri_stream.sessions import Session, TurnStart, default_kv_dir
 from colibri_stream.text import ChatFormat, load_chat_format, load_tokenizer
+from engine.cache import KVCache
+from storage.stats import StoreStats
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    dtype: str = "float32"  # compute dtype: float32 (token-exact) or bfloat16
+    store: StoreOptions = field(default_factory=StoreOptions)
+    kv_dir: str | Path | None = None  # default: the user cache, per model fingerprint
+    kv_dtype: str = "float32"  # KV log record dtype
+    model_id: str | None = None  # the name clients send (default: the directory's name)
+    text: bool = True  # load tokenizer.json and the chat template (False: token ids only)
 
 
 @dataclass
 class Runtime:
-    """A loaded model, its tokenizer, chat format and where its sessions live."""
+    """A loaded model, its tokenizer and chat format (when loaded) and where its sessions live."""
 
     loaded: LoadedModel
-    tokenizer: Tokenizer
-    chat: ChatFormat
+    tokenizer: Tokenizer | None
+    chat: ChatFormat | None
     kv_dir: Path
     fingerprint: str
     kv_dtype: str = "float32"
@@ -42,30 +66,45 @@ class Runtime:
     def vocab_size(self) -> int:
         return self.loaded.args.vocab_size
 
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return tuple(self.chat.stop_ids) if self.chat is not None else ()
+
+    def text_side(self) -> tuple[Tokenizer, ChatFormat]:
+        if self.tokenizer is None or self.chat is None:
+            raise TokenizerError(f"{self.loaded.path}: loaded without its tokenizer (token ids only)")
+        return self.tokenizer, self.chat
+
     def encode(self, text: str) -> list[int]:
         """Special tokens written in the text (the template's <bos>, <|im_start|>, ...) become their ids."""
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
-
-    def expert_report(self) -> dict[str, Any] | None:
-        experts = self.loaded.experts
-        return experts.report() if hasattr(experts, "report") else None
+        return self.text_side()[0].encode(text, add_special_tokens=False).ids
 
     def close(self) -> None:
-        if hasattr(self.loaded.experts, "close"):
-            self.loaded.experts.close()
+        self.loaded.experts.close()
 
 
-def load_runtime(args: argparse.Namespace) -> Runtime:
-    """From parsed `run`-style flags (path, dtype, budget/store flags, kv_dir, kv_dtype)."""
-    from colibri_stream.cli_run import load_for_run
+def load_runtime(path: str | Path, options: RuntimeOptions | None = None) -> Runtime:
+    """The model at ``path`` (container or HF directory) with its text side and session directory."""
+    options = options or RuntimeOptions()
+    tokenizer = load_tokenizer(path) if options.text else None
+    chat = load_chat_format(path) if options.text else None
+    loaded = load(path, options.dtype, options.store)
+    fingerprint = model_fingerprint(path)
+    kv_dir = Path(options.kv_dir) if options.kv_dir else default_kv_dir(fingerprint)
+    model_id = options.model_id or Path(path).resolve().name
+    return Runtime(loaded, tokenizer, chat, kv_dir, fingerprint, options.kv_dtype, model_id)
 
-    tokenizer = load_tokenizer(args.path)
-    chat = load_chat_format(args.path)
-    loaded = load_for_run(args)
-    fingerprint = model_fingerprint(args.path)
-    kv_dir = Path(args.kv_dir) if args.kv_dir else default_kv_dir(fingerprint)
-    model_id = getattr(args, "model_name", None) or Path(args.path).resolve().name
-    return Runtime(loaded, tokenizer, chat, kv_dir, fingerprint, args.kv_dtype, model_id)
+
+@dataclass(frozen=True)
+class TurnOptions:
+    max_new_tokens: int = 32
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    session: str | None = None  # continue (or start) this named conversation
+    reset: bool = False  # forget the session's stored positions first
+    stop_ids: tuple[int, ...] = ()  # e.g. Runtime.stop_ids for chat; run generates max_new_tokens
+    sync_every: int = 0  # also persist the session every N generated tokens (0: at the end only)
+    on_token: Callable[[int], None] | None = None  # sees each generated id as it is sampled
+    should_stop: Callable[[], bool] | None = None  # polled after each token: a client gone, Ctrl-C
 
 
 @dataclass
@@ -76,61 +115,118 @@ class TurnResult:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
-def _expert_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any]:
-    """Per-turn expert traffic from the store's cumulative counters."""
-    if before is None or after is None:
-        return {}
-    requests = after["expert_requests"] - before["expert_requests"]
-    hits = sum(after["hits"].values()) - sum(before["hits"].values())
-    return {
-        "expert_requests": requests,
-        "expert_hits": hits,
-        "hit_rate": round(hits / requests, 4) if requests else None,
-        "expert_bytes_read": after["expert_bytes_read"] - before["expert_bytes_read"],
-    }
+def check_prompt(runtime: Runtime, prompt_ids: list[int]) -> None:
+    if not prompt_ids:
+        raise RequestError("the prompt is empty (0 tokens)")
+    if bad := [i for i in prompt_ids if not 0 <= i < runtime.vocab_size]:
+        raise RequestError(f"prompt ids {bad[:5]} are outside the vocabulary (size {runtime.vocab_size})")
 
 
-def run_turn(
-    runtime: Runtime,
-    prompt_ids: list[int],
-    max_new_tokens: int,
-    sampling: SamplingParams | None = None,
-    session_name: str | None = None,
-    on_token: Callable[[int], None] | None = None,
-    should_stop: Callable[[], bool] | None = None,
-    reset: bool = False,
-) -> TurnResult:
-    """Generate one answer, continuing ``session_name``'s stored KV when given (prefix reuse)."""
-    model = runtime.loaded.model
+def run_turn(runtime: Runtime, prompt_ids: list[int], options: TurnOptions | None = None) -> TurnResult:
+    """Generate one answer to ``prompt_ids``, continuing ``options.session``'s stored KV when given."""
+    options = options or TurnOptions()
+    check_prompt(runtime, prompt_ids)
+    model, store = runtime.loaded.model, runtime.loaded.experts
     session = None
-    if session_name is not None:
-        session = Session(runtime.kv_dir, session_name, runtime.fingerprint, runtime.loaded.args, runtime.kv_dtype)
+    if options.session is not None:
+        session = Session(runtime.kv_dir, options.session, runtime.fingerprint, runtime.loaded.args, runtime.kv_dtype)
     try:
-        if session is not None and reset:
+        if session is not None and options.reset:
             session.reset()
         turn = session.start_turn(prompt_ids, model.dtype) if session is not None else None
         cache = turn.cache if turn is not None else model.new_cache()
-        before = runtime.expert_report()
+        recorder = PhaseRecorder(store)
+        on_token = recorder.wrap(with_periodic_sync(options, session, cache, prompt_ids))
         start = time.perf_counter()
-        result = generate(
-            model,
-            prompt_ids,
-            max_new_tokens,
-            runtime.loaded.experts,
-            sampling or SamplingParams(),
-            runtime.chat.stop_ids,
-            cache,
-            on_token,
-            should_stop,
-        )
+        with PeakSampler() as uss:
+            result = generate(
+                model,
+                prompt_ids,
+                options.max_new_tokens,
+                store,
+                options.sampling,
+                options.stop_ids,
+                cache,
+                on_token,
+                options.should_stop,
+            )
         wall = time.perf_counter() - start
         if session is not None:
             session.end_turn(cache, prompt_ids + result.ids)
     finally:
         if session is not None:
             session.close()
-    stats = result.stats.as_dict()
-    stats.update(reused_tokens=turn.reused_tokens if turn else 0, wall_s=round(wall, 6))
-    stats.update(_expert_delta(before, runtime.expert_report()))
-    reason = "stop" if result.stopped_on is not None else "cancelled" if result.cancelled else "length"
-    return TurnResult(result.ids, reason, len(prompt_ids), stats)
+    store.end_turn()
+    stats = turn_stats(result, turn, wall, recorder.report(), uss.peak)
+    return TurnResult(result.ids, finish_reason(result), len(prompt_ids), stats)
+
+
+def finish_reason(result: GenerationResult) -> str:
+    return "stop" if result.stopped_on is not None else "cancelled" if result.cancelled else "length"
+
+
+def turn_stats(
+    result: GenerationResult, turn: TurnStart | None, wall: float, experts: dict[str, Any], peak_uss: int
+) -> dict[str, Any]:
+    """The stats schema, key by key as documented above and in the README."""
+    return {
+        **result.stats.as_dict(),
+        "wall_s": round(wall, 6),
+        "reused_tokens": turn.reused_tokens if turn is not None else 0,
+        "kv_load_s": round(turn.kv_load_s, 6) if turn is not None else 0.0,
+        **experts,
+        "peak_rss_bytes": peak_rss_bytes(),
+        "peak_uss_bytes": peak_uss,
+    }
+
+
+class PhaseRecorder:
+    """The store's counters over one turn, and over its decode phase: a copy is taken when the first
+    token arrives, so everything after it is decode (hit rates and bytes per token without the
+    prompt's reads)."""
+
+    def __init__(self, store: ExpertStore):
+        self.store = store
+        self.at_start = store.snapshot()
+        self.at_first_token: tuple[StoreStats, int] | None = None
+
+    def wrap(self, on_token: Callable[[int], None] | None) -> Callable[[int], None]:
+        def first_token_aware(token: int) -> None:
+            if self.at_first_token is None:
+                self.at_first_token = (self.store.snapshot(), disk_read_bytes())
+            if on_token is not None:
+                on_token(token)
+
+        return first_token_aware
+
+    def report(self) -> dict[str, Any]:
+        now = self.store.snapshot()
+        turn = now.minus(self.at_start)
+        hits = turn.hits_ram + turn.hits_vram
+        report = {
+            **self.store.report(),
+            **turn.as_dict(),
+            "hit_rate": round(hits / turn.requests, 4) if turn.requests else None,
+        }
+        if self.at_first_token is not None:
+            then, disk_then = self.at_first_token
+            report["decode_phase"] = {**now.minus(then).as_dict(), "disk_read_bytes": disk_read_bytes() - disk_then}
+        return report
+
+
+def with_periodic_sync(
+    options: TurnOptions, session: Session | None, cache: KVCache, prompt_ids: list[int]
+) -> Callable[[int], None] | None:
+    """The per-token callback: the caller's, and every ``sync_every`` tokens the session persisted so far."""
+    if session is None or options.sync_every <= 0:
+        return options.on_token
+    generated: list[int] = []
+
+    def on_token(token: int) -> None:
+        generated.append(token)
+        if options.on_token is not None:
+            options.on_token(token)
+        if len(generated) % options.sync_every == 0:
+            session.end_turn(cache, prompt_ids + generated)  # positions computed so far; fsynced
+
+    return on_token

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from colibri_stream.errors import RequestError
 from engine.cache import KVCache
 from engine.experts import ExpertProvider
 from engine.model import Transformer
@@ -25,9 +26,9 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
 @dataclass
@@ -102,7 +103,7 @@ def generate(
     ``should_stop`` is polled after every token (a client gone, Ctrl-C, a stop string): a cancelled
     generation costs at most the decode step already running, and the cache stays consistent."""
     if not prompt_ids:
-        raise ValueError("prompt is empty")
+        raise RequestError("the prompt is empty (0 tokens)")
     cache = model.new_cache() if cache is None else cache
     if cache.length >= len(prompt_ids):
         raise ValueError(f"cache holds {cache.length} positions; the prompt must extend it (has {len(prompt_ids)})")

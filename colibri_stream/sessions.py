@@ -8,7 +8,6 @@ be open at once (the server's slots) and a second process gets a clear error.
 
 from __future__ import annotations
 
-import hashlib
 import re
 import time
 from dataclasses import dataclass
@@ -17,10 +16,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from colibri_stream.dtypes import bf16_bits, dtype_bytes, from_stored
+from colibri_stream.errors import SessionError
+from colibri_stream.kv_geometry import kv_geometry, naive_kv_bytes_per_token
 from colibri_stream.paths import user_cache_dir
 from engine.args import ModelArgs
 from engine.cache import KVCache
-from storage.kvlog import HEADER_BYTES, RECORD_DTYPES, KVGeometry, KVLog, read_header
+from storage.kvlog import HEADER_BYTES, KVGeometry, KVLog, read_header
 
 SESSION_SUFFIX = ".kvlog"
 # Session names become file names: a conservative alphabet, no leading dot, no separators.
@@ -29,50 +31,28 @@ TRANSCRIPT_SUFFIX = ".chat.json"  # `chat`'s messages beside the log: the text t
 
 
 def check_session_name(name: str) -> str:
-    """The name unchanged, or ValueError: names are file names under the KV directory, so anything
+    """The name unchanged, or SessionError: names are file names under the KV directory, so anything
     that could leave it ("../x", "a/b", ".hidden") is refused."""
     if not isinstance(name, str) or not SESSION_NAME.match(name) or ".." in name:
-        raise ValueError(f"session name {name!r} must be 1-128 of A-Z a-z 0-9 _ - . (no leading dot, no '..')")
+        raise SessionError(f"session name {name!r} must be 1-128 of A-Z a-z 0-9 _ - . (no leading dot, no '..')")
     return name
-
-
-def kv_geometry(args: ModelArgs, dtype: str = "float32") -> KVGeometry:
-    index_layers = tuple(layer for layer in range(args.n_layers) if args.has_indexer(layer))
-    return KVGeometry(args.n_layers, args.kv_lora_rank, args.qk_rope_head_dim, index_layers, args.index_head_dim, dtype)
-
-
-def naive_kv_bytes_per_token(args: ModelArgs, dtype_bytes: int) -> int:
-    """What a plain per-head K/V cache would hold: K [H, qk_head_dim] and V [H, v_head_dim] per layer."""
-    return args.n_layers * args.n_heads * (args.qk_head_dim + args.v_head_dim) * dtype_bytes
 
 
 def default_kv_dir(fingerprint: str) -> Path:
     return user_cache_dir("kv", fingerprint[:16])
 
 
-def model_fingerprint(path: str | Path) -> str:
-    """Identifies the weights, config and tokenizer a KV state belongs to (cheap: metadata, not weights)."""
-    path = Path(path)
-    digest = hashlib.sha256()
-    for name in ("config.json", "tokenizer.json", "zarr.json", "model.safetensors.index.json"):
-        if (path / name).is_file():
-            digest.update(name.encode() + (path / name).read_bytes())
-    for shard in sorted(path.glob("*.safetensors")):  # HF directories: shard names and sizes
-        digest.update(f"{shard.name}:{shard.stat().st_size}".encode())
-    return digest.hexdigest()[:32]
-
-
 def _as_bytes(t: torch.Tensor, dtype: str) -> np.ndarray:
     """[n, d] tensor -> [n, d * itemsize] uint8 in the record dtype."""
     if dtype == "bfloat16":
-        return t.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint8)
+        return bf16_bits(t).view(np.uint8)
     return t.to(torch.float32).contiguous().numpy().view(np.uint8)
 
 
 def _from_bytes(b: np.ndarray, dtype: str, width: int) -> torch.Tensor:
     """[n, width * itemsize] uint8 -> float32 [n, width]."""
-    raw = torch.from_numpy(np.ascontiguousarray(b))
-    values = raw.view(torch.bfloat16) if dtype == "bfloat16" else raw.view(torch.float32)
+    raw = np.ascontiguousarray(b)
+    values = from_stored(raw.view(np.uint16), dtype) if dtype == "bfloat16" else torch.from_numpy(raw.view(np.float32))
     return values.view(-1, width).float()
 
 
@@ -86,7 +66,7 @@ def cache_payloads(cache: KVCache, start: int, end: int, geometry: KVGeometry) -
 
 
 def cache_from_payloads(payloads: np.ndarray, geometry: KVGeometry, args: ModelArgs, dtype: torch.dtype) -> KVCache:
-    item = RECORD_DTYPES[geometry.dtype]
+    item = dtype_bytes(geometry.dtype)
     cache = KVCache.empty(args, 1, dtype)
     offset = 0
 
@@ -156,7 +136,7 @@ def session_info(path: Path, args: ModelArgs) -> dict:
     """Tokens, bytes per token and the ratio against a naive per-head K/V cache of the same model."""
     _, geometry = read_header(path)
     size = path.stat().st_size
-    naive = naive_kv_bytes_per_token(args, RECORD_DTYPES[geometry.dtype])
+    naive = naive_kv_bytes_per_token(args, geometry.dtype)
     return {
         "session": path.name[: -len(SESSION_SUFFIX)],
         "tokens": max(0, size - HEADER_BYTES) // geometry.record_bytes,

@@ -17,14 +17,7 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-
-class TokenizerMissingError(FileNotFoundError):
-    pass
-
-
-class ChatTemplateError(ValueError):
-    """A chat template that does not compile or raises while rendering (the message says which)."""
-
+from colibri_stream.errors import ChatTemplateError, TokenizerError
 
 # Used when the model ships no chat template: one header line per message, then the answer's header.
 # Plain text, so any tokenizer encodes it; documented in README "Chat templates".
@@ -40,7 +33,7 @@ FALLBACK_CHAT_TEMPLATE = (
 def load_tokenizer(checkpoint: str | Path) -> Tokenizer:
     path = Path(checkpoint) / "tokenizer.json"
     if not path.is_file():
-        raise TokenizerMissingError(f"{path}: not found; pass token ids with --ids instead of --prompt")
+        raise TokenizerError(f"{path}: not found; pass token ids with --ids instead of --prompt")
     return Tokenizer.from_file(str(path))
 
 
@@ -50,7 +43,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: invalid JSON ({exc})") from None
+        raise TokenizerError(f"{path}: invalid JSON ({exc})") from None
     return data if isinstance(data, dict) else {}
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from colibri_stream import testing
+from colibri_stream.devtools import fixtures
 
 
 def pytest_collection_modifyitems(config, items):
@@ -22,10 +22,10 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
     """family -> directory of a tiny random float32 HF checkpoint (built once per session)."""
-    return testing.build_all(tmp_path_factory.mktemp("tiny-checkpoints"))
+    return fixtures.build_all(tmp_path_factory.mktemp("tiny-checkpoints"))
 
 
-@pytest.fixture(scope="session", params=testing.FAMILIES)
+@pytest.fixture(scope="session", params=fixtures.FAMILIES)
 def family(request) -> str:
     return request.param
 
@@ -38,13 +38,13 @@ def checkpoint(tiny_checkpoints, family) -> Path:
 @pytest.fixture(scope="session")
 def reference(checkpoint):
     """The transformers model of ``checkpoint`` (float32, eval)."""
-    return testing.load_reference(checkpoint)
+    return fixtures.load_reference(checkpoint)
 
 
 @pytest.fixture(scope="session")
 def loaded(checkpoint):
     """Our engine on ``checkpoint`` (float32, resident experts)."""
-    from colibri_stream.checkpoint import load_checkpoint
+    from colibri_stream.loader import load_checkpoint
 
     return load_checkpoint(checkpoint)
 
@@ -52,7 +52,7 @@ def loaded(checkpoint):
 @pytest.fixture(scope="session")
 def make_container(tiny_checkpoints, tmp_path_factory):
     """(family, experts scheme, dense scheme) -> a converted container directory, built once each."""
-    from colibri_stream.convert import Converter, ConvertOptions
+    from colibri_stream.convert.converter import Converter, ConvertOptions
 
     built: dict[tuple[str, str, str], Path] = {}
     root = tmp_path_factory.mktemp("containers")
@@ -74,8 +74,8 @@ def stream_container(tmp_path_factory) -> Path:
     are 1/7 of all, so budgets from 20% up are legal and force eviction."""
     import dataclasses
 
-    from colibri_stream.convert import Converter, ConvertOptions
-    from colibri_stream.stress import QUICK, write_stress_checkpoint
+    from colibri_stream.bench.stress_model import QUICK, write_stress_checkpoint
+    from colibri_stream.convert.converter import Converter, ConvertOptions
 
     root = tmp_path_factory.mktemp("stream")
     shape = dataclasses.replace(QUICK, num_hidden_layers=8, hidden_size=128, moe_intermediate_size=64, vocab_size=512)

@@ -13,21 +13,21 @@ import json
 import tempfile
 import time
 
-from colibri_stream import testing
-from colibri_stream.checkpoint import load_checkpoint
+from colibri_stream.devtools import fixtures
 from colibri_stream.generate import generate
+from colibri_stream.loader import load_checkpoint
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--family", default="glm_moe_dsa", choices=testing.FAMILIES)
+    parser.add_argument("--family", default="glm_moe_dsa", choices=fixtures.FAMILIES)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        path = testing.build_tiny_checkpoint(args.family, f"{tmp}/{args.family}")
-        ours, reference = load_checkpoint(path), testing.load_reference(path)
-        prompt = testing.make_prompt(ours.args.vocab_size, 20)
+        path = fixtures.build_tiny_checkpoint(args.family, f"{tmp}/{args.family}")
+        ours, reference = load_checkpoint(path), fixtures.load_reference(path)
+        prompt = fixtures.make_prompt(ours.args.vocab_size, 20)
 
         def ours_rate() -> float:
             return generate(ours.model, prompt, args.tokens, ours.experts).stats.decode_tok_per_s
@@ -35,10 +35,10 @@ def main() -> None:
         def reference_rate() -> float:
             # prefill + 1 token, then prefill + N tokens: the difference is N - 1 decode steps
             start = time.perf_counter()
-            testing.oracle_greedy(reference, prompt, 1)
+            fixtures.oracle_greedy(reference, prompt, 1)
             first = time.perf_counter() - start
             start = time.perf_counter()
-            testing.oracle_greedy(reference, prompt, args.tokens)
+            fixtures.oracle_greedy(reference, prompt, args.tokens)
             return (args.tokens - 1) / (time.perf_counter() - start - first)
 
         ours_tps = max(ours_rate() for _ in range(args.repeats))

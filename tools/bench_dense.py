@@ -12,7 +12,8 @@ import argparse
 import gc
 import json
 
-import colibri_stream.container_model as container_model
+import colibri_stream.placement as placement
+from colibri_stream import loader
 from colibri_stream.generate import generate
 from colibri_stream.memory import return_large_frees_to_the_os
 from storage.container import Container
@@ -20,7 +21,7 @@ from storage.tiered import StoreConfig
 
 
 def decode(path: str, prompt: list[int], tokens: int) -> dict:
-    loaded = container_model.load_container(path, store=StoreConfig(ram_bytes=Container(path).expert_bytes))
+    loaded = loader.load_container(path, store=StoreConfig(ram_bytes=Container(path).expert_bytes))
     try:
         generate(loaded.model, prompt, tokens, loaded.experts)  # warm: the experts these tokens use are read
         result = generate(loaded.model, prompt, tokens, loaded.experts)
@@ -37,15 +38,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     return_large_frees_to_the_os()
-    kernel = container_model.bf16_kernel_available
+    kernel = placement.bf16_kernel_available
     prompt = list(range(5, 21))
     rows = []
     for _ in range(args.rounds):
         for name, available in (("float32 dense", lambda: False), ("bf16 dense", kernel)):
-            container_model.bf16_kernel_available = available
+            placement.bf16_kernel_available = available
             rows.append({"dense": name, **decode(args.container, prompt, args.tokens)})
             gc.collect()
-    container_model.bf16_kernel_available = kernel
+    placement.bf16_kernel_available = kernel
     same = len({tuple(r.pop("ids")) for r in rows}) == 1
     print(json.dumps({"rows": rows, "same_ids": same}))
 

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import aiofiles
 
-from colibri_stream.bench_system import drop_page_cache
+from colibri_stream.bench.system import drop_page_cache
 from storage.buffers import aligned_empty
 from storage.container import Container, ExpertReader
 

@@ -1,4 +1,4 @@
-"""int4 expert FFN vs memcpy of the same bytes, measured side by side (colibri_stream/kernel_bench.py).
+"""int4 expert FFN vs memcpy of the same bytes, measured side by side (colibri_stream/bench/kernels.py).
 
 python tools/bench_kernels.py [--rows 1] [--experts 48]
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from colibri_stream.kernel_bench import measure
+from colibri_stream.bench.kernels import measure
 
 
 def main() -> None:

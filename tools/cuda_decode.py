@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from colibri_stream.container_model import load_container
-from colibri_stream.convert import Converter, ConvertOptions
+from colibri_stream.bench.stress_model import StressShape, write_stress_checkpoint
+from colibri_stream.convert.converter import Converter, ConvertOptions
 from colibri_stream.generate import generate
-from colibri_stream.stress import StressShape, write_stress_checkpoint
+from colibri_stream.loader import load_container
 from storage.container import Container
 from storage.tiered import StoreConfig
 

@@ -1,4 +1,4 @@
-"""Write a generated DeepSeek-V3-shaped checkpoint (see colibri_stream/stress.py).
+"""Write a generated DeepSeek-V3-shaped checkpoint (see colibri_stream/bench/stress_model.py).
 
 python tools/make_stress_model.py DST [--quick] [--layers N] [--experts N] [--seed S]
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from colibri_stream.stress import QUICK, StressShape, write_stress_checkpoint
+from colibri_stream.bench.stress_model import QUICK, StressShape, write_stress_checkpoint
 
 
 def main() -> None:

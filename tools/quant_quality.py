@@ -11,12 +11,11 @@ from pathlib import Path
 
 import torch
 
-from colibri_stream import testing
-from colibri_stream.checkpoint import load_checkpoint
-from colibri_stream.container_model import load_container
-from colibri_stream.convert import Converter, ConvertOptions
+from colibri_stream.convert.converter import Converter, ConvertOptions
+from colibri_stream.convert.quality import mean_kl, relative_error, top1_agreement
+from colibri_stream.devtools import fixtures
 from colibri_stream.generate import generate
-from colibri_stream.quality import mean_kl, relative_error, top1_agreement
+from colibri_stream.loader import load_checkpoint, load_container
 
 GROUPS = (32, 64, 128)
 
@@ -46,10 +45,10 @@ def logits_of(loaded, ids: list[int]) -> torch.Tensor:
 
 def fixture_table(root: Path) -> list[str]:
     rows = ["| family | experts | group | top-1 agreement | mean KL (nats) |", "|---|---|---|---|---|"]
-    for family in testing.FAMILIES:
-        source = testing.build_tiny_checkpoint(family, root / family)
+    for family in fixtures.FAMILIES:
+        source = fixtures.build_tiny_checkpoint(family, root / family)
         float_model = load_checkpoint(source)
-        prompt = testing.make_prompt(float_model.args.vocab_size, 20)
+        prompt = fixtures.make_prompt(float_model.args.vocab_size, 20)
         ids = prompt + generate(float_model.model, prompt, 32, float_model.experts).ids
         reference = logits_of(float_model, ids)
         for scheme, group in (("int4", 32), ("int4", 64), ("int8", 64)):

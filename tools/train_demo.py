@@ -1,4 +1,4 @@
-"""Train the demo model shipped in demo/model (see colibri_stream/train_demo.py and demo/README.md).
+"""Train the demo model shipped in demo/model (see colibri_stream/devtools/train_demo.py and demo/README.md).
 
 python tools/train_demo.py [DST] [--steps N] [--seed S] [--threads T] [--max-minutes M]
 """
@@ -11,7 +11,7 @@ import json
 
 import torch
 
-from colibri_stream.train_demo import TrainOptions, make_demo
+from colibri_stream.devtools.train_demo import TrainOptions, make_demo
 
 
 def main() -> None:

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from colibri_stream import bench_peer
-from colibri_stream.stress import QUICK, write_stress_checkpoint
+from colibri_stream.bench import peer as bench_peer
+from colibri_stream.bench.stress_model import QUICK, write_stress_checkpoint
 
 PROMPT = [5, 17, 300, 2, 999, 64]
 

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from colibri_stream import cli
-from colibri_stream.bench_system import cgroup_available
+from colibri_stream.bench.system import cgroup_available
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from colibri_stream import cli
-from colibri_stream.budget import BudgetFileError, load_budget_file, parse_size
+from colibri_stream.config import load_budget_file, parse_size
+from colibri_stream.errors import BudgetError
 from storage.container import Container
 
 GIB = 2**30
@@ -23,7 +24,7 @@ def test_sizes(text, expected):
 
 @pytest.mark.parametrize("text", ["eight", "8 parsecs", "%", True])
 def test_bad_sizes_name_the_key(text):
-    with pytest.raises(BudgetFileError, match="memory.ram"):
+    with pytest.raises(BudgetError, match="memory.ram"):
         parse_size(text, 1000, key="memory.ram")
 
 
@@ -52,7 +53,7 @@ def test_budget_file_reads_every_section(tmp_path):
 def test_budget_file_errors_name_the_key(tmp_path, content, culprit):
     path = tmp_path / "bad.toml"
     path.write_text(content)
-    with pytest.raises(BudgetFileError, match=culprit.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(BudgetError, match=culprit.replace("[", r"\[").replace("]", r"\]")):
         load_budget_file(path)
 
 

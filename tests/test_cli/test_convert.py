@@ -15,11 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from colibri_stream import testing
-from colibri_stream.checkpoint import load_checkpoint
-from colibri_stream.container_model import load_container
-from colibri_stream.convert import CRASH_ENV, JOURNAL, Converter, ConvertOptions
+from colibri_stream.convert.converter import CRASH_ENV, JOURNAL, Converter, ConvertOptions
+from colibri_stream.devtools import fixtures
 from colibri_stream.generate import generate
+from colibri_stream.loader import load_checkpoint, load_container
 from engine.quant import QuantizedExpert
 from storage.errors import IncompatibleStateError
 
@@ -27,7 +26,7 @@ NEW_TOKENS = 32
 
 
 def _prompt() -> list[int]:
-    return testing.make_prompt(512, 20)
+    return fixtures.make_prompt(512, 20)
 
 
 def test_lossless_container_generates_the_hf_directorys_tokens(make_container, tiny_checkpoints, family):
@@ -35,7 +34,7 @@ def test_lossless_container_generates_the_hf_directorys_tokens(make_container, t
     hf = load_checkpoint(tiny_checkpoints[family])
     expected = generate(hf.model, _prompt(), NEW_TOKENS, hf.experts).ids
     assert generate(container.model, _prompt(), NEW_TOKENS, container.experts).ids == expected
-    assert expected == testing.oracle_greedy(testing.load_reference(tiny_checkpoints[family]), _prompt(), NEW_TOKENS)
+    assert expected == fixtures.oracle_greedy(fixtures.load_reference(tiny_checkpoints[family]), _prompt(), NEW_TOKENS)
 
 
 def _dequantised_checkpoint(loaded, source: Path, dst: Path) -> Path:
@@ -56,10 +55,10 @@ def _dequantised_checkpoint(loaded, source: Path, dst: Path) -> Path:
 def test_int4_runtime_is_faithful_to_the_int4_model(make_container, tiny_checkpoints, family, tmp_path):
     """transformers on the container's dequantised experts == our int4 run: tokens and logits."""
     loaded = load_container(make_container(family, experts="int4", dense="f32"))
-    reference = testing.load_reference(_dequantised_checkpoint(loaded, tiny_checkpoints[family], tmp_path / "deq"))
-    expected = testing.oracle_greedy(reference, _prompt(), NEW_TOKENS)
+    reference = fixtures.load_reference(_dequantised_checkpoint(loaded, tiny_checkpoints[family], tmp_path / "deq"))
+    expected = fixtures.oracle_greedy(reference, _prompt(), NEW_TOKENS)
     assert generate(loaded.model, _prompt(), NEW_TOKENS, loaded.experts).ids == expected
-    forced = testing.oracle_teacher_forced(reference, _prompt() + expected)
+    forced = fixtures.oracle_teacher_forced(reference, _prompt() + expected)
     logits = loaded.model(torch.tensor([_prompt() + expected]), 0, loaded.model.new_cache(), loaded.experts)[0]
     assert (logits - forced.logits).abs().max().item() <= 1e-4
 
@@ -124,7 +123,7 @@ def _reference_fp8_dequant(q: torch.Tensor, scale: torch.Tensor, block: int) -> 
 
 @pytest.mark.parametrize("block", [128, 32])
 def test_fp8_source_converts_to_its_dequantised_weights(tiny_checkpoints, tmp_path, block):
-    fp8 = testing.build_fp8_checkpoint(tiny_checkpoints["deepseek_v32"], tmp_path / "fp8", block=block)
+    fp8 = fixtures.build_fp8_checkpoint(tiny_checkpoints["deepseek_v32"], tmp_path / "fp8", block=block)
     tensors = load_file(fp8 / "model.safetensors")
     assert tensors["model.layers.1.mlp.experts.0.up_proj.weight"].dtype == torch.float8_e4m3fn
     plain = {

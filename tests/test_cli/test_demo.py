@@ -17,13 +17,13 @@ import pytest
 import torch
 
 from colibri_stream import cli
-from colibri_stream.checkpoint import CheckpointError, load_checkpoint
-from colibri_stream.cli_demo import DEMO_PROMPT, demo_model_dir, describe
-from colibri_stream.container_model import load_container
+from colibri_stream.cli.demo import describe
+from colibri_stream.demo_model import DEMO_PROMPT, demo_model_dir
+from colibri_stream.devtools.fixtures import load_reference, oracle_greedy
+from colibri_stream.devtools.train_demo import engine_perplexity, expert_counts, heldout_windows
 from colibri_stream.generate import generate
-from colibri_stream.testing import load_reference, oracle_greedy
+from colibri_stream.loader import CheckpointError, load_checkpoint, load_container
 from colibri_stream.text import load_tokenizer
-from colibri_stream.train_demo import engine_perplexity, expert_counts, heldout_windows
 
 DEMO = demo_model_dir()
 

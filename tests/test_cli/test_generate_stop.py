@@ -3,14 +3,14 @@ cache consistent, so a session can store it and continue."""
 
 from __future__ import annotations
 
-from colibri_stream import testing
-from colibri_stream.checkpoint import load_checkpoint
+from colibri_stream.devtools import fixtures
 from colibri_stream.generate import generate
+from colibri_stream.loader import load_checkpoint
 
 
 def test_should_stop_cuts_after_the_current_token(tiny_checkpoints):
     loaded = load_checkpoint(tiny_checkpoints["deepseek_v32"])
-    prompt = testing.make_prompt(512, 12)
+    prompt = fixtures.make_prompt(512, 12)
     full = generate(loaded.model, prompt, 10, loaded.experts).ids
     seen: list[int] = []
     cache = loaded.model.new_cache()

@@ -8,7 +8,8 @@ import subprocess
 
 import pytest
 
-from colibri_stream import cli, testing
+from colibri_stream import cli
+from colibri_stream.devtools import fixtures
 
 
 def _run(capsys, *argv) -> tuple[int, str, str]:
@@ -19,7 +20,7 @@ def _run(capsys, *argv) -> tuple[int, str, str]:
 
 def test_run_json_matches_the_oracle(tiny_checkpoints, capsys):
     path = tiny_checkpoints["deepseek_v32"]
-    prompt = testing.make_prompt(512, 20)
+    prompt = fixtures.make_prompt(512, 20)
     code, out, _ = _run(
         capsys,
         "run",
@@ -34,7 +35,7 @@ def test_run_json_matches_the_oracle(tiny_checkpoints, capsys):
     )
     assert code == 0
     result = json.loads(out.strip().splitlines()[-1])
-    assert result["ids"] == testing.oracle_greedy(testing.load_reference(path), prompt, 12)
+    assert result["ids"] == fixtures.oracle_greedy(fixtures.load_reference(path), prompt, 12)
     stats = result["stats"]
     assert stats["prefill_tokens"] == 20 and stats["decode_tokens"] == 11
     assert stats["prefill_s"] > 0 and stats["decode_s"] > 0 and stats["decode_tok_per_s"] > 0

@@ -3,7 +3,6 @@ loopback, on a tiny fixture checkpoint. Every wait is bounded; the server stops 
 
 from __future__ import annotations
 
-import argparse
 import fcntl
 import http.client
 import json
@@ -21,10 +20,10 @@ import openai
 import pytest
 import uvicorn
 
-from colibri_stream.checkpoint import load_checkpoint
-from colibri_stream.conversation import load_runtime
+from colibri_stream.conversation import RuntimeOptions, load_runtime
 from colibri_stream.generate import generate
-from colibri_stream.server import Server, create_app
+from colibri_stream.loader import load_checkpoint
+from colibri_stream.serve.app import Server, create_app
 from colibri_stream.text import load_chat_format, load_tokenizer
 
 FAMILY = "deepseek_v3"
@@ -63,14 +62,8 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(tiny_checkpoints, tmp_path_factory) -> Iterator[Served]:
-    args = argparse.Namespace(
-        path=str(tiny_checkpoints[FAMILY]),
-        dtype="float32",
-        kv_dir=str(tmp_path_factory.mktemp("server-kv")),
-        kv_dtype="float32",
-        model_name=MODEL,
-    )
-    server = Server(load_runtime(args), slots=2, max_queue=1)
+    options = RuntimeOptions(kv_dir=tmp_path_factory.mktemp("server-kv"), model_id=MODEL)
+    server = Server(load_runtime(tiny_checkpoints[FAMILY], options), slots=2, max_queue=1)
     port = free_port()
     http_server = uvicorn.Server(uvicorn.Config(create_app(server), host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=http_server.run, daemon=True)

@@ -9,12 +9,13 @@ import sys
 import pytest
 import torch
 
-from colibri_stream import cli, testing
-from colibri_stream.checkpoint import load_checkpoint
+from colibri_stream import cli
+from colibri_stream.devtools import fixtures
 from colibri_stream.generate import generate
-from colibri_stream.sessions import kv_geometry, naive_kv_bytes_per_token
+from colibri_stream.kv_geometry import kv_geometry, naive_kv_bytes_per_token
+from colibri_stream.loader import load_checkpoint
 
-PROMPT = testing.make_prompt(512, 20)  # > index_topk (8): the DSA indexer selects from the start
+PROMPT = fixtures.make_prompt(512, 20)  # > index_topk (8): the DSA indexer selects from the start
 ADDED = [77, 78, 79, 80]
 
 
@@ -133,7 +134,7 @@ def test_kv_info_reports_bytes_per_token_and_the_ratio(tiny_checkpoints, tmp_pat
     )
     assert info["bytes_per_token"] == per_token + 8  # + token id and crc32c
     assert info["tokens"] == len(PROMPT) + 8 - 1
-    assert info["compression_vs_naive"] == round(naive_kv_bytes_per_token(args, 4) / info["bytes_per_token"], 2)
+    assert info["compression_vs_naive"] == round(naive_kv_bytes_per_token(args, "float32") / info["bytes_per_token"], 2)
     assert cli.main(["kv", "ls", str(checkpoint), "--kv-dir", str(tmp_path)]) == 0
     assert capsys.readouterr().out.startswith("chat\t27 tokens")
     assert cli.main(["kv", "rm", str(checkpoint), "chat", "--kv-dir", str(tmp_path)]) == 0
@@ -147,9 +148,10 @@ def test_glm5_geometry_compression():
     from engine.args import ModelArgs
 
     args = ModelArgs.from_hf_config({**GlmMoeDsaConfig().to_dict(), "model_type": "glm_moe_dsa"})
-    mla_only = naive_kv_bytes_per_token(args, 4) / (args.n_layers * (args.kv_lora_rank + args.qk_rope_head_dim) * 4)
+    naive = naive_kv_bytes_per_token(args, "float32")
+    mla_only = naive / (args.n_layers * (args.kv_lora_rank + args.qk_rope_head_dim) * 4)
     assert mla_only == pytest.approx(56.9, abs=0.05)
-    with_indexer = naive_kv_bytes_per_token(args, 4) / kv_geometry(args).record_bytes
+    with_indexer = naive / kv_geometry(args).record_bytes
     assert with_indexer == pytest.approx(46.5, abs=0.1)  # every GLM-5 default layer is a full DSA layer
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from colibri_stream import testing
+from colibri_stream.devtools import fixtures
 from colibri_stream.text import (
     FALLBACK_CHAT_TEMPLATE,
     ChatTemplateError,
@@ -71,7 +71,7 @@ def test_stop_ids_merge_config_and_generation_config(tmp_path):
 
 
 def test_incremental_decoding_equals_whole_decoding(tmp_path):
-    testing.write_tiny_tokenizer(tmp_path, 512)
+    fixtures.write_tiny_tokenizer(tmp_path, 512)
     tokenizer = load_tokenizer(tmp_path)
     ids = tokenizer.encode("Placement changes speed, never tokens. é ü 🙂").ids + [1]
     decoder = IncrementalDecoder(tokenizer, skip_ids=[1])

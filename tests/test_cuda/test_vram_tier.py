@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colibri_stream.container_model import load_container
+from colibri_stream.bench.kernels import make_experts
 from colibri_stream.generate import generate
-from colibri_stream.kernel_bench import make_experts
+from colibri_stream.loader import load_container
 from engine.quant import QuantizedExpert, QuantizedMatrix
 from storage.container import Container
 from storage.tiered import StoreConfig

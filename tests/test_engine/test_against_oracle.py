@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colibri_stream import testing
-from colibri_stream.checkpoint import load_checkpoint
+from colibri_stream.devtools import fixtures
 from colibri_stream.generate import generate
+from colibri_stream.loader import load_checkpoint
 
 PROMPT_LEN = 20  # longer than index_topk (8): DSA selects from the first decode step on
 NEW_TOKENS = 32
@@ -15,19 +15,19 @@ LOGIT_TOL = 1e-4
 
 
 def _prompt(loaded) -> list[int]:
-    return testing.make_prompt(loaded.args.vocab_size, PROMPT_LEN)
+    return fixtures.make_prompt(loaded.args.vocab_size, PROMPT_LEN)
 
 
 def test_greedy_tokens_equal_transformers(loaded, reference):
     prompt = _prompt(loaded)
-    expected = testing.oracle_greedy(reference, prompt, NEW_TOKENS)
+    expected = fixtures.oracle_greedy(reference, prompt, NEW_TOKENS)
     assert generate(loaded.model, prompt, NEW_TOKENS, loaded.experts).ids == expected
 
 
 @pytest.mark.parametrize("absorb", [False, True], ids=["expanded", "absorbed"])
 def test_teacher_forced_logits_equal_transformers(loaded, reference, absorb):
-    ids = _prompt(loaded) + testing.oracle_greedy(reference, _prompt(loaded), NEW_TOKENS)
-    expected = testing.oracle_teacher_forced(reference, ids)
+    ids = _prompt(loaded) + fixtures.oracle_greedy(reference, _prompt(loaded), NEW_TOKENS)
+    expected = fixtures.oracle_teacher_forced(reference, ids)
     logits = loaded.model(torch.tensor([ids]), 0, loaded.model.new_cache(), loaded.experts, absorb=absorb)[0]
     assert logits.argmax(-1).tolist() == expected.argmax
     assert (logits - expected.logits).abs().max().item() <= LOGIT_TOL
@@ -36,8 +36,8 @@ def test_teacher_forced_logits_equal_transformers(loaded, reference, absorb):
 def test_decoded_logits_equal_transformers_at_every_step(loaded, reference):
     """Token-by-token decode (absorbed path, DSA gather) against the teacher-forced oracle."""
     prompt = _prompt(loaded)
-    ids = prompt + testing.oracle_greedy(reference, prompt, NEW_TOKENS)
-    expected = testing.oracle_teacher_forced(reference, ids).logits
+    ids = prompt + fixtures.oracle_greedy(reference, prompt, NEW_TOKENS)
+    expected = fixtures.oracle_teacher_forced(reference, ids).logits
     cache = loaded.model.new_cache()
     first = loaded.model(torch.tensor([prompt]), 0, cache, loaded.experts)[0, -1]
     steps = [first] + [
@@ -53,11 +53,11 @@ def test_decoded_logits_equal_transformers_at_every_step(loaded, reference):
     ids=["no-q-lora", "half-split-rope"],
 )
 def test_deepseek_v3_variants_equal_transformers(tmp_path, overrides):
-    path = testing.build_tiny_checkpoint("deepseek_v3", tmp_path / "variant", config_overrides=overrides)
-    reference, loaded = testing.load_reference(path), load_checkpoint(path)
-    prompt = testing.make_prompt(loaded.args.vocab_size, PROMPT_LEN)
-    expected = testing.oracle_greedy(reference, prompt, 16)
+    path = fixtures.build_tiny_checkpoint("deepseek_v3", tmp_path / "variant", config_overrides=overrides)
+    reference, loaded = fixtures.load_reference(path), load_checkpoint(path)
+    prompt = fixtures.make_prompt(loaded.args.vocab_size, PROMPT_LEN)
+    expected = fixtures.oracle_greedy(reference, prompt, 16)
     assert generate(loaded.model, prompt, 16, loaded.experts).ids == expected
-    forced = testing.oracle_teacher_forced(reference, prompt + expected)
+    forced = fixtures.oracle_teacher_forced(reference, prompt + expected)
     logits = loaded.model(torch.tensor([prompt + expected]), 0, loaded.model.new_cache(), loaded.experts)[0]
     assert (logits - forced.logits).abs().max().item() <= LOGIT_TOL

@@ -58,20 +58,20 @@ def test_bf16_container_keeps_linears_in_bf16_with_the_same_tokens(make_containe
     """A container with bf16 dense arrays (convert's default): its Linears stay bf16 (wkv_b and the
     indexer's weights_proj excepted), half the bytes, and logits/greedy ids equal the model whose
     weights were upcast at load."""
-    from colibri_stream import testing
-    from colibri_stream.container_model import load_container
+    from colibri_stream.devtools import fixtures
     from colibri_stream.generate import generate
+    from colibri_stream.loader import load_container
 
     path = make_container(family, dense="bf16")
     held = load_container(path)
-    monkeypatch.setattr("colibri_stream.container_model.bf16_kernel_available", lambda: False)
+    monkeypatch.setattr("colibri_stream.placement.bf16_kernel_available", lambda: False)
     upcast = load_container(path)
     kinds = {name: type(m).__name__ for name, m in held.model.named_modules() if name.endswith(("wkv_b", "wo", "head"))}
     assert kinds["head"] == "Bf16Linear" and kinds["layers.0.attn.wo"] == "Bf16Linear"
     assert kinds["layers.0.attn.wkv_b"] == "Linear"
     held_bytes, upcast_bytes = (sum(p.nbytes for p in m.model.parameters()) for m in (held, upcast))
     assert held_bytes < 0.7 * upcast_bytes
-    ids = testing.make_prompt(held.args.vocab_size, 24, seed=5)
+    ids = fixtures.make_prompt(held.args.vocab_size, 24, seed=5)
     with torch.no_grad():
         logits = [m.model(torch.tensor([ids]), 0, m.model.new_cache(), m.experts)[0] for m in (held, upcast)]
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)

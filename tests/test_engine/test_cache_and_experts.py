@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from colibri_stream import testing
+from colibri_stream.devtools import fixtures
 from engine.cache import KVCache
 
 
@@ -15,7 +15,7 @@ def _forward(loaded, ids, start, cache):
 def test_cache_holds_only_the_compressed_state(loaded):
     args = loaded.args
     cache = loaded.model.new_cache()
-    _forward(loaded, testing.make_prompt(args.vocab_size, 9), 0, cache)
+    _forward(loaded, fixtures.make_prompt(args.vocab_size, 9), 0, cache)
     for layer, state in enumerate(cache.state()):
         assert state["latent"].shape == (1, 9, args.kv_lora_rank)
         assert state["rope_key"].shape == (1, 9, args.qk_rope_head_dim)
@@ -26,7 +26,7 @@ def test_cache_holds_only_the_compressed_state(loaded):
 
 
 def test_state_round_trip_resumes_exactly(loaded):
-    ids = testing.make_prompt(loaded.args.vocab_size, 30, seed=5)
+    ids = fixtures.make_prompt(loaded.args.vocab_size, 30, seed=5)
     cache = loaded.model.new_cache()
     _forward(loaded, ids[:20], 0, cache)
     restored = KVCache.from_state(cache.state())
@@ -35,8 +35,8 @@ def test_state_round_trip_resumes_exactly(loaded):
 
 
 def test_trim_then_new_suffix_equals_fresh_run(loaded):
-    ids = testing.make_prompt(loaded.args.vocab_size, 24, seed=6)
-    edited = ids[:15] + testing.make_prompt(loaded.args.vocab_size, 9, seed=7)
+    ids = fixtures.make_prompt(loaded.args.vocab_size, 24, seed=6)
+    edited = ids[:15] + fixtures.make_prompt(loaded.args.vocab_size, 9, seed=7)
     cache = loaded.model.new_cache()
     _forward(loaded, ids, 0, cache)
     cache.trim(15)
@@ -58,11 +58,18 @@ def test_prefill_acquires_each_routed_expert_once_per_layer_and_nothing_else(loa
         return weights, ids
 
     monkeypatch.setattr(Gate, "forward", spy)
-    loaded.experts.acquired.clear()
-    _forward(loaded, testing.make_prompt(loaded.args.vocab_size, 16, seed=8), 0, loaded.model.new_cache())
-    layers = [layer for layer, _ in loaded.experts.acquired]
+    acquired: list[tuple[int, tuple[int, ...]]] = []
+    original_acquire = type(loaded.experts).acquire
+
+    def record(self, layer, expert_ids):
+        acquired.append((layer, tuple(expert_ids)))
+        return original_acquire(self, layer, expert_ids)
+
+    monkeypatch.setattr(type(loaded.experts), "acquire", record)
+    _forward(loaded, fixtures.make_prompt(loaded.args.vocab_size, 16, seed=8), 0, loaded.model.new_cache())
+    layers = [layer for layer, _ in acquired]
     assert layers == list(loaded.args.moe_layers)  # one acquire per MoE layer, in order
-    for layer, expert_ids in loaded.experts.acquired:
+    for layer, expert_ids in acquired:
         assert len(expert_ids) == len(set(expert_ids))  # batch-union: no expert twice
         assert set(expert_ids) == routed[layer]  # exactly the routed experts
 

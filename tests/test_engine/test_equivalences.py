@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from colibri_stream import testing
+from colibri_stream.devtools import fixtures
 from engine.model import Transformer
 from engine.rope import rope_tables
 
@@ -15,7 +15,7 @@ DSA_FAMILIES = ("deepseek_v32", "glm_moe_dsa")
 
 
 def _ids(loaded, length: int = 40) -> list[int]:
-    return testing.make_prompt(loaded.args.vocab_size, length, seed=3)
+    return fixtures.make_prompt(loaded.args.vocab_size, length, seed=3)
 
 
 def _logits(loaded, ids, absorb=None, model=None):
@@ -89,7 +89,7 @@ def test_auto_mode_picks_absorbed_for_decode_and_expanded_for_prefill(loaded, mo
 @pytest.mark.parametrize("absorb", [False, True], ids=["expanded", "absorbed"])
 def test_dsa_selecting_every_position_equals_dense(tiny_checkpoints, absorb):
     """Attention given a selection of all T positions (future ones masked causally) == no selection."""
-    from colibri_stream.checkpoint import load_checkpoint
+    from colibri_stream.loader import load_checkpoint
 
     loaded = load_checkpoint(tiny_checkpoints["deepseek_v32"])
     attn, args = loaded.model.layers[0].attn, loaded.args
@@ -108,7 +108,7 @@ def test_dsa_selecting_every_position_equals_dense(tiny_checkpoints, absorb):
 
 @pytest.mark.parametrize("family", DSA_FAMILIES)
 def test_index_topk_at_least_context_equals_dense_and_below_it_selects(tiny_checkpoints, family):
-    from colibri_stream.checkpoint import load_checkpoint
+    from colibri_stream.loader import load_checkpoint
 
     loaded = load_checkpoint(tiny_checkpoints[family])
     ids = _ids(loaded, 24)
@@ -124,7 +124,7 @@ def test_index_topk_at_least_context_equals_dense_and_below_it_selects(tiny_chec
 @pytest.mark.parametrize("family", DSA_FAMILIES)
 def test_decode_selection_is_active_beyond_index_topk(tiny_checkpoints, family):
     """A decode step at context 21 > index_topk really uses a K-position selection."""
-    from colibri_stream.checkpoint import load_checkpoint
+    from colibri_stream.loader import load_checkpoint
 
     loaded = load_checkpoint(tiny_checkpoints[family])
     ids = _ids(loaded, 21)
@@ -137,7 +137,7 @@ def test_decode_selection_is_active_beyond_index_topk(tiny_checkpoints, family):
 
 
 def test_glm_shared_layers_reuse_the_previous_full_layers_selection(tiny_checkpoints):
-    from colibri_stream.checkpoint import load_checkpoint
+    from colibri_stream.loader import load_checkpoint
 
     loaded = load_checkpoint(tiny_checkpoints["glm_moe_dsa"])
     kinds = loaded.args.indexer_types

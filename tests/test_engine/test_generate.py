@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colibri_stream import testing
-from colibri_stream.checkpoint import load_checkpoint
+from colibri_stream.devtools import fixtures
+from colibri_stream.errors import RequestError
 from colibri_stream.generate import SamplingParams, generate, sample
+from colibri_stream.loader import load_checkpoint
 
 
 def _prompt(loaded):
-    return testing.make_prompt(loaded.args.vocab_size, 12)
+    return fixtures.make_prompt(loaded.args.vocab_size, 12)
 
 
 def test_seeded_sampling_is_reproducible_and_not_greedy(tiny_checkpoints):
@@ -33,9 +34,9 @@ def test_top_p_keeps_only_the_nucleus():
 
 
 def test_sampling_params_are_validated():
-    with pytest.raises(ValueError, match="temperature"):
+    with pytest.raises(RequestError, match="temperature"):
         SamplingParams(temperature=-1)
-    with pytest.raises(ValueError, match="top_p"):
+    with pytest.raises(RequestError, match="top_p"):
         SamplingParams(top_p=0)
 
 
@@ -60,7 +61,7 @@ def test_generation_continues_a_cached_prefix(tiny_checkpoints):
 
 
 def test_bfloat16_compute_tracks_float32(tiny_checkpoints, family):
-    """bf16 is not token-exact (see testing.py) but its logits must stay close to float32's.
+    """bf16 is not token-exact (see fixtures.py) but its logits must stay close to float32's.
 
     Measured on these fixtures against float32 (mean cosine / min cosine / argmax agreement):
     transformers' own bf16 0.971-0.998 / 0.63-0.96 / 0.79-0.96; ours 0.987-0.999 / 0.76-0.98 / 0.88-1.0.
@@ -68,7 +69,7 @@ def test_bfloat16_compute_tracks_float32(tiny_checkpoints, family):
     f32 = load_checkpoint(tiny_checkpoints[family])
     bf16 = load_checkpoint(tiny_checkpoints[family], dtype=torch.bfloat16)
     assert bf16.model.dtype == torch.bfloat16
-    ids = torch.tensor([testing.make_prompt(f32.args.vocab_size, 24)])
+    ids = torch.tensor([fixtures.make_prompt(f32.args.vocab_size, 24)])
     a = f32.model(ids, 0, f32.model.new_cache(), f32.experts)[0]
     b = bf16.model(ids, 0, bf16.model.new_cache(), bf16.experts)[0]
     cosine = torch.nn.functional.cosine_similarity(a, b, dim=-1)

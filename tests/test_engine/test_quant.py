@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colibri_stream.quality import mean_kl, relative_error, top1_agreement
+from colibri_stream.convert.quality import mean_kl, relative_error, top1_agreement
 from engine.quant import dequantize, quantize
 
 

@@ -10,13 +10,13 @@ import sys
 
 import pytest
 
-from colibri_stream.convert import Converter, ConvertOptions
-from colibri_stream.stress import QUICK, write_stress_checkpoint
+from colibri_stream.bench.stress_model import QUICK, write_stress_checkpoint
+from colibri_stream.convert.converter import Converter, ConvertOptions
 
 SCRIPT = r"""
 import json, sys
 import torch
-from colibri_stream.container_model import load_container
+from colibri_stream.loader import load_container
 from colibri_stream.generate import generate
 from colibri_stream.memory import PeakSampler, return_large_frees_to_the_os, uss_bytes
 from storage.container import Container

@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from colibri_stream.container_model import load_container
 from colibri_stream.generate import generate
+from colibri_stream.loader import load_container
 from storage.container import Container
 from storage.errors import BudgetError
 from storage.history import UsageHistory
@@ -125,7 +125,7 @@ def test_budget_below_one_layer_fails_with_the_numbers(stream_container):
 
 
 def test_history_is_persisted_and_refuses_another_model(history_file, stream_container):
-    from colibri_stream.container_model import container_fingerprint
+    from colibri_stream.fingerprint import container_fingerprint
     from storage.errors import IncompatibleStateError
 
     container = Container(stream_container)

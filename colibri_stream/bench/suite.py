@@ -1,0 +1,275 @@
+"""`colibri-stream bench`: every contender side by side, in one run, under one memory limit.
+
+Sections (see docs/benchmarks.md for how to read the output):
+  1. disk      raw O_DIRECT sequential and expert-sized random reads vs our cold reads;
+  2. decode    our tok/s, TTFT, hit rate, bytes/token and I/O-wait share per RAM budget, policy,
+               prefetch on/off, cold and warm page cache; the same store on a bf16 container;
+  3. peer      transformers + accelerate disk offload at the same budgets and limits;
+  4. caching   each policy vs Belady's MIN on the recorded traces (this model's and the demo's);
+  5. sessions  resuming a ~2k-token conversation from its KV log vs re-prefilling it.
+The model is generated (DeepSeek-V3 proportions, random weights) and converted once into the work
+directory; later runs reuse it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from colibri_stream.bench.cache import gap_to_belady_pp, trace_section
+from colibri_stream.bench.contenders import OurConfig, RunInputs, run_ours, run_peer_contender
+from colibri_stream.bench.disk import disk_section
+from colibri_stream.bench.sessions import random_prompt_ids, sessions_section
+from colibri_stream.bench.stress_model import QUICK, StressShape, write_stress_checkpoint
+from colibri_stream.bench.system import MemoryLimit, cgroup_available, cli_argv, convert, machine_facts
+from colibri_stream.demo_model import DEMO_PROMPT, demo_container_path, demo_model_dir
+from colibri_stream.placement import plan
+from storage.container import Container
+from storage.policy import POLICY_NAMES
+from storage.tiered import StoreConfig, minimum_slots, total_records
+
+GiB = 1 << 30
+RATIO_BUDGET = 25  # the budget (% of int4 expert bytes) at which the headline ratios (and sessions) are taken
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    shape: StressShape
+    prompt_tokens: int
+    new_tokens: int  # generated tokens per run, ours and the peer's alike
+    budgets_pct: tuple[int, ...] = (10, 25, 50, 100)
+    sequential_bytes: int = 2 * GiB
+    disk_records: int = 256
+    conversation_tokens: int = 2000
+    sweep_points: int = 12
+    overhead_bytes: int = GiB  # the memory limit above budget + dense + KV: interpreter, torch, activations
+    timeout_s: float = 900.0
+    demo_tokens: int = 128
+
+
+FULL = BenchSettings(shape=StressShape(), prompt_tokens=32, new_tokens=32)
+QUICK_SETTINGS = BenchSettings(
+    shape=replace(QUICK, num_hidden_layers=12),  # 11 MoE layers: one layer's experts fit in a 10% budget
+    prompt_tokens=16,
+    new_tokens=12,
+    sequential_bytes=64 << 20,
+    disk_records=48,
+    conversation_tokens=256,
+    sweep_points=6,
+    timeout_s=300.0,
+    demo_tokens=48,
+)
+
+
+@dataclass
+class Bench:
+    settings: BenchSettings
+    work: Path
+    out: Path
+    log: Callable[[str], None]
+    results: dict = field(default_factory=dict)
+
+    # ---------------------------------------------------------------------------------- models
+    def prepare_models(self) -> None:
+        shape = self.settings.shape
+        self.hf = self.work / "hf"
+        marker = self.hf / "bench-shape.json"
+        if not marker.is_file() or json.loads(marker.read_text()) != asdict(shape):
+            self.log(f"generating the bench model into {self.hf}")
+            for stale in ("int4", "bf16"):  # containers of a previous model would refuse the new source
+                shutil.rmtree(self.work / f"{stale}.cstream", ignore_errors=True)
+            write_stress_checkpoint(self.hf, shape, progress=sys.stderr.isatty())
+            marker.write_text(json.dumps(asdict(shape)))
+        self.int4 = self._convert("int4")
+        self.bf16 = self._convert("bf16")
+        self.container = Container(self.int4)
+        self.record_bytes = self.container.layout.record_bytes
+        self.expert_bytes = self.container.expert_bytes
+        placement = plan(self.container, StoreConfig(ram_bytes=0))
+        self.dense_bytes = placement.dense_bytes
+        context = self.settings.conversation_tokens + 64
+        self.kv_bytes = placement.kv_bytes_per_token * context
+        self.results["model"] = {
+            "shape": asdict(shape),
+            "int4_expert_bytes": self.expert_bytes,
+            "int4_record_bytes": self.record_bytes,
+            "bf16_record_bytes": Container(self.bf16).layout.record_bytes,
+            "dense_bytes_resident": self.dense_bytes,
+            "moe_layers": len(self.container.moe_layers),
+            "experts_per_layer": self.container.n_experts,
+        }
+
+    def _convert(self, experts: str) -> Path:
+        dst = self.work / f"{experts}.cstream"
+        self.log(f"container {dst.name}")
+        return convert(self.hf, dst, experts, progress=sys.stderr.isatty())
+
+    def ram_bytes(self, pct: int) -> int:
+        return self.expert_bytes * pct // 100
+
+    def limit(self, pct: int) -> MemoryLimit:
+        """The one memory limit of every contender at this budget: expert budget + our resident dense
+        part + KV + a fixed runtime overhead."""
+        return MemoryLimit(self.ram_bytes(pct) + self.dense_bytes + self.kv_bytes + self.settings.overhead_bytes)
+
+    def inputs(self, seed: int = 0) -> RunInputs:
+        ids = random_prompt_ids(self.settings.shape.vocab_size, self.settings.prompt_tokens, seed)
+        return RunInputs(ids, self.settings.new_tokens, self.settings.timeout_s)
+
+    # -------------------------------------------------------------------------------- sections
+    def disk(self) -> None:
+        self.log("1/5 disk: raw O_DIRECT vs our cold reads")
+        self.results["disk"] = disk_section(
+            self.container,
+            self.work / "sequential.scratch",
+            self.settings.sequential_bytes,
+            self.settings.disk_records,
+            threads=4,
+        )
+
+    def decode(self) -> None:
+        history = self.work / "history.json"
+        history.unlink(missing_ok=True)
+        self.log("2/5 decode: learning the hot store from one run on another prompt")
+        run_ours(
+            self.int4,
+            OurConfig(RATIO_BUDGET),
+            self.ram_bytes(RATIO_BUDGET),
+            self.inputs(seed=7),
+            self.limit(RATIO_BUDGET),
+            ["--history", str(history), "--trace", str(self.out / "learn-trace.jsonl")],
+        )
+        rows = []
+        for config in self.decode_grid():
+            self.log(f"2/5 decode: {config.name}")
+            extra = ["--history", str(self._pins_from(history))] if config.policy == "pinned" else []
+            if config == OurConfig(RATIO_BUDGET):
+                extra += ["--trace", str(self.out / "trace.jsonl")]
+            ram = self.ram_bytes(config.budget_pct)
+            if config.container == "bf16" and ram < minimum_slots(self.container) * self.bf16_record_bytes:
+                continue  # below one layer of bf16 records: that store cannot run at this budget
+            rows.append(run_ours(self._path(config), config, ram, self.inputs(), self.limit(config.budget_pct), extra))
+        self.results["decode"] = rows
+
+    def _pins_from(self, history: Path) -> Path:
+        """A copy of the learned history for one run: a run saves its own usage into the file it is
+        given, and pins must come from the other prompt's run, never from a measured one."""
+        copy = self.work / "history-run.json"
+        shutil.copyfile(history, copy)
+        return copy
+
+    @property
+    def bf16_record_bytes(self) -> int:
+        return self.results["model"]["bf16_record_bytes"]
+
+    def _path(self, config: OurConfig) -> Path:
+        return self.bf16 if config.container == "bf16" else self.int4
+
+    def decode_grid(self) -> list[OurConfig]:
+        grid = []
+        for pct in self.settings.budgets_pct:
+            grid.append(OurConfig(pct))
+            if pct in (RATIO_BUDGET, 100):  # again at once: the page cache as the cold run left it
+                grid.append(OurConfig(pct, cold=False))
+        grid += [OurConfig(RATIO_BUDGET, policy) for policy in ("hybrid", "pinned")]
+        grid += [OurConfig(RATIO_BUDGET, policy, prefetch=False) for policy in POLICY_NAMES]
+        grid += [OurConfig(pct, container="bf16") for pct in self.settings.budgets_pct]
+        return grid
+
+    def peer(self) -> None:
+        rows = []
+        for pct in self.settings.budgets_pct:
+            self.log(f"3/5 peer: transformers + accelerate at {pct}%")
+            max_memory = self.ram_bytes(pct) + self.dense_bytes + self.kv_bytes
+            rows.append(
+                run_peer_contender(self.hf, pct, max_memory, self.inputs(), self.limit(pct), self.work / "offload")
+            )
+        self.results["peer"] = rows
+
+    def caching(self) -> None:
+        self.log("4/5 caching: policies vs Belady on the recorded traces")
+        budgets = {f"{pct}%": self.ram_bytes(pct) for pct in self.settings.budgets_pct}
+        ours = trace_section(
+            self.out / "trace.jsonl",
+            self.record_bytes,
+            self.container.n_experts,
+            total_records(self.container),
+            budgets,
+            self.settings.sweep_points,
+            len(self.container.moe_layers),
+            learned_from=self.out / "learn-trace.jsonl",
+        )
+        self.results["caching"] = {"bench_model": ours, "demo_model": self._demo_trace()}
+
+    def _demo_trace(self) -> dict:
+        model_dir = demo_model_dir()
+        demo = convert(model_dir, demo_container_path(model_dir, self.work / "demo"))  # cheap once converted
+        trace = self.out / "demo-trace.jsonl"
+        argv = cli_argv("run", str(demo), "--prompt", DEMO_PROMPT, "--max-new-tokens", str(self.settings.demo_tokens))
+        argv += ["--ram", "40%", "--json", "--trace", str(trace), "--kv-dir", str(self.work / "kv")]
+        MemoryLimit(self.settings.overhead_bytes).run(argv, self.settings.timeout_s).last_json_line()
+        container = Container(demo)
+        budgets = {f"{pct}%": container.expert_bytes * pct // 100 for pct in (35, 40, 50, 75)}
+        records = total_records(container)
+        layout, layers = container.layout, len(container.moe_layers)
+        return trace_section(
+            trace, layout.record_bytes, container.n_experts, records, budgets, self.settings.sweep_points, layers
+        )
+
+    def sessions(self) -> None:
+        self.log(f"5/5 sessions: resume a {self.settings.conversation_tokens}-token conversation vs re-prefill")
+        kv_dir = self.work / "kv"
+        for old in kv_dir.glob("bench-resume*"):
+            old.unlink()
+        self.results["sessions"] = sessions_section(
+            self.int4,
+            self.settings.shape.vocab_size,
+            self.settings.conversation_tokens,
+            8,
+            f"{RATIO_BUDGET}%",
+            kv_dir,
+            self.limit(RATIO_BUDGET),
+            self.settings.timeout_s,
+        )
+
+    # --------------------------------------------------------------------------------- summary
+    def ratios(self) -> dict:
+        ours = next(r for r in self.results["decode"] if r["name"] == OurConfig(RATIO_BUDGET).name)
+        peer = next(r for r in self.results["peer"] if r["budget_pct"] == RATIO_BUDGET)
+        at_budget = next(
+            r for r in self.results["caching"]["bench_model"]["at_budgets"] if r["budget"] == f"{RATIO_BUDGET}%"
+        )
+        return {
+            "vs_accelerate": round(ours["decode_tok_per_s"] / peer["decode_tok_per_s"], 1),
+            "io_efficiency": self.results["disk"]["io_efficiency"],
+            "hit_vs_belady_pp": gap_to_belady_pp(at_budget),
+            "resume_speedup": self.results["sessions"]["resume_speedup"],
+        }
+
+
+def run_bench(settings: BenchSettings, work: Path, out: Path, command: str, log: Callable[[str], None]) -> dict:
+    """All five sections; returns the results (also written to ``out``/results.json by the caller)."""
+    work.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    bench = Bench(settings, work, out, log)
+    bench.results.update(command=command, machine=machine_facts(work), warnings=[])
+    if not cgroup_available():
+        warning = "no writable cgroup-v1 memory controller: contenders ran WITHOUT a RAM limit (page cache unbounded)"
+        bench.results["warnings"].append(warning)
+        log(f"warning: {warning}")
+    bench.prepare_models()
+    bench.results["memory_limits"] = {f"{pct}%": bench.limit(pct).limit_bytes for pct in settings.budgets_pct} | {
+        "enforced": cgroup_available(),
+        "overhead_bytes": settings.overhead_bytes,
+    }
+    for section in (bench.disk, bench.decode, bench.peer, bench.caching, bench.sessions):
+        section()
+    bench.results["ratios"] = bench.ratios()
+    bench.results["elapsed_s"] = round(time.perf_counter() - start, 1)
+    return bench.results

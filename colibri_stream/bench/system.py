@@ -1,0 +1,164 @@
+"""The machine side of `colibri-stream bench`: a RAM limit that counts page cache, cold page cache,
+and the facts about the machine that belong next to every number.
+
+Every contender runs as its own process inside a fresh cgroup-v1 memory group
+(``/sys/fs/cgroup/memory/<name>/memory.limit_in_bytes``). The kernel charges both anonymous memory
+and the page cache the process fills to that group, so a contender cannot "win" by keeping the
+model in page cache beyond its budget. Where no such group can be made (not root, cgroup v2 only)
+the contenders run unconfined and the result says so in ``warnings``.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from colibri_stream.errors import ColibriError
+
+CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
+
+
+class ContenderFailed(ColibriError):
+    """A measured process exited badly or printed no result; the message quotes its last stderr line."""
+
+
+@dataclass
+class ProcessRun:
+    argv: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+    wall_s: float
+    peak_bytes: int | None  # the group's max usage (RSS + page cache); None when unconfined
+    hit_limit: bool  # the kernel had to reclaim or kill at the limit at least once
+
+    def last_json_line(self) -> str:
+        lines = [line for line in self.stdout.splitlines() if line.startswith("{")]
+        if self.returncode != 0 or not lines:
+            tail = (self.stderr.strip().splitlines() or ["(no stderr)"])[-1]
+            limit = " (it reached its memory limit)" if self.hit_limit else ""
+            raise ContenderFailed(f"{' '.join(self.argv[:4])} ... exited {self.returncode}{limit}: {tail}")
+        return lines[-1]
+
+
+def cgroup_available() -> bool:
+    return (CGROUP_ROOT / "memory.limit_in_bytes").exists() and os.access(CGROUP_ROOT, os.W_OK)
+
+
+class MemoryLimit:
+    """Runs commands, one at a time, each in a fresh memory group of ``limit_bytes``."""
+
+    def __init__(self, limit_bytes: int, name: str = "colibri-bench"):
+        self.limit_bytes = limit_bytes
+        self.name = f"{name}-{os.getpid()}"
+        self.enforced = cgroup_available()
+
+    def run(self, argv: list[str], timeout_s: float, env: dict[str, str] | None = None) -> ProcessRun:
+        if not self.enforced:
+            return self._run(argv, timeout_s, env, None)
+        group = CGROUP_ROOT / self.name
+        group.mkdir(exist_ok=True)
+        try:
+            (group / "memory.limit_in_bytes").write_text(str(self.limit_bytes))
+            # The shell joins the group, then becomes the contender: everything it maps or reads is charged.
+            wrapped = ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh", *argv]
+            return self._run(wrapped, timeout_s, env, group)
+        finally:
+            _remove_group(group)
+
+    def _run(self, argv: list[str], timeout_s: float, env: dict[str, str] | None, group: Path | None) -> ProcessRun:
+        start = time.perf_counter()
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=env)
+        except subprocess.TimeoutExpired:
+            raise ContenderFailed(f"{' '.join(argv[-12:])[:200]} ... ran past {timeout_s:.0f} s") from None
+        wall = time.perf_counter() - start
+        peak = int((group / "memory.max_usage_in_bytes").read_text()) if group else None
+        failcnt = int((group / "memory.failcnt").read_text()) if group else 0
+        shown = argv[4:] if group else argv
+        return ProcessRun(shown, done.returncode, done.stdout, done.stderr, wall, peak, failcnt > 0)
+
+
+def _remove_group(group: Path) -> None:
+    # The page cache charged to the group moves to the parent when the group goes; retry while the
+    # last process is still being reaped.
+    for _ in range(50):
+        try:
+            group.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.1)
+
+
+def drop_page_cache() -> bool:
+    """Write back and drop the page cache (root only). False when it could not: numbers are then warm."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def cli_argv(*args: str) -> list[str]:
+    """`colibri-stream ARGS` run with this interpreter, so the bench measures the installed code."""
+    return [sys.executable, "-m", "colibri_stream", *args]
+
+
+def convert(src: Path, dst: Path, experts: str = "int4", progress: bool = False) -> Path:
+    """`colibri-stream convert SRC DST --experts EXPERTS` in a child process; returns ``dst``.
+
+    Its stderr (the progress bar, any error) passes through; its stdout (one JSON report) is kept out
+    of the bench's own output. A finished container is left as it is (the converter says "already
+    converted"), an interrupted one is resumed."""
+    argv = cli_argv("convert", str(src), str(dst), "--experts", experts)
+    if not progress:
+        argv.append("--no-progress")
+    done = subprocess.run(argv, stdout=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        raise ContenderFailed(f"{' '.join(argv)} exited {done.returncode}")
+    return dst
+
+
+def machine_facts(path: Path) -> dict:
+    """What the reader of a benchmark table needs to compare it with another machine."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import torch  # only for its version; the bench process itself computes nothing
+
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "ram_bytes": psutil.virtual_memory().total,
+        "disk_free_bytes": shutil.disk_usage(path).free,
+        "filesystem": _filesystem_of(path),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def _filesystem_of(path: Path) -> str:
+    path = path.resolve()
+    best = None
+    for part in psutil.disk_partitions(all=True):
+        if str(path).startswith(part.mountpoint) and (best is None or len(part.mountpoint) > len(best.mountpoint)):
+            best = part
+    return f"{best.device} ({best.fstype})" if best else "unknown"

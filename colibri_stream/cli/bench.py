@@ -1,0 +1,109 @@
+"""`colibri-stream bench`: every contender side by side in one run (see colibri_stream/bench/suite.py),
+or `--kernels`: the expert-FFN vs memcpy micro-benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from colibri_stream.bench.kernels import measure
+from colibri_stream.cli.help import help_options
+from colibri_stream.paths import user_cache_dir
+
+BENCH_EPILOG = """\
+examples:
+  colibri-stream bench --quick                 # a small model, every section, a few minutes
+  colibri-stream bench --json --out results/   # the full run (<= 30 min): results.json, benchmarks.md, plots
+  colibri-stream bench --kernels --json        # int4 expert FFN vs memcpy (+ CUDA copies/FFN on a GPU)
+The full run generates a ~15 GB bf16 model and its int4 and bf16 containers (~20 GB) in --work once.
+Run as root on an idle machine: contenders are confined by a memory cgroup (page cache counted) and
+the page cache is dropped before cold runs; without root both are skipped with a warning.
+exit status: 0 on success, 1 when a contender fails (its error is printed), 2 on bad flags."""
+
+
+def default_work_dir(quick: bool) -> Path:
+    return user_cache_dir("bench", "quick" if quick else "full")
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "bench",
+        help="benchmark against accelerate offload, the raw disk and Belady, side by side",
+        description=(
+            "Run every contender in one invocation under the same RAM limit: the raw disk, our decode at RAM "
+            "budgets of 10/25/50/100% of expert bytes (policies, prefetch, cold/warm), transformers + "
+            "accelerate disk offload, each cache policy vs Belady's optimum, and session resume vs re-prefill. "
+            "Writes results.json, benchmarks.md and PNG plots to --out."
+        ),
+        **help_options(BENCH_EPILOG),
+    )
+    parser.add_argument("--quick", action="store_true", help="a small model and short runs (minutes, not half an hour)")
+    parser.add_argument("--out", default="bench-results", help="directory for results (default ./bench-results)")
+    parser.add_argument("--work", help="where the generated model and containers live (default ~/.cache/...)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    kernels = parser.add_argument_group("kernel micro-benchmarks (--kernels)")
+    kernels.add_argument(
+        "--kernels",
+        action="store_true",
+        help="run the expert-FFN vs memcpy micro-benchmarks (with CUDA also H2D copies and GPU expert FFN)",
+    )
+    kernels.add_argument("--experts", type=int, default=8, help="experts in the working set (default 8)")
+    kernels.add_argument("--dim", type=int, default=7168, help="hidden size of the experts (default 7168, DeepSeek-V3)")
+    kernels.add_argument("--inter", type=int, default=2048, help="expert intermediate size (default 2048)")
+    kernels.add_argument("--rows", type=int, default=1, help="activation rows per expert call (default 1: decode)")
+    kernels.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    parser.set_defaults(handler=run_bench_command)
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    if args.kernels:
+        return run_kernels(args)
+    # Imported here: the bench pulls in the converter, the demo and the report (not needed by --kernels).
+    from colibri_stream.bench.report import markdown, plots
+    from colibri_stream.bench.suite import FULL, QUICK_SETTINGS, run_bench
+
+    settings = QUICK_SETTINGS if args.quick else FULL
+    work = Path(args.work) if args.work else default_work_dir(args.quick)
+    out = Path(args.out)
+    command = "colibri-stream " + " ".join(sys.argv[1:])
+    results = {"mode": "quick" if args.quick else "full", "date": time.strftime("%Y-%m-%d %H:%M")}
+    results |= run_bench(settings, work, out, command, log=lambda line: print(f"[bench] {line}", file=sys.stderr))
+    try:
+        results["plots"] = [str(path) for path in plots(results, out)]
+    except ImportError:
+        results["warnings"].append("matplotlib is not installed (pip install 'colibri-stream[bench]'): no plots")
+    report = markdown(results)
+    (out / "benchmarks.md").write_text(report)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    print(json.dumps(results) if args.json else report)
+    return 0
+
+
+def run_kernels(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result = measure(n_experts=args.experts, dim=args.dim, inter=args.inter, rows=args.rows)
+    if torch.cuda.is_available():  # the VRAM tier's copies and GPU expert compute, same run
+        from colibri_stream.bench.cuda import measure_cuda
+
+        result["cuda"] = measure_cuda(n_experts=args.experts, dim=args.dim, inter=args.inter)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(
+            f"int4 expert FFN {result['int4_ffn_GBps']} GB/s, memcpy {result['memcpy_GBps']} GB/s "
+            f"(ratio {result['ratios']['int4_ffn_vs_memcpy']}), torch dequantise+matmul "
+            f"{result['torch_dequant_matmul_GBps']} GB/s"
+        )
+        if "cuda" in result:
+            cuda = result["cuda"]
+            print(
+                f"{cuda['device']}: H2D {cuda['h2d_GBps']} GB/s, GPU int4 FFN {cuda['gpu_ffn_GBps']} GB/s, "
+                f"side-stream copies {cuda['ratios']['side_stream_speedup']}x faster than on the compute stream"
+            )
+    return 0

@@ -1,0 +1,73 @@
+"""`colibri-stream convert` and `colibri-stream verify`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from colibri_stream.cli.help import help_options
+from colibri_stream.convert.converter import DENSE_SCHEMES, EXPERT_SCHEMES, Converter, ConvertOptions
+from storage.verify import verify_container
+
+CONVERT_EPILOG = """\
+examples:
+  colibri-stream convert ~/hf/DeepSeek-V3 ~/models/dsv3.cstream              # int4 experts, bf16 dense
+  colibri-stream convert ~/hf/Kimi-K2 kimi.cstream --experts int8 --group-size 128
+  colibri-stream convert tiny-hf tiny.cstream --experts f32 --dense f32      # lossless, for exactness tests
+exit status: 0 when the container is complete, 1 on a user error (unreadable source, mismatched resume),
+2 on bad flags. Interrupted? Run the same command again: it resumes."""
+
+VERIFY_EPILOG = """\
+examples:
+  colibri-stream verify ~/models/dsv3.cstream
+exit status: 0 when every check passes, 1 when a problem was found (each printed on stderr),
+2 on bad flags."""
+
+
+def add_parsers(commands: argparse._SubParsersAction) -> None:
+    convert = commands.add_parser(
+        "convert",
+        help="convert a Hugging Face checkpoint into an expert container",
+        description=(
+            "Convert a Hugging Face checkpoint (bf16/f16/f32, or FP8 e4m3 with 128x128 block scales) into the "
+            "zarr v3 container colibri-stream streams experts from. Streams tensor by tensor (peak memory about "
+            "one layer), and resumes where it stopped if interrupted: rerun the same command."
+        ),
+        **help_options(CONVERT_EPILOG),
+    )
+    convert.add_argument("src", help="Hugging Face checkpoint directory")
+    convert.add_argument("dst", help="container directory to create (or to resume)")
+    convert.add_argument(
+        "--experts", choices=EXPERT_SCHEMES, default="int4", help="routed-expert format (default int4)"
+    )
+    convert.add_argument(
+        "--group-size", type=int, default=64, help="quantisation group along the input dim (default 64)"
+    )
+    convert.add_argument("--dense", choices=DENSE_SCHEMES, default="bf16", help="dense-weight format (default bf16)")
+    convert.add_argument("--no-progress", action="store_true", help="no progress bar")
+    convert.set_defaults(handler=run_convert)
+
+    verify = commands.add_parser(
+        "verify",
+        help="check a container's structure, shapes and every checksum",
+        description="Read every array and expert record of a container and check it; one line per problem.",
+        **help_options(VERIFY_EPILOG),
+    )
+    verify.add_argument("path", help="container directory")
+    verify.set_defaults(handler=run_verify)
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    options = ConvertOptions(experts=args.experts, group_size=args.group_size, dense=args.dense)
+    report = Converter(args.src, args.dst, options, progress=not args.no_progress).run()
+    print(json.dumps(report))
+    return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    problems = verify_container(args.path)
+    for problem in problems:
+        print(problem, file=sys.stderr)
+    print(f"{args.path}: {'ok' if not problems else f'{len(problems)} problem(s)'}")
+    return 1 if problems else 0

@@ -1,0 +1,65 @@
+"""`colibri-stream kv ls|info|rm`: the sessions stored for a model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from colibri_stream.cli.help import help_options
+from colibri_stream.errors import SessionError
+from colibri_stream.fingerprint import model_fingerprint
+from colibri_stream.loader import model_config
+from colibri_stream.sessions import SESSION_SUFFIX, TRANSCRIPT_SUFFIX, default_kv_dir, session_info
+from engine.args import ModelArgs
+from storage.kvlog import KVLog, read_header
+
+KV_EPILOG = """\
+examples:
+  colibri-stream kv ls MODEL.cstream
+  colibri-stream kv info MODEL.cstream chat --json
+  colibri-stream kv rm MODEL.cstream chat          # refused while another process has it open
+exit status: 0 on success, 1 for an unknown session or one in use, 2 on bad flags."""
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    kv = commands.add_parser(
+        "kv",
+        help="list, inspect or delete a model's stored conversation sessions",
+        description="Sessions are per model: MODEL (a container or HF directory) selects their directory.",
+        **help_options(KV_EPILOG),
+    )
+    actions = kv.add_subparsers(dest="kv_command", metavar="ACTION", required=True)
+    for name, text in (("ls", "list sessions"), ("info", "show one session"), ("rm", "delete one session")):
+        action = actions.add_parser(name, help=text, description=text)
+        action.add_argument("model", help="container or HF checkpoint directory")
+        if name != "ls":
+            action.add_argument("session", help="session name")
+        action.add_argument("--kv-dir", help="session directory (default: ~/.cache/colibri-stream/kv/<model>)")
+        action.add_argument("--json", action="store_true", help="JSON output")
+        action.set_defaults(handler=run_kv)
+
+
+def run_kv(args: argparse.Namespace) -> int:
+    kv_dir = Path(args.kv_dir) if args.kv_dir else default_kv_dir(model_fingerprint(args.model))
+    model_args = ModelArgs.from_hf_config(model_config(args.model))
+    if args.kv_command == "ls":
+        infos = [session_info(p, model_args) for p in sorted(kv_dir.glob(f"*{SESSION_SUFFIX}"))]
+        if args.json:
+            print(json.dumps(infos))
+        for info in [] if args.json else infos:
+            print(f"{info['session']}\t{info['tokens']} tokens\t{info['file_bytes']} bytes")
+        return 0
+    path = kv_dir / f"{args.session}{SESSION_SUFFIX}"
+    if not path.is_file():
+        raise SessionError(f"{path}: no such session")
+    if args.kv_command == "info":
+        info = session_info(path, model_args)
+        print(json.dumps(info) if args.json else "\n".join(f"{k}: {v}" for k, v in info.items()))
+        return 0
+    fingerprint, geometry = read_header(path)
+    with KVLog(path, fingerprint, geometry):  # refuses a session another process has open
+        path.unlink()
+    (kv_dir / f"{args.session}{TRANSCRIPT_SUFFIX}").unlink(missing_ok=True)
+    print(f"removed {path}")
+    return 0

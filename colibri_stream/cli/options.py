@@ -1,0 +1,112 @@
+"""Flags shared by the commands, and their translation into the library's dataclasses: library code
+never sees an argparse Namespace."""
+
+from __future__ import annotations
+
+import argparse
+
+from colibri_stream.config import StoreOptions
+from colibri_stream.conversation import RuntimeOptions
+from colibri_stream.dtypes import COMPUTE_DTYPES
+from colibri_stream.errors import RequestError
+from colibri_stream.generate import SamplingParams
+from storage.kvlog import RECORD_DTYPES
+from storage.policy import POLICY_NAMES
+
+
+def parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--ids expects comma-separated integers, got {text!r}") from None
+    if not ids or any(i < 0 for i in ids):
+        raise argparse.ArgumentTypeError(f"--ids expects non-negative integers, got {text!r}")
+    return ids
+
+
+def add_store_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags sizing and tuning the tiered expert store (containers only); they override --budget."""
+    group = parser.add_argument_group("expert streaming (containers)")
+    group.add_argument("--budget", help="TOML budget file ([memory] ram/vram, [io] direct/threads, [cache] ...)")
+    group.add_argument("--ram", help="RAM for expert slots: 8GiB, 512MB, 25%% (of expert bytes) or auto")
+    group.add_argument("--vram", help="VRAM for expert slots, same forms as --ram (default 0: no VRAM tier)")
+    group.add_argument("--vram-device", default=None, help="device of the VRAM tier (default cuda; cpu stands in)")
+    group.add_argument("--policy", choices=POLICY_NAMES, help="eviction policy (default lru)")
+    group.add_argument("--no-prefetch", action="store_true", help="disable router-lookahead prefetch")
+    io = group.add_mutually_exclusive_group()
+    io.add_argument("--direct", action="store_true", help="read experts with O_DIRECT (the default where supported)")
+    io.add_argument("--buffered", action="store_true", help="read experts through the page cache instead of O_DIRECT")
+    group.add_argument("--io-threads", type=int, help="disk reader threads (default 4)")
+    group.add_argument("--history", help="usage-history file (learned hot store), updated after every turn")
+    group.add_argument("--trace", help="write the routing trace (one JSON line per MoE acquire) to this file")
+
+
+def store_options(args: argparse.Namespace) -> StoreOptions:
+    return StoreOptions(
+        budget=args.budget,
+        ram=args.ram,
+        vram=args.vram,
+        vram_device=args.vram_device,
+        policy=args.policy,
+        prefetch=not args.no_prefetch,
+        direct=True if args.direct else False if args.buffered else None,
+        io_threads=args.io_threads,
+        history=args.history,
+        trace=args.trace,
+    )
+
+
+def add_dtype_argument(parser: argparse.ArgumentParser, default: str = "float32") -> None:
+    parser.add_argument("--dtype", choices=sorted(COMPUTE_DTYPES), default=default, help="compute dtype")
+
+
+def add_session_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    sessions = parser.add_argument_group("sessions (compressed KV on disk)")
+    sessions.add_argument("--kv-dir", help="where session files live (default: ~/.cache/colibri-stream/kv/<model>)")
+    sessions.add_argument(
+        "--kv-dtype",
+        choices=RECORD_DTYPES,
+        default="float32",
+        help="record dtype (float32 is exact; bfloat16 halves the file)",
+    )
+    sessions.add_argument(
+        "--kv-sync-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also append + fsync the KV log every N generated tokens (default 0: once, at the end of the turn)",
+    )
+    return sessions
+
+
+def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of the commands that hold a model and its sessions (run, chat, serve): PATH, dtype,
+    sessions, expert streaming."""
+    parser.add_argument("path", help="a converted container, or a Hugging Face checkpoint directory")
+    add_dtype_argument(parser)
+    add_session_arguments(parser)
+    add_store_arguments(parser)
+
+
+def runtime_options(args: argparse.Namespace, text: bool = True, model_id: str | None = None) -> RuntimeOptions:
+    return RuntimeOptions(
+        dtype=args.dtype,
+        store=store_options(args),
+        kv_dir=args.kv_dir,
+        kv_dtype=args.kv_dtype,
+        model_id=model_id,
+        text=text,
+    )
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser, max_new_tokens: int, what: str) -> None:
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help=f"{what} (default {max_new_tokens})")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed, for reproducible samples")
+
+
+def sampling(args: argparse.Namespace) -> SamplingParams:
+    if args.max_new_tokens < 1:
+        raise RequestError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    return SamplingParams(args.temperature, args.top_p, args.seed)

@@ -1,0 +1,78 @@
+"""`colibri-stream run`: generate from a prompt (ids or text) and report measured stats."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from colibri_stream.cli.help import help_options
+from colibri_stream.cli.options import (
+    add_runtime_arguments,
+    add_sampling_arguments,
+    parse_ids,
+    runtime_options,
+    sampling,
+)
+from colibri_stream.conversation import TurnOptions, load_runtime, run_turn
+
+RUN_EPILOG = """\
+examples:
+  colibri-stream run MODEL --ids 1,2,3 --max-new-tokens 32 --json       # ids in, ids + stats out
+  colibri-stream run MODEL --prompt "Hello" --temperature 0.7 --seed 1  # text (needs tokenizer.json)
+  colibri-stream run MODEL.cstream --prompt "Hi" --budget budgets/laptop-32g.toml --dtype bfloat16
+  colibri-stream run MODEL.cstream --ids 1,2,3 --session notes           # continue a stored conversation
+exit status: 0 on success, 1 on a user error (bad path, config, budget, session), 2 on bad flags."""
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "run",
+        help="generate a continuation of a prompt",
+        description=(
+            "Generate a continuation of a prompt. PATH is a converted container (experts streamed under the "
+            "memory budget) or a Hugging Face checkpoint directory (everything resident)."
+        ),
+        **help_options(RUN_EPILOG),
+    )
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--ids", type=parse_ids, help="prompt token ids, comma-separated (e.g. 1,2,3)")
+    prompt.add_argument("--prompt", help="prompt text (needs tokenizer.json in PATH)")
+    add_sampling_arguments(parser, 32, "tokens to generate")
+    parser.add_argument("--json", action="store_true", help="print one JSON object {ids, stats} as the last line")
+    parser.add_argument("--session", help="continue (or start) this named conversation: reuses its stored KV prefix")
+    parser.add_argument("--reset", action="store_true", help="clear the session before this turn")
+    add_runtime_arguments(parser)
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    params = sampling(args)
+    runtime = load_runtime(args.path, runtime_options(args, text=args.prompt is not None))
+    try:
+        tokenizer = runtime.tokenizer
+        prompt_ids = tokenizer.encode(args.prompt).ids if tokenizer is not None else args.ids
+        stream = tokenizer is not None and not args.json
+        show = (lambda t: print(tokenizer.decode([t]), end="", flush=True)) if stream else None
+        options = TurnOptions(
+            args.max_new_tokens, params, args.session, args.reset, sync_every=args.kv_sync_every, on_token=show
+        )
+        result = run_turn(runtime, prompt_ids, options)
+    finally:
+        runtime.close()
+    stats = result.stats
+    if args.json:
+        out = {"ids": result.ids, "stats": stats}
+        if tokenizer is not None:
+            out["text"] = tokenizer.decode(result.ids)
+        print(json.dumps(out))
+    elif stream:
+        print()
+    else:
+        print(",".join(map(str, result.ids)))
+        print(
+            f"prefill {stats['prefill_tokens']} tok in {stats['prefill_s']:.3f}s, "
+            f"decode {stats['decode_tokens']} tok at {stats['decode_tok_per_s']:.2f} tok/s",
+            file=sys.stderr,
+        )
+    return 0

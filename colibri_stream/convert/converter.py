@@ -1,0 +1,265 @@
+"""`colibri-stream convert`: a Hugging Face checkpoint -> the expert container, streaming and resumable.
+
+Work is cut into units (per layer: its dense tensors, its routed experts; then the global tensors),
+each reading its tensors one at a time, so peak memory is about one layer's tensors whatever the
+model size. A journal in the destination records finished units (atomically, with their checksums);
+a rerun after a crash redoes only unfinished units, and since every write is deterministic the result
+is byte-identical to an uninterrupted conversion. The journal also pins the source and options, so a
+rerun can never mix two sources into one container.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from colibri_stream import __version__
+from colibri_stream.convert.hf_source import HFSource, TensorReader
+from colibri_stream.dtypes import bf16_bits
+from colibri_stream.errors import ColibriError
+from colibri_stream.expert_codec import record_from_expert
+from colibri_stream.loader import FLOAT32_PARAMETERS, check_dense_names
+from engine.args import ModelArgs
+from engine.quant import quantize
+from engine.weights import sort_names
+from storage.atomic import atomic_write_json
+from storage.container import Container, read_json
+from storage.container_write import ContainerWriter
+from storage.errors import IncompatibleStateError, StorageError
+from storage.layout import ExpertRecordLayout
+
+JOURNAL = "convert-journal.json"
+EXPERT_SCHEMES = ("int4", "int8", "bf16", "f32")
+DENSE_SCHEMES = ("bf16", "f32", "int8")
+# Fault injection for the kill/resume tests: SIGKILL this process midway through unit N+1.
+CRASH_ENV = "COLIBRI_STREAM_CRASH_AFTER_UNITS"
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    experts: str = "int4"
+    group_size: int = 64
+    dense: str = "bf16"
+
+    def __post_init__(self) -> None:
+        if self.experts not in EXPERT_SCHEMES:
+            raise ColibriError(f"--experts must be one of {EXPERT_SCHEMES}, got {self.experts!r}")
+        if self.dense not in DENSE_SCHEMES:
+            raise ColibriError(f"--dense must be one of {DENSE_SCHEMES}, got {self.dense!r}")
+        if self.group_size <= 0 or self.group_size % 2:
+            raise ColibriError(f"--group-size must be a positive even number, got {self.group_size}")
+
+
+@dataclass(frozen=True)
+class Unit:
+    key: str  # journal key, e.g. "layer.003.experts"
+    dense: tuple[tuple[str, str], ...] = ()  # (hf name, engine name)
+    experts_layer: int | None = None
+
+
+@dataclass
+class Plan:
+    args: ModelArgs
+    units: list[Unit]
+    experts: dict[int, dict[int, dict[str, str]]]  # layer -> expert -> w1/w2/w3 -> hf name
+
+
+def plan_conversion(source: HFSource) -> Plan:
+    """Map every source tensor to a unit; refuse tensors the engine would not consume."""
+    args = ModelArgs.from_hf_config(source.dense_config())
+    dense_by_layer: dict[int | None, list[tuple[str, str]]] = defaultdict(list)
+    experts: dict[int, dict[int, dict[str, str]]] = defaultdict(lambda: defaultdict(dict))
+    names = sort_names(source.tensor_names, args.n_layers)
+    for (layer, expert, proj), name in names.routed.items():
+        experts[layer][expert][proj] = name
+    for name, target in names.dense.items():
+        layer = int(target.split(".")[1]) if target.startswith("layers.") else None
+        dense_by_layer[layer].append((name, target))
+    check_dense_names(args, names.unmapped, set(names.dense.values()), str(source.path))
+    _check_experts(args, experts, source)
+    units = []
+    for layer in range(args.n_layers):
+        units.append(Unit(f"layer.{layer:03d}.dense", tuple(sorted(dense_by_layer[layer]))))
+        if args.is_moe(layer):
+            units.append(Unit(f"layer.{layer:03d}.experts", experts_layer=layer))
+    units.append(Unit("globals", tuple(sorted(dense_by_layer[None]))))
+    return Plan(args, units, experts)
+
+
+def _check_experts(args: ModelArgs, experts: dict, source: HFSource) -> None:
+    for layer in args.moe_layers:
+        found = experts.get(layer, {})
+        for expert in range(args.n_routed_experts):
+            missing = {"w1", "w2", "w3"} - set(found.get(expert, {}))
+            if missing:
+                raise IncompatibleStateError(f"{source.path}: layer {layer} expert {expert} lacks {sorted(missing)}")
+    stray = sorted(set(experts) - set(args.moe_layers))
+    if stray:
+        raise IncompatibleStateError(f"{source.path}: routed experts in dense layer(s) {stray}")
+
+
+# ----------------------------------------------------------------------------------------- records
+
+
+def dense_arrays(engine: str, tensor: torch.Tensor, scheme: str, group_size: int) -> list[tuple[str, np.ndarray, str]]:
+    """(array name, array, dtype tag) to store for one dense tensor under ``scheme``.
+
+    int8 applies to 2-D weights whose input dimension the group size divides; other tensors (norms,
+    biases, odd shapes) and the float32-only parameters keep bf16/float32."""
+    if scheme == "f32" or engine.endswith(FLOAT32_PARAMETERS):
+        return [(engine, tensor.float().contiguous().numpy(), "float32")]
+    if scheme == "int8" and tensor.dim() == 2 and tensor.shape[1] % group_size == 0:
+        q, scales = quantize(tensor, 8, group_size)
+        return [(engine, q.numpy(), "int8"), (f"{engine}.scale", scales.numpy(), "float16")]
+    return [(engine, bf16_bits(tensor), "bfloat16")]
+
+
+# ------------------------------------------------------------------------------------------- driver
+
+
+class Converter:
+    def __init__(self, src: str | Path, dst: str | Path, options: ConvertOptions, progress: bool = True):
+        self.source = HFSource(src)
+        self.dst = Path(dst)
+        self.options = options
+        self.progress = progress
+        self.plan = plan_conversion(self.source)
+        args = self.plan.args
+        self.layout = ExpertRecordLayout.build(options.experts, args.dim, args.moe_inter_dim, options.group_size)
+
+    def run(self) -> dict[str, Any]:
+        journal = self._open_journal()
+        if journal is None:
+            return {"status": "already converted", "path": str(self.dst)}
+        writer = ContainerWriter(self.dst, self.layout, self.plan.args.n_routed_experts)
+        if not journal["done"]:
+            writer.mark_incomplete()
+        todo = [u for u in self.plan.units if u.key not in journal["done"]]
+        total = sum(self._unit_bytes(u) for u in self.plan.units)
+        done_bytes = total - sum(self._unit_bytes(u) for u in todo)
+        crash_after = int(os.environ.get(CRASH_ENV, "-1"))
+        with tqdm(
+            total=total,
+            initial=done_bytes,
+            unit="B",
+            unit_scale=True,
+            desc="convert",
+            disable=not self.progress,
+        ) as bar:
+            for unit in todo:
+                with self.source.reading() as reader:
+                    crash = len(journal["done"]) == crash_after
+                    journal["done"][unit.key] = self._convert_unit(unit, reader, writer, crash)
+                atomic_write_json(self.dst / JOURNAL, journal)
+                bar.update(self._unit_bytes(unit))
+        self._publish(writer, journal)
+        return {
+            "status": "converted",
+            "path": str(self.dst),
+            "units": len(self.plan.units),
+            "resumed_units": len(self.plan.units) - len(todo),
+        }
+
+    def _unit_bytes(self, unit: Unit) -> int:
+        names = [hf for hf, _ in unit.dense]
+        if unit.experts_layer is not None:
+            names += [n for e in self.plan.experts[unit.experts_layer].values() for n in e.values()]
+        return self.source.unit_bytes(names)
+
+    def _convert_unit(self, unit: Unit, reader: TensorReader, writer: ContainerWriter, crash: bool) -> dict[str, Any]:
+        result: dict[str, Any] = {}
+        for hf, engine in unit.dense:
+            written = [
+                writer.write_dense(name, array, dtype)
+                for name, array, dtype in dense_arrays(
+                    engine, reader.get(hf), self.options.dense, self.options.group_size
+                )
+            ]
+            result[engine] = written[0] if len(written) == 1 else {**written[0], "scales": written[1]}
+            _crash_if(crash)
+        if unit.experts_layer is not None:
+            layer = unit.experts_layer
+            writer.create_expert_array(layer)
+            crcs = []
+            for expert in range(self.plan.args.n_routed_experts):
+                names = self.plan.experts[layer][expert]
+                record = record_from_expert(self.layout, {w: reader.get(names[w]) for w in ("w1", "w2", "w3")})
+                crcs.append(writer.write_expert(layer, expert, record))
+                _crash_if(crash)
+            result = {"crc32c": crcs}
+        return result
+
+    # ---------------------------------------------------------------------------------- journal
+    def _fingerprint(self) -> dict[str, Any]:
+        return {"source": self.source.identity(), "options": asdict(self.options)}
+
+    def _open_journal(self) -> dict[str, Any] | None:
+        """The journal to continue, or None if DST already holds this exact conversion."""
+        path = self.dst / JOURNAL
+        fingerprint = self._fingerprint()
+        if path.is_file():
+            journal = read_json(path, "conversion journal")
+            if {k: journal.get(k) for k in fingerprint} != fingerprint:
+                raise IncompatibleStateError(
+                    f"{self.dst}: holds an unfinished conversion of another source or with other options; "
+                    "use a new destination"
+                )
+            return journal
+        if self.dst.exists() and any(self.dst.iterdir()):
+            if _finished_conversion(self.dst) == fingerprint:
+                return None
+            raise IncompatibleStateError(f"{self.dst}: exists and is not an unfinished conversion of this source")
+        self.dst.mkdir(parents=True, exist_ok=True)
+        journal = {**fingerprint, "sha256": self.source.shard_sha256(), "done": {}}
+        atomic_write_json(path, journal)
+        return journal
+
+    def _publish(self, writer: ContainerWriter, journal: dict[str, Any]) -> None:
+        done = journal["done"]
+        dense = {
+            name: entry
+            for unit in self.plan.units
+            if unit.experts_layer is None
+            for name, entry in done[unit.key].items()
+        }
+        checksums = {
+            str(u.experts_layer): done[u.key]["crc32c"] for u in self.plan.units if u.experts_layer is not None
+        }
+        copied = self.source.copy_side_files(self.dst)
+        writer.publish(
+            {
+                "model_config": self.source.dense_config(),
+                "experts": {
+                    "layout": self.layout.to_attrs(),
+                    "layers": list(self.plan.args.moe_layers),
+                    "checksums": checksums,
+                },
+                "dense": dict(sorted(dense.items())),
+                "converter_version": __version__,
+                "source": {"shards_sha256": journal["sha256"]},
+                "conversion": {k: journal[k] for k in ("source", "options")},
+                "files": copied,
+            }
+        )
+        (self.dst / JOURNAL).unlink()
+
+
+def _finished_conversion(dst: Path) -> dict[str, Any] | None:
+    """The fingerprint recorded by a finished conversion in ``dst``, if it holds one."""
+    try:
+        return Container(dst).attrs.get("conversion")
+    except StorageError:
+        return None
+
+
+def _crash_if(crash: bool) -> None:
+    if crash:
+        os.kill(os.getpid(), signal.SIGKILL)

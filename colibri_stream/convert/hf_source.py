@@ -1,0 +1,158 @@
+"""Lazy, shard-aware reading of a Hugging Face checkpoint directory for conversion.
+
+Tensors are read one at a time through ``safe_open`` (memory-mapped); shards are opened per unit of
+work and closed after it, so the mapped pages a unit touched stop counting against this process.
+FP8 checkpoints in DeepSeek's layout (float8_e4m3fn ``weight`` + float32 ``weight_scale_inv`` per
+128x128 block, announced by ``quantization_config``) are dequantised to float32 on read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from colibri_stream.loader import CheckpointError, read_config, shard_files
+
+SCALE_SUFFIX = "_scale_inv"
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "I64": 8, "I32": 4, "I8": 1, "U8": 1}
+COPIED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+
+
+class HFSource:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.config = read_config(self.path)
+        self.block = self._fp8_block(self.config.get("quantization_config"))
+        self.files = shard_files(self.path)
+        self.where: dict[str, Path] = {}  # tensor name -> shard
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.stored_bytes: dict[str, int] = {}  # bytes on disk, for progress
+        for file in self.files:
+            with safe_open(file, framework="pt") as shard:
+                for name in shard.keys():
+                    tensor = shard.get_slice(name)
+                    self.where[name] = file
+                    self.shapes[name] = tuple(tensor.get_shape())
+                    self.stored_bytes[name] = math.prod(self.shapes[name]) * _DTYPE_BYTES.get(tensor.get_dtype(), 4)
+
+    def _fp8_block(self, quant: dict[str, Any] | None) -> tuple[int, int] | None:
+        if not quant:
+            return None
+        method, fmt = quant.get("quant_method"), quant.get("fmt", "e4m3")
+        block = quant.get("weight_block_size")
+        if method != "fp8" or fmt != "e4m3" or not (isinstance(block, list) and len(block) == 2):
+            raise CheckpointError(
+                f"{self.path / 'config.json'}: quantization_config {quant} is not supported "
+                "(supported: quant_method fp8, fmt e4m3, weight_block_size [rows, cols])"
+            )
+        return int(block[0]), int(block[1])
+
+    @property
+    def tensor_names(self) -> list[str]:
+        """Every tensor except FP8 scales, which are consumed with their weights."""
+        return [n for n in self.where if not (self.block and n.endswith(SCALE_SUFFIX))]
+
+    def unit_bytes(self, names: list[str]) -> int:
+        """Bytes on disk of ``names`` and their FP8 scales."""
+        return sum(self.stored_bytes[n] + self.stored_bytes.get(n + SCALE_SUFFIX, 0) for n in names)
+
+    def dense_config(self) -> dict[str, Any]:
+        """config.json as the converted (dequantised) model has it."""
+        return {k: v for k, v in self.config.items() if k != "quantization_config"}
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[TensorReader]:
+        reader = TensorReader(self)
+        try:
+            yield reader
+        finally:
+            reader.close()
+
+    def identity(self) -> dict[str, Any]:
+        """Cheap fingerprint of the source files (names, sizes, mtimes) to refuse mixing sources."""
+        return {file.name: {"size": file.stat().st_size, "mtime_ns": file.stat().st_mtime_ns} for file in self.files}
+
+    def shard_sha256(self) -> dict[str, str]:
+        digests = {}
+        for file in self.files:
+            digest = hashlib.sha256()
+            with open(file, "rb") as f:
+                while chunk := f.read(1 << 22):
+                    digest.update(chunk)
+            digests[file.name] = digest.hexdigest()
+        return digests
+
+    def copy_side_files(self, dst: Path) -> list[str]:
+        copied = []
+        for name in COPIED_FILES:
+            source = self.path / name
+            if source.is_file():
+                data = source.read_bytes()
+                if name == "config.json":
+                    data = (json.dumps(self.dense_config(), indent=2, sort_keys=True) + "\n").encode()
+                (dst / name).write_bytes(data)
+                copied.append(name)
+        return copied
+
+
+class TensorReader:
+    """Open shards on demand within one unit of work; float32 tensors out."""
+
+    def __init__(self, source: HFSource):
+        self.source = source
+        self._open: dict[Path, Any] = {}
+        self._stack = contextlib.ExitStack()
+
+    def _shard(self, name: str):
+        file = self.source.where.get(name)
+        if file is None:
+            raise CheckpointError(f"{self.source.path}: tensor {name} is missing")
+        if file not in self._open:
+            self._open[file] = self._stack.enter_context(safe_open(file, framework="pt"))
+        return self._open[file]
+
+    def get(self, name: str) -> torch.Tensor:
+        tensor = self._shard(name).get_tensor(name)
+        if tensor.dtype == torch.float8_e4m3fn:
+            if self.source.block is None:
+                raise CheckpointError(
+                    f"{self.source.path}: {name} is float8 but config.json has no quantization_config"
+                )
+            scale_name = name + SCALE_SUFFIX
+            if scale_name not in self.source.where:
+                raise CheckpointError(f"{self.source.path}: FP8 tensor {name} has no {scale_name}")
+            return dequantize_fp8_blocks(tensor, self._shard(scale_name).get_tensor(scale_name), self.source.block)
+        if tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise CheckpointError(f"{self.source.path}: {name} has unsupported dtype {tensor.dtype}")
+        return tensor.float()
+
+    def close(self) -> None:
+        self._stack.close()
+        self._open.clear()
+
+
+def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """weight [out, in] float8 * scale_inv [ceil(out/bo), ceil(in/bi)] per block -> float32 [out, in]."""
+    out_dim, in_dim = weight.shape
+    rows, cols = -(-out_dim // block[0]), -(-in_dim // block[1])
+    if tuple(scale_inv.shape) != (rows, cols):
+        raise CheckpointError(
+            f"FP8 scale shape {list(scale_inv.shape)} does not match weight {[out_dim, in_dim]} in {block} blocks"
+        )
+    scale = scale_inv.float().repeat_interleave(block[0], 0)[:out_dim].repeat_interleave(block[1], 1)[:, :in_dim]
+    return weight.float() * scale

@@ -1,0 +1,40 @@
+"""The one table of dtypes by name, and bfloat16's bits as numpy (which has no bfloat16).
+
+Names are the tags stored in containers and KV logs ("float32", "bfloat16", ...); byte sizes come from
+storage's table (storage.layout.DTYPES), so a name means the same bytes everywhere.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from storage.layout import DTYPES as STORED_DTYPES
+
+# What a model computes in (--dtype); float32 is the token-exact path.
+COMPUTE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+# Every stored tag as torch (record fields, dense arrays).
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def dtype_bytes(name: str) -> int:
+    """Bytes per value of a stored or compute dtype tag."""
+    return np.dtype(STORED_DTYPES[name]).itemsize
+
+
+def bf16_bits(t: torch.Tensor) -> np.ndarray:
+    """Any float tensor rounded to bfloat16, as its raw bits (numpy uint16, same shape; a copy)."""
+    return t.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+def from_stored(array: np.ndarray, tag: str) -> torch.Tensor:
+    """A stored numpy array as torch with the tag's dtype: bfloat16 bits are reinterpreted, no copy."""
+    tensor = torch.from_numpy(array)
+    return tensor.view(torch.bfloat16) if tag == "bfloat16" else tensor

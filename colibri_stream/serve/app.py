@@ -1,0 +1,322 @@
+"""The OpenAI-compatible HTTP server: /v1/models, /v1/chat/completions, /v1/completions (JSON or SSE).
+
+Requests are validated and turned into prompts here, then run by the worker (serve/worker.py). A
+request's ``user`` field names its KV session (prefix reuse across requests and restarts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+
+from colibri_stream.conversation import Runtime, TurnResult
+from colibri_stream.errors import ChatTemplateError, ColibriError, SessionError
+from colibri_stream.generate import SamplingParams
+from colibri_stream.serve.schemas import ApiError, ChatRequest, CompletionRequest, describe_validation_error
+from colibri_stream.serve.worker import Admission, Job, Worker
+from colibri_stream.sessions import check_session_name
+
+MAX_BODY_BYTES = 4 * 2**20
+
+
+class Server:
+    """Request validation, prompt building and response shaping around a Worker."""
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        slots: int = 4,
+        max_queue: int = 16,
+        default_max_tokens: int | None = None,
+        sync_every: int = 0,
+    ):
+        if slots < 1 or max_queue < 0:
+            raise ColibriError(f"--slots must be >= 1 and --max-queue >= 0, got {slots} and {max_queue}")
+        self.runtime = runtime
+        self.worker = Worker(runtime, sync_every)
+        self.slots, self.max_queue = slots, max_queue
+        self.default_max_tokens = default_max_tokens
+        self.admission: Admission | None = None  # made on the server's event loop
+
+    # ------------------------------------------------------------------------------------ prompts
+    def chat_prompt(self, body: ChatRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            return self.runtime.encode(self.runtime.text_side()[1].render(messages, add_generation_prompt=True))
+        except ChatTemplateError as exc:
+            raise ApiError(400, str(exc), "chat_template_error", "messages") from None
+
+    def completion_prompt(self, body: CompletionRequest) -> list[int]:
+        if isinstance(body.prompt, str):
+            return self.runtime.encode(body.prompt)
+        vocab = self.runtime.vocab_size
+        if bad := [i for i in body.prompt if not 0 <= i < vocab]:
+            raise ApiError(
+                400, f"prompt: token ids {bad[:5]} are outside the vocabulary (size {vocab})", "invalid_token", "prompt"
+            )
+        return list(body.prompt)
+
+    def check_fields(self, body: ChatRequest | CompletionRequest) -> None:
+        """Checks before any prompt work: 404 for another model, 400 for a bad session name or stop."""
+        if body.model != self.runtime.model_id:
+            raise ApiError(
+                404,
+                f"model {body.model!r} does not exist; this server serves {self.runtime.model_id!r}",
+                "model_not_found",
+                "model",
+            )
+        if body.user is not None:
+            try:
+                check_session_name(body.user)
+            except SessionError as exc:
+                raise ApiError(400, f"user: {exc}", "invalid_session", "user") from None
+        try:
+            body.stop_strings()
+        except ValueError as exc:
+            raise ApiError(400, str(exc), "invalid_stop", "stop") from None
+
+    def token_limit(self, body: ChatRequest | CompletionRequest, prompt: list[int]) -> int:
+        """The answer's token budget; 400 when the prompt is empty or prompt + limit overflow the context."""
+        context = self.runtime.context_size
+        if not prompt:
+            raise ApiError(400, "the prompt is empty (0 tokens)", "empty_prompt")
+        if len(prompt) >= context:
+            raise ApiError(
+                400,
+                f"the prompt has {len(prompt)} tokens; this model's context is {context} tokens",
+                "context_length_exceeded",
+                "messages",
+            )
+        room = context - len(prompt)
+        limit = body.token_limit()
+        if limit is None:
+            return min(room, self.default_max_tokens) if self.default_max_tokens else room
+        if limit > room:
+            raise ApiError(
+                400,
+                f"this model's context is {context} tokens; the prompt has {len(prompt)} and "
+                f"{limit} more were requested ({len(prompt) + limit} > {context})",
+                "context_length_exceeded",
+                "max_tokens",
+            )
+        return limit
+
+    # ------------------------------------------------------------------------------------ jobs
+    async def submit(self, body: ChatRequest | CompletionRequest, prompt: list[int], limit: int) -> Job:
+        assert self.admission is not None
+        try:
+            await self.admission.acquire()
+        except ApiError:
+            self.worker.counters.rejected += 1
+            raise
+        sampling = SamplingParams(body.temperature, body.top_p, body.seed)
+        job = Job(
+            prompt, limit, sampling, body.user, body.stop_strings(), asyncio.get_running_loop(), self.admission.release
+        )
+        self.worker.jobs.put(job)
+        return job
+
+    def status(self) -> dict[str, Any]:
+        admission = self.admission
+        return {
+            "status": "ok",
+            "model": self.runtime.model_id,
+            "slots": self.slots,
+            "max_queue": self.max_queue,
+            "slots_busy": admission.busy if admission else 0,
+            "queued": admission.waiting if admission else 0,
+            **vars(self.worker.counters),
+        }
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(turn: TurnResult) -> dict[str, int]:
+    return {
+        "prompt_tokens": turn.prompt_tokens,
+        "completion_tokens": len(turn.ids),
+        "total_tokens": turn.prompt_tokens + len(turn.ids),
+    }
+
+
+def finish_reason(turn: TurnResult) -> str:
+    return "stop" if turn.finish_reason in ("stop", "cancelled") else "length"
+
+
+def sse(obj: Any) -> bytes:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
+
+
+async def parse_body(request: Request, schema: type[ChatRequest] | type[CompletionRequest]):
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise ApiError(413, f"request body of {len(raw)} bytes exceeds {MAX_BODY_BYTES}", "body_too_large")
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):  # bad JSON, bad UTF-8, absurd nesting
+        raise ApiError(400, "the request body is not valid JSON", "invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object", "invalid_json")
+    try:
+        return schema.model_validate(data)
+    except ValidationError as exc:
+        message, param = describe_validation_error(exc)
+        raise ApiError(400, message, "invalid_value", param) from None
+
+
+async def collect(request: Request, job: Job) -> tuple[str, TurnResult]:
+    """The whole answer; a client that disconnects meanwhile cancels the job."""
+    parts: list[str] = []
+    while True:
+        try:
+            kind, value = await asyncio.wait_for(job.events.get(), timeout=0.5)
+        except TimeoutError:
+            if await request.is_disconnected():
+                job.cancel.set()
+                raise ApiError(499, "client disconnected", "cancelled") from None
+            continue
+        if kind == "text":
+            parts.append(value)
+        elif kind == "error":
+            raise value
+        else:
+            return "".join(parts), value
+
+
+async def stream(job: Job, chunk: Callable[[str | None, str | None], dict[str, Any]]) -> AsyncIterator[bytes]:
+    """SSE: one chunk per text delta, a final chunk with finish_reason, then ``data: [DONE]``. However
+    the stream ends — finished, failed, or the client gone — the job's cancel flag is set on the way
+    out, which is a no-op for a finished job and stops a running one after its current token."""
+    try:
+        yield sse(chunk(None, None))
+        while True:
+            kind, value = await job.events.get()
+            if kind == "text":
+                yield sse(chunk(value, None))
+            elif kind == "error":
+                yield sse(value.body())
+                break
+            else:
+                yield sse({**chunk(None, finish_reason(value)), "usage": usage(value), "colibri": value.stats})
+                yield b"data: [DONE]\n\n"
+                break
+    finally:
+        job.cancel.set()
+
+
+def _chat_chunk(cid: str, model: str) -> Callable[[str | None, str | None], dict[str, Any]]:
+    def chunk(text: str | None, reason: str | None) -> dict[str, Any]:
+        delta = {"role": "assistant", "content": ""} if text is None and reason is None else {}
+        if text is not None:
+            delta = {"content": text}
+        choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+        return {"id": cid, "object": "chat.completion.chunk", "created": now(), "model": model, "choices": [choice]}
+
+    return chunk
+
+
+def _completion_chunk(cid: str, model: str) -> Callable[[str | None, str | None], dict[str, Any]]:
+    def chunk(text: str | None, reason: str | None) -> dict[str, Any]:
+        choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+        return {"id": cid, "object": "text_completion", "created": now(), "model": model, "choices": [choice]}
+
+    return chunk
+
+
+def create_app(server: Server) -> FastAPI:
+    async def lifespan(app: FastAPI):
+        server.admission = Admission(server.slots, server.max_queue)
+        server.worker.start()
+        yield
+        server.worker.stop()
+
+    app = FastAPI(title="colibri-stream", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    model = server.runtime.model_id
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return ApiError(exc.status_code, str(exc.detail), "not_found" if exc.status_code == 404 else None).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return ApiError(400, str(exc), "invalid_value").response()
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return server.status()
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        entry = {
+            "id": model,
+            "object": "model",
+            "created": now(),
+            "owned_by": "colibri-stream",
+            "context_length": server.runtime.context_size,
+        }
+        return {"object": "list", "data": [entry]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await parse_body(request, ChatRequest)
+        server.check_fields(body)
+        prompt = server.chat_prompt(body)
+        job = await server.submit(body, prompt, server.token_limit(body, prompt))
+        cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        if body.stream:
+            return StreamingResponse(stream(job, _chat_chunk(cid, model)), media_type="text/event-stream")
+        text, turn = await collect(request, job)
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": finish_reason(turn),
+            "logprobs": None,
+        }
+        return {
+            "id": cid,
+            "object": "chat.completion",
+            "created": now(),
+            "model": model,
+            "choices": [choice],
+            "usage": usage(turn),
+            "colibri": turn.stats,
+        }
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await parse_body(request, CompletionRequest)
+        server.check_fields(body)
+        prompt = server.completion_prompt(body)
+        job = await server.submit(body, prompt, server.token_limit(body, prompt))
+        cid = f"cmpl-{uuid.uuid4().hex[:24]}"
+        if body.stream:
+            return StreamingResponse(stream(job, _completion_chunk(cid, model)), media_type="text/event-stream")
+        text, turn = await collect(request, job)
+        choice = {"index": 0, "text": text, "finish_reason": finish_reason(turn), "logprobs": None}
+        return {
+            "id": cid,
+            "object": "text_completion",
+            "created": now(),
+            "model": model,
+            "choices": [choice],
+            "usage": usage(turn),
+            "colibri": turn.stats,
+        }
+
+    return app

@@ -1,0 +1,175 @@
+"""The one thread that runs the model, and admission in front of it.
+
+One worker thread owns the model and runs one generation at a time, FIFO. ``slots`` requests may be
+admitted at once (submitted to the worker); up to ``max_queue`` more wait for a slot; beyond that a
+request gets 503 at once, so a flood never grows memory or latency without bound. A client that goes
+away sets its job's cancel flag, which generation polls after every token, so the model and the
+slot are free again within one decode step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from colibri_stream.conversation import Runtime, TurnOptions, run_turn
+from colibri_stream.errors import ColibriError
+from colibri_stream.generate import SamplingParams
+from colibri_stream.serve.schemas import ApiError
+from colibri_stream.text import IncrementalDecoder
+from storage.errors import StorageError
+
+
+class TextStream:
+    """Token ids -> text deltas, cut at the first stop string. Text that could still turn into a stop
+    string (its last len(longest stop) - 1 characters) is held back until it cannot."""
+
+    def __init__(self, decoder: IncrementalDecoder, stops: list[str]):
+        self.decoder, self.stops = decoder, stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.text, self.sent, self.stopped = "", 0, False
+
+    def push(self, token: int) -> str:
+        self.text += self.decoder.push(token)
+        return self._emit(self._cut())
+
+    def finish(self) -> str:
+        if not self.stopped:
+            self.text += self.decoder.flush()
+            self._cut()
+        return self._emit(final=True)
+
+    def _cut(self) -> bool:
+        hits = [i for i in (self.text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.text, self.stopped = self.text[: min(hits)], True
+        return self.stopped
+
+    def _emit(self, final: bool) -> str:
+        end = len(self.text) if final else max(self.sent, len(self.text) - self.hold)
+        delta, self.sent = self.text[self.sent : end], end
+        return delta
+
+
+@dataclass
+class Job:
+    """One admitted request; events flow from the worker thread to the request's event loop."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    session: str | None
+    stops: list[str]
+    loop: asyncio.AbstractEventLoop
+    on_done: Callable[[], None]
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+    def emit(self, kind: str, value: Any) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+
+
+@dataclass
+class Counters:
+    served: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    rejected: int = 0
+
+
+class Worker:
+    """The one thread that runs the model."""
+
+    def __init__(self, runtime: Runtime, sync_every: int = 0):
+        self.runtime = runtime
+        self.sync_every = sync_every  # also persist each session every N generated tokens (0: at the end)
+        self.jobs: queue.Queue[Job | None] = queue.Queue()
+        self.counters = Counters()
+        self.thread = threading.Thread(target=self._loop, name="colibri-model", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.jobs.put(None)
+        self.thread.join(timeout=60)
+
+    def _loop(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            try:
+                if job.cancel.is_set():  # its client left while it waited
+                    self.counters.cancelled += 1
+                    job.emit("error", ApiError(499, "request cancelled", "cancelled"))
+                else:
+                    self._run(job)
+            finally:
+                job.loop.call_soon_threadsafe(job.on_done)
+
+    def _run(self, job: Job) -> None:
+        tokenizer, chat = self.runtime.text_side()
+        stream = TextStream(IncrementalDecoder(tokenizer, chat.stop_ids), job.stops)
+
+        def on_token(token: int) -> None:
+            if delta := stream.push(token):
+                job.emit("text", delta)
+
+        options = TurnOptions(
+            job.max_tokens,
+            job.sampling,
+            job.session,
+            stop_ids=self.runtime.stop_ids,
+            sync_every=self.sync_every,
+            on_token=on_token,
+            should_stop=lambda: job.cancel.is_set() or stream.stopped,
+        )
+        try:
+            turn = run_turn(self.runtime, job.prompt_ids, options)
+        except StorageError as exc:  # e.g. the session is open in another process
+            self.counters.failed += 1
+            job.emit("error", ApiError(409, str(exc), "session_unavailable"))
+            return
+        except ColibriError as exc:  # a request the library refuses (prompt, sampling)
+            self.counters.failed += 1
+            job.emit("error", ApiError(400, str(exc), "invalid_request"))
+            return
+        except Exception as exc:  # the worker must survive anything one request does
+            self.counters.failed += 1
+            job.emit("error", ApiError(500, f"generation failed: {type(exc).__name__}: {exc}", "internal_error"))
+            return
+        if tail := stream.finish():
+            job.emit("text", tail)
+        if stream.stopped:
+            turn.finish_reason = "stop"
+        if job.cancel.is_set():
+            self.counters.cancelled += 1
+        else:
+            self.counters.served += 1
+        job.emit("done", turn)
+
+
+class Admission:
+    """``slots`` admitted at once, ``max_queue`` waiting; anything more is refused (503)."""
+
+    def __init__(self, slots: int, max_queue: int):
+        self.slots, self.max_queue = slots, max_queue
+        self.free = asyncio.Semaphore(slots)
+        self.busy = 0
+        self.waiting = 0
+
+    async def acquire(self) -> None:
+        if self.free.locked() and self.waiting >= self.max_queue:
+            raise ApiError(503, f"server busy: {self.slots} slots and {self.max_queue} queue places taken", "busy")
+        self.waiting += 1
+        try:
+            await self.free.acquire()
+        finally:
+            self.waiting -= 1
+        self.busy += 1
+
+    def release(self) -> None:
+        self.busy -= 1
+        self.free.release()

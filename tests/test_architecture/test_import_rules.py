@@ -1,0 +1,114 @@
+"""The package boundaries the architecture fixes (docs/architecture.md "Import rules"), read from the
+source with ast: every import statement counts, including those inside functions."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+APPS = ("serve", "bench", "convert", "devtools")  # colibri_stream/<app>: import the library, never each other
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules(package: str) -> dict[str, Path]:
+    return {_module_name(path): path for path in (ROOT / package).rglob("*.py")}
+
+
+def _imports(path: Path) -> set[str]:
+    """Absolute module names imported by one file; ``from pkg import name`` counts pkg.name when that
+    is a module of ours, else pkg."""
+    names: set[str] = set()
+    known = _modules("colibri_stream")
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                names.add(full if full in known else node.module)
+    return names
+
+
+def _top_levels(package: str) -> set[str]:
+    return {name.split(".")[0] for path in _modules(package).values() for name in _imports(path)}
+
+
+def _importers_of(prefix: str, among: dict[str, Path]) -> set[str]:
+    return {
+        module
+        for module, path in among.items()
+        if any(name == prefix or name.startswith(prefix + ".") for name in _imports(path))
+    }
+
+
+def test_engine_imports_neither_storage_nor_the_app():
+    assert not _top_levels("engine") & {"storage", "colibri_stream"}
+
+
+def test_storage_imports_neither_engine_nor_the_app():
+    assert not _top_levels("storage") & {"engine", "colibri_stream"}
+
+
+def test_nothing_imports_the_commands():
+    outside = {m: p for m, p in _modules("colibri_stream").items() if not m.startswith("colibri_stream.cli")}
+    assert _importers_of("colibri_stream.cli", outside) == {"colibri_stream.__main__"}
+    for package in ("engine", "storage", "tools", "tests"):
+        users = _importers_of("colibri_stream.cli", _modules(package))
+        assert package == "tests" or not users, (package, users)
+
+
+def test_the_applications_import_the_library_never_each_other():
+    modules = _modules("colibri_stream")
+    for app in APPS:
+        mine = {m: p for m, p in modules.items() if m.startswith(f"colibri_stream.{app}")}
+        assert mine, app
+        for other in (*APPS, "cli"):
+            if other != app:
+                assert not _importers_of(f"colibri_stream.{other}", mine), (app, other)
+
+
+def test_the_library_imports_no_application():
+    top = ROOT / "colibri_stream"
+    library = {m: p for m, p in _modules("colibri_stream").items() if p.parent == top and p.name != "__main__.py"}
+    assert "colibri_stream.conversation" in library and "colibri_stream.cli" not in library
+    for app in (*APPS, "cli"):
+        assert not _importers_of(f"colibri_stream.{app}", library), app
+
+
+def test_no_import_cycles():
+    graph = {}
+    for package in ("colibri_stream", "engine", "storage"):
+        modules = _modules(package)
+        graph |= {m: {n for n in _imports(p) if n.split(".")[0] == package} for m, p in modules.items()}
+    seen: set[str] = set()
+
+    def visit(module: str, path: tuple[str, ...]) -> None:
+        if module in path:
+            raise AssertionError("import cycle: " + " -> ".join((*path[path.index(module) :], module)))
+        if module in seen or module not in graph:
+            return
+        for imported in sorted(graph[module]):
+            visit(imported, (*path, module))
+        seen.add(module)
+
+    for module in sorted(graph):
+        visit(module, ())
+
+
+def test_the_rules_would_catch_a_violation(tmp_path):
+    """The checker itself: a cycle and a forbidden import written to a file are found."""
+    path = tmp_path / "x.py"
+    path.write_text("def f():\n    from colibri_stream.cli import run\nimport colibri_stream.bench.suite\n")
+    assert {"colibri_stream.cli.run", "colibri_stream.bench.suite"} <= _imports(path)
+
+
+def test_no_unsafe_loaders_in_package_code():
+    for package in ("colibri_stream", "engine", "storage"):
+        for path in (ROOT / package).rglob("*.py"):
+            text = path.read_text()
+            assert "pickle.load" not in text and "torch.load(" not in text, path
