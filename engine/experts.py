@@ -9,6 +9,9 @@ Verbs:
                              waits for that expert only, so the shared expert (computed right after
                              acquire) overlaps the loads; the ids stay pinned until release
     release(layer, ids)   -> unpin: the provider may evict them again
+    max_acquire()         -> how many experts of one layer may be pinned at once (None: no limit); the MoE
+                             layer acquires a step's distinct experts in chunks of at most that many,
+                             each released before the next is acquired
     prefetch(layer, ids)  -> a non-blocking lookahead hint for a coming layer (the next layer's router
                              applied to the current hidden state); it may be ignored, never changes tokens
 """
@@ -59,6 +62,10 @@ class ExpertProvider(Protocol):
 
     def release(self, layer: int, expert_ids: Sequence[int]) -> None: ...
 
+    def max_acquire(self) -> int | None:
+        """How many experts of one layer may be pinned at once; None: no limit."""
+        ...
+
 
 class ResidentExperts:
     """Every routed expert held in memory (small models, tests)."""
@@ -77,3 +84,6 @@ class ResidentExperts:
 
     def release(self, layer: int, expert_ids: Sequence[int]) -> None:
         pass
+
+    def max_acquire(self) -> int | None:
+        return None

@@ -75,22 +75,32 @@ class MoE(nn.Module):
         return self.gate(x.reshape(-1, x.shape[-1]))[1].unique().tolist()
 
     def forward(self, x: torch.Tensor, experts: ExpertProvider) -> torch.Tensor:
-        """x [B, S, dim] -> [B, S, dim]. Batch-union: each distinct expert is acquired once for all rows."""
+        """x [B, S, dim] -> [B, S, dim]. Batch-union: each distinct expert is acquired once for all rows,
+        in chunks of at most what the provider can pin at once (one chunk when it has no limit)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, ids = self.gate(x)
-        unique_ids = ids.unique().tolist()
-        acquired = experts.acquire(self.layer_id, unique_ids)  # misses start loading now...
-        try:
-            out = self.shared_experts(x) if self.shared_experts is not None else torch.zeros_like(x)  # ...meanwhile
-            routed = RoutedSum(x, weights)
-            for expert_id in unique_ids:
-                rows, slot = torch.where(ids == expert_id)
-                routed.add(acquired[expert_id], rows, slot)  # waits for this expert's read only
-            total = routed.total()
-        finally:
-            experts.release(self.layer_id, unique_ids)
-        return (total.to(x.dtype) + out).view(shape)
+        routed = RoutedSum(x, weights)  # one sum over every chunk, in unique-id order: same floats as one chunk
+        for i, chunk in enumerate(chunks(ids.unique().tolist(), experts.max_acquire())):
+            acquired = experts.acquire(self.layer_id, chunk)  # misses start loading now...
+            try:
+                if i == 0:
+                    shared = self.shared_experts(x) if self.shared_experts is not None else torch.zeros_like(x)
+                for expert_id in chunk:  # ...meanwhile (the shared expert above, earlier experts here)
+                    rows, slot = torch.where(ids == expert_id)
+                    routed.add(acquired[expert_id], rows, slot)  # waits for this expert's read only
+            finally:
+                experts.release(self.layer_id, chunk)
+        return (routed.total().to(x.dtype) + shared).view(shape)
+
+
+def chunks(expert_ids: list[int], size: int | None) -> list[list[int]]:
+    """expert_ids in consecutive chunks of at most ``size`` (None: no limit, one chunk)."""
+    if size is None or size >= len(expert_ids):
+        return [expert_ids]
+    if size < 1:
+        raise ValueError(f"an expert provider must pin at least one expert at once, not {size}")
+    return [expert_ids[start : start + size] for start in range(0, len(expert_ids), size)]
 
 
 class RoutedSum:

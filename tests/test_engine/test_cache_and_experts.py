@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from colibri_stream.devtools import fixtures
@@ -108,3 +109,68 @@ def test_experts_on_another_device_give_the_same_layer_output(loaded, monkeypatc
     assert partial_sums == [{torch.device("cpu")}, {torch.device("cpu"), torch.device("cpu", 0)}]
     assert any(w.inputs for w in moved.values() if isinstance(w, _ElsewhereExpert))
     assert (got - expected).abs().max().item() <= 1e-6
+
+
+class _Chunking:
+    """A provider over ``experts`` that pins at most ``limit`` experts at once, checking the MoE layer
+    keeps to it (each chunk released before the next is acquired) and recording every acquire."""
+
+    def __init__(self, experts, limit: int | None):
+        self.experts, self.limit = experts, limit
+        self.acquires: list[tuple[int, tuple[int, ...]]] = []
+        self.pinned: tuple[int, ...] = ()
+
+    def max_acquire(self):
+        return self.limit
+
+    def prefetch(self, layer, expert_ids):
+        pass
+
+    def acquire(self, layer, expert_ids):
+        assert not self.pinned, "a chunk was acquired before the previous one was released"
+        assert self.limit is None or len(expert_ids) <= self.limit
+        self.pinned = tuple(expert_ids)
+        self.acquires.append((layer, self.pinned))
+        return self.experts.acquire(layer, expert_ids)
+
+    def release(self, layer, expert_ids):
+        assert tuple(expert_ids) == self.pinned
+        self.pinned = ()
+        self.experts.release(layer, expert_ids)
+
+
+def test_chunks_keep_the_order_and_cover_every_id_once():
+    from engine.moe import chunks
+
+    ids = [3, 0, 7, 1, 5]
+    assert chunks(ids, None) == chunks(ids, 5) == chunks(ids, 9) == [ids]
+    assert chunks(ids, 2) == [[3, 0], [7, 1], [5]]
+    assert chunks(ids, 1) == [[e] for e in ids]
+    with pytest.raises(ValueError, match="at least one expert"):
+        chunks(ids, 0)
+
+
+@pytest.mark.parametrize("limit", [1, 2, 3, 4])
+def test_chunked_moe_is_bit_identical_to_one_acquire(loaded, limit):
+    """Any chunk size (here 1 .. top-k) gives the same floats, in the layer and through a whole prefill
+    and decode: one RoutedSum adds the experts in the same order whatever the chunking."""
+    from engine.moe import MoE
+
+    assert loaded.args.n_activated_experts == 4
+    layer = next(i for i, block in enumerate(loaded.model.layers) if isinstance(block.ffn, MoE))
+    moe = loaded.model.layers[layer].ffn
+    x = torch.randn(1, 9, loaded.args.dim, generator=torch.Generator().manual_seed(0))
+    whole, chunked = _Chunking(loaded.experts, None), _Chunking(loaded.experts, limit)
+    with torch.no_grad():
+        assert torch.equal(moe(x, chunked), moe(x, whole))
+    assert len(whole.acquires) == 1 and len(chunked.acquires) > 1
+    assert [e for _, chunk in chunked.acquires for e in chunk] == list(whole.acquires[0][1])
+
+    prompt = fixtures.make_prompt(loaded.args.vocab_size, 12, seed=3)
+    logits = {}
+    for name, provider in (("whole", _Chunking(loaded.experts, None)), ("chunked", chunked)):
+        cache = loaded.model.new_cache()
+        prefill = loaded.model(torch.tensor([prompt]), 0, cache, provider)[0]
+        decode = loaded.model(torch.tensor([[prompt[0]]]), len(prompt), cache, provider)[0]
+        logits[name] = (prefill, decode)
+    assert all(torch.equal(a, b) for a, b in zip(logits["chunked"], logits["whole"], strict=True))
