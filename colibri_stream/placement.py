@@ -90,8 +90,9 @@ def check_fits(placement: Placement) -> None:
     """Refuse budgets below the minimum or beyond the machine, with the computed numbers."""
     if placement.ram_slots < placement.minimum_ram_slots:
         raise BudgetError(
-            f"RAM budget {_gib(placement.ram_budget_bytes)} holds {placement.ram_slots} expert records; one layer "
-            f"needs {placement.minimum_ram_slots} ({_gib(placement.minimum_ram_slots * placement.expert_record_bytes)})"
+            f"RAM budget {_gib(placement.ram_budget_bytes)} holds {placement.ram_slots} expert records; the minimum "
+            f"is {placement.minimum_ram_slots} (one token's routed experts: "
+            f"{_gib(placement.minimum_ram_slots * placement.expert_record_bytes)})"
         )
     if placement.ram_budget_bytes + placement.dense_bytes > placement.machine_ram_bytes:
         raise BudgetError(

@@ -84,9 +84,9 @@ class MoE(nn.Module):
         for i, chunk in enumerate(chunks(ids.unique().tolist(), experts.max_acquire())):
             acquired = experts.acquire(self.layer_id, chunk)  # misses start loading now...
             try:
-                if i == 0:
+                if i == 0:  # ...meanwhile
                     shared = self.shared_experts(x) if self.shared_experts is not None else torch.zeros_like(x)
-                for expert_id in chunk:  # ...meanwhile (the shared expert above, earlier experts here)
+                for expert_id in chunk:
                     rows, slot = torch.where(ids == expert_id)
                     routed.add(acquired[expert_id], rows, slot)  # waits for this expert's read only
             finally:
@@ -96,10 +96,10 @@ class MoE(nn.Module):
 
 def chunks(expert_ids: list[int], size: int | None) -> list[list[int]]:
     """expert_ids in consecutive chunks of at most ``size`` (None: no limit, one chunk)."""
+    if size is not None and size < 1:
+        raise ValueError(f"an expert provider must pin at least one expert at once, not {size}")
     if size is None or size >= len(expert_ids):
         return [expert_ids]
-    if size < 1:
-        raise ValueError(f"an expert provider must pin at least one expert at once, not {size}")
     return [expert_ids[start : start + size] for start in range(0, len(expert_ids), size)]
 
 

@@ -86,6 +86,7 @@ class Container:
             experts.get("layout"), self._config_int("hidden_size"), self._config_int("moe_intermediate_size")
         )
         self.n_experts = self._config_int("n_routed_experts")
+        self.experts_per_token = self._config_int("num_experts_per_tok")  # the router's top-k
         self.moe_layers: tuple[int, ...] = tuple(int(layer) for layer in experts["layers"])
         self._expert_crcs = self._parse_expert_checksums(experts.get("checksums"))
         self.dense = self._parse_dense(attrs["dense"])

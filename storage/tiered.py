@@ -86,8 +86,15 @@ def total_records(container: Container) -> int:
 
 
 def minimum_slots(container: Container) -> int:
-    """One layer's routed experts: a prefill step may route to all of them at once."""
-    return container.n_experts
+    """One token's routed experts (top-k): a step whose rows route to more distinct experts of a layer
+    acquires them in chunks of what the RAM slots can pin at once (``TieredExpertStore.max_acquire``)."""
+    return container.experts_per_token
+
+
+def pinned_room(container: Container, n_slots: int) -> int:
+    """RAM slots the ``pinned`` policy leaves unpinned: one layer's routed experts where the budget holds
+    them (a prompt's union then fits in one acquire, and lookahead has room), else every slot."""
+    return min(container.n_experts, n_slots)
 
 
 class TieredExpertStore:
@@ -113,22 +120,22 @@ class TieredExpertStore:
         self.ram = self._make_ram_tier()
         self.vram = self._make_vram_tier()
         self._predicted: dict[int, set[int]] = {}  # lookahead guesses per layer, for recall
+        self._guess: tuple[int, set[int] | None] = (-1, None)  # the guess the layer being acquired is scored on
         self.trace = trace  # every acquire, streamed to a file (--trace); never accumulated here
 
     # ------------------------------------------------------------------------------ construction
     def _make_ram_tier(self) -> SlotTier:
         # More slots than records would never be used: a budget above the expert bytes holds them all.
         n_slots = min(slots_for(self.config.ram_bytes, self.record_bytes), total_records(self.container))
-        hot: list[tuple[int, int]] = []
-        if self.config.policy == "pinned":
-            # Keep room for one layer's worth of unpinned slots; pin the most-routed of the rest.
-            hot = self.history.hottest(max(0, n_slots - minimum_slots(self.container)))
-        if n_slots < minimum_slots(self.container):
+        floor = minimum_slots(self.container)
+        if n_slots < floor:
             raise BudgetError(
                 f"RAM budget {self.config.ram_bytes} B holds {n_slots} expert records of {self.record_bytes} B; "
-                f"the minimum is one layer's routed experts: {minimum_slots(self.container)} records "
-                f"= {minimum_slots(self.container) * self.record_bytes} B"
+                f"the minimum is {floor} (one token's routed experts) = {floor * self.record_bytes} B"
             )
+        hot: list[tuple[int, int]] = []
+        if self.config.policy == "pinned":  # pin the most-routed experts beyond the unpinned room
+            hot = self.history.hottest(n_slots - pinned_room(self.container, n_slots))
         policy = POLICIES["hybrid"]() if self.config.policy == "hybrid" else LRUPolicy()
         self._ram_block = self._host_block(n_slots)
         return SlotTier("ram", n_slots, policy, hot=frozenset(hot))
@@ -157,6 +164,13 @@ class TieredExpertStore:
         return self._ram_block[slot * self.record_bytes : (slot + 1) * self.record_bytes]
 
     # ---------------------------------------------------------------------------------- verbs
+    def max_acquire(self) -> int:
+        """How many experts of one layer may be pinned at once: the RAM slots the learned hot store does
+        not hold for good. An acquired expert takes at most one RAM slot (a VRAM hit none, a VRAM miss is
+        read through RAM), so VRAM never adds to this. Of the RAM slots, only hot experts and the current
+        acquire's are never evicted (an in-flight prefetch is waited for), so a chunk this size always fits."""
+        return self.ram.n_slots - len(self.ram.hot)
+
     def prefetch(self, layer: int, expert_ids: Sequence[int]) -> None:
         if not self.config.prefetch:
             return
@@ -177,8 +191,10 @@ class TieredExpertStore:
         if self.trace is not None:
             self.trace.write(layer, expert_ids)
         predicted = self._predicted.pop(layer, None)
-        if predicted is not None:
-            self._count(recall_hits=len(predicted & set(expert_ids)), recall_total=len(expert_ids))
+        if predicted is not None or layer != self._guess[0]:  # else: a further chunk of the same layer's step
+            self._guess = (layer, predicted)
+        if self._guess[1] is not None:
+            self._count(recall_hits=len(self._guess[1] & set(expert_ids)), recall_total=len(expert_ids))
         self._count(requests=len(expert_ids))
         for expert in expert_ids:  # pin hits and start every miss before waiting on anything
             self._pin(layer, expert)

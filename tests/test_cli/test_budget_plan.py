@@ -62,7 +62,7 @@ def test_plan_reports_the_placement_before_loading(stream_container, capsys):
     record = container.layout.record_bytes
     assert cli.main(["plan", str(stream_container), "--ram", str(40 * record), "--json"]) == 0
     placement = json.loads(capsys.readouterr().out)
-    assert placement["ram_slots"] == 40 and placement["minimum_ram_slots"] == container.n_experts
+    assert placement["ram_slots"] == 40 and placement["minimum_ram_slots"] == container.experts_per_token == 4
     assert placement["bytes_per_token_at_zero_hits"] == len(container.moe_layers) * 4 * record
     assert placement["expert_bytes"] == container.expert_bytes
     assert placement["kv_bytes_per_token"] > 0 and placement["dense_bytes"] > 0
@@ -71,7 +71,7 @@ def test_plan_reports_the_placement_before_loading(stream_container, capsys):
 def test_plan_and_run_refuse_impossible_budgets_with_numbers(stream_container, capsys):
     record = Container(stream_container).layout.record_bytes
     assert cli.main(["plan", str(stream_container), "--ram", str(3 * record)]) == 1
-    assert "holds 3 expert records; one layer needs 16" in capsys.readouterr().err
+    assert "holds 3 expert records; the minimum is 4 (one token's routed experts" in capsys.readouterr().err
     assert cli.main(["run", str(stream_container), "--ids", "5,6", "--ram", "100TiB"]) == 1
     assert "exceed this machine" in capsys.readouterr().err
 

@@ -54,6 +54,10 @@ CASES: dict[str, tuple[Callable[[Path], None], str]] = {
         _attrs(lambda a: a["model_config"].pop("hidden_size")),
         "model_config.hidden_size",
     ),
+    "model config top-k missing": (
+        _attrs(lambda a: a["model_config"].pop("num_experts_per_tok")),
+        "model_config.num_experts_per_tok",
+    ),
     "dense entry without checksum": (_attrs(lambda a: a["dense"]["norm.weight"].pop("crc32c")), "norm.weight"),
     "dense array missing": (lambda r: shutil.rmtree(r / EMBED), "embed.weight"),
     "dense shape differs from metadata": (

@@ -6,12 +6,13 @@ import itertools
 
 import pytest
 
+from colibri_stream.devtools.fixtures import FAMILIES, make_prompt
 from colibri_stream.generate import generate
 from colibri_stream.loader import load_container
 from storage.container import Container
 from storage.errors import BudgetError
 from storage.history import UsageHistory
-from storage.tiered import StoreConfig
+from storage.tiered import StoreConfig, minimum_slots
 
 PROMPT = [5, 9, 17, 33, 65, 129, 257, 300, 11, 23]
 NEW_TOKENS = 12
@@ -36,8 +37,8 @@ def history_file(stream_container, tmp_path_factory):
 
 
 def _budget(container: Container, name: str) -> int:
-    if name == "min":
-        return container.n_experts * container.layout.record_bytes
+    if name == "min":  # the floor: one token's routed experts (prefill acquires a layer's in chunks)
+        return container.experts_per_token * container.layout.record_bytes
     return int(container.expert_bytes * int(name.rstrip("%")) / 100)
 
 
@@ -61,6 +62,7 @@ def test_any_placement_generates_the_resident_tokens(
         history_path=history_file if policy == "pinned" else None,
     )
     loaded = load_container(stream_container, store=config)
+    acquires = _count_acquires(loaded.experts)
     try:
         assert generate(loaded.model, PROMPT, NEW_TOKENS, loaded.experts).ids == reference_ids
         stats = loaded.experts.report()
@@ -71,8 +73,97 @@ def test_any_placement_generates_the_resident_tokens(
         assert stats["reads"] > len(container.moe_layers) * 4  # small budgets really evict and re-read
     if vram_slots:
         assert stats["hits"]["vram"] > 0
-    if policy == "pinned" and budget != "min":  # at the minimum every slot is needed for one layer
+    if budget == "min":  # the prompt's union of a layer is over the floor: it was acquired in chunks
+        assert max(len(chunk) for _, chunk in acquires) == container.experts_per_token
+        assert len(acquires) > (NEW_TOKENS + 1) * len(container.moe_layers)
+    if policy == "pinned" and budget != "min":  # below one layer's experts nothing is pinned
         assert loaded.experts.ram.hot
+
+
+def _count_acquires(store) -> list[tuple[int, tuple[int, ...]]]:
+    """Record every (layer, expert ids) the store is asked to acquire (an instance-level wrapper)."""
+    acquires: list[tuple[int, tuple[int, ...]]] = []
+    acquire = store.acquire
+
+    def counting(layer, expert_ids):
+        acquires.append((layer, tuple(expert_ids)))
+        return acquire(layer, expert_ids)
+
+    store.acquire = counting
+    return acquires
+
+
+def _prompt_acquires_per_layer(acquires, moe_layers) -> dict[int, int]:
+    """Acquires per layer of the first forward (the prompt's), which ends where the layers wrap around."""
+    end = next((i for i in range(1, len(acquires)) if acquires[i][0] < acquires[i - 1][0]), len(acquires))
+    return {layer: sum(1 for lay, _ in acquires[:end] if lay == layer) for layer in moe_layers}
+
+
+FAMILY_STORES = [("lru", 0), ("hybrid", 0), ("lru", 3)]  # (policy, VRAM slots on the stand-in device)
+
+
+@pytest.mark.parametrize("policy, vram_slots", FAMILY_STORES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_at_the_floor_generates_the_resident_tokens(make_container, family, policy, vram_slots):
+    """Top-k RAM slots and nothing else: the prompt's union of each layer comes in several chunks, decode
+    one token's experts at a time, and the greedy tokens are the resident run's."""
+    path = make_container(family)
+    container = Container(path)
+    prompt = make_prompt(container.model_config["vocab_size"], 12, seed=5)
+    resident = load_container(path)
+    expected = generate(resident.model, prompt, NEW_TOKENS, resident.experts).ids
+    record = container.layout.record_bytes
+    config = StoreConfig(
+        ram_bytes=minimum_slots(container) * record,
+        vram_bytes=vram_slots * record,
+        vram_device="cpu",
+        policy=policy,
+    )
+    loaded = load_container(path, store=config)
+    acquires = _count_acquires(loaded.experts)
+    try:
+        assert loaded.experts.max_acquire() == container.experts_per_token == 4
+        assert generate(loaded.model, prompt, NEW_TOKENS, loaded.experts).ids == expected
+    finally:
+        loaded.experts.close()
+    per_layer = _prompt_acquires_per_layer(acquires, container.moe_layers)
+    assert all(count > 1 for count in per_layer.values()), per_layer
+    assert all(len(chunk) <= 4 for _, chunk in acquires)
+
+
+def test_a_chunk_reads_no_more_than_its_own_union(stream_container):
+    """At the floor, with lookahead off: between a chunk's acquire and its release the store reads the
+    chunk's missing records and nothing else, and never pins more than max_acquire RAM slots."""
+    container = Container(stream_container)
+    record = container.layout.record_bytes
+    config = StoreConfig(ram_bytes=_budget(container, "min"), prefetch=False)
+    loaded = load_container(stream_container, store=config)
+    store = loaded.experts
+    acquire, release = store.acquire, store.release
+    chunks: list[tuple[int, int]] = []  # (chunk size, bytes read while it was held)
+    held: list = []
+
+    def acquiring(layer, expert_ids):
+        held.append(store.snapshot())
+        return acquire(layer, expert_ids)
+
+    def releasing(layer, expert_ids):
+        assert sum(1 for e in store.ram.entries.values() if e.pins) <= store.max_acquire()
+        release(layer, expert_ids)
+        read = store.snapshot().minus(held.pop())
+        assert read.expert_bytes_read == read.misses * record
+        chunks.append((len(expert_ids), read.expert_bytes_read))
+
+    store.acquire, store.release = acquiring, releasing
+    long_prompt = [(i * 37) % 500 + 2 for i in range(32)]
+    try:
+        generate(loaded.model, long_prompt, 3, store)
+    finally:
+        store.close()
+    assert any(size == container.experts_per_token for size, _ in chunks)
+    assert len(chunks) > 3 * len(container.moe_layers)
+    assert all(read <= size * record for size, read in chunks)
+    assert sum(read for _, read in chunks) == store.stats.expert_bytes_read
 
 
 def _fresh(stream_container, **overrides):
@@ -118,10 +209,26 @@ def test_lookahead_prefetch_is_counted_and_recalls_some_experts(stream_container
     assert 0 < stats["prefetch_recall"] <= 1
 
 
-def test_budget_below_one_layer_fails_with_the_numbers(stream_container):
+def test_budget_below_one_tokens_experts_fails_with_the_numbers(stream_container):
     container = Container(stream_container)
-    with pytest.raises(BudgetError, match=r"minimum is one layer's routed experts: 16 records"):
-        load_container(stream_container, store=StoreConfig(ram_bytes=container.layout.record_bytes * 15))
+    record = container.layout.record_bytes
+    with pytest.raises(
+        BudgetError, match=rf"holds 3 expert records of {record} B; the minimum is 4 \(one token's routed experts\)"
+    ):
+        load_container(stream_container, store=StoreConfig(ram_bytes=record * 4 - 1))
+    loaded = load_container(stream_container, store=StoreConfig(ram_bytes=record * 4))  # the floor itself runs
+    assert loaded.experts.ram.n_slots == loaded.experts.max_acquire() == 4
+    loaded.experts.close()
+
+
+def test_pinned_leaves_a_layer_unpinned_and_chunks_fit_beside_the_hot_store(stream_container, history_file):
+    container = Container(stream_container)
+    record = container.layout.record_bytes
+    for slots, hot in ((4, 0), (15, 0), (16, 0), (40, 24)):
+        config = StoreConfig(ram_bytes=slots * record, policy="pinned", history_path=history_file)
+        store = load_container(stream_container, store=config).experts
+        assert len(store.ram.hot) == hot and store.max_acquire() == slots - hot >= minimum_slots(container)
+        store.close()
 
 
 def test_history_is_persisted_and_refuses_another_model(history_file, stream_container):
