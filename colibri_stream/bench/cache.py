@@ -4,8 +4,9 @@ Placement never changes tokens, so one run's trace is every policy's request seq
 offline at each capacity gives LRU, the hybrid, learned pins and the offline optimum side by side.
 Capacities are the slot counts the live store would have at each RAM budget, plus a sweep for the
 curve; the pinned policy leaves one layer of unpinned room, as the live store does. Hits are counted
-over the decode steps only: the prompt's acquires (one per MoE layer) warm the cache uncounted, as
-its reads are compulsory misses for every policy and would only dilute the differences.
+over the decode steps only: the prompt's acquires (one per MoE layer, or several consecutive chunks of
+it below one layer's experts) warm the cache uncounted, as its reads are compulsory misses for every
+policy and would only dilute the differences.
 """
 
 from __future__ import annotations
@@ -18,11 +19,23 @@ from storage.simulate import compare_policies, read_acquires, read_trace
 
 
 def capacity_sweep(n_experts: int, total_records: int, points: int) -> list[int]:
-    """``points`` capacities from one layer's experts (the store's minimum) to every record."""
+    """``points`` capacities from one layer's experts (a prompt's union in one acquire) to every record."""
     if points < 2 or total_records <= n_experts:
         return [total_records]
     step = (total_records - n_experts) / (points - 1)
     return sorted({round(n_experts + i * step) for i in range(points)})
+
+
+def prompt_acquires(acquires: Sequence[tuple[int, list[int]]], moe_layers: int) -> int:
+    """How many leading acquires are the prompt's: its one pass over the MoE layers, in which a layer's
+    union may come as several consecutive chunks (budgets below one layer's experts)."""
+    passed = 0
+    for i, (layer, _) in enumerate(acquires):
+        if i == 0 or layer != acquires[i - 1][0]:
+            passed += 1
+            if passed > moe_layers:
+                return i
+    return len(acquires)
 
 
 def trace_section(
@@ -40,7 +53,7 @@ def trace_section(
     when given, else from this trace itself."""
     acquires = read_acquires(trace_path)
     trace = [(layer, expert) for layer, experts in acquires for expert in experts]
-    prompt_requests = sum(len(experts) for _, experts in acquires[:moe_layers])
+    prompt_requests = sum(len(experts) for _, experts in acquires[: prompt_acquires(acquires, moe_layers)])
     learned = read_trace(learned_from) if learned_from else None
     at_budget = {label: min(total_records, ram // record_bytes) for label, ram in budgets.items()}
     rows = compare_policies(trace, sorted(set(at_budget.values())), n_experts, prompt_requests, learned)

@@ -152,7 +152,7 @@ class Bench:
                 extra += ["--trace", str(self.out / "trace.jsonl")]
             ram = self.ram_bytes(config.budget_pct)
             if config.container == "bf16" and ram < minimum_slots(self.container) * self.bf16_record_bytes:
-                continue  # below one layer of bf16 records: that store cannot run at this budget
+                continue  # below the floor (top-k bf16 records): that store cannot run at this budget
             rows.append(run_ours(self._path(config), config, ram, self.inputs(), self.limit(config.budget_pct), extra))
         self.results["decode"] = rows
 

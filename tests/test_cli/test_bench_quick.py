@@ -70,3 +70,13 @@ def test_quick_bench_reports_every_section_and_ratio(bench, capsys):
     report = (out / "benchmarks.md").read_text()
     for heading in ("## Ratios", "## 1. Disk", "## 2-3. Decode", "## 4. Caching", "## 5. Sessions"):
         assert heading in report
+
+
+def test_the_prompts_acquires_are_one_pass_over_the_layers_chunks_included():
+    from colibri_stream.bench.cache import prompt_acquires
+
+    one_each = [(1, [0, 1]), (2, [3]), (3, [1]), (1, [0]), (2, [1])]
+    chunked = [(1, [0, 1]), (1, [2]), (2, [3]), (3, [1]), (3, [5]), (1, [0]), (2, [1]), (3, [2])]
+    assert prompt_acquires(one_each, 3) == 3
+    assert prompt_acquires(chunked, 3) == 5
+    assert prompt_acquires(chunked[:2], 3) == 2  # a prompt-only trace
