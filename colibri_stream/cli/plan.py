@@ -16,7 +16,7 @@ PLAN_EPILOG = """\
 examples:
   colibri-stream plan MODEL.cstream --ram 25%
   colibri-stream plan MODEL.cstream --budget budgets/workstation-128g-24gvram.toml --dtype bfloat16 --json
-exit status: 0 when the budget fits, 1 when it is below one layer's experts or beyond this machine
+exit status: 0 when the budget fits, 1 when it is below one token's experts or beyond this machine
 (the placement is printed first, then the reason), 2 on bad flags."""
 
 
