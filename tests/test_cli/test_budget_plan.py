@@ -71,7 +71,7 @@ def test_plan_reports_the_placement_before_loading(stream_container, capsys):
 def test_plan_and_run_refuse_impossible_budgets_with_numbers(stream_container, capsys):
     record = Container(stream_container).layout.record_bytes
     assert cli.main(["plan", str(stream_container), "--ram", str(3 * record)]) == 1
-    assert "holds 3 expert records; one layer needs 16" in capsys.readouterr().err
+    assert "holds 3 expert records; the minimum is 16" in capsys.readouterr().err
     assert cli.main(["run", str(stream_container), "--ids", "5,6", "--ram", "100TiB"]) == 1
     assert "exceed this machine" in capsys.readouterr().err
 
