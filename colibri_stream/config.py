@@ -72,10 +72,12 @@ def parse_size(value: str | int, expert_bytes: int, key: str = "size", auto_byte
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
-def auto_ram_bytes(dense_bytes: int, kv_bytes: int, floor: int = 0) -> int:
-    """RAM for expert slots: available memory minus dense weights and KV, less a safety margin; the
-    margin never takes it below ``floor`` bytes when those fit (when they do not, the plan refuses)."""
-    left = psutil.virtual_memory().available - dense_bytes - kv_bytes
+def auto_ram_bytes(dense_bytes: int, kv_bytes: int, floor: int = 0, available: int | None = None) -> int:
+    """RAM for expert slots: available memory (MemAvailable unless given) minus dense weights and KV, less
+    a safety margin; the margin never takes it below ``floor`` bytes when those fit (when they do not, the
+    plan refuses)."""
+    available = psutil.virtual_memory().available if available is None else available
+    left = available - dense_bytes - kv_bytes
     return max(0, int(left * (1 - SAFETY_MARGIN)), min(floor, left))
 
 

@@ -64,6 +64,19 @@ class Placement:
 
 
 @dataclass(frozen=True)
+class Machine:
+    """RAM of the machine planned for: this one (psutil) unless given (tools/plan_table.py)."""
+
+    total_bytes: int
+    available_bytes: int  # MemAvailable
+
+    @classmethod
+    def here(cls) -> Machine:
+        memory = psutil.virtual_memory()
+        return cls(memory.total, memory.available)
+
+
+@dataclass(frozen=True)
 class Speed:
     """Expected decode tokens/s between every expert missed (low) and every expert hit (high)."""
 
@@ -113,7 +126,9 @@ def resident_bytes(geometry: ModelGeometry, dtype: str) -> dict[str, int]:
     return {a.name: size(a) for a in geometry.dense}
 
 
-def plan(geometry: ModelGeometry, config: StoreConfig, dtype: str = "float32") -> Placement:
+def plan(
+    geometry: ModelGeometry, config: StoreConfig, dtype: str = "float32", machine: Machine | None = None
+) -> Placement:
     args, record = geometry.args, geometry.record_bytes
     resident = resident_bytes(geometry, dtype)
     dense = sum(resident.values())
@@ -121,7 +136,7 @@ def plan(geometry: ModelGeometry, config: StoreConfig, dtype: str = "float32") -
     kv_token = cache_bytes_per_token(args, dtype)
     ram_slots = min(slots_for(config.ram_bytes, record), geometry.total_records)
     vram_slots = min(slots_for(config.vram_bytes, record), geometry.total_records)
-    memory = psutil.virtual_memory()
+    machine = machine or Machine.here()
     kv_max = kv_token * args.max_position_embeddings
     return Placement(
         model=geometry.description,
@@ -145,8 +160,8 @@ def plan(geometry: ModelGeometry, config: StoreConfig, dtype: str = "float32") -
         prefetch=config.prefetch,
         bytes_per_token_at_zero_hits=geometry.active_records_per_token * record,
         expected_peak_rss_bytes=RUNTIME_BASELINE_BYTES + dense + ram_slots * record + kv_max,
-        machine_ram_bytes=memory.total,
-        available_ram_bytes=memory.available,
+        machine_ram_bytes=machine.total_bytes,
+        available_ram_bytes=machine.available_bytes,
     )
 
 

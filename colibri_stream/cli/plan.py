@@ -48,7 +48,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "plan",
         help="will it fit? dense, experts, KV, slots per tier and expected tok/s, before loading or downloading",
         description="Compute the placement (dense, KV at max context, expert slots per tier, disk bytes per token "
-        "at 0%% hits, expected peak RSS and decode tok/s) from a container's metadata or a config.json and a "
+        "at 0% hits, expected peak RSS and decode tok/s) from a container's metadata or a config.json and a "
         "budget, without loading anything.",
         **help_options(PLAN_EPILOG),
     )
