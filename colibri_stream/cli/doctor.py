@@ -152,8 +152,8 @@ def checkpoint_checks(path: Path) -> Iterator[Check]:
     size = sum(f.stat().st_size for f in shard_files(path))
     yield Check(OK, "checkpoint", f"{model_args.n_layers} layers, {_gib(size)} of safetensors (loaded resident)")
     available = psutil.virtual_memory().available
-    status = OK if size <= available else WARN
-    advice = "" if status == OK else ": convert it and stream the experts (colibri-stream convert; see plan)"
+    status = OK if size <= available else FAIL
+    advice = "" if status == OK else ": convert it and stream the experts (the budget check says how it would fit)"
     yield Check(status, "resident", f"{_gib(size)} resident vs {_gib(available)} available{advice}")
 
 
