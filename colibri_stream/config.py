@@ -5,8 +5,11 @@
     [io]                direct = true     threads = 4
     [cache]             policy = "lru" | "hybrid" | "pinned"    prefetch = true    history = "path.json"
 
-Errors name the file and the key. ``auto`` sizes the RAM tier from what psutil says is available,
-leaving room for the dense weights, the KV cache at full context and a safety margin.
+Errors name the file and the key. ``auto`` sizes the RAM tier from what psutil says is available
+(MemAvailable), leaving room for the dense weights, the KV cache at full context and a safety margin
+(shaved only down to the store's floor). A budget file's RAM size is capped at that same figure: a file
+written for a bigger machine still runs here. When even the floor does not fit, ``placement.check_fits``
+refuses with RAM available, dense, KV and floor.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ import psutil
 import torch
 
 from colibri_stream.errors import BudgetError
-from colibri_stream.placement import plan
-from storage.container import Container
+from colibri_stream.geometry import ModelGeometry
+from colibri_stream.placement import floor_bytes, plan
 from storage.policy import POLICY_NAMES
 from storage.tiered import StoreConfig
 
@@ -69,10 +72,13 @@ def parse_size(value: str | int, expert_bytes: int, key: str = "size", auto_byte
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
-def auto_ram_bytes(dense_bytes: int, kv_bytes: int) -> int:
-    """RAM for expert slots: available memory minus dense weights and KV, less a safety margin."""
-    available = psutil.virtual_memory().available
-    return max(0, int((available - dense_bytes - kv_bytes) * (1 - SAFETY_MARGIN)))
+def auto_ram_bytes(dense_bytes: int, kv_bytes: int, floor: int = 0, available: int | None = None) -> int:
+    """RAM for expert slots: available memory (MemAvailable unless given) minus dense weights and KV, less
+    a safety margin; the margin never takes it below ``floor`` bytes when those fit (when they do not, the
+    plan refuses)."""
+    available = psutil.virtual_memory().available if available is None else available
+    left = available - dense_bytes - kv_bytes
+    return max(0, int(left * (1 - SAFETY_MARGIN)), min(floor, left))
 
 
 @dataclass(frozen=True)
@@ -150,14 +156,19 @@ class StoreOptions:
     trace: str | Path | None = None  # routing trace, one JSON line per acquire
 
 
-def store_config(options: StoreOptions, container: Container, dtype: str = "float32") -> StoreConfig:
+def store_config(options: StoreOptions, geometry: ModelGeometry, dtype: str = "float32") -> StoreConfig:
     """The store's configuration: flags over the budget file over defaults; `auto` RAM from what is
-    available after the dense weights and the KV cache at full context."""
+    available after the dense weights and the KV cache at full context; a budget file's RAM at most that."""
     budget = load_budget_file(options.budget) if options.budget else Budget()
-    expert_bytes = container.expert_bytes
-    provisional = plan(container, StoreConfig(ram_bytes=0), dtype)
-    auto = auto_ram_bytes(provisional.dense_bytes, provisional.kv_bytes_at_max_context)
-    ram = parse_size(options.ram if options.ram is not None else budget.ram, expert_bytes, "ram", auto_bytes=auto)
+    expert_bytes = geometry.expert_bytes
+    provisional = plan(geometry, StoreConfig(ram_bytes=0), dtype)
+    auto = auto_ram_bytes(provisional.dense_bytes, provisional.kv_bytes_at_max_context, floor_bytes(provisional))
+    if options.ram is not None:
+        ram = parse_size(options.ram, expert_bytes, "--ram", auto_bytes=auto)
+    else:
+        ram = parse_size(budget.ram, expert_bytes, "memory.ram", auto_bytes=auto)
+        if options.budget:  # written for some machine: no more than this one has available
+            ram = min(ram, auto)
     vram = parse_size(options.vram if options.vram is not None else budget.vram, expert_bytes, "vram")
     history = options.history if options.history is not None else budget.history
     return StoreConfig(

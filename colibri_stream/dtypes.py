@@ -14,6 +14,9 @@ from storage.layout import DTYPES as STORED_DTYPES
 # What a model computes in (--dtype); float32 is the token-exact path.
 COMPUTE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
+# Kept in float32 whatever the compute dtype, as the reference keeps them (engine parameter suffixes).
+FLOAT32_PARAMETERS = ("ffn.gate.bias", "attn.indexer.weights_proj.weight")
+
 # Every stored tag as torch (record fields, dense arrays).
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "uint8": torch.uint8,
@@ -38,3 +41,15 @@ def from_stored(array: np.ndarray, tag: str) -> torch.Tensor:
     """A stored numpy array as torch with the tag's dtype: bfloat16 bits are reinterpreted, no copy."""
     tensor = torch.from_numpy(array)
     return tensor.view(torch.bfloat16) if tag == "bfloat16" else tensor
+
+
+def stored_dense_dtype(name: str, shape: tuple[int, ...], scheme: str, group_size: int) -> str:
+    """The dtype tag a conversion stores one dense parameter as, under the dense ``scheme``.
+
+    int8 applies to 2-D weights whose input dimension the group size divides; other tensors (norms,
+    biases, odd shapes) keep bf16, and the float32-only parameters always stay float32."""
+    if scheme == "f32" or name.endswith(FLOAT32_PARAMETERS):
+        return "float32"
+    if scheme == "int8" and len(shape) == 2 and shape[1] % group_size == 0:
+        return "int8"
+    return "bfloat16"

@@ -15,11 +15,12 @@ import torch
 from safetensors import safe_open
 
 from colibri_stream.config import StoreOptions, store_config
-from colibri_stream.dtypes import COMPUTE_DTYPES, from_stored
+from colibri_stream.dtypes import COMPUTE_DTYPES, FLOAT32_PARAMETERS, from_stored
 from colibri_stream.errors import CheckpointError
 from colibri_stream.expert_codec import expert_from_record
 from colibri_stream.expert_store import ExpertStore, ResidentStore
 from colibri_stream.fingerprint import container_fingerprint
+from colibri_stream.geometry import geometry_from_container
 from colibri_stream.placement import bf16_held_weights, check_fits, plan
 from engine.args import ModelArgs
 from engine.bf16 import hold_in_bf16
@@ -33,9 +34,6 @@ from storage.errors import FormatError
 from storage.history import UsageHistory
 from storage.tiered import StoreConfig, TieredExpertStore
 from storage.trace import TraceWriter
-
-# Kept in float32 whatever the compute dtype, as the reference keeps them.
-FLOAT32_PARAMETERS = ("ffn.gate.bias", "attn.indexer.weights_proj.weight")
 
 
 @dataclass
@@ -99,9 +97,9 @@ def load(path: str | Path, dtype: str = "float32", store: StoreOptions | None = 
     trace = TraceWriter(store.trace) if store.trace else None
     if not is_container(path):
         return load_checkpoint(path, COMPUTE_DTYPES[dtype], trace=trace)
-    container = Container(path)
-    config = store_config(store, container, dtype)
-    check_fits(plan(container, config, dtype))
+    geometry = geometry_from_container(Container(path))
+    config = store_config(store, geometry, dtype)
+    check_fits(plan(geometry, config, dtype))
     return load_container(path, COMPUTE_DTYPES[dtype], config, trace)
 
 

@@ -1,121 +1,253 @@
-"""Placement maths: what lands where (dense, KV, expert slots per tier), computed from a container's
-metadata before anything loads; `plan`, `run` and `doctor` all ask here."""
+"""Placement maths: what lands where (dense, KV, expert slots per tier), computed from a model's
+geometry (a container, or the container a checkpoint / config.json would convert to) before anything
+loads; `plan`, `run` and `doctor` all ask here, and all get their verdict from ``verdict``.
+
+Expected decode speed (``expected_speed``), from this machine's measured bandwidths:
+    slowest (every routed expert missed) = 1 / (disk bytes per token at 0% hits / disk bandwidth
+                                                 + bytes touched per token / memory bandwidth)
+    fastest (every routed expert hit)    = 1 / (bytes touched per token / memory bandwidth)
+    bytes touched per token = dense weights a decode step reads (all but the embedding table)
+                              + top-k expert records per MoE layer
+Compute, the KV cache and the VRAM tier are left out: the range bounds a memory-bound decode.
+"""
 
 from __future__ import annotations
 
-import math
+import functools
 from dataclasses import dataclass
 
 import psutil
 import torch
 
-from colibri_stream.dtypes import COMPUTE_DTYPES
+from colibri_stream.bandwidth import Bandwidth
+from colibri_stream.dtypes import COMPUTE_DTYPES, FLOAT32_PARAMETERS
 from colibri_stream.dtypes import dtype_bytes as dtype_bytes_of
 from colibri_stream.errors import BudgetError
+from colibri_stream.geometry import DenseArray, ModelGeometry
 from colibri_stream.kv_geometry import cache_bytes_per_token
 from engine.args import ModelArgs
 from engine.bf16 import bf16_candidates, bf16_kernel_available
 from engine.model import meta_transformer
 from storage.container import Container
-from storage.tiered import StoreConfig, minimum_slots, slots_for, total_records
+from storage.tiered import StoreConfig, slots_for
 
 # Measured here: the process after importing torch and running a first step (code pages, pools).
 RUNTIME_BASELINE_BYTES = 330 * 2**20
+EMBEDDING = "embed.weight"  # one row per token is read, not the table
 
 
 @dataclass(frozen=True)
 class Placement:
+    model: str  # what the numbers describe (ModelGeometry.description)
     dense_bytes: int
+    dense_bytes_per_token: int
     kv_bytes_per_token: int
     max_context: int
     kv_bytes_at_max_context: int
     expert_record_bytes: int
     expert_bytes: int
+    moe_layers: int
+    experts_per_layer: int
+    experts_per_token: int
     ram_budget_bytes: int
     ram_slots: int
     minimum_ram_slots: int
     vram_budget_bytes: int
     vram_slots: int
+    cached_fraction: float  # of all expert records, RAM + VRAM slots
     policy: str
     prefetch: bool
     bytes_per_token_at_zero_hits: int
     expected_peak_rss_bytes: int
     machine_ram_bytes: int
+    available_ram_bytes: int
+
+
+@dataclass(frozen=True)
+class Machine:
+    """RAM of the machine planned for: this one (psutil) unless given (tools/plan_table.py)."""
+
+    total_bytes: int
+    available_bytes: int  # MemAvailable
+
+    @classmethod
+    def here(cls) -> Machine:
+        memory = psutil.virtual_memory()
+        return cls(memory.total, memory.available)
+
+
+@dataclass(frozen=True)
+class Speed:
+    """Expected decode tokens/s between every expert missed (low) and every expert hit (high)."""
+
+    low_tok_per_s: float
+    high_tok_per_s: float
+    memory_bytes_per_s: float
+    disk_bytes_per_s: float
+    disk_method: str
+
+
+@dataclass(frozen=True)
+class Verdict:
+    fits: bool
+    line: str  # "fits" / "fits with N% of experts cached" / "does not fit: <why>"
 
 
 def bf16_held_weights(container: Container, args: ModelArgs, dtype: torch.dtype) -> set[str]:
-    """The dense arrays a float32 model on this CPU keeps in bf16: bf16 in the container and candidates
-    of engine.bf16 (bias-free Linears used only through forward). None without the C kernel."""
+    """The dense arrays a float32 model on this CPU keeps in bf16 (see ``held_in_bf16``)."""
+    dense = tuple(DenseArray(name, tuple(e.shape), e.dtype) for name, e in container.dense.items())
+    return held_in_bf16(dense, args, dtype)
+
+
+def held_in_bf16(dense: tuple[DenseArray, ...], args: ModelArgs, dtype: torch.dtype) -> set[str]:
+    """bf16-stored arrays that are candidates of engine.bf16 (bias-free Linears used only through
+    forward), when the model computes in float32 and the C kernel exists; else none."""
     if dtype != torch.float32 or not bf16_kernel_available():
         return set()
-    candidates = bf16_candidates(meta_transformer(args))
-    return {name for name, entry in container.dense.items() if entry.dtype == "bfloat16" and name in candidates}
+    candidates = _bf16_candidates(args)
+    return {a.name for a in dense if a.dtype == "bfloat16" and a.name in candidates}
 
 
-def plan(container: Container, config: StoreConfig, dtype: str = "float32") -> Placement:
-    args = ModelArgs.from_hf_config(container.model_config)
-    dtype_bytes = dtype_bytes_of(dtype)
-    held_bf16 = bf16_held_weights(container, args, COMPUTE_DTYPES[dtype])
-    dense = sum(
-        math.prod(e.shape) * (2 if name in held_bf16 else 4 if e.dtype == "float32" else dtype_bytes)
-        for name, e in container.dense.items()
-    )
+@functools.cache
+def _bf16_candidates(args: ModelArgs) -> frozenset[str]:
+    return frozenset(bf16_candidates(meta_transformer(args)))
+
+
+def resident_bytes(geometry: ModelGeometry, dtype: str) -> dict[str, int]:
+    """Bytes of each dense array once loaded, as the loader holds it (float32-only parameters, bf16-held
+    Linears, everything else in the compute dtype)."""
+    held = held_in_bf16(geometry.dense, geometry.args, COMPUTE_DTYPES[dtype])
+    compute = dtype_bytes_of(dtype)
+
+    def size(a: DenseArray) -> int:
+        per = 4 if a.name.endswith(FLOAT32_PARAMETERS) else 2 if a.name in held else compute
+        return a.numel * per
+
+    return {a.name: size(a) for a in geometry.dense}
+
+
+def plan(
+    geometry: ModelGeometry, config: StoreConfig, dtype: str = "float32", machine: Machine | None = None
+) -> Placement:
+    args, record = geometry.args, geometry.record_bytes
+    resident = resident_bytes(geometry, dtype)
+    dense = sum(resident.values())
+    per_token = dense - resident.get(EMBEDDING, 0) + (args.dim * dtype_bytes_of(dtype) if EMBEDDING in resident else 0)
     kv_token = cache_bytes_per_token(args, dtype)
-    record = container.layout.record_bytes
-    ram_slots = min(slots_for(config.ram_bytes, record), total_records(container))
+    ram_slots = min(slots_for(config.ram_bytes, record), geometry.total_records)
+    vram_slots = min(slots_for(config.vram_bytes, record), geometry.total_records)
+    machine = machine or Machine.here()
+    kv_max = kv_token * args.max_position_embeddings
     return Placement(
+        model=geometry.description,
         dense_bytes=dense,
+        dense_bytes_per_token=per_token,
         kv_bytes_per_token=kv_token,
         max_context=args.max_position_embeddings,
-        kv_bytes_at_max_context=kv_token * args.max_position_embeddings,
+        kv_bytes_at_max_context=kv_max,
         expert_record_bytes=record,
-        expert_bytes=container.expert_bytes,
+        expert_bytes=geometry.expert_bytes,
+        moe_layers=geometry.n_moe_layers,
+        experts_per_layer=geometry.experts_per_layer,
+        experts_per_token=args.n_activated_experts,
         ram_budget_bytes=config.ram_bytes,
         ram_slots=ram_slots,
-        minimum_ram_slots=minimum_slots(container),
+        minimum_ram_slots=geometry.minimum_slots,
         vram_budget_bytes=config.vram_bytes,
-        vram_slots=slots_for(config.vram_bytes, record),
+        vram_slots=vram_slots,
+        cached_fraction=min(1.0, (ram_slots + vram_slots) / geometry.total_records),
         policy=config.policy,
         prefetch=config.prefetch,
-        bytes_per_token_at_zero_hits=len(container.moe_layers) * args.n_activated_experts * record,
-        expected_peak_rss_bytes=RUNTIME_BASELINE_BYTES
-        + dense
-        + ram_slots * record
-        + kv_token * args.max_position_embeddings,
-        machine_ram_bytes=psutil.virtual_memory().total,
+        bytes_per_token_at_zero_hits=geometry.active_records_per_token * record,
+        expected_peak_rss_bytes=RUNTIME_BASELINE_BYTES + dense + ram_slots * record + kv_max,
+        machine_ram_bytes=machine.total_bytes,
+        available_ram_bytes=machine.available_bytes,
     )
+
+
+def floor_bytes(placement: Placement) -> int:
+    return placement.minimum_ram_slots * placement.expert_record_bytes
+
+
+def refusal(placement: Placement) -> str | None:
+    """Why this placement cannot run, with the numbers; None when it can."""
+    p = placement
+    needed = p.dense_bytes + p.kv_bytes_at_max_context + floor_bytes(p)
+    if needed > p.available_ram_bytes:
+        return (
+            f"RAM available {_gib(p.available_ram_bytes)} < dense {_gib(p.dense_bytes)} + KV "
+            f"{_gib(p.kv_bytes_at_max_context)} at {p.max_context} tokens + the floor of {p.minimum_ram_slots} "
+            f"expert records {_gib(floor_bytes(p))} = {_gib(needed)}"
+        )
+    if p.ram_slots < p.minimum_ram_slots:
+        return (
+            f"RAM budget {_gib(p.ram_budget_bytes)} holds {p.ram_slots} expert records; "
+            f"the minimum is {p.minimum_ram_slots} (one token's routed experts: {_gib(floor_bytes(p))})"
+        )
+    if p.ram_budget_bytes + p.dense_bytes > p.machine_ram_bytes:
+        return (
+            f"RAM budget {_gib(p.ram_budget_bytes)} + dense weights {_gib(p.dense_bytes)} exceed "
+            f"this machine's {_gib(p.machine_ram_bytes)}"
+        )
+    return None
+
+
+def verdict(placement: Placement) -> Verdict:
+    """The one verdict line `plan` and `doctor` print."""
+    why = refusal(placement)
+    if why is not None:
+        return Verdict(False, f"does not fit: {why}")
+    if placement.cached_fraction >= 1.0:
+        return Verdict(True, "fits")
+    return Verdict(True, f"fits with {_percent(placement.cached_fraction)} of experts cached")
 
 
 def check_fits(placement: Placement) -> None:
-    """Refuse budgets below the minimum or beyond the machine, with the computed numbers."""
-    if placement.ram_slots < placement.minimum_ram_slots:
-        raise BudgetError(
-            f"RAM budget {_gib(placement.ram_budget_bytes)} holds {placement.ram_slots} expert records; the minimum "
-            f"is {placement.minimum_ram_slots} (one token's routed experts: "
-            f"{_gib(placement.minimum_ram_slots * placement.expert_record_bytes)})"
-        )
-    if placement.ram_budget_bytes + placement.dense_bytes > placement.machine_ram_bytes:
-        raise BudgetError(
-            f"RAM budget {_gib(placement.ram_budget_bytes)} + dense weights {_gib(placement.dense_bytes)} exceed "
-            f"this machine's {_gib(placement.machine_ram_bytes)}"
-        )
+    """Refuse budgets below the floor or beyond the machine, with the computed numbers."""
+    why = refusal(placement)
+    if why is not None:
+        raise BudgetError(why)
+
+
+def expected_speed(placement: Placement, bandwidth: Bandwidth) -> Speed:
+    """Decode tokens/s bounds from measured bandwidths (the formula is in this module's docstring)."""
+    touched = placement.dense_bytes_per_token + placement.bytes_per_token_at_zero_hits
+    hit_s = touched / bandwidth.memory_bytes_per_s
+    miss_s = placement.bytes_per_token_at_zero_hits / bandwidth.disk_bytes_per_s + hit_s
+    return Speed(1 / miss_s, 1 / hit_s, bandwidth.memory_bytes_per_s, bandwidth.disk_bytes_per_s, bandwidth.disk_method)
+
+
+def _percent(fraction: float) -> str:
+    """Whole percent, rounded down (never 100% when some expert is not cached); "<1%" below one."""
+    return "<1%" if fraction < 0.01 else f"{int(fraction * 100)}%"
 
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def describe(placement: Placement) -> str:
+def describe(placement: Placement, speed: Speed | None = None) -> str:
     p = placement
     lines = [
-        f"dense weights (resident)     {_gib(p.dense_bytes)}",
+        f"model                        {p.model}",
+        f"dense weights (resident)     {_gib(p.dense_bytes)} ({_gib(p.dense_bytes_per_token)} read per token)",
         f"KV cache                     {p.kv_bytes_per_token} B/token, "
         f"{_gib(p.kv_bytes_at_max_context)} at {p.max_context} tokens",
-        f"routed experts (on disk)     {_gib(p.expert_bytes)} in records of {p.expert_record_bytes / 2**20:.2f} MiB",
+        f"routed experts (on disk)     {_gib(p.expert_bytes)}: {p.moe_layers} layers x {p.experts_per_layer} "
+        f"records of {p.expert_record_bytes / 2**20:.2f} MiB, {p.experts_per_token} per token",
         f"RAM tier                     {_gib(p.ram_budget_bytes)}: {p.ram_slots} slots (min {p.minimum_ram_slots})",
         f"VRAM tier                    {_gib(p.vram_budget_bytes)} = {p.vram_slots} slots",
+        f"experts cached               {p.cached_fraction:.1%}",
         f"policy / prefetch            {p.policy} / {'on' if p.prefetch else 'off'}",
         f"disk per token at 0% hits    {p.bytes_per_token_at_zero_hits / 2**20:.1f} MiB",
-        f"expected peak RSS            {_gib(p.expected_peak_rss_bytes)} (machine: {_gib(p.machine_ram_bytes)})",
+        f"expected peak RSS            {_gib(p.expected_peak_rss_bytes)} (machine: {_gib(p.machine_ram_bytes)}, "
+        f"available {_gib(p.available_ram_bytes)})",
     ]
+    if speed is not None:
+        lines.append(
+            f"expected decode              {speed.low_tok_per_s:.2g}-{speed.high_tok_per_s:.2g} tok/s "
+            f"(0%-100% hits; disk {speed.disk_bytes_per_s / 1e9:.2f} GB/s {speed.disk_method}, "
+            f"memory {speed.memory_bytes_per_s / 1e9:.1f} GB/s)"
+        )
+    lines.append(verdict(p).line)
     return "\n".join(lines)

@@ -28,6 +28,7 @@ from colibri_stream.bench.sessions import random_prompt_ids, sessions_section
 from colibri_stream.bench.stress_model import QUICK, StressShape, write_stress_checkpoint
 from colibri_stream.bench.system import MemoryLimit, cgroup_available, cli_argv, convert, machine_facts
 from colibri_stream.demo_model import DEMO_PROMPT, demo_container_path, demo_model_dir
+from colibri_stream.geometry import geometry_from_container
 from colibri_stream.placement import plan
 from storage.container import Container
 from storage.policy import POLICY_NAMES
@@ -90,7 +91,7 @@ class Bench:
         self.container = Container(self.int4)
         self.record_bytes = self.container.layout.record_bytes
         self.expert_bytes = self.container.expert_bytes
-        placement = plan(self.container, StoreConfig(ram_bytes=0))
+        placement = plan(geometry_from_container(self.container), StoreConfig(ram_bytes=0))
         self.dense_bytes = placement.dense_bytes
         context = self.settings.conversation_tokens + 64
         self.kv_bytes = placement.kv_bytes_per_token * context

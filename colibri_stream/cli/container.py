@@ -7,7 +7,8 @@ import json
 import sys
 
 from colibri_stream.cli.help import help_options
-from colibri_stream.convert.converter import DENSE_SCHEMES, EXPERT_SCHEMES, Converter, ConvertOptions
+from colibri_stream.cli.options import add_target_arguments
+from colibri_stream.convert.converter import Converter, ConvertOptions
 from storage.verify import verify_container
 
 CONVERT_EPILOG = """\
@@ -38,13 +39,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     )
     convert.add_argument("src", help="Hugging Face checkpoint directory")
     convert.add_argument("dst", help="container directory to create (or to resume)")
-    convert.add_argument(
-        "--experts", choices=EXPERT_SCHEMES, default="int4", help="routed-expert format (default int4)"
-    )
-    convert.add_argument(
-        "--group-size", type=int, default=64, help="quantisation group along the input dim (default 64)"
-    )
-    convert.add_argument("--dense", choices=DENSE_SCHEMES, default="bf16", help="dense-weight format (default bf16)")
+    add_target_arguments(convert)
     convert.add_argument("--no-progress", action="store_true", help="no progress bar")
     convert.set_defaults(handler=run_convert)
 

@@ -13,7 +13,7 @@ import platform
 import shutil
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import psutil
@@ -21,7 +21,6 @@ import psutil
 from colibri_stream.cli.help import help_options
 from colibri_stream.cli.options import add_dtype_argument, add_store_arguments, store_options
 from colibri_stream.config import StoreOptions
-from colibri_stream.errors import BudgetError
 from storage.buffers import PAGE
 from storage.container import o_direct_refusal
 
@@ -30,8 +29,11 @@ examples:
   colibri-stream doctor                                   # this machine only
   colibri-stream doctor MODEL.cstream --budget budgets/laptop-32g.toml
   colibri-stream doctor MODEL.cstream --full --json       # also every expert checksum
+  colibri-stream doctor config.json --ram auto            # before the download: `plan`'s verdict only
 
-each line: ok / warn / FAIL, the check, what was found; the last line is the verdict.
+each line: ok / warn / FAIL, the check, what was found; the last line is the verdict. The budget check
+carries `colibri-stream plan`'s verdict line (fits / fits with N% of experts cached / does not fit);
+without --ram or --budget it plans `--ram auto`, as plan does.
 exit status: 0 when nothing failed (warnings allowed), 1 when a check failed, 2 on bad flags."""
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
@@ -49,11 +51,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "doctor",
         help="check this machine (and a model) before running: versions, memory, disk, container, budget",
-        description="Read-only checks: Python, torch, CUDA, free RAM and disk; with PATH also the container "
-        "structure (every checksum with --full), the budget fit and O_DIRECT support of the model's filesystem.",
+        description="Read-only checks: Python, torch, CUDA, free RAM and disk; with PATH also `plan`'s verdict, "
+        "the container structure (every checksum with --full) and O_DIRECT support of the model's filesystem.",
         **help_options(EPILOG),
     )
-    parser.add_argument("path", nargs="?", help="a converted container or a Hugging Face checkpoint directory")
+    parser.add_argument(
+        "path", nargs="?", help="a converted container, a Hugging Face checkpoint directory or a config.json"
+    )
     parser.add_argument("--full", action="store_true", help="verify every expert checksum (reads the whole model)")
     add_dtype_argument(parser, default="bfloat16")
     parser.add_argument("--json", action="store_true", help="print the checks and verdict as one JSON object")
@@ -102,9 +106,29 @@ def o_direct_check(path: Path) -> Check:
     return Check(OK, "o_direct", "supported: experts are read with O_DIRECT (the default; --buffered to opt out)")
 
 
-def container_checks(path: Path, full: bool, store: StoreOptions, dtype: str) -> Iterator[Check]:
+def plan_check(path: Path, store: StoreOptions, dtype: str) -> Check:
+    """`plan`'s verdict line, as a check: a container as it is, a checkpoint or config.json as converted."""
     from colibri_stream.config import store_config
-    from colibri_stream.placement import check_fits, plan
+    from colibri_stream.geometry import model_geometry
+    from colibri_stream.placement import plan, verdict
+
+    geometry = model_geometry(path)
+    if store.ram is None and store.budget is None:
+        store = replace(store, ram="auto")
+    placement = plan(geometry, store_config(store, geometry, dtype), dtype)
+    result = verdict(placement)
+    if not result.fits:
+        return Check(FAIL, "budget", result.line)
+    summary = (
+        f"{result.line}: dense {_gib(placement.dense_bytes)} + {placement.ram_slots} expert slots "
+        f"({_gib(placement.ram_slots * placement.expert_record_bytes)}) + KV {_gib(placement.kv_bytes_at_max_context)}"
+        f" at {placement.max_context} tokens: peak ~{_gib(placement.expected_peak_rss_bytes)}"
+    )
+    fits = placement.expected_peak_rss_bytes <= placement.available_ram_bytes
+    return Check(OK if fits else WARN, "budget", summary + ("" if fits else " > available RAM now"))
+
+
+def container_checks(path: Path, full: bool) -> Iterator[Check]:
     from storage.container import Container
     from storage.verify import verify_container
 
@@ -118,19 +142,6 @@ def container_checks(path: Path, full: bool, store: StoreOptions, dtype: str) ->
             container.check_expert_metadata(layer)
         detail = f"{len(container.moe_layers)} MoE layers x {container.n_experts} experts, structure sound"
         yield Check(OK, "container", detail + " (--full checks every checksum)")
-    placement = plan(container, store_config(store, container, dtype), dtype)
-    summary = (
-        f"dense {_gib(placement.dense_bytes)} + {placement.ram_slots} expert slots "
-        f"({_gib(placement.ram_slots * placement.expert_record_bytes)}) + KV {_gib(placement.kv_bytes_at_max_context)}"
-        f" at {placement.max_context} tokens: peak ~{_gib(placement.expected_peak_rss_bytes)}"
-    )
-    try:
-        check_fits(placement)
-    except BudgetError as exc:
-        yield Check(FAIL, "budget", str(exc))
-        return
-    fits = placement.expected_peak_rss_bytes <= psutil.virtual_memory().available
-    yield Check(OK if fits else WARN, "budget", summary + ("" if fits else " > available RAM now"))
 
 
 def checkpoint_checks(path: Path) -> Iterator[Check]:
@@ -142,8 +153,8 @@ def checkpoint_checks(path: Path) -> Iterator[Check]:
     yield Check(OK, "checkpoint", f"{model_args.n_layers} layers, {_gib(size)} of safetensors (loaded resident)")
     available = psutil.virtual_memory().available
     status = OK if size <= available else FAIL
-    advice = "" if status == OK else ": convert it and stream the experts (colibri-stream convert)"
-    yield Check(status, "budget", f"{_gib(size)} resident vs {_gib(available)} available{advice}")
+    advice = "" if status == OK else ": convert it and stream the experts (the budget check says how it would fit)"
+    yield Check(status, "resident", f"{_gib(size)} resident vs {_gib(available)} available{advice}")
 
 
 def model_checks(path: Path, full: bool, store: StoreOptions, dtype: str) -> Iterator[Check]:
@@ -152,11 +163,14 @@ def model_checks(path: Path, full: bool, store: StoreOptions, dtype: str) -> Ite
     from colibri_stream.text import load_chat_format
     from storage.container import is_container
 
-    if not path.is_dir():
-        yield Check(FAIL, "model", f"{path}: not a directory")
+    if not path.exists():
+        yield Check(FAIL, "model", f"{path}: not a directory or a config.json")
         return
+    yield from _guarded("budget", lambda: [plan_check(path, store, dtype)])
+    if path.is_file():
+        return  # a bare config.json: the plan is all there is to check
     if is_container(path):
-        yield from _guarded("model", lambda: container_checks(path, full, store, dtype))
+        yield from _guarded("model", lambda: container_checks(path, full))
     else:
         yield from _guarded("model", lambda: checkpoint_checks(path))
     tokenizer = (path / "tokenizer.json").is_file()

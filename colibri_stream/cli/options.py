@@ -10,6 +10,14 @@ from colibri_stream.conversation import RuntimeOptions
 from colibri_stream.dtypes import COMPUTE_DTYPES
 from colibri_stream.errors import RequestError
 from colibri_stream.generate import SamplingParams
+from colibri_stream.geometry import (
+    DEFAULT_DENSE,
+    DEFAULT_EXPERTS,
+    DEFAULT_GROUP_SIZE,
+    DENSE_SCHEMES,
+    EXPERT_SCHEMES,
+    ContainerTarget,
+)
 from storage.kvlog import RECORD_DTYPES
 from storage.policy import POLICY_NAMES
 
@@ -22,6 +30,29 @@ def parse_ids(text: str) -> list[int]:
     if not ids or any(i < 0 for i in ids):
         raise argparse.ArgumentTypeError(f"--ids expects non-negative integers, got {text!r}")
     return ids
+
+
+def add_target_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """--experts, --group-size, --dense: the container a conversion writes (`convert`) or would write (`plan`)."""
+    parser.add_argument(
+        "--experts",
+        choices=EXPERT_SCHEMES,
+        default=DEFAULT_EXPERTS,
+        help=f"routed-expert format (default {DEFAULT_EXPERTS})",
+    )
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        default=DEFAULT_GROUP_SIZE,
+        help=f"quantisation group along the input dim (default {DEFAULT_GROUP_SIZE})",
+    )
+    parser.add_argument(
+        "--dense", choices=DENSE_SCHEMES, default=DEFAULT_DENSE, help=f"dense-weight format (default {DEFAULT_DENSE})"
+    )
+
+
+def target_options(args: argparse.Namespace) -> ContainerTarget:
+    return ContainerTarget(experts=args.experts, group_size=args.group_size, dense=args.dense)
 
 
 def add_store_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,43 +1,94 @@
-"""`colibri-stream plan`: what lands where, computed from metadata before anything loads."""
+"""`colibri-stream plan`: will it fit, and how fast? Computed from metadata before anything loads, and
+before anything is downloaded: a container, a checkpoint directory or a bare config.json."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-from dataclasses import asdict
+from pathlib import Path
 
+from colibri_stream.bandwidth import Bandwidth, measure
 from colibri_stream.cli.help import help_options
-from colibri_stream.cli.options import add_dtype_argument, add_store_arguments, store_options
-from colibri_stream.config import store_config
-from colibri_stream.placement import check_fits, describe, plan
-from storage.container import Container
+from colibri_stream.cli.options import (
+    add_dtype_argument,
+    add_store_arguments,
+    add_target_arguments,
+    store_options,
+    target_options,
+)
+from colibri_stream.config import parse_size, store_config
+from colibri_stream.geometry import model_geometry
+from colibri_stream.placement import check_fits, describe, expected_speed, plan, verdict
 
 PLAN_EPILOG = """\
 examples:
+  colibri-stream plan config.json                      # before the download: DeepSeek-V3's config.json is enough
+  colibri-stream plan HF_DIR --ram 48GiB --vram 24GiB  # as `convert` would write it (--experts int4 --group-size 64)
   colibri-stream plan MODEL.cstream --ram 25%
   colibri-stream plan MODEL.cstream --budget budgets/workstation-128g-24gvram.toml --dtype bfloat16 --json
-exit status: 0 when the budget fits, 1 when it is below one token's experts or beyond this machine
-(the placement is printed first, then the reason), 2 on bad flags."""
+
+PATH is a container, a Hugging Face checkpoint directory, or a config.json (the file, or a directory
+holding it); for the last two every number is computed from the config, for the container
+--experts/--group-size/--dense would write. Without --ram or --budget the RAM tier is `--ram auto`:
+what is available (MemAvailable) after dense weights and KV at full context, less 10%.
+
+The last line is the verdict: "fits" (every expert cached), "fits with N% of experts cached", or
+"does not fit: <why, with the numbers>". Expected decode tok/s, from this machine's measured memory
+bandwidth (a 256 MiB copy) and disk bandwidth (a 256 MiB O_DIRECT read beside PATH):
+  low  = 1 / (disk bytes per token at 0% hits / disk bandwidth + bytes touched / memory bandwidth)
+  high = 1 / (bytes touched / memory bandwidth)
+  bytes touched per token = dense weights read per token + top-k expert records per MoE layer
+exit status: 0 when it fits, 1 when it does not (below the floor of one token's experts, or beyond this machine: the report
+is printed first, then the reason), 2 on bad flags."""
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "plan",
-        help="show where dense weights, experts and KV will live, before loading",
+        help="will it fit? dense, experts, KV, slots per tier and expected tok/s, before loading or downloading",
         description="Compute the placement (dense, KV at max context, expert slots per tier, disk bytes per token "
-        "at 0% hits, expected peak RSS) from a container's metadata and a budget, without loading anything.",
+        "at 0% hits, expected peak RSS and decode tok/s) from a container's metadata or a config.json and a "
+        "budget, without loading anything.",
         **help_options(PLAN_EPILOG),
     )
-    parser.add_argument("path", help="container directory")
+    parser.add_argument("path", help="container, Hugging Face checkpoint directory, or config.json")
     add_dtype_argument(parser)
     parser.add_argument("--json", action="store_true", help="print the placement as one JSON object")
+    target = parser.add_argument_group("the container a conversion would write (checkpoints and config.json)")
+    add_target_arguments(target)
+    speed = parser.add_argument_group("bandwidths (default: measured here)")
+    speed.add_argument("--memory-bandwidth", help="memory bandwidth per second instead of the probe, e.g. 40GB")
+    speed.add_argument("--disk-bandwidth", help="disk read bandwidth per second instead of the probe, e.g. 3GB")
     add_store_arguments(parser)
     parser.set_defaults(handler=run_plan)
 
 
+def bandwidth(args: argparse.Namespace) -> Bandwidth:
+    measured = None
+    if args.memory_bandwidth is None or args.disk_bandwidth is None:
+        measured = measure(args.path)
+    memory = parse_size(args.memory_bandwidth, 0, "--memory-bandwidth") if args.memory_bandwidth else None
+    disk = parse_size(args.disk_bandwidth, 0, "--disk-bandwidth") if args.disk_bandwidth else None
+    return Bandwidth(
+        memory or measured.memory_bytes_per_s,
+        disk or measured.disk_bytes_per_s,
+        "given" if disk else measured.disk_method,
+    )
+
+
 def run_plan(args: argparse.Namespace) -> int:
-    container = Container(args.path)
-    placement = plan(container, store_config(store_options(args), container, args.dtype), args.dtype)
-    print(json.dumps(asdict(placement)) if args.json else describe(placement))
+    geometry = model_geometry(Path(args.path), target_options(args))
+    options = store_options(args)
+    if options.ram is None and options.budget is None:
+        options = dataclasses.replace(options, ram="auto")
+    placement = plan(geometry, store_config(options, geometry, args.dtype), args.dtype)
+    speed = expected_speed(placement, bandwidth(args))
+    if args.json:
+        result = verdict(placement)
+        report = {**dataclasses.asdict(placement), "speed": dataclasses.asdict(speed)}
+        print(json.dumps({**report, "fits": result.fits, "verdict": result.line}))
+    else:
+        print(describe(placement, speed))
     check_fits(placement)
     return 0

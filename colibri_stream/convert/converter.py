@@ -23,10 +23,10 @@ from tqdm import tqdm
 
 from colibri_stream import __version__
 from colibri_stream.convert.hf_source import HFSource, TensorReader
-from colibri_stream.dtypes import bf16_bits
-from colibri_stream.errors import ColibriError
+from colibri_stream.dtypes import bf16_bits, stored_dense_dtype
 from colibri_stream.expert_codec import record_from_expert
-from colibri_stream.loader import FLOAT32_PARAMETERS, check_dense_names
+from colibri_stream.geometry import ContainerTarget
+from colibri_stream.loader import check_dense_names
 from engine.args import ModelArgs
 from engine.quant import quantize
 from engine.weights import sort_names
@@ -37,25 +37,14 @@ from storage.errors import IncompatibleStateError, StorageError
 from storage.layout import ExpertRecordLayout
 
 JOURNAL = "convert-journal.json"
-EXPERT_SCHEMES = ("int4", "int8", "bf16", "f32")
-DENSE_SCHEMES = ("bf16", "f32", "int8")
 # Fault injection for the kill/resume tests: SIGKILL this process midway through unit N+1.
 CRASH_ENV = "COLIBRI_STREAM_CRASH_AFTER_UNITS"
 
 
 @dataclass(frozen=True)
-class ConvertOptions:
-    experts: str = "int4"
-    group_size: int = 64
-    dense: str = "bf16"
-
-    def __post_init__(self) -> None:
-        if self.experts not in EXPERT_SCHEMES:
-            raise ColibriError(f"--experts must be one of {EXPERT_SCHEMES}, got {self.experts!r}")
-        if self.dense not in DENSE_SCHEMES:
-            raise ColibriError(f"--dense must be one of {DENSE_SCHEMES}, got {self.dense!r}")
-        if self.group_size <= 0 or self.group_size % 2:
-            raise ColibriError(f"--group-size must be a positive even number, got {self.group_size}")
+class ConvertOptions(ContainerTarget):
+    """--experts, --group-size, --dense: the container to write (defaults and checks: ContainerTarget,
+    which `plan` also sizes a conversion with)."""
 
 
 @dataclass(frozen=True)
@@ -112,11 +101,11 @@ def _check_experts(args: ModelArgs, experts: dict, source: HFSource) -> None:
 def dense_arrays(engine: str, tensor: torch.Tensor, scheme: str, group_size: int) -> list[tuple[str, np.ndarray, str]]:
     """(array name, array, dtype tag) to store for one dense tensor under ``scheme``.
 
-    int8 applies to 2-D weights whose input dimension the group size divides; other tensors (norms,
-    biases, odd shapes) and the float32-only parameters keep bf16/float32."""
-    if scheme == "f32" or engine.endswith(FLOAT32_PARAMETERS):
+    The dtype is colibri_stream.dtypes.stored_dense_dtype's, the rule `plan` sizes a conversion with."""
+    stored = stored_dense_dtype(engine, tuple(tensor.shape), scheme, group_size)
+    if stored == "float32":
         return [(engine, tensor.float().contiguous().numpy(), "float32")]
-    if scheme == "int8" and tensor.dim() == 2 and tensor.shape[1] % group_size == 0:
+    if stored == "int8":
         q, scales = quantize(tensor, 8, group_size)
         return [(engine, q.numpy(), "int8"), (f"{engine}.scale", scales.numpy(), "float16")]
     return [(engine, bf16_bits(tensor), "bfloat16")]

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from colibri_stream.geometry import dequantised_config
 from colibri_stream.loader import CheckpointError, read_config, shard_files
 
 SCALE_SUFFIX = "_scale_inv"
@@ -73,7 +74,7 @@ class HFSource:
 
     def dense_config(self) -> dict[str, Any]:
         """config.json as the converted (dequantised) model has it."""
-        return {k: v for k, v in self.config.items() if k != "quantization_config"}
+        return dequantised_config(self.config)
 
     @contextlib.contextmanager
     def reading(self) -> Iterator[TensorReader]:

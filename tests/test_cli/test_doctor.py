@@ -45,7 +45,7 @@ def test_a_corrupt_expert_fails_the_verdict(make_container, tmp_path, capsys):
 
 def test_a_budget_below_one_layer_fails(make_container, capsys):
     code, out = doctor(capsys, str(make_container("deepseek_v3")), "--ram", "1%")
-    assert code == 1 and "NOT READY: budget: RAM budget" in out
+    assert code == 1 and "NOT READY: budget: does not fit: RAM budget" in out
 
 
 def test_a_checkpoint_directory_and_a_missing_path(tiny_checkpoints, tmp_path, capsys):
