@@ -39,8 +39,8 @@ bandwidth (a 256 MiB copy) and disk bandwidth (a 256 MiB O_DIRECT read beside PA
   low  = 1 / (disk bytes per token at 0% hits / disk bandwidth + bytes touched / memory bandwidth)
   high = 1 / (bytes touched / memory bandwidth)
   bytes touched per token = dense weights read per token + top-k expert records per MoE layer
-exit status: 0 when it fits, 1 when it does not (below the floor of one token's experts, or beyond this machine: the report
-is printed first, then the reason), 2 on bad flags."""
+exit status: 0 when it fits, 1 when it does not (below the floor of one token's experts, or beyond
+this machine: the report is printed first, then the reason), 2 on bad flags."""
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
