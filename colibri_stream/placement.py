@@ -9,9 +9,11 @@ from dataclasses import dataclass
 import psutil
 import torch
 
+from colibri_stream.activations import prefill_activation_bytes
 from colibri_stream.dtypes import COMPUTE_DTYPES
 from colibri_stream.dtypes import dtype_bytes as dtype_bytes_of
 from colibri_stream.errors import BudgetError
+from colibri_stream.generate import PREFILL_CHUNK_TOKENS
 from colibri_stream.kv_geometry import cache_bytes_per_token
 from engine.args import ModelArgs
 from engine.bf16 import bf16_candidates, bf16_kernel_available
@@ -29,6 +31,8 @@ class Placement:
     kv_bytes_per_token: int
     max_context: int
     kv_bytes_at_max_context: int
+    prefill_chunk_tokens: int
+    activation_bytes: int
     expert_record_bytes: int
     expert_bytes: int
     ram_budget_bytes: int
@@ -61,13 +65,24 @@ def plan(container: Container, config: StoreConfig, dtype: str = "float32") -> P
         for name, e in container.dense.items()
     )
     kv_token = cache_bytes_per_token(args, dtype)
+    context = args.max_position_embeddings
+    activations = prefill_activation_bytes(
+        args,
+        COMPUTE_DTYPES[dtype],
+        PREFILL_CHUNK_TOKENS,
+        context,
+        # the head sees one row per chunk (prefill keeps only the last position): the C kernel, no upcast
+        [container.dense[name].shape for name in held_bf16 - {"head.weight"}],
+    )
     record = container.layout.record_bytes
     ram_slots = min(slots_for(config.ram_bytes, record), total_records(container))
     return Placement(
         dense_bytes=dense,
         kv_bytes_per_token=kv_token,
-        max_context=args.max_position_embeddings,
-        kv_bytes_at_max_context=kv_token * args.max_position_embeddings,
+        max_context=context,
+        kv_bytes_at_max_context=kv_token * context,
+        prefill_chunk_tokens=PREFILL_CHUNK_TOKENS,
+        activation_bytes=activations,
         expert_record_bytes=record,
         expert_bytes=container.expert_bytes,
         ram_budget_bytes=config.ram_bytes,
@@ -78,10 +93,7 @@ def plan(container: Container, config: StoreConfig, dtype: str = "float32") -> P
         policy=config.policy,
         prefetch=config.prefetch,
         bytes_per_token_at_zero_hits=len(container.moe_layers) * args.n_activated_experts * record,
-        expected_peak_rss_bytes=RUNTIME_BASELINE_BYTES
-        + dense
-        + ram_slots * record
-        + kv_token * args.max_position_embeddings,
+        expected_peak_rss_bytes=RUNTIME_BASELINE_BYTES + dense + ram_slots * record + kv_token * context + activations,
         machine_ram_bytes=psutil.virtual_memory().total,
     )
 
@@ -110,6 +122,8 @@ def describe(placement: Placement) -> str:
         f"dense weights (resident)     {_gib(p.dense_bytes)}",
         f"KV cache                     {p.kv_bytes_per_token} B/token, "
         f"{_gib(p.kv_bytes_at_max_context)} at {p.max_context} tokens",
+        f"activations                  {_gib(p.activation_bytes)} (prefill in chunks of {p.prefill_chunk_tokens} "
+        f"tokens, at {p.max_context} tokens)",
         f"routed experts (on disk)     {_gib(p.expert_bytes)} in records of {p.expert_record_bytes / 2**20:.2f} MiB",
         f"RAM tier                     {_gib(p.ram_budget_bytes)}: {p.ram_slots} slots (min {p.minimum_ram_slots})",
         f"VRAM tier                    {_gib(p.vram_budget_bytes)} = {p.vram_slots} slots",

@@ -122,7 +122,8 @@ def container_checks(path: Path, full: bool, store: StoreOptions, dtype: str) ->
     summary = (
         f"dense {_gib(placement.dense_bytes)} + {placement.ram_slots} expert slots "
         f"({_gib(placement.ram_slots * placement.expert_record_bytes)}) + KV {_gib(placement.kv_bytes_at_max_context)}"
-        f" at {placement.max_context} tokens: peak ~{_gib(placement.expected_peak_rss_bytes)}"
+        f" + activations {_gib(placement.activation_bytes)} at {placement.max_context} tokens:"
+        f" peak ~{_gib(placement.expected_peak_rss_bytes)}"
     )
     try:
         check_fits(placement)
