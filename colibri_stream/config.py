@@ -69,10 +69,10 @@ def parse_size(value: str | int, expert_bytes: int, key: str = "size", auto_byte
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
-def auto_ram_bytes(dense_bytes: int, kv_bytes: int) -> int:
-    """RAM for expert slots: available memory minus dense weights and KV, less a safety margin."""
+def auto_ram_bytes(dense_bytes: int, kv_bytes: int, activation_bytes: int = 0) -> int:
+    """RAM for expert slots: available memory minus dense weights, KV and activations, less a safety margin."""
     available = psutil.virtual_memory().available
-    return max(0, int((available - dense_bytes - kv_bytes) * (1 - SAFETY_MARGIN)))
+    return max(0, int((available - dense_bytes - kv_bytes - activation_bytes) * (1 - SAFETY_MARGIN)))
 
 
 @dataclass(frozen=True)
@@ -152,11 +152,11 @@ class StoreOptions:
 
 def store_config(options: StoreOptions, container: Container, dtype: str = "float32") -> StoreConfig:
     """The store's configuration: flags over the budget file over defaults; `auto` RAM from what is
-    available after the dense weights and the KV cache at full context."""
+    available after the dense weights, the KV cache and the prefill activations at full context."""
     budget = load_budget_file(options.budget) if options.budget else Budget()
     expert_bytes = container.expert_bytes
-    provisional = plan(container, StoreConfig(ram_bytes=0), dtype)
-    auto = auto_ram_bytes(provisional.dense_bytes, provisional.kv_bytes_at_max_context)
+    rest = plan(container, StoreConfig(ram_bytes=0), dtype)  # everything but the expert slots
+    auto = auto_ram_bytes(rest.dense_bytes, rest.kv_bytes_at_max_context, rest.activation_bytes)
     ram = parse_size(options.ram if options.ram is not None else budget.ram, expert_bytes, "ram", auto_bytes=auto)
     vram = parse_size(options.vram if options.vram is not None else budget.vram, expert_bytes, "vram")
     history = options.history if options.history is not None else budget.history

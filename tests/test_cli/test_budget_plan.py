@@ -100,7 +100,7 @@ def test_run_json_reports_measured_streaming_stats(stream_container, tmp_path, c
     assert decode["disk_read_bytes"] >= 0
 
 
-def test_auto_ram_leaves_room_for_dense_kv_and_a_margin(stream_container, capsys, monkeypatch):
+def test_auto_ram_leaves_room_for_dense_kv_activations_and_a_margin(stream_container, capsys, monkeypatch):
     import psutil
 
     class Memory:
@@ -110,5 +110,6 @@ def test_auto_ram_leaves_room_for_dense_kv_and_a_margin(stream_container, capsys
     monkeypatch.setattr(psutil, "virtual_memory", lambda: Memory)
     assert cli.main(["plan", str(stream_container), "--ram", "auto", "--json"]) == 0
     placement = json.loads(capsys.readouterr().out)
-    expected = int((10 * GIB - placement["dense_bytes"] - placement["kv_bytes_at_max_context"]) * 0.9)
+    others = placement["dense_bytes"] + placement["kv_bytes_at_max_context"] + placement["activation_bytes"]
+    expected = int((10 * GIB - others) * 0.9)
     assert placement["ram_budget_bytes"] == expected
