@@ -38,22 +38,24 @@ def _block_queries(chunk: int, heads: int, context: int) -> int:
 def attention_bytes(args: ModelArgs, d: int, chunk: int, context: int) -> int:
     """MLA, expanded path (engine/attention.py MLA.forward, _expanded, _expanded_block)."""
     c, t, h = chunk, context, args.n_heads
-    per_query = (
+    per_position = (
         args.q_lora_rank  # q latent [C, q_lora]
         + 2 * h * args.qk_head_dim  # q [C, H, n + r] and the roped q_rope copy
         + args.kv_lora_rank
         + args.qk_rope_head_dim  # wkv_a out [C, c + r]
         + 2 * h * args.v_head_dim  # block outputs [C, H, v], their cat, wo's input
     )
-    projections = d * c * per_query
+    projections = d * c * per_position
     # wkv_b over every cached latent: kv [T, H, n + v] (the einsums read its k_nope / v views in place:
     # measured, 512 MiB of kv raised the peak by 519 MiB). It grows with T, not C: for DeepSeek-V3 at
     # 163840 positions 20 GiB in float32, the largest term there.
     expanded = d * t * h * (args.qk_nope_head_dim + args.v_head_dim)
-    # one query block's scores [q_blk, H, T]: the two einsums and their sum, then scaled and masked
-    # (3 alive), then softmax in float32 and its cast back to d; masks [q_blk, T] bool (causal, chosen)
+    # one query block's scores [q_blk, H, T]: float32 holds 3 at once (the two einsums and their sum,
+    # then scaled, masked, softmax); bfloat16 the masked scores, the float32 softmax and its cast back.
+    # Masks [q_blk, T] bool: causal, chosen (DSA), their negation.
+    per_score = 3 * d if d == F32 else 2 * d + F32
     q_blk = _block_queries(c, h, t)
-    scores = q_blk * h * t * max(3 * d, d + F32 + (d if d != F32 else 0)) + 3 * q_blk * t
+    scores = q_blk * h * t * per_score + 3 * q_blk * t
     return projections + expanded + scores
 
 
