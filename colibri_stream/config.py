@@ -72,12 +72,14 @@ def parse_size(value: str | int, expert_bytes: int, key: str = "size", auto_byte
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
-def auto_ram_bytes(dense_bytes: int, kv_bytes: int, floor: int = 0, available: int | None = None) -> int:
-    """RAM for expert slots: available memory (MemAvailable unless given) minus dense weights and KV, less
-    a safety margin; the margin never takes it below ``floor`` bytes when those fit (when they do not, the
-    plan refuses)."""
+def auto_ram_bytes(
+    dense_bytes: int, kv_bytes: int, floor: int = 0, available: int | None = None, activation_bytes: int = 0
+) -> int:
+    """RAM for expert slots: available memory (MemAvailable unless given) minus dense weights, KV and the
+    prefill activations, less a safety margin; the margin never takes it below ``floor`` bytes when those
+    fit (when they do not, the plan refuses)."""
     available = psutil.virtual_memory().available if available is None else available
-    left = available - dense_bytes - kv_bytes
+    left = available - dense_bytes - kv_bytes - activation_bytes
     return max(0, int(left * (1 - SAFETY_MARGIN)), min(floor, left))
 
 
@@ -158,11 +160,17 @@ class StoreOptions:
 
 def store_config(options: StoreOptions, geometry: ModelGeometry, dtype: str = "float32") -> StoreConfig:
     """The store's configuration: flags over the budget file over defaults; `auto` RAM from what is
-    available after the dense weights and the KV cache at full context; a budget file's RAM at most that."""
+    available after the dense weights, the KV cache and the prefill activations at full context; a budget
+    file's RAM at most that."""
     budget = load_budget_file(options.budget) if options.budget else Budget()
     expert_bytes = geometry.expert_bytes
     provisional = plan(geometry, StoreConfig(ram_bytes=0), dtype)
-    auto = auto_ram_bytes(provisional.dense_bytes, provisional.kv_bytes_at_max_context, floor_bytes(provisional))
+    auto = auto_ram_bytes(
+        provisional.dense_bytes,
+        provisional.kv_bytes_at_max_context,
+        floor_bytes(provisional),
+        activation_bytes=provisional.activation_bytes,
+    )
     if options.ram is not None:
         ram = parse_size(options.ram, expert_bytes, "--ram", auto_bytes=auto)
     else:

@@ -75,10 +75,29 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def prefill(model: Transformer, ids: Sequence[int], cache: KVCache, experts: ExpertProvider) -> torch.Tensor:
-    """Run the prompt from the cache's end; return the last position's logits [vocab]."""
-    tokens = torch.tensor([list(ids)], dtype=torch.long, device=model.device)
-    return model(tokens, cache.length, cache, experts, last_only=True)[0, -1]
+# Prefill runs the prompt this many positions at a time, appending each chunk to the cache: activation
+# memory then depends on the chunk and the context, never on the prompt's length, and placement counts
+# it (colibri_stream/activations.py). A fixed number, never derived from a budget, so the positions each
+# forward sees (and the tokens) are the same under any budget.
+PREFILL_CHUNK_TOKENS = 256
+
+
+def prefill(
+    model: Transformer,
+    ids: Sequence[int],
+    cache: KVCache,
+    experts: ExpertProvider,
+    chunk: int = PREFILL_CHUNK_TOKENS,
+) -> torch.Tensor:
+    """Run the prompt from the cache's end, ``chunk`` positions per forward; return the last position's
+    logits [vocab]. A chunk attends to the cache the earlier ones filled: the same logits as one forward."""
+    if not ids:
+        raise RequestError("the prompt is empty (0 tokens)")
+    ids = list(ids)
+    for start in range(0, len(ids), chunk):
+        tokens = torch.tensor([ids[start : start + chunk]], dtype=torch.long, device=model.device)
+        logits = model(tokens, cache.length, cache, experts, last_only=True)
+    return logits[0, -1]
 
 
 def decode_one_token(model: Transformer, token: int, cache: KVCache, experts: ExpertProvider) -> torch.Tensor:
@@ -96,12 +115,14 @@ def generate(
     cache: KVCache | None = None,
     on_token: Callable[[int], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    prefill_chunk: int = PREFILL_CHUNK_TOKENS,
 ) -> GenerationResult:
     """Continue ``prompt_ids`` by up to ``max_new_tokens``; stops early on any of ``stop_ids``
     (the stop id is included in ``ids``). ``cache`` may already hold a prefix of the prompt.
 
     ``should_stop`` is polled after every token (a client gone, Ctrl-C, a stop string): a cancelled
-    generation costs at most the decode step already running, and the cache stays consistent."""
+    generation costs at most the decode step already running, and the cache stays consistent.
+    ``prefill_chunk``: prompt positions per prefill forward (see PREFILL_CHUNK_TOKENS)."""
     if not prompt_ids:
         raise RequestError("the prompt is empty (0 tokens)")
     cache = model.new_cache() if cache is None else cache
@@ -115,7 +136,7 @@ def generate(
         return result
     start = time.perf_counter()
     stats.prefill_tokens = len(prompt_ids) - cache.length
-    logits = prefill(model, prompt_ids[cache.length :], cache, experts)
+    logits = prefill(model, prompt_ids[cache.length :], cache, experts, prefill_chunk)
     stats.prefill_s = time.perf_counter() - start
     start = time.perf_counter()
     while True:

@@ -19,10 +19,12 @@ from dataclasses import dataclass
 import psutil
 import torch
 
+from colibri_stream.activations import prefill_activation_bytes
 from colibri_stream.bandwidth import Bandwidth
 from colibri_stream.dtypes import COMPUTE_DTYPES, FLOAT32_PARAMETERS
 from colibri_stream.dtypes import dtype_bytes as dtype_bytes_of
 from colibri_stream.errors import BudgetError
+from colibri_stream.generate import PREFILL_CHUNK_TOKENS
 from colibri_stream.geometry import DenseArray, ModelGeometry
 from colibri_stream.kv_geometry import cache_bytes_per_token
 from engine.args import ModelArgs
@@ -44,6 +46,8 @@ class Placement:
     kv_bytes_per_token: int
     max_context: int
     kv_bytes_at_max_context: int
+    prefill_chunk_tokens: int
+    activation_bytes: int
     expert_record_bytes: int
     expert_bytes: int
     moe_layers: int
@@ -137,14 +141,26 @@ def plan(
     ram_slots = min(slots_for(config.ram_bytes, record), geometry.total_records)
     vram_slots = min(slots_for(config.vram_bytes, record), geometry.total_records)
     machine = machine or Machine.here()
-    kv_max = kv_token * args.max_position_embeddings
+    context = args.max_position_embeddings
+    kv_max = kv_token * context
+    held = held_in_bf16(geometry.dense, args, COMPUTE_DTYPES[dtype])
+    activations = prefill_activation_bytes(
+        args,
+        COMPUTE_DTYPES[dtype],
+        PREFILL_CHUNK_TOKENS,
+        context,
+        # the head sees one row per chunk (prefill keeps only the last position): the C kernel, no upcast
+        [a.shape for a in geometry.dense if a.name in held - {"head.weight"}],
+    )
     return Placement(
         model=geometry.description,
         dense_bytes=dense,
         dense_bytes_per_token=per_token,
         kv_bytes_per_token=kv_token,
-        max_context=args.max_position_embeddings,
+        max_context=context,
         kv_bytes_at_max_context=kv_max,
+        prefill_chunk_tokens=PREFILL_CHUNK_TOKENS,
+        activation_bytes=activations,
         expert_record_bytes=record,
         expert_bytes=geometry.expert_bytes,
         moe_layers=geometry.n_moe_layers,
@@ -159,7 +175,7 @@ def plan(
         policy=config.policy,
         prefetch=config.prefetch,
         bytes_per_token_at_zero_hits=geometry.active_records_per_token * record,
-        expected_peak_rss_bytes=RUNTIME_BASELINE_BYTES + dense + ram_slots * record + kv_max,
+        expected_peak_rss_bytes=RUNTIME_BASELINE_BYTES + dense + ram_slots * record + kv_max + activations,
         machine_ram_bytes=machine.total_bytes,
         available_ram_bytes=machine.available_bytes,
     )
@@ -172,12 +188,13 @@ def floor_bytes(placement: Placement) -> int:
 def refusal(placement: Placement) -> str | None:
     """Why this placement cannot run, with the numbers; None when it can."""
     p = placement
-    needed = p.dense_bytes + p.kv_bytes_at_max_context + floor_bytes(p)
+    needed = p.dense_bytes + p.kv_bytes_at_max_context + p.activation_bytes + floor_bytes(p)
     if needed > p.available_ram_bytes:
         return (
             f"RAM available {_gib(p.available_ram_bytes)} < dense {_gib(p.dense_bytes)} + KV "
-            f"{_gib(p.kv_bytes_at_max_context)} at {p.max_context} tokens + the floor of {p.minimum_ram_slots} "
-            f"expert records {_gib(floor_bytes(p))} = {_gib(needed)}"
+            f"{_gib(p.kv_bytes_at_max_context)} at {p.max_context} tokens + prefill activations "
+            f"{_gib(p.activation_bytes)} + the floor of {p.minimum_ram_slots} expert records "
+            f"{_gib(floor_bytes(p))} = {_gib(needed)}"
         )
     if p.ram_slots < p.minimum_ram_slots:
         return (
@@ -233,6 +250,8 @@ def describe(placement: Placement, speed: Speed | None = None) -> str:
         f"dense weights (resident)     {_gib(p.dense_bytes)} ({_gib(p.dense_bytes_per_token)} read per token)",
         f"KV cache                     {p.kv_bytes_per_token} B/token, "
         f"{_gib(p.kv_bytes_at_max_context)} at {p.max_context} tokens",
+        f"activations                  {_gib(p.activation_bytes)} (prefill in chunks of {p.prefill_chunk_tokens} "
+        f"tokens, at {p.max_context} tokens)",
         f"routed experts (on disk)     {_gib(p.expert_bytes)}: {p.moe_layers} layers x {p.experts_per_layer} "
         f"records of {p.expert_record_bytes / 2**20:.2f} MiB, {p.experts_per_token} per token",
         f"RAM tier                     {_gib(p.ram_budget_bytes)}: {p.ram_slots} slots (min {p.minimum_ram_slots})",

@@ -9,6 +9,8 @@ import pytest
 from colibri_stream import cli
 from colibri_stream.config import load_budget_file, parse_size
 from colibri_stream.errors import BudgetError
+from colibri_stream.generate import PREFILL_CHUNK_TOKENS
+from colibri_stream.placement import RUNTIME_BASELINE_BYTES
 from storage.container import Container
 
 GIB = 2**30
@@ -66,6 +68,10 @@ def test_plan_reports_the_placement_before_loading(stream_container, capsys):
     assert placement["bytes_per_token_at_zero_hits"] == len(container.moe_layers) * 4 * record
     assert placement["expert_bytes"] == container.expert_bytes
     assert placement["kv_bytes_per_token"] > 0 and placement["dense_bytes"] > 0
+    assert placement["activation_bytes"] > 0 and placement["prefill_chunk_tokens"] == PREFILL_CHUNK_TOKENS
+    parts = ("dense_bytes", "kv_bytes_at_max_context", "activation_bytes")
+    expected = RUNTIME_BASELINE_BYTES + 40 * record + sum(placement[key] for key in parts)
+    assert placement["expected_peak_rss_bytes"] == expected
 
 
 def test_plan_and_run_refuse_impossible_budgets_with_numbers(stream_container, capsys):
@@ -100,7 +106,7 @@ def test_run_json_reports_measured_streaming_stats(stream_container, tmp_path, c
     assert decode["disk_read_bytes"] >= 0
 
 
-def test_auto_ram_leaves_room_for_dense_kv_and_a_margin(stream_container, capsys, monkeypatch):
+def test_auto_ram_leaves_room_for_dense_kv_activations_and_a_margin(stream_container, capsys, monkeypatch):
     import psutil
 
     class Memory:
@@ -110,5 +116,6 @@ def test_auto_ram_leaves_room_for_dense_kv_and_a_margin(stream_container, capsys
     monkeypatch.setattr(psutil, "virtual_memory", lambda: Memory)
     assert cli.main(["plan", str(stream_container), "--ram", "auto", "--json"]) == 0
     placement = json.loads(capsys.readouterr().out)
-    expected = int((10 * GIB - placement["dense_bytes"] - placement["kv_bytes_at_max_context"]) * 0.9)
+    others = placement["dense_bytes"] + placement["kv_bytes_at_max_context"] + placement["activation_bytes"]
+    expected = int((10 * GIB - others) * 0.9)
     assert placement["ram_budget_bytes"] == expected

@@ -203,7 +203,8 @@ def test_check_fits_refuses_below_the_floor_with_the_numbers(v3_config, memory):
     geometry = model_geometry(v3_config)
     placement = plan(geometry, StoreConfig(ram_bytes=3 * RECORD), "bfloat16")
     assert not verdict(placement).fits
-    with pytest.raises(BudgetError, match=r"holds 3 expert records; the minimum is 8 \(0.17 GiB\)"):
+    below_floor = r"holds 3 expert records; the minimum is 8 \(one token's routed experts: 0.17 GiB\)"
+    with pytest.raises(BudgetError, match=below_floor):
         check_fits(placement)
 
 
@@ -225,12 +226,13 @@ def test_auto_refuses_when_memavailable_cannot_hold_the_floor(v3_config, memory,
     code = cli.main(["plan", str(v3_config), "--ram", "auto", "--dtype", "bfloat16", *BANDWIDTH])
     err = capsys.readouterr().err
     assert code == 1
-    assert "RAM available 40.00 GiB < dense 31.88 GiB + KV 10.72 GiB at 163840 tokens" in err
-    assert "the floor of 8 expert records 0.17 GiB = 42.78 GiB" in err
+    assert "RAM available 40.00 GiB < dense 31.88 GiB + KV 10.72 GiB at 163840 tokens + prefill" in err
+    assert "+ the floor of 8 expert records 0.17 GiB = " in err
 
 
 def test_auto_keeps_the_floor_when_only_the_margin_is_short(v3_config, memory, capsys):
-    needed = DENSE_BYTES_BF16 + KV_PER_TOKEN_BF16 * 163840 + 8 * RECORD
+    activations = plan(model_geometry(v3_config), StoreConfig(ram_bytes=0), "bfloat16").activation_bytes
+    needed = DENSE_BYTES_BF16 + KV_PER_TOKEN_BF16 * 163840 + activations + 8 * RECORD
     memory.available = needed + RECORD // 2  # the floor fits; 10% of what is left would not hold it
     code, p = plan_json(capsys, str(v3_config), "--ram", "auto", "--dtype", "bfloat16", *BANDWIDTH)
     assert code == 0 and p["ram_slots"] == 8 and p["verdict"] == "fits with <1% of experts cached"
@@ -241,7 +243,8 @@ def test_a_budget_file_is_capped_at_memavailable(v3_config, memory, capsys, tmp_
     budget.write_text('[memory]\nram = "200GiB"\n')
     memory.available = 100 * GIB
     code, p = plan_json(capsys, str(v3_config), "--budget", str(budget), "--dtype", "bfloat16", *BANDWIDTH)
-    auto = int((100 * GIB - DENSE_BYTES_BF16 - KV_PER_TOKEN_BF16 * 163840) * 0.9)
+    activations = p["activation_bytes"]
+    auto = int((100 * GIB - DENSE_BYTES_BF16 - KV_PER_TOKEN_BF16 * 163840 - activations) * 0.9)
     assert code == 0 and p["ram_budget_bytes"] == auto
     memory.available = 40 * GIB
     assert cli.main(["plan", str(v3_config), "--budget", str(budget), "--dtype", "bfloat16", *BANDWIDTH]) == 1

@@ -67,6 +67,22 @@ def test_prefill_then_decode_equals_one_forward(loaded, chunk):
     assert (torch.cat(pieces) - whole).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("chunk", [12, 16])
+def test_chunked_prefill_equals_one_forward(loaded, chunk):
+    """generate's prefill in chunks (40 = 3 x 12 + an absorbed tail of 4; 16 + 16 + 8), each attending to
+    the cache the earlier ones filled, == the prompt in one forward: logits and greedy ids."""
+    from colibri_stream.generate import generate, prefill
+
+    ids = _ids(loaded)
+    whole = _logits(loaded, ids)[-1]
+    cache = loaded.model.new_cache()
+    chunked = prefill(loaded.model, ids, cache, loaded.experts, chunk)
+    assert cache.length == len(ids)
+    assert (chunked - whole).abs().max().item() <= 1e-4
+    one_shot = generate(loaded.model, ids, 8, loaded.experts, prefill_chunk=len(ids)).ids
+    assert generate(loaded.model, ids, 8, loaded.experts, prefill_chunk=chunk).ids == one_shot
+
+
 def test_auto_mode_picks_absorbed_for_decode_and_expanded_for_prefill(loaded, monkeypatch):
     from engine.attention import MLA
 

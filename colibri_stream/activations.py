@@ -1,0 +1,113 @@
+"""Activation memory: the bytes a forward holds beyond the weights and the KV cache, the term that
+`plan` adds for the worst step a run can take.
+
+That step is the last prefill chunk of a prompt that fills the context: C = PREFILL_CHUNK_TOKENS new
+positions attending to T = max_position_embeddings cached ones. (A decode step is a chunk of one.)
+Shapes below drop the batch dim (B = 1); d is the compute dtype's bytes (4 float32, 2 bfloat16),
+f = 4 (float32: softmax, router, indexer scores). Names as in engine/attention.py: H heads, n nope,
+r rope, v value head dims; Hi, D the indexer's heads and head dim. Score tensors are cut into query
+blocks of at most SCORE_BLOCK_BYTES (engine.layers.query_blocks), so a block holds
+q_blk = min(C, SCORE_BLOCK_BYTES // (heads * T * 4)) queries (at least one).
+
+Layers run one after another and free their temporaries, so the peak is the residual stream plus the
+largest of three phases (attention, indexer, FFN), plus the float32 upcast block of a bf16 weight
+when the model holds some (engine/bf16.py). Measured on the demo container (float32, chunk 256): a
+2048-token prompt peaked 52 MiB above a 16-token one, 3 MiB of it KV; this formula gives 47 MiB. The
+rest, small allocations the heap keeps, is within RUNTIME_BASELINE_BYTES's slack at short prompts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from engine.args import ModelArgs
+from engine.bf16 import UPCAST_BLOCK_BYTES
+from engine.layers import SCORE_BLOCK_BYTES
+
+F32 = 4
+INT64 = 8
+
+
+def _block_queries(chunk: int, heads: int, context: int) -> int:
+    """Queries per score block: engine.layers.query_blocks with one query's float32 scores [heads, T]."""
+    return min(chunk, max(1, SCORE_BLOCK_BYTES // (heads * context * F32)))
+
+
+def attention_bytes(args: ModelArgs, d: int, chunk: int, context: int) -> int:
+    """MLA, expanded path (engine/attention.py MLA.forward, _expanded, _expanded_block)."""
+    c, t, h = chunk, context, args.n_heads
+    per_position = (
+        args.q_lora_rank  # q latent [C, q_lora]
+        + 2 * h * args.qk_head_dim  # q [C, H, n + r] and the roped q_rope copy
+        + args.kv_lora_rank
+        + args.qk_rope_head_dim  # wkv_a out [C, c + r]
+        + 2 * h * args.v_head_dim  # block outputs [C, H, v], their cat, wo's input
+    )
+    projections = d * c * per_position
+    # wkv_b over every cached latent: kv [T, H, n + v] (the einsums read its k_nope / v views in place:
+    # measured, 512 MiB of kv raised the peak by 519 MiB). It grows with T, not C: for DeepSeek-V3 at
+    # 163840 positions 20 GiB in float32, the largest term there.
+    expanded = d * t * h * (args.qk_nope_head_dim + args.v_head_dim)
+    # one query block's scores [q_blk, H, T]: float32 holds 3 at once (the two einsums and their sum,
+    # then scaled, masked, softmax); bfloat16 the masked scores, the float32 softmax and its cast back.
+    # Masks [q_blk, T] bool: causal, chosen (DSA), their negation.
+    per_score = 3 * d if d == F32 else 2 * d + F32
+    q_blk = _block_queries(c, h, t)
+    scores = q_blk * h * t * per_score + 3 * q_blk * t
+    return projections + expanded + scores
+
+
+def indexer_bytes(args: ModelArgs, d: int, chunk: int, context: int) -> int:
+    """DSA lightning indexer (engine/indexer.py), on layers with their own indexer; 0 without DSA."""
+    if not args.has_dsa:
+        return 0
+    c, t, hi, dim = chunk, context, args.index_n_heads, args.index_head_dim
+    queries = c * hi * dim * (2 * d + F32) + c * dim * (d + F32) + c * hi * F32  # q, roped, float; k; weights
+    q_blk = _block_queries(c, hi, t)
+    # head scores [q_blk, Hi, T] float32 (ReLU in place); index scores [q_blk, T] float32, masked copy,
+    # the stable sort's values (f32) and indices (int64); the future mask [q_blk, T] bool
+    scores = q_blk * hi * t * F32 + q_blk * t * (3 * F32 + INT64 + 1)
+    return queries + scores
+
+
+def ffn_bytes(args: ModelArgs, d: int, chunk: int) -> int:
+    """Dense MLP or MoE (engine/layers.py MLP, engine/moe.py MoE, RoutedSum, engine/quant.py)."""
+    c = chunk
+    dense = 3 * c * args.inter_dim * d  # silu(w1 x) and w3 x [C, inter], their product
+    shared = 3 * c * args.n_shared_experts * args.moe_inter_dim * d
+    routed = (
+        c * args.n_routed_experts * 3 * F32  # router scores, biased copy [C, E] float32
+        + c * args.dim * (F32 + d)  # RoutedSum's float32 sum [C, dim] and its cast back
+        + c * args.dim * F32  # one expert's weighted output [rows <= C, dim] float32
+        + 3 * c * args.moe_inter_dim * d  # one expert's hidden [rows, moe_inter] (x3 as in MLP)
+        + 3 * args.moe_inter_dim * args.dim * d // 2  # one dequantised matrix (x1.5 its temporaries)
+    )
+    return max(dense, shared + routed)
+
+
+def bf16_upcast_bytes(chunk: int, weight_shapes: Iterable[tuple[int, ...]]) -> int:
+    """A float32 model holding bf16 weights (engine/bf16.py Bf16Linear, more than MAX_ROWS rows): one
+    block of output rows upcast to float32 (at most UPCAST_BLOCK_BYTES) and the per-block outputs
+    [C, out] float32 before their cat. 0 when no weight is held in bf16."""
+    shapes = list(weight_shapes)
+    if not shapes:
+        return 0
+    block = min(UPCAST_BLOCK_BYTES, max(F32 * out * inp for out, inp in shapes))
+    return block + max(F32 * chunk * out for out, _ in shapes)
+
+
+def prefill_activation_bytes(
+    args: ModelArgs,
+    dtype: torch.dtype,
+    chunk: int,
+    context: int,
+    bf16_weight_shapes: Iterable[tuple[int, ...]] = (),
+) -> int:
+    """Peak activation bytes of a forward of ``chunk`` new positions against ``context`` cached ones."""
+    d = torch.empty((), dtype=dtype).element_size()
+    c = min(chunk, context)
+    residual = 4 * c * args.dim * d  # x, the normed input, the branch output, x + branch [C, dim]
+    phases = max(attention_bytes(args, d, c, context), indexer_bytes(args, d, c, context), ffn_bytes(args, d, c))
+    return residual + phases + bf16_upcast_bytes(c, bf16_weight_shapes)
