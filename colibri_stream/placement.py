@@ -234,6 +234,11 @@ def expected_speed(placement: Placement, bandwidth: Bandwidth) -> Speed:
     return Speed(1 / miss_s, 1 / hit_s, bandwidth.memory_bytes_per_s, bandwidth.disk_bytes_per_s, bandwidth.disk_method)
 
 
+def _rate(tok_per_s: float) -> str:
+    """Two significant digits without exponents: 0.071, 2.6, 840."""
+    return f"{tok_per_s:.0f}" if tok_per_s >= 100 else f"{tok_per_s:.2g}"
+
+
 def _percent(fraction: float) -> str:
     """Whole percent, rounded down (never 100% when some expert is not cached); "<1%" below one."""
     return "<1%" if fraction < 0.01 else f"{int(fraction * 100)}%"
@@ -264,7 +269,7 @@ def describe(placement: Placement, speed: Speed | None = None) -> str:
     ]
     if speed is not None:
         lines.append(
-            f"expected decode              {speed.low_tok_per_s:.2g}-{speed.high_tok_per_s:.2g} tok/s "
+            f"expected decode              {_rate(speed.low_tok_per_s)}-{_rate(speed.high_tok_per_s)} tok/s "
             f"(0%-100% hits; disk {speed.disk_bytes_per_s / 1e9:.2f} GB/s {speed.disk_method}, "
             f"memory {speed.memory_bytes_per_s / 1e9:.1f} GB/s)"
         )
