@@ -156,7 +156,7 @@ def run_turn(runtime: Runtime, prompt_ids: list[int], options: TurnOptions | Non
     finally:
         if session is not None:
             session.close()
-    store.end_turn()
+        store.end_turn()  # a failed turn's routings and trace are kept too
     stats = turn_stats(result, turn, wall, recorder.report(), uss.peak)
     return TurnResult(result.ids, finish_reason(result), len(prompt_ids), stats)
 

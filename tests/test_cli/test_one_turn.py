@@ -158,3 +158,18 @@ def test_both_stores_implement_the_expert_store_protocol(make_container, tiny_ch
             assert store.report()["expert_requests"] == 0 and store.snapshot().requests == 0
     finally:
         streamed.close()
+
+
+def test_a_failed_turn_still_saves_history_and_trace(make_container, tmp_path):
+    runtime = streaming_runtime(make_container(FAMILY), tmp_path)
+
+    def client_gone(token: int) -> None:
+        raise ConnectionResetError("the client went away")
+
+    try:
+        with pytest.raises(ConnectionResetError):
+            run_turn(runtime, [5, 6, 7], TurnOptions(4, on_token=client_gone))
+    finally:
+        runtime.close()
+    assert history_total(tmp_path / "history.json") > 0  # the prompt's routings were learned
+    assert trace_lines(tmp_path / "trace.jsonl") == len(runtime.loaded.args.moe_layers)  # its one forward
