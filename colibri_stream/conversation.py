@@ -129,10 +129,16 @@ def run_turn(runtime: Runtime, prompt_ids: list[int], options: TurnOptions | Non
     model, store = runtime.loaded.model, runtime.loaded.experts
     session = None
     if options.session is not None:
-        session = Session(runtime.kv_dir, options.session, runtime.fingerprint, runtime.loaded.args, runtime.kv_dtype)
+        session = Session(
+            runtime.kv_dir,
+            options.session,
+            runtime.fingerprint,
+            runtime.loaded.args,
+            runtime.kv_dtype,
+            compute_dtype=str(model.dtype).removeprefix("torch."),  # recorded: another dtype is refused
+            reset=options.reset,  # starts over whatever the log held, a damaged header included
+        )
     try:
-        if session is not None and options.reset:
-            session.reset()
         turn = session.start_turn(prompt_ids, model.dtype) if session is not None else None
         cache = turn.cache if turn is not None else model.new_cache()
         recorder = PhaseRecorder(store)

@@ -3,34 +3,166 @@
 Two scopes, on purpose: a KV log belongs to the weights, config *and* tokenizer (``model_fingerprint``,
 also naming the session directory); a usage history belongs to the routed experts and the config
 only (``container_fingerprint``), so re-tokenising does not throw away what the router taught the
-hot store. Both are cheap: metadata and stored checksums, never the weights themselves.
+hot store.
+
+The weights are covered, not just their shapes: DeepSeek-V3 and R1 share every shape and shard size,
+and a session of one continued by the other would resume silently into wrong tokens. Both kinds of
+model say what their weights are without reading them whole:
+- a container stores a content hash made at convert time from the checksum of every stored byte
+  (``storage.container_write.content_sha256``);
+- an HF directory is hashed from each shard's safetensors header and three 64-byte samples (first,
+  middle, last) of every tensor's data: bounded reads, any real change of a tensor (a fine-tune, another
+  seed) changes its samples. The result is cached per (path, shard names, sizes, mtimes), so only the
+  first open of a checkpoint pays for the samples.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import struct
 from pathlib import Path
+from typing import Any
 
-from storage.container import Container
+from colibri_stream.paths import user_cache_dir
+from storage.atomic import atomic_write_json
+from storage.container import Container, is_container
+from storage.container_write import CONTENT_KEY, content_sha256
 
-_METADATA_FILES = ("config.json", "tokenizer.json", "zarr.json", "model.safetensors.index.json")
+SAMPLE_BYTES = 64
+_MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header
+_CACHE_ENTRIES = 256  # entries kept in the digest cache (the newest)
+_TOKENIZER = "tokenizer.json"
 
 
 def model_fingerprint(path: str | Path) -> str:
-    """A checkpoint directory or container: its config, tokenizer, container metadata (which holds
-    every expert's checksum) and, for HF directories, shard names and sizes."""
+    """A checkpoint directory or container: its config, tokenizer and weights (see the module doc)."""
     path = Path(path)
+    if is_container(path):
+        container = Container(path)
+        config = json.dumps(container.model_config, sort_keys=True).encode()
+        weights = container_weights_sha256(container)
+    else:
+        config = (path / "config.json").read_bytes() if (path / "config.json").is_file() else b""
+        weights = hf_weights_sha256(path)
+    tokenizer = (path / _TOKENIZER).read_bytes() if (path / _TOKENIZER).is_file() else b""
     digest = hashlib.sha256()
-    for name in _METADATA_FILES:
-        if (path / name).is_file():
-            digest.update(name.encode() + (path / name).read_bytes())
-    for shard in sorted(path.glob("*.safetensors")):
-        digest.update(f"{shard.name}:{shard.stat().st_size}".encode())
+    for part in (config, hashlib.sha256(tokenizer).hexdigest().encode(), weights.encode()):
+        digest.update(len(part).to_bytes(8, "little") + part)  # length-prefixed: no ambiguous joins
     return digest.hexdigest()[:32]
+
+
+def container_weights_sha256(container: Container) -> str:
+    """The content hash published at convert time; a container converted before it was published gets
+    the same value computed from its stored checksums."""
+    stored = container.attrs.get(CONTENT_KEY)
+    return stored if isinstance(stored, str) else content_sha256(container.attrs)
 
 
 def container_fingerprint(container: Container) -> str:
     """A container's config and expert checksums: what a usage history was learned on."""
     payload = json.dumps({"config": container.model_config, "experts": container.attrs["experts"]}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:32]
+
+
+# ------------------------------------------------------------------------------------ HF directories
+
+
+def hf_weights_sha256(path: Path) -> str:
+    """Hash of every shard's header and samples of every tensor, cached by the shards' identity."""
+    shards = sorted(path.glob("*.safetensors"))
+    key = _cache_key(path, shards)
+    entries = _read_cache()
+    if isinstance(entries.get(key), str):
+        return entries[key]
+    digest = hashlib.sha256()
+    for shard in shards:
+        digest.update(shard.name.encode() + b"\0" + shard_digest(shard))
+    value = digest.hexdigest()
+    if shards:
+        entries.pop(key, None)
+        _write_cache({**entries, key: value})
+    return value
+
+
+def shard_digest(shard: Path) -> bytes:
+    """sha256 of a safetensors file's header and, per tensor, its first, middle and last 64 bytes.
+    Reads at most the header plus 192 bytes per tensor. A malformed file is hashed as far as it parses
+    (the loader is what reports it)."""
+    digest = hashlib.sha256()
+    with open(shard, "rb") as f:
+        fd = f.fileno()
+        size = os.fstat(fd).st_size
+        prefix = os.pread(fd, 8, 0)
+        digest.update(prefix)
+        if len(prefix) < 8:
+            return digest.digest()
+        (length,) = struct.unpack("<Q", prefix)
+        header = os.pread(fd, min(length, _MAX_HEADER_BYTES, max(0, size - 8)), 8)
+        digest.update(header)
+        data_start = 8 + len(header)
+        for begin, end in _tensor_ranges(header):
+            for offset in sample_offsets(begin, end):
+                digest.update(os.pread(fd, min(SAMPLE_BYTES, end - offset), data_start + offset))
+    return digest.digest()
+
+
+def _tensor_ranges(header: bytes) -> list[tuple[int, int]]:
+    """Each tensor's (begin, end) data offsets from a safetensors header, in file order; [] if it is not
+    one."""
+    try:
+        table = json.loads(header)
+    except ValueError:
+        return []
+    if not isinstance(table, dict):
+        return []
+    ranges = []
+    for name, entry in table.items():
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) and name != "__metadata__" else None
+        if isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets):
+            if 0 <= offsets[0] <= offsets[1]:
+                ranges.append((offsets[0], offsets[1]))
+    return sorted(ranges)
+
+
+def sample_offsets(begin: int, end: int) -> list[int]:
+    """Where the samples of a tensor's data [begin, end) start: first, middle and last SAMPLE_BYTES."""
+    if end - begin <= 3 * SAMPLE_BYTES:
+        return [begin] if end > begin else []
+    middle = begin + (end - begin) // 2 - SAMPLE_BYTES // 2
+    return [begin, middle, end - SAMPLE_BYTES]
+
+
+def _cache_key(path: Path, shards: list[Path]) -> str:
+    """Changes whenever a shard is added, removed, resized or rewritten (mtime)."""
+    identity: list[Any] = [str(path.resolve())]
+    for shard in shards:
+        stat = shard.stat()
+        identity.append([shard.name, stat.st_size, stat.st_mtime_ns])
+    return hashlib.sha256(json.dumps(identity).encode()).hexdigest()
+
+
+def _cache_file() -> Path:
+    return user_cache_dir("weights-sha256.json")
+
+
+def _read_cache() -> dict[str, str]:
+    """key -> hash, oldest first; {} when the file is missing or unreadable: the cache only saves work,
+    so it never fails a run."""
+    try:
+        entries = json.loads(_cache_file().read_text()).get("entries")
+        return {str(key): str(value) for key, value in entries}
+    except (OSError, ValueError, AttributeError, TypeError):
+        return {}
+
+
+def _write_cache(entries: dict[str, str]) -> None:
+    """Keep the newest entries (a list: the JSON writer sorts object keys); a read-only or full cache
+    directory just means no caching."""
+    newest = [[key, value] for key, value in list(entries.items())[-_CACHE_ENTRIES:]]
+    try:
+        _cache_file().parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(_cache_file(), {"entries": newest})
+    except OSError:
+        pass

@@ -22,18 +22,20 @@ from colibri_stream.kv_geometry import kv_geometry, naive_kv_bytes_per_token
 from colibri_stream.paths import user_cache_dir
 from engine.args import ModelArgs
 from engine.cache import KVCache
-from storage.kvlog import HEADER_BYTES, KVGeometry, KVLog, read_header
+from storage.errors import CorruptDataError, FormatError
+from storage.kvlog import HEADER_BYTES, KVGeometry, KVLog, StateMismatchError, read_header_state
 
 SESSION_SUFFIX = ".kvlog"
-# Session names become file names: a conservative alphabet, no leading dot, no separators.
-SESSION_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}$")
+# Session names become file names: a conservative alphabet, no leading dot, no separators. Matched
+# with fullmatch: "$" would also accept a trailing newline ("chat\n" -> a file named "chat\n.kvlog").
+SESSION_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
 TRANSCRIPT_SUFFIX = ".chat.json"  # `chat`'s messages beside the log: the text the template renders
 
 
 def check_session_name(name: str) -> str:
     """The name unchanged, or SessionError: names are file names under the KV directory, so anything
     that could leave it ("../x", "a/b", ".hidden") is refused."""
-    if not isinstance(name, str) or not SESSION_NAME.match(name) or ".." in name:
+    if not isinstance(name, str) or not SESSION_NAME.fullmatch(name) or ".." in name:
         raise SessionError(f"session name {name!r} must be 1-128 of A-Z a-z 0-9 _ - . (no leading dot, no '..')")
     return name
 
@@ -93,31 +95,77 @@ class TurnStart:
     kv_load_s: float
 
 
-class Session:
-    """One named conversation of one model; the log is locked while the Session is open."""
+# What a state mismatch means, in the words of the flags that set it.
+_FIELD_WORDS = {
+    "fingerprint": "another model",
+    "geometry.dtype": "KV record dtype (--kv-dtype)",
+    "state.compute_dtype": "compute dtype (--dtype)",
+}
+_FIX = "use --reset (chat: :reset) to start it over, or another --session"
 
-    def __init__(self, kv_dir: str | Path, name: str, fingerprint: str, args: ModelArgs, record_dtype: str = "float32"):
+
+def state_mismatch_message(name: str, error: StateMismatchError) -> str:
+    """One line naming what differs between the session's log and this run, and the way out."""
+    if error.field == "fingerprint":
+        return (
+            f"session {name!r} was made by another model (fingerprint mismatch: the log's {error.stored}, "
+            f"this model's {error.current}): {_FIX}"
+        )
+    what = _FIELD_WORDS.get(error.field, error.field)
+    return f"session {name!r} was made with {what} {error.stored}; this run uses {error.current}: {_FIX}"
+
+
+def open_session_log(
+    path: Path, name: str, fingerprint: str, geometry: KVGeometry, state: dict[str, str], fresh: bool
+) -> KVLog:
+    """The session's log, or a SessionError that says what is wrong with it and how to get out."""
+    try:
+        return KVLog(path, fingerprint, geometry, state=state, fresh=fresh)
+    except StateMismatchError as exc:
+        raise SessionError(state_mismatch_message(name, exc)) from None
+    except (FormatError, CorruptDataError) as exc:  # records are recovered, so this is the header
+        raise SessionError(
+            f"session {name!r}: corrupt or unreadable KV log header ({exc}): "
+            f"{_FIX}, or delete it with `colibri-stream kv rm MODEL {name}`"
+        ) from None
+
+
+class Session:
+    """One named conversation of one model; the log is locked while the Session is open.
+
+    The log's header records the compute dtype beside the model fingerprint and geometry: values
+    computed in bfloat16 continued in float32 (or the reverse) would silently drift from a fresh run,
+    so a turn with another dtype is refused. ``reset`` starts the log over whatever it held."""
+
+    def __init__(
+        self,
+        kv_dir: str | Path,
+        name: str,
+        fingerprint: str,
+        args: ModelArgs,
+        record_dtype: str = "float32",
+        compute_dtype: str = "float32",
+        reset: bool = False,
+    ):
         self.name = check_session_name(name)
         self.args = args
         self.geometry = kv_geometry(args, record_dtype)
-        self.log = KVLog(Path(kv_dir) / f"{name}{SESSION_SUFFIX}", fingerprint, self.geometry)
+        path = Path(kv_dir) / f"{name}{SESSION_SUFFIX}"
+        state = {"compute_dtype": compute_dtype}
+        self.log = open_session_log(path, self.name, fingerprint, self.geometry, state, reset)
 
     def reset(self) -> None:
         self.log.truncate(0)
 
     def start_turn(self, prompt_ids: list[int], dtype: torch.dtype) -> TurnStart:
-        """The cache holding the longest stored prefix of ``prompt_ids`` (at least one token left to run)."""
+        """The cache holding the longest stored prefix of ``prompt_ids`` (at least one token left to run).
+        Only that prefix is read: the rest of a long log is never loaded."""
         start = time.perf_counter()
-        tokens, payloads = self.log.read()
-        common = 0
-        for stored, new in zip(tokens.tolist(), prompt_ids, strict=False):
-            if stored != new:
-                break
-            common += 1
-        reused = min(common, len(prompt_ids) - 1)
+        reused = min(self.log.common_prefix(prompt_ids), len(prompt_ids) - 1)
         if reused < self.log.length:
             self.log.truncate(reused)  # diverged (or nothing new): forget the rest
-        cache = cache_from_payloads(payloads[:reused], self.geometry, self.args, dtype)
+        _, payloads = self.log.read(reused)
+        cache = cache_from_payloads(payloads, self.geometry, self.args, dtype)
         return TurnStart(cache, reused, time.perf_counter() - start)
 
     def end_turn(self, cache: KVCache, token_ids: list[int]) -> int:
@@ -133,14 +181,23 @@ class Session:
 
 
 def session_info(path: Path, args: ModelArgs) -> dict:
-    """Tokens, bytes per token and the ratio against a naive per-head K/V cache of the same model."""
-    _, geometry = read_header(path)
+    """Tokens, bytes per token and the ratio against a naive per-head K/V cache of the same model.
+    A log whose header cannot be read is reported ("header" says why), never an error: one damaged
+    session must not hide the others from `kv ls`."""
     size = path.stat().st_size
+    name = path.name[: -len(SESSION_SUFFIX)]
+    try:
+        _, geometry, state = read_header_state(path)
+    except (FormatError, CorruptDataError) as exc:
+        return {"session": name, "header": f"corrupt header: {exc}", "tokens": None, "file_bytes": size}
     naive = naive_kv_bytes_per_token(args, geometry.dtype)
     return {
-        "session": path.name[: -len(SESSION_SUFFIX)],
+        "session": name,
+        "header": "ok",
+        # Whole records in the file: the valid ones are counted (and a damaged tail cut) at the next turn.
         "tokens": max(0, size - HEADER_BYTES) // geometry.record_bytes,
         "file_bytes": size,
+        "compute_dtype": state.get("compute_dtype"),
         "record_dtype": geometry.dtype,
         "bytes_per_token": geometry.record_bytes,
         "naive_kv_bytes_per_token": naive,

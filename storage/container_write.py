@@ -7,6 +7,7 @@ conversion resume into a container byte-identical to an uninterrupted one.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,19 @@ from storage.container import (
 from storage.layout import DTYPES, ExpertRecordLayout
 
 _NO_SKIP = {"write_empty_chunks": True}  # an all-zero chunk must still be a file: the hot path reads files
+CONTENT_KEY = "content_sha256"
+
+
+def content_sha256(attrs: dict[str, Any]) -> str:
+    """What the stored weights are, as one hash: sha256 over every dense array's entry (shape, dtype,
+    crc32c of its bytes) and the experts' layout and per-record crc32c.
+
+    Every stored weight byte is under one of those checksums, so two containers agree here only if
+    their weights do (for weights that differ by accident, not by construction: crc32c is no defence
+    against a deliberate collision). Published at convert time; containers converted before it existed
+    give the same value computed from their attributes (storage.container attrs "dense"/"experts")."""
+    payload = json.dumps({"dense": attrs.get("dense"), "experts": attrs.get("experts")}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()
 
 
 class ContainerWriter:
@@ -87,5 +101,6 @@ class ContainerWriter:
     def publish(self, attrs: dict[str, Any]) -> None:
         """Write the final attributes; from here on the container opens as complete."""
         attrs = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **attrs, "complete": True}
+        attrs[CONTENT_KEY] = content_sha256(attrs)
         # Canonical key order: attributes built fresh or replayed from a journal serialise identically.
         self.root.attrs[ATTRS_KEY] = json.loads(json.dumps(attrs, sort_keys=True))

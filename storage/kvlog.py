@@ -1,16 +1,21 @@
 """The per-conversation KV log: an append-only file of fixed-size, checksummed records.
 
     header (4096 bytes): magic "COLIKV\\x00\\x01", u32 header JSON length, the JSON (format version,
-                         model fingerprint, geometry, record layout), u32 crc32c of the JSON; zero pad
+                         model fingerprint, geometry, and the "state" the values depend on beyond the
+                         model, e.g. the compute dtype), u32 crc32c of the JSON; zero pad
     record i (record_bytes each, at 4096 + i * record_bytes):
                          u32 token id | payload (per layer latent + roped key, per DSA full layer the
                          indexer key, in the record dtype) | u32 crc32c(position i, token, payload)
 
 The position is folded into each record's checksum, so a record copied or shifted to another place
 fails. Opening scans the records and keeps the longest valid prefix (point-in-time recovery: a torn
-or corrupted record and everything after it are cut off, never half-used). A file of another model
-or geometry is refused before anything is touched. An exclusive flock guards each file: a second
-process gets a clear error instead of interleaving appends.
+or corrupted record and everything after it are cut off, never half-used). A file of another model,
+geometry or state is refused before anything is touched, naming the field that differs. An exclusive
+flock guards each file: a second process gets a clear error instead of interleaving appends.
+
+Memory is bounded whatever the file holds: the open-time scan and every read go through chunks of at
+most ``CHUNK_BYTES`` (a log with gigabytes of garbage appended, or a sparse 100 GiB file, opens in a
+few MB), and a turn reads only the records it reuses.
 
 Storage sees the payload as bytes of a known width; which floats go where is the app's business.
 """
@@ -22,7 +27,7 @@ import json
 import os
 import signal
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -34,8 +39,10 @@ from storage.errors import CorruptDataError, FormatError, IncompatibleStateError
 from storage.layout import DTYPES
 
 MAGIC = b"COLIKV\x00\x01"
-KV_FORMAT_VERSION = 1
+# 2: the header records "state" (the compute dtype); a version-1 log cannot say what it was computed in.
+KV_FORMAT_VERSION = 2
 HEADER_BYTES = 4096
+CHUNK_BYTES = 8 << 20  # the most one scan or read step holds (whole records, at least one)
 _TOKEN = struct.Struct("<I")
 _CRC = struct.Struct("<I")
 _POSITION = struct.Struct("<Q")
@@ -73,13 +80,28 @@ class KVGeometry:
         return _TOKEN.size + self.payload_bytes + _CRC.size
 
 
+class StateMismatchError(IncompatibleStateError):
+    """A log written under other conditions: ``field`` ("fingerprint", "geometry.<name>" or
+    "state.<name>") was ``stored`` in the file and is ``current`` now. The app turns it into advice."""
+
+    def __init__(self, message: str, field: str, stored: Any, current: Any):
+        super().__init__(message)
+        self.field, self.stored, self.current = field, stored, current
+
+
 def _record_crc(position: int, body: bytes | memoryview) -> int:
     return crc32c(body, crc32c(_POSITION.pack(position)))
 
 
-def encode_header(fingerprint: str, geometry: KVGeometry) -> bytes:
+def encode_header(fingerprint: str, geometry: KVGeometry, state: dict[str, str] | None = None) -> bytes:
     meta = json.dumps(
-        {"format_version": KV_FORMAT_VERSION, "fingerprint": fingerprint, "geometry": asdict(geometry)}, sort_keys=True
+        {
+            "format_version": KV_FORMAT_VERSION,
+            "fingerprint": fingerprint,
+            "geometry": asdict(geometry),
+            "state": dict(state or {}),
+        },
+        sort_keys=True,
     ).encode()
     header = MAGIC + _TOKEN.pack(len(meta)) + meta + _CRC.pack(crc32c(meta))
     if len(header) > HEADER_BYTES:
@@ -98,14 +120,28 @@ def decode_header(data: bytes, path: Path) -> dict[str, Any]:
     (stored,) = _CRC.unpack_from(data, start + length)
     if crc32c(meta) != stored:
         raise CorruptDataError(f"{path}: KV log header checksum mismatch")
-    header = json.loads(meta)
+    try:
+        header = json.loads(meta)
+    except ValueError as exc:  # a valid checksum over invalid JSON: written by something else
+        raise FormatError(f"{path}: KV log header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise FormatError(f"{path}: KV log header is not a JSON object")
     if header.get("format_version") != KV_FORMAT_VERSION:
-        raise FormatError(f"{path}: KV log format version {header.get('format_version')!r} is not supported")
+        raise FormatError(
+            f"{path}: KV log format version {header.get('format_version')!r} is not supported "
+            f"(this build reads and writes version {KV_FORMAT_VERSION})"
+        )
     return header
 
 
 def read_header(path: str | Path) -> tuple[str, KVGeometry]:
     """(fingerprint, geometry) from a KV log's header, without locking or scanning it."""
+    fingerprint, geometry, _ = read_header_state(path)
+    return fingerprint, geometry
+
+
+def read_header_state(path: str | Path) -> tuple[str, KVGeometry, dict[str, str]]:
+    """(fingerprint, geometry, state) from a KV log's header, without locking or scanning it."""
     path = Path(path)
     with open(path, "rb") as f:
         header = decode_header(f.read(HEADER_BYTES), path)
@@ -113,19 +149,38 @@ def read_header(path: str | Path) -> tuple[str, KVGeometry]:
         geometry = KVGeometry(**{**header["geometry"], "index_layers": tuple(header["geometry"]["index_layers"])})
     except (KeyError, TypeError) as exc:
         raise FormatError(f"{path}: KV log geometry is malformed ({exc!r})") from None
-    return header["fingerprint"], geometry
+    state = header.get("state")
+    if not isinstance(state, dict):
+        raise FormatError(f"{path}: KV log header 'state' is {state!r}, expected an object")
+    return str(header.get("fingerprint")), geometry, state
 
 
-def count_valid_records(data: bytes | memoryview, record_bytes: int) -> int:
-    """How many records from the start of ``data`` (the bytes after the header) are whole and valid."""
+def count_valid_records(data: bytes | memoryview, record_bytes: int, first: int = 0) -> int:
+    """How many records from the start of ``data`` are whole and valid, the first being record ``first``
+    of the log (positions are folded into the checksums)."""
     view = memoryview(data)
     n = len(view) // record_bytes
     for i in range(n):
         record = view[i * record_bytes : (i + 1) * record_bytes]
         (stored,) = _CRC.unpack_from(record, record_bytes - _CRC.size)
-        if _record_crc(i, record[: record_bytes - _CRC.size]) != stored:
+        if _record_crc(first + i, record[: record_bytes - _CRC.size]) != stored:
             return i
     return n
+
+
+def remove_log(path: str | Path) -> None:
+    """Delete a log, whatever its header holds (a corrupt one included), unless another process has it
+    open: the lock needs only the file, not a valid header."""
+    path = Path(path)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise IncompatibleStateError(f"{path}: session is in use by another process") from None
+        path.unlink()
+    finally:
+        os.close(fd)
 
 
 # Fault injection for the crash tests: SIGKILL this process at the named point of an append.
@@ -141,12 +196,27 @@ def kill_at(point: str) -> FaultHook:
 
 
 class KVLog:
-    """One conversation slot's log, opened exclusively. ``tokens`` and ``payloads`` mirror the valid file."""
+    """One conversation slot's log, opened exclusively; ``length`` is its count of valid records.
 
-    def __init__(self, path: str | Path, fingerprint: str, geometry: KVGeometry, fault: FaultHook | None = None):
+    ``state`` names what the stored values depend on besides the model and geometry (the app's choice,
+    e.g. {"compute_dtype": "bfloat16"}); a log written under another state is refused. ``fresh``
+    starts the log over whatever the file held (a corrupt header, another model): a reset."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        fingerprint: str,
+        geometry: KVGeometry,
+        fault: FaultHook | None = None,
+        *,
+        state: dict[str, str] | None = None,
+        fresh: bool = False,
+    ):
         self.path = Path(path)
         self.fingerprint = fingerprint
         self.geometry = geometry
+        self.state = dict(state or {})
+        self._fresh = fresh
         self._fault = fault or (lambda point: None)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -163,37 +233,109 @@ class KVLog:
 
     # -------------------------------------------------------------------------------- open/scan
     def _open_or_create(self) -> int:
+        """Check the header and scan the records; returns the file's size before any tail was cut."""
         size = os.fstat(self._fd).st_size
-        if size == 0:
-            os.pwrite(self._fd, encode_header(self.fingerprint, self.geometry), 0)
+        if size == 0 or self._fresh:
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, encode_header(self.fingerprint, self.geometry, self.state), 0)
             os.fsync(self._fd)
             self.length = 0
-            return 0
-        data = os.pread(self._fd, size, 0)
-        header = decode_header(data[:HEADER_BYTES], self.path)
-        if header.get("fingerprint") != self.fingerprint:
-            raise IncompatibleStateError(f"{self.path}: KV log of another model (fingerprint mismatch)")
-        if header.get("geometry") != json.loads(json.dumps(asdict(self.geometry))):
-            raise IncompatibleStateError(
-                f"{self.path}: KV log geometry {header.get('geometry')} differs from the model's"
-            )
-        self.length = count_valid_records(memoryview(data)[HEADER_BYTES:], self.geometry.record_bytes)
+            return size
+        self._check_header(decode_header(os.pread(self._fd, HEADER_BYTES, 0), self.path))
+        self.length = self._scan(size)
         valid_end = HEADER_BYTES + self.length * self.geometry.record_bytes
         if size != valid_end:  # cut the torn or corrupted tail so appends continue a valid file
             os.ftruncate(self._fd, valid_end)
             os.fsync(self._fd)
         return size
 
+    def _check_header(self, header: dict[str, Any]) -> None:
+        """Refuse a log of another model, geometry or state, naming the first field that differs."""
+        stored_fingerprint = header.get("fingerprint")
+        if stored_fingerprint != self.fingerprint:
+            raise StateMismatchError(
+                f"{self.path}: KV log of another model (fingerprint mismatch: the log's is {stored_fingerprint!r}, "
+                f"this model's {self.fingerprint!r})",
+                "fingerprint",
+                stored_fingerprint,
+                self.fingerprint,
+            )
+        stored_geometry = header.get("geometry")
+        current_geometry = json.loads(json.dumps(asdict(self.geometry)))
+        if not isinstance(stored_geometry, dict):
+            raise FormatError(f"{self.path}: KV log header 'geometry' is {stored_geometry!r}, expected an object")
+        stored_state = header.get("state")
+        if not isinstance(stored_state, dict):
+            raise FormatError(f"{self.path}: KV log header 'state' is {stored_state!r}, expected an object")
+        for scope, stored, current in (
+            ("geometry", stored_geometry, current_geometry),
+            ("state", stored_state, self.state),
+        ):
+            for key in sorted(set(stored) | set(current)):
+                if stored.get(key) != current.get(key):
+                    raise StateMismatchError(
+                        f"{self.path}: KV log {scope} {key} is {stored.get(key)!r}, this run's is {current.get(key)!r}",
+                        f"{scope}.{key}",
+                        stored.get(key),
+                        current.get(key),
+                    )
+
+    def _chunk_records(self) -> int:
+        return max(1, CHUNK_BYTES // self.geometry.record_bytes)
+
+    def _scan(self, size: int) -> int:
+        """Valid records from the start, read a chunk at a time and stopping at the first bad one: a file
+        of any size costs one chunk of memory, and garbage costs one chunk of reading."""
+        record_bytes = self.geometry.record_bytes
+        whole = max(0, size - HEADER_BYTES) // record_bytes
+        valid = 0
+        while valid < whole:
+            n = min(self._chunk_records(), whole - valid)
+            data = os.pread(self._fd, n * record_bytes, HEADER_BYTES + valid * record_bytes)
+            good = count_valid_records(data, record_bytes, first=valid)
+            valid += good
+            if good < n:
+                break
+        return valid
+
+    def _read_records(self, start: int, count: int) -> np.ndarray:
+        """Records start..start+count as uint8 [count, record_bytes], read in chunks into one array."""
+        size = self.geometry.record_bytes
+        out = np.empty((count, size), dtype=np.uint8)
+        flat = memoryview(out.reshape(-1))
+        for first in range(0, count, self._chunk_records()):
+            n = min(self._chunk_records(), count - first)
+            target = flat[first * size : (first + n) * size]
+            got = os.preadv(self._fd, [target], HEADER_BYTES + (start + first) * size)
+            if got != len(target):
+                raise CorruptDataError(
+                    f"{self.path}: short read at record {start + first} ({got} of {len(target)} bytes)"
+                )
+        return out
+
     # ------------------------------------------------------------------------------------ verbs
     def read(self, count: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(token ids [n] uint32, payloads [n, payload_bytes] uint8) of the first ``count`` records."""
         count = self.length if count is None else min(count, self.length)
         size = self.geometry.record_bytes
-        raw = np.frombuffer(bytearray(os.pread(self._fd, count * size, HEADER_BYTES)), dtype=np.uint8).reshape(
-            count, size
-        )
+        raw = self._read_records(0, count)
         tokens = raw[:, : _TOKEN.size].copy().view("<u4").reshape(count)
         return tokens, raw[:, _TOKEN.size : size - _CRC.size]
+
+    def common_prefix(self, token_ids: Sequence[int]) -> int:
+        """How many leading records hold exactly ``token_ids``' first tokens, read a chunk at a time (the
+        payloads are not kept: a long log and a short prompt cost one chunk)."""
+        limit = min(self.length, len(token_ids))
+        common = 0
+        while common < limit:
+            n = min(self._chunk_records(), limit - common)
+            stored = self._read_records(common, n)[:, : _TOKEN.size].copy().view("<u4").reshape(n)
+            wanted = np.asarray(token_ids[common : common + n], dtype=np.int64)
+            differs = np.flatnonzero(stored.astype(np.int64) != wanted)
+            if len(differs):
+                return common + int(differs[0])
+            common += n
+        return common
 
     def append(self, tokens: np.ndarray, payloads: np.ndarray, sync: bool = True) -> None:
         """Append records for positions length.. (tokens [n], payloads [n, payload_bytes] uint8)."""

@@ -12,13 +12,14 @@ from colibri_stream.fingerprint import model_fingerprint
 from colibri_stream.loader import model_config
 from colibri_stream.sessions import SESSION_SUFFIX, TRANSCRIPT_SUFFIX, default_kv_dir, session_info
 from engine.args import ModelArgs
-from storage.kvlog import KVLog, read_header
+from storage.kvlog import remove_log
 
 KV_EPILOG = """\
 examples:
   colibri-stream kv ls MODEL.cstream
   colibri-stream kv info MODEL.cstream chat --json
   colibri-stream kv rm MODEL.cstream chat          # refused while another process has it open
+A session whose header is damaged is listed as "corrupt header"; `kv rm` (or run --reset) clears it.
 exit status: 0 on success, 1 for an unknown session or one in use, 2 on bad flags."""
 
 
@@ -41,14 +42,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run_kv(args: argparse.Namespace) -> int:
+    model_args = ModelArgs.from_hf_config(model_config(args.model))  # first: a bad MODEL is refused here
     kv_dir = Path(args.kv_dir) if args.kv_dir else default_kv_dir(model_fingerprint(args.model))
-    model_args = ModelArgs.from_hf_config(model_config(args.model))
     if args.kv_command == "ls":
         infos = [session_info(p, model_args) for p in sorted(kv_dir.glob(f"*{SESSION_SUFFIX}"))]
         if args.json:
             print(json.dumps(infos))
         for info in [] if args.json else infos:
-            print(f"{info['session']}\t{info['tokens']} tokens\t{info['file_bytes']} bytes")
+            state = f"{info['tokens']} tokens" if info["header"] == "ok" else info["header"]
+            print(f"{info['session']}\t{state}\t{info['file_bytes']} bytes")
         return 0
     path = kv_dir / f"{args.session}{SESSION_SUFFIX}"
     if not path.is_file():
@@ -57,9 +59,7 @@ def run_kv(args: argparse.Namespace) -> int:
         info = session_info(path, model_args)
         print(json.dumps(info) if args.json else "\n".join(f"{k}: {v}" for k, v in info.items()))
         return 0
-    fingerprint, geometry = read_header(path)
-    with KVLog(path, fingerprint, geometry):  # refuses a session another process has open
-        path.unlink()
+    remove_log(path)  # refuses a session another process has open; needs no valid header
     (kv_dir / f"{args.session}{TRANSCRIPT_SUFFIX}").unlink(missing_ok=True)
     print(f"removed {path}")
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import random
@@ -11,8 +12,17 @@ import time
 import numpy as np
 import pytest
 
+from storage import kvlog
 from storage.errors import CorruptDataError, FormatError, IncompatibleStateError
-from storage.kvlog import HEADER_BYTES, KVGeometry, KVLog, count_valid_records, kill_at
+from storage.kvlog import (
+    HEADER_BYTES,
+    KVGeometry,
+    KVLog,
+    StateMismatchError,
+    count_valid_records,
+    kill_at,
+    remove_log,
+)
 
 GEOMETRY = KVGeometry(
     n_layers=2, kv_lora_rank=4, qk_rope_head_dim=2, index_layers=(0,), index_head_dim=3, dtype="float32"
@@ -190,3 +200,57 @@ def test_truncate_on_divergence(tmp_path):
         log.truncate(4)
         append_positions(log, 2)
     assert assert_is_a_prefix(path) == 6
+
+
+def test_a_log_written_under_another_state_is_refused_naming_the_field(tmp_path):
+    path = tmp_path / "s.kvlog"
+    with KVLog(path, "fp", GEOMETRY, state={"compute_dtype": "bfloat16"}) as log:
+        append_positions(log, 3)
+    before = _digest(path)
+    with pytest.raises(StateMismatchError, match="state compute_dtype is 'bfloat16', this run's is 'float32'") as err:
+        KVLog(path, "fp", GEOMETRY, state={"compute_dtype": "float32"})
+    assert (err.value.field, err.value.stored, err.value.current) == ("state.compute_dtype", "bfloat16", "float32")
+    assert _digest(path) == before
+    with KVLog(path, "fp", GEOMETRY, state={"compute_dtype": "bfloat16"}) as log:
+        assert log.length == 3
+
+
+def test_fresh_starts_over_a_log_whatever_its_header_holds(tmp_path):
+    path = tmp_path / "s.kvlog"
+    data = bytearray(_file_with_records(path, 5))
+    data[20] ^= 0x04
+    path.write_bytes(bytes(data))
+    with KVLog(path, "another-model", GEOMETRY, fresh=True) as log:
+        assert log.length == 0
+        append_positions(log, 2)
+    with KVLog(path, "another-model", GEOMETRY) as log:
+        assert log.length == 2
+
+
+def test_remove_log_needs_no_valid_header_but_respects_the_lock(tmp_path):
+    path = tmp_path / "s.kvlog"
+    path.write_bytes(b"NOTAKVLOG" * 10)
+    with open(path, "r+b") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        with pytest.raises(IncompatibleStateError, match="in use by another process"):
+            remove_log(path)
+    remove_log(path)
+    assert not path.exists()
+
+
+def test_scan_read_and_common_prefix_agree_across_chunk_boundaries(tmp_path, monkeypatch):
+    monkeypatch.setattr(kvlog, "CHUNK_BYTES", 3 * GEOMETRY.record_bytes + 1)  # 3 records per chunk
+    path = tmp_path / "s.kvlog"
+    _file_with_records(path, 10)
+    data = bytearray(path.read_bytes())
+    data[HEADER_BYTES + 7 * GEOMETRY.record_bytes + 5] ^= 0x10  # record 7, inside the third chunk
+    path.write_bytes(bytes(data))
+    with KVLog(path, "fp", GEOMETRY) as log:
+        assert log.length == 7
+        tokens, payloads = log.read()
+        assert tokens.tolist() == list(range(7))
+        assert all(np.array_equal(payloads[i], payload(i)) for i in range(7))
+        assert log.common_prefix(list(range(7))) == 7
+        assert log.common_prefix([0, 1, 2, 3, 99, 5]) == 4  # diverges in the second chunk
+        assert log.common_prefix(list(range(20))) == 7
+        assert log.common_prefix([]) == 0
