@@ -267,7 +267,9 @@ class PromptEncoder:
     def encode_chat(
         self, chat: ChatFormat, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
     ) -> list[int]:
-        masked = [{**m, "content": self._mask(m["content"])} if isinstance(m.get("content"), str) else m for m in messages]
+        masked = [
+            {**m, "content": self._mask(m["content"])} if isinstance(m.get("content"), str) else m for m in messages
+        ]
         pieces = _MASKED.split(chat.render(masked, add_generation_prompt))
         # pieces alternate: template text (specials are special), a masked index (plain text), ...
         ids: list[int] = []

@@ -10,7 +10,6 @@ from typing import Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-
 STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
