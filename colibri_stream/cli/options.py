@@ -33,27 +33,15 @@ def parse_ids(text: str) -> list[int]:
     return ids
 
 
-def _finite(text: str) -> float:
+def finite_float(text: str) -> float:
+    """A number flag: "nan" and "inf" (which float() reads) are usage errors like "abc"; whether a
+    finite value is in range is the library's check (SamplingParams), a one-line error."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(value):  # float() reads "nan" and "inf"; neither can be sampled with
+    if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-    return value
-
-
-def parse_temperature(text: str) -> float:
-    value = _finite(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0 (0 = greedy), got {text!r}")
-    return value
-
-
-def parse_top_p(text: str) -> float:
-    value = _finite(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
     return value
 
 
@@ -171,8 +159,8 @@ def runtime_options(args: argparse.Namespace, text: bool = True, model_id: str |
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, max_new_tokens: int, what: str) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help=f"{what} (default {max_new_tokens})")
-    parser.add_argument("--temperature", type=parse_temperature, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-p", type=parse_top_p, default=1.0, help="nucleus sampling mass in (0, 1] (default 1.0)")
+    parser.add_argument("--temperature", type=finite_float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=finite_float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1.0)")
     parser.add_argument("--seed", type=int, default=None, help="sampling seed, for reproducible samples")
 
 

@@ -91,8 +91,6 @@ def test_tiny_but_finite_numbers_are_accepted():
     [
         ("--temperature", "nan"),
         ("--temperature", "inf"),
-        ("--temperature", "-1"),
-        ("--top-p", "0"),
         ("--top-p", "nan"),
         ("--ram", "inf%"),
         ("--ram", "nan%"),
@@ -106,6 +104,12 @@ def test_bad_numeric_flags_are_one_line_usage_errors(flag, value, capsys):
         build_parser().parse_args(["run", "MODEL", "--ids", "1", flag, value])
     assert exited.value.code == 2
     assert f"argument {flag}:" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("flag, value", [("--temperature", "-1"), ("--top-p", "0"), ("--top-p", "1.5")])
+def test_out_of_range_sampling_flags_are_one_line_errors(flag, value, capsys):
+    assert main(["run", "no-such-model", "--ids", "1", flag, value]) == 1  # refused before the load
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
 def test_tiny_temperature_flag_is_accepted():
