@@ -14,6 +14,7 @@ refuses with RAM available, dense, KV and floor.
 
 from __future__ import annotations
 
+import math
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -65,11 +66,16 @@ def parse_size(value: str | int, expert_bytes: int, key: str = "size", auto_byte
             percent = float(text[:-1])
         except ValueError:
             raise BudgetError(f"{key}: bad percentage {value!r}") from None
+        if not (math.isfinite(percent) and percent >= 0):  # float() also reads "inf", "nan", "-5"
+            raise BudgetError(f"{key}: bad percentage {value!r} (a finite number >= 0, e.g. 25%)")
         return int(expert_bytes * percent / 100)
     match = _SIZE.match(text)
     if not match or match.group(2).lower() not in _UNITS:
         raise BudgetError(f"{key}: bad size {value!r} (use e.g. 8GiB, 512MB, 25%, auto)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    size = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if not math.isfinite(size):  # 400 digits read as a float are inf
+        raise BudgetError(f"{key}: size {value!r} is too large")
+    return int(size)
 
 
 def auto_ram_bytes(

@@ -16,8 +16,9 @@ expert counters from the first token on, plus disk_read_bytes), memory (peak_rss
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from colibri_stream.generate import GenerationResult, SamplingParams, generate
 from colibri_stream.loader import LoadedModel, load
 from colibri_stream.memory import PeakSampler, disk_read_bytes, peak_rss_bytes
 from colibri_stream.sessions import Session, TurnStart, default_kv_dir
-from colibri_stream.text import ChatFormat, load_chat_format, load_tokenizer
+from colibri_stream.text import ChatFormat, PromptEncoder, load_chat_format, load_tokenizer
 from engine.cache import KVCache
 from storage.stats import StoreStats
 
@@ -75,9 +76,18 @@ class Runtime:
             raise TokenizerError(f"{self.loaded.path}: loaded without its tokenizer (token ids only)")
         return self.tokenizer, self.chat
 
+    @cached_property
+    def prompt_encoder(self) -> PromptEncoder:
+        return PromptEncoder(self.text_side()[0])
+
     def encode(self, text: str) -> list[int]:
         """Special tokens written in the text (the template's <bos>, <|im_start|>, ...) become their ids."""
-        return self.text_side()[0].encode(text, add_special_tokens=False).ids
+        return self.prompt_encoder.encode(text)
+
+    def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """The conversation through the chat template; special-token strings inside message content are
+        encoded as text, never as their ids (a user cannot type the eos token)."""
+        return self.prompt_encoder.encode_chat(self.text_side()[1], messages, add_generation_prompt)
 
     def close(self) -> None:
         self.loaded.experts.close()
@@ -120,6 +130,17 @@ def check_prompt(runtime: Runtime, prompt_ids: list[int]) -> None:
         raise RequestError("the prompt is empty (0 tokens)")
     if bad := [i for i in prompt_ids if not 0 <= i < runtime.vocab_size]:
         raise RequestError(f"prompt ids {bad[:5]} are outside the vocabulary (size {runtime.vocab_size})")
+    if len(prompt_ids) >= runtime.context_size:
+        raise RequestError(
+            f"the prompt has {len(prompt_ids)} tokens; this model's context is {runtime.context_size} tokens "
+            "(max_position_embeddings) and an answer needs at least one more"
+        )
+
+
+def fit_to_context(runtime: Runtime, prompt_tokens: int, max_new_tokens: int) -> int:
+    """``max_new_tokens`` cut so prompt + answer fit the model's context (positions past
+    max_position_embeddings were never trained: the model would run on, silently wrong)."""
+    return max(0, min(max_new_tokens, runtime.context_size - prompt_tokens))
 
 
 def run_turn(runtime: Runtime, prompt_ids: list[int], options: TurnOptions | None = None) -> TurnResult:
@@ -148,7 +169,7 @@ def run_turn(runtime: Runtime, prompt_ids: list[int], options: TurnOptions | Non
             result = generate(
                 model,
                 prompt_ids,
-                options.max_new_tokens,
+                fit_to_context(runtime, len(prompt_ids), options.max_new_tokens),
                 store,
                 options.sampling,
                 options.stop_ids,

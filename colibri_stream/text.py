@@ -1,11 +1,17 @@
 """Text in and out: the checkpoint's tokenizer.json via `tokenizers`, its chat template rendered in a
 sandboxed jinja2 environment, and its stop ids. Model files are untrusted input: no Python code from
 the model is imported, and the template can neither touch attributes outside the sandbox nor mutate
-the conversation it renders."""
+the conversation it renders, nor run away: its ranges, its loops over them, its string repetition and
+its output are bounded, so a hostile template fails with ChatTemplateError instead of stalling.
+
+Message content is text, never control: a user who types the eos token's string gets those characters
+encoded as text, not the eos id (``PromptEncoder``); only the template's own special tokens are special."""
 
 from __future__ import annotations
 
+import contextvars
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -14,10 +20,17 @@ from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedEnvironment
 from tokenizers import Tokenizer
 
 from colibri_stream.errors import ChatTemplateError, TokenizerError
+
+# Bounds on one render: a range's length, the items all its ranges yield together (nested loops
+# multiply), and the characters it writes (a 4 MiB request renders to a few MiB; far more is a template
+# amplifying its input).
+MAX_TEMPLATE_RANGE = 10_000
+MAX_TEMPLATE_RANGE_ITEMS = 1_000_000
+MAX_RENDERED_CHARS = 64 * 2**20
 
 # Used when the model ships no chat template: one header line per message, then the answer's header.
 # Plain text, so any tokenizer encodes it; documented in README "Chat templates".
@@ -87,6 +100,53 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+_range_items: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("_range_items", default=None)
+
+
+class _BoundedRange:
+    """``range`` for templates: at most MAX_TEMPLATE_RANGE long, and every item any range of one render
+    yields counts against MAX_TEMPLATE_RANGE_ITEMS (a range reused in nested loops is counted each pass)."""
+
+    def __init__(self, *args: int):
+        self.inner = range(*args)
+        if len(self.inner) > MAX_TEMPLATE_RANGE:
+            raise ChatTemplateError(f"chat template: range of {len(self.inner)} items (at most {MAX_TEMPLATE_RANGE})")
+
+    def __iter__(self):
+        counter = _range_items.get()
+        for item in self.inner:
+            if counter is not None:
+                counter[0] += 1
+                if counter[0] > MAX_TEMPLATE_RANGE_ITEMS:
+                    raise ChatTemplateError(
+                        f"chat template: its loops ran over {MAX_TEMPLATE_RANGE_ITEMS} range items in one render"
+                    )
+            yield item
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index):
+        return self.inner[index]
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox, with ``*`` and ``**`` checked: "x" * 10**9 or 9 ** 10**8 would be built
+    in one step, before any output bound could see it."""
+
+    intercepted_binops = frozenset(["*", "**"])
+
+    def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for seq, times in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(times, int):
+                    if len(seq) * times > MAX_RENDERED_CHARS:
+                        raise ChatTemplateError(f"chat template: a repetition of {len(seq) * times} items")
+        if operator == "**" and isinstance(right, (int, float)) and abs(right) > 1024:
+            raise ChatTemplateError(f"chat template: exponent {right} is too large")
+        return SandboxedEnvironment.call_binop(self, context, operator, left, right)
+
+
 @dataclass(frozen=True)
 class ChatFormat:
     """How one model turns a conversation into a prompt string, and which ids end an answer."""
@@ -99,25 +159,40 @@ class ChatFormat:
 
     @cached_property
     def _compiled(self):
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
+        env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True)
+        env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, range=_BoundedRange)
         try:
             return env.from_string(self.template)
         except TemplateError as exc:
             raise ChatTemplateError(f"chat template does not compile: {exc}") from None
 
     def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        counter = _range_items.set([0])
         try:
-            return self._compiled.render(
+            parts = self._compiled.generate(
                 messages=[dict(m) for m in messages],
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
             )
+            return _bounded_join(parts)
         except ChatTemplateError:
             raise
         except Exception as exc:  # a template is untrusted input: any failure is the model file's
             raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from None
+        finally:
+            _range_items.reset(counter)
+
+
+def _bounded_join(parts) -> str:
+    out: list[str] = []
+    size = 0
+    for part in parts:
+        size += len(part)
+        if size > MAX_RENDERED_CHARS:
+            raise ChatTemplateError(f"chat template: output over {MAX_RENDERED_CHARS} characters")
+        out.append(part)
+    return "".join(out)
 
 
 def load_chat_format(checkpoint: str | Path) -> ChatFormat:
@@ -158,3 +233,51 @@ class IncrementalDecoder:
         delta = full[len(self.text) :] if full.startswith(self.text) else ""
         self.text = full
         return delta
+
+
+# A masked special-token string in message content: SENTINEL, its index, SENTINEL_END. The sentinel
+# itself is masked too, so every sentinel in a rendered prompt is one of ours.
+_SENTINEL, _SENTINEL_END = "\ue000", "\ue001"
+_MASKED = re.compile(f"{_SENTINEL}([0-9]+){_SENTINEL_END}")
+
+
+class PromptEncoder:
+    """Text -> ids. ``encode`` lets special-token strings in the text become their ids (a raw prompt
+    may spell the template out); ``encode_chat`` renders a conversation so that only the template's own
+    special tokens do: each special string inside message content is swapped for a placeholder before
+    rendering and encoded afterwards as plain text. Without such strings in the content the ids are
+    exactly ``encode(render(messages))``. Encoding goes through ``encode_batch``, which releases the
+    GIL, so a huge prompt tokenised in a worker thread does not stall the server's event loop."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.literal = Tokenizer.from_str(tokenizer.to_str())  # the same tokenizer, specials as plain text
+        self.literal.encode_special_tokens = True
+        specials = [t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special and t.content]
+        self.masked = [*sorted(set(specials), key=len, reverse=True), _SENTINEL]
+        self.pattern = re.compile("|".join(re.escape(s) for s in self.masked))
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+
+    def _mask(self, text: str) -> str:
+        index = {s: i for i, s in enumerate(self.masked)}
+        return self.pattern.sub(lambda m: f"{_SENTINEL}{index[m.group(0)]}{_SENTINEL_END}", text)
+
+    def encode_chat(
+        self, chat: ChatFormat, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        masked = [
+            {**m, "content": self._mask(m["content"])} if isinstance(m.get("content"), str) else m for m in messages
+        ]
+        pieces = _MASKED.split(chat.render(masked, add_generation_prompt))
+        # pieces alternate: template text (specials are special), a masked index (plain text), ...
+        ids: list[int] = []
+        template_parts = self.tokenizer.encode_batch(pieces[0::2], add_special_tokens=False)
+        literals = [self.masked[int(i)] if int(i) < len(self.masked) else "" for i in pieces[1::2]]
+        literal_parts = self.literal.encode_batch(literals, add_special_tokens=False) if literals else []
+        for k, part in enumerate(template_parts):
+            ids += part.ids
+            if k < len(literal_parts):
+                ids += literal_parts[k].ids
+        return ids

@@ -83,7 +83,7 @@ class Chat:
         """Answer one user line, streaming it to stdout; None when it cannot fit the context."""
         tokenizer, chat = self.runtime.text_side()
         messages = [*self.messages, {"role": "user", "content": text}]
-        prompt = self.runtime.encode(chat.render(messages))
+        prompt = self.runtime.encode_chat(messages)  # what the user typed is text, never a special token
         room = self.runtime.context_size - len(prompt)
         if room <= 0:
             print(

@@ -4,11 +4,12 @@ never sees an argparse Namespace."""
 from __future__ import annotations
 
 import argparse
+import math
 
-from colibri_stream.config import StoreOptions
+from colibri_stream.config import StoreOptions, parse_size
 from colibri_stream.conversation import RuntimeOptions
 from colibri_stream.dtypes import COMPUTE_DTYPES
-from colibri_stream.errors import RequestError
+from colibri_stream.errors import BudgetError, RequestError
 from colibri_stream.generate import SamplingParams
 from colibri_stream.geometry import (
     DEFAULT_DENSE,
@@ -30,6 +31,28 @@ def parse_ids(text: str) -> list[int]:
     if not ids or any(i < 0 for i in ids):
         raise argparse.ArgumentTypeError(f"--ids expects non-negative integers, got {text!r}")
     return ids
+
+
+def finite_float(text: str) -> float:
+    """A number flag: "nan" and "inf" (which float() reads) are usage errors like "abc"; whether a
+    finite value is in range is the library's check (SamplingParams), a one-line error."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def parse_size_flag(text: str) -> str:
+    """--ram/--vram checked for form when the flags are read (a percentage needs the model, so the
+    value itself is computed at load): 8GiB, 512MB, 25%, auto."""
+    try:
+        parse_size(text, 0, "size", auto_bytes=0)
+    except BudgetError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("size: ")) from None
+    return text
 
 
 def add_target_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -59,8 +82,12 @@ def add_store_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags sizing and tuning the tiered expert store (containers only); they override --budget."""
     group = parser.add_argument_group("expert streaming (containers)")
     group.add_argument("--budget", help="TOML budget file ([memory] ram/vram, [io] direct/threads, [cache] ...)")
-    group.add_argument("--ram", help="RAM for expert slots: 8GiB, 512MB, 25%% (of expert bytes) or auto")
-    group.add_argument("--vram", help="VRAM for expert slots, same forms as --ram (default 0: no VRAM tier)")
+    group.add_argument(
+        "--ram", type=parse_size_flag, help="RAM for expert slots: 8GiB, 512MB, 25%% (of expert bytes) or auto"
+    )
+    group.add_argument(
+        "--vram", type=parse_size_flag, help="VRAM for expert slots, same forms as --ram (default 0: no VRAM tier)"
+    )
     group.add_argument("--vram-device", default=None, help="device of the VRAM tier (default cuda; cpu stands in)")
     group.add_argument("--policy", choices=POLICY_NAMES, help="eviction policy (default lru)")
     group.add_argument("--no-prefetch", action="store_true", help="disable router-lookahead prefetch")
@@ -132,8 +159,8 @@ def runtime_options(args: argparse.Namespace, text: bool = True, model_id: str |
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, max_new_tokens: int, what: str) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help=f"{what} (default {max_new_tokens})")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
+    parser.add_argument("--temperature", type=finite_float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=finite_float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1.0)")
     parser.add_argument("--seed", type=int, default=None, help="sampling seed, for reproducible samples")
 
 

@@ -46,12 +46,25 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run)
 
 
+def note_context_cut(context: int, prompt_tokens: int, max_new_tokens: int) -> None:
+    """One line on stderr when the answer will be shorter than asked because the context ends first
+    (a prompt that does not fit at all is run_turn's error)."""
+    room = context - prompt_tokens
+    if 0 < room < max_new_tokens:
+        print(
+            f"colibri-stream run: note: --max-new-tokens {max_new_tokens} cut to {room}: the prompt has "
+            f"{prompt_tokens} tokens and the model's context is {context}",
+            file=sys.stderr,
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     params = sampling(args)
     runtime = load_runtime(args.path, runtime_options(args, text=args.prompt is not None))
     try:
         tokenizer = runtime.tokenizer
         prompt_ids = tokenizer.encode(args.prompt).ids if tokenizer is not None else args.ids
+        note_context_cut(runtime.context_size, len(prompt_ids), args.max_new_tokens)
         stream = tokenizer is not None and not args.json
         show = (lambda t: print(tokenizer.decode([t]), end="", flush=True)) if stream else None
         options = TurnOptions(

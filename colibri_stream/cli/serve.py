@@ -10,17 +10,25 @@ from colibri_stream.cli.help import help_options
 from colibri_stream.cli.options import add_runtime_arguments, runtime_options
 from colibri_stream.errors import ColibriError
 
+DEFAULT_MAX_CONNECTIONS = 64  # serve/ needs FastAPI and uvicorn (an extra): imported only when serving
+
 EPILOG = """\
 examples:
   colibri-stream serve MODEL.cstream --budget budgets/laptop-32g.toml
   colibri-stream serve MODEL.cstream --port 8080 --slots 2 --max-queue 4 --model-name dsv3
+  COLIBRI_API_KEYS=key-a,key-b colibri-stream serve MODEL.cstream --host 0.0.0.0   # keys required
 
   then, from any OpenAI client (the `user` field names the KV session, reused across requests):
   curl http://127.0.0.1:8000/v1/chat/completions -H 'content-type: application/json' \\
     -d '{"model": "dsv3", "user": "alice", "messages": [{"role": "user", "content": "Hi"}]}'
 
 endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (JSON or "stream": true
-for SSE), GET /health (slots busy, queue, served/cancelled counts).
+for SSE), GET /health (slots busy, queue, served/cancelled counts; needs no key).
+without --api-key the server is single-tenant: any client can use any session by naming it in `user`.
+with keys (--api-key, repeatable, and/or COLIBRI_API_KEYS=k1,k2) /v1 needs `Authorization: Bearer KEY`
+(or `x-api-key: KEY`), and each key's `user` names only that key's sessions.
+limits: bodies over 4 MiB get 413, a body not sent within 30 s 408, headers not sent within 10 s close
+the connection, connections beyond --max-connections get 503.
 exit status: 0 after a clean shutdown (Ctrl-C / SIGTERM), 1 on a user error (bad path, budget,
 template), 2 on bad flags."""
 
@@ -44,7 +52,29 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         type=int,
         help="answer length when a request sets none (default: the rest of the context)",
     )
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        metavar="KEY",
+        help="require this API key (repeatable; COLIBRI_API_KEYS=k1,k2 adds more); default: no authentication",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=_positive,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help=f"open connections before 503s (default {DEFAULT_MAX_CONNECTIONS})",
+    )
     parser.set_defaults(handler=run_serve)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 def _is_loopback(host: str) -> bool:
@@ -56,25 +86,38 @@ def _is_loopback(host: str) -> bool:
 
 def run_serve(args: argparse.Namespace) -> int:
     try:
-        import uvicorn
-    except ImportError:
+        from colibri_stream.serve.app import Server, create_app
+        from colibri_stream.serve.auth import ApiKeys
+        from colibri_stream.serve.http import HttpLimits, run_server, server_config
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("fastapi", "uvicorn", "starlette", "h11"):
+            raise
         raise ColibriError("serve needs FastAPI and uvicorn: pip install 'colibri-stream[serve]'") from None
     from colibri_stream.conversation import load_runtime
-    from colibri_stream.serve.app import Server, create_app
 
     if args.slots < 1 or args.max_queue < 0:
         raise ColibriError(f"--slots must be >= 1 and --max-queue >= 0, got {args.slots} and {args.max_queue}")
+    keys = ApiKeys.from_sources(args.api_key)  # refuses blank keys before the (slow) model load
     runtime = load_runtime(args.path, runtime_options(args, model_id=args.model_name))
-    server = Server(runtime, args.slots, args.max_queue, args.default_max_tokens, args.kv_sync_every)
-    if not _is_loopback(args.host):
-        print(f"colibri-stream serve: warning: binding {args.host}: the API has no authentication", file=sys.stderr)
-    template = "fallback template" if runtime.text_side()[1].is_fallback else "model's chat template"
-    print(f"serving {runtime.model_id!r} ({template}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
     try:
+        server = Server(runtime, args.slots, args.max_queue, args.default_max_tokens, args.kv_sync_every, keys)
+        server.check_chat_template()  # a broken template stops the start, not every chat request
+        if not _is_loopback(args.host) and not keys.enabled:
+            print(
+                f"colibri-stream serve: warning: binding {args.host} without --api-key: anyone who can reach it "
+                "can use any session",
+                file=sys.stderr,
+            )
+        template = "fallback template" if runtime.text_side()[1].is_fallback else "model's chat template"
+        auth = f", {len(keys.keys)} API key(s)" if keys.enabled else ""
+        print(f"serving {runtime.model_id!r} ({template}{auth}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
+        limits = HttpLimits(max_connections=args.max_connections)
         # Shutdown waits at most 10 s for open streams; those left are cancelled, which cancels their jobs.
-        uvicorn.run(
-            create_app(server), host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=10
+        config = server_config(
+            create_app(server), args.host, args.port, limits, log_level="warning", timeout_graceful_shutdown=10
         )
+        if not run_server(config):
+            raise ColibriError(f"could not serve on {args.host}:{args.port} (uvicorn's message is above)")
     finally:
         runtime.close()
     return 0

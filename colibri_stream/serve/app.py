@@ -1,7 +1,11 @@
 """The OpenAI-compatible HTTP server: /v1/models, /v1/chat/completions, /v1/completions (JSON or SSE).
 
-Requests are validated and turned into prompts here, then run by the worker (serve/worker.py). A
-request's ``user`` field names its KV session (prefix reuse across requests and restarts).
+Requests are authenticated (serve/auth.py), read and validated (serve/intake.py) and turned into
+prompts here, then run by the worker (serve/worker.py). A request's ``user`` field names its KV session
+(prefix reuse across requests and restarts), within its API key's namespace when keys are set. CPU work
+(parsing, template rendering, tokenisation) runs in a small thread pool, never on the event loop, so
+one huge prompt does not stall /health or other clients. A client that disconnects cancels its job,
+streaming or not.
 """
 
 from __future__ import annotations
@@ -11,22 +15,26 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from colibri_stream.conversation import Runtime, TurnResult
 from colibri_stream.errors import ChatTemplateError, ColibriError, SessionError
 from colibri_stream.generate import SamplingParams
-from colibri_stream.serve.schemas import ApiError, ChatRequest, CompletionRequest, describe_validation_error
+from colibri_stream.serve.auth import ApiKeys
+from colibri_stream.serve.intake import parse_request, read_body
+from colibri_stream.serve.schemas import ApiError, ChatRequest, CompletionRequest
 from colibri_stream.serve.worker import Admission, Job, Worker
 from colibri_stream.sessions import check_session_name
 
-MAX_BODY_BYTES = 4 * 2**20
+PROMPT_THREADS = 2  # parsing and tokenising requests; more would only contend for the same cores
+SAMPLE_CONVERSATION = [{"role": "user", "content": "Hello"}]  # rendered at start-up to try the template
+T = TypeVar("T")
 
 
 class Server:
@@ -39,6 +47,7 @@ class Server:
         max_queue: int = 16,
         default_max_tokens: int | None = None,
         sync_every: int = 0,
+        api_keys: ApiKeys | None = None,
     ):
         if slots < 1 or max_queue < 0:
             raise ColibriError(f"--slots must be >= 1 and --max-queue >= 0, got {slots} and {max_queue}")
@@ -46,13 +55,29 @@ class Server:
         self.worker = Worker(runtime, sync_every)
         self.slots, self.max_queue = slots, max_queue
         self.default_max_tokens = default_max_tokens
+        self.api_keys = api_keys or ApiKeys()
         self.admission: Admission | None = None  # made on the server's event loop
+        self.cpu = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="colibri-prompt")
+
+    def check_chat_template(self) -> None:
+        """Render and encode a one-message conversation: a template that cannot is the model's
+        ChatTemplateError at start-up, not a 400 on every chat request later."""
+        self.runtime.encode_chat(SAMPLE_CONVERSATION)
+
+    async def off_loop(self, work: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.cpu, work, *args)
+
+    def authenticate(self, request: Request) -> bytes | None:
+        return self.api_keys.authenticate(request.headers)
+
+    def session(self, body: ChatRequest | CompletionRequest, key: bytes | None) -> str | None:
+        return None if body.user is None else self.api_keys.session_name(key, body.user)
 
     # ------------------------------------------------------------------------------------ prompts
     def chat_prompt(self, body: ChatRequest) -> list[int]:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
-            return self.runtime.encode(self.runtime.text_side()[1].render(messages, add_generation_prompt=True))
+            return self.runtime.encode_chat(messages, add_generation_prompt=True)
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), "chat_template_error", "messages") from None
 
@@ -112,7 +137,9 @@ class Server:
         return limit
 
     # ------------------------------------------------------------------------------------ jobs
-    async def submit(self, body: ChatRequest | CompletionRequest, prompt: list[int], limit: int) -> Job:
+    async def submit(
+        self, body: ChatRequest | CompletionRequest, prompt: list[int], limit: int, session: str | None
+    ) -> Job:
         assert self.admission is not None
         try:
             await self.admission.acquire()
@@ -121,7 +148,7 @@ class Server:
             raise
         sampling = SamplingParams(body.temperature, body.top_p, body.seed)
         job = Job(
-            prompt, limit, sampling, body.user, body.stop_strings(), asyncio.get_running_loop(), self.admission.release
+            prompt, limit, sampling, session, body.stop_strings(), asyncio.get_running_loop(), self.admission.release
         )
         self.worker.jobs.put(job)
         return job
@@ -159,40 +186,28 @@ def sse(obj: Any) -> bytes:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
 
 
-async def parse_body(request: Request, schema: type[ChatRequest] | type[CompletionRequest]):
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise ApiError(413, f"request body of {len(raw)} bytes exceeds {MAX_BODY_BYTES}", "body_too_large")
-    try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError):  # bad JSON, bad UTF-8, absurd nesting
-        raise ApiError(400, "the request body is not valid JSON", "invalid_json") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, "the request body must be a JSON object", "invalid_json")
-    try:
-        return schema.model_validate(data)
-    except ValidationError as exc:
-        message, param = describe_validation_error(exc)
-        raise ApiError(400, message, "invalid_value", param) from None
-
-
 async def collect(request: Request, job: Job) -> tuple[str, TurnResult]:
-    """The whole answer; a client that disconnects meanwhile cancels the job."""
+    """The whole answer. Meanwhile a watcher waits for the client's disconnect (the body is read, so
+    the next ASGI message is that) and cancels the job: generation stops after its current token."""
+    watcher = asyncio.create_task(cancel_on_disconnect(request, job))
     parts: list[str] = []
-    while True:
-        try:
-            kind, value = await asyncio.wait_for(job.events.get(), timeout=0.5)
-        except TimeoutError:
-            if await request.is_disconnected():
-                job.cancel.set()
-                raise ApiError(499, "client disconnected", "cancelled") from None
-            continue
-        if kind == "text":
-            parts.append(value)
-        elif kind == "error":
-            raise value
-        else:
-            return "".join(parts), value
+    try:
+        while True:
+            kind, value = await job.events.get()
+            if kind == "text":
+                parts.append(value)
+            elif kind == "error":
+                raise value
+            else:
+                return "".join(parts), value
+    finally:
+        watcher.cancel()
+
+
+async def cancel_on_disconnect(request: Request, job: Job) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    job.cancel.set()
 
 
 async def stream(job: Job, chunk: Callable[[str | None, str | None], dict[str, Any]]) -> AsyncIterator[bytes]:
@@ -241,6 +256,10 @@ def create_app(server: Server) -> FastAPI:
         server.worker.start()
         yield
         server.worker.stop()
+        server.cpu.shutdown(wait=False, cancel_futures=True)
+
+    async def parse_body(request: Request, schema: type[ChatRequest] | type[CompletionRequest]):
+        return await server.off_loop(parse_request, await read_body(request), schema)
 
     app = FastAPI(title="colibri-stream", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     model = server.runtime.model_id
@@ -262,7 +281,8 @@ def create_app(server: Server) -> FastAPI:
         return server.status()
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models(request: Request) -> dict[str, Any]:
+        server.authenticate(request)
         entry = {
             "id": model,
             "object": "model",
@@ -274,10 +294,11 @@ def create_app(server: Server) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
+        key = server.authenticate(request)  # before the body is read: strangers cost nothing
         body = await parse_body(request, ChatRequest)
         server.check_fields(body)
-        prompt = server.chat_prompt(body)
-        job = await server.submit(body, prompt, server.token_limit(body, prompt))
+        prompt = await server.off_loop(server.chat_prompt, body)
+        job = await server.submit(body, prompt, server.token_limit(body, prompt), server.session(body, key))
         cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         if body.stream:
             return StreamingResponse(stream(job, _chat_chunk(cid, model)), media_type="text/event-stream")
@@ -300,10 +321,11 @@ def create_app(server: Server) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
+        key = server.authenticate(request)
         body = await parse_body(request, CompletionRequest)
         server.check_fields(body)
-        prompt = server.completion_prompt(body)
-        job = await server.submit(body, prompt, server.token_limit(body, prompt))
+        prompt = await server.off_loop(server.completion_prompt, body)
+        job = await server.submit(body, prompt, server.token_limit(body, prompt), server.session(body, key))
         cid = f"cmpl-{uuid.uuid4().hex[:24]}"
         if body.stream:
             return StreamingResponse(stream(job, _completion_chunk(cid, model)), media_type="text/event-stream")

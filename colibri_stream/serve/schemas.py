@@ -1,6 +1,7 @@
 """Request bodies of the OpenAI-compatible endpoints, validated strictly: a wrong type is a 400, never
 a silent coercion ("5" is not 5), and unknown fields are ignored as OpenAI clients send many; and the
-error body every failure is answered with (``ApiError``)."""
+error body every failure is answered with (``ApiError``). Numbers must be finite (NaN and inf are
+refused, also where a range check alone would let them through)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,17 @@ from typing import Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = STRICT
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
 
@@ -30,7 +33,7 @@ class ChatMessage(BaseModel):
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = STRICT
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
@@ -73,9 +76,17 @@ def describe_validation_error(exc: ValidationError) -> tuple[str, str | None]:
 class ApiError(Exception):
     """An error with an OpenAI-shaped body: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
+        self.headers = headers or {}
 
     @property
     def type(self) -> str:
@@ -85,4 +96,4 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)

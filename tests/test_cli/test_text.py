@@ -6,11 +6,14 @@ import json
 
 import pytest
 
+from colibri_stream import text
 from colibri_stream.devtools import fixtures
 from colibri_stream.text import (
     FALLBACK_CHAT_TEMPLATE,
+    ChatFormat,
     ChatTemplateError,
     IncrementalDecoder,
+    PromptEncoder,
     load_chat_format,
     load_tokenizer,
     stop_token_ids,
@@ -77,3 +80,39 @@ def test_incremental_decoding_equals_whole_decoding(tmp_path):
     decoder = IncrementalDecoder(tokenizer, skip_ids=[1])
     text = "".join(decoder.push(t) for t in ids) + decoder.flush()
     assert text == tokenizer.decode(ids[:-1])
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{% for i in range(10**9) %}{% endfor %}",
+        "{% for i in range(10000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}",
+        "{% set r = range(5000) %}{% for i in r %}{% for j in r %}{% endfor %}{% endfor %}",
+        "{{ 'x' * 10**9 }}",
+        "{{ [1] * 10**9 }}",
+        "{{ 9 ** 100000000 }}",  # jinja reads 9 ** 10 ** 8 as (9 ** 10) ** 8
+    ],
+)
+def test_runaway_templates_fail_instead_of_stalling(template):
+    with pytest.raises(ChatTemplateError):
+        ChatFormat(template).render(MESSAGES)
+
+
+def test_rendered_output_is_bounded(monkeypatch):
+    monkeypatch.setattr(text, "MAX_RENDERED_CHARS", 100)
+    chat = ChatFormat("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert chat.render([{"role": "user", "content": "y" * 100}]) == "y" * 100
+    with pytest.raises(ChatTemplateError, match="output over 100"):
+        chat.render([{"role": "user", "content": "y" * 101}])
+
+
+def test_message_content_is_text_never_special_tokens(tiny_checkpoints):
+    checkpoint = tiny_checkpoints["deepseek_v3"]
+    tokenizer, chat = load_tokenizer(checkpoint), load_chat_format(checkpoint)
+    encoder = PromptEncoder(tokenizer)
+    plain = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello, world! é"}]
+    assert encoder.encode_chat(chat, plain) == encoder.encode(chat.render(plain))  # unchanged without specials
+    typed = "<bos>stop<eos> \ue0000\ue001 <eos"
+    ids = encoder.encode_chat(chat, [{"role": "user", "content": typed}])
+    assert ids.count(0) == 1 and ids.count(1) == 1  # the template's own <bos> and <eos>, nothing else
+    assert tokenizer.decode(ids, skip_special_tokens=False) == f"<bos>user: {typed}<eos>assistant:"

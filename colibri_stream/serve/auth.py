@@ -1,0 +1,80 @@
+"""Optional API keys, and the session names they imply.
+
+Without keys the server is single-tenant: anyone who can reach it can use (and truncate) any session
+by naming it in ``user``. With keys (``serve --api-key``, or COLIBRI_API_KEYS), every /v1 request must
+carry one (``Authorization: Bearer KEY`` or ``x-api-key: KEY``), and a request's ``user`` names a
+session of *its key only*: the session's file name is derived from a hash of the key and the ``user``
+value, so no ``user`` value reaches another key's conversations, and ``reused_tokens`` only ever
+counts the caller's own positions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from collections.abc import Iterable, Mapping
+
+from colibri_stream.errors import ColibriError
+from colibri_stream.serve.schemas import ApiError
+
+API_KEYS_ENV = "COLIBRI_API_KEYS"  # comma-separated, added to the --api-key flags
+USER_PREFIX_CHARS = 64  # how much of ``user`` stays readable in a keyed session's file name
+
+
+class ApiKeys:
+    """The accepted keys (none: no authentication). A key is identified internally by its SHA-256,
+    so the key itself is kept only for the constant-time comparison."""
+
+    def __init__(self, keys: Iterable[str] = ()):
+        self.keys = [key.encode() for key in dict.fromkeys(keys)]
+        if any(not key.strip() or len(key) > 4096 for key in self.keys):
+            raise ColibriError("--api-key: a key must be 1-4096 non-blank characters")
+
+    @classmethod
+    def from_sources(cls, flags: Iterable[str] | None, environ: Mapping[str, str] = os.environ) -> ApiKeys:
+        from_env = [k.strip() for k in environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
+        return cls([*(flags or []), *from_env])
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.keys)
+
+    def authenticate(self, headers: Mapping[str, str]) -> bytes | None:
+        """The caller's key, None when no keys are configured; ApiError 401 otherwise. Every key is
+        compared (constant time each, no early exit), so timing says nothing about which matched."""
+        if not self.keys:
+            return None
+        presented = _presented_key(headers)
+        if presented is None:
+            raise unauthorized("no API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'")
+        matched = None
+        for key in self.keys:
+            if hmac.compare_digest(presented, key):
+                matched = key
+        if matched is None:
+            raise unauthorized("invalid API key")
+        return matched
+
+    @staticmethod
+    def session_name(key: bytes | None, user: str) -> str:
+        """The KV session a request's ``user`` names: ``user`` itself without keys, else a name only this
+        key reaches (the readable start of ``user``, then 32 hex digits of SHA-256(key, user))."""
+        if key is None:
+            return user
+        digest = hashlib.sha256(key + b"\0" + user.encode()).hexdigest()[:32]
+        return f"{user[:USER_PREFIX_CHARS]}-{digest}"
+
+
+def _presented_key(headers: Mapping[str, str]) -> bytes | None:
+    authorization = headers.get("authorization", "")
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip().encode()
+    if api_key := headers.get("x-api-key", "").strip():
+        return api_key.encode()
+    return None
+
+
+def unauthorized(message: str) -> ApiError:
+    return ApiError(401, message, "invalid_api_key", headers={"www-authenticate": "Bearer", "connection": "close"})
