@@ -32,6 +32,7 @@ LONG_LINE = "typed-long"  # a typed line longer than LONG_LINE_CHARS: it echoes 
 LONG_LINE_CHARS = 2000
 # Commands whose exit 1 lists several problems, one per line, by design.
 PROBLEM_LISTS = ("verify", "doctor")
+CHATTY = ("chat",)  # commands that print a banner and footers on stderr
 BAD_TRACEBACK, BAD_HANG, BAD_MEMORY, BAD_CRASH, BAD_PATH, BAD_LINES, BAD_HTTP = (
     "traceback",
     "hang",
@@ -95,7 +96,12 @@ def allowed_roots(case: Case, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
 
 def paths_outside(case: Case, paths: list[str], extra: tuple[str, ...] = ()) -> list[str]:
     roots = allowed_roots(case, extra)
-    return [p for p in paths if not any(p == r or p.startswith(r.rstrip("/") + "/") for r in roots)]
+    return [
+        p
+        for p in paths
+        if not any(p == r or p.startswith(r.rstrip("/") + "/") for r in roots)
+        and not Path(p).name.startswith("torchinductor_")  # torch probes its compile cache in the temp dir
+    ]
 
 
 def judge(case: Case, result: dict[str, Any], extra_roots: tuple[str, ...] = ()) -> Verdict:
@@ -119,7 +125,11 @@ def judge(case: Case, result: dict[str, Any], extra_roots: tuple[str, ...] = ())
     if code == 2:
         return Verdict(USAGE, _last_line(stderr), f"{case.surface}:{USAGE}", result)
     head, n_lines = result.get("stderr_head", stderr), result.get("stderr_lines", len(stderr.splitlines()))
-    listed = case.kind == "cli" and case.argv[:1] and case.argv[0] in PROBLEM_LISTS
+    command = case.argv[0] if case.kind == "cli" and case.argv else ""
+    listed = command in PROBLEM_LISTS
+    if command in CHATTY:  # its banner and footers share stderr: judge the error lines only
+        n_lines = sum(": error: " in line for line in stderr.splitlines())
+        head = next((line for line in stderr.splitlines() if ": error: " in line), head)
     if code != 1 or (n_lines != 1 and not listed) or (": error: " not in head and not listed):
         detail = f"exit {code}, {n_lines} stderr lines: {head.strip()[:300]}"
         return Verdict(BAD_LINES, detail, f"{case.surface}:{BAD_LINES}:{case.argv[:1]}", result)

@@ -72,8 +72,9 @@ class Fuzzer:
         self.watch.touched()  # forget the parent's own reads
         result = self.worker.run(case)
         verdict = judge(case, result, extra_roots=self.worker.scratch_roots())
-        if self.watch.touched() and not verdict.bad:
-            verdict = Verdict(BAD_PATH, "opened a canary file outside the inputs", f"{surface_name}:{BAD_PATH}", result)
+        if self.watch.touched():  # first: an escape often ends in a traceback too (the canary is no model file)
+            detail = f"opened a canary file outside the inputs (then: {verdict.judgement} {verdict.detail[:150]})"
+            verdict = Verdict(BAD_PATH, detail, f"{surface_name}:{BAD_PATH}", result)
         self.report.add(case, verdict)
         if not verdict.bad:
             shutil.rmtree(case_dir, ignore_errors=True)
