@@ -30,6 +30,7 @@ def main() -> int:
     parser.add_argument("--surface", nargs="+", choices=ALL, default=ALL)
     parser.add_argument("--seed", type=int, default=int(time.time()) % 100_000)
     parser.add_argument("--out", type=Path, default=Path("fuzz-findings"))
+    parser.add_argument("--no-confirm", action="store_true", help="skip the fresh-interpreter rerun of findings")
     parser.add_argument("--keep", action="store_true", help="keep the run's work directory")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="colibri-fuzz-"))
@@ -52,7 +53,7 @@ def main() -> int:
     finally:
         if served is not None:
             served.stop()
-    fuzzer.confirm_and_save(args.out)
+    fuzzer.confirm_and_save(args.out, confirm=not args.no_confirm)
     fuzzer.worker.stop()
     print(format_report(fuzzer.report))
     if not args.keep:

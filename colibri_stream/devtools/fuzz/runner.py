@@ -113,15 +113,17 @@ class Fuzzer:
                 self.fuzz(name, batch, seed=seed * 100_003 + round_ * 101 + len(name))
             round_ += 1
 
-    def confirm_and_save(self, directory: Path) -> None:
-        """Rerun every finding in a fresh interpreter and copy its inputs and repro.json."""
+    def confirm_and_save(self, directory: Path, confirm: bool = True) -> None:
+        """Rerun every finding in a fresh interpreter (``confirm``) and copy its inputs and repro.json."""
         directory.mkdir(parents=True, exist_ok=True)
         for n, finding in enumerate(self.report.bad()):
-            again = run_isolated(finding.case, env={"TMPDIR": self.tmp_root(), "HOME": finding.case.cwd + "/home"})
-            finding.confirmed = judge(finding.case, again, extra_roots=(self.tmp_root(),)).judgement
+            if confirm:
+                env = {"TMPDIR": self.tmp_root(), "HOME": finding.case.cwd + "/home"}
+                again = run_isolated(finding.case, env=env)
+                finding.confirmed = judge(finding.case, again, extra_roots=(self.tmp_root(),)).judgement
             target = directory / f"{n:03d}-{finding.case.surface}-{finding.verdict.judgement}"
             if Path(finding.case.cwd).exists():
-                shutil.copytree(finding.case.cwd, target / "inputs", symlinks=True, dirs_exist_ok=True)
+                shutil.copytree(finding.case.cwd, target / "inputs", symlinks=True, copy_function=_copy_small)
             finding.repro_dir = target / "inputs"
             (target / "repro.json").write_text(
                 json.dumps(
@@ -140,6 +142,19 @@ class Fuzzer:
                     default=str,
                 )
             )
+
+
+def _copy_small(src: str, dst: str) -> None:
+    """Copy a repro file, except the huge sparse ones a mutation made (a plain copy would write every
+    hole: 1 TiB): those get a note, and the mutation in repro.json recreates them."""
+    size = Path(src).stat().st_size
+    if size > REPRO_FILE_LIMIT:
+        Path(dst + ".TOO-BIG").write_text(f"{size} bytes, mostly holes: recreate with the mutation in repro.json\n")
+        return
+    shutil.copy2(src, dst)
+
+
+REPRO_FILE_LIMIT = 64 << 20
 
 
 def open_run(root: Path, checkpoint: Path | None = None, container: Path | None = None) -> Fuzzer:
