@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -56,12 +55,11 @@ class Report:
 class Fuzzer:
     """One run's state: the base inputs, the canary watch, the worker and the report."""
 
-    def __init__(self, root: Path, base: Path, worker: Worker, keep_repros: Path | None = None):
+    def __init__(self, root: Path, base: Path, worker: Worker):
         self.root, self.base, self.worker = root, base, worker
         self.canary = str(root / "outside" / "canary")
         self.watch = CanaryWatch(root / "outside")
         self.report = Report()
-        self.keep_repros = keep_repros
         self._serial = 0
 
     def run_case(self, surface_name: str, drawn: dict) -> Verdict:
@@ -101,17 +99,6 @@ class Fuzzer:
         if seed is not None and not derandomize:
             one = hypothesis_seed(seed)(one)
         one()
-
-    def fuzz_for(self, surfaces: list[str], seconds: float, seed: int, batch: int = 20) -> None:
-        """Round-robin batches over the surfaces until ``seconds`` have passed."""
-        deadline = time.monotonic() + seconds
-        round_ = 0
-        while time.monotonic() < deadline:
-            for name in surfaces:
-                if time.monotonic() >= deadline:
-                    break
-                self.fuzz(name, batch, seed=seed * 100_003 + round_ * 101 + len(name))
-            round_ += 1
 
     def confirm_and_save(self, directory: Path, confirm: bool = True) -> None:
         """Rerun every finding in a fresh interpreter (``confirm``) and copy its inputs and repro.json."""
