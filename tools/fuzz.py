@@ -53,9 +53,10 @@ def main() -> int:
     finally:
         if served is not None:
             served.stop()
+    print(format_report(fuzzer.report), flush=True)  # before the repros: a failure there loses nothing
     fuzzer.confirm_and_save(args.out, confirm=not args.no_confirm)
     fuzzer.worker.stop()
-    print(format_report(fuzzer.report))
+    print(f"repros in {args.out}")
     if not args.keep:
         shutil.rmtree(root, ignore_errors=True)
     return 1 if fuzzer.report.bad() else 0

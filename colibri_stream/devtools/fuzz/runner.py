@@ -134,6 +134,9 @@ class Fuzzer:
 def _copy_small(src: str, dst: str) -> None:
     """Copy a repro file, except the huge sparse ones a mutation made (a plain copy would write every
     hole: 1 TiB): those get a note, and the mutation in repro.json recreates them."""
+    if not Path(src).is_file():  # a FIFO or device the mutation planted: recreated by the mutation too
+        Path(dst + ".SPECIAL").write_text("not a regular file: recreate with the mutation in repro.json\n")
+        return
     size = Path(src).stat().st_size
     if size > REPRO_FILE_LIMIT:
         Path(dst + ".TOO-BIG").write_text(f"{size} bytes, mostly holes: recreate with the mutation in repro.json\n")
