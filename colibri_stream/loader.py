@@ -28,7 +28,7 @@ from colibri_stream.errors import CheckpointError
 from colibri_stream.expert_codec import expert_from_record
 from colibri_stream.expert_store import ExpertStore, ResidentStore
 from colibri_stream.fingerprint import container_fingerprint
-from colibri_stream.geometry import geometry_from_container
+from colibri_stream.geometry import container_args, geometry_from_container
 from colibri_stream.placement import bf16_held_weights, check_fits, plan
 from engine.args import ModelArgs
 from engine.bf16 import hold_in_bf16
@@ -218,7 +218,7 @@ def load_container(
 ) -> LoadedModel:
     """Dense part resident; experts all resident (``store`` None) or streamed by a TieredExpertStore."""
     container = Container(path)
-    args = ModelArgs.from_hf_config(container.model_config)
+    args = container_args(container)
     model = _load_dense(container, args, dtype)
     experts: ExpertStore
     if store is None:
