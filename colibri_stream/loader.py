@@ -91,7 +91,7 @@ def check_tensors(args: ModelArgs, names: SortedNames, shapes: dict[str, tuple[i
     _check_routed_names(args, names, source)
     model = check_dense_names(args, names.unmapped, set(names.dense.values()), source)
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
-    for hf, engine in names.dense.items():
+    for hf, engine in sorted(names.dense.items()):
         _check_shape(source, hf, shapes[hf], expected[engine])
     projections = {"w1": (args.moe_inter_dim, args.dim), "w3": (args.moe_inter_dim, args.dim)}
     projections["w2"] = (args.dim, args.moe_inter_dim)
