@@ -23,6 +23,7 @@ from colibri_stream.errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit
+MAX_JSON_BYTES = 64 << 20  # config.json, the shard index (DeepSeek-V3's: 9 MB for 91k tensors)
 DTYPE_BYTES = {
     "F64": 8,
     "F32": 4,
@@ -70,6 +71,8 @@ def inside(root: Path, name: Any, source: str) -> Path:
 
 def read_json_object(path: Path, what: str) -> dict[str, Any]:
     check_regular(path, what)
+    if path.stat().st_size > MAX_JSON_BYTES:
+        raise CheckpointError(f"{path}: {path.stat().st_size} bytes, more than {MAX_JSON_BYTES} for {what}")
     try:
         data = json.loads(path.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

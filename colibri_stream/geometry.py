@@ -9,13 +9,13 @@ model, the record size from storage.layout.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from colibri_stream.checkpoint_files import read_json_object
 from colibri_stream.dtypes import stored_dense_dtype
 from colibri_stream.errors import USER_ERRORS, CheckpointError, ColibriError
 from engine.args import ConfigError, ModelArgs
@@ -200,10 +200,4 @@ def model_geometry(path: str | Path, target: ContainerTarget | None = None) -> M
 
 
 def read_json_config(path: Path) -> dict[str, Any]:
-    try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: invalid JSON ({exc})") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return config
+    return read_json_object(path, "the model config")
