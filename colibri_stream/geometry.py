@@ -9,20 +9,23 @@ model, the record size from storage.layout.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from colibri_stream.checkpoint_files import read_json_object
 from colibri_stream.dtypes import stored_dense_dtype
-from colibri_stream.errors import CheckpointError, ColibriError
-from engine.args import ModelArgs
+from colibri_stream.errors import USER_ERRORS, CheckpointError, ColibriError
+from engine.args import ConfigError, ModelArgs
 from engine.model import meta_transformer
+from engine.weights import check_complete
 from storage.container import Container, is_container
+from storage.errors import FormatError
 from storage.layout import SCHEMES, ExpertRecordLayout
 from storage.tiered import minimum_slots
+from storage.verify import verify_container
 
 # What `convert` writes unless told otherwise (its ConvertOptions take these defaults).
 EXPERT_SCHEMES = SCHEMES
@@ -100,11 +103,50 @@ def config_floor(args: ModelArgs) -> int:
 def dequantised_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """config.json as the converted model has it: an FP8 ``quantization_config`` (DeepSeek-V3, Kimi-K2)
     describes the source only; convert dequantises it."""
+    quant = config.get("quantization_config")
+    if quant is not None and not isinstance(quant, dict):
+        raise ConfigError(f"config.json: quantization_config={quant!r}, expected an object (or null)")
     return {k: v for k, v in config.items() if k != "quantization_config"}
 
 
-def geometry_from_container(container: Container) -> ModelGeometry:
+def container_args(container: Container) -> ModelArgs:
+    """The model a container describes, after checking its dense table and expert layers against it:
+    the layer count against the layers the table holds before anything is built per layer, then every
+    name and shape against the meta-device model. A container `verify` passes can be loaded."""
     args = ModelArgs.from_hf_config(container.model_config)
+    where = f"{container.path}: model_config"
+    present = {name.split(".")[1] for name in container.dense if name.startswith("layers.")}
+    if args.n_layers > len(present):
+        raise FormatError(f"{where} num_hidden_layers={args.n_layers}, the dense table holds {len(present)} layer(s)")
+    if container.moe_layers != args.moe_layers or container.n_experts != args.n_routed_experts:
+        raise FormatError(
+            f"{where} makes layers {list(args.moe_layers)} MoE, experts.layers lists {list(container.moe_layers)}"
+        )
+    expected = {name: tuple(p.shape) for name, p in meta_transformer(args).state_dict().items()}
+    if args.tie_word_embeddings and "head.weight" not in container.dense:
+        expected.pop("head.weight")
+    check_complete([n for n in container.dense if n not in expected], expected, container.dense, str(container.path))
+    for name, entry in container.dense.items():
+        if entry.shape != expected[name]:
+            raise FormatError(f"dense array {name}: shape {list(entry.shape)}, the model needs {list(expected[name])}")
+    return args
+
+
+def container_problems(path: str | Path) -> list[str]:
+    """`verify`: the container's structure and checksums (storage.verify), and the model it describes."""
+
+    def model_problems(container: Container) -> list[str]:
+        try:
+            container_args(container)
+        except USER_ERRORS as exc:
+            return [str(exc)]
+        return []
+
+    return verify_container(path, check_model=model_problems)
+
+
+def geometry_from_container(container: Container) -> ModelGeometry:
+    args = container_args(container)
     dense = tuple(DenseArray(name, tuple(e.shape), e.dtype) for name, e in container.dense.items())
     layout = container.layout
     group = f" g{layout.group_size}" if layout.group_size else ""
@@ -130,7 +172,7 @@ def geometry_from_config(config: Mapping[str, Any], target: ContainerTarget, kin
         if not (args.tie_word_embeddings and name == "head.weight")
     )
     group = f" g{target.group_size}" if layout.group_size else ""
-    quant = config.get("quantization_config") or {}
+    quant = config.get("quantization_config") or {}  # an object: dequantised_config checked it
     source = f"{quant.get('quant_method', 'quantised')} checkpoint, " if quant else ""
     return ModelGeometry(
         kind=kind,
@@ -158,10 +200,4 @@ def model_geometry(path: str | Path, target: ContainerTarget | None = None) -> M
 
 
 def read_json_config(path: Path) -> dict[str, Any]:
-    try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: invalid JSON ({exc})") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return config
+    return read_json_object(path, "the model config")

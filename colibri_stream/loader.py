@@ -5,29 +5,37 @@ resident, routed experts resident or streamed by the tiered store under a budget
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
+from colibri_stream.checkpoint_files import (
+    FLOAT_DTYPES,
+    TensorInfo,
+    check_dtypes,
+    read_header,
+    read_json_object,
+    shard_files,
+)
 from colibri_stream.config import StoreOptions, store_config
 from colibri_stream.dtypes import COMPUTE_DTYPES, FLOAT32_PARAMETERS, from_stored
 from colibri_stream.errors import CheckpointError
 from colibri_stream.expert_codec import expert_from_record
 from colibri_stream.expert_store import ExpertStore, ResidentStore
 from colibri_stream.fingerprint import container_fingerprint
-from colibri_stream.geometry import geometry_from_container
+from colibri_stream.geometry import container_args, geometry_from_container
 from colibri_stream.placement import bf16_held_weights, check_fits, plan
 from engine.args import ModelArgs
 from engine.bf16 import hold_in_bf16
 from engine.experts import Expert, ExpertWeights
 from engine.model import Transformer, meta_transformer
 from engine.quant import dequantize
-from engine.weights import check_complete, sort_names
+from engine.weights import SortedNames, check_complete, layer_of, sort_names
 from storage.buffers import aligned_empty
 from storage.container import Container, ExpertReader, is_container
 from storage.errors import FormatError
@@ -47,15 +55,9 @@ class LoadedModel:
 
 def read_config(path: str | Path) -> dict[str, Any]:
     config_path = Path(path) / "config.json"
-    if not config_path.is_file():
+    if not config_path.exists():
         raise CheckpointError(f"{config_path}: not found (expected a Hugging Face checkpoint directory)")
-    try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{config_path}: invalid JSON ({exc})") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{config_path}: expected a JSON object")
-    return config
+    return read_json_object(config_path, "the model config")
 
 
 def model_config(path: str | Path) -> dict[str, Any]:
@@ -63,20 +65,66 @@ def model_config(path: str | Path) -> dict[str, Any]:
     return Container(path).model_config if is_container(path) else read_config(path)
 
 
-def shard_files(path: str | Path) -> list[Path]:
-    path = Path(path)
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = sorted({path / name for name in weight_map.values()})
-    else:
-        files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{path}: no *.safetensors files")
-    for file in files:
-        if not file.is_file():
-            raise CheckpointError(f"{file}: listed in model.safetensors.index.json but missing")
-    return files
+def tensor_table(path: str | Path, allowed: dict[str, tuple[str, ...]]) -> dict[str, tuple[Path, TensorInfo]]:
+    """Tensor name -> (shard, header entry) over every shard, read from the headers alone; a dtype
+    outside ``allowed`` (see checkpoint_files.check_dtypes) or a name in two shards is refused."""
+    table: dict[str, tuple[Path, TensorInfo]] = {}
+    for file in shard_files(path):
+        tensors = read_header(file)
+        check_dtypes(file, tensors, allowed)
+        for name, info in tensors.items():
+            if name in table:
+                raise CheckpointError(f"{file}: tensor {name} is also in {table[name][0]}")
+            table[name] = (file, info)
+    return table
+
+
+def check_tensors(args: ModelArgs, names: SortedNames, shapes: dict[str, tuple[int, ...]], source: str) -> Transformer:
+    """Everything about a checkpoint's tensors that can be checked from its headers, before a byte of
+    weights is read: config.json's layer count against the layers present, names, routed experts and
+    every shape against the model config.json describes. Returns the meta-device model."""
+    present = {layer for name in shapes if (layer := layer_of(name)) is not None}
+    if args.n_layers > len(present):
+        raise CheckpointError(
+            f"{source}/config.json: num_hidden_layers={args.n_layers}, but the tensors hold {len(present)} layer(s)"
+        )
+    _check_routed_names(args, names, source)
+    model = check_dense_names(args, names.unmapped, set(names.dense.values()), source)
+    expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+    for hf, engine in sorted(names.dense.items()):
+        _check_shape(source, hf, shapes[hf], expected[engine])
+    projections = {"w1": (args.moe_inter_dim, args.dim), "w3": (args.moe_inter_dim, args.dim)}
+    projections["w2"] = (args.dim, args.moe_inter_dim)
+    for (_, _, proj), hf in names.routed.items():
+        _check_shape(source, hf, shapes[hf], projections[proj])
+    return model
+
+
+def _check_shape(source: str, name: str, shape: tuple[int, ...], expected: tuple[int, ...]) -> None:
+    if shape != expected:
+        raise CheckpointError(f"{source}: tensor {name} has shape {list(shape)}, config.json implies {list(expected)}")
+
+
+def _check_routed_names(args: ModelArgs, names: SortedNames, source: str) -> None:
+    found: dict[int, dict[int, set[str]]] = defaultdict(lambda: defaultdict(set))
+    for layer, expert, proj in names.routed:
+        found[layer][expert].add(proj)
+    unexpected = sorted(set(found) - set(args.moe_layers))
+    if unexpected:
+        raise CheckpointError(f"{source}: routed experts in dense layer(s) {unexpected}")
+    for layer in args.moe_layers:
+        experts = found.get(layer, {})
+        if sorted(experts) != list(range(args.n_routed_experts)):
+            raise CheckpointError(
+                f"{source}: layer {layer} has routed experts {sorted(experts)[:8]}... "
+                f"({len(experts)}), config.json n_routed_experts={args.n_routed_experts} "
+                f"expects 0..{args.n_routed_experts - 1}"
+            )
+        for expert, projs in experts.items():
+            if projs != {"w1", "w2", "w3"}:
+                raise CheckpointError(
+                    f"{source}: layer {layer} expert {expert} lacks {sorted({'w1', 'w2', 'w3'} - projs)}"
+                )
 
 
 def check_dense_names(args: ModelArgs, unmapped: list[str], loaded: set[str], source: str) -> Transformer:
@@ -117,46 +165,46 @@ def load_checkpoint(
     path = Path(path)
     config = read_config(path)
     args = ModelArgs.from_hf_config(config)
+    table = tensor_table(path, {"": FLOAT_DTYPES})
+    names = sort_names(table, args.n_layers)
+    model = check_tensors(args, names, {name: info.shape for name, (_, info) in table.items()}, str(path))
+    wanted = {name: ("dense", target) for name, target in names.dense.items()}
+    wanted.update({name: ("routed", key) for key, name in names.routed.items()})
     dense: dict[str, torch.Tensor] = {}
     routed: dict[int, dict[int, dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
-    unmapped: list[str] = []
-    for file in shard_files(path):
-        with safe_open(file, framework="pt", device=device) as shard:
-            names = sort_names(shard.keys(), args.n_layers)
-            unmapped += names.unmapped
-            for (layer, expert, proj), name in names.routed.items():
-                routed[layer][expert][proj] = shard.get_tensor(name).to(dtype)
-            for name, target in names.dense.items():
-                dense[target] = shard.get_tensor(name)
-    model = check_dense_names(args, unmapped, set(dense), str(path))
+    for file in sorted({file for file, _ in table.values()}):
+        for name, tensor in _read_tensors(file, [n for n in wanted if table[n][0] == file], device):
+            kind, target = wanted[name]
+            if kind == "dense":
+                dense[target] = tensor
+            else:
+                layer, expert, proj = target
+                routed[layer][expert][proj] = tensor.to(dtype)
     if args.tie_word_embeddings and "head.weight" not in dense:
         dense["head.weight"] = dense["embed.weight"]
     for name, tensor in dense.items():
         dense[name] = tensor.to(torch.float32 if name.endswith(FLOAT32_PARAMETERS) else dtype)
     model.load_state_dict(dense, strict=True, assign=True)
-    experts = ResidentStore(_routed_experts(args, routed, path), trace)
+    experts = ResidentStore(_routed_experts(args, routed), trace)
     return LoadedModel(path, config, args, model.eval(), experts)
 
 
-def _routed_experts(args: ModelArgs, routed: dict, path: Path) -> dict[int, dict[int, ExpertWeights]]:
-    unexpected = sorted(set(routed) - set(args.moe_layers))
-    if unexpected:
-        raise CheckpointError(f"{path}: routed experts in dense layer(s) {unexpected}")
-    experts: dict[int, dict[int, ExpertWeights]] = {}
-    for layer in args.moe_layers:
-        found = routed.get(layer, {})
-        if sorted(found) != list(range(args.n_routed_experts)):
-            raise CheckpointError(
-                f"{path}: layer {layer} has routed experts {sorted(found)[:8]}... "
-                f"({len(found)}), expected 0..{args.n_routed_experts - 1}"
-            )
-        for expert, weights in found.items():
-            if set(weights) != {"w1", "w2", "w3"}:
-                raise CheckpointError(
-                    f"{path}: layer {layer} expert {expert} lacks {sorted({'w1', 'w2', 'w3'} - set(weights))}"
-                )
-        experts[layer] = {e: ExpertWeights(w["w1"], w["w2"], w["w3"]) for e, w in found.items()}
-    return experts
+def _read_tensors(file: Path, names: list[str], device: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The named tensors of one shard (its header already checked by checkpoint_files.read_header)."""
+    try:
+        with safe_open(file, framework="pt", device=device) as shard:
+            for name in names:
+                yield name, shard.get_tensor(name)
+    except SafetensorError as exc:
+        raise CheckpointError(f"{file}: unreadable safetensors file ({exc})") from None
+
+
+def _routed_experts(args: ModelArgs, routed: dict) -> dict[int, dict[int, ExpertWeights]]:
+    """Names were checked complete by check_tensors."""
+    return {
+        layer: {e: ExpertWeights(w["w1"], w["w2"], w["w3"]) for e, w in routed[layer].items()}
+        for layer in args.moe_layers
+    }
 
 
 # ------------------------------------------------------------------------------ containers
@@ -170,7 +218,7 @@ def load_container(
 ) -> LoadedModel:
     """Dense part resident; experts all resident (``store`` None) or streamed by a TieredExpertStore."""
     container = Container(path)
-    args = ModelArgs.from_hf_config(container.model_config)
+    args = container_args(container)
     model = _load_dense(container, args, dtype)
     experts: ExpertStore
     if store is None:

@@ -11,14 +11,27 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from engine.config_checks import (
+    MAX_EXPERTS,
+    MAX_HEADS,
+    MAX_LAYERS,
+    MAX_SIZE,
+    ConfigError,
+    as_float,
+    as_int,
+    check_routing,
+    optional_bool,
+    optional_float,
+    optional_int,
+    size,
+)
+
+__all__ = ["ConfigError", "ModelArgs", "RopeArgs", "MODEL_TYPES", "DSA_MODEL_TYPES"]
+
 MODEL_TYPES = ("deepseek_v3", "kimi_k2", "deepseek_v32", "glm_moe_dsa")
 DSA_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
 
 IndexerKind = Literal["full", "shared"]
-
-
-class ConfigError(ValueError):
-    """A config.json the engine cannot run faithfully; the message names the field."""
 
 
 @dataclass(frozen=True)
@@ -143,59 +156,56 @@ class ModelArgs:
 # ----------------------------------------------------------------------------------------- parsing
 
 
-def _require(config: Mapping[str, Any], key: str) -> Any:
-    if config.get(key) is None:
-        raise ConfigError(f"config.json: missing required field {key!r}")
-    return config[key]
-
-
 def _expect(config: Mapping[str, Any], key: str, allowed: tuple[Any, ...], default: Any) -> None:
     value = config.get(key, default)
-    if value not in allowed:
+    if value not in allowed or isinstance(value, bool) != isinstance(allowed[0], bool):
         raise ConfigError(f"config.json: {key}={value!r} is not supported (supported: {list(allowed)})")
 
 
 def _parse(config: Mapping[str, Any]) -> ModelArgs:
     model_type = config.get("model_type")
-    if model_type not in MODEL_TYPES:
+    if not isinstance(model_type, str) or model_type not in MODEL_TYPES:
         raise ConfigError(f"config.json: model_type {model_type!r} is not supported (supported: {list(MODEL_TYPES)})")
     _check_semantics(config)
-    n_layers = int(_require(config, "num_hidden_layers"))
-    n_heads = int(_require(config, "num_attention_heads"))
-    n_routed = int(_require(config, "n_routed_experts"))
-    n_groups = int(config.get("n_group") or 1)
-    if n_routed % n_groups:
-        raise ConfigError(f"config.json: n_routed_experts={n_routed} is not divisible by n_group={n_groups}")
-    dsa = _parse_dsa(config, model_type, n_layers)
-    q_lora = config.get("q_lora_rank") or 0
+    n_layers = size(config, "num_hidden_layers", maximum=MAX_LAYERS)  # bounded before any per-layer table
+    n_routed = size(config, "n_routed_experts", maximum=MAX_EXPERTS)
+    top_k = size(config, "num_experts_per_tok", maximum=MAX_EXPERTS)
+    n_groups = optional_int(config, "n_group", 1, 1, MAX_EXPERTS)
+    topk_groups = optional_int(config, "topk_group", 1, 1, MAX_EXPERTS)
+    check_routing(n_routed, top_k, n_groups, topk_groups)
+    rope_dim = size(config, "qk_rope_head_dim")
+    if rope_dim % 2:
+        raise ConfigError(f"config.json: qk_rope_head_dim={rope_dim}, expected an even number (rope rotates pairs)")
+    dsa = _parse_dsa(config, model_type, n_layers, rope_dim)
+    q_lora = optional_int(config, "q_lora_rank", 0, 0, MAX_SIZE)
     if dsa and not q_lora:
         raise ConfigError("config.json: q_lora_rank is required for DSA models (the indexer reads the q latent)")
     return ModelArgs(
         model_type=model_type,
-        vocab_size=int(_require(config, "vocab_size")),
-        dim=int(_require(config, "hidden_size")),
-        inter_dim=int(_require(config, "intermediate_size")),
-        moe_inter_dim=int(_require(config, "moe_intermediate_size")),
+        vocab_size=size(config, "vocab_size"),
+        dim=size(config, "hidden_size"),
+        inter_dim=size(config, "intermediate_size"),
+        moe_inter_dim=size(config, "moe_intermediate_size"),
         n_layers=n_layers,
-        n_heads=n_heads,
-        q_lora_rank=int(q_lora),
-        kv_lora_rank=int(_require(config, "kv_lora_rank")),
-        qk_nope_head_dim=int(_require(config, "qk_nope_head_dim")),
-        qk_rope_head_dim=int(_require(config, "qk_rope_head_dim")),
-        v_head_dim=int(_require(config, "v_head_dim")),
+        n_heads=size(config, "num_attention_heads", maximum=MAX_HEADS),
+        q_lora_rank=q_lora,
+        kv_lora_rank=size(config, "kv_lora_rank"),
+        qk_nope_head_dim=size(config, "qk_nope_head_dim"),
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=size(config, "v_head_dim"),
         n_routed_experts=n_routed,
-        n_shared_experts=int(config.get("n_shared_experts") or 0),
-        n_activated_experts=int(_require(config, "num_experts_per_tok")),
+        n_shared_experts=optional_int(config, "n_shared_experts", 0, 0, MAX_EXPERTS),
+        n_activated_experts=top_k,
         n_expert_groups=n_groups,
-        n_limited_groups=int(config.get("topk_group") or 1),
-        route_scale=float(config.get("routed_scaling_factor", 1.0)),
-        norm_topk_prob=bool(config.get("norm_topk_prob", True)),
+        n_limited_groups=topk_groups,
+        route_scale=optional_float(config, "routed_scaling_factor", 1.0),
+        norm_topk_prob=optional_bool(config, "norm_topk_prob", True),
         dense_layers=_parse_dense_layers(config, n_layers),
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=optional_float(config, "rms_norm_eps", 1e-6),
         rope=_parse_rope(config),
-        rope_interleave=bool(config.get("rope_interleave", True)),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+        rope_interleave=optional_bool(config, "rope_interleave", True),
+        tie_word_embeddings=optional_bool(config, "tie_word_embeddings", False),
+        max_position_embeddings=optional_int(config, "max_position_embeddings", 4096, 1, 1 << 30),
         **dsa,
     )
 
@@ -211,42 +221,43 @@ def _check_semantics(config: Mapping[str, Any]) -> None:
     heads, kv_heads = config.get("num_attention_heads"), config.get("num_key_value_heads")
     if kv_heads is not None and kv_heads != heads:
         raise ConfigError(f"config.json: num_key_value_heads={kv_heads} must equal num_attention_heads={heads} (MLA)")
-    if config.get("quantization_config"):
-        method = config["quantization_config"].get("quant_method", "?")
+    quant = config.get("quantization_config")
+    if quant is not None and not isinstance(quant, dict):
+        raise ConfigError(f"config.json: quantization_config={quant!r}, expected an object (or null)")
+    if quant:
         raise ConfigError(
-            f"config.json: quantization_config ({method}) — quantised checkpoints are read by "
-            "`colibri-stream convert`, not loaded directly"
+            f"config.json: quantization_config ({quant.get('quant_method', '?')}) — quantised checkpoints are read "
+            "by `colibri-stream convert`, not loaded directly"
         )
 
 
 def _parse_dense_layers(config: Mapping[str, Any], n_layers: int) -> tuple[bool, ...]:
     kinds = config.get("mlp_layer_types")
     if kinds is not None:
-        if len(kinds) != n_layers or not set(kinds) <= {"dense", "sparse"}:
+        if not isinstance(kinds, list) or len(kinds) != n_layers or not set(map(str, kinds)) <= {"dense", "sparse"}:
             raise ConfigError(f"config.json: mlp_layer_types must list 'dense'/'sparse' for {n_layers} layers")
         return tuple(kind == "dense" for kind in kinds)
-    first_dense = int(config.get("first_k_dense_replace") or 0)
+    first_dense = optional_int(config, "first_k_dense_replace", 0, 0, n_layers)
     return tuple(i < first_dense for i in range(n_layers))
 
 
-def _parse_dsa(config: Mapping[str, Any], model_type: str, n_layers: int) -> dict[str, Any]:
+def _parse_dsa(config: Mapping[str, Any], model_type: str, n_layers: int, rope_dim: int) -> dict[str, Any]:
     if model_type not in DSA_MODEL_TYPES:
         return {}
     kinds = config.get("indexer_types")
     if kinds is None:
         kinds = ["full"] * n_layers
-    if len(kinds) != n_layers or not set(kinds) <= {"full", "shared"}:
+    if not isinstance(kinds, list) or len(kinds) != n_layers or not set(map(str, kinds)) <= {"full", "shared"}:
         raise ConfigError(f"config.json: indexer_types must list 'full'/'shared' for {n_layers} layers")
     if kinds[0] != "full":
         raise ConfigError("config.json: indexer_types[0] must be 'full' (a shared layer reuses an earlier selection)")
-    rope_dim = int(_require(config, "qk_rope_head_dim"))
-    head_dim = int(_require(config, "index_head_dim"))
+    head_dim = size(config, "index_head_dim")
     if head_dim < rope_dim:
         raise ConfigError(f"config.json: index_head_dim={head_dim} is smaller than qk_rope_head_dim={rope_dim}")
     return dict(
-        index_n_heads=int(_require(config, "index_n_heads")),
+        index_n_heads=size(config, "index_n_heads", maximum=MAX_HEADS),
         index_head_dim=head_dim,
-        index_topk=int(_require(config, "index_topk")),
+        index_topk=size(config, "index_topk", maximum=1 << 30),
         indexer_types=tuple(kinds),
         indexer_rope_interleave=model_type == "glm_moe_dsa",
     )
@@ -254,31 +265,37 @@ def _parse_dsa(config: Mapping[str, Any], model_type: str, n_layers: int) -> dic
 
 def _parse_rope(config: Mapping[str, Any]) -> RopeArgs:
     """Both spellings: transformers-5 ``rope_parameters`` and legacy ``rope_theta`` + ``rope_scaling``."""
-    params = dict(config.get("rope_parameters") or {})
-    legacy = dict(config.get("rope_scaling") or {})
-    merged = {**legacy, **params}
-    theta = merged.get("rope_theta", config.get("rope_theta", 10000.0))
+    merged: dict[str, Any] = {}
+    for key in ("rope_scaling", "rope_parameters"):  # a key in rope_parameters wins
+        value = config.get(key)
+        if value is not None and not isinstance(value, dict):
+            raise ConfigError(f"config.json: {key}={value!r}, expected an object (or null)")
+        merged.update(value or {})
+    theta = as_float("rope_theta", merged.get("rope_theta", config.get("rope_theta", 10000.0)))
     kind = merged.get("rope_type", merged.get("type", "default"))
     if kind == "default":
-        return RopeArgs(theta=float(theta))
+        return RopeArgs(theta=theta)
     if kind != "yarn":
         raise ConfigError(f"config.json: rope type {kind!r} is not supported (supported: ['default', 'yarn'])")
     for key in ("factor", "original_max_position_embeddings"):
         if merged.get(key) is None:
             raise ConfigError(f"config.json: yarn rope scaling needs {key!r}")
+
+    def rope_float(key: str, default: float | None, positive: bool = True) -> Any:
+        value = merged.get(key)
+        return default if value is None else as_float(f"rope {key}", value, positive)
+
     return RopeArgs(
-        theta=float(theta),
+        theta=theta,
         kind="yarn",
-        factor=float(merged["factor"]),
-        original_max_position_embeddings=int(merged["original_max_position_embeddings"]),
-        beta_fast=float(merged.get("beta_fast") or 32.0),
-        beta_slow=float(merged.get("beta_slow") or 1.0),
-        mscale=_optional_float(merged.get("mscale")),
-        mscale_all_dim=_optional_float(merged.get("mscale_all_dim")),
-        attention_factor=_optional_float(merged.get("attention_factor")),
+        factor=as_float("rope factor", merged["factor"]),
+        original_max_position_embeddings=as_int(
+            "rope original_max_position_embeddings", merged["original_max_position_embeddings"], 1, 1 << 30
+        ),
+        beta_fast=rope_float("beta_fast", 32.0),
+        beta_slow=rope_float("beta_slow", 1.0),
+        mscale=rope_float("mscale", None, positive=False),
+        mscale_all_dim=rope_float("mscale_all_dim", None, positive=False),
+        attention_factor=rope_float("attention_factor", None),
         truncate=bool(merged.get("truncate", True)),
     )
-
-
-def _optional_float(value: Any) -> float | None:
-    return None if value is None else float(value)

@@ -14,7 +14,10 @@ record in one call, optionally with O_DIRECT (records are 4 KiB multiples at off
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
+import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +37,9 @@ ATTRS_KEY = "colibri"
 DENSE_GROUP = "dense"
 EXPERTS_GROUP = "experts"
 DENSE_DTYPES = ("float32", "bfloat16", "int8")  # int8: group-quantised, with a float16 scale array
+MAX_METADATA_BYTES = 64 << 20  # zarr.json files; DeepSeek-V3's root, every checksum included, is ~0.2 MB
+# Dense array names are engine parameter names: one path component, never "." or ".." or a separator.
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 
 
 def expert_array_name(layer: int) -> str:
@@ -45,11 +51,31 @@ def expert_chunk_relpath(layer: int, expert: int) -> str:
     return f"{EXPERTS_GROUP}/{expert_array_name(layer)}/c/{expert}/0"
 
 
-def read_json(path: Path, what: str) -> Any:
-    if not path.is_file():
-        raise FormatError(f"{path}: missing ({what})")
+def regular_file_size(path: Path, what: str) -> int:
+    """The size of ``path``, refusing anything but a regular file before it is opened (a FIFO would
+    block the open forever; a device or directory is no chunk)."""
     try:
-        return json.loads(path.read_text())
+        info = path.stat()
+    except OSError:
+        raise FormatError(f"{path}: missing ({what})") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise FormatError(f"{path}: not a regular file ({what})")
+    return info.st_size
+
+
+def check_plain_name(name: Any, where: str) -> str:
+    """A name used as one path component inside the container: no separators, no '..', not absolute."""
+    if not isinstance(name, str) or not _PLAIN_NAME.fullmatch(name) or ".." in name:
+        raise FormatError(f"{where}: name {name!r} is not a plain array or file name")
+    return name
+
+
+def read_json(path: Path, what: str) -> Any:
+    size = regular_file_size(path, what)
+    if size > MAX_METADATA_BYTES:
+        raise FormatError(f"{path}: {size} bytes, more than {MAX_METADATA_BYTES} for {what}")
+    try:
+        return json.loads(path.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise FormatError(f"{path}: not valid JSON ({what}): {exc}") from None
 
@@ -87,7 +113,7 @@ class Container:
         )
         self.n_experts = self._config_int("n_routed_experts")
         self.experts_per_token = self._config_int("num_experts_per_tok")  # the router's top-k
-        self.moe_layers: tuple[int, ...] = tuple(int(layer) for layer in experts["layers"])
+        self.moe_layers: tuple[int, ...] = self._parse_layers(experts.get("layers"))
         self._expert_crcs = self._parse_expert_checksums(experts.get("checksums"))
         self.dense = self._parse_dense(attrs["dense"])
 
@@ -112,6 +138,15 @@ class Container:
             raise FormatError(f"{self.path}: model_config.{key} is missing or not an integer")
         return value
 
+    def _parse_layers(self, layers: Any) -> tuple[int, ...]:
+        n_layers = self._config_int("num_hidden_layers")
+        ok = isinstance(layers, list) and all(type(x) is int and 0 <= x < n_layers for x in layers)
+        if not ok or len(set(layers)) != len(layers):
+            raise FormatError(
+                f"{self.path}: experts.layers must list distinct MoE layers in [0, {n_layers}), got {layers!r:.80}"
+            )
+        return tuple(layers)
+
     def _parse_expert_checksums(self, checksums: Any) -> dict[int, list[int]]:
         if not isinstance(checksums, dict):
             raise FormatError(f"{self.path}: experts.checksums is missing")
@@ -126,6 +161,7 @@ class Container:
     def _parse_dense(self, table: dict[str, Any]) -> dict[str, DenseEntry]:
         entries = {}
         for name, entry in table.items():
+            check_plain_name(name, f"{self.path}: dense")
             dense = self._dense_entry(name, entry)
             if dense.dtype not in DENSE_DTYPES:
                 raise FormatError(
@@ -141,9 +177,12 @@ class Container:
 
     def _dense_entry(self, name: str, entry: Any, dtype: str | None = None) -> DenseEntry:
         try:
-            return DenseEntry(name, tuple(entry["shape"]), dtype or entry["dtype"], int(entry["crc32c"]))
+            dense = DenseEntry(name, tuple(entry["shape"]), dtype or entry["dtype"], int(entry["crc32c"]))
         except (KeyError, TypeError, ValueError):
             raise FormatError(f"{self.path}: dense entry {name!r} needs shape, dtype and crc32c") from None
+        if not dense.shape or not all(type(d) is int and d > 0 for d in dense.shape):
+            raise FormatError(f"{self.path}: dense entry {name!r}: shape {list(dense.shape)} is not a list of sizes")
+        return dense
 
     def array_metadata(self, relpath: str) -> dict[str, Any]:
         meta = read_json(self.path / relpath / "zarr.json", f"array metadata of {relpath}")
@@ -152,20 +191,64 @@ class Container:
         return meta
 
     def check_dense_metadata(self, entry: DenseEntry) -> None:
-        meta = self.array_metadata(f"{DENSE_GROUP}/{entry.name}")
-        stored = str(np.dtype(DTYPES[entry.dtype]))
-        if tuple(meta.get("shape", ())) != entry.shape or meta.get("data_type") != stored:
+        """The array as the converter writes it, and nothing else: one chunk holding the whole array,
+        uncompressed little-endian bytes, its file regular and exactly the declared size. So a read is
+        bounded by the declared shape (a gzip codec could inflate a small chunk to gigabytes)."""
+        relpath = f"{DENSE_GROUP}/{entry.name}"
+        meta = self.array_metadata(relpath)
+        dtype = np.dtype(DTYPES[entry.dtype])
+        if tuple(meta.get("shape", ())) != entry.shape or meta.get("data_type") != str(dtype):
             raise FormatError(
                 f"dense array {entry.name}: zarr metadata says {meta.get('data_type')}{meta.get('shape')}, "
-                f"container attributes say {stored}{list(entry.shape)}"
+                f"container attributes say {dtype}{list(entry.shape)}"
+            )
+        chunks = meta.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape")
+        codecs = meta.get("codecs")
+        bytes_only = isinstance(codecs, list) and len(codecs) == 1 and isinstance(codecs[0], dict)
+        if not bytes_only or codecs[0].get("name") != "bytes" or chunks != list(entry.shape):
+            raise FormatError(
+                f"dense array {entry.name}: needs one uncompressed chunk (bytes codec only, chunk_shape = shape), "
+                f"got codecs {codecs!r:.100}, chunks {chunks}"
+            )
+        if codecs[0].get("configuration", {}).get("endian", "little") != "little" or meta.get("storage_transformers"):
+            raise FormatError(f"dense array {entry.name}: only little-endian bytes without transformers are read")
+        self._check_chunk_key_encoding(meta, f"dense array {entry.name}")
+        chunk = self.path / relpath / "c" / "/".join("0" * len(entry.shape))
+        size = regular_file_size(chunk, f"chunk of dense array {entry.name}")
+        expected = math.prod(entry.shape) * dtype.itemsize
+        if size != expected:
+            raise CorruptDataError(f"dense array {entry.name}: {chunk} holds {size} bytes, expected {expected}")
+
+    def _check_chunk_key_encoding(self, meta: dict[str, Any], what: str) -> None:
+        encoding = meta.get("chunk_key_encoding", {})
+        if (
+            not isinstance(encoding, dict)
+            or encoding.get("name") != "default"
+            or (encoding.get("configuration", {}).get("separator", "/") != "/")
+        ):
+            raise FormatError(f"{what}: unsupported chunk key encoding {encoding!r:.100}")
+
+    def check_expert_file(self, layer: int, expert: int) -> None:
+        """The record's chunk is a regular file of exactly one record, checked before anything is read or
+        a buffer sized from the layout is allocated."""
+        path = self.expert_path(layer, expert)
+        try:
+            info = path.stat()
+        except OSError:
+            raise CorruptDataError(f"layer {layer} expert {expert}: chunk file {path} is missing") from None
+        if not stat.S_ISREG(info.st_mode):
+            raise CorruptDataError(f"layer {layer} expert {expert}: chunk {path} is not a regular file")
+        size = info.st_size
+        if size != self.layout.record_bytes:
+            raise CorruptDataError(
+                f"layer {layer} expert {expert}: {path} holds {size} bytes, expected {self.layout.record_bytes}"
             )
 
     def check_expert_metadata(self, layer: int) -> None:
         relpath = f"{EXPERTS_GROUP}/{expert_array_name(layer)}"
         meta = self.array_metadata(relpath)
         chunks = meta.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape")
-        codecs = [c.get("name") for c in meta.get("codecs", [])]
-        encoding = meta.get("chunk_key_encoding", {})
+        codecs = [c.get("name") if isinstance(c, dict) else c for c in meta.get("codecs", [])]
         expected_shape = [self.n_experts, self.layout.record_bytes]
         if meta.get("shape") != expected_shape or meta.get("data_type") != "uint8":
             raise FormatError(
@@ -176,8 +259,7 @@ class Container:
             raise FormatError(
                 f"expert array {relpath}: needs one uncompressed chunk per expert (chunks {chunks}, codecs {codecs})"
             )
-        if encoding.get("name") != "default" or encoding.get("configuration", {}).get("separator", "/") != "/":
-            raise FormatError(f"expert array {relpath}: unsupported chunk key encoding {encoding}")
+        self._check_chunk_key_encoding(meta, f"expert array {relpath}")
 
     # ---------------------------------------------------------------------------------------- data
     def expert_path(self, layer: int, expert: int) -> Path:
@@ -262,13 +344,17 @@ class ExpertReader:
         size = self.record_bytes
         if out.nbytes < size:
             raise ValueError(f"buffer of {out.nbytes} bytes cannot hold a {size}-byte record")
-        flags = os.O_RDONLY | (os.O_DIRECT if self.direct else 0)
+        # O_NONBLOCK: opening a FIFO planted as a chunk returns at once (and is refused below) instead
+        # of waiting forever for a writer; it changes nothing for a regular file.
+        flags = os.O_RDONLY | os.O_NONBLOCK | (os.O_DIRECT if self.direct else 0)
         target = memoryview(out.reshape(-1)[:size])
         try:
             fd = os.open(path, flags)
         except FileNotFoundError:
             raise CorruptDataError(f"layer {layer} expert {expert}: chunk file {path} is missing") from None
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise CorruptDataError(f"layer {layer} expert {expert}: chunk {path} is not a regular file")
             got = os.preadv(fd, [target], 0)
         except OSError as exc:
             raise CorruptDataError(f"layer {layer} expert {expert}: read of {path} failed: {exc}") from None

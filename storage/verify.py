@@ -2,22 +2,29 @@
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from storage.buffers import aligned_empty
-from storage.container import Container, ExpertReader
+from storage.container import Container, ExpertReader, check_plain_name
 from storage.errors import StorageError
 
+ModelCheck = Callable[[Container], list[str]]
 
-def verify_container(path: str | Path) -> list[str]:
-    """Every problem found, each naming its array or expert; empty when the container is sound."""
+
+def verify_container(path: str | Path, check_model: ModelCheck | None = None) -> list[str]:
+    """Every problem found, each naming its array or expert; empty when the container is sound.
+
+    ``check_model`` adds the problems of the model the container describes (its config, its dense
+    table against that model): storage cannot judge a model config, the library can."""
     try:
         container = Container(path)
     except StorageError as exc:
         return [str(exc)]
-    return list(_dense_problems(container)) + list(_expert_problems(container)) + list(_file_problems(container))
+    model = check_model(container) if check_model else []
+    return (
+        model + list(_dense_problems(container)) + list(_expert_problems(container)) + list(_file_problems(container))
+    )
 
 
 def _dense_problems(container: Container) -> Iterator[str]:
@@ -32,8 +39,7 @@ def _dense_problems(container: Container) -> Iterator[str]:
 
 def _expert_problems(container: Container) -> Iterator[str]:
     reader = ExpertReader(container)
-    size = container.layout.record_bytes
-    buffer = aligned_empty(size)
+    buffer = None  # allocated once a chunk file of the layout's record size exists, not from metadata alone
     for layer in container.moe_layers:
         try:
             container.check_expert_metadata(layer)
@@ -41,17 +47,21 @@ def _expert_problems(container: Container) -> Iterator[str]:
             yield str(exc)
             continue
         for expert in range(container.n_experts):
-            path = container.expert_path(layer, expert)
-            if path.is_file() and os.path.getsize(path) != size:
-                yield f"layer {layer} expert {expert}: {path} holds {os.path.getsize(path)} bytes, expected {size}"
-                continue
             try:
+                container.check_expert_file(layer, expert)  # regular, exactly one record: nothing hangs
+                buffer = aligned_empty(container.layout.record_bytes) if buffer is None else buffer
                 reader.read_into(layer, expert, buffer)
             except StorageError as exc:
                 yield str(exc)
 
 
 def _file_problems(container: Container) -> Iterator[str]:
-    for name in container.attrs.get("files", []):
+    files = container.attrs.get("files", [])
+    for name in files if isinstance(files, list) else [files]:
+        try:
+            check_plain_name(name, f"{container.path}: files")
+        except StorageError as exc:
+            yield str(exc)
+            continue
         if not (container.path / name).is_file():
             yield f"{container.path / name}: copied from the source checkpoint but now missing"

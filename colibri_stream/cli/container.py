@@ -9,7 +9,7 @@ import sys
 from colibri_stream.cli.help import help_options
 from colibri_stream.cli.options import add_target_arguments
 from colibri_stream.convert.converter import Converter, ConvertOptions
-from storage.verify import verify_container
+from colibri_stream.geometry import container_problems
 
 CONVERT_EPILOG = """\
 examples:
@@ -61,7 +61,7 @@ def run_convert(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    problems = verify_container(args.path)
+    problems = container_problems(args.path)
     for problem in problems:
         print(problem, file=sys.stderr)
     print(f"{args.path}: {'ok' if not problems else f'{len(problems)} problem(s)'}")

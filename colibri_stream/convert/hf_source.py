@@ -11,19 +11,20 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
+from colibri_stream.checkpoint_files import FLOAT_DTYPES, FP8_DTYPE
 from colibri_stream.geometry import dequantised_config
-from colibri_stream.loader import CheckpointError, read_config, shard_files
+from colibri_stream.loader import CheckpointError, check_tensors, read_config, tensor_table
+from engine.args import ModelArgs
+from engine.weights import sort_names
 
 SCALE_SUFFIX = "_scale_inv"
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "I64": 8, "I32": 4, "I8": 1, "U8": 1}
 COPIED_FILES = (
     "config.json",
     "generation_config.json",
@@ -39,19 +40,22 @@ class HFSource:
         self.path = Path(path)
         self.config = read_config(self.path)
         self.block = self._fp8_block(self.config.get("quantization_config"))
-        self.files = shard_files(self.path)
-        self.where: dict[str, Path] = {}  # tensor name -> shard
-        self.shapes: dict[str, tuple[int, ...]] = {}
-        self.stored_bytes: dict[str, int] = {}  # bytes on disk, for progress
-        for file in self.files:
-            with safe_open(file, framework="pt") as shard:
-                for name in shard.keys():
-                    tensor = shard.get_slice(name)
-                    self.where[name] = file
-                    self.shapes[name] = tuple(tensor.get_shape())
-                    self.stored_bytes[name] = math.prod(self.shapes[name]) * _DTYPE_BYTES.get(tensor.get_dtype(), 4)
+        # Headers only, each checked (checkpoint_files.read_header); FP8 weights only where announced.
+        allowed = {"": FLOAT_DTYPES + (FP8_DTYPE,), SCALE_SUFFIX: FLOAT_DTYPES} if self.block else {"": FLOAT_DTYPES}
+        table = tensor_table(self.path, allowed)
+        self.files = sorted({file for file, _ in table.values()})
+        self.where: dict[str, Path] = {name: file for name, (file, _) in table.items()}  # tensor name -> shard
+        self.shapes: dict[str, tuple[int, ...]] = {name: info.shape for name, (_, info) in table.items()}
+        self.stored_bytes = {name: info.nbytes for name, (_, info) in table.items()}  # bytes on disk, for progress
+        args = ModelArgs.from_hf_config(self.dense_config())
+        check_tensors(args, sort_names(self.tensor_names, args.n_layers), self.shapes, str(self.path))
 
-    def _fp8_block(self, quant: dict[str, Any] | None) -> tuple[int, int] | None:
+    def _fp8_block(self, quant: Any) -> tuple[int, int] | None:
+        if quant is not None and not isinstance(quant, dict):
+            raise CheckpointError(
+                f"{self.path / 'config.json'}: quantization_config={quant!r}, expected an object "
+                "(quant_method fp8, fmt e4m3, weight_block_size [rows, cols])"
+            )
         if not quant:
             return None
         method, fmt = quant.get("quant_method"), quant.get("fmt", "e4m3")
@@ -124,11 +128,17 @@ class TensorReader:
         if file is None:
             raise CheckpointError(f"{self.source.path}: tensor {name} is missing")
         if file not in self._open:
-            self._open[file] = self._stack.enter_context(safe_open(file, framework="pt"))
+            try:
+                self._open[file] = self._stack.enter_context(safe_open(file, framework="pt"))
+            except SafetensorError as exc:
+                raise CheckpointError(f"{file}: unreadable safetensors file ({exc})") from None
         return self._open[file]
 
     def get(self, name: str) -> torch.Tensor:
-        tensor = self._shard(name).get_tensor(name)
+        try:
+            tensor = self._shard(name).get_tensor(name)
+        except SafetensorError as exc:
+            raise CheckpointError(f"{self.source.where[name]}: tensor {name} unreadable ({exc})") from None
         if tensor.dtype == torch.float8_e4m3fn:
             if self.source.block is None:
                 raise CheckpointError(

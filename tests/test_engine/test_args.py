@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -72,3 +73,36 @@ def test_dsa_configs_refuse_a_shared_first_layer(tiny_checkpoints):
     config = _config(tiny_checkpoints, "glm_moe_dsa")
     with pytest.raises(ConfigError, match="indexer_types"):
         ModelArgs.from_hf_config({**config, "indexer_types": ["shared", "full", "full", "full"]})
+
+
+def test_real_model_configs_pass_validation():
+    """transformers' defaults are the released models' shapes (GLM-5: 78 layers, n_group 1; DeepSeek-V3 and
+    V3.2: 61 layers, 256 experts in 8 groups, top-4 groups); the demo model is a real glm_moe_dsa."""
+    from transformers import DeepseekV3Config, DeepseekV32Config, GlmMoeDsaConfig
+
+    for config_class in (DeepseekV3Config, DeepseekV32Config, GlmMoeDsaConfig):
+        config = {**config_class().to_dict(), "model_type": config_class.model_type}
+        assert ModelArgs.from_hf_config(config).n_layers in (61, 78)
+    demo = json.loads((Path(__file__).resolve().parents[2] / "demo/model/config.json").read_text())
+    assert ModelArgs.from_hf_config(demo).n_routed_experts == 32
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"rms_norm_eps": float("inf")}, "rms_norm_eps=inf, expected a finite number > 0"),
+        ({"num_hidden_layers": 10**7}, "num_hidden_layers=10000000, expected an integer in [1, 1024]"),
+        ({"num_hidden_layers": 2.5}, "num_hidden_layers=2.5"),
+        ({"routed_scaling_factor": 0}, "routed_scaling_factor=0"),
+        ({"n_group": 16, "topk_group": 1}, "n_group=16, expected at most n_routed_experts/2=8"),
+        ({"n_group": 4, "topk_group": 1, "num_experts_per_tok": 5}, "num_experts_per_tok=5, expected at most"),
+        ({"norm_topk_prob": "false"}, "norm_topk_prob='false', expected true or false"),
+        ({"qk_rope_head_dim": 15}, "qk_rope_head_dim=15, expected an even number"),
+        ({"rope_scaling": "yarn", "rope_parameters": None}, "rope_scaling='yarn', expected an object"),
+        ({"first_k_dense_replace": 9}, "first_k_dense_replace=9, expected an integer in [0, 3]"),
+    ],
+)
+def test_values_out_of_range_are_refused_with_key_value_and_expectation(tiny_checkpoints, change, message):
+    with pytest.raises(ConfigError) as raised:
+        ModelArgs.from_hf_config({**_config(tiny_checkpoints, "deepseek_v3"), **change})
+    assert str(raised.value).startswith("config.json: ") and message in str(raised.value)

@@ -71,6 +71,14 @@ CASES: dict[str, tuple[Callable[[Path], None], str]] = {
     "dense chunk bit flip": (lambda r: _flip_bit(r / EMBED / "c/0/0"), "dense array embed.weight: checksum mismatch"),
     "dense chunk truncated": (lambda r: _truncate(r / EMBED / "c/0/0", 1000), "dense array embed.weight"),
     "dense chunk missing": (lambda r: (r / EMBED / "c/0/0").unlink(), "dense array embed.weight"),
+    "dense chunk gzip-coded": (
+        lambda r: _edit_json(r / EMBED / "zarr.json", lambda m: m["codecs"].append({"name": "gzip"})),
+        "dense array embed.weight: needs one uncompressed chunk",
+    ),
+    "dense name climbs out": (
+        _attrs(lambda a: a["dense"].update({"../../norm.weight": a["dense"].pop("norm.weight")})),
+        "name '../../norm.weight' is not a plain array or file name",
+    ),
     "expert array metadata missing": (lambda r: (r / EXPERT / "zarr.json").unlink(), "experts/layer_001"),
     "expert array shape wrong": (
         lambda r: _edit_json(r / EXPERT / "zarr.json", lambda m: m["shape"].__setitem__(0, 15)),
@@ -142,3 +150,11 @@ def test_missing_copied_file_is_reported_by_verify(pristine, tmp_path, capsys):
     (broken / "tokenizer.json").unlink()
     assert cli.main(["verify", str(broken)]) == 1
     assert "tokenizer.json: copied from the source checkpoint but now missing" in capsys.readouterr().err
+
+
+def test_copied_file_names_stay_inside_the_container(pristine, tmp_path, capsys):
+    broken = tmp_path / "broken"
+    shutil.copytree(pristine, broken)
+    _attrs(lambda a: a["files"].append("../../../etc/passwd"))(broken)
+    assert cli.main(["verify", str(broken)]) == 1
+    assert "name '../../../etc/passwd' is not a plain array or file name" in capsys.readouterr().err

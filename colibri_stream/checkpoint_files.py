@@ -1,0 +1,162 @@
+"""The files of a Hugging Face checkpoint directory, read as hostile input.
+
+Only regular files named inside the directory are opened: a shard name from
+``model.safetensors.index.json`` must be a relative path without ``..`` (symlinks are followed, since
+the Hugging Face cache links snapshots to its blob store, but a FIFO or a device is refused before it
+is opened, so nothing hangs). A safetensors header is parsed here, before the safetensors library maps
+the file: length bounded by the file, JSON object, dtype in our table, every tensor's byte span inside
+the data section and equal to its shape times its item size.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+import struct
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from colibri_stream.errors import CheckpointError
+
+INDEX_FILE = "model.safetensors.index.json"
+MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit
+MAX_JSON_BYTES = 64 << 20  # config.json, the shard index (DeepSeek-V3's: 9 MB for 91k tensors)
+DTYPE_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+}
+FLOAT_DTYPES = ("F32", "F16", "BF16")  # what a bf16/f16/f32 checkpoint's weights may be stored as
+FP8_DTYPE = "F8_E4M3"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def check_regular(path: Path, what: str) -> None:
+    """Refuse anything but an existing regular file (after symlinks) before it is opened."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        raise CheckpointError(f"{path}: {what} is missing") from None
+    if not stat.S_ISREG(mode):
+        raise CheckpointError(f"{path}: {what} is not a regular file")
+
+
+def inside(root: Path, name: Any, source: str) -> Path:
+    """``root / name`` for a relative name that stays inside ``root`` (checked on the name itself)."""
+    if not isinstance(name, str) or not name or "\\" in name or "\0" in name:
+        raise CheckpointError(f"{source}: shard name {name!r} is not a file name")
+    pure = PurePosixPath(name)
+    if pure.is_absolute() or ".." in pure.parts:
+        raise CheckpointError(f"{source}: shard name {name!r} points outside {root}")
+    return root / pure
+
+
+def read_json_object(path: Path, what: str) -> dict[str, Any]:
+    check_regular(path, what)
+    if path.stat().st_size > MAX_JSON_BYTES:
+        raise CheckpointError(f"{path}: {path.stat().st_size} bytes, more than {MAX_JSON_BYTES} for {what}")
+    try:
+        data = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: invalid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return data
+
+
+def shard_files(path: str | Path) -> list[Path]:
+    """The shards of a checkpoint directory: those its index names, else every ``*.safetensors``."""
+    path = Path(path)
+    index = path / INDEX_FILE
+    if index.exists():
+        weight_map = read_json_object(index, "the shard index").get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard files")
+        files = sorted({inside(path, name, str(index)) for name in weight_map.values()})
+        what = f"a shard listed in {INDEX_FILE}"
+    else:
+        files = sorted(path.glob("*.safetensors"))
+        what = "a safetensors shard"
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors files")
+    for file in files:
+        check_regular(file, what)
+    return files
+
+
+def read_header(file: Path) -> dict[str, TensorInfo]:
+    """Tensor name -> dtype, shape, bytes, from a shard's header; every byte span checked."""
+    check_regular(file, "a safetensors shard")
+    with open(file, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise CheckpointError(f"{file}: {size} bytes, too short for a safetensors header")
+        (length,) = struct.unpack("<Q", prefix)
+        if length > min(MAX_HEADER_BYTES, size - 8):
+            raise CheckpointError(f"{file}: header length {length} at offset 0 exceeds the file ({size} bytes)")
+        raw = f.read(length)
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{file}: safetensors header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file}: safetensors header is not a JSON object")
+    data_bytes = size - 8 - length
+    return {
+        name: _tensor_info(file, name, entry, data_bytes) for name, entry in header.items() if name != "__metadata__"
+    }
+
+
+def _tensor_info(file: Path, name: str, entry: Any, data_bytes: int) -> TensorInfo:
+    where = f"{file}: tensor {name}"
+    if not isinstance(entry, dict):
+        raise CheckpointError(f"{where}: header entry is not an object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in DTYPE_BYTES:
+        raise CheckpointError(f"{where}: dtype {dtype!r} is not a safetensors dtype")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise CheckpointError(f"{where}: shape {shape!r} is not a list of sizes")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
+        raise CheckpointError(f"{where}: data_offsets {offsets!r} is not [begin, end]")
+    begin, end = offsets
+    if not begin <= end <= data_bytes:
+        raise CheckpointError(f"{where}: data_offsets [{begin}, {end}] outside the {data_bytes}-byte data section")
+    nbytes = math.prod(shape) * DTYPE_BYTES[dtype]
+    if nbytes != end - begin:
+        raise CheckpointError(f"{where}: {dtype}{shape} needs {nbytes} bytes, data_offsets span {end - begin}")
+    return TensorInfo(dtype, tuple(shape), nbytes)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_dtypes(file: Path, tensors: dict[str, TensorInfo], allowed: dict[str, tuple[str, ...]]) -> None:
+    """Refuse a tensor stored in a dtype the config does not announce (an F32 weight relabelled I32
+    has the right size and would load as integers). ``allowed``: name suffix -> dtypes, "" for the rest."""
+    for name, info in tensors.items():
+        suffix = next((s for s in allowed if s and name.endswith(s)), "")
+        if info.dtype not in allowed[suffix]:
+            raise CheckpointError(
+                f"{file}: tensor {name} is {info.dtype}, expected one of {list(allowed[suffix])} "
+                "(the weight dtypes config.json announces)"
+            )

@@ -1,0 +1,331 @@
+"""Hostile model inputs: HF checkpoint directories (config.json, safetensors, the shard index) and
+containers. Each is refused with a typed one-line error naming the file and the key, before anything is
+sized from it; only regular files inside the input directory are opened.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from colibri_stream import cli
+from colibri_stream.convert.hf_source import HFSource
+from colibri_stream.errors import USER_ERRORS, CheckpointError
+from colibri_stream.loader import load_checkpoint, load_container
+from engine.args import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+SHARD = "model.safetensors"
+
+
+def _edit_json(path: Path, edit: Callable[[dict], None]) -> None:
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+@pytest.fixture(scope="module")
+def source(tiny_checkpoints) -> Path:
+    return tiny_checkpoints["deepseek_v3"]
+
+
+@pytest.fixture
+def copy(source, tmp_path) -> Callable[..., Path]:
+    """A copy of the tiny deepseek_v3 checkpoint with config.json edited by ``config``."""
+
+    def make(config: Callable[[dict], None] | None = None) -> Path:
+        dst = tmp_path / "ckpt"
+        shutil.copytree(source, dst)
+        if config:
+            _edit_json(dst / "config.json", config)
+        return dst
+
+    return make
+
+
+def _one_line_error(argv: list[str], capsys) -> str:
+    """The CLI's error for ``argv``: exit status 1 and exactly one line on stderr, no traceback."""
+    code = cli.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+@contextmanager
+def fifo_watchdog(fifo: Path, seconds: float = 30.0) -> Iterator[list[bool]]:
+    """Should the code under test block opening ``fifo`` for reading, open it for writing after
+    ``seconds`` so it wakes up (and the test fails on the flag) instead of hanging the suite."""
+    fired, stop = [False], threading.Event()
+
+    def unblock() -> None:
+        if not stop.wait(seconds):
+            fired[0] = True
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+    thread = threading.Thread(target=unblock, daemon=True)
+    thread.start()
+    try:
+        yield fired
+    finally:
+        stop.set()
+        thread.join()
+
+
+# ------------------------------------------------------------------------------------ config.json
+
+CONFIG_CASES = {
+    "eps NaN": ({"rms_norm_eps": float("nan")}, "rms_norm_eps"),
+    "eps negative": ({"rms_norm_eps": -1}, "rms_norm_eps"),
+    "rope factor 0": (lambda c: c["rope_parameters"].update(factor=0), "rope factor"),
+    "top-k above experts": ({"num_experts_per_tok": 64}, "num_experts_per_tok=64"),
+    "top-k 0": ({"num_experts_per_tok": 0}, "num_experts_per_tok=0"),
+    "topk_group above n_group": ({"topk_group": 5}, "topk_group=5"),
+    "n_group 0": ({"n_group": 0}, "n_group=0"),
+    "no heads": ({"num_attention_heads": 0, "num_key_value_heads": 0}, "num_attention_heads=0"),
+    "llama": ({"model_type": "llama"}, "model_type 'llama'"),
+    "1025 layers": ({"num_hidden_layers": 1025}, "num_hidden_layers=1025"),  # 10^7: the memory-limited child
+    "layers as a string": ({"num_hidden_layers": "3"}, "num_hidden_layers='3'"),
+    "quantization_config a string": ({"quantization_config": "fp8"}, "quantization_config='fp8'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONFIG_CASES))
+def test_bad_config_value_is_refused_naming_the_key(copy, case):
+    change, culprit = CONFIG_CASES[case]
+    path = copy(change if callable(change) else lambda c: c.update(change))
+    with pytest.raises(ConfigError) as raised:
+        load_checkpoint(path)
+    assert str(raised.value).startswith("config.json: ") and culprit in str(raised.value)
+
+
+def test_more_layers_than_the_tensors_hold_is_refused_before_loading(copy):
+    path = copy(lambda c: c.update(num_hidden_layers=4, mlp_layer_types=None))
+    with pytest.raises(CheckpointError, match=r"config.json: num_hidden_layers=4, but the tensors hold 3 layer"):
+        load_checkpoint(path)
+
+
+def test_convert_refuses_a_model_that_cannot_run(copy, tmp_path, capsys):
+    path = copy(lambda c: c.update(num_attention_heads=0, num_key_value_heads=0))
+    err = _one_line_error(["convert", str(path), str(tmp_path / "out"), "--no-progress"], capsys)
+    assert "config.json: num_attention_heads=0" in err and not (tmp_path / "out").exists()
+
+
+def test_string_quantization_config_is_one_line_in_convert_and_plan(copy, tmp_path, capsys):
+    path = copy(lambda c: c.update(quantization_config="fp8"))
+    assert "quantization_config='fp8'" in _one_line_error(["convert", str(path), str(tmp_path / "o")], capsys)
+    assert "quantization_config='fp8'" in _one_line_error(["plan", str(path)], capsys)
+
+
+# ------------------------------------------------------------------------------------ safetensors
+
+
+def _relabel(shard: Path, name: str, old: str, new: str) -> None:
+    """Rewrite one tensor's dtype in the header, same length so every offset stays valid."""
+    data = bytearray(shard.read_bytes())
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + length])
+    assert header[name]["dtype"] == old and len(old) == len(new)
+    header[name]["dtype"] = new
+    raw = json.dumps(header, separators=(",", ":")).encode().ljust(length)
+    shard.write_bytes(bytes(data[:8]) + raw + bytes(data[8 + length :]))
+
+
+def test_weight_relabelled_int32_is_refused_naming_the_tensor(copy):
+    path = copy()
+    name = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
+    _relabel(path / SHARD, name, "F32", "I32")
+    for load in (load_checkpoint, HFSource):
+        with pytest.raises(CheckpointError, match=rf"{SHARD}: tensor {name} is I32, expected one of"):
+            load(path)
+
+
+@pytest.mark.parametrize(
+    "damage, culprit",
+    [
+        (lambda f: f.write_bytes(b""), "too short for a safetensors header"),
+        (lambda f: f.write_bytes(f.read_bytes()[:1000]), "exceeds the file"),
+        (lambda f: f.write_bytes(f.read_bytes()[:-100]), "outside the"),
+        (lambda f: f.write_bytes((10).to_bytes(8, "little") + b"{not json!"), "header is not valid JSON"),
+    ],
+    ids=["empty", "truncated in the header", "truncated in the data", "header not JSON"],
+)
+def test_broken_shard_is_one_line_naming_the_file(copy, capsys, damage, culprit):
+    path = copy()
+    damage(path / SHARD)
+    with pytest.raises(CheckpointError, match=culprit) as raised:
+        HFSource(path)
+    assert str(path / SHARD) in str(raised.value)
+    assert culprit in _one_line_error(["run", str(path), "--ids", "1,2"], capsys)
+
+
+def test_shape_that_disagrees_with_config_is_refused(copy):
+    path = copy(lambda c: c.update(intermediate_size=256))
+    expected = r"model.layers.0.mlp.down_proj.weight has shape \[64, 128\], config.json implies \[64, 256\]"
+    for load in (load_checkpoint, HFSource):
+        with pytest.raises(CheckpointError, match=expected):
+            load(path)
+
+
+# ------------------------------------------------------------------------ only files in the directory
+
+
+@pytest.mark.parametrize("shard", ["/etc/passwd", "../outside.safetensors", "sub/../../x.safetensors"])
+def test_shard_index_cannot_point_outside_the_directory(copy, shard):
+    path = copy()
+    index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": SHARD, "model.norm.weight": shard}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=f"shard name {shard!r} points outside"):
+        load_checkpoint(path)
+
+
+def test_missing_shard_says_which_list_it_came_from(copy):
+    path = copy()
+    (path / SHARD).unlink()
+    (path / SHARD).symlink_to(path / "gone.safetensors")  # no index: a dangling link found by *.safetensors
+    with pytest.raises(CheckpointError) as raised:
+        load_checkpoint(path)
+    assert "missing" in str(raised.value) and "index" not in str(raised.value)
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "model-2.safetensors"}}))
+    with pytest.raises(CheckpointError, match="listed in model.safetensors.index.json is missing"):
+        load_checkpoint(path)
+
+
+def test_fifo_shard_is_refused_without_opening_it(copy):
+    path = copy()
+    (path / SHARD).unlink()
+    os.mkfifo(path / SHARD)
+    with fifo_watchdog(path / SHARD) as fired, pytest.raises(CheckpointError, match="not a regular file"):
+        load_checkpoint(path)
+    assert not fired[0]
+
+
+# ------------------------------------------------------------------------------------- containers
+
+
+@pytest.fixture(scope="module")
+def container(make_container) -> Path:
+    return make_container("deepseek_v3", experts="int4", dense="f32")
+
+
+def _model_config(edit: Callable[[dict], None]) -> Callable[[Path], None]:
+    return lambda root: _edit_json(root / "zarr.json", lambda m: edit(m["attributes"]["colibri"]["model_config"]))
+
+
+CONTAINER_CASES = {
+    "no heads": (_model_config(lambda c: c.update(num_attention_heads=0, num_key_value_heads=0)), "heads=0"),
+    "llama": (_model_config(lambda c: c.update(model_type="llama")), "model_type 'llama'"),
+    "4 layers, 3 stored": (
+        _model_config(lambda c: c.update(num_hidden_layers=4)),
+        "num_hidden_layers=4, the dense table holds 3",
+    ),
+    "empty dense table": (
+        lambda root: _edit_json(root / "zarr.json", lambda m: m["attributes"]["colibri"].update(dense={})),
+        "the dense table holds 0 layer(s)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONTAINER_CASES))
+def test_verify_refuses_a_container_that_cannot_run(container, tmp_path, capsys, case):
+    damage, culprit = CONTAINER_CASES[case]
+    broken = tmp_path / "broken"
+    shutil.copytree(container, broken)
+    damage(broken)
+    assert cli.main(["verify", str(broken)]) == 1
+    assert culprit in capsys.readouterr().err
+    with pytest.raises(USER_ERRORS, match=None) as raised:
+        load_container(broken)
+    assert culprit in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "chunk, culprit",
+    [
+        ("experts/layer_001/c/3/0", "layer 1 expert 3: chunk {} is not a regular file"),
+        ("dense/embed.weight/c/0/0", "{}: not a regular file (chunk of dense array embed.weight)"),
+    ],
+    ids=["expert", "dense"],
+)
+def test_verify_and_run_do_not_hang_on_a_fifo_chunk(container, tmp_path, capsys, chunk, culprit):
+    broken = tmp_path / "broken"
+    shutil.copytree(container, broken)
+    (broken / chunk).unlink()
+    os.mkfifo(broken / chunk)
+    with fifo_watchdog(broken / chunk) as fired:
+        assert cli.main(["verify", str(broken)]) == 1
+        assert culprit.format(broken / chunk) in capsys.readouterr().err
+        with pytest.raises(USER_ERRORS, match="not a regular file"):
+            load_container(broken)
+    assert not fired[0]
+
+
+# ------------------------------------------------------ memory bombs, in a child with a memory limit
+
+_CHILD = """
+import json, resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))  # a regression fails here, not the machine
+from colibri_stream import cli
+results = []
+for argv in json.loads(sys.argv[1]):
+    code = cli.main(argv)
+    results.append(code)
+print(json.dumps(results))
+"""
+
+
+def _gzip_bomb(chunk: Path, raw_bytes: int) -> None:
+    """A gzip stream of ``raw_bytes`` zeros, built from one repeated member (gzip allows concatenation)."""
+    block = 1 << 24
+    member = gzip.compress(bytes(block), compresslevel=9)
+    chunk.write_bytes(member * (raw_bytes // block))
+
+
+def test_huge_layer_counts_and_gzip_bombs_fail_fast(copy, container, tmp_path):
+    """D7: 10^7 layers in `plan`, `run` and `convert` of a checkpoint and `verify` of a container; D8: a
+    gzip-coded dense chunk inflating to 1.6 GB in `verify` and `run`. Each must end in a one-line error,
+    inside a 3 GiB address space (before the fix they grew ~32 MB/s, or to 6.4 GB, until killed)."""
+    layers = copy(lambda c: c.update(num_hidden_layers=10**7))
+    stored = tmp_path / "layers-container"
+    shutil.copytree(container, stored)
+    _model_config(lambda c: c.update(num_hidden_layers=10**7))(stored)
+    bomb = tmp_path / "bomb"
+    shutil.copytree(container, bomb)
+    shape = [20000, 20000]  # float32: 1.6 GB declared
+    _edit_json(bomb / "zarr.json", lambda m: m["attributes"]["colibri"]["dense"]["embed.weight"].update(shape=shape))
+    codecs = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "gzip", "configuration": {"level": 1}}]
+    grid = {"name": "regular", "configuration": {"chunk_shape": shape}}
+    _edit_json(bomb / "dense/embed.weight/zarr.json", lambda m: m.update(shape=shape, codecs=codecs, chunk_grid=grid))
+    _gzip_bomb(bomb / "dense/embed.weight/c/0/0", math.prod(shape) * 4)
+    argvs = [
+        ["plan", str(layers)],
+        ["run", str(layers), "--ids", "1,2"],
+        ["convert", str(layers), str(tmp_path / "out"), "--no-progress"],
+        ["verify", str(stored)],
+        ["run", str(stored), "--ids", "1,2"],
+        ["verify", str(bomb)],
+        ["run", str(bomb), "--ids", "1,2"],
+    ]
+    child = subprocess.run(
+        [sys.executable, "-c", _CHILD, json.dumps(argvs)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert json.loads(child.stdout.strip().splitlines()[-1]) == [1] * len(argvs)
+    assert "Traceback" not in child.stderr
+    assert child.stderr.count("num_hidden_layers=10000000") == 5
+    assert "dense array embed.weight: needs one uncompressed chunk" in child.stderr
