@@ -8,6 +8,7 @@ fits every file and shrinking moves towards the start of the file / the first ke
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -172,7 +173,9 @@ def apply_json_ops(doc: Any, ops: list[dict[str, Any]], canary: str) -> tuple[An
         value = op.get("value")
         if isinstance(value, str):
             value = value.replace(CANARY, canary)
-        value = decode_value(value)
+        # A copy: hypothesis may hand the same list to two ops, and adding it inside itself would
+        # make a cycle (a document no file can hold, and one _nodes would recurse into forever).
+        value = copy.deepcopy(decode_value(value))
         step = {"op": op["op"], "path": list(path)}
         if op["op"] == "set":
             doc = _set(doc, path, value)
