@@ -9,7 +9,6 @@ encoded as text, not the eos id (``PromptEncoder``); only the template's own spe
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,12 +22,16 @@ from tokenizers import Tokenizer
 
 from colibri_stream.errors import ChatTemplateError, TokenizerError
 from colibri_stream.template_sandbox import BoundedSandbox, end_render, start_render
+from storage.errors import FormatError
+from storage.safe_read import decode_utf8, read_bounded, read_json
 
 # The rendered prompt's size. The tokenizer holds ~450 bytes per token while it encodes (measured:
 # 4 MiB of one-token characters peaked at 1.9 GB) and aborts the process when an allocation fails, and a
 # token covers at least one byte, so the prompt is capped before encoding: 4 MiB, the largest request
 # body (template_sandbox bounds the work of making it).
 MAX_RENDERED_BYTES = 4 * 2**20
+# tokenizer_config.json, generation_config.json, chat_template.jinja (real ones: a few KB to a few MB)
+MAX_MODEL_TEXT_BYTES = 64 * 2**20
 
 # Used when the model ships no chat template: one header line per message, then the answer's header.
 # Plain text, so any tokenizer encodes it; documented in README "Chat templates".
@@ -49,12 +52,14 @@ def load_tokenizer(checkpoint: str | Path) -> Tokenizer:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
+    """A model's optional JSON file (tokenizer_config.json, generation_config.json): {} when absent or not
+    a regular file (never opened then: a FIFO would block), a TokenizerError naming it when unreadable."""
     if not path.is_file():
         return {}
     try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise TokenizerError(f"{path}: invalid JSON ({exc})") from None
+        data = read_json(path, MAX_MODEL_TEXT_BYTES, "this file")
+    except FormatError as exc:  # too large, not UTF-8, not JSON, nested too deeply
+        raise TokenizerError(str(exc)) from None
     return data if isinstance(data, dict) else {}
 
 
@@ -71,7 +76,11 @@ def load_chat_template(checkpoint: str | Path) -> str | None:
     checkpoint = Path(checkpoint)
     jinja_file = checkpoint / "chat_template.jinja"
     if jinja_file.is_file():
-        return jinja_file.read_text()
+        try:
+            raw = read_bounded(jinja_file, MAX_MODEL_TEXT_BYTES, "the chat template")
+            return decode_utf8(raw, jinja_file, "the chat template")
+        except FormatError as exc:
+            raise ChatTemplateError(str(exc)) from None
     template = _read_json(checkpoint / "tokenizer_config.json").get("chat_template")
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
