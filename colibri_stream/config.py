@@ -27,7 +27,9 @@ import torch
 from colibri_stream.errors import BudgetError
 from colibri_stream.geometry import ModelGeometry
 from colibri_stream.placement import floor_bytes, plan
+from storage.errors import FormatError
 from storage.policy import POLICY_NAMES
+from storage.safe_read import decode_utf8, read_bounded
 from storage.tiered import StoreConfig
 
 _UNITS = {
@@ -48,6 +50,7 @@ _UNITS = {
 }
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 SAFETY_MARGIN = 0.10
+MAX_BUDGET_FILE_BYTES = 1 << 20  # a budget is a dozen keys; anything near this size is not one
 
 
 def parse_size(value: str | int, expert_bytes: int, key: str = "size", auto_bytes: int | None = None) -> int:
@@ -113,11 +116,16 @@ _SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
 def load_budget_file(path: str | Path) -> Budget:
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text())
+        text = decode_utf8(read_bounded(path, MAX_BUDGET_FILE_BYTES, "budget file"), path, "budget file")
+        data = tomllib.loads(text)
     except FileNotFoundError:
         raise BudgetError(f"{path}: budget file not found") from None
+    except FormatError as exc:  # a directory, FIFO or device; too large; not UTF-8
+        raise BudgetError(str(exc)) from None
     except tomllib.TOMLDecodeError as exc:
         raise BudgetError(f"{path}: not valid TOML ({exc})") from None
+    except RecursionError:  # tomllib recurses into nested arrays and inline tables
+        raise BudgetError(f"{path}: not valid TOML (arrays or tables nested too deeply)") from None
     values: dict[str, Any] = {}
     for section, content in data.items():
         if section not in _SCHEMA or not isinstance(content, dict):

@@ -9,6 +9,7 @@ be open at once (the server's slots) and a second process gets a clear error.
 from __future__ import annotations
 
 import re
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ from engine.args import ModelArgs
 from engine.cache import KVCache
 from storage.errors import CorruptDataError, FormatError
 from storage.kvlog import HEADER_BYTES, KVGeometry, KVLog, StateMismatchError, read_header_state
+from storage.safe_read import NotRegularFileError, file_kind
 
 SESSION_SUFFIX = ".kvlog"
 # Session names become file names: a conservative alphabet, no leading dot, no separators. Matched
@@ -123,6 +125,8 @@ def open_session_log(
         return KVLog(path, fingerprint, geometry, state=state, fresh=fresh)
     except StateMismatchError as exc:
         raise SessionError(state_mismatch_message(name, exc)) from None
+    except NotRegularFileError as exc:  # nothing of ours: never truncated, not even by --reset
+        raise SessionError(f"session {name!r}: {exc}; remove it or use another --session") from None
     except (FormatError, CorruptDataError) as exc:  # records are recovered, so this is the header
         raise SessionError(
             f"session {name!r}: corrupt or unreadable KV log header ({exc}): "
@@ -184,8 +188,19 @@ def session_info(path: Path, args: ModelArgs) -> dict:
     """Tokens, bytes per token and the ratio against a naive per-head K/V cache of the same model.
     A log whose header cannot be read is reported ("header" says why), never an error: one damaged
     session must not hide the others from `kv ls`."""
-    size = path.stat().st_size
     name = path.name[: -len(SESSION_SUFFIX)]
+    try:
+        status = path.stat()
+    except OSError as exc:  # a dangling symlink, or removed since it was listed
+        return {"session": name, "header": f"unreadable: {exc.strerror}", "tokens": None, "file_bytes": None}
+    size = status.st_size
+    if not stat.S_ISREG(status.st_mode):  # listed, not opened: a FIFO would block, /dev/zero never ends
+        return {
+            "session": name,
+            "header": f"not a regular file ({file_kind(status.st_mode)})",
+            "tokens": None,
+            "file_bytes": size,
+        }
     try:
         _, geometry, state = read_header_state(path)
     except (FormatError, CorruptDataError) as exc:

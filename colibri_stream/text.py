@@ -9,8 +9,6 @@ encoded as text, not the eos id (``PromptEncoder``); only the template's own spe
 
 from __future__ import annotations
 
-import contextvars
-import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,17 +18,20 @@ from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedEnvironment
 from tokenizers import Tokenizer
 
 from colibri_stream.errors import ChatTemplateError, TokenizerError
+from colibri_stream.template_sandbox import BoundedSandbox, end_render, start_render
+from storage.errors import FormatError
+from storage.safe_read import decode_utf8, read_bounded, read_json
 
-# Bounds on one render: a range's length, the items all its ranges yield together (nested loops
-# multiply), and the characters it writes (a 4 MiB request renders to a few MiB; far more is a template
-# amplifying its input).
-MAX_TEMPLATE_RANGE = 10_000
-MAX_TEMPLATE_RANGE_ITEMS = 1_000_000
-MAX_RENDERED_CHARS = 64 * 2**20
+# The rendered prompt's size. The tokenizer holds ~450 bytes per token while it encodes (measured:
+# 4 MiB of one-token characters peaked at 1.9 GB) and aborts the process when an allocation fails, and a
+# token covers at least one byte, so the prompt is capped before encoding: 4 MiB, the largest request
+# body (template_sandbox bounds the work of making it).
+MAX_RENDERED_BYTES = 4 * 2**20
+# tokenizer_config.json, generation_config.json, chat_template.jinja (real ones: a few KB to a few MB)
+MAX_MODEL_TEXT_BYTES = 64 * 2**20
 
 # Used when the model ships no chat template: one header line per message, then the answer's header.
 # Plain text, so any tokenizer encodes it; documented in README "Chat templates".
@@ -51,12 +52,14 @@ def load_tokenizer(checkpoint: str | Path) -> Tokenizer:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
+    """A model's optional JSON file (tokenizer_config.json, generation_config.json): {} when absent or not
+    a regular file (never opened then: a FIFO would block), a TokenizerError naming it when unreadable."""
     if not path.is_file():
         return {}
     try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise TokenizerError(f"{path}: invalid JSON ({exc})") from None
+        data = read_json(path, MAX_MODEL_TEXT_BYTES, "this file")
+    except FormatError as exc:  # too large, not UTF-8, not JSON, nested too deeply
+        raise TokenizerError(str(exc)) from None
     return data if isinstance(data, dict) else {}
 
 
@@ -73,7 +76,11 @@ def load_chat_template(checkpoint: str | Path) -> str | None:
     checkpoint = Path(checkpoint)
     jinja_file = checkpoint / "chat_template.jinja"
     if jinja_file.is_file():
-        return jinja_file.read_text()
+        try:
+            raw = read_bounded(jinja_file, MAX_MODEL_TEXT_BYTES, "the chat template")
+            return decode_utf8(raw, jinja_file, "the chat template")
+        except FormatError as exc:
+            raise ChatTemplateError(str(exc)) from None
     template = _read_json(checkpoint / "tokenizer_config.json").get("chat_template")
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
@@ -100,53 +107,6 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-_range_items: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("_range_items", default=None)
-
-
-class _BoundedRange:
-    """``range`` for templates: at most MAX_TEMPLATE_RANGE long, and every item any range of one render
-    yields counts against MAX_TEMPLATE_RANGE_ITEMS (a range reused in nested loops is counted each pass)."""
-
-    def __init__(self, *args: int):
-        self.inner = range(*args)
-        if len(self.inner) > MAX_TEMPLATE_RANGE:
-            raise ChatTemplateError(f"chat template: range of {len(self.inner)} items (at most {MAX_TEMPLATE_RANGE})")
-
-    def __iter__(self):
-        counter = _range_items.get()
-        for item in self.inner:
-            if counter is not None:
-                counter[0] += 1
-                if counter[0] > MAX_TEMPLATE_RANGE_ITEMS:
-                    raise ChatTemplateError(
-                        f"chat template: its loops ran over {MAX_TEMPLATE_RANGE_ITEMS} range items in one render"
-                    )
-            yield item
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def __getitem__(self, index):
-        return self.inner[index]
-
-
-class _BoundedSandbox(ImmutableSandboxedEnvironment):
-    """The immutable sandbox, with ``*`` and ``**`` checked: "x" * 10**9 or 9 ** 10**8 would be built
-    in one step, before any output bound could see it."""
-
-    intercepted_binops = frozenset(["*", "**"])
-
-    def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
-        if operator == "*":
-            for seq, times in ((left, right), (right, left)):
-                if isinstance(seq, (str, list, tuple)) and isinstance(times, int):
-                    if len(seq) * times > MAX_RENDERED_CHARS:
-                        raise ChatTemplateError(f"chat template: a repetition of {len(seq) * times} items")
-        if operator == "**" and isinstance(right, (int, float)) and abs(right) > 1024:
-            raise ChatTemplateError(f"chat template: exponent {right} is too large")
-        return SandboxedEnvironment.call_binop(self, context, operator, left, right)
-
-
 @dataclass(frozen=True)
 class ChatFormat:
     """How one model turns a conversation into a prompt string, and which ids end an answer."""
@@ -159,15 +119,15 @@ class ChatFormat:
 
     @cached_property
     def _compiled(self):
-        env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True)
-        env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, range=_BoundedRange)
+        env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True)
+        env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
         try:
             return env.from_string(self.template)
         except TemplateError as exc:
             raise ChatTemplateError(f"chat template does not compile: {exc}") from None
 
     def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        counter = _range_items.set([0])
+        budget = start_render()
         try:
             parts = self._compiled.generate(
                 messages=[dict(m) for m in messages],
@@ -181,16 +141,17 @@ class ChatFormat:
         except Exception as exc:  # a template is untrusted input: any failure is the model file's
             raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from None
         finally:
-            _range_items.reset(counter)
+            end_render(budget)
 
 
 def _bounded_join(parts) -> str:
+    """The rendered prompt, refused once over MAX_RENDERED_BYTES of UTF-8 (counted as it is made)."""
     out: list[str] = []
     size = 0
     for part in parts:
-        size += len(part)
-        if size > MAX_RENDERED_CHARS:
-            raise ChatTemplateError(f"chat template: output over {MAX_RENDERED_CHARS} characters")
+        size += len(part) if part.isascii() else len(part.encode("utf-8", "surrogatepass"))
+        if size > MAX_RENDERED_BYTES:
+            raise ChatTemplateError(f"chat template: output over {MAX_RENDERED_BYTES} bytes")
         out.append(part)
     return "".join(out)
 

@@ -7,15 +7,25 @@ atomically (temp file + rename) after each turn, so a crash leaves the previous 
 
 from __future__ import annotations
 
-import json
+import math
 from collections.abc import Iterable
 from pathlib import Path
 
 from storage.atomic import atomic_write_json
 from storage.errors import FormatError, IncompatibleStateError
+from storage.safe_read import read_json
 
 HISTORY_FORMAT = "colibri-stream-usage-history"
 HISTORY_VERSION = 1
+# The file is read whole, so its size is capped by what a real history of this model can be: one count
+# per (layer, expert), at most MAX_LAYERS layers, each count at most COUNT_BYTES of JSON ("12345.678, ").
+MAX_LAYERS = 1024
+COUNT_BYTES = 32
+HEADER_BYTES = 64 << 10  # format, version, fingerprint, layer keys: generous
+
+
+def max_history_bytes(n_experts: int) -> int:
+    return HEADER_BYTES + MAX_LAYERS * max(1, n_experts) * COUNT_BYTES
 
 
 class UsageHistory:
@@ -56,19 +66,34 @@ class UsageHistory:
 
     @classmethod
     def load(cls, path: str | Path, n_experts: int, fingerprint: str = "") -> UsageHistory:
-        """Read a history file; a missing file is an empty history, a foreign one an error."""
+        """Read a history file; a missing file is an empty history, a foreign one an error, and one that
+        is not a regular file (a directory, a FIFO, /dev/zero) or too large for the model is refused."""
         path = Path(path)
         if not path.exists():
             return cls(n_experts, fingerprint)
+        data = read_json(path, max_history_bytes(n_experts), "usage history")
         try:
-            data = json.loads(path.read_text())
             if data.get("format") != HISTORY_FORMAT or data.get("version") != HISTORY_VERSION:
                 raise FormatError(f"{path}: not a usage history (format {data.get('format')!r} v{data.get('version')})")
-            counts = {int(layer): [float(c) for c in row] for layer, row in data["counts"].items()}
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
+            counts = {_layer(layer, path): [_count(c, path) for c in row] for layer, row in data["counts"].items()}
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
             raise FormatError(f"{path}: unreadable usage history ({exc!r})") from None
         if data.get("fingerprint") != fingerprint or data.get("n_experts") != n_experts:
             raise IncompatibleStateError(f"{path}: usage history of another model; delete it or pick another path")
         if any(len(row) != n_experts for row in counts.values()):
             raise FormatError(f"{path}: a layer's counts do not list {n_experts} experts")
         return cls(n_experts, fingerprint, counts)
+
+
+def _layer(key: str, path: Path) -> int:
+    layer = int(key)
+    if not 0 <= layer < MAX_LAYERS:
+        raise FormatError(f"{path}: usage history layer {key!r} is outside 0..{MAX_LAYERS - 1}")
+    return layer
+
+
+def _count(value: object, path: Path) -> float:
+    """A routing count: a finite number >= 0 (JSON reads NaN and Infinity too; booleans are not counts)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise FormatError(f"{path}: usage history count {value!r} is not a finite number >= 0")
+    return float(value)

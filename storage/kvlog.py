@@ -37,6 +37,7 @@ import numpy as np
 from storage.checksum import crc32c
 from storage.errors import CorruptDataError, FormatError, IncompatibleStateError
 from storage.layout import DTYPES
+from storage.safe_read import check_regular_mode, open_regular
 
 MAGIC = b"COLIKV\x00\x01"
 # 2: the header records "state" (the compute dtype); a version-1 log cannot say what it was computed in.
@@ -143,7 +144,7 @@ def read_header(path: str | Path) -> tuple[str, KVGeometry]:
 def read_header_state(path: str | Path) -> tuple[str, KVGeometry, dict[str, str]]:
     """(fingerprint, geometry, state) from a KV log's header, without locking or scanning it."""
     path = Path(path)
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path, "KV log"), "rb") as f:
         header = decode_header(f.read(HEADER_BYTES), path)
     try:
         geometry = KVGeometry(**{**header["geometry"], "index_layers": tuple(header["geometry"]["index_layers"])})
@@ -153,6 +154,20 @@ def read_header_state(path: str | Path) -> tuple[str, KVGeometry, dict[str, str]
     if not isinstance(state, dict):
         raise FormatError(f"{path}: KV log header 'state' is {state!r}, expected an object")
     return str(header.get("fingerprint")), geometry, state
+
+
+def _open_log(path: Path) -> int:
+    """The log's descriptor, created if missing. Only a regular file: a directory, FIFO or device planted
+    at the path (``/dev/zero`` reads as endless zeros and refuses fsync) is refused before any write."""
+    if path.exists():
+        check_regular_mode(path, path.stat().st_mode, "KV log")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    try:
+        check_regular_mode(path, os.fstat(fd).st_mode, "KV log")  # the file opened, if it was swapped
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def count_valid_records(data: bytes | memoryview, record_bytes: int, first: int = 0) -> int:
@@ -172,7 +187,7 @@ def remove_log(path: str | Path) -> None:
     """Delete a log, whatever its header holds (a corrupt one included), unless another process has it
     open: the lock needs only the file, not a valid header."""
     path = Path(path)
-    fd = os.open(path, os.O_RDWR)
+    fd = open_regular(path, "KV log", os.O_RDWR)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -219,7 +234,7 @@ class KVLog:
         self._fresh = fresh
         self._fault = fault or (lambda point: None)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._fd = _open_log(self.path)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

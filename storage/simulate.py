@@ -8,13 +8,13 @@ Keys requested by the same step are not distinguished here; the live store pins 
 from __future__ import annotations
 
 import heapq
-import json
 from collections import Counter
 from collections.abc import Hashable, Sequence
 from pathlib import Path
 
 from storage.policy import POLICIES
 from storage.tier import SlotTier
+from storage.trace import read_acquires as stream_acquires
 
 
 def replay(
@@ -62,15 +62,8 @@ def belady_hits(trace: Sequence[Hashable], capacity: int, count_from: int = 0) -
 
 
 def read_acquires(path: str | Path) -> list[tuple[int, list[int]]]:
-    """The (layer, experts) acquires of a trace file, in order."""
-    acquires = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
-        try:
-            record = json.loads(line)
-            acquires.append((int(record["layer"]), [int(e) for e in record["experts"]]))
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-            raise ValueError(f"{path}:{number}: not a trace line ({line[:60]!r})") from None
-    return acquires
+    """The (layer, experts) acquires of a trace file, in order (a bad line: FormatError naming it)."""
+    return list(stream_acquires(path))
 
 
 def read_trace(path: str | Path) -> list[tuple[int, int]]:

@@ -2,14 +2,24 @@
 
 A long-running server acquires experts millions of times, so the trace never accumulates in memory:
 lines are buffered up to ``buffer_lines`` and written out, and each turn's end flushes the rest.
-storage.simulate reads these files back (policies vs Belady).
+``read_acquires`` streams a file back the same way (storage.simulate: policies vs Belady): one line at
+a time, each at most ``MAX_LINE_BYTES``, so a trace that is one endless line (a sparse file, /dev/zero)
+fails at its first line instead of filling memory; a bad line is a FormatError naming file and line.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import os
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
+
+from storage.errors import FormatError
+from storage.safe_read import decode_utf8, open_regular, parse_json
+
+# One acquire: a layer and the experts routed to (top-k of at most a few hundred): ~2 KB; 64 KiB is ample.
+MAX_LINE_BYTES = 64 << 10
 
 
 class TraceWriter:
@@ -40,3 +50,30 @@ class TraceWriter:
     def close(self) -> None:
         self.flush()
         self._file.close()
+
+
+def read_acquires(path: str | Path) -> Iterator[tuple[int, list[int]]]:
+    """The (layer, experts) acquires of a trace file, in order, one line read at a time."""
+    path = Path(path)
+    with os.fdopen(open_regular(path, "routing trace"), "rb") as f:
+        for number, raw in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), 1):
+            if len(raw) > MAX_LINE_BYTES:
+                raise FormatError(f"{path}:{number}: trace line longer than {MAX_LINE_BYTES} bytes")
+            text = decode_utf8(raw, path, "trace line", number)
+            yield _acquire(parse_json(text, path, "trace line", number), text, path, number)
+
+
+def _acquire(record: Any, text: str, path: Path, number: int) -> tuple[int, list[int]]:
+    """A decoded line as (layer, expert ids): non-negative integers only (JSON also reads 1e300, NaN, true)."""
+    experts = record.get("experts") if isinstance(record, dict) else None
+    layer = record.get("layer") if isinstance(record, dict) else None
+    if not _is_index(layer) or not isinstance(experts, list) or not all(_is_index(e) for e in experts):
+        raise FormatError(
+            f"{path}:{number}: not a trace line ({text.strip()[:60]!r}); "
+            'expected {"layer": L, "experts": [ids]} of integers >= 0'
+        )
+    return layer, experts
+
+
+def _is_index(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

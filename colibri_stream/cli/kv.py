@@ -54,6 +54,8 @@ def run_kv(args: argparse.Namespace) -> int:
         return 0
     path = kv_dir / f"{args.session}{SESSION_SUFFIX}"
     if not path.is_file():
+        if path.exists():  # a directory, FIFO or device under a session's name: not ours to open or delete
+            raise SessionError(f"{path}: session {args.session!r} is not a regular file; remove it by hand")
         raise SessionError(f"{path}: no such session")
     if args.kv_command == "info":
         info = session_info(path, model_args)

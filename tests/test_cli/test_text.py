@@ -99,7 +99,7 @@ def test_runaway_templates_fail_instead_of_stalling(template):
 
 
 def test_rendered_output_is_bounded(monkeypatch):
-    monkeypatch.setattr(text, "MAX_RENDERED_CHARS", 100)
+    monkeypatch.setattr(text, "MAX_RENDERED_BYTES", 100)
     chat = ChatFormat("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     assert chat.render([{"role": "user", "content": "y" * 100}]) == "y" * 100
     with pytest.raises(ChatTemplateError, match="output over 100"):

@@ -1,0 +1,104 @@
+"""Reading a small state or config file that may be hostile: regular files only, size-bounded,
+decoded and parsed with every failure turned into a typed one-line error naming the file.
+
+A path can be planted as a directory, a FIFO (opening it for reading would block until a writer
+comes), ``/dev/zero`` (endless bytes) or a sparse file of terabytes. So the path is stat-ed before
+it is opened, opened with O_NONBLOCK (a FIFO swapped in between cannot block), fstat-ed again (the
+file actually opened must be regular too) and read only up to the caller's cap.
+
+Errors are ``FormatError`` subclasses (the CLI prints them as one line); the library may re-raise
+them as its own types (a budget file's as ``BudgetError``). A missing file is left to the caller
+(``FileNotFoundError``): a missing history is an empty one, a missing budget file is an error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+from storage.errors import FormatError
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+class NotRegularFileError(FormatError):
+    """A path that names a directory, FIFO, device or socket where a regular file was expected."""
+
+
+class FileTooLargeError(FormatError):
+    """A file over the size its reader accepts."""
+
+
+def file_kind(mode: int) -> str:
+    """'a directory', 'a FIFO', ... for a non-regular mode (what the error message says it is)."""
+    return next((kind for test, kind in _KINDS if test(mode)), "not a regular file")
+
+
+def check_regular_mode(path: Path, mode: int, what: str) -> None:
+    if not stat.S_ISREG(mode):
+        raise NotRegularFileError(f"{path}: {what} is {file_kind(mode)}, not a regular file")
+
+
+def open_regular(path: str | Path, what: str, flags: int = os.O_RDONLY) -> int:
+    """A file descriptor on the regular file at ``path`` (symlinks followed); the caller closes it."""
+    path = Path(path)
+    check_regular_mode(path, os.stat(path).st_mode, what)  # before open: a FIFO would block it
+    fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        check_regular_mode(path, os.fstat(fd).st_mode, what)  # the file opened, if it was swapped
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_bounded(path: str | Path, max_bytes: int, what: str) -> bytes:
+    """The whole regular file at ``path``, refused (before reading) when over ``max_bytes``."""
+    path = Path(path)
+    fd = open_regular(path, what)
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(fd).st_size
+        if size > max_bytes:
+            raise FileTooLargeError(f"{path}: {what} is {size} bytes, more than the {max_bytes} accepted")
+        data = f.read(max_bytes + 1)  # a file growing while read is cut, not followed
+    if len(data) > max_bytes:
+        raise FileTooLargeError(f"{path}: {what} grew past the {max_bytes} bytes accepted while read")
+    return data
+
+
+def decode_utf8(data: bytes, path: str | Path, what: str, line: int | None = None) -> str:
+    """``data`` as text, or a FormatError naming the file (and line) and the offset of the bad byte."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        where = f"{path}:{line}" if line is not None else str(path)
+        raise FormatError(f"{where}: {what} is not UTF-8 (byte {data[exc.start]:#04x} at offset {exc.start})") from None
+
+
+def parse_json(text: str | bytes, path: str | Path, what: str, line: int | None = None) -> Any:
+    """JSON from ``text``; malformed, too deeply nested or out-of-range input is a FormatError naming
+    the file, line and column."""
+    where = f"{path}:{line}" if line is not None else str(path)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        row = exc.lineno if line is None else line
+        raise FormatError(f"{path}:{row}: {what} is not valid JSON ({exc.msg} at column {exc.colno})") from None
+    except RecursionError:
+        raise FormatError(f"{where}: {what} nests JSON arrays or objects too deeply") from None
+    except ValueError as exc:  # e.g. an integer of more digits than int() accepts
+        raise FormatError(f"{where}: {what} holds an unreadable JSON value ({exc})") from None
+
+
+def read_json(path: str | Path, max_bytes: int, what: str) -> Any:
+    """A bounded regular file parsed as UTF-8 JSON (any top-level type: the caller checks the shape)."""
+    return parse_json(decode_utf8(read_bounded(path, max_bytes, what), path, what), path, what)
