@@ -150,12 +150,15 @@ def _edit_lines(path: Path, ops: list[dict], canary: str) -> list[dict]:
     if ops[0]["op"] != "line":
         return _edit_bytes(path, ops, canary)
     lines = path.read_text().splitlines()
+    edited: dict[int, object] = {}  # line -> its document, kept parsed: a line made 100k deep is not re-read
     resolved = []
     for op in ops:
         number = op["line"] % len(lines)
-        doc, steps = mut.apply_json_ops(json.loads(lines[number]), [op["edit"]], canary)
-        lines[number] = mut.dump_json(doc)
+        doc = edited[number] if number in edited else json.loads(lines[number])
+        edited[number], steps = mut.apply_json_ops(doc, [op["edit"]], canary)
         resolved += [{"line": number, **step} for step in steps]
+    for number, doc in edited.items():
+        lines[number] = mut.dump_json(doc)
     path.write_text("\n".join(lines) + "\n")
     return resolved
 
