@@ -22,6 +22,7 @@ from colibri_stream.checkpoint_files import FLOAT_DTYPES, FP8_DTYPE
 from colibri_stream.geometry import dequantised_config
 from colibri_stream.loader import CheckpointError, check_tensors, read_config, tensor_table
 from engine.args import ModelArgs
+from engine.config_checks import brief
 from engine.weights import sort_names
 
 SCALE_SUFFIX = "_scale_inv"
@@ -53,16 +54,17 @@ class HFSource:
     def _fp8_block(self, quant: Any) -> tuple[int, int] | None:
         if quant is not None and not isinstance(quant, dict):
             raise CheckpointError(
-                f"{self.path / 'config.json'}: quantization_config={quant!r}, expected an object "
+                f"{self.path / 'config.json'}: quantization_config={brief(quant)}, expected an object "
                 "(quant_method fp8, fmt e4m3, weight_block_size [rows, cols])"
             )
         if not quant:
             return None
         method, fmt = quant.get("quant_method"), quant.get("fmt", "e4m3")
         block = quant.get("weight_block_size")
-        if method != "fp8" or fmt != "e4m3" or not (isinstance(block, list) and len(block) == 2):
+        sizes = isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)
+        if method != "fp8" or fmt != "e4m3" or not sizes:
             raise CheckpointError(
-                f"{self.path / 'config.json'}: quantization_config {quant} is not supported "
+                f"{self.path / 'config.json'}: quantization_config {brief(quant)} is not supported "
                 "(supported: quant_method fp8, fmt e4m3, weight_block_size [rows, cols])"
             )
         return int(block[0]), int(block[1])
