@@ -49,7 +49,26 @@ class HFSource:
         self.shapes: dict[str, tuple[int, ...]] = {name: info.shape for name, (_, info) in table.items()}
         self.stored_bytes = {name: info.nbytes for name, (_, info) in table.items()}  # bytes on disk, for progress
         args = ModelArgs.from_hf_config(self.dense_config())
-        check_tensors(args, sort_names(self.tensor_names, args.n_layers), self.shapes, str(self.path))
+        names = sort_names(self.tensor_names, args.n_layers)
+        check_tensors(args, names, self.shapes, str(self.path), self.dense_config())
+        if self.block:
+            self._check_fp8_scales({name: info.dtype for name, (_, info) in table.items()})
+
+    def _check_fp8_scales(self, dtypes: dict[str, str]) -> None:
+        """Every FP8 weight's block scales present and shaped for it, from the headers: refused before
+        the conversion starts (and its progress bar), not midway through it."""
+        for name, dtype in dtypes.items():
+            if dtype != FP8_DTYPE:
+                continue
+            scale = name + SCALE_SUFFIX
+            if scale not in self.shapes:
+                raise CheckpointError(f"{self.where[name]}: FP8 tensor {name} has no {scale}")
+            expected = [-(-d // b) for d, b in zip(self.shapes[name], self.block, strict=False)]
+            if len(self.shapes[name]) != 2 or list(self.shapes[scale]) != expected:
+                raise CheckpointError(
+                    f"{self.where[scale]}: tensor {scale} has shape {list(self.shapes[scale])}, FP8 weight {name} "
+                    f"{list(self.shapes[name])} in {list(self.block)} blocks needs {expected}"
+                )
 
     def _fp8_block(self, quant: Any) -> tuple[int, int] | None:
         if quant is not None and not isinstance(quant, dict):
