@@ -56,9 +56,9 @@ def check_regular(path: Path, what: str) -> None:
     try:
         mode = path.stat().st_mode
     except OSError:
-        raise CheckpointError(f"{path}: {what} is missing") from None
+        raise CheckpointError(f"{short_name(str(path), 1000)}: {what} is missing") from None
     if not stat.S_ISREG(mode):
-        raise CheckpointError(f"{path}: {what} is not a regular file")
+        raise CheckpointError(f"{short_name(str(path), 1000)}: {what} is not a regular file")
 
 
 def inside(root: Path, name: Any, source: str) -> Path:
@@ -142,8 +142,8 @@ def _check_coverage(file: Path, tensors: dict[str, TensorInfo], data_bytes: int,
     for name, info in sorted(tensors.items(), key=lambda item: (item[1].begin, item[1].nbytes)):
         if info.begin != end:
             raise CheckpointError(
-                f"{file}: tensor {_short(name)} starts at data offset {info.begin}, the previous tensor ends at {end} "
-                "(tensors must tile the data section without gaps or overlaps)"
+                f"{file}: tensor {short_name(name)} starts at data offset {info.begin}, the previous tensor ends "
+                f"at {end} (tensors must tile the data section without gaps or overlaps)"
             )
         end += info.nbytes
     if end != data_bytes:
@@ -154,7 +154,7 @@ def _check_coverage(file: Path, tensors: dict[str, TensorInfo], data_bytes: int,
 
 
 def _tensor_info(file: Path, name: str, entry: Any, data_bytes: int) -> TensorInfo:
-    where = f"{file}: tensor {_short(name)}"
+    where = f"{file}: tensor {short_name(name)}"
     if not isinstance(entry, dict):
         raise CheckpointError(f"{where}: header entry is not an object")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
@@ -173,8 +173,8 @@ def _tensor_info(file: Path, name: str, entry: Any, data_bytes: int) -> TensorIn
     return TensorInfo(dtype, tuple(shape), nbytes, begin)
 
 
-def _short(name: str, limit: int = 120) -> str:
-    """A header key as an error names it: a 1 MiB key is cut, not echoed."""
+def short_name(name: str, limit: int = 120) -> str:
+    """A name (a header key, a path) as an error line shows it: a 1 MiB name is cut, not echoed."""
     return name if len(name) <= limit else name[:limit] + "..."
 
 
@@ -189,6 +189,6 @@ def check_dtypes(file: Path, tensors: dict[str, TensorInfo], allowed: dict[str, 
         suffix = next((s for s in allowed if s and name.endswith(s)), "")
         if info.dtype not in allowed[suffix]:
             raise CheckpointError(
-                f"{file}: tensor {name} is {info.dtype}, expected one of {list(allowed[suffix])} "
+                f"{file}: tensor {short_name(name)} is {info.dtype}, expected one of {list(allowed[suffix])} "
                 "(the weight dtypes config.json announces)"
             )

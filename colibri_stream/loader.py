@@ -21,6 +21,7 @@ from colibri_stream.checkpoint_files import (
     read_header,
     read_json_object,
     shard_files,
+    short_name,
 )
 from colibri_stream.config import StoreOptions, store_config
 from colibri_stream.dtypes import COMPUTE_DTYPES, FLOAT32_PARAMETERS, from_stored
@@ -74,7 +75,7 @@ def tensor_table(path: str | Path, allowed: dict[str, tuple[str, ...]]) -> dict[
         check_dtypes(file, tensors, allowed)
         for name, info in tensors.items():
             if name in table:
-                raise CheckpointError(f"{file}: tensor {name} is also in {table[name][0]}")
+                raise CheckpointError(f"{file}: tensor {short_name(name)} is also in {table[name][0]}")
             table[name] = (file, info)
     return table
 
@@ -152,9 +153,15 @@ def check_dense_names(args: ModelArgs, unmapped: list[str], loaded: set[str], so
     (a tied LM head may be absent: it is the embedding)."""
     model = meta_transformer(args)
     expected = set(model.state_dict())
+    unused = sorted(loaded - expected)  # e.g. shared-expert tensors of a config without n_shared_experts
+    if unused:
+        raise CheckpointError(
+            f"{source}: {len(unused)} tensor(s) have no parameter in the model config.json describes "
+            f"(a count or size there disagrees with the checkpoint), e.g. {unused[:3]}"
+        )
     if args.tie_word_embeddings and "head.weight" not in loaded:
         expected.discard("head.weight")
-    check_complete(unmapped, expected, loaded, source)
+    check_complete([short_name(name) for name in unmapped], expected, loaded, source)
     return model
 
 

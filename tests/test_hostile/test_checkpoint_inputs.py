@@ -519,3 +519,12 @@ def test_fp8_scales_are_checked_before_the_conversion_starts(fp8_checkpoint, tmp
     culprit = "has no" if damage == "missing" else "blocks needs"
     err = _one_line_error(["convert", str(path), str(tmp_path / "out")], capsys)  # progress bar enabled
     assert culprit in err and "kv_a_proj_with_mqa" in err and not (tmp_path / "out").exists()
+
+
+def test_tensors_the_config_has_no_parameter_for_are_refused(copy):
+    """Fuzz: n_shared_experts deleted made the shared-expert tensors extra, and the shape check looked them
+    up in the model's parameters (KeyError, a traceback)."""
+    path = copy(lambda c: c.pop("n_shared_experts"))
+    for load in (load_checkpoint, HFSource):
+        with pytest.raises(CheckpointError, match=r"6 tensor\(s\) have no parameter in the model config.json"):
+            load(path)
