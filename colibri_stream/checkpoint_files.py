@@ -158,7 +158,7 @@ def _tensor_info(file: Path, name: str, entry: Any, data_bytes: int) -> TensorIn
     if not isinstance(entry, dict):
         raise CheckpointError(f"{where}: header entry is not an object")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in DTYPE_BYTES:
+    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:  # a list is unhashable
         raise CheckpointError(f"{where}: dtype {brief(dtype)} is not a safetensors dtype")
     if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
         raise CheckpointError(f"{where}: shape {brief(shape)} is not a list of sizes")

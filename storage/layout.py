@@ -150,7 +150,7 @@ class ExpertRecordLayout:
         if not (group is None or type(group) is int):  # build() does arithmetic with it
             raise FormatError(f"expert layout: group_size {group!r:.80} is not an integer")
         for f in stored.fields:
-            if f.dtype not in DTYPES:
+            if not isinstance(f.dtype, str) or f.dtype not in DTYPES:  # a list is unhashable
                 raise FormatError(f"expert layout field {f.name}: unknown dtype {f.dtype!r:.80}")
             if f.offset % FIELD_ALIGN:
                 raise FormatError(f"expert layout field {f.name}: offset {f.offset} is not {FIELD_ALIGN}-byte aligned")

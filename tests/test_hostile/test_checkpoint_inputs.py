@@ -528,3 +528,12 @@ def test_tensors_the_config_has_no_parameter_for_are_refused(copy):
     for load in (load_checkpoint, HFSource):
         with pytest.raises(CheckpointError, match=r"6 tensor\(s\) have no parameter in the model config.json"):
             load(path)
+
+
+def test_a_header_dtype_of_the_wrong_json_type_is_refused(copy):
+    """Fuzz: a list as a dtype was looked up in the dtype table (TypeError: unhashable type: 'list')."""
+    path = copy()
+    name = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
+    _rewrite_header(path / SHARD, lambda header: header[name].update(dtype=["F32"]))
+    with pytest.raises(CheckpointError, match=rf"tensor {name}: dtype \['F32'\] is not a safetensors dtype"):
+        load_checkpoint(path)
