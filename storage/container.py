@@ -127,7 +127,8 @@ class Container:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         root = read_json(self.path / "zarr.json", "zarr root metadata")
-        attrs = root.get("attributes", {}).get(ATTRS_KEY) if isinstance(root, dict) else None
+        where = str(self.path / "zarr.json")
+        attrs = metadata_object(root, "attributes", where).get(ATTRS_KEY) if isinstance(root, dict) else None
         if not isinstance(attrs, dict):
             raise FormatError(f"{self.path}: not a colibri-stream container (no '{ATTRS_KEY}' attributes)")
         self.attrs = attrs

@@ -171,3 +171,11 @@ def test_copied_file_names_stay_inside_the_container(pristine, tmp_path, capsys)
     _attrs(lambda a: a["files"].append("../../../etc/passwd"))(broken)
     assert cli.main(["verify", str(broken)]) == 1
     assert "name '../../../etc/passwd' is not a plain array or file name" in capsys.readouterr().err
+
+
+def test_root_attributes_of_the_wrong_json_type_name_the_file(pristine, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(pristine, broken)
+    _edit_json(broken / "zarr.json", lambda meta: meta.update(attributes=["colibri"]))
+    with pytest.raises(StorageError, match=r"zarr.json: attributes must be a JSON object, got \['colibri'\]"):
+        load_container(broken)
