@@ -20,6 +20,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from colibri_stream.errors import CheckpointError
+from engine.config_checks import brief
 
 INDEX_FILE = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit
@@ -47,6 +48,7 @@ class TensorInfo:
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
+    begin: int = 0  # data_offsets[0], from the start of the data section
 
 
 def check_regular(path: Path, what: str) -> None:
@@ -54,18 +56,18 @@ def check_regular(path: Path, what: str) -> None:
     try:
         mode = path.stat().st_mode
     except OSError:
-        raise CheckpointError(f"{path}: {what} is missing") from None
+        raise CheckpointError(f"{short_name(str(path), 1000)}: {what} is missing") from None
     if not stat.S_ISREG(mode):
-        raise CheckpointError(f"{path}: {what} is not a regular file")
+        raise CheckpointError(f"{short_name(str(path), 1000)}: {what} is not a regular file")
 
 
 def inside(root: Path, name: Any, source: str) -> Path:
     """``root / name`` for a relative name that stays inside ``root`` (checked on the name itself)."""
     if not isinstance(name, str) or not name or "\\" in name or "\0" in name:
-        raise CheckpointError(f"{source}: shard name {name!r} is not a file name")
+        raise CheckpointError(f"{source}: shard name {brief(name)} is not a file name")
     pure = PurePosixPath(name)
     if pure.is_absolute() or ".." in pure.parts:
-        raise CheckpointError(f"{source}: shard name {name!r} points outside {root}")
+        raise CheckpointError(f"{source}: shard name {brief(name)} points outside {root}")
     return root / pure
 
 
@@ -77,6 +79,8 @@ def read_json_object(path: Path, what: str) -> dict[str, Any]:
         data = json.loads(path.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path}: invalid JSON ({exc})") from None
+    except RecursionError:  # json's C decoder recurses per nesting level: 100k brackets exhaust the stack
+        raise CheckpointError(f"{path}: JSON nested too deeply for {what}") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a JSON object")
     return data
@@ -118,32 +122,60 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
         header = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{file}: safetensors header is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise CheckpointError(f"{file}: safetensors header JSON is nested too deeply") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{file}: safetensors header is not a JSON object")
     data_bytes = size - 8 - length
-    return {
+    tensors = {
         name: _tensor_info(file, name, entry, data_bytes) for name, entry in header.items() if name != "__metadata__"
     }
+    _check_coverage(file, tensors, data_bytes, size)
+    return tensors
+
+
+def _check_coverage(file: Path, tensors: dict[str, TensorInfo], data_bytes: int, size: int) -> None:
+    """The tensors tile the data section exactly, as the safetensors library requires: refused here,
+    from the header alone, before anything maps the file (a shard grown sparse to 1 TiB would otherwise
+    be mapped, or hashed to the last byte, and a gap or an overlap is no valid file either)."""
+    end = 0
+    for name, info in sorted(tensors.items(), key=lambda item: (item[1].begin, item[1].nbytes)):
+        if info.begin != end:
+            raise CheckpointError(
+                f"{file}: tensor {short_name(name)} starts at data offset {info.begin}, the previous tensor ends "
+                f"at {end} (tensors must tile the data section without gaps or overlaps)"
+            )
+        end += info.nbytes
+    if end != data_bytes:
+        raise CheckpointError(
+            f"{file}: {size} bytes, but its header's tensors end at byte {size - data_bytes + end} "
+            f"(data section {data_bytes} bytes, tensors cover {end})"
+        )
 
 
 def _tensor_info(file: Path, name: str, entry: Any, data_bytes: int) -> TensorInfo:
-    where = f"{file}: tensor {name}"
+    where = f"{file}: tensor {short_name(name)}"
     if not isinstance(entry, dict):
         raise CheckpointError(f"{where}: header entry is not an object")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in DTYPE_BYTES:
-        raise CheckpointError(f"{where}: dtype {dtype!r} is not a safetensors dtype")
+    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:  # a list is unhashable
+        raise CheckpointError(f"{where}: dtype {brief(dtype)} is not a safetensors dtype")
     if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
-        raise CheckpointError(f"{where}: shape {shape!r} is not a list of sizes")
+        raise CheckpointError(f"{where}: shape {brief(shape)} is not a list of sizes")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
-        raise CheckpointError(f"{where}: data_offsets {offsets!r} is not [begin, end]")
+        raise CheckpointError(f"{where}: data_offsets {brief(offsets)} is not [begin, end]")
     begin, end = offsets
     if not begin <= end <= data_bytes:
         raise CheckpointError(f"{where}: data_offsets [{begin}, {end}] outside the {data_bytes}-byte data section")
     nbytes = math.prod(shape) * DTYPE_BYTES[dtype]
     if nbytes != end - begin:
         raise CheckpointError(f"{where}: {dtype}{shape} needs {nbytes} bytes, data_offsets span {end - begin}")
-    return TensorInfo(dtype, tuple(shape), nbytes)
+    return TensorInfo(dtype, tuple(shape), nbytes, begin)
+
+
+def short_name(name: str, limit: int = 120) -> str:
+    """A name (a header key, a path) as an error line shows it: a 1 MiB name is cut, not echoed."""
+    return name if len(name) <= limit else name[:limit] + "..."
 
 
 def _is_count(value: Any) -> bool:
@@ -157,6 +189,6 @@ def check_dtypes(file: Path, tensors: dict[str, TensorInfo], allowed: dict[str, 
         suffix = next((s for s in allowed if s and name.endswith(s)), "")
         if info.dtype not in allowed[suffix]:
             raise CheckpointError(
-                f"{file}: tensor {name} is {info.dtype}, expected one of {list(allowed[suffix])} "
+                f"{file}: tensor {short_name(name)} is {info.dtype}, expected one of {list(allowed[suffix])} "
                 "(the weight dtypes config.json announces)"
             )

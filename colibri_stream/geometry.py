@@ -19,6 +19,7 @@ from colibri_stream.checkpoint_files import read_json_object
 from colibri_stream.dtypes import stored_dense_dtype
 from colibri_stream.errors import USER_ERRORS, CheckpointError, ColibriError
 from engine.args import ConfigError, ModelArgs
+from engine.config_checks import brief
 from engine.model import meta_transformer
 from engine.weights import check_complete
 from storage.container import Container, is_container
@@ -105,7 +106,7 @@ def dequantised_config(config: Mapping[str, Any]) -> dict[str, Any]:
     describes the source only; convert dequantises it."""
     quant = config.get("quantization_config")
     if quant is not None and not isinstance(quant, dict):
-        raise ConfigError(f"config.json: quantization_config={quant!r}, expected an object (or null)")
+        raise ConfigError(f"config.json: quantization_config={brief(quant)}, expected an object (or null)")
     return {k: v for k, v in config.items() if k != "quantization_config"}
 
 

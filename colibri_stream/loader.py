@@ -6,7 +6,7 @@ resident, routed experts resident or streamed by the tiered store under a budget
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ from colibri_stream.checkpoint_files import (
     read_header,
     read_json_object,
     shard_files,
+    short_name,
 )
 from colibri_stream.config import StoreOptions, store_config
 from colibri_stream.dtypes import COMPUTE_DTYPES, FLOAT32_PARAMETERS, from_stored
@@ -74,15 +75,22 @@ def tensor_table(path: str | Path, allowed: dict[str, tuple[str, ...]]) -> dict[
         check_dtypes(file, tensors, allowed)
         for name, info in tensors.items():
             if name in table:
-                raise CheckpointError(f"{file}: tensor {name} is also in {table[name][0]}")
+                raise CheckpointError(f"{file}: tensor {short_name(name)} is also in {table[name][0]}")
             table[name] = (file, info)
     return table
 
 
-def check_tensors(args: ModelArgs, names: SortedNames, shapes: dict[str, tuple[int, ...]], source: str) -> Transformer:
+def check_tensors(
+    args: ModelArgs,
+    names: SortedNames,
+    shapes: dict[str, tuple[int, ...]],
+    source: str,
+    config: Mapping[str, Any] | None = None,
+) -> Transformer:
     """Everything about a checkpoint's tensors that can be checked from its headers, before a byte of
     weights is read: config.json's layer count against the layers present, names, routed experts and
-    every shape against the model config.json describes. Returns the meta-device model."""
+    every shape against the model config.json describes (a mismatch names the ``config`` keys that
+    hold the disagreeing size). Returns the meta-device model."""
     present = {layer for name in shapes if (layer := layer_of(name)) is not None}
     if args.n_layers > len(present):
         raise CheckpointError(
@@ -92,17 +100,30 @@ def check_tensors(args: ModelArgs, names: SortedNames, shapes: dict[str, tuple[i
     model = check_dense_names(args, names.unmapped, set(names.dense.values()), source)
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
     for hf, engine in sorted(names.dense.items()):
-        _check_shape(source, hf, shapes[hf], expected[engine])
+        _check_shape(source, hf, shapes[hf], expected[engine], config or {})
     projections = {"w1": (args.moe_inter_dim, args.dim), "w3": (args.moe_inter_dim, args.dim)}
     projections["w2"] = (args.dim, args.moe_inter_dim)
     for (_, _, proj), hf in names.routed.items():
-        _check_shape(source, hf, shapes[hf], projections[proj])
+        _check_shape(source, hf, shapes[hf], projections[proj], config or {})
     return model
 
 
-def _check_shape(source: str, name: str, shape: tuple[int, ...], expected: tuple[int, ...]) -> None:
+def _check_shape(
+    source: str, name: str, shape: tuple[int, ...], expected: tuple[int, ...], config: Mapping[str, Any]
+) -> None:
     if shape != expected:
-        raise CheckpointError(f"{source}: tensor {name} has shape {list(shape)}, config.json implies {list(expected)}")
+        raise CheckpointError(
+            f"{source}: tensor {name} has shape {list(shape)}, config.json implies {list(expected)}"
+            f"{_keys_sized(config, shape, expected)}"
+        )
+
+
+def _keys_sized(config: Mapping[str, Any], shape: tuple[int, ...], expected: tuple[int, ...]) -> str:
+    """The config keys whose value is a size the tensor disagrees on, e.g. " (from vocab_size=10000000)".
+    A size that is a product of keys (heads x head dim) names none; the shapes still say what differs."""
+    differing = {e for s, e in zip(shape, expected, strict=False) if s != e} if len(shape) == len(expected) else set()
+    keys = [f"{k}={v}" for k, v in config.items() if type(v) is int and v in differing]
+    return f" (from {', '.join(sorted(keys))})" if keys else ""
 
 
 def _check_routed_names(args: ModelArgs, names: SortedNames, source: str) -> None:
@@ -132,9 +153,15 @@ def check_dense_names(args: ModelArgs, unmapped: list[str], loaded: set[str], so
     (a tied LM head may be absent: it is the embedding)."""
     model = meta_transformer(args)
     expected = set(model.state_dict())
+    unused = sorted(loaded - expected)  # e.g. shared-expert tensors of a config without n_shared_experts
+    if unused:
+        raise CheckpointError(
+            f"{source}: {len(unused)} tensor(s) have no parameter in the model config.json describes "
+            f"(a count or size there disagrees with the checkpoint), e.g. {unused[:3]}"
+        )
     if args.tie_word_embeddings and "head.weight" not in loaded:
         expected.discard("head.weight")
-    check_complete(unmapped, expected, loaded, source)
+    check_complete([short_name(name) for name in unmapped], expected, loaded, source)
     return model
 
 
@@ -167,7 +194,8 @@ def load_checkpoint(
     args = ModelArgs.from_hf_config(config)
     table = tensor_table(path, {"": FLOAT_DTYPES})
     names = sort_names(table, args.n_layers)
-    model = check_tensors(args, names, {name: info.shape for name, (_, info) in table.items()}, str(path))
+    shapes = {name: info.shape for name, (_, info) in table.items()}
+    model = check_tensors(args, names, shapes, str(path), config)
     wanted = {name: ("dense", target) for name, target in names.dense.items()}
     wanted.update({name: ("routed", key) for key, name in names.routed.items()})
     dense: dict[str, torch.Tensor] = {}

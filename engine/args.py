@@ -19,6 +19,7 @@ from engine.config_checks import (
     ConfigError,
     as_float,
     as_int,
+    brief,
     check_routing,
     optional_bool,
     optional_float,
@@ -159,13 +160,14 @@ class ModelArgs:
 def _expect(config: Mapping[str, Any], key: str, allowed: tuple[Any, ...], default: Any) -> None:
     value = config.get(key, default)
     if value not in allowed or isinstance(value, bool) != isinstance(allowed[0], bool):
-        raise ConfigError(f"config.json: {key}={value!r} is not supported (supported: {list(allowed)})")
+        raise ConfigError(f"config.json: {key}={brief(value)} is not supported (supported: {list(allowed)})")
 
 
 def _parse(config: Mapping[str, Any]) -> ModelArgs:
     model_type = config.get("model_type")
     if not isinstance(model_type, str) or model_type not in MODEL_TYPES:
-        raise ConfigError(f"config.json: model_type {model_type!r} is not supported (supported: {list(MODEL_TYPES)})")
+        supported = list(MODEL_TYPES)
+        raise ConfigError(f"config.json: model_type {brief(model_type)} is not supported (supported: {supported})")
     _check_semantics(config)
     n_layers = size(config, "num_hidden_layers", maximum=MAX_LAYERS)  # bounded before any per-layer table
     n_routed = size(config, "n_routed_experts", maximum=MAX_EXPERTS)
@@ -220,14 +222,16 @@ def _check_semantics(config: Mapping[str, Any]) -> None:
     _expect(config, "moe_layer_freq", (1,), 1)
     heads, kv_heads = config.get("num_attention_heads"), config.get("num_key_value_heads")
     if kv_heads is not None and kv_heads != heads:
-        raise ConfigError(f"config.json: num_key_value_heads={kv_heads} must equal num_attention_heads={heads} (MLA)")
+        raise ConfigError(
+            f"config.json: num_key_value_heads={brief(kv_heads)} must equal num_attention_heads={brief(heads)} (MLA)"
+        )
     quant = config.get("quantization_config")
     if quant is not None and not isinstance(quant, dict):
-        raise ConfigError(f"config.json: quantization_config={quant!r}, expected an object (or null)")
+        raise ConfigError(f"config.json: quantization_config={brief(quant)}, expected an object (or null)")
     if quant:
         raise ConfigError(
-            f"config.json: quantization_config ({quant.get('quant_method', '?')}) — quantised checkpoints are read "
-            "by `colibri-stream convert`, not loaded directly"
+            f"config.json: quantization_config ({brief(quant.get('quant_method', '?'))}) — quantised checkpoints "
+            "are read by `colibri-stream convert`, not loaded directly"
         )
 
 
@@ -269,14 +273,14 @@ def _parse_rope(config: Mapping[str, Any]) -> RopeArgs:
     for key in ("rope_scaling", "rope_parameters"):  # a key in rope_parameters wins
         value = config.get(key)
         if value is not None and not isinstance(value, dict):
-            raise ConfigError(f"config.json: {key}={value!r}, expected an object (or null)")
+            raise ConfigError(f"config.json: {key}={brief(value)}, expected an object (or null)")
         merged.update(value or {})
     theta = as_float("rope_theta", merged.get("rope_theta", config.get("rope_theta", 10000.0)))
     kind = merged.get("rope_type", merged.get("type", "default"))
     if kind == "default":
         return RopeArgs(theta=theta)
     if kind != "yarn":
-        raise ConfigError(f"config.json: rope type {kind!r} is not supported (supported: ['default', 'yarn'])")
+        raise ConfigError(f"config.json: rope type {brief(kind)} is not supported (supported: ['default', 'yarn'])")
     for key in ("factor", "original_max_position_embeddings"):
         if merged.get(key) is None:
             raise ConfigError(f"config.json: yarn rope scaling needs {key!r}")

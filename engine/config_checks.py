@@ -22,8 +22,18 @@ class ConfigError(ValueError):
     """A config.json the engine cannot run faithfully; the message names the field."""
 
 
+def brief(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters: an error line names a hostile value without echoing
+    all of a 1 MiB string."""
+    try:
+        text = repr(value)
+    except RecursionError:  # a list nested nearly as deep as the JSON reader allows
+        return f"<{type(value).__name__} nested too deeply>"
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _refuse(key: str, value: Any, expected: str) -> ConfigError:
-    return ConfigError(f"config.json: {key}={value!r}, expected {expected}")
+    return ConfigError(f"config.json: {key}={brief(value)}, expected {expected}")
 
 
 def as_int(key: str, value: Any, minimum: int, maximum: int) -> int:

@@ -66,7 +66,7 @@ def regular_file_size(path: Path, what: str) -> int:
 def check_plain_name(name: Any, where: str) -> str:
     """A name used as one path component inside the container: no separators, no '..', not absolute."""
     if not isinstance(name, str) or not _PLAIN_NAME.fullmatch(name) or ".." in name:
-        raise FormatError(f"{where}: name {name!r} is not a plain array or file name")
+        raise FormatError(f"{where}: name {brief(name)} is not a plain array or file name")
     return name
 
 
@@ -78,6 +78,32 @@ def read_json(path: Path, what: str) -> Any:
         return json.loads(path.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise FormatError(f"{path}: not valid JSON ({what}): {exc}") from None
+    except RecursionError:  # json's C decoder recurses per nesting level: 100k brackets exhaust the stack
+        raise FormatError(f"{path}: JSON nested too deeply ({what})") from None
+
+
+def brief(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters: an error line names a hostile value without echoing
+    all of it (storage cannot use engine.config_checks.brief: the two packages never import each other)."""
+    try:
+        text = repr(value)
+    except RecursionError:
+        return f"<{type(value).__name__} nested too deeply>"
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def metadata_object(meta: dict[str, Any], key: str, where: str) -> dict[str, Any]:
+    """``meta[key]`` as a JSON object ({} when absent): anything else is refused naming the file and key
+    rather than failing later on ``.get`` of a list."""
+    value = meta.get(key, {})
+    if not isinstance(value, dict):
+        raise FormatError(f"{where}: {key} must be a JSON object, got {brief(value)}")
+    return value
+
+
+def _chunk_shape(meta: dict[str, Any], where: str) -> Any:
+    grid = metadata_object(meta, "chunk_grid", where)
+    return metadata_object(grid, "configuration", f"{where}: chunk_grid").get("chunk_shape")
 
 
 def is_container(path: str | Path) -> bool:
@@ -101,7 +127,8 @@ class Container:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         root = read_json(self.path / "zarr.json", "zarr root metadata")
-        attrs = root.get("attributes", {}).get(ATTRS_KEY) if isinstance(root, dict) else None
+        where = str(self.path / "zarr.json")
+        attrs = metadata_object(root, "attributes", where).get(ATTRS_KEY) if isinstance(root, dict) else None
         if not isinstance(attrs, dict):
             raise FormatError(f"{self.path}: not a colibri-stream container (no '{ATTRS_KEY}' attributes)")
         self.attrs = attrs
@@ -121,10 +148,10 @@ class Container:
     def _check_header(self) -> None:
         name, version = self.attrs.get("format"), self.attrs.get("format_version")
         if name != FORMAT_NAME:
-            raise FormatError(f"{self.path}: format {name!r} is not {FORMAT_NAME!r}")
+            raise FormatError(f"{self.path}: format {brief(name)} is not {FORMAT_NAME!r}")
         if version != FORMAT_VERSION:
             raise FormatError(
-                f"{self.path}: format version {version!r} is not supported (this build reads {FORMAT_VERSION})"
+                f"{self.path}: format version {brief(version)} is not supported (this build reads {FORMAT_VERSION})"
             )
         if not self.attrs.get("complete"):
             raise FormatError(f"{self.path}: conversion did not finish; rerun `colibri-stream convert` to resume it")
@@ -143,7 +170,7 @@ class Container:
         ok = isinstance(layers, list) and all(type(x) is int and 0 <= x < n_layers for x in layers)
         if not ok or len(set(layers)) != len(layers):
             raise FormatError(
-                f"{self.path}: experts.layers must list distinct MoE layers in [0, {n_layers}), got {layers!r:.80}"
+                f"{self.path}: experts.layers must list distinct MoE layers in [0, {n_layers}), got {brief(layers)}"
             )
         return tuple(layers)
 
@@ -153,9 +180,10 @@ class Container:
         parsed = {}
         for layer in self.moe_layers:
             crcs = checksums.get(str(layer))
-            if not isinstance(crcs, list) or len(crcs) != self.n_experts:
+            valid = isinstance(crcs, list) and all(type(c) is int and 0 <= c < 1 << 32 for c in crcs)
+            if not valid or len(crcs) != self.n_experts:
                 raise FormatError(f"{self.path}: experts.checksums[{layer}] must list {self.n_experts} crc32c values")
-            parsed[layer] = [int(c) for c in crcs]
+            parsed[layer] = crcs
         return parsed
 
     def _parse_dense(self, table: dict[str, Any]) -> dict[str, DenseEntry]:
@@ -165,7 +193,7 @@ class Container:
             dense = self._dense_entry(name, entry)
             if dense.dtype not in DENSE_DTYPES:
                 raise FormatError(
-                    f"{self.path}: dense array {name}: dtype {dense.dtype!r} is not one of {DENSE_DTYPES}"
+                    f"{self.path}: dense array {name}: dtype {brief(dense.dtype)} is not one of {DENSE_DTYPES}"
                 )
             if dense.dtype == "int8":
                 scales = self._dense_entry(f"{name}.scale", entry.get("scales"), "float16")
@@ -178,10 +206,11 @@ class Container:
     def _dense_entry(self, name: str, entry: Any, dtype: str | None = None) -> DenseEntry:
         try:
             dense = DenseEntry(name, tuple(entry["shape"]), dtype or entry["dtype"], int(entry["crc32c"]))
-        except (KeyError, TypeError, ValueError):
-            raise FormatError(f"{self.path}: dense entry {name!r} needs shape, dtype and crc32c") from None
+        except (KeyError, TypeError, ValueError, OverflowError):
+            raise FormatError(f"{self.path}: dense entry {brief(name)} needs shape, dtype and crc32c") from None
         if not dense.shape or not all(type(d) is int and d > 0 for d in dense.shape):
-            raise FormatError(f"{self.path}: dense entry {name!r}: shape {list(dense.shape)} is not a list of sizes")
+            shape = brief(list(dense.shape))
+            raise FormatError(f"{self.path}: dense entry {brief(name)}: shape {shape} is not a list of sizes")
         return dense
 
     def array_metadata(self, relpath: str) -> dict[str, Any]:
@@ -196,37 +225,37 @@ class Container:
         bounded by the declared shape (a gzip codec could inflate a small chunk to gigabytes)."""
         relpath = f"{DENSE_GROUP}/{entry.name}"
         meta = self.array_metadata(relpath)
+        where = f"{self.path / relpath / 'zarr.json'}"
         dtype = np.dtype(DTYPES[entry.dtype])
-        if tuple(meta.get("shape", ())) != entry.shape or meta.get("data_type") != str(dtype):
+        if meta.get("shape") != list(entry.shape) or meta.get("data_type") != str(dtype):
             raise FormatError(
-                f"dense array {entry.name}: zarr metadata says {meta.get('data_type')}{meta.get('shape')}, "
+                f"dense array {entry.name}: zarr metadata says "
+                f"{brief(meta.get('data_type'))}{brief(meta.get('shape'))}, "
                 f"container attributes say {dtype}{list(entry.shape)}"
             )
-        chunks = meta.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape")
+        chunks = _chunk_shape(meta, where)
         codecs = meta.get("codecs")
         bytes_only = isinstance(codecs, list) and len(codecs) == 1 and isinstance(codecs[0], dict)
         if not bytes_only or codecs[0].get("name") != "bytes" or chunks != list(entry.shape):
             raise FormatError(
                 f"dense array {entry.name}: needs one uncompressed chunk (bytes codec only, chunk_shape = shape), "
-                f"got codecs {codecs!r:.100}, chunks {chunks}"
+                f"got codecs {brief(codecs)}, chunks {brief(chunks)}"
             )
-        if codecs[0].get("configuration", {}).get("endian", "little") != "little" or meta.get("storage_transformers"):
+        endian = metadata_object(codecs[0], "configuration", f"{where}: codecs[0]").get("endian", "little")
+        if endian != "little" or meta.get("storage_transformers"):
             raise FormatError(f"dense array {entry.name}: only little-endian bytes without transformers are read")
-        self._check_chunk_key_encoding(meta, f"dense array {entry.name}")
+        self._check_chunk_key_encoding(meta, f"dense array {entry.name}", where)
         chunk = self.path / relpath / "c" / "/".join("0" * len(entry.shape))
         size = regular_file_size(chunk, f"chunk of dense array {entry.name}")
         expected = math.prod(entry.shape) * dtype.itemsize
         if size != expected:
             raise CorruptDataError(f"dense array {entry.name}: {chunk} holds {size} bytes, expected {expected}")
 
-    def _check_chunk_key_encoding(self, meta: dict[str, Any], what: str) -> None:
-        encoding = meta.get("chunk_key_encoding", {})
-        if (
-            not isinstance(encoding, dict)
-            or encoding.get("name") != "default"
-            or (encoding.get("configuration", {}).get("separator", "/") != "/")
-        ):
-            raise FormatError(f"{what}: unsupported chunk key encoding {encoding!r:.100}")
+    def _check_chunk_key_encoding(self, meta: dict[str, Any], what: str, where: str) -> None:
+        encoding = metadata_object(meta, "chunk_key_encoding", where)
+        separator = metadata_object(encoding, "configuration", f"{where}: chunk_key_encoding").get("separator", "/")
+        if encoding.get("name") != "default" or separator != "/":
+            raise FormatError(f"{what}: unsupported chunk key encoding {brief(encoding)}")
 
     def check_expert_file(self, layer: int, expert: int) -> None:
         """The record's chunk is a regular file of exactly one record, checked before anything is read or
@@ -247,19 +276,22 @@ class Container:
     def check_expert_metadata(self, layer: int) -> None:
         relpath = f"{EXPERTS_GROUP}/{expert_array_name(layer)}"
         meta = self.array_metadata(relpath)
-        chunks = meta.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape")
-        codecs = [c.get("name") if isinstance(c, dict) else c for c in meta.get("codecs", [])]
+        where = f"{self.path / relpath / 'zarr.json'}"
+        chunks = _chunk_shape(meta, where)
+        codecs = meta.get("codecs")
+        names = [c.get("name") if isinstance(c, dict) else c for c in codecs] if isinstance(codecs, list) else codecs
         expected_shape = [self.n_experts, self.layout.record_bytes]
         if meta.get("shape") != expected_shape or meta.get("data_type") != "uint8":
             raise FormatError(
                 f"expert array {relpath}: expected uint8{expected_shape}, "
-                f"got {meta.get('data_type')}{meta.get('shape')}"
+                f"got {brief(meta.get('data_type'))}{brief(meta.get('shape'))}"
             )
-        if chunks != [1, self.layout.record_bytes] or codecs != ["bytes"]:
+        if chunks != [1, self.layout.record_bytes] or names != ["bytes"]:
             raise FormatError(
-                f"expert array {relpath}: needs one uncompressed chunk per expert (chunks {chunks}, codecs {codecs})"
+                f"expert array {relpath}: needs one uncompressed chunk per expert "
+                f"(chunks {brief(chunks)}, codecs {brief(names)})"
             )
-        self._check_chunk_key_encoding(meta, f"expert array {relpath}")
+        self._check_chunk_key_encoding(meta, f"expert array {relpath}", where)
 
     # ---------------------------------------------------------------------------------------- data
     def expert_path(self, layer: int, expert: int) -> Path:

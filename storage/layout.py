@@ -65,7 +65,7 @@ def _field_specs(scheme: str, dim: int, inter_dim: int, group_size: int | None) 
         dtype = "bfloat16" if scheme == "bf16" else "float32"
         return [(m, dtype, shapes[m]) for m in MATRICES]
     if not group_size or group_size <= 0:
-        raise FormatError(f"scheme {scheme} needs a positive group size, got {group_size!r}")
+        raise FormatError(f"scheme {scheme} needs a positive group size, got {group_size!r:.80}")
     for m, (_, in_dim) in shapes.items():
         if in_dim % group_size:
             raise FormatError(f"{m}: input dimension {in_dim} is not a multiple of group size {group_size}")
@@ -87,7 +87,7 @@ class ExpertRecordLayout:
     @classmethod
     def build(cls, scheme: str, dim: int, inter_dim: int, group_size: int | None = None) -> ExpertRecordLayout:
         if scheme not in SCHEMES:
-            raise FormatError(f"unknown expert scheme {scheme!r} (known: {list(SCHEMES)})")
+            raise FormatError(f"unknown expert scheme {scheme!r:.80} (known: {list(SCHEMES)})")
         group_size = group_size if scheme in QUANTISED else None
         fields, offset = [], 0
         for name, dtype, shape in _field_specs(scheme, dim, inter_dim, group_size):
@@ -145,11 +145,13 @@ class ExpertRecordLayout:
                 tuple(Field(f["name"], f["dtype"], tuple(f["shape"]), int(f["offset"])) for f in attrs["fields"]),
                 int(attrs["record_bytes"]),
             )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise FormatError(f"expert layout metadata is malformed ({exc!r})") from None
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+            raise FormatError(f"expert layout metadata is malformed ({exc!r:.200})") from None
+        if not (group is None or type(group) is int):  # build() does arithmetic with it
+            raise FormatError(f"expert layout: group_size {group!r:.80} is not an integer")
         for f in stored.fields:
-            if f.dtype not in DTYPES:
-                raise FormatError(f"expert layout field {f.name}: unknown dtype {f.dtype!r}")
+            if not isinstance(f.dtype, str) or f.dtype not in DTYPES:  # a list is unhashable
+                raise FormatError(f"expert layout field {f.name}: unknown dtype {f.dtype!r:.80}")
             if f.offset % FIELD_ALIGN:
                 raise FormatError(f"expert layout field {f.name}: offset {f.offset} is not {FIELD_ALIGN}-byte aligned")
         if stored.record_bytes % RECORD_ALIGN:

@@ -196,7 +196,7 @@ class Converter:
         fingerprint = self._fingerprint()
         if path.is_file():
             journal = read_json(path, "conversion journal")
-            if {k: journal.get(k) for k in fingerprint} != fingerprint:
+            if not isinstance(journal, dict) or {k: journal.get(k) for k in fingerprint} != fingerprint:
                 raise IncompatibleStateError(
                     f"{self.dst}: holds an unfinished conversion of another source or with other options; "
                     "use a new destination"

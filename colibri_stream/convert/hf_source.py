@@ -22,6 +22,7 @@ from colibri_stream.checkpoint_files import FLOAT_DTYPES, FP8_DTYPE
 from colibri_stream.geometry import dequantised_config
 from colibri_stream.loader import CheckpointError, check_tensors, read_config, tensor_table
 from engine.args import ModelArgs
+from engine.config_checks import brief
 from engine.weights import sort_names
 
 SCALE_SUFFIX = "_scale_inv"
@@ -48,21 +49,41 @@ class HFSource:
         self.shapes: dict[str, tuple[int, ...]] = {name: info.shape for name, (_, info) in table.items()}
         self.stored_bytes = {name: info.nbytes for name, (_, info) in table.items()}  # bytes on disk, for progress
         args = ModelArgs.from_hf_config(self.dense_config())
-        check_tensors(args, sort_names(self.tensor_names, args.n_layers), self.shapes, str(self.path))
+        names = sort_names(self.tensor_names, args.n_layers)
+        check_tensors(args, names, self.shapes, str(self.path), self.dense_config())
+        if self.block:
+            self._check_fp8_scales({name: info.dtype for name, (_, info) in table.items()})
+
+    def _check_fp8_scales(self, dtypes: dict[str, str]) -> None:
+        """Every FP8 weight's block scales present and shaped for it, from the headers: refused before
+        the conversion starts (and its progress bar), not midway through it."""
+        for name, dtype in dtypes.items():
+            if dtype != FP8_DTYPE:
+                continue
+            scale = name + SCALE_SUFFIX
+            if scale not in self.shapes:
+                raise CheckpointError(f"{self.where[name]}: FP8 tensor {name} has no {scale}")
+            expected = [-(-d // b) for d, b in zip(self.shapes[name], self.block, strict=False)]
+            if len(self.shapes[name]) != 2 or list(self.shapes[scale]) != expected:
+                raise CheckpointError(
+                    f"{self.where[scale]}: tensor {scale} has shape {list(self.shapes[scale])}, FP8 weight {name} "
+                    f"{list(self.shapes[name])} in {list(self.block)} blocks needs {expected}"
+                )
 
     def _fp8_block(self, quant: Any) -> tuple[int, int] | None:
         if quant is not None and not isinstance(quant, dict):
             raise CheckpointError(
-                f"{self.path / 'config.json'}: quantization_config={quant!r}, expected an object "
+                f"{self.path / 'config.json'}: quantization_config={brief(quant)}, expected an object "
                 "(quant_method fp8, fmt e4m3, weight_block_size [rows, cols])"
             )
         if not quant:
             return None
         method, fmt = quant.get("quant_method"), quant.get("fmt", "e4m3")
         block = quant.get("weight_block_size")
-        if method != "fp8" or fmt != "e4m3" or not (isinstance(block, list) and len(block) == 2):
+        sizes = isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)
+        if method != "fp8" or fmt != "e4m3" or not sizes:
             raise CheckpointError(
-                f"{self.path / 'config.json'}: quantization_config {quant} is not supported "
+                f"{self.path / 'config.json'}: quantization_config {brief(quant)} is not supported "
                 "(supported: quant_method fp8, fmt e4m3, weight_block_size [rows, cols])"
             )
         return int(block[0]), int(block[1])

@@ -329,3 +329,211 @@ def test_huge_layer_counts_and_gzip_bombs_fail_fast(copy, container, tmp_path):
     assert "Traceback" not in child.stderr
     assert child.stderr.count("num_hidden_layers=10000000") == 5
     assert "dense array embed.weight: needs one uncompressed chunk" in child.stderr
+
+
+# ------------------------------------------------- fuzz findings (#20 fix3): depth, types, sizes, length
+
+DEEP = "[" * 100_000 + "]" * 100_000  # json's C decoder recurses per level: RecursionError, not JSONDecodeError
+
+
+def _deep_json(path: Path, key: str) -> None:
+    """``path``'s JSON object with ``key`` set to a list nested 100k deep."""
+    data = json.loads(path.read_text())
+    data[key] = "DEEP"
+    path.write_text(json.dumps(data).replace('"DEEP"', DEEP))
+
+
+@pytest.mark.parametrize(
+    "damage, culprit",
+    [
+        (lambda ckpt: _deep_json(ckpt / "config.json", "index_head_dim"), "config.json: JSON nested too deeply"),
+        (
+            lambda ckpt: (ckpt / SHARD).write_bytes(len(DEEP).to_bytes(8, "little") + DEEP.encode()),
+            f"{SHARD}: safetensors header JSON is nested too deeply",
+        ),
+        (
+            lambda ckpt: (ckpt / "model.safetensors.index.json").write_text('{"weight_map": {"x": ' + DEEP + "}}"),
+            "model.safetensors.index.json: JSON nested too deeply",
+        ),
+    ],
+    ids=["config", "safetensors header", "shard index"],
+)
+def test_deeply_nested_json_is_a_typed_error_naming_the_file(copy, capsys, damage, culprit):
+    path = copy()
+    damage(path)
+    with pytest.raises(CheckpointError, match=culprit):
+        load_checkpoint(path)
+    assert culprit in _one_line_error(["run", str(path), "--ids", "1,2"], capsys)
+
+
+DENSE_META = "dense/layers.1.attn.wkv_a.weight/zarr.json"
+EXPERT_META = "experts/layer_001/zarr.json"
+
+
+@pytest.mark.parametrize(
+    "meta, edit, culprit",
+    [
+        (DENSE_META, None, "JSON nested too deeply"),
+        (DENSE_META, lambda m: m["chunk_grid"].update(configuration=[]), "chunk_grid: configuration must be"),
+        (DENSE_META, lambda m: m["codecs"][0].update(configuration=["little"]), "codecs[0]: configuration must be"),
+        (DENSE_META, lambda m: m.update(chunk_key_encoding=["/"]), "chunk_key_encoding must be a JSON object"),
+        (EXPERT_META, lambda m: m["chunk_grid"].update(configuration=[1]), "chunk_grid: configuration must be"),
+        (
+            EXPERT_META,
+            lambda m: m["chunk_key_encoding"].update(configuration=["/"]),
+            "chunk_key_encoding: configuration must be",
+        ),
+    ],
+    ids=["deep", "dense chunk_grid", "dense codec", "dense key encoding", "expert chunk_grid", "expert key encoding"],
+)
+def test_zarr_json_of_the_wrong_shape_names_file_and_key(container, tmp_path, capsys, meta, edit, culprit):
+    broken = tmp_path / "broken"
+    shutil.copytree(container, broken)
+    if edit is None:
+        (broken / meta).write_text('{"node_type": "array", "codecs": ' + DEEP + "}")
+    else:
+        _edit_json(broken / meta, edit)
+    assert cli.main(["verify", str(broken)]) == 1
+    err = capsys.readouterr().err
+    assert f"{broken / meta}: {culprit}" in err and "Traceback" not in err, err
+    with pytest.raises(USER_ERRORS, match=None) as raised:
+        load_container(broken)
+    assert f"{broken / meta}: {culprit}" in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "damage, culprit",
+    [
+        (lambda f: os.truncate(f, 1 << 40), "1099511627776 bytes, but its header's tensors end at byte"),
+        (lambda f: f.write_bytes(f.read_bytes() + b"\0\0"), "bytes, but its header's tensors end at byte"),
+    ],
+    ids=["sparse 1 TiB", "2 trailing bytes"],
+)
+def test_shard_longer_than_its_tensors_is_refused_before_it_is_mapped(copy, tmp_path, capsys, damage, culprit):
+    """Trailing bytes: safetensors maps the whole file (4 GiB broke the 3 GiB address-space limit) and
+    convert hashed all of it (1 TiB: a hang); its own refusal came after convert's progress bar had
+    started, so stderr held the bar before the error. Now the header check refuses it, bar or not."""
+    path = copy()
+    damage(path / SHARD)
+    try:
+        for load in (load_checkpoint, HFSource):
+            with pytest.raises(CheckpointError, match=culprit):
+                load(path)
+        err = _one_line_error(["convert", str(path), str(tmp_path / "out")], capsys)  # progress bar enabled
+        assert str(path / SHARD) in err and culprit in err and not (tmp_path / "out").exists()
+    finally:
+        (path / SHARD).unlink()  # never leave a 1 TiB sparse file for a later copy to fill the disk with
+
+
+def _rewrite_header(shard: Path, edit: Callable[[dict], None]) -> None:
+    data = shard.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + length])
+    edit(header)
+    raw = json.dumps(header).encode()
+    shard.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + length :])
+
+
+def test_tensors_that_overlap_in_a_shard_are_refused_from_the_header(copy):
+    path = copy()
+
+    def overlap(header: dict) -> None:  # the last tensor moved onto the first, the data section unchanged
+        spans = sorted((e["data_offsets"], n) for n, e in header.items() if n != "__metadata__")
+        (begin, end), last = spans[-1]
+        header[last]["data_offsets"] = [0, end - begin]
+
+    _rewrite_header(path / SHARD, overlap)
+    with pytest.raises(CheckpointError, match=r"starts at data offset \d+, the previous tensor ends at"):
+        HFSource(path)
+
+
+@pytest.mark.parametrize(
+    "change, culprit",
+    [
+        ({"topk_group": "x" * (1 << 20)}, "topk_group='xxx"),
+        ({"model_type": "y" * (1 << 20)}, "model_type 'yyy"),
+        ({"rope_parameters": {"rope_type": "z" * (1 << 20)}}, "rope type 'zzz"),
+    ],
+    ids=["topk_group", "model_type", "rope type"],
+)
+def test_a_1_mib_config_value_is_abbreviated_in_the_error(copy, capsys, change, culprit):
+    path = copy(lambda c: c.update(change))
+    err = _one_line_error(["run", str(path), "--ids", "1,2"], capsys)
+    assert culprit in err and "..." in err
+    assert len(err) < 300, len(err)
+
+
+def test_a_1_mib_zarr_value_is_abbreviated_in_the_error(container, tmp_path, capsys):
+    broken = tmp_path / "broken"
+    shutil.copytree(container, broken)
+    _edit_json(broken / DENSE_META, lambda m: m.update(data_type="q" * (1 << 20)))
+    assert cli.main(["verify", str(broken)]) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert any("zarr metadata says 'qqq" in line for line in lines) and max(map(len, lines)) < 400
+
+
+@pytest.mark.parametrize(
+    "change, culprit",
+    [
+        (
+            {"vocab_size": 10**7},
+            r"lm_head.weight has shape \[512, 64\], config.json implies \[10000000, 64\] \(from vocab_size=10000000\)",
+        ),
+        (
+            {"index_n_heads": 172},
+            r"weights_proj.weight has shape \[16, 64\], config.json implies \[172, 64\] \(from index_n_heads=172\)",
+        ),
+    ],
+    ids=["vocab_size", "index_n_heads"],
+)
+def test_config_size_the_tensors_disagree_with_names_tensor_key_and_shapes(tiny_checkpoints, tmp_path, change, culprit):
+    """Before the fix, 'size mismatch for head.weight' came from load_state_dict (a traceback)."""
+    path = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoints["deepseek_v32"], path)
+    _edit_json(path / "config.json", lambda c: c.update(change))
+    for load in (load_checkpoint, HFSource):
+        with pytest.raises(CheckpointError, match=culprit):
+            load(path)
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tiny_checkpoints, tmp_path_factory) -> Path:
+    from colibri_stream.devtools import fixtures
+
+    return fixtures.build_fp8_checkpoint(tiny_checkpoints["deepseek_v3"], tmp_path_factory.mktemp("fp8") / "c", 32)
+
+
+@pytest.mark.parametrize("damage", ["missing", "misshapen"])
+def test_fp8_scales_are_checked_before_the_conversion_starts(fp8_checkpoint, tmp_path, capsys, damage):
+    path = tmp_path / "fp8"
+    shutil.copytree(fp8_checkpoint, path)
+    name = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"
+
+    def edit(header: dict) -> None:
+        if damage == "missing":  # renamed: the weight has no scale, the bytes stay covered
+            header[name.replace("weight_scale_inv", "other_scale_inv")] = header.pop(name)
+        else:
+            header[name]["shape"] = list(reversed(header[name]["shape"])) + [1]
+
+    _rewrite_header(path / SHARD, edit)
+    culprit = "has no" if damage == "missing" else "blocks needs"
+    err = _one_line_error(["convert", str(path), str(tmp_path / "out")], capsys)  # progress bar enabled
+    assert culprit in err and "kv_a_proj_with_mqa" in err and not (tmp_path / "out").exists()
+
+
+def test_tensors_the_config_has_no_parameter_for_are_refused(copy):
+    """Fuzz: n_shared_experts deleted made the shared-expert tensors extra, and the shape check looked them
+    up in the model's parameters (KeyError, a traceback)."""
+    path = copy(lambda c: c.pop("n_shared_experts"))
+    for load in (load_checkpoint, HFSource):
+        with pytest.raises(CheckpointError, match=r"6 tensor\(s\) have no parameter in the model config.json"):
+            load(path)
+
+
+def test_a_header_dtype_of_the_wrong_json_type_is_refused(copy):
+    """Fuzz: a list as a dtype was looked up in the dtype table (TypeError: unhashable type: 'list')."""
+    path = copy()
+    name = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
+    _rewrite_header(path / SHARD, lambda header: header[name].update(dtype=["F32"]))
+    with pytest.raises(CheckpointError, match=rf"tensor {name}: dtype \['F32'\] is not a safetensors dtype"):
+        load_checkpoint(path)

@@ -102,6 +102,19 @@ CASES: dict[str, tuple[Callable[[Path], None], str]] = {
     "record size not 4 KiB multiple": (_layout(lambda lay: lay.update(record_bytes=8000)), "not a multiple of 4096"),
     "unknown expert scheme": (_layout(lambda lay: lay.update(scheme="int3")), "unknown expert scheme 'int3'"),
     "layout for another model": (_layout(lambda lay: lay.update(group_size=32)), "does not match a int4 layout"),
+    # fuzz (#20): hostile JSON types where the reader assumed hashable or integral values
+    "layout field dtype a list": (
+        _layout(lambda lay: lay["fields"][0].update(dtype=["uint8"])),
+        "expert layout field w1.q: unknown dtype ['uint8']",
+    ),
+    "layout group_size a string": (
+        _layout(lambda lay: lay.update(group_size="64")),
+        "group_size '64' is not an integer",
+    ),
+    "expert checksum infinite": (
+        _attrs(lambda a: a["experts"]["checksums"]["1"].__setitem__(0, "inf")),
+        "experts.checksums[1] must list",
+    ),
 }
 
 
@@ -158,3 +171,11 @@ def test_copied_file_names_stay_inside_the_container(pristine, tmp_path, capsys)
     _attrs(lambda a: a["files"].append("../../../etc/passwd"))(broken)
     assert cli.main(["verify", str(broken)]) == 1
     assert "name '../../../etc/passwd' is not a plain array or file name" in capsys.readouterr().err
+
+
+def test_root_attributes_of_the_wrong_json_type_name_the_file(pristine, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(pristine, broken)
+    _edit_json(broken / "zarr.json", lambda meta: meta.update(attributes=["colibri"]))
+    with pytest.raises(StorageError, match=r"zarr.json: attributes must be a JSON object, got \['colibri'\]"):
+        load_container(broken)
