@@ -64,8 +64,9 @@ def regular_file_size(path: Path, what: str) -> int:
 
 
 def check_plain_name(name: Any, where: str) -> str:
-    """A name used as one path component inside the container: no separators, no '..', not absolute."""
-    if not isinstance(name, str) or not _PLAIN_NAME.fullmatch(name) or ".." in name:
+    """A name used as one path component inside the container: no separators, no '..', not absolute, and
+    no longer than a file name may be (so a 1 MiB name is refused here, not listed in later errors)."""
+    if not isinstance(name, str) or len(name) > 255 or not _PLAIN_NAME.fullmatch(name) or ".." in name:
         raise FormatError(f"{where}: name {brief(name)} is not a plain array or file name")
     return name
 

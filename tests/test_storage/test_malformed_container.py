@@ -111,6 +111,10 @@ CASES: dict[str, tuple[Callable[[Path], None], str]] = {
         _layout(lambda lay: lay.update(group_size="64")),
         "group_size '64' is not an integer",
     ),
+    "dense name of 1 MiB": (
+        _attrs(lambda a: a["dense"].update({"a" * (1 << 20): a["dense"]["embed.weight"]})),
+        "name 'aaaaaaaa",
+    ),
     "expert checksum infinite": (
         _attrs(lambda a: a["experts"]["checksums"]["1"].__setitem__(0, "inf")),
         "experts.checksums[1] must list",
