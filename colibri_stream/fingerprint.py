@@ -29,11 +29,13 @@ from colibri_stream.paths import user_cache_dir
 from storage.atomic import atomic_write_json
 from storage.container import Container, is_container
 from storage.container_write import CONTENT_KEY, content_sha256
+from storage.safe_read import open_regular, read_bounded
 
 SAMPLE_BYTES = 64
 _MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header
 _CACHE_ENTRIES = 256  # entries kept in the digest cache (the newest)
 _TOKENIZER = "tokenizer.json"
+_MAX_SMALL_FILE_BYTES = 512 << 20  # config.json and tokenizer.json (real tokenizers: 5-30 MB)
 
 
 def model_fingerprint(path: str | Path) -> str:
@@ -44,13 +46,21 @@ def model_fingerprint(path: str | Path) -> str:
         config = json.dumps(container.model_config, sort_keys=True).encode()
         weights = container_weights_sha256(container)
     else:
-        config = (path / "config.json").read_bytes() if (path / "config.json").is_file() else b""
+        config = _small_file(path / "config.json", "the model config")
         weights = hf_weights_sha256(path)
-    tokenizer = (path / _TOKENIZER).read_bytes() if (path / _TOKENIZER).is_file() else b""
+    tokenizer = _small_file(path / _TOKENIZER, "the tokenizer")
     digest = hashlib.sha256()
     for part in (config, hashlib.sha256(tokenizer).hexdigest().encode(), weights.encode()):
         digest.update(len(part).to_bytes(8, "little") + part)  # length-prefixed: no ambiguous joins
     return digest.hexdigest()[:32]
+
+
+def _small_file(path: Path, what: str) -> bytes:
+    """The file's bytes, b"" when it is absent; a directory, FIFO or oversized file is a FormatError
+    naming it (never a blocked open or an endless read)."""
+    if not path.exists():
+        return b""
+    return read_bounded(path, _MAX_SMALL_FILE_BYTES, what)
 
 
 def container_weights_sha256(container: Container) -> str:
@@ -91,7 +101,7 @@ def shard_digest(shard: Path) -> bytes:
     Reads at most the header plus 192 bytes per tensor. A malformed file is hashed as far as it parses
     (the loader is what reports it)."""
     digest = hashlib.sha256()
-    with open(shard, "rb") as f:
+    with os.fdopen(open_regular(shard, "a safetensors shard"), "rb") as f:
         fd = f.fileno()
         size = os.fstat(fd).st_size
         prefix = os.pread(fd, 8, 0)
@@ -113,7 +123,7 @@ def _tensor_ranges(header: bytes) -> list[tuple[int, int]]:
     one."""
     try:
         table = json.loads(header)
-    except ValueError:
+    except (ValueError, RecursionError):
         return []
     if not isinstance(table, dict):
         return []

@@ -22,6 +22,7 @@ from engine.args import ModelArgs
 from storage import kvlog
 from storage.container import Container
 from storage.container_write import CONTENT_KEY, content_sha256
+from storage.errors import FormatError
 from storage.kvlog import HEADER_BYTES
 
 IDS_A = list(range(1, 11))
@@ -96,6 +97,25 @@ def test_hf_fingerprint_reads_samples_only_and_sees_a_changed_tensor(twins, tmp_
     data[8 + header_length] ^= 0x01  # the first data byte: one bit of the first tensor
     shard.write_bytes(bytes(data))  # same size; the mtime moves, so the cache entry no longer applies
     assert model_fingerprint(copy) != original
+
+
+@pytest.mark.parametrize("planted", ["tokenizer.json", "model.safetensors"])
+def test_fingerprint_refuses_a_fifo_instead_of_blocking_on_it(twins, tmp_path, planted):
+    """`kv ls MODEL` fingerprints before anything loads: a FIFO there must not block the open."""
+    copy = tmp_path / "copy"
+    shutil.copytree(twins[0], copy)
+    (copy / planted).unlink()
+    os.mkfifo(copy / planted)
+    with pytest.raises(FormatError, match=f"{planted}.*FIFO"):
+        model_fingerprint(copy)
+
+
+def test_fingerprint_of_a_deeply_nested_header_is_a_hash_not_a_recursion_error(twins, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(twins[0], copy)
+    deep = b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    (copy / "model.safetensors").write_bytes(struct.pack("<Q", len(deep)) + deep)
+    assert model_fingerprint(copy) != model_fingerprint(twins[0])  # the loader is what refuses it
 
 
 def test_container_content_hash_is_published_and_old_containers_compute_the_same(make_container):
