@@ -51,6 +51,7 @@ def assert_is_a_prefix(path, at_least: int = 0) -> int:
 
 def _child(path, fault_point: str | None, batches: int, ack_fd: int) -> None:
     log = KVLog(path, "fp", GEOMETRY, fault=kill_at(fault_point) if fault_point else None)
+    os.write(ack_fd, b"open\n")  # the parent's kill clock starts here, not while the log is still opening
     rng = random.Random(os.getpid())
     for _ in range(batches):
         append_positions(log, rng.randint(1, 3))
@@ -69,16 +70,18 @@ def _run_child(path, fault_point=None, batches=10_000, kill_after=None) -> int:
         finally:
             os._exit(1)
     os.close(write_fd)
+    acked = b""
     if kill_after is not None:
+        while b"\n" not in acked and (chunk := os.read(read_fd, 65536)):
+            acked += chunk  # wait for "open": a kill during start-up tests nothing
         time.sleep(kill_after)
         os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
-    acked = b""
     while chunk := os.read(read_fd, 65536):
         acked += chunk
     os.close(read_fd)
-    lines = acked.decode().split()
-    return int(lines[-1]) if lines else 0
+    lengths = [line for line in acked.decode().split() if line != "open"]
+    return int(lengths[-1]) if lengths else 0
 
 
 def test_kill_9_at_random_points_recovers_a_prefix_holding_every_acknowledged_record(tmp_path):
