@@ -24,6 +24,7 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
+    "e8m0": torch.uint8,  # power-of-two scale exponents (engine.quant.scale_values)
 }
 
 
@@ -46,10 +47,10 @@ def from_stored(array: np.ndarray, tag: str) -> torch.Tensor:
 def stored_dense_dtype(name: str, shape: tuple[int, ...], scheme: str, group_size: int) -> str:
     """The dtype tag a conversion stores one dense parameter as, under the dense ``scheme``.
 
-    int8 applies to 2-D weights whose input dimension the group size divides; other tensors (norms,
-    biases, odd shapes) keep bf16, and the float32-only parameters always stay float32."""
+    int8 applies to 2-D weights (any width: the last group of a row may be partial); other tensors
+    (norms, biases) keep bf16, and the float32-only parameters always stay float32."""
     if scheme == "f32" or name.endswith(FLOAT32_PARAMETERS):
         return "float32"
-    if scheme == "int8" and len(shape) == 2 and shape[1] % group_size == 0:
+    if scheme == "int8" and len(shape) == 2:
         return "int8"
     return "bfloat16"

@@ -9,13 +9,9 @@ import torch
 from colibri_stream.dtypes import TORCH_DTYPES, bf16_bits
 from engine.experts import Expert, ExpertWeights
 from engine.quant import QuantizedExpert, QuantizedMatrix, quantize
-from storage.layout import QUANTISED, ExpertRecordLayout
+from storage.layout import ExpertRecordLayout
 
 MATRICES = ("w1", "w2", "w3")
-
-
-def scheme_bits(scheme: str) -> int:
-    return 4 if scheme == "int4" else 8
 
 
 def record_views(layout: ExpertRecordLayout, record: np.ndarray | torch.Tensor) -> dict[str, torch.Tensor]:
@@ -28,21 +24,41 @@ def expert_from_record(layout: ExpertRecordLayout, record: np.ndarray | torch.Te
     """Engine expert over the views of one record, copying nothing: quantised records stay quantised,
     float records are cast to the activations' dtype per call."""
     views = record_views(layout, record)
-    if layout.scheme in QUANTISED:
-        bits = scheme_bits(layout.scheme)
-        return QuantizedExpert(*(QuantizedMatrix(views[f"{m}.q"], views[f"{m}.scale"], bits) for m in MATRICES))
+    kind = layout.quant_kind
+    if kind is not None:
+        return QuantizedExpert(
+            *(
+                QuantizedMatrix(views[f"{m}.q"], views[f"{m}.scale"], kind[0], layout.group_size, layout.in_dim(m))
+                for m in MATRICES
+            )
+        )
     return ExpertWeights(*(views[m] for m in MATRICES))
 
 
 def record_from_expert(layout: ExpertRecordLayout, weights: dict[str, torch.Tensor]) -> np.ndarray:
-    """One record's bytes from an expert's float matrices {w1, w2, w3}, in the layout's scheme."""
+    """One record's bytes from an expert's float matrices {w1, w2, w3}, quantised by our own quantiser
+    (int4 / int8 schemes) or stored as floats (bf16 / f32)."""
     arrays: dict[str, np.ndarray] = {}
     for name, w in weights.items():
-        if layout.scheme in QUANTISED:
-            q, scales = quantize(w, scheme_bits(layout.scheme), layout.group_size)
+        if layout.scheme in ("int4", "int8"):
+            q, scales = quantize(w, 4 if layout.scheme == "int4" else 8, layout.group_size)
             arrays[f"{name}.q"], arrays[f"{name}.scale"] = q.numpy(), scales.numpy()
         elif layout.scheme == "bf16":
             arrays[name] = bf16_bits(w)
-        else:
+        elif layout.scheme == "f32":
             arrays[name] = w.float().numpy()
+        else:
+            raise ValueError(f"{layout.scheme} records are copied from a quantised source, not quantised here")
+    return layout.pack(arrays)
+
+
+def record_from_quantized(layout: ExpertRecordLayout, matrices: dict[str, QuantizedMatrix]) -> np.ndarray:
+    """One record's bytes from already-quantised matrices {w1, w2, w3} (a pre-quantised source's codes
+    and scales, copied without dequantising)."""
+    arrays: dict[str, np.ndarray] = {}
+    for name, m in matrices.items():
+        arrays[f"{name}.q"] = m.q.contiguous().numpy()
+        scales = m.scales.contiguous()
+        # numpy has no bfloat16: its bits travel as uint16, as the layout stores them
+        arrays[f"{name}.scale"] = scales.view(torch.int16).numpy().view(np.uint16) if scales.dtype == torch.bfloat16 else scales.numpy()
     return layout.pack(arrays)

@@ -35,7 +35,7 @@ from engine.args import ModelArgs
 from engine.bf16 import hold_in_bf16
 from engine.experts import Expert, ExpertWeights
 from engine.model import Transformer, meta_transformer
-from engine.quant import dequantize
+from engine.quant import QuantizedMatrix
 from engine.weights import SortedNames, check_complete, layer_of, sort_names
 from storage.buffers import aligned_empty
 from storage.container import Container, ExpertReader, is_container
@@ -276,11 +276,9 @@ def _load_dense(container: Container, args: ModelArgs, dtype: torch.dtype) -> Tr
             )
         target = torch.float32 if name.endswith(FLOAT32_PARAMETERS) else dtype
         if entry.dtype == "int8":
-            q, scales = (
-                torch.from_numpy(container.read_dense(name)),
-                torch.from_numpy(container.read_dense_scales(name)),
-            )
-            state[name] = dequantize(q, scales, 8, target)
+            q = torch.from_numpy(container.read_dense(name))
+            scales = torch.from_numpy(container.read_dense_scales(name))
+            state[name] = QuantizedMatrix(q, scales, "int8", entry.group_size, q.shape[1]).dequantize(target)
         elif name in held_bf16:
             state[name] = from_stored(container.read_dense(name), entry.dtype)
         else:

@@ -1,11 +1,22 @@
-"""Group-wise symmetric quantisation primitives (pure functions) and the quantised routed expert.
+"""Group-wise quantised matrices (pure functions) and the quantised routed expert.
 
-A weight [out, in] is cut into groups of ``group_size`` consecutive input columns; each group gets one
-scale = absmax / qmax and values q = round(w / scale) clamped to [-qmax, qmax]. int4 stores q + 8 as
-nibbles, two per byte along the input dimension (even column in the low nibble); int8 stores q as
-int8. Scales are float16: 10 mantissa bits put the scale's own rounding error (<= 2^-11 relative)
-far below int4's step (1/7 of the group's absmax), at half the bytes of float32; bf16's 7 bits would
-not be negligible.
+A weight [out, in] is cut into groups of ``group_size`` consecutive input columns; each group has one
+scale, and the last group of a row may be partial (in = 120 at group 64: one group of 64 and one of
+56, whose scale comes from its own 56 elements). Groups start on even columns (the group size is
+even for the nibble codes), so no byte holds two groups.
+
+Codes (what one stored element means, before its group's scale):
+  int4  a nibble n: the integer n - 8 (our own quantiser uses -7..7; pack-quantized sources use -8..7)
+  fp4   a nibble: e2m1 (bit 3 sign, bits 0-2 index 0, 0.5, 1, 1.5, 2, 3, 4, 6), as in MXFP4 and in
+        DeepSeek-V4's FP4 experts
+  int8  an int8
+Nibbles sit two per byte along the input dimension, the even column in the low nibble; a row of an
+odd width ends with a padding nibble (code 8 / +0.0, never read as a weight). Row r starts at byte
+r * ceil(in / 2).
+
+Scales (one per group): float16 (our int4 and int8: 10 mantissa bits put the scale's rounding far below
+int4's step), bfloat16 (compressed-tensors pack-quantized, copied as shipped), or e8m0 (uint8 biased
+exponent e: 2^(e - 127), MXFP4's and V4's power-of-two scales).
 """
 
 from __future__ import annotations
@@ -23,111 +34,180 @@ except ImportError:  # pragma: no cover - exercised on machines without a compil
 
 QMAX = {4: 7, 8: 127}
 SCALE_DTYPE = torch.float16
+CODES = ("int4", "fp4", "int8")
+NIBBLE_CODES = ("int4", "fp4")
+E8M0 = torch.uint8  # e8m0 scales are held as their raw exponent bytes (any device, numpy too)
+SCALE_DTYPES = (torch.float16, torch.bfloat16, E8M0)
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def n_groups(in_dim: int, group_size: int) -> int:
+    """Groups per row; the last one may be partial."""
+    return -(-in_dim // group_size)
+
+
+def packed_width(in_dim: int) -> int:
+    """Bytes per row of nibble codes."""
+    return -(-in_dim // 2)
+
+
+def check_group_size(code: str, group_size: int) -> None:
+    """Refuse only group sizes no layout can hold; every input width works with every other one."""
+    if type(group_size) is not int or group_size < 1:
+        raise ValueError(f"group size {group_size!r:.40} is not a positive integer")
+    if code in NIBBLE_CODES and group_size % 2:
+        raise ValueError(
+            f"group size {group_size} is odd: {code} packs two weights per byte, so an odd group would "
+            "split a byte between two scales"
+        )
+
+
+def _pad_columns(w: torch.Tensor, width: int) -> torch.Tensor:
+    return w if w.shape[1] == width else F.pad(w, (0, width - w.shape[1]))
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 [out, in] values 0..15 -> uint8 [out, ceil(in / 2)], even column low; odd widths padded
+    with 8 (int4's zero)."""
+    if codes.shape[1] % 2:
+        codes = F.pad(codes, (0, 1), value=8)
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
 
 
 def quantize(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [out, in] float -> (q, scales [out, in // group] float16).
+    """w [out, in] float -> (q, scales [out, ceil(in / group)] float16), symmetric absmax per group.
 
-    q is uint8 [out, in // 2] (packed nibbles) for 4 bits, int8 [out, in] for 8 bits.
-    """
+    q is uint8 [out, ceil(in / 2)] (int4 nibbles) for 4 bits, int8 [out, in] for 8 bits."""
+    check_group_size("int4" if bits == 4 else "int8", group_size)
     out_dim, in_dim = w.shape
-    if in_dim % group_size:
-        raise ValueError(f"input dimension {in_dim} is not a multiple of the group size {group_size}")
+    groups = n_groups(in_dim, group_size)
     qmax = QMAX[bits]
-    groups = w.float().reshape(out_dim, in_dim // group_size, group_size)
-    scales = (groups.abs().amax(dim=-1) / qmax).to(SCALE_DTYPE)
+    # zero padding changes no group's absmax, so the partial group's scale is its own elements'
+    padded = _pad_columns(w.float(), groups * group_size).reshape(out_dim, groups, group_size)
+    scales = (padded.abs().amax(dim=-1) / qmax).to(SCALE_DTYPE)
     # Quantise against the float16 scale actually stored, so dequantisation inverts exactly this.
     safe = torch.where(scales == 0, torch.ones_like(scales), scales).float()
-    q = torch.round(groups / safe[..., None]).clamp_(-qmax, qmax).reshape(out_dim, in_dim).to(torch.int8)
+    q = torch.round(padded / safe[..., None]).clamp_(-qmax, qmax).reshape(out_dim, -1)[:, :in_dim].to(torch.int8)
     if bits == 8:
-        return q, scales
-    nibbles = (q + 8).to(torch.uint8)
-    return nibbles[:, 0::2] | (nibbles[:, 1::2] << 4), scales
+        return q.contiguous(), scales
+    return pack_nibbles((q + 8).to(torch.uint8)), scales
 
 
-def dequantize(q: torch.Tensor, scales: torch.Tensor, bits: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Inverse of ``quantize``: -> [out, in] in ``dtype`` (computed in float32, then cast).
-
-    int4 on the CPU goes through the C kernel's one-pass dequantiser (bit-identical to the torch
-    version: the same float operations), everything else through ``dequantize_torch``."""
-    if bits == 4 and _int4 is not None and q.device.type == "cpu" and q.is_contiguous() and scales.is_contiguous():
-        w = torch.empty((q.shape[0], q.shape[1] * 2), dtype=torch.float32)
-        _int4.dequant(
-            q.data_ptr(), scales.data_ptr(), w.data_ptr(), w.shape[0], w.shape[1], w.shape[1] // scales.shape[1]
-        )
-        return w.to(dtype)
-    return dequantize_torch(q, scales, bits, dtype)
+def scale_values(scales: torch.Tensor) -> torch.Tensor:
+    """Stored scales -> float32 (e8m0 bytes: 2^(e - 127), 0xFF is NaN as in the MX spec)."""
+    if scales.dtype != E8M0:
+        return scales.to(torch.float32)
+    e = scales.to(torch.int32)
+    bits = torch.where(e == 0, torch.full_like(e, 0x00400000), e << 23)  # 2^-127 is float32-subnormal
+    values = bits.view(torch.float32)
+    return torch.where(e == 255, torch.full_like(values, float("nan")), values)
 
 
-def dequantize_torch(
-    q: torch.Tensor, scales: torch.Tensor, bits: int, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    """The reference dequantisation in torch (any device). Keeps temporaries small (peak about 1.5x
-    the float32 result): experts are dequantised per call, so these bytes come and go per token."""
+def code_values(q: torch.Tensor, code: str, in_dim: int) -> torch.Tensor:
+    """The unscaled element values [out, in] float32 of stored codes."""
+    if code == "int8":
+        return q.to(torch.float32)
     out_dim = q.shape[0]
-    if bits == 4:
-        w = torch.empty((out_dim, q.shape[1], 2), dtype=torch.float32, device=q.device)
-        w[..., 0] = q & 0x0F
-        w[..., 1] = q >> 4
-        w = w.view(out_dim, -1).sub_(8)
-    else:
-        w = q.to(torch.float32)
-    in_dim = w.shape[1]
-    w.view(out_dim, scales.shape[1], -1).mul_(scales.to(torch.float32)[..., None])
-    return w.view(out_dim, in_dim).to(dtype)
+    nibbles = torch.empty((out_dim, q.shape[1], 2), dtype=torch.uint8, device=q.device)
+    nibbles[..., 0] = q & 0x0F
+    nibbles[..., 1] = q >> 4
+    nibbles = nibbles.view(out_dim, -1)[:, :in_dim]
+    if code == "int4":
+        return nibbles.to(torch.float32).sub_(8)
+    table = torch.tensor(FP4_VALUES + tuple(-v for v in FP4_VALUES), dtype=torch.float32, device=q.device)
+    return table[nibbles.long()]
+
+
+@dataclass(frozen=True)
+class QuantizedMatrix:
+    """A group-quantised [out, in] weight: codes ``q``, one scale per group (see the module doc)."""
+
+    q: torch.Tensor  # int4/fp4: uint8 [out, ceil(in / 2)]; int8: int8 [out, in]
+    scales: torch.Tensor  # float16 | bfloat16 | uint8 (e8m0) [out, ceil(in / group_size)]
+    code: str
+    group_size: int
+    in_dim: int
+
+    @property
+    def out_dim(self) -> int:
+        return self.q.shape[0]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """-> [out, in] in ``dtype`` (computed in float32, then cast); the C kernel's dequantiser on the
+        CPU where it handles the matrix (bit-identical: the same float operations), torch elsewhere."""
+        if _kernel_handles(self):
+            w = torch.empty((self.out_dim, self.in_dim), dtype=torch.float32)
+            _int4.dequant(self.q.data_ptr(), self.scales.data_ptr(), w.data_ptr(), w.shape[0], w.shape[1], self.group_size)
+            return w.to(dtype)
+        return dequantize_torch(self, dtype)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, in] @ W^T. Few float32 rows on the CPU go through the C kernel, reading the codes once;
+        everything else (prefill-sized batches, bf16 activations, other devices) dequantises once
+        and uses a dense matmul."""
+        if (
+            _kernel_handles(self)
+            and x.dtype == torch.float32
+            and x.device.type == "cpu"
+            and 0 < x.shape[0] <= _int4.MAX_ROWS
+        ):
+            return kernel_matmul(x, self)
+        return F.linear(x, self.dequantize(x.dtype))
+
+
+def quantized_matrix(w: torch.Tensor, bits: int, group_size: int) -> QuantizedMatrix:
+    """Our own symmetric quantisation of a float matrix (int4 or int8, float16 scales)."""
+    q, scales = quantize(w, bits, group_size)
+    return QuantizedMatrix(q, scales, "int4" if bits == 4 else "int8", group_size, w.shape[1])
+
+
+def dequantize_torch(m: QuantizedMatrix, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The reference dequantisation in torch (any device). Keeps temporaries small (about 2x the float32
+    result): experts are dequantised per call, so these bytes come and go per token."""
+    groups = m.scales.shape[1]
+    w = _pad_columns(code_values(m.q, m.code, m.in_dim), groups * m.group_size)
+    w.view(m.out_dim, groups, m.group_size).mul_(scale_values(m.scales)[..., None])
+    return w[:, : m.in_dim].to(dtype)
 
 
 def int4_kernel_available() -> bool:
     return _int4 is not None
 
 
-def int4_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, force_scalar: bool = False) -> torch.Tensor:
-    """x [rows <= MAX_ROWS, in] float32 @ dequant(q, scales)^T -> [rows, out], reading q once (C kernel)."""
+def _kernel_handles(m: QuantizedMatrix) -> bool:
+    """Whether the C kernel takes this matrix: int4 codes with float16 scales and whole groups."""
+    return (
+        _int4 is not None
+        and m.code == "int4"
+        and m.scales.dtype == torch.float16
+        and m.in_dim % m.group_size == 0
+        and m.q.device.type == "cpu"
+        and m.q.is_contiguous()
+        and m.scales.is_contiguous()
+    )
+
+
+def kernel_matmul(x: torch.Tensor, m: QuantizedMatrix, force_scalar: bool = False) -> torch.Tensor:
+    """x [rows <= MAX_ROWS, in] float32 @ dequant(m)^T -> [rows, out], reading the codes once (C kernel)."""
     rows, in_dim = x.shape
-    out_dim, groups = scales.shape
+    groups = m.scales.shape[1]
     x = x.contiguous()
-    y = torch.empty((rows, out_dim), dtype=torch.float32)
+    y = torch.empty((rows, m.out_dim), dtype=torch.float32)
     work = torch.empty(rows * (in_dim + groups), dtype=torch.float32)
     _int4.gemm(
-        q.data_ptr(),
-        scales.data_ptr(),
+        m.q.data_ptr(),
+        m.scales.data_ptr(),
         x.data_ptr(),
         y.data_ptr(),
         rows,
         in_dim,
-        out_dim,
-        in_dim // groups,
+        m.out_dim,
+        m.group_size,
         work.data_ptr(),
         force_scalar,
         torch.get_num_threads(),  # 2+: a persistent helper thread takes half of the output rows
     )
     return y
-
-
-@dataclass(frozen=True)
-class QuantizedMatrix:
-    q: torch.Tensor
-    scales: torch.Tensor
-    bits: int
-
-    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return dequantize(self.q, self.scales, self.bits, dtype)
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, in] @ W^T. Few float32 rows on the CPU go through the int4 kernel; everything else
-        (prefill-sized batches, bf16, int8, other devices) dequantises once and uses a dense matmul."""
-        if (
-            self.bits == 4
-            and _int4 is not None
-            and x.dtype == torch.float32
-            and x.device.type == "cpu"
-            and self.q.device.type == "cpu"
-            and 0 < x.shape[0] <= _int4.MAX_ROWS
-            and self.q.is_contiguous()
-            and self.scales.is_contiguous()
-        ):
-            return int4_matmul(x, self.q, self.scales)
-        return F.linear(x, self.dequantize(x.dtype))
 
 
 @dataclass(frozen=True)

@@ -119,7 +119,8 @@ class DenseEntry:
     shape: tuple[int, ...]
     dtype: str  # "float32" | "bfloat16" | "int8" | "float16" (int8 scales)
     crc32c: int
-    scales: DenseEntry | None = None  # int8 only: float16 [out, in / group] stored as "<name>.scale"
+    scales: DenseEntry | None = None  # int8 only: float16 [out, ceil(in / group)] stored as "<name>.scale"
+    group_size: int | None = None  # int8 only; the last group of a row may be partial
 
 
 class Container:
@@ -197,12 +198,25 @@ class Container:
                     f"{self.path}: dense array {name}: dtype {brief(dense.dtype)} is not one of {DENSE_DTYPES}"
                 )
             if dense.dtype == "int8":
-                scales = self._dense_entry(f"{name}.scale", entry.get("scales"), "float16")
-                if len(scales.shape) != 2 or scales.shape[0] != dense.shape[0] or dense.shape[1] % scales.shape[1]:
-                    raise FormatError(f"{self.path}: dense array {name}: scales {list(scales.shape)} do not fit it")
-                dense = DenseEntry(name, dense.shape, "int8", dense.crc32c, scales)
+                dense = self._int8_entry(dense, entry)
             entries[name] = dense
         return entries
+
+    def _int8_entry(self, dense: DenseEntry, entry: dict[str, Any]) -> DenseEntry:
+        """An int8 array with its scales and group size (containers before ragged groups recorded no
+        group size: their groups divide the width, so it is width / scale columns)."""
+        name = dense.name
+        scales = self._dense_entry(f"{name}.scale", entry.get("scales"), "float16")
+        if len(dense.shape) != 2 or len(scales.shape) != 2 or scales.shape[0] != dense.shape[0]:
+            raise FormatError(f"{self.path}: dense array {name}: scales {list(scales.shape)} do not fit it")
+        width, groups = dense.shape[1], scales.shape[1]
+        group = entry.get("group_size", width // groups if width % groups == 0 else None)
+        if type(group) is not int or group <= 0 or -(-width // group) != groups:
+            raise FormatError(
+                f"{self.path}: dense array {name}: group size {brief(group)} does not give its "
+                f"{groups} scale columns for width {width}"
+            )
+        return DenseEntry(name, dense.shape, "int8", dense.crc32c, scales, group)
 
     def _dense_entry(self, name: str, entry: Any, dtype: str | None = None) -> DenseEntry:
         try:

@@ -5,10 +5,13 @@ numpy/torch views of them are SIMD-aligned) and the record is padded to a multip
 O_DIRECT reads of whole records are legal). The layout is stored in the container's attributes and
 re-derived on open; a mismatch is a FormatError, never a guess.
 
-Matrices: w1 (gate) and w3 (up) are [inter, dim], w2 (down) is [dim, inter].
-  int4: "<w>.q" uint8 [out, in // 2] (two nibbles per byte) + "<w>.scale" float16 [out, in // group]
-  int8: "<w>.q" int8 [out, in]                                + "<w>.scale" float16 [out, in // group]
-  bf16: "<w>" bfloat16 bits as uint16 [out, in];  f32: "<w>" float32 [out, in]
+Matrices: w1 (gate) and w3 (up) are [inter, dim], w2 (down) is [dim, inter]. Record kinds (the
+scheme), G = ceil(in / group) groups per row, the last one possibly partial (engine/quant.py):
+  int4            "<w>.q" uint8 [out, ceil(in / 2)] (two int4 nibbles per byte) + "<w>.scale" float16 [out, G]
+  int4-bf16scale  the same nibbles with bfloat16 scales: compressed-tensors pack-quantized, as shipped
+  mxfp4           e2m1 nibbles + "<w>.scale" e8m0 (uint8 exponents) [out, G], group 32 (OCP MX)
+  int8            "<w>.q" int8 [out, in]                                        + "<w>.scale" float16 [out, G]
+  bf16            "<w>" bfloat16 bits as uint16 [out, in];  f32: "<w>" float32 [out, in]
 """
 
 from __future__ import annotations
@@ -22,8 +25,16 @@ from storage.errors import FormatError
 
 FIELD_ALIGN = 64
 RECORD_ALIGN = 4096
-SCHEMES = ("int4", "int8", "bf16", "f32")
-QUANTISED = ("int4", "int8")
+SCHEMES = ("int4", "int8", "bf16", "f32", "int4-bf16scale", "mxfp4")
+QUANTISED = ("int4", "int8", "int4-bf16scale", "mxfp4")
+# scheme -> (element code, scale dtype tag) for the quantised kinds
+QUANT_KINDS = {
+    "int4": ("int4", "float16"),
+    "int8": ("int8", "float16"),
+    "int4-bf16scale": ("int4", "bfloat16"),
+    "mxfp4": ("fp4", "e8m0"),
+}
+MX_BLOCK = 32
 # numpy has no bfloat16: its bits are stored as uint16 and tagged "bfloat16" in metadata.
 DTYPES = {
     "uint8": np.uint8,
@@ -31,6 +42,7 @@ DTYPES = {
     "float16": np.float16,
     "float32": np.float32,
     "bfloat16": np.uint16,
+    "e8m0": np.uint8,  # power-of-two scales 2^(e - 127)
 }
 MATRICES = ("w1", "w3", "w2")
 
@@ -59,21 +71,33 @@ def _matrix_shapes(dim: int, inter_dim: int) -> dict[str, tuple[int, int]]:
     return {"w1": (inter_dim, dim), "w3": (inter_dim, dim), "w2": (dim, inter_dim)}
 
 
+def check_group(scheme: str, group_size: int | None) -> int:
+    """The group size of a quantised scheme; refused only where no layout can hold it."""
+    if type(group_size) is not int or group_size <= 0:
+        raise FormatError(f"scheme {scheme} needs a positive integer group size, got {group_size!r:.80}")
+    code = QUANT_KINDS[scheme][0]
+    if code != "int8" and group_size % 2:
+        raise FormatError(
+            f"scheme {scheme}: group size {group_size} is odd; two weights share a byte, so an odd group "
+            "would split a byte between two scales"
+        )
+    if scheme == "mxfp4" and group_size != MX_BLOCK:
+        raise FormatError(f"scheme mxfp4: blocks are {MX_BLOCK} elements (OCP MX), got group size {group_size}")
+    return group_size
+
+
 def _field_specs(scheme: str, dim: int, inter_dim: int, group_size: int | None) -> list[tuple[str, str, tuple]]:
     shapes = _matrix_shapes(dim, inter_dim)
     if scheme in ("bf16", "f32"):
         dtype = "bfloat16" if scheme == "bf16" else "float32"
         return [(m, dtype, shapes[m]) for m in MATRICES]
-    if not group_size or group_size <= 0:
-        raise FormatError(f"scheme {scheme} needs a positive group size, got {group_size!r:.80}")
-    for m, (_, in_dim) in shapes.items():
-        if in_dim % group_size:
-            raise FormatError(f"{m}: input dimension {in_dim} is not a multiple of group size {group_size}")
-    if scheme == "int4":
-        quants = [(f"{m}.q", "uint8", (o, i // 2)) for m, (o, i) in shapes.items()]
-    else:
+    group = check_group(scheme, group_size)
+    code, scale_dtype = QUANT_KINDS[scheme]
+    if code == "int8":
         quants = [(f"{m}.q", "int8", (o, i)) for m, (o, i) in shapes.items()]
-    scales = [(f"{m}.scale", "float16", (o, i // group_size)) for m, (o, i) in shapes.items()]
+    else:
+        quants = [(f"{m}.q", "uint8", (o, -(-i // 2))) for m, (o, i) in shapes.items()]
+    scales = [(f"{m}.scale", scale_dtype, (o, -(-i // group))) for m, (o, i) in shapes.items()]
     return quants + scales
 
 
@@ -83,6 +107,7 @@ class ExpertRecordLayout:
     group_size: int | None
     fields: tuple[Field, ...]
     record_bytes: int
+    dims: tuple[int, int]  # (dim, moe_inter_dim): a nibble field's shape does not tell an odd width
 
     @classmethod
     def build(cls, scheme: str, dim: int, inter_dim: int, group_size: int | None = None) -> ExpertRecordLayout:
@@ -93,7 +118,16 @@ class ExpertRecordLayout:
         for name, dtype, shape in _field_specs(scheme, dim, inter_dim, group_size):
             fields.append(Field(name, dtype, shape, offset))
             offset = align(fields[-1].end, FIELD_ALIGN)
-        return cls(scheme, group_size, tuple(fields), align(offset, RECORD_ALIGN))
+        return cls(scheme, group_size, tuple(fields), align(offset, RECORD_ALIGN), (dim, inter_dim))
+
+    @property
+    def quant_kind(self) -> tuple[str, str] | None:
+        """(element code, scale dtype tag) of a quantised scheme, None for bf16/f32."""
+        return QUANT_KINDS.get(self.scheme)
+
+    def in_dim(self, matrix: str) -> int:
+        """Input width of w1/w3 (dim) or w2 (moe_inter_dim)."""
+        return _matrix_shapes(*self.dims)[matrix][1]
 
     @property
     def payload_bytes(self) -> int:
@@ -144,6 +178,7 @@ class ExpertRecordLayout:
                 group,
                 tuple(Field(f["name"], f["dtype"], tuple(f["shape"]), int(f["offset"])) for f in attrs["fields"]),
                 int(attrs["record_bytes"]),
+                (dim, inter_dim),
             )
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise FormatError(f"expert layout metadata is malformed ({exc!r:.200})") from None

@@ -10,11 +10,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
 from colibri_stream.bench.kernels import expert_bytes, make_experts
-from engine.quant import QuantizedExpert, QuantizedMatrix
+from engine.quant import QuantizedExpert
 from storage.device_copy import DeviceCopies
 
 
@@ -40,7 +41,7 @@ def _flat(expert: QuantizedExpert) -> list[torch.Tensor]:
 def _on(expert: QuantizedExpert, tensors: list[torch.Tensor]) -> QuantizedExpert:
     """The expert over ``tensors`` (same order as _flat)."""
     it = iter(tensors)
-    return QuantizedExpert(*(QuantizedMatrix(next(it), next(it), m.bits) for m in (expert.w1, expert.w2, expert.w3)))
+    return QuantizedExpert(*(replace(m, q=next(it), scales=next(it)) for m in (expert.w1, expert.w2, expert.w3)))
 
 
 def measure_cuda(n_experts: int = 8, dim: int = 7168, inter: int = 2048, repeats: int = 5) -> dict:

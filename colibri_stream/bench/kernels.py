@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.quant import QuantizedExpert, QuantizedMatrix, dequantize_torch, int4_kernel_available, quantize
+from engine.quant import QuantizedExpert, QuantizedMatrix, dequantize_torch, int4_kernel_available, quantized_matrix
 
 
 def _best_seconds(fn: Callable[[], None], repeats: int) -> float:
@@ -30,8 +30,7 @@ def make_experts(n: int, dim: int, inter: int, group: int = 64, seed: int = 0) -
     gen = torch.Generator().manual_seed(seed)
 
     def matrix(out_dim: int, in_dim: int) -> QuantizedMatrix:
-        q, scales = quantize(torch.randn(out_dim, in_dim, generator=gen) * 0.02, 4, group)
-        return QuantizedMatrix(q, scales, 4)
+        return quantized_matrix(torch.randn(out_dim, in_dim, generator=gen) * 0.02, 4, group)
 
     return [QuantizedExpert(matrix(inter, dim), matrix(dim, inter), matrix(inter, dim)) for _ in range(n)]
 
@@ -55,7 +54,7 @@ def measure(n_experts: int = 8, dim: int = 7168, inter: int = 2048, rows: int = 
 
     def torch_path() -> None:
         for e in sample:
-            w1, w2, w3 = (dequantize_torch(m.q, m.scales, 4) for m in (e.w1, e.w2, e.w3))
+            w1, w2, w3 = (dequantize_torch(m) for m in (e.w1, e.w2, e.w3))
             F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
 
     torch_s = _best_seconds(torch_path, repeats) * n_experts / len(sample)

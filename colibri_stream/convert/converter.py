@@ -172,7 +172,10 @@ class Converter:
                     engine, reader.get(hf), self.options.dense, self.options.group_size
                 )
             ]
-            result[engine] = written[0] if len(written) == 1 else {**written[0], "scales": written[1]}
+            if len(written) == 1:
+                result[engine] = written[0]
+            else:  # int8: the codes, their scales and the group size the scales are for
+                result[engine] = {**written[0], "scales": written[1], "group_size": self.options.group_size}
             _crash_if(crash)
         if unit.experts_layer is not None:
             layer = unit.experts_layer

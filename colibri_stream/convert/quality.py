@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from engine.quant import dequantize, quantize
+from engine.quant import quantized_matrix
 
 
 def relative_error(w: torch.Tensor, bits: int, group_size: int) -> float:
     """||dequant(quant(w)) - w|| / ||w|| (Frobenius)."""
-    q, scales = quantize(w, bits, group_size)
-    return ((dequantize(q, scales, bits) - w.float()).norm() / w.float().norm()).item()
+    return ((quantized_matrix(w, bits, group_size).dequantize() - w.float()).norm() / w.float().norm()).item()
 
 
 def top1_agreement(reference: torch.Tensor, candidate: torch.Tensor) -> float:

@@ -155,8 +155,8 @@ def test_convert_cli_reports_and_verify_passes(tiny_checkpoints, tmp_path, capsy
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["status"] == "converted"
     assert cli.main(["verify", str(dst)]) == 0
     assert capsys.readouterr().out.strip().endswith(": ok")
-    code = cli.main(["convert", str(tiny_checkpoints["kimi_k2"]), str(tmp_path / "d"), "--group-size", "48"])
-    assert code == 1 and "not a multiple of group size 48" in capsys.readouterr().err
+    code = cli.main(["convert", str(tiny_checkpoints["kimi_k2"]), str(tmp_path / "d"), "--group-size", "7"])
+    assert code == 1 and "--group-size must be a positive even number, got 7" in capsys.readouterr().err
 
 
 def test_int8_and_int4_records_dequantise_close_to_the_source(make_container, tiny_checkpoints):

@@ -5,13 +5,15 @@ tools/cuda_check.sh runs these and the CUDA micro-benchmark on a GPU machine (<=
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from colibri_stream.bench.kernels import make_experts
 from colibri_stream.generate import generate
 from colibri_stream.loader import load_container
-from engine.quant import QuantizedExpert, QuantizedMatrix
+from engine.quant import QuantizedExpert
 from storage.container import Container
 from storage.tiered import StoreConfig, minimum_slots
 
@@ -23,7 +25,7 @@ NEW_TOKENS = 24
 
 def _to(expert: QuantizedExpert, device: str) -> QuantizedExpert:
     return QuantizedExpert(
-        *(QuantizedMatrix(m.q.to(device), m.scales.to(device), m.bits) for m in (expert.w1, expert.w2, expert.w3))
+        *(replace(m, q=m.q.to(device), scales=m.scales.to(device)) for m in (expert.w1, expert.w2, expert.w3))
     )
 
 

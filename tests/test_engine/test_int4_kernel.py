@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import quant
-from engine.quant import QuantizedExpert, QuantizedMatrix, dequantize, int4_kernel_available, int4_matmul, quantize
+from engine.quant import QuantizedExpert, dequantize_torch, int4_kernel_available, kernel_matmul, quantized_matrix
 
 needs_kernel = pytest.mark.skipif(not int4_kernel_available(), reason="engine._int4 was not built")
 
@@ -19,26 +19,26 @@ needs_kernel = pytest.mark.skipif(not int4_kernel_available(), reason="engine._i
 def test_kernel_equals_dequantise_then_matmul(group, rows, force_scalar):
     gen = torch.Generator().manual_seed(group * 10 + rows)
     w = torch.distributions.StudentT(4.0).sample((96, 256)) * 0.05
-    q, scales = quantize(w, 4, group)
+    m = quantized_matrix(w, 4, group)
     x = torch.randn(rows, 256, generator=gen)
-    expected = F.linear(x, dequantize(q, scales, 4))
-    got = int4_matmul(x, q, scales, force_scalar=force_scalar)
+    expected = F.linear(x, m.dequantize())
+    got = kernel_matmul(x, m, force_scalar=force_scalar)
     assert got.shape == (rows, 96)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
 @needs_kernel
 def test_kernel_rejects_shapes_it_cannot_do():
-    q, scales = quantize(torch.randn(8, 64), 4, 32)
+    m = quantized_matrix(torch.randn(8, 64), 4, 32)
     with pytest.raises(ValueError, match="unsupported shape"):
-        int4_matmul(torch.randn(9, 64), q, scales)  # more rows than the kernel blocks
+        kernel_matmul(torch.randn(9, 64), m)  # more rows than the kernel blocks
 
 
 def test_quantised_expert_without_the_kernel_gives_the_same_output(monkeypatch):
     gen = torch.Generator().manual_seed(0)
 
     def matrix(out_dim, in_dim):
-        return QuantizedMatrix(*quantize(torch.randn(out_dim, in_dim, generator=gen) * 0.05, 4, 64), 4)
+        return quantized_matrix(torch.randn(out_dim, in_dim, generator=gen) * 0.05, 4, 64)
 
     expert = QuantizedExpert(matrix(128, 64), matrix(64, 128), matrix(128, 64))
     x = torch.randn(1, 64, generator=gen)
@@ -53,12 +53,9 @@ def test_quantised_expert_without_the_kernel_gives_the_same_output(monkeypatch):
 @needs_kernel
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_c_dequantiser_is_bit_identical_to_the_torch_reference(group):
-    from engine.quant import dequantize_torch
-
-    w = torch.distributions.StudentT(4.0).sample((64, 256)) * 0.05
-    q, scales = quantize(w, 4, group)
-    assert torch.equal(dequantize(q, scales, 4), dequantize_torch(q, scales, 4))
-    assert torch.equal(dequantize(q, scales, 4, torch.bfloat16), dequantize_torch(q, scales, 4, torch.bfloat16))
+    m = quantized_matrix(torch.distributions.StudentT(4.0).sample((64, 256)) * 0.05, 4, group)
+    assert torch.equal(m.dequantize(), dequantize_torch(m))
+    assert torch.equal(m.dequantize(torch.bfloat16), dequantize_torch(m, torch.bfloat16))
 
 
 @needs_kernel
@@ -66,17 +63,17 @@ def test_kernel_splits_rows_across_threads_and_survives_fork():
     """Two threads give the same result as one; a forked child (no helper thread) still computes."""
     import os
 
-    q, scales = quantize(torch.randn(1024, 512) * 0.05, 4, 64)
+    m = quantized_matrix(torch.randn(1024, 512) * 0.05, 4, 64)
     x = torch.randn(1, 512)
-    expected = F.linear(x, dequantize(q, scales, 4))
+    expected = F.linear(x, m.dequantize())
     previous = torch.get_num_threads()
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            torch.testing.assert_close(int4_matmul(x, q, scales), expected, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(kernel_matmul(x, m), expected, rtol=1e-5, atol=1e-5)
         pid = os.fork()
         if pid == 0:  # child: must not wait for the parent's helper thread
-            ok = torch.allclose(int4_matmul(x, q, scales), expected, rtol=1e-5, atol=1e-5)
+            ok = torch.allclose(kernel_matmul(x, m), expected, rtol=1e-5, atol=1e-5)
             os._exit(0 if ok else 3)
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0

@@ -6,15 +6,15 @@ import pytest
 import torch
 
 from colibri_stream.convert.quality import mean_kl, relative_error, top1_agreement
-from engine.quant import dequantize, quantize
+from engine.quant import QuantizedMatrix, quantize, quantized_matrix
 
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_requantising_a_dequantised_matrix_gives_the_same_bytes(bits):
     w = torch.randn(32, 128, generator=torch.Generator().manual_seed(0))
-    q, scales = quantize(w, bits, 32)
-    q2, scales2 = quantize(dequantize(q, scales, bits), bits, 32)
-    assert torch.equal(q, q2) and torch.equal(scales, scales2)
+    m = quantized_matrix(w, bits, 32)
+    m2 = quantized_matrix(m.dequantize(), bits, 32)
+    assert torch.equal(m.q, m2.q) and torch.equal(m.scales, m2.scales)
 
 
 def test_int4_packing_is_low_nibble_first():
@@ -22,14 +22,13 @@ def test_int4_packing_is_low_nibble_first():
     q, scales = quantize(w, 4, 4)
     assert scales.item() == 1.0
     assert q.tolist() == [[(15) | (1 << 4), 8 | (15 << 4)]]
-    assert dequantize(q, scales, 4).tolist() == w.tolist()
+    assert QuantizedMatrix(q, scales, "int4", 4, 4).dequantize().tolist() == w.tolist()
 
 
 def test_zero_groups_and_extremes_survive():
     w = torch.zeros(2, 64)
     w[1, :32] = torch.linspace(-3, 3, 32)
-    q, scales = quantize(w, 4, 32)
-    out = dequantize(q, scales, 4)
+    out = quantized_matrix(w, 4, 32).dequantize()
     assert torch.equal(out[0], torch.zeros(64)) and out[1, 0].item() == pytest.approx(-3, rel=1e-3)
 
 

@@ -72,6 +72,14 @@ def test_layout_pack_and_views_round_trip(scheme):
     assert layout.from_attrs(json.loads(json.dumps(layout.to_attrs())), 128, 64) == layout
 
 
-def test_layout_refuses_groups_that_do_not_divide():
-    with pytest.raises(FormatError, match="not a multiple of group size 48"):
-        ExpertRecordLayout.build("int4", 128, 64, 48)
+def test_layout_holds_ragged_groups_and_refuses_only_impossible_ones():
+    layout = ExpertRecordLayout.build("int4", 120, 41, 64)  # w2's input width 41 is odd
+    assert layout.field("w1.q").shape == (41, 60) and layout.field("w1.scale").shape == (41, 2)
+    assert layout.field("w2.q").shape == (120, 21) and layout.field("w2.scale").shape == (120, 1)
+    assert ExpertRecordLayout.build("int8", 120, 41, 7).field("w2.scale").shape == (120, 6)
+    with pytest.raises(FormatError, match="group size 7 is odd"):
+        ExpertRecordLayout.build("int4", 120, 41, 7)
+    with pytest.raises(FormatError, match="positive integer group size"):
+        ExpertRecordLayout.build("int4", 120, 41, 0)
+    with pytest.raises(FormatError, match="blocks are 32"):
+        ExpertRecordLayout.build("mxfp4", 128, 64, 64)
