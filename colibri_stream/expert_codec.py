@@ -59,6 +59,7 @@ def record_from_quantized(layout: ExpertRecordLayout, matrices: dict[str, Quanti
     for name, m in matrices.items():
         arrays[f"{name}.q"] = m.q.contiguous().numpy()
         scales = m.scales.contiguous()
-        # numpy has no bfloat16: its bits travel as uint16, as the layout stores them
-        arrays[f"{name}.scale"] = scales.view(torch.int16).numpy().view(np.uint16) if scales.dtype == torch.bfloat16 else scales.numpy()
+        if scales.dtype == torch.bfloat16:  # numpy has no bfloat16: its bits travel as uint16, as stored
+            scales = scales.view(torch.int16)
+        arrays[f"{name}.scale"] = scales.numpy().view(np.uint16) if scales.dtype == torch.int16 else scales.numpy()
     return layout.pack(arrays)
