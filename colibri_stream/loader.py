@@ -31,6 +31,7 @@ from colibri_stream.expert_store import ExpertStore, ResidentStore
 from colibri_stream.fingerprint import container_fingerprint
 from colibri_stream.geometry import container_args, geometry_from_container
 from colibri_stream.placement import bf16_held_weights, check_fits, plan
+from colibri_stream.wrapped_configs import text_model_config
 from engine.args import ModelArgs
 from engine.bf16 import hold_in_bf16
 from engine.experts import Expert, ExpertWeights
@@ -55,10 +56,11 @@ class LoadedModel:
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
+    """config.json of a checkpoint directory; of a multimodal wrapper (Kimi-K2.5), its text model's."""
     config_path = Path(path) / "config.json"
     if not config_path.exists():
         raise CheckpointError(f"{config_path}: not found (expected a Hugging Face checkpoint directory)")
-    return read_json_object(config_path, "the model config")
+    return text_model_config(read_json_object(config_path, "the model config"), str(config_path))
 
 
 def model_config(path: str | Path) -> dict[str, Any]:

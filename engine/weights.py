@@ -4,6 +4,12 @@ Names are pure string logic here (no file I/O): the loader in colibri_stream rea
 ``engine_name`` where each goes, and ``check_complete`` refuses a checkpoint with tensors left over
 or parameters missing. Routed experts are recognised separately (``routed_expert_key``) because they
 live with the ExpertProvider, not in the Transformer module.
+
+Multimodal wrappers (Kimi-K2.5: ``model_type`` kimi_k25 around a DeepSeek-V3 text model) ship the
+text model under a prefix (``language_model.model.layers.N...``, ``language_model.lm_head.weight``;
+transformers' own classes say ``model.language_model.``) beside a vision tower and projector. The text
+names are matched as if unprefixed; the vision tensors of such a checkpoint are sorted as skipped
+(this runtime is text-only), never silently in a checkpoint without a wrapped text model.
 """
 
 from __future__ import annotations
@@ -52,6 +58,10 @@ HF_TO_ENGINE: tuple[tuple[str, str], ...] = (
 )
 _COMPILED = tuple((re.compile(pattern), target) for pattern, target in HF_TO_ENGINE)
 
+# wrapped text-model prefixes -> the plain names the table matches
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."), ("language_model.", ""))
+_VISION_PREFIXES = ("vision_tower.", "mm_projector.", "model.vision_tower.", "model.mm_projector.")
+
 _ROUTED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 ROUTED_PROJ_TO_ENGINE = {"gate": "w1", "down": "w2", "up": "w3"}
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -61,8 +71,25 @@ class WeightNameError(ValueError):
     """Checkpoint tensors and engine parameters do not match one to one."""
 
 
+def text_name(hf_name: str) -> str:
+    """The name without a multimodal wrapper's text-model prefix."""
+    for prefix, plain in _TEXT_PREFIXES:
+        if hf_name.startswith(prefix):
+            return plain + hf_name[len(prefix) :]
+    return hf_name
+
+
+def is_wrapped(hf_names: Iterable[str]) -> bool:
+    """Whether the text model sits under a multimodal wrapper's prefix."""
+    return any(text_name(name) != name for name in hf_names)
+
+
+def is_vision_tensor(hf_name: str) -> bool:
+    return hf_name.startswith(_VISION_PREFIXES)
+
+
 def layer_of(hf_name: str) -> int | None:
-    match = _LAYER.match(hf_name)
+    match = _LAYER.match(text_name(hf_name))
     return int(match.group(1)) if match else None
 
 
@@ -75,7 +102,7 @@ def is_extra_layer(hf_name: str, n_layers: int) -> bool:
 
 def routed_expert_key(hf_name: str) -> tuple[int, int, str] | None:
     """(layer, expert, "w1"|"w2"|"w3") for a routed-expert tensor name, else None."""
-    match = _ROUTED.fullmatch(hf_name)
+    match = _ROUTED.fullmatch(text_name(hf_name))
     if match is None:
         return None
     return int(match.group(1)), int(match.group(2)), ROUTED_PROJ_TO_ENGINE[match.group(3)]
@@ -83,9 +110,10 @@ def routed_expert_key(hf_name: str) -> tuple[int, int, str] | None:
 
 def engine_name(hf_name: str) -> str | None:
     """The engine parameter a dense HF tensor loads into, or None if the table has no rule for it."""
+    plain = text_name(hf_name)
     for pattern, target in _COMPILED:
-        if pattern.fullmatch(hf_name):
-            return pattern.sub(target, hf_name)
+        if pattern.fullmatch(plain):
+            return pattern.sub(target, plain)
     return None
 
 
@@ -109,14 +137,20 @@ class SortedNames:
     dense: dict[str, str] = field(default_factory=dict)  # hf name -> engine parameter
     routed: dict[tuple[int, int, str], str] = field(default_factory=dict)  # (layer, expert, w1|w2|w3) -> hf name
     unmapped: list[str] = field(default_factory=list)  # names no rule claims (check_complete refuses them)
+    skipped: list[str] = field(default_factory=list)  # a wrapped model's vision tower and projector
 
 
 def sort_names(hf_names: Iterable[str], n_layers: int) -> SortedNames:
-    """Every tensor name classified once: routed expert, dense parameter, unmapped; extra (MTP) layers
-    are left out on purpose."""
+    """Every tensor name classified once: routed expert, dense parameter, skipped (a wrapped model's
+    vision tensors), unmapped; extra (MTP) layers are left out on purpose."""
     sorted_names = SortedNames()
+    hf_names = list(hf_names)
+    wrapped = is_wrapped(hf_names)
     for name in hf_names:
         if is_extra_layer(name, n_layers):
+            continue
+        if wrapped and is_vision_tensor(name):
+            sorted_names.skipped.append(name)
             continue
         if (key := routed_expert_key(name)) is not None:
             sorted_names.routed[key] = name

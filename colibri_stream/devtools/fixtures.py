@@ -119,6 +119,7 @@ def _transformers_classes(model_type: str) -> tuple[type, type]:
         "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
         "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM"),
         "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM"),
+        "kimi_k25": ("Kimi_K25Config", "Kimi_K25ForConditionalGeneration"),
     }
     if model_type not in names:
         raise ValueError(f"no transformers oracle for model_type {model_type!r}; known: {sorted(names)}")
@@ -242,6 +243,46 @@ def build_fp8_checkpoint(source: str | Path, dst: str | Path, block: int = 128) 
         "weight_block_size": [block, block],
     }
     (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return dst
+
+
+# A tiny Kimi-K2.5 vision tower: present so the checkpoint has its real shape, never run here.
+_TINY_VISION = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    pos_emb_height=4,
+    pos_emb_width=4,
+    pos_emb_time=2,
+)
+
+
+def build_kimi_k25_checkpoint(dst: str | Path, seed: int = 1) -> Path:
+    """A tiny Kimi-K2.5 (``model_type`` kimi_k25: the kimi_k2 text model in ``text_config``, a vision
+    tower and projector) from transformers' Kimi_K25ForConditionalGeneration. Tensor names as the shipped
+    files have them: ``language_model.model.layers.N...`` (transformers 5.23's save_pretrained writes
+    ``...model.blocks.N`` for the text layers, its vision tower's rename applied to them; it reads both)."""
+    from safetensors.torch import load_file, save_file
+
+    dst = Path(dst)
+    config_cls, model_cls = _transformers_classes("kimi_k25")
+    spec = TINY_SPECS["kimi_k2"]
+    text = {**_COMMON, **spec.config_kwargs, "model_type": "deepseek_v3"}
+    config = config_cls(
+        text_config=text, vision_config=_TINY_VISION, projection_hidden_size=32, tie_word_embeddings=False
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(config).float().eval()
+        _randomise_correction_bias(model)
+    model.save_pretrained(dst)
+    tensors = load_file(dst / "model.safetensors")
+    renamed = {
+        name.replace("language_model.model.blocks.", "language_model.model.layers."): t for name, t in tensors.items()
+    }
+    save_file(renamed, dst / "model.safetensors", metadata={"format": "pt"})
+    write_tiny_tokenizer(dst, text["vocab_size"])
     return dst
 
 
