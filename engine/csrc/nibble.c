@@ -200,43 +200,56 @@ AVX2_INLINE void gemv_avx2(int code, const NibbleMatrix *m, const float *xs, con
     }
 }
 
-/* R (2..4) rows: each unpacked weight vector is reused for every row; R is a constant after inlining,
- * so the accumulators stay in registers. */
+/* R (2..4) rows, two output rows at a time: each x vector loaded serves both output rows (x of a few
+ * rows outgrows L1, so loads, not FMAs, would bound a one-output loop). Weights are scaled before the
+ * FMAs (w = value * scale), so no per-group sums are kept: R and the pair are constants after
+ * inlining and the 2R accumulators stay in registers. */
 AVX2_INLINE void gemm_avx2(int code, int R, const NibbleMatrix *m, const float *xs, const float *sums, int begin,
                            int end, float *y, int y_stride) {
     size_t row_bytes = nibble_row_bytes(m), stride = 2 * row_bytes;
     int groups = nibble_groups(m);
     const float *table = FOLD_VALUES[code];
-    for (int o = begin; o < end; o++) {
-        const uint8_t *qrow = m->q + (size_t)o * row_bytes;
-        __m256 total[4];
-        float rest[4];
-        for (int r = 0; r < R; r++) total[r] = _mm256_setzero_ps(), rest[r] = 0.f;
+    for (int o = begin; o < end; o += 2) {
+        int o1 = o + 1 < end ? o + 1 : o; /* an odd count: the last row is computed twice, stored once */
+        const uint8_t *q0 = m->q + (size_t)o * row_bytes, *q1 = m->q + (size_t)o1 * row_bytes;
+        __m256 acc0[4], acc1[4];
+        float rest0[4], rest1[4];
+        for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm256_setzero_ps(), rest0[r] = rest1[r] = 0.f;
         for (int g = 0; g < groups; g++) {
             size_t first = (size_t)g * (m->group / 2);
-            const uint8_t *qg = qrow + first;
             int half = group_bytes(m, row_bytes, g), j = 0;
-            __m256 even[4], odd[4];
-            for (int r = 0; r < R; r++) even[r] = _mm256_setzero_ps(), odd[r] = _mm256_setzero_ps();
+            float s0 = scale_at_avx2(m, (size_t)o * groups + g), s1 = scale_at_avx2(m, (size_t)o1 * groups + g);
+            __m256 scale0 = _mm256_set1_ps(s0), scale1 = _mm256_set1_ps(s1);
             for (; j + 8 <= half; j += 8) {
-                __m256 lo, hi;
-                unpack8(code, qg + j, &lo, &hi);
+                __m256 lo0, hi0, lo1, hi1;
+                unpack8(code, q0 + first + j, &lo0, &hi0);
+                unpack8(code, q1 + first + j, &lo1, &hi1);
+                lo0 = _mm256_mul_ps(lo0, scale0), hi0 = _mm256_mul_ps(hi0, scale0);
+                lo1 = _mm256_mul_ps(lo1, scale1), hi1 = _mm256_mul_ps(hi1, scale1);
                 for (int r = 0; r < R; r++) {
                     const float *xg = xs + (size_t)r * stride + 2 * first;
-                    even[r] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xg + j), even[r]);
-                    odd[r] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xg + half + j), odd[r]);
+                    __m256 even = _mm256_loadu_ps(xg + j), odd = _mm256_loadu_ps(xg + half + j);
+                    acc0[r] = _mm256_fmadd_ps(hi0, odd, _mm256_fmadd_ps(lo0, even, acc0[r]));
+                    acc1[r] = _mm256_fmadd_ps(hi1, odd, _mm256_fmadd_ps(lo1, even, acc1[r]));
                 }
             }
-            float scale = scale_at_avx2(m, (size_t)o * groups + g);
-            __m256 scales = _mm256_set1_ps(scale);
             for (int r = 0; r < R; r++) {
                 const float *xg = xs + (size_t)r * stride + 2 * first;
-                total[r] = _mm256_fmadd_ps(_mm256_add_ps(even[r], odd[r]), scales, total[r]);
-                float tail = j < half ? group_dot_scalar(table, qg, xg, half, j) : 0.f;
-                rest[r] += scale * (tail - sums[(size_t)r * groups + g]);
+                float tail0 = 0.f, tail1 = 0.f;
+                if (j < half) {
+                    tail0 = group_dot_scalar(table, q0 + first, xg, half, j);
+                    tail1 = group_dot_scalar(table, q1 + first, xg, half, j);
+                }
+                if (code == CODE_INT4 || j < half) {
+                    rest0[r] += s0 * (tail0 - sums[(size_t)r * groups + g]);
+                    rest1[r] += s1 * (tail1 - sums[(size_t)r * groups + g]);
+                }
             }
         }
-        for (int r = 0; r < R; r++) y[(size_t)r * y_stride + (o - begin)] = hsum8(total[r]) + rest[r];
+        for (int r = 0; r < R; r++) {
+            y[(size_t)r * y_stride + (o - begin)] = hsum8(acc0[r]) + rest0[r];
+            if (o1 != o) y[(size_t)r * y_stride + (o1 - begin)] = hsum8(acc1[r]) + rest1[r];
+        }
     }
 }
 
