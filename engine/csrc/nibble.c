@@ -135,11 +135,6 @@ AVX2 static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-AVX2_INLINE float scale_at_avx2(const NibbleMatrix *m, size_t i) {
-    if (m->scale_kind == SCALE_F16) return _cvtsh_ss(((const uint16_t *)m->scales)[i]);
-    return scale_at(m, i);
-}
-
 /* Exactly 8 bytes -> the 8 low nibbles (even columns) and the 8 high nibbles (odd columns) as floats.
  * int4: the nibble itself (the offset is folded out). fp4: vpermps reads the low 3 bits of each lane,
  * the magnitude's index; the nibble's bit 3 is OR-ed in as the float's sign bit. */
@@ -158,43 +153,69 @@ AVX2_INLINE void unpack8(int code, const uint8_t *p, __m256 *lo, __m256 *hi) {
     *hi = _mm256_or_ps(_mm256_permutevar8x32_ps(magnitudes, _mm256_srli_epi32(bytes, 4)), _mm256_castsi256_ps(hi_sign));
 }
 
-/* One row (decode): four independent accumulators per group so FMA latency does not serialise the
- * loop; each group's vector sum is scaled into a vector total (one horizontal sum per output). */
-AVX2_INLINE void gemv_avx2(int code, const NibbleMatrix *m, const float *xs, const float *sums, int begin, int end,
-                           float *y) {
+AVX2_INLINE float scale_of(int scale_kind, const void *scales, size_t i) {
+    if (scale_kind == SCALE_F16) return _cvtsh_ss(((const uint16_t *)scales)[i]);
+    if (scale_kind == SCALE_BF16) return from_bits((uint32_t)((const uint16_t *)scales)[i] << 16);
+    return e8m0_to_float(((const uint8_t *)scales)[i]);
+}
+
+/* One group's dot with x as a vector (its horizontal sum is the group's sum), whole 8-byte steps only:
+ * returns in *done the bytes it took. Two chains (even, odd columns) so FMA latency overlaps. */
+AVX2_INLINE __m256 group_dot8(int code, const uint8_t *qg, const float *xg, int half, int *done) {
+    __m256 lo, hi, lo1, hi1;
+    int j = 0;
+    if (half < 8) {
+        *done = 0;
+        return _mm256_setzero_ps();
+    }
+    unpack8(code, qg, &lo, &hi);
+    __m256 even = _mm256_mul_ps(lo, _mm256_loadu_ps(xg)), odd = _mm256_mul_ps(hi, _mm256_loadu_ps(xg + half));
+    for (j = 8; j + 16 <= half; j += 16) {
+        unpack8(code, qg + j, &lo, &hi);
+        unpack8(code, qg + j + 8, &lo1, &hi1);
+        even = _mm256_fmadd_ps(lo1, _mm256_loadu_ps(xg + j + 8), _mm256_fmadd_ps(lo, _mm256_loadu_ps(xg + j), even));
+        odd = _mm256_fmadd_ps(hi1, _mm256_loadu_ps(xg + half + j + 8), _mm256_fmadd_ps(hi, _mm256_loadu_ps(xg + half + j), odd));
+    }
+    if (j + 8 <= half) {
+        unpack8(code, qg + j, &lo, &hi);
+        even = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xg + j), even);
+        odd = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xg + half + j), odd);
+        j += 8;
+    }
+    *done = j;
+    return _mm256_add_ps(even, odd);
+}
+
+/* One row (decode): each group's vector dot is scaled into a vector total (one horizontal sum per
+ * output); code and scale kind are constants after inlining. Whole groups take the lean loop, a
+ * ragged last group adds the scalar tail. */
+AVX2_INLINE void gemv_avx2(int code, int scale_kind, const NibbleMatrix *m, const float *xs, const float *sums,
+                           int begin, int end, float *y) {
     size_t row_bytes = nibble_row_bytes(m);
-    int groups = nibble_groups(m);
+    int groups = nibble_groups(m), half = m->group / 2;
+    int whole = (size_t)groups * half == row_bytes ? groups : groups - 1, last_half = group_bytes(m, row_bytes, groups - 1);
     const float *table = FOLD_VALUES[code];
     for (int o = begin; o < end; o++) {
         const uint8_t *qrow = m->q + (size_t)o * row_bytes;
+        size_t s0 = (size_t)o * groups;
         __m256 total = _mm256_setzero_ps();
         float rest = 0.f; /* scalar tails minus the folded offsets, scaled */
-        for (int g = 0; g < groups; g++) {
-            size_t first = (size_t)g * (m->group / 2);
-            const uint8_t *qg = qrow + first;
-            const float *xg = xs + 2 * first;
-            int half = group_bytes(m, row_bytes, g), j = 0;
-            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-            __m256 lo, hi;
-            for (; j + 16 <= half; j += 16) {
-                __m256 lo1, hi1;
-                unpack8(code, qg + j, &lo, &hi);
-                unpack8(code, qg + j + 8, &lo1, &hi1);
-                a0 = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xg + j), a0);
-                a1 = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xg + half + j), a1);
-                a2 = _mm256_fmadd_ps(lo1, _mm256_loadu_ps(xg + j + 8), a2);
-                a3 = _mm256_fmadd_ps(hi1, _mm256_loadu_ps(xg + half + j + 8), a3);
-            }
-            if (j + 8 <= half) {
-                unpack8(code, qg + j, &lo, &hi);
-                a0 = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xg + j), a0);
-                a1 = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xg + half + j), a1);
-                j += 8;
-            }
-            float scale = scale_at_avx2(m, (size_t)o * groups + g);
-            total = _mm256_fmadd_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)), _mm256_set1_ps(scale), total);
-            float tail = j < half ? group_dot_scalar(table, qg, xg, half, j) : 0.f;
-            rest += scale * (tail - sums[g]);
+        for (int g = 0; g < whole; g++) {
+            int done;
+            __m256 dot = group_dot8(code, qrow + (size_t)g * half, xs + (size_t)g * m->group, half, &done);
+            float scale = scale_of(scale_kind, m->scales, s0 + g);
+            total = _mm256_fmadd_ps(dot, _mm256_set1_ps(scale), total);
+            float tail = done < half ? group_dot_scalar(table, qrow + (size_t)g * half, xs + (size_t)g * m->group, half, done) : 0.f;
+            if (code == CODE_INT4 || done < half) rest += scale * (tail - sums[g]);
+        }
+        if (whole < groups) {
+            int g = groups - 1, done;
+            const uint8_t *qg = qrow + (size_t)g * half;
+            const float *xg = xs + (size_t)g * m->group;
+            __m256 dot = group_dot8(code, qg, xg, last_half, &done);
+            float scale = scale_of(scale_kind, m->scales, s0 + g);
+            total = _mm256_fmadd_ps(dot, _mm256_set1_ps(scale), total);
+            rest += scale * (group_dot_scalar(table, qg, xg, last_half, done) - sums[g]);
         }
         y[o - begin] = hsum8(total) + rest;
     }
@@ -204,7 +225,7 @@ AVX2_INLINE void gemv_avx2(int code, const NibbleMatrix *m, const float *xs, con
  * rows outgrows L1, so loads, not FMAs, would bound a one-output loop). Weights are scaled before the
  * FMAs (w = value * scale), so no per-group sums are kept: R and the pair are constants after
  * inlining and the 2R accumulators stay in registers. */
-AVX2_INLINE void gemm_avx2(int code, int R, const NibbleMatrix *m, const float *xs, const float *sums, int begin,
+AVX2_INLINE void gemm_avx2(int code, int scale_kind, int R, const NibbleMatrix *m, const float *xs, const float *sums, int begin,
                            int end, float *y, int y_stride) {
     size_t row_bytes = nibble_row_bytes(m), stride = 2 * row_bytes;
     int groups = nibble_groups(m);
@@ -212,13 +233,16 @@ AVX2_INLINE void gemm_avx2(int code, int R, const NibbleMatrix *m, const float *
     for (int o = begin; o < end; o += 2) {
         int o1 = o + 1 < end ? o + 1 : o; /* an odd count: the last row is computed twice, stored once */
         const uint8_t *q0 = m->q + (size_t)o * row_bytes, *q1 = m->q + (size_t)o1 * row_bytes;
-        __m256 acc0[4], acc1[4];
+        /* two rows: even and odd columns in separate accumulators, so FMA latency overlaps */
+        __m256 acc0[4], acc1[4], odd0[2], odd1[2];
         float rest0[4], rest1[4];
         for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm256_setzero_ps(), rest0[r] = rest1[r] = 0.f;
+        for (int r = 0; r < 2; r++) odd0[r] = odd1[r] = _mm256_setzero_ps();
         for (int g = 0; g < groups; g++) {
             size_t first = (size_t)g * (m->group / 2);
             int half = group_bytes(m, row_bytes, g), j = 0;
-            float s0 = scale_at_avx2(m, (size_t)o * groups + g), s1 = scale_at_avx2(m, (size_t)o1 * groups + g);
+            float s0 = scale_of(scale_kind, m->scales, (size_t)o * groups + g);
+            float s1 = scale_of(scale_kind, m->scales, (size_t)o1 * groups + g);
             __m256 scale0 = _mm256_set1_ps(s0), scale1 = _mm256_set1_ps(s1);
             for (; j + 8 <= half; j += 8) {
                 __m256 lo0, hi0, lo1, hi1;
@@ -229,8 +253,13 @@ AVX2_INLINE void gemm_avx2(int code, int R, const NibbleMatrix *m, const float *
                 for (int r = 0; r < R; r++) {
                     const float *xg = xs + (size_t)r * stride + 2 * first;
                     __m256 even = _mm256_loadu_ps(xg + j), odd = _mm256_loadu_ps(xg + half + j);
-                    acc0[r] = _mm256_fmadd_ps(hi0, odd, _mm256_fmadd_ps(lo0, even, acc0[r]));
-                    acc1[r] = _mm256_fmadd_ps(hi1, odd, _mm256_fmadd_ps(lo1, even, acc1[r]));
+                    if (R <= 2) {
+                        acc0[r] = _mm256_fmadd_ps(lo0, even, acc0[r]), odd0[r] = _mm256_fmadd_ps(hi0, odd, odd0[r]);
+                        acc1[r] = _mm256_fmadd_ps(lo1, even, acc1[r]), odd1[r] = _mm256_fmadd_ps(hi1, odd, odd1[r]);
+                    } else {
+                        acc0[r] = _mm256_fmadd_ps(hi0, odd, _mm256_fmadd_ps(lo0, even, acc0[r]));
+                        acc1[r] = _mm256_fmadd_ps(hi1, odd, _mm256_fmadd_ps(lo1, even, acc1[r]));
+                    }
                 }
             }
             for (int r = 0; r < R; r++) {
@@ -246,6 +275,7 @@ AVX2_INLINE void gemm_avx2(int code, int R, const NibbleMatrix *m, const float *
                 }
             }
         }
+        for (int r = 0; r < R && R <= 2; r++) acc0[r] = _mm256_add_ps(acc0[r], odd0[r]), acc1[r] = _mm256_add_ps(acc1[r], odd1[r]);
         for (int r = 0; r < R; r++) {
             y[(size_t)r * y_stride + (o - begin)] = hsum8(acc0[r]) + rest0[r];
             if (o1 != o) y[(size_t)r * y_stride + (o1 - begin)] = hsum8(acc1[r]) + rest1[r];
@@ -253,28 +283,35 @@ AVX2_INLINE void gemm_avx2(int code, int R, const NibbleMatrix *m, const float *
     }
 }
 
-/* Rows in blocks of up to 4; one instantiation per code and block height (the bodies are inlined). */
-#define ROW_BLOCKS(CODE)                                                                         \
-    for (int r0 = 0; r0 < rows; r0 += 4) {                                                       \
-        const float *xb = xs + (size_t)r0 * stride, *sb = sums + (size_t)r0 * groups;            \
-        float *yb = y + (size_t)r0 * n;                                                          \
-        switch (rows - r0 < 4 ? rows - r0 : 4) {                                                 \
-        case 1: gemv_avx2(CODE, m, xb, sb, begin, end, yb); break;                               \
-        case 2: gemm_avx2(CODE, 2, m, xb, sb, begin, end, yb, n); break;                         \
-        case 3: gemm_avx2(CODE, 3, m, xb, sb, begin, end, yb, n); break;                         \
-        default: gemm_avx2(CODE, 4, m, xb, sb, begin, end, yb, n); break;                        \
-        }                                                                                        \
+/* Rows in blocks of up to 4; one instantiation per code, scale kind and block height (the bodies are
+ * inlined into this function with constant arguments). */
+AVX2_INLINE void row_blocks(int code, int scale_kind, const NibbleMatrix *m, const float *xs, const float *sums,
+                            int rows, int begin, int end, float *y) {
+    size_t stride = 2 * nibble_row_bytes(m);
+    int groups = nibble_groups(m), n = end - begin;
+    for (int r0 = 0; r0 < rows; r0 += 4) {
+        const float *xb = xs + (size_t)r0 * stride, *sb = sums + (size_t)r0 * groups;
+        float *yb = y + (size_t)r0 * n;
+        switch (rows - r0 < 4 ? rows - r0 : 4) {
+        case 1: gemv_avx2(code, scale_kind, m, xb, sb, begin, end, yb); break;
+        case 2: gemm_avx2(code, scale_kind, 2, m, xb, sb, begin, end, yb, n); break;
+        case 3: gemm_avx2(code, scale_kind, 3, m, xb, sb, begin, end, yb, n); break;
+        default: gemm_avx2(code, scale_kind, 4, m, xb, sb, begin, end, yb, n); break;
+        }
     }
+}
+
+AVX2_INLINE void code_blocks(int code, const NibbleMatrix *m, const float *xs, const float *sums, int rows, int begin,
+                             int end, float *y) {
+    if (m->scale_kind == SCALE_F16) row_blocks(code, SCALE_F16, m, xs, sums, rows, begin, end, y);
+    else if (m->scale_kind == SCALE_BF16) row_blocks(code, SCALE_BF16, m, xs, sums, rows, begin, end, y);
+    else row_blocks(code, SCALE_E8M0, m, xs, sums, rows, begin, end, y);
+}
 
 AVX2 static void gemm_simd(const NibbleMatrix *m, const float *xs, const float *sums, int rows, int begin, int end,
                            float *y) {
-    size_t stride = 2 * nibble_row_bytes(m);
-    int groups = nibble_groups(m), n = end - begin;
-    if (m->code == CODE_FP4) {
-        ROW_BLOCKS(CODE_FP4)
-    } else {
-        ROW_BLOCKS(CODE_INT4)
-    }
+    if (m->code == CODE_FP4) code_blocks(CODE_FP4, m, xs, sums, rows, begin, end, y);
+    else code_blocks(CODE_INT4, m, xs, sums, rows, begin, end, y);
 }
 #endif
 
