@@ -14,7 +14,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.quant import E8M0, QuantizedExpert, QuantizedMatrix, dequantize_torch, int4_kernel_available, quantized_matrix
+from engine.quant import (
+    E8M0,
+    QuantizedExpert,
+    QuantizedMatrix,
+    dequantize_torch,
+    int4_kernel_available,
+    quantized_matrix,
+)
 
 # record kind -> (code, scale dtype, group): our int4, compressed-tensors pack-quantized, MXFP4
 KINDS = {
@@ -65,7 +72,10 @@ def make_kind_experts(kind: str, n: int, dim: int, inter: int, seed: int = 0) ->
 
 def expert_bytes(expert: QuantizedExpert) -> int:
     """Packed bytes of an expert: codes and scales."""
-    return sum(m.q.numel() * m.q.element_size() + m.scales.numel() * m.scales.element_size() for m in (expert.w1, expert.w2, expert.w3))
+    return sum(
+        m.q.numel() * m.q.element_size() + m.scales.numel() * m.scales.element_size()
+        for m in (expert.w1, expert.w2, expert.w3)
+    )
 
 
 def memcpy_seconds(nbytes: int, repeats: int) -> float:

@@ -97,7 +97,9 @@ def run_kernels(args: argparse.Namespace) -> int:
         print(json.dumps(result))
     else:
         for kind, k in result["kinds"].items():
-            per_rows = ", ".join(f"{n} row(s) {r['ffn_GBps']} GB/s (ratio {r['vs_memcpy']})" for n, r in k["rows"].items())
+            per_rows = ", ".join(
+                f"{n} row(s) {r['ffn_GBps']} GB/s (ratio {r['vs_memcpy']})" for n, r in k["rows"].items()
+            )
             print(f"{kind} expert FFN, packed bytes: {per_rows}; memcpy {k['memcpy_GBps']} GB/s")
         print(f"torch dequantise+matmul (int4-f16-g64): {result['torch_dequant_matmul_GBps']} GB/s")
         if "cuda" in result:

@@ -153,6 +153,8 @@ def test_two_threads_split_a_ragged_fp4_matrix():
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            torch.testing.assert_close(kernel_matmul(x, m), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+            torch.testing.assert_close(
+                kernel_matmul(x, m), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item()
+            )
     finally:
         torch.set_num_threads(previous)
