@@ -25,6 +25,13 @@ class OptionalBuildExt(build_ext):
 
 
 setup(
-    ext_modules=[Extension("engine._int4", sources=["engine/csrc/int4.c"], extra_compile_args=["-O3"])],
+    ext_modules=[
+        Extension(
+            "engine._int4",
+            sources=["engine/csrc/int4.c", "engine/csrc/nibble.c"],
+            depends=["engine/csrc/nibble.h"],
+            extra_compile_args=["-O3"],
+        )
+    ],
     cmdclass={"build_ext": OptionalBuildExt},
 )

@@ -26,9 +26,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-try:  # the C kernel (engine/csrc/int4.c), built at install time when a compiler is there
+try:  # the C kernels (engine/csrc/nibble.c, int4.c), built at install time when a compiler is there
     from engine import _int4
 except ImportError:  # pragma: no cover - exercised on machines without a compiler
+    _int4 = None
+if getattr(_int4, "NIBBLE_ABI", 0) < 2:  # pragma: no cover - a stale build (int4 + float16 scales only)
     _int4 = None
 
 
@@ -39,6 +41,9 @@ NIBBLE_CODES = ("int4", "fp4")
 E8M0 = torch.uint8  # e8m0 scales are held as their raw exponent bytes (any device, numpy too)
 SCALE_DTYPES = (torch.float16, torch.bfloat16, E8M0)
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# The C kernels' names for codes and scale dtypes (engine/csrc/nibble.h); int8 stays on torch.
+KERNEL_CODES = {"int4": 0, "fp4": 1}
+KERNEL_SCALES = {torch.float16: 0, torch.bfloat16: 1, E8M0: 2}
 
 
 def n_groups(in_dim: int, group_size: int) -> int:
@@ -137,7 +142,7 @@ class QuantizedMatrix:
         CPU where it handles the matrix (bit-identical: the same float operations), torch elsewhere."""
         if _kernel_handles(self):
             w = torch.empty((self.out_dim, self.in_dim), dtype=torch.float32)
-            _int4.dequant(self.q.data_ptr(), self.scales.data_ptr(), w.data_ptr(), w.shape[0], w.shape[1], self.group_size)
+            _int4.dequant(self.q.data_ptr(), self.scales.data_ptr(), w.data_ptr(), *_kernel_shape(self))
             return w.to(dtype)
         return dequantize_torch(self, dtype)
 
@@ -175,25 +180,30 @@ def int4_kernel_available() -> bool:
 
 
 def _kernel_handles(m: QuantizedMatrix) -> bool:
-    """Whether the C kernel takes this matrix: int4 codes with float16 scales and whole groups."""
+    """Whether the C kernel takes this matrix: 4-bit codes (int4, fp4) with any scale kind, any width."""
     return (
         _int4 is not None
-        and m.code == "int4"
-        and m.scales.dtype == torch.float16
-        and m.in_dim % m.group_size == 0
+        and m.code in KERNEL_CODES
+        and m.scales.dtype in KERNEL_SCALES
         and m.q.device.type == "cpu"
         and m.q.is_contiguous()
         and m.scales.is_contiguous()
     )
 
 
+def _kernel_shape(m: QuantizedMatrix) -> tuple[int, int, int, int, int]:
+    """(out, in, group, code, scale kind): the C dequantiser's trailing arguments."""
+    return m.out_dim, m.in_dim, m.group_size, KERNEL_CODES[m.code], KERNEL_SCALES[m.scales.dtype]
+
+
 def kernel_matmul(x: torch.Tensor, m: QuantizedMatrix, force_scalar: bool = False) -> torch.Tensor:
     """x [rows <= MAX_ROWS, in] float32 @ dequant(m)^T -> [rows, out], reading the codes once (C kernel)."""
     rows, in_dim = x.shape
-    groups = m.scales.shape[1]
+    if in_dim != m.in_dim:
+        raise ValueError(f"x has {in_dim} columns, the quantised matrix {m.in_dim} inputs")
     x = x.contiguous()
     y = torch.empty((rows, m.out_dim), dtype=torch.float32)
-    work = torch.empty(rows * (in_dim + groups), dtype=torch.float32)
+    work = torch.empty(_int4.work_floats(max(rows, 1), in_dim, m.group_size), dtype=torch.float32)
     _int4.gemm(
         m.q.data_ptr(),
         m.scales.data_ptr(),
@@ -206,6 +216,8 @@ def kernel_matmul(x: torch.Tensor, m: QuantizedMatrix, force_scalar: bool = Fals
         work.data_ptr(),
         force_scalar,
         torch.get_num_threads(),  # 2+: a persistent helper thread takes half of the output rows
+        KERNEL_CODES[m.code],
+        KERNEL_SCALES[m.scales.dtype],
     )
     return y
 

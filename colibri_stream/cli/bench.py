@@ -19,7 +19,7 @@ BENCH_EPILOG = """\
 examples:
   colibri-stream bench --quick                 # a small model, every section, a few minutes
   colibri-stream bench --json --out results/   # the full run (<= 30 min): results.json, benchmarks.md, plots
-  colibri-stream bench --kernels --json        # int4 expert FFN vs memcpy (+ CUDA copies/FFN on a GPU)
+  colibri-stream bench --kernels --json        # 4-bit expert FFN per record kind vs memcpy (+ CUDA on a GPU)
 The full run generates a ~15 GB bf16 model and its int4 and bf16 containers (~20 GB) in --work once.
 Run as root on an idle machine: contenders are confined by a memory cgroup (page cache counted) and
 the page cache is dropped before cold runs; without root both are skipped with a warning.
@@ -56,6 +56,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     kernels.add_argument("--dim", type=int, default=7168, help="hidden size of the experts (default 7168, DeepSeek-V3)")
     kernels.add_argument("--inter", type=int, default=2048, help="expert intermediate size (default 2048)")
     kernels.add_argument("--rows", type=int, default=1, help="activation rows per expert call (default 1: decode)")
+    kernels.add_argument("--few-rows", type=int, default=4, help="rows of the few-row measurement (default 4)")
     kernels.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     parser.set_defaults(handler=run_bench_command)
 
@@ -87,7 +88,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
 def run_kernels(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
-    result = measure(n_experts=args.experts, dim=args.dim, inter=args.inter, rows=args.rows)
+    result = measure(n_experts=args.experts, dim=args.dim, inter=args.inter, rows=args.rows, few_rows=args.few_rows)
     if torch.cuda.is_available():  # the VRAM tier's copies and GPU expert compute, same run
         from colibri_stream.bench.cuda import measure_cuda
 
@@ -95,11 +96,12 @@ def run_kernels(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print(
-            f"int4 expert FFN {result['int4_ffn_GBps']} GB/s, memcpy {result['memcpy_GBps']} GB/s "
-            f"(ratio {result['ratios']['int4_ffn_vs_memcpy']}), torch dequantise+matmul "
-            f"{result['torch_dequant_matmul_GBps']} GB/s"
-        )
+        for kind, k in result["kinds"].items():
+            per_rows = ", ".join(
+                f"{n} row(s) {r['ffn_GBps']} GB/s (ratio {r['vs_memcpy']})" for n, r in k["rows"].items()
+            )
+            print(f"{kind} expert FFN, packed bytes: {per_rows}; memcpy {k['memcpy_GBps']} GB/s")
+        print(f"torch dequantise+matmul (int4-f16-g64): {result['torch_dequant_matmul_GBps']} GB/s")
         if "cuda" in result:
             cuda = result["cuda"]
             print(

@@ -1,18 +1,9 @@
 /*
- * int4 group-quantised matrix times a few float32 rows, straight from the container's record layout.
+ * The C extension engine._int4: the Python entry points and the thread split for the 4-bit
+ * group-quantised kernels (nibble.c: every record kind, int4 / fp4 codes, float16 / bfloat16 / e8m0
+ * scales, ragged groups), and bf16 weights times float32 rows.
  *
- *   y[r, o] = sum_g scale[o, g] * sum_{k in g} (q[o, k] - 8) * x[r, k]
- *
- * q: uint8 [out, in / 2], element 2j in the low nibble of byte j, 2j+1 in the high nibble.
- * scale: float16 bits [out, in / group]. x: float32 [rows, in]. y: float32 [rows, out].
- *
- * Why a kernel: dequantising the whole matrix to float32 first moves ~40 bytes of memory traffic per
- * int4 weight (0.5 byte); this reads each weight byte once. The "- 8" is folded out per group:
- * sum (q - 8) x = sum q x - 8 sum x, with sum x per group computed once per row.
- * Float32 throughout, summing each group separately before scaling, so it agrees with
- * dequantise-then-matmul to float rounding (not bit for bit: the summation order differs).
- *
- * Also bf16 weights times float32 rows (the dense part of a bf16 checkpoint): bf16 -> float32 is exact
+ * bf16 weights times float32 rows (the dense part of a bf16 checkpoint): bf16 -> float32 is exact
  * (the 16 bits become the high half), so this equals a float32 matmul of the upcast weights to float
  * rounding while reading half the bytes, and no float32 copy of the weights is kept.
  */
@@ -29,136 +20,14 @@
 #define HAVE_X86 0
 #endif
 
-#define MAX_ROWS 8
-
-static inline float half_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF, bits;
-    if (exp == 0) {
-        if (mant == 0) {
-            bits = sign;
-        } else { /* subnormal: normalise */
-            exp = 127 - 15 + 1;
-            while ((mant & 0x400) == 0) { mant <<= 1; exp--; }
-            bits = sign | (exp << 23) | ((mant & 0x3FF) << 13);
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7F800000 | (mant << 13);
-    } else {
-        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* De-interleave each row of x into evens|odds per group so nibbles line up with contiguous floats,
- * and precompute 8 * sum(x) per group. xs: [rows, in], sums: [rows, groups]. */
-static void prepare_rows(const float *x, int rows, int in, int group, float *xs, float *sums) {
-    int half = group / 2, groups = in / group;
-    for (int r = 0; r < rows; r++) {
-        for (int g = 0; g < groups; g++) {
-            const float *src = x + (size_t)r * in + (size_t)g * group;
-            float *dst = xs + (size_t)r * in + (size_t)g * group;
-            float s = 0.f;
-            for (int j = 0; j < half; j++) {
-                dst[j] = src[2 * j];
-                dst[half + j] = src[2 * j + 1];
-                s += src[2 * j] + src[2 * j + 1];
-            }
-            sums[(size_t)r * groups + g] = 8.f * s;
-        }
-    }
-}
-
-static void gemm_scalar(const uint8_t *q, const uint16_t *scales, const float *xs, const float *sums, int rows,
-                        int in, int out, int group, float *y) {
-    int half = group / 2, groups = in / group;
-    for (int o = 0; o < out; o++) {
-        const uint8_t *qrow = q + (size_t)o * (in / 2);
-        for (int r = 0; r < rows; r++) {
-            float total = 0.f;
-            for (int g = 0; g < groups; g++) {
-                const uint8_t *qg = qrow + (size_t)g * half;
-                const float *xg = xs + (size_t)r * in + (size_t)g * group;
-                float acc = 0.f;
-                for (int j = 0; j < half; j++) acc += (float)(qg[j] & 0x0F) * xg[j] + (float)(qg[j] >> 4) * xg[half + j];
-                total += half_to_float(scales[(size_t)o * groups + g]) * (acc - sums[(size_t)r * groups + g]);
-            }
-            y[(size_t)r * out + o] = total;
-        }
-    }
-}
+#include "nibble.h"
 
 #if HAVE_X86
-__attribute__((target("avx2,fma,f16c"))) static inline float hsum256(__m256 v) {
+__attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
-}
-
-/* 8 bytes of one group -> 8 low nibbles (even inputs) and 8 high nibbles (odd inputs), as floats. */
-__attribute__((target("avx2,fma,f16c"))) static inline void unpack8(const uint8_t *p, __m256 *lo, __m256 *hi) {
-    __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    *lo = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(0x0F)));
-    *hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
-}
-
-/* One row (decode): four independent accumulators so FMA latency does not serialise the loop.
- * Groups of a multiple of 32 inputs. */
-__attribute__((target("avx2,fma,f16c"))) static void gemv_avx2(const uint8_t *q, const uint16_t *scales,
-                                                               const float *xs, const float *sums, int in, int out,
-                                                               int group, float *y) {
-    int half = group / 2, groups = in / group;
-    for (int o = 0; o < out; o++) {
-        const uint8_t *qrow = q + (size_t)o * (in / 2);
-        float total = 0.f;
-        for (int g = 0; g < groups; g++) {
-            const uint8_t *qg = qrow + (size_t)g * half;
-            const float *xg = xs + (size_t)g * group;
-            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-            for (int j = 0; j < half; j += 16) {
-                __m256 lo0, hi0, lo1, hi1;
-                unpack8(qg + j, &lo0, &hi0);
-                unpack8(qg + j + 8, &lo1, &hi1);
-                a0 = _mm256_fmadd_ps(lo0, _mm256_loadu_ps(xg + j), a0);
-                a1 = _mm256_fmadd_ps(hi0, _mm256_loadu_ps(xg + half + j), a1);
-                a2 = _mm256_fmadd_ps(lo1, _mm256_loadu_ps(xg + j + 8), a2);
-                a3 = _mm256_fmadd_ps(hi1, _mm256_loadu_ps(xg + half + j + 8), a3);
-            }
-            __m256 acc = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
-            total += _cvtsh_ss(scales[(size_t)o * groups + g]) * (hsum256(acc) - sums[g]);
-        }
-        y[o] = total;
-    }
-}
-
-/* A few rows: each unpacked weight vector is reused for every row. Groups of a multiple of 16 inputs. */
-__attribute__((target("avx2,fma,f16c"))) static void gemm_avx2(const uint8_t *q, const uint16_t *scales,
-                                                               const float *xs, const float *sums, int rows,
-                                                               int in, int out, int group, float *y) {
-    int half = group / 2, groups = in / group;
-    for (int o = 0; o < out; o++) {
-        const uint8_t *qrow = q + (size_t)o * (in / 2);
-        float totals[MAX_ROWS] = {0};
-        for (int g = 0; g < groups; g++) {
-            const uint8_t *qg = qrow + (size_t)g * half;
-            __m256 acc[MAX_ROWS];
-            for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-            for (int j = 0; j < half; j += 8) {
-                __m256 lo, hi;
-                unpack8(qg + j, &lo, &hi);
-                for (int r = 0; r < rows; r++) {
-                    const float *xg = xs + (size_t)r * in + (size_t)g * group;
-                    acc[r] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xg + j), acc[r]);
-                    acc[r] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xg + half + j), acc[r]);
-                }
-            }
-            float scale = _cvtsh_ss(scales[(size_t)o * groups + g]);
-            for (int r = 0; r < rows; r++) totals[r] += scale * (hsum256(acc[r]) - sums[(size_t)r * groups + g]);
-        }
-        for (int r = 0; r < rows; r++) y[(size_t)r * out + o] = totals[r];
-    }
 }
 #endif
 
@@ -259,27 +128,12 @@ static int bf16_isa(int in, int limit) {
     return 0;
 }
 
-static int use_avx2(int group) {
-#if HAVE_X86
-    static int supported = -1;
-    if (supported < 0) {
-        __builtin_cpu_init();
-        supported = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-    }
-    return supported && group % 16 == 0;
-#else
-    (void)group;
-    return 0;
-#endif
-}
-
 typedef struct {
-    const uint8_t *q; /* int4 weights, or NULL for a bf16 slice (w16) */
+    const NibbleMatrix *nibbles; /* a 4-bit matrix, or NULL for a bf16 one (w16) */
     const uint16_t *w16;
-    const uint16_t *scales;
     const float *xs, *sums;
     float *y;
-    int rows, in, out, group, begin, end;
+    int rows, in, out, begin, end;
     int isa_limit; /* the highest path allowed: 0 scalar, 1 AVX2, 2 AVX-512 (bf16 only); tests lower it */
 } Slice;
 
@@ -306,24 +160,15 @@ static void run_bf16_slice(const Slice *s) {
 }
 
 static void run_slice(const Slice *s) {
-    if (s->q == NULL) {
+    if (s->nibbles == NULL) {
         run_bf16_slice(s);
         return;
     }
-    int n = s->end - s->begin, groups = s->in / s->group;
+    int n = s->end - s->begin;
     float tmp[MAX_ROWS * 64];
     for (int o = 0; o < n; o += 64) {
         int m = n - o < 64 ? n - o : 64;
-        const uint8_t *qb = s->q + (size_t)(s->begin + o) * (s->in / 2);
-        const uint16_t *sb = s->scales + (size_t)(s->begin + o) * groups;
-#if HAVE_X86
-        if (s->isa_limit >= 1 && s->rows == 1 && s->group % 32 == 0 && use_avx2(s->group))
-            gemv_avx2(qb, sb, s->xs, s->sums, s->in, m, s->group, tmp);
-        else if (s->isa_limit >= 1 && use_avx2(s->group))
-            gemm_avx2(qb, sb, s->xs, s->sums, s->rows, s->in, m, s->group, tmp);
-        else
-#endif
-            gemm_scalar(qb, sb, s->xs, s->sums, s->rows, s->in, m, s->group, tmp);
+        nibble_gemm(s->nibbles, s->xs, s->sums, s->rows, s->begin + o, s->begin + o + m, s->isa_limit >= 1, tmp);
         for (int r = 0; r < s->rows; r++)
             memcpy(s->y + (size_t)r * s->out + s->begin + o, tmp + (size_t)r * m, (size_t)m * sizeof(float));
     }
@@ -398,55 +243,67 @@ static void run_split(const Slice *whole, int threads) {
     pthread_mutex_unlock(&call_lock);
 }
 
-/* gemm(q_ptr, scales_ptr, x_ptr, y_ptr, rows, in, out, group, workspace_ptr, force_scalar)
- * All pointers are addresses of contiguous buffers; workspace holds rows * (in + in / group) floats. */
+/* Fills m from gemm/dequant's common arguments; 0 with a ValueError naming what is unsupported. */
+static int nibble_matrix(NibbleMatrix *m, unsigned long long q, unsigned long long scales, int in, int out, int group,
+                         int code, int scale_kind, const char *what) {
+    if (in < 1 || out < 1 || group < 2 || group % 2 || code < 0 || code >= N_CODES || scale_kind < 0 ||
+        scale_kind >= N_SCALE_KINDS) {
+        PyErr_Format(PyExc_ValueError, "%s: unsupported shape or kind in=%d out=%d group=%d code=%d scale=%d", what, in,
+                     out, group, code, scale_kind);
+        return 0;
+    }
+    NibbleMatrix made = {(const uint8_t *)(uintptr_t)q, (const void *)(uintptr_t)scales, code, scale_kind, in, group};
+    *m = made;
+    return 1;
+}
+
+/* gemm(q_ptr, scales_ptr, x_ptr, y_ptr, rows, in, out, group, workspace_ptr, force_scalar, threads, code,
+ * scale_kind): y[rows, out] = x[rows, in] @ dequant(q, scales)^T. All pointers are addresses of
+ * contiguous buffers; the workspace holds work_floats(rows, in, group) floats. */
 static PyObject *py_gemm(PyObject *self, PyObject *args) {
     unsigned long long q, scales, x, y, work;
-    int rows, in, out, group, force_scalar, threads = 1;
-    if (!PyArg_ParseTuple(args, "KKKKiiiiKp|i", &q, &scales, &x, &y, &rows, &in, &out, &group, &work, &force_scalar,
-                          &threads))
+    int rows, in, out, group, force_scalar, threads = 1, code = CODE_INT4, scale_kind = SCALE_F16;
+    if (!PyArg_ParseTuple(args, "KKKKiiiiKp|iii", &q, &scales, &x, &y, &rows, &in, &out, &group, &work, &force_scalar,
+                          &threads, &code, &scale_kind))
         return NULL;
-    if (rows < 1 || rows > MAX_ROWS || group < 2 || group % 2 || in % group || out < 1) {
-        PyErr_Format(PyExc_ValueError, "int4 gemm: unsupported shape rows=%d in=%d out=%d group=%d", rows, in, out, group);
+    NibbleMatrix m;
+    if (!nibble_matrix(&m, q, scales, in, out, group, code, scale_kind, "nibble gemm")) return NULL;
+    if (rows < 1 || rows > MAX_ROWS) {
+        PyErr_Format(PyExc_ValueError, "nibble gemm: unsupported shape rows=%d (1..%d)", rows, MAX_ROWS);
         return NULL;
     }
-    float *xs = (float *)(uintptr_t)work, *sums = xs + (size_t)rows * in;
-    (void)use_avx2(group); /* detect the CPU once, before any helper thread looks */
-    Slice whole = {(const uint8_t *)(uintptr_t)q, NULL, (const uint16_t *)(uintptr_t)scales, xs, sums,
-                   (float *)(uintptr_t)y, rows, in, out, group, 0, out, force_scalar ? 0 : 2};
+    float *xs = (float *)(uintptr_t)work, *sums = xs + (size_t)rows * 2 * nibble_row_bytes(&m);
+    (void)nibble_simd_available(); /* detect the CPU once, before any helper thread looks */
+    Slice whole = {&m, NULL, xs, sums, (float *)(uintptr_t)y, rows, in, out, 0, out, force_scalar ? 0 : 2};
     Py_BEGIN_ALLOW_THREADS
-    prepare_rows((const float *)(uintptr_t)x, rows, in, group, xs, sums);
+    nibble_prepare(&m, (const float *)(uintptr_t)x, rows, xs, sums);
     run_split(&whole, threads);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
-/* dequant(q_ptr, scales_ptr, out_ptr, out, in, group): float32 [out, in] = (nibble - 8) * scale.
- * The same float operations as the torch reference, so the result is bit-identical to it. */
-static PyObject *py_dequant(PyObject *self, PyObject *args) {
-    unsigned long long q, scales, dst;
-    int out, in, group;
-    if (!PyArg_ParseTuple(args, "KKKiii", &q, &scales, &dst, &out, &in, &group)) return NULL;
-    if (group < 2 || group % 2 || in % group || out < 1) {
-        PyErr_Format(PyExc_ValueError, "int4 dequant: unsupported shape in=%d out=%d group=%d", in, out, group);
+/* work_floats(rows, in, group): the floats gemm's workspace needs. */
+static PyObject *py_work_floats(PyObject *self, PyObject *args) {
+    int rows, in, group;
+    if (!PyArg_ParseTuple(args, "iii", &rows, &in, &group)) return NULL;
+    NibbleMatrix m = {NULL, NULL, CODE_INT4, SCALE_F16, in, group};
+    if (rows < 1 || in < 1 || group < 2) {
+        PyErr_Format(PyExc_ValueError, "nibble work_floats: unsupported shape rows=%d in=%d group=%d", rows, in, group);
         return NULL;
     }
-    const uint8_t *qp = (const uint8_t *)(uintptr_t)q;
-    const uint16_t *sp = (const uint16_t *)(uintptr_t)scales;
-    float *w = (float *)(uintptr_t)dst;
-    int groups = in / group;
+    return PyLong_FromSize_t(nibble_work_floats(&m, rows));
+}
+
+/* dequant(q_ptr, scales_ptr, out_ptr, out, in, group, code, scale_kind): float32 [out, in] = value *
+ * scale, the same float operations as the torch reference, so the result is bit-identical to it. */
+static PyObject *py_dequant(PyObject *self, PyObject *args) {
+    unsigned long long q, scales, dst;
+    int out, in, group, code = CODE_INT4, scale_kind = SCALE_F16;
+    if (!PyArg_ParseTuple(args, "KKKiii|ii", &q, &scales, &dst, &out, &in, &group, &code, &scale_kind)) return NULL;
+    NibbleMatrix m;
+    if (!nibble_matrix(&m, q, scales, in, out, group, code, scale_kind, "nibble dequant")) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    for (int o = 0; o < out; o++) {
-        for (int g = 0; g < groups; g++) {
-            float scale = half_to_float(sp[(size_t)o * groups + g]);
-            const uint8_t *qg = qp + (size_t)o * (in / 2) + (size_t)g * (group / 2);
-            float *wg = w + (size_t)o * in + (size_t)g * group;
-            for (int j = 0; j < group / 2; j++) {
-                wg[2 * j] = ((float)(qg[j] & 0x0F) - 8.f) * scale;
-                wg[2 * j + 1] = ((float)(qg[j] >> 4) - 8.f) * scale;
-            }
-        }
-    }
+    nibble_dequant(&m, out, (float *)(uintptr_t)dst);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -462,8 +319,8 @@ static PyObject *py_bf16_gemm(PyObject *self, PyObject *args) {
         return NULL;
     }
     (void)bf16_isa(in, 2); /* detect the CPU once, before any helper thread looks */
-    Slice whole = {NULL, (const uint16_t *)(uintptr_t)w, NULL, (const float *)(uintptr_t)x, NULL, (float *)(uintptr_t)y,
-                   rows, in, out, 1, 0, out, isa_limit};
+    Slice whole = {NULL, (const uint16_t *)(uintptr_t)w, (const float *)(uintptr_t)x, NULL, (float *)(uintptr_t)y,
+                   rows, in, out, 0, out, isa_limit};
     Py_BEGIN_ALLOW_THREADS
     run_split(&whole, threads);
     Py_END_ALLOW_THREADS
@@ -471,8 +328,9 @@ static PyObject *py_bf16_gemm(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"dequant", py_dequant, METH_VARARGS, "float32 [out, in] from int4 group-quantised q and float16 scales."},
-    {"gemm", py_gemm, METH_VARARGS, "y[rows, out] = x[rows, in] @ dequant(q, scales)^T for int4 group-quantised q."},
+    {"dequant", py_dequant, METH_VARARGS, "float32 [out, in] from 4-bit group-quantised q and its scales."},
+    {"gemm", py_gemm, METH_VARARGS, "y[rows, out] = x[rows, in] @ dequant(q, scales)^T for 4-bit group-quantised q."},
+    {"work_floats", py_work_floats, METH_VARARGS, "floats of workspace gemm needs for (rows, in, group)."},
     {"bf16_gemm", py_bf16_gemm, METH_VARARGS, "y[rows, out] = x[rows, in] @ w^T for bf16 w [out, in], float32 x and y."},
     {NULL, NULL, 0, NULL},
 };
@@ -483,6 +341,8 @@ PyMODINIT_FUNC PyInit__int4(void) {
     PyObject *m = PyModule_Create(&module);
     pthread_atfork(NULL, NULL, reset_after_fork);
     if (m) PyModule_AddIntConstant(m, "MAX_ROWS", MAX_ROWS);
+    /* 2: gemm/dequant take (code, scale kind) and any width (ragged groups); quant.py checks it */
+    if (m) PyModule_AddIntConstant(m, "NIBBLE_ABI", 2);
     /* 2 AVX-512, 1 AVX2, 0 none: without SIMD the bf16 path would be slower than float32 matmul. */
     if (m) PyModule_AddIntConstant(m, "BF16_SIMD", bf16_isa(64, 2));
     return m;

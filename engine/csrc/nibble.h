@@ -1,0 +1,45 @@
+/* Group-quantised 4-bit matrices times a few float32 rows, and their dequantiser (nibble.c); the
+ * Python module, the thread split and the bf16 kernels are in int4.c. */
+#ifndef COLIBRI_NIBBLE_H
+#define COLIBRI_NIBBLE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define MAX_ROWS 8
+
+/* What a nibble means (engine/quant.py code_values) and how a group's scale is stored (scale_values). */
+enum { CODE_INT4 = 0, CODE_FP4 = 1, N_CODES };
+enum { SCALE_F16 = 0, SCALE_BF16 = 1, SCALE_E8M0 = 2, N_SCALE_KINDS };
+
+/* A weight [out, in]: q uint8 [out, ceil(in / 2)] (column 2j in the low nibble of byte j, an odd row's
+ * last high nibble is padding); scales [out, ceil(in / group)], the last group of a row maybe partial. */
+typedef struct {
+    const uint8_t *q;
+    const void *scales;
+    int code, scale_kind;
+    int in, group; /* group even, so no byte holds two groups */
+} NibbleMatrix;
+
+static inline size_t nibble_row_bytes(const NibbleMatrix *m) { return ((size_t)m->in + 1) / 2; }
+static inline int nibble_groups(const NibbleMatrix *m) { return (int)(((size_t)m->in + m->group - 1) / m->group); }
+
+/* Floats of workspace nibble_prepare needs for `rows` rows: de-interleaved rows, then per-group sums. */
+size_t nibble_work_floats(const NibbleMatrix *m, int rows);
+
+/* x float32 [rows, in] -> xs [rows, 2 * row_bytes] (per group: its even columns, then its odd ones, a
+ * padding column as 0) and sums [rows, groups] (the int4 "- 8" folded out per group). */
+void nibble_prepare(const NibbleMatrix *m, const float *x, int rows, float *xs, float *sums);
+
+/* y [rows, end - begin] = x @ dequant(m)[begin:end]^T; simd 0 forces the scalar path. */
+void nibble_gemm(const NibbleMatrix *m, const float *xs, const float *sums, int rows, int begin, int end, int simd,
+                 float *y);
+
+/* w float32 [out, in] = value(nibble) * scale, the same float operations as engine/quant.py's torch
+ * reference (bit-identical). */
+void nibble_dequant(const NibbleMatrix *m, int out, float *w);
+
+/* Whether the CPU has the AVX2 path (AVX2, FMA, F16C). */
+int nibble_simd_available(void);
+
+#endif

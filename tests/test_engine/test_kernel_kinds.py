@@ -1,0 +1,160 @@
+"""The C kernels for every 4-bit record kind (int4 / fp4 codes; float16 / bfloat16 / e8m0 scales) and
+any width (odd, ragged last group, whole groups) against the torch reference."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import quant
+from engine.quant import E8M0, QuantizedMatrix, _kernel_handles, dequantize_torch, int4_kernel_available, kernel_matmul
+
+needs_kernel = pytest.mark.skipif(not int4_kernel_available(), reason="engine._int4 was not built")
+
+# (code, scale dtype, group): our int4, compressed-tensors pack-quantized, MXFP4, and fp4 with float16
+KINDS = {
+    "int4-f16-g64": ("int4", torch.float16, 64),
+    "int4-bf16-g32": ("int4", torch.bfloat16, 32),
+    "fp4-e8m0-g32": ("fp4", E8M0, 32),
+    "fp4-f16-g16": ("fp4", torch.float16, 16),
+}
+# odd: a padding nibble, and a last group of 55 / 23 / 7 columns; ragged: a last group of 8 columns
+WIDTHS = {"odd": 119, "ragged": 200, "whole": 256}
+
+
+def random_scales(shape: tuple[int, int], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    if dtype == E8M0:  # 2^-8 .. 2^-3, as trained MXFP4 scales are
+        return torch.randint(119, 125, shape, generator=gen, dtype=torch.uint8)
+    return (torch.rand(shape, generator=gen) * 0.1 + 0.01).to(dtype)
+
+
+def random_matrix(kind: str, in_dim: int, out_dim: int = 96, seed: int = 0) -> QuantizedMatrix:
+    """Random codes (the padding nibble of an odd width random too) and random scales."""
+    code, scale_dtype, group = KINDS[kind]
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 256, (out_dim, -(-in_dim // 2)), generator=gen, dtype=torch.uint8)
+    scales = random_scales((out_dim, -(-in_dim // group)), scale_dtype, gen)
+    return QuantizedMatrix(q, scales, code, group, in_dim)
+
+
+@pytest.fixture(scope="module")
+def matrices() -> dict[tuple[str, str], QuantizedMatrix]:
+    return {(kind, w): random_matrix(kind, width, seed=len(w)) for kind in KINDS for w, width in WIDTHS.items()}
+
+
+@needs_kernel
+@pytest.mark.parametrize("width", list(WIDTHS))
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_kernel_takes_every_4bit_kind_and_width(matrices, kind, width):
+    assert _kernel_handles(matrices[kind, width])
+
+
+def test_int8_stays_on_the_torch_path():
+    m = quant.quantized_matrix(torch.randn(8, 64), 8, 32)
+    assert not _kernel_handles(m)
+
+
+@needs_kernel
+@pytest.mark.parametrize("width", list(WIDTHS))
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_c_dequantiser_is_bit_identical_for_every_kind(matrices, kind, width):
+    m = matrices[kind, width]
+    assert torch.equal(m.dequantize(), dequantize_torch(m))
+    assert torch.equal(m.dequantize(torch.bfloat16), dequantize_torch(m, torch.bfloat16))
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+@pytest.mark.parametrize("force_scalar", [False, True], ids=["simd", "scalar"])
+@pytest.mark.parametrize("width", list(WIDTHS))
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_kernel_matmul_equals_linear_over_the_reference(matrices, kind, width, force_scalar, rows):
+    m = matrices[kind, width]
+    x = torch.randn(rows, m.in_dim, generator=torch.Generator().manual_seed(rows))
+    expected = F.linear(x, dequantize_torch(m))
+    got = kernel_matmul(x, m, force_scalar=force_scalar)
+    assert got.shape == (rows, m.out_dim)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["int4-f16-g64", "fp4-e8m0-g32"])
+def test_padding_nibble_of_an_odd_row_contributes_nothing(kind):
+    m = random_matrix(kind, 119, seed=3)
+    other = m.q.clone()
+    other[:, -1] ^= 0xF0  # only the high (padding) nibble of each row's last byte changes
+    flipped = QuantizedMatrix(other, m.scales, m.code, m.group_size, m.in_dim)
+    x = torch.randn(3, 119)
+    assert torch.equal(flipped.dequantize(), m.dequantize())
+    for force_scalar in (False, True):
+        assert torch.equal(kernel_matmul(x, flipped, force_scalar), kernel_matmul(x, m, force_scalar))
+
+
+@needs_kernel
+def test_e8m0_extremes_decode_as_the_reference():
+    """e = 0 is 2^-127 (a float32 subnormal), 254 is 2^127, 255 is NaN."""
+    m = random_matrix("fp4-e8m0-g32", 64, out_dim=4)
+    scales = torch.tensor([[0, 1], [127, 254], [255, 128], [126, 0]], dtype=torch.uint8)
+    m = QuantizedMatrix(m.q, scales, "fp4", 32, 64)
+    torch.testing.assert_close(m.dequantize(), dequantize_torch(m), rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(kernel_matmul(torch.ones(1, 64), m)[0, 2])
+
+
+def _guarded(nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
+    """A uint8 tensor of nbytes ending exactly where an unreadable page starts."""
+    page = mmap.PAGESIZE
+    pages = -(-nbytes // page) + 1
+    area = mmap.mmap(-1, pages * page)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(area))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    assert libc.mprotect(base + (pages - 1) * page, page, 0) == 0  # PROT_NONE
+    start = (pages - 1) * page - nbytes
+    return area, torch.frombuffer(area, dtype=torch.uint8, count=nbytes, offset=start)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["int4-bf16-g32", "fp4-e8m0-g32"])
+def test_kernel_reads_nothing_past_the_matrix(kind):
+    """Codes and scales end on an unreadable page: an over-read would kill the (forked) child."""
+    m = random_matrix(kind, 119, out_dim=5)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            area_q, q = _guarded(m.q.numel())
+            area_s, s = _guarded(m.scales.numel() * m.scales.element_size())
+            q.copy_(m.q.flatten())
+            s.copy_(m.scales.contiguous().view(torch.uint8).flatten())
+            guarded = QuantizedMatrix(q.view(m.q.shape), s.view(m.scales.dtype).view(m.scales.shape), m.code, 32, 119)
+            x = torch.randn(8, 119)
+            ok = torch.equal(guarded.dequantize(), m.dequantize()) and all(
+                torch.equal(kernel_matmul(x[:rows], guarded, fs), kernel_matmul(x[:rows], m, fs))
+                for rows in (1, 4, 8)
+                for fs in (False, True)
+            )
+            os._exit(0 if ok else 3)
+        except BaseException:  # noqa: BLE001 - any failure in the child is reported by its exit code
+            os._exit(4)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+@needs_kernel
+def test_two_threads_split_a_ragged_fp4_matrix():
+    m = random_matrix("fp4-e8m0-g32", 119, out_dim=1024, seed=5)
+    x = torch.randn(2, 119)
+    expected = F.linear(x, dequantize_torch(m))
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            torch.testing.assert_close(
+                kernel_matmul(x, m), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item()
+            )
+    finally:
+        torch.set_num_threads(previous)
