@@ -60,5 +60,6 @@ def record_from_quantized(layout: ExpertRecordLayout, matrices: dict[str, Quanti
         arrays[f"{name}.q"] = m.q.contiguous().numpy()
         scales = m.scales.contiguous()
         # numpy has no bfloat16: its bits travel as uint16, as the layout stores them
-        arrays[f"{name}.scale"] = scales.view(torch.int16).numpy().view(np.uint16) if scales.dtype == torch.bfloat16 else scales.numpy()
+        bf16 = scales.dtype == torch.bfloat16
+        arrays[f"{name}.scale"] = scales.view(torch.int16).numpy().view(np.uint16) if bf16 else scales.numpy()
     return layout.pack(arrays)
