@@ -91,7 +91,8 @@ def test_container_runs_like_transformers_on_the_dequantised_source(built, case)
 
 
 def _plan_json(capsys, *argv: str) -> dict:
-    assert cli.main(["plan", *argv, "--json"]) == 0
+    bandwidths = ["--memory-bandwidth", "40GB", "--disk-bandwidth", "2GB"]  # not measured here
+    assert cli.main(["plan", *argv, *bandwidths, "--json"]) == 0
     return json.loads(capsys.readouterr().out)
 
 
