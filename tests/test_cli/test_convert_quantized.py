@@ -46,7 +46,7 @@ def built(tmp_path_factory, tiny_checkpoints):
             fmt, group, overrides = CASES[case]
             source = tiny_checkpoints["deepseek_v3"]
             if overrides:
-                source = fixtures.build_tiny_checkpoint("deepseek_v3", root / f"{case}-float", config_overrides=overrides)
+                source = fixtures.build_tiny_checkpoint("deepseek_v3", root / f"{case}-f32", config_overrides=overrides)
             quantized = qf.build_quantized_checkpoint(source, root / f"{case}-ct", fmt, group)
             container = root / f"{case}.cstream"
             Converter(quantized, container, ConvertOptions(dense="f32"), progress=False).run()
