@@ -18,6 +18,7 @@ from typing import Any
 from colibri_stream.checkpoint_files import read_json_object
 from colibri_stream.dtypes import stored_dense_dtype
 from colibri_stream.errors import USER_ERRORS, CheckpointError, ColibriError
+from colibri_stream.packed_quant import PackedFormat, packed_format
 from engine.args import ConfigError, ModelArgs
 from engine.config_checks import brief
 from engine.model import meta_transformer
@@ -29,19 +30,24 @@ from storage.tiered import minimum_slots
 from storage.verify import verify_container
 
 # What `convert` writes unless told otherwise (its ConvertOptions take these defaults).
-EXPERT_SCHEMES = SCHEMES
+AUTO = "auto"  # --experts auto: a quantised source's routed experts as shipped, int4 otherwise
+EXPERT_SCHEMES = (AUTO, *SCHEMES)
 DENSE_SCHEMES = ("bf16", "f32", "int8")
-DEFAULT_EXPERTS = "int4"
+DEFAULT_EXPERTS = AUTO
+REQUANTISED_EXPERTS = "int4"  # what auto means for a float (or FP8) source
 DEFAULT_GROUP_SIZE = 64
 DEFAULT_DENSE = "bf16"
 
 
 @dataclass(frozen=True)
 class ContainerTarget:
-    """The container a conversion would write: routed-expert scheme, group size, dense scheme."""
+    """The container a conversion would write: routed-expert scheme, group size, dense scheme.
+
+    ``group_size`` None means the default: the source's own groups where experts are copied as shipped,
+    DEFAULT_GROUP_SIZE where anything is quantised here."""
 
     experts: str = DEFAULT_EXPERTS
-    group_size: int = DEFAULT_GROUP_SIZE
+    group_size: int | None = None
     dense: str = DEFAULT_DENSE
 
     def __post_init__(self) -> None:
@@ -49,8 +55,37 @@ class ContainerTarget:
             raise ColibriError(f"--experts must be one of {EXPERT_SCHEMES}, got {self.experts!r}")
         if self.dense not in DENSE_SCHEMES:
             raise ColibriError(f"--dense must be one of {DENSE_SCHEMES}, got {self.dense!r}")
-        if self.group_size <= 0 or self.group_size % 2:
+        if self.group_size is not None and (self.group_size <= 0 or self.group_size % 2):
             raise ColibriError(f"--group-size must be a positive even number, got {self.group_size}")
+
+    @property
+    def quant_group_size(self) -> int:
+        """The group of what this conversion quantises itself (int4/int8 experts, int8 dense)."""
+        return self.group_size or DEFAULT_GROUP_SIZE
+
+    def passthrough(self, packed: PackedFormat | None) -> bool:
+        """Whether routed experts are copied as shipped rather than (re-)quantised here."""
+        return self.experts == AUTO and packed is not None
+
+    def expert_kind(self, packed: PackedFormat | None, scale_dtype: str | None = None) -> tuple[str, int]:
+        """(record scheme, group size) of the routed experts, for a source shipping ``packed`` experts
+        (None: float or FP8) whose scales are ``scale_dtype`` (a safetensors tag; None: bfloat16, what
+        compressed-tensors writes for a bf16 model)."""
+        if not self.passthrough(packed):
+            return (REQUANTISED_EXPERTS if self.experts == AUTO else self.experts), self.quant_group_size
+        kind = packed.passthrough(scale_dtype or "BF16")
+        if kind is None:
+            raise ColibriError(
+                f"--experts auto: the source's {packed.format} scales are {scale_dtype}, which no record kind holds "
+                "as shipped; pass --experts int4 (or int8/bf16/f32) to re-quantise from the dequantised weights"
+            )
+        if self.group_size not in (None, packed.group_size):
+            raise ColibriError(
+                f"--group-size {self.group_size} contradicts the source's group size {packed.group_size} "
+                "(config.json quantization_config): --experts auto copies the shipped groups; drop --group-size, "
+                "or pass --experts int4 to re-quantise at another group size"
+            )
+        return kind, packed.group_size
 
 
 @dataclass(frozen=True)
@@ -163,21 +198,30 @@ def geometry_from_container(container: Container) -> ModelGeometry:
     )
 
 
-def geometry_from_config(config: Mapping[str, Any], target: ContainerTarget, kind: str = "config") -> ModelGeometry:
-    """The geometry of the container `convert` would write from a checkpoint with this config.json."""
+def geometry_from_config(
+    config: Mapping[str, Any], target: ContainerTarget, kind: str = "config", source: str | Path = "."
+) -> ModelGeometry:
+    """The geometry of the container `convert` would write from a checkpoint with this config.json (a
+    compressed-tensors source sized at the record kind its experts convert to; its scales taken to be
+    bfloat16: float16 ones make a record of the same size)."""
     args = ModelArgs.from_hf_config(dequantised_config(config))
-    layout = ExpertRecordLayout.build(target.experts, args.dim, args.moe_inter_dim, target.group_size)
+    packed = packed_format(config, source)
+    scheme, group_size = target.expert_kind(packed)
+    layout = ExpertRecordLayout.build(scheme, args.dim, args.moe_inter_dim, group_size)
+    group_of_dense = target.quant_group_size
     dense = tuple(
-        DenseArray(name, tuple(p.shape), stored_dense_dtype(name, tuple(p.shape), target.dense, target.group_size))
+        DenseArray(name, tuple(p.shape), stored_dense_dtype(name, tuple(p.shape), target.dense, group_of_dense))
         for name, p in meta_transformer(args).state_dict().items()
         if not (args.tie_word_embeddings and name == "head.weight")
     )
-    group = f" g{target.group_size}" if layout.group_size else ""
+    group = f" g{group_size}" if layout.group_size else ""
     quant = config.get("quantization_config") or {}  # an object: dequantised_config checked it
-    source = f"{quant.get('quant_method', 'quantised')} checkpoint, " if quant else ""
+    shipped = f"{packed.format} " if packed else ""
+    source_text = f"{quant.get('quant_method', 'quantised')} {shipped}checkpoint, " if quant else ""
+    copied = " (as shipped)" if target.passthrough(packed) else ""
     return ModelGeometry(
         kind=kind,
-        description=f"{source}as converted: experts {target.experts}{group}, dense {target.dense}",
+        description=f"{source_text}as converted: experts {scheme}{group}{copied}, dense {target.dense}",
         args=args,
         dense=dense,
         layout=layout,
@@ -197,7 +241,7 @@ def model_geometry(path: str | Path, target: ContainerTarget | None = None) -> M
     if not config_path.is_file():
         raise CheckpointError(f"{path}: neither a container, a checkpoint directory nor a config.json")
     kind = "checkpoint" if path.is_dir() and any(path.glob("*.safetensors")) else "config"
-    return geometry_from_config(read_json_config(config_path), target, kind)
+    return geometry_from_config(read_json_config(config_path), target, kind, config_path.parent)
 
 
 def read_json_config(path: Path) -> dict[str, Any]:

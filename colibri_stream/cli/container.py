@@ -14,6 +14,7 @@ from colibri_stream.geometry import container_problems
 CONVERT_EPILOG = """\
 examples:
   colibri-stream convert ~/hf/DeepSeek-V3 ~/models/dsv3.cstream              # int4 experts, bf16 dense
+  colibri-stream convert ~/hf/Kimi-K2-Thinking k2t.cstream                   # its int4 g32 experts as shipped
   colibri-stream convert ~/hf/Kimi-K2 kimi.cstream --experts int8 --group-size 128
   colibri-stream convert tiny-hf tiny.cstream --experts f32 --dense f32      # lossless, for exactness tests
 exit status: 0 when the container is complete, 1 on a user error (unreadable source, mismatched resume),
@@ -31,7 +32,8 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         "convert",
         help="convert a Hugging Face checkpoint into an expert container",
         description=(
-            "Convert a Hugging Face checkpoint (bf16/f16/f32, or FP8 e4m3 with 128x128 block scales) into the "
+            "Convert a Hugging Face checkpoint (bf16/f16/f32, FP8 e4m3 with 128x128 block scales, or routed "
+            "experts quantised by compressed-tensors: pack-quantized int4, mxfp4) into the "
             "zarr v3 container colibri-stream streams experts from. Streams tensor by tensor (peak memory about "
             "one layer), and resumes where it stopped if interrupted: rerun the same command."
         ),

@@ -17,6 +17,7 @@ from colibri_stream.geometry import (
     DEFAULT_GROUP_SIZE,
     DENSE_SCHEMES,
     EXPERT_SCHEMES,
+    REQUANTISED_EXPERTS,
     ContainerTarget,
 )
 from storage.kvlog import RECORD_DTYPES
@@ -61,13 +62,19 @@ def add_target_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
         "--experts",
         choices=EXPERT_SCHEMES,
         default=DEFAULT_EXPERTS,
-        help=f"routed-expert format (default {DEFAULT_EXPERTS})",
+        help=(
+            f"routed-expert format (default {DEFAULT_EXPERTS}: a compressed-tensors source's 4-bit experts copied "
+            f"as shipped, {REQUANTISED_EXPERTS} otherwise; any other value re-quantises from the weights)"
+        ),
     )
     parser.add_argument(
         "--group-size",
         type=int,
-        default=DEFAULT_GROUP_SIZE,
-        help=f"quantisation group along the input dim (default {DEFAULT_GROUP_SIZE})",
+        default=None,
+        help=(
+            f"quantisation group along the input dim (default: the source's where experts are copied, "
+            f"{DEFAULT_GROUP_SIZE} otherwise)"
+        ),
     )
     parser.add_argument(
         "--dense", choices=DENSE_SCHEMES, default=DEFAULT_DENSE, help=f"dense-weight format (default {DEFAULT_DENSE})"

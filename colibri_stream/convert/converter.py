@@ -24,7 +24,8 @@ from tqdm import tqdm
 from colibri_stream import __version__
 from colibri_stream.convert.hf_source import HFSource, TensorReader
 from colibri_stream.dtypes import bf16_bits, stored_dense_dtype
-from colibri_stream.expert_codec import record_from_expert
+from colibri_stream.errors import CheckpointError
+from colibri_stream.expert_codec import record_from_expert, record_from_quantized
 from colibri_stream.geometry import ContainerTarget
 from colibri_stream.loader import check_dense_names
 from engine.args import ModelArgs
@@ -122,7 +123,13 @@ class Converter:
         self.progress = progress
         self.plan = plan_conversion(self.source)
         args = self.plan.args
-        self.layout = ExpertRecordLayout.build(options.experts, args.dim, args.moe_inter_dim, options.group_size)
+        packed = self.source.packed
+        scheme, group_size = options.expert_kind(packed, self.source.scale_dtype)
+        # auto on a quantised source: records copy the shipped codes and scales, nothing is re-quantised
+        self.copy_quantized = options.passthrough(packed)
+        self.layout = ExpertRecordLayout.build(scheme, args.dim, args.moe_inter_dim, group_size)
+        if self.copy_quantized:
+            _check_all_quantized(self.plan, self.source)
 
     def run(self) -> dict[str, Any]:
         journal = self._open_journal()
@@ -169,25 +176,30 @@ class Converter:
             written = [
                 writer.write_dense(name, array, dtype)
                 for name, array, dtype in dense_arrays(
-                    engine, reader.get(hf), self.options.dense, self.options.group_size
+                    engine, reader.get(hf), self.options.dense, self.options.quant_group_size
                 )
             ]
             if len(written) == 1:
                 result[engine] = written[0]
             else:  # int8: the codes, their scales and the group size the scales are for
-                result[engine] = {**written[0], "scales": written[1], "group_size": self.options.group_size}
+                result[engine] = {**written[0], "scales": written[1], "group_size": self.options.quant_group_size}
             _crash_if(crash)
         if unit.experts_layer is not None:
             layer = unit.experts_layer
             writer.create_expert_array(layer)
             crcs = []
             for expert in range(self.plan.args.n_routed_experts):
-                names = self.plan.experts[layer][expert]
-                record = record_from_expert(self.layout, {w: reader.get(names[w]) for w in ("w1", "w2", "w3")})
+                record = self._expert_record(reader, self.plan.experts[layer][expert])
                 crcs.append(writer.write_expert(layer, expert, record))
                 _crash_if(crash)
             result = {"crc32c": crcs}
         return result
+
+    def _expert_record(self, reader: TensorReader, names: dict[str, str]) -> np.ndarray:
+        """One expert's record: its shipped codes copied, or its float weights quantised here."""
+        if self.copy_quantized:
+            return record_from_quantized(self.layout, {w: reader.get_quantized(names[w]) for w in ("w1", "w2", "w3")})
+        return record_from_expert(self.layout, {w: reader.get(names[w]) for w in ("w1", "w2", "w3")})
 
     # ---------------------------------------------------------------------------------- journal
     def _fingerprint(self) -> dict[str, Any]:
@@ -242,6 +254,18 @@ class Converter:
             }
         )
         (self.dst / JOURNAL).unlink()
+
+
+def _check_all_quantized(plan: Plan, source: HFSource) -> None:
+    """--experts auto copies shipped codes: every routed expert must ship them (not one left in floats)."""
+    for experts in plan.experts.values():
+        for names in experts.values():
+            for name in names.values():
+                if name not in source.packed_modules:
+                    raise CheckpointError(
+                        f"{source.where[name]}: routed expert tensor {name} is not quantised while config.json "
+                        "quantizes routed experts; pass --experts int4 (or int8/bf16/f32) to convert it from floats"
+                    )
 
 
 def _finished_conversion(dst: Path) -> dict[str, Any] | None:

@@ -3,7 +3,9 @@
 Tensors are read one at a time through ``safe_open`` (memory-mapped); shards are opened per unit of
 work and closed after it, so the mapped pages a unit touched stop counting against this process.
 FP8 checkpoints in DeepSeek's layout (float8_e4m3fn ``weight`` + float32 ``weight_scale_inv`` per
-128x128 block, announced by ``quantization_config``) are dequantised to float32 on read.
+128x128 block, announced by ``quantization_config``) are dequantised to float32 on read. Modules
+quantised by compressed-tensors (convert/compressed_tensors_source.py) appear as one logical
+``<module>.weight`` each: read as shipped (``get_quantized``) or dequantised (``get``).
 """
 
 from __future__ import annotations
@@ -18,11 +20,14 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from colibri_stream.checkpoint_files import FLOAT_DTYPES, FP8_DTYPE
+from colibri_stream.checkpoint_files import FLOAT_DTYPES, FP8_DTYPE, TensorInfo
+from colibri_stream.convert.compressed_tensors_source import SUFFIXES, PackedModule, packed_modules, read_packed
 from colibri_stream.geometry import dequantised_config
 from colibri_stream.loader import CheckpointError, check_tensors, read_config, tensor_table
+from colibri_stream.packed_quant import PackedFormat, packed_format
 from engine.args import ModelArgs
 from engine.config_checks import brief
+from engine.quant import QuantizedMatrix, dequantize_torch
 from engine.weights import sort_names
 
 SCALE_SUFFIX = "_scale_inv"
@@ -40,14 +45,22 @@ class HFSource:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.config = read_config(self.path)
-        self.block = self._fp8_block(self.config.get("quantization_config"))
-        # Headers only, each checked (checkpoint_files.read_header); FP8 weights only where announced.
+        self.packed: PackedFormat | None = packed_format(self.config, self.path)
+        self.block = None if self.packed else self._fp8_block(self.config.get("quantization_config"))
+        # Headers only, each checked (checkpoint_files.read_header); FP8 / packed weights only where announced.
         allowed = {"": FLOAT_DTYPES + (FP8_DTYPE,), SCALE_SUFFIX: FLOAT_DTYPES} if self.block else {"": FLOAT_DTYPES}
+        if self.packed:
+            allowed.update(self.packed.allowed_dtypes())
         table = tensor_table(self.path, allowed)
         self.files = sorted({file for file, _ in table.values()})
-        self.where: dict[str, Path] = {name: file for name, (file, _) in table.items()}  # tensor name -> shard
-        self.shapes: dict[str, tuple[int, ...]] = {name: info.shape for name, (_, info) in table.items()}
-        self.stored_bytes = {name: info.nbytes for name, (_, info) in table.items()}  # bytes on disk, for progress
+        self.where: dict[str, Path] = {name: file for name, (file, _) in table.items()}  # shipped tensor -> shard
+        # logical name (a quantised module's "<m>.weight") -> its packed tensors
+        self.packed_modules: dict[str, PackedModule] = (
+            packed_modules(table, self.packed, self.path) if self.packed else {}
+        )
+        logical = _logical_table(table, self.packed_modules)
+        self.shapes: dict[str, tuple[int, ...]] = {name: info.shape for name, info in logical.items()}
+        self.stored_bytes = {name: info.nbytes for name, info in logical.items()}  # bytes on disk, for progress
         args = ModelArgs.from_hf_config(self.dense_config())
         names = sort_names(self.tensor_names, args.n_layers)
         check_tensors(args, names, self.shapes, str(self.path), self.dense_config())
@@ -84,14 +97,23 @@ class HFSource:
         if method != "fp8" or fmt != "e4m3" or not sizes:
             raise CheckpointError(
                 f"{self.path / 'config.json'}: quantization_config {brief(quant)} is not supported "
-                "(supported: quant_method fp8, fmt e4m3, weight_block_size [rows, cols])"
+                "(supported: quant_method fp8, fmt e4m3, weight_block_size [rows, cols]; or quant_method "
+                "compressed-tensors)"
             )
         return int(block[0]), int(block[1])
 
     @property
     def tensor_names(self) -> list[str]:
-        """Every tensor except FP8 scales, which are consumed with their weights."""
-        return [n for n in self.where if not (self.block and n.endswith(SCALE_SUFFIX))]
+        """Every logical tensor except FP8 scales, which are consumed with their weights."""
+        return [n for n in self.shapes if not (self.block and n.endswith(SCALE_SUFFIX))]
+
+    @property
+    def scale_dtype(self) -> str | None:
+        """The one safetensors dtype of the quantised modules' scales (None: nothing is quantised)."""
+        dtypes = sorted({m.scale_dtype for m in self.packed_modules.values()})
+        if len(dtypes) > 1:
+            raise CheckpointError(f"{self.path}: weight_scale tensors mix dtypes {dtypes}; one is supported")
+        return dtypes[0] if dtypes else None
 
     def unit_bytes(self, names: list[str]) -> int:
         """Bytes on disk of ``names`` and their FP8 scales."""
@@ -155,11 +177,21 @@ class TensorReader:
                 raise CheckpointError(f"{file}: unreadable safetensors file ({exc})") from None
         return self._open[file]
 
-    def get(self, name: str) -> torch.Tensor:
+    def _raw(self, name: str) -> torch.Tensor:
+        """A shipped tensor as stored."""
         try:
-            tensor = self._shard(name).get_tensor(name)
+            return self._shard(name).get_tensor(name)
         except SafetensorError as exc:
             raise CheckpointError(f"{self.source.where[name]}: tensor {name} unreadable ({exc})") from None
+
+    def get_quantized(self, name: str) -> QuantizedMatrix:
+        """A quantised module's logical weight as shipped: codes in our record layout, its own scales."""
+        return read_packed(self._raw, self.source.packed_modules[name], self.source.packed)
+
+    def get(self, name: str) -> torch.Tensor:
+        if name in self.source.packed_modules:  # the float32 weight the codes mean: q * scale, exact
+            return dequantize_torch(self.get_quantized(name))
+        tensor = self._raw(name)
         if tensor.dtype == torch.float8_e4m3fn:
             if self.source.block is None:
                 raise CheckpointError(
@@ -176,6 +208,14 @@ class TensorReader:
     def close(self) -> None:
         self._stack.close()
         self._open.clear()
+
+
+def _logical_table(table: dict[str, tuple[Path, TensorInfo]], modules: dict[str, PackedModule]) -> dict:
+    """Shipped tensors with each quantised module's tensors replaced by its logical [out, in] weight."""
+    shipped = {m.base + suffix for m in modules.values() for suffix in SUFFIXES}
+    logical = {name: info for name, (_, info) in table.items() if name not in shipped}
+    logical.update({name: TensorInfo("packed", m.shape, m.nbytes) for name, m in modules.items()})
+    return logical
 
 
 def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
