@@ -188,7 +188,9 @@ def test_int8_dense_weights_load_close_to_float_and_are_verified(make_container,
     a = f32.model(ids, 0, f32.model.new_cache(), f32.experts)[0]
     b = int8.model(ids, 0, int8.model.new_cache(), int8.experts)[0]
     cosine = torch.nn.functional.cosine_similarity(a, b, dim=-1)
-    assert cosine.mean().item() > 0.995  # single positions drift where a routing or DSA choice flips
+    # Single positions drift where a routing or DSA choice flips (a random tiny model has near-ties: at
+    # group 8, more precise, one position still falls to 0.80), so the median is the measure.
+    assert cosine.median().item() > 0.998
     scale_chunk = dst / "dense" / "layers.1.attn.wq_a.weight.scale" / "c" / "0" / "0"
     data = bytearray(scale_chunk.read_bytes())
     data[3] ^= 0x01
