@@ -31,7 +31,10 @@ from storage.verify import verify_container
 
 # What `convert` writes unless told otherwise (its ConvertOptions take these defaults).
 AUTO = "auto"  # --experts auto: a quantised source's routed experts as shipped, int4 otherwise
-EXPERT_SCHEMES = (AUTO, *SCHEMES)
+# Kinds this converter quantises (or casts) itself; int4-bf16scale and mxfp4 records are only ever
+# copied from a source that ships them (auto).
+PASSTHROUGH_SCHEMES = ("int4-bf16scale", "mxfp4")
+EXPERT_SCHEMES = (AUTO, *(s for s in SCHEMES if s not in PASSTHROUGH_SCHEMES))
 DENSE_SCHEMES = ("bf16", "f32", "int8")
 DEFAULT_EXPERTS = AUTO
 REQUANTISED_EXPERTS = "int4"  # what auto means for a float (or FP8) source
@@ -56,7 +59,10 @@ class ContainerTarget:
         if self.dense not in DENSE_SCHEMES:
             raise ColibriError(f"--dense must be one of {DENSE_SCHEMES}, got {self.dense!r}")
         if self.group_size is not None and (self.group_size <= 0 or self.group_size % 2):
-            raise ColibriError(f"--group-size must be a positive even number, got {self.group_size}")
+            raise ColibriError(
+                f"--group-size must be a positive even number, got {self.group_size} (int4 packs two weights "
+                "per byte: an odd group would split a byte between two scales)"
+            )
 
     @property
     def quant_group_size(self) -> int:

@@ -60,6 +60,7 @@ class Plan:
     args: ModelArgs
     units: list[Unit]
     experts: dict[int, dict[int, dict[str, str]]]  # layer -> expert -> w1/w2/w3 -> hf name
+    skipped: list[str]  # a wrapped multimodal checkpoint's vision tensors (text model only)
 
 
 def plan_conversion(source: HFSource) -> Plan:
@@ -81,7 +82,7 @@ def plan_conversion(source: HFSource) -> Plan:
         if args.is_moe(layer):
             units.append(Unit(f"layer.{layer:03d}.experts", experts_layer=layer))
     units.append(Unit("globals", tuple(sorted(dense_by_layer[None]))))
-    return Plan(args, units, experts)
+    return Plan(args, units, experts, names.skipped)
 
 
 def _check_experts(args: ModelArgs, experts: dict, source: HFSource) -> None:
@@ -162,6 +163,15 @@ class Converter:
             "path": str(self.dst),
             "units": len(self.plan.units),
             "resumed_units": len(self.plan.units) - len(todo),
+            **self._skipped_report(),
+        }
+
+    def _skipped_report(self) -> dict[str, Any]:
+        if not self.plan.skipped:
+            return {}
+        towers = sorted({name.split(".")[0] for name in self.plan.skipped})
+        return {
+            "skipped": {"tensors": len(self.plan.skipped), "prefixes": towers, "why": "vision tower: text model only"}
         }
 
     def _unit_bytes(self, unit: Unit) -> int:
