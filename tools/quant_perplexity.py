@@ -1,0 +1,53 @@
+"""Held-out perplexity of the demo model under every expert record kind, vs its float weights.
+
+    python tools/quant_perplexity.py          # markdown table for docs/quantization.md (~2 min on 2 cores)
+
+Variants: our int4 at group 64 (the default) and 32; the experts quantised by compressed-tensors'
+own compressor (pack-quantized int4 g32, as Kimi-K2-Thinking ships; MXFP4) and copied into records as
+shipped. Dense weights bf16 in every container (convert's default); the float row runs the checkpoint
+directory itself in float32. Same 64 windows x 256 held-out tokens as demo/README.md.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from colibri_stream.convert.converter import Converter, ConvertOptions
+from colibri_stream.devtools.quantized_fixtures import build_quantized_checkpoint
+from colibri_stream.devtools.train_demo import engine_perplexity, heldout_windows
+from colibri_stream.loader import load_checkpoint, load_container
+from storage.container import Container
+
+DEMO = Path(__file__).resolve().parent.parent / "demo" / "model"
+
+
+def variants(root: Path) -> list[tuple[str, Path]]:
+    """(label, container) for every record kind, converted from the demo checkpoint."""
+    made = []
+    for group in (64, 32):
+        dst = root / f"int4-g{group}"
+        Converter(DEMO, dst, ConvertOptions(experts="int4", group_size=group), progress=False).run()
+        made.append((f"int4 g{group} (our quantiser)", dst))
+    for fmt in ("pack-quantized", "mxfp4-pack-quantized"):
+        source = build_quantized_checkpoint(DEMO, root / f"src-{fmt}", fmt=fmt, group_size=32)
+        dst = root / fmt
+        Converter(source, dst, ConvertOptions(), progress=False).run()
+        made.append((f"compressed-tensors {fmt} g32, copied as shipped", dst))
+    return made
+
+
+def main() -> None:
+    windows = heldout_windows(DEMO)
+    reference = engine_perplexity(load_checkpoint(DEMO), windows)
+    print("| experts | record kind | held-out perplexity | vs float |\n|---|---|---|---|")
+    print(f"| float32 (checkpoint) | - | {reference:.3f} | - |")
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, path in variants(Path(tmp)):
+            ppl = engine_perplexity(load_container(path), windows)
+            kind = Container(path).layout.scheme
+            print(f"| {label} | {kind} | {ppl:.3f} | {100 * (ppl / reference - 1):+.2f}% |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
