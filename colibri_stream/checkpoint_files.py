@@ -32,6 +32,7 @@ DTYPE_BYTES = {
     "BF16": 2,
     "F8_E4M3": 1,
     "F8_E5M2": 1,
+    "F8_E8M0": 1,
     "I64": 8,
     "I32": 4,
     "I16": 2,
@@ -41,6 +42,9 @@ DTYPE_BYTES = {
 }
 FLOAT_DTYPES = ("F32", "F16", "BF16")  # what a bf16/f16/f32 checkpoint's weights may be stored as
 FP8_DTYPE = "F8_E4M3"
+# FP8 block scales: floats (DeepSeek-V3), or power-of-two e8m0 bytes (scale_fmt ue8m0: DeepSeek-V4's
+# dense weights; transformers' FineGrainedFP8 writes float8_e8m0fnu, MXFP8 checkpoints uint8)
+E8M0_SCALE_DTYPES = ("F8_E8M0", "U8")
 
 
 @dataclass(frozen=True)

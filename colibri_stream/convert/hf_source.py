@@ -2,8 +2,10 @@
 
 Tensors are read one at a time through ``safe_open`` (memory-mapped); shards are opened per unit of
 work and closed after it, so the mapped pages a unit touched stop counting against this process.
-FP8 checkpoints in DeepSeek's layout (float8_e4m3fn ``weight`` + float32 ``weight_scale_inv`` per
-128x128 block, announced by ``quantization_config``) are dequantised to float32 on read. Modules
+FP8 checkpoints in DeepSeek's layout (float8_e4m3fn ``weight`` + a ``weight_scale_inv`` per 128x128
+block, announced by ``quantization_config``; float32 scales, or power-of-two e8m0 bytes under
+``scale_fmt: ue8m0`` as DeepSeek-V4's dense weights ship) are dequantised to float32 on read: exact,
+and dense weights stay resident, so 8-bit dense storage is `--dense int8`'s choice, not the source's. Modules
 quantised by compressed-tensors (convert/compressed_tensors_source.py) appear as one logical
 ``<module>.weight`` each: read as shipped (``get_quantized``) or dequantised (``get``).
 """
@@ -20,14 +22,14 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from colibri_stream.checkpoint_files import FLOAT_DTYPES, FP8_DTYPE, TensorInfo
+from colibri_stream.checkpoint_files import E8M0_SCALE_DTYPES, FLOAT_DTYPES, FP8_DTYPE, TensorInfo
 from colibri_stream.convert.compressed_tensors_source import SUFFIXES, PackedModule, packed_modules, read_packed
 from colibri_stream.geometry import dequantised_config
 from colibri_stream.loader import CheckpointError, check_tensors, read_config, tensor_table
 from colibri_stream.packed_quant import PackedFormat, packed_format
 from engine.args import ModelArgs
 from engine.config_checks import brief
-from engine.quant import QuantizedMatrix, dequantize_torch
+from engine.quant import QuantizedMatrix, dequantize_torch, scale_values
 from engine.weights import sort_names
 
 SCALE_SUFFIX = "_scale_inv"
@@ -48,7 +50,9 @@ class HFSource:
         self.packed: PackedFormat | None = packed_format(self.config, self.path)
         self.block = None if self.packed else self._fp8_block(self.config.get("quantization_config"))
         # Headers only, each checked (checkpoint_files.read_header); FP8 / packed weights only where announced.
-        allowed = {"": FLOAT_DTYPES + (FP8_DTYPE,), SCALE_SUFFIX: FLOAT_DTYPES} if self.block else {"": FLOAT_DTYPES}
+        allowed = {"": FLOAT_DTYPES}
+        if self.block:
+            allowed = {"": FLOAT_DTYPES + (FP8_DTYPE,), SCALE_SUFFIX: FLOAT_DTYPES + E8M0_SCALE_DTYPES}
         if self.packed:
             allowed.update(self.packed.allowed_dtypes())
         table = tensor_table(self.path, allowed)
@@ -92,13 +96,13 @@ class HFSource:
         if not quant:
             return None
         method, fmt = quant.get("quant_method"), quant.get("fmt", "e4m3")
-        block = quant.get("weight_block_size")
+        block, scale_fmt = quant.get("weight_block_size"), quant.get("scale_fmt", "float")
         sizes = isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)
-        if method != "fp8" or fmt != "e4m3" or not sizes:
+        if method != "fp8" or fmt != "e4m3" or not sizes or scale_fmt not in ("float", "ue8m0"):
             raise CheckpointError(
                 f"{self.path / 'config.json'}: quantization_config {brief(quant)} is not supported "
-                "(supported: quant_method fp8, fmt e4m3, weight_block_size [rows, cols]; or quant_method "
-                "compressed-tensors)"
+                "(supported: quant_method fp8, fmt e4m3, weight_block_size [rows, cols], scale_fmt float or "
+                "ue8m0; or quant_method compressed-tensors)"
             )
         return int(block[0]), int(block[1])
 
@@ -218,6 +222,14 @@ def _logical_table(table: dict[str, tuple[Path, TensorInfo]], modules: dict[str,
     return logical
 
 
+def fp8_scale_values(scale_inv: torch.Tensor) -> torch.Tensor:
+    """FP8 block scales as float32: float tensors as they are, e8m0 exponent bytes (float8_e8m0fnu or
+    uint8) as 2^(e - 127)."""
+    if scale_inv.dtype == torch.float8_e8m0fnu:
+        scale_inv = scale_inv.view(torch.uint8)
+    return scale_values(scale_inv) if scale_inv.dtype == torch.uint8 else scale_inv.float()
+
+
 def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """weight [out, in] float8 * scale_inv [ceil(out/bo), ceil(in/bi)] per block -> float32 [out, in]."""
     out_dim, in_dim = weight.shape
@@ -226,5 +238,5 @@ def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: 
         raise CheckpointError(
             f"FP8 scale shape {list(scale_inv.shape)} does not match weight {[out_dim, in_dim]} in {block} blocks"
         )
-    scale = scale_inv.float().repeat_interleave(block[0], 0)[:out_dim].repeat_interleave(block[1], 1)[:, :in_dim]
+    scale = fp8_scale_values(scale_inv).repeat_interleave(block[0], 0)[:out_dim].repeat_interleave(block[1], 1)[:, :in_dim]
     return weight.float() * scale

@@ -210,10 +210,14 @@ def write_tiny_tokenizer(dst: str | Path, vocab_size: int) -> Path:
 _FP8_SKIP = ("embed_tokens", "lm_head", "mlp.gate.weight", "layernorm", "norm.weight", "weights_proj")
 
 
-def build_fp8_checkpoint(source: str | Path, dst: str | Path, block: int = 128) -> Path:
+def build_fp8_checkpoint(source: str | Path, dst: str | Path, block: int = 128, scale_fmt: str = "float") -> Path:
     """Re-save a float checkpoint the way DeepSeek-V3/V3.2/Kimi-K2 ship FP8: every 2-D projection
     as float8_e4m3fn plus a float32 ``weight_scale_inv`` per ``block``x``block`` tile (the multiplier
-    that dequantises it), and ``quantization_config`` in config.json."""
+    that dequantises it), and ``quantization_config`` in config.json.
+
+    ``scale_fmt="ue8m0"`` writes the scales as DeepSeek-V4's dense weights have them, following
+    transformers' FineGrainedFP8 quantiser (integrations/finegrained_fp8.py): each tile's scale rounded
+    up to a power of two and stored as float8_e8m0fnu, the weight divided by exactly that."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -231,9 +235,11 @@ def build_fp8_checkpoint(source: str | Path, dst: str | Path, block: int = 128) 
         padded[: w.shape[0], : w.shape[1]] = w
         tiles = padded.view(rows, block, cols, block)
         scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0  # e4m3's largest finite value
+        if scale_fmt == "ue8m0":
+            scale = torch.pow(2.0, torch.ceil(torch.log2(scale)))
         q = (tiles / scale[:, None, :, None]).view(rows * block, cols * block)[: w.shape[0], : w.shape[1]]
         out[name] = q.to(torch.float8_e4m3fn)
-        out[name + "_scale_inv"] = scale.float()
+        out[name + "_scale_inv"] = scale.to(torch.float8_e8m0fnu) if scale_fmt == "ue8m0" else scale.float()
     save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((dst / "config.json").read_text())
     config["quantization_config"] = {
@@ -241,6 +247,7 @@ def build_fp8_checkpoint(source: str | Path, dst: str | Path, block: int = 128) 
         "fmt": "e4m3",
         "activation_scheme": "dynamic",
         "weight_block_size": [block, block],
+        **({"scale_fmt": "ue8m0"} if scale_fmt == "ue8m0" else {}),
     }
     (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return dst

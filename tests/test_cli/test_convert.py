@@ -117,15 +117,17 @@ def _reference_fp8_dequant(q: torch.Tensor, scale: torch.Tensor, block: int) -> 
     for i in range(scale.shape[0]):
         for j in range(scale.shape[1]):
             tile = (slice(i * block, (i + 1) * block), slice(j * block, (j + 1) * block))
-            out[tile] = q[tile].float() * scale[i, j]
+            out[tile] = q[tile].float() * scale[i, j].float()  # torch's own e8m0 -> float32
     return out
 
 
-@pytest.mark.parametrize("block", [128, 32])
-def test_fp8_source_converts_to_its_dequantised_weights(tiny_checkpoints, tmp_path, block):
-    fp8 = fixtures.build_fp8_checkpoint(tiny_checkpoints["deepseek_v32"], tmp_path / "fp8", block=block)
+@pytest.mark.parametrize("block, scale_fmt", [(128, "float"), (32, "float"), (32, "ue8m0")])
+def test_fp8_source_converts_to_its_dequantised_weights(tiny_checkpoints, tmp_path, block, scale_fmt):
+    fp8 = fixtures.build_fp8_checkpoint(tiny_checkpoints["deepseek_v32"], tmp_path / "fp8", block, scale_fmt)
     tensors = load_file(fp8 / "model.safetensors")
     assert tensors["model.layers.1.mlp.experts.0.up_proj.weight"].dtype == torch.float8_e4m3fn
+    scales = tensors["model.layers.1.mlp.experts.0.up_proj.weight_scale_inv"]
+    assert scales.dtype == (torch.float8_e8m0fnu if scale_fmt == "ue8m0" else torch.float32)
     plain = {
         n: _reference_fp8_dequant(t, tensors[n + "_scale_inv"], block) if t.dtype == torch.float8_e4m3fn else t
         for n, t in tensors.items()
