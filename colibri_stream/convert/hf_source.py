@@ -238,5 +238,6 @@ def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: 
         raise CheckpointError(
             f"FP8 scale shape {list(scale_inv.shape)} does not match weight {[out_dim, in_dim]} in {block} blocks"
         )
-    scale = fp8_scale_values(scale_inv).repeat_interleave(block[0], 0)[:out_dim].repeat_interleave(block[1], 1)[:, :in_dim]
+    scale = fp8_scale_values(scale_inv).repeat_interleave(block[0], 0)[:out_dim]
+    scale = scale.repeat_interleave(block[1], 1)[:, :in_dim]
     return weight.float() * scale
