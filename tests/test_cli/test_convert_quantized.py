@@ -207,3 +207,11 @@ def test_a_config_quantising_activations_is_refused(built, tmp_path):
     (source / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="input_activations is set: quantised activations are not supported"):
         Converter(source, tmp_path / "out", ConvertOptions(), progress=False)
+
+
+def test_running_a_quantised_directory_directly_says_to_convert_it(built):
+    from colibri_stream.loader import load_checkpoint
+    from engine.config_checks import ConfigError
+
+    with pytest.raises(ConfigError, match="compressed-tensors.*read by `colibri-stream convert`, not loaded directly"):
+        load_checkpoint(built("pack")[0])
