@@ -253,6 +253,27 @@ def build_fp8_checkpoint(source: str | Path, dst: str | Path, block: int = 128, 
     return dst
 
 
+def dequantised_experts_checkpoint(loaded: Any, source: str | Path, dst: str | Path) -> Path:
+    """``source`` copied to ``dst`` with every routed expert replaced by the float32 weights the
+    quantised container ``loaded`` (a loader.LoadedModel) holds: the oracle for "our int4 run is exact
+    for the int4 model"."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    dst = Path(dst)
+    shutil.copytree(source, dst)
+    tensors = load_file(dst / "model.safetensors")
+    names = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+    for layer, experts in loaded.experts._experts.items():
+        for expert_id, expert in experts.items():
+            for field_name, hf in names.items():
+                weight = getattr(expert, field_name).dequantize(torch.float32)
+                tensors[f"model.layers.{layer}.mlp.experts.{expert_id}.{hf}.weight"] = weight.contiguous()
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
 # A tiny Kimi-K2.5 vision tower: present so the checkpoint has its real shape, never run here.
 _TINY_VISION = dict(
     hidden_size=32,

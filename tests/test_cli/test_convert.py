@@ -19,7 +19,6 @@ from colibri_stream.convert.converter import CRASH_ENV, JOURNAL, Converter, Conv
 from colibri_stream.devtools import fixtures
 from colibri_stream.generate import generate
 from colibri_stream.loader import load_checkpoint, load_container
-from engine.quant import QuantizedExpert
 from storage.errors import IncompatibleStateError
 
 NEW_TOKENS = 32
@@ -37,25 +36,12 @@ def test_lossless_container_generates_the_hf_directorys_tokens(make_container, t
     assert expected == fixtures.oracle_greedy(fixtures.load_reference(tiny_checkpoints[family]), _prompt(), NEW_TOKENS)
 
 
-def _dequantised_checkpoint(loaded, source: Path, dst: Path) -> Path:
-    """The source checkpoint with every routed expert replaced by the container's dequantised weights."""
-    shutil.copytree(source, dst)
-    tensors = load_file(dst / "model.safetensors")
-    names = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
-    for layer, experts in loaded.experts._experts.items():
-        for expert_id, expert in experts.items():
-            assert isinstance(expert, QuantizedExpert)
-            for field, hf in names.items():
-                weight = getattr(expert, field).dequantize(torch.float32)
-                tensors[f"model.layers.{layer}.mlp.experts.{expert_id}.{hf}.weight"] = weight.contiguous()
-    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    return dst
-
-
 def test_int4_runtime_is_faithful_to_the_int4_model(make_container, tiny_checkpoints, family, tmp_path):
     """transformers on the container's dequantised experts == our int4 run: tokens and logits."""
     loaded = load_container(make_container(family, experts="int4", dense="f32"))
-    reference = fixtures.load_reference(_dequantised_checkpoint(loaded, tiny_checkpoints[family], tmp_path / "deq"))
+    reference = fixtures.load_reference(
+        fixtures.dequantised_experts_checkpoint(loaded, tiny_checkpoints[family], tmp_path / "deq")
+    )
     expected = fixtures.oracle_greedy(reference, _prompt(), NEW_TOKENS)
     assert generate(loaded.model, _prompt(), NEW_TOKENS, loaded.experts).ids == expected
     forced = fixtures.oracle_teacher_forced(reference, _prompt() + expected)

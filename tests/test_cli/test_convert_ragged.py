@@ -4,18 +4,17 @@ group of a row is partial and has its own scale) and odd widths (a row ends in a
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from colibri_stream.convert.converter import Converter, ConvertOptions
 from colibri_stream.devtools import fixtures
 from colibri_stream.generate import generate
 from colibri_stream.loader import load_container
-from engine.quant import QuantizedExpert, quantized_matrix
+from engine.quant import quantized_matrix
 from storage.verify import verify_container
 
 NEW_TOKENS = 16
@@ -54,26 +53,11 @@ def test_lossless_container_of_a_ragged_model_is_token_exact(ragged, tmp_path):
     assert generate(loaded.model, _prompt(), NEW_TOKENS, loaded.experts).ids == expected
 
 
-def _dequantised_checkpoint(loaded, source: Path, dst: Path) -> Path:
-    """The source with every routed expert (and int8 dense weight) replaced by what the container holds."""
-    shutil.copytree(source, dst)
-    tensors = load_file(dst / "model.safetensors")
-    names = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
-    for layer, experts in loaded.experts._experts.items():
-        for expert_id, expert in experts.items():
-            assert isinstance(expert, QuantizedExpert)
-            for field, hf in names.items():
-                weight = getattr(expert, field).dequantize(torch.float32)
-                tensors[f"model.layers.{layer}.mlp.experts.{expert_id}.{hf}.weight"] = weight.contiguous()
-    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    return dst
-
-
 def test_int4_container_at_the_default_group_runs_the_int4_model(ragged, tmp_path):
     """Converted at the default group size (64 divides no width here): transformers on the container's
     dequantised experts == our run, tokens and float32 logits."""
     loaded = load_container(_convert(ragged, tmp_path / "int4", "int4", "f32"))
-    reference = _reference(_dequantised_checkpoint(loaded, ragged, tmp_path / "deq"))
+    reference = _reference(fixtures.dequantised_experts_checkpoint(loaded, ragged, tmp_path / "deq"))
     expected = fixtures.oracle_greedy(reference, _prompt(), NEW_TOKENS)
     assert generate(loaded.model, _prompt(), NEW_TOKENS, loaded.experts).ids == expected
     forced = fixtures.oracle_teacher_forced(reference, _prompt() + expected)
