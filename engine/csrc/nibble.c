@@ -274,10 +274,12 @@ typedef struct {
 } OutRow;
 
 /* y[r][o] += the column block [c0, c1) of P output rows times RS rows of x (xs: the first one's;
- * XR rows per chunk in xs). */
+ * XR rows per chunk in xs). ahead (or NULL): the next two rows' codes for their block, asked for one
+ * line per chunk: a column block reads a row in pieces, which the hardware prefetchers follow less
+ * well than one stream, and spreading the requests keeps them from stalling the loop. */
 AVX2_INLINE void block_dot(int P, int RS, int XR, int layout, const NibbleMatrix *m, const __m256i tables[2],
-                           const OutRow out[2], const uint16_t slots[][8], size_t c0, size_t c1, const float *xs,
-                           size_t n) {
+                           const OutRow out[2], const uint8_t *const *ahead, const uint16_t slots[][8], size_t c0,
+                           size_t c1, const float *xs, size_t n) {
     size_t row_bytes = nibble_row_bytes(m), full = row_bytes / CHUNK_BYTES, c1_full = c1 < full ? c1 : full;
     __m256 acc[2][4][4], sv[2][4];
     __m256i packed[2];
@@ -287,6 +289,7 @@ AVX2_INLINE void block_dot(int P, int RS, int XR, int layout, const NibbleMatrix
         for (int r = 0; r < RS; r++)
             for (int a = 0; a < ACCS(P, RS); a++) acc[p][r][a] = _mm256_setzero_ps();
     for (size_t c = c0; c < c1_full; c++) {
+        if (ahead) _mm_prefetch((const char *)ahead[(c - c0) % 2] + (c - c0) / 2 * 64, _MM_HINT_T0);
 #pragma GCC unroll 2
         for (int p = 0; p < P; p++) {
             packed[p] = _mm256_loadu_si256((const __m256i *)(out[p].q + c * CHUNK_BYTES));
@@ -316,25 +319,15 @@ AVX2_INLINE void block_dot(int P, int RS, int XR, int layout, const NibbleMatrix
 /* P output rows: rows of x 4 at a time (the accumulators' register budget); the second pass reads
  * the block's codes again from L1. */
 AVX2_INLINE void block_rows(int P, int R, int layout, const NibbleMatrix *m, const __m256i tables[2],
-                            const OutRow out[2], const uint16_t slots[][8], size_t c0, size_t c1, const float *xs,
-                            size_t n) {
+                            const OutRow out[2], const uint8_t *ahead[2], const uint16_t slots[][8], size_t c0,
+                            size_t c1, const float *xs, size_t n) {
     if (R <= 4) {
-        block_dot(P, R, R, layout, m, tables, out, slots, c0, c1, xs, n);
+        block_dot(P, R, R, layout, m, tables, out, ahead, slots, c0, c1, xs, n);
         return;
     }
     OutRow rest[2] = {{out[0].q, out[0].scales, out[0].y + 4 * n}, {out[1].q, out[1].scales, out[1].y + 4 * n}};
-    block_dot(P, 4, R, layout, m, tables, out, slots, c0, c1, xs, n);
-    block_dot(P, R - 4, R, layout, m, tables, rest, slots, c0, c1, xs + 4 * CHUNK_COLS, n);
-}
-
-/* Asks for the codes of `count` rows from row o, chunks [c0, c1), ahead of their use: a column block
- * reads a row in pieces, a pattern the hardware prefetchers do not follow as well as one long stream. */
-AVX2_INLINE void prefetch_block(const NibbleMatrix *m, int o, int count, size_t c0, size_t c1) {
-    size_t row_bytes = nibble_row_bytes(m), last = c1 * CHUNK_BYTES < row_bytes ? c1 * CHUNK_BYTES : row_bytes;
-    for (int p = 0; p < count; p++) {
-        const char *row = (const char *)m->q + (size_t)(o + p) * row_bytes;
-        for (size_t b = c0 * CHUNK_BYTES; b < last; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
-    }
+    block_dot(P, 4, R, layout, m, tables, out, ahead, slots, c0, c1, xs, n);
+    block_dot(P, R - 4, R, layout, m, tables, rest, NULL, slots, c0, c1, xs + 4 * CHUNK_COLS, n);
 }
 
 /* R rows (a constant after inlining) times output rows [begin, end): column block by column block,
@@ -354,14 +347,18 @@ AVX2_INLINE void rows_avx2(int R, int layout, const NibbleMatrix *m, const float
         for (int o = begin; o < end; o += 2) {
             int pair = o + 1 < end;
             OutRow out[2];
-            if (o + 2 < end) prefetch_block(m, o + 2, o + 3 < end ? 2 : 1, c0, c1);
-            else if (c1 < chunks) prefetch_block(m, begin, 2, c1, c1 + block < chunks ? c1 + block : chunks);
+            /* the next pair's codes for this block, or the first pair's for the next block */
+            int next = o + 2 < end ? o + 2 : begin;
+            size_t from = (o + 2 < end ? c0 : c1) * CHUNK_BYTES;
+            const uint8_t *ahead[2] = {m->q + (size_t)next * row_bytes + from,
+                                       m->q + (size_t)(next + 1 < end ? next + 1 : next) * row_bytes + from};
             for (int p = 0; p <= pair; p++) {
                 row_scales(m, o + p, first_group, n_groups, scales[p]);
                 out[p] = (OutRow){m->q + (size_t)(o + p) * row_bytes, scales[p], y + (o + p - begin)};
             }
-            if (pair) block_rows(2, R, layout, m, tables, out, slots, c0, c1, xs, n);
-            else block_rows(1, R, layout, m, tables, out, slots, c0, c1, xs, n);
+            if (o + 2 >= end && c1 >= chunks) ahead[0] = ahead[1] = NULL; /* the slice's last pass */
+            if (pair) block_rows(2, R, layout, m, tables, out, ahead, slots, c0, c1, xs, n);
+            else block_rows(1, R, layout, m, tables, out, ahead, slots, c0, c1, xs, n);
         }
     }
 }
