@@ -33,7 +33,9 @@ def random_scales(shape: tuple[int, int], dtype: torch.dtype, gen: torch.Generat
     return (torch.rand(shape, generator=gen) * 0.1 + 0.01).to(dtype)
 
 
-def random_matrix(kind: str, in_dim: int, out_dim: int = 96, seed: int = 0, group: int | None = None) -> QuantizedMatrix:
+def random_matrix(
+    kind: str, in_dim: int, out_dim: int = 96, seed: int = 0, group: int | None = None
+) -> QuantizedMatrix:
     """Random codes (the padding nibble of an odd width random too) and random scales."""
     code, scale_dtype, kind_group = KINDS[kind]
     group = group or kind_group
