@@ -131,7 +131,7 @@ static int bf16_isa(int in, int limit) {
 typedef struct {
     const NibbleMatrix *nibbles; /* a 4-bit matrix, or NULL for a bf16 one (w16) */
     const uint16_t *w16;
-    const float *xs, *sums;
+    const float *xs; /* 4-bit: nibble_prepare's x; bf16: x itself */
     float *y;
     int rows, in, out, begin, end;
     int isa_limit; /* the highest path allowed: 0 scalar, 1 AVX2, 2 AVX-512 (bf16 only); tests lower it */
@@ -168,7 +168,7 @@ static void run_slice(const Slice *s) {
     float tmp[MAX_ROWS * 64];
     for (int o = 0; o < n; o += 64) {
         int m = n - o < 64 ? n - o : 64;
-        nibble_gemm(s->nibbles, s->xs, s->sums, s->rows, s->begin + o, s->begin + o + m, s->isa_limit >= 1, tmp);
+        nibble_gemm(s->nibbles, s->xs, s->rows, s->begin + o, s->begin + o + m, s->isa_limit >= 1, tmp);
         for (int r = 0; r < s->rows; r++)
             memcpy(s->y + (size_t)r * s->out + s->begin + o, tmp + (size_t)r * m, (size_t)m * sizeof(float));
     }
@@ -272,11 +272,11 @@ static PyObject *py_gemm(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "nibble gemm: unsupported shape rows=%d (1..%d)", rows, MAX_ROWS);
         return NULL;
     }
-    float *xs = (float *)(uintptr_t)work, *sums = xs + (size_t)rows * 2 * nibble_row_bytes(&m);
+    float *xs = (float *)(uintptr_t)work;
     (void)nibble_simd_available(); /* detect the CPU once, before any helper thread looks */
-    Slice whole = {&m, NULL, xs, sums, (float *)(uintptr_t)y, rows, in, out, 0, out, force_scalar ? 0 : 2};
+    Slice whole = {&m, NULL, xs, (float *)(uintptr_t)y, rows, in, out, 0, out, force_scalar ? 0 : 2};
     Py_BEGIN_ALLOW_THREADS
-    nibble_prepare(&m, (const float *)(uintptr_t)x, rows, xs, sums);
+    nibble_prepare(&m, (const float *)(uintptr_t)x, rows, xs);
     run_split(&whole, threads);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
@@ -319,7 +319,7 @@ static PyObject *py_bf16_gemm(PyObject *self, PyObject *args) {
         return NULL;
     }
     (void)bf16_isa(in, 2); /* detect the CPU once, before any helper thread looks */
-    Slice whole = {NULL, (const uint16_t *)(uintptr_t)w, (const float *)(uintptr_t)x, NULL, (float *)(uintptr_t)y,
+    Slice whole = {NULL, (const uint16_t *)(uintptr_t)w, (const float *)(uintptr_t)x, (float *)(uintptr_t)y,
                    rows, in, out, 0, out, isa_limit};
     Py_BEGIN_ALLOW_THREADS
     run_split(&whole, threads);

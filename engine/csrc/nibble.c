@@ -5,15 +5,20 @@
  *   y[r, o] = sum_g scale[o, g] * sum_{k in g} value(q[o, k]) * x[r, k]
  *
  * Why a kernel: dequantising the whole matrix to float32 first moves ~40 bytes of memory traffic per
- * 4-bit weight (0.5 byte); this reads each weight byte once. Each group is summed on its own before
- * its scale is applied, in float32, so the result agrees with dequantise-then-matmul to float rounding
- * (not bit for bit: the summation order differs). int4's "- 8" is folded out of the group's sum:
- * sum (n - 8) x = sum n x - 8 sum x, with sum x per group computed once per row.
+ * 4-bit weight (0.5 byte); this reads each weight byte once and agrees with dequantise-then-matmul to
+ * float rounding (not bit for bit: the summation order differs).
  *
- * x is de-interleaved per group (evens, then odds) so the low and the high nibbles of 8 bytes meet 8
- * contiguous floats each; an odd width's padding nibble meets a 0 there and contributes nothing. A
- * group's bytes go 16 or 8 at a time through AVX2, the rest (a ragged last group) through a scalar
- * tail: nothing past a row's bytes is read.
+ * A row is read in chunks of 32 bytes (64 columns). Every nibble value (int4 n - 8, fp4 e2m1) is exact
+ * in bfloat16, so two 16-entry byte tables (the value's bf16 low and high byte) and two in-lane unpacks
+ * turn a chunk into 8 vectors of float32 bits: no int -> float conversion, no sign fix-up, the int4
+ * offset already in (no per-group sums of x). The unpacks leave the columns in a fixed permutation
+ * (x_slot), which nibble_prepare gives x too; a chunk meets 1, 2 or 4 group scales at known lanes, so
+ * each weight vector is scaled (one multiply) and then serves every row (one FMA per row).
+ *
+ * x is prepared zero-padded to whole chunks, so an odd row's padding nibble and a tail chunk's zero
+ * bytes contribute nothing; a row's last, partial chunk is copied to a zeroed buffer first: nothing
+ * past a row's bytes, nor past its scales, is read. Columns go in blocks whose x (all rows) fits in L1
+ * while every output row of the slice passes.
  */
 #include "nibble.h"
 
@@ -27,12 +32,11 @@
 #define HAVE_X86 0
 #endif
 
-/* Each code's 16 nibble values as the matmul sums them: int4 n (the "- 8" folded out), fp4 e2m1. */
-static const float FOLD_VALUES[N_CODES][16] = {
-    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
+/* Element values as engine/quant.py's code_values gives them (int4: n - 8); all exact in bfloat16. */
+static const float VALUES[N_CODES][16] = {
+    {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7},
     {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f},
 };
-static const float FOLD_OFFSET[N_CODES] = {8.f, 0.f};
 
 static inline float from_bits(uint32_t bits) {
     float f;
@@ -67,57 +71,37 @@ static inline float scale_at(const NibbleMatrix *m, size_t i) {
     }
 }
 
-/* Bytes of group g in a row of row_bytes (the last group may have fewer). */
-static inline int group_bytes(const NibbleMatrix *m, size_t row_bytes, int g) {
-    size_t first = (size_t)g * (m->group / 2), left = row_bytes - first;
-    return left < (size_t)(m->group / 2) ? (int)left : m->group / 2;
+/* Where row r's column k sits in the prepared x, [chunks][rows][64] (a chunk's x for every row
+ * together): in chunk k / 64, byte b = (k % 64) / 2's nibble h = k % 2 lands in weight vector
+ * 4h + (b % 16) / 4, lane b % 4 + 4 (b / 16) (chunk_fma's order). */
+static inline size_t x_slot(size_t k, int r, int rows) {
+    size_t b = (k % CHUNK_COLS) / 2, vector = 4 * (k % 2) + (b % 16) / 4, lane = b % 4 + 4 * (b / 16);
+    return ((k / CHUNK_COLS) * (size_t)rows + (size_t)r) * CHUNK_COLS + 8 * vector + lane;
 }
 
-size_t nibble_work_floats(const NibbleMatrix *m, int rows) {
-    return (size_t)rows * (2 * nibble_row_bytes(m) + (size_t)nibble_groups(m));
-}
+size_t nibble_work_floats(const NibbleMatrix *m, int rows) { return (size_t)rows * nibble_chunks(m) * CHUNK_COLS; }
 
-void nibble_prepare(const NibbleMatrix *m, const float *x, int rows, float *xs, float *sums) {
-    size_t row_bytes = nibble_row_bytes(m), stride = 2 * row_bytes;
-    int groups = nibble_groups(m);
+void nibble_prepare(const NibbleMatrix *m, const float *x, int rows, float *xs) {
+    size_t cols = nibble_chunks(m) * CHUNK_COLS;
     for (int r = 0; r < rows; r++) {
-        for (int g = 0; g < groups; g++) {
-            size_t first = (size_t)g * m->group;
-            int cols = m->in - (int)first < m->group ? m->in - (int)first : m->group, half = group_bytes(m, row_bytes, g);
-            const float *src = x + (size_t)r * m->in + first;
-            float *dst = xs + (size_t)r * stride + first, s = 0.f;
-            for (int j = 0; j < half; j++) {
-                float even = src[2 * j], odd = 2 * j + 1 < cols ? src[2 * j + 1] : 0.f;
-                dst[j] = even;
-                dst[half + j] = odd;
-                s += even + odd;
-            }
-            sums[(size_t)r * groups + g] = FOLD_OFFSET[m->code] * s;
-        }
+        const float *src = x + (size_t)r * m->in;
+        for (size_t k = 0; k < cols; k++) xs[x_slot(k, r, rows)] = k < (size_t)m->in ? src[k] : 0.f;
     }
 }
 
-/* The scalar dot of `bytes` bytes of one group with its de-interleaved x (evens xg, odds xg + half). */
-static inline float group_dot_scalar(const float *table, const uint8_t *qg, const float *xg, int half, int from) {
-    float acc = 0.f;
-    for (int j = from; j < half; j++) acc += table[qg[j] & 0x0F] * xg[j] + table[qg[j] >> 4] * xg[half + j];
-    return acc;
-}
-
-static void gemm_scalar(const NibbleMatrix *m, const float *xs, const float *sums, int rows, int begin, int end,
-                        float *y) {
-    size_t row_bytes = nibble_row_bytes(m), stride = 2 * row_bytes;
+static void gemm_scalar(const NibbleMatrix *m, const float *xs, int rows, int begin, int end, float *y) {
+    size_t row_bytes = nibble_row_bytes(m);
     int groups = nibble_groups(m), n = end - begin;
-    const float *table = FOLD_VALUES[m->code];
+    const float *values = VALUES[m->code];
     for (int o = begin; o < end; o++) {
         const uint8_t *qrow = m->q + (size_t)o * row_bytes;
         for (int r = 0; r < rows; r++) {
             float total = 0.f;
             for (int g = 0; g < groups; g++) {
-                size_t first = (size_t)g * (m->group / 2);
-                float acc = group_dot_scalar(table, qrow + first, xs + (size_t)r * stride + 2 * first,
-                                             group_bytes(m, row_bytes, g), 0);
-                total += scale_at(m, (size_t)o * groups + g) * (acc - sums[(size_t)r * groups + g]);
+                size_t first = (size_t)g * m->group, last = first + m->group < (size_t)m->in ? first + m->group : (size_t)m->in;
+                float acc = 0.f;
+                for (size_t k = first; k < last; k++) acc += values[(qrow[k / 2] >> (4 * (k % 2))) & 0x0F] * xs[x_slot(k, r, rows)];
+                total += scale_at(m, (size_t)o * groups + g) * acc;
             }
             y[(size_t)r * n + (o - begin)] = total;
         }
@@ -128,6 +112,27 @@ static void gemm_scalar(const NibbleMatrix *m, const float *xs, const float *sum
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 #define AVX2_INLINE AVX2 __attribute__((always_inline)) static inline
 
+/* Floats of x (all rows) per column block: 16 KiB, half of L1, the rest for the streaming weights. */
+#define BLOCK_FLOATS 4096
+
+/* How a chunk's 64 columns meet the group scales; the kernel is instantiated per layout. Lanes 0-3
+ * of every weight vector come from the chunk's first 32 columns, lanes 4-7 from its last 32. */
+enum {
+    ONE_GROUP,   /* group a multiple of 64, or one group per row: one scale per chunk */
+    TWO_GROUPS,  /* group 32: lanes 0-3 and 4-7 have a scale each */
+    FOUR_GROUPS, /* group 16: and vectors q 0-1 and 2-3 differ */
+    EIGHTS,      /* any other group % 8 == 0: a scale per vector q and lane half */
+    N_LAYOUTS
+};
+
+/* The layout the AVX2 path uses, or -1 (the scalar path: a group that is no multiple of 8). */
+static int scale_layout(const NibbleMatrix *m) {
+    if (m->group % CHUNK_COLS == 0 || nibble_groups(m) == 1) return ONE_GROUP;
+    if (m->group == 32) return TWO_GROUPS;
+    if (m->group == 16) return FOUR_GROUPS;
+    return m->group % 8 == 0 ? EIGHTS : -1;
+}
+
 AVX2 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -135,183 +140,252 @@ AVX2 static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* Exactly 8 bytes -> the 8 low nibbles (even columns) and the 8 high nibbles (odd columns) as floats.
- * int4: the nibble itself (the offset is folded out). fp4: vpermps reads the low 3 bits of each lane,
- * the magnitude's index; the nibble's bit 3 is OR-ed in as the float's sign bit. */
-AVX2_INLINE void unpack8(int code, const uint8_t *p, __m256 *lo, __m256 *hi) {
-    __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    if (code == CODE_INT4) {
-        *lo = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(0x0F)));
-        *hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+AVX2_INLINE __m256 halves(const float *first, const float *second) {
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(first)), _mm_broadcast_ss(second), 1);
+}
+
+/* Chunks per column block for R rows: x of one row is read once per output row, so it may take L1
+ * (the codes stream past); more rows share the block. */
+#define block_chunks(R) ((R) == 1 ? 2 * BLOCK_FLOATS / CHUNK_COLS : BLOCK_FLOATS / (CHUNK_COLS * (R)))
+
+/* The largest column block in chunks, and its groups (group >= 8 on the AVX2 path), plus one. */
+#define MAX_BLOCK_CHUNKS block_chunks(1)
+#define MAX_BLOCK_GROUPS (MAX_BLOCK_CHUNKS * CHUNK_COLS / 8 + 1)
+
+/* For each chunk of the column block starting at chunk c0: the block-local group of its 8 column
+ * octets, at [4 * half + q] for columns 32 half + 8 q (weight vector q's lanes 4 half..4 half+3). */
+static void block_groups(const NibbleMatrix *m, size_t c0, size_t c1, uint16_t slots[][8]) {
+    size_t first = c0 * CHUNK_COLS / m->group;
+    for (size_t c = c0; c < c1; c++)
+        for (int i = 0; i < 8; i++) slots[c - c0][i] = (uint16_t)((c * CHUNK_COLS + 32 * (i / 4) + 8 * (i % 4)) / m->group - first);
+}
+
+/* Row o's scales of groups first.. as float32 (0 past the row's last group: a tail chunk's padding
+ * columns, where x is 0; no scale past the row is read). */
+AVX2 static void row_scales(const NibbleMatrix *m, int o, size_t first, size_t count, float *out) {
+    size_t groups = (size_t)nibble_groups(m), s0 = (size_t)o * groups, have = first + count < groups ? count : groups - first;
+    switch (m->scale_kind) {
+    case SCALE_F16:
+        for (size_t i = 0; i < have; i++) out[i] = _cvtsh_ss(((const uint16_t *)m->scales)[s0 + first + i]);
+        break;
+    case SCALE_BF16:
+        for (size_t i = 0; i < have; i++) out[i] = from_bits((uint32_t)((const uint16_t *)m->scales)[s0 + first + i] << 16);
+        break;
+    default:
+        for (size_t i = 0; i < have; i++) out[i] = e8m0_to_float(((const uint8_t *)m->scales)[s0 + first + i]);
+    }
+    for (size_t i = have; i < count; i++) out[i] = 0.f;
+}
+
+/* sv[q]: the scales of weight vectors q and 4 + q (chunk_weights), from the row's block scales. */
+AVX2_INLINE void chunk_scales(int layout, const float *scales, const uint16_t slot[8], __m256 sv[4]) {
+    switch (layout) {
+    case ONE_GROUP: sv[0] = _mm256_broadcast_ss(scales + slot[0]); break;
+    case TWO_GROUPS: sv[0] = halves(scales + slot[0], scales + slot[4]); break;
+    case FOUR_GROUPS:
+        sv[0] = halves(scales + slot[0], scales + slot[4]);
+        sv[1] = halves(scales + slot[2], scales + slot[6]);
+        break;
+    default:
+        for (int q = 0; q < 4; q++) sv[q] = halves(scales + slot[q], scales + slot[4 + q]);
+    }
+}
+
+/* Which sv scales weight vector v. */
+AVX2_INLINE int scale_index(int layout, int v) {
+    return layout == FOUR_GROUPS ? (v % 4) / 2 : layout == EIGHTS ? v % 4 : 0;
+}
+
+/* The code's 16 values as bf16 bytes: tables[0] the low byte, tables[1] the high one (both lanes). */
+AVX2_INLINE void value_tables(int code, __m256i tables[2]) {
+    uint8_t low[16], high[16];
+    for (int n = 0; n < 16; n++) {
+        uint32_t bits;
+        memcpy(&bits, &VALUES[code][n], sizeof bits); /* the low 16 bits are 0: bf16-exact */
+        low[n] = (uint8_t)(bits >> 16);
+        high[n] = (uint8_t)(bits >> 24);
+    }
+    tables[0] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)low));
+    tables[1] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)high));
+}
+
+/* Accumulators per (output, row): enough independent FMA chains (P outputs x RS rows x ACCS) to
+ * cover the FMA latency (4 cycles, 2 a cycle), few enough to stay in the 16 registers. */
+#define ACCS(P, RS) ((P) * (RS) >= 8 ? 1 : (P) * (RS) >= 4 ? 2 : (P) * (RS) == 2 ? 2 : 4)
+
+/* Whether a chunk's products are summed before its scales are applied (one FMA per accumulator
+ * instead of a multiply per weight vector): where the chunk has one scale vector (group 32 or >= 64)
+ * and the extra chunk accumulators fit the registers (one row of x). */
+#define SCALE_AFTER(layout, P, RS) (((layout) == ONE_GROUP || (layout) == TWO_GROUPS) && (P) * (RS) <= 2)
+
+/* One chunk of P (1, 2) output rows times RS rows of x (xc: the chunk's x of the first, rows 64 floats
+ * apart) into acc[p][r][.]. 32 packed bytes -> 64 weights as 8 float vectors w[4h + q], h the nibble
+ * (0 low = even column): lanes 0-3 from bytes 4q..4q+3, lanes 4-7 from bytes 16+4q.. (x_slot's order).
+ * Each vector is scaled (or the chunk's sums are, SCALE_AFTER), then meets every row before the next
+ * is made (few live registers); each x load serves both output rows. */
+AVX2_INLINE void chunk_fma(int P, int RS, int layout, const __m256i packed[2], const __m256i tables[2],
+                           __m256 sv[2][4], const float *xc, __m256 acc[2][4][4]) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
+    const int after = SCALE_AFTER(layout, P, RS), accs = ACCS(P, RS);
+    __m256 sums[2][4][4]; /* SCALE_AFTER: the chunk's unscaled sums */
+    __m256 (*into)[4][4] = after ? sums : acc;
+    if (after)
+        for (int p = 0; p < P; p++)
+            for (int r = 0; r < RS; r++)
+                for (int a = 0; a < accs; a++) sums[p][r][a] = _mm256_setzero_ps();
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) {
+        __m256i bf16[2][2]; /* [p]: bytes 0-7, 8-15 of each lane */
+#pragma GCC unroll 2
+        for (int p = 0; p < P; p++) {
+            __m256i nib = _mm256_and_si256(h ? _mm256_srli_epi16(packed[p], 4) : packed[p], low4);
+            __m256i lo = _mm256_shuffle_epi8(tables[0], nib), hi = _mm256_shuffle_epi8(tables[1], nib);
+            bf16[p][0] = _mm256_unpacklo_epi8(lo, hi), bf16[p][1] = _mm256_unpackhi_epi8(lo, hi);
+        }
+#pragma GCC unroll 4
+        for (int q = 0; q < 4; q++) {
+            int v = 4 * h + q;
+            __m256 w[2];
+#pragma GCC unroll 2
+            for (int p = 0; p < P; p++) {
+                __m256i bits = q % 2 ? _mm256_unpackhi_epi16(zero, bf16[p][q / 2]) : _mm256_unpacklo_epi16(zero, bf16[p][q / 2]);
+                w[p] = after ? _mm256_castsi256_ps(bits) : _mm256_mul_ps(_mm256_castsi256_ps(bits), sv[p][scale_index(layout, v)]);
+            }
+#pragma GCC unroll 4
+            for (int r = 0; r < RS; r++) {
+                __m256 x = _mm256_loadu_ps(xc + CHUNK_COLS * r + 8 * v);
+                if (P > 1) __asm__("" : "+x"(x)); /* one load for both outputs: keep gcc from folding it twice */
+#pragma GCC unroll 2
+                for (int p = 0; p < P; p++) into[p][r][v % accs] = _mm256_fmadd_ps(w[p], x, into[p][r][v % accs]);
+            }
+        }
+    }
+    if (after)
+        for (int p = 0; p < P; p++)
+            for (int r = 0; r < RS; r++)
+                for (int a = 0; a < accs; a++) acc[p][r][a] = _mm256_fmadd_ps(sums[p][r][a], sv[p][0], acc[p][r][a]);
+}
+
+/* Where one output row's pass over a column block reads and writes. */
+typedef struct {
+    const uint8_t *q; /* the row's codes */
+    const float *scales; /* the block's group scales (row_scales) */
+    float *y; /* y[0][o]: rows of y are n apart */
+} OutRow;
+
+/* y[r][o] += the column block [c0, c1) of P output rows times RS rows of x (xs: the first one's;
+ * XR rows per chunk in xs). ahead (or NULL): the next two rows' codes for their block, asked for one
+ * line per chunk: a column block reads a row in pieces, which the hardware prefetchers follow less
+ * well than one stream, and spreading the requests keeps them from stalling the loop. */
+AVX2_INLINE void block_dot(int P, int RS, int XR, int layout, const NibbleMatrix *m, const __m256i tables[2],
+                           const OutRow out[2], const uint8_t *const *ahead, const uint16_t slots[][8], size_t c0,
+                           size_t c1, const float *xs, size_t n) {
+    size_t row_bytes = nibble_row_bytes(m), full = row_bytes / CHUNK_BYTES, c1_full = c1 < full ? c1 : full;
+    __m256 acc[2][4][4], sv[2][4];
+    __m256i packed[2];
+#pragma GCC unroll 2
+    for (int p = 0; p < P; p++)
+#pragma GCC unroll 4
+        for (int r = 0; r < RS; r++)
+            for (int a = 0; a < ACCS(P, RS); a++) acc[p][r][a] = _mm256_setzero_ps();
+    for (size_t c = c0; c < c1_full; c++) {
+        if (ahead) _mm_prefetch((const char *)ahead[(c - c0) % 2] + (c - c0) / 2 * 64, _MM_HINT_T0);
+#pragma GCC unroll 2
+        for (int p = 0; p < P; p++) {
+            packed[p] = _mm256_loadu_si256((const __m256i *)(out[p].q + c * CHUNK_BYTES));
+            chunk_scales(layout, out[p].scales, slots[c - c0], sv[p]);
+        }
+        chunk_fma(P, RS, layout, packed, tables, sv, xs + c * XR * CHUNK_COLS, acc);
+    }
+    if (c1 > c1_full) { /* the rows' last bytes, zero-padded to a chunk */
+        uint8_t tail[2][CHUNK_BYTES] = {{0}};
+        for (int p = 0; p < P; p++) {
+            memcpy(tail[p], out[p].q + full * CHUNK_BYTES, row_bytes - full * CHUNK_BYTES);
+            packed[p] = _mm256_loadu_si256((const __m256i *)tail[p]);
+            chunk_scales(layout, out[p].scales, slots[full - c0], sv[p]);
+        }
+        chunk_fma(P, RS, layout, packed, tables, sv, xs + full * XR * CHUNK_COLS, acc);
+    }
+#pragma GCC unroll 2
+    for (int p = 0; p < P; p++)
+#pragma GCC unroll 4
+        for (int r = 0; r < RS; r++) {
+            __m256 sum = acc[p][r][0];
+            for (int a = 1; a < ACCS(P, RS); a++) sum = _mm256_add_ps(sum, acc[p][r][a]);
+            out[p].y[r * n] += hsum8(sum);
+        }
+}
+
+/* P output rows: rows of x 4 at a time (the accumulators' register budget); the second pass reads
+ * the block's codes again from L1. */
+AVX2_INLINE void block_rows(int P, int R, int layout, const NibbleMatrix *m, const __m256i tables[2],
+                            const OutRow out[2], const uint8_t *ahead[2], const uint16_t slots[][8], size_t c0,
+                            size_t c1, const float *xs, size_t n) {
+    if (R <= 4) {
+        block_dot(P, R, R, layout, m, tables, out, ahead, slots, c0, c1, xs, n);
         return;
     }
-    const __m256 magnitudes = _mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
-    const __m256i sign = _mm256_set1_epi32((int)0x80000000u);
-    __m256i lo_sign = _mm256_and_si256(_mm256_slli_epi32(bytes, 28), sign);
-    __m256i hi_sign = _mm256_and_si256(_mm256_slli_epi32(bytes, 24), sign);
-    *lo = _mm256_or_ps(_mm256_permutevar8x32_ps(magnitudes, bytes), _mm256_castsi256_ps(lo_sign));
-    *hi = _mm256_or_ps(_mm256_permutevar8x32_ps(magnitudes, _mm256_srli_epi32(bytes, 4)), _mm256_castsi256_ps(hi_sign));
+    OutRow rest[2] = {{out[0].q, out[0].scales, out[0].y + 4 * n}, {out[1].q, out[1].scales, out[1].y + 4 * n}};
+    block_dot(P, 4, R, layout, m, tables, out, ahead, slots, c0, c1, xs, n);
+    block_dot(P, R - 4, R, layout, m, tables, rest, NULL, slots, c0, c1, xs + 4 * CHUNK_COLS, n);
 }
 
-AVX2_INLINE float scale_of(int scale_kind, const void *scales, size_t i) {
-    if (scale_kind == SCALE_F16) return _cvtsh_ss(((const uint16_t *)scales)[i]);
-    if (scale_kind == SCALE_BF16) return from_bits((uint32_t)((const uint16_t *)scales)[i] << 16);
-    return e8m0_to_float(((const uint8_t *)scales)[i]);
-}
-
-/* One group's dot with x as a vector (its horizontal sum is the group's sum), whole 8-byte steps only:
- * returns in *done the bytes it took. Two chains (even, odd columns) so FMA latency overlaps. */
-AVX2_INLINE __m256 group_dot8(int code, const uint8_t *qg, const float *xg, int half, int *done) {
-    __m256 lo, hi, lo1, hi1;
-    int j = 0;
-    if (half < 8) {
-        *done = 0;
-        return _mm256_setzero_ps();
-    }
-    unpack8(code, qg, &lo, &hi);
-    __m256 even = _mm256_mul_ps(lo, _mm256_loadu_ps(xg)), odd = _mm256_mul_ps(hi, _mm256_loadu_ps(xg + half));
-    for (j = 8; j + 16 <= half; j += 16) {
-        unpack8(code, qg + j, &lo, &hi);
-        unpack8(code, qg + j + 8, &lo1, &hi1);
-        even = _mm256_fmadd_ps(lo1, _mm256_loadu_ps(xg + j + 8), _mm256_fmadd_ps(lo, _mm256_loadu_ps(xg + j), even));
-        odd = _mm256_fmadd_ps(hi1, _mm256_loadu_ps(xg + half + j + 8), _mm256_fmadd_ps(hi, _mm256_loadu_ps(xg + half + j), odd));
-    }
-    if (j + 8 <= half) {
-        unpack8(code, qg + j, &lo, &hi);
-        even = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xg + j), even);
-        odd = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xg + half + j), odd);
-        j += 8;
-    }
-    *done = j;
-    return _mm256_add_ps(even, odd);
-}
-
-/* One row (decode): each group's vector dot is scaled into a vector total (one horizontal sum per
- * output); code and scale kind are constants after inlining. Whole groups take the lean loop, a
- * ragged last group adds the scalar tail. */
-AVX2_INLINE void gemv_avx2(int code, int scale_kind, const NibbleMatrix *m, const float *xs, const float *sums,
-                           int begin, int end, float *y) {
-    size_t row_bytes = nibble_row_bytes(m);
-    int groups = nibble_groups(m), half = m->group / 2;
-    int whole = (size_t)groups * half == row_bytes ? groups : groups - 1, last_half = group_bytes(m, row_bytes, groups - 1);
-    const float *table = FOLD_VALUES[code];
-    for (int o = begin; o < end; o++) {
-        const uint8_t *qrow = m->q + (size_t)o * row_bytes;
-        size_t s0 = (size_t)o * groups;
-        __m256 total = _mm256_setzero_ps();
-        float rest = 0.f; /* scalar tails minus the folded offsets, scaled */
-        for (int g = 0; g < whole; g++) {
-            int done;
-            __m256 dot = group_dot8(code, qrow + (size_t)g * half, xs + (size_t)g * m->group, half, &done);
-            float scale = scale_of(scale_kind, m->scales, s0 + g);
-            total = _mm256_fmadd_ps(dot, _mm256_set1_ps(scale), total);
-            float tail = done < half ? group_dot_scalar(table, qrow + (size_t)g * half, xs + (size_t)g * m->group, half, done) : 0.f;
-            if (code == CODE_INT4 || done < half) rest += scale * (tail - sums[g]);
-        }
-        if (whole < groups) {
-            int g = groups - 1, done;
-            const uint8_t *qg = qrow + (size_t)g * half;
-            const float *xg = xs + (size_t)g * m->group;
-            __m256 dot = group_dot8(code, qg, xg, last_half, &done);
-            float scale = scale_of(scale_kind, m->scales, s0 + g);
-            total = _mm256_fmadd_ps(dot, _mm256_set1_ps(scale), total);
-            rest += scale * (group_dot_scalar(table, qg, xg, last_half, done) - sums[g]);
-        }
-        y[o - begin] = hsum8(total) + rest;
-    }
-}
-
-/* R (2..4) rows, two output rows at a time: each x vector loaded serves both output rows (x of a few
- * rows outgrows L1, so loads, not FMAs, would bound a one-output loop). Weights are scaled before the
- * FMAs (w = value * scale), so no per-group sums are kept: R and the pair are constants after
- * inlining and the 2R accumulators stay in registers. */
-AVX2_INLINE void gemm_avx2(int code, int scale_kind, int R, const NibbleMatrix *m, const float *xs, const float *sums, int begin,
-                           int end, float *y, int y_stride) {
-    size_t row_bytes = nibble_row_bytes(m), stride = 2 * row_bytes;
-    int groups = nibble_groups(m);
-    const float *table = FOLD_VALUES[code];
-    for (int o = begin; o < end; o += 2) {
-        int o1 = o + 1 < end ? o + 1 : o; /* an odd count: the last row is computed twice, stored once */
-        const uint8_t *q0 = m->q + (size_t)o * row_bytes, *q1 = m->q + (size_t)o1 * row_bytes;
-        /* two rows: even and odd columns in separate accumulators, so FMA latency overlaps */
-        __m256 acc0[4], acc1[4], odd0[2], odd1[2];
-        float rest0[4], rest1[4];
-        for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm256_setzero_ps(), rest0[r] = rest1[r] = 0.f;
-        for (int r = 0; r < 2; r++) odd0[r] = odd1[r] = _mm256_setzero_ps();
-        for (int g = 0; g < groups; g++) {
-            size_t first = (size_t)g * (m->group / 2);
-            int half = group_bytes(m, row_bytes, g), j = 0;
-            float s0 = scale_of(scale_kind, m->scales, (size_t)o * groups + g);
-            float s1 = scale_of(scale_kind, m->scales, (size_t)o1 * groups + g);
-            __m256 scale0 = _mm256_set1_ps(s0), scale1 = _mm256_set1_ps(s1);
-            for (; j + 8 <= half; j += 8) {
-                __m256 lo0, hi0, lo1, hi1;
-                unpack8(code, q0 + first + j, &lo0, &hi0);
-                unpack8(code, q1 + first + j, &lo1, &hi1);
-                lo0 = _mm256_mul_ps(lo0, scale0), hi0 = _mm256_mul_ps(hi0, scale0);
-                lo1 = _mm256_mul_ps(lo1, scale1), hi1 = _mm256_mul_ps(hi1, scale1);
-                for (int r = 0; r < R; r++) {
-                    const float *xg = xs + (size_t)r * stride + 2 * first;
-                    __m256 even = _mm256_loadu_ps(xg + j), odd = _mm256_loadu_ps(xg + half + j);
-                    if (R <= 2) {
-                        acc0[r] = _mm256_fmadd_ps(lo0, even, acc0[r]), odd0[r] = _mm256_fmadd_ps(hi0, odd, odd0[r]);
-                        acc1[r] = _mm256_fmadd_ps(lo1, even, acc1[r]), odd1[r] = _mm256_fmadd_ps(hi1, odd, odd1[r]);
-                    } else {
-                        acc0[r] = _mm256_fmadd_ps(hi0, odd, _mm256_fmadd_ps(lo0, even, acc0[r]));
-                        acc1[r] = _mm256_fmadd_ps(hi1, odd, _mm256_fmadd_ps(lo1, even, acc1[r]));
-                    }
-                }
+/* R rows (a constant after inlining) times output rows [begin, end): column block by column block,
+ * two output rows at a time. */
+AVX2_INLINE void rows_avx2(int R, int layout, const NibbleMatrix *m, const float *xs, int begin, int end, float *y) {
+    size_t row_bytes = nibble_row_bytes(m), chunks = nibble_chunks(m), n = (size_t)(end - begin);
+    size_t block = block_chunks(R);
+    __m256i tables[2];
+    uint16_t slots[MAX_BLOCK_CHUNKS][8];
+    float scales[2][MAX_BLOCK_GROUPS];
+    value_tables(m->code, tables);
+    for (int r = 0; r < R; r++) memset(y + (size_t)r * n, 0, n * sizeof *y);
+    for (size_t c0 = 0; c0 < chunks; c0 += block) {
+        size_t c1 = c0 + block < chunks ? c0 + block : chunks;
+        size_t first_group = c0 * CHUNK_COLS / m->group, n_groups = ((c1 * CHUNK_COLS - 1) / m->group) - first_group + 1;
+        block_groups(m, c0, c1, slots);
+        for (int o = begin; o < end; o += 2) {
+            int pair = o + 1 < end;
+            OutRow out[2];
+            /* the next pair's codes for this block, or the first pair's for the next block */
+            int next = o + 2 < end ? o + 2 : begin;
+            size_t from = (o + 2 < end ? c0 : c1) * CHUNK_BYTES;
+            const uint8_t *ahead[2] = {m->q + (size_t)next * row_bytes + from,
+                                       m->q + (size_t)(next + 1 < end ? next + 1 : next) * row_bytes + from};
+            for (int p = 0; p <= pair; p++) {
+                row_scales(m, o + p, first_group, n_groups, scales[p]);
+                out[p] = (OutRow){m->q + (size_t)(o + p) * row_bytes, scales[p], y + (o + p - begin)};
             }
-            for (int r = 0; r < R; r++) {
-                const float *xg = xs + (size_t)r * stride + 2 * first;
-                float tail0 = 0.f, tail1 = 0.f;
-                if (j < half) {
-                    tail0 = group_dot_scalar(table, q0 + first, xg, half, j);
-                    tail1 = group_dot_scalar(table, q1 + first, xg, half, j);
-                }
-                if (code == CODE_INT4 || j < half) {
-                    rest0[r] += s0 * (tail0 - sums[(size_t)r * groups + g]);
-                    rest1[r] += s1 * (tail1 - sums[(size_t)r * groups + g]);
-                }
-            }
-        }
-        for (int r = 0; r < R && R <= 2; r++) acc0[r] = _mm256_add_ps(acc0[r], odd0[r]), acc1[r] = _mm256_add_ps(acc1[r], odd1[r]);
-        for (int r = 0; r < R; r++) {
-            y[(size_t)r * y_stride + (o - begin)] = hsum8(acc0[r]) + rest0[r];
-            if (o1 != o) y[(size_t)r * y_stride + (o1 - begin)] = hsum8(acc1[r]) + rest1[r];
+            if (o + 2 >= end && c1 >= chunks) ahead[0] = ahead[1] = NULL; /* the slice's last pass */
+            if (pair) block_rows(2, R, layout, m, tables, out, ahead, slots, c0, c1, xs, n);
+            else block_rows(1, R, layout, m, tables, out, ahead, slots, c0, c1, xs, n);
         }
     }
 }
 
-/* Rows in blocks of up to 4; one instantiation per code, scale kind and block height (the bodies are
- * inlined into this function with constant arguments). */
-AVX2_INLINE void row_blocks(int code, int scale_kind, const NibbleMatrix *m, const float *xs, const float *sums,
-                            int rows, int begin, int end, float *y) {
-    size_t stride = 2 * nibble_row_bytes(m);
-    int groups = nibble_groups(m), n = end - begin;
-    for (int r0 = 0; r0 < rows; r0 += 4) {
-        const float *xb = xs + (size_t)r0 * stride, *sb = sums + (size_t)r0 * groups;
-        float *yb = y + (size_t)r0 * n;
-        switch (rows - r0 < 4 ? rows - r0 : 4) {
-        case 1: gemv_avx2(code, scale_kind, m, xb, sb, begin, end, yb); break;
-        case 2: gemm_avx2(code, scale_kind, 2, m, xb, sb, begin, end, yb, n); break;
-        case 3: gemm_avx2(code, scale_kind, 3, m, xb, sb, begin, end, yb, n); break;
-        default: gemm_avx2(code, scale_kind, 4, m, xb, sb, begin, end, yb, n); break;
-        }
+/* One instantiation per layout and row count (1..MAX_ROWS). */
+AVX2_INLINE void layout_rows(int layout, const NibbleMatrix *m, const float *xs, int rows, int begin, int end,
+                             float *y) {
+    switch (rows) {
+    case 1: rows_avx2(1, layout, m, xs, begin, end, y); break;
+    case 2: rows_avx2(2, layout, m, xs, begin, end, y); break;
+    case 3: rows_avx2(3, layout, m, xs, begin, end, y); break;
+    case 4: rows_avx2(4, layout, m, xs, begin, end, y); break;
+    case 5: rows_avx2(5, layout, m, xs, begin, end, y); break;
+    case 6: rows_avx2(6, layout, m, xs, begin, end, y); break;
+    case 7: rows_avx2(7, layout, m, xs, begin, end, y); break;
+    default: rows_avx2(8, layout, m, xs, begin, end, y); break;
     }
 }
 
-AVX2_INLINE void code_blocks(int code, const NibbleMatrix *m, const float *xs, const float *sums, int rows, int begin,
-                             int end, float *y) {
-    if (m->scale_kind == SCALE_F16) row_blocks(code, SCALE_F16, m, xs, sums, rows, begin, end, y);
-    else if (m->scale_kind == SCALE_BF16) row_blocks(code, SCALE_BF16, m, xs, sums, rows, begin, end, y);
-    else row_blocks(code, SCALE_E8M0, m, xs, sums, rows, begin, end, y);
-}
-
-AVX2 static void gemm_simd(const NibbleMatrix *m, const float *xs, const float *sums, int rows, int begin, int end,
+AVX2 static void gemm_simd(const NibbleMatrix *m, int layout, const float *xs, int rows, int begin, int end,
                            float *y) {
-    if (m->code == CODE_FP4) code_blocks(CODE_FP4, m, xs, sums, rows, begin, end, y);
-    else code_blocks(CODE_INT4, m, xs, sums, rows, begin, end, y);
+    switch (layout) {
+    case ONE_GROUP: layout_rows(ONE_GROUP, m, xs, rows, begin, end, y); break;
+    case TWO_GROUPS: layout_rows(TWO_GROUPS, m, xs, rows, begin, end, y); break;
+    case FOUR_GROUPS: layout_rows(FOUR_GROUPS, m, xs, rows, begin, end, y); break;
+    default: layout_rows(EIGHTS, m, xs, rows, begin, end, y); break;
+    }
 }
 #endif
 
@@ -328,23 +402,17 @@ int nibble_simd_available(void) {
 #endif
 }
 
-void nibble_gemm(const NibbleMatrix *m, const float *xs, const float *sums, int rows, int begin, int end, int simd,
-                 float *y) {
+void nibble_gemm(const NibbleMatrix *m, const float *xs, int rows, int begin, int end, int simd, float *y) {
 #if HAVE_X86
-    if (simd && nibble_simd_available()) {
-        gemm_simd(m, xs, sums, rows, begin, end, y);
+    int layout = scale_layout(m);
+    if (simd && layout >= 0 && rows >= 1 && rows <= MAX_ROWS && nibble_simd_available()) {
+        gemm_simd(m, layout, xs, rows, begin, end, y);
         return;
     }
 #endif
     (void)simd;
-    gemm_scalar(m, xs, sums, rows, begin, end, y);
+    gemm_scalar(m, xs, rows, begin, end, y);
 }
-
-/* Element values as engine/quant.py's code_values gives them (int4: n - 8, exact in float32). */
-static const float VALUES[N_CODES][16] = {
-    {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7},
-    {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f},
-};
 
 void nibble_dequant(const NibbleMatrix *m, int out, float *w) {
     size_t row_bytes = nibble_row_bytes(m);

@@ -24,16 +24,21 @@ typedef struct {
 static inline size_t nibble_row_bytes(const NibbleMatrix *m) { return ((size_t)m->in + 1) / 2; }
 static inline int nibble_groups(const NibbleMatrix *m) { return (int)(((size_t)m->in + m->group - 1) / m->group); }
 
-/* Floats of workspace nibble_prepare needs for `rows` rows: de-interleaved rows, then per-group sums. */
+/* x is laid out per chunk of 32 packed bytes (64 columns), in the order the kernel unpacks them. */
+#define CHUNK_BYTES 32
+#define CHUNK_COLS 64
+static inline size_t nibble_chunks(const NibbleMatrix *m) { return (nibble_row_bytes(m) + CHUNK_BYTES - 1) / CHUNK_BYTES; }
+
+/* Floats of workspace nibble_prepare needs for `rows` rows. */
 size_t nibble_work_floats(const NibbleMatrix *m, int rows);
 
-/* x float32 [rows, in] -> xs [rows, 2 * row_bytes] (per group: its even columns, then its odd ones, a
- * padding column as 0) and sums [rows, groups] (the int4 "- 8" folded out per group). */
-void nibble_prepare(const NibbleMatrix *m, const float *x, int rows, float *xs, float *sums);
+/* x float32 [rows, in] -> xs [rows, chunks * 64]: each chunk's columns in the kernel's unpacking order
+ * (nibble.c x_slot), zero past `in` (so padding and tail nibbles contribute nothing). */
+void nibble_prepare(const NibbleMatrix *m, const float *x, int rows, float *xs);
 
-/* y [rows, end - begin] = x @ dequant(m)[begin:end]^T; simd 0 forces the scalar path. */
-void nibble_gemm(const NibbleMatrix *m, const float *xs, const float *sums, int rows, int begin, int end, int simd,
-                 float *y);
+/* y [rows, end - begin] = x @ dequant(m)[begin:end]^T from nibble_prepare's xs; simd 0 forces the
+ * scalar path. */
+void nibble_gemm(const NibbleMatrix *m, const float *xs, int rows, int begin, int end, int simd, float *y);
 
 /* w float32 [out, in] = value(nibble) * scale, the same float operations as engine/quant.py's torch
  * reference (bit-identical). */

@@ -33,9 +33,12 @@ def random_scales(shape: tuple[int, int], dtype: torch.dtype, gen: torch.Generat
     return (torch.rand(shape, generator=gen) * 0.1 + 0.01).to(dtype)
 
 
-def random_matrix(kind: str, in_dim: int, out_dim: int = 96, seed: int = 0) -> QuantizedMatrix:
+def random_matrix(
+    kind: str, in_dim: int, out_dim: int = 96, seed: int = 0, group: int | None = None
+) -> QuantizedMatrix:
     """Random codes (the padding nibble of an odd width random too) and random scales."""
-    code, scale_dtype, group = KINDS[kind]
+    code, scale_dtype, kind_group = KINDS[kind]
+    group = group or kind_group
     gen = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 256, (out_dim, -(-in_dim // 2)), generator=gen, dtype=torch.uint8)
     scales = random_scales((out_dim, -(-in_dim // group)), scale_dtype, gen)
@@ -69,7 +72,7 @@ def test_c_dequantiser_is_bit_identical_for_every_kind(matrices, kind, width):
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+@pytest.mark.parametrize("rows", range(1, 9))
 @pytest.mark.parametrize("force_scalar", [False, True], ids=["simd", "scalar"])
 @pytest.mark.parametrize("width", list(WIDTHS))
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -80,6 +83,31 @@ def test_kernel_matmul_equals_linear_over_the_reference(matrices, kind, width, f
     got = kernel_matmul(x, m, force_scalar=force_scalar)
     assert got.shape == (rows, m.out_dim)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+# Group sizes by how a 64-column chunk meets its scales (engine/csrc/nibble.c scale_layout): 128 spans
+# two chunks, 48 and 8 change scale inside a chunk at other places than 16 / 32 do, 6 is no multiple
+# of 8 (the scalar path even when SIMD is asked for), 120 at width 119 is one group per row.
+GROUPS = [128, 48, 8, 6, 120]
+# 119: odd, one chunk and a tail; 2113: odd, past the column block of 2+ rows (1024 columns);
+# 8259: past the single row's block (8192 columns)
+WIDE = [119, 2113, 8259]
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 8])
+@pytest.mark.parametrize("width", WIDE)
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("kind", ["int4-bf16-g32", "fp4-e8m0-g32"])
+def test_kernel_matmul_any_group_and_column_blocks(kind, group, width, rows):
+    """Odd output counts (a lone last output row) and several column blocks, SIMD against scalar and
+    the reference."""
+    m = random_matrix(kind, width, out_dim=5, seed=group, group=group)
+    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(width + rows))
+    expected = F.linear(x, dequantize_torch(m))
+    tolerance = {"rtol": 1e-5, "atol": 1e-5 * expected.abs().max().item()}
+    torch.testing.assert_close(kernel_matmul(x, m), expected, **tolerance)
+    torch.testing.assert_close(kernel_matmul(x, m, force_scalar=True), expected, **tolerance)
 
 
 @needs_kernel
