@@ -44,6 +44,9 @@ class BenchSettings:
     prompt_tokens: int
     new_tokens: int  # generated tokens per run, ours and the peer's alike
     budgets_pct: tuple[int, ...] = (10, 25, 50, 100)
+    # the bf16 container and the peer (each run a process start, ~10-15 s at --quick): None = budgets_pct
+    side_budgets_pct: tuple[int, ...] | None = None
+    no_prefetch_policies: tuple[str, ...] = POLICY_NAMES  # the prefetch-off runs at RATIO_BUDGET
     sequential_bytes: int = 2 * GiB
     disk_records: int = 256
     conversation_tokens: int = 2000
@@ -64,6 +67,10 @@ QUICK_SETTINGS = BenchSettings(
     sweep_points=6,
     timeout_s=300.0,
     demo_tokens=48,
+    # --quick checks every invariant at fewer points: the ratio budget and all-in-RAM for the side
+    # contenders, prefetch off for LRU only (the full run keeps every point)
+    side_budgets_pct=(RATIO_BUDGET, 100),
+    no_prefetch_policies=("lru",),
 )
 
 
@@ -178,13 +185,17 @@ class Bench:
             if pct in (RATIO_BUDGET, 100):  # again at once: the page cache as the cold run left it
                 grid.append(OurConfig(pct, cold=False))
         grid += [OurConfig(RATIO_BUDGET, policy) for policy in ("hybrid", "pinned")]
-        grid += [OurConfig(RATIO_BUDGET, policy, prefetch=False) for policy in POLICY_NAMES]
-        grid += [OurConfig(pct, container="bf16") for pct in self.settings.budgets_pct]
+        grid += [OurConfig(RATIO_BUDGET, policy, prefetch=False) for policy in self.settings.no_prefetch_policies]
+        grid += [OurConfig(pct, container="bf16") for pct in self.side_budgets]
         return grid
+
+    @property
+    def side_budgets(self) -> tuple[int, ...]:
+        return self.settings.side_budgets_pct or self.settings.budgets_pct
 
     def peer(self) -> None:
         rows = []
-        for pct in self.settings.budgets_pct:
+        for pct in self.side_budgets:
             self.log(f"3/5 peer: transformers + accelerate at {pct}%")
             max_memory = self.ram_bytes(pct) + self.dense_bytes + self.kv_bytes
             rows.append(
