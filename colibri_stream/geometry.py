@@ -19,6 +19,7 @@ from colibri_stream.checkpoint_files import read_json_object
 from colibri_stream.dtypes import stored_dense_dtype
 from colibri_stream.errors import USER_ERRORS, CheckpointError, ColibriError
 from colibri_stream.packed_quant import PackedFormat, packed_format
+from colibri_stream.wrapped_configs import text_model_config
 from engine.args import ConfigError, ModelArgs
 from engine.config_checks import brief
 from engine.model import meta_transformer
@@ -251,4 +252,5 @@ def model_geometry(path: str | Path, target: ContainerTarget | None = None) -> M
 
 
 def read_json_config(path: Path) -> dict[str, Any]:
-    return read_json_object(path, "the model config")
+    """A config.json; of a multimodal wrapper (Kimi-K2.5), its text model's."""
+    return text_model_config(read_json_object(path, "the model config"), str(path))

@@ -33,9 +33,3 @@ def text_model_config(config: Mapping[str, Any], where: str = "config.json") -> 
     text = {**inner, **{k: config[k] for k in CARRIED_KEYS if k in config}}
     text.setdefault("model_type", "deepseek_v3")  # transformers' default for kimi_k25's text_config
     return text
-
-
-def wrapper_of(config: Mapping[str, Any]) -> str | None:
-    """The wrapper's model_type, when ``config`` is one."""
-    model_type = config.get("model_type")
-    return model_type if isinstance(model_type, str) and model_type in WRAPPERS else None

@@ -82,3 +82,13 @@ def test_wrapper_config_carries_quantisation_and_tying_and_refuses_a_missing_tex
 
     with pytest.raises(CheckpointError, match="kimi_k25 needs a text_config object"):
         text_model_config({"model_type": "kimi_k25", "text_config": "x"})
+
+
+def test_plan_of_a_wrapped_config_sizes_its_text_model(k25, capsys):
+    from colibri_stream import cli
+
+    bandwidths = ["--memory-bandwidth", "40GB", "--disk-bandwidth", "2GB"]  # not measured here
+    for target in (k25, k25 / "config.json"):
+        assert cli.main(["plan", str(target), *bandwidths, "--json"]) == 0
+        plan = json.loads(capsys.readouterr().out)
+        assert (plan["moe_layers"], plan["experts_per_layer"], plan["experts_per_token"]) == (2, 16, 4)
