@@ -58,8 +58,7 @@ def record_from_quantized(layout: ExpertRecordLayout, matrices: dict[str, Quanti
     arrays: dict[str, np.ndarray] = {}
     for name, m in matrices.items():
         arrays[f"{name}.q"] = m.q.contiguous().numpy()
-        scales = m.scales.contiguous()
-        if scales.dtype == torch.bfloat16:  # numpy has no bfloat16: its bits travel as uint16, as stored
-            scales = scales.view(torch.int16)
-        arrays[f"{name}.scale"] = scales.numpy().view(np.uint16) if scales.dtype == torch.int16 else scales.numpy()
+        # numpy has no bfloat16: its bits travel as uint16, as the layout stores them
+        bf16 = m.scales.dtype == torch.bfloat16
+        arrays[f"{name}.scale"] = bf16_bits(m.scales) if bf16 else m.scales.contiguous().numpy()
     return layout.pack(arrays)

@@ -36,10 +36,8 @@ if getattr(_int4, "NIBBLE_ABI", 0) < 2:  # pragma: no cover - a stale build (int
 
 QMAX = {4: 7, 8: 127}
 SCALE_DTYPE = torch.float16
-CODES = ("int4", "fp4", "int8")
 NIBBLE_CODES = ("int4", "fp4")
 E8M0 = torch.uint8  # e8m0 scales are held as their raw exponent bytes (any device, numpy too)
-SCALE_DTYPES = (torch.float16, torch.bfloat16, E8M0)
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # The C kernels' names for codes and scale dtypes (engine/csrc/nibble.h); int8 stays on torch.
 KERNEL_CODES = {"int4": 0, "fp4": 1}
@@ -99,7 +97,10 @@ def quantize(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor,
 
 
 def scale_values(scales: torch.Tensor) -> torch.Tensor:
-    """Stored scales -> float32 (e8m0 bytes: 2^(e - 127), 0xFF is NaN as in the MX spec)."""
+    """Stored scales -> float32 (e8m0 bytes: 2^(e - 127), 0xFF is NaN as in the MX spec; torch's
+    float8_e8m0fnu holds the same bytes)."""
+    if scales.dtype == torch.float8_e8m0fnu:
+        scales = scales.view(E8M0)
     if scales.dtype != E8M0:
         return scales.to(torch.float32)
     e = scales.to(torch.int32)

@@ -26,7 +26,6 @@ from storage.errors import FormatError
 FIELD_ALIGN = 64
 RECORD_ALIGN = 4096
 SCHEMES = ("int4", "int8", "bf16", "f32", "int4-bf16scale", "mxfp4")
-QUANTISED = ("int4", "int8", "int4-bf16scale", "mxfp4")
 # scheme -> (element code, scale dtype tag) for the quantised kinds
 QUANT_KINDS = {
     "int4": ("int4", "float16"),
@@ -113,7 +112,7 @@ class ExpertRecordLayout:
     def build(cls, scheme: str, dim: int, inter_dim: int, group_size: int | None = None) -> ExpertRecordLayout:
         if scheme not in SCHEMES:
             raise FormatError(f"unknown expert scheme {scheme!r:.80} (known: {list(SCHEMES)})")
-        group_size = group_size if scheme in QUANTISED else None
+        group_size = group_size if scheme in QUANT_KINDS else None
         fields, offset = [], 0
         for name, dtype, shape in _field_specs(scheme, dim, inter_dim, group_size):
             fields.append(Field(name, dtype, shape, offset))

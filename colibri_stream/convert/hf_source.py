@@ -222,14 +222,6 @@ def _logical_table(table: dict[str, tuple[Path, TensorInfo]], modules: dict[str,
     return logical
 
 
-def fp8_scale_values(scale_inv: torch.Tensor) -> torch.Tensor:
-    """FP8 block scales as float32: float tensors as they are, e8m0 exponent bytes (float8_e8m0fnu or
-    uint8) as 2^(e - 127)."""
-    if scale_inv.dtype == torch.float8_e8m0fnu:
-        scale_inv = scale_inv.view(torch.uint8)
-    return scale_values(scale_inv) if scale_inv.dtype == torch.uint8 else scale_inv.float()
-
-
 def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """weight [out, in] float8 * scale_inv [ceil(out/bo), ceil(in/bi)] per block -> float32 [out, in]."""
     out_dim, in_dim = weight.shape
@@ -238,6 +230,6 @@ def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: 
         raise CheckpointError(
             f"FP8 scale shape {list(scale_inv.shape)} does not match weight {[out_dim, in_dim]} in {block} blocks"
         )
-    scale = fp8_scale_values(scale_inv).repeat_interleave(block[0], 0)[:out_dim]
+    scale = scale_values(scale_inv).repeat_interleave(block[0], 0)[:out_dim]  # float or e8m0 bytes
     scale = scale.repeat_interleave(block[1], 1)[:, :in_dim]
     return weight.float() * scale
