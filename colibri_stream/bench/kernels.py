@@ -52,20 +52,27 @@ def make_experts(n: int, dim: int, inter: int, group: int = 64, seed: int = 0) -
     return [QuantizedExpert(matrix(inter, dim), matrix(dim, inter), matrix(inter, dim)) for _ in range(n)]
 
 
+def random_kind_matrix(
+    code: str, scale_dtype: torch.dtype, group: int, out_dim: int, in_dim: int, gen: torch.Generator
+) -> QuantizedMatrix:
+    """Random codes (an odd width's padding nibble random too) and random scales of one kind: e8m0
+    exponents 2^-8 .. 2^-3 as trained MXFP4 scales are, float scales 0.01 .. 0.11."""
+    q = torch.randint(0, 256, (out_dim, -(-in_dim // 2)), generator=gen, dtype=torch.uint8)
+    shape = (out_dim, -(-in_dim // group))
+    if scale_dtype == E8M0:
+        scales = torch.randint(119, 125, shape, generator=gen, dtype=torch.uint8)
+    else:
+        scales = (torch.rand(shape, generator=gen) * 0.1 + 0.01).to(scale_dtype)
+    return QuantizedMatrix(q, scales, code, group, in_dim)
+
+
 def make_kind_experts(kind: str, n: int, dim: int, inter: int, seed: int = 0) -> list[QuantizedExpert]:
     """Experts of one record kind with random codes and scales (the kernel's speed does not depend on
-    the values; e8m0 exponents near 2^-6 as trained MXFP4 scales are)."""
-    code, scale_dtype, group = KINDS[kind]
+    the values)."""
     gen = torch.Generator().manual_seed(seed)
 
     def matrix(out_dim: int, in_dim: int) -> QuantizedMatrix:
-        q = torch.randint(0, 256, (out_dim, -(-in_dim // 2)), generator=gen, dtype=torch.uint8)
-        shape = (out_dim, -(-in_dim // group))
-        if scale_dtype == E8M0:
-            scales = torch.randint(118, 124, shape, generator=gen, dtype=torch.uint8)
-        else:
-            scales = (torch.rand(shape, generator=gen) * 0.01).to(scale_dtype)
-        return QuantizedMatrix(q, scales, code, group, in_dim)
+        return random_kind_matrix(*KINDS[kind], out_dim, in_dim, gen)
 
     return [QuantizedExpert(matrix(inter, dim), matrix(dim, inter), matrix(inter, dim)) for _ in range(n)]
 

@@ -10,10 +10,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from colibri_stream.bench.kernels import make_experts
+from colibri_stream.bench.kernels import KINDS, make_experts, random_kind_matrix
 from colibri_stream.generate import generate
 from colibri_stream.loader import load_container
-from engine.quant import QuantizedExpert, QuantizedMatrix
+from engine.quant import QuantizedExpert
 from storage.container import Container
 from storage.tiered import StoreConfig, minimum_slots
 
@@ -92,28 +92,12 @@ def test_cuda_vram_logits_equal_the_cpu_path(stream_container, resident):
     )
 
 
-KINDS = {"int4-f16-g64": ("int4", torch.float16, 64), "int4-bf16-g32": ("int4", torch.bfloat16, 32)}
-KINDS["fp4-e8m0-g32"] = ("fp4", torch.uint8, 32)
-
-
-def _random_matrix(kind: str, in_dim: int, out_dim: int, seed: int) -> QuantizedMatrix:
-    code, scale_dtype, group = KINDS[kind]
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 256, (out_dim, -(-in_dim // 2)), dtype=torch.uint8, generator=gen)
-    groups = -(-in_dim // group)
-    if scale_dtype == torch.uint8:  # e8m0 exponents around 2^-6
-        scales = torch.randint(118, 125, (out_dim, groups), dtype=torch.uint8, generator=gen)
-    else:
-        scales = (torch.rand(out_dim, groups, generator=gen) * 0.02 + 0.001).to(scale_dtype)
-    return QuantizedMatrix(q, scales, code, group, in_dim)
-
-
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("rows", [1, 5])
 def test_every_record_kind_on_cuda_equals_the_cpu_kernel(kind, rows):
     """The VRAM path dequantises on the GPU (engine.quant.dequantize_torch): every code and scale kind, a
     ragged odd width (119) included, equals the CPU kernel."""
-    cpu = _random_matrix(kind, 119, out_dim=64, seed=rows)
+    cpu = random_kind_matrix(*KINDS[kind], 64, 119, torch.Generator().manual_seed(rows))
     gpu = replace(cpu, q=cpu.q.cuda(), scales=cpu.scales.cuda())
     x = torch.randn(rows, 119, generator=torch.Generator().manual_seed(rows))
     expected, got = cpu.matmul(x), gpu.matmul(x.cuda()).cpu()

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from colibri_stream.bench.kernels import random_kind_matrix
 from engine import quant
 from engine.quant import E8M0, QuantizedMatrix, _kernel_handles, dequantize_torch, int4_kernel_available, kernel_matmul
 
@@ -27,22 +28,14 @@ KINDS = {
 WIDTHS = {"odd": 119, "ragged": 200, "whole": 256}
 
 
-def random_scales(shape: tuple[int, int], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    if dtype == E8M0:  # 2^-8 .. 2^-3, as trained MXFP4 scales are
-        return torch.randint(119, 125, shape, generator=gen, dtype=torch.uint8)
-    return (torch.rand(shape, generator=gen) * 0.1 + 0.01).to(dtype)
-
-
 def random_matrix(
     kind: str, in_dim: int, out_dim: int = 96, seed: int = 0, group: int | None = None
 ) -> QuantizedMatrix:
     """Random codes (the padding nibble of an odd width random too) and random scales."""
     code, scale_dtype, kind_group = KINDS[kind]
-    group = group or kind_group
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 256, (out_dim, -(-in_dim // 2)), generator=gen, dtype=torch.uint8)
-    scales = random_scales((out_dim, -(-in_dim // group)), scale_dtype, gen)
-    return QuantizedMatrix(q, scales, code, group, in_dim)
+    return random_kind_matrix(
+        code, scale_dtype, group or kind_group, out_dim, in_dim, torch.Generator().manual_seed(seed)
+    )
 
 
 @pytest.fixture(scope="module")
