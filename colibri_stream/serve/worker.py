@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,6 +69,25 @@ class Job:
     on_done: Callable[[], None]
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
+    generated: int = 0  # tokens sampled so far (written by the worker thread)
+    first_token_at: float | None = None  # perf_counter() when the first token was sampled
+
+    def count_token(self) -> None:
+        self.generated += 1
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+
+    def progress(self) -> dict[str, Any]:
+        """Prompt tokens, tokens so far and the decode rate since the first token."""
+        elapsed = time.perf_counter() - self.first_token_at if self.first_token_at is not None else 0.0
+        rate = (self.generated - 1) / elapsed if elapsed > 0 else 0.0
+        return {
+            "prompt_tokens": len(self.prompt_ids),
+            "generated_tokens": self.generated,
+            "max_tokens": self.max_tokens,
+            "session": self.session,
+            "decode_tok_per_s": round(rate, 3),
+        }
 
     def emit(self, kind: str, value: Any) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
@@ -89,6 +109,7 @@ class Worker:
         self.sync_every = sync_every  # also persist each session every N generated tokens (0: at the end)
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.counters = Counters()
+        self.running: list[Job] = []  # the jobs being generated now
         self.thread = threading.Thread(target=self._loop, name="colibri-model", daemon=True)
 
     def start(self) -> None:
@@ -105,15 +126,25 @@ class Worker:
                     self.counters.cancelled += 1
                     job.emit("error", ApiError(499, "request cancelled", "cancelled"))
                 else:
+                    self.running.append(job)
                     self._run(job)
             finally:
+                if job in self.running:
+                    self.running.remove(job)
                 job.loop.call_soon_threadsafe(job.on_done)
+
+    def activity(self) -> dict[str, Any]:
+        """What the model is doing now, for /api/stats and the dashboard: the requests being generated
+        (prompt tokens, tokens so far, their decode tok/s) and the sum of their decode rates."""
+        active = [job.progress() for job in list(self.running)]
+        return {"active": active, "decode_tok_per_s": round(sum(a["decode_tok_per_s"] for a in active), 3)}
 
     def _run(self, job: Job) -> None:
         tokenizer, chat = self.runtime.text_side()
         stream = TextStream(IncrementalDecoder(tokenizer, chat.stop_ids), job.stops)
 
         def on_token(token: int) -> None:
+            job.count_token()
             if delta := stream.push(token):
                 job.emit("text", delta)
 
