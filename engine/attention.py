@@ -21,6 +21,7 @@ from engine.cache import LayerCache
 from engine.indexer import Indexer
 from engine.layers import RMSNorm, query_blocks
 from engine.rope import apply_rope, softmax_scale
+from engine.rows import Linear
 
 ABSORB_MAX_NEW_POSITIONS = 4  # auto mode: absorbed attention for decode-sized steps
 
@@ -38,15 +39,15 @@ class MLA(nn.Module):
         q_out = args.n_heads * args.qk_head_dim
         self.q_lora_rank = args.q_lora_rank
         if self.q_lora_rank:
-            self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=False)
+            self.wq_a = Linear(args.dim, args.q_lora_rank, bias=False)
             self.q_norm = RMSNorm(args.q_lora_rank, eps=1e-6)  # the q/kv latent norms use 1e-6, not rms_norm_eps
-            self.wq_b = nn.Linear(args.q_lora_rank, q_out, bias=False)
+            self.wq_b = Linear(args.q_lora_rank, q_out, bias=False)
         else:
-            self.wq = nn.Linear(args.dim, q_out, bias=False)
-        self.wkv_a = nn.Linear(args.dim, args.kv_lora_rank + args.qk_rope_head_dim, bias=False)
+            self.wq = Linear(args.dim, q_out, bias=False)
+        self.wkv_a = Linear(args.dim, args.kv_lora_rank + args.qk_rope_head_dim, bias=False)
         self.kv_norm = RMSNorm(args.kv_lora_rank, eps=1e-6)
-        self.wkv_b = nn.Linear(args.kv_lora_rank, args.n_heads * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
-        self.wo = nn.Linear(args.n_heads * args.v_head_dim, args.dim, bias=False)
+        self.wkv_b = Linear(args.kv_lora_rank, args.n_heads * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
+        self.wo = Linear(args.n_heads * args.v_head_dim, args.dim, bias=False)
         self.indexer = Indexer(args) if args.has_indexer(layer_id) else None
 
     def forward(
@@ -63,15 +64,48 @@ class MLA(nn.Module):
         ``selection`` is the previous full layer's choice, reused on DSA "shared" layers.
         ``absorb`` forces an attention path; None picks absorbed for S <= ABSORB_MAX_NEW_POSITIONS.
         """
+        out, selection = self._attend(x, self._project(x), start_pos, rope, cache, selection, absorb)
+        return self.wo(out.flatten(2)), selection
+
+    def forward_rows(
+        self,
+        x: torch.Tensor,
+        starts: list[int],
+        ropes: list[tuple[torch.Tensor, torch.Tensor]],
+        caches: list[LayerCache],
+        selections: list[torch.Tensor | None],
+    ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """One new position of each of B independent sequences: x [B, 1, dim] -> (out [B, 1, dim], selections).
+
+        Row b is at position starts[b] of its own cache (caches[b], ropes[b], selections[b]). The
+        projections run over all rows at once; each sequence attends over its own cache.
+        """
+        projected = self._project(x)
+        outs, chosen = [], []
+        for b, (start, rope, cache, selection) in enumerate(zip(starts, ropes, caches, selections, strict=True)):
+            row = tuple(None if t is None else t[b : b + 1] for t in projected)
+            out, selection = self._attend(x[b : b + 1], row, start, rope, cache, selection, None)
+            outs.append(out)
+            chosen.append(selection)
+        return self.wo(torch.cat(outs).flatten(2)), chosen
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, S, dim] -> (q latent [B, S, q_lora] or None, q [B, S, H, n + r], latent [B, S, c],
+        rope key [B, S, r] not yet roped): every weight-bound step before attention."""
         bsz, seqlen, _ = x.shape
+        q_latent = self.q_norm(self.wq_a(x)) if self.q_lora_rank else None
+        q = (self.wq_b(q_latent) if q_latent is not None else self.wq(x)).view(bsz, seqlen, self.n_heads, -1)
+        latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        return q_latent, q, self.kv_norm(latent), k_rope
+
+    def _attend(self, x, projected, start_pos, rope, cache, selection, absorb):
+        """One sequence's projections at positions start_pos.. against its cache -> ([B, S, H, v], selection)."""
+        q_latent, q, latent, k_rope = projected
+        seqlen = x.shape[1]
         if cache.length != start_pos:
             raise ValueError(f"cache holds {cache.length} positions but start_pos is {start_pos}")
-        q_latent = self.q_norm(self.wq_a(x)) if self.q_lora_rank else None  # [B, S, q_lora]
-        q = (self.wq_b(q_latent) if q_latent is not None else self.wq(x)).view(bsz, seqlen, self.n_heads, -1)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q_rope = apply_rope(q_rope, *rope, interleaved=self.rope_interleave)
-        latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        latent = self.kv_norm(latent)
         k_rope = apply_rope(k_rope, *rope, interleaved=self.rope_interleave)
         latents, rope_keys = cache.append(latent, k_rope)  # [B, T, c], [B, T, r]
         if self.indexer is not None:
@@ -79,8 +113,7 @@ class MLA(nn.Module):
         if absorb is None:
             absorb = seqlen <= ABSORB_MAX_NEW_POSITIONS
         attend = self._absorbed if absorb else self._expanded
-        out = attend(q_nope, q_rope, latents, rope_keys, start_pos, selection)  # [B, S, H, v]
-        return self.wo(out.flatten(2)), selection
+        return attend(q_nope, q_rope, latents, rope_keys, start_pos, selection), selection
 
     def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         """wkv_b split per head: k part [H, n, c] and v part [H, v, c]."""

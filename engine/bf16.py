@@ -12,8 +12,9 @@ over the upcast weights 30.9 ms.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from engine.rows import computing_alone, linear
 
 try:
     from engine import _int4
@@ -35,9 +36,10 @@ def bf16_kernel_available() -> bool:
 ISA = {"best": 2, "avx2": 1, "scalar": 0}  # the highest SIMD path the kernel may take
 
 
-def bf16_matmul(x: torch.Tensor, weight: torch.Tensor, isa: str = "best") -> torch.Tensor:
+def bf16_matmul(x: torch.Tensor, weight: torch.Tensor, isa: str = "best", alone: bool = False) -> torch.Tensor:
     """x [rows <= MAX_ROWS, in] float32 @ weight^T for weight bf16 [out, in] -> [rows, out] float32 (C kernel).
-    ``isa`` caps the path (tests reach each one on any CPU)."""
+    ``isa`` caps the path (tests reach each one on any CPU); ``alone``: each row as a one-row call
+    computes it (engine/rows.py)."""
     rows, in_dim = x.shape
     x = x.contiguous()
     y = torch.empty((rows, weight.shape[0]), dtype=torch.float32)
@@ -50,6 +52,7 @@ def bf16_matmul(x: torch.Tensor, weight: torch.Tensor, isa: str = "best") -> tor
         weight.shape[0],
         ISA[isa],
         torch.get_num_threads(),
+        alone,
     )
     return y
 
@@ -66,16 +69,18 @@ class Bf16Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]"""
         flat = x.reshape(-1, x.shape[-1])
+        alone = computing_alone()  # rows of independent requests: any number through the kernel, as alone
         if (
             bf16_kernel_available()
             and x.dtype == torch.float32
             and x.device.type == "cpu"
-            and 0 < flat.shape[0] <= _int4.MAX_ROWS
+            and 0 < flat.shape[0]
+            and (alone or flat.shape[0] <= _int4.MAX_ROWS)
         ):
-            out = bf16_matmul(flat, self.weight)
+            out = torch.cat([bf16_matmul(rows, self.weight, alone=alone) for rows in flat.split(_int4.MAX_ROWS)])
         else:
             step = max(1, UPCAST_BLOCK_BYTES // (4 * self.weight.shape[1]))
-            out = torch.cat([F.linear(flat, block.to(x.dtype)) for block in self.weight.split(step)], dim=-1)
+            out = torch.cat([linear(flat, block.to(x.dtype)) for block in self.weight.split(step)], dim=-1)
         return out.view(*x.shape[:-1], self.weight.shape[0])
 
 

@@ -25,6 +25,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from engine.rows import linear
+
 
 @dataclass(frozen=True)
 class ExpertWeights:
@@ -45,7 +47,7 @@ class ExpertWeights:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, dim] -> [N, dim]"""
         w1, w2, w3 = (w if w.dtype == x.dtype else w.to(x.dtype) for w in (self.w1, self.w2, self.w3))
-        return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+        return linear(F.silu(linear(x, w1)) * linear(x, w3), w2)
 
 
 class Expert(Protocol):

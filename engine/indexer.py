@@ -16,6 +16,7 @@ from engine.cache import LayerCache
 from engine.layers import query_blocks
 from engine.moe import stable_topk_indices
 from engine.rope import apply_rope
+from engine.rows import Linear
 
 
 class Indexer(nn.Module):
@@ -26,10 +27,10 @@ class Indexer(nn.Module):
         self.rope_dim = args.qk_rope_head_dim
         self.topk = args.index_topk
         self.interleaved = args.indexer_rope_interleave
-        self.wq_b = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, self.head_dim, bias=False)
+        self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = Linear(args.dim, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
-        self.weights_proj = nn.Linear(args.dim, self.n_heads, bias=False)
+        self.weights_proj = Linear(args.dim, self.n_heads, bias=False)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rotated = apply_rope(x[..., : self.rope_dim], cos, sin, self.interleaved)

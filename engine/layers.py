@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.rows import Linear
+
 
 class RMSNorm(nn.Module):
     """Normalises in float32, then scales in the input dtype (as the reference does)."""
@@ -29,9 +31,9 @@ class MLP(nn.Module):
 
     def __init__(self, dim: int, inter_dim: int):
         super().__init__()
-        self.w1 = nn.Linear(dim, inter_dim, bias=False)
-        self.w2 = nn.Linear(inter_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, inter_dim, bias=False)
+        self.w1 = Linear(dim, inter_dim, bias=False)
+        self.w2 = Linear(inter_dim, dim, bias=False)
+        self.w3 = Linear(dim, inter_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))

@@ -21,6 +21,7 @@ from engine.experts import ExpertProvider
 from engine.layers import MLP, RMSNorm
 from engine.moe import MoE
 from engine.rope import rope_tables
+from engine.rows import Linear, rows_alone
 
 # Lookahead prefetch only for decode-sized steps: a prompt's rows together route to nearly every
 # expert of the next layer, which that layer's own acquire reads (once each) anyway.
@@ -61,12 +62,28 @@ class Block(nn.Module):
         this layer's FFN, to prefetch the experts the next MoE layer will probably route to.
         """
         attn_out, selection = self.attn(self.attn_norm(x), start_pos, rope, cache, selection, absorb)
-        x = x + attn_out
+        return self._ffn(x + attn_out, experts, lookahead), selection
+
+    def forward_rows(
+        self,
+        x: torch.Tensor,
+        starts: list[int],
+        ropes: list[tuple[torch.Tensor, torch.Tensor]],
+        caches: list[LayerCache],
+        experts: ExpertProvider,
+        selections: list[torch.Tensor | None],
+        lookahead: Callable[[torch.Tensor], None] | None = None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """One new position of each of B independent sequences (x [B, 1, dim]; see MLA.forward_rows): the
+        FFN runs over all rows, so a MoE layer acquires the union of the rows' experts once."""
+        attn_out, selections = self.attn.forward_rows(self.attn_norm(x), starts, ropes, caches, selections)
+        return self._ffn(x + attn_out, experts, lookahead), selections
+
+    def _ffn(self, x: torch.Tensor, experts: ExpertProvider, lookahead) -> torch.Tensor:
         if lookahead is not None:
             lookahead(x)
         h = self.ffn_norm(x)
-        x = x + (self.ffn(h, experts) if isinstance(self.ffn, MoE) else self.ffn(h))
-        return x, selection
+        return x + (self.ffn(h, experts) if isinstance(self.ffn, MoE) else self.ffn(h))
 
 
 class Transformer(nn.Module):
@@ -76,7 +93,7 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.rms_norm_eps)
-        self.head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.head = Linear(args.dim, args.vocab_size, bias=False)
 
     def _lookahead(self, layer: int, experts: ExpertProvider):
         """A hook giving layer ``layer``'s router the current post-attention hidden state; the experts
@@ -121,6 +138,26 @@ class Transformer(nn.Module):
         if last_only:
             x = x[:, -1:]
         return self.head(self.norm(x)).float()
+
+    @torch.inference_mode()
+    def forward_rows(self, tokens: list[int], caches: list[KVCache], experts: ExpertProvider) -> torch.Tensor:
+        """Decode one token for each of B independent sequences in one pass -> float32 logits [B, vocab].
+
+        tokens[b] goes at the end of caches[b] (each its own length, positions and DSA state). Every
+        weight is read once for all rows and each MoE layer acquires the union of their experts, while
+        each row is computed exactly as ``forward`` computes it alone (engine/rows.py): a request's
+        tokens do not depend on what it is batched with.
+        """
+        x = self.embed(torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None])  # [B, 1, dim]
+        starts = [cache.length for cache in caches]
+        ropes = [rope_tables(self.args, start, 1, x.device) for start in starts]
+        selections: list[torch.Tensor | None] = [None] * len(tokens)
+        with rows_alone():
+            for i, layer in enumerate(self.layers):
+                layer_caches = [cache.layers[i] for cache in caches]
+                lookahead = self._lookahead(i + 1, experts)
+                x, selections = layer.forward_rows(x, starts, ropes, layer_caches, experts, selections, lookahead)
+            return self.head(self.norm(x)).float()[:, -1]
 
 
 def meta_transformer(args: ModelArgs) -> Transformer:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.args import ModelArgs
 from engine.experts import ExpertProvider
 from engine.layers import MLP
+from engine.rows import linear
 
 
 def stable_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -41,7 +41,7 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, dim] -> (weights [N, topk] float32, expert ids [N, topk])"""
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        scores = linear(x.float(), self.weight.float()).sigmoid()
         biased = scores + self.bias.float()
         if self.n_groups > 1:
             biased = self._mask_unchosen_groups(biased)

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.rows import computing_alone, linear
+
 try:  # the C kernels (engine/csrc/nibble.c, int4.c), built at install time when a compiler is there
     from engine import _int4
 except ImportError:  # pragma: no cover - exercised on machines without a compiler
@@ -150,15 +152,15 @@ class QuantizedMatrix:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, in] @ W^T. Few float32 rows on the CPU go through the C kernel, reading the codes once;
         everything else (prefill-sized batches, bf16 activations, other devices) dequantises once
-        and uses a dense matmul."""
-        if (
-            _kernel_handles(self)
-            and x.dtype == torch.float32
-            and x.device.type == "cpu"
-            and 0 < x.shape[0] <= _int4.MAX_ROWS
-        ):
-            return kernel_matmul(x, self)
-        return F.linear(x, self.dequantize(x.dtype))
+        and uses a dense matmul. Inside rows_alone() (independent requests) the kernel takes any number
+        of rows, MAX_ROWS per call, each row computed as alone."""
+        alone = computing_alone()
+        if _kernel_handles(self) and x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[0] > 0:
+            if alone:
+                return torch.cat([kernel_matmul(rows, self, alone=True) for rows in x.split(_int4.MAX_ROWS)])
+            if x.shape[0] <= _int4.MAX_ROWS:
+                return kernel_matmul(x, self)
+        return linear(x, self.dequantize(x.dtype))
 
 
 def quantized_matrix(w: torch.Tensor, bits: int, group_size: int) -> QuantizedMatrix:
@@ -197,8 +199,9 @@ def _kernel_shape(m: QuantizedMatrix) -> tuple[int, int, int, int, int]:
     return m.out_dim, m.in_dim, m.group_size, KERNEL_CODES[m.code], KERNEL_SCALES[m.scales.dtype]
 
 
-def kernel_matmul(x: torch.Tensor, m: QuantizedMatrix, force_scalar: bool = False) -> torch.Tensor:
-    """x [rows <= MAX_ROWS, in] float32 @ dequant(m)^T -> [rows, out], reading the codes once (C kernel)."""
+def kernel_matmul(x: torch.Tensor, m: QuantizedMatrix, force_scalar: bool = False, alone: bool = False) -> torch.Tensor:
+    """x [rows <= MAX_ROWS, in] float32 @ dequant(m)^T -> [rows, out], reading the codes once (C kernel).
+    ``alone``: each row's result bit-identical to a one-row call's (engine/rows.py)."""
     rows, in_dim = x.shape
     if in_dim != m.in_dim:
         raise ValueError(f"x has {in_dim} columns, the quantised matrix {m.in_dim} inputs")
@@ -219,6 +222,7 @@ def kernel_matmul(x: torch.Tensor, m: QuantizedMatrix, force_scalar: bool = Fals
         torch.get_num_threads(),  # 2+: a persistent helper thread takes half of the output rows
         KERNEL_CODES[m.code],
         KERNEL_SCALES[m.scales.dtype],
+        alone,
     )
     return y
 

@@ -56,19 +56,24 @@ __attribute__((target("avx512f"))) static inline __m512 load_bf16x16(const uint1
 
 /* in a multiple of 64. One row: four accumulators so FMA latency does not serialise the loop; a few
  * rows: each loaded weight vector is reused for every row. */
+__attribute__((target("avx512f"))) static float dot1_avx512(const uint16_t *row, const float *x, int in) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+    for (int i = 0; i < in; i += 64) {
+        a0 = _mm512_fmadd_ps(load_bf16x16(row + i), _mm512_loadu_ps(x + i), a0);
+        a1 = _mm512_fmadd_ps(load_bf16x16(row + i + 16), _mm512_loadu_ps(x + i + 16), a1);
+        a2 = _mm512_fmadd_ps(load_bf16x16(row + i + 32), _mm512_loadu_ps(x + i + 32), a2);
+        a3 = _mm512_fmadd_ps(load_bf16x16(row + i + 48), _mm512_loadu_ps(x + i + 48), a3);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+}
+
+/* alone: every row through the one-row computation (batch-invariant); the weight row stays in L1. */
 __attribute__((target("avx512f"))) static void bf16_gemm_avx512(const uint16_t *w, const float *x, int rows, int in,
-                                                                 int out, float *y) {
+                                                                 int out, int alone, float *y) {
     for (int o = 0; o < out; o++) {
         const uint16_t *row = w + (size_t)o * in;
-        if (rows == 1) {
-            __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-            for (int i = 0; i < in; i += 64) {
-                a0 = _mm512_fmadd_ps(load_bf16x16(row + i), _mm512_loadu_ps(x + i), a0);
-                a1 = _mm512_fmadd_ps(load_bf16x16(row + i + 16), _mm512_loadu_ps(x + i + 16), a1);
-                a2 = _mm512_fmadd_ps(load_bf16x16(row + i + 32), _mm512_loadu_ps(x + i + 32), a2);
-                a3 = _mm512_fmadd_ps(load_bf16x16(row + i + 48), _mm512_loadu_ps(x + i + 48), a3);
-            }
-            y[o] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+        if (rows == 1 || alone) {
+            for (int r = 0; r < rows; r++) y[(size_t)r * out + o] = dot1_avx512(row, x + (size_t)r * in, in);
             continue;
         }
         __m512 acc[MAX_ROWS];
@@ -87,23 +92,28 @@ __attribute__((target("avx2,fma"))) static inline __m256 load_bf16x8(const uint1
 
 /* The same for CPUs without AVX-512 (most desktop parts): 8 wide, in a multiple of 32. */
 __attribute__((target("avx2,fma"))) static void bf16_gemm_avx2(const uint16_t *w, const float *x, int rows, int in,
-                                                               int out, float *y) {
+                                                               int out, int alone, float *y) {
     for (int o = 0; o < out; o++) {
         const uint16_t *row = w + (size_t)o * in;
-        __m256 acc[MAX_ROWS * 4];
-        int lanes = rows == 1 ? 4 : 1; /* one row: four accumulators, 32 inputs per iteration */
-        for (int k = 0; k < rows * lanes; k++) acc[k] = _mm256_setzero_ps();
-        for (int i = 0; i < in; i += 8 * lanes) {
-            for (int l = 0; l < lanes; l++) {
-                __m256 wv = load_bf16x8(row + i + 8 * l);
-                for (int r = 0; r < rows; r++)
-                    acc[r * lanes + l] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (size_t)r * in + i + 8 * l), acc[r * lanes + l]);
+        /* alone (batch-invariant): one row at a time, each exactly as a one-row call computes it */
+        int group = rows == 1 || alone ? 1 : rows;
+        for (int first = 0; first < rows; first += group) {
+            const float *xg = x + (size_t)first * in;
+            __m256 acc[MAX_ROWS * 4];
+            int lanes = group == 1 ? 4 : 1; /* one row: four accumulators, 32 inputs per iteration */
+            for (int k = 0; k < group * lanes; k++) acc[k] = _mm256_setzero_ps();
+            for (int i = 0; i < in; i += 8 * lanes) {
+                for (int l = 0; l < lanes; l++) {
+                    __m256 wv = load_bf16x8(row + i + 8 * l);
+                    for (int r = 0; r < group; r++)
+                        acc[r * lanes + l] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xg + (size_t)r * in + i + 8 * l), acc[r * lanes + l]);
+                }
             }
-        }
-        for (int r = 0; r < rows; r++) {
-            __m256 sum = acc[r * lanes];
-            for (int l = 1; l < lanes; l++) sum = _mm256_add_ps(sum, acc[r * lanes + l]);
-            y[(size_t)r * out + o] = hsum256(sum);
+            for (int r = 0; r < group; r++) {
+                __m256 sum = acc[r * lanes];
+                for (int l = 1; l < lanes; l++) sum = _mm256_add_ps(sum, acc[r * lanes + l]);
+                y[(size_t)(first + r) * out + o] = hsum256(sum);
+            }
         }
     }
 }
@@ -135,6 +145,7 @@ typedef struct {
     float *y;
     int rows, in, out, begin, end;
     int isa_limit; /* the highest path allowed: 0 scalar, 1 AVX2, 2 AVX-512 (bf16 only); tests lower it */
+    int alone; /* batch-invariant: each row of x computed exactly as alone (rows of independent requests) */
 } Slice;
 
 /* Output rows [begin, end): those rows' weights are contiguous, so a slice is the same computation on
@@ -148,9 +159,9 @@ static void run_bf16_slice(const Slice *s) {
         int isa = bf16_isa(s->in, s->isa_limit);
 #if HAVE_X86
         if (isa == 2)
-            bf16_gemm_avx512(wb, s->xs, s->rows, s->in, m, tmp);
+            bf16_gemm_avx512(wb, s->xs, s->rows, s->in, m, s->alone, tmp);
         else if (isa == 1)
-            bf16_gemm_avx2(wb, s->xs, s->rows, s->in, m, tmp);
+            bf16_gemm_avx2(wb, s->xs, s->rows, s->in, m, s->alone, tmp);
         else
 #endif
             bf16_gemm_scalar(wb, s->xs, s->rows, s->in, m, tmp);
@@ -168,7 +179,7 @@ static void run_slice(const Slice *s) {
     float tmp[MAX_ROWS * 64];
     for (int o = 0; o < n; o += 64) {
         int m = n - o < 64 ? n - o : 64;
-        nibble_gemm(s->nibbles, s->xs, s->rows, s->begin + o, s->begin + o + m, s->isa_limit >= 1, tmp);
+        nibble_gemm(s->nibbles, s->xs, s->rows, s->begin + o, s->begin + o + m, s->isa_limit >= 1, s->alone, tmp);
         for (int r = 0; r < s->rows; r++)
             memcpy(s->y + (size_t)r * s->out + s->begin + o, tmp + (size_t)r * m, (size_t)m * sizeof(float));
     }
@@ -258,13 +269,13 @@ static int nibble_matrix(NibbleMatrix *m, unsigned long long q, unsigned long lo
 }
 
 /* gemm(q_ptr, scales_ptr, x_ptr, y_ptr, rows, in, out, group, workspace_ptr, force_scalar, threads, code,
- * scale_kind): y[rows, out] = x[rows, in] @ dequant(q, scales)^T. All pointers are addresses of
- * contiguous buffers; the workspace holds work_floats(rows, in, group) floats. */
+ * scale_kind, alone): y[rows, out] = x[rows, in] @ dequant(q, scales)^T. All pointers are addresses of
+ * contiguous buffers; the workspace holds work_floats(rows, in, group) floats. alone: batch-invariant. */
 static PyObject *py_gemm(PyObject *self, PyObject *args) {
     unsigned long long q, scales, x, y, work;
-    int rows, in, out, group, force_scalar, threads = 1, code = CODE_INT4, scale_kind = SCALE_F16;
-    if (!PyArg_ParseTuple(args, "KKKKiiiiKp|iii", &q, &scales, &x, &y, &rows, &in, &out, &group, &work, &force_scalar,
-                          &threads, &code, &scale_kind))
+    int rows, in, out, group, force_scalar, threads = 1, code = CODE_INT4, scale_kind = SCALE_F16, alone = 0;
+    if (!PyArg_ParseTuple(args, "KKKKiiiiKp|iiip", &q, &scales, &x, &y, &rows, &in, &out, &group, &work, &force_scalar,
+                          &threads, &code, &scale_kind, &alone))
         return NULL;
     NibbleMatrix m;
     if (!nibble_matrix(&m, q, scales, in, out, group, code, scale_kind, "nibble gemm")) return NULL;
@@ -274,7 +285,7 @@ static PyObject *py_gemm(PyObject *self, PyObject *args) {
     }
     float *xs = (float *)(uintptr_t)work;
     (void)nibble_simd_available(); /* detect the CPU once, before any helper thread looks */
-    Slice whole = {&m, NULL, xs, (float *)(uintptr_t)y, rows, in, out, 0, out, force_scalar ? 0 : 2};
+    Slice whole = {&m, NULL, xs, (float *)(uintptr_t)y, rows, in, out, 0, out, force_scalar ? 0 : 2, alone};
     Py_BEGIN_ALLOW_THREADS
     nibble_prepare(&m, (const float *)(uintptr_t)x, rows, xs);
     run_split(&whole, threads);
@@ -308,19 +319,20 @@ static PyObject *py_dequant(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* bf16_gemm(w_ptr, x_ptr, y_ptr, rows, in, out, isa_limit, threads): y[rows, out] = x[rows, in] @ w^T
- * for w bf16 [out, in]; contiguous buffers. isa_limit: 2 best available, 1 at most AVX2, 0 scalar. */
+/* bf16_gemm(w_ptr, x_ptr, y_ptr, rows, in, out, isa_limit, threads, alone): y[rows, out] = x[rows, in] @ w^T
+ * for w bf16 [out, in]; contiguous buffers. isa_limit: 2 best available, 1 at most AVX2, 0 scalar.
+ * alone: batch-invariant (each row as a one-row call computes it). */
 static PyObject *py_bf16_gemm(PyObject *self, PyObject *args) {
     unsigned long long w, x, y;
-    int rows, in, out, isa_limit, threads = 1;
-    if (!PyArg_ParseTuple(args, "KKKiiii|i", &w, &x, &y, &rows, &in, &out, &isa_limit, &threads)) return NULL;
+    int rows, in, out, isa_limit, threads = 1, alone = 0;
+    if (!PyArg_ParseTuple(args, "KKKiiii|ip", &w, &x, &y, &rows, &in, &out, &isa_limit, &threads, &alone)) return NULL;
     if (rows < 1 || rows > MAX_ROWS || in < 1 || out < 1) {
         PyErr_Format(PyExc_ValueError, "bf16 gemm: unsupported shape rows=%d in=%d out=%d", rows, in, out);
         return NULL;
     }
     (void)bf16_isa(in, 2); /* detect the CPU once, before any helper thread looks */
     Slice whole = {NULL, (const uint16_t *)(uintptr_t)w, (const float *)(uintptr_t)x, (float *)(uintptr_t)y,
-                   rows, in, out, 0, out, isa_limit};
+                   rows, in, out, 0, out, isa_limit, alone};
     Py_BEGIN_ALLOW_THREADS
     run_split(&whole, threads);
     Py_END_ALLOW_THREADS

@@ -330,11 +330,25 @@ AVX2_INLINE void block_rows(int P, int R, int layout, const NibbleMatrix *m, con
     block_dot(P, R - 4, R, layout, m, tables, rest, NULL, slots, c0, c1, xs + 4 * CHUNK_COLS, n);
 }
 
+/* Batch-invariant: each of the R rows of x through exactly the one-row computation (its column blocks,
+ * accumulators and scaling), so a row's result does not depend on which other rows share the call;
+ * the block's codes come from memory once, then from L1 for the other rows. */
+AVX2_INLINE void rows_alone(int P, int R, int layout, const NibbleMatrix *m, const __m256i tables[2],
+                            const OutRow out[2], const uint8_t *ahead[2], const uint16_t slots[][8], size_t c0,
+                            size_t c1, const float *xs, size_t n) {
+    for (int r = 0; r < R; r++) {
+        OutRow row[2] = {{out[0].q, out[0].scales, out[0].y + r * n}, {out[1].q, out[1].scales, out[1].y + r * n}};
+        if (P == 2) block_dot(2, 1, R, layout, m, tables, row, r ? NULL : ahead, slots, c0, c1, xs + r * CHUNK_COLS, n);
+        else block_dot(1, 1, R, layout, m, tables, row, r ? NULL : ahead, slots, c0, c1, xs + r * CHUNK_COLS, n);
+    }
+}
+
 /* R rows (a constant after inlining) times output rows [begin, end): column block by column block,
- * two output rows at a time. */
-AVX2_INLINE void rows_avx2(int R, int layout, const NibbleMatrix *m, const float *xs, int begin, int end, float *y) {
+ * two output rows at a time; ``alone``: batch-invariant (rows_alone). */
+AVX2_INLINE void rows_avx2(int R, int alone, int layout, const NibbleMatrix *m, const float *xs, int begin, int end,
+                           float *y) {
     size_t row_bytes = nibble_row_bytes(m), chunks = nibble_chunks(m), n = (size_t)(end - begin);
-    size_t block = block_chunks(R);
+    size_t block = alone ? block_chunks(1) : block_chunks(R);
     __m256i tables[2];
     uint16_t slots[MAX_BLOCK_CHUNKS][8];
     float scales[2][MAX_BLOCK_GROUPS];
@@ -357,34 +371,47 @@ AVX2_INLINE void rows_avx2(int R, int layout, const NibbleMatrix *m, const float
                 out[p] = (OutRow){m->q + (size_t)(o + p) * row_bytes, scales[p], y + (o + p - begin)};
             }
             if (o + 2 >= end && c1 >= chunks) ahead[0] = ahead[1] = NULL; /* the slice's last pass */
-            if (pair) block_rows(2, R, layout, m, tables, out, ahead, slots, c0, c1, xs, n);
+            if (alone) rows_alone(pair + 1, R, layout, m, tables, out, ahead, slots, c0, c1, xs, n);
+            else if (pair) block_rows(2, R, layout, m, tables, out, ahead, slots, c0, c1, xs, n);
             else block_rows(1, R, layout, m, tables, out, ahead, slots, c0, c1, xs, n);
         }
     }
 }
 
 /* One instantiation per layout and row count (1..MAX_ROWS). */
-AVX2_INLINE void layout_rows(int layout, const NibbleMatrix *m, const float *xs, int rows, int begin, int end,
-                             float *y) {
+AVX2_INLINE void layout_rows(int layout, int alone, const NibbleMatrix *m, const float *xs, int rows, int begin,
+                             int end, float *y) {
+    if (alone && rows > 1) {
+        switch (rows) {
+        case 2: rows_avx2(2, 1, layout, m, xs, begin, end, y); break;
+        case 3: rows_avx2(3, 1, layout, m, xs, begin, end, y); break;
+        case 4: rows_avx2(4, 1, layout, m, xs, begin, end, y); break;
+        case 5: rows_avx2(5, 1, layout, m, xs, begin, end, y); break;
+        case 6: rows_avx2(6, 1, layout, m, xs, begin, end, y); break;
+        case 7: rows_avx2(7, 1, layout, m, xs, begin, end, y); break;
+        default: rows_avx2(8, 1, layout, m, xs, begin, end, y); break;
+        }
+        return;
+    }
     switch (rows) {
-    case 1: rows_avx2(1, layout, m, xs, begin, end, y); break;
-    case 2: rows_avx2(2, layout, m, xs, begin, end, y); break;
-    case 3: rows_avx2(3, layout, m, xs, begin, end, y); break;
-    case 4: rows_avx2(4, layout, m, xs, begin, end, y); break;
-    case 5: rows_avx2(5, layout, m, xs, begin, end, y); break;
-    case 6: rows_avx2(6, layout, m, xs, begin, end, y); break;
-    case 7: rows_avx2(7, layout, m, xs, begin, end, y); break;
-    default: rows_avx2(8, layout, m, xs, begin, end, y); break;
+    case 1: rows_avx2(1, 0, layout, m, xs, begin, end, y); break;
+    case 2: rows_avx2(2, 0, layout, m, xs, begin, end, y); break;
+    case 3: rows_avx2(3, 0, layout, m, xs, begin, end, y); break;
+    case 4: rows_avx2(4, 0, layout, m, xs, begin, end, y); break;
+    case 5: rows_avx2(5, 0, layout, m, xs, begin, end, y); break;
+    case 6: rows_avx2(6, 0, layout, m, xs, begin, end, y); break;
+    case 7: rows_avx2(7, 0, layout, m, xs, begin, end, y); break;
+    default: rows_avx2(8, 0, layout, m, xs, begin, end, y); break;
     }
 }
 
-AVX2 static void gemm_simd(const NibbleMatrix *m, int layout, const float *xs, int rows, int begin, int end,
+AVX2 static void gemm_simd(const NibbleMatrix *m, int layout, int alone, const float *xs, int rows, int begin, int end,
                            float *y) {
     switch (layout) {
-    case ONE_GROUP: layout_rows(ONE_GROUP, m, xs, rows, begin, end, y); break;
-    case TWO_GROUPS: layout_rows(TWO_GROUPS, m, xs, rows, begin, end, y); break;
-    case FOUR_GROUPS: layout_rows(FOUR_GROUPS, m, xs, rows, begin, end, y); break;
-    default: layout_rows(EIGHTS, m, xs, rows, begin, end, y); break;
+    case ONE_GROUP: layout_rows(ONE_GROUP, alone, m, xs, rows, begin, end, y); break;
+    case TWO_GROUPS: layout_rows(TWO_GROUPS, alone, m, xs, rows, begin, end, y); break;
+    case FOUR_GROUPS: layout_rows(FOUR_GROUPS, alone, m, xs, rows, begin, end, y); break;
+    default: layout_rows(EIGHTS, alone, m, xs, rows, begin, end, y); break;
     }
 }
 #endif
@@ -402,15 +429,16 @@ int nibble_simd_available(void) {
 #endif
 }
 
-void nibble_gemm(const NibbleMatrix *m, const float *xs, int rows, int begin, int end, int simd, float *y) {
+void nibble_gemm(const NibbleMatrix *m, const float *xs, int rows, int begin, int end, int simd, int alone, float *y) {
 #if HAVE_X86
     int layout = scale_layout(m);
     if (simd && layout >= 0 && rows >= 1 && rows <= MAX_ROWS && nibble_simd_available()) {
-        gemm_simd(m, layout, xs, rows, begin, end, y);
+        gemm_simd(m, layout, alone, xs, rows, begin, end, y);
         return;
     }
 #endif
     (void)simd;
+    (void)alone; /* the scalar path computes each row alone anyway */
     gemm_scalar(m, xs, rows, begin, end, y);
 }
 

@@ -37,8 +37,9 @@ size_t nibble_work_floats(const NibbleMatrix *m, int rows);
 void nibble_prepare(const NibbleMatrix *m, const float *x, int rows, float *xs);
 
 /* y [rows, end - begin] = x @ dequant(m)[begin:end]^T from nibble_prepare's xs; simd 0 forces the
- * scalar path. */
-void nibble_gemm(const NibbleMatrix *m, const float *xs, int rows, int begin, int end, int simd, float *y);
+ * scalar path. alone 1: batch-invariant, each row's result bit-identical to a one-row call's (rows of
+ * independent requests decoded together); 0: the fastest order for several rows of one prompt. */
+void nibble_gemm(const NibbleMatrix *m, const float *xs, int rows, int begin, int end, int simd, int alone, float *y);
 
 /* w float32 [out, in] = value(nibble) * scale, the same float operations as engine/quant.py's torch
  * reference (bit-identical). */

@@ -1,0 +1,53 @@
+"""Batch invariance: rows of independent requests, computed together, each exactly as if alone.
+
+Decoding several conversations in one forward reads every weight once for all of them, but a matmul
+over B rows need not give a row the bits it gets over 1 row (BLAS picks other kernels and summation
+orders by shape). Inside ``rows_alone()`` every matmul of the engine keeps each row's arithmetic that
+of a one-row call: the C kernels take their batch-invariant path (each row through the one-row
+accumulation, the weights still streamed once), torch matmuls run row by row. Greedy text is then the
+same whether a request is decoded alone or beside others, bit for bit. Outside it nothing changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_alone: ContextVar[bool] = ContextVar("rows_alone", default=False)
+
+
+@contextmanager
+def rows_alone() -> Iterator[None]:
+    """Compute every row of the matmuls inside as a one-row call would (see the module docstring)."""
+    token = _alone.set(True)
+    try:
+        yield
+    finally:
+        _alone.reset(token)
+
+
+def computing_alone() -> bool:
+    return _alone.get()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., in] @ weight^T; row by row inside rows_alone() (each as its own one-row matmul)."""
+    if not computing_alone() or x.numel() <= x.shape[-1]:
+        return F.linear(x, weight)
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.cat([F.linear(flat[r : r + 1], weight) for r in range(flat.shape[0])])
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters, same checkpoint names) that honours rows_alone()."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is not None:
+            return super().forward(x)
+        return linear(x, self.weight)
