@@ -254,7 +254,7 @@ class ToolCallParser:
                     return events
                 section, self.buffer = self.buffer[:end], self.buffer[end + len(self.format.end) :]
                 self.in_section = False
-                events += self._section(section, closed=True)
+                events += self._section(section)
             else:
                 begin = self.buffer.find(self.format.begin)
                 if begin < 0:
@@ -267,9 +267,9 @@ class ToolCallParser:
                 self.buffer, self.in_section = self.buffer[begin + len(self.format.begin) :], True
 
     def finish(self) -> list[Event]:
-        """What is left: an unclosed section is text (or, when its calls are all complete, calls)."""
+        """What is left; a section never closed is text, markers included."""
         if self.in_section:
-            events, self.in_section = self._section(self.buffer, closed=False), False
+            events, self.in_section = self._text(self.format.begin + self.buffer), False
         else:
             events = self._text(self.buffer)
         self.buffer = ""
@@ -288,12 +288,11 @@ class ToolCallParser:
         out, self.space = self.space + stripped, text[len(stripped) :]
         return [("text", out)]
 
-    def _section(self, section: str, closed: bool) -> list[Event]:
+    def _section(self, section: str) -> list[Event]:
         try:
             calls = self.format.parse_section(section, self.tools)
         except ToolCallError:
-            raw = self.format.begin + section + (self.format.end if closed else "")
-            return self._text(raw)
+            return self._text(self.format.begin + section + self.format.end)
         self.calls += calls
         return [("tool_call", call) for call in calls]
 

@@ -172,10 +172,10 @@ class CountTokensRequest(MessagesRequest):
 
 
 def _function(tool: ToolSpec) -> dict[str, Any]:
-    function: dict[str, Any] = {"name": tool.name, "parameters": tool.input_schema}
-    if tool.description is not None:
-        function["description"] = tool.description
-    return function
+    """OpenAI's function shape, keys in OpenAI's order (templates write it as JSON: the same tools
+    make the same prompt whichever API sent them)."""
+    described = {"description": tool.description} if tool.description is not None else {}
+    return {"name": tool.name, **described, "parameters": tool.input_schema}
 
 
 def _template_messages(message: Message, where: str) -> list[dict[str, Any]]:
