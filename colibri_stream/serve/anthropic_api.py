@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -28,8 +28,7 @@ from colibri_stream.serve.schemas import STRICT, TOOL_NAME, ApiError, template_c
 from colibri_stream.serve.worker import Job
 from colibri_stream.tool_calls import ToolCall, ToolCallParser
 
-if TYPE_CHECKING:
-    from colibri_stream.serve.app import Server
+Server = Any  # serve.app.Server, which imports this module (so it cannot be imported here)
 
 MAX_STOP_SEQUENCES = 16
 MAX_TOOLS = 256
