@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import json
 import re
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -167,6 +168,14 @@ def _lipsum(n: int = 5, html: bool = True, min: int = 20, max: int = 100) -> str
     return generate_lorem_ipsum(n, html, min, max)
 
 
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False
+):
+    """Hugging Face's ``tojson`` (what chat templates are written for): plain JSON, non-ASCII kept and
+    nothing HTML-escaped, and an ``ensure_ascii`` argument (jinja's own takes none and escapes <>&')."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 class _GuardedCodeGenerator(CodeGenerator):
     """Compiles every ``for`` loop's iterable through ``environment.guard_iterable`` and every ``~``
     through ``environment.guard_concat``: neither goes through a sandbox hook otherwise."""
@@ -219,6 +228,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
     def __init__(self, **options: Any):
         super().__init__(finalize=self._finalize, **options)
         self.globals.update(range=_BoundedRange, lipsum=_lipsum)
+        self.filters["tojson"] = _tojson
         self.filters.update({name: _guarded_filter(name, f) for name, f in self.filters.items()})
 
     @staticmethod
@@ -322,7 +332,7 @@ def _filter_estimate(name: str, value: Any, args: tuple, kwargs: dict) -> int:
     if name == "replace" and isinstance(value, str):
         return _str_method_estimate(value, "replace", tuple(args), kwargs) or size
     if name == "tojson":
-        indent = args[0] if args else kwargs.get("indent")
+        indent = args[1] if len(args) > 1 else kwargs.get("indent")  # tojson(ensure_ascii, indent, ...)
         if indent is not None and (not isinstance(indent, int) or not 0 <= indent <= MAX_JSON_INDENT):
             raise ChatTemplateError(f"chat template: tojson indent {indent!r} (at most {MAX_JSON_INDENT})")
         return size * (1 + (indent or 0))

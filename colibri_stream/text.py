@@ -22,6 +22,7 @@ from tokenizers import Tokenizer
 
 from colibri_stream.errors import ChatTemplateError, TokenizerError
 from colibri_stream.template_sandbox import BoundedSandbox, end_render, start_render
+from colibri_stream.tool_calls import TOOL_MARKERS
 from storage.errors import FormatError
 from storage.safe_read import decode_utf8, read_bounded, read_json
 
@@ -126,7 +127,13 @@ class ChatFormat:
         except TemplateError as exc:
             raise ChatTemplateError(f"chat template does not compile: {exc}") from None
 
-    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> str:
+        """``tools``: as Hugging Face passes them, [{"type": "function", "function": {name, ...}}]."""
         budget = start_render()
         try:
             parts = self._compiled.generate(
@@ -134,6 +141,7 @@ class ChatFormat:
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
+                tools=list(tools) if tools else None,
             )
             return _bounded_join(parts)
         except ChatTemplateError:
@@ -169,28 +177,39 @@ def load_chat_format(checkpoint: str | Path) -> ChatFormat:
     )
 
 
+def hidden_special_ids(tokenizer: Tokenizer) -> set[int]:
+    """The special tokens an answer's text leaves out: all but the tool-call markers (TOOL_MARKERS),
+    which the tool-call parser must see (Kimi's and GLM's markers are special tokens)."""
+    added = tokenizer.get_added_tokens_decoder()
+    return {i for i, t in added.items() if t.special and t.content not in TOOL_MARKERS}
+
+
 class IncrementalDecoder:
     """Text of a growing id list, emitted as deltas. Byte-level tokens can split a UTF-8 character;
-    a delta ending in U+FFFD is held back until the next token completes it."""
+    a delta ending in U+FFFD is held back until the next token completes it. Special tokens are left
+    out (``skip_ids`` too), except the tool-call markers."""
 
     def __init__(self, tokenizer: Tokenizer, skip_ids: Sequence[int] = ()):
         self.tokenizer = tokenizer
-        self.skip = set(skip_ids)
+        self.skip = set(skip_ids) | hidden_special_ids(tokenizer)
         self.ids: list[int] = []
         self.text = ""
+
+    def _decode(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=False)
 
     def push(self, token: int) -> str:
         if token in self.skip:
             return ""
         self.ids.append(token)
-        full = self.tokenizer.decode(self.ids)
+        full = self._decode()
         if full.endswith("\ufffd") or not full.startswith(self.text):
             return ""
         delta, self.text = full[len(self.text) :], full
         return delta
 
     def flush(self) -> str:
-        full = self.tokenizer.decode(self.ids)
+        full = self._decode()
         delta = full[len(self.text) :] if full.startswith(self.text) else ""
         self.text = full
         return delta
@@ -225,13 +244,27 @@ class PromptEncoder:
         index = {s: i for i, s in enumerate(self.masked)}
         return self.pattern.sub(lambda m: f"{_SENTINEL}{index[m.group(0)]}{_SENTINEL_END}", text)
 
+    def _mask_all(self, value: Any) -> Any:
+        """``value`` with every string in it (keys too; tool arguments, tool schemas) masked; a dict
+        subclass (tool_calls.TemplateArguments) keeps its type."""
+        if isinstance(value, str):
+            return self._mask(value)
+        if isinstance(value, dict):
+            return type(value)({self._mask_all(k): self._mask_all(v) for k, v in value.items()})
+        if isinstance(value, list | tuple):
+            return [self._mask_all(v) for v in value]
+        return value
+
     def encode_chat(
-        self, chat: ChatFormat, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        chat: ChatFormat,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> list[int]:
-        masked = [
-            {**m, "content": self._mask(m["content"])} if isinstance(m.get("content"), str) else m for m in messages
-        ]
-        pieces = _MASKED.split(chat.render(masked, add_generation_prompt))
+        masked = [{**m, **{k: self._mask_all(v) for k, v in m.items() if k != "role"}} for m in messages]
+        masked_tools = self._mask_all(list(tools)) if tools else None
+        pieces = _MASKED.split(chat.render(masked, add_generation_prompt, masked_tools))
         # pieces alternate: template text (specials are special), a masked index (plain text), ...
         ids: list[int] = []
         template_parts = self.tokenizer.encode_batch(pieces[0::2], add_special_tokens=False)

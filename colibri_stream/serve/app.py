@@ -26,11 +26,14 @@ from starlette.exceptions import HTTPException
 from colibri_stream.conversation import Runtime, TurnResult
 from colibri_stream.errors import ChatTemplateError, ColibriError, SessionError
 from colibri_stream.generate import SamplingParams
+from colibri_stream.serve.answers import answer_events, collect, tool_parser
+from colibri_stream.serve.anthropic_api import add_anthropic_routes
 from colibri_stream.serve.auth import ApiKeys
 from colibri_stream.serve.intake import parse_request, read_body
 from colibri_stream.serve.schemas import ApiError, ChatRequest, CompletionRequest
 from colibri_stream.serve.worker import Admission, Job, Worker
 from colibri_stream.sessions import check_session_name
+from colibri_stream.tool_calls import ToolCall, ToolCallParser
 
 PROMPT_THREADS = 2  # parsing and tokenising requests; more would only contend for the same cores
 SAMPLE_CONVERSATION = [{"role": "user", "content": "Hello"}]  # rendered at start-up to try the template
@@ -75,9 +78,18 @@ class Server:
 
     # ------------------------------------------------------------------------------------ prompts
     def chat_prompt(self, body: ChatRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
-            return self.runtime.encode_chat(messages, add_generation_prompt=True)
+            messages = [m.for_template() for m in body.messages]
+        except ValueError as exc:  # an assistant tool call whose arguments are no JSON object
+            raise ApiError(400, f"messages: {exc}", "invalid_value", "messages") from None
+        return self.encode_messages(messages, body.offered_tools())
+
+    def encode_messages(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The conversation (and the tools offered) through the chat template, as prompt ids."""
+        try:
+            if not tools:
+                return self.runtime.encode_chat(messages, add_generation_prompt=True)
+            return self.runtime.prompt_encoder.encode_chat(self.runtime.text_side()[1], messages, True, tools)
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), "chat_template_error", "messages") from None
 
@@ -109,6 +121,11 @@ class Server:
             body.stop_strings()
         except ValueError as exc:
             raise ApiError(400, str(exc), "invalid_stop", "stop") from None
+        if isinstance(body, ChatRequest):
+            try:
+                body.offered_tools()
+            except ValueError as exc:
+                raise ApiError(400, str(exc), "invalid_value", "tool_choice") from None
 
     def token_limit(self, body: ChatRequest | CompletionRequest, prompt: list[int]) -> int:
         """The answer's token budget; 400 when the prompt is empty or prompt + limit overflow the context."""
@@ -178,7 +195,9 @@ def usage(turn: TurnResult) -> dict[str, int]:
     }
 
 
-def finish_reason(turn: TurnResult) -> str:
+def finish_reason(turn: TurnResult, calls: int = 0) -> str:
+    if calls:
+        return "tool_calls"
     return "stop" if turn.finish_reason in ("stop", "cancelled") else "length"
 
 
@@ -186,64 +205,51 @@ def sse(obj: Any) -> bytes:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
 
 
-async def collect(request: Request, job: Job) -> tuple[str, TurnResult]:
-    """The whole answer. Meanwhile a watcher waits for the client's disconnect (the body is read, so
-    the next ASGI message is that) and cancels the job: generation stops after its current token."""
-    watcher = asyncio.create_task(cancel_on_disconnect(request, job))
-    parts: list[str] = []
-    try:
-        while True:
-            kind, value = await job.events.get()
-            if kind == "text":
-                parts.append(value)
-            elif kind == "error":
-                raise value
-            else:
-                return "".join(parts), value
-    finally:
-        watcher.cancel()
+Chunk = Callable[..., dict[str, Any]]  # (text, finish_reason, tool_call delta or None) -> one chunk
 
 
-async def cancel_on_disconnect(request: Request, job: Job) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-    job.cancel.set()
-
-
-async def stream(job: Job, chunk: Callable[[str | None, str | None], dict[str, Any]]) -> AsyncIterator[bytes]:
-    """SSE: one chunk per text delta, a final chunk with finish_reason, then ``data: [DONE]``. However
-    the stream ends — finished, failed, or the client gone — the job's cancel flag is set on the way
-    out, which is a no-op for a finished job and stops a running one after its current token."""
+async def stream(job: Job, chunk: Chunk, parser: ToolCallParser | None = None) -> AsyncIterator[bytes]:
+    """SSE: one chunk per text delta or tool call, a final chunk with finish_reason, then ``data:
+    [DONE]``. However the stream ends — finished, failed, or the client gone — the job's cancel flag is
+    set on the way out, which is a no-op for a finished job and stops a running one after its current token."""
+    calls = 0
     try:
         yield sse(chunk(None, None))
-        while True:
-            kind, value = await job.events.get()
+        async for kind, value in answer_events(job, parser):
             if kind == "text":
                 yield sse(chunk(value, None))
+            elif kind == "tool_call":
+                yield sse(chunk(None, None, {**openai_tool_call(value), "index": calls}))
+                calls += 1
             elif kind == "error":
                 yield sse(value.body())
-                break
             else:
-                yield sse({**chunk(None, finish_reason(value)), "usage": usage(value), "colibri": value.stats})
+                yield sse({**chunk(None, finish_reason(value, calls)), "usage": usage(value), "colibri": value.stats})
                 yield b"data: [DONE]\n\n"
-                break
     finally:
         job.cancel.set()
 
 
-def _chat_chunk(cid: str, model: str) -> Callable[[str | None, str | None], dict[str, Any]]:
-    def chunk(text: str | None, reason: str | None) -> dict[str, Any]:
+def openai_tool_call(call: ToolCall) -> dict[str, Any]:
+    function = {"name": call.name, "arguments": call.arguments_json()}
+    return {"id": call.id or f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": function}
+
+
+def _chat_chunk(cid: str, model: str) -> Chunk:
+    def chunk(text: str | None, reason: str | None, tool_call: dict[str, Any] | None = None) -> dict[str, Any]:
         delta = {"role": "assistant", "content": ""} if text is None and reason is None else {}
         if text is not None:
             delta = {"content": text}
+        if tool_call is not None:
+            delta = {"tool_calls": [tool_call]}
         choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
         return {"id": cid, "object": "chat.completion.chunk", "created": now(), "model": model, "choices": [choice]}
 
     return chunk
 
 
-def _completion_chunk(cid: str, model: str) -> Callable[[str | None, str | None], dict[str, Any]]:
-    def chunk(text: str | None, reason: str | None) -> dict[str, Any]:
+def _completion_chunk(cid: str, model: str) -> Chunk:
+    def chunk(text: str | None, reason: str | None, tool_call: None = None) -> dict[str, Any]:
         choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
         return {"id": cid, "object": "text_completion", "created": now(), "model": model, "choices": [choice]}
 
@@ -297,16 +303,21 @@ def create_app(server: Server) -> FastAPI:
         key = server.authenticate(request)  # before the body is read: strangers cost nothing
         body = await parse_body(request, ChatRequest)
         server.check_fields(body)
+        parser = tool_parser(server.runtime, body.offered_tools())
         prompt = await server.off_loop(server.chat_prompt, body)
         job = await server.submit(body, prompt, server.token_limit(body, prompt), server.session(body, key))
         cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         if body.stream:
-            return StreamingResponse(stream(job, _chat_chunk(cid, model)), media_type="text/event-stream")
-        text, turn = await collect(request, job)
+            return StreamingResponse(stream(job, _chat_chunk(cid, model), parser), media_type="text/event-stream")
+        answer = await collect(request, job, parser)
+        text, turn = answer.text, answer.turn
+        message: dict[str, Any] = {"role": "assistant", "content": text if text or not answer.calls else None}
+        if answer.calls:
+            message["tool_calls"] = [openai_tool_call(call) for call in answer.calls]
         choice = {
             "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "finish_reason": finish_reason(turn),
+            "message": message,
+            "finish_reason": finish_reason(turn, len(answer.calls)),
             "logprobs": None,
         }
         return {
@@ -329,7 +340,8 @@ def create_app(server: Server) -> FastAPI:
         cid = f"cmpl-{uuid.uuid4().hex[:24]}"
         if body.stream:
             return StreamingResponse(stream(job, _completion_chunk(cid, model)), media_type="text/event-stream")
-        text, turn = await collect(request, job)
+        answer = await collect(request, job)
+        text, turn = answer.text, answer.turn
         choice = {"index": 0, "text": text, "finish_reason": finish_reason(turn), "logprobs": None}
         return {
             "id": cid,
@@ -341,4 +353,5 @@ def create_app(server: Server) -> FastAPI:
             "colibri": turn.stats,
         }
 
+    add_anthropic_routes(app, server)
     return app

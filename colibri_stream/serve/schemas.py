@@ -5,10 +5,13 @@ refused, also where a range check alone would let them through)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from colibri_stream.tool_calls import TemplateArguments
 
 STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
@@ -19,10 +22,63 @@ class TextPart(BaseModel):
     text: str
 
 
+# A tool's name: what every family's call syntax can carry back unambiguously (no markers, no ':').
+TOOL_NAME = r"^[A-Za-z0-9_.\-]{1,128}$"
+MAX_TOOLS = 256
+
+
+class FunctionDef(BaseModel):
+    model_config = STRICT
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+
+
+class ToolDef(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = STRICT
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCall(BaseModel):
+    model_config = STRICT
+    name: str = Field(pattern=TOOL_NAME)
+    arguments: str  # JSON text of an object, as OpenAI sends it
+
+    def parsed_arguments(self) -> dict[str, Any]:
+        try:
+            value = json.loads(self.arguments)
+        except ValueError:
+            value = None
+        if not isinstance(value, dict):
+            raise ValueError(f"tool call {self.name!r}: arguments must be the JSON text of an object")
+        return value
+
+
+class ToolCallPart(BaseModel):
+    model_config = STRICT
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallPart] | None = None  # an assistant's calls
+    tool_call_id: str | None = Field(None, max_length=256)  # the call a tool message answers
 
     def text(self) -> str:
         if self.content is None:
@@ -30,6 +86,24 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as Hugging Face chat templates read it: tool calls carry their arguments as a
+        mapping (TemplateArguments, which also reads as JSON text), a tool result its tool_call_id."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.role == "assistant" and self.tool_calls:
+            message["tool_calls"] = [
+                template_call(c.id, c.function.name, c.function.parsed_arguments()) for c in self.tool_calls
+            ]
+        if self.role == "tool" and self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def template_call(call_id: str, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    """One assistant tool call in the shape chat templates expect."""
+    function = {"name": name, "arguments": TemplateArguments(arguments)}
+    return {"id": call_id, "type": "function", "function": function}
 
 
 class _Common(BaseModel):
@@ -54,6 +128,17 @@ class _Common(BaseModel):
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+
+    def offered_tools(self) -> list[dict[str, Any]]:
+        """The tools for the template (Hugging Face's shape), none when tool_choice is "none"; a choice
+        that forces a call is refused: nothing here constrains what the model writes."""
+        if not self.tools or self.tool_choice == "none":
+            return []
+        if self.tool_choice not in (None, "auto"):
+            raise ValueError('tool_choice: only "auto" and "none" are supported (a call cannot be forced)')
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

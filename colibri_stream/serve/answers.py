@@ -1,0 +1,93 @@
+"""A job's answer as the API routes use it: its text split into text and tool calls (when the request
+offered tools), either collected whole or iterated as it streams. Shared by the OpenAI and Anthropic
+routes, which only shape what comes out of here.
+
+A job's events (worker.Job) are ("text", delta) ..., then ("done", TurnResult) or ("error", ApiError).
+``answer_events`` passes them on with each text delta run through the request's ToolCallParser, so they
+become ("text", str) and ("tool_call", ToolCall) events, in the order the model wrote them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+
+from colibri_stream.conversation import Runtime, TurnResult
+from colibri_stream.serve.schemas import ApiError
+from colibri_stream.serve.worker import Job
+from colibri_stream.tool_calls import ToolCall, ToolCallParser, tool_format_for, tools_from_functions
+
+KNOWN_FORMATS = "DeepSeek-V3/R1, DeepSeek-V3.1/V3.2, GLM-4.5/5, Kimi-K2"
+
+
+def tool_parser(runtime: Runtime, tools: Sequence[dict[str, Any]], param: str = "tools") -> ToolCallParser | None:
+    """The parser for a request offering ``tools`` (Hugging Face's function shape); None without tools.
+    A model whose chat template speaks no known tool format cannot be offered tools: 400."""
+    if not tools:
+        return None
+    chat = runtime.chat
+    tool_format = tool_format_for(chat.template) if chat is not None and not chat.is_fallback else None
+    if tool_format is None:
+        raise ApiError(
+            400,
+            f"{param}: this model's chat template has no tool-call format colibri knows ({KNOWN_FORMATS}), "
+            "so it cannot be offered tools",
+            "tools_unsupported",
+            param,
+        )
+    return ToolCallParser(tool_format, tools_from_functions([tool["function"] for tool in tools]))
+
+
+async def answer_events(job: Job, parser: ToolCallParser | None) -> AsyncIterator[tuple[str, Any]]:
+    """("text", str) and ("tool_call", ToolCall) events, then ("done", TurnResult) or ("error", ApiError)."""
+    while True:
+        kind, value = await job.events.get()
+        if kind == "text":
+            for event in parser.push(value) if parser is not None else [("text", value)]:
+                yield event
+        elif kind == "error":
+            yield kind, value
+            return
+        else:
+            for event in parser.finish() if parser is not None else []:
+                yield event
+            yield "done", value
+            return
+
+
+@dataclass
+class Answer:
+    text: str
+    calls: list[ToolCall]
+    turn: TurnResult
+
+
+async def collect(request: Request, job: Job, parser: ToolCallParser | None = None) -> Answer:
+    """The whole answer. Meanwhile a watcher waits for the client's disconnect (the body is read, so
+    the next ASGI message is that) and cancels the job: generation stops after its current token."""
+    watcher = asyncio.create_task(cancel_on_disconnect(request, job))
+    parts: list[str] = []
+    calls: list[ToolCall] = []
+    try:
+        async for kind, value in answer_events(job, parser):
+            if kind == "text":
+                parts.append(value)
+            elif kind == "tool_call":
+                calls.append(value)
+            elif kind == "error":
+                raise value
+            else:
+                return Answer("".join(parts), calls, value)
+        raise AssertionError("answer_events ended without done or error")
+    finally:
+        watcher.cancel()
+
+
+async def cancel_on_disconnect(request: Request, job: Job) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    job.cancel.set()

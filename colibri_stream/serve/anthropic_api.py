@@ -1,0 +1,378 @@
+"""The Anthropic Messages API: ``POST /v1/messages`` (JSON or SSE) and ``POST /v1/messages/count_tokens``.
+
+A request (system, messages of text / tool_use / tool_result blocks, tools) is mapped onto the same
+template messages as an OpenAI chat request (assistant ``tool_calls``, ``tool`` messages), so one chat
+template renders both, and runs through the same Server (auth, limits, sessions, worker). Only the shapes
+differ: the answer is a message of content blocks with a stop_reason, streamed as Anthropic's event
+sequence (message_start, ping, content_block_start / _delta / _stop per block, message_delta with the
+stop_reason and usage, message_stop), and every failure on these routes, authentication and validation
+included, is ``{"type": "error", "error": {"type", "message"}}``. ``metadata.user_id`` names the KV
+session as ``user`` does on the OpenAI routes.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field
+
+from colibri_stream.conversation import TurnResult
+from colibri_stream.serve.answers import Answer, answer_events, collect, tool_parser
+from colibri_stream.serve.intake import parse_request, read_body
+from colibri_stream.serve.schemas import STRICT, TOOL_NAME, ApiError, template_call
+from colibri_stream.serve.worker import Job
+from colibri_stream.tool_calls import ToolCall, ToolCallParser
+
+Server = Any  # serve.app.Server, which imports this module (so it cannot be imported here)
+
+MAX_STOP_SEQUENCES = 16
+MAX_TOOLS = 256
+
+# HTTP status -> Anthropic's error type (https://docs.anthropic.com/en/api/errors)
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+# ------------------------------------------------------------------------------------ request schema
+class TextBlock(BaseModel):
+    model_config = STRICT
+    type: Literal["text"]
+    text: str
+
+
+class ThinkingBlock(BaseModel):
+    """An earlier answer's reasoning, sent back by clients that keep it: not part of the prompt."""
+
+    model_config = STRICT
+    type: Literal["thinking", "redacted_thinking"]
+
+
+class ToolUseBlock(BaseModel):
+    model_config = STRICT
+    type: Literal["tool_use"]
+    id: str = Field(min_length=1, max_length=256)
+    name: str = Field(pattern=TOOL_NAME)
+    input: dict[str, Any]
+
+
+class ToolResultBlock(BaseModel):
+    model_config = STRICT
+    type: Literal["tool_result"]
+    tool_use_id: str = Field(min_length=1, max_length=256)
+    content: str | list[TextBlock] | None = None
+    is_error: bool = False
+
+    def text(self) -> str:
+        text = self.content if isinstance(self.content, str) else "".join(b.text for b in self.content or [])
+        return f"Error: {text}" if self.is_error else text
+
+
+Block = Annotated[TextBlock | ThinkingBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+
+
+class Message(BaseModel):
+    model_config = STRICT
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class ToolSpec(BaseModel):
+    model_config = STRICT
+    type: Literal["custom"] | None = None  # Anthropic's server tools (web search, ...) are not offered
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+
+class ToolChoice(BaseModel):
+    model_config = STRICT
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+
+
+class Metadata(BaseModel):
+    model_config = STRICT
+    user_id: str | None = Field(None, max_length=256)
+
+
+class MessagesRequest(BaseModel):
+    """A Messages API request. ``temperature``, ``top_p``, ``seed``, ``user``, ``stop_strings`` and
+    ``token_limit`` are what Server.check_fields / submit / token_limit read of any request."""
+
+    model_config = STRICT
+    model: str
+    max_tokens: int = Field(ge=1)
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float = Field(1.0, ge=0, le=1)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    stream: bool = False
+    metadata: Metadata | None = None
+    tools: list[ToolSpec] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+
+    @property
+    def seed(self) -> None:
+        return None  # the API has no seed
+
+    @property
+    def user(self) -> str | None:
+        return self.metadata.user_id if self.metadata is not None else None
+
+    def stop_strings(self) -> list[str]:
+        stops = list(self.stop_sequences or [])
+        if len(stops) > MAX_STOP_SEQUENCES or any(not s for s in stops):
+            raise ValueError(f"stop_sequences: at most {MAX_STOP_SEQUENCES} non-empty strings")
+        return stops
+
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+    def check_supported(self) -> None:
+        if self.top_k is not None:
+            raise ApiError(400, "top_k: not supported by this server (temperature and top_p are)", param="top_k")
+
+    def offered_tools(self) -> list[dict[str, Any]]:
+        """The tools in Hugging Face's function shape; none for tool_choice "none"; 400 for a choice
+        that forces a call (nothing here constrains what the model writes)."""
+        choice = self.tool_choice.type if self.tool_choice is not None else "auto"
+        if not self.tools or choice == "none":
+            return []
+        if choice != "auto":
+            raise ApiError(400, 'tool_choice: only "auto" and "none" are supported (a call cannot be forced)')
+        return [{"type": "function", "function": _function(tool)} for tool in self.tools]
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The conversation as chat-template messages (the OpenAI shape; see module docstring)."""
+        system = self.system if isinstance(self.system, str) else "".join(b.text for b in self.system or [])
+        messages = [{"role": "system", "content": system}] if system else []
+        for position, message in enumerate(self.messages):
+            messages += _template_messages(message, f"messages.{position}")
+        return messages
+
+
+class CountTokensRequest(MessagesRequest):
+    max_tokens: int | None = Field(None, ge=1)  # not needed to count
+
+
+def _function(tool: ToolSpec) -> dict[str, Any]:
+    """OpenAI's function shape, keys in OpenAI's order (templates write it as JSON: the same tools
+    make the same prompt whichever API sent them)."""
+    described = {"description": tool.description} if tool.description is not None else {}
+    return {"name": tool.name, **described, "parameters": tool.input_schema}
+
+
+def _template_messages(message: Message, where: str) -> list[dict[str, Any]]:
+    """One Anthropic message -> template messages: a user's tool_result blocks become ``tool`` messages
+    (first, as Anthropic puts them first), its text one user message; an assistant's text and tool_use
+    blocks one assistant message with ``tool_calls``."""
+    if isinstance(message.content, str):
+        return [{"role": message.role, "content": message.content}]
+    text = "".join(b.text for b in message.content if isinstance(b, TextBlock))
+    if message.role == "assistant":
+        if any(isinstance(b, ToolResultBlock) for b in message.content):
+            raise ApiError(400, f"{where}: tool_result blocks belong in a user message", param=where)
+        calls = [template_call(b.id, b.name, b.input) for b in message.content if isinstance(b, ToolUseBlock)]
+        return [{"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}]
+    if any(isinstance(b, ToolUseBlock) for b in message.content):
+        raise ApiError(400, f"{where}: tool_use blocks belong in an assistant message", param=where)
+    results = [
+        {"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()}
+        for b in message.content
+        if isinstance(b, ToolResultBlock)
+    ]
+    return results + ([{"role": "user", "content": text}] if text or not results else [])
+
+
+# ------------------------------------------------------------------------------------ responses
+def error_response(exc: ApiError) -> JSONResponse:
+    return JSONResponse(error_body(exc), status_code=exc.status, headers=exc.headers)
+
+
+def error_body(exc: ApiError) -> dict[str, Any]:
+    kind = ERROR_TYPES.get(exc.status, "invalid_request_error" if exc.status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": exc.message}}
+
+
+def tool_use_block(call: ToolCall) -> dict[str, Any]:
+    return {"type": "tool_use", "id": call.id or f"toolu_{uuid.uuid4().hex[:24]}", "name": call.name, "input": {}}
+
+
+StopReason = Callable[[TurnResult, int], tuple[str, str | None]]
+
+
+def stop_reason_of(server: Server, stops: list[str]) -> StopReason:
+    """(stop_reason, stop_sequence) of a finished turn: tool_use when it called tools, max_tokens when
+    it ran out, stop_sequence when the first stop string in its text cut it, else end_turn."""
+
+    def reason(turn: TurnResult, calls: int) -> tuple[str, str | None]:
+        if calls:
+            return "tool_use", None
+        if turn.finish_reason == "length":
+            return "max_tokens", None
+        if stops and server.runtime.tokenizer is not None:
+            text = server.runtime.tokenizer.decode(turn.ids)
+            found = [(text.find(s), s) for s in stops if s in text]
+            if found:
+                return "stop_sequence", min(found)[1]
+        return "end_turn", None
+
+    return reason
+
+
+def message_json(mid: str, model: str, answer: Answer, stop_reason: StopReason) -> dict[str, Any]:
+    content: list[dict[str, Any]] = [{"type": "text", "text": answer.text}] if answer.text or not answer.calls else []
+    content += [{**tool_use_block(call), "input": call.arguments} for call in answer.calls]
+    reason, sequence = stop_reason(answer.turn, len(answer.calls))
+    return {
+        "id": mid,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": reason,
+        "stop_sequence": sequence,
+        "usage": {"input_tokens": answer.turn.prompt_tokens, "output_tokens": len(answer.turn.ids)},
+        "colibri": answer.turn.stats,
+    }
+
+
+def event(name: str, data: dict[str, Any]) -> bytes:
+    return f"event: {name}\ndata: {json.dumps({'type': name, **data}, separators=(',', ':'))}\n\n".encode()
+
+
+class _Blocks:
+    """The content blocks of a streamed message, numbered in order; a text block stays open until a
+    tool_use block or the end closes it."""
+
+    def __init__(self) -> None:
+        self.index, self.text_open, self.calls = 0, False, 0
+
+    def text(self, delta: str) -> list[bytes]:
+        out = [] if self.text_open else [self._start({"type": "text", "text": ""})]
+        self.text_open = True
+        text = {"type": "text_delta", "text": delta}
+        return out + [event("content_block_delta", {"index": self.index, "delta": text})]
+
+    def tool_call(self, call: ToolCall) -> list[bytes]:
+        arguments = {"type": "input_json_delta", "partial_json": call.arguments_json()}
+        self.calls += 1
+        return [
+            *self.close(),
+            self._start(tool_use_block(call)),
+            event("content_block_delta", {"index": self.index, "delta": arguments}),
+            *self._stop(),
+        ]
+
+    def close(self) -> list[bytes]:
+        if not self.text_open:
+            return []
+        self.text_open = False
+        return self._stop()
+
+    def finish(self) -> list[bytes]:
+        """Close the open block; an answer with no block at all gets an empty text block (as JSON does)."""
+        if self.index == 0 and not self.text_open:
+            return [*self.text(""), *self.close()]
+        return self.close()
+
+    def _start(self, block: dict[str, Any]) -> bytes:
+        return event("content_block_start", {"index": self.index, "content_block": block})
+
+    def _stop(self) -> list[bytes]:
+        self.index += 1
+        return [event("content_block_stop", {"index": self.index - 1})]
+
+
+async def stream_message(
+    job: Job, parser: ToolCallParser | None, shell: dict[str, Any], stop_reason: StopReason
+) -> AsyncIterator[bytes]:
+    """The SSE event sequence; the job is cancelled however the stream ends (see app.stream)."""
+    blocks = _Blocks()
+    try:
+        yield event("message_start", {"message": shell})
+        yield event("ping", {})
+        async for kind, value in answer_events(job, parser):
+            if kind == "text":
+                for chunk in blocks.text(value):
+                    yield chunk
+            elif kind == "tool_call":
+                for chunk in blocks.tool_call(value):
+                    yield chunk
+            elif kind == "error":
+                yield event("error", {"error": error_body(value)["error"]})
+            else:
+                for chunk in blocks.finish():
+                    yield chunk
+                reason, sequence = stop_reason(value, blocks.calls)
+                delta = {"stop_reason": reason, "stop_sequence": sequence}
+                yield event("message_delta", {"delta": delta, "usage": {"output_tokens": len(value.ids)}})
+                yield event("message_stop", {})
+    finally:
+        job.cancel.set()
+
+
+# ------------------------------------------------------------------------------------ routes
+def add_anthropic_routes(app: FastAPI, server: Server) -> None:
+    model = server.runtime.model_id
+
+    async def read(request: Request, schema: type[MessagesRequest]) -> tuple[bytes | None, MessagesRequest]:
+        key = server.authenticate(request)  # before the body is read: strangers cost nothing
+        body = await server.off_loop(parse_request, await read_body(request), schema)
+        server.check_fields(body)
+        body.check_supported()
+        return key, body
+
+    async def prompt_of(body: MessagesRequest) -> tuple[list[int], ToolCallParser | None]:
+        tools = body.offered_tools()
+        parser = tool_parser(server.runtime, tools)
+        return await server.off_loop(server.encode_messages, body.template_messages(), tools), parser
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        try:
+            key, body = await read(request, MessagesRequest)
+            prompt, parser = await prompt_of(body)
+            job = await server.submit(body, prompt, server.token_limit(body, prompt), server.session(body, key))
+            mid = f"msg_{uuid.uuid4().hex[:24]}"
+            stop_reason = stop_reason_of(server, body.stop_strings())
+            if body.stream:
+                shell = {
+                    "id": mid,
+                    "type": "message",
+                    "role": "assistant",
+                    "model": model,
+                    "content": [],
+                    "stop_reason": None,
+                    "stop_sequence": None,
+                    "usage": {"input_tokens": len(prompt), "output_tokens": 0},
+                }
+                events = stream_message(job, parser, shell, stop_reason)
+                return StreamingResponse(events, media_type="text/event-stream")
+            return message_json(mid, model, await collect(request, job, parser), stop_reason)
+        except ApiError as exc:
+            return error_response(exc)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        try:
+            _, body = await read(request, CountTokensRequest)
+            prompt, _ = await prompt_of(body)
+            return {"input_tokens": len(prompt)}
+        except ApiError as exc:
+            return error_response(exc)

@@ -1,0 +1,318 @@
+"""Tool calls, per model family: which format a chat template speaks, and the model's tool-call text
+parsed back into calls (also while it streams).
+
+Each family writes its calls between markers (often special tokens, which text.IncrementalDecoder keeps
+for this reason, see ``TOOL_MARKERS``):
+
+* deepseek_v3 (V3, R1): ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME``
+  newline, a json code fence holding ARGS, ``<｜tool▁call▁end｜>`` ... ``<｜tool▁calls▁end｜>``
+* deepseek_v31 (V3.1, V3.2): the same section, each call
+  ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>``
+* glm (GLM-4.5 .. 5): ``<tool_call>NAME`` then ``<arg_key>K</arg_key><arg_value>V</arg_value>`` pairs,
+  ``</tool_call>``; a value is JSON unless the tool's schema says the parameter is a string
+* kimi_k2: ``<|tool_calls_section_begin|>``, each call ``<|tool_call_begin|>functions.NAME:IDX``
+  ``<|tool_call_argument_begin|>ARGS<|tool_call_end|>``, ``<|tool_calls_section_end|>``
+
+A call is accepted only when it names an offered tool and its arguments are a JSON object; anything
+else (bad JSON, an unknown name, a section never closed) is handed back as plain text, markers included,
+so a confused model costs the client some odd text, never an error.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ToolCallError(ValueError):
+    """A tool-call section that does not parse (the caller turns it back into text)."""
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict[str, Any]
+    id: str | None = None  # the model's own id (Kimi's functions.NAME:IDX); None: the API assigns one
+
+    def arguments_json(self) -> str:
+        return json.dumps(self.arguments, ensure_ascii=False)
+
+
+class TemplateArguments(dict):
+    """A call's arguments as chat templates want them: a mapping (GLM and DeepSeek-V3.2 iterate its
+    items, Kimi writes it ``| tojson``) that also behaves as its JSON text where a template concatenates
+    it as a string (DeepSeek-V3/V3.1: ``'<｜tool▁sep｜>' + arguments``)."""
+
+    def __str__(self) -> str:
+        return json.dumps(self, ensure_ascii=False)
+
+    def __add__(self, other: Any) -> str:
+        if isinstance(other, str):
+            return str(self) + other
+        return NotImplemented
+
+    def __radd__(self, other: Any) -> str:
+        if isinstance(other, str):
+            return other + str(self)
+        return NotImplemented
+
+
+# ---------------------------------------------------------------------------------------- formats
+DS_CALLS_BEGIN, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CALL_BEGIN, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+GLM_CALL_BEGIN, GLM_CALL_END = "<tool_call>", "</tool_call>"
+GLM_KEY, GLM_KEY_END, GLM_VALUE, GLM_VALUE_END = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
+KIMI_SECTION_BEGIN, KIMI_SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+KIMI_CALL_BEGIN, KIMI_ARGS, KIMI_CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+
+# Every marker of every family: the special tokens the incremental decoder must not drop.
+TOOL_MARKERS = frozenset(
+    [DS_CALLS_BEGIN, DS_CALLS_END, DS_CALL_BEGIN, DS_CALL_END, DS_SEP]
+    + [GLM_CALL_BEGIN, GLM_CALL_END, GLM_KEY, GLM_KEY_END, GLM_VALUE, GLM_VALUE_END]
+    + [KIMI_SECTION_BEGIN, KIMI_SECTION_END, KIMI_CALL_BEGIN, KIMI_ARGS, KIMI_CALL_END]
+)
+
+
+@dataclass(frozen=True)
+class Tools:
+    """The tools offered to one request, by name: name -> its JSON-schema ``parameters`` ({} if none)."""
+
+    schemas: dict[str, dict[str, Any]]
+
+    def parameter_is_string(self, tool: str, parameter: str) -> bool:
+        properties = self.schemas.get(tool, {}).get("properties")
+        spec = properties.get(parameter) if isinstance(properties, dict) else None
+        return isinstance(spec, dict) and spec.get("type") == "string"
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """One family's tool-call text: a section opens with ``begin``, closes with ``end`` and holds calls."""
+
+    family: str
+    begin: str
+    end: str
+    parse_section: Callable[[str, Tools], list[ToolCall]]
+
+
+def _json_object(text: str, where: str) -> dict[str, Any]:
+    text = text.strip()
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise ToolCallError(f"{where}: arguments are not JSON") from None
+    if not isinstance(value, dict):
+        raise ToolCallError(f"{where}: arguments are not a JSON object")
+    return value
+
+
+def _between(section: str, begin: str, end: str) -> list[str]:
+    """The bodies of ``begin``...``end`` pairs; only whitespace may lie around and between them."""
+    bodies, rest = [], section
+    while rest.strip():
+        rest = rest.lstrip()
+        if not rest.startswith(begin) or end not in rest:
+            raise ToolCallError(f"expected {begin}...{end}")
+        body, _, rest = rest[len(begin) :].partition(end)
+        bodies.append(body)
+    if not bodies:
+        raise ToolCallError("an empty tool-call section")
+    return bodies
+
+
+def _known(name: str, tools: Tools) -> str:
+    if name not in tools.schemas:
+        raise ToolCallError(f"unknown tool {name!r}")
+    return name
+
+
+_DS_V3_CALL = re.compile(r"\A\s*(\w+)" + re.escape(DS_SEP) + r"(.+?)\s*\n```(?:json)?\s*\n(.*?)\n?```\s*\Z", re.S)
+
+
+def _parse_deepseek_v3(section: str, tools: Tools) -> list[ToolCall]:
+    calls = []
+    for body in _between(section, DS_CALL_BEGIN, DS_CALL_END):
+        match = _DS_V3_CALL.match(body)
+        if match is None:
+            raise ToolCallError("expected TYPE<｜tool▁sep｜>NAME and a json code block")
+        name = _known(match.group(2).strip(), tools)
+        calls.append(ToolCall(name, _json_object(match.group(3), name)))
+    return calls
+
+
+def _parse_deepseek_v31(section: str, tools: Tools) -> list[ToolCall]:
+    calls = []
+    for body in _between(section, DS_CALL_BEGIN, DS_CALL_END):
+        name, sep, arguments = body.partition(DS_SEP)
+        if not sep:
+            raise ToolCallError("expected NAME<｜tool▁sep｜>ARGUMENTS")
+        name = _known(name.strip(), tools)
+        calls.append(ToolCall(name, _json_object(arguments, name)))
+    return calls
+
+
+_GLM_PAIR = re.compile(
+    re.escape(GLM_KEY)
+    + r"(.*?)"
+    + re.escape(GLM_KEY_END)
+    + r"\s*"
+    + re.escape(GLM_VALUE)
+    + r"(.*?)"
+    + re.escape(GLM_VALUE_END),
+    re.S,
+)
+
+
+def _glm_value(text: str, string_typed: bool) -> Any:
+    """A parameter declared a string is taken as written; others are JSON when they parse (the template
+    writes non-strings ``| tojson``), else the text itself."""
+    if string_typed:
+        return text
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _parse_glm(section: str, tools: Tools) -> list[ToolCall]:
+    head, _, _ = section.partition(GLM_KEY)
+    name = _known(head.strip(), tools)
+    arguments, last = {}, len(head)
+    for match in _GLM_PAIR.finditer(section, len(head)):
+        if section[last : match.start()].strip():
+            raise ToolCallError(f"{name}: text between arguments")
+        key = match.group(1).strip()
+        arguments[key] = _glm_value(match.group(2), tools.parameter_is_string(name, key))
+        last = match.end()
+    if section[last:].strip():
+        raise ToolCallError(f"{name}: unterminated or malformed arguments")
+    return [ToolCall(name, arguments)]
+
+
+def _parse_kimi(section: str, tools: Tools) -> list[ToolCall]:
+    calls = []
+    for body in _between(section, KIMI_CALL_BEGIN, KIMI_CALL_END):
+        call_id, sep, arguments = body.partition(KIMI_ARGS)
+        call_id = call_id.strip()
+        if not sep or not call_id:
+            raise ToolCallError("expected functions.NAME:IDX<|tool_call_argument_begin|>ARGUMENTS")
+        name = _known(call_id.removeprefix("functions.").rsplit(":", 1)[0], tools)
+        calls.append(ToolCall(name, _json_object(arguments, name), id=call_id))
+    return calls
+
+
+FORMATS = {
+    "deepseek_v3": ToolFormat("deepseek_v3", DS_CALLS_BEGIN, DS_CALLS_END, _parse_deepseek_v3),
+    "deepseek_v31": ToolFormat("deepseek_v31", DS_CALLS_BEGIN, DS_CALLS_END, _parse_deepseek_v31),
+    "glm": ToolFormat("glm", GLM_CALL_BEGIN, GLM_CALL_END, _parse_glm),
+    "kimi_k2": ToolFormat("kimi_k2", KIMI_SECTION_BEGIN, KIMI_SECTION_END, _parse_kimi),
+}
+
+
+def tool_format_for(template: str) -> ToolFormat | None:
+    """The tool format a chat template renders (its own markers say which), None when it has none."""
+    if KIMI_CALL_BEGIN in template or "tool_declare" in template:
+        return FORMATS["kimi_k2"]
+    if GLM_CALL_BEGIN in template and GLM_KEY in template:
+        return FORMATS["glm"]
+    if DS_CALL_BEGIN in template:
+        return FORMATS["deepseek_v3" if "```json" in template else "deepseek_v31"]
+    return None
+
+
+# ---------------------------------------------------------------------------------------- parsing
+Event = tuple[str, Any]  # ("text", str) or ("tool_call", ToolCall)
+
+
+@dataclass
+class ToolCallParser:
+    """Model text in (as deltas), events out: ("text", str) and ("tool_call", ToolCall), in order.
+
+    Text that could be the start of the section marker is held back until it cannot; a section is held
+    until it closes, then becomes its calls (or, when it does not parse, its text). Whitespace-only text
+    next to a call (the newlines between GLM's calls) is dropped, so it makes no empty text blocks."""
+
+    format: ToolFormat
+    tools: Tools
+    buffer: str = ""
+    in_section: bool = False
+    space: str = ""  # whitespace-only text held until real text follows
+    calls: list[ToolCall] = field(default_factory=list)
+
+    def push(self, delta: str) -> list[Event]:
+        self.buffer += delta
+        events: list[Event] = []
+        while True:
+            if self.in_section:
+                end = self.buffer.find(self.format.end)
+                if end < 0:
+                    return events
+                section, self.buffer = self.buffer[:end], self.buffer[end + len(self.format.end) :]
+                self.in_section = False
+                events += self._section(section)
+            else:
+                begin = self.buffer.find(self.format.begin)
+                if begin < 0:
+                    keep = _partial_suffix(self.buffer, self.format.begin)
+                    events += self._text(self.buffer[: len(self.buffer) - keep])
+                    self.buffer = self.buffer[len(self.buffer) - keep :]
+                    return events
+                events += self._text(self.buffer[:begin])
+                self.space = ""  # whitespace before a call is dropped
+                self.buffer, self.in_section = self.buffer[begin + len(self.format.begin) :], True
+
+    def finish(self) -> list[Event]:
+        """What is left; a section never closed is text, markers included."""
+        if self.in_section:
+            events, self.in_section = self._text(self.format.begin + self.buffer), False
+        else:
+            events = self._text(self.buffer)
+        self.buffer = ""
+        if self.space and not self.calls:
+            events.append(("text", self.space))
+        self.space = ""
+        return events
+
+    def _text(self, text: str) -> list[Event]:
+        if not text:
+            return []
+        if not text.strip():
+            self.space += text
+            return []
+        stripped = text.rstrip()
+        out, self.space = self.space + stripped, text[len(stripped) :]
+        return [("text", out)]
+
+    def _section(self, section: str) -> list[Event]:
+        try:
+            calls = self.format.parse_section(section, self.tools)
+        except ToolCallError:
+            return self._text(self.format.begin + section + self.format.end)
+        self.calls += calls
+        return [("tool_call", call) for call in calls]
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of ``text`` that is a proper start of ``marker``."""
+    for size in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0
+
+
+def parse_tool_calls(text: str, format: ToolFormat, tools: Tools) -> tuple[str, list[ToolCall]]:
+    """A whole answer: its text (without the calls) and its calls."""
+    parser = ToolCallParser(format, tools)
+    events = parser.push(text) + parser.finish()
+    content = "".join(value for kind, value in events if kind == "text")
+    return content, [value for kind, value in events if kind == "tool_call"]
+
+
+def tools_from_functions(functions: Sequence[dict[str, Any]]) -> Tools:
+    """Tools from OpenAI function definitions ({name, description, parameters})."""
+    return Tools({f["name"]: f.get("parameters") or {} for f in functions})
