@@ -24,13 +24,15 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from colibri_stream.batching import ContinuousBatch, GenerationRequest, GenerationResult
 from colibri_stream.config import StoreOptions
 from colibri_stream.errors import RequestError, TokenizerError
 from colibri_stream.expert_store import ExpertStore
 from colibri_stream.fingerprint import model_fingerprint
-from colibri_stream.generate import GenerationResult, SamplingParams, generate
 from colibri_stream.loader import LoadedModel, load
 from colibri_stream.memory import PeakSampler, disk_read_bytes, peak_rss_bytes
+from colibri_stream.sampling import SamplingParams
+from colibri_stream.session_pool import SessionPool
 from colibri_stream.sessions import Session, TurnStart, default_kv_dir
 from colibri_stream.text import ChatFormat, PromptEncoder, load_chat_format, load_tokenizer
 from engine.cache import KVCache
@@ -143,49 +145,130 @@ def fit_to_context(runtime: Runtime, prompt_tokens: int, max_new_tokens: int) ->
     return max(0, min(max_new_tokens, runtime.context_size - prompt_tokens))
 
 
-def run_turn(runtime: Runtime, prompt_ids: list[int], options: TurnOptions | None = None) -> TurnResult:
-    """Generate one answer to ``prompt_ids``, continuing ``options.session``'s stored KV when given."""
-    options = options or TurnOptions()
+@dataclass
+class OpenTurn:
+    """A turn between ``begin_turn`` and ``finish_turn``/``abort_turn``: its session (locked), the cache
+    holding the restored prefix, the store's counters at its start and its generation request."""
+
+    runtime: Runtime
+    prompt_ids: list[int]
+    session: Session | None
+    start: TurnStart | None
+    recorder: PhaseRecorder
+    request: GenerationRequest
+    uss: PeakSampler
+    started: float = field(default_factory=time.perf_counter)
+
+
+def begin_turn(
+    runtime: Runtime, prompt_ids: list[int], options: TurnOptions, pool: SessionPool | None = None
+) -> OpenTurn:
+    """Check the prompt, open (or take from ``pool``) the session and restore the longest stored prefix;
+    the returned turn's ``request`` is ready for a ContinuousBatch."""
     check_prompt(runtime, prompt_ids)
     model, store = runtime.loaded.model, runtime.loaded.experts
-    session = None
-    if options.session is not None:
-        session = Session(
-            runtime.kv_dir,
-            options.session,
-            runtime.fingerprint,
-            runtime.loaded.args,
-            runtime.kv_dtype,
-            compute_dtype=str(model.dtype).removeprefix("torch."),  # recorded: another dtype is refused
-            reset=options.reset,  # starts over whatever the log held, a damaged header included
-        )
+    session, start = open_turn_session(runtime, prompt_ids, options, pool)
     try:
-        turn = session.start_turn(prompt_ids, model.dtype) if session is not None else None
-        cache = turn.cache if turn is not None else model.new_cache()
+        cache = start.cache if start is not None else model.new_cache()
         recorder = PhaseRecorder(store)
-        on_token = recorder.wrap(with_periodic_sync(options, session, cache, prompt_ids))
-        start = time.perf_counter()
-        with PeakSampler() as uss:
-            result = generate(
-                model,
-                prompt_ids,
-                fit_to_context(runtime, len(prompt_ids), options.max_new_tokens),
-                store,
-                options.sampling,
-                options.stop_ids,
-                cache,
-                on_token,
-                options.should_stop,
-            )
-        wall = time.perf_counter() - start
-        if session is not None:
-            session.end_turn(cache, prompt_ids + result.ids)
-    finally:
+        request = GenerationRequest(
+            prompt_ids,
+            fit_to_context(runtime, len(prompt_ids), options.max_new_tokens),
+            options.sampling,
+            options.stop_ids,
+            cache,
+            recorder.wrap(with_periodic_sync(options, session, cache, prompt_ids)),
+            options.should_stop,
+        )
+    except BaseException:
         if session is not None:
             session.close()
-        store.end_turn()  # a failed turn's routings and trace are kept too
-    stats = turn_stats(result, turn, wall, recorder.report(), uss.peak)
-    return TurnResult(result.ids, finish_reason(result), len(prompt_ids), stats)
+        raise
+    return OpenTurn(runtime, prompt_ids, session, start, recorder, request, PeakSampler().start())
+
+
+def open_turn_session(
+    runtime: Runtime, prompt_ids: list[int], options: TurnOptions, pool: SessionPool | None
+) -> tuple[Session | None, TurnStart | None]:
+    """The turn's session and restored prefix: from the pool (its KV still in memory: nothing read) or
+    opened from its log. None, None without a session."""
+    if options.session is None:
+        return None, None
+    held = pool.take(options.session) if pool is not None else None
+    if held is not None:
+        if options.reset:
+            held.session.reset()
+            held.cache.trim(0)
+            held.ids.clear()
+        return held.session, held.session.continue_turn(held.cache, held.ids, prompt_ids)
+    model = runtime.loaded.model
+    session = Session(
+        runtime.kv_dir,
+        options.session,
+        runtime.fingerprint,
+        runtime.loaded.args,
+        runtime.kv_dtype,
+        compute_dtype=str(model.dtype).removeprefix("torch."),  # recorded: another dtype is refused
+        reset=options.reset,  # starts over whatever the log held, a damaged header included
+    )
+    try:
+        return session, session.start_turn(prompt_ids, model.dtype)
+    except BaseException:
+        session.close()
+        raise
+
+
+def finish_turn(turn: OpenTurn, result: GenerationResult, pool: SessionPool | None = None) -> TurnResult:
+    """Append the turn's new positions to its session's log (fsynced), keep the session in ``pool`` (or
+    close it) and report the stats schema."""
+    wall = time.perf_counter() - turn.started
+    turn.uss.stop()
+    try:
+        if turn.session is not None:
+            keep_session(turn.session, turn.request.cache, turn.prompt_ids + result.ids, pool)
+    finally:
+        turn.runtime.loaded.experts.end_turn()  # a failed turn's routings and trace are kept too
+    stats = turn_stats(result, turn.start, wall, turn.recorder.report(), turn.uss.peak)
+    return TurnResult(result.ids, finish_reason(result), len(turn.prompt_ids), stats)
+
+
+def keep_session(session: Session, cache: KVCache, ids: list[int], pool: SessionPool | None) -> None:
+    """Append the positions the log lacks (fsynced), then keep the session open with its KV in ``pool``
+    for the next turn, or close it."""
+    try:
+        session.end_turn(cache, ids)
+    except BaseException:
+        session.close()
+        raise
+    if pool is not None:
+        pool.put(session, cache, ids[: cache.length])
+    else:
+        session.close()
+
+
+def abort_turn(turn: OpenTurn) -> None:
+    """A turn whose generation failed: nothing of it is persisted (its cache may be half-appended)."""
+    turn.uss.stop()
+    if turn.session is not None:
+        turn.session.close()
+    turn.runtime.loaded.experts.end_turn()
+
+
+def run_turn(runtime: Runtime, prompt_ids: list[int], options: TurnOptions | None = None) -> TurnResult:
+    """Generate one answer to ``prompt_ids``, continuing ``options.session``'s stored KV when given."""
+    turn = begin_turn(runtime, prompt_ids, options or TurnOptions())
+    model, store = runtime.loaded.model, runtime.loaded.experts
+    batch = ContinuousBatch(model, store)
+    generation = batch.add(turn.request)
+    try:
+        while batch:
+            batch.step()
+        if generation.error is not None:
+            raise generation.error
+    except BaseException:
+        abort_turn(turn)
+        raise
+    return finish_turn(turn, generation.result)
 
 
 def finish_reason(result: GenerationResult) -> str:

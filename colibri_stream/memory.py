@@ -79,11 +79,18 @@ class PeakSampler:
             if self._stop.wait(self.interval):
                 return
 
-    def __enter__(self) -> PeakSampler:
+    def start(self) -> PeakSampler:
         self._thread.start()
         return self
 
+    def stop(self) -> None:
+        if not self._stop.is_set():
+            self._stop.set()
+            self._thread.join()
+            self.peak = max(self.peak, self.measure())
+
+    def __enter__(self) -> PeakSampler:
+        return self.start()
+
     def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.measure())
+        self.stop()

@@ -172,6 +172,17 @@ class Session:
         cache = cache_from_payloads(payloads, self.geometry, self.args, dtype)
         return TurnStart(cache, reused, time.perf_counter() - start)
 
+    def continue_turn(self, cache: KVCache, ids: list[int], prompt_ids: list[int]) -> TurnStart:
+        """``start_turn`` for a cache still in memory from this session's last turn (``ids``: the tokens
+        of its positions, the log's): the common prefix is kept, nothing is read from the log."""
+        start = time.perf_counter()
+        reused = min(common_prefix(ids, prompt_ids), len(prompt_ids) - 1)
+        if reused < self.log.length:
+            self.log.truncate(reused)  # diverged (or nothing new): forget the rest
+        cache.trim(reused)
+        del ids[reused:]
+        return TurnStart(cache, reused, time.perf_counter() - start)
+
     def end_turn(self, cache: KVCache, token_ids: list[int]) -> int:
         """Append positions the log lacks (token_ids[i] is the token at position i); fsync. Returns count."""
         start, end = self.log.length, cache.length
@@ -182,6 +193,26 @@ class Session:
 
     def close(self) -> None:
         self.log.close()
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def as_logged(cache: KVCache, record_dtype: str) -> None:
+    """Round the cache's valid positions in place to what its log holds (bf16 records), so a turn that
+    continues from memory computes what one restored from the log would."""
+    if record_dtype != "bfloat16":
+        return
+    for layer in cache.layers:
+        for t in (layer.latent, layer.rope_key, layer.index_key):
+            if t is not None and t.dtype != torch.bfloat16:
+                t[:, : layer.length] = t[:, : layer.length].to(torch.bfloat16).to(t.dtype)
 
 
 def session_info(path: Path, args: ModelArgs) -> dict:

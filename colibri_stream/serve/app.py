@@ -55,7 +55,7 @@ class Server:
         if slots < 1 or max_queue < 0:
             raise ColibriError(f"--slots must be >= 1 and --max-queue >= 0, got {slots} and {max_queue}")
         self.runtime = runtime
-        self.worker = Worker(runtime, sync_every)
+        self.worker = Worker(runtime, sync_every, held_sessions=slots)
         self.slots, self.max_queue = slots, max_queue
         self.default_max_tokens = default_max_tokens
         self.api_keys = api_keys or ApiKeys()

@@ -1,10 +1,10 @@
 """The one thread that runs the model, and admission in front of it.
 
-One worker thread owns the model and runs one generation at a time, FIFO. ``slots`` requests may be
-admitted at once (submitted to the worker); up to ``max_queue`` more wait for a slot; beyond that a
-request gets 503 at once, so a flood never grows memory or latency without bound. A client that goes
-away sets its job's cancel flag, which generation polls after every token, so the model and the
-slot are free again within one decode step.
+One worker thread owns the model and decodes every admitted request together (continuous batching,
+colibri_stream/batching.py): ``slots`` requests at once, joining and leaving between steps; up to
+``max_queue`` more wait for a slot; beyond that a request gets 503 at once, so a flood never grows
+memory or latency without bound. A client that goes away sets its job's cancel flag, which the batch
+polls after every token (and before every prompt chunk), so its place is free within one step.
 """
 
 from __future__ import annotations
@@ -17,10 +17,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from colibri_stream.conversation import Runtime, TurnOptions, run_turn
+from colibri_stream.batching import ContinuousBatch, Generation
+from colibri_stream.conversation import OpenTurn, Runtime, TurnOptions, abort_turn, begin_turn, finish_turn
 from colibri_stream.errors import ColibriError
-from colibri_stream.generate import SamplingParams
+from colibri_stream.sampling import SamplingParams
 from colibri_stream.serve.schemas import ApiError
+from colibri_stream.session_pool import SessionPool
 from colibri_stream.text import IncrementalDecoder
 from storage.errors import StorageError
 
@@ -101,15 +103,33 @@ class Counters:
     rejected: int = 0
 
 
-class Worker:
-    """The one thread that runs the model."""
+@dataclass
+class Running:
+    """A job in the batch: its turn (session, stats) and its text stream."""
 
-    def __init__(self, runtime: Runtime, sync_every: int = 0):
+    job: Job
+    turn: OpenTurn
+    stream: TextStream
+
+
+class Worker:
+    """The one thread that runs the model: admitted jobs decode together in a ContinuousBatch.
+
+    Between steps new jobs join (a job whose session is already in the batch waits for that turn to
+    end: one conversation, one turn at a time) and finished ones leave. Sessions stay open with their
+    KV in memory between requests (``SessionPool``, ``held_sessions`` of them); every turn's positions
+    are still appended to the session's log, for restarts."""
+
+    def __init__(self, runtime: Runtime, sync_every: int = 0, held_sessions: int = 4):
         self.runtime = runtime
         self.sync_every = sync_every  # also persist each session every N generated tokens (0: at the end)
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.counters = Counters()
-        self.running: list[Job] = []  # the jobs being generated now
+        self.batch = ContinuousBatch(runtime.loaded.model, runtime.loaded.experts)
+        self.pool = SessionPool(held_sessions)
+        self.running: dict[Generation, Running] = {}
+        self.deferred: list[Job] = []  # admitted, waiting for their session's turn to end
+        self.stopping = False
         self.thread = threading.Thread(target=self._loop, name="colibri-model", daemon=True)
 
     def start(self) -> None:
@@ -119,27 +139,44 @@ class Worker:
         self.jobs.put(None)
         self.thread.join(timeout=60)
 
-    def _loop(self) -> None:
-        while (job := self.jobs.get()) is not None:
-            try:
-                if job.cancel.is_set():  # its client left while it waited
-                    self.counters.cancelled += 1
-                    job.emit("error", ApiError(499, "request cancelled", "cancelled"))
-                else:
-                    self.running.append(job)
-                    self._run(job)
-            finally:
-                if job in self.running:
-                    self.running.remove(job)
-                job.loop.call_soon_threadsafe(job.on_done)
-
     def activity(self) -> dict[str, Any]:
         """What the model is doing now, for /api/stats and the dashboard: the requests being generated
         (prompt tokens, tokens so far, their decode tok/s) and the sum of their decode rates."""
-        active = [job.progress() for job in list(self.running)]
+        active = [running.job.progress() for running in list(self.running.values())]
         return {"active": active, "decode_tok_per_s": round(sum(a["decode_tok_per_s"] for a in active), 3)}
 
-    def _run(self, job: Job) -> None:
+    def _loop(self) -> None:
+        try:
+            while not (self.stopping and not self.running):
+                self._admit(block=not self.running)
+                for generation in self.batch.step() if self.running else []:
+                    self._finish(generation)
+        finally:
+            self.pool.close()
+
+    def _admit(self, block: bool) -> None:
+        """Take queued jobs into the batch (waiting for one when the batch is idle)."""
+        while True:
+            try:
+                job = self.jobs.get(block=block and not self.stopping)
+            except queue.Empty:
+                return
+            block = False
+            if job is None:  # stop: the running turns end as cancelled (their positions are kept)
+                self.stopping = True
+                for pending in [*self.deferred, *(r.job for r in self.running.values())]:
+                    pending.cancel.set()
+                continue
+            self._start(job)
+
+    def _start(self, job: Job) -> None:
+        if job.cancel.is_set():  # its client left while it waited
+            self.counters.cancelled += 1
+            self._done(job, "error", ApiError(499, "request cancelled", "cancelled"))
+            return
+        if job.session is not None and any(r.job.session == job.session for r in self.running.values()):
+            self.deferred.append(job)
+            return
         tokenizer, chat = self.runtime.text_side()
         stream = TextStream(IncrementalDecoder(tokenizer, chat.stop_ids), job.stops)
 
@@ -158,28 +195,68 @@ class Worker:
             should_stop=lambda: job.cancel.is_set() or stream.stopped,
         )
         try:
-            turn = run_turn(self.runtime, job.prompt_ids, options)
-        except StorageError as exc:  # e.g. the session is open in another process
-            self.counters.failed += 1
-            job.emit("error", ApiError(409, str(exc), "session_unavailable"))
+            turn = begin_turn(self.runtime, job.prompt_ids, options, self.pool)
+        except Exception as exc:
+            self._fail(job, exc)
             return
-        except ColibriError as exc:  # a request the library refuses (prompt, sampling)
-            self.counters.failed += 1
-            job.emit("error", ApiError(400, str(exc), "invalid_request"))
+        try:
+            generation = self.batch.add(turn.request)
+        except Exception as exc:
+            abort_turn(turn)
+            self._fail(job, exc)
             return
-        except Exception as exc:  # the worker must survive anything one request does
-            self.counters.failed += 1
-            job.emit("error", ApiError(500, f"generation failed: {type(exc).__name__}: {exc}", "internal_error"))
-            return
-        if tail := stream.finish():
-            job.emit("text", tail)
-        if stream.stopped:
-            turn.finish_reason = "stop"
-        if job.cancel.is_set():
-            self.counters.cancelled += 1
-        else:
-            self.counters.served += 1
-        job.emit("done", turn)
+        self.running[generation] = Running(job, turn, stream)
+
+    def _finish(self, generation: Generation) -> None:
+        running = self.running.pop(generation)
+        job, stream = running.job, running.stream
+        try:
+            if generation.error is not None:
+                abort_turn(running.turn)
+                self._fail(job, generation.error)
+                return
+            try:
+                turn = finish_turn(running.turn, generation.result, self.pool)
+            except Exception as exc:
+                self._fail(job, exc)
+                return
+            if tail := stream.finish():
+                job.emit("text", tail)
+            if stream.stopped:
+                turn.finish_reason = "stop"
+            if job.cancel.is_set():
+                self.counters.cancelled += 1
+            else:
+                self.counters.served += 1
+            self._done(job, "done", turn)
+        finally:
+            self._release_deferred(job.session)
+
+    def _release_deferred(self, session: str | None) -> None:
+        """Start the next job that waited for ``session``'s turn to end."""
+        for job in self.deferred:
+            if session is not None and job.session == session:
+                self.deferred.remove(job)
+                self._start(job)
+                return
+
+    def _fail(self, job: Job, exc: BaseException) -> None:
+        self.counters.failed += 1
+        self._done(job, "error", api_error(exc))
+
+    @staticmethod
+    def _done(job: Job, kind: str, value: Any) -> None:
+        job.emit(kind, value)
+        job.loop.call_soon_threadsafe(job.on_done)
+
+
+def api_error(exc: BaseException) -> ApiError:
+    """The HTTP answer for a failed turn: the worker survives anything one request does."""
+    if isinstance(exc, StorageError):  # e.g. the session is open in another process
+        return ApiError(409, str(exc), "session_unavailable")
+    if isinstance(exc, ColibriError):  # a request the library refuses (prompt, sampling)
+        return ApiError(400, str(exc), "invalid_request")
+    return ApiError(500, f"generation failed: {type(exc).__name__}: {exc}", "internal_error")
 
 
 class Admission:

@@ -24,6 +24,7 @@ from colibri_stream.conversation import RuntimeOptions, load_runtime
 from colibri_stream.generate import generate
 from colibri_stream.loader import load_checkpoint
 from colibri_stream.serve.app import Server, create_app
+from colibri_stream.sessions import Session
 from colibri_stream.text import load_chat_format, load_tokenizer
 
 FAMILY = "deepseek_v3"
@@ -311,11 +312,19 @@ def test_stop_strings_cut_the_answer(served):
 
 
 def test_a_session_locked_elsewhere_is_a_409(served):
-    assert _complete(served, "Hello", "locked")[0]
-    log = Path(served.server.runtime.kv_dir) / "locked.kvlog"
-    with open(log, "rb") as holder:  # flock locks conflict between open files, even in one process
-        fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    """A session log another process holds (here: another open file; flock locks conflict between open
+    files, even in one process) is refused, and served once it is free. The server itself keeps the
+    sessions it served open (their KV in memory), so the lock is taken before the server sees it."""
+    runtime = served.server.runtime
+    log = Path(runtime.kv_dir) / "locked.kvlog"
+    held = Session(runtime.kv_dir, "locked", runtime.fingerprint, runtime.loaded.args)
+    try:
+        assert log.exists()
         with pytest.raises(openai.APIStatusError) as busy:
             _complete(served, "Hello", "locked")
         assert busy.value.status_code == 409 and busy.value.body["code"] == "session_unavailable"
+    finally:
+        held.close()
     assert _complete(served, "Hello", "locked")[0]
+    with open(log, "rb") as other, pytest.raises(BlockingIOError):  # now the server holds it, memory-resident
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -223,18 +223,21 @@ def test_health_answers_while_a_prompt_is_being_tokenised(runtime, monkeypatch):
 # ------------------------------------------------------------------------------------ D4: disconnects
 def test_a_non_streaming_client_that_leaves_cancels_its_generation(runtime, monkeypatch):
     first_token, turns = threading.Event(), []
-    real_run_turn = worker.run_turn
+    real_begin, real_finish = worker.begin_turn, worker.finish_turn
 
-    def observed_run_turn(rt, prompt_ids, options):
+    def observed_begin(rt, prompt_ids, options, pool):
         def on_token(token: int) -> None:
             first_token.set()
             options.on_token(token)
 
-        turn = real_run_turn(rt, prompt_ids, dataclasses.replace(options, on_token=on_token))
-        turns.append(turn)
-        return turn
+        return real_begin(rt, prompt_ids, dataclasses.replace(options, on_token=on_token), pool)
 
-    monkeypatch.setattr(worker, "run_turn", observed_run_turn)
+    def observed_finish(turn, result, pool):
+        turns.append(real_finish(turn, result, pool))
+        return turns[-1]
+
+    monkeypatch.setattr(worker, "begin_turn", observed_begin)
+    monkeypatch.setattr(worker, "finish_turn", observed_finish)
     server = Server(runtime)
 
     async def leave_after_first_token() -> None:

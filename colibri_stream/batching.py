@@ -1,0 +1,189 @@
+"""Continuous batching: several generations advance together, one step at a time.
+
+A step runs at most one prefill chunk (PREFILL_CHUNK_TOKENS positions of the oldest sequence still
+reading its prompt) and then one decode pass over every sequence that has a token to feed
+(``Transformer.forward_rows``: each weight read once, each MoE layer's experts acquired once for the
+union of the rows). A long prompt therefore costs the others one chunk per step, never the whole
+prompt; sequences join between steps and leave the step they finish, are cancelled or fail.
+
+Every sequence is computed exactly as if it ran alone (its prompt in the same chunks, its decode rows
+batch-invariant, its own sampling generator): at temperature 0 its tokens are those of its solo run,
+and ``generate`` is this loop with one sequence.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from colibri_stream.errors import RequestError
+from colibri_stream.sampling import SamplingParams, sample
+from engine.cache import KVCache
+from engine.experts import ExpertProvider
+from engine.model import Transformer
+
+
+@dataclass
+class GenerationStats:
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def decode_tok_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {
+            "prefill_tokens": self.prefill_tokens,
+            "decode_tokens": self.decode_tokens,
+            "prefill_s": round(self.prefill_s, 6),
+            "decode_s": round(self.decode_s, 6),
+            "ttft_s": round(self.prefill_s, 6),
+            "decode_tok_per_s": round(self.decode_tok_per_s, 3),
+        }
+
+
+@dataclass
+class GenerationResult:
+    ids: list[int]
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    stopped_on: int | None = None  # the stop id that ended generation, if any
+    cancelled: bool = False  # should_stop() returned True before max_new_tokens or a stop id
+
+
+# Prefill runs the prompt this many positions at a time, appending each chunk to the cache: activation
+# memory then depends on the chunk and the context, never on the prompt's length, and placement counts
+# it (colibri_stream/activations.py). A fixed number, never derived from a budget or from what else is
+# running, so the positions each forward sees (and the tokens) are the same under any budget or batch.
+PREFILL_CHUNK_TOKENS = 256
+
+
+@dataclass
+class GenerationRequest:
+    """One generation: continue ``prompt_ids`` by up to ``max_new_tokens`` (``cache`` may already hold a
+    prefix of the prompt). ``on_token`` sees each id as it is sampled; ``should_stop`` is polled after
+    every token (a client gone, Ctrl-C, a stop string)."""
+
+    prompt_ids: Sequence[int]
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_ids: Iterable[int] = ()
+    cache: KVCache | None = None
+    on_token: Callable[[int], None] | None = None
+    should_stop: Callable[[], bool] | None = None
+
+
+class Generation:
+    """One sequence in the batch: its cache, the prompt positions still to prefill, its result so far."""
+
+    def __init__(self, request: GenerationRequest, cache: KVCache):
+        self.request, self.cache = request, cache
+        self.pending = list(request.prompt_ids[cache.length :])  # prompt positions not yet in the cache
+        self.stop = set(request.stop_ids)
+        seed = request.sampling.seed
+        self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        self.result = GenerationResult(ids=[])
+        self.result.stats.prefill_tokens = len(self.pending)
+        self.next_token: int | None = None  # sampled, not yet fed to the model
+        self.done = False
+        self.error: BaseException | None = None
+        self.started = time.perf_counter()
+        self.first_token_at: float | None = None
+
+    def take(self, logits: torch.Tensor) -> None:
+        """Sample from this sequence's logits [vocab]; finish on a stop id, max tokens or should_stop."""
+        token = sample(logits, self.request.sampling, self.generator)
+        now = time.perf_counter()
+        stats = self.result.stats
+        if self.first_token_at is None:
+            self.first_token_at = now
+            stats.prefill_s = now - self.started
+        else:
+            stats.decode_tokens += 1
+        stats.decode_s = now - self.first_token_at
+        self.result.ids.append(token)
+        if self.request.on_token is not None:
+            self.request.on_token(token)
+        if token in self.stop:
+            self.result.stopped_on = token
+        elif len(self.result.ids) < self.request.max_new_tokens and not self.poll_cancel():
+            self.next_token = token
+            return
+        self.done = True
+
+    def poll_cancel(self) -> bool:
+        if self.request.should_stop is not None and self.request.should_stop():
+            self.result.cancelled = self.done = True
+        return self.done
+
+
+class ContinuousBatch:
+    """Sequences decoded together; ``step`` advances all of them and returns those that finished."""
+
+    def __init__(self, model: Transformer, experts: ExpertProvider, prefill_chunk: int = PREFILL_CHUNK_TOKENS):
+        self.model, self.experts, self.prefill_chunk = model, experts, prefill_chunk
+        self.active: list[Generation] = []
+
+    def __len__(self) -> int:
+        return len(self.active)
+
+    def add(self, request: GenerationRequest) -> Generation:
+        """Start a generation (it joins at the next step). Refuses an empty prompt, and a cache that
+        already holds the whole prompt (at least one position must run to give logits)."""
+        if not request.prompt_ids:
+            raise RequestError("the prompt is empty (0 tokens)")
+        cache = self.model.new_cache() if request.cache is None else request.cache
+        if cache.length >= len(request.prompt_ids):
+            raise ValueError(
+                f"cache holds {cache.length} positions; the prompt must extend it (has {len(request.prompt_ids)})"
+            )
+        generation = Generation(request, cache)
+        generation.done = request.max_new_tokens <= 0
+        if not generation.done:
+            self.active.append(generation)
+        return generation
+
+    def step(self) -> list[Generation]:
+        """One prefill chunk (if a prompt is pending) and one decode pass; the generations that finished.
+        A generation whose forward fails ends with ``error`` set; the others go on."""
+        for generation in self.active:
+            if generation.pending and generation.poll_cancel():  # a client gone while its prompt ran
+                continue
+        reading = next((g for g in self.active if g.pending and not g.done), None)
+        if reading is not None:
+            self._guarded([reading], self._prefill_chunk)
+        feeding = [g for g in self.active if g.next_token is not None and not g.done and g is not reading]
+        if feeding:
+            self._guarded(feeding, self._decode)
+        finished = [g for g in self.active if g.done]
+        self.active = [g for g in self.active if not g.done]
+        return finished
+
+    def _prefill_chunk(self, generations: list[Generation]) -> None:
+        (generation,) = generations
+        chunk, generation.pending = generation.pending[: self.prefill_chunk], generation.pending[self.prefill_chunk :]
+        tokens = torch.tensor([chunk], dtype=torch.long, device=self.model.device)
+        logits = self.model(tokens, generation.cache.length, generation.cache, self.experts, last_only=True)
+        if not generation.pending:
+            generation.take(logits[0, -1])
+
+    def _decode(self, generations: list[Generation]) -> None:
+        tokens = [g.next_token for g in generations]
+        for g in generations:
+            g.next_token = None
+        logits = self.model.forward_rows(tokens, [g.cache for g in generations], self.experts)
+        for generation, row in zip(generations, logits, strict=True):
+            generation.take(row)
+
+    @staticmethod
+    def _guarded(generations: list[Generation], work: Callable[[list[Generation]], None]) -> None:
+        try:
+            work(generations)
+        except Exception as exc:  # one failed forward ends the generations in it, not the batch
+            for generation in generations:
+                generation.error, generation.done = exc, True

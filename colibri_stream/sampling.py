@@ -1,0 +1,47 @@
+"""Sampling parameters and the sampler: greedy (temperature 0) or temperature/top-p with a seeded
+generator, numerically safe at any finite temperature."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from colibri_stream.errors import RequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        # "not (x >= 0)" rather than "x < 0": NaN fails every comparison and must be refused too
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+GREEDY_BELOW = float(torch.finfo(torch.float32).tiny)  # temperatures under this (0 included) are greedy
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Pick one id from logits [vocab] (float32). The logits are shifted so the best is 0 before the
+    division: every scaled value is then <= 0, so a tiny temperature cannot overflow to inf (inf - inf
+    made NaN probabilities); other tokens underflow to probability 0, which is greedy, as it should
+    be. Below float32's smallest normal the temperature itself would round to 0: greedy outright."""
+    if params.temperature < GREEDY_BELOW:
+        return int(logits.argmax())
+    shifted = logits.float() - logits.max().float()
+    probs = (shifted / params.temperature).softmax(dim=-1)
+    if params.top_p < 1:
+        sorted_probs, order = probs.sort(descending=True)
+        # keep the smallest prefix whose mass reaches top_p (always at least the best token)
+        outside = sorted_probs.cumsum(0) - sorted_probs >= params.top_p
+        outside[0] = False  # a top_p that rounds to 0 in float32 must not remove the best one too
+        sorted_probs[outside] = 0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
