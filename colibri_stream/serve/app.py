@@ -27,6 +27,7 @@ from colibri_stream.conversation import Runtime, TurnResult
 from colibri_stream.errors import ChatTemplateError, ColibriError, SessionError
 from colibri_stream.generate import SamplingParams
 from colibri_stream.serve.auth import ApiKeys
+from colibri_stream.serve.dashboard import add_dashboard_routes
 from colibri_stream.serve.intake import parse_request, read_body
 from colibri_stream.serve.schemas import ApiError, ChatRequest, CompletionRequest
 from colibri_stream.serve.worker import Admission, Job, Worker
@@ -341,4 +342,5 @@ def create_app(server: Server) -> FastAPI:
             "colibri": turn.stats,
         }
 
+    add_dashboard_routes(app, server)
     return app
