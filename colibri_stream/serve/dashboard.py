@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import time
 from importlib import resources
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request, Response
 
+from colibri_stream.conversation import Runtime
 from colibri_stream.serve.live_stats import RateWindow, experts_json, residency_json, tier_json
-
-if TYPE_CHECKING:  # app.py registers these routes: a runtime import would be circular
-    from colibri_stream.serve.app import Server
+from colibri_stream.serve.worker import Admission, Worker
 
 STATIC = {  # URL path -> (file in serve/static, media type); nothing else is served from there
     "/": ("index.html", "text/html; charset=utf-8"),
@@ -38,6 +37,17 @@ PAGE_HEADERS = {
 
 def static_bytes(name: str) -> bytes:
     return resources.files("colibri_stream.serve").joinpath("static", name).read_bytes()
+
+
+class Server(Protocol):
+    """What the dashboard reads of serve.app.Server (which registers these routes, so no import of it)."""
+
+    runtime: Runtime
+    worker: Worker
+    slots: int
+    admission: Admission | None
+
+    def authenticate(self, request: Request) -> bytes | None: ...
 
 
 class Dashboard:
