@@ -120,7 +120,7 @@ function drawHeat(stats) {
   const ctx = canvas.getContext("2d");
   ctx.fillStyle = GAP;
   ctx.fillRect(0, 0, canvas.width, canvas.height);
-  const max = Math.max(1, ...heat.flat());
+  const max = heat.flat().reduce((a, b) => Math.max(a, b), 1); // no spread: 60 x 384 arguments is too many for some engines
   ctx.font = `${Math.min(12, size)}px system-ui, sans-serif`;
   ctx.textBaseline = "middle";
   heat.forEach((row, r) => {
