@@ -2,7 +2,8 @@
 
 The engine needs only an ExpertProvider (acquire / release / prefetch). A run also measures and
 persists: ``snapshot`` (the counters now, StoreStats), ``report`` (them as the stats schema's
-expert keys), ``end_turn`` (persist the usage history, flush the trace) and ``close``. Two
+expert keys), ``routed`` (requests per (layer, expert) since start, RoutingCounts), ``tiers`` (what each
+tier holds now, for the dashboard), ``end_turn`` (persist the usage history, flush the trace) and ``close``. Two
 implementations: storage's TieredExpertStore (experts streamed from a container) and
 ``ResidentStore`` below (every expert in memory: each request is a RAM hit, nothing is read).
 """
@@ -13,14 +14,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Protocol, runtime_checkable
 
+import torch
+
 from engine.experts import Expert, ExpertProvider, ResidentExperts
-from storage.stats import StoreStats
+from storage.stats import RoutingCounts, StoreStats, TierView
 from storage.trace import TraceWriter
 
 
 @runtime_checkable
 class ExpertStore(ExpertProvider, Protocol):
+    routed: RoutingCounts
+
     def snapshot(self) -> StoreStats: ...
+
+    def tiers(self) -> list[TierView]: ...
 
     def report(self) -> dict[str, Any]: ...
 
@@ -36,16 +43,27 @@ class ResidentStore(ResidentExperts):
         super().__init__(experts)
         self.stats = StoreStats()
         self.trace = trace
+        layers = sorted(experts)
+        n_experts = len(experts[layers[0]]) if layers else 0
+        self.routed = RoutingCounts(layers, n_experts)
+        self._keys = frozenset((layer, e) for layer in layers for e in experts[layer])
+        self._expert_bytes = _tensor_bytes(experts[layers[0]][0]) if layers else 0
 
     def acquire(self, layer: int, expert_ids: Sequence[int]) -> Mapping[int, Expert]:
         chosen = super().acquire(layer, expert_ids)
         self.stats.add(requests=len(expert_ids), hits_ram=len(expert_ids))
+        self.routed.record(layer, expert_ids)
         if self.trace is not None:
             self.trace.write(layer, expert_ids)
         return chosen
 
     def snapshot(self) -> StoreStats:
         return replace(self.stats)
+
+    def tiers(self) -> list[TierView]:
+        """One RAM tier holding every expert: as many slots as experts, all used, none pinned."""
+        n, size = len(self._keys), self._expert_bytes
+        return [TierView("ram", n, size, n * size, self._keys)]
 
     def report(self) -> dict[str, Any]:
         return {**self.snapshot().as_dict(), "store": "resident", "direct_io": False}
@@ -57,3 +75,9 @@ class ResidentStore(ResidentExperts):
     def close(self) -> None:
         if self.trace is not None:
             self.trace.close()
+
+
+def _tensor_bytes(expert: Expert) -> int:
+    """The bytes of an expert's weight tensors (its dataclass fields), or 0 for an opaque expert."""
+    fields = getattr(expert, "__dict__", {}).values()
+    return sum(value.nbytes for value in fields if isinstance(value, torch.Tensor))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -51,3 +52,42 @@ class StoreStats:
             },
             "prefetch_recall": None if self.prefetch_recall is None else round(self.prefetch_recall, 4),
         }
+
+
+class RoutingCounts:
+    """Requests per (MoE layer, routed expert) since the store opened — what the dashboard's heat map
+    draws. Unlike the usage history it starts at zero, never decays and is never persisted."""
+
+    def __init__(self, layers: Sequence[int], n_experts: int):
+        self.layers = tuple(layers)  # the model layer of each row
+        self._row = {layer: i for i, layer in enumerate(self.layers)}
+        # Written by the model thread, read by the server: a read sees each count old or new, never torn.
+        self._counts = [[0] * n_experts for _ in self.layers]
+
+    def record(self, layer: int, expert_ids: Iterable[int]) -> None:
+        row = self._counts[self._row[layer]]
+        for expert in expert_ids:
+            row[expert] += 1
+
+    def table(self) -> list[list[int]]:
+        """One list per MoE layer (in ``layers`` order), one count per routed expert."""
+        return [list(row) for row in self._counts]
+
+
+Key = tuple[int, int]  # (layer, expert)
+
+
+@dataclass(frozen=True)
+class TierView:
+    """What one tier holds right now: its slots, the experts in them, the learned hot store's pins."""
+
+    name: str  # "ram" | "vram"
+    slots: int
+    slot_bytes: int
+    budget_bytes: int  # what the user granted (slots * slot_bytes <= budget_bytes)
+    resident: frozenset[Key]  # experts occupying a slot (a read in flight included)
+    pinned: frozenset[Key] = frozenset()  # never evicted once resident (``--policy pinned``)
+
+    @property
+    def used_slots(self) -> int:
+        return len(self.resident)

@@ -30,7 +30,7 @@ from storage.device_copy import DeviceCopies
 from storage.errors import BudgetError, CorruptDataError
 from storage.history import UsageHistory
 from storage.policy import POLICIES, POLICY_NAMES, LRUPolicy
-from storage.stats import StoreStats
+from storage.stats import RoutingCounts, StoreStats, TierView
 from storage.tier import Entry, SlotTier
 from storage.trace import TraceWriter
 
@@ -113,6 +113,7 @@ class TieredExpertStore:
         self.record_bytes = container.layout.record_bytes
         self.history = history if history is not None else UsageHistory(container.n_experts)
         self.stats = StoreStats()
+        self.routed = RoutingCounts(container.moe_layers, container.n_experts)
         self._stats_lock = threading.Lock()
         direct = config.direct and o_direct_refusal(container.expert_path(container.moe_layers[0], 0)) is None
         self._reader = ExpertReader(container, direct=direct)
@@ -188,6 +189,7 @@ class TieredExpertStore:
 
     def acquire(self, layer: int, expert_ids: Sequence[int]) -> Mapping[int, Any]:
         self.history.record(layer, expert_ids)
+        self.routed.record(layer, expert_ids)
         if self.trace is not None:
             self.trace.write(layer, expert_ids)
         predicted = self._predicted.pop(layer, None)
@@ -297,6 +299,19 @@ class TieredExpertStore:
         with self._stats_lock:
             self.stats.prefetch_wasted = self.ram.evicted_unused_prefetches
             return replace(self.stats)
+
+    def tiers(self) -> list[TierView]:
+        """The RAM tier and, with a VRAM budget, the VRAM tier as they are now. Safe from another thread:
+        each tier's entries are copied in one step (atomic under the GIL), so a view may be a step old,
+        never torn."""
+        views = [self._view(self.ram, self.config.ram_bytes)]
+        if self.vram is not None:
+            views.append(self._view(self.vram, self.config.vram_bytes))
+        return views
+
+    def _view(self, tier: SlotTier, budget_bytes: int) -> TierView:
+        resident = frozenset(tier.entries.copy())
+        return TierView(tier.name, tier.n_slots, self.record_bytes, budget_bytes, resident, tier.hot)
 
     def report(self) -> dict[str, Any]:
         return {**self.snapshot().as_dict(), "store": "tiered", "direct_io": self._reader.direct}

@@ -29,6 +29,7 @@ from colibri_stream.generate import SamplingParams
 from colibri_stream.serve.answers import answer_events, collect, tool_parser
 from colibri_stream.serve.anthropic_api import add_anthropic_routes
 from colibri_stream.serve.auth import ApiKeys
+from colibri_stream.serve.dashboard import add_dashboard_routes
 from colibri_stream.serve.intake import parse_request, read_body
 from colibri_stream.serve.schemas import ApiError, ChatRequest, CompletionRequest
 from colibri_stream.serve.worker import Admission, Job, Worker
@@ -354,4 +355,5 @@ def create_app(server: Server) -> FastAPI:
         }
 
     add_anthropic_routes(app, server)
+    add_dashboard_routes(app, server)
     return app

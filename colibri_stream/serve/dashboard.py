@@ -1,0 +1,107 @@
+"""The live dashboard: ``GET /`` a self-contained page, ``GET /api/stats`` the numbers it draws.
+
+The page (serve/static: index.html, dashboard.js, dashboard.css, shipped as package data) loads nothing
+from elsewhere — no CDN, no fonts; a Content-Security-Policy header holds it to its own origin. It polls
+/api/stats every second and draws the tiers, the I/O rates, the requests and the expert heat map (a
+canvas: MoE layers x routed experts, colour by request count, RAM/VRAM residents and pinned experts
+marked). The JSON shape is documented in serve/live_stats.py.
+
+The page is served openly; /api/stats is authenticated like /v1 when API keys are set (it names the
+sessions being served). The page then asks for a key once and keeps it in sessionStorage (this tab
+only), sending it as ``Authorization: Bearer``.
+"""
+
+from __future__ import annotations
+
+import time
+from importlib import resources
+from typing import Any, Protocol
+
+from fastapi import FastAPI, Request, Response
+
+from colibri_stream.conversation import Runtime
+from colibri_stream.serve.live_stats import RateWindow, experts_json, residency_json, tier_json
+from colibri_stream.serve.worker import Admission, Worker
+
+STATIC = {  # URL path -> (file in serve/static, media type); nothing else is served from there
+    "/": ("index.html", "text/html; charset=utf-8"),
+    "/static/dashboard.js": ("dashboard.js", "text/javascript; charset=utf-8"),
+    "/static/dashboard.css": ("dashboard.css", "text/css; charset=utf-8"),
+}
+PAGE_HEADERS = {
+    "content-security-policy": "default-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'",
+    "x-content-type-options": "nosniff",
+    "cache-control": "no-cache",
+}
+
+
+def static_bytes(name: str) -> bytes:
+    return resources.files("colibri_stream.serve").joinpath("static", name).read_bytes()
+
+
+class Server(Protocol):
+    """What the dashboard reads of serve.app.Server (which registers these routes, so no import of it)."""
+
+    runtime: Runtime
+    worker: Worker
+    slots: int
+    admission: Admission | None
+
+    def authenticate(self, request: Request) -> bytes | None: ...
+
+
+class Dashboard:
+    """Builds /api/stats from the server's store, worker and admission."""
+
+    def __init__(self, server: Server):
+        self.server = server
+        self.started = time.monotonic()
+        self.window = RateWindow()
+
+    def stats(self) -> dict[str, Any]:
+        server = self.server
+        store = server.runtime.loaded.experts
+        counters = store.snapshot()
+        tiers = store.tiers()
+        layers = store.routed.layers
+        activity = server.worker.activity()
+        admission = server.admission
+        return {
+            "model": server.runtime.model_id,
+            "uptime_s": round(time.monotonic() - self.started, 3),
+            "tiers": [tier_json(tier, counters) for tier in tiers],
+            "experts": experts_json(counters),
+            "io": self.window.rates(counters),
+            "counters": dict(vars(server.worker.counters)),
+            "queue": {
+                "slots": server.slots,
+                "busy": admission.busy if admission else 0,
+                "queued": admission.waiting if admission else 0,
+            },
+            "active": activity["active"],
+            "decode_tok_per_s": activity["decode_tok_per_s"],
+            "heat": store.routed.table(),
+            "heat_layers": list(layers),
+            "resident": residency_json(tiers, layers),
+        }
+
+
+def add_dashboard_routes(app: FastAPI, server: Server) -> Dashboard:
+    """``GET /``, its two assets and ``GET /api/stats`` on ``app``."""
+    dashboard = Dashboard(server)
+    for path, (name, media_type) in STATIC.items():
+        app.add_api_route(path, _static_route(static_bytes(name), media_type), methods=["GET"], include_in_schema=False)
+
+    @app.get("/api/stats", include_in_schema=False)
+    async def api_stats(request: Request) -> dict[str, Any]:
+        server.authenticate(request)
+        return dashboard.stats()
+
+    return dashboard
+
+
+def _static_route(body: bytes, media_type: str):
+    async def serve_asset() -> Response:
+        return Response(body, media_type=media_type, headers=PAGE_HEADERS)
+
+    return serve_asset
