@@ -1,0 +1,139 @@
+"""ContinuousBatch: generations that join at different steps, sample differently, stop, get cancelled
+or read a long prompt in chunks each produce exactly their solo run's tokens, and a long prompt costs
+the decoding ones one chunk per step, never a stall."""
+
+from __future__ import annotations
+
+import pytest
+
+from colibri_stream.batching import ContinuousBatch, GenerationRequest
+from colibri_stream.config import StoreOptions
+from colibri_stream.errors import RequestError
+from colibri_stream.generate import SamplingParams, generate
+from colibri_stream.loader import load
+
+CHUNK = 8  # prompt positions per prefill forward: small, so a 30-token prompt takes 4 steps
+LONG_PROMPT = list(range(5, 35))
+
+
+def requests(stop_id: int) -> list[tuple[int, GenerationRequest]]:
+    """(join step, request): greedy, seeded sampling, top-p, a stop id, a long prompt joining late."""
+    return [
+        (0, GenerationRequest([1, 5, 9, 3, 7, 2, 11], 9)),
+        (0, GenerationRequest([4, 4, 2], 7, SamplingParams(0.8, 1.0, seed=11))),
+        (2, GenerationRequest([6, 1, 2, 3, 4, 5, 6, 12], 8, SamplingParams(1.3, 0.7, seed=5))),
+        (3, GenerationRequest(LONG_PROMPT, 5)),
+        (4, GenerationRequest([9, 9, 9], 12, stop_ids=[stop_id])),
+    ]
+
+
+def solo(model, experts, request: GenerationRequest) -> list[int]:
+    return generate(
+        model,
+        request.prompt_ids,
+        request.max_new_tokens,
+        experts,
+        request.sampling,
+        request.stop_ids,
+        prefill_chunk=CHUNK,
+    ).ids
+
+
+def run_batched(model, experts, joined: list[tuple[int, GenerationRequest]]):
+    """Step the batch, adding each request at its step; per step, how many tokens each one has."""
+    batch, generations, progress, step = ContinuousBatch(model, experts, CHUNK), {}, [], 0
+    while step == 0 or batch or len(generations) < len(joined):
+        for i, (at, request) in enumerate(joined):
+            if at == step:
+                generations[i] = batch.add(request)
+        batch.step()
+        progress.append({i: len(g.result.ids) for i, g in generations.items()})
+        step += 1
+    return [generations[i] for i in range(len(joined))], progress
+
+
+def stop_token_of(model, experts) -> int:
+    """A token the stop-id request really samples (its 3rd), so that request stops early."""
+    return generate(model, [9, 9, 9], 3, experts).ids[2]
+
+
+def check(model, experts) -> None:
+    joined = requests(stop_token_of(model, experts))
+    generations, progress = run_batched(model, experts, joined)
+    for generation, (_, request) in zip(generations, joined, strict=True):
+        assert generation.error is None
+        assert generation.result.ids == solo(model, experts, request)
+    assert generations[4].result.stopped_on is not None and len(generations[4].result.ids) == 3
+    # The long prompt (joined at step 3) reads 4 chunks over steps 3-6; meanwhile request 0 decodes
+    # one token every step.
+    long_prompt_steps = range(3, 3 + -(-len(LONG_PROMPT) // CHUNK))
+    for step in long_prompt_steps:
+        assert progress[step].get(3, 0) == (1 if step == long_prompt_steps[-1] else 0)
+        assert progress[step][0] == progress[step - 1][0] + 1
+
+
+def test_joined_generations_equal_their_solo_runs(loaded):
+    check(loaded.model, loaded.experts)
+
+
+def test_joined_generations_equal_their_solo_runs_under_a_tight_budget(stream_container):
+    loaded = load(stream_container, "float32", StoreOptions(ram="25%"))
+    try:
+        before = loaded.experts.snapshot()
+        check(loaded.model, loaded.experts)
+        assert loaded.experts.snapshot().minus(before).misses > 0
+    finally:
+        loaded.experts.close()
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoints):
+    from colibri_stream.loader import load_checkpoint
+
+    return load_checkpoint(tiny_checkpoints["deepseek_v32"])
+
+
+def test_a_cancelled_generation_leaves_the_step_it_is_cancelled(tiny):
+    batch = ContinuousBatch(tiny.model, tiny.experts, CHUNK)
+    cancel = {"decoding": False, "reading": False}
+    decoding = batch.add(GenerationRequest([1, 2, 3], 50, should_stop=lambda: cancel["decoding"]))
+    staying = batch.add(GenerationRequest([3, 2, 1], 50))
+    reading = batch.add(GenerationRequest(LONG_PROMPT, 50, should_stop=lambda: cancel["reading"]))
+    batch.step()
+    batch.step()
+    cancel["decoding"] = cancel["reading"] = True
+    finished = batch.step()
+    assert set(finished) == {decoding, reading} and len(batch) == 1
+    assert decoding.result.cancelled and reading.result.cancelled and reading.result.ids == []
+    assert not staying.done
+
+
+def test_a_request_that_cannot_run_is_refused_when_added(tiny):
+    batch = ContinuousBatch(tiny.model, tiny.experts)
+    with pytest.raises(RequestError):
+        batch.add(GenerationRequest([], 4))
+    cache = tiny.model.new_cache()
+    generate(tiny.model, [1, 2, 3], 1, tiny.experts, cache=cache)
+    with pytest.raises(ValueError, match="must extend it"):
+        batch.add(GenerationRequest([1, 2, 3], 4, cache=cache))
+    assert batch.add(GenerationRequest([1], 0)).done and len(batch) == 0
+
+
+def test_a_failing_forward_ends_only_its_generations(tiny, monkeypatch):
+    batch = ContinuousBatch(tiny.model, tiny.experts, CHUNK)
+    first = batch.add(GenerationRequest([1, 2, 3], 3))
+    batch.step()  # first: prompt read, one token
+    broken = batch.add(GenerationRequest(LONG_PROMPT, 3))
+    real_forward = type(tiny.model).forward
+
+    def failing_prefill(self, tokens, *args, **kwargs):
+        if tokens.shape[1] > 1:
+            raise RuntimeError("disk gone")
+        return real_forward(self, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(type(tiny.model), "forward", failing_prefill)
+    finished = batch.step()
+    assert finished == [broken] and isinstance(broken.error, RuntimeError)
+    while batch:
+        batch.step()
+    assert first.error is None and len(first.result.ids) == 3
