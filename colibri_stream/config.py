@@ -170,6 +170,7 @@ class StoreOptions:
     io_threads: int | None = None
     history: str | Path | None = None  # usage-history file, updated after every turn
     trace: str | Path | None = None  # routing trace, one JSON line per acquire
+    kv_sequences: int = 1  # KV caches held at once, each counted at the full context (serve: 2 x slots)
 
 
 def store_config(options: StoreOptions, geometry: ModelGeometry, dtype: str = "float32") -> StoreConfig:
@@ -178,7 +179,7 @@ def store_config(options: StoreOptions, geometry: ModelGeometry, dtype: str = "f
     file's RAM at most that."""
     budget = load_budget_file(options.budget) if options.budget else Budget()
     expert_bytes = geometry.expert_bytes
-    provisional = plan(geometry, StoreConfig(ram_bytes=0), dtype)
+    provisional = plan(geometry, StoreConfig(ram_bytes=0), dtype, sequences=options.kv_sequences)
     auto = auto_ram_bytes(
         provisional.dense_bytes,
         provisional.kv_bytes_at_max_context,

@@ -176,7 +176,7 @@ def load(path: str | Path, dtype: str = "float32", store: StoreOptions | None = 
         return load_checkpoint(path, COMPUTE_DTYPES[dtype], trace=trace)
     geometry = geometry_from_container(Container(path))
     config = store_config(store, geometry, dtype)
-    check_fits(plan(geometry, config, dtype))
+    check_fits(plan(geometry, config, dtype, sequences=store.kv_sequences))
     return load_container(path, COMPUTE_DTYPES[dtype], config, trace)
 
 

@@ -45,7 +45,8 @@ class Placement:
     dense_bytes_per_token: int
     kv_bytes_per_token: int
     max_context: int
-    kv_bytes_at_max_context: int
+    kv_bytes_at_max_context: int  # for every sequence held at once (serve: its slots and held sessions)
+    kv_sequences: int
     prefill_chunk_tokens: int
     activation_bytes: int
     expert_record_bytes: int
@@ -131,8 +132,14 @@ def resident_bytes(geometry: ModelGeometry, dtype: str) -> dict[str, int]:
 
 
 def plan(
-    geometry: ModelGeometry, config: StoreConfig, dtype: str = "float32", machine: Machine | None = None
+    geometry: ModelGeometry,
+    config: StoreConfig,
+    dtype: str = "float32",
+    machine: Machine | None = None,
+    sequences: int = 1,
 ) -> Placement:
+    """Where everything goes. ``sequences``: KV caches held at once, each up to the full context (1 for
+    run and chat; serve holds its batch and its sessions kept in memory)."""
     args, record = geometry.args, geometry.record_bytes
     resident = resident_bytes(geometry, dtype)
     dense = sum(resident.values())
@@ -142,7 +149,7 @@ def plan(
     vram_slots = min(slots_for(config.vram_bytes, record), geometry.total_records)
     machine = machine or Machine.here()
     context = args.max_position_embeddings
-    kv_max = kv_token * context
+    kv_max = kv_token * context * sequences
     held = held_in_bf16(geometry.dense, args, COMPUTE_DTYPES[dtype])
     activations = prefill_activation_bytes(
         args,
@@ -159,6 +166,7 @@ def plan(
         kv_bytes_per_token=kv_token,
         max_context=context,
         kv_bytes_at_max_context=kv_max,
+        kv_sequences=sequences,
         prefill_chunk_tokens=PREFILL_CHUNK_TOKENS,
         activation_bytes=activations,
         expert_record_bytes=record,
@@ -254,7 +262,8 @@ def describe(placement: Placement, speed: Speed | None = None) -> str:
         f"model                        {p.model}",
         f"dense weights (resident)     {_gib(p.dense_bytes)} ({_gib(p.dense_bytes_per_token)} read per token)",
         f"KV cache                     {p.kv_bytes_per_token} B/token, "
-        f"{_gib(p.kv_bytes_at_max_context)} at {p.max_context} tokens",
+        f"{_gib(p.kv_bytes_at_max_context)} at {p.max_context} tokens"
+        + (f" x {p.kv_sequences} sequences" if p.kv_sequences > 1 else ""),
         f"activations                  {_gib(p.activation_bytes)} (prefill in chunks of {p.prefill_chunk_tokens} "
         f"tokens, at {p.max_context} tokens)",
         f"routed experts (on disk)     {_gib(p.expert_bytes)}: {p.moe_layers} layers x {p.experts_per_layer} "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ipaddress
 import sys
 
@@ -38,13 +39,18 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "serve",
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve PATH over /v1/chat/completions, /v1/completions and /v1/models (JSON and SSE). "
-        "One generation runs at a time; --slots requests are admitted, --max-queue more wait, the rest get 503.",
+        "Up to --slots requests decode together (continuous batching: one forward per step over all of them, "
+        "each with its own KV; greedy answers are those of each request alone); --max-queue more wait, the rest "
+        "get 503. The RAM check counts 2 x --slots KV caches at the full context: the batch's, and as many "
+        "sessions kept in memory between requests.",
         **help_options(EPILOG),
     )
     add_runtime_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
-    parser.add_argument("--slots", type=int, default=4, help="requests admitted at once (default 4)")
+    parser.add_argument(
+        "--slots", type=int, default=4, help="requests decoded together, and sessions kept in memory (default 4)"
+    )
     parser.add_argument("--max-queue", type=int, default=16, help="requests waiting for a slot before 503 (default 16)")
     parser.add_argument("--model-name", help="the model id clients send (default: PATH's directory name)")
     parser.add_argument(
@@ -98,7 +104,10 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.slots < 1 or args.max_queue < 0:
         raise ColibriError(f"--slots must be >= 1 and --max-queue >= 0, got {args.slots} and {args.max_queue}")
     keys = ApiKeys.from_sources(args.api_key)  # refuses blank keys before the (slow) model load
-    runtime = load_runtime(args.path, runtime_options(args, model_id=args.model_name))
+    options = runtime_options(args, model_id=args.model_name)
+    # The batch's caches and as many sessions kept in memory between requests, each up to the context.
+    options = dataclasses.replace(options, store=dataclasses.replace(options.store, kv_sequences=2 * args.slots))
+    runtime = load_runtime(args.path, options)
     try:
         server = Server(runtime, args.slots, args.max_queue, args.default_max_tokens, args.kv_sync_every, keys)
         server.check_chat_template()  # a broken template stops the start, not every chat request

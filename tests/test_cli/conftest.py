@@ -18,9 +18,16 @@ START_WAIT_S = 120  # the test machine may be busy
 
 
 class LiveServer:
-    def __init__(self, server: Server, port: int):
+    def __init__(self, server: Server, port: int, http_server: uvicorn.Server, thread: threading.Thread):
         self.server, self.port = server, port
         self.base = f"http://127.0.0.1:{port}"
+        self.http_server, self.thread = http_server, thread
+
+    def stop(self) -> None:
+        """Shut down as Ctrl-C does (the worker ends, its sessions are closed)."""
+        self.http_server.should_exit = True
+        self.thread.join(timeout=30)
+        assert not self.thread.is_alive(), "the server did not stop"
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +49,7 @@ def live_server() -> Iterator[Callable[..., LiveServer]]:
         while not http_server.started:
             assert time.monotonic() < deadline, "uvicorn did not start"
             time.sleep(0.05)
-        return LiveServer(server, port)
+        return LiveServer(server, port, http_server, thread)
 
     yield start
     for http_server, _ in running:
