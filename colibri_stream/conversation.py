@@ -30,7 +30,7 @@ from colibri_stream.errors import RequestError, TokenizerError
 from colibri_stream.expert_store import ExpertStore
 from colibri_stream.fingerprint import model_fingerprint
 from colibri_stream.loader import LoadedModel, load
-from colibri_stream.memory import PeakSampler, disk_read_bytes, peak_rss_bytes
+from colibri_stream.memory import PeakWatch, SharedPeakSampler, disk_read_bytes, peak_rss_bytes
 from colibri_stream.sampling import SamplingParams
 from colibri_stream.session_pool import SessionPool
 from colibri_stream.sessions import Session, TurnStart, default_kv_dir
@@ -145,6 +145,9 @@ def fit_to_context(runtime: Runtime, prompt_tokens: int, max_new_tokens: int) ->
     return max(0, min(max_new_tokens, runtime.context_size - prompt_tokens))
 
 
+USS_SAMPLER = SharedPeakSampler()  # every turn's peak USS, one sampling thread however many turns overlap
+
+
 @dataclass
 class OpenTurn:
     """A turn between ``begin_turn`` and ``finish_turn``/``abort_turn``: its session (locked), the cache
@@ -156,7 +159,7 @@ class OpenTurn:
     start: TurnStart | None
     recorder: PhaseRecorder
     request: GenerationRequest
-    uss: PeakSampler
+    uss: PeakWatch
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -184,7 +187,7 @@ def begin_turn(
         if session is not None:
             session.close()
         raise
-    return OpenTurn(runtime, prompt_ids, session, start, recorder, request, PeakSampler().start())
+    return OpenTurn(runtime, prompt_ids, session, start, recorder, request, USS_SAMPLER.watch())
 
 
 def open_turn_session(
