@@ -152,8 +152,8 @@ class ContinuousBatch:
         """One prefill chunk (if a prompt is pending) and one decode pass; the generations that finished.
         A generation whose forward fails ends with ``error`` set; the others go on."""
         for generation in self.active:
-            if generation.pending and generation.poll_cancel():  # a client gone while its prompt ran
-                continue
+            if generation.pending:  # a client gone while its prompt waits or is read
+                generation.poll_cancel()
         reading = next((g for g in self.active if g.pending and not g.done), None)
         if reading is not None:
             self._guarded([reading], self._prefill_chunk)

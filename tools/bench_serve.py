@@ -32,6 +32,7 @@ from colibri_stream.config import StoreOptions
 from colibri_stream.conversation import RuntimeOptions, load_runtime
 from colibri_stream.convert.converter import Converter, ConvertOptions
 from colibri_stream.demo_model import demo_model_dir
+from colibri_stream.devtools.fixtures import write_tiny_tokenizer
 from colibri_stream.serve.app import Server, create_app
 from storage.container import is_container
 
@@ -43,14 +44,15 @@ def container_for(model: str, work: Path, stress_layers: int) -> Path:
     if model not in ("demo", "stress"):
         return Path(model)
     dst = work / f"{model}-{stress_layers}.cstream" if model == "stress" else work / "demo.cstream"
-    if is_container(dst):
-        return dst
-    if model == "demo":
-        source = demo_model_dir()
-    else:
-        shape = dataclasses.replace(StressShape(), num_hidden_layers=stress_layers)
-        source = write_stress_checkpoint(work / f"stress-{stress_layers}-hf", shape)
-    Converter(source, dst, ConvertOptions()).run()
+    if not is_container(dst):
+        if model == "demo":
+            source = demo_model_dir()
+        else:
+            shape = dataclasses.replace(StressShape(), num_hidden_layers=stress_layers)
+            source = write_stress_checkpoint(work / f"stress-{stress_layers}-hf", shape)
+        Converter(source, dst, ConvertOptions()).run()
+    if not (dst / "tokenizer.json").exists():  # the stress model has none; the server decodes text
+        write_tiny_tokenizer(dst, json.loads((dst / "config.json").read_text())["vocab_size"])
     return dst
 
 

@@ -180,6 +180,8 @@ class Server:
             "max_queue": self.max_queue,
             "slots_busy": admission.busy if admission else 0,
             "queued": admission.waiting if admission else 0,
+            "batch": len(self.worker.running),  # generations decoding together now
+            "sessions_in_memory": len(self.worker.pool),
             **vars(self.worker.counters),
         }
 

@@ -148,6 +148,7 @@ def test_a_full_queue_gives_503_and_the_server_recovers(served):
     conns = [_raw_stream(served, 400) for _ in range(3)]  # 2 slots + 1 queue place
     try:
         wait_until(lambda: (h := served.health())["slots_busy"] == 2 and h["queued"] == 1, "slots and queue to fill")
+        assert served.health()["batch"] == 2  # both admitted requests decode together
         with pytest.raises(openai.APIStatusError) as refused:
             served.client().completions.create(model=MODEL, prompt="x", max_tokens=4)
         assert refused.value.status_code == 503
@@ -157,6 +158,7 @@ def test_a_full_queue_gives_503_and_the_server_recovers(served):
             conn.sock.shutdown(socket.SHUT_RDWR)
             conn.close()
     wait_until(lambda: (h := served.health())["slots_busy"] == 0 and h["queued"] == 0, "slots to drain")
+    assert served.health()["batch"] == 0  # the disconnected clients left the batch
     assert _complete(served, "Hello", "after-503")[0]
 
 
