@@ -67,13 +67,34 @@ __attribute__((target("avx512f"))) static float dot1_avx512(const uint16_t *row,
     return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
 }
 
-/* alone: every row through the one-row computation (batch-invariant); the weight row stays in L1. */
+/* Two rows, each accumulated exactly as dot1_avx512 accumulates one (batch-invariant), sharing the
+ * weight loads and conversions. */
+__attribute__((target("avx512f"))) static void dot2_avx512(const uint16_t *row, const float *x0, const float *x1,
+                                                           int in, float *y0, float *y1) {
+    __m512 a[2][4];
+    for (int r = 0; r < 2; r++)
+        for (int l = 0; l < 4; l++) a[r][l] = _mm512_setzero_ps();
+    for (int i = 0; i < in; i += 64)
+        for (int l = 0; l < 4; l++) {
+            __m512 wv = load_bf16x16(row + i + 16 * l);
+            a[0][l] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x0 + i + 16 * l), a[0][l]);
+            a[1][l] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x1 + i + 16 * l), a[1][l]);
+        }
+    *y0 = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0][0], a[0][1]), _mm512_add_ps(a[0][2], a[0][3])));
+    *y1 = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[1][0], a[1][1]), _mm512_add_ps(a[1][2], a[1][3])));
+}
+
+/* alone: every row through the one-row computation (batch-invariant), two rows per weight pass. */
 __attribute__((target("avx512f"))) static void bf16_gemm_avx512(const uint16_t *w, const float *x, int rows, int in,
                                                                  int out, int alone, float *y) {
     for (int o = 0; o < out; o++) {
         const uint16_t *row = w + (size_t)o * in;
         if (rows == 1 || alone) {
-            for (int r = 0; r < rows; r++) y[(size_t)r * out + o] = dot1_avx512(row, x + (size_t)r * in, in);
+            int r = 0;
+            for (; r + 1 < rows; r += 2)
+                dot2_avx512(row, x + (size_t)r * in, x + (size_t)(r + 1) * in, in, y + (size_t)r * out + o,
+                            y + (size_t)(r + 1) * out + o);
+            if (r < rows) y[(size_t)r * out + o] = dot1_avx512(row, x + (size_t)r * in, in);
             continue;
         }
         __m512 acc[MAX_ROWS];
@@ -95,12 +116,13 @@ __attribute__((target("avx2,fma"))) static void bf16_gemm_avx2(const uint16_t *w
                                                                int out, int alone, float *y) {
     for (int o = 0; o < out; o++) {
         const uint16_t *row = w + (size_t)o * in;
-        /* alone (batch-invariant): one row at a time, each exactly as a one-row call computes it */
-        int group = rows == 1 || alone ? 1 : rows;
-        for (int first = 0; first < rows; first += group) {
+        /* alone (batch-invariant): rows two at a time, each accumulated exactly as a one-row call does
+         * (four accumulators each), sharing the weight loads */
+        for (int first = 0; first < rows;) {
+            int group = rows == 1 || alone ? (rows - first >= 2 ? 2 : 1) : rows;
+            int lanes = rows == 1 || alone ? 4 : 1; /* one row: four accumulators, 32 inputs per iteration */
             const float *xg = x + (size_t)first * in;
             __m256 acc[MAX_ROWS * 4];
-            int lanes = group == 1 ? 4 : 1; /* one row: four accumulators, 32 inputs per iteration */
             for (int k = 0; k < group * lanes; k++) acc[k] = _mm256_setzero_ps();
             for (int i = 0; i < in; i += 8 * lanes) {
                 for (int l = 0; l < lanes; l++) {
@@ -114,6 +136,7 @@ __attribute__((target("avx2,fma"))) static void bf16_gemm_avx2(const uint16_t *w
                 for (int l = 1; l < lanes; l++) sum = _mm256_add_ps(sum, acc[r * lanes + l]);
                 y[(size_t)(first + r) * out + o] = hsum256(sum);
             }
+            first += group;
         }
     }
 }

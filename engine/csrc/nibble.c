@@ -223,10 +223,10 @@ AVX2_INLINE void value_tables(int code, __m256i tables[2]) {
  * (0 low = even column): lanes 0-3 from bytes 4q..4q+3, lanes 4-7 from bytes 16+4q.. (x_slot's order).
  * Each vector is scaled (or the chunk's sums are, SCALE_AFTER), then meets every row before the next
  * is made (few live registers); each x load serves both output rows. */
-AVX2_INLINE void chunk_fma(int P, int RS, int layout, const __m256i packed[2], const __m256i tables[2],
+AVX2_INLINE void chunk_fma(int P, int RS, int AR, int layout, const __m256i packed[2], const __m256i tables[2],
                            __m256 sv[2][4], const float *xc, __m256 acc[2][4][4]) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
-    const int after = SCALE_AFTER(layout, P, RS), accs = ACCS(P, RS);
+    const int after = SCALE_AFTER(layout, P, AR), accs = ACCS(P, AR);
     __m256 sums[2][4][4]; /* SCALE_AFTER: the chunk's unscaled sums */
     __m256 (*into)[4][4] = after ? sums : acc;
     if (after)
@@ -277,7 +277,7 @@ typedef struct {
  * XR rows per chunk in xs). ahead (or NULL): the next two rows' codes for their block, asked for one
  * line per chunk: a column block reads a row in pieces, which the hardware prefetchers follow less
  * well than one stream, and spreading the requests keeps them from stalling the loop. */
-AVX2_INLINE void block_dot(int P, int RS, int XR, int layout, const NibbleMatrix *m, const __m256i tables[2],
+AVX2_INLINE void block_dot(int P, int RS, int AR, int XR, int layout, const NibbleMatrix *m, const __m256i tables[2],
                            const OutRow out[2], const uint8_t *const *ahead, const uint16_t slots[][8], size_t c0,
                            size_t c1, const float *xs, size_t n) {
     size_t row_bytes = nibble_row_bytes(m), full = row_bytes / CHUNK_BYTES, c1_full = c1 < full ? c1 : full;
@@ -287,7 +287,7 @@ AVX2_INLINE void block_dot(int P, int RS, int XR, int layout, const NibbleMatrix
     for (int p = 0; p < P; p++)
 #pragma GCC unroll 4
         for (int r = 0; r < RS; r++)
-            for (int a = 0; a < ACCS(P, RS); a++) acc[p][r][a] = _mm256_setzero_ps();
+            for (int a = 0; a < ACCS(P, AR); a++) acc[p][r][a] = _mm256_setzero_ps();
     for (size_t c = c0; c < c1_full; c++) {
         if (ahead) _mm_prefetch((const char *)ahead[(c - c0) % 2] + (c - c0) / 2 * 64, _MM_HINT_T0);
 #pragma GCC unroll 2
@@ -295,7 +295,7 @@ AVX2_INLINE void block_dot(int P, int RS, int XR, int layout, const NibbleMatrix
             packed[p] = _mm256_loadu_si256((const __m256i *)(out[p].q + c * CHUNK_BYTES));
             chunk_scales(layout, out[p].scales, slots[c - c0], sv[p]);
         }
-        chunk_fma(P, RS, layout, packed, tables, sv, xs + c * XR * CHUNK_COLS, acc);
+        chunk_fma(P, RS, AR, layout, packed, tables, sv, xs + c * XR * CHUNK_COLS, acc);
     }
     if (c1 > c1_full) { /* the rows' last bytes, zero-padded to a chunk */
         uint8_t tail[2][CHUNK_BYTES] = {{0}};
@@ -304,14 +304,14 @@ AVX2_INLINE void block_dot(int P, int RS, int XR, int layout, const NibbleMatrix
             packed[p] = _mm256_loadu_si256((const __m256i *)tail[p]);
             chunk_scales(layout, out[p].scales, slots[full - c0], sv[p]);
         }
-        chunk_fma(P, RS, layout, packed, tables, sv, xs + full * XR * CHUNK_COLS, acc);
+        chunk_fma(P, RS, AR, layout, packed, tables, sv, xs + full * XR * CHUNK_COLS, acc);
     }
 #pragma GCC unroll 2
     for (int p = 0; p < P; p++)
 #pragma GCC unroll 4
         for (int r = 0; r < RS; r++) {
             __m256 sum = acc[p][r][0];
-            for (int a = 1; a < ACCS(P, RS); a++) sum = _mm256_add_ps(sum, acc[p][r][a]);
+            for (int a = 1; a < ACCS(P, AR); a++) sum = _mm256_add_ps(sum, acc[p][r][a]);
             out[p].y[r * n] += hsum8(sum);
         }
 }
@@ -322,26 +322,36 @@ AVX2_INLINE void block_rows(int P, int R, int layout, const NibbleMatrix *m, con
                             const OutRow out[2], const uint8_t *ahead[2], const uint16_t slots[][8], size_t c0,
                             size_t c1, const float *xs, size_t n) {
     if (R <= 4) {
-        block_dot(P, R, R, layout, m, tables, out, ahead, slots, c0, c1, xs, n);
+        block_dot(P, R, R, R, layout, m, tables, out, ahead, slots, c0, c1, xs, n);
         return;
     }
     OutRow rest[2] = {{out[0].q, out[0].scales, out[0].y + 4 * n}, {out[1].q, out[1].scales, out[1].y + 4 * n}};
-    block_dot(P, 4, R, layout, m, tables, out, ahead, slots, c0, c1, xs, n);
-    block_dot(P, R - 4, R, layout, m, tables, rest, NULL, slots, c0, c1, xs + 4 * CHUNK_COLS, n);
+    block_dot(P, 4, 4, R, layout, m, tables, out, ahead, slots, c0, c1, xs, n);
+    block_dot(P, R - 4, R - 4, R, layout, m, tables, rest, NULL, slots, c0, c1, xs + 4 * CHUNK_COLS, n);
 }
 
-/* Batch-invariant: each of the R rows of x through exactly the one-row computation (its column blocks,
- * accumulators and scaling), so a row's result does not depend on which other rows share the call;
- * the block's codes come from memory once, then from L1 for the other rows. */
+/* Batch-invariant: each of the R rows of x accumulates exactly as a one-row call does (AR = 1: its
+ * accumulators, scaling and the one-row column blocks), so a row's result does not depend on which other
+ * rows share the call. Rows go ALONE_ROWS at a time through one unpacking of the block's weights (more
+ * rows per unpacking spill the accumulators: measured slower at 4 rows). */
+#define ALONE_ROWS 2
+#define ALONE_DOT(P, RS) block_dot(P, RS, 1, R, layout, m, tables, row, next, slots, c0, c1, xr, n)
 AVX2_INLINE void rows_alone(int P, int R, int layout, const NibbleMatrix *m, const __m256i tables[2],
                             const OutRow out[2], const uint8_t *ahead[2], const uint16_t slots[][8], size_t c0,
                             size_t c1, const float *xs, size_t n) {
-    for (int r = 0; r < R; r++) {
+    for (int r = 0; r < R; r += ALONE_ROWS) {
         OutRow row[2] = {{out[0].q, out[0].scales, out[0].y + r * n}, {out[1].q, out[1].scales, out[1].y + r * n}};
-        if (P == 2) block_dot(2, 1, R, layout, m, tables, row, r ? NULL : ahead, slots, c0, c1, xs + r * CHUNK_COLS, n);
-        else block_dot(1, 1, R, layout, m, tables, row, r ? NULL : ahead, slots, c0, c1, xs + r * CHUNK_COLS, n);
+        const float *xr = xs + r * CHUNK_COLS;
+        const uint8_t *const *next = r ? NULL : ahead;
+        switch ((R - r < ALONE_ROWS ? R - r : ALONE_ROWS) + 2 * (P - 1)) {
+        case 1: ALONE_DOT(1, 1); break;
+        case 2: ALONE_DOT(1, 2); break;
+        case 3: ALONE_DOT(2, 1); break;
+        default: ALONE_DOT(2, 2); break;
+        }
     }
 }
+#undef ALONE_DOT
 
 /* R rows (a constant after inlining) times output rows [begin, end): column block by column block,
  * two output rows at a time; ``alone``: batch-invariant (rows_alone). */
