@@ -209,6 +209,11 @@ def as_logged(cache: KVCache, record_dtype: str) -> None:
     continues from memory computes what one restored from the log would."""
     if record_dtype != "bfloat16":
         return
+    with torch.inference_mode():  # the cache's buffers were made by the forward pass, in inference mode
+        _round_to_bf16(cache)
+
+
+def _round_to_bf16(cache: KVCache) -> None:
     for layer in cache.layers:
         for t in (layer.latent, layer.rope_key, layer.index_key):
             if t is not None and t.dtype != torch.bfloat16:

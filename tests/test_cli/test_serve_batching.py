@@ -33,7 +33,8 @@ def demo_container(tmp_path_factory) -> Path:
 
 
 def demo_runtime(container: Path, kv_dir: Path):
-    options = RuntimeOptions(store=StoreOptions(ram="30%"), kv_dir=kv_dir, model_id=MODEL)
+    # bf16 KV records: a session continued from memory must compute what one read back from the log does
+    options = RuntimeOptions(store=StoreOptions(ram="30%"), kv_dir=kv_dir, model_id=MODEL, kv_dtype="bfloat16")
     return load_runtime(container, options)
 
 
