@@ -126,6 +126,23 @@ def test_concurrent_sessions_get_their_solo_tokens_and_reuse_prefixes(served):
     assert again == solo[0] and stats["reused_tokens"] > 0
 
 
+def test_two_requests_of_one_session_take_turns(served):
+    """A session's second request waits for the first turn to end (its log is locked by that turn and
+    its KV is in use), then continues the conversation; neither is refused."""
+    results: dict[int, tuple[str, dict]] = {}
+    threads = [
+        threading.Thread(target=lambda i=i: results.__setitem__(i, _complete(served, f"Turn {i} of a talk", "shared")))
+        for i in range(2)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=WAIT_S)
+    assert sorted(results) == [0, 1] and all(text for text, _ in results.values())
+    reused = sorted(stats["reused_tokens"] for _, stats in results.values())
+    assert reused[0] == 0 and reused[1] > 0  # the later turn kept the common prefix of the earlier one
+
+
 def _raw_stream(served: Served, max_tokens: int) -> http.client.HTTPConnection:
     """A streaming request whose response is never read (the connection stays open)."""
     conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=WAIT_S)
@@ -148,7 +165,7 @@ def test_a_full_queue_gives_503_and_the_server_recovers(served):
     conns = [_raw_stream(served, 400) for _ in range(3)]  # 2 slots + 1 queue place
     try:
         wait_until(lambda: (h := served.health())["slots_busy"] == 2 and h["queued"] == 1, "slots and queue to fill")
-        assert served.health()["batch"] == 2  # both admitted requests decode together
+        wait_until(lambda: served.health()["batch"] == 2, "both admitted requests to decode together")
         with pytest.raises(openai.APIStatusError) as refused:
             served.client().completions.create(model=MODEL, prompt="x", max_tokens=4)
         assert refused.value.status_code == 503
