@@ -1,10 +1,11 @@
 """Continuous batching: several generations advance together, one step at a time.
 
-A step runs at most one prefill chunk (PREFILL_CHUNK_TOKENS positions of the oldest sequence still
-reading its prompt) and then one decode pass over every sequence that has a token to feed
-(``Transformer.forward_rows``: each weight read once, each MoE layer's experts acquired once for the
-union of the rows). A long prompt therefore costs the others one chunk per step, never the whole
-prompt; sequences join between steps and leave the step they finish, are cancelled or fail.
+A step runs at most one prefill chunk's worth of prompt positions (PREFILL_CHUNK_TOKENS: the next
+chunk of the oldest sequences still reading their prompts, as many as fit) and then one decode pass
+over every sequence that has a token to feed (``Transformer.forward_rows``: each weight read once,
+each MoE layer's experts acquired once for the union of the rows). Several short prompts are read in
+one step; a long prompt costs the others one chunk per step, never the whole prompt. Sequences join
+between steps and leave the step they finish, are cancelled or fail.
 
 Every sequence is computed exactly as if it ran alone (its prompt in the same chunks, its decode rows
 batch-invariant, its own sampling generator): at temperature 0 its tokens are those of its solo run,
@@ -149,20 +150,35 @@ class ContinuousBatch:
         return generation
 
     def step(self) -> list[Generation]:
-        """One prefill chunk (if a prompt is pending) and one decode pass; the generations that finished.
+        """Prompt chunks (up to one chunk's positions) and one decode pass; the generations that finished.
         A generation whose forward fails ends with ``error`` set; the others go on."""
         for generation in self.active:
             if generation.pending:  # a client gone while its prompt waits or is read
                 generation.poll_cancel()
-        reading = next((g for g in self.active if g.pending and not g.done), None)
-        if reading is not None:
-            self._guarded([reading], self._prefill_chunk)
-        feeding = [g for g in self.active if g.next_token is not None and not g.done and g is not reading]
+        reading = self._readers()
+        for generation in reading:
+            self._guarded([generation], self._prefill_chunk)
+        feeding = [g for g in self.active if g.next_token is not None and not g.done and g not in reading]
         if feeding:
             self._guarded(feeding, self._decode)
         finished = [g for g in self.active if g.done]
         self.active = [g for g in self.active if not g.done]
         return finished
+
+    def _readers(self) -> list[Generation]:
+        """The generations whose next prompt chunk runs this step: oldest first, as long as their chunks
+        fit in one chunk's worth of positions (several short prompts share a step, a long one has it to
+        itself). Each chunk is its own forward, cut where a solo run cuts it."""
+        budget, readers = self.prefill_chunk, []
+        for generation in self.active:
+            if not generation.pending or generation.done:
+                continue
+            size = min(len(generation.pending), self.prefill_chunk)
+            if size > budget:
+                break
+            readers.append(generation)
+            budget -= size
+        return readers
 
     def _prefill_chunk(self, generations: list[Generation]) -> None:
         (generation,) = generations

@@ -137,3 +137,19 @@ def test_a_failing_forward_ends_only_its_generations(tiny, monkeypatch):
     while batch:
         batch.step()
     assert first.error is None and len(first.result.ids) == 3
+
+
+def test_short_prompts_share_a_step_and_a_long_one_waits_its_turn(tiny):
+    """Prompt chunks fill one chunk's worth of positions per step, oldest first: two prompts of 3
+    positions (CHUNK 8) are read together; a third whose chunk (8) no longer fits waits for the next step."""
+    batch = ContinuousBatch(tiny.model, tiny.experts, CHUNK)
+    short = [batch.add(GenerationRequest([i + 1, i + 2, i + 3], 4)) for i in range(2)]
+    later = batch.add(GenerationRequest(LONG_PROMPT, 4))
+    batch.step()
+    assert [len(g.result.ids) for g in short] == [1, 1] and later.result.ids == [] and len(later.pending) == 30
+    batch.step()  # the long prompt's first chunk has the step to itself; the short ones decode
+    assert [len(g.result.ids) for g in short] == [2, 2] and len(later.pending) == 30 - CHUNK
+    while batch:
+        batch.step()
+    for generation in [*short, later]:
+        assert generation.result.ids == solo(tiny.model, tiny.experts, generation.request)
