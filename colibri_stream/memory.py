@@ -84,7 +84,7 @@ USS_INTERVAL_S = 0.25
 class PeakSampler:
     """Samples ``measure()`` every ``interval`` seconds while active; ``peak`` is the maximum seen."""
 
-    def __init__(self, measure: Callable[[], int] = uss_bytes, interval: float = USS_INTERVAL_S):
+    def __init__(self, measure: Callable[[], int] = uss_bytes, interval: float = 0.05):
         self.measure, self.interval = measure, interval
         self.peak = 0
         self._stop = threading.Event()
@@ -96,21 +96,14 @@ class PeakSampler:
             if self._stop.wait(self.interval):
                 return
 
-    def start(self) -> PeakSampler:
+    def __enter__(self) -> PeakSampler:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
-        if not self._stop.is_set():
-            self._stop.set()
-            self._thread.join()
-            self.peak = max(self.peak, self.measure())
-
-    def __enter__(self) -> PeakSampler:
-        return self.start()
-
     def __exit__(self, *exc) -> None:
-        self.stop()
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.measure())
 
 
 class PeakWatch:
@@ -136,8 +129,7 @@ class SharedPeakSampler:
         self._thread: threading.Thread | None = None
 
     def watch(self) -> PeakWatch:
-        watch = PeakWatch(self)
-        watch.peak = self.measure()
+        watch = PeakWatch(self)  # sampled by the thread, and once when it stops: not here, on the caller's
         with self._lock:
             self._watches.add(watch)
             if self._thread is None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.rows import computing_alone, linear
+from engine.rows import computing_alone, in_row_chunks, linear
 
 try:
     from engine import _int4
@@ -77,7 +77,7 @@ class Bf16Linear(nn.Module):
             and 0 < flat.shape[0]
             and (alone or flat.shape[0] <= _int4.MAX_ROWS)
         ):
-            out = torch.cat([bf16_matmul(rows, self.weight, alone=alone) for rows in flat.split(_int4.MAX_ROWS)])
+            out = in_row_chunks(flat, _int4.MAX_ROWS, lambda rows: bf16_matmul(rows, self.weight, alone=alone))
         else:
             step = max(1, UPCAST_BLOCK_BYTES // (4 * self.weight.shape[1]))
             out = torch.cat([linear(flat, block.to(x.dtype)) for block in self.weight.split(step)], dim=-1)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.rows import computing_alone, linear
+from engine.rows import computing_alone, in_row_chunks, linear
 
 try:  # the C kernels (engine/csrc/nibble.c, int4.c), built at install time when a compiler is there
     from engine import _int4
@@ -157,7 +157,7 @@ class QuantizedMatrix:
         alone = computing_alone()
         if _kernel_handles(self) and x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[0] > 0:
             if alone:
-                return torch.cat([kernel_matmul(rows, self, alone=True) for rows in x.split(_int4.MAX_ROWS)])
+                return in_row_chunks(x, _int4.MAX_ROWS, lambda rows: kernel_matmul(rows, self, alone=True))
             if x.shape[0] <= _int4.MAX_ROWS:
                 return kernel_matmul(x, self)
         return linear(x, self.dequantize(x.dtype))

@@ -10,7 +10,7 @@ same whether a request is decoded alone or beside others, bit for bit. Outside i
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -42,6 +42,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     flat = x.reshape(-1, x.shape[-1])
     out = torch.cat([F.linear(flat[r : r + 1], weight) for r in range(flat.shape[0])])
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def in_row_chunks(x: torch.Tensor, size: int, matmul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """matmul over x [N, in] at most ``size`` rows per call (a kernel's row limit), concatenated; one call,
+    and no copy, when x fits."""
+    if x.shape[0] <= size:
+        return matmul(x)
+    return torch.cat([matmul(rows) for rows in x.split(size)])
 
 
 class Linear(nn.Linear):
