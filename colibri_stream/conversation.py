@@ -42,6 +42,7 @@ from storage.stats import StoreStats
 @dataclass(frozen=True)
 class RuntimeOptions:
     dtype: str = "float32"  # compute dtype: float32 (token-exact) or bfloat16
+    activations: str = "float32"  # int8: quantised matmul inputs (engine/q8.py; lossy, opt-in)
     store: StoreOptions = field(default_factory=StoreOptions)
     kv_dir: str | Path | None = None  # default: the user cache, per model fingerprint
     kv_dtype: str = "float32"  # KV log record dtype
@@ -100,7 +101,7 @@ def load_runtime(path: str | Path, options: RuntimeOptions | None = None) -> Run
     options = options or RuntimeOptions()
     tokenizer = load_tokenizer(path) if options.text else None
     chat = load_chat_format(path) if options.text else None
-    loaded = load(path, options.dtype, options.store)
+    loaded = load(path, options.dtype, options.store, options.activations)
     fingerprint = model_fingerprint(path)
     kv_dir = Path(options.kv_dir) if options.kv_dir else default_kv_dir(fingerprint)
     model_id = options.model_id or Path(path).resolve().name

@@ -25,7 +25,7 @@ from colibri_stream.checkpoint_files import (
 )
 from colibri_stream.config import StoreOptions, store_config
 from colibri_stream.dtypes import COMPUTE_DTYPES, FLOAT32_PARAMETERS, from_stored
-from colibri_stream.errors import CheckpointError
+from colibri_stream.errors import CheckpointError, ColibriError
 from colibri_stream.expert_codec import expert_from_record
 from colibri_stream.expert_store import ExpertStore, ResidentStore
 from colibri_stream.fingerprint import container_fingerprint
@@ -33,8 +33,9 @@ from colibri_stream.geometry import container_args, geometry_from_container
 from colibri_stream.placement import bf16_held_weights, check_fits, plan
 from colibri_stream.wrapped_configs import text_model_config
 from engine.args import ModelArgs
-from engine.bf16 import hold_in_bf16
+from engine.bf16 import bf16_candidates, hold_in_bf16
 from engine.experts import Expert, ExpertWeights
+from engine.int8_dense import hold_in_int8
 from engine.model import Transformer, meta_transformer
 from engine.quant import QuantizedMatrix
 from engine.weights import SortedNames, check_complete, layer_of, sort_names
@@ -167,17 +168,35 @@ def check_dense_names(args: ModelArgs, unmapped: list[str], loaded: set[str], so
     return model
 
 
-def load(path: str | Path, dtype: str = "float32", store: StoreOptions | None = None) -> LoadedModel:
+def load(
+    path: str | Path, dtype: str = "float32", store: StoreOptions | None = None, activations: str = "float32"
+) -> LoadedModel:
     """What `run`, `chat`, `serve` and `demo` load: a container streams its experts under the budget
-    ``store`` describes (refused with the numbers when it cannot fit); an HF directory is resident."""
+    ``store`` describes (refused with the numbers when it cannot fit); an HF directory is resident.
+    ``activations`` "int8": the kernel matmuls quantise their inputs (engine/q8.py; lossy, opt-in)."""
     store = store or StoreOptions()
     trace = TraceWriter(store.trace) if store.trace else None
+    int8 = check_activations(activations, dtype)
     if not is_container(path):
-        return load_checkpoint(path, COMPUTE_DTYPES[dtype], trace=trace)
+        loaded = load_checkpoint(path, COMPUTE_DTYPES[dtype], trace=trace)
+        loaded.model.int8_activations = int8
+        return loaded
     geometry = geometry_from_container(Container(path))
     config = store_config(store, geometry, dtype)
     check_fits(plan(geometry, config, dtype, sequences=store.kv_sequences))
-    return load_container(path, COMPUTE_DTYPES[dtype], config, trace)
+    return load_container(path, COMPUTE_DTYPES[dtype], config, trace, int8_activations=int8)
+
+
+ACTIVATIONS = ("float32", "int8")
+
+
+def check_activations(activations: str, dtype: str) -> bool:
+    """Whether the model runs with int8 activations; refuses what cannot."""
+    if activations not in ACTIVATIONS:
+        raise ColibriError(f"activations {activations!r}: expected one of {', '.join(ACTIVATIONS)}")
+    if activations == "int8" and dtype != "float32":
+        raise ColibriError("int8 activations quantise float32 inputs: use --dtype float32 with --activations int8")
+    return activations == "int8"
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> LoadedModel:
@@ -245,11 +264,14 @@ def load_container(
     dtype: torch.dtype = torch.float32,
     store: StoreConfig | None = None,
     trace: TraceWriter | None = None,
+    int8_activations: bool = False,
 ) -> LoadedModel:
-    """Dense part resident; experts all resident (``store`` None) or streamed by a TieredExpertStore."""
+    """Dense part resident; experts all resident (``store`` None) or streamed by a TieredExpertStore.
+    ``int8_activations``: the model quantises its matmul inputs, and int8 dense records stay int8."""
     container = Container(path)
     args = container_args(container)
-    model = _load_dense(container, args, dtype)
+    model = _load_dense(container, args, dtype, int8_activations)
+    model.int8_activations = int8_activations
     experts: ExpertStore
     if store is None:
         experts = ResidentStore(_read_experts(container), trace)
@@ -262,15 +284,19 @@ def load_container(
     return LoadedModel(Path(path), container.model_config, args, model, experts)
 
 
-def _load_dense(container: Container, args: ModelArgs, dtype: torch.dtype) -> Transformer:
+def _load_dense(
+    container: Container, args: ModelArgs, dtype: torch.dtype, int8_activations: bool = False
+) -> Transformer:
     """The resident model. bf16 Linear weights of a float32 model stay bf16 on the CPU (engine/bf16.py:
-    exact, half the memory and bytes per token); everything else is cast to ``dtype``."""
+    exact, half the memory and bytes per token); int8 Linear weights stay int8 with int8 activations
+    (engine/int8_dense.py) and are dequantised otherwise; everything else is cast to ``dtype``."""
     path = str(container.path)
     model = meta_transformer(args)
     expected = dict(model.state_dict())
     check_complete([n for n in container.dense if n not in expected], expected.keys(), container.dense.keys(), path)
     held_bf16 = bf16_held_weights(container, args, dtype)
-    state = {}
+    held_int8 = bf16_candidates(model) if int8_activations else set()  # the same Linears, used only through forward
+    state, int8_weights = {}, {}
     for name, entry in container.dense.items():
         if tuple(expected[name].shape) != entry.shape:
             raise FormatError(
@@ -280,11 +306,18 @@ def _load_dense(container: Container, args: ModelArgs, dtype: torch.dtype) -> Tr
         if entry.dtype == "int8":
             q = torch.from_numpy(container.read_dense(name))
             scales = torch.from_numpy(container.read_dense_scales(name))
+            if name in held_int8:
+                int8_weights[name] = (q, scales, entry.group_size)
+                continue
             state[name] = QuantizedMatrix(q, scales, "int8", entry.group_size, q.shape[1]).dequantize(target)
         elif name in held_bf16:
             state[name] = from_stored(container.read_dense(name), entry.dtype)
         else:
             state[name] = from_stored(container.read_dense(name), entry.dtype).to(target)
+    hold_in_int8(model, int8_weights)
+    for name, (q, scales, _) in int8_weights.items():
+        module = name.removesuffix(".weight")
+        state[f"{module}.q"], state[f"{module}.scales"] = q, scales
     model.load_state_dict(state, strict=True, assign=True)
     hold_in_bf16(model, held_bf16)
     return model.eval()

@@ -20,6 +20,7 @@ from engine.cache import KVCache, LayerCache
 from engine.experts import ExpertProvider
 from engine.layers import MLP, RMSNorm
 from engine.moe import MoE
+from engine.q8 import int8_activations
 from engine.rope import rope_tables
 from engine.rows import Linear, rows_alone
 
@@ -94,6 +95,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.rms_norm_eps)
         self.head = Linear(args.dim, args.vocab_size, bias=False)
+        self.int8_activations = False  # the kernel matmuls quantise their inputs (engine/q8.py; lossy, opt-in)
 
     def _lookahead(self, layer: int, experts: ExpertProvider):
         """A hook giving layer ``layer``'s router the current post-attention hidden state; the experts
@@ -132,12 +134,13 @@ class Transformer(nn.Module):
         rope = rope_tables(self.args, start_pos, tokens.shape[1], x.device)
         selection = None  # DSA: the last full layer's choice, reused by "shared" layers
         guess = tokens.shape[1] <= LOOKAHEAD_MAX_NEW_POSITIONS
-        for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers, strict=True)):
-            lookahead = self._lookahead(i + 1, experts) if guess else None
-            x, selection = layer(x, start_pos, rope, layer_cache, experts, selection, absorb, lookahead)
-        if last_only:
-            x = x[:, -1:]
-        return self.head(self.norm(x)).float()
+        with int8_activations(self.int8_activations):
+            for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers, strict=True)):
+                lookahead = self._lookahead(i + 1, experts) if guess else None
+                x, selection = layer(x, start_pos, rope, layer_cache, experts, selection, absorb, lookahead)
+            if last_only:
+                x = x[:, -1:]
+            return self.head(self.norm(x)).float()
 
     @torch.inference_mode()
     def forward_rows(self, tokens: list[int], caches: list[KVCache], experts: ExpertProvider) -> torch.Tensor:
@@ -152,7 +155,7 @@ class Transformer(nn.Module):
         starts = [cache.length for cache in caches]
         ropes = [rope_tables(self.args, start, 1, x.device) for start in starts]
         selections: list[torch.Tensor | None] = [None] * len(tokens)
-        with rows_alone():
+        with rows_alone(), int8_activations(self.int8_activations):
             for i, layer in enumerate(self.layers):
                 layer_caches = [cache.layers[i] for cache in caches]
                 lookahead = self._lookahead(i + 1, experts)

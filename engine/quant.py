@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.q8 import activations_are_int8, q8_kernel_handles, q8_matmul
 from engine.rows import computing_alone, in_row_chunks, linear
 
 try:  # the C kernels (engine/csrc/nibble.c, int4.c), built at install time when a compiler is there
@@ -153,7 +154,10 @@ class QuantizedMatrix:
         """x [N, in] @ W^T. Few float32 rows on the CPU go through the C kernel, reading the codes once;
         everything else (prefill-sized batches, bf16 activations, other devices) dequantises once
         and uses a dense matmul. Inside rows_alone() (independent requests) the kernel takes any number
-        of rows, MAX_ROWS per call, each row computed as alone."""
+        of rows, MAX_ROWS per call, each row computed as alone. Inside int8_activations() (engine/q8.py)
+        any number of rows go through the integer kernel, each computed as alone."""
+        if activations_are_int8() and _q8_handles(self, x):
+            return q8_matmul(x, self.q, self.scales, self.code, self.group_size, KERNEL_SCALES[self.scales.dtype])
         alone = computing_alone()
         if _kernel_handles(self) and x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[0] > 0:
             if alone:
@@ -191,6 +195,17 @@ def _kernel_handles(m: QuantizedMatrix) -> bool:
         and m.q.device.type == "cpu"
         and m.q.is_contiguous()
         and m.scales.is_contiguous()
+    )
+
+
+def _q8_handles(m: QuantizedMatrix, x: torch.Tensor) -> bool:
+    """Whether the int8-activation kernel takes this matrix (int4 or int8 codes, groups of 32k) and x."""
+    return (
+        m.q.device.type == "cpu"
+        and m.q.is_contiguous()
+        and m.scales.is_contiguous()
+        and m.scales.dtype in KERNEL_SCALES
+        and q8_kernel_handles(m.code, m.group_size, x)
     )
 
 

@@ -4,8 +4,9 @@
 
 Variants: our int4 at group 64 (the default) and 32; the experts quantised by compressed-tensors'
 own compressor (pack-quantized int4 g32, as Kimi-K2-Thinking ships; MXFP4) and copied into records as
-shipped. Dense weights bf16 in every container (convert's default); the float row runs the checkpoint
-directory itself in float32. Same 64 windows x 256 held-out tokens as demo/README.md.
+shipped. Dense weights bf16 (convert's default), except the int8 rows: dense int8 records and/or int8
+activations (engine/q8.py); the float row runs the checkpoint directory itself in float32. Same 64
+windows x 256 held-out tokens as demo/README.md.
 """
 
 from __future__ import annotations
@@ -37,14 +38,27 @@ def variants(root: Path) -> list[tuple[str, Path]]:
     return made
 
 
+def int8_variants(root: Path) -> list[tuple[str, Path, bool]]:
+    """(label, container, int8 activations): the int8 choices (dense records, activations) on int4 g64
+    experts, each alone and together (together: quality-matched to llama.cpp's Q4_0 experts + Q8_0 rest)."""
+    int8_dense = root / "int4-g64-dense-int8"
+    Converter(DEMO, int8_dense, ConvertOptions(experts="int4", group_size=64, dense="int8"), progress=False).run()
+    return [
+        ("int4 g64, dense int8 records", int8_dense, False),
+        ("int4 g64, int8 activations", root / "int4-g64", True),
+        ("int4 g64, dense int8 + int8 activations", int8_dense, True),
+    ]
+
+
 def main() -> None:
     windows = heldout_windows(DEMO)
     reference = engine_perplexity(load_checkpoint(DEMO), windows)
     print("| experts | record kind | held-out perplexity | vs float |\n|---|---|---|---|")
     print(f"| float32 (checkpoint) | - | {reference:.3f} | - |")
     with tempfile.TemporaryDirectory() as tmp:
-        for label, path in variants(Path(tmp)):
-            ppl = engine_perplexity(load_container(path), windows)
+        rows = [(label, path, False) for label, path in variants(Path(tmp))] + int8_variants(Path(tmp))
+        for label, path, int8 in rows:
+            ppl = engine_perplexity(load_container(path, int8_activations=int8), windows)
             kind = Container(path).layout.scheme
             print(f"| {label} | {kind} | {ppl:.3f} | {100 * (ppl / reference - 1):+.2f}% |", flush=True)
 

@@ -11,6 +11,7 @@
 #include <Python.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__x86_64__)
@@ -21,6 +22,7 @@
 #endif
 
 #include "nibble.h"
+#include "q8.h"
 
 #if HAVE_X86
 __attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v) {
@@ -162,7 +164,9 @@ static int bf16_isa(int in, int limit) {
 }
 
 typedef struct {
-    const NibbleMatrix *nibbles; /* a 4-bit matrix, or NULL for a bf16 one (w16) */
+    const NibbleMatrix *nibbles; /* a 4-bit matrix, or NULL for a bf16 one (w16) or a q8 one */
+    const Q8Matrix *q8; /* weights times int8-quantised x (q8x), or NULL */
+    const Q8Rows *q8x;
     const uint16_t *w16;
     const float *xs; /* 4-bit: nibble_prepare's x; bf16: x itself */
     float *y;
@@ -194,6 +198,10 @@ static void run_bf16_slice(const Slice *s) {
 }
 
 static void run_slice(const Slice *s) {
+    if (s->q8 != NULL) {
+        q8_gemm(s->q8, s->q8x, s->begin, s->end, s->isa_limit >= 1, s->y + s->begin, (size_t)s->out);
+        return;
+    }
     if (s->nibbles == NULL) {
         run_bf16_slice(s);
         return;
@@ -308,7 +316,7 @@ static PyObject *py_gemm(PyObject *self, PyObject *args) {
     }
     float *xs = (float *)(uintptr_t)work;
     (void)nibble_simd_available(); /* detect the CPU once, before any helper thread looks */
-    Slice whole = {&m, NULL, xs, (float *)(uintptr_t)y, rows, in, out, 0, out, force_scalar ? 0 : 2, alone};
+    Slice whole = {&m, NULL, NULL, NULL, xs, (float *)(uintptr_t)y, rows, in, out, 0, out, force_scalar ? 0 : 2, alone};
     Py_BEGIN_ALLOW_THREADS
     nibble_prepare(&m, (const float *)(uintptr_t)x, rows, xs);
     run_split(&whole, threads);
@@ -354,7 +362,7 @@ static PyObject *py_bf16_gemm(PyObject *self, PyObject *args) {
         return NULL;
     }
     (void)bf16_isa(in, 2); /* detect the CPU once, before any helper thread looks */
-    Slice whole = {NULL, (const uint16_t *)(uintptr_t)w, (const float *)(uintptr_t)x, (float *)(uintptr_t)y,
+    Slice whole = {NULL, NULL, NULL, (const uint16_t *)(uintptr_t)w, (const float *)(uintptr_t)x, (float *)(uintptr_t)y,
                    rows, in, out, 0, out, isa_limit, alone};
     Py_BEGIN_ALLOW_THREADS
     run_split(&whole, threads);
@@ -362,7 +370,36 @@ static PyObject *py_bf16_gemm(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* q8_gemm(w_ptr, scales_ptr, x_ptr, y_ptr, rows, in, out, group, force_scalar, threads, kind, scale_kind):
+ * y[rows, out] = quantise_int8(x[rows, in]) @ dequant(w, scales)^T (q8.c); kind 0 int4 nibbles, 1 int8;
+ * group a multiple of 32. Each row is computed as alone (batch-invariant). */
+static PyObject *py_q8_gemm(PyObject *self, PyObject *args) {
+    unsigned long long w, scales, x, y;
+    int rows, in, out, group, force_scalar, threads, kind, scale_kind;
+    if (!PyArg_ParseTuple(args, "KKKKiiiipiii", &w, &scales, &x, &y, &rows, &in, &out, &group, &force_scalar, &threads,
+                          &kind, &scale_kind))
+        return NULL;
+    if (rows < 1 || in < 1 || out < 1 || group < Q8_BLOCK || group % Q8_BLOCK || kind < 0 || kind >= N_Q8_WEIGHTS ||
+        scale_kind < 0 || scale_kind >= N_SCALE_KINDS) {
+        PyErr_Format(PyExc_ValueError, "q8 gemm: unsupported shape or kind rows=%d in=%d out=%d group=%d kind=%d scale=%d",
+                     rows, in, out, group, kind, scale_kind);
+        return NULL;
+    }
+    Q8Matrix m = {(const void *)(uintptr_t)w, (const void *)(uintptr_t)scales, kind, scale_kind, in, group};
+    Q8Rows xq = {malloc(q8_work_bytes(rows, in)), 0, 0, kind};
+    if (xq.work == NULL) return PyErr_NoMemory();
+    (void)q8_simd_available(); /* detect the CPU once, before any helper thread looks */
+    Slice whole = {NULL, &m, &xq, NULL, NULL, (float *)(uintptr_t)y, rows, in, out, 0, out, force_scalar ? 0 : 1, 1};
+    Py_BEGIN_ALLOW_THREADS
+    q8_prepare(kind, (const float *)(uintptr_t)x, rows, in, !force_scalar, &xq);
+    run_split(&whole, threads);
+    Py_END_ALLOW_THREADS
+    free(xq.work);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"q8_gemm", py_q8_gemm, METH_VARARGS, "y[rows, out] = int8(x[rows, in]) @ dequant(w, scales)^T, integer dot products."},
     {"dequant", py_dequant, METH_VARARGS, "float32 [out, in] from 4-bit group-quantised q and its scales."},
     {"gemm", py_gemm, METH_VARARGS, "y[rows, out] = x[rows, in] @ dequant(q, scales)^T for 4-bit group-quantised q."},
     {"work_floats", py_work_floats, METH_VARARGS, "floats of workspace gemm needs for (rows, in, group)."},

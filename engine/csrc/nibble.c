@@ -426,6 +426,11 @@ AVX2 static void gemm_simd(const NibbleMatrix *m, int layout, int alone, const f
 }
 #endif
 
+float nibble_scale(int scale_kind, const void *scales, size_t i) {
+    NibbleMatrix m = {NULL, scales, CODE_INT4, scale_kind, 2, 2};
+    return scale_at(&m, i);
+}
+
 int nibble_simd_available(void) {
 #if HAVE_X86
     static int supported = -1;

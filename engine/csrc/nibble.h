@@ -45,6 +45,9 @@ void nibble_gemm(const NibbleMatrix *m, const float *xs, int rows, int begin, in
  * reference (bit-identical). */
 void nibble_dequant(const NibbleMatrix *m, int out, float *w);
 
+/* Scale i of a scales array of kind scale_kind (SCALE_*), as float32. */
+float nibble_scale(int scale_kind, const void *scales, size_t i);
+
 /* Whether the CPU has the AVX2 path (AVX2, FMA, F16C). */
 int nibble_simd_available(void);
 

@@ -62,11 +62,15 @@ def test_every_family_decodes_the_same_bits_batched(loaded):
     assert_bit_identical(solo_runs(model, experts, PROMPTS, STEPS), batched_runs(model, experts, PROMPTS, STEPS))
 
 
-@pytest.mark.parametrize(("experts", "dense"), [("int4", "bf16"), ("int4", "int8"), ("bf16", "f32")])
-def test_containers_under_a_tight_budget_decode_the_same_bits_batched(make_container, experts, dense):
-    """The C kernels' batch-invariant path (int4 experts, bf16 and int8 dense) and torch row by row
-    (bf16 experts, f32 dense), through the tiered store at a budget where it misses."""
-    loaded = load(make_container("glm_moe_dsa", experts, dense), "float32", StoreOptions(ram="30%"))
+@pytest.mark.parametrize(
+    ("experts", "dense", "activations"),
+    [("int4", "bf16", "float32"), ("int4", "int8", "float32"), ("bf16", "f32", "float32"), ("int4", "int8", "int8")],
+)
+def test_containers_under_a_tight_budget_decode_the_same_bits_batched(make_container, experts, dense, activations):
+    """The C kernels' batch-invariant path (int4 experts, bf16 and int8 dense; the int8-activation kernel)
+    and torch row by row (bf16 experts, f32 dense), through the tiered store at a budget where it misses."""
+    path = make_container("glm_moe_dsa", experts, dense)
+    loaded = load(path, "float32", StoreOptions(ram="30%"), activations)
     try:
         solo = solo_runs(loaded.model, loaded.experts, PROMPTS, STEPS)
         before = loaded.experts.snapshot()

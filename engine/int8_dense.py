@@ -1,0 +1,56 @@
+"""Dense weights held as the container's int8 records, for models run with int8 activations.
+
+A container converted with `--dense int8` stores each 2-D dense weight as int8 [out, in] with one
+float16 scale per group of columns. The exact float path dequantises them at load (the oracle's
+model); with int8 activations (engine/q8.py) they stay int8 and the integer kernel reads them: half
+the bytes of bf16 per token, as llama.cpp's Q8_0 dense tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.q8 import q8_kernel_handles, q8_matmul, quantize_rows
+from engine.quant import KERNEL_SCALES, QuantizedMatrix
+from engine.rows import linear
+
+
+class Int8Linear(nn.Module):
+    """A bias-free Linear over int8 codes q [out, in] and scales [out, ceil(in / group_size)]."""
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, group_size: int):
+        super().__init__()
+        if q.dtype != torch.int8 or q.dim() != 2:
+            raise TypeError(f"Int8Linear needs int8 codes [out, in], got {q.dtype} {list(q.shape)}")
+        self.register_buffer("q", q.contiguous())
+        self.register_buffer("scales", scales.contiguous())
+        self.group_size = group_size
+
+    @property
+    def matrix(self) -> QuantizedMatrix:
+        return QuantizedMatrix(self.q, self.scales, "int8", self.group_size, self.q.shape[1])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., out] float32: int8 activations times the int8 weights. Without the
+        kernel the same function in torch (quantised x times the dequantised weights), slower."""
+        flat = x.reshape(-1, x.shape[-1]).float()
+        if q8_kernel_handles("int8", self.group_size, flat) and self.scales.dtype in KERNEL_SCALES:
+            out = q8_matmul(flat, self.q, self.scales, "int8", self.group_size, KERNEL_SCALES[self.scales.dtype])
+        else:
+            out = linear(quantize_rows(flat), self.matrix.dequantize(torch.float32))
+        return out.view(*x.shape[:-1], self.q.shape[0])
+
+
+def hold_in_int8(model: nn.Module, weights: dict[str, tuple[torch.Tensor, torch.Tensor, int]]) -> int:
+    """Swap each nn.Linear named ``<name>`` with ``<name>.weight`` in ``weights`` ((q, scales, group))
+    for an Int8Linear over them. Returns how many were swapped."""
+    swapped = 0
+    for name, module in list(model.named_modules()):
+        held = weights.get(f"{name}.weight")
+        if held is None or not isinstance(module, nn.Linear) or module.bias is not None:
+            continue
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, Int8Linear(*held))
+        swapped += 1
+    return swapped

@@ -1,0 +1,97 @@
+"""int8 activations: the matmuls of a model run with ``int8_activations()`` quantise x per block of 32
+columns (scale absmax / 127, ties to even) and multiply with integer dot products (engine/csrc/q8.c),
+as llama.cpp does with its Q8 activations. Lossy in x only, so it is an option the caller asks for,
+never the default: the exact float path stays what the oracle suites check. The weights are the
+container's records as stored (int4 experts, int8 dense); other weights keep their float kernels.
+
+Inside the context every row is computed as alone by construction (the kernel's per-row accumulation
+does not depend on the other rows), so batching stays bit-exact here too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+import torch
+
+try:
+    from engine import _int4
+except ImportError:  # pragma: no cover - machines without a compiler
+    _int4 = None
+
+BLOCK = 32  # columns of x per int8 scale
+WEIGHT_KINDS = {"int4": 0, "int8": 1}  # the kernel's weight kinds (q8.h)
+
+_enabled: ContextVar[bool] = ContextVar("int8_activations", default=False)
+
+
+@contextmanager
+def int8_activations(enabled: bool = True) -> Iterator[None]:
+    """Quantise the activations of the kernel matmuls inside to int8 (see the module docstring)."""
+    token = _enabled.set(enabled)
+    try:
+        yield
+    finally:
+        _enabled.reset(token)
+
+
+def activations_are_int8() -> bool:
+    return _enabled.get()
+
+
+def q8_kernel_handles(code: str, group_size: int, x: torch.Tensor) -> bool:
+    """Whether q8_matmul takes these weights and activations."""
+    return (
+        _int4 is not None
+        and hasattr(_int4, "q8_gemm")
+        and code in WEIGHT_KINDS
+        and group_size % BLOCK == 0
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.shape[0] > 0
+    )
+
+
+def q8_matmul(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scales: torch.Tensor,
+    code: str,
+    group_size: int,
+    scale_kind: int,
+    force_scalar: bool = False,
+) -> torch.Tensor:
+    """int8(x) [rows, in] @ dequant(w, scales)^T -> [rows, out] float32. ``w``: int4 nibbles uint8
+    [out, ceil(in / 2)] or int8 [out, in]; ``scale_kind``: the kernel's code for the scales' dtype."""
+    rows, in_dim = x.shape
+    x = x.contiguous()
+    y = torch.empty((rows, w.shape[0]), dtype=torch.float32)
+    _int4.q8_gemm(
+        w.data_ptr(),
+        scales.data_ptr(),
+        x.data_ptr(),
+        y.data_ptr(),
+        rows,
+        in_dim,
+        w.shape[0],
+        group_size,
+        force_scalar,
+        torch.get_num_threads(),
+        WEIGHT_KINDS[code],
+        scale_kind,
+    )
+    return y
+
+
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """The reference of the kernel's activation quantisation: x [rows, in] float32 -> the dequantised
+    int8 values [rows, in] float32 (what the integer dot products multiply, times the block scales)."""
+    rows, in_dim = x.shape
+    blocks = -(-in_dim // BLOCK)
+    padded = torch.nn.functional.pad(x.float(), (0, blocks * BLOCK - in_dim)).view(rows, blocks, BLOCK)
+    amax = padded.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(padded * inv)  # ties to even, as nearbyintf
+    return (q * (amax / 127.0)).view(rows, -1)[:, :in_dim]
