@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.rows import computing_alone, in_row_chunks, linear
+from engine.rows import computing_alone, in_row_chunks, kernel_threads, linear
 
 try:
     from engine import _int4
@@ -51,7 +51,7 @@ def bf16_matmul(x: torch.Tensor, weight: torch.Tensor, isa: str = "best", alone:
         in_dim,
         weight.shape[0],
         ISA[isa],
-        torch.get_num_threads(),
+        kernel_threads(),
         alone,
     )
     return y

@@ -16,6 +16,8 @@ from contextvars import ContextVar
 
 import torch
 
+from engine.rows import kernel_threads
+
 try:
     from engine import _int4
 except ImportError:  # pragma: no cover - machines without a compiler
@@ -78,7 +80,7 @@ def q8_matmul(
         w.shape[0],
         group_size,
         force_scalar,
-        torch.get_num_threads(),
+        kernel_threads(),
         WEIGHT_KINDS[code],
         scale_kind,
     )

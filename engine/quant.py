@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.q8 import activations_are_int8, q8_kernel_handles, q8_matmul
-from engine.rows import computing_alone, in_row_chunks, linear
+from engine.rows import computing_alone, in_row_chunks, kernel_threads, linear
 
 try:  # the C kernels (engine/csrc/nibble.c, int4.c), built at install time when a compiler is there
     from engine import _int4
@@ -234,7 +234,7 @@ def kernel_matmul(x: torch.Tensor, m: QuantizedMatrix, force_scalar: bool = Fals
         m.group_size,
         work.data_ptr(),
         force_scalar,
-        torch.get_num_threads(),  # 2+: a persistent helper thread takes half of the output rows
+        kernel_threads(),  # 2+: a persistent helper thread takes half of the output rows
         KERNEL_CODES[m.code],
         KERNEL_SCALES[m.scales.dtype],
         alone,

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 _alone: ContextVar[bool] = ContextVar("rows_alone", default=False)
+_kernel_threads: ContextVar[int | None] = ContextVar("kernel_threads", default=None)
 
 
 @contextmanager
@@ -59,3 +60,29 @@ class Linear(nn.Linear):
         if self.bias is not None:
             return super().forward(x)
         return linear(x, self.weight)
+
+
+def kernel_threads() -> int:
+    """Threads the C kernels split their output rows over: torch's count, unless decode_threads() set it."""
+    threads = _kernel_threads.get()
+    return torch.get_num_threads() if threads is None else threads
+
+
+@contextmanager
+def decode_threads() -> Iterator[None]:
+    """A decode step: torch's own ops run on one thread, the C kernels on all of torch's threads.
+
+    A decode step is hundreds of tiny torch ops (norms, router, attention over one query) between the
+    weight-bound kernels; spreading a 2048-float op over threads costs more in wake-ups than it saves,
+    and with passive OpenMP waiting (colibri_stream/__init__.py) every op would pay a futex wake-up.
+    The kernels keep every thread (their persistent helper takes half of each matrix's rows)."""
+    threads = torch.get_num_threads()
+    token = _kernel_threads.set(threads)
+    if threads > 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if threads > 1:
+            torch.set_num_threads(threads)
+        _kernel_threads.reset(token)
