@@ -130,8 +130,31 @@ def convert(src: Path, dst: Path, experts: str = "int4", progress: bool = False)
     return dst
 
 
+def cpu_times() -> list[int]:
+    """The machine's aggregate CPU time counters (/proc/stat "cpu" line: user nice system idle iowait irq
+    softirq steal ...), in clock ticks; [] where there is no /proc/stat."""
+    try:
+        first = Path("/proc/stat").read_text().splitlines()[0].split()
+    except (OSError, IndexError):
+        return []
+    return [int(v) for v in first[1:]] if first and first[0] == "cpu" else []
+
+
+STEAL = 7  # /proc/stat field: time the hypervisor ran something else while this VM wanted the CPU
+
+
+def steal_share(before: list[int], after: list[int]) -> float | None:
+    """Share of CPU time stolen by the hypervisor between two cpu_times() samples (None: not counted)."""
+    if len(before) <= STEAL or len(after) <= STEAL:
+        return None
+    total = sum(after[:8]) - sum(before[:8])  # guest times (fields 9-10) are already inside user/nice
+    return round((after[STEAL] - before[STEAL]) / total, 4) if total > 0 else 0.0
+
+
 def machine_facts(path: Path) -> dict:
-    """What the reader of a benchmark table needs to compare it with another machine."""
+    """What the reader of a benchmark table needs to compare it with another machine: the CPU, the
+    memory bandwidth measured now with the contenders' thread count, how loaded the machine was at
+    the start (load average) and, added at the end of the run, how much CPU the hypervisor stole."""
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -140,8 +163,11 @@ def machine_facts(path: Path) -> dict:
                 break
     except OSError:
         pass
-    import torch  # only for its version; the bench process itself computes nothing
+    import torch  # only for its version and thread count; the bench process itself computes nothing
 
+    from colibri_stream.bench.limit_line import memory_bandwidth
+
+    threads = torch.get_num_threads()
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),
@@ -151,7 +177,9 @@ def machine_facts(path: Path) -> dict:
         "kernel": platform.release(),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": threads,
+        "memory_bandwidth_Bps": round(memory_bandwidth(threads)),
+        "load_average_at_start": [round(v, 2) for v in os.getloadavg()],
     }
 
 
