@@ -179,10 +179,10 @@ def write_byte_tokenizer(folder: Path, vocab_size: int, bos_id: int, eos_id: int
     specials = {"<|bos|>": bos_id, "<|eos|>": eos_id}
     merges = [("Ġ", "t"), ("h", "e")]
     symbols = sorted(pre_tokenizers.ByteLevel.alphabet()) + ["".join(pair) for pair in merges]
-    free = (i for i in range(vocab_size) if i not in specials.values())
-    vocab = {**specials, **{symbol: next(free) for symbol in symbols}}
-    if max(vocab.values()) >= vocab_size:
-        raise PeerSetupError(f"{folder}: a vocabulary of {vocab_size} ids cannot hold the 258 byte-level tokens")
+    free = [i for i in range(vocab_size) if i not in specials.values()]
+    if len(free) < len(symbols) or max(specials.values()) >= vocab_size:
+        raise PeerSetupError(f"{folder}: a vocabulary of {vocab_size} ids cannot hold the {len(symbols) + 2} tokens")
+    vocab = {**specials, **dict(zip(symbols, free, strict=False))}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
