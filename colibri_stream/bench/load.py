@@ -44,7 +44,7 @@ def loaded_vs_idle(
     after = run()
     idle = max(before["decode_tok_per_s"], after["decode_tok_per_s"])
     return {
-        "competitor": " ".join(BUSY_LOOP[1:]),
+        "competitor": f"python -c {BUSY_LOOP[2]!r}",
         "idle_tok_per_s": [before["decode_tok_per_s"], after["decode_tok_per_s"]],
         "loaded_tok_per_s": loaded["decode_tok_per_s"],
         "loaded_ttft_s": loaded["ttft_s"],

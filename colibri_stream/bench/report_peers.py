@@ -20,10 +20,11 @@ def machine_lines(machine: dict) -> list[str]:
         f"torch {machine['torch']} ({machine['torch_threads']} threads)."
     )
     if "memory_bandwidth_Bps" in machine:  # results of older runs lack these
-        steal = machine.get("cpu_steal_share")
+        steal, end = machine.get("cpu_steal_share"), machine.get("memory_bandwidth_Bps_at_end")
         line += (
-            f" Memory read bandwidth {machine['memory_bandwidth_Bps'] / 1e9:.1f} GB/s (numpy sum, "
-            f"{machine['torch_threads']} threads, best of 3); load average at start "
+            f" Memory read bandwidth {machine['memory_bandwidth_Bps'] / 1e9:.1f} GB/s at the start"
+            + (f", {machine['memory_bandwidth_Bps_at_end'] / 1e9:.1f} GB/s at the end" if end else "")
+            + f" ({machine['torch_threads']} threads reading 1 GiB, best of 3); load average at start "
             f"{' / '.join(map(str, machine['load_average_at_start']))}; CPU stolen by the hypervisor during the run "
             f"{'not counted' if steal is None else f'{100 * steal:.1f}%'}."
         )
@@ -74,7 +75,7 @@ def llama_cpp_lines(results: dict) -> list[str]:
 def load_lines(load: dict) -> list[str]:
     idle = " and ".join(f"{v:.2f}" for v in load["idle_tok_per_s"])
     return [
-        f"Ours at 100%, page cache warm: idle {idle} tok/s (before and after), beside `{load['competitor']}` "
+        f"Ours at 100%, page cache warm: idle {idle} tok/s (before and after), beside `{load['competitor']}`, "
         f"{load['loaded_tok_per_s']:.2f} tok/s -> **loaded_vs_idle {load['loaded_vs_idle']}** (over the better idle "
         f"run); TTFT {load['idle_ttft_s']:.3f} s idle, {load['loaded_ttft_s']:.3f} s loaded; same tokens: "
         f"{load['same_tokens']}."
@@ -120,17 +121,21 @@ def plot_llama_cpp(plt, results: dict, path: Path) -> None:
         key = (r["budget_pct"], r["cold"])
         points[key] = max(points.get(key, 0.0), r["decode_tok_per_s"])
     budgets = sorted({pct for points in series.values() for pct, _ in points})
-    width = 0.8 / max(1, len(series))
+    width = 0.8 / max(1, 2 * len(series))  # per budget: each contender cold, then warm
     for i, (label, points) in enumerate(series.items()):
-        for cold, hatch in ((True, ""), (False, "//")):
-            x = [budgets.index(pct) + i * width for pct, c in points if c == cold]
-            y = [v for (pct, c), v in points.items() if c == cold]
-            ax.bar(x, y, width, label=f"{label} {'cold' if cold else 'warm'}", hatch=hatch, alpha=0.85)
+        for j, (cold, hatch) in enumerate(((True, ""), (False, "//"))):
+            chosen = sorted((pct, v) for (pct, c), v in points.items() if c == cold)
+            x = [budgets.index(pct) + (2 * i + j) * width for pct, _ in chosen]
+            color = f"C{i}"
+            name = f"{label} {'cold' if cold else 'warm'}"
+            alpha = 1.0 if cold else 0.6
+            ax.bar(x, [v for _, v in chosen], width, color=color, hatch=hatch, alpha=alpha, label=name)
     for name, row in results.get("limit_line", {}).get("contenders", {}).items():
         if 100 in budgets:
             ax.axhline(row["fastest_tok_per_s"], linestyle=":", linewidth=1, color="gray")
             ax.annotate(f"limit {name}", (len(budgets) - 1, row["fastest_tok_per_s"]), fontsize=7)
-    ax.set_xticks([j + width for j in range(len(budgets))], [f"{pct}%" for pct in budgets])
+    middle = (2 * len(series) - 1) * width / 2
+    ax.set_xticks([j + middle for j in range(len(budgets))], [f"{pct}%" for pct in budgets])
     ax.set(xlabel="RAM budget (% of int4 expert bytes)", ylabel="decode tokens / s (log)", yscale="log")
     ax.set_title("Ours vs llama.cpp under the same memory limit")
     ax.grid(True, axis="y", which="both", alpha=0.3)
