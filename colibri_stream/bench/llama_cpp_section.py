@@ -17,7 +17,7 @@ from pathlib import Path
 
 from colibri_stream.bench.contenders import RunInputs
 from colibri_stream.bench.limit_line import TouchedBytes, gguf_touched, llama_cpp_kv_bytes
-from colibri_stream.bench.system import MemoryLimit, drop_page_cache
+from colibri_stream.bench.system import MemoryLimit, children_cpu_s, cpu_times, drop_page_cache, other_cpu_share
 
 REPACK_BUDGET = 100  # repacked weights are anonymous memory: only the all-in-RAM budget can hold them
 
@@ -45,7 +45,9 @@ def run_llama_cpp_contender(
     argv = [sys.executable, "-m", "colibri_stream.bench.llama_cpp_peer", str(gguf)]
     argv += ["--ids", ",".join(map(str, inputs.ids)), "--max-new-tokens", str(inputs.new_tokens)]
     argv += ["--threads", str(threads)] + (["--repack"] if repack else []) + (["--cold"] if cold else [])
+    cpu_before, own_before = cpu_times(), children_cpu_s()
     done = limit.run(argv, inputs.timeout_s)
+    others = other_cpu_share(cpu_before, cpu_times(), children_cpu_s() - own_before, done.wall_s)
     out = json.loads(done.last_json_line())
     mode = "repacked" if repack else "mmap"
     return {
@@ -69,6 +71,8 @@ def run_llama_cpp_contender(
         "hit_memory_limit": done.hit_limit,
         "page_cache_dropped": dropped,
         "wall_s": round(done.wall_s, 2),
+        # llama.cpp's OpenMP threads spin by default: another busy process on the machine slows it a lot
+        "other_cpu_share": others,
     }
 
 

@@ -59,15 +59,18 @@ def llama_cpp_lines(results: dict) -> list[str]:
                 f"{r['load_s']:.2f}",
                 f"{r['disk_bytes_per_token'] / MB:,.1f}",
                 "-" if r["peak_group_bytes"] is None else f"{r['peak_group_bytes'] / MB:,.1f}",
+                "-" if r.get("other_cpu_share") is None else f"{100 * r['other_cpu_share']:.0f}%",
                 "same" if mine and mine["ids"] == r["ids"] else "differ" if mine else "-",
                 ratio,
             ]
         )
     header = ["file", "budget", "weights", "page cache", "tok/s", "TTFT s", "load s", "disk MB/token", "peak MB"]
-    lines += [""] + table(header + ["tokens vs ours", "ours / llama.cpp"], body)
+    lines += [""] + table(header + ["others' CPU", "tokens vs ours", "ours / llama.cpp"], body)
     return lines + [
         "",
-        f"{section['threads']} threads each. Token ids are compared with ours at the same budget and page-cache "
+        f'{section["threads"]} threads each. "others\' CPU": the share of the machine other processes used '
+        "during the row (llama.cpp's OpenMP threads spin-wait by default, which a competing process punishes). "
+        "Token ids are compared with ours at the same budget and page-cache "
         "state; random weights leave near-ties that a different quantization of the dense part can flip.",
     ]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import platform
+import resource
 import shutil
 import subprocess
 import sys
@@ -149,6 +150,25 @@ def steal_share(before: list[int], after: list[int]) -> float | None:
         return None
     total = sum(after[:8]) - sum(before[:8])  # guest times (fields 9-10) are already inside user/nice
     return round((after[STEAL] - before[STEAL]) / total, 4) if total > 0 else 0.0
+
+
+IDLE, IOWAIT = 3, 4
+
+
+def other_cpu_share(before: list[int], after: list[int], own_cpu_s: float, wall_s: float) -> float | None:
+    """Share of the machine's CPU that processes other than the measured one used while it ran: the busy
+    time of /proc/stat minus the contender's own CPU time, over wall time x cores (None: not counted)."""
+    if len(before) <= IOWAIT or len(after) <= IOWAIT or wall_s <= 0:
+        return None
+    busy = sum(after[:8]) - sum(before[:8]) - (after[IDLE] - before[IDLE]) - (after[IOWAIT] - before[IOWAIT])
+    others = busy / os.sysconf("SC_CLK_TCK") - own_cpu_s
+    return round(max(0.0, others) / (wall_s * (os.cpu_count() or 1)), 3)
+
+
+def children_cpu_s() -> float:
+    """CPU seconds of this process's waited-for children (the contenders), user + system."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def machine_facts(path: Path) -> dict:

@@ -14,7 +14,7 @@ import tarfile
 import pytest
 
 from colibri_stream import cli
-from colibri_stream.bench import llama_cpp
+from colibri_stream.bench import llama_cpp, system
 from colibri_stream.bench.limit_line import TouchedBytes, gguf_touched, limit_line, llama_cpp_kv_bytes, ours_touched
 from colibri_stream.bench.llama_cpp_section import best_row, llama_cpp_grid, llama_cpp_ratios
 from colibri_stream.bench.load import loaded_vs_idle
@@ -145,6 +145,16 @@ def test_the_competitor_is_killed_when_the_loaded_run_fails():
     with pytest.raises(RuntimeError):
         loaded_vs_idle(run, lambda: FakeCompetitor(events), settle_s=0)
     assert events == ["start", "kill", "wait"]
+
+
+def test_other_cpu_share_is_the_busy_time_the_contender_did_not_use(monkeypatch):
+    monkeypatch.setattr(system.os, "sysconf", lambda name: 100)
+    monkeypatch.setattr(system.os, "cpu_count", lambda: 2)
+    before = [0, 0, 0, 0, 0, 0, 0, 0]
+    after = [300, 0, 100, 150, 50, 0, 0, 0]  # 4 s busy of 6 s (idle 1.5 s, iowait 0.5 s)
+    assert system.other_cpu_share(before, after, own_cpu_s=2.5, wall_s=3.0) == 0.25  # 1.5 s of 2 cores x 3 s
+    assert system.other_cpu_share(before, after, own_cpu_s=9.0, wall_s=3.0) == 0.0
+    assert system.other_cpu_share([], after, own_cpu_s=1.0, wall_s=3.0) is None
 
 
 def test_steal_share_counts_only_steal_over_all_cpu_time():
