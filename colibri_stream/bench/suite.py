@@ -59,6 +59,7 @@ from storage.tiered import StoreConfig, minimum_slots, total_records
 
 GiB = 1 << 30
 RATIO_BUDGET = 25  # the budget (% of int4 expert bytes) at which the headline ratios (and sessions) are taken
+BUSY_MACHINE = 0.25  # others' share of the CPU during a llama.cpp row above which the bench warns
 SECTIONS = ("disk", "decode", "peer", "caching", "sessions", "llama_cpp", "load")
 
 
@@ -305,6 +306,13 @@ class Bench:
                         files[kind], kind, pct, repack, cold, self.inputs(), self.limit(pct), self.threads
                     )
                 )
+        busy = [r["name"] for r in rows if (r["other_cpu_share"] or 0) > BUSY_MACHINE]
+        if busy:
+            self.results["warnings"].append(
+                f"other processes used over {BUSY_MACHINE:.0%} of the CPU during {len(busy)} of {len(rows)} llama.cpp "
+                'rows (see "others\' CPU"): its spinning OpenMP threads make it collapse on a busy machine, so '
+                "those ratios measure the machine, not the runtimes; rerun on an idle machine"
+            )
         self.results["llama_cpp"] = {
             "threads": self.threads,
             "files": {kind: {"path": str(path)} | gguf_facts(path, context) for kind, path in files.items()},
