@@ -66,6 +66,8 @@ def llama_cpp_lines(results: dict) -> list[str]:
         )
     header = ["file", "budget", "weights", "page cache", "tok/s", "TTFT s", "load s", "disk MB/token", "peak MB"]
     lines += [""] + table(header + ["others' CPU", "tokens vs ours", "ours / llama.cpp"], body)
+    failed = [f"- failed: {f['name']}: {f['error']}" for f in section.get("failed", [])]
+    lines += [""] + failed if failed else []
     return lines + [
         "",
         f'{section["threads"]} threads each. "others\' CPU": the share of the machine other processes used '

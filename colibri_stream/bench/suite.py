@@ -42,6 +42,7 @@ from colibri_stream.bench.load import loaded_vs_idle
 from colibri_stream.bench.sessions import random_prompt_ids, sessions_section
 from colibri_stream.bench.stress_model import QUICK, StressShape, write_stress_checkpoint
 from colibri_stream.bench.system import (
+    ContenderFailed,
     MemoryLimit,
     cgroup_available,
     cli_argv,
@@ -296,16 +297,20 @@ class Bench:
         self.log("6/7 llama.cpp: the same checkpoint as GGUF (converted once, cached in --work)")
         files = prepare_gguf_files(self.hf, self.work, self.llama_cpp_dir, self.threads, self.log, sys.stderr.isatty())
         context = self.settings.prompt_tokens
-        rows = []
+        rows, failed = [], []
         for kind in FILE_KINDS:
             for pct, repack, cold in llama_cpp_grid(self.settings.llama_cpp_budgets_pct):
-                mode = f"{'repacked' if repack else 'mmap'} {'cold' if cold else 'warm'}"
-                self.log(f"6/7 llama.cpp: {kind} {pct}% {mode}")
-                rows.append(
-                    run_llama_cpp_contender(
-                        files[kind], kind, pct, repack, cold, self.inputs(), self.limit(pct), self.threads
+                name = f"llama.cpp {kind} {pct}% {'repacked' if repack else 'mmap'} {'cold' if cold else 'warm'}"
+                self.log(f"6/7 {name}")
+                try:
+                    rows.append(
+                        run_llama_cpp_contender(
+                            files[kind], kind, pct, repack, cold, self.inputs(), self.limit(pct), self.threads
+                        )
                     )
-                )
+                except ContenderFailed as exc:  # e.g. killed at its memory limit: a result, not a crash
+                    failed.append({"name": name, "error": str(exc)})
+                    self.results["warnings"].append(f"{name} failed: {exc}")
         busy = [r["name"] for r in rows if (r["other_cpu_share"] or 0) > BUSY_MACHINE]
         if busy:
             self.results["warnings"].append(
@@ -317,6 +322,7 @@ class Bench:
             "threads": self.threads,
             "files": {kind: {"path": str(path)} | gguf_facts(path, context) for kind, path in files.items()},
             "rows": rows,
+            "failed": failed,
         }
 
     def load(self) -> None:

@@ -210,6 +210,10 @@ def test_setup_extracts_only_the_converter_its_package_and_its_gguf_py(tmp_path)
         "gguf-py/gguf/gguf_writer.py",
     ]
 
+    # the same through the CLI, into another folder
+    argv = ["bench", "--setup-peers", str(tmp_path / "sdist.tar.gz"), "--llama-cpp-dir", str(tmp_path / "cli")]
+    assert cli.main(argv) == 0 and (tmp_path / "cli" / "conversion" / "deepseek.py").read_bytes() == b"# arch"
+
     _tar(tmp_path / "other.tar.gz", {"x/setup.py": b""})
     with pytest.raises(llama_cpp.PeerSetupError, match="other.tar.gz.*convert_hf_to_gguf.py"):
         llama_cpp.extract_converter(tmp_path / "other.tar.gz", tmp_path / "peers2")
