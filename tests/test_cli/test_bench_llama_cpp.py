@@ -246,6 +246,7 @@ def _peers_ready() -> bool:
     return llama_cpp.skip_reason(llama_cpp.default_llama_cpp_dir()) is None
 
 
+@pytest.mark.slow  # ~20 s: the converter's own process imports torch and transformers
 @pytest.mark.skipif(not _peers_ready(), reason="needs the peers extra and `colibri-stream bench --setup-peers`")
 def test_llama_cpp_converts_quantizes_and_decodes_the_stress_model(tmp_path):
     from colibri_stream.bench.llama_cpp_section import gguf_facts
