@@ -5,6 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from colibri_stream.bench.report_peers import (
+    limit_line_lines,
+    llama_cpp_lines,
+    load_lines,
+    machine_lines,
+    plot_llama_cpp,
+)
+from colibri_stream.bench.report_peers import table as _table
 from storage.policy import POLICY_NAMES
 
 GOALS = {  # ratio -> (goal text, test)
@@ -12,13 +20,12 @@ GOALS = {  # ratio -> (goal text, test)
     "io_efficiency": (">= 0.9", lambda v: v >= 0.9),
     "hit_vs_belady_pp": ("<= 5 pp", lambda v: v <= 5),
     "resume_speedup": (">= 50x", lambda v: v >= 50),
+    "vs_llama_cpp_100": (">= 1.0", lambda v: v >= 1.0),
+    "vs_llama_cpp_25": (">= 10", lambda v: v >= 10),
+    "ttft_vs_llama_cpp_100": (">= 1.0", lambda v: v >= 1.0),
+    "loaded_vs_idle": (">= 0.5", lambda v: v >= 0.5),
 }
 MB = 1e6
-
-
-def _table(header: list[str], rows: list[list]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
 
 
 def _mb(value: float | None) -> str:
@@ -33,13 +40,11 @@ def markdown(results: dict) -> str:
         "",
         f"Command: `{results['command']}` — {results['elapsed_s']} s, {results.get('date', '')}",
         "",
-        f"Machine: {machine['cpu']}, {machine['cores']} cores, {machine['ram_bytes'] / 2**30:.1f} GiB RAM, "
-        f"disk {machine['filesystem']}, Linux {machine['kernel']}, Python {machine['python']}, "
-        f"torch {machine['torch']}.",
+        *machine_lines(machine),
         "",
         f"Model: generated DeepSeek-V3-style, {model['moe_layers']} MoE layers x {model['experts_per_layer']} experts, "
         f"int4 experts {model['int4_expert_bytes'] / 2**30:.2f} GiB ({_mb(model['int4_record_bytes'])} MB/record, "
-        f"bf16 {_mb(model['bf16_record_bytes'])} MB/record), "
+        f"bf16 {_mb(model.get('bf16_record_bytes'))} MB/record), "
         f"resident dense part {_mb(model['dense_bytes_resident'])} MB.",
         "",
         "Memory limit per contender (cgroup, page cache counted; "
@@ -49,16 +54,29 @@ def markdown(results: dict) -> str:
     ]
     lines += [f"**Warning:** {w}" for w in results["warnings"]]
     lines += ["## Ratios", ""]
-    lines += _table(
-        ["ratio", "value", "goal", "met"],
-        [[k, v, GOALS[k][0], "yes" if GOALS[k][1](v) else "no"] for k, v in results["ratios"].items()],
-    )
-    lines += ["", "## 1. Disk", ""] + _disk_table(results["disk"])
-    lines += ["", "## 2-3. Decode: ours and the peer", ""] + _decode_table(results["decode"] + results["peer"])
-    lines += ["", "## 4. Caching: policies vs Belady (hit rate over the recorded trace)", ""]
-    lines += _caching_table(results["caching"])
-    lines += ["", "## 5. Sessions", ""] + _sessions_lines(results["sessions"])
+    lines += _table(["ratio", "value", "goal", "met"], [_ratio_row(k, v) for k, v in results["ratios"].items()])
+    if "disk" in results:
+        lines += ["", "## 1. Disk", ""] + _disk_table(results["disk"])
+    if "decode" in results or "peer" in results:
+        rows = results.get("decode", []) + results.get("peer", [])
+        lines += ["", "## 2-3. Decode: ours and the peer", ""] + _decode_table(rows)
+    if "caching" in results:
+        lines += ["", "## 4. Caching: policies vs Belady (hit rate over the recorded trace)", ""]
+        lines += _caching_table(results["caching"])
+    if "sessions" in results:
+        lines += ["", "## 5. Sessions", ""] + _sessions_lines(results["sessions"])
+    if "llama_cpp" in results:
+        lines += ["", "## 6. llama.cpp, same checkpoint, same limits", ""] + llama_cpp_lines(results)
+    if "load" in results:
+        lines += ["", "## 7. Decode beside a CPU-bound process", ""] + load_lines(results["load"])
+    if "limit_line" in results:
+        lines += ["", "## The limit line (100%: everything in RAM)", ""] + limit_line_lines(results["limit_line"])
     return "\n".join(lines) + "\n"
+
+
+def _ratio_row(name: str, value: float) -> list:
+    goal, met = GOALS.get(name, ("-", None))
+    return [name, value, goal, "-" if met is None else "yes" if met(value) else "no"]
 
 
 def _disk_table(disk: dict) -> list[str]:
@@ -130,10 +148,19 @@ def plots(results: dict, out: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    paths = [out / "tokps_vs_budget.png", out / "hit_rate_vs_capacity.png", out / "bytes_per_token.png"]
-    _plot_speed(plt, results, paths[0])
-    _plot_hits(plt, results["caching"], paths[1])
-    _plot_bytes(plt, results, paths[2])
+    paths = []
+    if "decode" in results:
+        paths.append(out / "tokps_vs_budget.png")
+        _plot_speed(plt, results, paths[-1])
+    if "caching" in results:
+        paths.append(out / "hit_rate_vs_capacity.png")
+        _plot_hits(plt, results["caching"], paths[-1])
+    if "decode" in results:
+        paths.append(out / "bytes_per_token.png")
+        _plot_bytes(plt, results, paths[-1])
+    if "rows" in results.get("llama_cpp", {}) and "decode" in results:
+        paths.append(out / "vs_llama_cpp.png")
+        plot_llama_cpp(plt, results, paths[-1])
     return paths
 
 
@@ -150,7 +177,7 @@ def _plot_speed(plt, results: dict, path: Path) -> None:
             results["decode"], container="int4", policy="lru", prefetch=True, cold=True
         ),
         "colibri-stream bf16 container (same store)": _series(results["decode"], container="bf16"),
-        "transformers + accelerate offload": _series(results["peer"]),
+        "transformers + accelerate offload": _series(results.get("peer", [])),
     }
     for label, (x, rows) in curves.items():
         ax.plot(x, [r["decode_tok_per_s"] for r in rows], marker="o", label=label)
@@ -182,7 +209,7 @@ def _plot_bytes(plt, results: dict, path: Path) -> None:
     groups = {
         "colibri-stream int4": _series(results["decode"], container="int4", policy="lru", prefetch=True, cold=True),
         "colibri-stream bf16": _series(results["decode"], container="bf16"),
-        "accelerate": _series(results["peer"]),
+        "accelerate": _series(results.get("peer", [])),
     }
     budgets = sorted({pct for x, _ in groups.values() for pct in x})
     width = 0.8 / len(groups)

@@ -6,7 +6,12 @@ Sections (see docs/benchmarks.md for how to read the output):
                prefetch on/off, cold and warm page cache; the same store on a bf16 container;
   3. peer      transformers + accelerate disk offload at the same budgets and limits;
   4. caching   each policy vs Belady's MIN on the recorded traces (this model's and the demo's);
-  5. sessions  resuming a ~2k-token conversation from its KV log vs re-prefilling it.
+  5. sessions  resuming a ~2k-token conversation from its KV log vs re-prefilling it;
+  6. llama_cpp the same checkpoint converted by llama.cpp (all-Q4_0 and quality-matched GGUF), mmapped,
+               at the ratio budget and 100%, cold and warm (needs the `peers` extra: skipped and said otherwise);
+  7. load      our decode beside a competing CPU-bound process vs idle (`loaded_vs_idle`).
+Then the limit line: memory bandwidth / bytes each contender touches per token, at 100%.
+`sections` picks a subset (caching replays decode's trace, so it needs decode).
 The model is generated (DeepSeek-V3 proportions, random weights) and converted once into the work
 directory; later runs reuse it.
 """
@@ -24,9 +29,28 @@ from pathlib import Path
 from colibri_stream.bench.cache import gap_to_belady_pp, trace_section
 from colibri_stream.bench.contenders import OurConfig, RunInputs, run_ours, run_peer_contender
 from colibri_stream.bench.disk import disk_section
+from colibri_stream.bench.limit_line import limit_line, memory_bandwidth, ours_touched
+from colibri_stream.bench.llama_cpp import FILE_KINDS, default_llama_cpp_dir, prepare_gguf_files, skip_reason
+from colibri_stream.bench.llama_cpp_section import (
+    gguf_facts,
+    llama_cpp_grid,
+    llama_cpp_ratios,
+    run_llama_cpp_contender,
+    touched_from_facts,
+)
+from colibri_stream.bench.load import loaded_vs_idle
 from colibri_stream.bench.sessions import random_prompt_ids, sessions_section
 from colibri_stream.bench.stress_model import QUICK, StressShape, write_stress_checkpoint
-from colibri_stream.bench.system import MemoryLimit, cgroup_available, cli_argv, convert, machine_facts
+from colibri_stream.bench.system import (
+    ContenderFailed,
+    MemoryLimit,
+    cgroup_available,
+    cli_argv,
+    convert,
+    cpu_times,
+    machine_facts,
+    steal_share,
+)
 from colibri_stream.demo_model import DEMO_PROMPT, demo_container_path, demo_model_dir
 from colibri_stream.geometry import geometry_from_container
 from colibri_stream.placement import plan
@@ -36,6 +60,8 @@ from storage.tiered import StoreConfig, minimum_slots, total_records
 
 GiB = 1 << 30
 RATIO_BUDGET = 25  # the budget (% of int4 expert bytes) at which the headline ratios (and sessions) are taken
+BUSY_MACHINE = 0.25  # others' share of the CPU during a llama.cpp row above which the bench warns
+SECTIONS = ("disk", "decode", "peer", "caching", "sessions", "llama_cpp", "load")
 
 
 @dataclass(frozen=True)
@@ -54,6 +80,7 @@ class BenchSettings:
     overhead_bytes: int = GiB  # the memory limit above budget + dense + KV: interpreter, torch, activations
     timeout_s: float = 900.0
     demo_tokens: int = 128
+    llama_cpp_budgets_pct: tuple[int, ...] = (RATIO_BUDGET, 100)
 
 
 FULL = BenchSettings(shape=StressShape(), prompt_tokens=32, new_tokens=32)
@@ -81,6 +108,7 @@ class Bench:
     out: Path
     log: Callable[[str], None]
     results: dict = field(default_factory=dict)
+    llama_cpp_dir: Path = field(default_factory=default_llama_cpp_dir)
 
     # ---------------------------------------------------------------------------------- models
     def prepare_models(self) -> None:
@@ -94,11 +122,11 @@ class Bench:
             write_stress_checkpoint(self.hf, shape, progress=sys.stderr.isatty())
             marker.write_text(json.dumps(asdict(shape)))
         self.int4 = self._convert("int4")
-        self.bf16 = self._convert("bf16")
         self.container = Container(self.int4)
         self.record_bytes = self.container.layout.record_bytes
         self.expert_bytes = self.container.expert_bytes
         placement = plan(geometry_from_container(self.container), StoreConfig(ram_bytes=0))
+        self.placement = placement
         self.dense_bytes = placement.dense_bytes
         context = self.settings.conversation_tokens + 64
         self.kv_bytes = placement.kv_bytes_per_token * context
@@ -106,7 +134,6 @@ class Bench:
             "shape": asdict(shape),
             "int4_expert_bytes": self.expert_bytes,
             "int4_record_bytes": self.record_bytes,
-            "bf16_record_bytes": Container(self.bf16).layout.record_bytes,
             "dense_bytes_resident": self.dense_bytes,
             "moe_layers": len(self.container.moe_layers),
             "experts_per_layer": self.container.n_experts,
@@ -140,7 +167,14 @@ class Bench:
             threads=4,
         )
 
+    def _convert_bf16(self) -> None:
+        """The bf16 container: only decode's side rows use it (another ~4x the int4 bytes to write)."""
+        self.bf16 = self._convert("bf16")
+        self.results["model"]["bf16_record_bytes"] = Container(self.bf16).layout.record_bytes
+
     def decode(self) -> None:
+        if self.side_budgets:
+            self._convert_bf16()
         history = self.work / "history.json"
         history.unlink(missing_ok=True)
         self.log("2/5 decode: learning the hot store from one run on another prompt")
@@ -191,7 +225,8 @@ class Bench:
 
     @property
     def side_budgets(self) -> tuple[int, ...]:
-        return self.settings.side_budgets_pct or self.settings.budgets_pct
+        side = self.settings.side_budgets_pct
+        return self.settings.budgets_pct if side is None else side
 
     def peer(self) -> None:
         rows = []
@@ -249,28 +284,126 @@ class Bench:
             self.settings.timeout_s,
         )
 
-    # --------------------------------------------------------------------------------- summary
-    def ratios(self) -> dict:
-        ours = next(r for r in self.results["decode"] if r["name"] == OurConfig(RATIO_BUDGET).name)
-        peer = next(r for r in self.results["peer"] if r["budget_pct"] == RATIO_BUDGET)
-        at_budget = next(
-            r for r in self.results["caching"]["bench_model"]["at_budgets"] if r["budget"] == f"{RATIO_BUDGET}%"
-        )
-        return {
-            "vs_accelerate": round(ours["decode_tok_per_s"] / peer["decode_tok_per_s"], 1),
-            "io_efficiency": self.results["disk"]["io_efficiency"],
-            "hit_vs_belady_pp": gap_to_belady_pp(at_budget),
-            "resume_speedup": self.results["sessions"]["resume_speedup"],
+    @property
+    def threads(self) -> int:
+        return self.results["machine"]["torch_threads"]  # ours runs with torch's default; llama.cpp gets as many
+
+    def llama_cpp(self) -> None:
+        reason = skip_reason(self.llama_cpp_dir)
+        if reason:
+            self.log(reason)
+            self.results["llama_cpp"] = {"skipped": reason}
+            return
+        self.log("6/7 llama.cpp: the same checkpoint as GGUF (converted once, cached in --work)")
+        files = prepare_gguf_files(self.hf, self.work, self.llama_cpp_dir, self.threads, self.log, sys.stderr.isatty())
+        context = self.settings.prompt_tokens
+        rows, failed = [], []
+        for kind in FILE_KINDS:
+            for pct, repack, cold in llama_cpp_grid(self.settings.llama_cpp_budgets_pct):
+                name = f"llama.cpp {kind} {pct}% {'repacked' if repack else 'mmap'} {'cold' if cold else 'warm'}"
+                self.log(f"6/7 {name}")
+                try:
+                    rows.append(
+                        run_llama_cpp_contender(
+                            files[kind], kind, pct, repack, cold, self.inputs(), self.limit(pct), self.threads
+                        )
+                    )
+                except ContenderFailed as exc:  # e.g. killed at its memory limit: a result, not a crash
+                    failed.append({"name": name, "error": str(exc)})
+                    self.results["warnings"].append(f"{name} failed: {exc}")
+        busy = [r["name"] for r in rows if (r["other_cpu_share"] or 0) > BUSY_MACHINE]
+        if busy:
+            self.results["warnings"].append(
+                f"other processes used over {BUSY_MACHINE:.0%} of the CPU during {len(busy)} of {len(rows)} llama.cpp "
+                'rows (see "others\' CPU"): its spinning OpenMP threads make it collapse on a busy machine, so '
+                "those ratios measure the machine, not the runtimes; rerun on an idle machine"
+            )
+        self.results["llama_cpp"] = {
+            "threads": self.threads,
+            "files": {kind: {"path": str(path)} | gguf_facts(path, context) for kind, path in files.items()},
+            "rows": rows,
+            "failed": failed,
         }
 
+    def load(self) -> None:
+        self.log("7/7 load: our decode at 100% (warm) idle, beside a busy loop, idle again")
+        config = OurConfig(100, cold=False)
 
-def run_bench(settings: BenchSettings, work: Path, out: Path, command: str, log: Callable[[str], None]) -> dict:
-    """All five sections; returns the results (also written to ``out``/results.json by the caller)."""
+        def run() -> dict:
+            return run_ours(self.int4, config, self.ram_bytes(100), self.inputs(), self.limit(100))
+
+        self.results["load"] = loaded_vs_idle(run)
+
+    # --------------------------------------------------------------------------------- summary
+    def ratios(self) -> dict:
+        """The headline ratios of the sections that ran."""
+        ratios, results = {}, self.results
+        ours = {r["budget_pct"]: r for r in results.get("decode", []) if r["name"] == OurConfig(r["budget_pct"]).name}
+        if "peer" in results and RATIO_BUDGET in ours:
+            peer = next(r for r in results["peer"] if r["budget_pct"] == RATIO_BUDGET)
+            ratios["vs_accelerate"] = round(ours[RATIO_BUDGET]["decode_tok_per_s"] / peer["decode_tok_per_s"], 1)
+        if "disk" in results:
+            ratios["io_efficiency"] = results["disk"]["io_efficiency"]
+        if "caching" in results:
+            rows = results["caching"]["bench_model"]["at_budgets"]
+            ratios["hit_vs_belady_pp"] = gap_to_belady_pp(next(r for r in rows if r["budget"] == f"{RATIO_BUDGET}%"))
+        if "sessions" in results:
+            ratios["resume_speedup"] = results["sessions"]["resume_speedup"]
+        if "rows" in results.get("llama_cpp", {}):
+            ratios |= llama_cpp_ratios(ours, results["llama_cpp"]["rows"])
+        if "load" in results:
+            ratios["loaded_vs_idle"] = results["load"]["loaded_vs_idle"]
+        return ratios
+
+    def limit_line_summary(self) -> dict:
+        """Bandwidth / bytes per token at 100%, and each contender's best 100% decode as a fraction of it."""
+        p, shape = self.placement, self.settings.shape
+        context = self.settings.prompt_tokens
+        touched = {
+            "colibri-stream": ours_touched(
+                p.dense_bytes_per_token,
+                self.record_bytes,
+                shape.num_experts_per_tok,
+                len(self.container.moe_layers),
+                p.kv_bytes_per_token,
+                context,
+            )
+        }
+        best = {}
+        ours = [r for r in self.results.get("decode", []) if r["budget_pct"] == 100 and r["container"] == "int4"]
+        if ours:
+            best["colibri-stream"] = max(r["decode_tok_per_s"] for r in ours)
+        for kind, facts in self.results.get("llama_cpp", {}).get("files", {}).items():
+            name = f"llama.cpp {kind}"
+            touched[name] = touched_from_facts(facts)
+            rows = [r for r in self.results["llama_cpp"]["rows"] if r["file"] == kind and r["budget_pct"] == 100]
+            if rows:
+                best[name] = max(r["decode_tok_per_s"] for r in rows)
+        # measured again now: a machine busy at the start would understate it (the better one counts)
+        machine = self.results["machine"]
+        machine["memory_bandwidth_Bps_at_end"] = round(memory_bandwidth(self.threads))
+        bandwidth = max(machine["memory_bandwidth_Bps"], machine["memory_bandwidth_Bps_at_end"])
+        return limit_line(bandwidth, touched, best)
+
+
+def run_bench(
+    settings: BenchSettings,
+    work: Path,
+    out: Path,
+    command: str,
+    log: Callable[[str], None],
+    sections: tuple[str, ...] = SECTIONS,
+    llama_cpp_dir: Path | None = None,
+) -> dict:
+    """The chosen sections in SECTIONS order; returns the results (written to ``out``/results.json by the caller)."""
+    unknown = set(sections) - set(SECTIONS)
+    if unknown or ("caching" in sections and "decode" not in sections):
+        raise ValueError(f"sections must be among {SECTIONS} and caching needs decode, not {sorted(sections)}")
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    bench = Bench(settings, work, out, log)
-    bench.results.update(command=command, machine=machine_facts(work), warnings=[])
+    start, cpu_start = time.perf_counter(), cpu_times()
+    bench = Bench(settings, work, out, log, llama_cpp_dir=llama_cpp_dir or default_llama_cpp_dir())
+    bench.results.update(command=command, sections=list(sections), machine=machine_facts(work), warnings=[])
     if not cgroup_available():
         warning = "no writable cgroup-v1 memory controller: contenders ran WITHOUT a RAM limit (page cache unbounded)"
         bench.results["warnings"].append(warning)
@@ -280,8 +413,11 @@ def run_bench(settings: BenchSettings, work: Path, out: Path, command: str, log:
         "enforced": cgroup_available(),
         "overhead_bytes": settings.overhead_bytes,
     }
-    for section in (bench.disk, bench.decode, bench.peer, bench.caching, bench.sessions):
-        section()
+    for name in SECTIONS:
+        if name in sections:
+            getattr(bench, name)()
     bench.results["ratios"] = bench.ratios()
+    bench.results["limit_line"] = bench.limit_line_summary()
+    bench.results["machine"]["cpu_steal_share"] = steal_share(cpu_start, cpu_times())
     bench.results["elapsed_s"] = round(time.perf_counter() - start, 1)
     return bench.results

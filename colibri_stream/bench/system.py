@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import platform
+import resource
 import shutil
 import subprocess
 import sys
@@ -130,8 +131,50 @@ def convert(src: Path, dst: Path, experts: str = "int4", progress: bool = False)
     return dst
 
 
+def cpu_times() -> list[int]:
+    """The machine's aggregate CPU time counters (/proc/stat "cpu" line: user nice system idle iowait irq
+    softirq steal ...), in clock ticks; [] where there is no /proc/stat."""
+    try:
+        first = Path("/proc/stat").read_text().splitlines()[0].split()
+    except (OSError, IndexError):
+        return []
+    return [int(v) for v in first[1:]] if first and first[0] == "cpu" else []
+
+
+STEAL = 7  # /proc/stat field: time the hypervisor ran something else while this VM wanted the CPU
+
+
+def steal_share(before: list[int], after: list[int]) -> float | None:
+    """Share of CPU time stolen by the hypervisor between two cpu_times() samples (None: not counted)."""
+    if len(before) <= STEAL or len(after) <= STEAL:
+        return None
+    total = sum(after[:8]) - sum(before[:8])  # guest times (fields 9-10) are already inside user/nice
+    return round((after[STEAL] - before[STEAL]) / total, 4) if total > 0 else 0.0
+
+
+IDLE, IOWAIT = 3, 4
+
+
+def other_cpu_share(before: list[int], after: list[int], own_cpu_s: float, wall_s: float) -> float | None:
+    """Share of the machine's CPU that processes other than the measured one used while it ran: the busy
+    time of /proc/stat minus the contender's own CPU time, over wall time x cores (None: not counted)."""
+    if len(before) <= IOWAIT or len(after) <= IOWAIT or wall_s <= 0:
+        return None
+    busy = sum(after[:8]) - sum(before[:8]) - (after[IDLE] - before[IDLE]) - (after[IOWAIT] - before[IOWAIT])
+    others = busy / os.sysconf("SC_CLK_TCK") - own_cpu_s
+    return round(max(0.0, others) / (wall_s * (os.cpu_count() or 1)), 3)
+
+
+def children_cpu_s() -> float:
+    """CPU seconds of this process's waited-for children (the contenders), user + system."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def machine_facts(path: Path) -> dict:
-    """What the reader of a benchmark table needs to compare it with another machine."""
+    """What the reader of a benchmark table needs to compare it with another machine: the CPU, the
+    memory bandwidth measured now with the contenders' thread count, how loaded the machine was at
+    the start (load average) and, added at the end of the run, how much CPU the hypervisor stole."""
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -140,8 +183,11 @@ def machine_facts(path: Path) -> dict:
                 break
     except OSError:
         pass
-    import torch  # only for its version; the bench process itself computes nothing
+    import torch  # only for its version and thread count; the bench process itself computes nothing
 
+    from colibri_stream.bench.limit_line import memory_bandwidth
+
+    threads = torch.get_num_threads()
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),
@@ -151,7 +197,9 @@ def machine_facts(path: Path) -> dict:
         "kernel": platform.release(),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": threads,
+        "memory_bandwidth_Bps": round(memory_bandwidth(threads)),
+        "load_average_at_start": [round(v, 2) for v in os.getloadavg()],
     }
 
 

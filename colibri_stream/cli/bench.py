@@ -20,6 +20,8 @@ examples:
   colibri-stream bench --quick                 # a small model, every section, a few minutes
   colibri-stream bench --json --out results/   # the full run (<= 30 min): results.json, benchmarks.md, plots
   colibri-stream bench --kernels --json        # 4-bit expert FFN per record kind vs memcpy (+ CUDA on a GPU)
+  colibri-stream bench --setup-peers           # once, after pip install 'colibri-stream[peers]': llama.cpp's converter
+  colibri-stream bench --sections decode,llama_cpp,load   # only these sections
 The full run generates a ~15 GB bf16 model and its int4 and bf16 containers (~20 GB) in --work once.
 Run as root on an idle machine: contenders are confined by a memory cgroup (page cache counted) and
 the page cache is dropped before cold runs; without root both are skipped with a warning.
@@ -46,6 +48,23 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", default="bench-results", help="directory for results (default ./bench-results)")
     parser.add_argument("--work", help="where the generated model and containers live (default ~/.cache/...)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    parser.add_argument(
+        "--sections",
+        type=_sections,
+        default=None,
+        help="comma-separated subset of disk,decode,peer,caching,sessions,llama_cpp,load (default: all; "
+        "caching needs decode)",
+    )
+    peers = parser.add_argument_group("llama.cpp contender (pip install 'colibri-stream[peers]')")
+    peers.add_argument(
+        "--setup-peers",
+        nargs="?",
+        const="download",
+        metavar="SDIST",
+        help="extract llama.cpp's converter from the llama-cpp-python sdist (downloaded with pip, or the given "
+        "file) into --llama-cpp-dir, then exit",
+    )
+    peers.add_argument("--llama-cpp-dir", help="where the converter lives (default ~/.cache/colibri-stream/peers/...)")
     kernels = parser.add_argument_group("kernel micro-benchmarks (--kernels)")
     kernels.add_argument(
         "--kernels",
@@ -61,19 +80,39 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run_bench_command)
 
 
+def _sections(text: str) -> tuple[str, ...]:
+    from colibri_stream.bench.suite import SECTIONS
+
+    chosen = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in chosen if name not in SECTIONS]
+    if not chosen or unknown:
+        raise argparse.ArgumentTypeError(f"unknown section(s) {unknown or text!r}: choose from {','.join(SECTIONS)}")
+    if "caching" in chosen and "decode" not in chosen:
+        raise argparse.ArgumentTypeError("caching replays the decode section's trace: add decode")
+    return chosen
+
+
 def run_bench_command(args: argparse.Namespace) -> int:
     if args.kernels:
         return run_kernels(args)
+    from colibri_stream.bench.llama_cpp import default_llama_cpp_dir, setup_converter
+
+    llama_cpp_dir = Path(args.llama_cpp_dir) if args.llama_cpp_dir else default_llama_cpp_dir()
+    if args.setup_peers:
+        sdist = None if args.setup_peers == "download" else Path(args.setup_peers)
+        setup_converter(llama_cpp_dir, sdist, log=lambda line: print(f"[bench] {line}", file=sys.stderr))
+        return 0
     # Imported here: the bench pulls in the converter, the demo and the report (not needed by --kernels).
     from colibri_stream.bench.report import markdown, plots
-    from colibri_stream.bench.suite import FULL, QUICK_SETTINGS, run_bench
+    from colibri_stream.bench.suite import FULL, QUICK_SETTINGS, SECTIONS, run_bench
 
     settings = QUICK_SETTINGS if args.quick else FULL
     work = Path(args.work) if args.work else default_work_dir(args.quick)
     out = Path(args.out)
     command = "colibri-stream " + " ".join(sys.argv[1:])
     results = {"mode": "quick" if args.quick else "full", "date": time.strftime("%Y-%m-%d %H:%M")}
-    results |= run_bench(settings, work, out, command, log=lambda line: print(f"[bench] {line}", file=sys.stderr))
+    log = lambda line: print(f"[bench] {line}", file=sys.stderr)  # noqa: E731
+    results |= run_bench(settings, work, out, command, log, args.sections or SECTIONS, llama_cpp_dir)
     try:
         results["plots"] = [str(path) for path in plots(results, out)]
     except ImportError:

@@ -17,6 +17,9 @@ def bench(tmp_path_factory):
     root = tmp_path_factory.mktemp("bench")
     out = root / "out"
     argv = ["bench", "--quick", "--json", "--out", str(out), "--work", str(root / "work")]
+    # llama.cpp (where the peers extra is installed) and load have their own tests (test_bench_llama_cpp.py):
+    # here they would add ~1 min to the suite
+    argv += ["--sections", "disk,decode,peer,caching,sessions"]
     return argv, out
 
 
@@ -32,6 +35,9 @@ def test_quick_bench_reports_every_section_and_ratio(bench, capsys):
     assert ratios["vs_accelerate"] > 0 and ratios["io_efficiency"] > 0 and ratios["resume_speedup"] > 0
     assert ratios["hit_vs_belady_pp"] >= 0  # no online policy beats the optimum
     assert results["memory_limits"]["enforced"] == cgroup_available()
+    assert results["machine"]["memory_bandwidth_Bps"] > 0 and len(results["machine"]["load_average_at_start"]) == 3
+    ours_limit = results["limit_line"]["contenders"]["colibri-stream"]
+    assert 0 < ours_limit["fraction_of_limit"] and ours_limit["bytes_per_token"]["experts"] > 0
 
     disk = results["disk"]
     for name in ("raw_sequential_odirect", "raw_expert_random_odirect", "ours_cold_buffered", "ours_cold_odirect"):

@@ -1,0 +1,130 @@
+"""The llama.cpp section of the bench: both GGUF files at each budget, cold and warm, in the same limit as
+ours, and the ratios against our decode rows.
+
+Rows per file and budget: memory-mapped (the page cache as its expert cache), page cache dropped
+(cold) then at once again (warm); at 100% also with weight repacking (llama.cpp's default, which copies
+the repacked weights into anonymous memory, so below 100% it cannot fit the limit by construction).
+The ratios take llama.cpp's best row of the quality-matched file at the budget, both cold: its highest
+decode tok/s and, separately, its lowest TTFT.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+from colibri_stream.bench.contenders import RunInputs
+from colibri_stream.bench.limit_line import TouchedBytes, gguf_touched, llama_cpp_kv_bytes
+from colibri_stream.bench.system import MemoryLimit, children_cpu_s, cpu_times, drop_page_cache, other_cpu_share
+
+REPACK_BUDGET = 100  # repacked weights are anonymous memory: only the all-in-RAM budget can hold them
+
+
+def llama_cpp_grid(budgets_pct: tuple[int, ...]) -> list[tuple[int, bool, bool]]:
+    """(budget %, repack, cold) in the order they run: each warm row right after its cold one."""
+    grid = []
+    for pct in budgets_pct:
+        for repack in (False, True) if pct >= REPACK_BUDGET else (False,):
+            grid += [(pct, repack, True), (pct, repack, False)]
+    return grid
+
+
+def run_llama_cpp_contender(
+    gguf: Path,
+    kind: str,
+    budget_pct: int,
+    repack: bool,
+    cold: bool,
+    inputs: RunInputs,
+    limit: MemoryLimit,
+    threads: int,
+) -> dict:
+    dropped = drop_page_cache() if cold else False
+    argv = [sys.executable, "-m", "colibri_stream.bench.llama_cpp_peer", str(gguf)]
+    argv += ["--ids", ",".join(map(str, inputs.ids)), "--max-new-tokens", str(inputs.new_tokens)]
+    argv += ["--threads", str(threads)] + (["--repack"] if repack else []) + (["--cold"] if cold else [])
+    cpu_before, own_before = cpu_times(), children_cpu_s()
+    done = limit.run(argv, inputs.timeout_s)
+    others = other_cpu_share(cpu_before, cpu_times(), children_cpu_s() - own_before, done.wall_s)
+    out = json.loads(done.last_json_line())
+    mode = "repacked" if repack else "mmap"
+    return {
+        "contender": "llama.cpp",
+        "name": f"llama.cpp {kind} {budget_pct}% {mode} {'cold' if cold else 'warm'}",
+        "file": kind,
+        "budget_pct": budget_pct,
+        "repack": repack,
+        "cold": cold,
+        "threads": threads,
+        "ids": out["ids"],
+        "load_s": round(out["load_s"], 3),
+        "ttft_s": round(out["ttft_s"], 6),
+        "decode_tok_per_s": round(out["decode_tok_per_s"], 4),
+        "disk_bytes_per_token": int(out["read_bytes_per_token"]),
+        "prefill_read_bytes": out["prefill_read_bytes"],
+        "peak_rss_bytes": out["peak_rss_bytes"],
+        "peak_anon_bytes": out["peak_anon_bytes"],
+        "omp_wait_policy": out["omp_wait_policy"],
+        "peak_group_bytes": done.peak_bytes,
+        "hit_memory_limit": done.hit_limit,
+        "page_cache_dropped": dropped,
+        "wall_s": round(done.wall_s, 2),
+        # llama.cpp's OpenMP threads spin by default: another busy process on the machine slows it a lot
+        "other_cpu_share": others,
+    }
+
+
+def gguf_facts(path: Path, context: int) -> dict:
+    """What the report says about one file: size, tensor types, bytes a decode step touches."""
+    from gguf import GGUFReader  # the peers extra
+
+    reader = GGUFReader(path)
+
+    def field(key: str):
+        return reader.fields[key].contents()
+
+    arch = field("general.architecture")
+    tensors = [(t.name, int(t.n_bytes)) for t in reader.tensors]
+    layers, rank = field(f"{arch}.block_count"), field(f"{arch}.attention.kv_lora_rank")
+    kv = llama_cpp_kv_bytes(layers, rank, field(f"{arch}.rope.dimension_count"), context)
+    n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    touched = gguf_touched(tensors, field(f"{arch}.expert_count"), field(f"{arch}.expert_used_count"), n_vocab, kv)
+    return {
+        "file_bytes": path.stat().st_size,
+        "tensor_types": dict(Counter(t.tensor_type.name for t in reader.tensors)),
+        "touched_per_token": touched.as_dict(),
+    }
+
+
+def touched_from_facts(facts: dict) -> TouchedBytes:
+    t = facts["touched_per_token"]
+    return TouchedBytes(t["dense"], t["experts"], t["kv"])
+
+
+def best_row(rows: list[dict], kind: str, budget_pct: int) -> dict | None:
+    """llama.cpp's fastest cold decode and lowest cold TTFT for ``kind`` at the budget (None if no row)."""
+    chosen = [r for r in rows if r["file"] == kind and r["budget_pct"] == budget_pct and r["cold"]]
+    if not chosen:
+        return None
+    fastest = max(chosen, key=lambda r: r["decode_tok_per_s"])
+    return {
+        "decode_tok_per_s": fastest["decode_tok_per_s"],
+        "decode_row": fastest["name"],
+        "ttft_s": min(r["ttft_s"] for r in chosen),
+    }
+
+
+def llama_cpp_ratios(ours_cold: dict[int, dict], rows: list[dict]) -> dict:
+    """Ours (cold, LRU, prefetch) over llama.cpp's best cold row per budget; TTFT: llama.cpp's / ours."""
+    ratios = {}
+    for pct, ours in sorted(ours_cold.items(), reverse=True):
+        for kind, prefix in (("q4e_q8", "vs_llama_cpp"), ("q4_0", "vs_llama_cpp_q4_0")):
+            best = best_row(rows, kind, pct)
+            if best and best["decode_tok_per_s"] > 0:
+                ratios[f"{prefix}_{pct}"] = round(ours["decode_tok_per_s"] / best["decode_tok_per_s"], 2)
+        best = best_row(rows, "q4e_q8", pct)
+        if pct == 100 and best and ours["ttft_s"] > 0:
+            ratios["ttft_vs_llama_cpp_100"] = round(best["ttft_s"] / ours["ttft_s"], 2)
+    return ratios

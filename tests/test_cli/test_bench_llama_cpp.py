@@ -1,0 +1,268 @@
+"""The bench's llama.cpp contender, loaded_vs_idle and the limit line: their arithmetic and bookkeeping
+without llama.cpp, and one end-to-end conversion + decode that runs only where the peers extra and the
+converter are installed (skipped otherwise)."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import subprocess
+import sys
+import tarfile
+
+import pytest
+
+from colibri_stream import cli
+from colibri_stream.bench import llama_cpp, system
+from colibri_stream.bench.limit_line import TouchedBytes, gguf_touched, limit_line, llama_cpp_kv_bytes, ours_touched
+from colibri_stream.bench.llama_cpp_section import best_row, llama_cpp_grid, llama_cpp_ratios
+from colibri_stream.bench.load import loaded_vs_idle
+from colibri_stream.bench.report_peers import llama_cpp_lines
+from colibri_stream.bench.system import steal_share
+
+
+# ------------------------------------------------------------------------------------ limit line
+def test_bytes_touched_per_token_and_the_limit_line():
+    ours = ours_touched(
+        dense_bytes_per_token=1000, record_bytes=50, top_k=6, moe_layers=3, kv_bytes_per_token=4, context=10
+    )
+    assert (ours.dense, ours.experts, ours.kv, ours.total) == (1000, 900, 40, 1940)
+
+    tensors = [
+        ("token_embd.weight", 8192 * 10),  # one row of 8192 is read
+        ("output.weight", 500),
+        ("blk.1.ffn_gate_exps.weight", 6400),  # 64 experts of 100 bytes, 6 read
+        ("blk.1.ffn_down_exps.weight", 6400),
+        ("blk.1.ffn_gate_shexp.weight", 70),  # the shared expert is dense
+        ("blk.1.exp_probs_b.bias", 7),
+    ]
+    theirs = gguf_touched(tensors, n_expert=64, top_k=6, n_vocab=8192, kv_bytes=llama_cpp_kv_bytes(2, 256, 32, 10))
+    assert theirs == TouchedBytes(dense=10 + 500 + 70 + 7, experts=2 * 600, kv=2 * 288 * 2 * 10)
+
+    line = limit_line(1e9, {"ours": ours, "theirs": theirs}, {"ours": 1e9 / 1940 / 4})
+    assert line["memory_bandwidth_GBps"] == 1.0
+    assert line["contenders"]["ours"]["fastest_tok_per_s"] == round(1e9 / 1940, 2)
+    assert line["contenders"]["ours"]["fraction_of_limit"] == 0.25
+    assert line["contenders"]["theirs"]["fraction_of_limit"] is None  # not measured: no fraction
+
+
+# ---------------------------------------------------------------------------------------- ratios
+def _row(kind, pct, tok_s, ttft, cold=True, repack=False):
+    name = f"llama.cpp {kind} {pct}% {'repacked' if repack else 'mmap'} {'cold' if cold else 'warm'}"
+    return {"file": kind, "budget_pct": pct, "cold": cold, "repack": repack, "name": name}.__or__(
+        {"decode_tok_per_s": tok_s, "ttft_s": ttft}
+    )
+
+
+def test_ratios_take_llama_cpps_best_cold_row_of_each_file():
+    rows = [
+        _row("q4e_q8", 100, 10.0, 0.8),
+        _row("q4e_q8", 100, 20.0, 1.6, repack=True),  # fastest decode ...
+        _row("q4e_q8", 100, 99.0, 0.1, cold=False),  # warm rows never enter the ratios
+        _row("q4e_q8", 25, 0.5, 4.0),
+        _row("q4_0", 100, 25.0, 0.5),
+        _row("q4_0", 25, 0.4, 4.0),
+    ]
+    assert best_row(rows, "q4e_q8", 100) == {
+        "decode_tok_per_s": 20.0,
+        "decode_row": "llama.cpp q4e_q8 100% repacked cold",
+        "ttft_s": 0.8,  # ... and, separately, the lowest TTFT
+    }
+    ours = {100: {"decode_tok_per_s": 5.0, "ttft_s": 4.0}, 25: {"decode_tok_per_s": 3.0, "ttft_s": 5.0}}
+    assert llama_cpp_ratios(ours, rows) == {
+        "vs_llama_cpp_100": 0.25,
+        "vs_llama_cpp_q4_0_100": 0.2,
+        "ttft_vs_llama_cpp_100": 0.2,  # llama.cpp's TTFT / ours: < 1 means we are slower to the first token
+        "vs_llama_cpp_25": 6.0,
+        "vs_llama_cpp_q4_0_25": 7.5,
+    }
+    assert llama_cpp_ratios({10: ours[25]}, rows) == {}  # no llama.cpp row at that budget: no ratio
+
+
+def test_the_grid_repacks_only_where_everything_fits_and_runs_warm_after_cold():
+    assert llama_cpp_grid((25, 100)) == [
+        (25, False, True),
+        (25, False, False),
+        (100, False, True),
+        (100, False, False),
+        (100, True, True),
+        (100, True, False),
+    ]
+
+
+def test_the_quality_matched_override_picks_exactly_the_routed_experts():
+    import re
+
+    names = [
+        "blk.1.ffn_gate_exps.weight",
+        "blk.1.ffn_up_exps.weight",
+        "blk.1.ffn_down_exps.weight",
+        "blk.1.ffn_gate_shexp.weight",
+        "blk.1.ffn_down_shexp.weight",
+        "blk.0.ffn_down.weight",
+        "blk.1.ffn_gate_inp.weight",
+        "blk.1.exp_probs_b.bias",
+        "token_embd.weight",
+        "output.weight",
+    ]
+    assert [n for n in names if re.search(llama_cpp.EXPERT_TENSOR, n)] == names[:3]
+
+
+# ---------------------------------------------------------------------------------- load, machine
+class FakeCompetitor:
+    def __init__(self, events):
+        self.events = events
+        events.append("start")
+
+    def kill(self):
+        self.events.append("kill")
+
+    def wait(self):
+        self.events.append("wait")
+
+
+def test_loaded_vs_idle_is_loaded_over_the_better_idle_run_with_the_competitor_only_around_the_loaded_one():
+    events, rates = [], iter([4.0, 2.5, 5.0])
+
+    def run():
+        events.append("run")
+        return {"decode_tok_per_s": next(rates), "ttft_s": 1.0, "ids": [1, 2]}
+
+    out = loaded_vs_idle(run, lambda: FakeCompetitor(events), settle_s=0)
+    assert events == ["run", "start", "run", "kill", "wait", "run"]
+    assert out["loaded_vs_idle"] == 0.5 and out["idle_tok_per_s"] == [4.0, 5.0] and out["same_tokens"]
+
+
+def test_the_competitor_is_killed_when_the_loaded_run_fails():
+    events = []
+
+    def run():
+        if "start" in events:
+            raise RuntimeError("contender failed")
+        return {"decode_tok_per_s": 1.0, "ttft_s": 1.0, "ids": []}
+
+    with pytest.raises(RuntimeError):
+        loaded_vs_idle(run, lambda: FakeCompetitor(events), settle_s=0)
+    assert events == ["start", "kill", "wait"]
+
+
+def test_other_cpu_share_is_the_busy_time_the_contender_did_not_use(monkeypatch):
+    monkeypatch.setattr(system.os, "sysconf", lambda name: 100)
+    monkeypatch.setattr(system.os, "cpu_count", lambda: 2)
+    before = [0, 0, 0, 0, 0, 0, 0, 0]
+    after = [300, 0, 100, 150, 50, 0, 0, 0]  # 4 s busy of 6 s (idle 1.5 s, iowait 0.5 s)
+    assert system.other_cpu_share(before, after, own_cpu_s=2.5, wall_s=3.0) == 0.25  # 1.5 s of 2 cores x 3 s
+    assert system.other_cpu_share(before, after, own_cpu_s=9.0, wall_s=3.0) == 0.0
+    assert system.other_cpu_share([], after, own_cpu_s=1.0, wall_s=3.0) is None
+
+
+def test_steal_share_counts_only_steal_over_all_cpu_time():
+    before = [100, 0, 50, 800, 10, 0, 0, 40, 0, 0]
+    after = [200, 0, 100, 1600, 10, 0, 0, 90, 7, 0]  # +1000 ticks, 50 of them stolen; guest is inside user
+    assert steal_share(before, after) == 0.05
+    assert steal_share([], after) is None
+
+
+# ------------------------------------------------------------------------------- setup and skips
+def test_skip_reason_says_what_to_run(tmp_path, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "llama_cpp" else real(name))
+    reason = llama_cpp.skip_reason(tmp_path)
+    assert "llama_cpp not installed" in reason and "pip install 'colibri-stream[peers]'" in reason
+    assert llama_cpp_lines({"llama_cpp": {"skipped": reason}}) == [reason]  # the report's one line
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
+    reason = llama_cpp.skip_reason(tmp_path)
+    assert str(tmp_path) in reason and "--setup-peers" in reason and "\n" not in reason
+    (tmp_path / "convert_hf_to_gguf.py").write_text("")
+    assert llama_cpp.skip_reason(tmp_path) is None
+
+
+def _tar(path, members: dict[str, bytes]):
+    with tarfile.open(path, "w:gz") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def test_setup_extracts_only_the_converter_its_package_and_its_gguf_py(tmp_path):
+    root = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
+    members = {
+        root + "convert_hf_to_gguf.py": b"# converter",
+        root + "conversion/deepseek.py": b"# arch",
+        root + "gguf-py/gguf/gguf_writer.py": b"# writer",
+        root + "LICENSE": b"MIT",
+        root + "src/llama.cpp": b"// not needed",
+        root + "conversion/../../../escape.py": b"# refused",
+        "llama_cpp_python-0.3.36/setup.py": b"",
+    }
+    _tar(tmp_path / "sdist.tar.gz", members)
+    dest = tmp_path / "peers"
+    assert llama_cpp.extract_converter(tmp_path / "sdist.tar.gz", dest) == 4
+    files = sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file())
+    assert files == [
+        "LICENSE",
+        "SOURCE",
+        "conversion/deepseek.py",
+        "convert_hf_to_gguf.py",
+        "gguf-py/gguf/gguf_writer.py",
+    ]
+
+    # the same through the CLI, into another folder
+    argv = ["bench", "--setup-peers", str(tmp_path / "sdist.tar.gz"), "--llama-cpp-dir", str(tmp_path / "cli")]
+    assert cli.main(argv) == 0 and (tmp_path / "cli" / "conversion" / "deepseek.py").read_bytes() == b"# arch"
+
+    _tar(tmp_path / "other.tar.gz", {"x/setup.py": b""})
+    with pytest.raises(llama_cpp.PeerSetupError, match="other.tar.gz.*convert_hf_to_gguf.py"):
+        llama_cpp.extract_converter(tmp_path / "other.tar.gz", tmp_path / "peers2")
+
+
+def test_the_generated_tokenizer_is_deterministic_and_fits_the_vocabulary(tmp_path):
+    from tokenizers import Tokenizer
+
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        llama_cpp.write_byte_tokenizer(tmp_path / folder, vocab_size=300, bos_id=0, eos_id=1)
+    assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (tmp_path / "b" / "tokenizer.json").read_bytes()
+    tokenizer = Tokenizer.from_file(str(tmp_path / "a" / "tokenizer.json"))
+    vocab = tokenizer.get_vocab()
+    assert vocab["<|bos|>"] == 0 and vocab["<|eos|>"] == 1 and max(vocab.values()) < 300 and len(vocab) == 260
+    assert tokenizer.decode(tokenizer.encode("the cat").ids) == "the cat"
+    with pytest.raises(llama_cpp.PeerSetupError, match="cannot hold"):
+        llama_cpp.write_byte_tokenizer(tmp_path / "a", vocab_size=100, bos_id=0, eos_id=1)
+
+
+@pytest.mark.parametrize("sections", ["decode,nope", "caching,load", ""])
+def test_bench_refuses_unknown_or_incomplete_sections(sections, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--quick", "--sections", sections])
+    assert exit_info.value.code == 2 and "--sections" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------- end to end
+def _peers_ready() -> bool:
+    return llama_cpp.skip_reason(llama_cpp.default_llama_cpp_dir()) is None
+
+
+@pytest.mark.slow  # ~20 s: the converter's own process imports torch and transformers
+@pytest.mark.skipif(not _peers_ready(), reason="needs the peers extra and `colibri-stream bench --setup-peers`")
+def test_llama_cpp_converts_quantizes_and_decodes_the_stress_model(tmp_path):
+    from colibri_stream.bench.llama_cpp_section import gguf_facts
+    from colibri_stream.bench.stress_model import QUICK, write_stress_checkpoint
+
+    hf = write_stress_checkpoint(tmp_path / "hf", QUICK, progress=False)
+    files = llama_cpp.prepare_gguf_files(hf, tmp_path, llama_cpp.default_llama_cpp_dir(), 2, lambda _: None, False)
+    assert sorted(p.name for p in files["q4e_q8"].parent.iterdir()) == ["q4_0.gguf", "q4e_q8.gguf"]  # no leftovers
+    matched = gguf_facts(files["q4e_q8"], context=8)
+    moe_layers = QUICK.num_hidden_layers - QUICK.first_k_dense_replace
+    assert matched["tensor_types"]["Q4_0"] == 3 * moe_layers  # exactly the experts' gate/up/down
+    assert set(matched["tensor_types"]) == {"Q4_0", "Q8_0", "F32"}
+    assert gguf_facts(files["q4_0"], context=8)["tensor_types"]["Q4_0"] > 3 * moe_layers
+
+    argv = [sys.executable, "-m", "colibri_stream.bench.llama_cpp_peer", str(files["q4e_q8"])]
+    argv += ["--ids", "5,17,300,2", "--max-new-tokens", "4", "--threads", "1", "--cold"]
+    out = json.loads(subprocess.run(argv, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
+    assert len(out["ids"]) == 4 and all(0 <= i < QUICK.vocab_size for i in out["ids"])
+    assert out["decode_tokens"] == 3 and out["omp_wait_policy"] == "(OpenMP default)" and not out["repack"]
