@@ -23,12 +23,15 @@ class OurConfig:
     policy: str = "lru"
     prefetch: bool = True
     cold: bool = True  # page cache dropped before the process starts
-    container: str = "int4"  # which container: int4 (ours) or bf16 (same store, 4x the bytes)
+    # which container: int4 (ours, bf16 dense), int4-int8dense (dense int8 records) or bf16 (4x the bytes)
+    container: str = "int4"
+    activations: str = "float32"  # int8: --activations int8 (with int4-int8dense: llama.cpp's Q4_0 + Q8_0 match)
 
     @property
     def name(self) -> str:
         fetch = "prefetch" if self.prefetch else "no-prefetch"
-        return f"{self.container} {self.budget_pct}% {self.policy} {fetch} {'cold' if self.cold else 'warm'}"
+        act = " int8-act" if self.activations == "int8" else ""
+        return f"{self.container}{act} {self.budget_pct}% {self.policy} {fetch} {'cold' if self.cold else 'warm'}"
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,7 @@ def our_argv(container: Path, config: OurConfig, ram_bytes: int, inputs: RunInpu
     argv = cli_argv(
         "run", str(container), "--ids", ",".join(map(str, inputs.ids)), "--max-new-tokens", str(inputs.new_tokens)
     )
-    argv += ["--ram", f"{ram_bytes}B", "--policy", config.policy, "--json", *extra]
+    argv += ["--ram", f"{ram_bytes}B", "--policy", config.policy, "--activations", config.activations, "--json", *extra]
     return argv + ([] if config.prefetch else ["--no-prefetch"])
 
 

@@ -39,14 +39,10 @@ def llama_cpp_lines(results: dict) -> list[str]:
     for kind, facts in section["files"].items():
         types = ", ".join(f"{n} {t}" for t, n in sorted(facts["tensor_types"].items()))
         lines.append(f"- `{kind}`: {facts['file_bytes'] / MB:,.1f} MB, tensors {types}.")
-    ours = {
-        r["name"]: r
-        for r in results.get("decode", [])
-        if r["container"] == "int4" and r["policy"] == "lru" and r["prefetch"]
-    }
+    ours = {r["name"]: r for r in section.get("ours_matched", [])}
     body = []
-    for r in section["rows"]:
-        mine = ours.get(f"int4 {r['budget_pct']}% lru prefetch {'cold' if r['cold'] else 'warm'}")
+    for r in section["rows"]:  # against ours quality-matched: int4 experts, int8 dense, int8 activations
+        mine = ours.get(f"int4-int8dense int8-act {r['budget_pct']}% lru prefetch {'cold' if r['cold'] else 'warm'}")
         ratio = f"{mine['decode_tok_per_s'] / r['decode_tok_per_s']:.2f}x" if mine and r["decode_tok_per_s"] else "-"
         body.append(
             [
@@ -66,6 +62,13 @@ def llama_cpp_lines(results: dict) -> list[str]:
         )
     header = ["file", "budget", "weights", "page cache", "tok/s", "TTFT s", "load s", "disk MB/token", "peak MB"]
     lines += [""] + table(header + ["others' CPU", "tokens vs ours", "ours / llama.cpp"], body)
+    matched = [
+        [r["name"], f"{r['decode_tok_per_s']:.2f}", f"{r['ttft_s']:.3f}", f"{r['bytes_per_token'] / MB:,.1f}"]
+        for r in section.get("ours_matched", [])
+    ]
+    if matched:
+        lines += ["", "Ours, quality-matched (int4 experts, int8 dense records, `--activations int8`):", ""]
+        lines += table(["run", "tok/s", "TTFT s", "expert MB read/token"], matched)
     failed = [f"- failed: {f['name']}: {f['error']}" for f in section.get("failed", [])]
     lines += [""] + failed if failed else []
     return lines + [
@@ -118,9 +121,10 @@ def plot_llama_cpp(plt, results: dict, path: Path) -> None:
     with each contender's limit line at 100%."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     series: dict[str, dict[tuple[int, bool], float]] = {}
-    for r in results["decode"]:
-        if r["container"] == "int4" and r["policy"] == "lru" and r["prefetch"]:
-            series.setdefault("colibri-stream int4", {})[(r["budget_pct"], r["cold"])] = r["decode_tok_per_s"]
+    for r in results.get("decode", []) + results["llama_cpp"].get("ours_matched", []):
+        if r["container"] in ("int4", "int4-int8dense") and r["policy"] == "lru" and r["prefetch"]:
+            label = "colibri-stream int4" + (" + int8 dense/act" if r["activations"] == "int8" else "")
+            series.setdefault(label, {})[(r["budget_pct"], r["cold"])] = r["decode_tok_per_s"]
     for r in results["llama_cpp"]["rows"]:
         points = series.setdefault(f"llama.cpp {r['file']}", {})
         key = (r["budget_pct"], r["cold"])

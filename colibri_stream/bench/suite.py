@@ -19,6 +19,7 @@ directory; later runs reuse it.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import sys
 import time
@@ -54,12 +55,14 @@ from colibri_stream.bench.system import (
 from colibri_stream.demo_model import DEMO_PROMPT, demo_container_path, demo_model_dir
 from colibri_stream.geometry import geometry_from_container
 from colibri_stream.placement import plan
+from engine.bf16 import KEEP_FLOAT32
 from storage.container import Container
 from storage.policy import POLICY_NAMES
 from storage.tiered import StoreConfig, minimum_slots, total_records
 
 GiB = 1 << 30
 RATIO_BUDGET = 25  # the budget (% of int4 expert bytes) at which the headline ratios (and sessions) are taken
+INT8_MATCHED = "int4-int8dense"  # our container quality-matched to llama.cpp's Q4_0-experts + Q8_0 file
 BUSY_MACHINE = 0.25  # others' share of the CPU during a llama.cpp row above which the bench warns
 SECTIONS = ("disk", "decode", "peer", "caching", "sessions", "llama_cpp", "load")
 
@@ -139,10 +142,10 @@ class Bench:
             "experts_per_layer": self.container.n_experts,
         }
 
-    def _convert(self, experts: str) -> Path:
-        dst = self.work / f"{experts}.cstream"
+    def _convert(self, experts: str, dense: str = "bf16") -> Path:
+        dst = self.work / f"{experts}{'' if dense == 'bf16' else '-' + dense + 'dense'}.cstream"
         self.log(f"container {dst.name}")
-        return convert(self.hf, dst, experts, progress=sys.stderr.isatty())
+        return convert(self.hf, dst, experts, progress=sys.stderr.isatty(), dense=dense)
 
     def ram_bytes(self, pct: int) -> int:
         return self.expert_bytes * pct // 100
@@ -210,7 +213,7 @@ class Bench:
         return self.results["model"]["bf16_record_bytes"]
 
     def _path(self, config: OurConfig) -> Path:
-        return self.bf16 if config.container == "bf16" else self.int4
+        return {"bf16": self.bf16, "int4-int8dense": self.int4_int8dense}.get(config.container, self.int4)
 
     def decode_grid(self) -> list[OurConfig]:
         grid = []
@@ -296,6 +299,7 @@ class Bench:
             return
         self.log("6/7 llama.cpp: the same checkpoint as GGUF (converted once, cached in --work)")
         files = prepare_gguf_files(self.hf, self.work, self.llama_cpp_dir, self.threads, self.log, sys.stderr.isatty())
+        matched = self._matched_rows()
         context = self.settings.prompt_tokens
         rows, failed = [], []
         for kind in FILE_KINDS:
@@ -320,10 +324,23 @@ class Bench:
             )
         self.results["llama_cpp"] = {
             "threads": self.threads,
+            "ours_matched": matched,
             "files": {kind: {"path": str(path)} | gguf_facts(path, context) for kind, path in files.items()},
             "rows": rows,
             "failed": failed,
         }
+
+    def _matched_rows(self) -> list[dict]:
+        """Ours as llama.cpp computes: int4 experts, int8 dense records, int8 activations (its Q4_0-experts +
+        Q8_0 file with Q8 activations), at the llama.cpp budgets, cold then warm."""
+        self.int4_int8dense = self._convert("int4", dense="int8")
+        rows = []
+        for pct in self.settings.llama_cpp_budgets_pct:
+            for cold in (True, False):
+                config = OurConfig(pct, container=INT8_MATCHED, activations="int8", cold=cold)
+                self.log(f"6/7 {config.name}")
+                rows.append(run_ours(self.int4_int8dense, config, self.ram_bytes(pct), self.inputs(), self.limit(pct)))
+        return rows
 
     def load(self) -> None:
         self.log("7/7 load: our decode at 100% (warm) idle, beside a busy loop, idle again")
@@ -350,7 +367,9 @@ class Bench:
         if "sessions" in results:
             ratios["resume_speedup"] = results["sessions"]["resume_speedup"]
         if "rows" in results.get("llama_cpp", {}):
-            ratios |= llama_cpp_ratios(ours, results["llama_cpp"]["rows"])
+            matched = {r["budget_pct"]: r for r in results["llama_cpp"]["ours_matched"] if r["cold"]}
+            ratios |= llama_cpp_ratios(matched, results["llama_cpp"]["rows"])
+            ratios |= {f"exact_{k}": v for k, v in llama_cpp_ratios(ours, results["llama_cpp"]["rows"]).items()}
         if "load" in results:
             ratios["loaded_vs_idle"] = results["load"]["loaded_vs_idle"]
         return ratios
@@ -369,10 +388,23 @@ class Bench:
                 context,
             )
         }
+        matched = Container(self.int4_int8dense) if getattr(self, "int4_int8dense", None) else None
+        if matched is not None:
+            m = plan(geometry_from_container(matched), StoreConfig(ram_bytes=0))
+            touched["colibri-stream int8"] = ours_touched(
+                int8_dense_bytes_per_token(matched),
+                matched.layout.record_bytes,
+                shape.num_experts_per_tok,
+                len(matched.moe_layers),
+                m.kv_bytes_per_token,
+                context,
+            )
         best = {}
-        ours = [r for r in self.results.get("decode", []) if r["budget_pct"] == 100 and r["container"] == "int4"]
-        if ours:
-            best["colibri-stream"] = max(r["decode_tok_per_s"] for r in ours)
+        matched_rows = self.results.get("llama_cpp", {}).get("ours_matched", [])
+        for name, rows in (("colibri-stream", self.results.get("decode", [])), ("colibri-stream int8", matched_rows)):
+            ours = [r for r in rows if r["budget_pct"] == 100 and r["container"] in ("int4", INT8_MATCHED)]
+            if ours:
+                best[name] = max(r["decode_tok_per_s"] for r in ours)
         for kind, facts in self.results.get("llama_cpp", {}).get("files", {}).items():
             name = f"llama.cpp {kind}"
             touched[name] = touched_from_facts(facts)
@@ -421,3 +453,22 @@ def run_bench(
     bench.results["machine"]["cpu_steal_share"] = steal_share(cpu_start, cpu_times())
     bench.results["elapsed_s"] = round(time.perf_counter() - start, 1)
     return bench.results
+
+
+def int8_dense_bytes_per_token(container: Container) -> int:
+    """Dense bytes a token reads with int8 activations: int8 records as stored (codes + float16 scales),
+    except those kept float32 (engine.bf16.KEEP_FLOAT32, dequantised at load); other arrays as stored;
+    the embedding one row."""
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+    total = 0
+    for name, entry in container.dense.items():
+        elements = math.prod(entry.shape)
+        if name == "embed.weight":
+            elements = entry.shape[-1]
+        if entry.dtype == "int8" and name.removesuffix(".weight").endswith(KEEP_FLOAT32):
+            total += 4 * elements
+        elif entry.dtype == "int8" and name != "embed.weight":
+            total += elements + 2 * math.prod(entry.scales.shape)
+        else:
+            total += (4 if entry.dtype == "int8" else itemsize[entry.dtype]) * elements
+    return total

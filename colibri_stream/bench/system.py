@@ -116,13 +116,13 @@ def cli_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "colibri_stream", *args]
 
 
-def convert(src: Path, dst: Path, experts: str = "int4", progress: bool = False) -> Path:
-    """`colibri-stream convert SRC DST --experts EXPERTS` in a child process; returns ``dst``.
+def convert(src: Path, dst: Path, experts: str = "int4", progress: bool = False, dense: str = "bf16") -> Path:
+    """`colibri-stream convert SRC DST --experts EXPERTS --dense DENSE` in a child process; returns ``dst``.
 
     Its stderr (the progress bar, any error) passes through; its stdout (one JSON report) is kept out
     of the bench's own output. A finished container is left as it is (the converter says "already
     converted"), an interrupted one is resumed."""
-    argv = cli_argv("convert", str(src), str(dst), "--experts", experts)
+    argv = cli_argv("convert", str(src), str(dst), "--experts", experts, "--dense", dense)
     if not progress:
         argv.append("--no-progress")
     done = subprocess.run(argv, stdout=subprocess.PIPE, text=True)

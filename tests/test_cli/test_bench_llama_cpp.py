@@ -266,3 +266,37 @@ def test_llama_cpp_converts_quantizes_and_decodes_the_stress_model(tmp_path):
     out = json.loads(subprocess.run(argv, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
     assert len(out["ids"]) == 4 and all(0 <= i < QUICK.vocab_size for i in out["ids"])
     assert out["decode_tokens"] == 3 and out["omp_wait_policy"] == "(OpenMP default)" and not out["repack"]
+
+
+def test_the_headline_ratios_are_ours_quality_matched_and_the_exact_path_is_reported_beside():
+    """vs_llama_cpp_* compare llama.cpp's Q4_0 + Q8_0 file with ours computed the same way (int4 experts, int8
+    dense, int8 activations: the llama.cpp section's cold rows); exact_* with our default float path."""
+    from colibri_stream.bench.contenders import OurConfig
+    from colibri_stream.bench.suite import INT8_MATCHED, Bench
+
+    def ours(config, tok_s, ttft):
+        return {
+            "name": config.name,
+            "budget_pct": config.budget_pct,
+            "cold": config.cold,
+            "decode_tok_per_s": tok_s,
+            "ttft_s": ttft,
+        }
+
+    bench = Bench.__new__(Bench)
+    matched = [OurConfig(100, container=INT8_MATCHED, activations="int8", cold=c) for c in (True, False)]
+    bench.results = {
+        "decode": [ours(OurConfig(100), 5.0, 4.0), ours(OurConfig(100, cold=False), 50.0, 0.1)],
+        "llama_cpp": {
+            "rows": [_row("q4e_q8", 100, 10.0, 0.8), _row("q4_0", 100, 20.0, 0.5)],
+            "ours_matched": [ours(matched[0], 12.0, 0.4), ours(matched[1], 99.0, 0.01)],  # warm never counts
+        },
+    }
+    assert bench.ratios() == {
+        "vs_llama_cpp_100": 1.2,
+        "vs_llama_cpp_q4_0_100": 0.6,
+        "ttft_vs_llama_cpp_100": 2.0,
+        "exact_vs_llama_cpp_100": 0.5,
+        "exact_vs_llama_cpp_q4_0_100": 0.25,
+        "exact_ttft_vs_llama_cpp_100": 0.2,
+    }
