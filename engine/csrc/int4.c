@@ -216,13 +216,36 @@ static void run_slice(const Slice *s) {
     }
 }
 
-/* One persistent helper thread (started on first use) takes the second half of the output rows, so a
- * call costs a wake-up, not a thread start. Calls are serialised by the caller holding `call_lock`. */
+/* One persistent helper thread (started on first use) shares each call's output rows with the caller:
+ * both take blocks of rows from a shared counter until none is left, so a call costs a wake-up, not a
+ * thread start. When the helper is not running in time (a busy machine: another process on its core),
+ * the caller does every block itself and takes the job back, instead of waiting a scheduler time slice
+ * for the helper's fixed half (measured: a fixed split made each call wait for the descheduled thread).
+ * Calls are serialised by the caller holding `call_lock`. */
 static pthread_mutex_t call_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t work_ready = PTHREAD_COND_INITIALIZER, work_done = PTHREAD_COND_INITIALIZER;
-static const Slice *pending = NULL;
+static const Slice *pending = NULL; /* offered to the helper, not yet taken */
+static int helper_busy = 0; /* the helper took the current job and is still in it */
+static int next_block = 0, n_blocks = 0, block_rows = 0; /* the current job's blocks, taken under mu */
 static int helper_state = 0; /* 0 not started, 1 running, -1 could not start */
+
+/* The next block of the job's output rows into *part, or 0 when none is left. */
+static int take_block(const Slice *whole, Slice *part) {
+    pthread_mutex_lock(&mu);
+    int block = next_block < n_blocks ? next_block++ : -1;
+    pthread_mutex_unlock(&mu);
+    if (block < 0) return 0;
+    *part = *whole;
+    part->begin = whole->begin + block * block_rows;
+    part->end = part->begin + block_rows < whole->end ? part->begin + block_rows : whole->end;
+    return 1;
+}
+
+static void run_blocks(const Slice *whole) {
+    Slice part;
+    while (take_block(whole, &part)) run_slice(&part);
+}
 
 static void *helper_main(void *unused) {
     (void)unused;
@@ -230,10 +253,12 @@ static void *helper_main(void *unused) {
     for (;;) {
         while (pending == NULL) pthread_cond_wait(&work_ready, &mu);
         const Slice *s = pending;
-        pthread_mutex_unlock(&mu);
-        run_slice(s);
-        pthread_mutex_lock(&mu);
         pending = NULL;
+        helper_busy = 1;
+        pthread_mutex_unlock(&mu);
+        run_blocks(s);
+        pthread_mutex_lock(&mu);
+        helper_busy = 0;
         pthread_cond_signal(&work_done);
     }
     return NULL;
@@ -243,6 +268,7 @@ static void *helper_main(void *unused) {
 static void reset_after_fork(void) {
     helper_state = 0;
     pending = NULL;
+    helper_busy = 0;
     pthread_mutex_init(&call_lock, NULL);
     pthread_mutex_init(&mu, NULL);
     pthread_cond_init(&work_ready, NULL);
@@ -261,6 +287,9 @@ static int ensure_helper(void) {
     return helper_state == 1;
 }
 
+/* Blocks of 64 output rows (the float kernels' buffer), at least 8 blocks' worth of sharing. */
+#define SPLIT_ROWS 64
+
 static void run_split(const Slice *whole, int threads) {
     if (threads < 2 || whole->out < 512) {
         run_slice(whole);
@@ -272,15 +301,17 @@ static void run_split(const Slice *whole, int threads) {
         run_slice(whole);
         return;
     }
-    Slice first = *whole, second = *whole;
-    first.end = second.begin = whole->out / 2;
     pthread_mutex_lock(&mu);
-    pending = &second;
+    block_rows = SPLIT_ROWS;
+    n_blocks = (whole->end - whole->begin + SPLIT_ROWS - 1) / SPLIT_ROWS;
+    next_block = 0;
+    pending = whole;
     pthread_cond_signal(&work_ready);
     pthread_mutex_unlock(&mu);
-    run_slice(&first);
+    run_blocks(whole);
     pthread_mutex_lock(&mu);
-    while (pending != NULL) pthread_cond_wait(&work_done, &mu);
+    pending = NULL; /* not taken yet: the helper never sees this job */
+    while (helper_busy) pthread_cond_wait(&work_done, &mu);
     pthread_mutex_unlock(&mu);
     pthread_mutex_unlock(&call_lock);
 }
