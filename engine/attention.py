@@ -117,8 +117,6 @@ class MLA(nn.Module):
             selection = self.indexer(x, q_latent, start_pos, rope, cache)
         if absorb is None:
             absorb = seqlen <= ABSORB_MAX_NEW_POSITIONS
-        if absorb and x.shape[0] == 1 and seqlen == 1:
-            return self._absorbed_one(q_nope, q_rope, latents, rope_keys, selection), selection
         attend = self._absorbed if absorb else self._expanded
         return attend(q_nope, q_rope, latents, rope_keys, start_pos, selection), selection
 
@@ -162,6 +160,8 @@ class MLA(nn.Module):
 
     def _absorbed(self, q_nope, q_rope, latents, rope_keys, start_pos, selection):
         bsz, seqlen, total = q_nope.shape[0], q_nope.shape[1], latents.shape[1]
+        if bsz == seqlen == 1:  # decode, alone or in rows
+            return self._absorbed_one(q_nope, q_rope, latents, rope_keys, selection)
         w_k, w_v = self._kv_b()
         q_latent = torch.einsum("bshn,hnc->bshc", q_nope, w_k)
         positions = torch.arange(total, device=q_nope.device).expand(bsz, seqlen, total)
@@ -186,7 +186,7 @@ class MLA(nn.Module):
 
         The same batched matmuls einsum runs there, called directly, and no causal mask: the query is
         the newest position, so every cached position (and every index the selection may gather, all
-        below T) is visible and the mask would change nothing. Decode is this path, alone or in rows.
+        below T) is visible and the mask would change nothing.
         """
         heads, rank = self.n_heads, self.kv_lora_rank
         if selection is not None:  # the K selected positions only: [1, K, c], [1, K, r]
