@@ -81,6 +81,9 @@ class MLA(nn.Module):
         projections run over all rows at once; each sequence attends over its own cache.
         """
         projected = self._project(x)
+        if x.shape[0] == 1:  # decode alone: no per-row slices, no cat
+            out, selection = self._attend(x, projected, starts[0], ropes[0], caches[0], selections[0], None)
+            return self.wo(out.flatten(2)), [selection]
         outs, chosen = [], []
         for b, (start, rope, cache, selection) in enumerate(zip(starts, ropes, caches, selections, strict=True)):
             row = tuple(None if t is None else t[b : b + 1] for t in projected)
@@ -105,8 +108,10 @@ class MLA(nn.Module):
         if cache.length != start_pos:
             raise ValueError(f"cache holds {cache.length} positions but start_pos is {start_pos}")
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        q_rope = apply_rope(q_rope, *rope, interleaved=self.rope_interleave)
-        k_rope = apply_rope(k_rope, *rope, interleaved=self.rope_interleave)
+        # The shared rope key rotates with the heads' rope queries as one more head: one elementwise
+        # rotation instead of two, the same floats.
+        roped = apply_rope(torch.cat([q_rope, k_rope[:, :, None]], dim=2), *rope, interleaved=self.rope_interleave)
+        q_rope, k_rope = roped[:, :, : self.n_heads], roped[:, :, self.n_heads]
         latents, rope_keys = cache.append(latent, k_rope)  # [B, T, c], [B, T, r]
         if self.indexer is not None:
             selection = self.indexer(x, q_latent, start_pos, rope, cache)
@@ -155,6 +160,8 @@ class MLA(nn.Module):
 
     def _absorbed(self, q_nope, q_rope, latents, rope_keys, start_pos, selection):
         bsz, seqlen, total = q_nope.shape[0], q_nope.shape[1], latents.shape[1]
+        if bsz == seqlen == 1:  # decode, alone or in rows
+            return self._absorbed_one(q_nope, q_rope, latents, rope_keys, selection)
         w_k, w_v = self._kv_b()
         q_latent = torch.einsum("bshn,hnc->bshc", q_nope, w_k)
         positions = torch.arange(total, device=q_nope.device).expand(bsz, seqlen, total)
@@ -173,6 +180,26 @@ class MLA(nn.Module):
         probs = scores.softmax(dim=-1, dtype=torch.float32).to(q_nope.dtype)
         mixed = torch.einsum("bsht,bstc->bshc", probs, latents.expand(-1, seqlen, -1, -1))
         return torch.einsum("bshc,hvc->bshv", mixed, w_v)
+
+    def _absorbed_one(self, q_nope, q_rope, latents, rope_keys, selection):
+        """_absorbed for one query (B = S = 1; q_nope [1, 1, H, n], q_rope [1, 1, H, r]) -> [1, 1, H, v].
+
+        The same batched matmuls einsum runs there, called directly, and no causal mask: the query is
+        the newest position, so every cached position (and every index the selection may gather, all
+        below T) is visible and the mask would change nothing.
+        """
+        heads, rank = self.n_heads, self.kv_lora_rank
+        if selection is not None:  # the K selected positions only: [1, K, c], [1, K, r]
+            latents = _gather_positions(latents, selection)[:, 0]
+            rope_keys = _gather_positions(rope_keys, selection)[:, 0]
+        w_k, w_v = self._kv_b()
+        q_latent = torch.bmm(q_nope[0, 0].unsqueeze(1), w_k)  # [H, 1, c]
+        scores = torch.bmm(q_latent.view(1, heads, rank), latents.transpose(1, 2)) + torch.bmm(
+            q_rope.reshape(1, heads, self.rope_dim), rope_keys.transpose(1, 2)
+        )  # [1, H, T or K]
+        probs = scores.mul(self.softmax_scale).softmax(dim=-1, dtype=torch.float32).to(q_nope.dtype)
+        mixed = torch.bmm(probs, latents)  # [1, H, c]
+        return torch.bmm(mixed.view(heads, 1, rank), w_v.transpose(1, 2)).view(1, 1, heads, self.v_dim)
 
 
 def _causal(start_pos: int, seqlen: int, total: int, device: torch.device) -> torch.Tensor:

@@ -12,7 +12,13 @@ from engine.rows import Linear
 
 
 class RMSNorm(nn.Module):
-    """Normalises in float32, then scales in the input dtype (as the reference does)."""
+    """Normalises in float32, then scales in the input dtype (as the reference does).
+
+    All-float32 inputs go through torch's own rms_norm: one call instead of ~8 eager ops per token
+    and layer, and the same bits (it runs the same pow/mean/add/rsqrt/mul sequence in C++). Other
+    dtypes keep the reference's order: torch's would multiply the weight in the input dtype, not
+    promote it as ``weight * x`` does.
+    """
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -20,6 +26,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -41,22 +41,29 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, dim] -> (weights [N, topk] float32, expert ids [N, topk])"""
-        scores = linear(x.float(), self.weight.float()).sigmoid()
-        biased = scores + self.bias.float()
-        if self.n_groups > 1:
-            biased = self._mask_unchosen_groups(biased)
-        ids = stable_topk_indices(biased, self.topk)
+        scores, ids = self._scores_and_ids(x)
         weights = scores.gather(1, ids)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.route_scale, ids
 
+    def route(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, dim] -> expert ids [N, topk]: the choice alone, without the weights (lookahead)."""
+        return self._scores_and_ids(x)[1]
+
+    def _scores_and_ids(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = linear(x.float(), self.weight.float()).sigmoid()
+        biased = scores + self.bias.float()
+        if self.n_groups > 1:
+            biased = self._mask_unchosen_groups(biased)
+        return scores, stable_topk_indices(biased, self.topk)
+
     def _mask_unchosen_groups(self, biased: torch.Tensor) -> torch.Tensor:
         grouped = biased.view(biased.shape[0], self.n_groups, -1)  # [N, groups, experts per group]
         group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, groups]
         chosen = stable_topk_indices(group_scores, self.topk_groups)
-        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen, True)
-        return grouped.masked_fill(~keep[..., None], float("-inf")).flatten(1)
+        dropped = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, chosen, False)
+        return grouped.masked_fill(dropped[..., None], float("-inf")).flatten(1)
 
 
 class MoE(nn.Module):
@@ -72,7 +79,8 @@ class MoE(nn.Module):
 
     def predict(self, x: torch.Tensor) -> list[int]:
         """The experts this layer's router would pick for x [B, S, dim] (normalised), as a lookahead guess."""
-        return self.gate(x.reshape(-1, x.shape[-1]))[1].unique().tolist()
+        rows = self.gate.route(x.reshape(-1, x.shape[-1])).tolist()
+        return sorted({expert for row in rows for expert in row})
 
     def forward(self, x: torch.Tensor, experts: ExpertProvider) -> torch.Tensor:
         """x [B, S, dim] -> [B, S, dim]. Batch-union: each distinct expert is acquired once for all rows,
@@ -81,17 +89,26 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         weights, ids = self.gate(x)
         routed = RoutedSum(x, weights)  # one sum over every chunk, in unique-id order: same floats as one chunk
-        for i, chunk in enumerate(chunks(ids.unique().tolist(), experts.max_acquire())):
+        rows_of = _rows_routed_to(ids)
+        for i, chunk in enumerate(chunks(sorted(rows_of), experts.max_acquire())):
             acquired = experts.acquire(self.layer_id, chunk)  # misses start loading now...
             try:
                 if i == 0:  # ...meanwhile
                     shared = self.shared_experts(x) if self.shared_experts is not None else torch.zeros_like(x)
                 for expert_id in chunk:
-                    rows, slot = torch.where(ids == expert_id)
-                    routed.add(acquired[expert_id], rows, slot)  # waits for this expert's read only
+                    routed.add(acquired[expert_id], *rows_of[expert_id])  # waits for this expert's read only
             finally:
                 experts.release(self.layer_id, chunk)
         return (routed.total().to(x.dtype) + shared).view(shape)
+
+
+def _rows_routed_to(ids: torch.Tensor) -> dict[int, tuple[torch.Tensor | None, torch.Tensor | int]]:
+    """ids [N, topk] -> expert id -> (rows, slots): which rows routed to it and in which top-k place.
+
+    One row (decode) needs no tensor search: its slot per expert is a Python int and rows is None."""
+    if ids.shape[0] == 1:
+        return {expert: (None, slot) for slot, expert in enumerate(ids[0].tolist())}
+    return {expert: torch.where(ids == expert) for expert in ids.unique().tolist()}
 
 
 def chunks(expert_ids: list[int], size: int | None) -> list[list[int]]:
@@ -118,8 +135,9 @@ class RoutedSum:
         self._inputs = {x.device: (x, weights)}  # device -> (x [N, dim], weights [N, topk]) there
         self._sums: dict[torch.device, torch.Tensor] = {}
 
-    def add(self, expert, rows: torch.Tensor, slot: torch.Tensor) -> None:
-        """rows/slot: which rows of x routed to ``expert`` and in which of their top-k places."""
+    def add(self, expert, rows: torch.Tensor | None, slot: torch.Tensor | int) -> None:
+        """rows/slot: which rows of x routed to ``expert`` and in which of their top-k places; rows None
+        and an int slot when x is one row (the decode path: no indexing, no index_add_)."""
         device = getattr(expert, "device", self.home)
         # non_blocking: a blocking host-to-device copy waits for the GPU's queued work (every earlier
         # expert), while from pageable memory a non-blocking one is staged at once and waits for nothing.
@@ -127,9 +145,12 @@ class RoutedSum:
             x, weights = self._inputs[self.home]
             self._inputs[device] = (x.to(device, non_blocking=True), weights.to(device, non_blocking=True))
         x, weights = self._inputs[device]
-        rows, slot = rows.to(device, non_blocking=True), slot.to(device, non_blocking=True)
         if device not in self._sums:
             self._sums[device] = torch.zeros(x.shape, dtype=torch.float32, device=device)
+        if rows is None:  # one row: the same products and the same additions, in place
+            self._sums[device].add_(expert(x).float() * weights[:, slot, None])
+            return
+        rows, slot = rows.to(device, non_blocking=True), slot.to(device, non_blocking=True)
         self._sums[device].index_add_(0, rows, expert(x[rows]).float() * weights[rows, slot, None])
 
     def total(self) -> torch.Tensor:

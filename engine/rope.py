@@ -10,6 +10,7 @@ and the roped keys we cache have the layout transformers caches.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import torch
 
@@ -69,7 +70,7 @@ def softmax_scale(args: ModelArgs) -> float:
 
 def rope_tables(args: ModelArgs, start_pos: int, length: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """(cos, sin), each [length, qk_rope_head_dim // 2] float32, for positions start_pos .. +length."""
-    inv_freq = inverse_frequencies(args.rope, args.qk_rope_head_dim).to(device)
+    inv_freq = _cached_inverse_frequencies(args.rope, args.qk_rope_head_dim).to(device)
     positions = torch.arange(start_pos, start_pos + length, dtype=torch.float32, device=device)
     angles = positions[:, None] * inv_freq[None, :]
     scale = cos_sin_scale(args.rope)
@@ -85,3 +86,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     shape = (1, x.shape[1]) + (1,) * (x.dim() - 3) + (cos.shape[-1],)
     cos, sin = cos.view(shape).to(x.dtype), sin.view(shape).to(x.dtype)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+@lru_cache(maxsize=16)
+def _cached_inverse_frequencies(rope: RopeArgs, dim: int) -> torch.Tensor:
+    """inverse_frequencies once per configuration, not ~20 small ops per decoded token. Built outside
+    inference mode so the shared tensor serves any caller; never written to."""
+    with torch.inference_mode(False):
+        return inverse_frequencies(rope, dim)

@@ -195,11 +195,14 @@ class TieredExpertStore:
         predicted = self._predicted.pop(layer, None)
         if predicted is not None or layer != self._guess[0]:  # else: a further chunk of the same layer's step
             self._guess = (layer, predicted)
+        counts = {"requests": len(expert_ids)}  # counted under the lock once per acquire, not per expert
         if self._guess[1] is not None:
-            self._count(recall_hits=len(self._guess[1] & set(expert_ids)), recall_total=len(expert_ids))
-        self._count(requests=len(expert_ids))
-        for expert in expert_ids:  # pin hits and start every miss before waiting on anything
-            self._pin(layer, expert)
+            counts.update(recall_hits=len(self._guess[1] & set(expert_ids)), recall_total=len(expert_ids))
+        try:
+            for expert in expert_ids:  # pin hits and start every miss before waiting on anything
+                self._pin(layer, expert, counts)
+        finally:
+            self._count(**counts)
         return AcquiredExperts(self, layer, tuple(expert_ids))
 
     def release(self, layer: int, expert_ids: Sequence[int]) -> None:
@@ -212,22 +215,23 @@ class TieredExpertStore:
         self.ram.unpin(keys)
 
     # ------------------------------------------------------------------------------- internals
-    def _pin(self, layer: int, expert: int) -> None:
+    def _pin(self, layer: int, expert: int, counts: dict[str, float]) -> None:
+        """Pin one expert (starting its read on a miss); its hit/miss goes into ``counts``."""
         key = (layer, expert)
         if self.vram is not None and (entry := self.vram.lookup(key)) is not None:
             entry.pins += 1
-            self._count(hits_vram=1)
+            counts["hits_vram"] = counts.get("hits_vram", 0) + 1
             return
         entry = self.ram.lookup(key)
         if entry is not None:
-            self._count(hits_ram=1)
+            counts["hits_ram"] = counts.get("hits_ram", 0) + 1
             if entry.prefetched:
                 entry.prefetched = False
-                self._count(prefetch_useful=1)
+                counts["prefetch_useful"] = counts.get("prefetch_useful", 0) + 1
         else:
             entry = self._allocate_ram(key)
             self._start_read(key, entry)
-            self._count(misses=1)
+            counts["misses"] = counts.get("misses", 0) + 1
         entry.pins += 1
 
     def _allocate_ram(self, key: tuple[int, int]) -> Entry:

@@ -1,0 +1,164 @@
+"""The decode fast paths give the bits of the general code they bypass: RMSNorm through torch's
+rms_norm, one-query absorbed attention without einsum or mask, the one-row MoE sum, the lookahead
+router (ids only, skipped for providers that ignore prefetch)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.args import ModelArgs
+from engine.attention import MLA
+from engine.experts import ExpertWeights, ResidentExperts
+from engine.layers import RMSNorm
+from engine.model import Transformer
+from engine.moe import MoE
+
+CONFIG = dict(
+    model_type="deepseek_v3",
+    vocab_size=32,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    first_k_dense_replace=1,
+    num_attention_heads=4,
+    n_routed_experts=16,
+    num_experts_per_tok=4,
+    n_group=4,
+    topk_group=2,
+    n_shared_experts=1,
+    q_lora_rank=24,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+)
+
+
+@pytest.fixture(scope="module")
+def args() -> ModelArgs:
+    return ModelArgs.from_hf_config(CONFIG)
+
+
+def randomised(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
+    return module.eval()
+
+
+def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 64), (3, 1, 7168), (1, 13, 48)])
+def test_float32_rms_norm_is_the_reference_bit_for_bit(shape):
+    norm = randomised(RMSNorm(shape[-1], 1e-6), 1)
+    wide = torch.randn(shape[:-1] + (shape[-1] + 5,), generator=torch.Generator().manual_seed(2)) * 30
+    x = wide[..., 2 : 2 + shape[-1]]  # strided rows: the latent norm sees a split's view
+    assert torch.equal(norm(x), reference_rms_norm(x, norm.weight, 1e-6))
+
+
+def test_bf16_rms_norm_keeps_the_reference_promotion():
+    norm = randomised(RMSNorm(32), 1)  # float32 weight, bf16 activations -> float32, as the reference
+    x = torch.randn(2, 1, 32).bfloat16()
+    out = norm(x)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, reference_rms_norm(x, norm.weight, 1e-6))
+
+
+def masked_einsum_attention(mla: MLA, q_nope, q_rope, latents, rope_keys, start_pos, selection):
+    """The general absorbed formula (einsum, causal mask) for one query: what _absorbed_one replaces."""
+    w_k, w_v = mla._kv_b()
+    q_latent = torch.einsum("bshn,hnc->bshc", q_nope, w_k)
+    positions = torch.arange(latents.shape[1])[None, None]
+    if selection is not None:
+        positions = selection
+        latents = latents[0, selection[0, 0]][None, None]
+        rope_keys = rope_keys[0, selection[0, 0]][None, None]
+    else:
+        latents, rope_keys = latents[:, None], rope_keys[:, None]
+    scores = torch.einsum("bshc,bstc->bsht", q_latent, latents) + torch.einsum("bshr,bstr->bsht", q_rope, rope_keys)
+    visible = positions <= torch.tensor(start_pos)
+    scores = scores.mul(mla.softmax_scale).masked_fill(~visible[:, :, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1, dtype=torch.float32)
+    return torch.einsum("bshc,hvc->bshv", torch.einsum("bsht,bstc->bshc", probs, latents), w_v)
+
+
+@pytest.mark.parametrize("selected", [False, True], ids=["all-positions", "dsa-selection"])
+@pytest.mark.parametrize("total", [1, 9, 40])
+def test_one_query_absorbed_attention_is_the_masked_einsum_bit_for_bit(args, total, selected):
+    mla = randomised(MLA(args, 1), 3)
+    generator = torch.Generator().manual_seed(total)
+    heads = args.n_heads
+    q = torch.randn(1, 1, heads, args.qk_nope_head_dim + args.qk_rope_head_dim, generator=generator)
+    q_nope, q_rope = q.split([args.qk_nope_head_dim, args.qk_rope_head_dim], dim=-1)
+    latents = torch.randn(1, total + 3, args.kv_lora_rank, generator=generator)[:, :total]
+    rope_keys = torch.randn(1, total, args.qk_rope_head_dim, generator=generator)
+    selection = torch.randperm(total, generator=generator)[: max(1, total // 2)][None, None] if selected else None
+    got = mla._absorbed(q_nope, q_rope, latents, rope_keys, total - 1, selection)
+    expected = masked_einsum_attention(mla, q_nope, q_rope, latents, rope_keys, total - 1, selection)
+    assert got.shape == (1, 1, heads, args.v_head_dim)
+    assert torch.equal(got, expected)
+
+
+def resident_experts(args: ModelArgs, seed: int) -> ResidentExperts:
+    generator = torch.Generator().manual_seed(seed)
+
+    def weights(*shape):
+        return torch.randn(shape, generator=generator) * 0.2
+
+    inter, dim = args.moe_inter_dim, args.dim
+    return ResidentExperts(
+        {
+            layer: {e: ExpertWeights(weights(inter, dim), weights(dim, inter), weights(inter, dim)) for e in range(16)}
+            for layer in args.moe_layers
+        }
+    )
+
+
+def test_one_row_moe_is_that_row_of_a_batch_bit_for_bit(args):
+    """One row takes the in-place sum, several rows index_add_: the same products added in the same
+    (expert id) order, so a row's output is the same either way."""
+    from engine.rows import rows_alone
+
+    moe, experts = randomised(MoE(args, 1), 4), resident_experts(args, 5)
+    x = torch.randn(5, 1, args.dim, generator=torch.Generator().manual_seed(6))
+    with rows_alone():  # the batch's matmuls row by row, as forward_rows runs them
+        batched = moe(x, experts)
+        for row in range(5):
+            assert torch.equal(moe(x[row : row + 1], experts), batched[row : row + 1])
+
+
+class RecordingPrefetch(ResidentExperts):
+    """Resident experts that record the lookahead hints they get."""
+
+    def __init__(self, experts):
+        super().__init__(experts._experts)
+        self.hints: list[tuple[int, list[int]]] = []
+
+    def prefetch(self, layer, expert_ids):
+        self.hints.append((layer, list(expert_ids)))
+
+
+def test_lookahead_hints_are_the_next_routers_sorted_ids_and_skip_no_op_providers(args, monkeypatch):
+    model = randomised(Transformer(args), 7)
+    experts = resident_experts(args, 8)
+    recording = RecordingPrefetch(experts)
+    predicted: list[int] = []
+    predict = MoE.predict
+    monkeypatch.setattr(MoE, "predict", lambda self, x: predicted.append(self.layer_id) or predict(self, x))
+    cache = model.new_cache()
+    plain = model.forward_rows([3], [cache], experts)
+    assert predicted == []  # ResidentExperts ignores prefetch: no router run for it
+    cache = model.new_cache()
+    hinted = model.forward_rows([3], [cache], recording)
+    assert torch.equal(plain, hinted)  # a hint never changes the logits
+    assert [layer for layer, _ in recording.hints] == list(args.moe_layers) == predicted  # each MoE layer, once
+    for _, ids in recording.hints:  # one row: its top-k, distinct and sorted
+        assert ids == sorted(set(ids)) and len(ids) == args.n_activated_experts
+        assert all(0 <= e < args.n_routed_experts for e in ids)
