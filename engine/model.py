@@ -22,7 +22,7 @@ from engine.layers import MLP, RMSNorm
 from engine.moe import MoE
 from engine.q8 import int8_activations
 from engine.rope import rope_tables
-from engine.rows import Linear, decode_threads, rows_alone
+from engine.rows import Linear, rows_alone, torch_on_one_thread
 
 # Lookahead prefetch only for decode-sized steps: a prompt's rows together route to nearly every
 # expert of the next layer, which that layer's own acquire reads (once each) anyway.
@@ -134,7 +134,7 @@ class Transformer(nn.Module):
         rope = rope_tables(self.args, start_pos, tokens.shape[1], x.device)
         selection = None  # DSA: the last full layer's choice, reused by "shared" layers
         guess = tokens.shape[1] <= LOOKAHEAD_MAX_NEW_POSITIONS
-        with int8_activations(self.int8_activations):
+        with int8_activations(self.int8_activations), torch_on_one_thread():
             for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers, strict=True)):
                 lookahead = self._lookahead(i + 1, experts) if guess else None
                 x, selection = layer(x, start_pos, rope, layer_cache, experts, selection, absorb, lookahead)
@@ -155,7 +155,7 @@ class Transformer(nn.Module):
         starts = [cache.length for cache in caches]
         ropes = [rope_tables(self.args, start, 1, x.device) for start in starts]
         selections: list[torch.Tensor | None] = [None] * len(tokens)
-        with rows_alone(), int8_activations(self.int8_activations), decode_threads():
+        with rows_alone(), int8_activations(self.int8_activations), torch_on_one_thread():
             for i, layer in enumerate(self.layers):
                 layer_caches = [cache.layers[i] for cache in caches]
                 lookahead = self._lookahead(i + 1, experts)

@@ -63,19 +63,20 @@ class Linear(nn.Linear):
 
 
 def kernel_threads() -> int:
-    """Threads the C kernels split their output rows over: torch's count, unless decode_threads() set it."""
+    """Threads the C kernels split their output rows over: torch's count, as torch_on_one_thread() found it."""
     threads = _kernel_threads.get()
     return torch.get_num_threads() if threads is None else threads
 
 
 @contextmanager
-def decode_threads() -> Iterator[None]:
-    """A decode step: torch's own ops run on one thread, the C kernels on all of torch's threads.
+def torch_on_one_thread() -> Iterator[None]:
+    """A forward pass: torch's own ops run on one thread, the C kernels on all of torch's threads.
 
     A decode step is hundreds of tiny torch ops (norms, router, attention over one query) between the
-    weight-bound kernels; spreading a 2048-float op over threads costs more in wake-ups than it saves,
-    and with passive OpenMP waiting (colibri_stream/__init__.py) every op would pay a futex wake-up.
-    The kernels keep every thread (their persistent helper takes half of each matrix's rows)."""
+    weight-bound kernels; spreading a 2048-float op over threads costs more in wake-ups than it saves.
+    Worse, on a busy machine every parallel op waits for its descheduled second thread: a 32-token
+    prefill of the stress model took 19.3 s with 2 torch threads beside another process, 1.0 s with 1.
+    The kernels keep every thread, and their split does not wait for a thread that is not running."""
     threads = torch.get_num_threads()
     token = _kernel_threads.set(threads)
     if threads > 1:
