@@ -103,7 +103,13 @@ class Transformer(nn.Module):
         if layer >= len(self.layers) or not isinstance(self.layers[layer].ffn, MoE) or not _takes_prefetch(experts):
             return None
         block = self.layers[layer]
-        return lambda x: experts.prefetch(layer, block.ffn.predict(block.ffn_norm(x)))
+        wants = getattr(experts, "wants_prefetch", None)  # a store may know the guess would change nothing
+
+        def lookahead(x: torch.Tensor) -> None:
+            if wants is None or wants(layer):
+                experts.prefetch(layer, block.ffn.predict(block.ffn_norm(x)))
+
+        return lookahead
 
     @property
     def dtype(self) -> torch.dtype:
