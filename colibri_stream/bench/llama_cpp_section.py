@@ -46,7 +46,7 @@ def run_llama_cpp_contender(
     argv += ["--ids", ",".join(map(str, inputs.ids)), "--max-new-tokens", str(inputs.new_tokens)]
     argv += ["--threads", str(threads)] + (["--repack"] if repack else []) + (["--cold"] if cold else [])
     cpu_before, own_before = cpu_times(), children_cpu_s()
-    done = limit.run(argv, inputs.timeout_s)
+    done = limit.run(argv, inputs.timeout_s, keep=cold)  # the warm row that follows runs in the same group
     others = other_cpu_share(cpu_before, cpu_times(), children_cpu_s() - own_before, done.wall_s)
     out = json.loads(done.last_json_line())
     mode = "repacked" if repack else "mmap"

@@ -62,18 +62,26 @@ class MemoryLimit:
         self.name = f"{name}-{os.getpid()}"
         self.enforced = cgroup_available()
 
-    def run(self, argv: list[str], timeout_s: float, env: dict[str, str] | None = None) -> ProcessRun:
+    def run(
+        self, argv: list[str], timeout_s: float, env: dict[str, str] | None = None, keep: bool = False
+    ) -> ProcessRun:
+        """``keep``: leave the group (and the page cache charged to it) for the next run, a warm run of
+        the same contender: removing a group hands its cached pages to the parent, uncharged, and a warm
+        run in a new group would then read them for free beyond its limit."""
         if not self.enforced:
             return self._run(argv, timeout_s, env, None)
         group = CGROUP_ROOT / self.name
         group.mkdir(exist_ok=True)
         try:
             (group / "memory.limit_in_bytes").write_text(str(self.limit_bytes))
+            for counter in ("memory.max_usage_in_bytes", "memory.failcnt"):  # this run's own peak and hits
+                (group / counter).write_text("0")
             # The shell joins the group, then becomes the contender: everything it maps or reads is charged.
             wrapped = ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh", *argv]
             return self._run(wrapped, timeout_s, env, group)
         finally:
-            _remove_group(group)
+            if not keep:
+                _remove_group(group)
 
     def _run(self, argv: list[str], timeout_s: float, env: dict[str, str] | None, group: Path | None) -> ProcessRun:
         start = time.perf_counter()

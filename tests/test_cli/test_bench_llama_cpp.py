@@ -300,3 +300,21 @@ def test_the_headline_ratios_are_ours_quality_matched_and_the_exact_path_is_repo
         "exact_vs_llama_cpp_q4_0_100": 0.25,
         "exact_ttft_vs_llama_cpp_100": 0.2,
     }
+
+
+def test_a_cold_run_keeps_its_memory_group_for_the_warm_run_and_each_run_counts_its_own_peak(tmp_path, monkeypatch):
+    """Removing a group hands its cached pages to the parent, uncharged: a warm row in a new group would read
+    them beyond its limit. So a kept group serves the next run, whose peak and limit hits start from zero."""
+    removed = []
+    monkeypatch.setattr(system, "CGROUP_ROOT", tmp_path)
+    monkeypatch.setattr(system, "_remove_group", removed.append)
+    limit = system.MemoryLimit(1 << 30)
+    limit.enforced = True
+    group = tmp_path / limit.name
+    group.mkdir()
+    (group / "memory.max_usage_in_bytes").write_text("123456")  # what the cold run's own peak left behind
+    done = limit.run([sys.executable, "-c", "print('{}')"], 30, keep=True)
+    assert done.returncode == 0 and done.peak_bytes == 0 and not done.hit_limit
+    assert removed == [] and (group / "memory.limit_in_bytes").read_text() == str(1 << 30)
+    limit.run([sys.executable, "-c", "print('{}')"], 30)
+    assert removed == [group]
