@@ -234,7 +234,7 @@ def kernel_matmul(x: torch.Tensor, m: QuantizedMatrix, force_scalar: bool = Fals
         m.group_size,
         work.data_ptr(),
         force_scalar,
-        kernel_threads(),  # 2+: a persistent helper thread takes half of the output rows
+        kernel_threads(),  # 2+: a persistent helper thread shares the output rows (int4.c run_split)
         KERNEL_CODES[m.code],
         KERNEL_SCALES[m.scales.dtype],
         alone,
