@@ -78,6 +78,11 @@ class ResidentExperts:
     def prefetch(self, layer: int, expert_ids: Sequence[int]) -> None:
         pass
 
+    def wants_prefetch(self, layer: int) -> bool:
+        """Whether a lookahead guess could do anything: not for this no-op prefetch (every expert is in
+        memory), so the model skips the router run; a subclass that overrides prefetch gets its guesses."""
+        return type(self).prefetch is not ResidentExperts.prefetch
+
     def acquire(self, layer: int, expert_ids: Sequence[int]) -> Mapping[int, Expert]:
         try:
             return {e: self._experts[layer][e] for e in expert_ids}

@@ -17,7 +17,7 @@ from torch import nn
 from engine.args import ModelArgs
 from engine.attention import MLA
 from engine.cache import KVCache, LayerCache
-from engine.experts import ExpertProvider, ResidentExperts
+from engine.experts import ExpertProvider
 from engine.layers import MLP, RMSNorm
 from engine.moe import MoE
 from engine.q8 import int8_activations
@@ -100,10 +100,10 @@ class Transformer(nn.Module):
     def _lookahead(self, layer: int, experts: ExpertProvider):
         """A hook giving layer ``layer``'s router the current post-attention hidden state; the experts
         it picks are prefetched while the current layer's FFN runs. None if that layer is not MoE."""
-        if layer >= len(self.layers) or not isinstance(self.layers[layer].ffn, MoE) or not _takes_prefetch(experts):
+        if layer >= len(self.layers) or not isinstance(self.layers[layer].ffn, MoE):
             return None
         block = self.layers[layer]
-        wants = getattr(experts, "wants_prefetch", None)  # a store may know the guess would change nothing
+        wants = getattr(experts, "wants_prefetch", None)  # a provider may know the guess would change nothing
 
         def lookahead(x: torch.Tensor) -> None:
             if wants is None or wants(layer):
@@ -167,12 +167,6 @@ class Transformer(nn.Module):
                 lookahead = self._lookahead(i + 1, experts)
                 x, selections = layer.forward_rows(x, starts, ropes, layer_caches, experts, selections, lookahead)
             return self.head(self.norm(x)).float()[:, -1]
-
-
-def _takes_prefetch(experts: ExpertProvider) -> bool:
-    """False for a provider whose prefetch is ResidentExperts' no-op (every expert in memory): a router
-    run per layer and token to predict for it would be thrown away."""
-    return getattr(type(experts), "prefetch", None) is not ResidentExperts.prefetch
 
 
 def meta_transformer(args: ModelArgs) -> Transformer:

@@ -178,11 +178,11 @@ class TieredExpertStore:
         lookahead router run (~0.2 ms per layer and token on the stress model)."""
         if not self.config.prefetch:
             return False
+        return not all(self._held((layer, expert)) for expert in range(self.container.n_experts))
 
-        def held(key: tuple[int, int]) -> bool:
-            return key in self.ram or (self.vram is not None and key in self.vram)
-
-        return not all(held((layer, expert)) for expert in range(self.container.n_experts))
+    def _held(self, key: tuple[int, int]) -> bool:
+        """In a RAM or VRAM slot (loaded or being loaded)."""
+        return key in self.ram or (self.vram is not None and key in self.vram)
 
     def prefetch(self, layer: int, expert_ids: Sequence[int]) -> None:
         if not self.config.prefetch:
@@ -190,7 +190,7 @@ class TieredExpertStore:
         self._predicted[layer] = set(expert_ids)
         for expert in expert_ids:
             key = (layer, expert)
-            if key in self.ram or (self.vram is not None and key in self.vram):
+            if self._held(key):
                 continue
             entry = self.ram.allocate(key)
             if entry is None:

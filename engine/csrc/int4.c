@@ -225,9 +225,12 @@ static void run_slice(const Slice *s) {
 static pthread_mutex_t call_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t work_ready = PTHREAD_COND_INITIALIZER, work_done = PTHREAD_COND_INITIALIZER;
+/* Blocks of 64 output rows (the float kernels' buffer), at least 8 blocks' worth of sharing. */
+#define SPLIT_ROWS 64
+
 static const Slice *pending = NULL; /* offered to the helper, not yet taken */
 static int helper_busy = 0; /* the helper took the current job and is still in it */
-static int next_block = 0, n_blocks = 0, block_rows = 0; /* the current job's blocks, taken under mu */
+static int next_block = 0, n_blocks = 0; /* the current job's blocks of SPLIT_ROWS rows, taken under mu */
 static int helper_state = 0; /* 0 not started, 1 running, -1 could not start */
 
 /* The next block of the job's output rows into *part, or 0 when none is left. */
@@ -237,8 +240,8 @@ static int take_block(const Slice *whole, Slice *part) {
     pthread_mutex_unlock(&mu);
     if (block < 0) return 0;
     *part = *whole;
-    part->begin = whole->begin + block * block_rows;
-    part->end = part->begin + block_rows < whole->end ? part->begin + block_rows : whole->end;
+    part->begin = whole->begin + block * SPLIT_ROWS;
+    part->end = part->begin + SPLIT_ROWS < whole->end ? part->begin + SPLIT_ROWS : whole->end;
     return 1;
 }
 
@@ -287,9 +290,6 @@ static int ensure_helper(void) {
     return helper_state == 1;
 }
 
-/* Blocks of 64 output rows (the float kernels' buffer), at least 8 blocks' worth of sharing. */
-#define SPLIT_ROWS 64
-
 static void run_split(const Slice *whole, int threads) {
     if (threads < 2 || whole->out < 512) {
         run_slice(whole);
@@ -302,7 +302,6 @@ static void run_split(const Slice *whole, int threads) {
         return;
     }
     pthread_mutex_lock(&mu);
-    block_rows = SPLIT_ROWS;
     n_blocks = (whole->end - whole->begin + SPLIT_ROWS - 1) / SPLIT_ROWS;
     next_block = 0;
     pending = whole;
@@ -419,7 +418,7 @@ static PyObject *py_q8_gemm(PyObject *self, PyObject *args) {
     Q8Matrix m = {(const void *)(uintptr_t)w, (const void *)(uintptr_t)scales, kind, scale_kind, in, group};
     Q8Rows xq = {malloc(q8_work_bytes(rows, in)), 0, 0, kind};
     if (xq.work == NULL) return PyErr_NoMemory();
-    (void)q8_simd_available(); /* detect the CPU once, before any helper thread looks */
+    (void)nibble_simd_available(); /* detect the CPU once, before any helper thread looks */
     Slice whole = {NULL, &m, &xq, NULL, NULL, (float *)(uintptr_t)y, rows, in, out, 0, out, force_scalar ? 0 : 1, 1};
     Py_BEGIN_ALLOW_THREADS
     q8_prepare(kind, (const float *)(uintptr_t)x, rows, in, !force_scalar, &xq);

@@ -118,15 +118,6 @@ static void gemm_scalar(const Q8Matrix *m, const Q8Rows *x, int begin, int end, 
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 #define AVX2_INLINE AVX2 __attribute__((always_inline)) static inline
 
-int q8_simd_available(void) {
-    static int supported = -1;
-    if (supported < 0) {
-        __builtin_cpu_init();
-        supported = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-    }
-    return supported;
-}
-
 AVX2_INLINE float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -333,14 +324,12 @@ AVX2 static void prepare_avx2(int kind, const float *x, int rows, int in, Q8Rows
             _mm256_storeu_si256((__m256i *)(s + SLOT_OFFSETS), _mm256_setr_epi32(off0, 0, 0, 0, off1, 0, 0, 0));
         }
 }
-#else
-int q8_simd_available(void) { return 0; }
 #endif
 
 void q8_prepare(int kind, const float *x, int rows, int in, int simd, Q8Rows *out) {
     out->rows = rows, out->chunks = chunks_of(in), out->kind = kind;
 #if HAVE_X86
-    if (simd && q8_simd_available()) {
+    if (simd && nibble_simd_available()) {
         prepare_avx2(kind, x, rows, in, out);
         return;
     }
@@ -351,7 +340,7 @@ void q8_prepare(int kind, const float *x, int rows, int in, int simd, Q8Rows *ou
 
 void q8_gemm(const Q8Matrix *m, const Q8Rows *x, int begin, int end, int simd, float *y, size_t ldy) {
 #if HAVE_X86
-    if (simd && q8_simd_available()) {
+    if (simd && nibble_simd_available()) {
         gemm_avx2(m, x, begin, end, y, ldy);
         return;
     }

@@ -39,7 +39,4 @@ void q8_prepare(int kind, const float *x, int rows, int in, int simd, Q8Rows *ou
  * Each row of x is computed the same way whatever the other rows are (batch-invariant). */
 void q8_gemm(const Q8Matrix *m, const Q8Rows *x, int begin, int end, int simd, float *y, size_t ldy);
 
-/* Whether the CPU has the AVX2 path. */
-int q8_simd_available(void);
-
 #endif
