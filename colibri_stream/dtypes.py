@@ -15,12 +15,23 @@ from storage.layout import DTYPES as STORED_DTYPES
 COMPUTE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # Kept in float32 whatever the compute dtype, as the reference keeps them (engine parameter suffixes).
-FLOAT32_PARAMETERS = ("ffn.gate.bias", "attn.indexer.weights_proj.weight")
+FLOAT32_PARAMETERS = (
+    "ffn.gate.bias",
+    "attn.indexer.weights_proj.weight",
+    # DeepSeek-V4: attention sinks, compressor position biases, hyper-connection weights
+    "attn.sink",
+    "compressor.ape",
+    *(f"{hc}.{part}" for hc in ("hc_attn", "hc_ffn", "hc_head") for part in ("fn", "base", "scale")),
+)
+
+# Integer tables among the dense parameters (DeepSeek-V4's token -> experts hash), held as int64.
+INTEGER_PARAMETERS = ("ffn.gate.tid2eid",)
 
 # Every stored tag as torch (record fields, dense arrays).
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "uint8": torch.uint8,
     "int8": torch.int8,
+    "int32": torch.int32,
     "float16": torch.float16,
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -38,6 +49,13 @@ def bf16_bits(t: torch.Tensor) -> np.ndarray:
     return t.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
 
 
+def compute_dtype_of(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a dense parameter is held in when the model computes in ``dtype``."""
+    if name.endswith(INTEGER_PARAMETERS):
+        return torch.long
+    return torch.float32 if name.endswith(FLOAT32_PARAMETERS) else dtype
+
+
 def from_stored(array: np.ndarray, tag: str) -> torch.Tensor:
     """A stored numpy array as torch with the tag's dtype: bfloat16 bits are reinterpreted, no copy."""
     tensor = torch.from_numpy(array)
@@ -49,6 +67,8 @@ def stored_dense_dtype(name: str, shape: tuple[int, ...], scheme: str, group_siz
 
     int8 applies to 2-D weights (any width: the last group of a row may be partial); other tensors
     (norms, biases) keep bf16, and the float32-only parameters always stay float32."""
+    if name.endswith(INTEGER_PARAMETERS):
+        return "int32"
     if scheme == "f32" or name.endswith(FLOAT32_PARAMETERS):
         return "float32"
     if scheme == "int8" and len(shape) == 2:

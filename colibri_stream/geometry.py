@@ -22,7 +22,7 @@ from colibri_stream.packed_quant import PackedFormat, packed_format
 from colibri_stream.wrapped_configs import text_model_config
 from engine.args import ConfigError, ModelArgs
 from engine.config_checks import brief
-from engine.model import meta_transformer
+from engine.families import meta_transformer
 from engine.weights import check_complete
 from storage.container import Container, is_container
 from storage.errors import FormatError

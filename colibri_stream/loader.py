@@ -16,6 +16,7 @@ from safetensors import SafetensorError, safe_open
 
 from colibri_stream.checkpoint_files import (
     FLOAT_DTYPES,
+    INTEGER_DTYPES,
     TensorInfo,
     check_dtypes,
     read_header,
@@ -24,7 +25,7 @@ from colibri_stream.checkpoint_files import (
     short_name,
 )
 from colibri_stream.config import StoreOptions, store_config
-from colibri_stream.dtypes import COMPUTE_DTYPES, FLOAT32_PARAMETERS, from_stored
+from colibri_stream.dtypes import COMPUTE_DTYPES, compute_dtype_of, from_stored
 from colibri_stream.errors import CheckpointError, ColibriError
 from colibri_stream.expert_codec import expert_from_record
 from colibri_stream.expert_store import ExpertStore, ResidentStore
@@ -35,8 +36,9 @@ from colibri_stream.wrapped_configs import text_model_config
 from engine.args import ModelArgs
 from engine.bf16 import bf16_candidates, hold_in_bf16
 from engine.experts import Expert, ExpertWeights
+from engine.families import meta_transformer
 from engine.int8_dense import hold_in_int8
-from engine.model import Transformer, meta_transformer
+from engine.model import Transformer
 from engine.quant import QuantizedMatrix
 from engine.weights import SortedNames, check_complete, layer_of, sort_names
 from storage.buffers import aligned_empty
@@ -213,7 +215,7 @@ def load_checkpoint(
     path = Path(path)
     config = read_config(path)
     args = ModelArgs.from_hf_config(config)
-    table = tensor_table(path, {"": FLOAT_DTYPES})
+    table = tensor_table(path, {"": FLOAT_DTYPES, "tid2eid": INTEGER_DTYPES})
     names = sort_names(table, args.n_layers)
     shapes = {name: info.shape for name, (_, info) in table.items()}
     model = check_tensors(args, names, shapes, str(path), config)
@@ -232,7 +234,7 @@ def load_checkpoint(
     if args.tie_word_embeddings and "head.weight" not in dense:
         dense["head.weight"] = dense["embed.weight"]
     for name, tensor in dense.items():
-        dense[name] = tensor.to(torch.float32 if name.endswith(FLOAT32_PARAMETERS) else dtype)
+        dense[name] = tensor.to(compute_dtype_of(name, dtype))
     model.load_state_dict(dense, strict=True, assign=True)
     experts = ResidentStore(_routed_experts(args, routed), trace)
     return LoadedModel(path, config, args, model.eval(), experts)
@@ -302,7 +304,7 @@ def _load_dense(
             raise FormatError(
                 f"dense array {name}: shape {list(entry.shape)}, the model needs {list(expected[name].shape)}"
             )
-        target = torch.float32 if name.endswith(FLOAT32_PARAMETERS) else dtype
+        target = compute_dtype_of(name, dtype)
         if entry.dtype == "int8":
             q = torch.from_numpy(container.read_dense(name))
             scales = torch.from_numpy(container.read_dense_scales(name))

@@ -29,7 +29,7 @@ from colibri_stream.geometry import DenseArray, ModelGeometry
 from colibri_stream.kv_geometry import cache_bytes_per_token
 from engine.args import ModelArgs
 from engine.bf16 import bf16_candidates, bf16_kernel_available
-from engine.model import meta_transformer
+from engine.families import meta_transformer
 from storage.container import Container
 from storage.tiered import StoreConfig, slots_for
 

@@ -1,8 +1,9 @@
 """ModelArgs: everything the forward pass needs to know about a model, read from an HF config.json.
 
 Supported model types: ``deepseek_v3`` and ``kimi_k2`` (DeepSeek-V3 semantics), ``deepseek_v32`` and
-``glm_moe_dsa`` (MLA plus the DSA lightning indexer). Fields that would change the maths and that we
-do not implement raise ConfigError instead of being guessed.
+``glm_moe_dsa`` (MLA plus the DSA lightning indexer), ``deepseek_v4`` (its own attention and
+hyper-connections: the fields it adds are in engine/v4_args.py, ``ModelArgs.v4``). Fields that would
+change the maths and that we do not implement raise ConfigError instead of being guessed.
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ from engine.config_checks import (
     optional_int,
     size,
 )
+from engine.v4_args import V4Args, parse_v4
 
 __all__ = ["ConfigError", "ModelArgs", "RopeArgs", "MODEL_TYPES", "DSA_MODEL_TYPES"]
 
-MODEL_TYPES = ("deepseek_v3", "kimi_k2", "deepseek_v32", "glm_moe_dsa")
+MODEL_TYPES = ("deepseek_v3", "kimi_k2", "deepseek_v32", "glm_moe_dsa", "deepseek_v4")
 DSA_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
 
 IndexerKind = Literal["full", "shared"]
@@ -129,6 +131,12 @@ class ModelArgs:
     """Output head shares the embedding weights. <- ``tie_word_embeddings``; default False."""
     max_position_embeddings: int = 4096
     """Longest context the model supports. <- ``max_position_embeddings``; default 4096."""
+    v4: V4Args | None = None
+    """DeepSeek-V4 only: attention types, compression, hyper-connections, hash routing (engine/v4_args.py).
+    Its MLA-named fields then mean: kv_lora_rank = v_head_dim = head_dim (the one K=V head),
+    qk_rope_head_dim = the roped tail of a head, ``rope`` = the sliding layers' rope."""
+    compress_rope: RopeArgs | None = None
+    """DeepSeek-V4 only: the rope of CSA/HCA layers and their compressors (``compress_rope_theta``, yarn)."""
 
     @property
     def qk_head_dim(self) -> int:
@@ -168,6 +176,8 @@ def _parse(config: Mapping[str, Any]) -> ModelArgs:
     if not isinstance(model_type, str) or model_type not in MODEL_TYPES:
         supported = list(MODEL_TYPES)
         raise ConfigError(f"config.json: model_type {brief(model_type)} is not supported (supported: {supported})")
+    if model_type == "deepseek_v4":
+        return _parse_deepseek_v4(config)
     _check_semantics(config)
     n_layers = size(config, "num_hidden_layers", maximum=MAX_LAYERS)  # bounded before any per-layer table
     n_routed = size(config, "n_routed_experts", maximum=MAX_EXPERTS)
@@ -212,6 +222,48 @@ def _parse(config: Mapping[str, Any]) -> ModelArgs:
     )
 
 
+def _parse_deepseek_v4(config: Mapping[str, Any]) -> ModelArgs:
+    """V4's shared fields in ModelArgs' terms; what only V4 has goes to ``ModelArgs.v4``."""
+    _refuse_quantization_config(config)
+    n_layers = size(config, "num_hidden_layers", maximum=MAX_LAYERS)
+    n_routed = size(config, "n_routed_experts", maximum=MAX_EXPERTS)
+    top_k = size(config, "num_experts_per_tok", maximum=MAX_EXPERTS)
+    check_routing(n_routed, top_k, 1, 1)
+    v4, main_rope, compress_rope = parse_v4(config, n_layers)
+    max_positions = optional_int(config, "max_position_embeddings", 4096, 1, 1 << 30)
+    compress_rope.setdefault("original_max_position_embeddings", max_positions)
+    moe_inter = size(config, "moe_intermediate_size")
+    return ModelArgs(
+        model_type="deepseek_v4",
+        vocab_size=size(config, "vocab_size"),
+        dim=size(config, "hidden_size"),
+        inter_dim=moe_inter,  # V4 has no dense MLP layers
+        moe_inter_dim=moe_inter,
+        n_layers=n_layers,
+        n_heads=size(config, "num_attention_heads", maximum=MAX_HEADS),
+        q_lora_rank=size(config, "q_lora_rank"),
+        kv_lora_rank=v4.head_dim,
+        qk_nope_head_dim=v4.head_dim - v4.rope_dim,
+        qk_rope_head_dim=v4.rope_dim,
+        v_head_dim=v4.head_dim,
+        n_routed_experts=n_routed,
+        n_shared_experts=optional_int(config, "n_shared_experts", 0, 0, MAX_EXPERTS),
+        n_activated_experts=top_k,
+        n_expert_groups=1,
+        n_limited_groups=1,
+        route_scale=optional_float(config, "routed_scaling_factor", 1.0),
+        norm_topk_prob=True,  # V4 always renormalises the chosen experts' weights
+        dense_layers=(False,) * n_layers,
+        rms_norm_eps=optional_float(config, "rms_norm_eps", 1e-6),
+        rope=_parse_rope({"rope_parameters": main_rope}),
+        rope_interleave=True,
+        tie_word_embeddings=optional_bool(config, "tie_word_embeddings", False),
+        max_position_embeddings=max_positions,
+        v4=v4,
+        compress_rope=_parse_rope({"rope_parameters": compress_rope}),
+    )
+
+
 def _check_semantics(config: Mapping[str, Any]) -> None:
     """Refuse fields whose other values would change the maths we implement."""
     _expect(config, "scoring_func", ("sigmoid",), "sigmoid")
@@ -225,6 +277,10 @@ def _check_semantics(config: Mapping[str, Any]) -> None:
         raise ConfigError(
             f"config.json: num_key_value_heads={brief(kv_heads)} must equal num_attention_heads={brief(heads)} (MLA)"
         )
+    _refuse_quantization_config(config)
+
+
+def _refuse_quantization_config(config: Mapping[str, Any]) -> None:
     quant = config.get("quantization_config")
     if quant is not None and not isinstance(quant, dict):
         raise ConfigError(f"config.json: quantization_config={brief(quant)}, expected an object (or null)")

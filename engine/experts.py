@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
+from engine.layers import swiglu
 from engine.rows import linear
 
 
@@ -44,17 +44,18 @@ class ExpertWeights:
     def device(self) -> torch.device:
         return self.w1.device
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, dim] -> [N, dim]"""
+    def __call__(self, x: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+        """x [N, dim] -> [N, dim]; ``limit``: the swiglu clamp (engine.layers.swiglu), None for none"""
         w1, w2, w3 = (w if w.dtype == x.dtype else w.to(x.dtype) for w in (self.w1, self.w2, self.w3))
-        return linear(F.silu(linear(x, w1)) * linear(x, w3), w2)
+        return linear(swiglu(linear(x, w1), linear(x, w3), limit), w2)
 
 
 class Expert(Protocol):
-    """x [N, dim] -> [N, dim] on the expert's own device. Experts may also expose ``device`` (where
+    """x [N, dim] -> [N, dim] on the expert's own device (``limit``: the swiglu clamp, V4 only).
+    Experts may also expose ``device`` (where
     their weights live, e.g. a VRAM slot); the MoE layer then sends x there (see RoutedSum)."""
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+    def __call__(self, x: torch.Tensor, limit: float | None = None) -> torch.Tensor: ...
 
 
 class ExpertProvider(Protocol):

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.rows import Linear
+from engine.rows import Linear, per_row
 
 
 class RMSNorm(nn.Module):
@@ -34,17 +34,26 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-class MLP(nn.Module):
-    """w2(silu(w1 x) * w3 x): gate w1 and up w3 [inter_dim, dim], down w2 [dim, inter_dim]."""
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """silu(gate) * up; with a limit (DeepSeek-V4's swiglu_limit) gate is clamped from above and up
+    to [-limit, limit] first."""
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return per_row(lambda g, u: F.silu(g) * u, gate, up)
 
-    def __init__(self, dim: int, inter_dim: int):
+
+class MLP(nn.Module):
+    """w2(swiglu(w1 x, w3 x)): gate w1 and up w3 [inter_dim, dim], down w2 [dim, inter_dim]."""
+
+    def __init__(self, dim: int, inter_dim: int, limit: float | None = None):
         super().__init__()
+        self.limit = limit
         self.w1 = Linear(dim, inter_dim, bias=False)
         self.w2 = Linear(inter_dim, dim, bias=False)
         self.w3 = Linear(dim, inter_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(swiglu(self.w1(x), self.w3(x), self.limit))
 
 
 # A long prefill's [S, H, T] score tensors grow with S*T (2000 tokens x 16 heads: 256 MB each, several

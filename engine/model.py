@@ -167,10 +167,3 @@ class Transformer(nn.Module):
                 lookahead = self._lookahead(i + 1, experts)
                 x, selections = layer.forward_rows(x, starts, ropes, layer_caches, experts, selections, lookahead)
             return self.head(self.norm(x)).float()[:, -1]
-
-
-def meta_transformer(args: ModelArgs) -> Transformer:
-    """The model's modules and parameter shapes without memory (on torch's meta device): what loaders
-    check names and shapes against before any tensor is read."""
-    with torch.device("meta"):
-        return Transformer(args)

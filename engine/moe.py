@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.args import ModelArgs
 from engine.experts import ExpertProvider
 from engine.layers import MLP
-from engine.rows import linear
+from engine.rows import linear, per_row
 
 
 def stable_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -20,17 +21,26 @@ def stable_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
-class Gate(nn.Module):
-    """Sigmoid router with DeepSeek's auxiliary-loss-free correction bias and group-limited top-k.
+SCORES = {
+    "sigmoid": torch.sigmoid,
+    "softmax": lambda logits: logits.softmax(dim=-1),
+    "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(),  # DeepSeek-V4
+}
 
-    The bias steers *which* experts are chosen, never their weights: weights come from the unbiased
-    sigmoid scores, optionally normalised over the chosen experts, then scaled by ``route_scale``.
+
+class Gate(nn.Module):
+    """Router with DeepSeek's auxiliary-loss-free correction bias and group-limited top-k.
+
+    Scores are the sigmoid of the logits (DeepSeek-V3) or another ``SCORES`` function (V4's
+    scoring_func). The bias steers *which* experts are chosen, never their weights: weights come from
+    the unbiased scores, optionally normalised over the chosen experts, then scaled by ``route_scale``.
     Groups are ranked by the sum of their two best biased scores; only the best ``n_limited_groups``
     groups may be chosen from.
     """
 
     def __init__(self, args: ModelArgs):
         super().__init__()
+        self.score = SCORES[args.v4.scoring_func if args.v4 else "sigmoid"]
         self.topk = args.n_activated_experts
         self.n_groups = args.n_expert_groups
         self.topk_groups = args.n_limited_groups
@@ -39,20 +49,20 @@ class Gate(nn.Module):
         self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.dim))
         self.bias = nn.Parameter(torch.zeros(args.n_routed_experts, dtype=torch.float32))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, dim] -> (weights [N, topk] float32, expert ids [N, topk])"""
-        scores, ids = self._scores_and_ids(x)
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, dim] -> (weights [N, topk] float32, expert ids [N, topk]). ``tokens`` [N]: hash routing only."""
+        scores, ids = self._scores_and_ids(x, tokens)
         weights = scores.gather(1, ids)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.route_scale, ids
 
-    def route(self, x: torch.Tensor) -> torch.Tensor:
+    def route(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """x [N, dim] -> expert ids [N, topk]: the choice alone, without the weights (lookahead)."""
-        return self._scores_and_ids(x)[1]
+        return self._scores_and_ids(x, tokens)[1]
 
-    def _scores_and_ids(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = linear(x.float(), self.weight.float()).sigmoid()
+    def _scores_and_ids(self, x: torch.Tensor, tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = per_row(self.score, linear(x.float(), self.weight.float()))
         biased = scores + self.bias.float()
         if self.n_groups > 1:
             biased = self._mask_unchosen_groups(biased)
@@ -66,29 +76,55 @@ class Gate(nn.Module):
         return grouped.masked_fill(dropped[..., None], float("-inf")).flatten(1)
 
 
+class HashGate(Gate):
+    """DeepSeek-V4's first layers: the token id picks the experts (a frozen table ``tid2eid`` [vocab,
+    topk]); the router's scores still weight them. Known from the ids alone, so prefetch is exact."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        del self.bias  # no correction bias: nothing is chosen by score
+        self.register_buffer("tid2eid", torch.zeros(args.vocab_size, args.n_activated_experts, dtype=torch.long))
+
+    def _scores_and_ids(self, x: torch.Tensor, tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if tokens is None:
+            raise ValueError("a hash-routed MoE layer needs the token ids")
+        return per_row(self.score, linear(x.float(), self.weight.float())), self.route(x, tokens)
+
+    def route(self, x: torch.Tensor | None, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        return self.tid2eid[tokens.reshape(-1)]
+
+
 class MoE(nn.Module):
     """Routed experts (fetched per call from the provider) plus always-on shared experts."""
 
     def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
         self.layer_id = layer_id
-        self.gate = Gate(args)
+        hashed = args.v4 is not None and args.v4.hash_layers[layer_id]
+        self.gate = HashGate(args) if hashed else Gate(args)
+        self.limit = args.v4.swiglu_limit if args.v4 else None
         self.shared_experts = (
-            MLP(args.dim, args.n_shared_experts * args.moe_inter_dim) if args.n_shared_experts else None
+            MLP(args.dim, args.n_shared_experts * args.moe_inter_dim, self.limit) if args.n_shared_experts else None
         )
 
-    def predict(self, x: torch.Tensor) -> list[int]:
-        """The experts this layer's router would pick for x [B, S, dim] (normalised), as a lookahead guess."""
-        rows = self.gate.route(x.reshape(-1, x.shape[-1])).tolist()
+    @property
+    def hashed(self) -> bool:
+        return isinstance(self.gate, HashGate)
+
+    def predict(self, x: torch.Tensor | None, tokens: torch.Tensor | None = None) -> list[int]:
+        """The experts this layer's router would pick for x [B, S, dim] (normalised), as a lookahead
+        guess; exact on a hash-routed layer (from ``tokens`` [B, S] alone)."""
+        rows = self.gate.route(None if x is None else x.reshape(-1, x.shape[-1]), tokens).tolist()
         return sorted({expert for row in rows for expert in row})
 
-    def forward(self, x: torch.Tensor, experts: ExpertProvider) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, experts: ExpertProvider, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, S, dim] -> [B, S, dim]. Batch-union: each distinct expert is acquired once for all rows,
-        in chunks of at most what the provider can pin at once (one chunk when it has no limit)."""
+        in chunks of at most what the provider can pin at once (one chunk when it has no limit).
+        ``tokens`` [B, S]: the input ids, for hash-routed layers."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        weights, ids = self.gate(x)
-        routed = RoutedSum(x, weights)  # one sum over every chunk, in unique-id order: same floats as one chunk
+        weights, ids = self.gate(x, tokens)
+        routed = RoutedSum(x, weights, self.limit)  # one sum over every chunk, in unique-id order: same floats
         rows_of = _rows_routed_to(ids)
         for i, chunk in enumerate(chunks(sorted(rows_of), experts.max_acquire())):
             acquired = experts.acquire(self.layer_id, chunk)  # misses start loading now...
@@ -130,8 +166,9 @@ class RoutedSum:
     experts on the activations' device this is the plain index_add_ in expert order.
     """
 
-    def __init__(self, x: torch.Tensor, weights: torch.Tensor):
+    def __init__(self, x: torch.Tensor, weights: torch.Tensor, limit: float | None = None):
         self.home = x.device
+        self.limit = limit  # the swiglu clamp of DeepSeek-V4's experts
         self._inputs = {x.device: (x, weights)}  # device -> (x [N, dim], weights [N, topk]) there
         self._sums: dict[torch.device, torch.Tensor] = {}
 
@@ -148,10 +185,13 @@ class RoutedSum:
         if device not in self._sums:
             self._sums[device] = torch.zeros(x.shape, dtype=torch.float32, device=device)
         if rows is None:  # one row: the same products and the same additions, in place
-            self._sums[device].add_(expert(x).float() * weights[:, slot, None])
+            self._sums[device].add_(self._apply(expert, x).float() * weights[:, slot, None])
             return
         rows, slot = rows.to(device, non_blocking=True), slot.to(device, non_blocking=True)
-        self._sums[device].index_add_(0, rows, expert(x[rows]).float() * weights[rows, slot, None])
+        self._sums[device].index_add_(0, rows, self._apply(expert, x[rows]).float() * weights[rows, slot, None])
+
+    def _apply(self, expert, x: torch.Tensor) -> torch.Tensor:
+        return expert(x) if self.limit is None else expert(x, limit=self.limit)
 
     def total(self) -> torch.Tensor:
         """[N, dim] float32 on the activations' device."""

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.layers import swiglu
 from engine.q8 import activations_are_int8, q8_kernel_handles, q8_matmul
 from engine.rows import computing_alone, in_row_chunks, kernel_threads, linear
 
@@ -254,7 +255,6 @@ class QuantizedExpert:
     def device(self) -> torch.device:
         return self.w1.q.device
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, dim] -> [N, dim]: the SwiGLU FFN, one quantised matrix at a time."""
-        hidden = F.silu(self.w1.matmul(x)) * self.w3.matmul(x)
-        return self.w2.matmul(hidden)
+    def __call__(self, x: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+        """x [N, dim] -> [N, dim]: the SwiGLU FFN (clamped at ``limit`` if set), one quantised matrix at a time."""
+        return self.w2.matmul(swiglu(self.w1.matmul(x), self.w3.matmul(x), limit))

@@ -94,3 +94,25 @@ def _cached_inverse_frequencies(rope: RopeArgs, dim: int) -> torch.Tensor:
     inference mode so the shared tensor serves any caller; never written to."""
     with torch.inference_mode(False):
         return inverse_frequencies(rope, dim)
+
+
+def rope_at(rope: RopeArgs, dim: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), each [P, dim // 2] float32, at arbitrary positions [P] (DeepSeek-V4's compressed entries
+    sit at the first position of their window)."""
+    inv_freq = _cached_inverse_frequencies(rope, dim).to(positions.device)
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    scale = cos_sin_scale(rope)
+    return angles.cos() * scale, angles.sin() * scale
+
+
+def rotate_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V4's rope: the last 2 * cos.shape[-1] channels of x [B, P, ..., d] rotate in interleaved
+    pairs by the angles of cos/sin [P, r // 2]; unlike ``apply_rope`` the layout stays interleaved, as V4
+    reads its keys as values too. The leading channels pass unchanged."""
+    rope_dim = 2 * cos.shape[-1]
+    shape = (1, x.shape[1]) + (1,) * (x.dim() - 3) + (cos.shape[-1],)
+    cos, sin = cos.view(shape), sin.view(shape)
+    tail = x[..., -rope_dim:].float()
+    even, odd = tail[..., 0::2], tail[..., 1::2]
+    rotated = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten(-2)
+    return torch.cat([x[..., :-rope_dim], rotated.to(x.dtype)], dim=-1)

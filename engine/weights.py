@@ -58,13 +58,38 @@ HF_TO_ENGINE: tuple[tuple[str, str], ...] = (
 )
 _COMPILED = tuple((re.compile(pattern), target) for pattern, target in HF_TO_ENGINE)
 
+# DeepSeek-V4: DeepSeek's own names, which the hub checkpoint holds and transformers' save_pretrained
+# writes back (there under "model."; the table sees names with that prefix removed). The engine's names
+# are the same but for a few spellings.
+V4_TO_ENGINE: tuple[tuple[str, str], ...] = (
+    (r"(?:embed|embed_tokens)\.weight", "embed.weight"),
+    (r"(?:head|lm_head)\.weight", "head.weight"),
+    (r"norm\.weight", "norm.weight"),
+    (r"hc_head[._](?:hc_)?(fn|base|scale)", r"hc_head.\1"),
+    (r"layers\.(\d+)\.hc_(attn|ffn)_(fn|base|scale)", r"layers.\1.hc_\2.\3"),
+    (r"layers\.(\d+)\.(attn_norm|ffn_norm)\.weight", r"layers.\1.\2.weight"),
+    (r"layers\.(\d+)\.attn\.attn_sink", r"layers.\1.attn.sink"),
+    (r"layers\.(\d+)\.attn\.norm\.weight", r"layers.\1.attn.kv_norm.weight"),
+    (r"layers\.(\d+)\.attn\.(wq_a|q_norm|wq_b|wkv|wo_a|wo_b)\.weight", r"layers.\1.attn.\2.weight"),
+    (
+        r"layers\.(\d+)\.attn\.(compressor|indexer\.compressor)\.(wkv\.weight|wgate\.weight|norm\.weight|ape)",
+        r"layers.\1.attn.\2.\3",
+    ),
+    (r"layers\.(\d+)\.attn\.indexer\.(wq_b|weights_proj)\.weight", r"layers.\1.attn.indexer.\2.weight"),
+    (r"layers\.(\d+)\.ffn\.gate\.(weight|bias|tid2eid)", r"layers.\1.ffn.gate.\2"),
+    (r"layers\.(\d+)\.ffn\.shared_experts\.(w[123])\.weight", r"layers.\1.ffn.shared_experts.\2.weight"),
+)
+_V4_COMPILED = tuple((re.compile(pattern), target) for pattern, target in V4_TO_ENGINE)
+_V4_ROUTED = re.compile(r"(?:model\.)?layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight")
+_V4_MTP = ("mtp.", "model.mtp.")  # DeepSeek-V4's multi-token-prediction modules
+
 # wrapped text-model prefixes -> the plain names the table matches
 _TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."), ("language_model.", ""))
 _VISION_PREFIXES = ("vision_tower.", "mm_projector.", "model.vision_tower.", "model.mm_projector.")
 
 _ROUTED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 ROUTED_PROJ_TO_ENGINE = {"gate": "w1", "down": "w2", "up": "w3"}
-_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.")
 
 
 class WeightNameError(ValueError):
@@ -95,7 +120,9 @@ def layer_of(hf_name: str) -> int | None:
 
 def is_extra_layer(hf_name: str, n_layers: int) -> bool:
     """Multi-token-prediction layers (model.layers.N with N >= num_hidden_layers, as DeepSeek-V3 ships
-    them) are not part of next-token inference and are skipped on purpose."""
+    them; mtp.N... in DeepSeek-V4) are not part of next-token inference and are skipped on purpose."""
+    if hf_name.startswith(_V4_MTP):
+        return True
     layer = layer_of(hf_name)
     return layer is not None and layer >= n_layers
 
@@ -103,15 +130,20 @@ def is_extra_layer(hf_name: str, n_layers: int) -> bool:
 def routed_expert_key(hf_name: str) -> tuple[int, int, str] | None:
     """(layer, expert, "w1"|"w2"|"w3") for a routed-expert tensor name, else None."""
     match = _ROUTED.fullmatch(text_name(hf_name))
-    if match is None:
-        return None
-    return int(match.group(1)), int(match.group(2)), ROUTED_PROJ_TO_ENGINE[match.group(3)]
+    if match is not None:
+        return int(match.group(1)), int(match.group(2)), ROUTED_PROJ_TO_ENGINE[match.group(3)]
+    match = _V4_ROUTED.fullmatch(hf_name)
+    return None if match is None else (int(match.group(1)), int(match.group(2)), match.group(3))
 
 
 def engine_name(hf_name: str) -> str | None:
     """The engine parameter a dense HF tensor loads into, or None if the table has no rule for it."""
     plain = text_name(hf_name)
     for pattern, target in _COMPILED:
+        if pattern.fullmatch(plain):
+            return pattern.sub(target, plain)
+    plain = plain.removeprefix("model.")
+    for pattern, target in _V4_COMPILED:
         if pattern.fullmatch(plain):
             return pattern.sub(target, plain)
     return None

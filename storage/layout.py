@@ -38,6 +38,7 @@ MX_BLOCK = 32
 DTYPES = {
     "uint8": np.uint8,
     "int8": np.int8,
+    "int32": np.int32,
     "float16": np.float16,
     "float32": np.float32,
     "bfloat16": np.uint16,

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 FAMILIES: tuple[str, ...] = ("deepseek_v3", "kimi_k2", "deepseek_v32", "glm_moe_dsa")
+V4_FAMILIES: tuple[str, ...] = ("deepseek_v4",)
 
 # transformers has no kimi_k2 model type: Kimi-K2 ships DeepSeek-V3 weights and semantics under its
 # own model_type, so the oracle loads it with the DeepSeek-V3 classes.
@@ -73,12 +74,56 @@ _YARN = dict(
 _DSA = dict(index_topk=8, index_head_dim=32, index_n_heads=16)
 
 
+# DeepSeek-V4 shares little with the MLA configs. Every layer type (HCA, CSA, sliding), two hash-routed
+# layers, 3 streams; CSA selects from 10 positions on (index_topk 4 x rate 2), HCA closes an entry every
+# 8, the window (6) is shorter than the test contexts, the compress rope is yarn-scaled and the swiglu
+# clamp (1.0) cuts a measured ~20% of the experts' pre-activations. Widths divide neither 64 nor 32.
+_V4: dict[str, Any] = dict(
+    vocab_size=512,
+    hidden_size=80,
+    moe_intermediate_size=40,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=40,
+    qk_rope_head_dim=8,
+    q_lora_rank=48,
+    o_groups=2,
+    o_lora_rank=24,
+    n_shared_experts=1,
+    n_routed_experts=16,
+    num_experts_per_tok=4,
+    layer_types=[
+        "heavily_compressed_attention",
+        "compressed_sparse_attention",
+        "sliding_attention",
+        "compressed_sparse_attention",
+    ],
+    mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+    compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 8},
+    sliding_window=6,
+    index_n_heads=16,
+    index_head_dim=24,
+    index_topk=4,
+    hc_mult=3,
+    swiglu_limit=1.0,
+    routed_scaling_factor=1.5,
+    rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=128),
+    num_nextn_predict_layers=0,
+    max_position_embeddings=512,
+    initializer_range=0.1,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+
+
 @dataclass(frozen=True)
 class TinySpec:
     """How to build one family's tiny checkpoint."""
 
     family: str
     config_kwargs: dict[str, Any] = field(default_factory=dict)
+    base: dict[str, Any] = field(default_factory=lambda: _COMMON)  # the shared config the kwargs override
     legacy_rope: bool = False  # rewrite config.json with rope_theta + rope_scaling (real V3/K2 files)
     seed: int = 0  # chosen so greedy output is varied, not a short loop
 
@@ -107,6 +152,7 @@ TINY_SPECS: dict[str, TinySpec] = {
             **_DSA,
         ),
     ),
+    "deepseek_v4": TinySpec("deepseek_v4", base=_V4, seed=0),
 }
 
 
@@ -120,6 +166,7 @@ def _transformers_classes(model_type: str) -> tuple[type, type]:
         "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM"),
         "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM"),
         "kimi_k25": ("Kimi_K25Config", "Kimi_K25ForConditionalGeneration"),
+        "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM"),
     }
     if model_type not in names:
         raise ValueError(f"no transformers oracle for model_type {model_type!r}; known: {sorted(names)}")
@@ -138,24 +185,40 @@ def build_tiny_checkpoint(
     spec = TINY_SPECS[family]
     dst = Path(dst)
     config_cls, model_cls = _transformers_classes(_ORACLE_MODEL_TYPE.get(family, family))
-    config = config_cls(**{**_COMMON, **spec.config_kwargs, **(config_overrides or {})})
+    config = config_cls(**{**spec.base, **spec.config_kwargs, **(config_overrides or {})})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed if seed is None else seed)
         model = model_cls(config).float().eval()
-        _randomise_correction_bias(model)
+        _randomise_untrained_defaults(model)
     model.save_pretrained(dst)
     _rewrite_config(dst / "config.json", family, spec.legacy_rope)
     write_tiny_tokenizer(dst, config.vocab_size)
     return dst
 
 
-def _randomise_correction_bias(model: torch.nn.Module) -> None:
-    """transformers initialises ``e_score_correction_bias`` to zeros, which would hide any bug in how the
-    bias steers selection (but not the weights); real checkpoints carry non-zero biases."""
+# transformers initialises these to constants (zeros, ones) that would hide bugs in how they are used
+# (a zero sink, a zero position bias, unit scales); real checkpoints carry trained values.
+_CONSTANT_INITS = ("sinks", "position_bias", "attn_hc.base", "ffn_hc.base", "hc_head.hc_base")
+_UNIT_INITS = ("attn_hc.scale", "ffn_hc.scale", "hc_head.hc_scale")
+
+
+def _randomise_untrained_defaults(model: torch.nn.Module) -> None:
+    """Random values where transformers' init leaves constants: the router correction bias, and in
+    DeepSeek-V4 the sinks, compressor position biases, hyper-connection biases and scales, and the
+    token -> experts hash table (all zeros would send every token to expert 0, k times)."""
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(torch.randn_like(buffer) * 0.1)
+            elif name.endswith("tid2eid"):
+                experts = model.config.n_routed_experts
+                rows = [torch.randperm(experts)[: buffer.shape[1]] for _ in range(buffer.shape[0])]
+                buffer.copy_(torch.stack(rows))
+        for name, parameter in model.named_parameters():
+            if name.endswith(_CONSTANT_INITS):
+                parameter.copy_(torch.randn_like(parameter) * 0.5)
+            elif name.endswith(_UNIT_INITS):
+                parameter.copy_(1 + torch.randn_like(parameter) * 0.3)
 
 
 def _rewrite_config(path: Path, family: str, legacy_rope: bool) -> None:
@@ -168,6 +231,29 @@ def _rewrite_config(path: Path, family: str, legacy_rope: bool) -> None:
         rope["type"] = rope.pop("rope_type")
         config["rope_scaling"] = rope
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def legacy_v4_config(path: str | Path) -> Path:
+    """Rewrite a tiny DeepSeek-V4 checkpoint's config.json in the legacy spellings DeepSeek's own files
+    use (per-layer ``compress_ratios`` 0/4/128 with ``compress_rate_csa``/``_hca``, ``num_hash_layers``,
+    ``qk_rope_head_dim``, a flat yarn ``rope_scaling`` with ``compress_rope_theta``); the same model."""
+    path = Path(path) / "config.json"
+    config = json.loads(path.read_text())
+    ratio = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+    config["compress_ratios"] = [ratio[kind] for kind in config.pop("layer_types")]
+    rates = config.pop("compress_rates")
+    config["compress_rate_csa"] = rates["compressed_sparse_attention"]
+    config["compress_rate_hca"] = rates["heavily_compressed_attention"]
+    config["num_hash_layers"] = config.pop("mlp_layer_types").count("hash_moe")
+    config["qk_rope_head_dim"] = round(config.pop("partial_rotary_factor") * config["head_dim"])
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope["main"]["rope_theta"]
+    config["compress_rope_theta"] = rope["compress"].pop("rope_theta")
+    for key in ("partial_rotary_factor", "attention_factor"):  # implied: the files do not carry them
+        rope["compress"].pop(key, None)
+    config["rope_scaling"] = rope["compress"]
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return path.parent
 
 
 _TOKENIZER_CORPUS = """\
@@ -303,7 +389,7 @@ def build_kimi_k25_checkpoint(dst: str | Path, seed: int = 1) -> Path:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_cls(config).float().eval()
-        _randomise_correction_bias(model)
+        _randomise_untrained_defaults(model)
     model.save_pretrained(dst)
     tensors = load_file(dst / "model.safetensors")
     renamed = {

@@ -52,8 +52,8 @@ def test_prefill_acquires_each_routed_expert_once_per_layer_and_nothing_else(loa
     routed: dict[int, set[int]] = {}
     original = Gate.forward
 
-    def spy(self, x):
-        weights, ids = original(self, x)
+    def spy(self, x, tokens=None):
+        weights, ids = original(self, x, tokens)
         layer = next(i for i, block in enumerate(loaded.model.layers) if getattr(block.ffn, "gate", None) is self)
         routed[layer] = set(ids.flatten().tolist())
         return weights, ids

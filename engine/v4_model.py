@@ -1,0 +1,144 @@
+"""DeepSeek-V4's forward pass, reading top to bottom.
+
+    tokens -> embed -> copy into n = hc_mult streams [B, S, n, dim]
+           -> n_layers x [hc_attn: collapse -> attn_norm -> V4Attention -> spread back over the streams
+                          hc_ffn:  collapse -> ffn_norm  -> MoE (hash-routed or scored) -> spread]
+           -> hc_head collapse -> norm -> head -> logits
+
+The same interface as engine.model.Transformer (forward, forward_rows, new_cache), so generation,
+sessions and serving drive either; routed experts come from the ExpertProvider as for V3.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from engine.args import ModelArgs
+from engine.experts import ExpertProvider
+from engine.hyper import HyperConnection, HyperHead, spread
+from engine.layers import RMSNorm
+from engine.model import LOOKAHEAD_MAX_NEW_POSITIONS
+from engine.moe import MoE
+from engine.q8 import int8_activations
+from engine.rows import Linear, rows_alone, torch_on_one_thread
+from engine.v4_attention import V4Attention
+from engine.v4_cache import V4Cache, V4LayerCache
+
+
+class V4Block(nn.Module):
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__()
+        v4 = args.v4
+        self.layer_id = layer_id
+        self.hc_attn = HyperConnection(args.dim, v4.hc_mult, v4.hc_sinkhorn_iters, v4.hc_eps, args.rms_norm_eps)
+        self.attn_norm = RMSNorm(args.dim, args.rms_norm_eps)
+        self.attn = V4Attention(args, layer_id)
+        self.hc_ffn = HyperConnection(args.dim, v4.hc_mult, v4.hc_sinkhorn_iters, v4.hc_eps, args.rms_norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.rms_norm_eps)
+        self.ffn = MoE(args, layer_id)
+
+    def forward(
+        self,
+        streams: torch.Tensor,
+        tokens: torch.Tensor,
+        start_pos: int,
+        cache: V4LayerCache,
+        experts: ExpertProvider,
+        lookahead: Callable[[torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
+        """streams [B, S, n, dim] of tokens [B, S] at positions start_pos.. -> [B, S, n, dim].
+
+        ``lookahead``: optional hook given the streams after attention, before this layer's FFN, to
+        prefetch the experts the next layer will probably route to."""
+        post, comb, x = self.hc_attn(streams)
+        streams = spread(streams, self.attn(self.attn_norm(x), start_pos, cache), post, comb)
+        if lookahead is not None:
+            lookahead(streams)
+        post, comb, x = self.hc_ffn(streams)
+        return spread(streams, self.ffn(self.ffn_norm(x), experts, tokens), post, comb)
+
+    def router_input(self, streams: torch.Tensor) -> torch.Tensor:
+        """What this layer's router would see if its FFN ran on ``streams`` now [B, S, dim]."""
+        return self.ffn_norm(self.hc_ffn(streams)[2])
+
+
+class V4Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        if args.v4 is None:
+            raise ValueError(f"V4Transformer needs a deepseek_v4 config, not {args.model_type}")
+        self.args = args
+        self.n_streams = args.v4.hc_mult
+        self.embed = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(V4Block(args, i) for i in range(args.n_layers))
+        self.hc_head = HyperHead(args.dim, args.v4.hc_mult, args.v4.hc_eps, args.rms_norm_eps)
+        self.norm = RMSNorm(args.dim, args.rms_norm_eps)
+        self.head = Linear(args.dim, args.vocab_size, bias=False)
+        self.int8_activations = False
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def new_cache(self, batch: int = 1) -> V4Cache:
+        return V4Cache.empty(self.args, batch, self.dtype, self.device)
+
+    def _lookahead(self, layer: int, tokens: torch.Tensor, experts: ExpertProvider):
+        """A hook prefetching layer ``layer``'s experts while the current layer's FFN runs: exact from the
+        token ids on a hash-routed layer, else that layer's router applied to the current streams."""
+        if layer >= len(self.layers):
+            return None
+        block = self.layers[layer]
+        wants = getattr(experts, "wants_prefetch", None)
+
+        def lookahead(streams: torch.Tensor) -> None:
+            if wants is None or wants(layer):
+                guess_input = None if block.ffn.hashed else block.router_input(streams)
+                experts.prefetch(layer, block.ffn.predict(guess_input, tokens))
+
+        return lookahead
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        start_pos: int,
+        cache: V4Cache,
+        experts: ExpertProvider,
+        absorb: bool | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """tokens [B, S] at positions start_pos.. -> float32 logits [B, S, vocab] (S=1 if last_only).
+
+        Appends the S positions to ``cache``. ``absorb`` is accepted for the common interface; V4's one
+        K=V head has no absorbed form."""
+        x = self.embed(tokens)
+        streams = x.unsqueeze(2).expand(-1, -1, self.n_streams, -1).contiguous()  # [B, S, n, dim]
+        guess = tokens.shape[1] <= LOOKAHEAD_MAX_NEW_POSITIONS
+        with int8_activations(self.int8_activations), torch_on_one_thread():
+            for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers, strict=True)):
+                lookahead = self._lookahead(i + 1, tokens, experts) if guess else None
+                streams = layer(streams, tokens, start_pos, layer_cache, experts, lookahead)
+            if last_only:
+                streams = streams[:, -1:]
+            return self.head(self.norm(self.hc_head(streams))).float()
+
+    @torch.inference_mode()
+    def forward_rows(self, tokens: list[int], caches: list[V4Cache], experts: ExpertProvider) -> torch.Tensor:
+        """Decode one token for each of B independent sequences -> float32 logits [B, vocab].
+
+        Each row runs alone through ``forward`` (V4's per-layer states differ per sequence in shape:
+        open windows, entry counts), so a request's tokens never depend on its neighbours."""
+        with rows_alone():
+            rows = [
+                self.forward(torch.tensor([[token]], device=self.device), cache.length, cache, experts)[0, -1]
+                for token, cache in zip(tokens, caches, strict=True)
+            ]
+        return torch.stack(rows)
