@@ -15,7 +15,8 @@ import torch
 from engine.args import ModelArgs
 
 
-def _grow(buffer: torch.Tensor, needed: int) -> torch.Tensor:
+def grow(buffer: torch.Tensor, needed: int) -> torch.Tensor:
+    """buffer [B, capacity, ...] with room for ``needed`` positions: itself, or a copy twice as long."""
     if buffer.shape[1] >= needed:
         return buffer
     capacity = max(needed, 2 * buffer.shape[1], 16)
@@ -36,7 +37,7 @@ class LayerCache:
     def append(self, latent: torch.Tensor, rope_key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store S new positions ([B, S, *]) and return the whole valid latent and rope key ([B, T, *])."""
         end = self.length + latent.shape[1]
-        self.latent, self.rope_key = _grow(self.latent, end), _grow(self.rope_key, end)
+        self.latent, self.rope_key = grow(self.latent, end), grow(self.rope_key, end)
         self.latent[:, self.length : end] = latent
         self.rope_key[:, self.length : end] = rope_key
         self.length = end
@@ -50,7 +51,7 @@ class LayerCache:
         if self.index_key is None:
             raise ValueError("this layer has no DSA indexer keys")
         start = self.length - index_key.shape[1]
-        self.index_key = _grow(self.index_key, self.length)
+        self.index_key = grow(self.index_key, self.length)
         self.index_key[:, start : self.length] = index_key
         return self.index_key[:, : self.length]
 

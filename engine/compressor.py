@@ -9,9 +9,12 @@ per place in the window). A closed window of m rows gives one entry:
 
 Overlapping compressors (CSA's, and its indexer's) keep two series: the second half of each row (Cb)
 feeds its own window's entry, the first half (Ca) the *next* window's, so an entry spans 2m positions
-with stride m. Between calls the state keeps the rows of a window not yet closed (``pending``) and,
-when overlapping, the Ca half of the last closed window (``carry``): with them a prompt fed in pieces
-gives the entries of the prompt fed at once.
+with stride m.
+
+The state keeps every position's projections (what a conversation's KV log stores: the state can be
+rebuilt from them, and cut back to any length) and the entries of the windows closed so far; a new
+call compresses the windows its positions close, so a prompt fed in pieces gives the entries of the
+prompt fed at once, and a state restored from projections alone catches up on its next call.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 from torch import nn
 
 from engine.args import RopeArgs
+from engine.cache import grow
 from engine.layers import RMSNorm
 from engine.rope import rope_at, rotate_tail
 from engine.rows import Linear
@@ -29,24 +33,41 @@ from engine.rows import Linear
 
 @dataclass
 class CompressorState:
-    """One compressor's memory for a batch of B sequences of equal length."""
+    """One compressor's memory for a batch of B sequences of equal length T."""
 
-    pending_kv: torch.Tensor  # [B, p, c * w], p < m: projections of positions whose window is still open
-    pending_gate: torch.Tensor  # [B, p, c * w], without ape (added when the window closes)
-    entries: torch.Tensor  # [B, E, w]: every entry emitted so far, E = closed windows
-    carry_kv: torch.Tensor | None = None  # overlap: [B, m, w] Ca half of the last closed window
-    carry_gate: torch.Tensor | None = None  # [B, m, w], ape added
+    kv: torch.Tensor  # [B, capacity, c * w]: every position's value projection
+    gate: torch.Tensor  # [B, capacity, c * w]: every position's gate projection, without ape
+    entries: torch.Tensor  # [B, E, w]: the entries of the first E closed windows
+    length: int = 0  # T
 
     @classmethod
     def empty(cls, batch: int, width: int, overlap: bool, dtype: torch.dtype, device: torch.device) -> CompressorState:
         rows = torch.empty((batch, 0, (2 if overlap else 1) * width), dtype=dtype, device=device)
         return cls(rows, rows.clone(), torch.empty((batch, 0, width), dtype=dtype, device=device))
 
-    def clone(self) -> CompressorState:
-        return CompressorState(*(None if t is None else t.clone() for t in self.tensors()))
+    @classmethod
+    def from_rows(cls, kv: torch.Tensor, gate: torch.Tensor, width: int) -> CompressorState:
+        """A state holding projections [B, T, c * w] and no entries yet: the next call compresses them."""
+        return cls(kv, gate, kv.new_empty((kv.shape[0], 0, width)), kv.shape[1])
 
-    def tensors(self) -> tuple[torch.Tensor | None, ...]:
-        return self.pending_kv, self.pending_gate, self.entries, self.carry_kv, self.carry_gate
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kv, gate) [B, T, c * w] of every position so far."""
+        return self.kv[:, : self.length], self.gate[:, : self.length]
+
+    def append(self, kv: torch.Tensor, gate: torch.Tensor) -> None:
+        end = self.length + kv.shape[1]
+        self.kv, self.gate = grow(self.kv, end), grow(self.gate, end)
+        self.kv[:, self.length : end], self.gate[:, self.length : end] = kv, gate
+        self.length = end
+
+    def trim(self, length: int, rate: int) -> None:
+        """Forget positions from ``length`` on, and the entries of windows they closed."""
+        self.length = length
+        self.entries = self.entries[:, : length // rate]
+
+    def forget_entries(self) -> None:
+        """Drop every entry: the next call recompresses them from the rows (after rows were rounded)."""
+        self.entries = self.entries[:, :0]
 
 
 class Compressor(nn.Module):
@@ -64,37 +85,42 @@ class Compressor(nn.Module):
 
     def forward(self, x: torch.Tensor, state: CompressorState) -> torch.Tensor:
         """Feed x [B, S, dim] (the positions after those already fed) -> every entry so far [B, E, w]."""
-        kv = torch.cat([state.pending_kv, self.wkv(x)], dim=1)
-        gate = torch.cat([state.pending_gate, self.wgate(x)], dim=1)
-        closed = kv.shape[1] // self.rate * self.rate
-        state.pending_kv, state.pending_gate = kv[:, closed:], gate[:, closed:]
-        if closed:
-            first = state.entries.shape[1]  # index of the first window closed now
-            new = self._compress(kv[:, :closed], gate[:, :closed], first, state)
+        state.append(self.wkv(x), self.wgate(x))
+        first, closed = state.entries.shape[1], state.length // self.rate
+        if closed > first:
+            kv, gate = state.rows()
+            new = self._compress(kv, gate, first, closed)
             state.entries = torch.cat([state.entries, new], dim=1)
         return state.entries
 
-    def _compress(self, kv: torch.Tensor, gate: torch.Tensor, first: int, state: CompressorState) -> torch.Tensor:
-        """kv, gate [B, W * m, c * w] of W closed windows, the first one window ``first`` -> entries [B, W, w]."""
-        bsz, m = kv.shape[0], self.rate
-        kv = kv.view(bsz, -1, m, kv.shape[-1])
-        gate = gate.view(bsz, -1, m, gate.shape[-1]) + self.ape
+    def _compress(self, kv_rows: torch.Tensor, gate_rows: torch.Tensor, first: int, closed: int) -> torch.Tensor:
+        """Entries of windows first..closed-1 from every position's rows [B, T, c * w] -> [B, W, w]."""
+        bsz, m = kv_rows.shape[0], self.rate
+        kv = kv_rows[:, first * m : closed * m].view(bsz, closed - first, m, -1)
+        gate = gate_rows[:, first * m : closed * m].view(bsz, closed - first, m, -1) + self.ape
         if self.overlap:
-            kv, gate = self._overlap(kv, gate, state)
+            kv, gate = self._overlap(kv, gate, self._previous_ca(kv_rows, gate_rows, first))
         weights = gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)
         entries = self.norm((kv * weights).sum(dim=2))  # [B, W, w]
-        positions = torch.arange(first, first + entries.shape[1], device=kv.device) * m
+        positions = torch.arange(first, closed, device=kv.device) * m
         return rotate_tail(entries, *rope_at(self.rope, self.rope_dim, positions))
 
-    def _overlap(self, kv: torch.Tensor, gate: torch.Tensor, state: CompressorState):
-        """[B, W, m, 2w] -> [B, W, 2m, w]: window i's Cb half after window i-1's Ca half (the carried one
-        for i = 0; none at the very start: zero rows with -inf gates, i.e. softmax weight 0)."""
+    def _previous_ca(self, kv_rows, gate_rows, first: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The Ca half [B, m, w] of window first-1 (kv, gate + ape), or None before the first window."""
+        if first == 0:
+            return None
+        m, w = self.rate, self.width
+        window = slice((first - 1) * m, first * m)
+        return kv_rows[:, window, :w], gate_rows[:, window, :w] + self.ape[:, :w]
+
+    def _overlap(self, kv: torch.Tensor, gate: torch.Tensor, previous: tuple[torch.Tensor, torch.Tensor] | None):
+        """[B, W, m, 2w] -> [B, W, 2m, w]: window i's Cb half after window i-1's Ca half (``previous`` for
+        i = 0; at the very start none: zero rows with -inf gates, i.e. softmax weight 0)."""
         bsz, windows, m, w = kv.shape[0], kv.shape[1], self.rate, self.width
         wide_kv = kv.new_zeros((bsz, windows, 2 * m, w))
         wide_gate = gate.new_full((bsz, windows, 2 * m, w), float("-inf"))
         wide_kv[:, :, m:], wide_gate[:, :, m:] = kv[..., w:], gate[..., w:]
         wide_kv[:, 1:, :m], wide_gate[:, 1:, :m] = kv[:, :-1, :, :w], gate[:, :-1, :, :w]
-        if state.carry_kv is not None:
-            wide_kv[:, 0, :m], wide_gate[:, 0, :m] = state.carry_kv, state.carry_gate
-        state.carry_kv, state.carry_gate = kv[:, -1, :, :w].clone(), gate[:, -1, :, :w].clone()
+        if previous is not None:
+            wide_kv[:, 0, :m], wide_gate[:, 0, :m] = previous
         return wide_kv, wide_gate

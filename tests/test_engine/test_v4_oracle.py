@@ -161,3 +161,22 @@ def test_hash_routed_layers_prefetch_exactly_the_experts_they_use(v4):
     for layer in hashed:
         assert sorted(experts.prefetched[layer]) == sorted(experts.acquired[layer])
         assert sorted(experts.acquired[layer]) == sorted(model.layers[layer].ffn.gate.tid2eid[42].tolist())
+
+
+def test_a_cache_rebuilt_from_its_rows_or_trimmed_continues_as_the_original(v4):
+    """What a KV log holds (every position's rows) is the whole state: rebuilt from them, or cut back
+    to an earlier length, a cache continues exactly as an uninterrupted one."""
+    from engine.v4_cache import V4Cache
+
+    _, loaded = v4
+    model, experts = loaded.model, loaded.experts
+    ids = fixtures.make_prompt(loaded.args.vocab_size, 41)
+    reference = model(torch.tensor([ids]), 0, model.new_cache(), experts)[0]
+    cache = model.new_cache()
+    model(torch.tensor([ids[:29]]), 0, cache, experts)
+    rows = [{k: v.clone() for k, v in layer.rows().items()} for layer in cache.layers]
+    tail = model(torch.tensor([ids[29:]]), 29, V4Cache.from_rows(loaded.args, rows), experts)[0]
+    assert (tail - reference[29:]).abs().max().item() <= LOGIT_TOL
+    cache.trim(17)  # inside an open HCA window and between CSA windows
+    tail = model(torch.tensor([ids[17:]]), 17, cache, experts)[0]
+    assert (tail - reference[17:]).abs().max().item() <= LOGIT_TOL
