@@ -59,6 +59,41 @@ def attention_bytes(args: ModelArgs, d: int, chunk: int, context: int) -> int:
     return projections + expanded + scores
 
 
+def v4_attention_bytes(args: ModelArgs, d: int, chunk: int, context: int) -> int:
+    """DeepSeek-V4 (engine/v4_attention.py) on its widest layer: the sliding window's rows plus every
+    closed entry (an HCA layer attends to all T / m' of them; a CSA layer masks all T / m).
+    D head_dim, g o_groups, K = C + n - 1 + E keys per query."""
+    v4, c, h = args.v4, chunk, args.n_heads
+    per_position = (
+        args.q_lora_rank  # q latent
+        + 2 * h * v4.head_dim  # q normed, q roped
+        + 2 * v4.head_dim  # kv normed, roped
+        + 3 * h * v4.head_dim  # attention output, its rope undone, grouped view
+        + v4.o_groups * v4.o_lora_rank  # wo_a output
+    )
+    rates = [v4.rate(i) for i in range(args.n_layers) if v4.rate(i)]
+    entries = context // min(rates) if rates else 0
+    keys = c + v4.sliding_window - 1 + entries
+    q_blk = _block_queries(c, h, keys)
+    # one block's scores [q_blk, H, K]: scores, masked, with the sink column, probs; masks [q_blk, K]
+    scores = q_blk * h * keys * 4 * F32 + 2 * q_blk * keys + c * entries  # + the visible-entry mask [C, E]
+    return d * c * per_position + scores
+
+
+def v4_indexer_bytes(args: ModelArgs, d: int, chunk: int, context: int) -> int:
+    """DeepSeek-V4's CSA lightning indexer (engine/v4_attention.py Indexer), query-blocked like DSA's."""
+    v4, c = args.v4, chunk
+    if not any(v4.is_csa(i) for i in range(args.n_layers)):
+        return 0
+    hi, dim, entries = v4.index_n_heads, v4.index_head_dim, max(1, context // v4.csa_rate)
+    queries = c * hi * dim * (2 * d + F32) + c * hi * F32  # q, roped, float; weights
+    q_blk = _block_queries(c, hi, entries)
+    # head scores [q_blk, Hi, E] float32 and their ReLU and weighted copies; index [q_blk, E] float32,
+    # masked; top-k indices (int64) and the chosen mask
+    scores = 3 * q_blk * hi * entries * F32 + q_blk * entries * (2 * F32 + INT64 + 2)
+    return queries + scores
+
+
 def indexer_bytes(args: ModelArgs, d: int, chunk: int, context: int) -> int:
     """DSA lightning indexer (engine/indexer.py), on layers with their own indexer; 0 without DSA."""
     if not args.has_dsa:
@@ -109,5 +144,11 @@ def prefill_activation_bytes(
     d = torch.empty((), dtype=dtype).element_size()
     c = min(chunk, context)
     residual = 4 * c * args.dim * d  # x, the normed input, the branch output, x + branch [C, dim]
-    phases = max(attention_bytes(args, d, c, context), indexer_bytes(args, d, c, context), ffn_bytes(args, d, c))
+    if args.v4 is not None:  # n residual streams [C, n, dim], twice while a block spreads its output
+        residual += 2 * args.v4.hc_mult * c * args.dim * d
+        attention = v4_attention_bytes(args, d, c, context)
+        indexer = v4_indexer_bytes(args, d, c, context)
+    else:
+        attention, indexer = attention_bytes(args, d, c, context), indexer_bytes(args, d, c, context)
+    phases = max(attention, indexer, ffn_bytes(args, d, c))
     return residual + phases + bf16_upcast_bytes(c, bf16_weight_shapes)

@@ -15,8 +15,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from colibri_stream.checkpoint_files import (
-    FLOAT_DTYPES,
-    INTEGER_DTYPES,
+    WEIGHT_DTYPES,
     TensorInfo,
     check_dtypes,
     read_header,
@@ -215,7 +214,7 @@ def load_checkpoint(
     path = Path(path)
     config = read_config(path)
     args = ModelArgs.from_hf_config(config)
-    table = tensor_table(path, {"": FLOAT_DTYPES, "tid2eid": INTEGER_DTYPES})
+    table = tensor_table(path, WEIGHT_DTYPES)
     names = sort_names(table, args.n_layers)
     shapes = {name: info.shape for name, (_, info) in table.items()}
     model = check_tensors(args, names, shapes, str(path), config)

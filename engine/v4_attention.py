@@ -143,8 +143,19 @@ class Indexer(nn.Module):
         if keys.shape[1] == 0:
             return closed[None].expand(bsz, -1, -1)
         q = rotate_tail(self.wq_b(q_latent).view(bsz, seqlen, self.n_heads, self.head_dim), cos, sin)
-        scores = torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1)).relu() * self.head_dim**-0.5
         weights = self.weights_proj(x).float() * self.n_heads**-0.5  # [B, S, H_i]
+        score_bytes = bsz * self.n_heads * keys.shape[1] * 4  # one query's float32 head scores
+        return torch.cat(
+            [
+                self._choose(q[:, block], keys, weights[:, block], closed[block])
+                for block in query_blocks(seqlen, score_bytes)
+            ],
+            dim=1,
+        )
+
+    def _choose(self, q, keys, weights, closed) -> torch.Tensor:
+        """One block of queries q [B, S, H_i, d] against the entries' keys [B, E, d] -> chosen [B, S, E]."""
+        scores = torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1)).relu() * self.head_dim**-0.5
         index = (scores * weights.unsqueeze(-1)).sum(dim=2).masked_fill(~closed, float("-inf"))  # [B, S, E]
         top = index.topk(min(self.topk, keys.shape[1]), dim=-1).indices
         chosen = torch.zeros_like(index, dtype=torch.bool).scatter_(-1, top, True)

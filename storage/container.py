@@ -36,7 +36,7 @@ FORMAT_VERSION = 1
 ATTRS_KEY = "colibri"
 DENSE_GROUP = "dense"
 EXPERTS_GROUP = "experts"
-DENSE_DTYPES = ("float32", "bfloat16", "int8")  # int8: group-quantised, with a float16 scale array
+DENSE_DTYPES = ("float32", "bfloat16", "int8", "int32")  # int8: group-quantised, with float16 scales; int32: tables
 MAX_METADATA_BYTES = 64 << 20  # zarr.json files; DeepSeek-V3's root, every checksum included, is ~0.2 MB
 # Dense array names are engine parameter names: one path component, never "." or ".." or a separator.
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")

@@ -107,6 +107,8 @@ def dense_arrays(engine: str, tensor: torch.Tensor, scheme: str, group_size: int
     stored = stored_dense_dtype(engine, tuple(tensor.shape), scheme, group_size)
     if stored == "float32":
         return [(engine, tensor.float().contiguous().numpy(), "float32")]
+    if stored == "int32":  # an integer table (DeepSeek-V4's tid2eid), exact
+        return [(engine, tensor.to(torch.int32).contiguous().numpy(), "int32")]
     if stored == "int8":
         q, scales = quantize(tensor, 8, group_size)
         return [(engine, q.numpy(), "int8"), (f"{engine}.scale", scales.numpy(), "float16")]

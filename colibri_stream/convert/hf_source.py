@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from colibri_stream.checkpoint_files import E8M0_SCALE_DTYPES, FLOAT_DTYPES, FP8_DTYPE, TensorInfo
+from colibri_stream.checkpoint_files import E8M0_SCALE_DTYPES, FLOAT_DTYPES, FP8_DTYPE, WEIGHT_DTYPES, TensorInfo
 from colibri_stream.convert.compressed_tensors_source import SUFFIXES, PackedModule, packed_modules, read_packed
 from colibri_stream.geometry import dequantised_config
 from colibri_stream.loader import CheckpointError, check_tensors, read_config, tensor_table
@@ -33,6 +33,7 @@ from engine.quant import QuantizedMatrix, dequantize_torch, scale_values
 from engine.weights import sort_names
 
 SCALE_SUFFIX = "_scale_inv"
+WEIGHT_INTEGER_SUFFIX = "tid2eid"  # the one integer table (checkpoint_files.WEIGHT_DTYPES)
 COPIED_FILES = (
     "config.json",
     "generation_config.json",
@@ -50,9 +51,9 @@ class HFSource:
         self.packed: PackedFormat | None = packed_format(self.config, self.path)
         self.block = None if self.packed else self._fp8_block(self.config.get("quantization_config"))
         # Headers only, each checked (checkpoint_files.read_header); FP8 / packed weights only where announced.
-        allowed = {"": FLOAT_DTYPES}
+        allowed = dict(WEIGHT_DTYPES)
         if self.block:
-            allowed = {"": FLOAT_DTYPES + (FP8_DTYPE,), SCALE_SUFFIX: FLOAT_DTYPES + E8M0_SCALE_DTYPES}
+            allowed.update({"": FLOAT_DTYPES + (FP8_DTYPE,), SCALE_SUFFIX: FLOAT_DTYPES + E8M0_SCALE_DTYPES})
         if self.packed:
             allowed.update(self.packed.allowed_dtypes())
         table = tensor_table(self.path, allowed)
@@ -205,6 +206,8 @@ class TensorReader:
             if scale_name not in self.source.where:
                 raise CheckpointError(f"{self.source.path}: FP8 tensor {name} has no {scale_name}")
             return dequantize_fp8_blocks(tensor, self._shard(scale_name).get_tensor(scale_name), self.source.block)
+        if tensor.dtype in (torch.int64, torch.int32) and name.endswith(WEIGHT_INTEGER_SUFFIX):
+            return tensor  # an integer table (tid2eid): never through float
         if tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise CheckpointError(f"{self.source.path}: {name} has unsupported dtype {tensor.dtype}")
         return tensor.float()
