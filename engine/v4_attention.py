@@ -25,7 +25,7 @@ from engine.compressor import Compressor, CompressorState
 from engine.hyper import unweighted_rms_norm
 from engine.layers import RMSNorm, query_blocks
 from engine.rope import rope_at, rotate_tail
-from engine.rows import Linear
+from engine.rows import Linear, linear
 from engine.v4_cache import V4LayerCache
 
 
@@ -143,7 +143,8 @@ class Indexer(nn.Module):
         if keys.shape[1] == 0:
             return closed[None].expand(bsz, -1, -1)
         q = rotate_tail(self.wq_b(q_latent).view(bsz, seqlen, self.n_heads, self.head_dim), cos, sin)
-        weights = self.weights_proj(x).float() * self.n_heads**-0.5  # [B, S, H_i]
+        # weights_proj stays float32 in bf16 models (colibri_stream.dtypes.FLOAT32_PARAMETERS)
+        weights = linear(x.float(), self.weights_proj.weight.float()) * self.n_heads**-0.5  # [B, S, H_i]
         score_bytes = bsz * self.n_heads * keys.shape[1] * 4  # one query's float32 head scores
         return torch.cat(
             [

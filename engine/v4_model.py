@@ -60,9 +60,43 @@ class V4Block(nn.Module):
         post, comb, x = self.hc_ffn(streams)
         return spread(streams, self.ffn(self.ffn_norm(x), experts, tokens), post, comb)
 
+    def forward_rows(
+        self,
+        streams: torch.Tensor,
+        tokens: torch.Tensor,
+        starts: list[int],
+        caches: list[V4LayerCache],
+        experts: ExpertProvider,
+        lookahead: Callable[[torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
+        """One new position of each of B independent sequences (streams [B, 1, n, dim]): each row's
+        hyper-connections and attention run alone (its own cache), the FFN over all rows, so the MoE
+        acquires the union of the rows' experts once."""
+        post, comb, x = _each_row(self.hc_attn, streams)
+        out = torch.cat(
+            [
+                self.attn(self.attn_norm(x[b : b + 1]), start, cache)
+                for b, (start, cache) in enumerate(zip(starts, caches, strict=True))
+            ]
+        )
+        streams = _each_row(spread, streams, out, post, comb)
+        if lookahead is not None:
+            lookahead(streams)
+        post, comb, x = _each_row(self.hc_ffn, streams)
+        return _each_row(spread, streams, self.ffn(self.ffn_norm(x), experts, tokens), post, comb)
+
     def router_input(self, streams: torch.Tensor) -> torch.Tensor:
         """What this layer's router would see if its FFN ran on ``streams`` now [B, S, dim]."""
         return self.ffn_norm(self.hc_ffn(streams)[2])
+
+
+def _each_row(fn: Callable, *xs: torch.Tensor):
+    """fn over each row (first dim) of xs alone, results concatenated (a tuple of results: each part):
+    the small elementwise-and-reduce ops of the hyper-connections give a row the bits it gets alone."""
+    results = [fn(*(x[b : b + 1] for x in xs)) for b in range(xs[0].shape[0])]
+    if isinstance(results[0], tuple):
+        return tuple(torch.cat(parts) for parts in zip(*results, strict=True))
+    return torch.cat(results)
 
 
 class V4Transformer(nn.Module):
@@ -132,13 +166,17 @@ class V4Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward_rows(self, tokens: list[int], caches: list[V4Cache], experts: ExpertProvider) -> torch.Tensor:
-        """Decode one token for each of B independent sequences -> float32 logits [B, vocab].
+        """Decode one token for each of B independent sequences in one pass -> float32 logits [B, vocab].
 
-        Each row runs alone through ``forward`` (V4's per-layer states differ per sequence in shape:
-        open windows, entry counts), so a request's tokens never depend on its neighbours."""
-        with rows_alone():
-            rows = [
-                self.forward(torch.tensor([[token]], device=self.device), cache.length, cache, experts)[0, -1]
-                for token, cache in zip(tokens, caches, strict=True)
-            ]
-        return torch.stack(rows)
+        tokens[b] goes at the end of caches[b]. Each MoE layer acquires the union of the rows' experts
+        once, while each row is computed exactly as ``forward`` computes it alone (engine/rows.py)."""
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]  # [B, 1]
+        streams = self.embed(ids).unsqueeze(2).expand(-1, -1, self.n_streams, -1).contiguous()
+        starts = [cache.length for cache in caches]
+        with rows_alone(), int8_activations(self.int8_activations), torch_on_one_thread():
+            for i, layer in enumerate(self.layers):
+                layer_caches = [cache.layers[i] for cache in caches]
+                lookahead = self._lookahead(i + 1, ids, experts)
+                streams = layer.forward_rows(streams, ids, starts, layer_caches, experts, lookahead)
+            collapsed = _each_row(self.hc_head, streams)
+            return self.head(self.norm(collapsed)).float()[:, -1]
