@@ -82,6 +82,7 @@ V4_TO_ENGINE: tuple[tuple[str, str], ...] = (
 _V4_COMPILED = tuple((re.compile(pattern), target) for pattern, target in V4_TO_ENGINE)
 _V4_ROUTED = re.compile(r"(?:model\.)?layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight")
 _V4_MTP = ("mtp.", "model.mtp.")  # DeepSeek-V4's multi-token-prediction modules
+KEPT_PREFIX = "kept."  # storage.container.KEPT_PREFIX: converted and kept, never loaded
 
 # wrapped text-model prefixes -> the plain names the table matches
 _TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."), ("language_model.", ""))
@@ -170,15 +171,20 @@ class SortedNames:
     routed: dict[tuple[int, int, str], str] = field(default_factory=dict)  # (layer, expert, w1|w2|w3) -> hf name
     unmapped: list[str] = field(default_factory=list)  # names no rule claims (check_complete refuses them)
     skipped: list[str] = field(default_factory=list)  # a wrapped model's vision tower and projector
+    kept: dict[str, str] = field(default_factory=dict)  # hf name -> kept name (converted, never loaded): V4's MTP
 
 
 def sort_names(hf_names: Iterable[str], n_layers: int) -> SortedNames:
-    """Every tensor name classified once: routed expert, dense parameter, skipped (a wrapped model's
-    vision tensors), unmapped; extra (MTP) layers are left out on purpose."""
+    """Every tensor name classified once: routed expert, dense parameter, kept (DeepSeek-V4's MTP modules:
+    converted, never run), skipped (a wrapped model's vision tensors), unmapped; DeepSeek-V3's extra
+    (MTP) layers are left out on purpose."""
     sorted_names = SortedNames()
     hf_names = list(hf_names)
     wrapped = is_wrapped(hf_names)
     for name in hf_names:
+        if name.startswith(_V4_MTP):
+            sorted_names.kept[name] = KEPT_PREFIX + name.removeprefix("model.")
+            continue
         if is_extra_layer(name, n_layers):
             continue
         if wrapped and is_vision_tensor(name):

@@ -36,6 +36,9 @@ FORMAT_VERSION = 1
 ATTRS_KEY = "colibri"
 DENSE_GROUP = "dense"
 EXPERTS_GROUP = "experts"
+# Arrays a container keeps for completeness but no model loads (DeepSeek-V4's multi-token-prediction
+# modules): checksummed and verified like the rest, never resident, never in a plan.
+KEPT_PREFIX = "kept."
 DENSE_DTYPES = ("float32", "bfloat16", "int8", "int32")  # int8: group-quantised, with float16 scales; int32: tables
 MAX_METADATA_BYTES = 64 << 20  # zarr.json files; DeepSeek-V3's root, every checksum included, is ~0.2 MB
 # Dense array names are engine parameter names: one path component, never "." or ".." or a separator.
@@ -144,7 +147,9 @@ class Container:
         self.experts_per_token = self._config_int("num_experts_per_tok")  # the router's top-k
         self.moe_layers: tuple[int, ...] = self._parse_layers(experts.get("layers"))
         self._expert_crcs = self._parse_expert_checksums(experts.get("checksums"))
-        self.dense = self._parse_dense(attrs["dense"])
+        arrays = self._parse_dense(attrs["dense"])
+        self.dense = {name: entry for name, entry in arrays.items() if not name.startswith(KEPT_PREFIX)}
+        self.kept = {name: entry for name, entry in arrays.items() if name.startswith(KEPT_PREFIX)}
 
     # ------------------------------------------------------------------------------------ metadata
     def _check_header(self) -> None:
@@ -327,9 +332,10 @@ class Container:
     def read_dense(self, name: str) -> np.ndarray:
         """The dense array through zarr, checksum-verified. bfloat16 comes back as its uint16 bits,
         int8 as its quantised values (see ``read_dense_scales``)."""
-        if name not in self.dense:
+        entry = self.dense.get(name) or self.kept.get(name)
+        if entry is None:
             raise FormatError(f"{self.path}: no dense array {name!r}")
-        return self._read_entry(self.dense[name])
+        return self._read_entry(entry)
 
     def read_dense_scales(self, name: str) -> np.ndarray:
         """float16 group scales of an int8 dense array."""

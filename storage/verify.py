@@ -28,7 +28,7 @@ def verify_container(path: str | Path, check_model: ModelCheck | None = None) ->
 
 
 def _dense_problems(container: Container) -> Iterator[str]:
-    for name, entry in container.dense.items():
+    for name, entry in {**container.dense, **container.kept}.items():
         try:
             container.read_dense(name)
             if entry.scales is not None:

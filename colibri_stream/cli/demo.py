@@ -20,6 +20,8 @@ from colibri_stream.cli.options import add_store_arguments, store_options
 from colibri_stream.conversation import RuntimeOptions, TurnOptions, load_runtime, run_turn
 from colibri_stream.convert.converter import Converter, ConvertOptions
 from colibri_stream.demo_model import DEMO_PROMPT, demo_cache_dir, demo_container_path, demo_model_dir
+from colibri_stream.errors import ColibriError
+from storage.container import is_container
 
 DEMO_SESSION = "demo"
 DEFAULT_RAM = "40%"  # of the routed experts' bytes: less than the model, so experts stream
@@ -30,6 +32,7 @@ examples:
   colibri-stream demo --prompt "class Stack:" --max-new-tokens 64  # your own Python prompt
   colibri-stream demo --ram 100% --json                            # every expert fits: {text, ids, stats}
   colibri-stream demo --reset                                      # forget the session: a cold start
+  colibri-stream demo --model MODEL.cstream --prompt "Hello"       # the same walk-through on your own model
 exit status: 0 on success, 1 on a user error (missing demo model, budget, session in use), 2 on bad flags."""
 
 
@@ -40,6 +43,16 @@ def ensure_container(model_dir: Path, cache_dir: Path, progress: bool) -> Path:
     if report["status"] == "converted" and progress:
         print(f"converted the demo model to int4: {dst}", file=sys.stderr)
     return dst
+
+
+def demo_source(model: Path | None) -> Path:
+    """The container the demo runs: the shipped model's (converted once), a given container, or a given
+    checkpoint's (converted once)."""
+    if model is not None and is_container(model):
+        return model
+    if model is not None and not (model / "config.json").is_file():
+        raise ColibriError(f"--model {model}: neither a container nor a checkpoint directory with a config.json")
+    return ensure_container(model or demo_model_dir(), demo_cache_dir(), progress=True)
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -53,6 +66,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         ),
         **help_options(DEMO_EPILOG),
     )
+    parser.add_argument(
+        "--model",
+        type=Path,
+        help="a container or Hugging Face checkpoint directory (any supported family, DeepSeek-V4 included) "
+        "instead of the shipped demo model; a checkpoint is converted to int4 once, into the demo's cache",
+    )
     parser.add_argument("--prompt", default=DEMO_PROMPT, help=f"text to complete (default {DEMO_PROMPT!r})")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens to generate (default 48)")
     parser.add_argument("--reset", action="store_true", help="forget the demo session first (a cold start)")
@@ -62,7 +81,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def demo(args: argparse.Namespace) -> int:
-    path = ensure_container(demo_model_dir(), demo_cache_dir(), progress=True)
+    path = demo_source(args.model)
     runtime = load_runtime(path, RuntimeOptions(store=store_options(args)))
     tokenizer = runtime.tokenizer
     assert tokenizer is not None  # loaded with its text side
