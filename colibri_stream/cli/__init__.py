@@ -14,9 +14,9 @@ from colibri_stream.errors import USER_ERRORS
 from colibri_stream.memory import return_large_frees_to_the_os
 
 DESCRIPTION = """\
-Run huge Mixture-of-Experts language models (DeepSeek-V3/R1, Kimi-K2, DeepSeek-V3.2, GLM-5) on a
-machine that cannot hold them: the dense part stays resident, routed experts stream from disk as
-int4 into a RAM cache and a VRAM budget, and each conversation's compressed KV state lives in a
+Run huge Mixture-of-Experts language models (DeepSeek-V3/R1, Kimi-K2, DeepSeek-V3.2, GLM-5,
+DeepSeek-V4) on a machine that cannot hold them: the dense part stays resident, routed experts
+stream from disk as int4 into a RAM cache and a VRAM budget, and each conversation's compressed KV state lives in a
 file so a chat resumes after a restart without re-prefill."""
 
 EXIT_USER_ERROR = 1  # bad input: a path, config, budget, session, request; one line on stderr
