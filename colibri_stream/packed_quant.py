@@ -60,8 +60,18 @@ class PackedFormat:
         return {**allowed, SHAPE: SHAPE_DTYPES} if self.format == PACK else allowed
 
 
+def is_v4_native(config: Mapping[str, Any]) -> bool:
+    """DeepSeek-V4 as shipped: an FP8 quantization_config whose routed experts are FP4 (``expert_dtype``),
+    stored as mxfp4 rows are (colibri_stream/convert/v4_native.py)."""
+    quant = config.get("quantization_config")
+    return isinstance(quant, dict) and quant.get("quant_method") == "fp8" and quant.get("expert_dtype") == "fp4"
+
+
 def packed_format(config: Mapping[str, Any], source: str | Path) -> PackedFormat | None:
-    """The compressed-tensors format config.json announces, None for another (or no) quant_method."""
+    """How config.json says the routed experts are packed: a compressed-tensors format, DeepSeek-V4's FP4
+    (mxfp4, group 32), or None for another (or no) quant_method."""
+    if is_v4_native(config):
+        return PackedFormat(MXFP4, 32)
     quant = config.get("quantization_config")
     if not isinstance(quant, dict) or quant.get("quant_method") != METHOD:
         return None

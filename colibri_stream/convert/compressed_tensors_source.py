@@ -130,6 +130,9 @@ def read_packed(get: Callable[[str], torch.Tensor], module: PackedModule, fmt: P
     come back as float32, which only the dequantising path takes)."""
     packed, scales = get(module.base + PACKED), get(module.base + SCALE)
     in_dim = module.shape[1]
+    # DeepSeek-V4 ships the same bytes as int8 codes and float8_e8m0fnu scales (convert/v4_native.py)
+    packed = packed.view(torch.uint8) if packed.dtype == torch.int8 else packed
+    scales = scales.view(torch.uint8) if scales.dtype == torch.float8_e8m0fnu else scales
     q = nibble_rows(packed, in_dim) if fmt.format == PACK else packed.contiguous()
     return QuantizedMatrix(q, scales.contiguous(), fmt.code, fmt.group_size, in_dim)
 

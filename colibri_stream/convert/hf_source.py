@@ -24,9 +24,11 @@ from safetensors import SafetensorError, safe_open
 
 from colibri_stream.checkpoint_files import E8M0_SCALE_DTYPES, FLOAT_DTYPES, FP8_DTYPE, WEIGHT_DTYPES, TensorInfo
 from colibri_stream.convert.compressed_tensors_source import SUFFIXES, PackedModule, packed_modules, read_packed
+from colibri_stream.convert.v4_native import allowed_dtypes as v4_allowed_dtypes
+from colibri_stream.convert.v4_native import renamed_table
 from colibri_stream.geometry import dequantised_config
 from colibri_stream.loader import CheckpointError, check_tensors, read_config, tensor_table
-from colibri_stream.packed_quant import PackedFormat, packed_format
+from colibri_stream.packed_quant import PackedFormat, is_v4_native, packed_format
 from engine.args import ModelArgs
 from engine.config_checks import brief
 from engine.quant import QuantizedMatrix, dequantize_torch, scale_values
@@ -48,15 +50,21 @@ class HFSource:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.config = read_config(self.path)
+        native = is_v4_native(self.config)  # DeepSeek-V4 as shipped: FP8 dense, FP4 experts
         self.packed: PackedFormat | None = packed_format(self.config, self.path)
-        self.block = None if self.packed else self._fp8_block(self.config.get("quantization_config"))
+        quant = self.config.get("quantization_config")
+        self.block = self._fp8_block(quant) if native or not self.packed else None
         # Headers only, each checked (checkpoint_files.read_header); FP8 / packed weights only where announced.
         allowed = dict(WEIGHT_DTYPES)
         if self.block:
             allowed.update({"": FLOAT_DTYPES + (FP8_DTYPE,), SCALE_SUFFIX: FLOAT_DTYPES + E8M0_SCALE_DTYPES})
         if self.packed:
             allowed.update(self.packed.allowed_dtypes())
-        table = tensor_table(self.path, allowed)
+        table = tensor_table(self.path, v4_allowed_dtypes() if native else allowed)
+        # logical (as the FP8 and packed paths name them) -> shipped tensor name, where they differ
+        self.shipped: dict[str, str] = {}
+        if native:
+            table, self.shipped = renamed_table(table)
         self.files = sorted({file for file, _ in table.values()})
         self.where: dict[str, Path] = {name: file for name, (file, _) in table.items()}  # shipped tensor -> shard
         # logical name (a quantised module's "<m>.weight") -> its packed tensors
@@ -185,7 +193,7 @@ class TensorReader:
     def _raw(self, name: str) -> torch.Tensor:
         """A shipped tensor as stored."""
         try:
-            return self._shard(name).get_tensor(name)
+            return self._shard(name).get_tensor(self.source.shipped.get(name, name))
         except SafetensorError as exc:
             raise CheckpointError(f"{self.source.where[name]}: tensor {name} unreadable ({exc})") from None
 
@@ -205,7 +213,7 @@ class TensorReader:
             scale_name = name + SCALE_SUFFIX
             if scale_name not in self.source.where:
                 raise CheckpointError(f"{self.source.path}: FP8 tensor {name} has no {scale_name}")
-            return dequantize_fp8_blocks(tensor, self._shard(scale_name).get_tensor(scale_name), self.source.block)
+            return dequantize_fp8_blocks(tensor, self._raw(scale_name), self.source.block)
         if tensor.dtype in (torch.int64, torch.int32) and name.endswith(WEIGHT_INTEGER_SUFFIX):
             return tensor  # an integer table (tid2eid): never through float
         if tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16):
