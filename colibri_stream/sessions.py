@@ -315,9 +315,10 @@ def _v4_info(args: ModelArgs, compute_dtype: object, record_dtype: str) -> dict:
     the compressed entries its attention works from, and what the naive cache counts."""
     in_memory = cache_bytes_per_token(args, compute_dtype) if compute_dtype in ("float32", "bfloat16") else None
     compressed = compressed_kv_bytes_per_token(args, record_dtype)
+    naive = naive_kv_bytes_per_token(args, record_dtype)
     return {
         "naive_kv": naive_kv_kind(args),
         "in_memory_bytes_per_token": in_memory,
         "compressed_kv_bytes_per_token": round(compressed, 2),
-        "compressed_vs_naive": round(naive_kv_bytes_per_token(args, record_dtype) / compressed, 2),
+        "compressed_vs_naive": round(naive / compressed, 2) if compressed else None,  # None: sliding layers only
     }

@@ -22,7 +22,7 @@ from colibri_stream.kv_geometry import (
 )
 from colibri_stream.loader import load_checkpoint
 from colibri_stream.session_pool import SessionPool
-from colibri_stream.sessions import Session
+from colibri_stream.sessions import Session, session_info
 from engine.args import ModelArgs
 from storage.kvlog import HEADER_BYTES
 
@@ -227,3 +227,12 @@ def test_deepseek_v4_flash_kv_bytes_per_token():
     assert cache_bytes_per_token(args, "bfloat16") == record - 8 + 6880
     v3_latent = 61 * (512 + 64) * 2  # DeepSeek-V3's MLA record payload, bf16
     assert round(v3_latent / compressed_kv_bytes_per_token(args, "bfloat16"), 1) == 10.2
+
+
+def test_kv_info_of_a_model_with_sliding_layers_only(tmp_path):
+    """No compressed layer: nothing per token beyond the window, and no ratio to divide by zero."""
+    args = ModelArgs.from_hf_config({**FLASH, "compress_ratios": [0] * 44})
+    Session(tmp_path, "s", "fp", args, "bfloat16").close()
+    info = session_info(tmp_path / "s.kvlog", args)
+    assert info["bytes_per_token"] == 4 + 43 * 512 * 2 + 4  # the K=V rows: the naive cache itself
+    assert (info["compressed_kv_bytes_per_token"], info["compressed_vs_naive"]) == (0.0, None)
