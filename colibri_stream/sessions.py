@@ -1,5 +1,9 @@
 """Conversation sessions: the engine's compressed KV cache persisted in a per-session KV log.
 
+MLA models log per position the latent, roped key and indexer keys (KVCache); DeepSeek-V4 logs every
+row its V4Cache keeps per position (``kv_geometry.v4_layer_rows``) and rebuilds the compressed entries
+from them on the next forward call.
+
 A turn restores the longest stored prefix of the new prompt (zero re-prefill after a restart), cuts
 the log where the conversation diverged, prefills only what is new, and appends the turn's new
 positions at the end (fsynced). One file and one exclusive lock per session, so many sessions can
@@ -19,12 +23,21 @@ import torch
 
 from colibri_stream.dtypes import bf16_bits, dtype_bytes, from_stored
 from colibri_stream.errors import SessionError
-from colibri_stream.kv_geometry import kv_geometry, naive_kv_bytes_per_token
+from colibri_stream.kv_geometry import (
+    V4_ROW_ORDER,
+    cache_bytes_per_token,
+    compressed_kv_bytes_per_token,
+    kv_geometry,
+    naive_kv_bytes_per_token,
+    naive_kv_kind,
+    v4_layer_rows,
+)
 from colibri_stream.paths import user_cache_dir
 from engine.args import ModelArgs
 from engine.cache import KVCache
+from engine.v4_cache import V4Cache
 from storage.errors import CorruptDataError, FormatError
-from storage.kvlog import HEADER_BYTES, KVGeometry, KVLog, StateMismatchError, read_header_state
+from storage.kvlog import HEADER_BYTES, Geometry, KVLog, StateMismatchError, read_header_state
 from storage.safe_read import NotRegularFileError, file_kind
 
 SESSION_SUFFIX = ".kvlog"
@@ -32,6 +45,7 @@ SESSION_SUFFIX = ".kvlog"
 # with fullmatch: "$" would also accept a trailing newline ("chat\n" -> a file named "chat\n.kvlog").
 SESSION_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
 TRANSCRIPT_SUFFIX = ".chat.json"  # `chat`'s messages beside the log: the text the template renders
+Cache = KVCache | V4Cache  # MLA models' cache | DeepSeek-V4's
 
 
 def check_session_name(name: str) -> str:
@@ -60,8 +74,10 @@ def _from_bytes(b: np.ndarray, dtype: str, width: int) -> torch.Tensor:
     return values.view(-1, width).float()
 
 
-def cache_payloads(cache: KVCache, start: int, end: int, geometry: KVGeometry) -> np.ndarray:
+def cache_payloads(cache: Cache, start: int, end: int, geometry: Geometry) -> np.ndarray:
     """Positions start..end of batch row 0 as record payloads [n, payload_bytes] uint8."""
+    if isinstance(cache, V4Cache):
+        return _v4_payloads(cache, start, end, geometry.dtype)
     parts = []
     for layer in cache.layers:
         parts += [layer.latent[0, start:end], layer.rope_key[0, start:end]]
@@ -69,7 +85,19 @@ def cache_payloads(cache: KVCache, start: int, end: int, geometry: KVGeometry) -
     return np.concatenate([_as_bytes(p, geometry.dtype) for p in parts], axis=1)
 
 
-def cache_from_payloads(payloads: np.ndarray, geometry: KVGeometry, args: ModelArgs, dtype: torch.dtype) -> KVCache:
+def _v4_payloads(cache: V4Cache, start: int, end: int, record_dtype: str) -> np.ndarray:
+    """Every layer's rows in record order (V4_ROW_ORDER), positions start..end of batch row 0."""
+    parts = []
+    for layer in cache.layers:
+        rows = layer.rows()
+        parts += [rows[name][0, start:end] for name in V4_ROW_ORDER if name in rows]
+    return np.concatenate([_as_bytes(p, record_dtype) for p in parts], axis=1)
+
+
+def cache_from_payloads(payloads: np.ndarray, geometry: Geometry, args: ModelArgs, dtype: torch.dtype) -> Cache:
+    """The cache holding the positions whose record payloads [n, payload_bytes] are ``payloads``."""
+    if args.v4 is not None:
+        return _v4_from_payloads(payloads, geometry.dtype, args, dtype)
     item = dtype_bytes(geometry.dtype)
     cache = KVCache.empty(args, 1, dtype)
     offset = 0
@@ -90,9 +118,23 @@ def cache_from_payloads(payloads: np.ndarray, geometry: KVGeometry, args: ModelA
     return KVCache.from_state(state) if len(payloads) else cache
 
 
+def _v4_from_payloads(payloads: np.ndarray, record_dtype: str, args: ModelArgs, dtype: torch.dtype) -> V4Cache:
+    """A V4Cache of the logged rows (its compressed entries are rebuilt by the next forward call)."""
+    if not len(payloads):
+        return V4Cache.empty(args, 1, dtype)
+    item, offset, layers = dtype_bytes(record_dtype), 0, []
+    for layer in range(args.n_layers):
+        rows = {}
+        for name, width in v4_layer_rows(args.v4, layer).items():
+            rows[name] = _from_bytes(payloads[:, offset : offset + width * item], record_dtype, width)[None].to(dtype)
+            offset += width * item
+        layers.append(rows)
+    return V4Cache.from_rows(args, layers)
+
+
 @dataclass
 class TurnStart:
-    cache: KVCache
+    cache: Cache
     reused_tokens: int
     kv_load_s: float
 
@@ -118,7 +160,7 @@ def state_mismatch_message(name: str, error: StateMismatchError) -> str:
 
 
 def open_session_log(
-    path: Path, name: str, fingerprint: str, geometry: KVGeometry, state: dict[str, str], fresh: bool
+    path: Path, name: str, fingerprint: str, geometry: Geometry, state: dict[str, str], fresh: bool
 ) -> KVLog:
     """The session's log, or a SessionError that says what is wrong with it and how to get out."""
     try:
@@ -172,7 +214,7 @@ class Session:
         cache = cache_from_payloads(payloads, self.geometry, self.args, dtype)
         return TurnStart(cache, reused, time.perf_counter() - start)
 
-    def continue_turn(self, cache: KVCache, ids: list[int], prompt_ids: list[int]) -> TurnStart:
+    def continue_turn(self, cache: Cache, ids: list[int], prompt_ids: list[int]) -> TurnStart:
         """``start_turn`` for a cache still in memory from this session's last turn (``ids``: the tokens
         of its positions, the log's): the common prefix is kept, nothing is read from the log."""
         start = time.perf_counter()
@@ -183,7 +225,7 @@ class Session:
         del ids[reused:]
         return TurnStart(cache, reused, time.perf_counter() - start)
 
-    def end_turn(self, cache: KVCache, token_ids: list[int]) -> int:
+    def end_turn(self, cache: Cache, token_ids: list[int]) -> int:
         """Append positions the log lacks (token_ids[i] is the token at position i); fsync. Returns count."""
         start, end = self.log.length, cache.length
         if end > start:
@@ -204,13 +246,24 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def as_logged(cache: KVCache, record_dtype: str) -> None:
+def as_logged(cache: Cache, record_dtype: str) -> None:
     """Round the cache's valid positions in place to what its log holds (bf16 records), so a turn that
     continues from memory computes what one restored from the log would."""
     if record_dtype != "bfloat16":
         return
     with torch.inference_mode():  # the cache's buffers were made by the forward pass, in inference mode
-        _round_to_bf16(cache)
+        if isinstance(cache, V4Cache):
+            _round_v4_to_bf16(cache)
+        else:
+            _round_to_bf16(cache)
+
+
+def _round_v4_to_bf16(cache: V4Cache) -> None:
+    """Rows rounded, compressed entries dropped: the next call rebuilds them from the rounded rows, as
+    it does for a cache restored from the log. Rows already in bfloat16 are what the log holds."""
+    for layer in cache.layers:
+        if layer.kv.dtype != torch.bfloat16:
+            layer.round_rows(torch.bfloat16)
 
 
 def _round_to_bf16(cache: KVCache) -> None:
@@ -242,7 +295,7 @@ def session_info(path: Path, args: ModelArgs) -> dict:
     except (FormatError, CorruptDataError) as exc:
         return {"session": name, "header": f"corrupt header: {exc}", "tokens": None, "file_bytes": size}
     naive = naive_kv_bytes_per_token(args, geometry.dtype)
-    return {
+    info = {
         "session": name,
         "header": "ok",
         # Whole records in the file: the valid ones are counted (and a damaged tail cut) at the next turn.
@@ -253,4 +306,19 @@ def session_info(path: Path, args: ModelArgs) -> dict:
         "bytes_per_token": geometry.record_bytes,
         "naive_kv_bytes_per_token": naive,
         "compression_vs_naive": round(naive / geometry.record_bytes, 2),
+    }
+    return info if args.v4 is None else {**info, **_v4_info(args, state.get("compute_dtype"), geometry.dtype)}
+
+
+def _v4_info(args: ModelArgs, compute_dtype: object, record_dtype: str) -> dict:
+    """DeepSeek-V4's other sizes per token: its cache in memory (rows and entries, in the compute dtype),
+    the compressed entries its attention works from, and what the naive cache counts."""
+    in_memory = cache_bytes_per_token(args, compute_dtype) if compute_dtype in ("float32", "bfloat16") else None
+    compressed = compressed_kv_bytes_per_token(args, record_dtype)
+    naive = naive_kv_bytes_per_token(args, record_dtype)
+    return {
+        "naive_kv": naive_kv_kind(args),
+        "in_memory_bytes_per_token": in_memory,
+        "compressed_kv_bytes_per_token": round(compressed, 2),
+        "compressed_vs_naive": round(naive / compressed, 2) if compressed else None,  # None: sliding layers only
     }

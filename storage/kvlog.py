@@ -4,8 +4,13 @@
                          model fingerprint, geometry, and the "state" the values depend on beyond the
                          model, e.g. the compute dtype), u32 crc32c of the JSON; zero pad
     record i (record_bytes each, at 4096 + i * record_bytes):
-                         u32 token id | payload (per layer latent + roped key, per DSA full layer the
-                         indexer key, in the record dtype) | u32 crc32c(position i, token, payload)
+                         u32 token id | payload (in the record dtype) | u32 crc32c(position i, token, payload)
+
+The payload's geometry comes in two kinds, told apart by the header's format version:
+    2 (KVGeometry, MLA models): per layer latent + roped key, then per DSA full layer the indexer key;
+    3 (RowsGeometry, DeepSeek-V4): per layer, that layer's rows in order (``layer_rows`` widths).
+A log is written in the version its geometry needs, so an MLA log stays version 2: byte for byte what
+builds before version 3 wrote, and what they still read.
 
 The position is folded into each record's checksum, so a record copied or shifted to another place
 fails. Opening scans the records and keeps the longest valid prefix (point-in-time recovery: a torn
@@ -30,7 +35,7 @@ import struct
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -40,8 +45,6 @@ from storage.layout import DTYPES
 from storage.safe_read import check_regular_mode, open_regular
 
 MAGIC = b"COLIKV\x00\x01"
-# 2: the header records "state" (the compute dtype); a version-1 log cannot say what it was computed in.
-KV_FORMAT_VERSION = 2
 HEADER_BYTES = 4096
 CHUNK_BYTES = 8 << 20  # the most one scan or read step holds (whole records, at least one)
 _TOKEN = struct.Struct("<I")
@@ -51,8 +54,23 @@ _POSITION = struct.Struct("<Q")
 RECORD_DTYPES = ("float32", "bfloat16")
 
 
+class _RecordSizes:
+    """Sizes of a record from its geometry's ``values_per_token`` and ``dtype``."""
+
+    values_per_token: int
+    dtype: str
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.values_per_token * np.dtype(DTYPES[self.dtype]).itemsize
+
+    @property
+    def record_bytes(self) -> int:
+        return _TOKEN.size + self.payload_bytes + _CRC.size
+
+
 @dataclass(frozen=True)
-class KVGeometry:
+class KVGeometry(_RecordSizes):
     """What one record holds: per layer (kv_lora + qk_rope) values, plus index_dim per DSA full layer."""
 
     n_layers: int
@@ -61,6 +79,8 @@ class KVGeometry:
     index_layers: tuple[int, ...]
     index_head_dim: int
     dtype: str  # "float32" | "bfloat16"
+
+    FORMAT_VERSION: ClassVar[int] = 2
 
     def __post_init__(self) -> None:
         if self.dtype not in RECORD_DTYPES:
@@ -72,18 +92,44 @@ class KVGeometry:
             self.n_layers * (self.kv_lora_rank + self.qk_rope_head_dim) + len(self.index_layers) * self.index_head_dim
         )
 
-    @property
-    def payload_bytes(self) -> int:
-        return self.values_per_token * np.dtype(DTYPES[self.dtype]).itemsize
+
+@dataclass(frozen=True)
+class RowsGeometry(_RecordSizes):
+    """What one record holds as per-layer rows: ``layer_rows[i]`` are the widths (values) of layer i's
+    rows, stored one after another, layer after layer. Which row is which is the app's business."""
+
+    layer_rows: tuple[tuple[int, ...], ...]
+    dtype: str  # "float32" | "bfloat16"
+
+    FORMAT_VERSION: ClassVar[int] = 3
+
+    def __post_init__(self) -> None:
+        if self.dtype not in RECORD_DTYPES:
+            raise FormatError(f"KV record dtype {self.dtype!r} is not one of {sorted(RECORD_DTYPES)}")
+        if not self.layer_rows or not all(
+            isinstance(layer, tuple) and layer and all(_is_width(w) for w in layer) for layer in self.layer_rows
+        ):
+            raise FormatError(f"KV layer_rows {self.layer_rows!r} must list, per layer, positive row widths")
 
     @property
-    def record_bytes(self) -> int:
-        return _TOKEN.size + self.payload_bytes + _CRC.size
+    def values_per_token(self) -> int:
+        return sum(sum(layer) for layer in self.layer_rows)
+
+
+Geometry = KVGeometry | RowsGeometry
+# The format versions this build reads and writes, by the geometry each holds. 2: the header records
+# "state" (the compute dtype; a version-1 log cannot say what it was computed in). 3: per-layer rows.
+GEOMETRY_OF_VERSION: dict[int, type[KVGeometry] | type[RowsGeometry]] = {2: KVGeometry, 3: RowsGeometry}
+MAX_ROW_WIDTH = 1 << 24  # values in one row: far above any model's, far below an absurd record
+
+
+def _is_width(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_ROW_WIDTH
 
 
 class StateMismatchError(IncompatibleStateError):
-    """A log written under other conditions: ``field`` ("fingerprint", "geometry.<name>" or
-    "state.<name>") was ``stored`` in the file and is ``current`` now. The app turns it into advice."""
+    """A log written under other conditions: ``field`` ("fingerprint", "format_version", "geometry.<name>"
+    or "state.<name>") was ``stored`` in the file and is ``current`` now. The app turns it into advice."""
 
     def __init__(self, message: str, field: str, stored: Any, current: Any):
         super().__init__(message)
@@ -94,10 +140,10 @@ def _record_crc(position: int, body: bytes | memoryview) -> int:
     return crc32c(body, crc32c(_POSITION.pack(position)))
 
 
-def encode_header(fingerprint: str, geometry: KVGeometry, state: dict[str, str] | None = None) -> bytes:
+def encode_header(fingerprint: str, geometry: Geometry, state: dict[str, str] | None = None) -> bytes:
     meta = json.dumps(
         {
-            "format_version": KV_FORMAT_VERSION,
+            "format_version": geometry.FORMAT_VERSION,
             "fingerprint": fingerprint,
             "geometry": asdict(geometry),
             "state": dict(state or {}),
@@ -127,29 +173,39 @@ def decode_header(data: bytes, path: Path) -> dict[str, Any]:
         raise FormatError(f"{path}: KV log header is not JSON ({exc})") from None
     if not isinstance(header, dict):
         raise FormatError(f"{path}: KV log header is not a JSON object")
-    if header.get("format_version") != KV_FORMAT_VERSION:
+    version = header.get("format_version")
+    if type(version) is not int or version not in GEOMETRY_OF_VERSION:
         raise FormatError(
-            f"{path}: KV log format version {header.get('format_version')!r} is not supported "
-            f"(this build reads and writes version {KV_FORMAT_VERSION})"
+            f"{path}: KV log format version {version!r} is not supported "
+            f"(this build reads and writes versions {sorted(GEOMETRY_OF_VERSION)})"
         )
     return header
 
 
-def read_header(path: str | Path) -> tuple[str, KVGeometry]:
+def geometry_of_header(header: dict[str, Any], path: Path) -> Geometry:
+    """The geometry a decoded header describes (its kind from the format version), or FormatError."""
+    fields = header.get("geometry")
+    try:
+        if header["format_version"] == RowsGeometry.FORMAT_VERSION:
+            layers = tuple(tuple(layer) for layer in fields["layer_rows"])
+            return RowsGeometry(**{**fields, "layer_rows": layers})
+        return KVGeometry(**{**fields, "index_layers": tuple(fields["index_layers"])})
+    except (KeyError, TypeError) as exc:
+        raise FormatError(f"{path}: KV log geometry is malformed ({exc!r})") from None
+
+
+def read_header(path: str | Path) -> tuple[str, Geometry]:
     """(fingerprint, geometry) from a KV log's header, without locking or scanning it."""
     fingerprint, geometry, _ = read_header_state(path)
     return fingerprint, geometry
 
 
-def read_header_state(path: str | Path) -> tuple[str, KVGeometry, dict[str, str]]:
+def read_header_state(path: str | Path) -> tuple[str, Geometry, dict[str, str]]:
     """(fingerprint, geometry, state) from a KV log's header, without locking or scanning it."""
     path = Path(path)
     with os.fdopen(open_regular(path, "KV log"), "rb") as f:
         header = decode_header(f.read(HEADER_BYTES), path)
-    try:
-        geometry = KVGeometry(**{**header["geometry"], "index_layers": tuple(header["geometry"]["index_layers"])})
-    except (KeyError, TypeError) as exc:
-        raise FormatError(f"{path}: KV log geometry is malformed ({exc!r})") from None
+    geometry = geometry_of_header(header, path)
     state = header.get("state")
     if not isinstance(state, dict):
         raise FormatError(f"{path}: KV log header 'state' is {state!r}, expected an object")
@@ -221,7 +277,7 @@ class KVLog:
         self,
         path: str | Path,
         fingerprint: str,
-        geometry: KVGeometry,
+        geometry: Geometry,
         fault: FaultHook | None = None,
         *,
         state: dict[str, str] | None = None,
@@ -274,6 +330,15 @@ class KVLog:
                 "fingerprint",
                 stored_fingerprint,
                 self.fingerprint,
+            )
+        stored_version = header.get("format_version")
+        if stored_version != self.geometry.FORMAT_VERSION:  # another kind of geometry: MLA or rows
+            raise StateMismatchError(
+                f"{self.path}: KV log format version is {stored_version!r}, this run's geometry is written "
+                f"in version {self.geometry.FORMAT_VERSION}",
+                "format_version",
+                stored_version,
+                self.geometry.FORMAT_VERSION,
             )
         stored_geometry = header.get("geometry")
         current_geometry = json.loads(json.dumps(asdict(self.geometry)))

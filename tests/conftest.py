@@ -25,6 +25,12 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
     return fixtures.build_all(tmp_path_factory.mktemp("tiny-checkpoints"))
 
 
+@pytest.fixture(scope="session")
+def tiny_v4_checkpoint(tmp_path_factory) -> Path:
+    """The tiny DeepSeek-V4 checkpoint (every layer type, hash routing; float32, built once per session)."""
+    return fixtures.build_tiny_checkpoint("deepseek_v4", tmp_path_factory.mktemp("tiny-v4") / "deepseek_v4")
+
+
 @pytest.fixture(scope="session", params=fixtures.FAMILIES)
 def family(request) -> str:
     return request.param

@@ -162,9 +162,14 @@ def test_an_endless_or_special_trace_fails_at_once(tmp_path, kind):
 
 
 # ------------------------------------------------------------------------------------------- kvlog
-@pytest.fixture(scope="module")
-def model(tiny_checkpoints):
-    checkpoint = tiny_checkpoints["deepseek_v3"]
+@pytest.fixture(scope="module", params=["deepseek_v3", "deepseek_v4"])
+def model(request, tiny_checkpoints):
+    """An MLA model's and DeepSeek-V4's checkpoint (their logs have either record geometry)."""
+    checkpoint = (
+        request.getfixturevalue("tiny_v4_checkpoint")
+        if request.param == "deepseek_v4"
+        else tiny_checkpoints[request.param]
+    )
     return checkpoint, ModelArgs.from_hf_config(model_config(checkpoint))
 
 
@@ -195,6 +200,18 @@ def test_kv_ls_lists_a_non_regular_session_and_info_refuses_it(tmp_path, model, 
     }
     assert cli.main(["kv", "info", str(model[0]), "zero", "--kv-dir", str(kv)]) == 1
     assert "zero.kvlog: session 'zero' is not a regular file" in capsys.readouterr().err
+
+
+def test_a_session_log_cut_inside_its_header_is_one_error_with_the_way_out(tmp_path, model):
+    Session(tmp_path, "s", "fp", model[1]).close()
+    path = tmp_path / "s.kvlog"
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(SessionError, match=r"corrupt or unreadable KV log header .*--reset"):
+        Session(tmp_path, "s", "fp", model[1])
+    assert session_info(path, model[1])["header"].startswith("corrupt header")
+    Session(tmp_path, "s", "fp", model[1], reset=True).close()
+    with Session(tmp_path, "s", "fp", model[1]).log as log:  # readable again after the reset
+        assert log.length == 0
 
 
 # ----------------------------------------------------------------------------------- chat template

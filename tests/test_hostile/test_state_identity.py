@@ -182,7 +182,7 @@ def test_a_corrupt_header_is_one_line_with_the_way_out_and_both_ways_work(twins,
 def test_a_log_of_the_previous_format_names_the_reset(twins, tmp_path, monkeypatch):
     args = ModelArgs.from_hf_config(json.loads((twins[0] / "config.json").read_text()))
     with monkeypatch.context() as patch:
-        patch.setattr(kvlog, "KV_FORMAT_VERSION", 1)
+        patch.setattr(kvlog.KVGeometry, "FORMAT_VERSION", 1)  # what an MLA log's header says
         Session(tmp_path, "old", "fp", args).close()
     with pytest.raises(SessionError, match=r"format version 1 is not supported.*--reset"):
         Session(tmp_path, "old", "fp", args)

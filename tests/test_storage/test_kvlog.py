@@ -1,56 +1,68 @@
-"""The KV log under crashes, truncation, bit rot and foreign files."""
+"""The KV log under crashes, truncation, bit rot and foreign files, for both record geometries: MLA's
+(format 2) and DeepSeek-V4's per-layer rows (format 3). A format-2 log is byte for byte what builds
+before format 3 wrote."""
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
 import random
 import signal
+import struct
 import time
 
 import numpy as np
 import pytest
 
 from storage import kvlog
+from storage.checksum import crc32c
 from storage.errors import CorruptDataError, FormatError, IncompatibleStateError
 from storage.kvlog import (
     HEADER_BYTES,
     KVGeometry,
     KVLog,
+    RowsGeometry,
     StateMismatchError,
     count_valid_records,
     kill_at,
+    read_header_state,
     remove_log,
 )
 
 GEOMETRY = KVGeometry(
     n_layers=2, kv_lora_rank=4, qk_rope_head_dim=2, index_layers=(0,), index_head_dim=3, dtype="float32"
 )
+# DeepSeek-V4's shape of record at tiny widths: a CSA layer (kv, compressor kv/gate x2, indexer kv/gate),
+# an HCA layer (kv, compressor kv/gate) and a sliding layer (kv).
+ROWS = RowsGeometry(((4, 8, 8, 6, 6), (4, 4, 4), (4,)), "float32")
+GEOMETRIES = pytest.mark.parametrize("geometry", [GEOMETRY, ROWS], ids=["mla", "v4-rows"])
 
 
-def payload(position: int) -> np.ndarray:
+def payload(position: int, geometry=GEOMETRY) -> np.ndarray:
     """Deterministic content for a position, so any recovered record can be checked."""
-    return ((np.arange(GEOMETRY.payload_bytes) * 7 + position * 13) % 251).astype(np.uint8)
+    return ((np.arange(geometry.payload_bytes) * 7 + position * 13) % 251).astype(np.uint8)
 
 
 def append_positions(log: KVLog, count: int, sync: bool = True) -> None:
     positions = range(log.length, log.length + count)
-    log.append(np.array(positions, dtype=np.uint32), np.stack([payload(p) for p in positions]), sync=sync)
+    payloads = np.stack([payload(p, log.geometry) for p in positions])
+    log.append(np.array(positions, dtype=np.uint32), payloads, sync=sync)
 
 
-def assert_is_a_prefix(path, at_least: int = 0) -> int:
-    with KVLog(path, "fp", GEOMETRY) as log:
+def assert_is_a_prefix(path, at_least: int = 0, geometry=GEOMETRY) -> int:
+    with KVLog(path, "fp", geometry) as log:
         tokens, payloads = log.read()
         assert log.length >= at_least
         assert tokens.tolist() == list(range(log.length))
-        assert all(np.array_equal(payloads[i], payload(i)) for i in range(log.length))
-        assert os.path.getsize(path) == HEADER_BYTES + log.length * GEOMETRY.record_bytes  # torn tail cut
+        assert all(np.array_equal(payloads[i], payload(i, geometry)) for i in range(log.length))
+        assert os.path.getsize(path) == HEADER_BYTES + log.length * geometry.record_bytes  # torn tail cut
         return log.length
 
 
-def _child(path, fault_point: str | None, batches: int, ack_fd: int) -> None:
-    log = KVLog(path, "fp", GEOMETRY, fault=kill_at(fault_point) if fault_point else None)
+def _child(path, geometry, fault_point: str | None, batches: int, ack_fd: int) -> None:
+    log = KVLog(path, "fp", geometry, fault=kill_at(fault_point) if fault_point else None)
     os.write(ack_fd, b"open\n")  # the parent's kill clock starts here, not while the log is still opening
     rng = random.Random(os.getpid())
     for _ in range(batches):
@@ -59,14 +71,14 @@ def _child(path, fault_point: str | None, batches: int, ack_fd: int) -> None:
     os._exit(0)
 
 
-def _run_child(path, fault_point=None, batches=10_000, kill_after=None) -> int:
+def _run_child(path, geometry=GEOMETRY, fault_point=None, batches=10_000, kill_after=None) -> int:
     """Fork a writer; kill -9 it (after ``kill_after`` seconds) or let the fault hook do it; return acked length."""
     read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid == 0:
         os.close(read_fd)
         try:
-            _child(path, fault_point, batches, write_fd)
+            _child(path, geometry, fault_point, batches, write_fd)
         finally:
             os._exit(1)
     os.close(write_fd)
@@ -84,28 +96,30 @@ def _run_child(path, fault_point=None, batches=10_000, kill_after=None) -> int:
     return int(lengths[-1]) if lengths else 0
 
 
-def test_kill_9_at_random_points_recovers_a_prefix_holding_every_acknowledged_record(tmp_path):
+@pytest.mark.parametrize(("geometry", "kills"), [(GEOMETRY, 200), (ROWS, 80)], ids=["mla", "v4-rows"])
+def test_kill_9_at_random_points_recovers_a_prefix_holding_every_acknowledged_record(tmp_path, geometry, kills):
     path = tmp_path / "s.kvlog"
     rng = random.Random(0)
     previous, landed = 0, 0
-    for _ in range(200):
-        acked = _run_child(path, kill_after=rng.uniform(0, 0.01))
-        recovered = assert_is_a_prefix(path, at_least=max(acked, previous))
+    for _ in range(kills):
+        acked = _run_child(path, geometry, kill_after=rng.uniform(0, 0.01))
+        recovered = assert_is_a_prefix(path, at_least=max(acked, previous), geometry=geometry)
         landed += recovered > previous
         previous = recovered
     # The kills really landed among appends (measured idle: ~110 of 200; under heavy load fewer).
-    assert landed >= 20
+    assert landed >= kills // 10
 
 
+@GEOMETRIES
 @pytest.mark.parametrize("point", ["before_write", "mid_record", "before_fsync", "after_fsync"])
-def test_kill_9_at_instrumented_points(tmp_path, point):
+def test_kill_9_at_instrumented_points(tmp_path, point, geometry):
     path = tmp_path / "s.kvlog"
-    with KVLog(path, "fp", GEOMETRY) as log:
+    with KVLog(path, "fp", geometry) as log:
         append_positions(log, 5)
     for _ in range(5):
-        before = assert_is_a_prefix(path)
-        _run_child(path, fault_point=point, batches=1)
-        after = assert_is_a_prefix(path, at_least=before)
+        before = assert_is_a_prefix(path, geometry=geometry)
+        _run_child(path, geometry, fault_point=point, batches=1)
+        after = assert_is_a_prefix(path, at_least=before, geometry=geometry)
         if point == "before_write":
             assert after == before
         if point == "after_fsync":
@@ -114,14 +128,15 @@ def test_kill_9_at_instrumented_points(tmp_path, point):
             assert after < before + 3  # the torn last record never survives
 
 
-def _file_with_records(path, count: int) -> bytes:
-    with KVLog(path, "fp", GEOMETRY) as log:
+def _file_with_records(path, count: int, geometry=GEOMETRY) -> bytes:
+    with KVLog(path, "fp", geometry) as log:
         append_positions(log, count)
     return path.read_bytes()
 
 
-def test_every_one_byte_truncation_gives_a_prefix_or_a_typed_header_error(tmp_path):
-    full = _file_with_records(tmp_path / "full.kvlog", 64)
+@pytest.mark.parametrize(("geometry", "records"), [(GEOMETRY, 64), (ROWS, 16)], ids=["mla", "v4-rows"])
+def test_every_one_byte_truncation_gives_a_prefix_or_a_typed_header_error(tmp_path, geometry, records):
+    full = _file_with_records(tmp_path / "full.kvlog", records, geometry)
     path = tmp_path / "cut.kvlog"
     for size in range(len(full)):
         path.write_bytes(full[:size])
@@ -129,17 +144,18 @@ def test_every_one_byte_truncation_gives_a_prefix_or_a_typed_header_error(tmp_pa
             expected = 0  # an empty file is a new session
         elif size < HEADER_BYTES:
             with pytest.raises((FormatError, CorruptDataError)):
-                KVLog(path, "fp", GEOMETRY)
+                KVLog(path, "fp", geometry)
             continue
         else:
-            expected = (size - HEADER_BYTES) // GEOMETRY.record_bytes
-        assert assert_is_a_prefix(path) == expected, size
+            expected = (size - HEADER_BYTES) // geometry.record_bytes
+        assert assert_is_a_prefix(path, geometry=geometry) == expected, size
 
 
-def test_ten_thousand_random_bit_flips_are_all_detected(tmp_path):
-    records = bytearray(_file_with_records(tmp_path / "f.kvlog", 64)[HEADER_BYTES:])
+@GEOMETRIES
+def test_ten_thousand_random_bit_flips_are_all_detected(tmp_path, geometry):
+    records = bytearray(_file_with_records(tmp_path / "f.kvlog", 64, geometry)[HEADER_BYTES:])
     rng = random.Random(1)
-    size = GEOMETRY.record_bytes
+    size = geometry.record_bytes
     for _ in range(10_000):
         bit = rng.randrange(len(records) * 8)
         records[bit // 8] ^= 1 << (bit % 8)
@@ -148,9 +164,10 @@ def test_ten_thousand_random_bit_flips_are_all_detected(tmp_path):
     assert count_valid_records(records, size) == 64
 
 
-def test_a_record_moved_to_another_position_fails_its_checksum(tmp_path):
-    records = bytearray(_file_with_records(tmp_path / "f.kvlog", 4)[HEADER_BYTES:])
-    size = GEOMETRY.record_bytes
+@GEOMETRIES
+def test_a_record_moved_to_another_position_fails_its_checksum(tmp_path, geometry):
+    records = bytearray(_file_with_records(tmp_path / "f.kvlog", 4, geometry)[HEADER_BYTES:])
+    size = geometry.record_bytes
     records[size : 2 * size] = records[2 * size : 3 * size]
     assert count_valid_records(records, size) == 1
 
@@ -160,16 +177,21 @@ def _digest(path) -> str:
 
 
 @pytest.mark.parametrize(
-    "fingerprint, geometry, message",
+    "written, fingerprint, geometry, message",
     [
-        ("another-model", GEOMETRY, "fingerprint mismatch"),
-        ("fp", KVGeometry(2, 4, 2, (), 3, "float32"), "geometry"),
-        ("fp", KVGeometry(2, 4, 2, (0,), 3, "bfloat16"), "geometry"),
+        (GEOMETRY, "another-model", GEOMETRY, "fingerprint mismatch"),
+        (GEOMETRY, "fp", KVGeometry(2, 4, 2, (), 3, "float32"), "geometry"),
+        (GEOMETRY, "fp", KVGeometry(2, 4, 2, (0,), 3, "bfloat16"), "geometry"),
+        (ROWS, "another-model", ROWS, "fingerprint mismatch"),
+        (ROWS, "fp", RowsGeometry(((4, 8, 8, 6, 6), (4, 4, 4), (4, 4, 4)), "float32"), "geometry layer_rows"),
+        (ROWS, "fp", RowsGeometry(ROWS.layer_rows, "bfloat16"), "geometry dtype"),
+        (ROWS, "fp", GEOMETRY, "format version is 3, this run's geometry is written in version 2"),
+        (GEOMETRY, "fp", ROWS, "format version is 2, this run's geometry is written in version 3"),
     ],
 )
-def test_a_foreign_log_is_refused_and_left_untouched(tmp_path, fingerprint, geometry, message):
+def test_a_foreign_log_is_refused_and_left_untouched(tmp_path, written, fingerprint, geometry, message):
     path = tmp_path / "s.kvlog"
-    _file_with_records(path, 10)
+    _file_with_records(path, 10, written)
     before = _digest(path)
     with pytest.raises(IncompatibleStateError, match=message):
         KVLog(path, fingerprint, geometry)
@@ -196,13 +218,14 @@ def test_a_session_in_use_is_refused(tmp_path):
     KVLog(path, "fp", GEOMETRY).close()  # free again once closed
 
 
-def test_truncate_on_divergence(tmp_path):
+@GEOMETRIES
+def test_truncate_on_divergence(tmp_path, geometry):
     path = tmp_path / "s.kvlog"
-    with KVLog(path, "fp", GEOMETRY) as log:
+    with KVLog(path, "fp", geometry) as log:
         append_positions(log, 10)
         log.truncate(4)
         append_positions(log, 2)
-    assert assert_is_a_prefix(path) == 6
+    assert assert_is_a_prefix(path, geometry=geometry) == 6
 
 
 def test_a_log_written_under_another_state_is_refused_naming_the_field(tmp_path):
@@ -241,19 +264,121 @@ def test_remove_log_needs_no_valid_header_but_respects_the_lock(tmp_path):
     assert not path.exists()
 
 
-def test_scan_read_and_common_prefix_agree_across_chunk_boundaries(tmp_path, monkeypatch):
-    monkeypatch.setattr(kvlog, "CHUNK_BYTES", 3 * GEOMETRY.record_bytes + 1)  # 3 records per chunk
+@GEOMETRIES
+def test_scan_read_and_common_prefix_agree_across_chunk_boundaries(tmp_path, monkeypatch, geometry):
+    monkeypatch.setattr(kvlog, "CHUNK_BYTES", 3 * geometry.record_bytes + 1)  # 3 records per chunk
     path = tmp_path / "s.kvlog"
-    _file_with_records(path, 10)
+    _file_with_records(path, 10, geometry)
     data = bytearray(path.read_bytes())
-    data[HEADER_BYTES + 7 * GEOMETRY.record_bytes + 5] ^= 0x10  # record 7, inside the third chunk
+    data[HEADER_BYTES + 7 * geometry.record_bytes + 5] ^= 0x10  # record 7, inside the third chunk
     path.write_bytes(bytes(data))
-    with KVLog(path, "fp", GEOMETRY) as log:
+    with KVLog(path, "fp", geometry) as log:
         assert log.length == 7
         tokens, payloads = log.read()
         assert tokens.tolist() == list(range(7))
-        assert all(np.array_equal(payloads[i], payload(i)) for i in range(7))
+        assert all(np.array_equal(payloads[i], payload(i, geometry)) for i in range(7))
         assert log.common_prefix(list(range(7))) == 7
         assert log.common_prefix([0, 1, 2, 3, 99, 5]) == 4  # diverges in the second chunk
         assert log.common_prefix(list(range(20))) == 7
         assert log.common_prefix([]) == 0
+
+
+# ------------------------------------------------------------------------------------ format versions
+# sha256 of _format_2_bytes(5): the file the build before format 3 (commit 222eccd) wrote for these
+# records, measured by running that build's KVLog.
+FORMAT_2_SHA256 = "b63db5a286ae1f7d413647297c6b95413502da213ee2591348485a9a29f7c554"
+
+
+def _format_2_bytes(records: int) -> bytes:
+    """A version-2 log of GEOMETRY laid out by hand from the format: header, then per position
+    u32 token | payload | u32 crc32c(u64 position, token, payload)."""
+    meta = json.dumps(
+        {
+            "format_version": 2,
+            "fingerprint": "fp",
+            "geometry": {
+                "n_layers": 2,
+                "kv_lora_rank": 4,
+                "qk_rope_head_dim": 2,
+                "index_layers": [0],
+                "index_head_dim": 3,
+                "dtype": "float32",
+            },
+            "state": {"compute_dtype": "float32"},
+        },
+        sort_keys=True,
+    ).encode()
+    data = (b"COLIKV\x00\x01" + struct.pack("<I", len(meta)) + meta + struct.pack("<I", crc32c(meta))).ljust(
+        HEADER_BYTES, b"\x00"
+    )
+    for position in range(records):
+        body = struct.pack("<I", position) + payload(position).tobytes()
+        data += body + struct.pack("<I", crc32c(body, crc32c(struct.pack("<Q", position))))
+    return data
+
+
+def test_an_mla_log_is_format_2_byte_for_byte_and_an_old_one_reads_as_before(tmp_path):
+    old = _format_2_bytes(5)
+    assert hashlib.sha256(old).hexdigest() == FORMAT_2_SHA256
+    written = tmp_path / "new.kvlog"
+    with KVLog(written, "fp", GEOMETRY, state={"compute_dtype": "float32"}) as log:
+        append_positions(log, 5)
+    assert written.read_bytes() == old  # this build still writes what older builds read
+    path = tmp_path / "old.kvlog"
+    path.write_bytes(old + b"\x07" * 10)  # and reads theirs, a torn tail cut as before
+    with KVLog(path, "fp", GEOMETRY, state={"compute_dtype": "float32"}) as log:
+        tokens, payloads = log.read()
+        assert tokens.tolist() == list(range(5))
+        assert all(np.array_equal(payloads[i], payload(i)) for i in range(5))
+        append_positions(log, 2)
+    assert path.read_bytes() == _format_2_bytes(7)
+
+
+def test_a_rows_log_is_format_3_and_its_header_gives_back_the_geometry(tmp_path):
+    path = tmp_path / "s.kvlog"
+    _file_with_records(path, 3, ROWS)
+    meta = path.read_bytes()[12 : 12 + struct.unpack_from("<I", path.read_bytes(), 8)[0]]
+    header = json.loads(meta)
+    assert header["format_version"] == 3
+    assert header["geometry"] == {"layer_rows": [[4, 8, 8, 6, 6], [4, 4, 4], [4]], "dtype": "float32"}
+    assert read_header_state(path)[1] == ROWS
+    assert ROWS.record_bytes == 4 + (32 + 12 + 4) * 4 + 4
+
+
+def _rewrite_header(path, **changes) -> None:
+    """Replace header fields, with a valid checksum: what a buggy or hostile writer could leave."""
+    data = path.read_bytes()
+    (length,) = struct.unpack_from("<I", data, 8)
+    meta = json.dumps({**json.loads(data[12 : 12 + length]), **changes}, sort_keys=True).encode()
+    header = (data[:8] + struct.pack("<I", len(meta)) + meta + struct.pack("<I", crc32c(meta))).ljust(
+        HEADER_BYTES, b"\x00"
+    )
+    path.write_bytes(header + data[HEADER_BYTES:])
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"format_version": 4}, "format version 4 is not supported"),
+        ({"format_version": 3.0}, "format version 3.0 is not supported"),
+        ({"format_version": 1}, "format version 1 is not supported"),
+        ({"geometry": {"layer_rows": [[4, 0]], "dtype": "float32"}}, "positive row widths"),
+        ({"geometry": {"layer_rows": [[4, True]], "dtype": "float32"}}, "positive row widths"),
+        ({"geometry": {"layer_rows": [], "dtype": "float32"}}, "positive row widths"),
+        ({"geometry": {"layer_rows": [4, 8], "dtype": "float32"}}, "geometry is malformed"),
+        ({"geometry": {"layer_rows": [[1 << 40]], "dtype": "float32"}}, "positive row widths"),
+        ({"geometry": {"layer_rows": [[4]], "dtype": "float16"}}, "dtype 'float16'"),
+        ({"geometry": {"dtype": "float32"}}, "geometry is malformed"),
+        ({"geometry": "rows"}, "geometry is malformed"),
+    ],
+)
+def test_a_bad_rows_header_is_one_format_error_and_the_log_is_untouched(tmp_path, changes, message):
+    path = tmp_path / "s.kvlog"
+    _file_with_records(path, 3, ROWS)
+    _rewrite_header(path, **changes)
+    before = _digest(path)
+    with pytest.raises(FormatError, match=message):
+        read_header_state(path)
+    with pytest.raises((FormatError, IncompatibleStateError)):
+        KVLog(path, "fp", ROWS)
+    assert _digest(path) == before
