@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-FAMILIES: tuple[str, ...] = ("deepseek_v3", "kimi_k2", "deepseek_v32", "glm_moe_dsa")
+FAMILIES: tuple[str, ...] = ("deepseek_v3", "kimi_k2", "deepseek_v32", "glm_moe_dsa", "deepseek_v4")
 V4_FAMILIES: tuple[str, ...] = ("deepseek_v4",)
 
 # transformers has no kimi_k2 model type: Kimi-K2 ships DeepSeek-V3 weights and semantics under its
@@ -355,7 +355,9 @@ def dequantised_experts_checkpoint(loaded: Any, source: str | Path, dst: str | P
         for expert_id, expert in experts.items():
             for field_name, hf in names.items():
                 weight = getattr(expert, field_name).dequantize(torch.float32)
-                tensors[f"model.layers.{layer}.mlp.experts.{expert_id}.{hf}.weight"] = weight.contiguous()
+                v3_name = f"model.layers.{layer}.mlp.experts.{expert_id}.{hf}.weight"
+                v4_name = f"model.layers.{layer}.ffn.experts.{expert_id}.{field_name}.weight"  # DeepSeek's names
+                tensors[v4_name if v4_name in tensors else v3_name] = weight.contiguous()
     save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
     return dst
 
