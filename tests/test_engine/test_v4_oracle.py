@@ -21,9 +21,9 @@ def v4(tmp_path_factory):
     return fixtures.load_reference(path), load_checkpoint(path)
 
 
-def _forced(reference, loaded, new_tokens=NEW_TOKENS):
+def _forced(reference, loaded):
     prompt = fixtures.make_prompt(loaded.args.vocab_size, PROMPT_LEN)
-    ids = prompt + fixtures.oracle_greedy(reference, prompt, new_tokens)
+    ids = prompt + fixtures.oracle_greedy(reference, prompt, NEW_TOKENS)
     return ids, fixtures.oracle_teacher_forced(reference, ids)
 
 
@@ -116,9 +116,10 @@ def test_variants_equal_transformers(tmp_path, overrides, rewrite):
     if rewrite is not None:
         rewrite(path)
     reference, loaded = fixtures.load_reference(path), load_checkpoint(path)
-    ids, expected = _forced(reference, loaded, 16)
-    assert generate(loaded.model, ids[:PROMPT_LEN], 16, loaded.experts).ids == ids[PROMPT_LEN:]
+    ids, expected = _forced(reference, loaded)
+    assert generate(loaded.model, ids[:PROMPT_LEN], NEW_TOKENS, loaded.experts).ids == ids[PROMPT_LEN:]
     logits = loaded.model(torch.tensor([ids]), 0, loaded.model.new_cache(), loaded.experts)[0]
+    assert logits.argmax(-1).tolist() == expected.argmax
     assert (logits - expected.logits).abs().max().item() <= LOGIT_TOL
 
 
