@@ -44,7 +44,7 @@ class V4Attention(nn.Module):
         self.wq_b = Linear(args.q_lora_rank, args.n_heads * v4.head_dim, bias=False)
         self.wkv = Linear(args.dim, v4.head_dim, bias=False)
         self.kv_norm = RMSNorm(v4.head_dim, args.rms_norm_eps)
-        self.wo_a = Linear(args.n_heads * v4.head_dim // v4.o_groups, v4.o_groups * v4.o_lora_rank, bias=False)
+        self.wo_a = GroupedLinear(args.n_heads * v4.head_dim // v4.o_groups, v4.o_lora_rank, v4.o_groups)
         self.wo_b = Linear(v4.o_groups * v4.o_lora_rank, args.dim, bias=False)
         self.sink = nn.Parameter(torch.empty(args.n_heads))
         self.compressor = (
@@ -72,7 +72,7 @@ class V4Attention(nn.Module):
             visible = self._visible_entries(x, q_latent, positions, cos, sin, entries, cache.indexer)
         out = self._attend(q, recent, first_recent, positions, entries, visible)
         out = rotate_tail(out, cos, -sin)
-        return self.wo_b(self._grouped_out(out))
+        return self.wo_b(self.wo_a(out.flatten(2)))
 
     def _visible_entries(self, x, q_latent, positions, cos, sin, entries, indexer_state) -> torch.Tensor:
         """[B, S, E] True where a query may attend to an entry: its window closed by the query's
@@ -111,12 +111,22 @@ class V4Attention(nn.Module):
         probs = logits.softmax(dim=-1, dtype=logits.dtype)[..., :-1]
         return torch.einsum("bshk,bkd->bshd", probs.to(keys.dtype), keys)
 
-    def _grouped_out(self, out: torch.Tensor) -> torch.Tensor:
-        """[B, S, H, D] -> [B, S, g * o_lora]: each group of H/g heads through its own block of wo_a."""
-        bsz, seqlen = out.shape[:2]
-        grouped = out.reshape(bsz, seqlen, self.groups, -1)  # [B, S, g, H*D/g]
-        weight = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])  # [g, o_lora, H*D/g]
-        return torch.einsum("bsgi,goi->bsgo", grouped, weight.to(grouped.dtype)).flatten(2)
+
+class GroupedLinear(nn.Module):
+    """wo_a: weight [g * o_lora, H * D / g], a block of o_lora rows per group of heads. Not an nn.Linear,
+    so the loader never swaps it for a bf16 or int8 kernel that would take all groups' inputs at once:
+    it is held in the compute dtype."""
+
+    def __init__(self, in_per_group: int, out_per_group: int, groups: int):
+        super().__init__()
+        self.groups = groups
+        self.weight = nn.Parameter(torch.empty(groups * out_per_group, in_per_group))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, S, H * D] -> [B, S, g * o_lora]: group i's slice of x through group i's rows."""
+        grouped = x.unflatten(-1, (self.groups, -1))  # [B, S, g, H*D/g]
+        weight = self.weight.view(self.groups, -1, grouped.shape[-1])  # [g, o_lora, H*D/g]
+        return torch.einsum("bsgi,goi->bsgo", grouped, weight).flatten(2)
 
 
 class Indexer(nn.Module):
