@@ -46,15 +46,33 @@ def kv_geometry(args: ModelArgs, dtype: str = "float32") -> Geometry:
 
 
 def cache_bytes_per_token(args: ModelArgs, dtype: str) -> int:
-    """The engine's in-memory KV cache. MLA: latent + roped key in the compute dtype, indexer keys
-    float32. DeepSeek-V4: every row of the record, plus the compressed entries built from them (one
-    per m positions), all in the compute dtype; rounded up to a whole byte."""
+    """The engine's in-memory KV cache per position. MLA: latent + roped key in the compute dtype,
+    indexer keys float32. DeepSeek-V4: the compressed entries (one per m positions per compressed layer),
+    rounded up to a whole byte: its rows are released once logged or when nothing logs them
+    (engine/position_rows.py), but for the fixed windows of ``held_rows_bytes``."""
     if args.v4 is not None:
-        rows = sum(sum(v4_layer_rows(args.v4, i).values()) for i in range(args.n_layers))
-        return math.ceil((rows + _v4_entry_values(args)) * dtype_bytes(dtype))
+        return math.ceil(_v4_entry_values(args) * dtype_bytes(dtype))
     geometry = kv_geometry(args, dtype)
     per_layer = (geometry.kv_lora_rank + geometry.qk_rope_head_dim) * dtype_bytes(dtype)
     return geometry.n_layers * per_layer + len(geometry.index_layers) * geometry.index_head_dim * INDEX_KEY_BYTES
+
+
+def held_rows_bytes(args: ModelArgs, dtype: str) -> int:
+    """DeepSeek-V4's rows held whatever the context (0 for MLA): per layer the sliding window's K=V rows
+    (window - 1 of D), and per compressor its open window's projections (kv and gate; an overlapping one
+    also the window before it). A session logging rows in another dtype than it computes keeps them all."""
+    if args.v4 is None:
+        return 0
+    v4, values = args.v4, 0
+    for layer in range(args.n_layers):
+        widths = v4_layer_rows(v4, layer)
+        values += (v4.sliding_window - 1) * widths["kv"]
+        if v4.rate(layer):
+            overlap = v4.is_csa(layer)
+            values += (v4.rate(layer) - 1 + overlap * v4.rate(layer)) * 2 * widths["compressor.kv"]
+        if v4.is_csa(layer):
+            values += (2 * v4.csa_rate - 1) * 2 * widths["indexer.kv"]
+    return values * dtype_bytes(dtype)
 
 
 def compressed_kv_bytes_per_token(args: ModelArgs, dtype: str) -> float:

@@ -26,7 +26,7 @@ from colibri_stream.dtypes import dtype_bytes as dtype_bytes_of
 from colibri_stream.errors import BudgetError
 from colibri_stream.generate import PREFILL_CHUNK_TOKENS
 from colibri_stream.geometry import DenseArray, ModelGeometry
-from colibri_stream.kv_geometry import cache_bytes_per_token
+from colibri_stream.kv_geometry import cache_bytes_per_token, held_rows_bytes
 from engine.args import ModelArgs
 from engine.bf16 import bf16_candidates, bf16_kernel_available
 from engine.families import meta_transformer
@@ -149,7 +149,7 @@ def plan(
     vram_slots = min(slots_for(config.vram_bytes, record), geometry.total_records)
     machine = machine or Machine.here()
     context = args.max_position_embeddings
-    kv_max = kv_token * context * sequences
+    kv_max = (kv_token * context + held_rows_bytes(args, dtype)) * sequences
     held = held_in_bf16(geometry.dense, args, COMPUTE_DTYPES[dtype])
     activations = prefill_activation_bytes(
         args,

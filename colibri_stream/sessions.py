@@ -35,6 +35,7 @@ from colibri_stream.kv_geometry import (
 from colibri_stream.paths import user_cache_dir
 from engine.args import ModelArgs
 from engine.cache import KVCache
+from engine.position_rows import RowsReleased
 from engine.v4_cache import V4Cache
 from storage.errors import CorruptDataError, FormatError
 from storage.kvlog import HEADER_BYTES, Geometry, KVLog, StateMismatchError, read_header_state
@@ -90,7 +91,7 @@ def _v4_payloads(cache: V4Cache, start: int, end: int, record_dtype: str) -> np.
     parts = []
     for layer in cache.layers:
         rows = layer.rows()
-        parts += [rows[name][0, start:end] for name in V4_ROW_ORDER if name in rows]
+        parts += [rows[name].between(start, end)[0] for name in V4_ROW_ORDER if name in rows]
     return np.concatenate([_as_bytes(p, record_dtype) for p in parts], axis=1)
 
 
@@ -212,6 +213,7 @@ class Session:
             self.log.truncate(reused)  # diverged (or nothing new): forget the rest
         _, payloads = self.log.read(reused)
         cache = cache_from_payloads(payloads, self.geometry, self.args, dtype)
+        self._keep_unlogged_rows(cache)
         return TurnStart(cache, reused, time.perf_counter() - start)
 
     def continue_turn(self, cache: Cache, ids: list[int], prompt_ids: list[int]) -> TurnStart:
@@ -221,8 +223,13 @@ class Session:
         reused = min(common_prefix(ids, prompt_ids), len(prompt_ids) - 1)
         if reused < self.log.length:
             self.log.truncate(reused)  # diverged (or nothing new): forget the rest
-        cache.trim(reused)
+        try:
+            cache.trim(reused)
+        except RowsReleased:  # a V4 cache cut back before rows it released: the log has them
+            ids.clear()
+            return self.start_turn(prompt_ids, cache.dtype)
         del ids[reused:]
+        self._keep_unlogged_rows(cache)
         return TurnStart(cache, reused, time.perf_counter() - start)
 
     def end_turn(self, cache: Cache, token_ids: list[int]) -> int:
@@ -231,7 +238,18 @@ class Session:
         if end > start:
             tokens = np.asarray(token_ids[start:end], dtype=np.uint32)
             self.log.append(tokens, cache_payloads(cache, start, end, self.geometry))
+        self._keep_unlogged_rows(cache)
         return end - start
+
+    def _keep_unlogged_rows(self, cache: Cache) -> None:
+        """A V4 cache keeps the rows the log lacks and releases the others (what stays per position is
+        its compressed entries). Not when the log rounds rows to another dtype: a turn continued from
+        memory then recompresses every entry from rounded rows (as_logged), as a restored one does."""
+        if not isinstance(cache, V4Cache):
+            return
+        logs_as_held = dtype_bytes(self.geometry.dtype) == cache.dtype.itemsize
+        cache.keep_rows_from = self.log.length if logs_as_held else 0
+        cache.release()
 
     def close(self) -> None:
         self.log.close()
@@ -261,8 +279,8 @@ def as_logged(cache: Cache, record_dtype: str) -> None:
 def _round_v4_to_bf16(cache: V4Cache) -> None:
     """Rows rounded, compressed entries dropped: the next call rebuilds them from the rounded rows, as
     it does for a cache restored from the log. Rows already in bfloat16 are what the log holds."""
-    for layer in cache.layers:
-        if layer.kv.dtype != torch.bfloat16:
+    if cache.dtype != torch.bfloat16:
+        for layer in cache.layers:
             layer.round_rows(torch.bfloat16)
 
 
@@ -311,8 +329,9 @@ def session_info(path: Path, args: ModelArgs) -> dict:
 
 
 def _v4_info(args: ModelArgs, compute_dtype: object, record_dtype: str) -> dict:
-    """DeepSeek-V4's other sizes per token: its cache in memory (rows and entries, in the compute dtype),
-    the compressed entries its attention works from, and what the naive cache counts."""
+    """DeepSeek-V4's other sizes per token: its cache in memory (the compressed entries, in the compute
+    dtype; rows are released once logged), the compressed entries in the record dtype, and what the
+    naive cache counts."""
     in_memory = cache_bytes_per_token(args, compute_dtype) if compute_dtype in ("float32", "bfloat16") else None
     compressed = compressed_kv_bytes_per_token(args, record_dtype)
     naive = naive_kv_bytes_per_token(args, record_dtype)

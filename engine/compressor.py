@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from engine.args import RopeArgs
-from engine.cache import grow
 from engine.layers import RMSNorm
+from engine.position_rows import PositionRows, RowsReleased
 from engine.rope import rope_at, rotate_tail
 from engine.rows import Linear
 
@@ -35,38 +35,53 @@ from engine.rows import Linear
 class CompressorState:
     """One compressor's memory for a batch of B sequences of equal length T."""
 
-    kv: torch.Tensor  # [B, capacity, c * w]: every position's value projection
-    gate: torch.Tensor  # [B, capacity, c * w]: every position's gate projection, without ape
+    kv: PositionRows  # [B, *, c * w]: the value projections of the positions still held
+    gate: PositionRows  # [B, *, c * w]: their gate projections, without ape
     entries: torch.Tensor  # [B, E, w]: the entries of the first E closed windows
-    length: int = 0  # T
 
     @classmethod
     def empty(cls, batch: int, width: int, overlap: bool, dtype: torch.dtype, device: torch.device) -> CompressorState:
         rows = torch.empty((batch, 0, (2 if overlap else 1) * width), dtype=dtype, device=device)
-        return cls(rows, rows.clone(), torch.empty((batch, 0, width), dtype=dtype, device=device))
+        return cls(
+            PositionRows(rows), PositionRows(rows.clone()), torch.empty((batch, 0, width), dtype=dtype, device=device)
+        )
 
     @classmethod
     def from_rows(cls, kv: torch.Tensor, gate: torch.Tensor, width: int) -> CompressorState:
         """A state holding projections [B, T, c * w] and no entries yet: the next call compresses them."""
-        return cls(kv, gate, kv.new_empty((kv.shape[0], 0, width)), kv.shape[1])
+        return cls(PositionRows(kv), PositionRows(gate), kv.new_empty((kv.shape[0], 0, width)))
 
-    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(kv, gate) [B, T, c * w] of every position so far."""
-        return self.kv[:, : self.length], self.gate[:, : self.length]
+    @property
+    def length(self) -> int:
+        return self.kv.length
 
     def append(self, kv: torch.Tensor, gate: torch.Tensor) -> None:
-        end = self.length + kv.shape[1]
-        self.kv, self.gate = grow(self.kv, end), grow(self.gate, end)
-        self.kv[:, self.length : end], self.gate[:, self.length : end] = kv, gate
-        self.length = end
+        self.kv.append(kv)
+        self.gate.append(gate)
+
+    def needed_from(self, rate: int) -> int:
+        """The first position whose rows the next compression reads: the first open window's, or for an
+        overlapping compressor (2 series per row) the window before it."""
+        overlap = self.kv.buffer.shape[-1] == 2 * self.entries.shape[-1]
+        return max(0, (self.entries.shape[1] - overlap) * rate)
+
+    def release_before(self, position: int, rate: int) -> None:
+        keep = min(position, self.needed_from(rate))
+        self.kv.release_before(keep)
+        self.gate.release_before(keep)
 
     def trim(self, length: int, rate: int) -> None:
         """Forget positions from ``length`` on, and the entries of windows they closed."""
-        self.length = length
         self.entries = self.entries[:, : length // rate]
+        if self.needed_from(rate) < self.kv.base:
+            raise RowsReleased(f"the rows to reopen the window at {length} were released")
+        self.kv.trim(length)
+        self.gate.trim(length)
 
     def forget_entries(self) -> None:
         """Drop every entry: the next call recompresses them from the rows (after rows were rounded)."""
+        if self.kv.base:
+            raise RowsReleased("entries cannot be recompressed: the first rows were released")
         self.entries = self.entries[:, :0]
 
 
@@ -88,30 +103,28 @@ class Compressor(nn.Module):
         state.append(self.wkv(x), self.wgate(x))
         first, closed = state.entries.shape[1], state.length // self.rate
         if closed > first:
-            kv, gate = state.rows()
-            new = self._compress(kv, gate, first, closed)
+            new = self._compress(state, first, closed)
             state.entries = torch.cat([state.entries, new], dim=1)
         return state.entries
 
-    def _compress(self, kv_rows: torch.Tensor, gate_rows: torch.Tensor, first: int, closed: int) -> torch.Tensor:
-        """Entries of windows first..closed-1 from every position's rows [B, T, c * w] -> [B, W, w]."""
-        bsz, m = kv_rows.shape[0], self.rate
-        kv = kv_rows[:, first * m : closed * m].view(bsz, closed - first, m, -1)
-        gate = gate_rows[:, first * m : closed * m].view(bsz, closed - first, m, -1) + self.ape
+    def _compress(self, state: CompressorState, first: int, closed: int) -> torch.Tensor:
+        """Entries of windows first..closed-1 from their positions' rows -> [B, W, w]."""
+        m = self.rate
+        windows = lambda rows: rows.between(first * m, closed * m).unflatten(1, (closed - first, m))  # noqa: E731
+        kv, gate = windows(state.kv), windows(state.gate) + self.ape  # [B, W, m, c * w]
         if self.overlap:
-            kv, gate = self._overlap(kv, gate, self._previous_ca(kv_rows, gate_rows, first))
+            kv, gate = self._overlap(kv, gate, self._previous_ca(state, first))
         weights = gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)
         entries = self.norm((kv * weights).sum(dim=2))  # [B, W, w]
         positions = torch.arange(first, closed, device=kv.device) * m
         return rotate_tail(entries, *rope_at(self.rope, self.rope_dim, positions))
 
-    def _previous_ca(self, kv_rows, gate_rows, first: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _previous_ca(self, state: CompressorState, first: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The Ca half [B, m, w] of window first-1 (kv, gate + ape), or None before the first window."""
         if first == 0:
             return None
-        m, w = self.rate, self.width
-        window = slice((first - 1) * m, first * m)
-        return kv_rows[:, window, :w], gate_rows[:, window, :w] + self.ape[:, :w]
+        start, end, w = (first - 1) * self.rate, first * self.rate, self.width
+        return state.kv.between(start, end)[..., :w], state.gate.between(start, end)[..., :w] + self.ape[:, :w]
 
     def _overlap(self, kv: torch.Tensor, gate: torch.Tensor, previous: tuple[torch.Tensor, torch.Tensor] | None):
         """[B, W, m, 2w] -> [B, W, 2m, w]: window i's Cb half after window i-1's Ca half (``previous`` for

@@ -160,6 +160,7 @@ class V4Transformer(nn.Module):
             for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers, strict=True)):
                 lookahead = self._lookahead(i + 1, tokens, experts) if guess else None
                 streams = layer(streams, tokens, start_pos, layer_cache, experts, lookahead)
+            cache.release()  # rows neither attention nor a log still needs
             if last_only:
                 streams = streams[:, -1:]
             return self.head(self.norm(self.hc_head(streams))).float()
@@ -178,5 +179,7 @@ class V4Transformer(nn.Module):
                 layer_caches = [cache.layers[i] for cache in caches]
                 lookahead = self._lookahead(i + 1, ids, experts)
                 streams = layer.forward_rows(streams, ids, starts, layer_caches, experts, lookahead)
+            for cache in caches:
+                cache.release()
             collapsed = _each_row(self.hc_head, streams)
             return self.head(self.norm(collapsed)).float()[:, -1]

@@ -174,10 +174,31 @@ def test_a_cache_rebuilt_from_its_rows_or_trimmed_continues_as_the_original(v4):
     ids = fixtures.make_prompt(loaded.args.vocab_size, 41)
     reference = model(torch.tensor([ids]), 0, model.new_cache(), experts)[0]
     cache = model.new_cache()
+    cache.keep_rows_from = 0  # as a session whose log lacks them all: every row stays
     model(torch.tensor([ids[:29]]), 0, cache, experts)
-    rows = [{k: v.clone() for k, v in layer.rows().items()} for layer in cache.layers]
+    rows = [{k: v.all().clone() for k, v in layer.rows().items()} for layer in cache.layers]
     tail = model(torch.tensor([ids[29:]]), 29, V4Cache.from_rows(loaded.args, rows), experts)[0]
     assert (tail - reference[29:]).abs().max().item() <= LOGIT_TOL
     cache.trim(17)  # inside an open HCA window and between CSA windows
     tail = model(torch.tensor([ids[17:]]), 17, cache, experts)[0]
     assert (tail - reference[17:]).abs().max().item() <= LOGIT_TOL
+
+
+def test_without_a_log_only_the_windows_rows_stay_and_trimming_before_them_is_refused(v4):
+    """No log needs the rows: after a call a layer holds the sliding window's K=V rows and the open
+    compressor windows' projections, not one row per position; what follows is still exact (the
+    oracle tests above run this way) and a cut back before the held rows says why it cannot."""
+    from engine.position_rows import RowsReleased
+
+    _, loaded = v4
+    model, v4_args = loaded.model, loaded.args.v4
+    cache = model.new_cache()
+    model(torch.tensor([fixtures.make_prompt(loaded.args.vocab_size, 45)]), 0, cache, loaded.experts)
+    for i, layer in enumerate(cache.layers):
+        assert layer.kv.length - layer.kv.base == v4_args.sliding_window - 1
+        for state, rate, overlap in ((layer.compressor, v4_args.rate(i), v4_args.is_csa(i)), (layer.indexer, 2, True)):
+            if state is not None:
+                held = state.kv.length - state.kv.base
+                assert held == 45 % rate + overlap * rate and state.entries.shape[1] == 45 // rate
+    with pytest.raises(RowsReleased):
+        cache.trim(20)
