@@ -77,6 +77,7 @@ class GenerationRequest:
     cache: KVCache | None = None
     on_token: Callable[[int], None] | None = None
     should_stop: Callable[[], bool] | None = None
+    on_prompt_chunk: Callable[[], None] | None = None  # after each prompt chunk but the last (a session logs it)
 
 
 class Generation:
@@ -187,6 +188,8 @@ class ContinuousBatch:
         logits = self.model(tokens, generation.cache.length, generation.cache, self.experts, last_only=True)
         if not generation.pending:
             generation.take(logits[0, -1])
+        elif generation.request.on_prompt_chunk is not None:
+            generation.request.on_prompt_chunk()
 
     def _decode(self, generations: list[Generation]) -> None:
         tokens = [g.next_token for g in generations]

@@ -36,6 +36,7 @@ from colibri_stream.session_pool import SessionPool
 from colibri_stream.sessions import Session, TurnStart, default_kv_dir
 from colibri_stream.text import ChatFormat, PromptEncoder, load_chat_format, load_tokenizer
 from engine.cache import KVCache
+from engine.v4_cache import V4Cache
 from storage.stats import StoreStats
 
 
@@ -183,6 +184,7 @@ def begin_turn(
             cache,
             recorder.wrap(with_periodic_sync(options, session, cache, prompt_ids)),
             options.should_stop,
+            log_prompt_chunks(session, cache, prompt_ids),
         )
     except BaseException:
         if session is not None:
@@ -326,6 +328,17 @@ class PhaseRecorder:
             then, disk_then = self.at_first_token
             report["decode_phase"] = {**now.minus(then).as_dict(), "disk_read_bytes": disk_read_bytes() - disk_then}
         return report
+
+
+def log_prompt_chunks(
+    session: Session | None, cache: KVCache | V4Cache, prompt_ids: list[int]
+) -> Callable[[], None] | None:
+    """DeepSeek-V4 in a session: each prompt chunk's positions go to the log as they are computed, so the
+    cache releases their rows (engine/position_rows.py) instead of holding a long prompt's rows to the
+    end of the turn. None otherwise."""
+    if session is None or not isinstance(cache, V4Cache):
+        return None
+    return lambda: session.end_turn(cache, prompt_ids)
 
 
 def with_periodic_sync(

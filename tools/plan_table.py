@@ -1,5 +1,5 @@
 """The docs/planning.md table: `colibri-stream plan` on the real configs of DeepSeek-V3/R1, DeepSeek-V3.2,
-Kimi-K2 and GLM-5, for machines of 32/64/128 GB RAM and 0/24 GB VRAM, with this machine's bandwidths.
+Kimi-K2, GLM-5 and DeepSeek-V4-Flash, for machines of 32/64/128 GB RAM and 0/24 GB VRAM, with this machine's bandwidths.
 
     python tools/plan_table.py                       # probes this machine's memory and disk
     python tools/plan_table.py --memory-bandwidth 40GB --disk-bandwidth 3GB
@@ -85,6 +85,41 @@ MODELS: dict[str, dict[str, Any]] = {
         "index_n_heads": 32,
         "index_head_dim": 128,
         "index_topk": 2048,
+    },
+    # Its layer layout as the public transcriptions of the Flash config give it (2 sliding, 21 CSA, 20 HCA
+    # layers; the 44th entry is the MTP layer's), shipped FP8 dense + FP4 experts (copied as mxfp4).
+    "DeepSeek-V4-Flash": {
+        "model_type": "deepseek_v4",
+        "vocab_size": 129280,
+        "hidden_size": 4096,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": 43,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 1,
+        "head_dim": 512,
+        "qk_rope_head_dim": 64,
+        "q_lora_rank": 1024,
+        "o_groups": 8,
+        "o_lora_rank": 1024,
+        "n_routed_experts": 256,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 6,
+        "num_hash_layers": 3,
+        "index_n_heads": 64,
+        "index_head_dim": 128,
+        "index_topk": 512,
+        "sliding_window": 128,
+        "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0],
+        "max_position_embeddings": 1048576,
+        "compress_rope_theta": 160000,
+        "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536},
+        "quantization_config": {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "scale_fmt": "ue8m0",
+            "weight_block_size": [128, 128],
+            "expert_dtype": "fp4",
+        },
     },
 }
 RAM_GB = (32, 64, 128)

@@ -236,3 +236,37 @@ def test_kv_info_of_a_model_with_sliding_layers_only(tmp_path):
     info = session_info(tmp_path / "s.kvlog", args)
     assert info["bytes_per_token"] == 4 + 43 * 512 * 2 + 4  # the K=V rows: the naive cache itself
     assert (info["compressed_kv_bytes_per_token"], info["compressed_vs_naive"]) == (0.0, None)
+
+
+def test_a_long_prompt_in_a_session_is_logged_chunk_by_chunk_and_its_rows_released(tiny_v4_checkpoint, tmp_path):
+    """A session logs each prompt chunk as it is computed, so the V4 cache holds the window rows, not
+    the whole prompt's; the turn's tokens are those of a run without the session."""
+    from colibri_stream.batching import ContinuousBatch, GenerationRequest
+    from colibri_stream.conversation import log_prompt_chunks
+    from colibri_stream.fingerprint import model_fingerprint
+    from colibri_stream.generate import generate
+    from colibri_stream.loader import load_checkpoint
+
+    loaded = load_checkpoint(tiny_v4_checkpoint)
+    prompt = fixtures.make_prompt(loaded.args.vocab_size, 70, seed=11)
+    session = Session(tmp_path, "long", model_fingerprint(tiny_v4_checkpoint), loaded.args)
+    try:
+        cache = session.start_turn(prompt, torch.float32).cache
+        held: list[int] = []
+        log_chunk = log_prompt_chunks(session, cache, prompt)
+
+        def on_chunk() -> None:
+            log_chunk()
+            held.append(max(layer.kv.length - layer.kv.base for layer in cache.layers))
+
+        batch = ContinuousBatch(loaded.model, loaded.experts, prefill_chunk=16)
+        request = GenerationRequest(prompt, 6, cache=cache, on_prompt_chunk=on_chunk)
+        batch.add(request)
+        finished: list = []
+        while not finished:
+            finished = batch.step()
+        assert session.log.length == 64  # four chunks of 16 logged before the last one ran
+    finally:
+        session.close()
+    assert held and max(held) == loaded.args.v4.sliding_window - 1
+    assert finished[0].result.ids == generate(loaded.model, prompt, 6, loaded.experts).ids
