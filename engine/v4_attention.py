@@ -28,6 +28,8 @@ from engine.rope import rope_at, rotate_tail
 from engine.rows import Linear, linear
 from engine.v4_cache import V4LayerCache
 
+GATHER_MAX_NEW_POSITIONS = 4  # decode-sized steps gather the entries CSA's indexer picked
+
 
 class V4Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer_id: int):
@@ -66,50 +68,77 @@ class V4Attention(nn.Module):
         q = rotate_tail(q, cos, sin)
         kv = rotate_tail(self.kv_norm(self.wkv(x)), cos, sin)
         recent, first_recent = cache.append(kv, self.window)  # [B, R, D] from position first_recent on
-        entries, visible = None, None
-        if self.compressor is not None:
+        if self.compressor is None:
+            out = self._attend(q, recent, first_recent, positions)
+        else:
             entries = self.compressor(x, cache.compressor)  # [B, E, D]
-            visible = self._visible_entries(x, q_latent, positions, cos, sin, entries, cache.indexer)
-        out = self._attend(q, recent, first_recent, positions, entries, visible)
+            # [S, E]: an entry is visible to a query once its window has closed by the query's position
+            closed = torch.arange(entries.shape[1], device=x.device)[None, :] < ((positions + 1) // self.rate)[:, None]
+            if self.indexer is None:  # HCA: every closed entry
+                out = self._attend(q, recent, first_recent, positions, entries, closed[None].expand(bsz, -1, -1))
+            else:  # CSA: the closed entries the indexer picks, [B, S, k] (-1: none)
+                picked = self.indexer(x, q_latent, cos, sin, closed, cache.indexer)
+                if seqlen <= GATHER_MAX_NEW_POSITIONS:
+                    out = self._attend_picked(q, recent, first_recent, positions, entries, picked)
+                else:
+                    out = self._attend(
+                        q, recent, first_recent, positions, entries, picked_mask(picked, entries.shape[1])
+                    )
         out = rotate_tail(out, cos, -sin)
         return self.wo_b(self.wo_a(out.flatten(2)))
 
-    def _visible_entries(self, x, q_latent, positions, cos, sin, entries, indexer_state) -> torch.Tensor:
-        """[B, S, E] True where a query may attend to an entry: its window closed by the query's
-        position, and on CSA layers chosen by the indexer."""
-        closed = torch.arange(entries.shape[1], device=x.device)[None, :] < ((positions + 1) // self.rate)[:, None]
-        if self.indexer is None:
-            return closed[None].expand(x.shape[0], -1, -1)
-        return self.indexer(x, q_latent, cos, sin, closed, indexer_state)
+    def _window(self, recent, first_recent: int, positions: torch.Tensor, block: slice):
+        """The sliding keys a block of queries may see: (rows [B, K, D], mask [S_b, K])."""
+        lo = max(int(positions[block.start]) - self.window + 1, first_recent) - first_recent
+        hi = int(positions[block.stop - 1]) + 1 - first_recent
+        key_pos = torch.arange(first_recent + lo, first_recent + hi, device=recent.device)
+        query_pos = positions[block, None]
+        return recent[:, lo:hi], (key_pos[None, :] <= query_pos) & (key_pos[None, :] > query_pos - self.window)
 
-    def _attend(self, q, recent, first_recent, positions, entries, visible) -> torch.Tensor:
-        """q [B, S, H, D] against the sliding keys and the visible entries -> [B, S, H, D]."""
-        score_bytes = q.shape[0] * self.n_heads * (recent.shape[1] + (0 if entries is None else entries.shape[1])) * 4
+    def _attend(self, q, recent, first_recent, positions, entries=None, visible=None) -> torch.Tensor:
+        """q [B, S, H, D] against the sliding keys and the entries ``visible`` [B, S, E] marks -> [B, S, H, D]."""
+        bsz = q.shape[0]
+        score_bytes = bsz * self.n_heads * (recent.shape[1] + (0 if entries is None else entries.shape[1])) * 4
         blocks = []
         for block in query_blocks(q.shape[1], score_bytes):
-            lo = max(int(positions[block.start]) - self.window + 1, first_recent) - first_recent
-            hi = int(positions[block.stop - 1]) + 1 - first_recent
-            key_pos = torch.arange(first_recent + lo, first_recent + hi, device=q.device)
-            query_pos = positions[block, None]
-            seen = (key_pos[None, :] <= query_pos) & (key_pos[None, :] > query_pos - self.window)  # [S_b, K]
-            keys, mask = recent[:, lo:hi], seen[None].expand(q.shape[0], -1, -1)
+            keys, seen = self._window(recent, first_recent, positions, block)
+            mask = seen[None].expand(bsz, -1, -1)
             if entries is not None and entries.shape[1]:
                 keys = torch.cat([keys, entries], dim=1)
                 mask = torch.cat([mask, visible[:, block]], dim=-1)
-            blocks.append(self._softmax_with_sink(q[:, block], keys, mask))
+            scores = torch.einsum("bshd,bkd->bshk", q[:, block], keys).masked_fill(~mask[:, :, None, :], float("-inf"))
+            probs = self._with_sink(scores)
+            blocks.append(torch.einsum("bshk,bkd->bshd", probs.to(keys.dtype), keys))
         return torch.cat(blocks, dim=1)
 
-    def _softmax_with_sink(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """q [B, S, H, D], keys (= values) [B, K, D], mask [B, S, K] -> [B, S, H, D].
+    def _attend_picked(self, q, recent, first_recent, positions, entries, picked) -> torch.Tensor:
+        """A few queries q [B, S, H, D]: the sliding keys plus, per query, only the k entries its indexer
+        picked ([B, S, k], -1: none), gathered: O(k) per token where masking all E would be O(E)."""
+        keys, seen = self._window(recent, first_recent, positions, slice(0, q.shape[1]))
+        index = picked.clamp(min=0)[..., None].expand(-1, -1, -1, entries.shape[-1])
+        chosen = entries[:, None].expand(-1, q.shape[1], -1, -1).gather(2, index)  # [B, S, k, D]
+        window_scores = torch.einsum("bshd,bkd->bshk", q, keys).masked_fill(~seen[None, :, None, :], float("-inf"))
+        picked_scores = torch.einsum("bshd,bskd->bshk", q, chosen).masked_fill(picked[:, :, None, :] < 0, float("-inf"))
+        probs = self._with_sink(torch.cat([window_scores, picked_scores], dim=-1)).to(keys.dtype)
+        window_probs, picked_probs = probs.split([keys.shape[1], chosen.shape[2]], dim=-1)
+        return torch.einsum("bshk,bkd->bshd", window_probs, keys) + torch.einsum(
+            "bshk,bskd->bshd", picked_probs, chosen
+        )
 
-        Each head has a learned sink logit that takes softmax mass and contributes no value."""
-        scores = torch.einsum("bshd,bkd->bshk", q, keys) * self.head_dim**-0.5
-        scores = scores.masked_fill(~mask[:, :, None, :], float("-inf"))
+    def _with_sink(self, scores: torch.Tensor) -> torch.Tensor:
+        """Unscaled scores [B, S, H, K] (-inf where masked) -> probabilities [B, S, H, K]: each head has a
+        learned sink logit that takes softmax mass and contributes no value."""
+        scores = scores * self.head_dim**-0.5
         sink = self.sink.to(scores.dtype).view(1, 1, -1, 1).expand(*scores.shape[:3], 1)
         logits = torch.cat([scores, sink], dim=-1)
         logits = logits - logits.max(dim=-1, keepdim=True).values
-        probs = logits.softmax(dim=-1, dtype=logits.dtype)[..., :-1]
-        return torch.einsum("bshk,bkd->bshd", probs.to(keys.dtype), keys)
+        return logits.softmax(dim=-1, dtype=logits.dtype)[..., :-1]
+
+
+def picked_mask(picked: torch.Tensor, n_entries: int) -> torch.Tensor:
+    """picked [B, S, k] (-1: none) -> [B, S, E] True at the picked entries."""
+    mask = torch.zeros((*picked.shape[:2], n_entries + 1), dtype=torch.bool, device=picked.device)
+    return mask.scatter_(-1, torch.where(picked < 0, n_entries, picked), True)[..., :n_entries]
 
 
 class GroupedLinear(nn.Module):
@@ -147,11 +176,12 @@ class Indexer(nn.Module):
         )
 
     def forward(self, x, q_latent, cos, sin, closed: torch.Tensor, state: CompressorState) -> torch.Tensor:
-        """x [B, S, dim], q_latent [B, S, q_lora], closed [S, E] -> chosen [B, S, E] (bool)."""
+        """x [B, S, dim], q_latent [B, S, q_lora], closed [S, E] -> the picked entries [B, S, min(k, E)]
+        (-1 where a query has fewer than k closed entries)."""
         bsz, seqlen, _ = x.shape
         keys = self.compressor(x, state)  # [B, E, d]
         if keys.shape[1] == 0:
-            return closed[None].expand(bsz, -1, -1)
+            return torch.empty((bsz, seqlen, 0), dtype=torch.long, device=x.device)
         q = rotate_tail(self.wq_b(q_latent).view(bsz, seqlen, self.n_heads, self.head_dim), cos, sin)
         # weights_proj stays float32 in bf16 models (colibri_stream.dtypes.FLOAT32_PARAMETERS)
         weights = linear(x.float(), self.weights_proj.weight.float()) * self.n_heads**-0.5  # [B, S, H_i]
@@ -165,9 +195,8 @@ class Indexer(nn.Module):
         )
 
     def _choose(self, q, keys, weights, closed) -> torch.Tensor:
-        """One block of queries q [B, S, H_i, d] against the entries' keys [B, E, d] -> chosen [B, S, E]."""
+        """One block of queries q [B, S, H_i, d] against the entries' keys [B, E, d] -> picked [B, S, k]."""
         scores = torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1)).relu() * self.head_dim**-0.5
         index = (scores * weights.unsqueeze(-1)).sum(dim=2).masked_fill(~closed, float("-inf"))  # [B, S, E]
         top = index.topk(min(self.topk, keys.shape[1]), dim=-1).indices
-        chosen = torch.zeros_like(index, dtype=torch.bool).scatter_(-1, top, True)
-        return chosen & closed
+        return torch.where(closed.expand_as(index).gather(-1, top), top, -1)
