@@ -33,7 +33,7 @@ from colibri_stream.geometry import container_args, geometry_from_container
 from colibri_stream.placement import bf16_held_weights, check_fits, plan
 from colibri_stream.wrapped_configs import text_model_config
 from engine.args import ModelArgs
-from engine.bf16 import bf16_candidates, hold_in_bf16
+from engine.bf16 import hold_in_bf16, linear_candidates
 from engine.experts import Expert, ExpertWeights
 from engine.families import meta_transformer
 from engine.int8_dense import hold_in_int8
@@ -296,7 +296,7 @@ def _load_dense(
     expected = dict(model.state_dict())
     check_complete([n for n in container.dense if n not in expected], expected.keys(), container.dense.keys(), path)
     held_bf16 = bf16_held_weights(container, args, dtype)
-    held_int8 = bf16_candidates(model) if int8_activations else set()  # the same Linears, used only through forward
+    held_int8 = linear_candidates(model) if int8_activations else set()  # the Linears, used only through forward
     state, int8_weights = {}, {}
     for name, entry in container.dense.items():
         if tuple(expected[name].shape) != entry.shape:

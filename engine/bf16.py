@@ -68,24 +68,30 @@ class Bf16Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]"""
-        flat = x.reshape(-1, x.shape[-1])
-        alone = computing_alone()  # rows of independent requests: any number through the kernel, as alone
-        if (
-            bf16_kernel_available()
-            and x.dtype == torch.float32
-            and x.device.type == "cpu"
-            and 0 < flat.shape[0]
-            and (alone or flat.shape[0] <= _int4.MAX_ROWS)
-        ):
-            out = in_row_chunks(flat, _int4.MAX_ROWS, lambda rows: bf16_matmul(rows, self.weight, alone=alone))
-        else:
-            step = max(1, UPCAST_BLOCK_BYTES // (4 * self.weight.shape[1]))
-            out = torch.cat([linear(flat, block.to(x.dtype)) for block in self.weight.split(step)], dim=-1)
-        return out.view(*x.shape[:-1], self.weight.shape[0])
+        return bf16_linear(x, self.weight)
 
 
-def bf16_candidates(model: nn.Module) -> set[str]:
-    """Names of the weights hold_in_bf16 may keep in bf16: bias-free Linears outside KEEP_FLOAT32."""
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., in] @ weight^T for a contiguous bf16 weight [out, in], in the activations' dtype: few float32
+    rows through the C kernel, else the weight upcast a block of rows at a time."""
+    flat = x.reshape(-1, x.shape[-1])
+    alone = computing_alone()  # rows of independent requests: any number through the kernel, as alone
+    if (
+        bf16_kernel_available()
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and 0 < flat.shape[0]
+        and (alone or flat.shape[0] <= _int4.MAX_ROWS)
+    ):
+        out = in_row_chunks(flat, _int4.MAX_ROWS, lambda rows: bf16_matmul(rows, weight, alone=alone))
+    else:
+        step = max(1, UPCAST_BLOCK_BYTES // (4 * weight.shape[1]))
+        out = torch.cat([linear(flat, block.to(x.dtype)) for block in weight.split(step)], dim=-1)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def linear_candidates(model: nn.Module) -> set[str]:
+    """Names of the weights of bias-free Linears outside KEEP_FLOAT32 (a bf16 or int8 kernel may take them)."""
     return {
         f"{name}.weight"
         for name, module in model.named_modules()
@@ -93,10 +99,18 @@ def bf16_candidates(model: nn.Module) -> set[str]:
     }
 
 
+def bf16_candidates(model: nn.Module) -> set[str]:
+    """Names of the weights a float32 model may keep in bf16: linear_candidates, swapped for Bf16Linear by
+    hold_in_bf16, and the weights of modules that compute from a bf16 weight themselves (``takes_bf16``:
+    DeepSeek-V4's grouped output projection)."""
+    own = {f"{name}.weight" for name, module in model.named_modules() if getattr(module, "takes_bf16", False)}
+    return linear_candidates(model) | own
+
+
 def hold_in_bf16(model: nn.Module, bf16_weights: set[str]) -> int:
     """Swap each nn.Linear whose ``<name>.weight`` is in ``bf16_weights`` (and already a bf16 tensor) for
     a Bf16Linear over that tensor, except KEEP_FLOAT32. Returns how many were swapped."""
-    swapped, eligible = 0, bf16_weights & bf16_candidates(model)
+    swapped, eligible = 0, bf16_weights & linear_candidates(model)
     for name, module in list(model.named_modules()):
         if f"{name}.weight" not in eligible or module.weight.dtype != torch.bfloat16:
             continue

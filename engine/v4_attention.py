@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from engine.args import ModelArgs
+from engine.bf16 import bf16_linear
 from engine.compressor import Compressor, CompressorState
 from engine.hyper import unweighted_rms_norm
 from engine.layers import RMSNorm, query_blocks
@@ -143,8 +144,10 @@ def picked_mask(picked: torch.Tensor, n_entries: int) -> torch.Tensor:
 
 class GroupedLinear(nn.Module):
     """wo_a: weight [g * o_lora, H * D / g], a block of o_lora rows per group of heads. Not an nn.Linear,
-    so the loader never swaps it for a bf16 or int8 kernel that would take all groups' inputs at once:
-    it is held in the compute dtype."""
+    so the loader never swaps it for a kernel that would take all groups' inputs at once; a float32 model
+    may hold it in bf16 (``takes_bf16``, engine/bf16.py), each group's rows then go through the bf16 kernel."""
+
+    takes_bf16 = True
 
     def __init__(self, in_per_group: int, out_per_group: int, groups: int):
         super().__init__()
@@ -154,6 +157,9 @@ class GroupedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, S, H * D] -> [B, S, g * o_lora]: group i's slice of x through group i's rows."""
         grouped = x.unflatten(-1, (self.groups, -1))  # [B, S, g, H*D/g]
+        if self.weight.dtype != x.dtype:  # a bf16-held weight: a contiguous block of rows per group
+            blocks = self.weight.chunk(self.groups)
+            return torch.cat([bf16_linear(grouped[..., g, :], blocks[g]) for g in range(self.groups)], dim=-1)
         weight = self.weight.view(self.groups, -1, grouped.shape[-1])  # [g, o_lora, H*D/g]
         return torch.einsum("bsgi,goi->bsgo", grouped, weight).flatten(2)
 

@@ -16,6 +16,7 @@ from colibri_stream.generate import generate
 from colibri_stream.geometry import geometry_from_container
 from colibri_stream.loader import load_checkpoint, load_container
 from colibri_stream.placement import plan
+from engine.bf16 import bf16_kernel_available
 from storage.container import Container
 from storage.tiered import StoreConfig
 from storage.verify import verify_container
@@ -97,3 +98,20 @@ def test_mtp_modules_are_kept_in_the_container_and_never_loaded(v4_checkpoint, v
         for p in (dst, v4_container)
     ]
     assert placed[0].dense_bytes == placed[1].dense_bytes
+
+
+@pytest.mark.skipif(not bf16_kernel_available(), reason="no bf16 kernel on this CPU: bf16 weights are upcast at load")
+def test_a_float32_model_holds_the_grouped_output_projection_in_bf16(v4_checkpoint, tmp_path):
+    """wo_a of a bf16 container stays bf16 in a float32 model (half its memory; plan counts it so) and
+    computes through the bf16 kernel group by group: the logits of the same weights upcast to float32."""
+    dst = tmp_path / "bf16-dense.cstream"
+    Converter(v4_checkpoint, dst, ConvertOptions(experts="int4", dense="bf16"), progress=False).run()
+    loaded = load_container(dst)
+    layers = [layer.attn.wo_a for layer in loaded.model.layers]
+    assert all(wo_a.weight.dtype == torch.bfloat16 for wo_a in layers)
+    ids = torch.tensor([fixtures.make_prompt(loaded.args.vocab_size, 12, seed=9)])
+    held = loaded.model(ids, 0, loaded.model.new_cache(), loaded.experts)[0]
+    for wo_a in layers:
+        wo_a.weight.data = wo_a.weight.data.float()
+    upcast = loaded.model(ids, 0, loaded.model.new_cache(), loaded.experts)[0]
+    assert (held - upcast).abs().max().item() <= 1e-5
