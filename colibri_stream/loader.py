@@ -235,8 +235,24 @@ def load_checkpoint(
     for name, tensor in dense.items():
         dense[name] = tensor.to(compute_dtype_of(name, dtype))
     model.load_state_dict(dense, strict=True, assign=True)
+    check_hash_tables(model, args, str(path))
     experts = ResidentStore(_routed_experts(args, routed), trace)
     return LoadedModel(path, config, args, model.eval(), experts)
+
+
+def check_hash_tables(model, args: ModelArgs, source: str) -> None:
+    """DeepSeek-V4's token -> experts tables hold expert ids of this model (an id beyond them would
+    fail deep in a forward pass, or read another layer's expert)."""
+    for name, table in model.named_buffers():
+        if (
+            name.endswith("tid2eid")
+            and table.numel()
+            and not 0 <= int(table.min()) <= int(table.max()) < args.n_routed_experts
+        ):
+            raise CheckpointError(
+                f"{source}: {name} holds expert ids {int(table.min())}..{int(table.max())}, "
+                f"config.json n_routed_experts={args.n_routed_experts} allows 0..{args.n_routed_experts - 1}"
+            )
 
 
 def _read_tensors(file: Path, names: list[str], device: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -320,6 +336,7 @@ def _load_dense(
         module = name.removesuffix(".weight")
         state[f"{module}.q"], state[f"{module}.scales"] = q, scales
     model.load_state_dict(state, strict=True, assign=True)
+    check_hash_tables(model, args, path)
     hold_in_bf16(model, held_bf16)
     return model.eval()
 

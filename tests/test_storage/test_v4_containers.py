@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from colibri_stream.convert.converter import Converter, ConvertOptions
 from colibri_stream.devtools import fixtures
+from colibri_stream.errors import CheckpointError
 from colibri_stream.generate import generate
 from colibri_stream.geometry import geometry_from_container
 from colibri_stream.loader import load_checkpoint, load_container
@@ -115,3 +116,19 @@ def test_a_float32_model_holds_the_grouped_output_projection_in_bf16(v4_checkpoi
         wo_a.weight.data = wo_a.weight.data.float()
     upcast = loaded.model(ids, 0, loaded.model.new_cache(), loaded.experts)[0]
     assert (held - upcast).abs().max().item() <= 1e-5
+
+
+def test_a_hash_table_naming_an_expert_the_model_lacks_is_refused(v4_checkpoint, tmp_path):
+    source = tmp_path / "doctored"
+    shutil.copytree(v4_checkpoint, source)
+    tensors = load_file(source / "model.safetensors")
+    name = "model.layers.1.ffn.gate.tid2eid"
+    tensors[name] = tensors[name].clone()
+    tensors[name][7, 2] = 16  # the fixture has experts 0..15
+    save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"layers\.1\.ffn\.gate\.tid2eid holds expert ids 0\.\.16.*0\.\.15"):
+        load_checkpoint(source)
+    dst = tmp_path / "doctored.cstream"
+    Converter(source, dst, ConvertOptions(experts="int4", dense="f32"), progress=False).run()
+    with pytest.raises(CheckpointError, match="tid2eid holds expert ids"):
+        load_container(dst)
