@@ -70,11 +70,7 @@ def softmax_scale(args: ModelArgs) -> float:
 
 def rope_tables(args: ModelArgs, start_pos: int, length: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """(cos, sin), each [length, qk_rope_head_dim // 2] float32, for positions start_pos .. +length."""
-    inv_freq = _cached_inverse_frequencies(args.rope, args.qk_rope_head_dim).to(device)
-    positions = torch.arange(start_pos, start_pos + length, dtype=torch.float32, device=device)
-    angles = positions[:, None] * inv_freq[None, :]
-    scale = cos_sin_scale(args.rope)
-    return angles.cos() * scale, angles.sin() * scale
+    return rope_at(args.rope, args.qk_rope_head_dim, torch.arange(start_pos, start_pos + length, device=device))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:

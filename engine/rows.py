@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -45,13 +46,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def per_row(fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
-    """fn(*xs) for elementwise fn over tensors of N rows (first dim); row by row inside rows_alone():
-    torch's vectorised transcendental functions give a value in a [N, k] block other bits than in a
-    [1, k] row on some CPUs (seen on an AMD EPYC: sigmoid 1.5e-8 apart, a routing weight 6e-8)."""
+def per_row(fn: Callable[..., Any], *xs: torch.Tensor) -> Any:
+    """fn(*xs) for a row-wise fn over tensors of N rows (first dim), giving a tensor or a tuple of them;
+    row by row inside rows_alone(): torch's vectorised transcendental functions give a value in a
+    [N, k] block other bits than in a [1, k] row on some CPUs (seen on an AMD EPYC: sigmoid 1.5e-8
+    apart, a routing weight 6e-8)."""
     if not computing_alone() or xs[0].shape[0] == 1:
         return fn(*xs)
-    return torch.cat([fn(*rows) for rows in zip(*(x.split(1) for x in xs), strict=True)])
+    results = [fn(*rows) for rows in zip(*(x.split(1) for x in xs), strict=True)]
+    if isinstance(results[0], tuple):
+        return tuple(torch.cat(parts) for parts in zip(*results, strict=True))
+    return torch.cat(results)
 
 
 def in_row_chunks(x: torch.Tensor, size: int, matmul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:

@@ -23,7 +23,7 @@ from engine.layers import RMSNorm
 from engine.model import LOOKAHEAD_MAX_NEW_POSITIONS
 from engine.moe import MoE
 from engine.q8 import int8_activations
-from engine.rows import Linear, rows_alone, torch_on_one_thread
+from engine.rows import Linear, per_row, rows_alone, torch_on_one_thread
 from engine.v4_attention import V4Attention
 from engine.v4_cache import V4Cache, V4LayerCache
 
@@ -69,34 +69,25 @@ class V4Block(nn.Module):
         experts: ExpertProvider,
         lookahead: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
-        """One new position of each of B independent sequences (streams [B, 1, n, dim]): each row's
-        hyper-connections and attention run alone (its own cache), the FFN over all rows, so the MoE
-        acquires the union of the rows' experts once."""
-        post, comb, x = _each_row(self.hc_attn, streams)
+        """One new position of each of B independent sequences (streams [B, 1, n, dim]), inside
+        rows_alone(): each row's hyper-connections (per_row) and attention run alone (its own cache), the
+        FFN over all rows, so the MoE acquires the union of the rows' experts once."""
+        post, comb, x = per_row(self.hc_attn, streams)
         out = torch.cat(
             [
                 self.attn(self.attn_norm(x[b : b + 1]), start, cache)
                 for b, (start, cache) in enumerate(zip(starts, caches, strict=True))
             ]
         )
-        streams = _each_row(spread, streams, out, post, comb)
+        streams = per_row(spread, streams, out, post, comb)
         if lookahead is not None:
             lookahead(streams)
-        post, comb, x = _each_row(self.hc_ffn, streams)
-        return _each_row(spread, streams, self.ffn(self.ffn_norm(x), experts, tokens), post, comb)
+        post, comb, x = per_row(self.hc_ffn, streams)
+        return per_row(spread, streams, self.ffn(self.ffn_norm(x), experts, tokens), post, comb)
 
     def router_input(self, streams: torch.Tensor) -> torch.Tensor:
         """What this layer's router would see if its FFN ran on ``streams`` now [B, S, dim]."""
         return self.ffn_norm(self.hc_ffn(streams)[2])
-
-
-def _each_row(fn: Callable, *xs: torch.Tensor):
-    """fn over each row (first dim) of xs alone, results concatenated (a tuple of results: each part):
-    the small elementwise-and-reduce ops of the hyper-connections give a row the bits it gets alone."""
-    results = [fn(*(x[b : b + 1] for x in xs)) for b in range(xs[0].shape[0])]
-    if isinstance(results[0], tuple):
-        return tuple(torch.cat(parts) for parts in zip(*results, strict=True))
-    return torch.cat(results)
 
 
 class V4Transformer(nn.Module):
@@ -181,5 +172,5 @@ class V4Transformer(nn.Module):
                 streams = layer.forward_rows(streams, ids, starts, layer_caches, experts, lookahead)
             for cache in caches:
                 cache.release()
-            collapsed = _each_row(self.hc_head, streams)
+            collapsed = per_row(self.hc_head, streams)
             return self.head(self.norm(collapsed)).float()[:, -1]
