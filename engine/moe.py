@@ -61,8 +61,12 @@ class Gate(nn.Module):
         """x [N, dim] -> expert ids [N, topk]: the choice alone, without the weights (lookahead)."""
         return self._scores_and_ids(x, tokens)[1]
 
+    def _scores(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, dim] -> unbiased scores [N, n_routed] float32."""
+        return per_row(self.score, linear(x.float(), self.weight.float()))
+
     def _scores_and_ids(self, x: torch.Tensor, tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = per_row(self.score, linear(x.float(), self.weight.float()))
+        scores = self._scores(x)
         biased = scores + self.bias.float()
         if self.n_groups > 1:
             biased = self._mask_unchosen_groups(biased)
@@ -88,7 +92,7 @@ class HashGate(Gate):
     def _scores_and_ids(self, x: torch.Tensor, tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         if tokens is None:
             raise ValueError("a hash-routed MoE layer needs the token ids")
-        return per_row(self.score, linear(x.float(), self.weight.float())), self.route(x, tokens)
+        return self._scores(x), self.route(x, tokens)
 
     def route(self, x: torch.Tensor | None, tokens: torch.Tensor | None = None) -> torch.Tensor:
         return self.tid2eid[tokens.reshape(-1)]
