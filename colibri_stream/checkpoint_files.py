@@ -44,6 +44,7 @@ FLOAT_DTYPES = ("F32", "F16", "BF16")  # what a bf16/f16/f32 checkpoint's weight
 INTEGER_DTYPES = ("I64", "I32")  # integer tables (DeepSeek-V4's tid2eid)
 WEIGHT_DTYPES = {"": FLOAT_DTYPES, "tid2eid": INTEGER_DTYPES}  # name suffix -> what an unquantised checkpoint holds
 FP8_DTYPE = "F8_E4M3"
+FP8_SCALE_SUFFIX = "_scale_inv"  # an FP8 weight's block scales: "<name>_scale_inv"
 # FP8 block scales: floats (DeepSeek-V3), or power-of-two e8m0 bytes (scale_fmt ue8m0: DeepSeek-V4's
 # dense weights; transformers' FineGrainedFP8 writes float8_e8m0fnu, MXFP8 checkpoints uint8)
 E8M0_SCALE_DTYPES = ("F8_E8M0", "U8")

@@ -22,7 +22,14 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from colibri_stream.checkpoint_files import E8M0_SCALE_DTYPES, FLOAT_DTYPES, FP8_DTYPE, WEIGHT_DTYPES, TensorInfo
+from colibri_stream.checkpoint_files import (
+    E8M0_SCALE_DTYPES,
+    FLOAT_DTYPES,
+    FP8_DTYPE,
+    FP8_SCALE_SUFFIX,
+    WEIGHT_DTYPES,
+    TensorInfo,
+)
 from colibri_stream.convert.compressed_tensors_source import SUFFIXES, PackedModule, packed_modules, read_packed
 from colibri_stream.convert.v4_native import allowed_dtypes as v4_allowed_dtypes
 from colibri_stream.convert.v4_native import renamed_table
@@ -34,8 +41,6 @@ from engine.config_checks import brief
 from engine.quant import QuantizedMatrix, dequantize_torch, scale_values
 from engine.weights import sort_names
 
-SCALE_SUFFIX = "_scale_inv"
-WEIGHT_INTEGER_SUFFIX = "tid2eid"  # the one integer table (checkpoint_files.WEIGHT_DTYPES)
 COPIED_FILES = (
     "config.json",
     "generation_config.json",
@@ -57,7 +62,7 @@ class HFSource:
         # Headers only, each checked (checkpoint_files.read_header); FP8 / packed weights only where announced.
         allowed = dict(WEIGHT_DTYPES)
         if self.block:
-            allowed.update({"": FLOAT_DTYPES + (FP8_DTYPE,), SCALE_SUFFIX: FLOAT_DTYPES + E8M0_SCALE_DTYPES})
+            allowed.update({"": FLOAT_DTYPES + (FP8_DTYPE,), FP8_SCALE_SUFFIX: FLOAT_DTYPES + E8M0_SCALE_DTYPES})
         if self.packed:
             allowed.update(self.packed.allowed_dtypes())
         table = tensor_table(self.path, v4_allowed_dtypes() if native else allowed)
@@ -86,7 +91,7 @@ class HFSource:
         for name, dtype in dtypes.items():
             if dtype != FP8_DTYPE:
                 continue
-            scale = name + SCALE_SUFFIX
+            scale = name + FP8_SCALE_SUFFIX
             if scale not in self.shapes:
                 raise CheckpointError(f"{self.where[name]}: FP8 tensor {name} has no {scale}")
             expected = [-(-d // b) for d, b in zip(self.shapes[name], self.block, strict=False)]
@@ -118,7 +123,7 @@ class HFSource:
     @property
     def tensor_names(self) -> list[str]:
         """Every logical tensor except FP8 scales, which are consumed with their weights."""
-        return [n for n in self.shapes if not (self.block and n.endswith(SCALE_SUFFIX))]
+        return [n for n in self.shapes if not (self.block and n.endswith(FP8_SCALE_SUFFIX))]
 
     @property
     def scale_dtype(self) -> str | None:
@@ -130,7 +135,7 @@ class HFSource:
 
     def unit_bytes(self, names: list[str]) -> int:
         """Bytes on disk of ``names`` and their FP8 scales."""
-        return sum(self.stored_bytes[n] + self.stored_bytes.get(n + SCALE_SUFFIX, 0) for n in names)
+        return sum(self.stored_bytes[n] + self.stored_bytes.get(n + FP8_SCALE_SUFFIX, 0) for n in names)
 
     def dense_config(self) -> dict[str, Any]:
         """config.json as the converted (dequantised) model has it."""
@@ -210,12 +215,12 @@ class TensorReader:
                 raise CheckpointError(
                     f"{self.source.path}: {name} is float8 but config.json has no quantization_config"
                 )
-            scale_name = name + SCALE_SUFFIX
+            scale_name = name + FP8_SCALE_SUFFIX
             if scale_name not in self.source.where:
                 raise CheckpointError(f"{self.source.path}: FP8 tensor {name} has no {scale_name}")
             return dequantize_fp8_blocks(tensor, self._raw(scale_name), self.source.block)
-        if tensor.dtype in (torch.int64, torch.int32) and name.endswith(WEIGHT_INTEGER_SUFFIX):
-            return tensor  # an integer table (tid2eid): never through float
+        if tensor.dtype in (torch.int64, torch.int32):
+            return tensor  # an integer table (tid2eid, the only one WEIGHT_DTYPES admits): never through float
         if tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise CheckpointError(f"{self.source.path}: {name} has unsupported dtype {tensor.dtype}")
         return tensor.float()

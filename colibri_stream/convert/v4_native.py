@@ -17,13 +17,19 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from colibri_stream.checkpoint_files import E8M0_SCALE_DTYPES, FLOAT_DTYPES, FP8_DTYPE, WEIGHT_DTYPES, TensorInfo
+from colibri_stream.checkpoint_files import (
+    E8M0_SCALE_DTYPES,
+    FLOAT_DTYPES,
+    FP8_DTYPE,
+    FP8_SCALE_SUFFIX,
+    WEIGHT_DTYPES,
+    TensorInfo,
+)
 from colibri_stream.errors import CheckpointError
 from colibri_stream.packed_quant import PACKED, SCALE
 
 SCALE_NAME = ".scale"
 FP4_DTYPE = "I8"  # two e2m1 codes per byte
-FP8_SCALE = "_scale_inv"  # hf_source.SCALE_SUFFIX: what the FP8 path reads
 ROUTED_SUFFIXES = (".w1.weight", ".w2.weight", ".w3.weight")
 
 Table = dict[str, tuple[Path, TensorInfo]]
@@ -54,15 +60,15 @@ def renamed_table(table: Table) -> tuple[Table, dict[str, str]]:
             shipped.update({base + PACKED: weight, base + SCALE: name})
             consumed.add(weight)
         elif info.dtype == FP8_DTYPE:
-            renamed[weight + FP8_SCALE] = table[name]
-            shipped[weight + FP8_SCALE] = name
+            renamed[weight + FP8_SCALE_SUFFIX] = table[name]
+            shipped[weight + FP8_SCALE_SUFFIX] = name
         else:
             raise CheckpointError(f"{file}: {weight} is {info.dtype} but has a scale {name} (expected FP8 or FP4)")
         consumed.add(name)
     for name, entry in table.items():
         if name in consumed:
             continue
-        scaled = name + FP8_SCALE in renamed
+        scaled = name + FP8_SCALE_SUFFIX in renamed
         if entry[1].dtype == FP4_DTYPE or (entry[1].dtype == FP8_DTYPE and not scaled):
             scale = name.removesuffix(".weight") + SCALE_NAME
             what = "FP4 codes (I8)" if entry[1].dtype == FP4_DTYPE else "FP8 weight"
