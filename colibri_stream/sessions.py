@@ -247,7 +247,7 @@ class Session:
         memory then recompresses every entry from rounded rows (as_logged), as a restored one does."""
         if not isinstance(cache, V4Cache):
             return
-        logs_as_held = dtype_bytes(self.geometry.dtype) == cache.dtype.itemsize
+        logs_as_held = self.geometry.dtype == str(cache.dtype).removeprefix("torch.")
         cache.keep_rows_from = self.log.length if logs_as_held else 0
         cache.release()
 
