@@ -28,6 +28,7 @@ from engine.layers import SCORE_BLOCK_BYTES
 
 F32 = 4
 INT64 = 8
+F64 = 8
 
 
 def _block_queries(chunk: int, heads: int, context: int) -> int:
@@ -114,8 +115,8 @@ def ffn_bytes(args: ModelArgs, d: int, chunk: int) -> int:
     shared = 3 * c * args.n_shared_experts * args.moe_inter_dim * d
     routed = (
         c * args.n_routed_experts * 3 * F32  # router scores, biased copy [C, E] float32
-        + c * args.dim * (F32 + d)  # RoutedSum's float32 sum [C, dim] and its cast back
-        + c * args.dim * F32  # one expert's weighted output [rows <= C, dim] float32
+        + c * args.dim * (F64 + d)  # RoutedSum's float64 sum [C, dim] and its cast back
+        + c * args.dim * (F32 + F64)  # one expert's weighted output [rows <= C, dim] float32, as float64
         + 3 * c * args.moe_inter_dim * d  # one expert's hidden [rows, moe_inter] (x3 as in MLP)
         + 3 * args.moe_inter_dim * args.dim * d // 2  # one dequantised matrix (x1.5 its temporaries)
     )

@@ -186,12 +186,27 @@ def store_config(options: StoreOptions, geometry: ModelGeometry, dtype: str = "f
         floor_bytes(provisional),
         activation_bytes=provisional.activation_bytes,
     )
+    return _store_config(options, budget, _ram_bytes(options, budget, expert_bytes, auto), expert_bytes)
+
+
+def worker_store_config(options: StoreOptions, expert_bytes: int) -> StoreConfig:
+    """The store of a worker process (colibri_stream/cluster): no dense part, no KV cache, so `auto` RAM
+    is what is available less the safety margin."""
+    budget = load_budget_file(options.budget) if options.budget else Budget()
+    ram = _ram_bytes(options, budget, expert_bytes, auto_ram_bytes(0, 0))
+    return _store_config(options, budget, ram, expert_bytes)
+
+
+def _ram_bytes(options: StoreOptions, budget: Budget, expert_bytes: int, auto: int) -> int:
     if options.ram is not None:
-        ram = parse_size(options.ram, expert_bytes, "--ram", auto_bytes=auto)
-    else:
-        ram = parse_size(budget.ram, expert_bytes, "memory.ram", auto_bytes=auto)
-        if options.budget:  # written for some machine: no more than this one has available
-            ram = min(ram, auto)
+        return parse_size(options.ram, expert_bytes, "--ram", auto_bytes=auto)
+    ram = parse_size(budget.ram, expert_bytes, "memory.ram", auto_bytes=auto)
+    if options.budget:  # written for some machine: no more than this one has available
+        ram = min(ram, auto)
+    return ram
+
+
+def _store_config(options: StoreOptions, budget: Budget, ram: int, expert_bytes: int) -> StoreConfig:
     vram = parse_size(options.vram if options.vram is not None else budget.vram, expert_bytes, "vram")
     history = options.history if options.history is not None else budget.history
     return StoreConfig(

@@ -25,6 +25,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from colibri_stream.batching import ContinuousBatch, GenerationRequest, GenerationResult
+from colibri_stream.cluster.group import ClusterOptions
 from colibri_stream.config import StoreOptions
 from colibri_stream.errors import RequestError, TokenizerError
 from colibri_stream.expert_store import ExpertStore
@@ -49,6 +50,7 @@ class RuntimeOptions:
     kv_dtype: str = "float32"  # KV log record dtype
     model_id: str | None = None  # the name clients send (default: the directory's name)
     text: bool = True  # load tokenizer.json and the chat template (False: token ids only)
+    cluster: ClusterOptions = field(default_factory=ClusterOptions)  # routed experts held by worker processes
 
 
 @dataclass
@@ -102,7 +104,7 @@ def load_runtime(path: str | Path, options: RuntimeOptions | None = None) -> Run
     options = options or RuntimeOptions()
     tokenizer = load_tokenizer(path) if options.text else None
     chat = load_chat_format(path) if options.text else None
-    loaded = load(path, options.dtype, options.store, options.activations)
+    loaded = load(path, options.dtype, options.store, options.activations, options.cluster)
     fingerprint = model_fingerprint(path)
     kv_dir = Path(options.kv_dir) if options.kv_dir else default_kv_dir(fingerprint)
     model_id = options.model_id or Path(path).resolve().name

@@ -23,6 +23,7 @@ from colibri_stream.checkpoint_files import (
     shard_files,
     short_name,
 )
+from colibri_stream.cluster.group import ClusterOptions, connect
 from colibri_stream.config import StoreOptions, store_config
 from colibri_stream.dtypes import COMPUTE_DTYPES, compute_dtype_of, from_stored
 from colibri_stream.errors import CheckpointError, ColibriError
@@ -170,22 +171,32 @@ def check_dense_names(args: ModelArgs, unmapped: list[str], loaded: set[str], so
 
 
 def load(
-    path: str | Path, dtype: str = "float32", store: StoreOptions | None = None, activations: str = "float32"
+    path: str | Path,
+    dtype: str = "float32",
+    store: StoreOptions | None = None,
+    activations: str = "float32",
+    cluster: ClusterOptions | None = None,
 ) -> LoadedModel:
     """What `run`, `chat`, `serve` and `demo` load: a container streams its experts under the budget
     ``store`` describes (refused with the numbers when it cannot fit); an HF directory is resident.
-    ``activations`` "int8": the kernel matmuls quantise their inputs (engine/q8.py; lossy, opt-in)."""
+    ``activations`` "int8": the kernel matmuls quantise their inputs (engine/q8.py; lossy, opt-in).
+    ``cluster``: the routed experts live in worker processes (colibri_stream/cluster); with local
+    workers the budget is theirs together, so it is checked as for one process."""
     store = store or StoreOptions()
+    cluster = cluster if cluster is not None and cluster.enabled else None
     trace = TraceWriter(store.trace) if store.trace else None
     int8 = check_activations(activations, dtype)
     if not is_container(path):
+        if cluster is not None:
+            raise ColibriError(f"{path}: workers serve a converted container's experts; convert this checkpoint first")
         loaded = load_checkpoint(path, COMPUTE_DTYPES[dtype], trace=trace)
         loaded.model.int8_activations = int8
         return loaded
     geometry = geometry_from_container(Container(path))
     config = store_config(store, geometry, dtype)
-    check_fits(plan(geometry, config, dtype, sequences=store.kv_sequences))
-    return load_container(path, COMPUTE_DTYPES[dtype], config, trace, int8_activations=int8)
+    if cluster is None or cluster.local_workers:
+        check_fits(plan(geometry, config, dtype, sequences=store.kv_sequences))
+    return load_container(path, COMPUTE_DTYPES[dtype], config, trace, int8_activations=int8, cluster=cluster)
 
 
 ACTIVATIONS = ("float32", "int8")
@@ -282,15 +293,19 @@ def load_container(
     store: StoreConfig | None = None,
     trace: TraceWriter | None = None,
     int8_activations: bool = False,
+    cluster: ClusterOptions | None = None,
 ) -> LoadedModel:
-    """Dense part resident; experts all resident (``store`` None) or streamed by a TieredExpertStore.
+    """Dense part resident; experts all resident (``store`` None), streamed by a TieredExpertStore, or
+    held by workers (``cluster``: ``store`` is then their budget together, split between local workers).
     ``int8_activations``: the model quantises its matmul inputs, and int8 dense records stay int8."""
     container = Container(path)
     args = container_args(container)
     model = _load_dense(container, args, dtype, int8_activations)
     model.int8_activations = int8_activations
     experts: ExpertStore
-    if store is None:
+    if cluster is not None:
+        experts = connect(container, cluster, store or StoreConfig(ram_bytes=container.expert_bytes), trace)
+    elif store is None:
         experts = ResidentStore(_read_experts(container), trace)
     else:
         history = None

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -10,6 +13,8 @@ from engine.args import ModelArgs
 from engine.experts import ExpertProvider
 from engine.layers import MLP
 from engine.rows import linear, per_row
+
+T = TypeVar("T")
 
 
 def stable_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -122,24 +127,56 @@ class MoE(nn.Module):
         return sorted({expert for row in rows for expert in row})
 
     def forward(self, x: torch.Tensor, experts: ExpertProvider, tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """x [B, S, dim] -> [B, S, dim]. Batch-union: each distinct expert is acquired once for all rows,
-        in chunks of at most what the provider can pin at once (one chunk when it has no limit).
+        """x [B, S, dim] -> [B, S, dim]. The routed sum comes from ``routed_sum`` over the provider's
+        experts, or from the provider itself when it computes it elsewhere (``start_routed_sum``: experts
+        sharded over worker processes); either way the shared expert runs while the experts load.
         ``tokens`` [B, S]: the input ids, for hash-routed layers."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, ids = self.gate(x, tokens)
-        routed = RoutedSum(x, weights, self.limit)  # one sum over every chunk, in unique-id order: same floats
-        rows_of = _rows_routed_to(ids)
-        for i, chunk in enumerate(chunks(sorted(rows_of), experts.max_acquire())):
-            acquired = experts.acquire(self.layer_id, chunk)  # misses start loading now...
-            try:
-                if i == 0:  # ...meanwhile
-                    shared = self.shared_experts(x) if self.shared_experts is not None else torch.zeros_like(x)
-                for expert_id in chunk:
-                    routed.add(acquired[expert_id], *rows_of[expert_id])  # waits for this expert's read only
-            finally:
-                experts.release(self.layer_id, chunk)
-        return (routed.total().to(x.dtype) + shared).view(shape)
+        remote = getattr(experts, "start_routed_sum", None)
+        if remote is not None:
+            pending = remote(self.layer_id, x, weights, ids)  # requests sent; the workers read and compute...
+            shared = self._shared(x)  # ...meanwhile
+            routed = pending()
+        else:
+            routed, shared = routed_sum(x, weights, ids, experts, self.layer_id, self.limit, lambda: self._shared(x))
+        return (routed.to(x.dtype) + shared).view(shape)
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shared_experts(x) if self.shared_experts is not None else torch.zeros_like(x)
+
+
+def routed_sum(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    experts: ExpertProvider,
+    layer: int,
+    limit: float | None = None,
+    meanwhile: Callable[[], T] = lambda: None,
+    owned: Callable[[int], bool] | None = None,
+) -> tuple[torch.Tensor, T]:
+    """sum over routed experts of gate weight x expert(x rows) -> (float64 [N, dim], ``meanwhile()``).
+
+    x [N, dim], weights [N, topk] float32, ids [N, topk]. Batch-union: each distinct expert is acquired
+    once for all rows, in chunks of at most what the provider can pin at once (one chunk when it has no
+    limit); ``meanwhile`` runs right after the first acquire, while its misses load. ``owned``: only the
+    experts it accepts are summed (a worker's share; the others are another process's)."""
+    routed = RoutedSum(x, weights, limit)  # one sum over every chunk, in unique-id order
+    rows_of = _rows_routed_to(ids)
+    wanted = sorted(e for e in rows_of if owned is None or owned(e))
+    side = None
+    for i, chunk in enumerate(chunks(wanted, experts.max_acquire())):
+        acquired = experts.acquire(layer, chunk)  # misses start loading now...
+        try:
+            if i == 0:  # ...meanwhile
+                side = meanwhile()
+            for expert_id in chunk:
+                routed.add(acquired[expert_id], *rows_of[expert_id])  # waits for this expert's read only
+        finally:
+            experts.release(layer, chunk)
+    return routed.total(), side
 
 
 def _rows_routed_to(ids: torch.Tensor) -> dict[int, tuple[torch.Tensor | None, torch.Tensor | int]]:
@@ -161,7 +198,14 @@ def chunks(expert_ids: list[int], size: int | None) -> list[list[int]]:
 
 
 class RoutedSum:
-    """sum over experts e of gate weight * e(x[rows]), float32, kept on each expert's device until the end.
+    """sum over experts e of gate weight * e(x[rows]), kept on each expert's device until the end.
+
+    Each term is the float32 product the experts always gave; the sum is float64. Adding up to top-k
+    float32 terms in float64 is exact unless one term is 2^26 times smaller than another in the same
+    element, so the float32 result does not depend on the order of the additions: experts summed on
+    other devices or in other processes (worker shares, partial sums added in any order) give the same
+    bits as one sum in expert order (where a float64 sum does round, the float32 result can still only
+    differ if it lands within 2^-53 of a float32 rounding midpoint).
 
     An expert computes where its weights are (``expert.device``; the activations' device if it has
     none): a VRAM-tier expert on the GPU. x and the gate weights go to such a device once per layer,
@@ -187,22 +231,23 @@ class RoutedSum:
             self._inputs[device] = (x.to(device, non_blocking=True), weights.to(device, non_blocking=True))
         x, weights = self._inputs[device]
         if device not in self._sums:
-            self._sums[device] = torch.zeros(x.shape, dtype=torch.float32, device=device)
+            self._sums[device] = torch.zeros(x.shape, dtype=torch.float64, device=device)
         if rows is None:  # one row: the same products and the same additions, in place
-            self._sums[device].add_(self._apply(expert, x).float() * weights[:, slot, None])
+            self._sums[device].add_((self._apply(expert, x).float() * weights[:, slot, None]).double())
             return
         rows, slot = rows.to(device, non_blocking=True), slot.to(device, non_blocking=True)
-        self._sums[device].index_add_(0, rows, self._apply(expert, x[rows]).float() * weights[rows, slot, None])
+        term = self._apply(expert, x[rows]).float() * weights[rows, slot, None]
+        self._sums[device].index_add_(0, rows, term.double())
 
     def _apply(self, expert, x: torch.Tensor) -> torch.Tensor:
         return expert(x) if self.limit is None else expert(x, limit=self.limit)
 
     def total(self) -> torch.Tensor:
-        """[N, dim] float32 on the activations' device."""
+        """[N, dim] float64 on the activations' device."""
         x = self._inputs[self.home][0]
         total = self._sums.pop(self.home, None)
         if total is None:
-            total = torch.zeros(x.shape, dtype=torch.float32, device=self.home)
+            total = torch.zeros(x.shape, dtype=torch.float64, device=self.home)
         for partial in self._sums.values():
             total += partial.to(self.home)
         return total

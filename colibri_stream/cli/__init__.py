@@ -9,7 +9,7 @@ import traceback
 from collections.abc import Sequence
 
 from colibri_stream import __version__
-from colibri_stream.cli import bench, chat, container, demo, doctor, kv, plan, run, serve
+from colibri_stream.cli import bench, chat, container, demo, doctor, kv, plan, run, serve, worker
 from colibri_stream.errors import USER_ERRORS
 from colibri_stream.memory import return_large_frees_to_the_os
 
@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_parser(commands)
     chat.add_parser(commands)
     doctor.add_parser(commands)
+    worker.add_parser(commands)
     return parser
 
 

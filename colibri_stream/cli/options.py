@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import math
 
+from colibri_stream.cluster.group import DEFAULT_TIMEOUT_S, ClusterOptions
+from colibri_stream.cluster.local import LOCALHOST
 from colibri_stream.config import StoreOptions, parse_size
 from colibri_stream.conversation import RuntimeOptions
 from colibri_stream.dtypes import COMPUTE_DTYPES
@@ -159,6 +161,7 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_session_arguments(parser)
     add_store_arguments(parser)
+    add_cluster_arguments(parser)
 
 
 def runtime_options(args: argparse.Namespace, text: bool = True, model_id: str | None = None) -> RuntimeOptions:
@@ -170,6 +173,53 @@ def runtime_options(args: argparse.Namespace, text: bool = True, model_id: str |
         kv_dtype=args.kv_dtype,
         model_id=model_id,
         text=text,
+        cluster=cluster_options(args),
+    )
+
+
+def positive_seconds(text: str) -> float:
+    value = finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
+    return value
+
+
+def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    """The coordinator's flags: routed experts held by `colibri-stream worker` processes."""
+    group = parser.add_argument_group(
+        "workers (experts sharded over processes or machines; the store flags above are then the workers' "
+        "budget together, split evenly between local workers)"
+    )
+    group.add_argument("--local-workers", type=int, default=0, metavar="N", help="start N workers on 127.0.0.1")
+    group.add_argument("--world-size", type=int, help="coordinator + workers started by hand (`colibri-stream worker`)")
+    group.add_argument("--master-addr", default=LOCALHOST, help=f"address the workers connect to (default {LOCALHOST})")
+    group.add_argument(
+        "--master-port", type=int, help="port the workers connect to (default with --local-workers: a free one)"
+    )
+    group.add_argument(
+        "--worker-timeout",
+        type=positive_seconds,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="S",
+        help=f"a worker silent for S seconds on a request is an error naming it (default {DEFAULT_TIMEOUT_S:g})",
+    )
+    group.add_argument(
+        "--expert-map",
+        help='JSON {"1": [expert ids], "2": [...]}: which worker holds which experts in every MoE layer '
+        "(default: by the workers' RAM budgets and measured disk speeds)",
+    )
+
+
+def cluster_options(args: argparse.Namespace) -> ClusterOptions:
+    if args.local_workers < 0:
+        raise RequestError(f"--local-workers must be >= 0, got {args.local_workers}")
+    return ClusterOptions(
+        world_size=args.world_size,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        local_workers=args.local_workers,
+        timeout_s=args.worker_timeout,
+        expert_map=args.expert_map,
     )
 
 

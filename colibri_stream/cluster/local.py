@@ -1,0 +1,55 @@
+"""``--local-workers N``: N worker processes on 127.0.0.1, started by the coordinator as children (the
+way to try workers on one machine, and what the tests use). They share this machine's disk, so none
+measures it (equal shares); the coordinator's RAM budget is split evenly between them."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from colibri_stream.cluster.wire import WorkerError
+
+LOCALHOST = "127.0.0.1"
+STOP_WAIT_S = 10.0
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (the OS picks it; the store binds it moments later)."""
+    with socket.socket() as probe:
+        probe.bind((LOCALHOST, 0))
+        return probe.getsockname()[1]
+
+
+@dataclass
+class LocalWorkers:
+    """The child processes; ``check`` raises for one that has exited, ``stop`` ends them all."""
+
+    processes: dict[int, subprocess.Popen] = field(default_factory=dict)  # rank -> process
+
+    @classmethod
+    def start(cls, path: str, count: int, port: int, flags: Callable[[int], list[str]]) -> LocalWorkers:
+        """Workers 1 .. count of a group of count + 1 at 127.0.0.1:port; ``flags(rank)``: their store flags."""
+        workers = cls()
+        for rank in range(1, count + 1):
+            command = [sys.executable, "-m", "colibri_stream", "worker", str(path), "--rank", str(rank)]
+            command += ["--world-size", str(count + 1), "--master-addr", LOCALHOST, "--master-port", str(port)]
+            command += ["--disk-speed", "0", *flags(rank)]  # one disk for all: equal shares, nothing to measure
+            workers.processes[rank] = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+        return workers
+
+    def check(self) -> None:
+        for rank, process in self.processes.items():
+            if process.poll() is not None:
+                raise WorkerError(f"local worker {rank} (pid {process.pid}) exited with status {process.returncode}")
+
+    def stop(self, kill: bool = False) -> None:
+        """Wait a little for workers told to shut down (``kill``: none was), then kill the rest."""
+        for process in self.processes.values():
+            try:
+                process.wait(0 if kill else STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
