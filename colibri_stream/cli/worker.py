@@ -21,7 +21,8 @@ examples:
   # one machine, to try it: colibri-stream run MODEL.cstream --ids 1,2,3 --local-workers 2
 Each worker needs the same container (same model, same conversion) on its own disk. Shares follow the
 workers' RAM budgets and measured disk speeds (or --expert-map on the coordinator).
-exit status: 0 when the coordinator ends the session, 1 on a user error or when the coordinator is gone."""
+exit status: 0 when the coordinator ends the session, 1 on a user error or when the coordinator is gone,
+2 on bad flags."""
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:

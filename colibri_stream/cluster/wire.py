@@ -92,14 +92,15 @@ def pack(*tensors: torch.Tensor) -> torch.Tensor:
 
 
 def unpack(payload: torch.Tensor, specs: list[Spec]) -> list[torch.Tensor]:
-    """The tensors ``pack`` wrote, given each one's dtype and shape in order."""
+    """The tensors ``pack`` wrote, given each one's dtype and shape in order (8-byte types first, so
+    every view starts aligned)."""
+    if payload.numel() != payload_bytes(specs):
+        raise ValueError(f"payload of {payload.numel()} bytes, the header describes {payload_bytes(specs)}")
     out, start = [], 0
     for dtype, shape in specs:
         n = payload_bytes([(dtype, shape)])
         out.append(payload[start : start + n].view(dtype).view(shape))
         start += n
-    if start != payload.numel():
-        raise ValueError(f"payload of {payload.numel()} bytes, the header describes {start}")
     return out
 
 

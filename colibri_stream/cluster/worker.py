@@ -15,10 +15,8 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -40,7 +38,7 @@ from storage.container import Container
 from storage.history import UsageHistory
 from storage.tiered import TieredExpertStore
 
-IDLE = timedelta(days=365)  # a worker waits for the next request as long as the coordinator lives
+IDLE_S = 365 * 86400.0  # a worker waits for the next request as long as the coordinator lives
 
 
 @dataclass(frozen=True)
@@ -76,7 +74,7 @@ def run_worker(options: WorkerOptions) -> int:
         wire.fingerprint_crc(container_fingerprint(container)),
     )
     for tensor in wire.hello_tensor(hello):
-        dist.send(tensor, COORDINATOR, tag=wire.TAG_CONTROL)
+        _send(tensor, wire.TAG_CONTROL)
     owners = _receive_owners(container)
     try:
         share = int((owners == options.rank).sum())
@@ -101,20 +99,17 @@ def run_worker(options: WorkerOptions) -> int:
 
 
 def _receive_owners(container: Container) -> torch.Tensor:
-    head = torch.empty(wire.HEADER, dtype=torch.int64)
-    dist.recv(head, COORDINATOR, tag=wire.TAG_CONTROL)
+    head = _receive(torch.int64, (wire.HEADER,), wire.TAG_CONTROL)
     if head[0] != Op.SETUP:
         raise ColibriError(f"expected the owner table from the coordinator, got message {int(head[0])}")
-    owners = torch.empty(len(container.moe_layers), container.n_experts, dtype=torch.int64)
-    dist.recv(owners, COORDINATOR, tag=wire.TAG_CONTROL)
-    return owners
+    return _receive(torch.int64, (len(container.moe_layers), container.n_experts), wire.TAG_CONTROL)
 
 
 def _ready(error: str) -> None:
     text = error.encode()
-    dist.send(torch.tensor([len(text)], dtype=torch.int64), COORDINATOR, tag=wire.TAG_CONTROL)
+    _send(torch.tensor([len(text)], dtype=torch.int64), wire.TAG_CONTROL)
     if text:
-        dist.send(torch.tensor(list(text), dtype=torch.uint8), COORDINATOR, tag=wire.TAG_CONTROL)
+        _send(torch.tensor(list(text), dtype=torch.uint8), wire.TAG_CONTROL)
 
 
 class Server:
@@ -129,14 +124,8 @@ class Server:
         self.limit = args.v4.swiglu_limit if args.v4 else None
 
     def serve(self) -> int:
-        head = torch.empty(wire.HEADER, dtype=torch.int64)
         while True:
-            try:
-                dist.irecv(head, COORDINATOR).wait(IDLE)
-            except RuntimeError as exc:
-                print(f"colibri-stream worker: the coordinator is gone ({exc}); exiting", file=sys.stderr)
-                return 1
-            op, *values = head.tolist()
+            op, *values = _receive(torch.int64, (wire.HEADER,)).tolist()
             if op == Op.SHUTDOWN:
                 return 0
             self._handle(Op(op), values)
@@ -149,7 +138,7 @@ class Server:
             self._prefetch(layer, _receive(torch.int64, (count,)))
         elif op == Op.STATS:
             stats = wire.stats_tensor(self.store.snapshot(), self.store.ram.n_slots, sum(map(len, self.owned)))
-            dist.send(stats, COORDINATOR, tag=wire.TAG_STATS)
+            _send(stats, wire.TAG_STATS)
         elif op == Op.END_TURN:
             self.store.end_turn()
         else:
@@ -164,17 +153,23 @@ class Server:
         owned = self.owned[self.row[layer]]
         with _engine_context(flags):
             total, _ = routed_sum(x, weights, ids, self.store, layer, self.limit, owned=owned.__contains__)
-        dist.send(total, COORDINATOR, tag=wire.TAG_SUM)
+        _send(total, wire.TAG_SUM)
 
     def _prefetch(self, layer: int, ids: torch.Tensor) -> None:
         if layer in self.row:
             self.store.prefetch(layer, ids.tolist())
 
 
-def _receive(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+def _receive(dtype: torch.dtype, shape: tuple[int, ...], tag: int = 0) -> torch.Tensor:
+    """The coordinator's next message, however long it takes (a chat waits for its user); a coordinator
+    that is gone is a WorkerError (exit status 1)."""
     out = torch.empty(shape, dtype=dtype)
-    dist.recv(out, COORDINATOR)
+    wire.wait(dist.irecv(out, COORDINATOR, tag=tag), IDLE_S, "the coordinator")
     return out
+
+
+def _send(tensor: torch.Tensor, tag: int) -> None:
+    wire.wait(dist.isend(tensor, COORDINATOR, tag=tag), IDLE_S, "the coordinator")
 
 
 @contextlib.contextmanager

@@ -1,0 +1,169 @@
+"""Faults: a worker killed (-9) or stopped mid-generation is an error naming it within the timeout, the
+coordinator exits (status 1) and takes its local workers with it, the session log stays usable; a
+coordinator that dies takes its workers down too; a worker of another model, or one whose budget cannot
+hold its share, is refused with the reason. Everything runs as real processes (the CLI)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from colibri_stream.cluster.local import free_port
+
+TIMEOUT_S = 4
+
+
+def colibri(*args: str) -> list[str]:
+    return [sys.executable, "-m", "colibri_stream", *map(str, args)]
+
+
+def start_generation(container: Path, kv_dir: Path, workers: int = 2) -> subprocess.Popen:
+    """A long generation over local workers, its session log appended after every token."""
+    command = colibri(
+        "run", container, "--ids", "5,9,2,7", "--max-new-tokens", "400", "--local-workers", workers,
+        "--worker-timeout", TIMEOUT_S, "--ram", "40%", "--session", "s", "--kv-dir", kv_dir, "--kv-sync-every", "1",
+    )  # fmt: skip
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def workers_of(coordinator: subprocess.Popen, count: int) -> list[psutil.Process]:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        children = [p for p in psutil.Process(coordinator.pid).children() if "worker" in p.cmdline()]
+        if len(children) == count:
+            return children
+        time.sleep(0.05)
+    raise AssertionError(f"{count} workers never started")
+
+
+def wait_for_generation(kv_dir: Path) -> None:
+    """Until the session's log holds some generated positions (the turn is under way)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        logs = list(kv_dir.rglob("*.kvlog"))
+        if logs and logs[0].stat().st_size > 64 * 1024:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"no session log grew under {kv_dir}")
+
+
+def finish(process: subprocess.Popen, within: float) -> tuple[int, str]:
+    started = time.monotonic()
+    _, err = process.communicate(timeout=within)
+    assert time.monotonic() - started < within
+    return process.returncode, err
+
+
+def gone(processes: list[psutil.Process], within: float = 15.0) -> bool:
+    _, alive = psutil.wait_procs(processes, timeout=within)
+    return not alive
+
+
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_a_worker_lost_mid_generation_is_an_error_naming_it(make_container, tmp_path, fault):
+    container = make_container("deepseek_v3", "int4")
+    coordinator = start_generation(container, tmp_path / "kv")
+    workers = workers_of(coordinator, 2)
+    wait_for_generation(tmp_path / "kv")
+    victim = workers[1]
+    rank = victim.cmdline()[victim.cmdline().index("--rank") + 1]
+    victim.send_signal(signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+    status, err = finish(coordinator, within=TIMEOUT_S + 30)
+    assert status == 1, err
+    assert f"worker {rank} (" in err and f"pid {victim.pid}" in err
+    assert ("connection lost" if fault == "kill" else f"no answer within {TIMEOUT_S} s") in err
+    assert "Traceback" not in err
+    assert gone(workers)  # the other worker (and a stopped one) ended with the coordinator
+
+    # The session log is intact: one process resumes it from what was stored before the fault.
+    resumed = subprocess.run(
+        colibri("run", container, "--ids", "5,9,2,7", "--max-new-tokens", "2", "--session", "s")
+        + ["--kv-dir", tmp_path / "kv", "--json", "--ram", "40%"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads(resumed.stdout.splitlines()[-1])["stats"]["reused_tokens"] >= 3
+
+
+def test_workers_end_when_the_coordinator_dies(make_container, tmp_path):
+    coordinator = start_generation(make_container("deepseek_v3", "int4"), tmp_path / "kv")
+    workers = workers_of(coordinator, 2)
+    wait_for_generation(tmp_path / "kv")
+    coordinator.kill()
+    coordinator.communicate()
+    assert gone(workers)
+
+
+def hand_started(container: Path, port: int, *flags: str) -> tuple[subprocess.Popen, list]:
+    """A worker started by hand (rank 1 of a world of 2), and the flags its coordinator needs."""
+    common = ["--world-size", "2", "--master-addr", "127.0.0.1", "--master-port", port]
+    worker = subprocess.Popen(
+        colibri("worker", container, "--rank", "1", *common, "--disk-speed", "0", *flags),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    return worker, common
+
+
+def test_a_worker_of_another_model_is_refused(make_container, tmp_path):
+    port = free_port()
+    worker, common = hand_started(make_container("deepseek_v32", "int4"), port)
+    run = subprocess.run(
+        colibri("run", make_container("deepseek_v3", "int4"), "--ids", "1,2", *common, "--kv-dir", tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 1
+    assert "worker 1 (" in run.stderr and "serves another model or container" in run.stderr
+    assert worker.wait(timeout=30) == 1  # it learns the coordinator is gone
+
+
+def test_a_worker_whose_budget_cannot_hold_its_share_is_refused(make_container, tmp_path):
+    port = free_port()
+    container = make_container("deepseek_v3", "int4")
+    worker, common = hand_started(container, port, "--ram", "1KiB")
+    run = subprocess.run(
+        colibri("run", container, "--ids", "1,2", *common, "--kv-dir", tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 1
+    assert "worker 1 (" in run.stderr and "cannot take its share" in run.stderr and "RAM budget" in run.stderr
+    assert worker.wait(timeout=30) != 0
+    assert "Traceback" not in run.stderr
+
+
+def test_hand_started_worker_serves_a_turn(make_container, tmp_path):
+    """The by-hand path (--world-size/--master-port + `colibri-stream worker`) gives one process's tokens."""
+    container = make_container("deepseek_v3", "int4")
+    alone = subprocess.run(
+        colibri("run", container, "--ids", "3,1,4,1,5", "--max-new-tokens", "5", "--json", "--kv-dir", tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    worker, common = hand_started(container, free_port(), "--ram", "50%")
+    run = subprocess.run(
+        colibri("run", container, "--ids", "3,1,4,1,5", "--max-new-tokens", "5", "--json", *common)
+        + ["--kv-dir", tmp_path],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert worker.wait(timeout=30) == 0  # told to stop, not left behind
+    stats = json.loads(run.stdout.splitlines()[-1])
+    assert stats["ids"] == json.loads(alone.stdout.splitlines()[-1])["ids"]
+    assert [w["rank"] for w in stats["stats"]["workers"]] == [1]
