@@ -4,11 +4,14 @@ measures it (equal shares); the coordinator's RAM budget is split evenly between
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import torch
 
 from colibri_stream.cluster.wire import WorkerError
 
@@ -37,7 +40,7 @@ class LocalWorkers:
             command = [sys.executable, "-m", "colibri_stream", "worker", str(path), "--rank", str(rank)]
             command += ["--world-size", str(count + 1), "--master-addr", LOCALHOST, "--master-port", str(port)]
             command += ["--disk-speed", "0", *flags(rank)]  # one disk for all: equal shares, nothing to measure
-            workers.processes[rank] = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+            workers.processes[rank] = subprocess.Popen(command, stdin=subprocess.DEVNULL, env=_worker_env(count))
         return workers
 
     def check(self) -> None:
@@ -53,3 +56,10 @@ class LocalWorkers:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+def _worker_env(count: int) -> dict[str, str]:
+    """Each local worker computes on its part of this machine's cores (the coordinator's torch threads
+    over the workers): they compute a layer at the same time, and more threads than cores only switch."""
+    threads = max(1, torch.get_num_threads() // count)
+    return {**os.environ, "OMP_NUM_THREADS": str(threads)}

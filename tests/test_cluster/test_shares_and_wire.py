@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -78,7 +79,7 @@ def test_a_sum_request_round_trips_through_one_payload():
 def test_hello_and_stats_survive_the_wire():
     sent = Hello(2, "box-" + "x" * 80, 4242, 58, 256, 7 << 20, 48 << 30, 3 << 30, 0xDEADBEEF)
     got = wire.read_hello(2, *wire.hello_tensor(sent))
-    assert got == Hello(2, ("box-" + "x" * 80)[: wire.HOST_BYTES], 4242, 58, 256, 7 << 20, 48 << 30, 3 << 30, 0xDEADBEEF)
+    assert got == dataclasses.replace(sent, host=sent.host[: wire.HOST_BYTES])  # a long host name is cut
     assert got.name() == f"worker 2 ({got.host}, pid 4242)"
     values, host = wire.hello_tensor(sent)
     values[0] = 99
