@@ -52,9 +52,10 @@ def attention_bytes(args: ModelArgs, d: int, chunk: int, context: int) -> int:
     # 163840 positions 20 GiB in float32, the largest term there.
     expanded = d * t * h * (args.qk_nope_head_dim + args.v_head_dim)
     # one query block's scores [q_blk, H, T]: float32 holds 3 at once (the two einsums and their sum,
-    # then scaled, masked, softmax); bfloat16 the masked scores, the float32 softmax and its cast back.
+    # then scaled, masked, softmax); bfloat16 the masked scores, the softmax's float32 copy of its input
+    # and its float32 output, then the cast back (measured: 10-11.5 bytes per score, float32 12).
     # Masks [q_blk, T] bool: causal, chosen (DSA), their negation.
-    per_score = 3 * d if d == F32 else 2 * d + F32
+    per_score = 3 * d if d == F32 else 2 * d + 2 * F32
     q_blk = _block_queries(c, h, t)
     scores = q_blk * h * t * per_score + 3 * q_blk * t
     return projections + expanded + scores

@@ -132,7 +132,7 @@ class DistributedExperts:
                 if bool((owners == rank).any()):
                     reply = torch.empty(x_cpu.shape, dtype=torch.float64)
                     sends += self._send_sum(rank, layer, x_cpu, weights, ids, flags)
-                    replies.append((rank, dist.irecv(reply, rank, tag=wire.TAG_SUM), reply))
+                    replies.append((rank, self._receive(rank, reply, wire.TAG_SUM, f"layer {layer}"), reply))
                 elif rank in self._ahead:
                     sends += self._send_prefetch(rank)
         if replies:
@@ -162,15 +162,19 @@ class DistributedExperts:
         head = wire.header(Op.SUM, layer, x.shape[0], ids.shape[1], x.shape[1], dtype, flags, ahead_layer, len(ahead))
         guess = torch.tensor(ahead, dtype=torch.int64)
         payload = wire.pack(guess, ids.cpu().to(torch.int64), weights.cpu().float(), x)
-        return self._send(rank, head, payload)
+        return self._send(rank, f"layer {layer}", head, payload)
 
     def _send_prefetch(self, rank: int) -> list[tuple[int, dist.Work]]:
         layer, ahead = self._ahead.pop(rank)
-        return self._send(rank, wire.header(Op.PREFETCH, layer, len(ahead)), torch.tensor(ahead, dtype=torch.int64))
+        head, guess = wire.header(Op.PREFETCH, layer, len(ahead)), torch.tensor(ahead, dtype=torch.int64)
+        return self._send(rank, f"prefetch for layer {layer}", head, guess)
 
-    def _send(self, rank: int, *tensors: torch.Tensor) -> list[tuple[int, dist.Work]]:
+    def _send(self, rank: int, what: str, *tensors: torch.Tensor) -> list[tuple[int, dist.Work]]:
         self.network.bytes_sent += sum(t.nbytes for t in tensors)
-        return [(rank, dist.isend(t, rank)) for t in tensors]
+        return [(rank, self._issue(rank, what, lambda t=t: dist.isend(t, rank))) for t in tensors]
+
+    def _receive(self, rank: int, reply: torch.Tensor, tag: int, what: str) -> dist.Work:
+        return self._issue(rank, what, lambda: dist.irecv(reply, rank, tag=tag))
 
     def prefetch(self, layer: int, expert_ids: Sequence[int]) -> None:
         """Hold each worker's part of the guess until the next request goes out (it travels with it)."""
@@ -202,9 +206,9 @@ class DistributedExperts:
             self._check()
             pending, sends = [], []
             for rank in self.workers:
-                sends += self._send(rank, wire.header(Op.STATS))
+                sends += self._send(rank, "stats", wire.header(Op.STATS))
                 reply = torch.empty(len(wire.STATS_FIELDS), dtype=torch.float64)
-                pending.append((rank, dist.irecv(reply, rank, tag=wire.TAG_STATS), reply))
+                pending.append((rank, self._receive(rank, reply, wire.TAG_STATS, "stats"), reply))
         self._wait_all(sends, "stats")
         total = StoreStats()
         for rank, work, reply in pending:
@@ -230,32 +234,44 @@ class DistributedExperts:
         }
 
     def end_turn(self) -> None:
+        """Flush the trace; the workers persist their usage histories. After a worker failed (already
+        raised by the forward pass that met it) there is no one to tell: a no-op, so the turn still ends."""
         if self.trace is not None:
             self.trace.flush()
+        if self._failed is not None:
+            return
         with self._lock:
-            self._check()
-            sends = [sent for rank in self.workers for sent in self._send(rank, wire.header(Op.END_TURN))]
+            sends = self._to_all("end of turn", Op.END_TURN)
         self._wait_all(sends, "end of turn")
 
     def close(self) -> None:
-        """Tell the workers to stop (unless one failed: the group is then unusable), end local ones."""
+        """Tell the workers to stop (after a failure none is told: they see the group end), end local
+        ones, leave the group (a later ``connect`` in this process can form a new one)."""
         if self.trace is not None:
             self.trace.close()
         if self._failed is None:
             try:
-                for rank in self.workers:
-                    dist.isend(wire.header(Op.SHUTDOWN), rank).wait()
-            except RuntimeError:
-                pass
+                self._wait_all(self._to_all("stop", Op.SHUTDOWN), "stop")
+            except WorkerError:
+                pass  # it is gone already: nothing to stop
         if self.local is not None:
             self.local.stop(kill=self._failed is not None)
-        if self._failed is None:
-            dist.destroy_process_group()
+        dist.destroy_process_group()
+
+    def _to_all(self, what: str, op: Op) -> list[tuple[int, dist.Work]]:
+        return [sent for rank in self.workers for sent in self._send(rank, what, wire.header(op))]
 
     # ---------------------------------------------------------------------------------- faults
     def _wait(self, work: dist.Work, rank: int, what: str) -> None:
+        self._failing(rank, lambda name: wire.wait(work, self.timeout_s, f"{name}, {what}"))
+
+    def _issue(self, rank: int, what: str, start: Callable[[], dist.Work]) -> dist.Work:
+        return self._failing(rank, lambda name: wire.issue(start, f"{name}, {what}"))
+
+    def _failing(self, rank: int, step: Callable[[str], Any]) -> Any:
+        """step(the worker's name); its WorkerError is kept: every later call raises it at once."""
         try:
-            wire.wait(work, self.timeout_s, f"{self.workers[rank].hello.name()}, {what}")
+            return step(self.workers[rank].hello.name())
         except WorkerError as exc:
             self._failed = self._failed or exc
             raise self._failed from None

@@ -20,6 +20,7 @@ dashboard thread can never take a MoE layer's reply.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from datetime import timedelta
 from enum import IntEnum
@@ -160,5 +161,17 @@ def wait(work: dist.Work, seconds: float, what: str) -> None:
     except RuntimeError as exc:
         if "Timed out" in str(exc):
             raise WorkerError(f"{what}: no answer within {seconds:g} s") from None
-        detail = str(exc).split("] ", 1)[-1].split(". ", 1)[0]  # gloo's "[file:line] Read error ...: reset"
-        raise WorkerError(f"{what}: connection lost ({detail})") from None
+        raise lost(exc, what) from None
+
+
+def issue(start: Callable[[], dist.Work], what: str) -> dist.Work:
+    """start() (an isend/irecv); one to a peer already known dead fails at once: a WorkerError too."""
+    try:
+        return start()
+    except RuntimeError as exc:
+        raise lost(exc, what) from None
+
+
+def lost(exc: RuntimeError, what: str) -> WorkerError:
+    detail = str(exc).split("] ", 1)[-1].split(". ", 1)[0]  # gloo's "[file:line] Read error ...: reset"
+    return WorkerError(f"{what}: connection lost ({detail})")

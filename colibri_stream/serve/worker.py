@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from colibri_stream.batching import ContinuousBatch, Generation
+from colibri_stream.cluster.wire import WorkerError
 from colibri_stream.conversation import OpenTurn, Runtime, TurnOptions, abort_turn, begin_turn, finish_turn
 from colibri_stream.errors import ColibriError
 from colibri_stream.sampling import SamplingParams
@@ -254,6 +255,8 @@ def api_error(exc: BaseException) -> ApiError:
     """The HTTP answer for a failed turn: the worker survives anything one request does."""
     if isinstance(exc, StorageError):  # e.g. the session is open in another process
         return ApiError(409, str(exc), "session_unavailable")
+    if isinstance(exc, WorkerError):  # a worker holding experts died or stalled: restart the server with it
+        return ApiError(503, str(exc), "worker_unavailable")
     if isinstance(exc, ColibriError):  # a request the library refuses (prompt, sampling)
         return ApiError(400, str(exc), "invalid_request")
     return ApiError(500, f"generation failed: {type(exc).__name__}: {exc}", "internal_error")

@@ -17,7 +17,7 @@ import pytest
 
 from colibri_stream.cluster.local import free_port
 
-TIMEOUT_S = 4
+TIMEOUT_S = 8
 
 
 def colibri(*args: str) -> list[str]:
@@ -164,6 +164,30 @@ def test_hand_started_worker_serves_a_turn(make_container, tmp_path):
     )
     assert run.returncode == 0, run.stderr
     assert worker.wait(timeout=30) == 0  # told to stop, not left behind
-    stats = json.loads(run.stdout.splitlines()[-1])
-    assert stats["ids"] == json.loads(alone.stdout.splitlines()[-1])["ids"]
-    assert [w["rank"] for w in stats["stats"]["workers"]] == [1]
+    result = json.loads(run.stdout.splitlines()[-1])
+    assert result["ids"] == json.loads(alone.stdout.splitlines()[-1])["ids"]
+    stats = result["stats"]
+    (only,) = stats["workers"]
+    assert only["rank"] == 1 and only["experts_held"] == 2 * 16  # every record of the 2 MoE layers
+    assert only["requests"] == stats["expert_requests"] == only["hits"] + only["misses"] > 0  # one turn only
+    assert only["expert_bytes_read"] == stats["expert_bytes_read"] > 0
+    network = stats["network"]
+    tokens = 5 + 4  # the prompt and the generated tokens fed back (the last one is not)
+    assert network["layer_requests"] == 2 * (1 + 4)  # a prefill and 4 decode steps through 2 MoE layers
+    assert network["bytes_per_token"] == round((network["bytes_sent"] + network["bytes_received"]) / tokens)
+    assert network["bytes_received"] == tokens * 2 * 64 * 8  # float64 partial sums [rows, dim 64] per layer
+    assert network["round_trip_ms_mean"] > 0
+
+
+def test_chat_over_a_local_worker(make_container, tmp_path):
+    command = colibri("chat", make_container("deepseek_v3", "int4"), "--kv-dir", tmp_path, "--session", "talk")
+    done = subprocess.run(
+        command + ["--max-new-tokens", "4", "--local-workers", "1", "--ram", "60%"],
+        input="Hello there\n:stats\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    store = json.loads(done.stderr.strip().splitlines()[-1])["store"]
+    assert store["store"] == "workers" and store["workers"][0]["requests"] == store["expert_requests"] > 0
