@@ -119,22 +119,8 @@ class DistributedExperts:
             self.trace.write(layer, ids.unique().tolist())
         if layer == self.layers[0]:
             self.network.tokens += x.shape[0]
-        owners = self.owners[self.row[layer]][ids.cpu()]  # [N, topk] ranks
-        flags = (wire.FLAG_ROWS_ALONE if computing_alone() else 0) | (
-            wire.FLAG_INT8_ACTIVATIONS if activations_are_int8() else 0
-        )
         x_cpu, started = x.cpu(), time.perf_counter()
-        replies: list[tuple[int, dist.Work, torch.Tensor]] = []
-        sends: list[tuple[int, dist.Work]] = []
-        with self._lock:
-            self._check()
-            for rank in self.workers:
-                if bool((owners == rank).any()):
-                    reply = torch.empty(x_cpu.shape, dtype=torch.float64)
-                    sends += self._send_sum(rank, layer, x_cpu, weights, ids, flags)
-                    replies.append((rank, self._receive(rank, reply, wire.TAG_SUM, f"layer {layer}"), reply))
-                elif rank in self._ahead:
-                    sends += self._send_prefetch(rank)
+        replies, sends = self._request(layer, x_cpu, weights, ids)
         if replies:
             self.network.layer_requests += 1
 
@@ -153,6 +139,27 @@ class DistributedExperts:
             return total.to(x.device)
 
         return wait
+
+    def _request(
+        self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> tuple[list[tuple[int, dist.Work, torch.Tensor]], list[tuple[int, dist.Work]]]:
+        """A SUM request to every worker holding one of ``ids`` (with its part of the lookahead guess), a
+        lone PREFETCH to one that holds none but has a guess waiting -> (pending replies, sends)."""
+        owners = self.owners[self.row[layer]][ids.cpu()]  # [N, topk] ranks
+        flags = (wire.FLAG_ROWS_ALONE if computing_alone() else 0) | (
+            wire.FLAG_INT8_ACTIVATIONS if activations_are_int8() else 0
+        )
+        replies, sends = [], []
+        with self._lock:
+            self._check()
+            for rank in self.workers:
+                if bool((owners == rank).any()):
+                    reply = torch.empty(x.shape, dtype=torch.float64)
+                    sends += self._send_sum(rank, layer, x, weights, ids, flags)
+                    replies.append((rank, self._receive(rank, reply, wire.TAG_SUM, f"layer {layer}"), reply))
+                elif rank in self._ahead:
+                    sends += self._send_prefetch(rank)
+        return replies, sends
 
     def _send_sum(
         self, rank: int, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, flags: int

@@ -36,7 +36,8 @@ from engine.q8 import int8_activations
 from engine.rows import rows_alone, torch_on_one_thread
 from storage.container import Container
 from storage.history import UsageHistory
-from storage.tiered import TieredExpertStore
+from storage.tiered import StoreConfig, TieredExpertStore
+from storage.trace import TraceWriter
 
 IDLE_S = 365 * 86400.0  # a worker waits for the next request as long as the coordinator lives
 
@@ -75,9 +76,21 @@ def run_worker(options: WorkerOptions) -> int:
     )
     for tensor in wire.hello_tensor(hello):
         _send(tensor, wire.TAG_CONTROL)
-    owners = _receive_owners(container)
     try:
-        share = int((owners == options.rank).sum())
+        owners = _receive_owners(container)
+        trace = TraceWriter(options.store.trace) if options.store.trace else None
+        store = _open_store(container, config, int((owners == options.rank).sum()), trace)
+        try:
+            return Server(container, store, owners, options.rank).serve()
+        finally:
+            store.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def _open_store(container: Container, config: StoreConfig, share: int, trace: TraceWriter | None) -> TieredExpertStore:
+    """This worker's store, its RAM no more than its share of records; READY (or why not) to the coordinator."""
+    try:
         history = None
         if config.history_path is not None:
             history = UsageHistory.load(config.history_path, container.n_experts, container_fingerprint(container))
@@ -87,15 +100,13 @@ def run_worker(options: WorkerOptions) -> int:
             replace(config, ram_bytes=held),
             lambda record: expert_from_record(container.layout, record),
             history,
+            trace,
         )
     except Exception as exc:  # a budget below this share's floor, an unreadable history: the coordinator says it
         _ready(f"{type(exc).__name__}: {exc}")
         raise
     _ready("")
-    try:
-        return Server(container, store, owners, options.rank).serve()
-    finally:
-        store.close()
+    return store
 
 
 def _receive_owners(container: Container) -> torch.Tensor:
@@ -164,12 +175,13 @@ def _receive(dtype: torch.dtype, shape: tuple[int, ...], tag: int = 0) -> torch.
     """The coordinator's next message, however long it takes (a chat waits for its user); a coordinator
     that is gone is a WorkerError (exit status 1)."""
     out = torch.empty(shape, dtype=dtype)
-    wire.wait(dist.irecv(out, COORDINATOR, tag=tag), IDLE_S, "the coordinator")
+    wire.wait(wire.issue(lambda: dist.irecv(out, COORDINATOR, tag=tag), "the coordinator"), IDLE_S, "the coordinator")
     return out
 
 
 def _send(tensor: torch.Tensor, tag: int) -> None:
-    wire.wait(dist.isend(tensor, COORDINATOR, tag=tag), IDLE_S, "the coordinator")
+    work = wire.issue(lambda: dist.isend(tensor, COORDINATOR, tag=tag), "the coordinator")
+    wire.wait(work, IDLE_S, "the coordinator")
 
 
 @contextlib.contextmanager
