@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -114,9 +114,10 @@ class DistributedExperts:
         self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     ) -> Callable[[], torch.Tensor]:
         """Send the layer's requests; the returned function waits for the replies -> float64 [N, dim]."""
-        self.routed.record(layer, ids.unique().tolist())
+        routed = ids.unique().tolist()
+        self.routed.record(layer, routed)
         if self.trace is not None:
-            self.trace.write(layer, ids.unique().tolist())
+            self.trace.write(layer, routed)
         if layer == self.layers[0]:
             self.network.tokens += x.shape[0]
         x_cpu, started = x.cpu(), time.perf_counter()
@@ -187,11 +188,10 @@ class DistributedExperts:
         """Hold each worker's part of the guess until the next request goes out (it travels with it)."""
         if not self.prefetch_enabled or layer not in self.row:
             return
-        owners = self.owners[self.row[layer]]
-        for rank in self.workers:
-            mine = [e for e in expert_ids if int(owners[e]) == rank]
-            if mine:
-                self._ahead[rank] = (layer, mine)
+        by_rank: dict[int, list[int]] = {}
+        for expert, rank in zip(expert_ids, self.owners[self.row[layer]][list(expert_ids)].tolist(), strict=True):
+            by_rank.setdefault(rank, []).append(expert)
+        self._ahead.update((rank, (layer, mine)) for rank, mine in by_rank.items())
 
     def wants_prefetch(self, layer: int) -> bool:
         return self.prefetch_enabled
@@ -222,7 +222,7 @@ class DistributedExperts:
             self._wait(work, rank, "stats")
             view = self.workers[rank]
             view.stats, view.ram_slots, view.experts_held = wire.read_stats(reply)
-            total = replace(total, **{k: getattr(total, k) + v for k, v in vars(view.stats).items()})
+            total.add(**vars(view.stats))
         return total
 
     def tiers(self) -> list[TierView]:
