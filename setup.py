@@ -28,8 +28,8 @@ setup(
     ext_modules=[
         Extension(
             "engine._int4",
-            sources=["engine/csrc/int4.c", "engine/csrc/nibble.c", "engine/csrc/q8.c"],
-            depends=["engine/csrc/nibble.h", "engine/csrc/q8.h"],
+            sources=["engine/csrc/int4.c", "engine/csrc/nibble.c", "engine/csrc/q8.c", "engine/csrc/split.c"],
+            depends=["engine/csrc/nibble.h", "engine/csrc/q8.h", "engine/csrc/split.h"],
             extra_compile_args=["-O3"],
         )
     ],

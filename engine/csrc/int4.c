@@ -23,6 +23,7 @@
 
 #include "nibble.h"
 #include "q8.h"
+#include "split.h"
 
 #if HAVE_X86
 __attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v) {
@@ -216,78 +217,15 @@ static void run_slice(const Slice *s) {
     }
 }
 
-/* One persistent helper thread (started on first use) shares each call's output rows with the caller:
- * both take blocks of rows from a shared counter until none is left, so a call costs a wake-up, not a
- * thread start. When the helper is not running in time (a busy machine: another process on its core),
- * the caller does every block itself and takes the job back, instead of waiting a scheduler time slice
- * for the helper's fixed half (measured: a fixed split made each call wait for the descheduled thread).
- * Calls are serialised by the caller holding `call_lock`. */
-static pthread_mutex_t call_lock = PTHREAD_MUTEX_INITIALIZER;
-static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t work_ready = PTHREAD_COND_INITIALIZER, work_done = PTHREAD_COND_INITIALIZER;
-/* Blocks of 64 output rows (the float kernels' buffer), at least 8 blocks' worth of sharing. */
+/* Blocks of 64 output rows (the float kernels' buffer) shared between the threads (split.c); calls
+ * under 512 output rows stay on the caller (a wake-up would cost more than the work). */
 #define SPLIT_ROWS 64
 
-static const Slice *pending = NULL; /* offered to the helper, not yet taken */
-static int helper_busy = 0; /* the helper took the current job and is still in it */
-static int next_block = 0, n_blocks = 0; /* the current job's blocks of SPLIT_ROWS rows, taken under mu */
-static int helper_state = 0; /* 0 not started, 1 running, -1 could not start */
-
-/* The next block of the job's output rows into *part, or 0 when none is left. */
-static int take_block(const Slice *whole, Slice *part) {
-    pthread_mutex_lock(&mu);
-    int block = next_block < n_blocks ? next_block++ : -1;
-    pthread_mutex_unlock(&mu);
-    if (block < 0) return 0;
-    *part = *whole;
-    part->begin = whole->begin + block * SPLIT_ROWS;
-    part->end = part->begin + SPLIT_ROWS < whole->end ? part->begin + SPLIT_ROWS : whole->end;
-    return 1;
-}
-
-static void run_blocks(const Slice *whole) {
-    Slice part;
-    while (take_block(whole, &part)) run_slice(&part);
-}
-
-static void *helper_main(void *unused) {
-    (void)unused;
-    pthread_mutex_lock(&mu);
-    for (;;) {
-        while (pending == NULL) pthread_cond_wait(&work_ready, &mu);
-        const Slice *s = pending;
-        pending = NULL;
-        helper_busy = 1;
-        pthread_mutex_unlock(&mu);
-        run_blocks(s);
-        pthread_mutex_lock(&mu);
-        helper_busy = 0;
-        pthread_cond_signal(&work_done);
-    }
-    return NULL;
-}
-
-/* A forked child has no helper thread (only the forking thread survives): start afresh there. */
-static void reset_after_fork(void) {
-    helper_state = 0;
-    pending = NULL;
-    helper_busy = 0;
-    pthread_mutex_init(&call_lock, NULL);
-    pthread_mutex_init(&mu, NULL);
-    pthread_cond_init(&work_ready, NULL);
-    pthread_cond_init(&work_done, NULL);
-}
-
-static int ensure_helper(void) {
-    if (helper_state == 0) {
-        pthread_t id;
-        pthread_attr_t attr;
-        pthread_attr_init(&attr);
-        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        helper_state = pthread_create(&id, &attr, helper_main, NULL) == 0 ? 1 : -1;
-        pthread_attr_destroy(&attr);
-    }
-    return helper_state == 1;
+static void run_block(void *job, int block) {
+    Slice part = *(const Slice *)job;
+    part.begin += block * SPLIT_ROWS;
+    if (part.begin + SPLIT_ROWS < part.end) part.end = part.begin + SPLIT_ROWS;
+    run_slice(&part);
 }
 
 static void run_split(const Slice *whole, int threads) {
@@ -295,24 +233,7 @@ static void run_split(const Slice *whole, int threads) {
         run_slice(whole);
         return;
     }
-    pthread_mutex_lock(&call_lock);
-    if (!ensure_helper()) {
-        pthread_mutex_unlock(&call_lock);
-        run_slice(whole);
-        return;
-    }
-    pthread_mutex_lock(&mu);
-    n_blocks = (whole->end - whole->begin + SPLIT_ROWS - 1) / SPLIT_ROWS;
-    next_block = 0;
-    pending = whole;
-    pthread_cond_signal(&work_ready);
-    pthread_mutex_unlock(&mu);
-    run_blocks(whole);
-    pthread_mutex_lock(&mu);
-    pending = NULL; /* not taken yet: the helper never sees this job */
-    while (helper_busy) pthread_cond_wait(&work_done, &mu);
-    pthread_mutex_unlock(&mu);
-    pthread_mutex_unlock(&call_lock);
+    split_run(run_block, (void *)whole, (whole->end - whole->begin + SPLIT_ROWS - 1) / SPLIT_ROWS, threads);
 }
 
 /* Fills m from gemm/dequant's common arguments; 0 with a ValueError naming what is unsupported. */
@@ -441,7 +362,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_int4", NULL, -1, me
 
 PyMODINIT_FUNC PyInit__int4(void) {
     PyObject *m = PyModule_Create(&module);
-    pthread_atfork(NULL, NULL, reset_after_fork);
+    pthread_atfork(NULL, NULL, split_after_fork);
     if (m) PyModule_AddIntConstant(m, "MAX_ROWS", MAX_ROWS);
     /* 2: gemm/dequant take (code, scale kind) and any width (ragged groups); quant.py checks it */
     if (m) PyModule_AddIntConstant(m, "NIBBLE_ABI", 2);

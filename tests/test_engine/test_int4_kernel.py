@@ -79,3 +79,27 @@ def test_kernel_splits_rows_across_threads_and_survives_fork():
         assert os.waitstatus_to_exitcode(status) == 0
     finally:
         torch.set_num_threads(previous)
+
+
+@needs_kernel
+def test_split_calls_from_several_python_threads_each_get_their_own_result():
+    """Four Python threads call the kernels at once (the GIL is released inside): the split's jobs are
+    taken one at a time and a helper never computes a block of another call's job."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    gen = torch.Generator().manual_seed(7)
+    mats = [quantized_matrix(torch.randn(1024 + 64 * i, 256, generator=gen) * 0.05, 4, 64) for i in range(4)]
+    xs = [torch.randn(1, 256, generator=gen) for _ in mats]
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [kernel_matmul(x, m) for x, m in zip(xs, mats, strict=True)]
+        torch.set_num_threads(2)
+
+        def repeat(i: int) -> bool:
+            return all(torch.equal(kernel_matmul(xs[i], mats[i]), alone[i]) for _ in range(200))
+
+        with ThreadPoolExecutor(4) as pool:
+            assert all(pool.map(repeat, range(4)))
+    finally:
+        torch.set_num_threads(previous)

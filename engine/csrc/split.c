@@ -1,0 +1,144 @@
+/*
+ * One persistent helper thread shares each call's blocks with the caller. Both take blocks from one
+ * atomic ticket (job generation, block count, next block) by compare-and-swap, so the helper can
+ * never take a block of a finished job: a ticket of another generation fails its swap.
+ *
+ * Wake-ups cost more than a small call's work (a condition variable wakes the helper in ~50 us, an
+ * expert matrix takes ~100 us), so after a job the helper spins for a while (SPIN_NS, yielding the
+ * CPU between polls) before it sleeps: during a forward pass the next call comes sooner than that
+ * and finds it awake. The caller, once no block is left, waits only for a block the helper is inside.
+ */
+#include "split.h"
+
+#include <pthread.h>
+#include <sched.h>
+#include <stdint.h>
+#include <time.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define PAUSE() _mm_pause()
+#else
+#define PAUSE() ((void)0)
+#endif
+
+#define SPIN_NS 300000L /* how long an idle helper polls before it sleeps */
+
+/* ticket bits: generation 24 | blocks 20 | next block 20 */
+#define FIELD_BITS 20
+#define FIELD_MASK ((1ull << FIELD_BITS) - 1)
+static inline uint64_t ticket_of(uint64_t gen, uint64_t n, uint64_t next) {
+    return (gen << (2 * FIELD_BITS)) | (n << FIELD_BITS) | next;
+}
+static inline uint64_t generation(uint64_t t) { return t >> (2 * FIELD_BITS); }
+static inline int blocks_of(uint64_t t) { return (int)((t >> FIELD_BITS) & FIELD_MASK); }
+static inline int next_of(uint64_t t) { return (int)(t & FIELD_MASK); }
+
+static pthread_mutex_t call_lock = PTHREAD_MUTEX_INITIALIZER; /* one job at a time */
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;           /* guards the helper's sleep */
+static pthread_cond_t work_ready = PTHREAD_COND_INITIALIZER;
+static uint64_t ticket = 0;
+static split_block_fn job_fn;
+static void *job_arg;
+static int helper_inside = 0;   /* the helper is running a block */
+static int helper_sleeping = 0; /* the helper waits on work_ready */
+static int helper_state = 0;    /* 0 not started, 1 running, -1 could not start */
+
+/* Takes the next block of generation gen; -1 when none is left (or the job is another one). */
+static int take_block(uint64_t gen) {
+    uint64_t t = __atomic_load_n(&ticket, __ATOMIC_SEQ_CST);
+    while (generation(t) == gen && next_of(t) < blocks_of(t)) {
+        if (__atomic_compare_exchange_n(&ticket, &t, t + 1, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) return next_of(t);
+    }
+    return -1;
+}
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static int has_work(uint64_t seen) {
+    uint64_t t = __atomic_load_n(&ticket, __ATOMIC_SEQ_CST);
+    return generation(t) != seen && next_of(t) < blocks_of(t);
+}
+
+/* Returns the generation of a job with blocks left, after spinning then sleeping for one. */
+static uint64_t wait_for_job(uint64_t seen) {
+    int64_t deadline = now_ns() + SPIN_NS;
+    for (int polls = 0; !has_work(seen); polls++) {
+        if (polls % 64 == 63) {
+            if (now_ns() > deadline) break;
+            sched_yield();
+        }
+        PAUSE();
+    }
+    pthread_mutex_lock(&mu);
+    __atomic_store_n(&helper_sleeping, 1, __ATOMIC_SEQ_CST);
+    while (!has_work(seen)) pthread_cond_wait(&work_ready, &mu);
+    __atomic_store_n(&helper_sleeping, 0, __ATOMIC_SEQ_CST);
+    pthread_mutex_unlock(&mu);
+    return generation(__atomic_load_n(&ticket, __ATOMIC_SEQ_CST));
+}
+
+static void *helper_main(void *unused) {
+    (void)unused;
+    uint64_t seen = 0;
+    for (;;) {
+        seen = wait_for_job(seen);
+        for (;;) {
+            __atomic_store_n(&helper_inside, 1, __ATOMIC_SEQ_CST); /* before the swap: the caller waits for it */
+            int block = take_block(seen);
+            if (block < 0) break;
+            job_fn(job_arg, block);
+            __atomic_store_n(&helper_inside, 0, __ATOMIC_SEQ_CST);
+        }
+        __atomic_store_n(&helper_inside, 0, __ATOMIC_SEQ_CST);
+    }
+    return NULL;
+}
+
+static int ensure_helper(void) {
+    if (helper_state == 0) {
+        pthread_t id;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        helper_state = pthread_create(&id, &attr, helper_main, NULL) == 0 ? 1 : -1;
+        pthread_attr_destroy(&attr);
+    }
+    return helper_state == 1;
+}
+
+void split_run(split_block_fn fn, void *job, int n_blocks, int threads) {
+    if (n_blocks <= 0) return;
+    pthread_mutex_lock(&call_lock);
+    if (threads < 2 || n_blocks < 2 || (uint64_t)n_blocks > FIELD_MASK || !ensure_helper()) {
+        pthread_mutex_unlock(&call_lock);
+        for (int b = 0; b < n_blocks; b++) fn(job, b);
+        return;
+    }
+    job_fn = fn, job_arg = job;
+    uint64_t gen = (generation(__atomic_load_n(&ticket, __ATOMIC_SEQ_CST)) + 1) & ((1ull << 24) - 1);
+    __atomic_store_n(&ticket, ticket_of(gen, (uint64_t)n_blocks, 0), __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&helper_sleeping, __ATOMIC_SEQ_CST)) {
+        pthread_mutex_lock(&mu);
+        pthread_cond_signal(&work_ready);
+        pthread_mutex_unlock(&mu);
+    }
+    for (int block; (block = take_block(gen)) >= 0;) fn(job, block);
+    for (int polls = 0; __atomic_load_n(&helper_inside, __ATOMIC_SEQ_CST); polls++) {
+        if (polls % 64 == 63) sched_yield(); /* the helper may be descheduled inside its block */
+        PAUSE();
+    }
+    pthread_mutex_unlock(&call_lock);
+}
+
+void split_after_fork(void) {
+    helper_state = 0;
+    helper_inside = helper_sleeping = 0;
+    pthread_mutex_init(&call_lock, NULL);
+    pthread_mutex_init(&mu, NULL);
+    pthread_cond_init(&work_ready, NULL);
+}

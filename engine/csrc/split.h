@@ -1,0 +1,17 @@
+/* The kernels' thread split (split.c): a call's work cut into numbered blocks, taken from a shared
+ * counter by the calling thread and one persistent helper thread. */
+#ifndef COLIBRI_SPLIT_H
+#define COLIBRI_SPLIT_H
+
+/* Computes block `block` of a job; blocks of one job touch disjoint outputs. */
+typedef void (*split_block_fn)(void *job, int block);
+
+/* fn(job, b) for every b in [0, n_blocks), on the caller and (threads >= 2) the helper; returns when
+ * all are done. The caller never waits for a helper that has not started: it takes every block the
+ * helper has not, so a descheduled helper (a busy machine) costs nothing but its own blocks. */
+void split_run(split_block_fn fn, void *job, int n_blocks, int threads);
+
+/* A forked child has no helper thread (only the forking thread survives): call in the child. */
+void split_after_fork(void);
+
+#endif
