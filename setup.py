@@ -28,8 +28,8 @@ setup(
     ext_modules=[
         Extension(
             "engine._int4",
-            sources=["engine/csrc/int4.c", "engine/csrc/nibble.c", "engine/csrc/q8.c", "engine/csrc/split.c"],
-            depends=["engine/csrc/nibble.h", "engine/csrc/q8.h", "engine/csrc/split.h"],
+            sources=[f"engine/csrc/{name}.c" for name in ("int4", "nibble", "q8", "split")],
+            depends=[f"engine/csrc/{name}" for name in ("nibble.h", "q8.h", "q8_body.h", "split.h")],
             extra_compile_args=["-O3"],
         )
     ],

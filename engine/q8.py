@@ -25,6 +25,7 @@ except ImportError:  # pragma: no cover - machines without a compiler
 
 BLOCK = 32  # columns of x per int8 scale
 WEIGHT_KINDS = {"int4": 0, "int8": 1}  # the kernel's weight kinds (q8.h)
+ISA_SCALAR, ISA_AVX2, ISA_BEST = 0, 1, 2  # q8.h Q8_ISA_*: plain C, AVX2 maddubs, AVX-512 VNNI where there
 
 _enabled: ContextVar[bool] = ContextVar("int8_activations", default=False)
 
@@ -63,10 +64,11 @@ def q8_matmul(
     code: str,
     group_size: int,
     scale_kind: int,
-    force_scalar: bool = False,
+    isa: int = ISA_BEST,
 ) -> torch.Tensor:
     """int8(x) [rows, in] @ dequant(w, scales)^T -> [rows, out] float32. ``w``: int4 nibbles uint8
-    [out, ceil(in / 2)] or int8 [out, in]; ``scale_kind``: the kernel's code for the scales' dtype."""
+    [out, ceil(in / 2)] or int8 [out, in]; ``scale_kind``: the kernel's code for the scales' dtype;
+    ``isa``: the best instruction set the kernel may use (every level gives the same bytes; tests lower it)."""
     rows, in_dim = x.shape
     x = x.contiguous()
     y = torch.empty((rows, w.shape[0]), dtype=torch.float32)
@@ -79,7 +81,7 @@ def q8_matmul(
         in_dim,
         w.shape[0],
         group_size,
-        force_scalar,
+        isa,
         kernel_threads(),
         WEIGHT_KINDS[code],
         scale_kind,

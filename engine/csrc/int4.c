@@ -172,7 +172,7 @@ typedef struct {
     const float *xs; /* 4-bit: nibble_prepare's x; bf16: x itself */
     float *y;
     int rows, in, out, begin, end;
-    int isa_limit; /* the highest path allowed: 0 scalar, 1 AVX2, 2 AVX-512 (bf16 only); tests lower it */
+    int isa_limit; /* the highest path allowed: 0 scalar, 1 AVX2, 2 AVX-512 (bf16, q8 VNNI); tests lower it */
     int alone; /* batch-invariant: each row of x computed exactly as alone (rows of independent requests) */
 } Slice;
 
@@ -200,7 +200,7 @@ static void run_bf16_slice(const Slice *s) {
 
 static void run_slice(const Slice *s) {
     if (s->q8 != NULL) {
-        q8_gemm(s->q8, s->q8x, s->begin, s->end, s->isa_limit >= 1, s->y + s->begin, (size_t)s->out);
+        q8_gemm(s->q8, s->q8x, s->begin, s->end, s->isa_limit, s->y + s->begin, (size_t)s->out);
         return;
     }
     if (s->nibbles == NULL) {
@@ -321,13 +321,14 @@ static PyObject *py_bf16_gemm(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* q8_gemm(w_ptr, scales_ptr, x_ptr, y_ptr, rows, in, out, group, force_scalar, threads, kind, scale_kind):
+/* q8_gemm(w_ptr, scales_ptr, x_ptr, y_ptr, rows, in, out, group, isa, threads, kind, scale_kind):
  * y[rows, out] = quantise_int8(x[rows, in]) @ dequant(w, scales)^T (q8.c); kind 0 int4 nibbles, 1 int8;
- * group a multiple of 32. Each row is computed as alone (batch-invariant). */
+ * group a multiple of 32; isa: the best instruction set to use (q8.h Q8_ISA_*, each the same bytes). Each
+ * row is computed as alone (batch-invariant). */
 static PyObject *py_q8_gemm(PyObject *self, PyObject *args) {
     unsigned long long w, scales, x, y;
-    int rows, in, out, group, force_scalar, threads, kind, scale_kind;
-    if (!PyArg_ParseTuple(args, "KKKKiiiipiii", &w, &scales, &x, &y, &rows, &in, &out, &group, &force_scalar, &threads,
+    int rows, in, out, group, isa, threads, kind, scale_kind;
+    if (!PyArg_ParseTuple(args, "KKKKiiiiiiii", &w, &scales, &x, &y, &rows, &in, &out, &group, &isa, &threads,
                           &kind, &scale_kind))
         return NULL;
     if (rows < 1 || in < 1 || out < 1 || group < Q8_BLOCK || group % Q8_BLOCK || kind < 0 || kind >= N_Q8_WEIGHTS ||
@@ -339,10 +340,10 @@ static PyObject *py_q8_gemm(PyObject *self, PyObject *args) {
     Q8Matrix m = {(const void *)(uintptr_t)w, (const void *)(uintptr_t)scales, kind, scale_kind, in, group};
     Q8Rows xq = {malloc(q8_work_bytes(rows, in)), 0, 0, kind};
     if (xq.work == NULL) return PyErr_NoMemory();
-    (void)nibble_simd_available(); /* detect the CPU once, before any helper thread looks */
-    Slice whole = {NULL, &m, &xq, NULL, NULL, (float *)(uintptr_t)y, rows, in, out, 0, out, force_scalar ? 0 : 1, 1};
+    (void)q8_vnni_available(); /* detect the CPU once, before any helper thread looks */
+    Slice whole = {NULL, &m, &xq, NULL, NULL, (float *)(uintptr_t)y, rows, in, out, 0, out, isa, 1};
     Py_BEGIN_ALLOW_THREADS
-    q8_prepare(kind, (const float *)(uintptr_t)x, rows, in, !force_scalar, &xq);
+    q8_prepare(kind, (const float *)(uintptr_t)x, rows, in, isa, &xq);
     run_split(&whole, threads);
     Py_END_ALLOW_THREADS
     free(xq.work);
@@ -368,5 +369,7 @@ PyMODINIT_FUNC PyInit__int4(void) {
     if (m) PyModule_AddIntConstant(m, "NIBBLE_ABI", 2);
     /* 2 AVX-512, 1 AVX2, 0 none: without SIMD the bf16 path would be slower than float32 matmul. */
     if (m) PyModule_AddIntConstant(m, "BF16_SIMD", bf16_isa(64, 2));
+    /* 1: the int8-activation kernels multiply with AVX-512 VNNI's dpbusd (else AVX2 maddubs, or C) */
+    if (m) PyModule_AddIntConstant(m, "Q8_VNNI", q8_vnni_available());
     return m;
 }

@@ -23,7 +23,7 @@ typedef struct {
 
 /* x quantised: per row and chunk of 64 columns, 64 int8 (int4 weights: the even columns, then the odd
  * ones, which is how a chunk's 32 packed bytes unpack; int8 weights: in order), then 8 floats of block
- * scales as the kernel multiplies them, then (int4) 8 int32 of offset corrections. */
+ * scales as the kernel multiplies them, then (int4) 8 int32 of offset corrections (-8 sum xq of block 0 in lane 0, of block 1 in lane 4). */
 typedef struct {
     uint8_t *work;
     int rows, chunks, kind;
@@ -35,8 +35,13 @@ size_t q8_work_bytes(int rows, int in);
  * (nearest, ties to even), zero past in; simd 0 forces the scalar path (the same bytes). */
 void q8_prepare(int kind, const float *x, int rows, int in, int simd, Q8Rows *out);
 
-/* y[r * ldy + o - begin] = sum_k dequant(W)[o, k] * dequant(xq)[r, k] for output rows [begin, end).
- * Each row of x is computed the same way whatever the other rows are (batch-invariant). */
-void q8_gemm(const Q8Matrix *m, const Q8Rows *x, int begin, int end, int simd, float *y, size_t ldy);
+/* The instruction sets q8_gemm may use, at most: each level gives the same bytes as the one below. */
+enum { Q8_ISA_SCALAR = 0, Q8_ISA_AVX2 = 1, Q8_ISA_VNNI = 2 };
+int q8_vnni_available(void);
+
+/* y[r * ldy + o - begin] = sum_k dequant(W)[o, k] * dequant(xq)[r, k] for output rows [begin, end),
+ * with the best instruction set up to `isa`. Each row of x is computed the same way whatever the
+ * other rows are (batch-invariant). */
+void q8_gemm(const Q8Matrix *m, const Q8Rows *x, int begin, int end, int isa, float *y, size_t ldy);
 
 #endif

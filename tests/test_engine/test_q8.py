@@ -11,7 +11,16 @@ import torch
 from colibri_stream.errors import ColibriError
 from colibri_stream.loader import load, load_container
 from engine.int8_dense import Int8Linear
-from engine.q8 import activations_are_int8, int8_activations, q8_kernel_handles, q8_matmul, quantize_rows
+from engine.q8 import (
+    ISA_AVX2,
+    ISA_BEST,
+    ISA_SCALAR,
+    activations_are_int8,
+    int8_activations,
+    q8_kernel_handles,
+    q8_matmul,
+    quantize_rows,
+)
 from engine.quant import KERNEL_SCALES, QuantizedMatrix, int4_kernel_available, kernel_matmul, quantized_matrix
 
 needs_kernel = pytest.mark.skipif(not int4_kernel_available(), reason="the C kernels are not built")
@@ -25,22 +34,24 @@ def reference(x: torch.Tensor, m: QuantizedMatrix) -> torch.Tensor:
     return (quantize_rows(x).double() @ m.dequantize().double().T).float()
 
 
-def run_q8(x, m, force_scalar=False):
-    return q8_matmul(x, m.q, m.scales, m.code, m.group_size, KERNEL_SCALES[m.scales.dtype], force_scalar=force_scalar)
+def run_q8(x, m, isa=ISA_BEST):
+    return q8_matmul(x, m.q, m.scales, m.code, m.group_size, KERNEL_SCALES[m.scales.dtype], isa=isa)
 
 
 @needs_kernel
-@pytest.mark.parametrize("scalar", [False, True], ids=["simd", "scalar"])
+@pytest.mark.parametrize("isa", [ISA_BEST, ISA_AVX2, ISA_SCALAR], ids=["best", "avx2", "scalar"])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize(("out", "in_dim", "group", "rows"), SHAPES)
-def test_kernel_computes_its_reference(out, in_dim, group, rows, bits, scalar):
+def test_kernel_computes_its_reference(out, in_dim, group, rows, bits, isa):
     gen = torch.Generator().manual_seed(out * in_dim + rows)
     m = quantized_matrix(torch.randn(out, in_dim, generator=gen) * 0.02, bits, group)
     x = torch.randn(rows, in_dim, generator=gen) * 3
     x[0, : min(32, in_dim)] = 0  # an all-zero block: scale 0, nothing divided by it
     expected = reference(x, m)
-    got = run_q8(x, m, scalar)
+    got = run_q8(x, m, isa)
     assert (got - expected).abs().max() <= 2e-6 * expected.abs().max()
+    if isa == ISA_AVX2:  # maddubs and VNNI's dpbusd sum the same exact integers: the same bytes
+        assert torch.equal(got, run_q8(x, m))
 
 
 @needs_kernel

@@ -1,0 +1,138 @@
+/* The q8 gemm loops, included by q8.c once per instruction set with Q8_TARGET / Q8_INLINE (function
+ * attributes), Q8_VNNI (1: dpbusd products) and Q8_NAME (the set's suffix) defined. */
+
+/* A chunk's weights as two vectors of unsigned (int4) or signed (int8) bytes, block 0 in the low lanes:
+ * int4: the low nibbles (even columns) and the high ones; int8: columns 0-15|32-47 and 16-31|48-63. */
+Q8_INLINE void Q8_NAME(chunk_weights)(int kind, const uint8_t *p, __m256i v[2]) {
+    if (kind == Q8_WEIGHTS_INT4) {
+        const __m256i low4 = _mm256_set1_epi8(0x0F);
+        __m256i packed = _mm256_loadu_si256((const __m256i *)p);
+        v[0] = _mm256_and_si256(packed, low4);
+        v[1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+    } else {
+        v[0] = _mm256_loadu2_m128i((const __m128i *)(p + 32), (const __m128i *)p);
+        v[1] = _mm256_loadu2_m128i((const __m128i *)(p + 48), (const __m128i *)(p + 16));
+    }
+}
+
+/* The chunk's integer sums per lane (lanes 0-3 block 0, 4-7 block 1) for one row's prepared x, int4's
+ * offsets (-8 sum xq) included. Exact either way (maddubs cannot saturate: |w| <= 127, |x| <= 127). */
+Q8_INLINE __m256i Q8_NAME(chunk_dot)(int kind, const __m256i w[2], const uint8_t *s) {
+    __m256i x0 = _mm256_loadu_si256((const __m256i *)s), x1 = _mm256_loadu_si256((const __m256i *)(s + 32));
+    __m256i a0 = w[0], a1 = w[1]; /* unsigned x signed products: int8 weights as |w| times x with w's sign */
+    if (kind != Q8_WEIGHTS_INT4) {
+        x0 = _mm256_sign_epi8(x0, w[0]), x1 = _mm256_sign_epi8(x1, w[1]);
+        a0 = _mm256_sign_epi8(w[0], w[0]), a1 = _mm256_sign_epi8(w[1], w[1]);
+    }
+    __m256i start = kind == Q8_WEIGHTS_INT4 ? _mm256_loadu_si256((const __m256i *)(s + SLOT_OFFSETS)) : _mm256_setzero_si256();
+#if Q8_VNNI
+    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(start, a0, x0), a1, x1);
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(a0, x0), ones),
+                                   _mm256_madd_epi16(_mm256_maddubs_epi16(a1, x1), ones));
+    return _mm256_add_epi32(sum, start);
+#endif
+}
+
+/* acc[p][r] += chunk c of P output rows (codes at rows[p], group scales sc[p]; the chunk's blocks are in
+ * groups gi[2c], gi[2c + 1]) times RB rows of x. */
+Q8_INLINE void Q8_NAME(chunk_step)(int kind, int P, int RB, const uint8_t *const rows[4], const float *const sc[4],
+                            const int *gi, const uint8_t *const s[2], int c, size_t step, size_t ahead, __m256 acc[4][2]) {
+    __m256 d[2];
+#pragma GCC unroll 2
+    for (int r = 0; r < RB; r++) d[r] = _mm256_loadu_ps((const float *)(s[r] + (size_t)c * SLOT_BYTES + SLOT_SCALES));
+#pragma GCC unroll 4
+    for (int p = 0; p < P; p++) {
+        __m256i w[2];
+        /* the rows two blocks ahead, same columns, into L2: a few short rows interleaved are not a
+         * stream the hardware prefetchers follow; one block ahead is too late from DRAM and into L1
+         * evicts what this block still reads (docs/kernels.md: int4 at 1 thread 8-10 -> 14-15 GB/s) */
+        if (ahead) _mm_prefetch((const char *)(rows[p] + ahead + (size_t)c * step), _MM_HINT_T2);
+        Q8_NAME(chunk_weights)(kind, rows[p] + (size_t)c * step, w);
+        __m256 sv = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(sc[p] + gi[2 * c])),
+                                         _mm_broadcast_ss(sc[p] + gi[2 * c + 1]), 1);
+#pragma GCC unroll 2
+        for (int r = 0; r < RB; r++) {
+            __m256 dot = _mm256_cvtepi32_ps(Q8_NAME(chunk_dot)(kind, w, s[r] + (size_t)c * SLOT_BYTES));
+            acc[p][r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d[r], sv), acc[p][r]);
+        }
+    }
+}
+
+/* P output rows (P <= 4) times RB rows of x from row r0: one accumulator per pair, each chunk's weights
+ * unpacked once for all of them; a row's last, partial chunk is read through zeroed copies (nothing
+ * past a row is touched). */
+Q8_INLINE void Q8_NAME(rows_block)(int kind, int P, int RB, const Q8Matrix *m, const Q8Rows *x, int o, int r0, int end,
+                            float *const scales[4], const int *gi, float *y, size_t ldy, int begin) {
+    size_t row_bytes = kind == Q8_WEIGHTS_INT4 ? (size_t)(m->in + 1) / 2 : (size_t)m->in;
+    size_t step = kind == Q8_WEIGHTS_INT4 ? 32 : 64;
+    int full = (int)(row_bytes / step);
+    const uint8_t *rows[4];
+    const float *sc[4] = {scales[0], scales[1], scales[2], scales[3]};
+    const uint8_t *s[2] = {slot(x, r0, 0), slot(x, r0 + RB - 1, 0)};
+    __m256 acc[4][2];
+#pragma GCC unroll 4
+    for (int p = 0; p < P; p++) {
+        rows[p] = (const uint8_t *)m->w + (size_t)(o + p) * row_bytes;
+#pragma GCC unroll 2
+        for (int r = 0; r < RB; r++) acc[p][r] = _mm256_setzero_ps();
+    }
+    /* only on the first pass over these rows (r0 == 0), and not past this caller's last block */
+    size_t ahead = r0 == 0 && o + 3 * P <= end ? (size_t)2 * P * row_bytes : 0;
+    for (int c = 0; c < full; c++) Q8_NAME(chunk_step)(kind, P, RB, rows, sc, gi, s, c, step, ahead, acc);
+    if (full < x->chunks) {
+        uint8_t tails[4][64] = {{0}};
+        const uint8_t *tail_rows[4];
+        for (int p = 0; p < P; p++) {
+            memcpy(tails[p], rows[p] + (size_t)full * step, row_bytes - (size_t)full * step);
+            tail_rows[p] = tails[p] - (size_t)full * step; /* chunk_step adds full * step back */
+        }
+        Q8_NAME(chunk_step)(kind, P, RB, tail_rows, sc, gi, s, full, step, 0, acc);
+    }
+#pragma GCC unroll 4
+    for (int p = 0; p < P; p++)
+#pragma GCC unroll 2
+        for (int r = 0; r < RB; r++) y[(size_t)(r0 + r) * ldy + (o + p - begin)] = hsum(acc[p][r]);
+}
+
+#define ROWS_BLOCK(P, RB) Q8_NAME(rows_block)(kind, P, RB, m, x, o, r0, end, scales, gi, y, ldy, begin)
+Q8_INLINE void Q8_NAME(gemm_kind)(int kind, const Q8Matrix *m, const Q8Rows *x, int begin, int end, float *const scales[4],
+                           const int *gi, float *y, size_t ldy) {
+    int groups = (m->in + m->group - 1) / m->group;
+    for (int o = begin; o < end; o += 4) {
+        int P = end - o < 4 ? end - o : 4;
+        for (int p = 0; p < P; p++) row_scales(m, o + p, groups, scales[p]);
+        for (int r0 = 0; r0 < x->rows; r0 += 2) {
+            switch (P * 2 + (x->rows - r0 < 2 ? 1 : 2) - 1) {
+            case 2: ROWS_BLOCK(1, 1); break;
+            case 3: ROWS_BLOCK(1, 2); break;
+            case 4: ROWS_BLOCK(2, 1); break;
+            case 5: ROWS_BLOCK(2, 2); break;
+            case 6: ROWS_BLOCK(3, 1); break;
+            case 7: ROWS_BLOCK(3, 2); break;
+            case 8: ROWS_BLOCK(4, 1); break;
+            default: ROWS_BLOCK(4, 2); break;
+            }
+        }
+    }
+}
+#undef ROWS_BLOCK
+
+/* Four output rows at a time; rows of x two at a time (the accumulators stay in registers). */
+Q8_TARGET static void Q8_NAME(gemm)(const Q8Matrix *m, const Q8Rows *x, int begin, int end, float *y, size_t ldy) {
+    int groups = (m->in + m->group - 1) / m->group, blocks = 2 * x->chunks;
+    float *buffer = malloc(sizeof(float) * 4 * (size_t)(groups + 1) + sizeof(int) * (size_t)blocks);
+    if (buffer == NULL) {
+        gemm_scalar(m, x, begin, end, y, ldy);
+        return;
+    }
+    float *scales[4] = {buffer, buffer + (groups + 1), buffer + 2 * (groups + 1), buffer + 3 * (groups + 1)};
+    int *gi = (int *)(buffer + 4 * (groups + 1)); /* each block's group, for every output row alike */
+    for (int b = 0; b < blocks; b++) gi[b] = b * Q8_BLOCK < m->in ? b * Q8_BLOCK / m->group : groups;
+    if (m->kind == Q8_WEIGHTS_INT4)
+        Q8_NAME(gemm_kind)(Q8_WEIGHTS_INT4, m, x, begin, end, scales, gi, y, ldy);
+    else
+        Q8_NAME(gemm_kind)(Q8_WEIGHTS_INT8, m, x, begin, end, scales, gi, y, ldy);
+    free(buffer);
+}
