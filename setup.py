@@ -28,8 +28,8 @@ setup(
     ext_modules=[
         Extension(
             "engine._int4",
-            sources=[f"engine/csrc/{name}.c" for name in ("int4", "nibble", "q8", "split")],
-            depends=[f"engine/csrc/{name}" for name in ("nibble.h", "q8.h", "q8_body.h", "split.h")],
+            sources=[f"engine/csrc/{name}.c" for name in ("int4", "nibble", "q8", "split", "q8_moe")],
+            depends=[f"engine/csrc/{name}" for name in ("nibble.h", "q8.h", "q8_body.h", "split.h", "q8_moe.h")],
             extra_compile_args=["-O3"],
         )
     ],

@@ -7,7 +7,9 @@ structurally) while tests and small models use ``ResidentExperts``.
 Verbs:
     acquire(layer, ids)   -> start bringing every id in and return at once; indexing the result
                              waits for that expert only, so the shared expert (computed right after
-                             acquire) overlaps the loads; the ids stay pinned until release
+                             acquire) overlaps the loads; the ids stay pinned until release. The
+                             result may have ``ready(id)`` (would indexing wait?): the MoE layer then
+                             computes the experts already in memory together before it waits
     release(layer, ids)   -> unpin: the provider may evict them again
     max_acquire()         -> how many experts of one layer may be pinned at once (None: no limit); the MoE
                              layer acquires a step's distinct experts in chunks of at most that many,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import torch
@@ -12,6 +12,7 @@ from torch import nn
 from engine.args import ModelArgs
 from engine.experts import ExpertProvider
 from engine.layers import MLP
+from engine.q8_experts import add_experts, fused_experts_handle
 from engine.rows import linear, per_row
 
 T = TypeVar("T")
@@ -163,17 +164,22 @@ def routed_sum(
     once for all rows, in chunks of at most what the provider can pin at once (one chunk when it has no
     limit); ``meanwhile`` runs right after the first acquire, while its misses load. ``owned``: only the
     experts it accepts are summed (a worker's share; the others are another process's)."""
-    routed = RoutedSum(x, weights, limit)  # one sum over every chunk, in unique-id order
-    rows_of = _rows_routed_to(ids)
-    wanted = sorted(e for e in rows_of if owned is None or owned(e))
+    routed = RoutedSum(x, weights, ids, limit)  # one sum over every chunk, in unique-id order
+    wanted = sorted(e for e in routed.rows_of if owned is None or owned(e))
     side = None
     for i, chunk in enumerate(chunks(wanted, experts.max_acquire())):
         acquired = experts.acquire(layer, chunk)  # misses start loading now...
         try:
             if i == 0:  # ...meanwhile
                 side = meanwhile()
+            ready = getattr(acquired, "ready", None)  # None: all in memory
+            batch: list[tuple[int, object]] = []
             for expert_id in chunk:
-                routed.add(acquired[expert_id], *rows_of[expert_id])  # waits for this expert's read only
+                if batch and ready is not None and not ready(expert_id):
+                    routed.add_batch(batch)  # compute what is here while this one loads
+                    batch = []
+                batch.append((expert_id, acquired[expert_id]))  # waits for this expert's read only
+            routed.add_batch(batch)
         finally:
             experts.release(layer, chunk)
     return routed.total(), side
@@ -214,11 +220,30 @@ class RoutedSum:
     experts on the activations' device this is the plain index_add_ in expert order.
     """
 
-    def __init__(self, x: torch.Tensor, weights: torch.Tensor, limit: float | None = None):
+    def __init__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, limit: float | None = None):
         self.home = x.device
         self.limit = limit  # the swiglu clamp of DeepSeek-V4's experts
+        self.ids = ids  # [N, topk]
+        self.rows_of = _rows_routed_to(ids)  # expert id -> (rows, slots) routed to it
         self._inputs = {x.device: (x, weights)}  # device -> (x [N, dim], weights [N, topk]) there
         self._sums: dict[torch.device, torch.Tensor] = {}
+
+    def add_batch(self, batch: Sequence[tuple[int, object]]) -> None:
+        """Add experts given as (id, expert), in order: in one C call where they all take it
+        (int8 activations, engine/q8_experts.py), else one by one."""
+        experts = [expert for _, expert in batch]
+        x, weights = self._inputs[self.home]
+        if fused_experts_handle(experts, x):
+            add_experts(self._sum_on(self.home), x, self.ids, weights, [i for i, _ in batch], experts, self.limit)
+            return
+        for expert_id, expert in batch:
+            self.add(expert, *self.rows_of[expert_id])
+
+    def _sum_on(self, device: torch.device) -> torch.Tensor:
+        if device not in self._sums:
+            x = self._inputs[device][0]
+            self._sums[device] = torch.zeros(x.shape, dtype=torch.float64, device=device)
+        return self._sums[device]
 
     def add(self, expert, rows: torch.Tensor | None, slot: torch.Tensor | int) -> None:
         """rows/slot: which rows of x routed to ``expert`` and in which of their top-k places; rows None
@@ -230,14 +255,13 @@ class RoutedSum:
             x, weights = self._inputs[self.home]
             self._inputs[device] = (x.to(device, non_blocking=True), weights.to(device, non_blocking=True))
         x, weights = self._inputs[device]
-        if device not in self._sums:
-            self._sums[device] = torch.zeros(x.shape, dtype=torch.float64, device=device)
+        total = self._sum_on(device)
         if rows is None:  # one row: the same products and the same additions, in place
-            self._sums[device].add_((self._apply(expert, x).float() * weights[:, slot, None]).double())
+            total.add_((self._apply(expert, x).float() * weights[:, slot, None]).double())
             return
         rows, slot = rows.to(device, non_blocking=True), slot.to(device, non_blocking=True)
         term = self._apply(expert, x[rows]).float() * weights[rows, slot, None]
-        self._sums[device].index_add_(0, rows, term.double())
+        total.index_add_(0, rows, term.double())
 
     def _apply(self, expert, x: torch.Tensor) -> torch.Tensor:
         return expert(x) if self.limit is None else expert(x, limit=self.limit)

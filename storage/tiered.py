@@ -274,6 +274,14 @@ class TieredExpertStore:
         finally:
             self._count(io_wait_s=time.perf_counter() - start)
 
+    def loaded(self, layer: int, expert: int) -> bool:
+        """Whether a pinned key's bytes are in memory (``expert`` would not wait for a read)."""
+        key = (layer, expert)
+        if self.vram is not None and key in self.vram.entries:
+            return True
+        loading = self.ram.entries[key].loading
+        return loading is None or loading.done()
+
     def expert(self, layer: int, expert: int) -> Any:
         """The materialised expert of a pinned key, waiting for its read if needed."""
         key = (layer, expert)
@@ -357,6 +365,12 @@ class AcquiredExperts(Mapping[int, Any]):
         if expert not in self._ids:
             raise KeyError(expert)
         return self._store.expert(self._layer, expert)
+
+    def ready(self, expert: int) -> bool:
+        """Whether indexing ``expert`` returns without waiting for its read."""
+        if expert not in self._ids:
+            raise KeyError(expert)
+        return self._store.loaded(self._layer, expert)
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._ids)

@@ -23,6 +23,7 @@
 
 #include "nibble.h"
 #include "q8.h"
+#include "q8_moe.h"
 #include "split.h"
 
 #if HAVE_X86
@@ -350,7 +351,50 @@ static PyObject *py_q8_gemm(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* q8_moe(x_ptr, rows, dim, inter, ids_ptr, weights_ptr, topk, expert_ids_ptr, n_experts, mats_ptr, kind13,
+ * kind2, scale_kind, group13, group2, clamp, limit, out_ptr, isa, threads): a MoE layer's
+ * routed experts with int8 activations (q8_moe.c). x float32 [rows, dim], ids int64 and weights float32
+ * [rows, topk], expert_ids int64 [n_experts], mats int64 [n_experts, 6] (addresses of w1, its scales,
+ * w3, its scales, w2, its scales), out float64 [rows, dim] (added to). */
+static PyObject *py_q8_moe(PyObject *self, PyObject *args) {
+    unsigned long long x, ids, weights, expert_ids, mats, out;
+    int rows, dim, inter, topk, n_experts, kind13, kind2, scale_kind, group13, group2, clamp, isa, threads;
+    float limit;
+    if (!PyArg_ParseTuple(args, "KiiiKKiKiKiiiiipfKii", &x, &rows, &dim, &inter, &ids, &weights, &topk, &expert_ids,
+                          &n_experts, &mats, &kind13, &kind2, &scale_kind, &group13, &group2, &clamp, &limit, &out,
+                          &isa, &threads))
+        return NULL;
+    if (rows < 1 || dim < 1 || inter < 1 || topk < 1 || n_experts < 0 || kind13 < 0 || kind13 >= N_Q8_WEIGHTS ||
+        kind2 < 0 || kind2 >= N_Q8_WEIGHTS || scale_kind < 0 || scale_kind >= N_SCALE_KINDS || group13 < Q8_BLOCK ||
+        group13 % Q8_BLOCK || group2 < Q8_BLOCK || group2 % Q8_BLOCK) {
+        PyErr_Format(PyExc_ValueError, "q8 moe: unsupported shape or kind rows=%d dim=%d inter=%d topk=%d kinds=%d,%d "
+                     "scale=%d groups=%d,%d", rows, dim, inter, topk, kind13, kind2, scale_kind, group13, group2);
+        return NULL;
+    }
+    Q8Expert *experts = malloc(sizeof(Q8Expert) * (size_t)(n_experts > 0 ? n_experts : 1));
+    if (experts == NULL) return PyErr_NoMemory();
+    const unsigned long long *p = (const unsigned long long *)(uintptr_t)mats;
+    for (int e = 0; e < n_experts; e++, p += 6) {
+        Q8Matrix w1 = {(const void *)(uintptr_t)p[0], (const void *)(uintptr_t)p[1], kind13, scale_kind, dim, group13};
+        Q8Matrix w3 = {(const void *)(uintptr_t)p[2], (const void *)(uintptr_t)p[3], kind13, scale_kind, dim, group13};
+        Q8Matrix w2 = {(const void *)(uintptr_t)p[4], (const void *)(uintptr_t)p[5], kind2, scale_kind, inter, group2};
+        experts[e].w1 = w1, experts[e].w3 = w3, experts[e].w2 = w2;
+    }
+    Q8MoE moe = {experts, (const int64_t *)(uintptr_t)expert_ids, n_experts, (const float *)(uintptr_t)x,
+                 (const int64_t *)(uintptr_t)ids, (const float *)(uintptr_t)weights, rows, topk, dim, inter, clamp,
+                 limit, isa, threads, (double *)(uintptr_t)out};
+    int status;
+    (void)q8_vnni_available(); /* detect the CPU once, before any helper thread looks */
+    Py_BEGIN_ALLOW_THREADS
+    status = q8_moe_run(&moe);
+    Py_END_ALLOW_THREADS
+    free(experts);
+    if (status != 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"q8_moe", py_q8_moe, METH_VARARGS, "a MoE layer's routed SwiGLU experts with int8 activations, added to out."},
     {"q8_gemm", py_q8_gemm, METH_VARARGS, "y[rows, out] = int8(x[rows, in]) @ dequant(w, scales)^T, integer dot products."},
     {"dequant", py_dequant, METH_VARARGS, "float32 [out, in] from 4-bit group-quantised q and its scales."},
     {"gemm", py_gemm, METH_VARARGS, "y[rows, out] = x[rows, in] @ dequant(q, scales)^T for 4-bit group-quantised q."},

@@ -277,3 +277,39 @@ def test_o_direct_is_the_default_and_falls_back_where_the_filesystem_refuses(
     assert generate(loaded.model, PROMPT, NEW_TOKENS, loaded.experts).ids == reference_ids
     assert loaded.experts.report()["direct_io"] is False
     loaded.experts.close()
+
+
+def test_acquired_experts_say_whether_indexing_would_wait_for_a_read(stream_container):
+    container = Container(stream_container)
+    loaded = load_container(stream_container, store=StoreConfig(ram_bytes=container.expert_bytes, prefetch=False))
+    store, layer = loaded.experts, container.moe_layers[0]
+    try:
+        first = store.acquire(layer, [0, 1])
+        first[0], first[1]  # noqa: B018 - waits for both reads
+        assert first.ready(0) and first.ready(1)
+        store.release(layer, [0, 1])
+        again = store.acquire(layer, [1, 2])  # 1 a hit, 2 a miss whose read has just been started
+        assert again.ready(1)
+        again[2]  # noqa: B018
+        assert again.ready(2)
+        with pytest.raises(KeyError):
+            again.ready(0)  # not part of this acquire
+        store.release(layer, [1, 2])
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("budget", ["min", "50%"])
+def test_int8_activations_give_the_resident_tokens_under_a_streaming_budget(stream_container, budget):
+    """The experts in memory are computed in one call before the store waits for the others: the
+    batches change with what is loaded, the float64 sum (and the tokens) do not."""
+    resident = load_container(stream_container, int8_activations=True)
+    expected = generate(resident.model, PROMPT, NEW_TOKENS, resident.experts).ids
+    container = Container(stream_container)
+    config = StoreConfig(ram_bytes=_budget(container, budget), policy="lru")
+    loaded = load_container(stream_container, store=config, int8_activations=True)
+    try:
+        assert generate(loaded.model, PROMPT, NEW_TOKENS, loaded.experts).ids == expected
+        assert loaded.experts.report()["reads"] > len(container.moe_layers)
+    finally:
+        loaded.experts.close()

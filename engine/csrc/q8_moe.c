@@ -1,0 +1,149 @@
+/*
+ * A MoE layer's routed experts with int8 activations, in three threaded phases instead of three
+ * kernel calls and a handful of torch ops per expert:
+ *
+ *   A  g_e = x_e @ w1_e^T, u_e = x_e @ w3_e^T   every expert's two matrices, blocks of 64 output rows
+ *   B  h_e = int8(silu(g_e) * u_e)              per expert
+ *   C  y_e = h_e @ w2_e^T                       every expert's down matrix, blocks of 64 output rows
+ *   D  out[r] += (double)(y_e[r] * weight)      on the caller, experts in the given order
+ *
+ * x_e are the rows routed to expert e; x is quantised once for all rows and each expert's rows are
+ * copied from it. Every row is computed the same way whatever the other rows are (the q8 kernels are
+ * batch-invariant and B and D work per element), so rows of independent requests stay exact. The
+ * term added is the float32 product y * weight, as engine/moe.py's RoutedSum adds it.
+ */
+#include "q8_moe.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "split.h"
+
+#define BLOCK_ROWS 64 /* output rows per block of phases A and C */
+
+typedef struct {
+    int rows; /* rows of x routed to this expert */
+    int *row; /* [rows]: which rows */
+    float *weight; /* [rows]: their gate weights */
+    Q8Rows x, h; /* the rows quantised for w1/w3, and h for w2 */
+    float *gate, *up; /* [rows, inter]; gate then holds h before it is quantised */
+    float *y; /* [rows, dim] */
+} Term;
+
+typedef struct {
+    const Q8MoE *moe;
+    Term *terms;
+    int blocks_per_matrix; /* phase A: per matrix; phase C: per expert */
+} Phase;
+
+static inline int blocks(int rows) { return (rows + BLOCK_ROWS - 1) / BLOCK_ROWS; }
+
+/* Block b of phase A: expert b / (2 per), w1 or w3, 64 of its output rows. */
+static void gate_up_block(void *arg, int b) {
+    const Phase *p = arg;
+    int per = p->blocks_per_matrix, e = b / (2 * per), up = (b / per) % 2, begin = (b % per) * BLOCK_ROWS;
+    const Term *t = &p->terms[e];
+    if (t->rows == 0) return;
+    int end = begin + BLOCK_ROWS < p->moe->inter ? begin + BLOCK_ROWS : p->moe->inter;
+    const Q8Expert *ex = &p->moe->experts[e];
+    q8_gemm(up ? &ex->w3 : &ex->w1, &t->x, begin, end, p->moe->isa, (up ? t->up : t->gate) + begin, (size_t)p->moe->inter);
+}
+
+/* Phase B for expert e: h = silu(gate) * up (clamped first with a limit), quantised for w2. */
+static void swiglu_block(void *arg, int e) {
+    const Phase *p = arg;
+    const Q8MoE *moe = p->moe;
+    Term *t = &p->terms[e];
+    size_t n = (size_t)t->rows * moe->inter;
+    for (size_t i = 0; i < n; i++) {
+        float g = t->gate[i], u = t->up[i];
+        if (moe->clamp) {
+            g = g > moe->limit ? moe->limit : g;
+            u = u > moe->limit ? moe->limit : u < -moe->limit ? -moe->limit : u;
+        }
+        t->gate[i] = g / (1.f + expf(-g)) * u;
+    }
+    if (t->rows) q8_prepare(moe->experts[e].w2.kind, t->gate, t->rows, moe->inter, moe->isa, &t->h);
+}
+
+/* Block b of phase C: expert b / per, 64 output rows of its w2. */
+static void down_block(void *arg, int b) {
+    const Phase *p = arg;
+    int per = p->blocks_per_matrix, e = b / per, begin = (b % per) * BLOCK_ROWS;
+    const Term *t = &p->terms[e];
+    if (t->rows == 0) return;
+    int end = begin + BLOCK_ROWS < p->moe->dim ? begin + BLOCK_ROWS : p->moe->dim;
+    q8_gemm(&p->moe->experts[e].w2, &t->h, begin, end, p->moe->isa, t->y + begin, (size_t)p->moe->dim);
+}
+
+/* Bytes of one expert's work area for n rows (rows, weights, x and h quantised, gate, up, y). */
+static size_t term_bytes(const Q8MoE *moe, int n) {
+    size_t floats = (size_t)n * (2 * (size_t)moe->inter + (size_t)moe->dim);
+    return (size_t)n * (sizeof(int) + sizeof(float)) + q8_work_bytes(n, moe->dim) + q8_work_bytes(n, moe->inter) +
+           floats * sizeof(float) + 64;
+}
+
+/* Which rows each expert takes, and its part of the work area (one allocation, freed by the caller). */
+static void *assign_rows(const Q8MoE *moe, Term *terms, const Q8Rows *x_all) {
+    size_t total = 0;
+    for (int e = 0; e < moe->n_experts; e++) {
+        terms[e].rows = 0;
+        for (int i = 0; i < moe->rows * moe->topk; i++) terms[e].rows += moe->ids[i] == moe->expert_ids[e];
+        total += term_bytes(moe, terms[e].rows);
+    }
+    char *area = malloc(total > 0 ? total : 1), *at = area;
+    if (area == NULL) return NULL;
+    size_t row_bytes = q8_work_bytes(1, moe->dim);
+    for (int e = 0; e < moe->n_experts; e++) {
+        Term *t = &terms[e];
+        int n = t->rows;
+        t->row = (int *)at, at += (size_t)n * sizeof(int);
+        t->weight = (float *)at, at += (size_t)n * sizeof(float);
+        at += (64 - (uintptr_t)at % 64) % 64; /* what follows is read as vectors */
+        t->gate = (float *)at, at += (size_t)n * moe->inter * sizeof(float);
+        t->up = (float *)at, at += (size_t)n * moe->inter * sizeof(float);
+        t->y = (float *)at, at += (size_t)n * moe->dim * sizeof(float);
+        t->x = *x_all, t->x.work = (uint8_t *)at, t->x.rows = n, at += q8_work_bytes(n, moe->dim);
+        t->h.work = (uint8_t *)at, at += q8_work_bytes(n, moe->inter);
+        int i = 0;
+        for (int r = 0; r < moe->rows; r++)
+            for (int s = 0; s < moe->topk; s++)
+                if (moe->ids[(size_t)r * moe->topk + s] == moe->expert_ids[e]) {
+                    t->row[i] = r, t->weight[i] = moe->weights[(size_t)r * moe->topk + s];
+                    memcpy(t->x.work + (size_t)i * row_bytes, x_all->work + (size_t)r * row_bytes, row_bytes);
+                    i++;
+                }
+    }
+    return area;
+}
+
+int q8_moe_run(const Q8MoE *moe) {
+    if (moe->n_experts == 0) return 0;
+    Term *terms = calloc((size_t)moe->n_experts, sizeof(Term));
+    Q8Rows x_all = {malloc(q8_work_bytes(moe->rows, moe->dim)), 0, 0, 0};
+    void *area = NULL;
+    if (terms != NULL && x_all.work != NULL) {
+        q8_prepare(moe->experts[0].w1.kind, moe->x, moe->rows, moe->dim, moe->isa, &x_all);
+        area = assign_rows(moe, terms, &x_all);
+    }
+    if (area == NULL) {
+        free(terms), free(x_all.work);
+        return -1;
+    }
+    Phase p = {moe, terms, blocks(moe->inter)};
+    split_run(gate_up_block, &p, moe->n_experts * 2 * p.blocks_per_matrix, moe->threads);
+    split_run(swiglu_block, &p, moe->n_experts, moe->threads);
+    p.blocks_per_matrix = blocks(moe->dim);
+    split_run(down_block, &p, moe->n_experts * p.blocks_per_matrix, moe->threads);
+    for (int e = 0; e < moe->n_experts; e++) {
+        const Term *t = &terms[e];
+        for (int i = 0; i < t->rows; i++) {
+            double *out = moe->out + (size_t)t->row[i] * moe->dim;
+            const float *y = t->y + (size_t)i * moe->dim;
+            for (int d = 0; d < moe->dim; d++) out[d] += (double)(y[d] * t->weight[i]);
+        }
+    }
+    free(area), free(terms), free(x_all.work);
+    return 0;
+}

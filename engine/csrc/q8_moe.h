@@ -1,0 +1,32 @@
+/* A MoE layer's routed experts with int8 activations (q8_moe.c): every expert's gate and up matrices
+ * as one threaded job, SwiGLU, every down matrix as a second job, then the gate-weighted sum. */
+#ifndef COLIBRI_Q8_MOE_H
+#define COLIBRI_Q8_MOE_H
+
+#include <stdint.h>
+
+#include "q8.h"
+
+/* One SwiGLU expert: gate w1 and up w3 [inter, dim], down w2 [dim, inter]; w1 and w3 of one kind. */
+typedef struct {
+    Q8Matrix w1, w3, w2;
+} Q8Expert;
+
+typedef struct {
+    const Q8Expert *experts; /* in the order their terms are added */
+    const int64_t *expert_ids; /* [n_experts]: the id each expert has in `ids` */
+    int n_experts;
+    const float *x; /* [rows, dim] */
+    const int64_t *ids; /* [rows, topk]: each row's routed experts */
+    const float *weights; /* [rows, topk]: their gate weights */
+    int rows, topk, dim, inter;
+    int clamp; /* 1: DeepSeek-V4's swiglu limit (gate <= limit, |up| <= limit) */
+    float limit;
+    int isa, threads; /* isa: q8.h Q8_ISA_*, the best instruction set to use */
+    double *out; /* [rows, dim]: out[r] += weight * expert(x[r]) for each listed expert r routed to */
+} Q8MoE;
+
+/* Runs the layer; 0 when done, -1 when its work area could not be allocated (nothing was added). */
+int q8_moe_run(const Q8MoE *moe);
+
+#endif

@@ -1,0 +1,114 @@
+"""A MoE layer's routed experts with int8 activations in one C call (engine/csrc/q8_moe.c).
+
+Inside ``int8_activations()`` a decode step's experts would otherwise cost three kernel calls and a
+few torch ops each (quantise x three times, wake the kernel's helper thread three times, SwiGLU,
+weight, add): per layer, one call quantises x once, runs every expert's gate and up matrices as one
+threaded job, SwiGLU, every down matrix as a second job, and adds the gate-weighted terms into the
+float64 sum. Each row is computed as alone (batch-invariant), as the q8 kernels are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.q8 import BLOCK, ISA_BEST, WEIGHT_KINDS, activations_are_int8
+from engine.quant import KERNEL_SCALES, QuantizedExpert, QuantizedMatrix
+from engine.rows import kernel_threads
+
+try:
+    from engine import _int4
+except ImportError:  # pragma: no cover - machines without a compiler
+    _int4 = None
+
+MAX_WORK_BYTES = 32 << 20  # one call's work area at most: a prefill's experts are split over calls
+
+
+def fused_experts_handle(experts: Sequence[object], x: torch.Tensor) -> bool:
+    """Whether ``add_experts`` takes these experts with x: int8 activations on, float32 x on the CPU,
+    QuantizedExperts whose matrices the q8 kernel takes, all of one layout."""
+    if not experts or not activations_are_int8() or not hasattr(_int4, "q8_moe"):
+        return False
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[0] == 0:
+        return False
+    first = _layout(experts[0])
+    return first is not None and all(_layout(e) == first for e in experts[1:])
+
+
+def _layout(expert: object) -> tuple | None:
+    """What one call needs alike in every expert: codes, groups, scale dtype, shape; None if it cannot."""
+    if not isinstance(expert, QuantizedExpert):
+        return None
+    w1, w3, w2 = expert.w1, expert.w3, expert.w2
+    if not all(_kernel_takes(m, w1.scales.dtype) for m in (w1, w3, w2)):
+        return None
+    if (w3.code, w3.group_size, w3.in_dim, w3.out_dim) != (w1.code, w1.group_size, w1.in_dim, w1.out_dim):
+        return None
+    if (w2.in_dim, w2.out_dim) != (w1.out_dim, w1.in_dim):
+        return None
+    return w1.code, w2.code, w1.scales.dtype, w1.group_size, w2.group_size, w1.in_dim, w1.out_dim
+
+
+def _kernel_takes(m: QuantizedMatrix, scale_dtype: torch.dtype) -> bool:
+    return (
+        m.code in WEIGHT_KINDS
+        and m.group_size % BLOCK == 0
+        and m.scales.dtype == scale_dtype
+        and m.scales.dtype in KERNEL_SCALES
+        and m.q.device.type == "cpu"
+        and m.q.is_contiguous()
+        and m.scales.is_contiguous()
+    )
+
+
+def add_experts(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    expert_ids: Sequence[int],
+    experts: Sequence[QuantizedExpert],
+    limit: float | None = None,
+) -> None:
+    """out [N, dim] float64 += sum over the listed experts e of weight[r, e] * e(x[r]) for every row r
+    routed to e. x [N, dim] float32, ids [N, topk], weights [N, topk] float32; experts[i] is expert
+    expert_ids[i] (fused_experts_handle must hold); ``limit``: the SwiGLU clamp (DeepSeek-V4)."""
+    x, weights = x.contiguous(), weights.float().contiguous()
+    ids = ids.to(torch.int64).contiguous()
+    for part in _parts(ids, list(expert_ids), experts[0]):
+        chosen = [experts[i] for i in part]
+        mats = torch.tensor(
+            [[p for m in (e.w1, e.w3, e.w2) for p in (m.q.data_ptr(), m.scales.data_ptr())] for e in chosen],
+            dtype=torch.int64,
+        )
+        part_ids = torch.tensor([expert_ids[i] for i in part], dtype=torch.int64)
+        w1, w2 = chosen[0].w1, chosen[0].w2
+        _int4.q8_moe(
+            x.data_ptr(), x.shape[0], w1.in_dim, w1.out_dim,
+            ids.data_ptr(), weights.data_ptr(), ids.shape[1],
+            part_ids.data_ptr(), len(chosen), mats.data_ptr(),
+            WEIGHT_KINDS[w1.code], WEIGHT_KINDS[w2.code], KERNEL_SCALES[w1.scales.dtype],
+            w1.group_size, w2.group_size,
+            limit is not None, float(limit or 0.0),
+            out.data_ptr(), ISA_BEST, kernel_threads(),
+        )  # fmt: skip
+
+
+def _parts(ids: torch.Tensor, expert_ids: list[int], expert: QuantizedExpert) -> list[list[int]]:
+    """Indices into expert_ids in consecutive parts whose routed rows fit MAX_WORK_BYTES of work area
+    (a decode step's experts are one part)."""
+    dim, inter = expert.w1.in_dim, expert.w1.out_dim
+    row_bytes = 4 * (2 * inter + dim) + 2 * (dim + inter) + 16  # gate, up, y float32; x, h int8 + scales
+    if ids.shape[0] * ids.shape[1] * row_bytes <= MAX_WORK_BYTES:
+        return [list(range(len(expert_ids)))]
+    counts = torch.bincount(ids.flatten().clamp(min=0)).tolist()
+    parts, part, rows = [], [], 0
+    for i, expert_id in enumerate(expert_ids):
+        n = counts[expert_id] if expert_id < len(counts) else 0
+        if part and (rows + n) * row_bytes > MAX_WORK_BYTES:
+            parts.append(part)
+            part, rows = [], 0
+        part.append(i)
+        rows += n
+    return [*parts, part]
