@@ -24,12 +24,14 @@ class OptionalBuildExt(build_ext):
             print(f"warning: engine._int4 was not built ({exc}); using the slower torch path")
 
 
+C_FILES = ("int4", "nibble", "q8", "split", "warm", "q8_moe")  # engine/csrc/<name>.c, each (but int4) with its .h
+
 setup(
     ext_modules=[
         Extension(
             "engine._int4",
-            sources=[f"engine/csrc/{name}.c" for name in ("int4", "nibble", "q8", "split", "q8_moe")],
-            depends=[f"engine/csrc/{name}" for name in ("nibble.h", "q8.h", "q8_body.h", "split.h", "q8_moe.h")],
+            sources=[f"engine/csrc/{name}.c" for name in C_FILES],
+            depends=[f"engine/csrc/{name}.h" for name in C_FILES if name != "int4"] + ["engine/csrc/q8_body.h"],
             extra_compile_args=["-O3"],
         )
     ],

@@ -11,6 +11,9 @@ Verbs:
                              result may have ``ready(id)`` (would indexing wait?): the MoE layer then
                              computes the experts already in memory together before it waits
     release(layer, ids)   -> unpin: the provider may evict them again
+    memory_of(layer, ids) -> optional: the arrays of those ids the provider holds in CPU memory now,
+                             without pinning or waiting: what the model has the kernels' idle helper
+                             thread read into the CPU caches ahead of use (engine/warm.py)
     max_acquire()         -> how many experts of one layer may be pinned at once (None: no limit); the MoE
                              layer acquires a step's distinct experts in chunks of at most that many,
                              each released before the next is acquired
@@ -86,6 +89,10 @@ class ResidentExperts:
         memory), so the model skips the router run; a subclass that overrides prefetch gets its guesses."""
         return type(self).prefetch is not ResidentExperts.prefetch
 
+    def memory_of(self, layer: int, expert_ids: Sequence[int]) -> list[torch.Tensor]:
+        held = self._experts.get(layer, {})
+        return [tensor for e in expert_ids if e in held for tensor in expert_tensors(held[e])]
+
     def acquire(self, layer: int, expert_ids: Sequence[int]) -> Mapping[int, Expert]:
         try:
             return {e: self._experts[layer][e] for e in expert_ids}
@@ -97,3 +104,14 @@ class ResidentExperts:
 
     def max_acquire(self) -> int | None:
         return None
+
+
+def expert_tensors(expert: object) -> list[torch.Tensor]:
+    """An expert's weight tensors, gate and up before down (the order it reads them): its w1, w3, w2
+    fields, each a tensor or an object of tensors (a quantised matrix's codes and scales)."""
+    tensors = []
+    for name in ("w1", "w3", "w2"):
+        value = getattr(expert, name, None)
+        parts = [value] if isinstance(value, torch.Tensor) else list(getattr(value, "__dict__", {}).values())
+        tensors += [part for part in parts if isinstance(part, torch.Tensor)]
+    return tensors

@@ -23,6 +23,7 @@ from engine.moe import MoE
 from engine.q8 import int8_activations
 from engine.rope import rope_tables
 from engine.rows import Linear, rows_alone, torch_on_one_thread
+from engine.warm import expert_arrays, module_arrays, warm, warming_available
 
 # Lookahead prefetch only for decode-sized steps: a prompt's rows together route to nearly every
 # expert of the next layer, which that layer's own acquire reads (once each) anyway.
@@ -96,18 +97,40 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(args.dim, args.rms_norm_eps)
         self.head = Linear(args.dim, args.vocab_size, bias=False)
         self.int8_activations = False  # the kernel matmuls quantise their inputs (engine/q8.py; lossy, opt-in)
+        self._weights_listed: dict[int, list[torch.Tensor]] = {}  # layer -> its dense weights, for warm()
 
-    def _lookahead(self, layer: int, experts: ExpertProvider):
-        """A hook giving layer ``layer``'s router the current post-attention hidden state; the experts
-        it picks are prefetched while the current layer's FFN runs. None if that layer is not MoE."""
+    def _apply(self, fn, recurse=True):
+        self._weights_listed = {}  # .to(), .float(), ...: new tensors
+        return super()._apply(fn, recurse)
+
+    def _weights_of(self, layer: int) -> list[torch.Tensor]:
+        """Layer ``layer``'s dense weights in the order a forward reads them (past the last layer: the
+        final norm and the output head), listed once: the loader swaps modules before the first forward."""
+        if layer not in self._weights_listed:
+            following = self.layers[layer] if layer < len(self.layers) else nn.ModuleList([self.norm, self.head])
+            self._weights_listed[layer] = module_arrays(following)
+        return self._weights_listed[layer]
+
+    def _lookahead(self, layer: int, experts: ExpertProvider, read_ahead: bool = False):
+        """A hook given the current post-attention hidden state before the current layer's FFN: layer
+        ``layer``'s router picks the experts to prefetch while that FFN runs. With ``read_ahead`` it also
+        has the kernels' idle helper thread read layer ``layer``'s dense weights, then the guessed experts
+        the provider holds, into the CPU caches (engine/warm.py); past the last layer, the output head.
+        None when there is nothing to do."""
         if layer >= len(self.layers) or not isinstance(self.layers[layer].ffn, MoE):
-            return None
+            return (lambda x: warm(self._weights_of(layer))) if read_ahead else None
         block = self.layers[layer]
         wants = getattr(experts, "wants_prefetch", None)  # a provider may know the guess would change nothing
 
         def lookahead(x: torch.Tensor) -> None:
-            if wants is None or wants(layer):
-                experts.prefetch(layer, block.ffn.predict(block.ffn_norm(x)))
+            prefetch = wants is None or wants(layer)
+            if not (prefetch or read_ahead):
+                return
+            guess = block.ffn.predict(block.ffn_norm(x))
+            if prefetch:
+                experts.prefetch(layer, guess)
+            if read_ahead:
+                warm(self._weights_of(layer) + expert_arrays(experts, layer, guess))
 
         return lookahead
 
@@ -141,8 +164,11 @@ class Transformer(nn.Module):
         selection = None  # DSA: the last full layer's choice, reused by "shared" layers
         guess = tokens.shape[1] <= LOOKAHEAD_MAX_NEW_POSITIONS
         with int8_activations(self.int8_activations), torch_on_one_thread():
+            read_ahead = guess and x.device.type == "cpu" and warming_available()
+            if read_ahead:
+                warm(self._weights_of(0))
             for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers, strict=True)):
-                lookahead = self._lookahead(i + 1, experts) if guess else None
+                lookahead = self._lookahead(i + 1, experts, read_ahead) if guess else None
                 x, selection = layer(x, start_pos, rope, layer_cache, experts, selection, absorb, lookahead)
             if last_only:
                 x = x[:, -1:]
@@ -162,8 +188,11 @@ class Transformer(nn.Module):
         ropes = [rope_tables(self.args, start, 1, x.device) for start in starts]
         selections: list[torch.Tensor | None] = [None] * len(tokens)
         with rows_alone(), int8_activations(self.int8_activations), torch_on_one_thread():
+            read_ahead = x.device.type == "cpu" and warming_available()
+            if read_ahead:
+                warm(self._weights_of(0))
             for i, layer in enumerate(self.layers):
                 layer_caches = [cache.layers[i] for cache in caches]
-                lookahead = self._lookahead(i + 1, experts)
+                lookahead = self._lookahead(i + 1, experts, read_ahead)
                 x, selections = layer.forward_rows(x, starts, ropes, layer_caches, experts, selections, lookahead)
             return self.head(self.norm(x)).float()[:, -1]

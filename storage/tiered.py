@@ -282,6 +282,16 @@ class TieredExpertStore:
         loading = self.ram.entries[key].loading
         return loading is None or loading.done()
 
+    def memory_of(self, layer: int, expert_ids: Sequence[int]) -> list[np.ndarray]:
+        """The RAM slots of those of these experts that are read and in RAM now, not pinned: what a
+        read-ahead into the CPU caches may touch. A slot may be reused later; its memory stays the store's."""
+        slots = []
+        for expert in expert_ids:
+            entry = self.ram.entries.get((layer, expert))
+            if entry is not None and (entry.loading is None or entry.loading.done()):
+                slots.append(self.ram_slot(entry.slot))
+        return slots
+
     def expert(self, layer: int, expert: int) -> Any:
         """The materialised expert of a pinned key, waiting for its read if needed."""
         key = (layer, expert)

@@ -9,6 +9,7 @@
  * and finds it awake. The caller, once no block is left, waits only for a block the helper is inside.
  */
 #include "split.h"
+#include "warm.h"
 
 #include <pthread.h>
 #include <sched.h>
@@ -64,21 +65,28 @@ static int has_work(uint64_t seen) {
     return generation(t) != seen && next_of(t) < blocks_of(t);
 }
 
-/* Returns the generation of a job with blocks left, after spinning then sleeping for one. */
+/* Returns the generation of a job with blocks left. Meanwhile warms what the engine asked for (warm.c),
+ * then spins, then sleeps until a job or a warming request comes. */
 static uint64_t wait_for_job(uint64_t seen) {
-    int64_t deadline = now_ns() + SPIN_NS;
-    for (int polls = 0; !has_work(seen); polls++) {
-        if (polls % 64 == 63) {
-            if (now_ns() > deadline) break;
-            sched_yield();
+    while (!has_work(seen)) {
+        int64_t deadline = now_ns() + SPIN_NS;
+        for (int polls = 0; !has_work(seen); polls++) {
+            if (warm_step()) {
+                deadline = now_ns() + SPIN_NS; /* idle only from the end of the warming */
+                continue;
+            }
+            if (polls % 64 == 63) {
+                if (now_ns() > deadline) break;
+                sched_yield();
+            }
+            PAUSE();
         }
-        PAUSE();
+        pthread_mutex_lock(&mu);
+        __atomic_store_n(&helper_sleeping, 1, __ATOMIC_SEQ_CST);
+        while (!has_work(seen) && !warm_pending()) pthread_cond_wait(&work_ready, &mu);
+        __atomic_store_n(&helper_sleeping, 0, __ATOMIC_SEQ_CST);
+        pthread_mutex_unlock(&mu);
     }
-    pthread_mutex_lock(&mu);
-    __atomic_store_n(&helper_sleeping, 1, __ATOMIC_SEQ_CST);
-    while (!has_work(seen)) pthread_cond_wait(&work_ready, &mu);
-    __atomic_store_n(&helper_sleeping, 0, __ATOMIC_SEQ_CST);
-    pthread_mutex_unlock(&mu);
     return generation(__atomic_load_n(&ticket, __ATOMIC_SEQ_CST));
 }
 
@@ -111,6 +119,27 @@ static int ensure_helper(void) {
     return helper_state == 1;
 }
 
+/* The helper may be asleep: the state it checks before sleeping was stored (seq_cst) before this load. */
+static void wake_helper(void) {
+    if (__atomic_load_n(&helper_sleeping, __ATOMIC_SEQ_CST)) {
+        pthread_mutex_lock(&mu);
+        pthread_cond_signal(&work_ready);
+        pthread_mutex_unlock(&mu);
+    }
+}
+
+int split_warm(const void *const *starts, const size_t *lengths, int n, int threads) {
+    if (n == 0) return warm_request(starts, lengths, 0); /* a clear needs no helper */
+    if (threads < 2) return 0;                              /* no idle core to read ahead on */
+    pthread_mutex_lock(&call_lock);
+    int helper = ensure_helper();
+    pthread_mutex_unlock(&call_lock);
+    if (!helper) return 0;
+    int status = warm_request(starts, lengths, n);
+    wake_helper();
+    return status;
+}
+
 void split_run(split_block_fn fn, void *job, int n_blocks, int threads) {
     if (n_blocks <= 0) return;
     pthread_mutex_lock(&call_lock);
@@ -122,11 +151,7 @@ void split_run(split_block_fn fn, void *job, int n_blocks, int threads) {
     job_fn = fn, job_arg = job;
     uint64_t gen = (generation(__atomic_load_n(&ticket, __ATOMIC_SEQ_CST)) + 1) & ((1ull << 24) - 1);
     __atomic_store_n(&ticket, ticket_of(gen, (uint64_t)n_blocks, 0), __ATOMIC_SEQ_CST);
-    if (__atomic_load_n(&helper_sleeping, __ATOMIC_SEQ_CST)) {
-        pthread_mutex_lock(&mu);
-        pthread_cond_signal(&work_ready);
-        pthread_mutex_unlock(&mu);
-    }
+    wake_helper();
     for (int block; (block = take_block(gen)) >= 0;) fn(job, block);
     for (int polls = 0; __atomic_load_n(&helper_inside, __ATOMIC_SEQ_CST); polls++) {
         if (polls % 64 == 63) sched_yield(); /* the helper may be descheduled inside its block */
@@ -136,6 +161,7 @@ void split_run(split_block_fn fn, void *job, int n_blocks, int threads) {
 }
 
 void split_after_fork(void) {
+    warm_after_fork();
     helper_state = 0;
     helper_inside = helper_sleeping = 0;
     pthread_mutex_init(&call_lock, NULL);

@@ -3,6 +3,8 @@
 #ifndef COLIBRI_SPLIT_H
 #define COLIBRI_SPLIT_H
 
+#include <stddef.h>
+
 /* Computes block `block` of a job; blocks of one job touch disjoint outputs. */
 typedef void (*split_block_fn)(void *job, int block);
 
@@ -10,6 +12,10 @@ typedef void (*split_block_fn)(void *job, int block);
  * all are done. The caller never waits for a helper that has not started: it takes every block the
  * helper has not, so a descheduled helper (a busy machine) costs nothing but its own blocks. */
 void split_run(split_block_fn fn, void *job, int n_blocks, int threads);
+
+/* Has the helper (threads >= 2) read these ranges into the caches while it has no block to run,
+ * replacing what was asked before (warm.c); returns at once. 0, or -1 without memory. */
+int split_warm(const void *const *starts, const size_t *lengths, int n, int threads);
 
 /* A forked child has no helper thread (only the forking thread survives): call in the child. */
 void split_after_fork(void);

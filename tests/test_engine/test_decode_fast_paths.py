@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import engine.model
 from engine.args import ModelArgs
 from engine.attention import MLA
 from engine.experts import ExpertWeights, ResidentExperts
@@ -152,6 +153,8 @@ def test_lookahead_hints_are_the_next_routers_sorted_ids_and_skip_no_op_provider
     predicted: list[int] = []
     predict = MoE.predict
     monkeypatch.setattr(MoE, "predict", lambda self, x: predicted.append(self.layer_id) or predict(self, x))
+    # the read-ahead into the CPU caches wants the guess for any provider (tests/test_engine/test_warm.py)
+    monkeypatch.setattr(engine.model, "warming_available", lambda: False)
     cache = model.new_cache()
     plain = model.forward_rows([3], [cache], experts)
     assert predicted == []  # ResidentExperts ignores prefetch: no router run for it

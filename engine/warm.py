@@ -1,0 +1,85 @@
+"""Read-ahead into the CPU caches: the next layer's weights, read by the kernels' idle helper thread.
+
+A decode step alternates weight-bound kernel calls with Python that touches almost no memory (norms,
+rope, routing, small torch ops). One core streaming a matrix from DRAM gets ~8 GB/s on these machines,
+the same kernel over weights already in L3 15-25 GB/s, and L3 is large (hundreds of MB). So while the
+caller runs the Python between two kernel calls, the helper thread (engine/csrc/split.c, warm.c),
+otherwise idle, reads the weights the next layer will use: its dense part, then the routed experts the
+lookahead router guesses and the provider already holds in memory. The kernels then find them in the
+caches. The same bytes come from DRAM, off the critical path; no value changes.
+
+Only with 2+ kernel threads (with one there is no idle core) and only for CPU tensors.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from engine.rows import kernel_threads
+
+try:
+    from engine import _int4
+except ImportError:  # pragma: no cover - machines without a compiler
+    _int4 = None
+
+MIN_BYTES = 16 * 1024  # smaller arrays (norm weights, biases) are not worth a range
+
+_lock = threading.Lock()
+_held: list = []  # what the helper may be reading: kept alive until the next request replaces it
+
+
+def warming_available() -> bool:
+    return _int4 is not None and hasattr(_int4, "warm") and kernel_threads() >= 2
+
+
+def module_arrays(module: nn.Module) -> list[torch.Tensor]:
+    """A module's CPU parameters and buffers of MIN_BYTES or more, in registration order (for a Block:
+    attention, then the FFN: the order a forward reads them)."""
+    arrays = []
+    for sub in module.modules():
+        for tensor in (*sub.parameters(recurse=False), *sub.buffers(recurse=False)):
+            if tensor.device.type == "cpu" and tensor.numel() * tensor.element_size() >= MIN_BYTES:
+                arrays.append(tensor)
+    return arrays
+
+
+def _address_and_bytes(array: torch.Tensor | np.ndarray) -> tuple[int, int]:
+    if isinstance(array, np.ndarray):
+        return array.ctypes.data, array.nbytes
+    return array.data_ptr(), array.numel() * array.element_size()
+
+
+def warm(arrays: Sequence[torch.Tensor | np.ndarray]) -> None:
+    """Have the helper thread read these contiguous arrays, in order, into the caches, instead of
+    whatever it was asked before. Returns at once. Non-contiguous arrays are skipped."""
+    if not warming_available():
+        return
+    arrays = [a for a in arrays if _contiguous(a)]
+    with _lock:
+        _int4.warm([_address_and_bytes(a) for a in arrays], kernel_threads())
+        _held[:] = arrays  # the C side no longer touches the previous arrays: they may go
+
+
+def stop_warming() -> None:
+    """Drop the pending request (a model about to be freed)."""
+    if _int4 is not None and hasattr(_int4, "warm"):
+        with _lock:
+            _int4.warm([], 2)
+            _held.clear()
+
+
+def _contiguous(array: torch.Tensor | np.ndarray) -> bool:
+    if isinstance(array, np.ndarray):
+        return array.flags.c_contiguous
+    return array.is_contiguous()
+
+
+def expert_arrays(experts: object, layer: int, expert_ids: Iterable[int]) -> list:
+    """The memory of those experts the provider holds now (its optional ``memory_of`` verb), else none."""
+    memory_of = getattr(experts, "memory_of", None)
+    return [] if memory_of is None else list(memory_of(layer, list(expert_ids)))

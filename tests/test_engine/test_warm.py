@@ -1,0 +1,126 @@
+"""Read-ahead into the CPU caches (engine/warm.py, engine/csrc/warm.c): the kernels' idle helper thread
+reads what it is asked, a new request replaces the old one, and decoding with it gives the same bits."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import pytest
+import torch
+from torch import nn
+
+import engine.model
+from engine import warm as warming
+from engine.experts import ExpertWeights, ResidentExperts, expert_tensors
+
+needs_helper = pytest.mark.skipif(
+    warming._int4 is None or not hasattr(warming._int4, "warm"), reason="the C kernels are not built"
+)
+
+
+@contextmanager
+def kernel_threads_set(threads: int):
+    """Kernel threads outside a forward pass are torch's (engine.rows.kernel_threads)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _read_after(before: int, at_least: int, timeout_s: float = 10.0) -> int:
+    deadline = time.monotonic() + timeout_s
+    while (read := warming._int4.warm_bytes() - before) < at_least and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return read
+
+
+@needs_helper
+def test_the_helper_reads_every_byte_it_is_asked_for():
+    arrays = [torch.ones(3 * 2**20 + 5, dtype=torch.uint8), torch.zeros(1000, 77)]  # odd sizes
+    wanted = sum(a.numel() * a.element_size() for a in arrays)
+    before = warming._int4.warm_bytes()
+    with kernel_threads_set(2):
+        warming.warm(arrays)
+        assert _read_after(before, wanted) == wanted
+        warming.stop_warming()
+
+
+@needs_helper
+def test_one_kernel_thread_reads_nothing_ahead():
+    before = warming._int4.warm_bytes()
+    with kernel_threads_set(1):
+        assert not warming.warming_available()
+        warming.warm([torch.ones(2**20)])
+    time.sleep(0.05)
+    assert warming._int4.warm_bytes() == before
+
+
+@needs_helper
+def test_a_new_request_replaces_the_old_one_and_the_old_memory_may_go():
+    big = torch.ones(512 * 2**20, dtype=torch.uint8)  # far more than is read before the next request
+    small = torch.ones(2**20, dtype=torch.uint8)
+    before = warming._int4.warm_bytes()
+    with kernel_threads_set(2):
+        warming.warm([big])
+        warming.warm([small])
+        del big  # freed at once: the helper no longer reads it (a read of freed memory would crash)
+        read = _read_after(before, small.numel())
+        time.sleep(0.05)
+        assert small.numel() <= warming._int4.warm_bytes() - before < 256 * 2**20
+        warming.stop_warming()
+    assert read >= small.numel()
+
+
+def test_module_arrays_are_the_large_cpu_weights_in_registration_order():
+    module = nn.Sequential(nn.Linear(64, 128, bias=True), nn.LayerNorm(128), nn.Linear(128, 96, bias=False))
+    module.register_buffer("table", torch.zeros(100, 50))
+    arrays = warming.module_arrays(module)
+    # the buffer of the container first (its own members come before its children's), then each Linear's
+    # weight; biases and norm weights are under MIN_BYTES
+    expected = [module.table, module[0].weight, module[2].weight]
+    assert [a.data_ptr() for a in arrays] == [a.data_ptr() for a in expected]
+
+
+def test_resident_experts_give_their_memory_gate_and_up_before_down():
+    gen = torch.Generator().manual_seed(0)
+    expert = ExpertWeights(*(torch.randn(s, generator=gen) for s in [(8, 4), (4, 8), (8, 4)]))
+    experts = ResidentExperts({3: {0: expert, 1: expert}})
+    in_order = [expert.w1, expert.w3, expert.w2]
+    assert [t.data_ptr() for t in expert_tensors(expert)] == [t.data_ptr() for t in in_order]
+    assert len(experts.memory_of(3, [1, 5])) == 3  # 5 is not there
+    assert experts.memory_of(4, [0]) == []
+
+
+@needs_helper
+@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8-act"])
+def test_decoding_with_read_ahead_gives_the_same_logits(stream_container, int8, monkeypatch):
+    from colibri_stream.generate import decode_one_token, prefill
+    from colibri_stream.loader import load_container
+    from storage.container import Container
+    from storage.tiered import StoreConfig
+
+    def logits(read_ahead: bool, calls: list) -> list[torch.Tensor]:
+        monkeypatch.setattr(engine.model, "warming_available", lambda: read_ahead)
+        monkeypatch.setattr(engine.model, "warm", lambda arrays: calls.append(list(arrays)) or warming.warm(arrays))
+        budget = Container(stream_container).expert_bytes // 2
+        loaded = load_container(stream_container, store=StoreConfig(ram_bytes=budget), int8_activations=int8)
+        try:
+            cache = loaded.model.new_cache()
+            out = [prefill(loaded.model, [5, 9, 2, 77, 13], cache, loaded.experts)]
+            for _ in range(4):
+                out.append(decode_one_token(loaded.model, int(out[-1].argmax()), cache, loaded.experts))
+            return out
+        finally:
+            loaded.experts.close()
+
+    with kernel_threads_set(2):
+        plain, warmed = [], []
+        expected, got = logits(False, plain), logits(True, warmed)
+    assert not plain
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+    n_layers = 8
+    assert len(warmed) == 4 * (n_layers + 1)  # per decode step: layer 0 first, then one per layer (the head last)
+    assert any(len(request) > 3 for request in warmed[1 :: n_layers + 1])  # dense weights and some experts' slots
