@@ -65,22 +65,50 @@ static int has_work(uint64_t seen) {
     return generation(t) != seen && next_of(t) < blocks_of(t);
 }
 
-/* Returns the generation of a job with blocks left. Meanwhile warms what the engine asked for (warm.c),
- * then spins, then sleeps until a job or a warming request comes. */
+static int64_t thread_cpu_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* Whether the helper shares its core with another busy thread: over its last awake window of
+ * SHARE_WINDOW_NS it ran less than SHARE_MIN of the time (each poll yields the core, so a competitor
+ * takes it). Read-ahead then stops: on a shared core it would take time from the caller, not give it
+ * (measured: decode beside a busy loop 216-233 -> 294-324 ms/token with it). The window is shorter
+ * than the spin, so an idle helper measures again each time it is woken. */
+#define SHARE_WINDOW_NS 200000L
+#define SHARE_MIN 0.75
+static int core_shared = 0;
+
+static void watch_share(int64_t wall, int64_t *wall0, int64_t *cpu0) {
+    if (wall - *wall0 < SHARE_WINDOW_NS) return;
+    int64_t cpu = thread_cpu_ns();
+    core_shared = (double)(cpu - *cpu0) < SHARE_MIN * (double)(wall - *wall0);
+    *wall0 = wall, *cpu0 = cpu;
+}
+
+/* Returns the generation of a job with blocks left. Meanwhile warms what the engine asked for (warm.c)
+ * unless the core is shared, then spins, then sleeps until a job or a warming request comes. */
 static uint64_t wait_for_job(uint64_t seen) {
     while (!has_work(seen)) {
-        int64_t deadline = now_ns() + SPIN_NS;
+        uint64_t request = warm_request_count(); /* the one a shared core makes us skip */
+        int64_t wall0 = now_ns(), cpu0 = thread_cpu_ns();
+        int64_t deadline = wall0 + SPIN_NS;
         for (int polls = 0; !has_work(seen); polls++) {
-            if (warm_step()) {
+            if (!core_shared && warm_step()) {
                 deadline = now_ns() + SPIN_NS; /* idle only from the end of the warming */
+                if (polls % 64 == 63) watch_share(now_ns(), &wall0, &cpu0);
                 continue;
             }
             if (polls % 64 == 63) {
-                if (now_ns() > deadline) break;
+                int64_t wall = now_ns();
+                watch_share(wall, &wall0, &cpu0);
+                if (wall > deadline) break;
                 sched_yield();
             }
             PAUSE();
         }
+        if (core_shared) warm_drop(request); /* skipped; a newer request is measured again */
         pthread_mutex_lock(&mu);
         __atomic_store_n(&helper_sleeping, 1, __ATOMIC_SEQ_CST);
         while (!has_work(seen) && !warm_pending()) pthread_cond_wait(&work_ready, &mu);

@@ -3,9 +3,14 @@ reads what it is asked, a new request replaces the old one, and decoding with it
 
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
+import sys
 import time
 from contextlib import contextmanager
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -39,8 +44,10 @@ def _read_after(before: int, at_least: int, timeout_s: float = 10.0) -> int:
 
 @needs_helper
 def test_the_helper_reads_every_byte_it_is_asked_for():
-    arrays = [torch.ones(3 * 2**20 + 5, dtype=torch.uint8), torch.zeros(1000, 77)]  # odd sizes
-    wanted = sum(a.numel() * a.element_size() for a in arrays)
+    # numpy, not torch: torch fills large tensors on an OpenMP team whose idle threads then spin for a
+    # while, and a helper sharing its core with a busy thread rightly skips the read-ahead
+    arrays = [np.ones(3 * 2**20 + 5, dtype=np.uint8), np.zeros((1000, 77), dtype=np.float32)]  # odd sizes
+    wanted = sum(a.nbytes for a in arrays)
     before = warming._int4.warm_bytes()
     with kernel_threads_set(2):
         warming.warm(arrays)
@@ -53,25 +60,25 @@ def test_one_kernel_thread_reads_nothing_ahead():
     before = warming._int4.warm_bytes()
     with kernel_threads_set(1):
         assert not warming.warming_available()
-        warming.warm([torch.ones(2**20)])
+        warming.warm([np.ones(2**20)])
     time.sleep(0.05)
     assert warming._int4.warm_bytes() == before
 
 
 @needs_helper
 def test_a_new_request_replaces_the_old_one_and_the_old_memory_may_go():
-    big = torch.ones(512 * 2**20, dtype=torch.uint8)  # far more than is read before the next request
-    small = torch.ones(2**20, dtype=torch.uint8)
+    big = np.ones(512 * 2**20, dtype=np.uint8)  # far more than is read before the next request
+    small = np.ones(2**20, dtype=np.uint8)
     before = warming._int4.warm_bytes()
     with kernel_threads_set(2):
         warming.warm([big])
         warming.warm([small])
         del big  # freed at once: the helper no longer reads it (a read of freed memory would crash)
-        read = _read_after(before, small.numel())
+        read = _read_after(before, small.nbytes)
         time.sleep(0.05)
-        assert small.numel() <= warming._int4.warm_bytes() - before < 256 * 2**20
+        assert small.nbytes <= warming._int4.warm_bytes() - before < 256 * 2**20
         warming.stop_warming()
-    assert read >= small.numel()
+    assert read >= small.nbytes
 
 
 def test_module_arrays_are_the_large_cpu_weights_in_registration_order():
@@ -124,3 +131,37 @@ def test_decoding_with_read_ahead_gives_the_same_logits(stream_container, int8, 
     n_layers = 8
     assert len(warmed) == 4 * (n_layers + 1)  # per decode step: layer 0 first, then one per layer (the head last)
     assert any(len(request) > 3 for request in warmed[1 :: n_layers + 1])  # dense weights and some experts' slots
+
+
+@needs_helper
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs CPU affinity")
+def test_a_helper_sharing_its_core_with_a_busy_process_skips_the_read_ahead():
+    """On a shared core the read-ahead would take time from the caller: the helper measures how much of
+    its awake time it runs and drops the request when another busy thread has its core."""
+    with kernel_threads_set(2):
+        warming.warm([np.ones(4096, dtype=np.uint8)])  # the helper exists from here on
+        before_all = {tid: os.sched_getaffinity(tid) for tid in map(int, os.listdir("/proc/self/task"))}
+        cpu = min(os.sched_getaffinity(0))
+        for tid in before_all:
+            os.sched_setaffinity(tid, {cpu})
+        spin = f"import os; os.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"
+        busy = subprocess.Popen([sys.executable, "-c", spin])
+        try:
+            time.sleep(0.3)  # the busy loop is running
+            big = np.ones(256 * 2**20, dtype=np.uint8)
+            before = warming._int4.warm_bytes()
+            warming.warm([big])
+            time.sleep(1.0)
+            shared_read = warming._int4.warm_bytes() - before
+        finally:
+            busy.kill()
+            busy.wait()
+            for tid, cpus in before_all.items():
+                with contextlib.suppress(OSError):  # a thread that has ended since
+                    os.sched_setaffinity(tid, cpus)
+        before = warming._int4.warm_bytes()
+        warming.warm([big])
+        alone_read = _read_after(before, big.nbytes)
+        warming.stop_warming()
+    assert shared_read < big.nbytes // 4
+    assert alone_read == big.nbytes
