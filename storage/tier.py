@@ -27,8 +27,13 @@ class Entry:
     prefetched: bool = False  # brought in by lookahead and not yet used
 
     @property
+    def reading(self) -> bool:
+        """A read into the slot is still in flight."""
+        return self.loading is not None and not self.loading.done()
+
+    @property
     def busy(self) -> bool:
-        return self.pins > 0 or (self.loading is not None and not self.loading.done())
+        return self.pins > 0 or self.reading
 
 
 @dataclass
@@ -83,4 +88,4 @@ class SlotTier:
                 entry.pins -= 1
 
     def loading(self) -> list[Entry]:
-        return [e for e in self.entries.values() if e.loading is not None and not e.loading.done()]
+        return [e for e in self.entries.values() if e.reading]

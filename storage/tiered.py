@@ -279,8 +279,7 @@ class TieredExpertStore:
         key = (layer, expert)
         if self.vram is not None and key in self.vram.entries:
             return True
-        loading = self.ram.entries[key].loading
-        return loading is None or loading.done()
+        return not self.ram.entries[key].reading
 
     def memory_of(self, layer: int, expert_ids: Sequence[int]) -> list[np.ndarray]:
         """The RAM slots of those of these experts that are read and in RAM now, not pinned: what a
@@ -288,7 +287,7 @@ class TieredExpertStore:
         slots = []
         for expert in expert_ids:
             entry = self.ram.entries.get((layer, expert))
-            if entry is not None and (entry.loading is None or entry.loading.done()):
+            if entry is not None and not entry.reading:
                 slots.append(self.ram_slot(entry.slot))
         return slots
 
