@@ -74,16 +74,22 @@ static int64_t thread_cpu_ns(void) {
 /* Whether the helper shares its core with another busy thread: over its last awake window of
  * SHARE_WINDOW_NS it ran less than SHARE_MIN of the time (each poll yields the core, so a competitor
  * takes it). Read-ahead then stops: on a shared core it would take time from the caller, not give it
- * (measured: decode beside a busy loop 216-233 -> 294-324 ms/token with it). The window is shorter
- * than the spin, so an idle helper measures again each time it is woken. */
+ * (measured: decode beside a busy loop 216-233 -> 294-324 ms/token with it). Under load the helper
+ * keeps measuring; a verdict older than SHARE_FORGET_NS is dropped by the next request, which is then
+ * read until a window says otherwise (a core shared a while ago may be free now). */
 #define SHARE_WINDOW_NS 200000L
 #define SHARE_MIN 0.75
+#define SHARE_FORGET_NS 20000000L /* a verdict older than this is measured again on the next request */
 static int core_shared = 0;
+static int64_t measured_at = 0; /* when core_shared was last measured */
+
+static int shared(void) { return __atomic_load_n(&core_shared, __ATOMIC_SEQ_CST); }
 
 static void watch_share(int64_t wall, int64_t *wall0, int64_t *cpu0) {
     if (wall - *wall0 < SHARE_WINDOW_NS) return;
     int64_t cpu = thread_cpu_ns();
-    core_shared = (double)(cpu - *cpu0) < SHARE_MIN * (double)(wall - *wall0);
+    __atomic_store_n(&measured_at, wall, __ATOMIC_RELAXED);
+    __atomic_store_n(&core_shared, (double)(cpu - *cpu0) < SHARE_MIN * (double)(wall - *wall0), __ATOMIC_SEQ_CST);
     *wall0 = wall, *cpu0 = cpu;
 }
 
@@ -91,11 +97,10 @@ static void watch_share(int64_t wall, int64_t *wall0, int64_t *cpu0) {
  * unless the core is shared, then spins, then sleeps until a job or a warming request comes. */
 static uint64_t wait_for_job(uint64_t seen) {
     while (!has_work(seen)) {
-        uint64_t request = warm_request_count(); /* the one a shared core makes us skip */
         int64_t wall0 = now_ns(), cpu0 = thread_cpu_ns();
         int64_t deadline = wall0 + SPIN_NS;
         for (int polls = 0; !has_work(seen); polls++) {
-            if (!core_shared && warm_step()) {
+            if (!shared() && warm_step()) {
                 deadline = now_ns() + SPIN_NS; /* idle only from the end of the warming */
                 if (polls % 64 == 63) watch_share(now_ns(), &wall0, &cpu0);
                 continue;
@@ -108,10 +113,9 @@ static uint64_t wait_for_job(uint64_t seen) {
             }
             PAUSE();
         }
-        if (core_shared) warm_drop(request); /* skipped; a newer request is measured again */
         pthread_mutex_lock(&mu);
         __atomic_store_n(&helper_sleeping, 1, __ATOMIC_SEQ_CST);
-        while (!has_work(seen) && !warm_pending()) pthread_cond_wait(&work_ready, &mu);
+        while (!has_work(seen) && !(warm_pending() && !shared())) pthread_cond_wait(&work_ready, &mu);
         __atomic_store_n(&helper_sleeping, 0, __ATOMIC_SEQ_CST);
         pthread_mutex_unlock(&mu);
     }
@@ -163,6 +167,8 @@ int split_warm(const void *const *starts, const size_t *lengths, int n, int thre
     int helper = ensure_helper();
     pthread_mutex_unlock(&call_lock);
     if (!helper) return 0;
+    if (now_ns() - __atomic_load_n(&measured_at, __ATOMIC_RELAXED) > SHARE_FORGET_NS)
+        __atomic_store_n(&core_shared, 0, __ATOMIC_SEQ_CST); /* stale: measured again from this request on */
     int status = warm_request(starts, lengths, n);
     wake_helper();
     return status;

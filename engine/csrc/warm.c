@@ -15,7 +15,6 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #define WARM_STEP_BYTES (16 * 1024) /* between two looks at the kernel's ticket: a few microseconds */
 #define LINE 64
@@ -32,7 +31,6 @@ static size_t offset = 0; /* within ranges[current] */
 static int pending = 0;   /* ranges left: read without the lock by the helper's poll */
 static volatile uint8_t sink;
 static uint64_t bytes_read = 0; /* ever, for tests and stats */
-static uint64_t requests = 0;   /* how many warm_request calls: which request a drop is about */
 
 int warm_request(const void *const *starts, const size_t *lengths, int n) {
     Range *fresh = NULL;
@@ -42,8 +40,7 @@ int warm_request(const void *const *starts, const size_t *lengths, int n) {
     pthread_mutex_lock(&lock);
     free(ranges);
     ranges = fresh, n_ranges = n, current = 0, offset = 0;
-    __atomic_add_fetch(&requests, 1, __ATOMIC_SEQ_CST);
-    __atomic_store_n(&pending, n > 0, __ATOMIC_SEQ_CST); /* seq_cst: see split_wake */
+    __atomic_store_n(&pending, n > 0, __ATOMIC_SEQ_CST); /* seq_cst: split.c wake_helper */
     pthread_mutex_unlock(&lock);
     return ok ? 0 : -1;
 }
@@ -74,18 +71,6 @@ int warm_step(void) {
     __atomic_store_n(&pending, left, __ATOMIC_RELEASE);
     pthread_mutex_unlock(&lock);
     return left;
-}
-
-uint64_t warm_request_count(void) { return __atomic_load_n(&requests, __ATOMIC_SEQ_CST); }
-
-void warm_drop(uint64_t request) {
-    pthread_mutex_lock(&lock);
-    if (__atomic_load_n(&requests, __ATOMIC_SEQ_CST) == request) { /* not a newer one */
-        free(ranges);
-        ranges = NULL, n_ranges = current = 0, offset = 0;
-        __atomic_store_n(&pending, 0, __ATOMIC_SEQ_CST);
-    }
-    pthread_mutex_unlock(&lock);
 }
 
 uint64_t warm_bytes_read(void) { return __atomic_load_n(&bytes_read, __ATOMIC_RELAXED); }

@@ -17,11 +17,6 @@ int warm_step(void);
 /* Whether anything is left to warm (the helper does not sleep while there is). */
 int warm_pending(void);
 
-/* Requests so far; warm_drop(count) forgets what is left of request number `count` only (a newer
- * one, made meanwhile, stays). */
-uint64_t warm_request_count(void);
-void warm_drop(uint64_t request);
-
 /* Bytes the helper has read ahead since the process started. */
 uint64_t warm_bytes_read(void);
 
