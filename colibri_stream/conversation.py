@@ -38,6 +38,7 @@ from colibri_stream.sessions import Session, TurnStart, default_kv_dir
 from colibri_stream.text import ChatFormat, PromptEncoder, load_chat_format, load_tokenizer
 from engine.cache import KVCache
 from engine.v4_cache import V4Cache
+from engine.warm import stop_warming
 from storage.stats import StoreStats
 
 
@@ -97,6 +98,7 @@ class Runtime:
 
     def close(self) -> None:
         self.loaded.experts.close()
+        stop_warming()  # the helper's last request may name this model's arrays
 
 
 def load_runtime(path: str | Path, options: RuntimeOptions | None = None) -> Runtime:

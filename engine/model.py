@@ -111,6 +111,14 @@ class Transformer(nn.Module):
             self._weights_listed[layer] = module_arrays(following)
         return self._weights_listed[layer]
 
+    def _start_read_ahead(self, x: torch.Tensor) -> bool:
+        """Whether this decode step reads ahead (CPU activations, 2+ kernel threads); if so, layer 0's
+        weights are asked for now, each later layer's at the lookahead before it."""
+        if x.device.type != "cpu" or not warming_available():
+            return False
+        warm(self._weights_of(0))
+        return True
+
     def _lookahead(self, layer: int, experts: ExpertProvider, read_ahead: bool = False):
         """A hook given the current post-attention hidden state before the current layer's FFN: layer
         ``layer``'s router picks the experts to prefetch while that FFN runs. With ``read_ahead`` it also
@@ -164,9 +172,7 @@ class Transformer(nn.Module):
         selection = None  # DSA: the last full layer's choice, reused by "shared" layers
         guess = tokens.shape[1] <= LOOKAHEAD_MAX_NEW_POSITIONS
         with int8_activations(self.int8_activations), torch_on_one_thread():
-            read_ahead = guess and x.device.type == "cpu" and warming_available()
-            if read_ahead:
-                warm(self._weights_of(0))
+            read_ahead = guess and self._start_read_ahead(x)
             for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers, strict=True)):
                 lookahead = self._lookahead(i + 1, experts, read_ahead) if guess else None
                 x, selection = layer(x, start_pos, rope, layer_cache, experts, selection, absorb, lookahead)
@@ -188,9 +194,7 @@ class Transformer(nn.Module):
         ropes = [rope_tables(self.args, start, 1, x.device) for start in starts]
         selections: list[torch.Tensor | None] = [None] * len(tokens)
         with rows_alone(), int8_activations(self.int8_activations), torch_on_one_thread():
-            read_ahead = x.device.type == "cpu" and warming_available()
-            if read_ahead:
-                warm(self._weights_of(0))
+            read_ahead = self._start_read_ahead(x)
             for i, layer in enumerate(self.layers):
                 layer_caches = [cache.layers[i] for cache in caches]
                 lookahead = self._lookahead(i + 1, experts, read_ahead)

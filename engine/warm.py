@@ -66,7 +66,8 @@ def warm(arrays: Sequence[torch.Tensor | np.ndarray]) -> None:
 
 
 def stop_warming() -> None:
-    """Drop the pending request (a model about to be freed)."""
+    """Drop the pending request and the arrays held for it: a closed model's weights (or a store's RAM
+    block, through its slots) can then be freed."""
     if _int4 is not None and hasattr(_int4, "warm"):
         with _lock:
             _int4.warm([], 2)

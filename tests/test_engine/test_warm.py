@@ -159,9 +159,25 @@ def test_a_helper_sharing_its_core_with_a_busy_process_skips_the_read_ahead():
             for tid, cpus in before_all.items():
                 with contextlib.suppress(OSError):  # a thread that has ended since
                     os.sched_setaffinity(tid, cpus)
+        time.sleep(0.2)  # the busy loop's CPU is idle again
         before = warming._int4.warm_bytes()
         warming.warm([big])
         alone_read = _read_after(before, big.nbytes)
         warming.stop_warming()
     assert shared_read < big.nbytes // 4
     assert alone_read == big.nbytes
+
+
+@needs_helper
+def test_closing_a_runtime_lets_go_of_the_arrays_its_last_request_named(stream_container, tmp_path):
+    from colibri_stream.conversation import RuntimeOptions, TurnOptions, load_runtime, run_turn
+
+    with kernel_threads_set(2):
+        runtime = load_runtime(stream_container, RuntimeOptions(kv_dir=tmp_path, text=False))
+        try:
+            run_turn(runtime, [5, 9, 2], TurnOptions(max_new_tokens=3))
+            head = runtime.loaded.model.head.weight
+            assert any(a is head for a in warming._held)  # a decode step's last request: the output head
+        finally:
+            runtime.close()
+    assert warming._held == []
