@@ -100,6 +100,7 @@ class Budget:
     threads: int = 4
     policy: str = "lru"
     prefetch: bool = True
+    lookahead: int = 2
     history: str | None = None
     source: str = "defaults"
     extra: dict[str, Any] = field(default_factory=dict)
@@ -108,7 +109,7 @@ class Budget:
 _SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     "memory": {"ram": (str, int), "vram": (str, int), "limit": (str, int)},
     "io": {"direct": (bool,), "threads": (int,)},
-    "cache": {"policy": (str,), "prefetch": (bool,), "history": (str,)},
+    "cache": {"policy": (str,), "prefetch": (bool,), "lookahead": (int,), "history": (str,)},
     "kv": {"dir": (str,), "dtype": (str,)},
 }
 
@@ -139,6 +140,8 @@ def load_budget_file(path: str | Path) -> Budget:
             values[f"{section}.{key}"] = value
     if values.get("io.threads", 1) < 1:
         raise BudgetError(f"{path}: io.threads must be >= 1")
+    if values.get("cache.lookahead", 1) < 1:
+        raise BudgetError(f"{path}: cache.lookahead must be >= 1 (MoE layers guessed ahead)")
     policy = values.get("cache.policy", "lru")
     if policy not in POLICY_NAMES:
         raise BudgetError(f"{path}: cache.policy must be one of {', '.join(POLICY_NAMES)}, got {policy!r}")
@@ -149,6 +152,7 @@ def load_budget_file(path: str | Path) -> Budget:
         threads=values.get("io.threads", 4),
         policy=policy,
         prefetch=values.get("cache.prefetch", True),
+        lookahead=values.get("cache.lookahead", 2),
         history=values.get("cache.history"),
         source=str(path),
         extra={k: v for k, v in values.items() if k.startswith(("kv.", "memory.limit"))},
@@ -168,6 +172,7 @@ class StoreOptions:
     prefetch: bool = True  # False: --no-prefetch (wins over the budget file)
     direct: bool | None = None  # True --direct, False --buffered, None: the budget file
     io_threads: int | None = None
+    lookahead: int | None = None  # MoE layers guessed ahead (--lookahead)
     history: str | Path | None = None  # usage-history file, updated after every turn
     trace: str | Path | None = None  # routing trace, one JSON line per acquire
     kv_sequences: int = 1  # KV caches held at once, each counted at the full context (serve: 2 x slots)
@@ -217,5 +222,6 @@ def _store_config(options: StoreOptions, budget: Budget, ram: int, expert_bytes:
         prefetch=budget.prefetch and options.prefetch,
         direct=budget.direct if options.direct is None else options.direct,
         threads=options.io_threads or budget.threads,
+        lookahead_layers=options.lookahead or budget.lookahead,
         history_path=Path(history) if history else None,
     )

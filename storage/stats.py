@@ -20,6 +20,7 @@ class StoreStats:
     prefetch_issued: int = 0
     prefetch_useful: int = 0  # prefetched experts later acquired
     prefetch_wasted: int = 0  # prefetched experts evicted before any use
+    prefetch_cancelled: int = 0  # guesses dropped before their read started (a newer guess or the router said no)
     recall_hits: int = 0  # acquired experts that the lookahead had predicted
     recall_total: int = 0  # acquired experts in layers with a prediction
 
@@ -49,6 +50,7 @@ class StoreStats:
                 "issued": raw["prefetch_issued"],
                 "useful": raw["prefetch_useful"],
                 "wasted": raw["prefetch_wasted"],
+                "cancelled": raw["prefetch_cancelled"],
             },
             "prefetch_recall": None if self.prefetch_recall is None else round(self.prefetch_recall, 4),
         }

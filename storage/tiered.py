@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from storage.device_copy import DeviceCopies
 from storage.errors import BudgetError, CorruptDataError
 from storage.history import UsageHistory
 from storage.policy import POLICIES, POLICY_NAMES, LRUPolicy
+from storage.read_queue import ReadQueue
 from storage.stats import RoutingCounts, StoreStats, TierView
 from storage.tier import Entry, SlotTier
 from storage.trace import TraceWriter
@@ -51,6 +52,9 @@ class StoreConfig:
     # (measured: 2x slower decode at a 25% budget in a memory cgroup, docs/benchmarks.md).
     direct: bool = True
     threads: int = 4
+    # how many MoE layers ahead the model guesses and prefetches (engine.model's lookahead): 2 gives a
+    # read a layer more to land while the disk would otherwise idle between layers' misses
+    lookahead_layers: int = 2
     history_path: Path | None = None
     history_decay: float = 1.0
 
@@ -59,6 +63,8 @@ class StoreConfig:
             raise BudgetError(f"cache policy must be one of {POLICY_NAMES}, got {self.policy!r}")
         if self.threads < 1:
             raise BudgetError(f"io threads must be >= 1, got {self.threads}")
+        if self.lookahead_layers < 1:
+            raise BudgetError(f"lookahead layers must be >= 1, got {self.lookahead_layers}")
 
 
 def slots_for(budget_bytes: int, record_bytes: int) -> int:
@@ -117,7 +123,7 @@ class TieredExpertStore:
         self._stats_lock = threading.Lock()
         direct = config.direct and o_direct_refusal(container.expert_path(container.moe_layers[0], 0)) is None
         self._reader = ExpertReader(container, direct=direct)
-        self._pool = ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="expert-io")
+        self._reads = ReadQueue(config.threads)  # misses before queued lookahead guesses
         self.ram = self._make_ram_tier()
         self.vram = self._make_vram_tier()
         self._predicted: dict[int, set[int]] = {}  # lookahead guesses per layer, for recall
@@ -172,6 +178,11 @@ class TieredExpertStore:
         acquire's are never evicted (an in-flight prefetch is waited for), so a chunk this size always fits."""
         return self.ram.n_slots - len(self.ram.hot)
 
+    @property
+    def lookahead_layers(self) -> int:
+        """How many MoE layers ahead the model sends guesses (the nearest first)."""
+        return self.config.lookahead_layers
+
     def wants_prefetch(self, layer: int) -> bool:
         """Whether a guess for ``layer`` could start a read: not when prefetch is off or every expert of
         the layer is already held (a budget that fits them all, once warm), so the model skips the
@@ -187,6 +198,7 @@ class TieredExpertStore:
     def prefetch(self, layer: int, expert_ids: Sequence[int]) -> None:
         if not self.config.prefetch:
             return
+        self._drop_guesses(layer, self._predicted.get(layer, set()) - set(expert_ids))  # a nearer guess replaces it
         self._predicted[layer] = set(expert_ids)
         for expert in expert_ids:
             key = (layer, expert)
@@ -196,7 +208,7 @@ class TieredExpertStore:
             if entry is None:
                 return  # full of experts in use: a guess never displaces them
             entry.prefetched = True
-            self._start_read(key, entry)
+            self._start_read(key, entry, demand=False)
             self._count(prefetch_issued=1)
 
     def acquire(self, layer: int, expert_ids: Sequence[int]) -> Mapping[int, Any]:
@@ -215,6 +227,8 @@ class TieredExpertStore:
                 self._pin(layer, expert, counts)
         finally:
             self._count(**counts)
+        if predicted:
+            self._drop_guesses(layer, predicted - set(expert_ids))  # the router did not pick them
         return AcquiredExperts(self, layer, tuple(expert_ids))
 
     def release(self, layer: int, expert_ids: Sequence[int]) -> None:
@@ -237,6 +251,8 @@ class TieredExpertStore:
         entry = self.ram.lookup(key)
         if entry is not None:
             counts["hits_ram"] = counts.get("hits_ram", 0) + 1
+            if entry.reading:
+                self._reads.promote(entry.loading)  # a queued guess is now a need
             if entry.prefetched:
                 entry.prefetched = False
                 counts["prefetch_useful"] = counts.get("prefetch_useful", 0) + 1
@@ -246,6 +262,18 @@ class TieredExpertStore:
             counts["misses"] = counts.get("misses", 0) + 1
         entry.pins += 1
 
+    def _drop_guesses(self, layer: int, experts: set[int]) -> None:
+        """Cancel the prefetches of these experts whose reads have not started: on a busy disk a wrong
+        guess would take the place of a needed read. Their slots are freed; started reads land."""
+        for expert in experts:
+            entry = self.ram.entries.get((layer, expert))
+            if entry is None or not entry.prefetched or entry.pins or not entry.reading:
+                continue
+            if self._reads.cancel(entry.loading):
+                entry.prefetched = False  # not read: not a wasted read either
+                self.ram.remove((layer, expert))
+                self._count(prefetch_cancelled=1)
+
     def _allocate_ram(self, key: tuple[int, int]) -> Entry:
         while (entry := self.ram.allocate(key)) is None:
             in_flight = self.ram.loading()
@@ -253,11 +281,13 @@ class TieredExpertStore:
                 raise BudgetError(
                     f"RAM tier full: {self.ram.n_slots} slots are all in use by this step; raise the RAM budget"
                 )
+            self._reads.promote(in_flight[0].loading)
             self._wait(in_flight[0].loading)  # a prefetch still reading: let it land, then evict it
         return entry
 
-    def _start_read(self, key: tuple[int, int], entry: Entry) -> None:
-        entry.loading = self._pool.submit(self._read, key, self.ram_slot(entry.slot))
+    def _start_read(self, key: tuple[int, int], entry: Entry, demand: bool = True) -> None:
+        slot = self.ram_slot(entry.slot)
+        entry.loading = self._reads.submit(lambda: self._read(key, slot), demand)
 
     def _read(self, key: tuple[int, int], slot: np.ndarray) -> None:
         start = time.perf_counter()
@@ -359,7 +389,7 @@ class TieredExpertStore:
             self.history.save(self.config.history_path)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._reads.shutdown()
         if self.trace is not None:
             self.trace.close()
 

@@ -48,6 +48,16 @@ def finite_float(text: str) -> float:
     return value
 
 
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {text!r}")
+    return value
+
+
 def parse_size_flag(text: str) -> str:
     """--ram/--vram checked for form when the flags are read (a percentage needs the model, so the
     value itself is computed at load): 8GiB, 512MB, 25%, auto."""
@@ -100,6 +110,13 @@ def add_store_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--vram-device", default=None, help="device of the VRAM tier (default cuda; cpu stands in)")
     group.add_argument("--policy", choices=POLICY_NAMES, help="eviction policy (default lru)")
     group.add_argument("--no-prefetch", action="store_true", help="disable router-lookahead prefetch")
+    group.add_argument(
+        "--lookahead",
+        type=positive_int,
+        metavar="N",
+        help="MoE layers ahead whose experts decode guesses and prefetches (default 2: the next layer's "
+        "guess is better, the one after has longer to load)",
+    )
     io = group.add_mutually_exclusive_group()
     io.add_argument("--direct", action="store_true", help="read experts with O_DIRECT (the default where supported)")
     io.add_argument("--buffered", action="store_true", help="read experts through the page cache instead of O_DIRECT")
@@ -118,6 +135,7 @@ def store_options(args: argparse.Namespace) -> StoreOptions:
         prefetch=not args.no_prefetch,
         direct=True if args.direct else False if args.buffered else None,
         io_threads=args.io_threads,
+        lookahead=args.lookahead,
         history=args.history,
         trace=args.trace,
     )

@@ -34,11 +34,11 @@ def test_budget_file_reads_every_section(tmp_path):
     path = tmp_path / "b.toml"
     path.write_text(
         '[memory]\nram = "25%"\nvram = "2GiB"\n[io]\ndirect = true\nthreads = 2\n'
-        '[cache]\npolicy = "hybrid"\nprefetch = false\nhistory = "h.json"\n[kv]\ndir = "/tmp/kv"\n'
+        '[cache]\npolicy = "hybrid"\nprefetch = false\nlookahead = 3\nhistory = "h.json"\n[kv]\ndir = "/tmp/kv"\n'
     )
     budget = load_budget_file(path)
     assert (budget.ram, budget.vram, budget.direct, budget.threads) == ("25%", "2GiB", True, 2)
-    assert (budget.policy, budget.prefetch, budget.history) == ("hybrid", False, "h.json")
+    assert (budget.policy, budget.prefetch, budget.lookahead, budget.history) == ("hybrid", False, 3, "h.json")
 
 
 @pytest.mark.parametrize(
@@ -47,6 +47,8 @@ def test_budget_file_reads_every_section(tmp_path):
         ("[cache]\npolcy = 'lru'\n", "cache.polcy"),
         ("[memory]\nram = true\n", "memory.ram"),
         ("[io]\nthreads = 0\n", "io.threads"),
+        ("[cache]\nlookahead = 0\n", "cache.lookahead must be >= 1"),
+        ("[cache]\nlookahead = 'far'\n", "cache.lookahead must be int"),
         ("[cache]\npolicy = 'mru'\n", "cache.policy"),
         ("[disk]\nx = 1\n", "[disk]"),
         ("[memory\nram = 1\n", "not valid TOML"),
@@ -92,7 +94,7 @@ def test_run_json_reports_measured_streaming_stats(stream_container, tmp_path, c
     assert stats["hits"]["ram"] + stats["hits"]["vram"] + stats["misses"] == stats["expert_requests"]
     assert stats["expert_bytes_read"] == stats["reads"] * Container(stream_container).layout.record_bytes
     assert stats["io_service_s"] > 0 and stats["io_wait_s"] >= 0
-    assert set(stats["prefetch"]) == {"issued", "useful", "wasted"}
+    assert set(stats["prefetch"]) == {"issued", "useful", "wasted", "cancelled"}
     assert stats["peak_rss_bytes"] > 0 and stats["peak_uss_bytes"] > 0
     lines = trace.read_text().splitlines()
     assert sum(len(json.loads(line)["experts"]) for line in lines) == stats["expert_requests"]

@@ -165,3 +165,16 @@ def test_lookahead_hints_are_the_next_routers_sorted_ids_and_skip_no_op_provider
     for _, ids in recording.hints:  # one row: its top-k, distinct and sorted
         assert ids == sorted(set(ids)) and len(ids) == args.n_activated_experts
         assert all(0 <= e < args.n_routed_experts for e in ids)
+
+
+def test_a_deeper_lookahead_also_guesses_the_layers_after_the_next_nearest_first(args, monkeypatch):
+    model = randomised(Transformer(args), 7)
+    monkeypatch.setattr(engine.model, "warming_available", lambda: False)
+    near, deep = RecordingPrefetch(resident_experts(args, 8)), RecordingPrefetch(resident_experts(args, 8))
+    deep.lookahead_layers = 3  # past the last MoE layer: only the layers there are
+    near_logits = model.forward_rows([3], [model.new_cache()], near)
+    deep_logits = model.forward_rows([3], [model.new_cache()], deep)
+    assert torch.equal(near_logits, deep_logits)
+    first, second = args.moe_layers  # this model's two MoE layers
+    assert [layer for layer, _ in deep.hints] == [first, second, second]  # layer 0 guesses both, layer 1 again
+    assert deep.hints[0] == near.hints[0] and deep.hints[2] == near.hints[1]  # the nearer guess is the same
