@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 import torch
@@ -172,17 +172,25 @@ def routed_sum(
         try:
             if i == 0:  # ...meanwhile
                 side = meanwhile()
-            ready = getattr(acquired, "ready", None)  # None: all in memory
-            batch: list[tuple[int, object]] = []
-            for expert_id in chunk:
-                if batch and ready is not None and not ready(expert_id):
-                    routed.add_batch(batch)  # compute what is here while this one loads
-                    batch = []
-                batch.append((expert_id, acquired[expert_id]))  # waits for this expert's read only
-            routed.add_batch(batch)
+            for batch in _in_arrival_order(chunk, getattr(acquired, "ready", None)):
+                routed.add_batch([(expert_id, acquired[expert_id]) for expert_id in batch])
         finally:
             experts.release(layer, chunk)
     return routed.total(), side
+
+
+def _in_arrival_order(expert_ids: list[int], ready: Callable[[int], bool] | None) -> Iterator[list[int]]:
+    """expert_ids in batches to compute: every expert already in memory first, then, when none is, the
+    lowest id still loading alone (indexing it waits for its read only), and again. ``ready`` None: all
+    are in memory. The float64 sum does not depend on the order (RoutedSum), so computing what is here
+    while the rest loads changes speed only."""
+    pending = expert_ids
+    while pending:
+        here = pending if ready is None else [e for e in pending if ready(e)]
+        batch = here or pending[:1]
+        yield batch
+        done = set(batch)
+        pending = [e for e in pending if e not in done]
 
 
 def _rows_routed_to(ids: torch.Tensor) -> dict[int, tuple[torch.Tensor | None, torch.Tensor | int]]:

@@ -115,11 +115,16 @@ def test_a_prefill_too_big_for_one_work_area_is_split_over_calls_with_the_same_s
 
 
 class Streaming(ResidentExperts):
-    """Experts 'still loading' until they are indexed: the MoE layer computes what is here first."""
+    """Experts 'still loading' until they are indexed: the MoE layer computes what is here first.
+    ``loading(ids)`` picks the misses among an acquire's ids (default: all but the first two)."""
+
+    def __init__(self, experts, loading=lambda ids: ids[2:]):
+        super().__init__(experts)
+        self.loading = loading
 
     def acquire(self, layer, expert_ids):
         got = super().acquire(layer, expert_ids)
-        pending = set(list(expert_ids)[2:])  # the first two are hits, the rest misses
+        pending = set(self.loading(list(expert_ids)))
 
         class Acquired(dict):
             def ready(self, expert):
@@ -146,6 +151,24 @@ def test_experts_still_loading_are_computed_after_those_in_memory_with_the_same_
     wanted = sorted(ids.unique().tolist())
     assert batches[0] == wanted[:2] and [e for b in batches for e in b] == wanted and len(batches) == len(wanted) - 1
     assert torch.equal(got, expected)
+
+
+@needs_kernel
+def test_experts_in_memory_after_one_still_loading_are_computed_before_it_is_waited_for(monkeypatch):
+    x, weights, ids = routing(5, seed=9)
+    wanted = sorted(ids.unique().tolist())
+    streaming = Streaming(make_experts()._experts, loading=lambda chunk: chunk[0::3])  # misses: 0th, 3rd, ...
+    batches = []
+    add = q8_experts.add_experts
+    monkeypatch.setattr(moe, "add_experts", lambda *a, **k: batches.append(list(a[4])) or add(*a, **k))
+    with int8_activations():
+        expected, _ = moe.routed_sum(x, weights, ids, make_experts(), 0)
+        batches.clear()
+        got, _ = moe.routed_sum(x, weights, ids, streaming, 0)
+    misses = wanted[0::3]
+    assert batches[0] == [e for e in wanted if e not in misses]  # every hit, past the loading ones
+    assert batches[1:] == [[e] for e in misses]  # then each miss alone, lowest first
+    assert torch.equal(got, expected)  # the float64 sum: the same bits in any order
 
 
 @needs_kernel
