@@ -101,6 +101,7 @@ class Budget:
     policy: str = "lru"
     prefetch: bool = True
     lookahead: int = 2
+    preload: bool = True
     history: str | None = None
     source: str = "defaults"
     extra: dict[str, Any] = field(default_factory=dict)
@@ -109,7 +110,7 @@ class Budget:
 _SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     "memory": {"ram": (str, int), "vram": (str, int), "limit": (str, int)},
     "io": {"direct": (bool,), "threads": (int,)},
-    "cache": {"policy": (str,), "prefetch": (bool,), "lookahead": (int,), "history": (str,)},
+    "cache": {"policy": (str,), "prefetch": (bool,), "lookahead": (int,), "preload": (bool,), "history": (str,)},
     "kv": {"dir": (str,), "dtype": (str,)},
 }
 
@@ -153,6 +154,7 @@ def load_budget_file(path: str | Path) -> Budget:
         policy=policy,
         prefetch=values.get("cache.prefetch", True),
         lookahead=values.get("cache.lookahead", 2),
+        preload=values.get("cache.preload", True),
         history=values.get("cache.history"),
         source=str(path),
         extra={k: v for k, v in values.items() if k.startswith(("kv.", "memory.limit"))},
@@ -173,6 +175,7 @@ class StoreOptions:
     direct: bool | None = None  # True --direct, False --buffered, None: the budget file
     io_threads: int | None = None
     lookahead: int | None = None  # MoE layers guessed ahead (--lookahead)
+    preload: bool = True  # False: --no-preload (wins over the budget file)
     history: str | Path | None = None  # usage-history file, updated after every turn
     trace: str | Path | None = None  # routing trace, one JSON line per acquire
     kv_sequences: int = 1  # KV caches held at once, each counted at the full context (serve: 2 x slots)
@@ -223,5 +226,6 @@ def _store_config(options: StoreOptions, budget: Budget, ram: int, expert_bytes:
         direct=budget.direct if options.direct is None else options.direct,
         threads=options.io_threads or budget.threads,
         lookahead_layers=options.lookahead or budget.lookahead,
+        preload=budget.preload and options.preload,
         history_path=Path(history) if history else None,
     )

@@ -5,6 +5,7 @@ resident, routed experts resident or streamed by the tiered store under a budget
 
 from __future__ import annotations
 
+import sys
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
+from tqdm import tqdm
 
 from colibri_stream.checkpoint_files import (
     WEIGHT_DTYPES,
@@ -45,7 +47,7 @@ from storage.buffers import aligned_empty
 from storage.container import Container, ExpertReader, is_container
 from storage.errors import FormatError
 from storage.history import UsageHistory
-from storage.tiered import StoreConfig, TieredExpertStore
+from storage.tiered import StoreConfig, TieredExpertStore, total_records
 from storage.trace import TraceWriter
 
 
@@ -313,7 +315,22 @@ def load_container(
             history = UsageHistory.load(store.history_path, container.n_experts, container_fingerprint(container))
         materialize = lambda record: expert_from_record(container.layout, record)  # noqa: E731
         experts = TieredExpertStore(container, store, materialize, history, trace)
+        _preload(experts)
     return LoadedModel(Path(path), container.model_config, args, model, experts)
+
+
+def _preload(store: TieredExpertStore) -> None:
+    """Every expert into RAM now when the budget holds them all (``StoreConfig.preload``), with a progress
+    bar on a terminal: a big model's experts take minutes to read, which the first prompt then skips."""
+    if not store.preloads():
+        return
+    total = total_records(store.container) * store.record_bytes
+    with tqdm(total=total, desc="reading experts", unit="B", unit_scale=True, disable=not sys.stderr.isatty()) as bar:
+        try:
+            store.preload(lambda done: bar.update(done * store.record_bytes))
+        except BaseException:
+            store.close()
+            raise
 
 
 def _load_dense(

@@ -55,6 +55,9 @@ class StoreConfig:
     # how many MoE layers ahead the model guesses and prefetches (engine.model's lookahead): 2 gives a
     # read a layer more to land while the disk would otherwise idle between layers' misses
     lookahead_layers: int = 2
+    # when the RAM slots hold every expert: read them all at load (``preload``), in file order, so no
+    # prompt waits for a read; the reads fault the slot memory in, instead of a separate pre-fault pass
+    preload: bool = False
     history_path: Path | None = None
     history_decay: float = 1.0
 
@@ -144,17 +147,23 @@ class TieredExpertStore:
         if self.config.policy == "pinned":  # pin the most-routed experts beyond the unpinned room
             hot = self.history.hottest(n_slots - pinned_room(self.container, n_slots))
         policy = POLICIES["hybrid"]() if self.config.policy == "hybrid" else LRUPolicy()
-        self._ram_block = self._host_block(n_slots)
+        self._ram_block = self._host_block(n_slots, prefault=not self.preloads(n_slots))
         return SlotTier("ram", n_slots, policy, hot=frozenset(hot))
 
-    def _host_block(self, n_slots: int) -> np.ndarray:
+    def preloads(self, n_slots: int | None = None) -> bool:
+        """Whether ``preload`` reads every expert: asked for, and the RAM slots hold them all."""
+        n_slots = self.ram.n_slots if n_slots is None else n_slots
+        return self.config.preload and n_slots >= total_records(self.container)
+
+    def _host_block(self, n_slots: int, prefault: bool) -> np.ndarray:
         """All RAM slots in one aligned allocation; pinned when it feeds a CUDA tier (async copies)."""
         if self.config.vram_bytes and self.config.vram_device.startswith("cuda") and torch.cuda.is_available():
             return torch.empty(n_slots * self.record_bytes, dtype=torch.uint8, pin_memory=True).numpy()
         block = aligned_empty(n_slots * self.record_bytes, HUGE_PAGE)
-        # Fault the budget in now, once: a first-touch fault inside every O_DIRECT read made cold reads
-        # ~20% slower than the raw disk (docs/benchmarks.md); the memory is the budget the user granted.
-        block.fill(0)
+        if prefault:
+            # Fault the budget in now, once: a first-touch fault inside every O_DIRECT read made cold reads
+            # ~20% slower than the raw disk (docs/benchmarks.md); the memory is the budget the user granted.
+            block.fill(0)
         return block
 
     def _make_vram_tier(self) -> SlotTier | None:
@@ -210,6 +219,29 @@ class TieredExpertStore:
             entry.prefetched = True
             self._start_read(key, entry, demand=False)
             self._count(prefetch_issued=1)
+
+    def preload(self, progress: Callable[[int], None] = lambda records: None) -> int:
+        """Read every expert into its RAM slot now, when ``preloads()``; returns the records read (0
+        otherwise). ``progress`` gets 1 as each read lands, in file order. The reads count in
+        the store's stats before any turn, so a turn's own counters stay that turn's."""
+        if not self.preloads():
+            return 0
+        keys = [(layer, expert) for layer in self.container.moe_layers for expert in range(self.container.n_experts)]
+        keys = [key for key in keys if key not in self.ram]
+        entries = []
+        for key in keys:  # every read queued at once: the threads never wait for the caller
+            entry = self.ram.allocate(key)  # a free slot: the tier holds every record
+            self._start_read(key, entry)
+            entries.append((key, entry))
+        for key, entry in entries:
+            try:
+                self._wait(entry.loading)
+            except BaseException:
+                self.ram.remove(key)  # the slot holds garbage; an acquire reads it again
+                raise
+            entry.loading = None
+            progress(1)
+        return len(keys)
 
     def acquire(self, layer: int, expert_ids: Sequence[int]) -> Mapping[int, Any]:
         self.history.record(layer, expert_ids)

@@ -117,6 +117,11 @@ def add_store_arguments(parser: argparse.ArgumentParser) -> None:
         help="MoE layers ahead whose experts decode guesses and prefetches (default 2: the next layer's "
         "guess is better, the one after has longer to load)",
     )
+    group.add_argument(
+        "--no-preload",
+        action="store_true",
+        help="when --ram holds every expert, read them as prompts need them instead of all at load",
+    )
     io = group.add_mutually_exclusive_group()
     io.add_argument("--direct", action="store_true", help="read experts with O_DIRECT (the default where supported)")
     io.add_argument("--buffered", action="store_true", help="read experts through the page cache instead of O_DIRECT")
@@ -136,6 +141,7 @@ def store_options(args: argparse.Namespace) -> StoreOptions:
         direct=True if args.direct else False if args.buffered else None,
         io_threads=args.io_threads,
         lookahead=args.lookahead,
+        preload=not args.no_preload,
         history=args.history,
         trace=args.trace,
     )

@@ -121,3 +121,19 @@ def test_auto_ram_leaves_room_for_dense_kv_activations_and_a_margin(stream_conta
     others = placement["dense_bytes"] + placement["kv_bytes_at_max_context"] + placement["activation_bytes"]
     expected = int((10 * GIB - others) * 0.9)
     assert placement["ram_budget_bytes"] == expected
+
+
+@pytest.mark.parametrize(
+    "flags, budget_text, preloaded",
+    [([], "", True), (["--no-preload"], "", False), ([], "[cache]\npreload = false\n", False)],
+)
+def test_run_reads_every_expert_at_load_when_they_all_fit_unless_told_not_to(
+    stream_container, tmp_path, capsys, flags, budget_text, preloaded
+):
+    budget = tmp_path / "b.toml"
+    budget.write_text('[memory]\nram = "100%"\n' + budget_text)
+    argv = ["run", str(stream_container), "--ids", "5,9,17,33", "--max-new-tokens", "3", "--budget", str(budget)]
+    assert cli.main([*argv, *flags, "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["stats"]
+    assert stats["expert_requests"] > 0
+    assert (stats["misses"] == 0 and stats["reads"] == 0) is preloaded  # the turn's own reads

@@ -383,3 +383,51 @@ def test_any_lookahead_depth_generates_the_resident_tokens(stream_container, ref
         loaded.experts.close()
     assert ids == reference_ids
     assert stats["prefetch"]["issued"] > 0
+
+
+def test_preload_reads_every_expert_once_when_the_budget_holds_them_all(stream_container, reference_ids):
+    container = Container(stream_container)
+    loaded = load_container(stream_container, store=StoreConfig(ram_bytes=container.expert_bytes, preload=True))
+    store = loaded.experts
+    try:
+        loaded_keys = {(layer, e) for layer in container.moe_layers for e in range(container.n_experts)}
+        assert set(store.ram.entries) == loaded_keys and not store.ram.loading()
+        assert store.report()["reads"] == len(loaded_keys)  # read at load, each once
+        before = store.snapshot()
+        ids = generate(loaded.model, PROMPT, NEW_TOKENS, store).ids
+        turn = store.snapshot().minus(before)
+        assert store.preload() == 0  # already there: nothing read again
+    finally:
+        store.close()
+    assert ids == reference_ids
+    assert turn.misses == 0 and turn.reads == 0 and turn.requests == turn.hits_ram > 0
+
+
+def test_preload_reads_nothing_when_the_budget_holds_part_or_it_is_off(stream_container):
+    container = Container(stream_container)
+    for config in (
+        StoreConfig(ram_bytes=_budget(container, "50%"), preload=True),
+        StoreConfig(ram_bytes=container.expert_bytes, preload=False),
+    ):
+        loaded = load_container(stream_container, store=config)
+        try:
+            assert not loaded.experts.preloads() and loaded.experts.preload() == 0
+            assert loaded.experts.report()["reads"] == 0 and not loaded.experts.ram.entries
+        finally:
+            loaded.experts.close()
+
+
+def test_a_corrupted_record_met_by_preload_fails_the_load_naming_it(stream_container, tmp_path):
+    import shutil
+
+    from storage.errors import CorruptDataError
+
+    broken = tmp_path / "broken"
+    shutil.copytree(stream_container, broken)
+    for chunk in (broken / "experts" / "layer_002" / "c").glob("*/0"):
+        data = bytearray(chunk.read_bytes())
+        data[99] ^= 0x10
+        chunk.write_bytes(bytes(data))
+    config = StoreConfig(ram_bytes=Container(broken).expert_bytes, preload=True)
+    with pytest.raises(CorruptDataError, match=r"layer 2 expert \d+: checksum mismatch"):
+        load_container(broken, store=config)
