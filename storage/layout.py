@@ -16,6 +16,7 @@ scheme), G = ceil(in / group) groups per row, the last one possibly partial (eng
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,7 +61,9 @@ class Field:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape)) * np.dtype(DTYPES[self.dtype]).itemsize
+        # math.prod, not np.prod: asked once per field of every expert materialised (a prompt's first
+        # forward over a warm store makes ~1000 experts: np.prod's overhead was 0.2 s of it)
+        return math.prod(self.shape) * np.dtype(DTYPES[self.dtype]).itemsize
 
     @property
     def end(self) -> int:

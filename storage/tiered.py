@@ -196,8 +196,8 @@ class TieredExpertStore:
         """Whether a guess for ``layer`` could start a read: not when prefetch is off or every expert of
         the layer is already held (a budget that fits them all, once warm), so the model skips the
         lookahead router run (~0.2 ms per layer and token on the stress model)."""
-        if not self.config.prefetch:
-            return False
+        if not self.config.prefetch or len(self.ram.entries) >= total_records(self.container):
+            return False  # (the second: every expert in RAM, without looking at each)
         return not all(self._held((layer, expert)) for expert in range(self.container.n_experts))
 
     def _held(self, key: tuple[int, int]) -> bool:

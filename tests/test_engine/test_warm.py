@@ -151,8 +151,10 @@ def test_a_helper_sharing_its_core_with_a_busy_process_skips_the_read_ahead():
             big = np.ones(256 * 2**20, dtype=np.uint8)
             before = warming._int4.warm_bytes()
             warming.warm([big])
-            time.sleep(1.0)
+            time.sleep(0.5)
             shared_read = warming._int4.warm_bytes() - before
+            time.sleep(0.5)
+            later_read = warming._int4.warm_bytes() - before
         finally:
             busy.kill()
             busy.wait()
@@ -164,7 +166,9 @@ def test_a_helper_sharing_its_core_with_a_busy_process_skips_the_read_ahead():
         warming.warm([big])
         alone_read = _read_after(before, big.nbytes)
         warming.stop_warming()
-    assert shared_read < big.nbytes // 4
+    # It stopped once it saw the core shared: the bytes before that depend on the machine's memory speed
+    # (8-125 MB of the 256 measured here), so what is asserted is that it read no more after, and not all.
+    assert later_read == shared_read < big.nbytes
     assert alone_read == big.nbytes
 
 
