@@ -8,7 +8,7 @@ import ipaddress
 import sys
 
 from colibri_stream.cli.help import help_options
-from colibri_stream.cli.options import add_runtime_arguments, runtime_options
+from colibri_stream.cli.options import add_runtime_arguments, positive_int, runtime_options
 from colibri_stream.errors import ColibriError
 
 DEFAULT_MAX_CONNECTIONS = 64  # serve/ needs FastAPI and uvicorn (an extra): imported only when serving
@@ -66,21 +66,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--max-connections",
-        type=_positive,
+        type=positive_int,
         default=DEFAULT_MAX_CONNECTIONS,
         help=f"open connections before 503s (default {DEFAULT_MAX_CONNECTIONS})",
     )
     parser.set_defaults(handler=run_serve)
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def _is_loopback(host: str) -> bool:

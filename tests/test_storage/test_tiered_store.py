@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import shutil
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -12,7 +14,7 @@ from colibri_stream.devtools.fixtures import FAMILIES, make_prompt
 from colibri_stream.generate import generate
 from colibri_stream.loader import load_container
 from storage.container import Container
-from storage.errors import BudgetError
+from storage.errors import BudgetError, CorruptDataError
 from storage.history import UsageHistory
 from storage.tiered import StoreConfig, minimum_slots
 
@@ -245,17 +247,18 @@ def test_history_is_persisted_and_refuses_another_model(history_file, stream_con
         UsageHistory.load(history_file, container.n_experts, "someone-else")
 
 
-def test_a_corrupted_record_read_while_streaming_is_a_typed_error(stream_container, tmp_path):
-    import shutil
-
-    from storage.errors import CorruptDataError
-
-    broken = tmp_path / "broken"
-    shutil.copytree(stream_container, broken)
-    for chunk in (broken / "experts" / "layer_001" / "c").glob("*/0"):
+def _with_a_flipped_bit(container: Path, destination: Path, layer: int, offset: int) -> Path:
+    """A copy of ``container`` with one bit flipped in the first chunk of every expert of ``layer``."""
+    shutil.copytree(container, destination)
+    for chunk in (destination / "experts" / f"layer_{layer:03d}" / "c").glob("*/0"):
         data = bytearray(chunk.read_bytes())
-        data[10] ^= 0x01
+        data[offset] ^= 0x01
         chunk.write_bytes(bytes(data))
+    return destination
+
+
+def test_a_corrupted_record_read_while_streaming_is_a_typed_error(stream_container, tmp_path):
+    broken = _with_a_flipped_bit(stream_container, tmp_path / "broken", layer=1, offset=10)
     _, loaded = _fresh(broken)
     with pytest.raises(CorruptDataError, match=r"layer 1 expert \d+: checksum mismatch"):
         generate(loaded.model, PROMPT, 2, loaded.experts)
@@ -418,16 +421,7 @@ def test_preload_reads_nothing_when_the_budget_holds_part_or_it_is_off(stream_co
 
 
 def test_a_corrupted_record_met_by_preload_fails_the_load_naming_it(stream_container, tmp_path):
-    import shutil
-
-    from storage.errors import CorruptDataError
-
-    broken = tmp_path / "broken"
-    shutil.copytree(stream_container, broken)
-    for chunk in (broken / "experts" / "layer_002" / "c").glob("*/0"):
-        data = bytearray(chunk.read_bytes())
-        data[99] ^= 0x10
-        chunk.write_bytes(bytes(data))
+    broken = _with_a_flipped_bit(stream_container, tmp_path / "broken", layer=2, offset=99)
     config = StoreConfig(ram_bytes=Container(broken).expert_bytes, preload=True)
     with pytest.raises(CorruptDataError, match=r"layer 2 expert \d+: checksum mismatch"):
         load_container(broken, store=config)
