@@ -11,6 +11,13 @@ from torch import nn
 from engine.rows import Linear, per_row
 
 
+def embedding(vocab_size: int, dim: int) -> nn.Embedding:
+    """The token embedding table, not initialised: its values always come from a checkpoint (or a test's
+    own fill). nn.Embedding's normal_ init, on the meta device the loaders first build the model on,
+    imports torch._dynamo: 1.4-2.1 s of every model load, for values thrown away."""
+    return nn.Embedding(vocab_size, dim, _weight=torch.empty(vocab_size, dim))
+
+
 class RMSNorm(nn.Module):
     """Normalises in float32, then scales in the input dtype (as the reference does).
 

@@ -18,7 +18,7 @@ from engine.args import ModelArgs
 from engine.attention import MLA
 from engine.cache import KVCache, LayerCache
 from engine.experts import ExpertProvider
-from engine.layers import MLP, RMSNorm
+from engine.layers import MLP, RMSNorm, embedding
 from engine.moe import MoE
 from engine.q8 import int8_activations
 from engine.rope import rope_tables
@@ -92,7 +92,7 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        self.embed = nn.Embedding(args.vocab_size, args.dim)
+        self.embed = embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.rms_norm_eps)
         self.head = Linear(args.dim, args.vocab_size, bias=False)

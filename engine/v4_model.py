@@ -19,7 +19,7 @@ from torch import nn
 from engine.args import ModelArgs
 from engine.experts import ExpertProvider
 from engine.hyper import HyperConnection, HyperHead, spread
-from engine.layers import RMSNorm
+from engine.layers import RMSNorm, embedding
 from engine.model import LOOKAHEAD_MAX_NEW_POSITIONS
 from engine.moe import MoE
 from engine.q8 import int8_activations
@@ -97,7 +97,7 @@ class V4Transformer(nn.Module):
             raise ValueError(f"V4Transformer needs a deepseek_v4 config, not {args.model_type}")
         self.args = args
         self.n_streams = args.v4.hc_mult
-        self.embed = nn.Embedding(args.vocab_size, args.dim)
+        self.embed = embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(V4Block(args, i) for i in range(args.n_layers))
         self.hc_head = HyperHead(args.dim, args.v4.hc_mult, args.v4.hc_eps, args.rms_norm_eps)
         self.norm = RMSNorm(args.dim, args.rms_norm_eps)
