@@ -234,12 +234,7 @@ class TieredExpertStore:
             self._start_read(key, entry)
             entries.append((key, entry))
         for key, entry in entries:
-            try:
-                self._wait(entry.loading)
-            except BaseException:
-                self.ram.remove(key)  # the slot holds garbage; an acquire reads it again
-                raise
-            entry.loading = None
+            self._land(key, entry)
             progress(1)
         return len(keys)
 
@@ -359,16 +354,22 @@ class TieredExpertStore:
         if self.vram is not None and (entry := self.vram.entries.get(key)) is not None:
             return self._materialized(entry, self._vram_block[entry.slot])
         entry = self.ram.entries[key]
-        if entry.loading is not None:
-            try:
-                self._wait(entry.loading)
-            except BaseException:
-                self.ram.remove(key)  # the slot holds garbage; a later acquire reads it again
-                raise
-            entry.loading = None
+        self._land(key, entry)
         if self.vram is not None:
             return self._copy_up(key, entry)
         return self._materialized(entry, self.ram_slot(entry.slot))
+
+    def _land(self, key: tuple[int, int], entry: Entry) -> None:
+        """Wait for a RAM entry's read, if one is under way; a failed read frees the slot (it holds
+        garbage; a later acquire reads the expert again) and raises."""
+        if entry.loading is None:
+            return
+        try:
+            self._wait(entry.loading)
+        except BaseException:
+            self.ram.remove(key)
+            raise
+        entry.loading = None
 
     def _copy_up(self, key: tuple[int, int], ram_entry: Entry) -> Any:
         vram_entry = self.vram.allocate(key)
