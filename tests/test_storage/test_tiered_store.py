@@ -329,49 +329,48 @@ class HeldReads:
         store._reader.read_into = lambda *a: (self.gate.wait(10), read(*a))[1]
 
 
-def test_a_guess_the_router_does_not_confirm_is_dropped_before_its_read(stream_container):
+@pytest.fixture
+def held_store(stream_container):
+    """(store holding every expert, one read thread whose reads wait at ``held.gate``, first MoE layer,
+    held); the gate is opened and the store closed after the test."""
     container = Container(stream_container)
-    config = StoreConfig(ram_bytes=container.expert_bytes, threads=1)
-    loaded = load_container(stream_container, store=config)
-    store, layer = loaded.experts, container.moe_layers[0]
+    loaded = load_container(stream_container, store=StoreConfig(ram_bytes=container.expert_bytes, threads=1))
+    store = loaded.experts
     held = HeldReads(store)
     try:
-        store.prefetch(layer, [0, 1, 2, 3])  # one thread: 0 starts (and waits), 1-3 queue
-        store.prefetch(layer, [0, 1, 2])  # a nearer guess: 3 is dropped
-        acquired = store.acquire(layer, [0, 1])  # the router picks 0 and 1: 2 is dropped
-        assert (layer, 2) not in store.ram and (layer, 3) not in store.ram  # slots freed
-        held.gate.set()
-        acquired[0], acquired[1]  # noqa: B018 - both read
-        store.release(layer, [0, 1])
-        stats = store.report()
-        assert stats["prefetch"] == {"issued": 4, "useful": 2, "wasted": 0, "cancelled": 2}
-        assert stats["reads"] == 2 and stats["misses"] == 0
+        yield store, container.moe_layers[0], held
     finally:
         held.gate.set()
         store.close()
 
 
-def test_a_guess_whose_read_started_is_kept_and_counted_as_read(stream_container):
-    container = Container(stream_container)
-    config = StoreConfig(ram_bytes=container.expert_bytes, threads=1)
-    loaded = load_container(stream_container, store=config)
-    store, layer = loaded.experts, container.moe_layers[0]
-    held = HeldReads(store)
-    try:
-        store.prefetch(layer, [5, 6])
-        reading_5, deadline = store.ram.entries[(layer, 5)].loading, time.monotonic() + 10
-        while not reading_5.running() and time.monotonic() < deadline:
-            time.sleep(0.01)  # until the one thread has taken 5's read (it then waits at the gate)
-        acquired = store.acquire(layer, [6])  # 5 is not picked, but its read is under way
-        held.gate.set()
-        acquired[6]  # noqa: B018
-        store.release(layer, [6])
-        assert (layer, 5) in store.ram
-        stats = store.report()
-        assert stats["prefetch"]["cancelled"] == 0 and stats["reads"] == 2
-    finally:
-        held.gate.set()
-        store.close()
+def test_a_guess_the_router_does_not_confirm_is_dropped_before_its_read(held_store):
+    store, layer, held = held_store
+    store.prefetch(layer, [0, 1, 2, 3])  # one thread: 0 starts (and waits), 1-3 queue
+    store.prefetch(layer, [0, 1, 2])  # a nearer guess: 3 is dropped
+    acquired = store.acquire(layer, [0, 1])  # the router picks 0 and 1: 2 is dropped
+    assert (layer, 2) not in store.ram and (layer, 3) not in store.ram  # slots freed
+    held.gate.set()
+    acquired[0], acquired[1]  # noqa: B018 - both read
+    store.release(layer, [0, 1])
+    stats = store.report()
+    assert stats["prefetch"] == {"issued": 4, "useful": 2, "wasted": 0, "cancelled": 2}
+    assert stats["reads"] == 2 and stats["misses"] == 0
+
+
+def test_a_guess_whose_read_started_is_kept_and_counted_as_read(held_store):
+    store, layer, held = held_store
+    store.prefetch(layer, [5, 6])
+    reading_5, deadline = store.ram.entries[(layer, 5)].loading, time.monotonic() + 10
+    while not reading_5.running() and time.monotonic() < deadline:
+        time.sleep(0.01)  # until the one thread has taken 5's read (it then waits at the gate)
+    acquired = store.acquire(layer, [6])  # 5 is not picked, but its read is under way
+    held.gate.set()
+    acquired[6]  # noqa: B018
+    store.release(layer, [6])
+    assert (layer, 5) in store.ram
+    stats = store.report()
+    assert stats["prefetch"]["cancelled"] == 0 and stats["reads"] == 2
 
 
 @pytest.mark.parametrize("lookahead", [1, 2, 3])
