@@ -345,7 +345,7 @@ def _load_dense(
     check_complete([n for n in container.dense if n not in expected], expected.keys(), container.dense.keys(), path)
     held_bf16 = bf16_held_weights(container, args, dtype)
     held_int8 = linear_candidates(model) if int8_activations else set()  # the Linears, used only through forward
-    state, int8_weights = {}, {}
+    state, int8_weights, kv_b_codes = {}, {}, {}
     for name, entry in container.dense.items():
         if tuple(expected[name].shape) != entry.shape:
             raise FormatError(
@@ -358,6 +358,8 @@ def _load_dense(
             if name in held_int8:
                 int8_weights[name] = (q, scales, entry.group_size)
                 continue
+            if int8_activations and name.endswith(".attn.wkv_b.weight"):  # also as stored, for decode (MLA)
+                kv_b_codes[name.removesuffix(".wkv_b.weight")] = (q, scales, entry.group_size)
             state[name] = QuantizedMatrix(q, scales, "int8", entry.group_size, q.shape[1]).dequantize(target)
         elif name in held_bf16:
             state[name] = from_stored(container.read_dense(name), entry.dtype)
@@ -368,6 +370,10 @@ def _load_dense(
         module = name.removesuffix(".weight")
         state[f"{module}.q"], state[f"{module}.scales"] = q, scales
     model.load_state_dict(state, strict=True, assign=True)
+    for attention, (q, scales, group_size) in kv_b_codes.items():
+        module = model.get_submodule(attention)
+        if hasattr(module, "hold_kv_b_int8"):  # MLA (DeepSeek-V4's attention has no wkv_b)
+            module.hold_kv_b_int8(q, scales, group_size)
     check_hash_tables(model, args, path)
     hold_in_bf16(model, held_bf16)
     return model.eval()

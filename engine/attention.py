@@ -16,10 +16,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine import decode_ops
 from engine.args import ModelArgs
 from engine.cache import LayerCache
 from engine.indexer import Indexer
 from engine.layers import RMSNorm, query_blocks
+from engine.quant import scale_values
 from engine.rope import apply_rope, softmax_scale
 from engine.rows import Linear
 
@@ -49,6 +51,15 @@ class MLA(nn.Module):
         self.wkv_b = Linear(args.kv_lora_rank, args.n_heads * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
         self.wo = Linear(args.n_heads * args.v_head_dim, args.dim, bias=False)
         self.indexer = Indexer(args) if args.has_indexer(layer_id) else None
+        self.kv_b_group = 0  # > 0: wkv_b's int8 records are held too (hold_kv_b_int8)
+
+    def hold_kv_b_int8(self, q: torch.Tensor, scales: torch.Tensor, group_size: int) -> None:
+        """Keep wkv_b's int8 records (codes int8 [H * (n + v), c], scales [H * (n + v), ceil(c / group)])
+        beside its float weight: with int8 activations one query's absorbed attention reads them (a
+        quarter of the float32 bytes, the same values); prefill's expanded path keeps the float weight."""
+        self.register_buffer("kv_b_codes", q.contiguous(), persistent=False)
+        self.register_buffer("kv_b_scales", scale_values(scales).float().contiguous(), persistent=False)
+        self.kv_b_group = group_size
 
     def forward(
         self,
@@ -189,6 +200,15 @@ class MLA(nn.Module):
         below T) is visible and the mask would change nothing.
         """
         heads, rank = self.n_heads, self.kv_lora_rank
+        if decode_ops.active(q_nope) and self.wkv_b.weight.dtype == torch.float32:  # int8 activations: one C call
+            positions = None if selection is None else selection.reshape(-1)
+            held = self.kv_b_group > 0
+            out = decode_ops.attend_one(
+                q_nope[0, 0], q_rope[0, 0], latents[0], rope_keys[0], positions,
+                self.kv_b_codes if held else self.wkv_b.weight, self.kv_b_scales if held else None,
+                self.kv_b_group, self.softmax_scale,
+            )  # fmt: skip
+            return out.view(1, 1, heads, self.v_dim)
         if selection is not None:  # the K selected positions only: [1, K, c], [1, K, r]
             latents = _gather_positions(latents, selection)[:, 0]
             rope_keys = _gather_positions(rope_keys, selection)[:, 0]

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import decode_ops
 from engine.args import ModelArgs
 from engine.experts import ExpertProvider
 from engine.layers import MLP
@@ -41,12 +42,15 @@ class Gate(nn.Module):
     scoring_func). The bias steers *which* experts are chosen, never their weights: weights come from
     the unbiased scores, optionally normalised over the chosen experts, then scaled by ``route_scale``.
     Groups are ranked by the sum of their two best biased scores; only the best ``n_limited_groups``
-    groups may be chosen from.
+    groups may be chosen from. With int8 activations the whole choice is one C call (engine/decode_ops.py).
     """
+
+    by_score = True  # the experts are chosen by score (not HashGate's table): decode_ops.route may choose
 
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.score = SCORES[args.v4.scoring_func if args.v4 else "sigmoid"]
+        self.score_name = args.v4.scoring_func if args.v4 else "sigmoid"
+        self.score = SCORES[self.score_name]
         self.topk = args.n_activated_experts
         self.n_groups = args.n_expert_groups
         self.topk_groups = args.n_limited_groups
@@ -57,6 +61,8 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, dim] -> (weights [N, topk] float32, expert ids [N, topk]). ``tokens`` [N]: hash routing only."""
+        if self._routes_in_c(x):
+            return self._route_in_c(x)
         scores, ids = self._scores_and_ids(x, tokens)
         weights = scores.gather(1, ids)
         if self.norm_topk_prob:
@@ -65,7 +71,23 @@ class Gate(nn.Module):
 
     def route(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """x [N, dim] -> expert ids [N, topk]: the choice alone, without the weights (lookahead)."""
+        if self._routes_in_c(x):
+            return self._route_in_c(x)[1]
         return self._scores_and_ids(x, tokens)[1]
+
+    def _routes_in_c(self, x: torch.Tensor) -> bool:
+        return (
+            self.by_score
+            and decode_ops.active(x)
+            and self.bias.dtype == torch.float32
+            and decode_ops.routes(self.score_name, self.weight, self.n_groups, self.topk_groups)
+        )
+
+    def _route_in_c(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return decode_ops.route(
+            x, self.weight, self.bias, self.score_name, self.n_groups, self.topk_groups,
+            self.topk, self.norm_topk_prob, self.route_scale,
+        )  # fmt: skip
 
     def _scores(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, dim] -> unbiased scores [N, n_routed] float32."""
@@ -89,6 +111,8 @@ class Gate(nn.Module):
 class HashGate(Gate):
     """DeepSeek-V4's first layers: the token id picks the experts (a frozen table ``tid2eid`` [vocab,
     topk]); the router's scores still weight them. Known from the ids alone, so prefetch is exact."""
+
+    by_score = False
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)

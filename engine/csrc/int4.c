@@ -24,6 +24,7 @@
 #include "nibble.h"
 #include "q8.h"
 #include "q8_moe.h"
+#include "decode_ops.h"
 #include "split.h"
 #include "warm.h"
 
@@ -424,7 +425,82 @@ static PyObject *py_warm_bytes(PyObject *self, PyObject *unused) {
     return PyLong_FromUnsignedLongLong(warm_bytes_read());
 }
 
+/* rms_norm(x_ptr, rows, dim, w_ptr, eps, out_ptr): float32 [rows, dim] (decode_ops.c). */
+static PyObject *py_rms_norm(PyObject *self, PyObject *args) {
+    unsigned long long x, w, out;
+    int rows, dim;
+    float eps;
+    if (!PyArg_ParseTuple(args, "KiiKfK", &x, &rows, &dim, &w, &eps, &out)) return NULL;
+    if (rows < 0 || dim < 1) {
+        PyErr_Format(PyExc_ValueError, "rms_norm: rows=%d dim=%d", rows, dim);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    rms_norm_rows((const float *)(uintptr_t)x, rows, dim, (const float *)(uintptr_t)w, eps, (float *)(uintptr_t)out);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* route(x_ptr, rows, weight_ptr, bias_ptr or 0, experts, dim, score, groups, topk_groups, topk, normalise,
+ * scale, ids_ptr, weights_ptr): the router of rows of x float32 [rows, dim] (decode_ops.c); ids int64 and
+ * weights float32 [rows, topk]. */
+static PyObject *py_route(PyObject *self, PyObject *args) {
+    unsigned long long x, w, bias, ids, weights;
+    int rows, experts, dim, score, groups, topk_groups, topk, normalise;
+    float scale;
+    if (!PyArg_ParseTuple(args, "KiKKiiiiiipfKK", &x, &rows, &w, &bias, &experts, &dim, &score, &groups, &topk_groups,
+                          &topk, &normalise, &scale, &ids, &weights))
+        return NULL;
+    int per = groups > 0 ? experts / groups : 0;
+    if (rows < 0 || dim < 1 || experts < 1 || score < 0 || score > SCORE_SQRTSOFTPLUS || groups < 1 || groups > 256 ||
+        experts % groups || (groups > 1 && (per < 2 || topk_groups < 1 || topk_groups > groups)) || topk < 1 ||
+        topk > (groups > 1 ? topk_groups * per : experts)) {
+        PyErr_Format(PyExc_ValueError, "route: experts=%d groups=%d topk_groups=%d topk=%d score=%d", experts, groups,
+                     topk_groups, topk, score);
+        return NULL;
+    }
+    Router router = {(const float *)(uintptr_t)w, (const float *)(uintptr_t)bias, experts, dim, score, groups,
+                     topk_groups, topk, normalise, scale};
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = route_rows(&router, (const float *)(uintptr_t)x, rows, (int64_t *)(uintptr_t)ids, (float *)(uintptr_t)weights);
+    Py_END_ALLOW_THREADS
+    if (rc) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+/* attend_one(q_nope_ptr, q_rope_ptr, latents_ptr, rope_keys_ptr, positions_ptr or 0, total, heads, nope, rope,
+ * value, rank, softmax_scale, kv_b_ptr, kv_b_scales_ptr or 0 (float32: kv_b float32), group, out_ptr, threads):
+ * absorbed MLA attention for one query (decode_ops.c). */
+static PyObject *py_attend_one(PyObject *self, PyObject *args) {
+    unsigned long long q_nope, q_rope, latents, rope_keys, positions, kv_b, kv_b_scales, out;
+    int total, heads, nope, rope, value, rank, group, threads;
+    float softmax_scale;
+    if (!PyArg_ParseTuple(args, "KKKKKiiiiiifKKiKi", &q_nope, &q_rope, &latents, &rope_keys, &positions, &total, &heads,
+                          &nope, &rope, &value, &rank, &softmax_scale, &kv_b, &kv_b_scales, &group, &out, &threads))
+        return NULL;
+    if (total < 1 || heads < 1 || nope < 1 || rope < 0 || value < 1 || rank < 1 || (kv_b_scales && group < 1)) {
+        PyErr_Format(PyExc_ValueError, "attend_one: total=%d heads=%d nope=%d rope=%d value=%d rank=%d group=%d", total,
+                     heads, nope, rope, value, rank, group);
+        return NULL;
+    }
+    AttendOne job = {(const float *)(uintptr_t)q_nope, (const float *)(uintptr_t)q_rope,
+                     (const float *)(uintptr_t)latents, (const float *)(uintptr_t)rope_keys,
+                     (const int64_t *)(uintptr_t)positions, total, heads, nope, rope, value, rank, softmax_scale,
+                     {(const void *)(uintptr_t)kv_b, (const float *)(uintptr_t)kv_b_scales, kv_b_scales != 0, group},
+                     (float *)(uintptr_t)out};
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = attend_one(&job, threads);
+    Py_END_ALLOW_THREADS
+    if (rc) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"rms_norm", py_rms_norm, METH_VARARGS, "out = w * x / sqrt(mean(x^2) + eps) per row, float32."},
+    {"route", py_route, METH_VARARGS, "a MoE router's expert ids and weights for rows of x, float32."},
+    {"attend_one", py_attend_one, METH_VARARGS, "absorbed MLA attention of one query over the compressed cache."},
     {"warm_bytes", py_warm_bytes, METH_NOARGS, "bytes the helper thread has read ahead into the caches, ever."},
     {"warm", py_warm, METH_VARARGS, "read these (address, bytes) ranges into the caches on the idle helper thread."},
     {"q8_moe", py_q8_moe, METH_VARARGS, "a MoE layer's routed SwiGLU experts with int8 activations, added to out."},

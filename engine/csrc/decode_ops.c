@@ -1,0 +1,288 @@
+/*
+ * The small float ops of a decode step for the int8-activations model (engine/decode_ops.py).
+ *
+ * Between its weight-bound kernels a decode step runs ~100 small torch ops per layer (norms, the
+ * router's score / bias / group mask / sort / gather, five bmm for one query's attention), each
+ * 5-120 us once the kernels have streamed the caches out: on a 2-core box they cost as much as the
+ * expert matmuls. Here each is one call over float32 arrays. The sums run in another order than
+ * torch's, so the results differ from the exact path by float rounding: only the int8 path (already
+ * lossy in its activations) uses them.
+ */
+#include "decode_ops.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "nibble.h"
+#include "split.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define HAVE_X86 1
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+#else
+#define HAVE_X86 0
+#endif
+
+/* ------------------------------------------------------------------ vector helpers, AVX2 or plain */
+
+#if HAVE_X86
+AVX2 static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+AVX2 static float dot_avx2(const float *a, const float *b, int n) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    int k = 0;
+    for (; k + 16 <= n; k += 16) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 8), _mm256_loadu_ps(b + k + 8), s1);
+    }
+    float s = hsum8(_mm256_add_ps(s0, s1));
+    for (; k < n; k++) s += a[k] * b[k];
+    return s;
+}
+
+AVX2 static void axpy_avx2(float *y, float a, const float *x, int n) {
+    __m256 va = _mm256_set1_ps(a);
+    int k = 0;
+    for (; k + 8 <= n; k += 8) _mm256_storeu_ps(y + k, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + k), _mm256_loadu_ps(y + k)));
+    for (; k < n; k++) y[k] += a * x[k];
+}
+
+/* 8 int8 codes as floats */
+AVX2 static inline __m256 codes8(const int8_t *q) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
+}
+
+/* sum_k q[k] * scale(k / group) * x[k] */
+AVX2 static float dot_i8_avx2(const int8_t *q, const float *scales, int group, const float *x, int n) {
+    float s = 0.f;
+    for (int g0 = 0; g0 < n; g0 += group) {
+        int end = g0 + group < n ? g0 + group : n, k = g0;
+        __m256 acc = _mm256_setzero_ps();
+        for (; k + 8 <= end; k += 8) acc = _mm256_fmadd_ps(codes8(q + k), _mm256_loadu_ps(x + k), acc);
+        float part = hsum8(acc);
+        for (; k < end; k++) part += (float)q[k] * x[k];
+        s += part * scales[g0 / group];
+    }
+    return s;
+}
+
+/* y[k] += a * q[k] * scale(k / group) */
+AVX2 static void axpy_i8_avx2(float *y, float a, const int8_t *q, const float *scales, int group, int n) {
+    for (int g0 = 0; g0 < n; g0 += group) {
+        int end = g0 + group < n ? g0 + group : n, k = g0;
+        float as = a * scales[g0 / group];
+        __m256 va = _mm256_set1_ps(as);
+        for (; k + 8 <= end; k += 8) _mm256_storeu_ps(y + k, _mm256_fmadd_ps(va, codes8(q + k), _mm256_loadu_ps(y + k)));
+        for (; k < end; k++) y[k] += as * (float)q[k];
+    }
+}
+#endif
+
+static int simd(void) {
+#if HAVE_X86
+    static int known = -1;
+    if (known < 0) known = nibble_simd_available();
+    return known;
+#else
+    return 0;
+#endif
+}
+
+static float dot(const float *a, const float *b, int n) {
+#if HAVE_X86
+    if (simd()) return dot_avx2(a, b, n);
+#endif
+    float s = 0.f;
+    for (int k = 0; k < n; k++) s += a[k] * b[k];
+    return s;
+}
+
+static void axpy(float *y, float a, const float *x, int n) {
+#if HAVE_X86
+    if (simd()) {
+        axpy_avx2(y, a, x, n);
+        return;
+    }
+#endif
+    for (int k = 0; k < n; k++) y[k] += a * x[k];
+}
+
+static float dot_i8(const int8_t *q, const float *scales, int group, const float *x, int n) {
+#if HAVE_X86
+    if (simd()) return dot_i8_avx2(q, scales, group, x, n);
+#endif
+    float s = 0.f;
+    for (int g0 = 0; g0 < n; g0 += group) {
+        float part = 0.f;
+        for (int k = g0; k < g0 + group && k < n; k++) part += (float)q[k] * x[k];
+        s += part * scales[g0 / group];
+    }
+    return s;
+}
+
+static void axpy_i8(float *y, float a, const int8_t *q, const float *scales, int group, int n) {
+#if HAVE_X86
+    if (simd()) {
+        axpy_i8_avx2(y, a, q, scales, group, n);
+        return;
+    }
+#endif
+    for (int k = 0; k < n; k++) y[k] += a * scales[k / group] * (float)q[k];
+}
+
+/* ------------------------------------------------------------------------------------ RMSNorm */
+
+void rms_norm_rows(const float *x, int rows, int dim, const float *w, float eps, float *out) {
+    for (int r = 0; r < rows; r++) {
+        const float *xr = x + (size_t)r * dim;
+        float *o = out + (size_t)r * dim;
+        float inv = 1.f / sqrtf(dot(xr, xr, dim) / (float)dim + eps);
+        for (int k = 0; k < dim; k++) o[k] = w[k] * (xr[k] * inv);
+    }
+}
+
+/* ------------------------------------------------------------------------------------- router */
+
+static float score_of(int kind, float logit) {
+    if (kind == SCORE_SIGMOID) return 1.f / (1.f + expf(-logit));
+    if (kind == SCORE_SQRTSOFTPLUS) return sqrtf(logit > 20.f ? logit : log1pf(expf(logit)));
+    return logit; /* softmax: normalised over the row afterwards */
+}
+
+/* Whether value a at index ia ranks before b at ib: higher first, the lower index among equals. */
+static inline int ranks_before(float a, int ia, float b, int ib) { return a > b || (a == b && ia < ib); }
+
+/* The k best of values [n] (NaN-free), best first, into chosen [k]; `allowed` NULL or a mask [n]. */
+static void best_k(const float *values, const unsigned char *allowed, int n, int k, int *chosen) {
+    int found = 0;
+    for (int i = 0; i < n; i++) {
+        if (allowed && !allowed[i]) continue;
+        int at = found < k ? found++ : k;
+        if (at == k && !ranks_before(values[i], i, values[chosen[k - 1]], chosen[k - 1])) continue;
+        if (at == k) at = k - 1;
+        while (at > 0 && ranks_before(values[i], i, values[chosen[at - 1]], chosen[at - 1])) {
+            chosen[at] = chosen[at - 1];
+            at--;
+        }
+        chosen[at] = i;
+    }
+}
+
+static void route_one(const Router *rt, const float *x, float *scores, float *biased, unsigned char *allowed,
+                      int *chosen, int64_t *ids, float *weights) {
+    int n = rt->experts;
+    for (int e = 0; e < n; e++) scores[e] = score_of(rt->score, dot(rt->weight + (size_t)e * rt->dim, x, rt->dim));
+    if (rt->score == SCORE_SOFTMAX) {
+        float top = scores[0], sum = 0.f;
+        for (int e = 1; e < n; e++) top = scores[e] > top ? scores[e] : top;
+        for (int e = 0; e < n; e++) sum += scores[e] = expf(scores[e] - top);
+        for (int e = 0; e < n; e++) scores[e] /= sum;
+    }
+    for (int e = 0; e < n; e++) biased[e] = scores[e] + (rt->bias ? rt->bias[e] : 0.f);
+    const unsigned char *mask = NULL;
+    if (rt->groups > 1) {
+        int per = n / rt->groups, two[2];
+        float group_scores[256];
+        int best_groups[256];
+        for (int g = 0; g < rt->groups; g++) {
+            best_k(biased + g * per, NULL, per, 2, two);
+            group_scores[g] = biased[g * per + two[0]] + biased[g * per + two[1]];
+        }
+        best_k(group_scores, NULL, rt->groups, rt->topk_groups, best_groups);
+        memset(allowed, 0, (size_t)n);
+        for (int j = 0; j < rt->topk_groups; j++) memset(allowed + best_groups[j] * per, 1, (size_t)per);
+        mask = allowed;
+    }
+    best_k(biased, mask, n, rt->topk, chosen);
+    float total = 0.f;
+    for (int j = 0; j < rt->topk; j++) total += weights[j] = scores[chosen[j]];
+    for (int j = 0; j < rt->topk; j++) {
+        ids[j] = chosen[j];
+        weights[j] = (rt->normalise ? weights[j] / (total + 1e-20f) : weights[j]) * rt->scale;
+    }
+}
+
+int route_rows(const Router *rt, const float *x, int rows, int64_t *ids, float *weights) {
+    int n = rt->experts;
+    float *scores = malloc(sizeof(float) * 2 * (size_t)n + (size_t)n + sizeof(int) * (size_t)rt->topk);
+    if (scores == NULL) return -1;
+    float *biased = scores + n;
+    int *chosen = (int *)(biased + n);
+    unsigned char *allowed = (unsigned char *)(chosen + rt->topk);
+    for (int r = 0; r < rows; r++)
+        route_one(rt, x + (size_t)r * rt->dim, scores, biased, allowed, chosen, ids + (size_t)r * rt->topk,
+                  weights + (size_t)r * rt->topk);
+    free(scores);
+    return 0;
+}
+
+/* -------------------------------------------------------------------- absorbed attention, 1 query */
+
+typedef struct {
+    const AttendOne *job;
+    int groups;  /* int8 wkv_b: scales per row */
+    float *work; /* per head: q latent [c], scores [T], mixed [c] */
+} AttendJob;
+
+static const float *latent_at(const AttendOne *a, int t) {
+    size_t p = a->positions ? (size_t)a->positions[t] : (size_t)t;
+    return a->latents + p * a->rank;
+}
+
+static const float *rope_key_at(const AttendOne *a, int t) {
+    size_t p = a->positions ? (size_t)a->positions[t] : (size_t)t;
+    return a->rope_keys + p * a->rope;
+}
+
+/* row `row` of wkv_b times x [c], or y [c] += a * row */
+static float kv_b_dot(const AttendJob *j, size_t row, const float *x) {
+    const AttendOne *a = j->job;
+    if (!a->kv_b.int8) return dot((const float *)a->kv_b.w + row * a->rank, x, a->rank);
+    return dot_i8((const int8_t *)a->kv_b.w + row * a->rank, a->kv_b.scales + row * j->groups, a->kv_b.group, x, a->rank);
+}
+
+static void kv_b_axpy(const AttendJob *j, size_t row, float s, float *y) {
+    const AttendOne *a = j->job;
+    if (!a->kv_b.int8) {
+        axpy(y, s, (const float *)a->kv_b.w + row * a->rank, a->rank);
+        return;
+    }
+    axpy_i8(y, s, (const int8_t *)a->kv_b.w + row * a->rank, a->kv_b.scales + row * j->groups, a->kv_b.group, a->rank);
+}
+
+static void attend_head(void *arg, int h) {
+    const AttendJob *j = arg;
+    const AttendOne *a = j->job;
+    int c = a->rank, T = a->total;
+    float *q_latent = j->work + (size_t)h * (2 * (size_t)c + T), *scores = q_latent + c, *mixed = scores + T;
+    size_t first = (size_t)h * (a->nope + a->value); /* head h's first row of wkv_b */
+    memset(q_latent, 0, sizeof(float) * (size_t)c);
+    for (int i = 0; i < a->nope; i++) kv_b_axpy(j, first + i, a->q_nope[(size_t)h * a->nope + i], q_latent);
+    const float *q_rope = a->q_rope + (size_t)h * a->rope;
+    float top = -INFINITY, sum = 0.f;
+    for (int t = 0; t < T; t++) {
+        scores[t] = (dot(q_latent, latent_at(a, t), c) + dot(q_rope, rope_key_at(a, t), a->rope)) * a->softmax_scale;
+        top = scores[t] > top ? scores[t] : top;
+    }
+    for (int t = 0; t < T; t++) sum += scores[t] = expf(scores[t] - top);
+    memset(mixed, 0, sizeof(float) * (size_t)c);
+    for (int t = 0; t < T; t++) axpy(mixed, scores[t] / sum, latent_at(a, t), c);
+    for (int v = 0; v < a->value; v++)
+        a->out[(size_t)h * a->value + v] = kv_b_dot(j, first + a->nope + v, mixed);
+}
+
+int attend_one(const AttendOne *a, int threads) {
+    AttendJob j = {a, a->kv_b.int8 ? (a->rank + a->kv_b.group - 1) / a->kv_b.group : 0, NULL};
+    j.work = malloc(sizeof(float) * (size_t)a->heads * (2 * (size_t)a->rank + a->total));
+    if (j.work == NULL) return -1;
+    split_run(attend_head, &j, a->heads, threads);
+    free(j.work);
+    return 0;
+}

@@ -1,0 +1,52 @@
+/* The small float ops of a decode step, in C for the int8-activations model (decode_ops.c): RMSNorm,
+ * the router, and absorbed MLA attention for one query. Float32 throughout, rounding as C sums it
+ * (not as torch does): never on the exact path. */
+#ifndef COLIBRI_DECODE_OPS_H
+#define COLIBRI_DECODE_OPS_H
+
+#include <stdint.h>
+
+/* out[r] = w * x[r] / sqrt(mean(x[r]^2) + eps) for rows r of x [rows, dim]. */
+void rms_norm_rows(const float *x, int rows, int dim, const float *w, float eps, float *out);
+
+enum { SCORE_SIGMOID = 0, SCORE_SOFTMAX = 1, SCORE_SQRTSOFTPLUS = 2 };
+
+typedef struct {
+    const float *weight; /* [experts, dim] router weight */
+    const float *bias;   /* [experts] correction bias (steers the choice only), or NULL */
+    int experts, dim, score, groups, topk_groups, topk, normalise;
+    float scale; /* route_scale */
+} Router;
+
+/* Per row of x [rows, dim]: scores of every expert, the top-k of the biased scores (ties: the lower
+ * index) within the best topk_groups groups (a group ranked by the sum of its two best biased scores),
+ * ids [rows, topk] from the highest, weights [rows, topk] the unbiased scores (normalised if asked)
+ * times scale. 0, or -1 without memory. */
+int route_rows(const Router *router, const float *x, int rows, int64_t *ids, float *weights);
+
+/* wkv_b [H * (n + v), c]: per head n rows of its k part, then v rows of its v part; float32 or int8
+ * codes with one float32 scale per `group` columns. */
+typedef struct {
+    const void *w;
+    const float *scales; /* int8 only: [H * (n + v), ceil(c / group)] */
+    int int8, group;
+} KvB;
+
+typedef struct {
+    const float *q_nope;   /* [H, n] */
+    const float *q_rope;   /* [H, r], roped */
+    const float *latents;  /* [T, c], normalised */
+    const float *rope_keys; /* [T, r], roped */
+    const int64_t *positions; /* [K] the positions attended to (DSA), or NULL: all T */
+    int total;             /* T, or K with positions */
+    int heads, nope, rope, value, rank;
+    float softmax_scale;
+    KvB kv_b;
+    float *out; /* [H, v] */
+} AttendOne;
+
+/* softmax(scale * (q_nope W_k . latents + q_rope . rope_keys)) . latents W_v^T per head, the heads
+ * split over `threads`. 0, or -1 without memory. */
+int attend_one(const AttendOne *job, int threads);
+
+#endif

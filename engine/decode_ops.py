@@ -1,0 +1,141 @@
+"""The small float ops of the int8-activations model in C (engine/csrc/decode_ops.c): RMSNorm, the MoE
+router, and absorbed MLA attention for one query.
+
+Between its weight-bound kernels a decode step runs ~100 small torch ops per layer; on a 2-core machine,
+with the kernels streaming the caches out between them, they took as long as the expert matmuls
+(rms_norm 90-120 us a call, the router's dozen ops, five bmm for one query). Here each is one call.
+C sums in another order than torch, so the results differ from the exact path by float rounding: only
+inside ``int8_activations()`` (engine/q8.py), a path already lossy in its activations, do the modules
+take these. ``active(x)`` says whether they apply to x.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+import torch
+
+from engine.q8 import activations_are_int8
+from engine.rows import kernel_threads
+
+try:
+    from engine import _int4
+except ImportError:  # pragma: no cover - machines without a compiler
+    _int4 = None
+
+SCORE_KINDS = {"sigmoid": 0, "softmax": 1, "sqrtsoftplus": 2}  # decode_ops.h SCORE_*
+MAX_GROUPS = 256  # decode_ops.c keeps a row's group scores on the stack
+
+_off: ContextVar[bool] = ContextVar("decode_ops_off", default=False)
+
+
+@contextmanager
+def torch_ops() -> Iterator[None]:
+    """Inside, the int8 path keeps torch's ops (the comparison of tests and benchmarks)."""
+    token = _off.set(True)
+    try:
+        yield
+    finally:
+        _off.reset(token)
+
+
+def available() -> bool:
+    return _int4 is not None and hasattr(_int4, "attend_one")
+
+
+def active(x: torch.Tensor) -> bool:
+    """Whether x goes through these ops: int8 activations on, x float32 on the CPU."""
+    return (
+        activations_are_int8()
+        and not _off.get()
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and available()
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., dim] float32 -> weight * x / sqrt(mean(x^2) + eps), float32; weight float32 [dim]."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dim = x.shape[-1]
+    _int4.rms_norm(x.data_ptr(), x.numel() // dim, dim, weight.data_ptr(), eps, out.data_ptr())
+    return out
+
+
+def routes(score: str, weight: torch.Tensor, groups: int, topk_groups: int) -> bool:
+    """Whether ``route`` takes a router of this kind (float32 CPU weight [experts, dim], groups that split
+    the experts evenly into at least two each)."""
+    experts = weight.shape[0]
+    return (
+        score in SCORE_KINDS
+        and weight.dtype == torch.float32
+        and weight.device.type == "cpu"
+        and weight.is_contiguous()
+        and 1 <= groups <= MAX_GROUPS
+        and experts % groups == 0
+        and (groups == 1 or (experts // groups >= 2 and 1 <= topk_groups <= groups))
+    )
+
+
+def route(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    score: str,
+    groups: int,
+    topk_groups: int,
+    topk: int,
+    normalise: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, dim] -> (weights [N, topk] float32, expert ids [N, topk] int64), as engine/moe.py's Gate: the
+    top-k of score + bias within the best ``topk_groups`` groups, ids from the best, ties to the lower id;
+    weights the unbiased scores of the chosen, normalised over them if asked, times ``scale``."""
+    x = x.contiguous()
+    rows = x.shape[0]
+    ids = torch.empty((rows, topk), dtype=torch.int64)
+    weights = torch.empty((rows, topk), dtype=torch.float32)
+    bias_ptr = 0 if bias is None else bias.data_ptr()
+    _int4.route(
+        x.data_ptr(), rows, weight.data_ptr(), bias_ptr, weight.shape[0], weight.shape[1],
+        SCORE_KINDS[score], groups, topk_groups, topk, normalise, scale,
+        ids.data_ptr(), weights.data_ptr(),
+    )  # fmt: skip
+    return weights, ids
+
+
+def attend_one(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    latents: torch.Tensor,
+    rope_keys: torch.Tensor,
+    positions: torch.Tensor | None,
+    kv_b: torch.Tensor,
+    kv_b_scales: torch.Tensor | None,
+    group_size: int,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """Absorbed MLA attention of one query -> [H, v] float32.
+
+    q_nope [H, n], q_rope [H, r] (roped), latents [T, c], rope_keys [T, r] (the cache, valid positions);
+    positions int64 [K] the positions attended to (DSA) or None for all T. kv_b [H * (n + v), c]: float32,
+    or int8 codes with kv_b_scales float32 [H * (n + v), ceil(c / group_size)]."""
+    heads, nope = q_nope.shape
+    rank, rope = latents.shape[1], rope_keys.shape[1]
+    value = kv_b.shape[0] // heads - nope
+    q_nope, q_rope = q_nope.contiguous(), q_rope.contiguous()
+    latents, rope_keys = latents.contiguous(), rope_keys.contiguous()
+    total = latents.shape[0] if positions is None else positions.numel()
+    if positions is not None:
+        positions = positions.to(torch.int64).contiguous()
+    out = torch.empty((heads, value), dtype=torch.float32)
+    _int4.attend_one(
+        q_nope.data_ptr(), q_rope.data_ptr(), latents.data_ptr(), rope_keys.data_ptr(),
+        0 if positions is None else positions.data_ptr(), total, heads, nope, rope, value, rank, softmax_scale,
+        kv_b.data_ptr(), 0 if kv_b_scales is None else kv_b_scales.data_ptr(), group_size, out.data_ptr(),
+        kernel_threads(),
+    )  # fmt: skip
+    return out
