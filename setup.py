@@ -24,7 +24,8 @@ class OptionalBuildExt(build_ext):
             print(f"warning: engine._int4 was not built ({exc}); using the slower torch path")
 
 
-C_FILES = ("int4", "nibble", "q8", "split", "warm", "q8_moe", "decode_ops")  # engine/csrc/<name>.c, each (but int4) with its .h
+# engine/csrc/<name>.c, each (but int4) with its .h
+C_FILES = ("int4", "nibble", "q8", "split", "warm", "q8_moe", "decode_ops")
 
 setup(
     ext_modules=[
