@@ -58,8 +58,13 @@ class MLA(nn.Module):
         beside its float weight: with int8 activations one query's absorbed attention reads them (a
         quarter of the float32 bytes, the same values); prefill's expanded path keeps the float weight."""
         self.register_buffer("kv_b_codes", q.contiguous(), persistent=False)
-        self.register_buffer("kv_b_scales", scale_values(scales).float().contiguous(), persistent=False)
+        self.register_buffer("kv_b_scales", scale_values(scales).contiguous(), persistent=False)
         self.kv_b_group = group_size
+
+    def decode_unread(self) -> list[torch.Tensor]:
+        """Weights one query's attention does not read (engine/warm.py reads ahead the others): the float
+        wkv_b while its int8 records are held."""
+        return [self.wkv_b.weight] if self.kv_b_group > 0 else []
 
     def forward(
         self,

@@ -41,8 +41,11 @@ def torch_ops() -> Iterator[None]:
         _off.reset(token)
 
 
+_BUILT = _int4 is not None and hasattr(_int4, "attend_one")  # checked once: active() runs ~100 times a token
+
+
 def available() -> bool:
-    return _int4 is not None and hasattr(_int4, "attend_one")
+    return _BUILT
 
 
 def active(x: torch.Tensor) -> bool:
@@ -52,7 +55,7 @@ def active(x: torch.Tensor) -> bool:
         and not _off.get()
         and x.dtype == torch.float32
         and x.device.type == "cpu"
-        and available()
+        and _BUILT
     )
 
 

@@ -39,10 +39,14 @@ def warming_available() -> bool:
 
 def module_arrays(module: nn.Module) -> list[torch.Tensor]:
     """A module's CPU parameters and buffers of MIN_BYTES or more, in registration order (for a Block:
-    attention, then the FFN: the order a forward reads them)."""
+    attention, then the FFN: the order a forward reads them), less those a submodule's optional
+    ``decode_unread()`` names (weights its decode step reads in another form)."""
+    unread = {id(t) for sub in module.modules() for t in getattr(sub, "decode_unread", list)()}
     arrays = []
     for sub in module.modules():
         for tensor in (*sub.parameters(recurse=False), *sub.buffers(recurse=False)):
+            if id(tensor) in unread:
+                continue
             if tensor.device.type == "cpu" and tensor.numel() * tensor.element_size() >= MIN_BYTES:
                 arrays.append(tensor)
     return arrays

@@ -89,6 +89,9 @@ def test_module_arrays_are_the_large_cpu_weights_in_registration_order():
     # weight; biases and norm weights are under MIN_BYTES
     expected = [module.table, module[0].weight, module[2].weight]
     assert [a.data_ptr() for a in arrays] == [a.data_ptr() for a in expected]
+    module[2].decode_unread = lambda: [module[0].weight]  # a submodule may name weights its decode does not read
+    read = [module.table, module[2].weight]
+    assert [a.data_ptr() for a in warming.module_arrays(module)] == [a.data_ptr() for a in read]
 
 
 def test_resident_experts_give_their_memory_gate_and_up_before_down():
