@@ -34,6 +34,7 @@ from colibri_stream.expert_store import ExpertStore, ResidentStore
 from colibri_stream.fingerprint import container_fingerprint
 from colibri_stream.geometry import container_args, geometry_from_container
 from colibri_stream.placement import bf16_held_weights, check_fits, plan
+from colibri_stream.read_ahead import choose_read_ahead, last_level_cache_bytes
 from colibri_stream.wrapped_configs import text_model_config
 from engine.args import ModelArgs
 from engine.bf16 import hold_in_bf16, linear_candidates
@@ -193,12 +194,21 @@ def load(
             raise ColibriError(f"{path}: workers serve a converted container's experts; convert this checkpoint first")
         loaded = load_checkpoint(path, COMPUTE_DTYPES[dtype], trace=trace)
         loaded.model.int8_activations = int8
-        return loaded
+        args = loaded.args
+        return _reading_ahead(loaded, 3 * args.dim * args.moe_inter_dim * COMPUTE_DTYPES[dtype].itemsize)
     geometry = geometry_from_container(Container(path))
     config = store_config(store, geometry, dtype)
     if cluster is None or cluster.local_workers:
         check_fits(plan(geometry, config, dtype, sequences=store.kv_sequences))
-    return load_container(path, COMPUTE_DTYPES[dtype], config, trace, int8_activations=int8, cluster=cluster)
+    loaded = load_container(path, COMPUTE_DTYPES[dtype], config, trace, int8_activations=int8, cluster=cluster)
+    return _reading_ahead(loaded, geometry.record_bytes)
+
+
+def _reading_ahead(loaded: LoadedModel, expert_bytes: int) -> LoadedModel:
+    """Decode reads ahead into the CPU caches only where they hold what it reads (colibri_stream/read_ahead.py)."""
+    if isinstance(loaded.model, Transformer):
+        choose_read_ahead(loaded.model, loaded.args.n_activated_experts, expert_bytes, last_level_cache_bytes())
+    return loaded
 
 
 ACTIVATIONS = ("float32", "int8")

@@ -97,6 +97,9 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(args.dim, args.rms_norm_eps)
         self.head = Linear(args.dim, args.vocab_size, bias=False)
         self.int8_activations = False  # the kernel matmuls quantise their inputs (engine/q8.py; lossy, opt-in)
+        # decode reads the next layer's weights into the CPU caches on the kernels' idle thread (engine/warm.py);
+        # a loss where they do not fit the cache beside the current layer's, so the loader decides per machine
+        self.read_ahead = True
         self._weights_listed: dict[int, list[torch.Tensor]] = {}  # layer -> its dense weights, for warm()
 
     def _apply(self, fn, recurse=True):
@@ -114,10 +117,21 @@ class Transformer(nn.Module):
     def _start_read_ahead(self, x: torch.Tensor) -> bool:
         """Whether this decode step reads ahead (CPU activations, 2+ kernel threads); if so, layer 0's
         weights are asked for now, each later layer's at the lookahead before it."""
-        if x.device.type != "cpu" or not warming_available():
+        if not self.read_ahead or x.device.type != "cpu" or not warming_available():
             return False
         warm(self._weights_of(0))
         return True
+
+    def read_ahead_bytes(self, experts_per_token: int, expert_bytes: int) -> int:
+        """The most bytes one read-ahead request names: a layer's dense weights (past the last layer, the
+        final norm and the head), plus on a MoE layer ``experts_per_token`` guessed experts of
+        ``expert_bytes`` each."""
+
+        def request(layer: int) -> int:
+            moe = layer < len(self.layers) and isinstance(self.layers[layer].ffn, MoE)
+            return sum(t.nbytes for t in self._weights_of(layer)) + (experts_per_token * expert_bytes if moe else 0)
+
+        return max(request(layer) for layer in range(len(self.layers) + 1))
 
     def _lookahead(self, layer: int, experts: ExpertProvider, read_ahead: bool = False):
         """A hook given the current post-attention hidden state before the current layer's FFN: layer
