@@ -96,10 +96,21 @@ Q8_INLINE void Q8_NAME(rows_block)(int kind, int P, int RB, const Q8Matrix *m, c
         for (int r = 0; r < RB; r++) y[(size_t)(r0 + r) * ldy + (o + p - begin)] = hsum(acc[p][r]);
 }
 
+/* The first 8 output rows of a call, every line, into L2 at once: rows_block prefetches the rows two
+ * steps ahead of those it computes, so without this the call's first two steps wait on DRAM line by
+ * line (no prefetch at all is 2.4x slower). */
+Q8_INLINE void Q8_NAME(prefetch_start)(int kind, const Q8Matrix *m, int begin, int end) {
+    size_t row_bytes = kind == Q8_WEIGHTS_INT4 ? (size_t)(m->in + 1) / 2 : (size_t)m->in;
+    int rows = end - begin < 8 ? end - begin : 8;
+    const char *first = (const char *)m->w + (size_t)begin * row_bytes;
+    for (size_t at = 0; at < (size_t)rows * row_bytes; at += 64) _mm_prefetch(first + at, _MM_HINT_T2);
+}
+
 #define ROWS_BLOCK(P, RB) Q8_NAME(rows_block)(kind, P, RB, m, x, o, r0, end, scales, gi, y, ldy, begin)
 Q8_INLINE void Q8_NAME(gemm_kind)(int kind, const Q8Matrix *m, const Q8Rows *x, int begin, int end, float *const scales[4],
                            const int *gi, float *y, size_t ldy) {
     int groups = (m->in + m->group - 1) / m->group;
+    if (x->rows <= 2) Q8_NAME(prefetch_start)(kind, m, begin, end);
     for (int o = begin; o < end; o += 4) {
         int P = end - o < 4 ? end - o : 4;
         for (int p = 0; p < P; p++) row_scales(m, o + p, groups, scales[p]);
