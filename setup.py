@@ -24,15 +24,16 @@ class OptionalBuildExt(build_ext):
             print(f"warning: engine._int4 was not built ({exc}); using the slower torch path")
 
 
-# engine/csrc/<name>.c, each (but int4) with its .h
-C_FILES = ("int4", "nibble", "q8", "split", "warm", "q8_moe", "decode_ops")
+# engine/csrc/<name>.c, each with its .h but int4 and py_decode (the Python entry points)
+C_FILES = ("int4", "nibble", "q8", "split", "warm", "q8_moe", "decode_ops", "mla_decode", "py_decode")
 
 setup(
     ext_modules=[
         Extension(
             "engine._int4",
             sources=[f"engine/csrc/{name}.c" for name in C_FILES],
-            depends=[f"engine/csrc/{name}.h" for name in C_FILES if name != "int4"] + ["engine/csrc/q8_body.h"],
+            depends=[f"engine/csrc/{name}.h" for name in C_FILES if name not in ("int4", "py_decode")]
+            + ["engine/csrc/q8_body.h"],
             extra_compile_args=["-O3"],
         )
     ],

@@ -43,6 +43,16 @@ class LayerCache:
         self.length = end
         return self.latent[:, :end], self.rope_key[:, :end]
 
+    def next_row(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One more position of a one-sequence cache, counted as stored: (latent [kv_lora_rank], rope key
+        [qk_rope_head_dim]) views of it that the caller fills (engine/mla_decode.py writes them in C)."""
+        if self.latent.shape[0] != 1:
+            raise ValueError(f"next_row fills one sequence's row, not {self.latent.shape[0]}")
+        end = self.length + 1
+        self.latent, self.rope_key = grow(self.latent, end), grow(self.rope_key, end)
+        self.length = end
+        return self.latent[0, end - 1], self.rope_key[0, end - 1]
+
     def append_index_key(self, index_key: torch.Tensor) -> torch.Tensor:
         """Store the indexer keys of the positions just appended; return all of them [B, T, index_head_dim].
 

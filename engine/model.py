@@ -19,6 +19,7 @@ from engine.attention import MLA
 from engine.cache import KVCache, LayerCache
 from engine.experts import ExpertProvider
 from engine.layers import MLP, RMSNorm, embedding
+from engine.mla_decode import FusedMLA, fused_attention_applies
 from engine.moe import MoE
 from engine.q8 import int8_activations
 from engine.rope import rope_tables
@@ -38,6 +39,7 @@ class Block(nn.Module):
         self.attn = MLA(args, layer_id)
         self.ffn_norm = RMSNorm(args.dim, args.rms_norm_eps)
         self.ffn = MoE(args, layer_id) if args.is_moe(layer_id) else MLP(args.dim, args.inter_dim)
+        self._fused: FusedMLA | bool | None = None  # the attention's C steps: None not built yet, False n/a
 
     def forward(
         self,
@@ -63,6 +65,10 @@ class Block(nn.Module):
         ``lookahead``: optional hook called with the post-attention hidden state [B, S, dim] before
         this layer's FFN, to prefetch the experts the next MoE layer will probably route to.
         """
+        fused = self._fused_attention(x, cache, absorb)
+        if fused is not None:
+            x, selection = fused(x, start_pos, rope, cache, selection)
+            return self._ffn(x, experts, lookahead), selection
         attn_out, selection = self.attn(self.attn_norm(x), start_pos, rope, cache, selection, absorb)
         return self._ffn(x + attn_out, experts, lookahead), selection
 
@@ -78,8 +84,24 @@ class Block(nn.Module):
     ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """One new position of each of B independent sequences (x [B, 1, dim]; see MLA.forward_rows): the
         FFN runs over all rows, so a MoE layer acquires the union of the rows' experts once."""
+        fused = self._fused_attention(x, caches[0], None) if len(caches) == 1 else None
+        if fused is not None:
+            x, selection = fused(x, starts[0], ropes[0], caches[0], selections[0])
+            return self._ffn(x, experts, lookahead), [selection]
         attn_out, selections = self.attn.forward_rows(self.attn_norm(x), starts, ropes, caches, selections)
         return self._ffn(x + attn_out, experts, lookahead), selections
+
+    def _fused_attention(self, x: torch.Tensor, cache: LayerCache, absorb: bool | None) -> FusedMLA | None:
+        """The attention step in two C calls (engine/mla_decode.py) where it applies, built at first use."""
+        if not fused_attention_applies(x, cache, absorb):
+            return None
+        if self._fused is None:
+            self._fused = FusedMLA.build(self.attn_norm, self.attn) or False
+        return self._fused or None
+
+    def _apply(self, fn, recurse=True):
+        self._fused = None  # .to(), .float(), ...: new tensors
+        return super()._apply(fn, recurse)
 
     def _ffn(self, x: torch.Tensor, experts: ExpertProvider, lookahead) -> torch.Tensor:
         if lookahead is not None:

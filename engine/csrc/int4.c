@@ -514,9 +514,12 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_int4", NULL, -1, methods};
 
+extern PyMethodDef py_decode_methods[]; /* py_decode.c: the fused decode steps */
+
 PyMODINIT_FUNC PyInit__int4(void) {
     PyObject *m = PyModule_Create(&module);
     pthread_atfork(NULL, NULL, split_after_fork);
+    if (m && PyModule_AddFunctions(m, py_decode_methods) != 0) Py_CLEAR(m);
     if (m) PyModule_AddIntConstant(m, "MAX_ROWS", MAX_ROWS);
     /* 2: gemm/dequant take (code, scale kind) and any width (ragged groups); quant.py checks it */
     if (m) PyModule_AddIntConstant(m, "NIBBLE_ABI", 2);

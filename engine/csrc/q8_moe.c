@@ -147,3 +147,26 @@ int q8_moe_run(const Q8MoE *moe) {
     free(area), free(terms), free(x_all.work);
     return 0;
 }
+
+/* ---------------------------------------------------------------- several matrices, one job */
+
+typedef struct {
+    const Q8Product *products;
+    int n, isa;
+    int first[Q8_MAX_PRODUCTS + 1]; /* product i's blocks are [first[i], first[i + 1]) */
+} Many;
+
+static void many_block(void *arg, int b) {
+    const Many *job = arg;
+    int i = 0;
+    while (b >= job->first[i + 1]) i++;
+    const Q8Product *p = &job->products[i];
+    int begin = (b - job->first[i]) * BLOCK_ROWS, end = begin + BLOCK_ROWS < p->out ? begin + BLOCK_ROWS : p->out;
+    q8_gemm(p->m, p->x, begin, end, job->isa, p->y + begin, (size_t)p->out);
+}
+
+void q8_gemm_many(const Q8Product *products, int n, int isa, int threads) {
+    Many job = {products, n, isa, {0}};
+    for (int i = 0; i < n; i++) job.first[i + 1] = job.first[i] + blocks(products[i].out);
+    split_run(many_block, &job, job.first[n], threads);
+}

@@ -29,4 +29,18 @@ typedef struct {
 /* Runs the layer; 0 when done, -1 when its work area could not be allocated (nothing was added). */
 int q8_moe_run(const Q8MoE *moe);
 
+/* One matrix of a q8_gemm_many job: y [x->rows, out] = x times m's rows. */
+typedef struct {
+    const Q8Matrix *m;
+    const Q8Rows *x;
+    int out;
+    float *y;
+} Q8Product;
+
+#define Q8_MAX_PRODUCTS 8
+
+/* Several products (at most Q8_MAX_PRODUCTS), their output rows in blocks of 64, as one threaded job:
+ * matrices that read the same input (a layer's q and kv projections) share one wake-up and one split. */
+void q8_gemm_many(const Q8Product *products, int n, int isa, int threads);
+
 #endif

@@ -1,0 +1,119 @@
+/*
+ * Python entry points of the fused decode steps (mla_decode.c), added to engine._int4 by int4.c. A
+ * layer's weights are described once (mla_weights: a capsule owning the C struct, its arrays kept
+ * alive by the Python object that holds it); each step then passes only the per-token pointers.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "mla_decode.h"
+#include "nibble.h"
+
+#define CAPSULE "colibri.MlaWeights"
+
+static void free_weights(PyObject *capsule) { free(PyCapsule_GetPointer(capsule, CAPSULE)); }
+
+static const void *ptr(unsigned long long address) { return (const void *)(uintptr_t)address; }
+
+/* A matrix from (w, scales, kind, scale_kind, in, group); 0 with a ValueError when unsupported. */
+static int matrix(PyObject *spec, Q8Matrix *m, const char *name) {
+    unsigned long long w, scales;
+    int kind, scale_kind, in, group;
+    if (!PyArg_ParseTuple(spec, "KKiiii", &w, &scales, &kind, &scale_kind, &in, &group)) return 0;
+    if (kind < 0 || kind >= N_Q8_WEIGHTS || scale_kind < 0 || scale_kind >= N_SCALE_KINDS || in < 1 || group < Q8_BLOCK ||
+        group % Q8_BLOCK) {
+        PyErr_Format(PyExc_ValueError, "mla_weights: %s: kind=%d scale=%d in=%d group=%d", name, kind, scale_kind, in, group);
+        return 0;
+    }
+    Q8Matrix made = {ptr(w), ptr(scales), kind, scale_kind, in, group};
+    *m = made;
+    return 1;
+}
+
+/* mla_weights((dim, heads, nope, rope, value, rank, q_rank, interleaved), (eps, latent_eps, softmax_scale),
+ * (attn_norm, q_norm or 0, kv_norm), wq_a, wkv_a, wq_b or None, wo, (kv_b codes, kv_b scales, group)) -> capsule.
+ * Each matrix is (w, scales, kind, scale_kind, in, group); kv_b's codes are int8, its scales float32. */
+static PyObject *py_mla_weights(PyObject *self, PyObject *args) {
+    MlaWeights w = {0};
+    PyObject *dims, *floats, *norms, *wq_a, *wkv_a, *wq_b, *wo, *kv_b;
+    unsigned long long attn_norm, q_norm, kv_norm, kv_codes, kv_scales;
+    if (!PyArg_ParseTuple(args, "O!O!O!OOOOO!", &PyTuple_Type, &dims, &PyTuple_Type, &floats, &PyTuple_Type, &norms,
+                          &wq_a, &wkv_a, &wq_b, &wo, &PyTuple_Type, &kv_b))
+        return NULL;
+    if (!PyArg_ParseTuple(dims, "iiiiiiip", &w.dim, &w.heads, &w.nope, &w.rope, &w.value, &w.rank, &w.q_rank,
+                          &w.interleaved) ||
+        !PyArg_ParseTuple(floats, "fff", &w.eps, &w.latent_eps, &w.softmax_scale) ||
+        !PyArg_ParseTuple(norms, "KKK", &attn_norm, &q_norm, &kv_norm) ||
+        !PyArg_ParseTuple(kv_b, "KKi", &kv_codes, &kv_scales, &w.kv_b.group))
+        return NULL;
+    if (w.dim < 1 || w.heads < 1 || w.nope < 1 || w.rope < 2 || w.rope % 2 || w.value < 1 || w.rank < 1 || w.q_rank < 0 ||
+        (w.q_rank > 0) != (q_norm != 0 && wq_b != Py_None) || w.kv_b.group < 1) {
+        PyErr_Format(PyExc_ValueError, "mla_weights: dim=%d heads=%d nope=%d rope=%d value=%d rank=%d q_rank=%d group=%d",
+                     w.dim, w.heads, w.nope, w.rope, w.value, w.rank, w.q_rank, w.kv_b.group);
+        return NULL;
+    }
+    if (!matrix(wq_a, &w.wq_a, "wq_a") || !matrix(wkv_a, &w.wkv_a, "wkv_a") || !matrix(wo, &w.wo, "wo") ||
+        (w.q_rank && !matrix(wq_b, &w.wq_b, "wq_b")))
+        return NULL;
+    w.attn_norm = ptr(attn_norm), w.q_norm = ptr(q_norm), w.kv_norm = ptr(kv_norm);
+    w.kv_b.w = ptr(kv_codes), w.kv_b.scales = ptr(kv_scales), w.kv_b.int8 = 1;
+    MlaWeights *held = malloc(sizeof w);
+    if (held == NULL) return PyErr_NoMemory();
+    *held = w;
+    PyObject *capsule = PyCapsule_New(held, CAPSULE, free_weights);
+    if (capsule == NULL) free(held);
+    return capsule;
+}
+
+/* mla_project(weights, x, cos, sin, normed, q_latent, q_nope, q_rope, latent, rope_key, isa, threads). */
+static PyObject *py_mla_project(PyObject *self, PyObject *args) {
+    PyObject *capsule;
+    unsigned long long x, cos, sin, normed, q_latent, q_nope, q_rope, latent, rope_key;
+    int isa, threads, rc;
+    if (!PyArg_ParseTuple(args, "OKKKKKKKKKii", &capsule, &x, &cos, &sin, &normed, &q_latent, &q_nope, &q_rope, &latent,
+                          &rope_key, &isa, &threads))
+        return NULL;
+    const MlaWeights *w = PyCapsule_GetPointer(capsule, CAPSULE);
+    if (w == NULL) return NULL;
+    MlaProject p = {ptr(x), ptr(cos), ptr(sin), (float *)(uintptr_t)normed, (float *)(uintptr_t)q_latent,
+                    (float *)(uintptr_t)q_nope, (float *)(uintptr_t)q_rope, (float *)(uintptr_t)latent,
+                    (float *)(uintptr_t)rope_key};
+    (void)q8_vnni_available(); /* detect the CPU once, before any helper thread looks */
+    Py_BEGIN_ALLOW_THREADS
+    rc = mla_project(w, &p, isa, threads);
+    Py_END_ALLOW_THREADS
+    if (rc) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+/* mla_output(weights, q_nope, q_rope, latents, rope_keys, positions or 0, total, x, out, isa, threads). */
+static PyObject *py_mla_output(PyObject *self, PyObject *args) {
+    PyObject *capsule;
+    unsigned long long q_nope, q_rope, latents, rope_keys, positions, x, out;
+    int total, isa, threads, rc;
+    if (!PyArg_ParseTuple(args, "OKKKKKiKKii", &capsule, &q_nope, &q_rope, &latents, &rope_keys, &positions, &total, &x,
+                          &out, &isa, &threads))
+        return NULL;
+    const MlaWeights *w = PyCapsule_GetPointer(capsule, CAPSULE);
+    if (w == NULL) return NULL;
+    if (total < 1) {
+        PyErr_Format(PyExc_ValueError, "mla_output: total=%d", total);
+        return NULL;
+    }
+    MlaOutput o = {ptr(q_nope), ptr(q_rope), ptr(latents), ptr(rope_keys), ptr(positions), total, ptr(x),
+                   (float *)(uintptr_t)out};
+    Py_BEGIN_ALLOW_THREADS
+    rc = mla_output(w, &o, isa, threads);
+    Py_END_ALLOW_THREADS
+    if (rc) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+PyMethodDef py_decode_methods[] = {
+    {"mla_weights", py_mla_weights, METH_VARARGS, "a layer's MLA weights for the fused decode steps (a capsule)."},
+    {"mla_project", py_mla_project, METH_VARARGS, "one query's MLA projections, rope and the cache's new row."},
+    {"mla_output", py_mla_output, METH_VARARGS, "one query's attention over the cache, wo and the residual."},
+    {NULL, NULL, 0, NULL},
+};

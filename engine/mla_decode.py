@@ -1,0 +1,143 @@
+"""One query's MLA attention in two C calls, for models run with int8 activations (engine/csrc/mla_decode.c).
+
+A decode step's attention was ~25 torch ops and four kernel calls per layer (norm, two projections, two
+latent norms, the q projection, splits, rope, the cache append, attention, the output projection, the
+residual), each 5-80 us once the kernels had evicted the interpreter's caches: ~4 ms of Python a token
+on the bench model for ~2 ms of weights. Here it is ``mla_project`` (everything up to the cache's new
+row) and ``mla_output`` (attention, wo, residual); a DSA layer runs its indexer between them. The C
+steps are the int8 path's own (the same kernels, norms and attention, rope without fused multiply-adds),
+so the result has the same bits as that path's torch glue: only the number of calls changes.
+
+Taken when: one query of one sequence, ``decode_ops.active`` (int8 activations on, float32 CPU), and the
+layer's projections held as int8 records (a `--dense int8` container) with wkv_b's records held for
+attention (``MLA.hold_kv_b_int8``). Anything else keeps the module path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine import decode_ops
+from engine.attention import MLA
+from engine.cache import LayerCache
+from engine.int8_dense import Int8Linear
+from engine.layers import RMSNorm
+from engine.q8 import BLOCK, ISA_BEST, WEIGHT_KINDS
+from engine.quant import KERNEL_SCALES
+from engine.rows import kernel_threads
+
+try:
+    from engine import _int4
+except ImportError:  # pragma: no cover - machines without a compiler
+    _int4 = None
+
+
+def _matrix(linear: object) -> tuple[int, int, int, int, int, int] | None:
+    """An Int8Linear as the C side's (w, scales, kind, scale kind, in, group), or None if it is not one the
+    kernel takes."""
+    if not isinstance(linear, Int8Linear) or linear.group_size % BLOCK or linear.scales.dtype not in KERNEL_SCALES:
+        return None
+    q, scales = linear.q, linear.scales
+    return (
+        q.data_ptr(),
+        scales.data_ptr(),
+        WEIGHT_KINDS["int8"],
+        KERNEL_SCALES[scales.dtype],
+        q.shape[1],
+        linear.group_size,
+    )
+
+
+def _norm(norm: RMSNorm | None) -> bool:
+    return norm is None or (norm.weight.dtype == torch.float32 and norm.weight.is_contiguous())
+
+
+class FusedMLA:
+    """A layer's attention (its attn_norm included) described to C once, with the step's scratch rows."""
+
+    def __init__(self, attn_norm: RMSNorm, mla: MLA, weights: object):
+        self.mla, self.attn_norm = mla, attn_norm
+        self.weights = weights  # the capsule; attn_norm and mla keep the arrays it points to alive
+        heads = mla.n_heads
+        self.normed = torch.empty(attn_norm.weight.shape[0])
+        self.q_latent = torch.empty(max(mla.q_lora_rank, 1))
+        self.q_nope = torch.empty(heads, mla.nope_dim)
+        self.q_rope = torch.empty(heads, mla.rope_dim)
+        self._scratch = [t.data_ptr() for t in (self.normed, self.q_latent, self.q_nope, self.q_rope)]
+
+    @classmethod
+    def build(cls, attn_norm: RMSNorm, mla: MLA) -> FusedMLA | None:
+        """None when the layer's weights are not all in the forms the C steps read."""
+        if _int4 is None or not hasattr(_int4, "mla_weights") or mla.kv_b_group <= 0:
+            return None
+        lora = mla.q_lora_rank > 0
+        names = ("wq_a", "wkv_a", "wq_b", "wo") if lora else ("wq", "wkv_a", "wo")
+        matrices = {name: _matrix(getattr(mla, name)) for name in names}
+        norms = (attn_norm, mla.kv_norm, mla.q_norm if lora else None)
+        if any(m is None for m in matrices.values()) or not all(_norm(n) for n in norms):
+            return None
+        dims = (attn_norm.weight.shape[0], mla.n_heads, mla.nope_dim, mla.rope_dim, mla.v_dim, mla.kv_lora_rank,
+                mla.q_lora_rank, mla.rope_interleave)  # fmt: skip
+        floats = (attn_norm.eps, mla.kv_norm.eps, mla.softmax_scale)
+        pointers = (
+            attn_norm.weight.data_ptr(),
+            mla.q_norm.weight.data_ptr() if lora else 0,
+            mla.kv_norm.weight.data_ptr(),
+        )
+        kv_b = (mla.kv_b_codes.data_ptr(), mla.kv_b_scales.data_ptr(), mla.kv_b_group)
+        weights = _int4.mla_weights(
+            dims, floats, pointers, matrices["wq_a" if lora else "wq"], matrices["wkv_a"],
+            matrices["wq_b"] if lora else None, matrices["wo"], kv_b,
+        )  # fmt: skip
+        return cls(attn_norm, mla, weights)
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        start_pos: int,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: LayerCache,
+        selection: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [1, 1, dim] at start_pos -> (x + attention [1, 1, dim], DSA selection), as Block's
+        ``x + attn(attn_norm(x))``; the position is appended to ``cache``."""
+        if cache.length != start_pos:
+            raise ValueError(f"cache holds {cache.length} positions but start_pos is {start_pos}")
+        x = x.contiguous()
+        cos, sin = (t.contiguous() for t in rope)
+        normed, q_latent, q_nope, q_rope = self._scratch
+        threads = kernel_threads()
+        latent, rope_key = cache.next_row()
+        try:
+            _int4.mla_project(
+                self.weights, x.data_ptr(), cos.data_ptr(), sin.data_ptr(), normed, q_latent, q_nope, q_rope,
+                latent.data_ptr(), rope_key.data_ptr(), ISA_BEST, threads,
+            )  # fmt: skip
+        except BaseException:
+            cache.trim(start_pos)
+            raise
+        if self.mla.indexer is not None:
+            latent_q = self.q_latent.view(1, 1, -1) if self.mla.q_lora_rank else None
+            selection = self.mla.indexer(self.normed.view(1, 1, -1), latent_q, start_pos, rope, cache)
+        positions = None if selection is None else selection.reshape(-1).to(torch.int64).contiguous()
+        total = cache.length if positions is None else positions.numel()
+        out = torch.empty_like(x)
+        _int4.mla_output(
+            self.weights, q_nope, q_rope, cache.latent.data_ptr(), cache.rope_key.data_ptr(),
+            0 if positions is None else positions.data_ptr(), total, x.data_ptr(), out.data_ptr(), ISA_BEST, threads,
+        )  # fmt: skip
+        return out, selection
+
+
+def fused_attention_applies(x: torch.Tensor, cache: LayerCache, absorb: bool | None) -> bool:
+    """Whether a Block's attention step may take the fused C path for x (then FusedMLA.build decides per
+    layer): one query of one sequence, absorbed attention allowed, the int8 path's C ops on, a float32
+    cache."""
+    return (
+        absorb is not False
+        and x.shape[0] == 1
+        and x.shape[1] == 1
+        and decode_ops.active(x)
+        and cache.latent.dtype == torch.float32
+        and cache.latent.shape[0] == 1
+    )

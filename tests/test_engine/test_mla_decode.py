@@ -1,0 +1,135 @@
+"""One query's MLA attention in two C calls (engine/mla_decode.py): with int8 activations a decode step's
+attention gives the bits of the module path it replaces, on every MLA family (DSA's indexer between the
+calls), at odd widths, alone or as one row of forward_rows, and a failed step leaves the cache as it was."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import engine.model
+from colibri_stream.loader import load_container
+from engine import decode_ops, mla_decode
+from engine.mla_decode import FusedMLA
+from engine.q8 import int8_activations
+
+pytestmark = pytest.mark.skipif(not decode_ops.available(), reason="the C kernels are not built")
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+
+
+def _greedy(model, experts, steps: int, rows: bool = False) -> tuple[list[int], list[torch.Tensor], list]:
+    """Prompt, then ``steps`` greedy decode steps: (tokens, each step's logits, the cache's final state)."""
+    cache, tokens, logits = model.new_cache(), list(PROMPT), []
+    out = model(torch.tensor([tokens]), 0, cache, experts)[0, -1]
+    for _ in range(steps):
+        tokens.append(int(out.argmax()))
+        if rows:
+            out = model.forward_rows([tokens[-1]], [cache], experts)[0]
+        else:
+            out = model(torch.tensor([[tokens[-1]]]), cache.length, cache, experts)[0, -1]
+        logits.append(out)
+    return tokens, logits, cache.state()
+
+
+def _compare(model, experts, monkeypatch, rows: bool = False) -> int:
+    """Fused against the module path: the same tokens, logits and cache bits; returns the fused calls."""
+    calls = []
+    original = FusedMLA.__call__
+    monkeypatch.setattr(FusedMLA, "__call__", lambda self, *a: calls.append(1) or original(self, *a))
+    fused = _greedy(model, experts, 5, rows)
+    with monkeypatch.context() as off:
+        off.setattr(engine.model, "fused_attention_applies", lambda *a: False)
+        plain = _greedy(model, experts, 5, rows)
+    assert fused[0] == plain[0]
+    assert all(torch.equal(a, b) for a, b in zip(fused[1], plain[1], strict=True))
+    for a, b in zip(fused[2], plain[2], strict=True):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return len(calls)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "kimi_k2", "deepseek_v32", "glm_moe_dsa"])
+def test_fused_attention_gives_the_module_paths_bits(make_container, family, monkeypatch):
+    loaded = load_container(make_container(family, "int4", "int8"), int8_activations=True)
+    calls = _compare(loaded.model, loaded.experts, monkeypatch)
+    assert calls == 5 * len(loaded.model.layers)  # every decode step of every layer, none of the prompt's
+
+
+def test_one_row_of_forward_rows_takes_it_too(make_container, monkeypatch):
+    loaded = load_container(make_container("deepseek_v32", "int4", "int8"), int8_activations=True)
+    assert _compare(loaded.model, loaded.experts, monkeypatch, rows=True) == 5 * len(loaded.model.layers)
+
+
+@pytest.fixture(scope="module")
+def odd_container(tmp_path_factory):
+    """Widths no kernel block divides: hidden 200, q LoRA 72, kv LoRA 40, 3 heads of 24 + 16 (rope), v 20."""
+    from colibri_stream.bench.stress_model import QUICK, write_stress_checkpoint
+    from colibri_stream.convert.converter import Converter, ConvertOptions
+
+    root = tmp_path_factory.mktemp("odd-mla")
+    shape = dataclasses.replace(
+        QUICK, hidden_size=200, q_lora_rank=72, kv_lora_rank=40, num_attention_heads=3, qk_nope_head_dim=24,
+        qk_rope_head_dim=16, v_head_dim=20, moe_intermediate_size=96, intermediate_size=136, vocab_size=300,
+    )  # fmt: skip
+    source = write_stress_checkpoint(root / "hf", shape, progress=False)
+    Converter(source, root / "c", ConvertOptions(experts="int4", dense="int8", group_size=32), progress=False).run()
+    return root / "c"
+
+
+def test_odd_widths_give_the_module_paths_bits(odd_container, monkeypatch):
+    loaded = load_container(odd_container, int8_activations=True)
+    assert _compare(loaded.model, loaded.experts, monkeypatch) == 5 * len(loaded.model.layers)
+
+
+def test_a_failed_step_leaves_the_cache_as_it_was(make_container, monkeypatch):
+    loaded = load_container(make_container("deepseek_v3", "int4", "int8"), int8_activations=True)
+    model, experts = loaded.model, loaded.experts
+    cache = model.new_cache()
+    model(torch.tensor([PROMPT]), 0, cache, experts)
+    before = cache.state()
+
+    real = mla_decode._int4
+
+    class Failing:
+        """The extension, but its projection step fails as on a machine out of memory."""
+
+        def __getattr__(self, name):
+            if name != "mla_project":
+                return getattr(real, name)
+
+            def fail(*args):
+                raise MemoryError("no memory for the work area")
+
+            return fail
+
+    monkeypatch.setattr(mla_decode, "_int4", Failing())
+    with pytest.raises(MemoryError):
+        model(torch.tensor([[7]]), cache.length, cache, experts)
+    assert cache.length == len(PROMPT)
+    after = cache.state()
+    assert all(torch.equal(before[i]["latent"], after[i]["latent"]) for i in range(len(before)))
+
+
+def test_layers_without_int8_records_keep_the_module_path(make_container):
+    loaded = load_container(make_container("deepseek_v3", "int4", "f32"), int8_activations=True)
+    block = loaded.model.layers[0]
+    assert FusedMLA.build(block.attn_norm, block.attn) is None
+    x = torch.zeros(1, 1, loaded.args.dim)
+    cache = loaded.model.new_cache().layers[0]
+    with int8_activations():
+        assert block._fused_attention(x, cache, None) is None
+    assert block._fused is False  # decided once, at the first step it could apply to
+
+
+def test_prefill_and_float_activations_never_take_it(make_container):
+    loaded = load_container(make_container("deepseek_v3", "int4", "int8"), int8_activations=True)
+    block, dim = loaded.model.layers[0], loaded.args.dim
+    cache = loaded.model.new_cache().layers[0]
+    assert not mla_decode.fused_attention_applies(torch.zeros(1, 3, dim), cache, None)  # a prompt's positions
+    assert not mla_decode.fused_attention_applies(torch.zeros(1, 1, dim), cache, None)  # int8 activations off
+    with int8_activations():
+        assert mla_decode.fused_attention_applies(torch.zeros(1, 1, dim), cache, None)
+        assert not mla_decode.fused_attention_applies(torch.zeros(1, 1, dim), cache, False)  # expanded forced
+    assert block._fused is None  # nothing built by asking
