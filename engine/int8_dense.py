@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.q8 import q8_kernel_handles, q8_matmul, quantize_rows
+from engine.q8 import BLOCK, WEIGHT_KINDS, q8_kernel_handles, q8_matmul, quantize_rows
 from engine.quant import KERNEL_SCALES, QuantizedMatrix
 from engine.rows import linear
 
@@ -26,6 +26,20 @@ class Int8Linear(nn.Module):
         self.register_buffer("q", q.contiguous())
         self.register_buffer("scales", scales.contiguous())
         self.group_size = group_size
+        self._c_matrix: tuple | None = None
+
+    def _apply(self, fn, recurse=True):
+        self._c_matrix = None  # .to(), ...: new buffers
+        return super()._apply(fn, recurse)
+
+    def c_matrix(self) -> tuple[int, int, int, int, int, int] | None:
+        """The codes as the fused C steps take a matrix, (w, scales, kind, scale kind, in, group), or None
+        where the kernel cannot read them (engine/mla_decode.py, q8_experts.q8_mlp)."""
+        if self._c_matrix is None and self.group_size % BLOCK == 0 and self.scales.dtype in KERNEL_SCALES:
+            q, scales = self.q, self.scales
+            kind, scale_kind = WEIGHT_KINDS["int8"], KERNEL_SCALES[scales.dtype]
+            self._c_matrix = (q.data_ptr(), scales.data_ptr(), kind, scale_kind, q.shape[1], self.group_size)
+        return self._c_matrix
 
     @property
     def matrix(self) -> QuantizedMatrix:

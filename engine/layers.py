@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import decode_ops
+from engine.q8 import q8_mlp
 from engine.rows import Linear, per_row
 
 
@@ -64,6 +65,10 @@ class MLP(nn.Module):
         self.w3 = Linear(dim, inter_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if decode_ops.active(x):  # int8 activations: one C call where the weights are int8 records
+            out = q8_mlp(self.w1, self.w2, self.w3, x, self.limit)
+            if out is not None:
+                return out
         return self.w2(swiglu(self.w1(x), self.w3(x), self.limit))
 
 

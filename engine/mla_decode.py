@@ -22,8 +22,7 @@ from engine.attention import MLA
 from engine.cache import LayerCache
 from engine.int8_dense import Int8Linear
 from engine.layers import RMSNorm
-from engine.q8 import BLOCK, ISA_BEST, WEIGHT_KINDS
-from engine.quant import KERNEL_SCALES
+from engine.q8 import ISA_BEST
 from engine.rows import kernel_threads
 
 try:
@@ -33,19 +32,7 @@ except ImportError:  # pragma: no cover - machines without a compiler
 
 
 def _matrix(linear: object) -> tuple[int, int, int, int, int, int] | None:
-    """An Int8Linear as the C side's (w, scales, kind, scale kind, in, group), or None if it is not one the
-    kernel takes."""
-    if not isinstance(linear, Int8Linear) or linear.group_size % BLOCK or linear.scales.dtype not in KERNEL_SCALES:
-        return None
-    q, scales = linear.q, linear.scales
-    return (
-        q.data_ptr(),
-        scales.data_ptr(),
-        WEIGHT_KINDS["int8"],
-        KERNEL_SCALES[scales.dtype],
-        q.shape[1],
-        linear.group_size,
-    )
+    return linear.c_matrix() if isinstance(linear, Int8Linear) else None
 
 
 def _norm(norm: RMSNorm | None) -> bool:

@@ -99,3 +99,23 @@ def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
     q = torch.round(padded * inv)  # ties to even, as nearbyintf
     return (q * (amax / 127.0)).view(rows, -1)[:, :in_dim]
+
+
+def q8_mlp(w1: object, w2: object, w3: object, x: torch.Tensor, limit: float | None = None) -> torch.Tensor | None:
+    """w2(swiglu(w1 x, w3 x)) for x [..., dim] in one C call (gate and up as one threaded job, then down)
+    where the three are Int8Linear the kernel reads and int8 activations are on (a shared expert, a dense
+    layer's FFN); else None. The SwiGLU is q8_moe's (C's expf), not torch's: int8 path only."""
+    cpu_float32 = x.dtype == torch.float32 and x.device.type == "cpu"
+    if not (activations_are_int8() and cpu_float32 and hasattr(_int4, "q8_mlp")):
+        return None
+    specs = [m.c_matrix() if hasattr(m, "c_matrix") else None for m in (w1, w3, w2)]  # Int8Linear
+    if any(spec is None for spec in specs) or x.numel() == 0:
+        return None
+    dim, inter = specs[0][4], specs[2][4]
+    flat = x.reshape(-1, dim).contiguous()
+    out = torch.empty(flat.shape, dtype=torch.float32)
+    _int4.q8_mlp(
+        *specs, flat.data_ptr(), flat.shape[0], dim, inter, limit is not None, float(limit or 0.0), out.data_ptr(),
+        ISA_BEST, kernel_threads(),
+    )  # fmt: skip
+    return out.view(x.shape)

@@ -112,3 +112,4 @@ def _parts(ids: torch.Tensor, expert_ids: list[int], expert: QuantizedExpert) ->
         part.append(i)
         rows += n
     return [*parts, part]
+

@@ -1,5 +1,5 @@
 /*
- * Python entry points of the fused decode steps (mla_decode.c), added to engine._int4 by int4.c. A
+ * Python entry points of the fused decode steps (mla_decode.c, q8_moe.c's q8_mlp), added to engine._int4 by int4.c. A
  * layer's weights are described once (mla_weights: a capsule owning the C struct, its arrays kept
  * alive by the Python object that holds it); each step then passes only the per-token pointers.
  */
@@ -10,6 +10,7 @@
 
 #include "mla_decode.h"
 #include "nibble.h"
+#include "q8_moe.h"
 
 #define CAPSULE "colibri.MlaWeights"
 
@@ -24,7 +25,7 @@ static int matrix(PyObject *spec, Q8Matrix *m, const char *name) {
     if (!PyArg_ParseTuple(spec, "KKiiii", &w, &scales, &kind, &scale_kind, &in, &group)) return 0;
     if (kind < 0 || kind >= N_Q8_WEIGHTS || scale_kind < 0 || scale_kind >= N_SCALE_KINDS || in < 1 || group < Q8_BLOCK ||
         group % Q8_BLOCK) {
-        PyErr_Format(PyExc_ValueError, "mla_weights: %s: kind=%d scale=%d in=%d group=%d", name, kind, scale_kind, in, group);
+        PyErr_Format(PyExc_ValueError, "%s: kind=%d scale=%d in=%d group=%d", name, kind, scale_kind, in, group);
         return 0;
     }
     Q8Matrix made = {ptr(w), ptr(scales), kind, scale_kind, in, group};
@@ -54,8 +55,8 @@ static PyObject *py_mla_weights(PyObject *self, PyObject *args) {
                      w.dim, w.heads, w.nope, w.rope, w.value, w.rank, w.q_rank, w.kv_b.group);
         return NULL;
     }
-    if (!matrix(wq_a, &w.wq_a, "wq_a") || !matrix(wkv_a, &w.wkv_a, "wkv_a") || !matrix(wo, &w.wo, "wo") ||
-        (w.q_rank && !matrix(wq_b, &w.wq_b, "wq_b")))
+    if (!matrix(wq_a, &w.wq_a, "mla_weights: wq_a") || !matrix(wkv_a, &w.wkv_a, "mla_weights: wkv_a") ||
+        !matrix(wo, &w.wo, "mla_weights: wo") || (w.q_rank && !matrix(wq_b, &w.wq_b, "mla_weights: wq_b")))
         return NULL;
     w.attn_norm = ptr(attn_norm), w.q_norm = ptr(q_norm), w.kv_norm = ptr(kv_norm);
     w.kv_b.w = ptr(kv_codes), w.kv_b.scales = ptr(kv_scales), w.kv_b.int8 = 1;
@@ -111,7 +112,34 @@ static PyObject *py_mla_output(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* q8_mlp(w1, w3, w2, x, rows, dim, inter, clamp, limit, out, isa, threads): out float32 [rows, dim] =
+ * w2(silu(w1 x) * w3 x) for x float32 [rows, dim]; each matrix (w, scales, kind, scale_kind, in, group). */
+static PyObject *py_q8_mlp(PyObject *self, PyObject *args) {
+    PyObject *w1, *w3, *w2;
+    unsigned long long x, out;
+    int rows, dim, inter, clamp, isa, threads, rc;
+    float limit;
+    if (!PyArg_ParseTuple(args, "OOOKiiipfKii", &w1, &w3, &w2, &x, &rows, &dim, &inter, &clamp, &limit, &out, &isa,
+                          &threads))
+        return NULL;
+    Q8Expert e;
+    if (!matrix(w1, &e.w1, "q8_mlp: w1") || !matrix(w3, &e.w3, "q8_mlp: w3") || !matrix(w2, &e.w2, "q8_mlp: w2"))
+        return NULL;
+    if (rows < 1 || dim < 1 || inter < 1 || e.w1.in != dim || e.w3.in != dim || e.w2.in != inter) {
+        PyErr_Format(PyExc_ValueError, "q8_mlp: rows=%d dim=%d inter=%d, matrices in=%d,%d,%d", rows, dim, inter, e.w1.in,
+                     e.w3.in, e.w2.in);
+        return NULL;
+    }
+    (void)q8_vnni_available(); /* detect the CPU once, before any helper thread looks */
+    Py_BEGIN_ALLOW_THREADS
+    rc = q8_mlp(&e, ptr(x), rows, dim, inter, clamp, limit, isa, threads, (float *)(uintptr_t)out);
+    Py_END_ALLOW_THREADS
+    if (rc) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 PyMethodDef py_decode_methods[] = {
+    {"q8_mlp", py_q8_mlp, METH_VARARGS, "one SwiGLU MLP with int8 activations: gate and up as one job, then down."},
     {"mla_weights", py_mla_weights, METH_VARARGS, "a layer's MLA weights for the fused decode steps (a capsule)."},
     {"mla_project", py_mla_project, METH_VARARGS, "one query's MLA projections, rope and the cache's new row."},
     {"mla_output", py_mla_output, METH_VARARGS, "one query's attention over the cache, wo and the residual."},

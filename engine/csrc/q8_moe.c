@@ -50,20 +50,24 @@ static void gate_up_block(void *arg, int b) {
     q8_gemm(up ? &ex->w3 : &ex->w1, &t->x, begin, end, p->moe->isa, (up ? t->up : t->gate) + begin, (size_t)p->moe->inter);
 }
 
-/* Phase B for expert e: h = silu(gate) * up (clamped first with a limit), quantised for w2. */
+/* gate[i] = silu(gate[i]) * up[i] for n values, both clamped first with a limit (DeepSeek-V4). */
+static void swiglu(float *gate, const float *up, size_t n, int clamp, float limit) {
+    for (size_t i = 0; i < n; i++) {
+        float g = gate[i], u = up[i];
+        if (clamp) {
+            g = g > limit ? limit : g;
+            u = u > limit ? limit : u < -limit ? -limit : u;
+        }
+        gate[i] = g / (1.f + expf(-g)) * u;
+    }
+}
+
+/* Phase B for expert e: h = silu(gate) * up, quantised for w2. */
 static void swiglu_block(void *arg, int e) {
     const Phase *p = arg;
     const Q8MoE *moe = p->moe;
     Term *t = &p->terms[e];
-    size_t n = (size_t)t->rows * moe->inter;
-    for (size_t i = 0; i < n; i++) {
-        float g = t->gate[i], u = t->up[i];
-        if (moe->clamp) {
-            g = g > moe->limit ? moe->limit : g;
-            u = u > moe->limit ? moe->limit : u < -moe->limit ? -moe->limit : u;
-        }
-        t->gate[i] = g / (1.f + expf(-g)) * u;
-    }
+    swiglu(t->gate, t->up, (size_t)t->rows * moe->inter, moe->clamp, moe->limit);
     if (t->rows) q8_prepare(moe->experts[e].w2.kind, t->gate, t->rows, moe->inter, moe->isa, &t->h);
 }
 
@@ -169,4 +173,31 @@ void q8_gemm_many(const Q8Product *products, int n, int isa, int threads) {
     Many job = {products, n, isa, {0}};
     for (int i = 0; i < n; i++) job.first[i + 1] = job.first[i] + blocks(products[i].out);
     split_run(many_block, &job, job.first[n], threads);
+}
+
+/* ---------------------------------------------------------------- one SwiGLU MLP */
+
+int q8_mlp(const Q8Expert *e, const float *x, int rows, int dim, int inter, int clamp, float limit, int isa,
+           int threads, float *y) {
+    size_t x_bytes = q8_work_bytes(rows, dim), h_bytes = q8_work_bytes(rows, inter);
+    size_t hidden = (size_t)rows * inter;
+    char *area = malloc(2 * hidden * sizeof(float) + 2 * x_bytes + h_bytes);
+    if (area == NULL) return -1;
+    float *gate = (float *)area, *up = gate + hidden;
+    uint8_t *work = (uint8_t *)(up + hidden);
+    Q8Rows x1 = {work, 0, 0, 0}, x3 = {work + x_bytes, 0, 0, 0}, h = {work + 2 * x_bytes, 0, 0, 0};
+    q8_prepare(e->w1.kind, x, rows, dim, isa, &x1);
+    const Q8Rows *for_up = &x1;
+    if (e->w3.kind != e->w1.kind) { /* another layout of the same x */
+        q8_prepare(e->w3.kind, x, rows, dim, isa, &x3);
+        for_up = &x3;
+    }
+    Q8Product gate_up[2] = {{&e->w1, &x1, inter, gate}, {&e->w3, for_up, inter, up}};
+    q8_gemm_many(gate_up, 2, isa, threads);
+    swiglu(gate, up, hidden, clamp, limit);
+    q8_prepare(e->w2.kind, gate, rows, inter, isa, &h);
+    Q8Product down = {&e->w2, &h, dim, y};
+    q8_gemm_many(&down, 1, isa, threads);
+    free(area);
+    return 0;
 }

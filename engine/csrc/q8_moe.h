@@ -43,4 +43,10 @@ typedef struct {
  * matrices that read the same input (a layer's q and kv projections) share one wake-up and one split. */
 void q8_gemm_many(const Q8Product *products, int n, int isa, int threads);
 
+/* y [rows, dim] = w2(silu(w1 x) * w3 x) for x [rows, dim] (a shared expert, a dense layer's FFN): the
+ * gate and up matrices as one threaded job, the down matrix as a second; clamped as q8_moe with a
+ * limit. 0, or -1 without memory (nothing written). */
+int q8_mlp(const Q8Expert *e, const float *x, int rows, int dim, int inter, int clamp, float limit, int isa,
+           int threads, float *y);
+
 #endif
