@@ -299,22 +299,15 @@ class Bench:
             return
         self.log("6/7 llama.cpp: the same checkpoint as GGUF (converted once, cached in --work)")
         files = prepare_gguf_files(self.hf, self.work, self.llama_cpp_dir, self.threads, self.log, sys.stderr.isatty())
-        matched = self._matched_rows()
+        self.int4_int8dense = self._convert("int4", dense="int8")
         context = self.settings.prompt_tokens
-        rows, failed = [], []
-        for kind in FILE_KINDS:
-            for pct, repack, cold in llama_cpp_grid(self.settings.llama_cpp_budgets_pct):
-                name = f"llama.cpp {kind} {pct}% {'repacked' if repack else 'mmap'} {'cold' if cold else 'warm'}"
-                self.log(f"6/7 {name}")
-                try:
-                    rows.append(
-                        run_llama_cpp_contender(
-                            files[kind], kind, pct, repack, cold, self.inputs(), self.limit(pct), self.threads
-                        )
-                    )
-                except ContenderFailed as exc:  # e.g. killed at its memory limit: a result, not a crash
-                    failed.append({"name": name, "error": str(exc)})
-                    self.results["warnings"].append(f"{name} failed: {exc}")
+        matched, rows, failed = [], [], []
+        # budget by budget, ours then llama.cpp's rows: the ratios compare rows minutes apart, not the whole
+        # section apart (this machine's memory speed was seen to move by 1.5x within the hour)
+        for pct in self.settings.llama_cpp_budgets_pct:
+            matched += self._matched_rows(pct)
+            for kind in FILE_KINDS:
+                self._llama_cpp_rows(files[kind], kind, pct, rows, failed)
         busy = [r["name"] for r in rows if (r["other_cpu_share"] or 0) > BUSY_MACHINE]
         if busy:
             self.results["warnings"].append(
@@ -330,16 +323,27 @@ class Bench:
             "failed": failed,
         }
 
-    def _matched_rows(self) -> list[dict]:
+    def _llama_cpp_rows(self, gguf: Path, kind: str, pct: int, rows: list[dict], failed: list[dict]) -> None:
+        """One file's rows at one budget (mmap, and at 100% repacked; cold, then warm) into ``rows``."""
+        for _, repack, cold in llama_cpp_grid((pct,)):
+            name = f"llama.cpp {kind} {pct}% {'repacked' if repack else 'mmap'} {'cold' if cold else 'warm'}"
+            self.log(f"6/7 {name}")
+            try:
+                rows.append(
+                    run_llama_cpp_contender(gguf, kind, pct, repack, cold, self.inputs(), self.limit(pct), self.threads)
+                )
+            except ContenderFailed as exc:  # e.g. killed at its memory limit: a result, not a crash
+                failed.append({"name": name, "error": str(exc)})
+                self.results["warnings"].append(f"{name} failed: {exc}")
+
+    def _matched_rows(self, pct: int) -> list[dict]:
         """Ours as llama.cpp computes: int4 experts, int8 dense records, int8 activations (its Q4_0-experts +
-        Q8_0 file with Q8 activations), at the llama.cpp budgets, cold then warm."""
-        self.int4_int8dense = self._convert("int4", dense="int8")
+        Q8_0 file with Q8 activations), at one budget, cold then warm."""
         rows = []
-        for pct in self.settings.llama_cpp_budgets_pct:
-            for cold in (True, False):
-                config = OurConfig(pct, container=INT8_MATCHED, activations="int8", cold=cold)
-                self.log(f"6/7 {config.name}")
-                rows.append(run_ours(self.int4_int8dense, config, self.ram_bytes(pct), self.inputs(), self.limit(pct)))
+        for cold in (True, False):
+            config = OurConfig(pct, container=INT8_MATCHED, activations="int8", cold=cold)
+            self.log(f"6/7 {config.name}")
+            rows.append(run_ours(self.int4_int8dense, config, self.ram_bytes(pct), self.inputs(), self.limit(pct)))
         return rows
 
     def load(self) -> None:
