@@ -36,9 +36,12 @@ Q8_INLINE __m256i Q8_NAME(chunk_dot)(int kind, const __m256i w[2], const uint8_t
 }
 
 /* acc[p][r] += chunk c of P output rows (codes at rows[p], group scales sc[p]; the chunk's blocks are in
- * groups gi[2c], gi[2c + 1]) times RB rows of x. */
-Q8_INLINE void Q8_NAME(chunk_step)(int kind, int P, int RB, const uint8_t *const rows[4], const float *const sc[4],
-                            const int *gi, const uint8_t *const s[2], int c, size_t step, size_t ahead, __m256 acc[4][2]) {
+ * groups gi[2c], gi[2c + 1]) times RB rows of x. one_scale: groups of 64 columns or more, so both blocks
+ * of a chunk have one scale (one broadcast instead of two and an insert; a block past the row's end is
+ * zeros in x and in the codes' copy, so its scale never mattered). */
+Q8_INLINE void Q8_NAME(chunk_step)(int kind, int one_scale, int P, int RB, const uint8_t *const rows[4],
+                            const float *const sc[4], const int *gi, const uint8_t *const s[2], int c, size_t step,
+                            size_t ahead, __m256 acc[4][2]) {
     __m256 d[2];
 #pragma GCC unroll 2
     for (int r = 0; r < RB; r++) d[r] = _mm256_loadu_ps((const float *)(s[r] + (size_t)c * SLOT_BYTES + SLOT_SCALES));
@@ -50,8 +53,9 @@ Q8_INLINE void Q8_NAME(chunk_step)(int kind, int P, int RB, const uint8_t *const
          * evicts what this block still reads (docs/kernels.md: int4 at 1 thread 8-10 -> 14-15 GB/s) */
         if (ahead) _mm_prefetch((const char *)(rows[p] + ahead + (size_t)c * step), _MM_HINT_T2);
         Q8_NAME(chunk_weights)(kind, rows[p] + (size_t)c * step, w);
-        __m256 sv = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(sc[p] + gi[2 * c])),
-                                         _mm_broadcast_ss(sc[p] + gi[2 * c + 1]), 1);
+        __m256 sv = one_scale ? _mm256_broadcast_ss(sc[p] + gi[2 * c])
+                              : _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(sc[p] + gi[2 * c])),
+                                                     _mm_broadcast_ss(sc[p] + gi[2 * c + 1]), 1);
 #pragma GCC unroll 2
         for (int r = 0; r < RB; r++) {
             __m256 dot = _mm256_cvtepi32_ps(Q8_NAME(chunk_dot)(kind, w, s[r] + (size_t)c * SLOT_BYTES));
@@ -63,7 +67,7 @@ Q8_INLINE void Q8_NAME(chunk_step)(int kind, int P, int RB, const uint8_t *const
 /* P output rows (P <= 4) times RB rows of x from row r0: one accumulator per pair, each chunk's weights
  * unpacked once for all of them; a row's last, partial chunk is read through zeroed copies (nothing
  * past a row is touched). */
-Q8_INLINE void Q8_NAME(rows_block)(int kind, int P, int RB, const Q8Matrix *m, const Q8Rows *x, int o, int r0, int end,
+Q8_INLINE void Q8_NAME(rows_block)(int kind, int one_scale, int P, int RB, const Q8Matrix *m, const Q8Rows *x, int o, int r0, int end,
                             float *const scales[4], const int *gi, float *y, size_t ldy, int begin) {
     size_t row_bytes = kind == Q8_WEIGHTS_INT4 ? (size_t)(m->in + 1) / 2 : (size_t)m->in;
     size_t step = kind == Q8_WEIGHTS_INT4 ? 32 : 64;
@@ -80,7 +84,7 @@ Q8_INLINE void Q8_NAME(rows_block)(int kind, int P, int RB, const Q8Matrix *m, c
     }
     /* only on the first pass over these rows (r0 == 0), and not past this caller's last block */
     size_t ahead = r0 == 0 && o + 3 * P <= end ? (size_t)2 * P * row_bytes : 0;
-    for (int c = 0; c < full; c++) Q8_NAME(chunk_step)(kind, P, RB, rows, sc, gi, s, c, step, ahead, acc);
+    for (int c = 0; c < full; c++) Q8_NAME(chunk_step)(kind, one_scale, P, RB, rows, sc, gi, s, c, step, ahead, acc);
     if (full < x->chunks) {
         uint8_t tails[4][64] = {{0}};
         const uint8_t *tail_rows[4];
@@ -88,7 +92,7 @@ Q8_INLINE void Q8_NAME(rows_block)(int kind, int P, int RB, const Q8Matrix *m, c
             memcpy(tails[p], rows[p] + (size_t)full * step, row_bytes - (size_t)full * step);
             tail_rows[p] = tails[p] - (size_t)full * step; /* chunk_step adds full * step back */
         }
-        Q8_NAME(chunk_step)(kind, P, RB, tail_rows, sc, gi, s, full, step, 0, acc);
+        Q8_NAME(chunk_step)(kind, one_scale, P, RB, tail_rows, sc, gi, s, full, step, 0, acc);
     }
 #pragma GCC unroll 4
     for (int p = 0; p < P; p++)
@@ -106,8 +110,8 @@ Q8_INLINE void Q8_NAME(prefetch_start)(int kind, const Q8Matrix *m, int begin, i
     for (size_t at = 0; at < (size_t)rows * row_bytes; at += 64) _mm_prefetch(first + at, _MM_HINT_T2);
 }
 
-#define ROWS_BLOCK(P, RB) Q8_NAME(rows_block)(kind, P, RB, m, x, o, r0, end, scales, gi, y, ldy, begin)
-Q8_INLINE void Q8_NAME(gemm_kind)(int kind, const Q8Matrix *m, const Q8Rows *x, int begin, int end, float *const scales[4],
+#define ROWS_BLOCK(P, RB) Q8_NAME(rows_block)(kind, one_scale, P, RB, m, x, o, r0, end, scales, gi, y, ldy, begin)
+Q8_INLINE void Q8_NAME(gemm_kind)(int kind, int one_scale, const Q8Matrix *m, const Q8Rows *x, int begin, int end, float *const scales[4],
                            const int *gi, float *y, size_t ldy) {
     int groups = (m->in + m->group - 1) / m->group;
     if (x->rows <= 2) Q8_NAME(prefetch_start)(kind, m, begin, end);
@@ -141,9 +145,14 @@ Q8_TARGET static void Q8_NAME(gemm)(const Q8Matrix *m, const Q8Rows *x, int begi
     float *scales[4] = {buffer, buffer + (groups + 1), buffer + 2 * (groups + 1), buffer + 3 * (groups + 1)};
     int *gi = (int *)(buffer + 4 * (groups + 1)); /* each block's group, for every output row alike */
     for (int b = 0; b < blocks; b++) gi[b] = b * Q8_BLOCK < m->in ? b * Q8_BLOCK / m->group : groups;
-    if (m->kind == Q8_WEIGHTS_INT4)
-        Q8_NAME(gemm_kind)(Q8_WEIGHTS_INT4, m, x, begin, end, scales, gi, y, ldy);
+    int one_scale = m->group % Q8_CHUNK == 0;
+    if (m->kind == Q8_WEIGHTS_INT4 && one_scale)
+        Q8_NAME(gemm_kind)(Q8_WEIGHTS_INT4, 1, m, x, begin, end, scales, gi, y, ldy);
+    else if (m->kind == Q8_WEIGHTS_INT4)
+        Q8_NAME(gemm_kind)(Q8_WEIGHTS_INT4, 0, m, x, begin, end, scales, gi, y, ldy);
+    else if (one_scale)
+        Q8_NAME(gemm_kind)(Q8_WEIGHTS_INT8, 1, m, x, begin, end, scales, gi, y, ldy);
     else
-        Q8_NAME(gemm_kind)(Q8_WEIGHTS_INT8, m, x, begin, end, scales, gi, y, ldy);
+        Q8_NAME(gemm_kind)(Q8_WEIGHTS_INT8, 0, m, x, begin, end, scales, gi, y, ldy);
     free(buffer);
 }
