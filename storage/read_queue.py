@@ -25,18 +25,21 @@ from typing import Any
 
 
 class _Job:
-    __slots__ = ("fn", "future", "taken")
+    __slots__ = ("fn", "future", "taken", "demand")
 
     def __init__(self, fn: Callable[[], Any]):
         self.fn = fn
         self.future: Future = Future()
         self.taken = False  # a thread has claimed it (it may also sit in the other queue after a promote)
+        self.demand = False  # taken from the demand queue (a promoted guess counts as a need)
 
 
 class ReadQueue:
-    def __init__(self, threads: int, name: str = "expert-io"):
+    def __init__(self, threads: int, name: str = "expert-io", max_guesses: int | None = None):
         if threads < 1:
             raise ValueError(f"a read queue needs at least one thread, not {threads}")
+        self._max_guesses = max(1, threads // 2) if max_guesses is None else max_guesses
+        self._running = {True: 0, False: 0}  # demand?, reads running
         self._demand: deque[_Job] = deque()
         self._guesses: deque[_Job] = deque()
         self._jobs: dict[Future, _Job] = {}  # queued, not yet taken: what promote can move
@@ -77,28 +80,44 @@ class ReadQueue:
         for thread in self._threads:
             thread.join()
 
+    def _guess_may_start(self) -> bool:
+        return not self._running[True] and self._running[False] < self._max_guesses
+
     def _next(self) -> _Job | None:
-        """The next job to run (demand first), or None when shut down with nothing left."""
+        """The next job to run (demand first; a guess only when ``_guess_may_start``), or None when shut
+        down with nothing left."""
         with self._lock:
             while True:
                 for queue in (self._demand, self._guesses):
+                    if queue is self._guesses and not self._guess_may_start():
+                        break
                     while queue:
                         job = queue.popleft()
                         if not job.taken:
-                            job.taken = True
+                            job.taken, job.demand = True, queue is self._demand
                             del self._jobs[job.future]
+                            self._running[job.demand] += 1
                             return job
-                if self._closed:
+                if self._closed and not self._jobs:
                     return None
                 self._lock.wait()
 
     def _work(self) -> None:
         while (job := self._next()) is not None:
-            if not job.future.set_running_or_notify_cancel():
-                continue
             try:
-                result = job.fn()
-            except BaseException as exc:  # the waiter re-raises it
-                job.future.set_exception(exc)
-            else:
-                job.future.set_result(result)
+                self._run(job)
+            finally:
+                with self._lock:
+                    self._running[job.demand] -= 1
+                    self._lock.notify_all()  # a guess held back may start now
+
+    @staticmethod
+    def _run(job: _Job) -> None:
+        if not job.future.set_running_or_notify_cancel():
+            return
+        try:
+            result = job.fn()
+        except BaseException as exc:  # the waiter re-raises it
+            job.future.set_exception(exc)
+        else:
+            job.future.set_result(result)

@@ -131,3 +131,44 @@ def test_a_cancelled_read_never_runs_and_a_started_one_cannot_be_cancelled():
     assert kept.result(10) == "kept"
     queue.shutdown()
     assert recorder.order == ["kept"]
+
+
+def test_a_guess_waits_while_a_need_is_read_even_with_idle_threads():
+    recorder = Recorder()
+    queue = ReadQueue(3)
+    need = queue.submit(recorder.hold())  # a demand read in progress
+    assert recorder.holding.wait(10)
+    guess = queue.submit(recorder.job("guess"), demand=False)
+    assert not guess.done() and not guess.running()  # two idle threads, still queued
+    assert queue.cancel(guess)  # so a wrong guess can still be dropped
+    later = queue.submit(recorder.job("later guess"), demand=False)
+    recorder.gate.set()
+    need.result(10)
+    assert later.result(10) == "later guess"  # the need done, guesses run again
+    queue.shutdown()
+    assert recorder.order == ["later guess"]
+
+
+def test_at_most_max_guesses_run_at_once():
+    queue = ReadQueue(4, max_guesses=2)
+    lock, running, most = threading.Lock(), [0], [0]
+    release = threading.Event()
+
+    def guess():
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        release.wait(10)
+        with lock:
+            running[0] -= 1
+
+    futures = [queue.submit(guess, demand=False) for _ in range(6)]
+    threading.Timer(0.2, release.set).start()
+    for future in futures:
+        future.result(10)
+    queue.shutdown()
+    assert most[0] == 2
+
+
+def test_half_the_threads_may_read_guesses_by_default():
+    assert ReadQueue(4)._max_guesses == 2 and ReadQueue(1)._max_guesses == 1
