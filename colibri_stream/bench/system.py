@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -25,6 +27,8 @@ import psutil
 from colibri_stream.errors import ColibriError
 
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
+ASSERTION = re.compile(r"assert", re.IGNORECASE)  # an abort's own message (llama.cpp: GGML_ASSERT(...) failed)
+CAUSE = re.compile(r"error|exception|fatal|failed", re.IGNORECASE)  # Python's last traceback line, and others
 
 
 class ContenderFailed(ColibriError):
@@ -44,10 +48,26 @@ class ProcessRun:
     def last_json_line(self) -> str:
         lines = [line for line in self.stdout.splitlines() if line.startswith("{")]
         if self.returncode != 0 or not lines:
-            tail = (self.stderr.strip().splitlines() or ["(no stderr)"])[-1]
-            limit = " (it reached its memory limit)" if self.hit_limit else ""
-            raise ContenderFailed(f"{' '.join(self.argv[:4])} ... exited {self.returncode}{limit}: {tail}")
+            raise ContenderFailed(
+                f"{' '.join(self.argv[:4])} ... exited {self.returncode}{self._why()}: {self._cause()}"
+            )
         return lines[-1]
+
+    def _why(self) -> str:
+        """A kill (SIGKILL: the kernel's OOM killer at a limit) is the limit's doing; any other exit only
+        happened in a group that also had pages reclaimed, which a memory-mapped file always does."""
+        if self.hit_limit and self.returncode == -signal.SIGKILL:
+            return " (killed at its memory limit)"
+        return " (it had pages reclaimed at its memory limit)" if self.hit_limit else ""
+
+    def _cause(self) -> str:
+        """The stderr line that says what went wrong (an assertion or error) rather than the last one, which
+        after an abort is often the end of a debugger's backtrace."""
+        lines = self.stderr.strip().splitlines() or ["(no stderr)"]
+        asserts = [line for line in lines if ASSERTION.search(line)]
+        if asserts:
+            return asserts[0].strip()
+        return ([line for line in lines if CAUSE.search(line)] or lines)[-1].strip()
 
 
 def cgroup_available() -> bool:

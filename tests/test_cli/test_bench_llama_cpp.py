@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import signal
 import subprocess
 import sys
 import tarfile
@@ -19,7 +20,7 @@ from colibri_stream.bench.limit_line import TouchedBytes, gguf_touched, limit_li
 from colibri_stream.bench.llama_cpp_section import best_row, llama_cpp_grid, llama_cpp_ratios
 from colibri_stream.bench.load import loaded_vs_idle
 from colibri_stream.bench.report_peers import llama_cpp_lines
-from colibri_stream.bench.system import steal_share
+from colibri_stream.bench.system import ContenderFailed, ProcessRun, steal_share
 
 
 # ------------------------------------------------------------------------------------ limit line
@@ -318,3 +319,33 @@ def test_a_cold_run_keeps_its_memory_group_for_the_warm_run_and_each_run_counts_
     assert removed == [] and (group / "memory.limit_in_bytes").read_text() == str(1 << 30)
     limit.run([sys.executable, "-c", "print('{}')"], 30)
     assert removed == [group]
+
+
+ABORTED_STDERR = """load_tensors: CPU_REPACK model buffer size =  3920.00 MiB
+/tmp/vendor/llama.cpp/ggml/src/ggml-backend.cpp:1294: GGML_ASSERT(*cur_backend_id != -1) failed
+[New LWP 11266]
+#41 0x00007f9f84e45305 in __libc_start_main_impl (main=0x557a0f7f2050 <main>) at ../csu/libc-start.c:360
+360\t../csu/libc-start.c: No such file or directory.
+[Inferior 1 (process 11157) detached]
+"""
+
+
+def _failed_run(returncode: int, stderr: str, hit_limit: bool) -> str:
+    run = ProcessRun(["python", "-m", "peer", "f.gguf", "--repack"], returncode, "", stderr, 1.0, 1 << 30, hit_limit)
+    with pytest.raises(ContenderFailed) as failed:
+        run.last_json_line()
+    return str(failed.value)
+
+
+def test_an_abort_in_a_group_that_reclaimed_is_reported_as_the_abort_not_as_the_limit():
+    message = _failed_run(-signal.SIGABRT, ABORTED_STDERR, hit_limit=True)
+    assert "GGML_ASSERT(*cur_backend_id != -1) failed" in message
+    assert "killed at its memory limit" not in message and "pages reclaimed" in message
+    assert "libc-start" not in message
+
+
+def test_a_sigkill_at_the_limit_is_the_limits_doing_and_a_traceback_gives_its_last_error():
+    assert "killed at its memory limit" in _failed_run(-signal.SIGKILL, "", hit_limit=True)
+    traceback = 'Traceback (most recent call last):\n  File "x.py", line 1\nValueError: no such file\nbye\n'
+    message = _failed_run(1, traceback, hit_limit=False)
+    assert message.endswith("ValueError: no such file") and "memory limit" not in message
