@@ -33,10 +33,18 @@ def start_generation(container: Path, kv_dir: Path, workers: int = 2) -> subproc
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def _command_line(process: psutil.Process) -> list[str]:
+    """[] for a child gone or not yet reaped (a short-lived helper the coordinator started is briefly a zombie)."""
+    try:
+        return process.cmdline()
+    except psutil.Error:
+        return []
+
+
 def workers_of(coordinator: subprocess.Popen, count: int) -> list[psutil.Process]:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        children = [p for p in psutil.Process(coordinator.pid).children() if "worker" in p.cmdline()]
+        children = [p for p in psutil.Process(coordinator.pid).children() if "worker" in _command_line(p)]
         if len(children) == count:
             return children
         time.sleep(0.05)
