@@ -424,3 +424,26 @@ def test_a_corrupted_record_met_by_preload_fails_the_load_naming_it(stream_conta
     config = StoreConfig(ram_bytes=Container(broken).expert_bytes, preload=True)
     with pytest.raises(CorruptDataError, match=r"layer 2 expert \d+: checksum mismatch"):
         load_container(broken, store=config)
+
+
+def test_a_slot_keeps_its_views_and_they_show_whichever_record_it_holds(stream_container):
+    """The expert of a slot is built once; after the slot is reused for another record the same object
+    holds that record's codes (what a full-budget store gives for it), never the old ones."""
+    container = Container(stream_container)
+    config = StoreConfig(ram_bytes=_budget(container, "min"), prefetch=False)
+    store = load_container(stream_container, store=config).experts
+    resident = load_container(stream_container).experts
+    layer, built = container.moe_layers[0], {}
+    try:
+        for first in range(0, container.n_experts, container.experts_per_token):
+            ids = list(range(first, min(first + container.experts_per_token, container.n_experts)))
+            store.acquire(layer, ids)
+            for expert in ids:
+                got, want = store.expert(layer, expert), resident.acquire(layer, [expert])[expert]
+                assert all(getattr(got, m).q.equal(getattr(want, m).q) for m in ("w1", "w2", "w3"))
+                built.setdefault(store.ram.entries[(layer, expert)].slot, set()).add(id(got))
+            store.release(layer, ids)
+    finally:
+        store.close()
+    assert container.n_experts > store.ram.n_slots  # slots were reused...
+    assert all(len(objects) == 1 for objects in built.values())  # ...each with its one expert object
