@@ -50,13 +50,7 @@ def available() -> bool:
 
 def active(x: torch.Tensor) -> bool:
     """Whether x goes through these ops: int8 activations on, x float32 on the CPU."""
-    return (
-        activations_are_int8()
-        and not _off.get()
-        and x.dtype == torch.float32
-        and x.device.type == "cpu"
-        and _BUILT
-    )
+    return activations_are_int8() and not _off.get() and x.dtype == torch.float32 and x.device.type == "cpu" and _BUILT
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
