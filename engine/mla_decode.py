@@ -20,19 +20,14 @@ import torch
 from engine import decode_ops
 from engine.attention import MLA
 from engine.cache import LayerCache
-from engine.int8_dense import Int8Linear
 from engine.layers import RMSNorm
-from engine.q8 import ISA_BEST
+from engine.q8 import ISA_BEST, c_matrix_of
 from engine.rows import kernel_threads
 
 try:
     from engine import _int4
 except ImportError:  # pragma: no cover - machines without a compiler
     _int4 = None
-
-
-def _matrix(linear: object) -> tuple[int, int, int, int, int, int] | None:
-    return linear.c_matrix() if isinstance(linear, Int8Linear) else None
 
 
 def _norm(norm: RMSNorm | None) -> bool:
@@ -59,7 +54,7 @@ class FusedMLA:
             return None
         lora = mla.q_lora_rank > 0
         names = ("wq_a", "wkv_a", "wq_b", "wo") if lora else ("wq", "wkv_a", "wo")
-        matrices = {name: _matrix(getattr(mla, name)) for name in names}
+        matrices = {name: c_matrix_of(getattr(mla, name)) for name in names}
         norms = (attn_norm, mla.kv_norm, mla.q_norm if lora else None)
         if any(m is None for m in matrices.values()) or not all(_norm(n) for n in norms):
             return None

@@ -101,6 +101,13 @@ def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     return (q * (amax / 127.0)).view(rows, -1)[:, :in_dim]
 
 
+def c_matrix_of(linear: object) -> tuple[int, int, int, int, int, int] | None:
+    """A linear's codes as the fused C steps take a matrix (``Int8Linear.c_matrix``: engine/int8_dense.py
+    imports this module, so it is asked for by name), None for a module without int8 records."""
+    c_matrix = getattr(linear, "c_matrix", None)
+    return c_matrix() if c_matrix is not None else None
+
+
 def q8_mlp(w1: object, w2: object, w3: object, x: torch.Tensor, limit: float | None = None) -> torch.Tensor | None:
     """w2(swiglu(w1 x, w3 x)) for x [..., dim] in one C call (gate and up as one threaded job, then down)
     where the three are Int8Linear the kernel reads and int8 activations are on (a shared expert, a dense
@@ -108,7 +115,7 @@ def q8_mlp(w1: object, w2: object, w3: object, x: torch.Tensor, limit: float | N
     cpu_float32 = x.dtype == torch.float32 and x.device.type == "cpu"
     if not (activations_are_int8() and cpu_float32 and hasattr(_int4, "q8_mlp")):
         return None
-    specs = [m.c_matrix() if hasattr(m, "c_matrix") else None for m in (w1, w3, w2)]  # Int8Linear
+    specs = [c_matrix_of(m) for m in (w1, w3, w2)]
     if any(spec is None for spec in specs) or x.numel() == 0:
         return None
     dim, inter = specs[0][4], specs[2][4]
