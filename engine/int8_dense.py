@@ -34,7 +34,7 @@ class Int8Linear(nn.Module):
 
     def c_matrix(self) -> tuple[int, int, int, int, int, int] | None:
         """The codes as the fused C steps take a matrix, (w, scales, kind, scale kind, in, group), or None
-        where the kernel cannot read them (engine/mla_decode.py, q8_experts.q8_mlp)."""
+        where the kernel cannot read them (engine/mla_decode.py, engine/q8.py q8_mlp)."""
         if self._c_matrix is None and self.group_size % BLOCK == 0 and self.scales.dtype in KERNEL_SCALES:
             q, scales = self.q, self.scales
             kind, scale_kind = WEIGHT_KINDS["int8"], KERNEL_SCALES[scales.dtype]

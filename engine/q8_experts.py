@@ -42,7 +42,7 @@ _NO_PLAN = object()
 
 def _plan(expert: object) -> tuple[tuple, tuple[int, ...]] | None:
     """(layout, the six addresses of w1, its scales, w3, its scales, w2, its scales) of an expert the call
-    takes, else None; kept on the expert, which its store materialises once per read (a decode step
+    takes, else None; kept on the expert, which its store builds once per slot (a decode step
     would otherwise re-check 18 matrices per layer: ~90 us)."""
     plan = getattr(expert, "_q8_plan", _NO_PLAN)
     if plan is _NO_PLAN:
