@@ -43,17 +43,10 @@ int mla_project(const MlaWeights *w, const MlaProject *p, int isa, int threads) 
     if (area == NULL) return -1;
     float *qa = (float *)area, *kv = qa + qa_out, *q = kv + kv_out;
     uint8_t *work = (uint8_t *)(q + q_out);
-    Q8Rows xa = {work, 0, 0, 0}, xb = {work + xa_bytes, 0, 0, 0}, xc = {work + 2 * xa_bytes, 0, 0, 0};
+    Q8Rows xc = {work + 2 * xa_bytes, 0, 0, 0};
 
     rms_norm_rows(p->x, 1, w->dim, w->attn_norm, w->eps, p->normed);
-    q8_prepare(w->wq_a.kind, p->normed, 1, w->dim, isa, &xa);
-    const Q8Rows *for_kv = &xa;
-    if (w->wkv_a.kind != w->wq_a.kind) { /* another layout of the same h */
-        q8_prepare(w->wkv_a.kind, p->normed, 1, w->dim, isa, &xb);
-        for_kv = &xb;
-    }
-    Q8Product first[2] = {{&w->wq_a, &xa, qa_out, qa}, {&w->wkv_a, for_kv, kv_out, kv}};
-    q8_gemm_many(first, 2, isa, threads);
+    q8_gemm_pair(&w->wq_a, qa_out, qa, &w->wkv_a, kv_out, kv, p->normed, 1, w->dim, work, isa, threads);
 
     rms_norm_rows(kv, 1, w->rank, w->kv_norm, w->latent_eps, p->latent);
     if (w->q_rank) {

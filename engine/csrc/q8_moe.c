@@ -175,6 +175,19 @@ void q8_gemm_many(const Q8Product *products, int n, int isa, int threads) {
     split_run(many_block, &job, job.first[n], threads);
 }
 
+void q8_gemm_pair(const Q8Matrix *a, int out_a, float *ya, const Q8Matrix *b, int out_b, float *yb, const float *x,
+                  int rows, int in, uint8_t *work, int isa, int threads) {
+    Q8Rows xa = {work, 0, 0, 0}, xb = {work + q8_work_bytes(rows, in), 0, 0, 0};
+    q8_prepare(a->kind, x, rows, in, isa, &xa);
+    const Q8Rows *for_b = &xa;
+    if (b->kind != a->kind) { /* another layout of the same x */
+        q8_prepare(b->kind, x, rows, in, isa, &xb);
+        for_b = &xb;
+    }
+    Q8Product pair[2] = {{a, &xa, out_a, ya}, {b, for_b, out_b, yb}};
+    q8_gemm_many(pair, 2, isa, threads);
+}
+
 /* ---------------------------------------------------------------- one SwiGLU MLP */
 
 int q8_mlp(const Q8Expert *e, const float *x, int rows, int dim, int inter, int clamp, float limit, int isa,
@@ -185,15 +198,8 @@ int q8_mlp(const Q8Expert *e, const float *x, int rows, int dim, int inter, int 
     if (area == NULL) return -1;
     float *gate = (float *)area, *up = gate + hidden;
     uint8_t *work = (uint8_t *)(up + hidden);
-    Q8Rows x1 = {work, 0, 0, 0}, x3 = {work + x_bytes, 0, 0, 0}, h = {work + 2 * x_bytes, 0, 0, 0};
-    q8_prepare(e->w1.kind, x, rows, dim, isa, &x1);
-    const Q8Rows *for_up = &x1;
-    if (e->w3.kind != e->w1.kind) { /* another layout of the same x */
-        q8_prepare(e->w3.kind, x, rows, dim, isa, &x3);
-        for_up = &x3;
-    }
-    Q8Product gate_up[2] = {{&e->w1, &x1, inter, gate}, {&e->w3, for_up, inter, up}};
-    q8_gemm_many(gate_up, 2, isa, threads);
+    Q8Rows h = {work + 2 * x_bytes, 0, 0, 0};
+    q8_gemm_pair(&e->w1, inter, gate, &e->w3, inter, up, x, rows, dim, work, isa, threads);
     swiglu(gate, up, hidden, clamp, limit);
     q8_prepare(e->w2.kind, gate, rows, inter, isa, &h);
     Q8Product down = {&e->w2, &h, dim, y};

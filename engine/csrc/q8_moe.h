@@ -43,6 +43,11 @@ typedef struct {
  * matrices that read the same input (a layer's q and kv projections) share one wake-up and one split. */
 void q8_gemm_many(const Q8Product *products, int n, int isa, int threads);
 
+/* ya = a x and yb = b x for x [rows, in] (a.in == b.in), as one q8_gemm_many job: x is quantised once,
+ * or once per weight layout when the two differ. work: q8_work_bytes(rows, in) * 2 bytes. */
+void q8_gemm_pair(const Q8Matrix *a, int out_a, float *ya, const Q8Matrix *b, int out_b, float *yb, const float *x,
+                  int rows, int in, uint8_t *work, int isa, int threads);
+
 /* y [rows, dim] = w2(silu(w1 x) * w3 x) for x [rows, dim] (a shared expert, a dense layer's FFN): the
  * gate and up matrices as one threaded job, the down matrix as a second; clamped as q8_moe with a
  * limit. 0, or -1 without memory (nothing written). */
