@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
 
 from storage.policy import EvictionPolicy
 
@@ -23,7 +22,6 @@ class Entry:
     slot: int
     pins: int = 0  # users in the current step; a pinned entry is never evicted
     loading: Future | None = None  # in-flight read into the slot (None once observed complete)
-    expert: Any = None  # the materialised view of the slot, cached while the slot holds this key
     prefetched: bool = False  # brought in by lookahead and not yet used
 
     @property

@@ -385,14 +385,11 @@ class TieredExpertStore:
         return self._materialized(vram_entry, True)
 
     def _materialized(self, entry: Entry, vram: bool) -> Any:
-        if entry.expert is None:
-            key = (vram, entry.slot)
-            if key not in self._slot_experts:
-                self._slot_experts[key] = self.materialize(
-                    self._vram_block[entry.slot] if vram else self.ram_slot(entry.slot)
-                )
-            entry.expert = self._slot_experts[key]
-        return entry.expert
+        key = (vram, entry.slot)
+        if key not in self._slot_experts:
+            data = self._vram_block[entry.slot] if vram else self.ram_slot(entry.slot)
+            self._slot_experts[key] = self.materialize(data)
+        return self._slot_experts[key]
 
     def _count(self, **deltas: float) -> None:
         with self._stats_lock:
