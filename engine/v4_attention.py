@@ -189,7 +189,7 @@ class Indexer(nn.Module):
         if keys.shape[1] == 0:
             return torch.empty((bsz, seqlen, 0), dtype=torch.long, device=x.device)
         q = rotate_tail(self.wq_b(q_latent).view(bsz, seqlen, self.n_heads, self.head_dim), cos, sin)
-        # weights_proj stays float32 in bf16 models (colibri_stream.dtypes.FLOAT32_PARAMETERS)
+        # weights_proj stays float32 in bf16 models (colibri_stream.checkpoint.dtypes.FLOAT32_PARAMETERS)
         weights = linear(x.float(), self.weights_proj.weight.float()) * self.n_heads**-0.5  # [B, S, H_i]
         score_bytes = bsz * self.n_heads * keys.shape[1] * 4  # one query's float32 head scores
         return torch.cat(

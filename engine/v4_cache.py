@@ -9,7 +9,7 @@ Per position the rows are what a conversation's KV log stores (``rows``), and al
 function of them: ``from_rows`` rebuilds it (the entries are recompressed on the next forward call),
 ``trim`` cuts it back. Once logged (or with no log) the rows attention no longer needs are released
 (engine/position_rows.py), and what stays per position is the compressed entries: D / m per compressed
-layer (``colibri_stream.kv_geometry``), plus the sliding window's and the open windows' rows.
+layer (``colibri_stream.planning.kv_bytes``), plus the sliding window's and the open windows' rows.
 """
 
 from __future__ import annotations

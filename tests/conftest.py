@@ -50,7 +50,7 @@ def reference(checkpoint):
 @pytest.fixture(scope="session")
 def loaded(checkpoint):
     """Our engine on ``checkpoint`` (float32, resident experts)."""
-    from colibri_stream.loader import load_checkpoint
+    from colibri_stream.runtime.loader import load_checkpoint
 
     return load_checkpoint(checkpoint)
 

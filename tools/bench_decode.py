@@ -14,8 +14,8 @@ import tempfile
 import time
 
 from colibri_stream.devtools import fixtures
-from colibri_stream.generate import generate
-from colibri_stream.loader import load_checkpoint
+from colibri_stream.runtime.generate import generate
+from colibri_stream.runtime.loader import load_checkpoint
 
 
 def main() -> None:

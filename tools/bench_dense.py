@@ -12,10 +12,10 @@ import argparse
 import gc
 import json
 
-import colibri_stream.placement as placement
-from colibri_stream import loader
-from colibri_stream.generate import generate
-from colibri_stream.memory import return_large_frees_to_the_os
+import colibri_stream.planning.placement as placement
+from colibri_stream.runtime import loader
+from colibri_stream.runtime.generate import generate
+from colibri_stream.runtime.memory import return_large_frees_to_the_os
 from storage.container import Container
 from storage.tiered import StoreConfig
 

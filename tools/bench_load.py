@@ -20,9 +20,9 @@ import time
 CHILD = """
 import json, sys, torch
 torch.set_num_threads(int(sys.argv[1]))
-from colibri_stream.config import StoreOptions
-from colibri_stream.generate import generate
-from colibri_stream.loader import load
+from colibri_stream.planning.budget import StoreOptions
+from colibri_stream.runtime.generate import generate
+from colibri_stream.runtime.loader import load
 loaded = load(sys.argv[2], "float32", StoreOptions(ram=sys.argv[3]))
 prompt = [10 + (31 * j) % (loaded.args.vocab_size - 10) for j in range(24)]
 generate(loaded.model, prompt, 4, loaded.experts)

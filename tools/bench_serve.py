@@ -28,11 +28,11 @@ from pathlib import Path
 import uvicorn
 
 from colibri_stream.bench.stress_model import StressShape, write_stress_checkpoint
-from colibri_stream.config import StoreOptions
-from colibri_stream.conversation import RuntimeOptions, load_runtime
+from colibri_stream.checkpoint.demo_model import demo_model_dir
 from colibri_stream.convert.converter import Converter, ConvertOptions
-from colibri_stream.demo_model import demo_model_dir
 from colibri_stream.devtools.fixtures import write_tiny_tokenizer
+from colibri_stream.planning.budget import StoreOptions
+from colibri_stream.runtime.turn import RuntimeOptions, load_runtime
 from colibri_stream.serve.app import Server, create_app
 from storage.container import is_container
 

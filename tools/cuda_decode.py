@@ -19,8 +19,8 @@ import torch
 
 from colibri_stream.bench.stress_model import StressShape, write_stress_checkpoint
 from colibri_stream.convert.converter import Converter, ConvertOptions
-from colibri_stream.generate import generate
-from colibri_stream.loader import load_container
+from colibri_stream.runtime.generate import generate
+from colibri_stream.runtime.loader import load_container
 from storage.container import Container
 from storage.tiered import StoreConfig
 

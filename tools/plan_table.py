@@ -15,10 +15,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from colibri_stream.bandwidth import Bandwidth, measure
-from colibri_stream.config import auto_ram_bytes, parse_size
-from colibri_stream.geometry import ContainerTarget, ModelGeometry, geometry_from_config
-from colibri_stream.placement import Machine, expected_speed, floor_bytes, plan, verdict
+from colibri_stream.planning.bandwidth import Bandwidth, measure
+from colibri_stream.planning.budget import auto_ram_bytes, parse_size
+from colibri_stream.planning.geometry import ContainerTarget, ModelGeometry, geometry_from_config
+from colibri_stream.planning.placement import Machine, expected_speed, floor_bytes, plan, verdict
 from storage.tiered import StoreConfig
 
 GIB = 2**30

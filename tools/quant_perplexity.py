@@ -17,7 +17,7 @@ from pathlib import Path
 from colibri_stream.convert.converter import Converter, ConvertOptions
 from colibri_stream.devtools.quantized_fixtures import build_quantized_checkpoint
 from colibri_stream.devtools.train_demo import engine_perplexity, heldout_windows
-from colibri_stream.loader import load_checkpoint, load_container
+from colibri_stream.runtime.loader import load_checkpoint, load_container
 from storage.container import Container
 
 DEMO = Path(__file__).resolve().parent.parent / "demo" / "model"

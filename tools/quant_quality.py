@@ -14,8 +14,8 @@ import torch
 from colibri_stream.convert.converter import Converter, ConvertOptions
 from colibri_stream.convert.quality import mean_kl, relative_error, top1_agreement
 from colibri_stream.devtools import fixtures
-from colibri_stream.generate import generate
-from colibri_stream.loader import load_checkpoint, load_container
+from colibri_stream.runtime.generate import generate
+from colibri_stream.runtime.loader import load_checkpoint, load_container
 
 GROUPS = (32, 64, 128)
 

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from colibri_stream.memory import PeakSampler, anon_rss_bytes, disk_read_bytes, peak_rss_bytes
+from colibri_stream.runtime.memory import PeakSampler, anon_rss_bytes, disk_read_bytes, peak_rss_bytes
 
 LLAMA_LOAD_MODE_MMAP = 1  # llama.h enum llama_load_mode
 

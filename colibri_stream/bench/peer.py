@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from colibri_stream.dtypes import COMPUTE_DTYPES
-from colibri_stream.memory import PeakSampler, anon_rss_bytes, disk_read_bytes, disk_write_bytes, peak_rss_bytes
+from colibri_stream.checkpoint.dtypes import COMPUTE_DTYPES
+from colibri_stream.runtime.memory import PeakSampler, anon_rss_bytes, disk_read_bytes, disk_write_bytes, peak_rss_bytes
 
 
 def _tree_bytes(folder: Path) -> int:

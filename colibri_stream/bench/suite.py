@@ -52,9 +52,9 @@ from colibri_stream.bench.system import (
     machine_facts,
     steal_share,
 )
-from colibri_stream.demo_model import DEMO_PROMPT, demo_container_path, demo_model_dir
-from colibri_stream.geometry import geometry_from_container
-from colibri_stream.placement import plan
+from colibri_stream.checkpoint.demo_model import DEMO_PROMPT, demo_container_path, demo_model_dir
+from colibri_stream.planning.geometry import geometry_from_container
+from colibri_stream.planning.placement import plan
 from engine.bf16 import KEEP_FLOAT32
 from storage.container import Container
 from storage.policy import POLICY_NAMES

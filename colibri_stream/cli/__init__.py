@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from colibri_stream import __version__
 from colibri_stream.cli import bench, chat, container, demo, doctor, kv, plan, run, serve, worker
 from colibri_stream.errors import USER_ERRORS
-from colibri_stream.memory import return_large_frees_to_the_os
+from colibri_stream.runtime.memory import return_large_frees_to_the_os
 
 DESCRIPTION = """\
 Run huge Mixture-of-Experts language models (DeepSeek-V3/R1, Kimi-K2, DeepSeek-V3.2, GLM-5,

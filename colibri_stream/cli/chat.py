@@ -17,9 +17,9 @@ from typing import Any
 
 from colibri_stream.cli.help import help_options
 from colibri_stream.cli.options import add_runtime_arguments, add_sampling_arguments, runtime_options, sampling
-from colibri_stream.conversation import Runtime, TurnOptions, TurnResult, load_runtime, run_turn
-from colibri_stream.sessions import SESSION_SUFFIX, TRANSCRIPT_SUFFIX, check_session_name, session_info
-from colibri_stream.text import IncrementalDecoder
+from colibri_stream.runtime.sessions import SESSION_SUFFIX, TRANSCRIPT_SUFFIX, check_session_name, session_info
+from colibri_stream.runtime.turn import Runtime, TurnOptions, TurnResult, load_runtime, run_turn
+from colibri_stream.text.chat_format import IncrementalDecoder
 from storage.atomic import atomic_write_json
 
 EPILOG = """\

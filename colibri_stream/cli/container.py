@@ -9,7 +9,7 @@ import sys
 from colibri_stream.cli.help import help_options
 from colibri_stream.cli.options import add_target_arguments
 from colibri_stream.convert.converter import Converter, ConvertOptions
-from colibri_stream.geometry import container_problems
+from colibri_stream.planning.geometry import container_problems
 
 CONVERT_EPILOG = """\
 examples:

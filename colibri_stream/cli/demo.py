@@ -15,12 +15,12 @@ import sys
 import textwrap
 from pathlib import Path
 
+from colibri_stream.checkpoint.demo_model import DEMO_PROMPT, demo_cache_dir, demo_container_path, demo_model_dir
 from colibri_stream.cli.help import help_options
 from colibri_stream.cli.options import add_store_arguments, store_options
-from colibri_stream.conversation import RuntimeOptions, TurnOptions, load_runtime, run_turn
 from colibri_stream.convert.converter import Converter, ConvertOptions
-from colibri_stream.demo_model import DEMO_PROMPT, demo_cache_dir, demo_container_path, demo_model_dir
 from colibri_stream.errors import ColibriError
+from colibri_stream.runtime.turn import RuntimeOptions, TurnOptions, load_runtime, run_turn
 from storage.container import is_container
 
 DEMO_SESSION = "demo"

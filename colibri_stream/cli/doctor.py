@@ -20,7 +20,7 @@ import psutil
 
 from colibri_stream.cli.help import help_options
 from colibri_stream.cli.options import add_dtype_argument, add_store_arguments, store_options
-from colibri_stream.config import StoreOptions
+from colibri_stream.planning.budget import StoreOptions
 from storage.buffers import PAGE
 from storage.container import o_direct_refusal
 
@@ -108,9 +108,9 @@ def o_direct_check(path: Path) -> Check:
 
 def plan_check(path: Path, store: StoreOptions, dtype: str) -> Check:
     """`plan`'s verdict line, as a check: a container as it is, a checkpoint or config.json as converted."""
-    from colibri_stream.config import store_config
-    from colibri_stream.geometry import model_geometry
-    from colibri_stream.placement import plan, verdict
+    from colibri_stream.planning.budget import store_config
+    from colibri_stream.planning.geometry import model_geometry
+    from colibri_stream.planning.placement import plan, verdict
 
     geometry = model_geometry(path)
     if store.ram is None and store.budget is None:
@@ -145,7 +145,7 @@ def container_checks(path: Path, full: bool) -> Iterator[Check]:
 
 
 def checkpoint_checks(path: Path) -> Iterator[Check]:
-    from colibri_stream.loader import read_config, shard_files
+    from colibri_stream.runtime.loader import read_config, shard_files
     from engine.args import ModelArgs
 
     model_args = ModelArgs.from_hf_config(read_config(path))
@@ -158,9 +158,9 @@ def checkpoint_checks(path: Path) -> Iterator[Check]:
 
 
 def model_checks(path: Path, full: bool, store: StoreOptions, dtype: str) -> Iterator[Check]:
-    from colibri_stream.fingerprint import model_fingerprint
-    from colibri_stream.sessions import default_kv_dir
-    from colibri_stream.text import load_chat_format
+    from colibri_stream.checkpoint.fingerprint import model_fingerprint
+    from colibri_stream.runtime.sessions import default_kv_dir
+    from colibri_stream.text.chat_format import load_chat_format
     from storage.container import is_container
 
     if not path.exists():

@@ -6,11 +6,11 @@ import argparse
 import json
 from pathlib import Path
 
+from colibri_stream.checkpoint.fingerprint import model_fingerprint
 from colibri_stream.cli.help import help_options
 from colibri_stream.errors import SessionError
-from colibri_stream.fingerprint import model_fingerprint
-from colibri_stream.loader import model_config
-from colibri_stream.sessions import SESSION_SUFFIX, TRANSCRIPT_SUFFIX, default_kv_dir, session_info
+from colibri_stream.runtime.loader import model_config
+from colibri_stream.runtime.sessions import SESSION_SUFFIX, TRANSCRIPT_SUFFIX, default_kv_dir, session_info
 from engine.args import ModelArgs
 from storage.kvlog import remove_log
 

@@ -6,14 +6,12 @@ from __future__ import annotations
 import argparse
 import math
 
-from colibri_stream.cluster.group import DEFAULT_TIMEOUT_S, ClusterOptions
-from colibri_stream.cluster.local import LOCALHOST
-from colibri_stream.config import StoreOptions, parse_size
-from colibri_stream.conversation import RuntimeOptions
-from colibri_stream.dtypes import COMPUTE_DTYPES
+from colibri_stream.checkpoint.dtypes import COMPUTE_DTYPES
 from colibri_stream.errors import BudgetError, RequestError
-from colibri_stream.generate import SamplingParams
-from colibri_stream.geometry import (
+from colibri_stream.experts.cluster.group import DEFAULT_TIMEOUT_S, ClusterOptions
+from colibri_stream.experts.cluster.local import LOCALHOST
+from colibri_stream.planning.budget import StoreOptions, parse_size
+from colibri_stream.planning.geometry import (
     DEFAULT_DENSE,
     DEFAULT_EXPERTS,
     DEFAULT_GROUP_SIZE,
@@ -22,6 +20,8 @@ from colibri_stream.geometry import (
     REQUANTISED_EXPERTS,
     ContainerTarget,
 )
+from colibri_stream.runtime.generate import SamplingParams
+from colibri_stream.runtime.turn import RuntimeOptions
 from storage.kvlog import RECORD_DTYPES
 from storage.policy import POLICY_NAMES
 

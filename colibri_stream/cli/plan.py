@@ -8,7 +8,6 @@ import dataclasses
 import json
 from pathlib import Path
 
-from colibri_stream.bandwidth import Bandwidth, measure
 from colibri_stream.cli.help import help_options
 from colibri_stream.cli.options import (
     add_dtype_argument,
@@ -17,9 +16,10 @@ from colibri_stream.cli.options import (
     store_options,
     target_options,
 )
-from colibri_stream.config import parse_size, store_config
-from colibri_stream.geometry import model_geometry
-from colibri_stream.placement import check_fits, describe, expected_speed, plan, verdict
+from colibri_stream.planning.bandwidth import Bandwidth, measure
+from colibri_stream.planning.budget import parse_size, store_config
+from colibri_stream.planning.geometry import model_geometry
+from colibri_stream.planning.placement import check_fits, describe, expected_speed, plan, verdict
 
 PLAN_EPILOG = """\
 examples:

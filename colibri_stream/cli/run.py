@@ -14,7 +14,7 @@ from colibri_stream.cli.options import (
     runtime_options,
     sampling,
 )
-from colibri_stream.conversation import TurnOptions, load_runtime, run_turn
+from colibri_stream.runtime.turn import TurnOptions, load_runtime, run_turn
 
 RUN_EPILOG = """\
 examples:

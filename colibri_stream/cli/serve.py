@@ -89,7 +89,7 @@ def run_serve(args: argparse.Namespace) -> int:
         if exc.name not in ("fastapi", "uvicorn", "starlette", "h11"):
             raise
         raise ColibriError("serve needs FastAPI and uvicorn: pip install 'colibri-stream[serve]'") from None
-    from colibri_stream.conversation import load_runtime
+    from colibri_stream.runtime.turn import load_runtime
 
     if args.slots < 1 or args.max_queue < 0:
         raise ColibriError(f"--slots must be >= 1 and --max-queue >= 0, got {args.slots} and {args.max_queue}")

@@ -7,10 +7,10 @@ import argparse
 
 from colibri_stream.cli.help import help_options
 from colibri_stream.cli.options import add_store_arguments, positive_seconds, store_options
-from colibri_stream.cluster.group import DEFAULT_CONNECT_TIMEOUT_S
-from colibri_stream.cluster.worker import WorkerOptions, run_worker
-from colibri_stream.config import parse_size
 from colibri_stream.errors import ColibriError
+from colibri_stream.experts.cluster.group import DEFAULT_CONNECT_TIMEOUT_S
+from colibri_stream.experts.cluster.worker import WorkerOptions, run_worker
+from colibri_stream.planning.budget import parse_size
 
 WORKER_EPILOG = """\
 examples:

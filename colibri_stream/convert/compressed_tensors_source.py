@@ -1,4 +1,4 @@
-"""The tensors of a compressed-tensors checkpoint (colibri_stream.packed_quant has the formats): each
+"""The tensors of a compressed-tensors checkpoint (colibri_stream.checkpoint.packed_quant has the formats): each
 quantised module's packed codes, scales and shape, checked from the headers and presented as one
 logical ``<module>.weight`` of shape [out, in], read back as an engine QuantizedMatrix in our record's
 byte layout without dequantising.
@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from colibri_stream.checkpoint_files import TensorInfo, short_name
+from colibri_stream.checkpoint.files import TensorInfo, short_name
+from colibri_stream.checkpoint.packed_quant import MXFP4, PACK, PACKED, SCALE, SHAPE, PackedFormat
 from colibri_stream.errors import CheckpointError
-from colibri_stream.packed_quant import MXFP4, PACK, PACKED, SCALE, SHAPE, PackedFormat
 from engine.quant import QuantizedMatrix, n_groups, packed_width
 
 SUFFIXES = (PACKED, SCALE, SHAPE)

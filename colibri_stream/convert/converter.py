@@ -22,12 +22,12 @@ import torch
 from tqdm import tqdm
 
 from colibri_stream import __version__
+from colibri_stream.checkpoint.dtypes import bf16_bits, stored_dense_dtype
 from colibri_stream.convert.hf_source import HFSource, TensorReader
-from colibri_stream.dtypes import bf16_bits, stored_dense_dtype
 from colibri_stream.errors import CheckpointError
-from colibri_stream.expert_codec import record_from_expert, record_from_quantized
-from colibri_stream.geometry import ContainerTarget
-from colibri_stream.loader import check_dense_names
+from colibri_stream.experts.codec import record_from_expert, record_from_quantized
+from colibri_stream.planning.geometry import ContainerTarget
+from colibri_stream.runtime.loader import check_dense_names
 from engine.args import ModelArgs
 from engine.quant import quantize
 from engine.weights import sort_names
@@ -105,7 +105,7 @@ def _check_experts(args: ModelArgs, experts: dict, source: HFSource) -> None:
 def dense_arrays(engine: str, tensor: torch.Tensor, scheme: str, group_size: int) -> list[tuple[str, np.ndarray, str]]:
     """(array name, array, dtype tag) to store for one dense tensor under ``scheme``.
 
-    The dtype is colibri_stream.dtypes.stored_dense_dtype's, the rule `plan` sizes a conversion with."""
+    The dtype is colibri_stream.checkpoint.dtypes.stored_dense_dtype's, the rule `plan` sizes a conversion with."""
     stored = stored_dense_dtype(engine, tuple(tensor.shape), scheme, group_size)
     if stored == "float32":
         return [(engine, tensor.float().contiguous().numpy(), "float32")]

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from colibri_stream.checkpoint_files import (
+from colibri_stream.checkpoint.files import (
     E8M0_SCALE_DTYPES,
     FLOAT_DTYPES,
     FP8_DTYPE,
@@ -30,12 +30,12 @@ from colibri_stream.checkpoint_files import (
     WEIGHT_DTYPES,
     TensorInfo,
 )
+from colibri_stream.checkpoint.packed_quant import PackedFormat, is_v4_native, packed_format
 from colibri_stream.convert.compressed_tensors_source import SUFFIXES, PackedModule, packed_modules, read_packed
 from colibri_stream.convert.v4_native import allowed_dtypes as v4_allowed_dtypes
 from colibri_stream.convert.v4_native import renamed_table
-from colibri_stream.geometry import dequantised_config
-from colibri_stream.loader import CheckpointError, check_tensors, read_config, tensor_table
-from colibri_stream.packed_quant import PackedFormat, is_v4_native, packed_format
+from colibri_stream.planning.geometry import dequantised_config
+from colibri_stream.runtime.loader import CheckpointError, check_tensors, read_config, tensor_table
 from engine.args import ModelArgs
 from engine.config_checks import brief
 from engine.quant import QuantizedMatrix, dequantize_torch, scale_values

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from colibri_stream.checkpoint_files import (
+from colibri_stream.checkpoint.files import (
     E8M0_SCALE_DTYPES,
     FLOAT_DTYPES,
     FP8_DTYPE,
@@ -25,8 +25,8 @@ from colibri_stream.checkpoint_files import (
     WEIGHT_DTYPES,
     TensorInfo,
 )
+from colibri_stream.checkpoint.packed_quant import PACKED, SCALE
 from colibri_stream.errors import CheckpointError
-from colibri_stream.packed_quant import PACKED, SCALE
 
 SCALE_NAME = ".scale"
 FP4_DTYPE = "I8"  # two e2m1 codes per byte

@@ -323,7 +323,7 @@ def quality_report(model_dir: str | Path, windows: Sequence[torch.Tensor], work:
     """Held-out perplexity of the saved checkpoint (transformers and engine, float32) and of its int4
     container, plus the trained router's expert usage on the same text."""
     from colibri_stream.devtools.fixtures import load_reference
-    from colibri_stream.loader import load_checkpoint, load_container
+    from colibri_stream.runtime.loader import load_checkpoint, load_container
 
     container = Path(work) / "demo-int4.cstream"
     convert = [sys.executable, "-m", "colibri_stream", "convert", str(model_dir), str(container), "--no-progress"]

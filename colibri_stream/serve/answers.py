@@ -16,10 +16,10 @@ from typing import Any
 
 from starlette.requests import Request
 
-from colibri_stream.conversation import Runtime, TurnResult
+from colibri_stream.runtime.turn import Runtime, TurnResult
 from colibri_stream.serve.schemas import ApiError
 from colibri_stream.serve.worker import Job
-from colibri_stream.tool_calls import ToolCall, ToolCallParser, tool_format_for, tools_from_functions
+from colibri_stream.text.tool_calls import ToolCall, ToolCallParser, tool_format_for, tools_from_functions
 
 KNOWN_FORMATS = "DeepSeek-V3/R1, DeepSeek-V3.1/V3.2, GLM-4.5/5, Kimi-K2"
 

@@ -21,12 +21,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
-from colibri_stream.conversation import TurnResult
+from colibri_stream.runtime.turn import TurnResult
 from colibri_stream.serve.answers import Answer, answer_events, collect, tool_parser
 from colibri_stream.serve.intake import parse_request, read_body
 from colibri_stream.serve.schemas import STRICT, TOOL_NAME, ApiError, template_call
 from colibri_stream.serve.worker import Job
-from colibri_stream.tool_calls import ToolCall, ToolCallParser
+from colibri_stream.text.tool_calls import ToolCall, ToolCallParser
 
 Server = Any  # serve.app.Server, which imports this module (so it cannot be imported here)
 

@@ -23,9 +23,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from colibri_stream.conversation import Runtime, TurnResult
 from colibri_stream.errors import ChatTemplateError, ColibriError, SessionError
-from colibri_stream.generate import SamplingParams
+from colibri_stream.runtime.generate import SamplingParams
+from colibri_stream.runtime.sessions import check_session_name
+from colibri_stream.runtime.turn import Runtime, TurnResult
 from colibri_stream.serve.answers import answer_events, collect, tool_parser
 from colibri_stream.serve.anthropic_api import add_anthropic_routes
 from colibri_stream.serve.auth import ApiKeys
@@ -33,8 +34,7 @@ from colibri_stream.serve.dashboard import add_dashboard_routes
 from colibri_stream.serve.intake import parse_request, read_body
 from colibri_stream.serve.schemas import ApiError, ChatRequest, CompletionRequest
 from colibri_stream.serve.worker import Admission, Job, Worker
-from colibri_stream.sessions import check_session_name
-from colibri_stream.tool_calls import ToolCall, ToolCallParser
+from colibri_stream.text.tool_calls import ToolCall, ToolCallParser
 
 PROMPT_THREADS = 2  # parsing and tokenising requests; more would only contend for the same cores
 SAMPLE_CONVERSATION = [{"role": "user", "content": "Hello"}]  # rendered at start-up to try the template

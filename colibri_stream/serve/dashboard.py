@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from fastapi import FastAPI, Request, Response
 
-from colibri_stream.conversation import Runtime
+from colibri_stream.runtime.turn import Runtime
 from colibri_stream.serve.live_stats import RateWindow, experts_json, residency_json, tier_json
 from colibri_stream.serve.worker import Admission, Worker
 

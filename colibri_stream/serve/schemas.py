@@ -11,7 +11,7 @@ from typing import Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from colibri_stream.tool_calls import TemplateArguments
+from colibri_stream.text.tool_calls import TemplateArguments
 
 STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 

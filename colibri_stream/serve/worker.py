@@ -1,7 +1,7 @@
 """The one thread that runs the model, and admission in front of it.
 
 One worker thread owns the model and decodes every admitted request together (continuous batching,
-colibri_stream/batching.py): ``slots`` requests at once, joining and leaving between steps; up to
+colibri_stream/runtime/batching.py): ``slots`` requests at once, joining and leaving between steps; up to
 ``max_queue`` more wait for a slot; beyond that a request gets 503 at once, so a flood never grows
 memory or latency without bound. A client that goes away sets its job's cancel flag, which the batch
 polls after every token (and before every prompt chunk), so its place is free within one step.
@@ -17,14 +17,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from colibri_stream.batching import ContinuousBatch, Generation
-from colibri_stream.cluster.wire import WorkerError
-from colibri_stream.conversation import OpenTurn, Runtime, TurnOptions, abort_turn, begin_turn, finish_turn
 from colibri_stream.errors import ColibriError
-from colibri_stream.sampling import SamplingParams
+from colibri_stream.experts.cluster.wire import WorkerError
+from colibri_stream.runtime.batching import ContinuousBatch, Generation
+from colibri_stream.runtime.sampling import SamplingParams
+from colibri_stream.runtime.session_pool import SessionPool
+from colibri_stream.runtime.turn import OpenTurn, Runtime, TurnOptions, abort_turn, begin_turn, finish_turn
 from colibri_stream.serve.schemas import ApiError
-from colibri_stream.session_pool import SessionPool
-from colibri_stream.text import IncrementalDecoder
+from colibri_stream.text.chat_format import IncrementalDecoder
 from storage.errors import StorageError
 
 

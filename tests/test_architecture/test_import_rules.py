@@ -72,12 +72,42 @@ def test_the_applications_import_the_library_never_each_other():
                 assert not _importers_of(f"colibri_stream.{other}", mine), (app, other)
 
 
+LIBRARY_LAYERS = ("checkpoint", "text", "planning", "experts", "runtime")  # lowest first
+LIBRARY_BASE = ("errors", "paths")  # top-level modules every layer may import
+
+
+def _library() -> dict[str, Path]:
+    """The library: its base modules and its layer folders (everything but the applications and cli/)."""
+    return {
+        m: p
+        for m, p in _modules("colibri_stream").items()
+        if m.split(".")[1:2] and m.split(".")[1] in (*LIBRARY_BASE, *LIBRARY_LAYERS)
+    }
+
+
 def test_the_library_imports_no_application():
-    top = ROOT / "colibri_stream"
-    library = {m: p for m, p in _modules("colibri_stream").items() if p.parent == top and p.name != "__main__.py"}
-    assert "colibri_stream.conversation" in library and "colibri_stream.cli" not in library
+    library = _library()
+    assert "colibri_stream.runtime.turn" in library and "colibri_stream.cli" not in library
     for app in (*APPS, "cli"):
         assert not _importers_of(f"colibri_stream.{app}", library), app
+
+
+def test_the_library_is_only_its_base_and_its_layers():
+    """A new top-level module or folder must be placed in a layer (or named an application) here."""
+    top = {m.split(".")[1] for m in _modules("colibri_stream") if m.count(".") >= 1}
+    assert top <= {*LIBRARY_BASE, *LIBRARY_LAYERS, *APPS, "cli", "__main__"}, top
+
+
+def test_a_lower_layer_never_imports_a_higher_one():
+    library = _library()
+    for rank, layer in enumerate(LIBRARY_LAYERS):
+        mine = {m: p for m, p in library.items() if m.split(".")[1] == layer}
+        assert mine, layer
+        for higher in LIBRARY_LAYERS[rank + 1 :]:
+            assert not _importers_of(f"colibri_stream.{higher}", mine), (layer, higher)
+    base = {m: p for m, p in library.items() if m.split(".")[1] in LIBRARY_BASE}
+    for layer in LIBRARY_LAYERS:
+        assert not _importers_of(f"colibri_stream.{layer}", base), ("base", layer)
 
 
 def test_no_import_cycles():

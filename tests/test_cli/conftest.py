@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import uvicorn
 
-from colibri_stream.conversation import Runtime
+from colibri_stream.runtime.turn import Runtime
 from colibri_stream.serve.app import Server, create_app
 
 START_WAIT_S = 120  # the test machine may be busy

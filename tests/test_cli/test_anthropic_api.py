@@ -12,7 +12,7 @@ import anthropic
 import openai
 import pytest
 
-from colibri_stream.conversation import RuntimeOptions, load_runtime
+from colibri_stream.runtime.turn import RuntimeOptions, load_runtime
 from colibri_stream.serve.auth import ApiKeys
 
 FAMILY = "deepseek_v3"

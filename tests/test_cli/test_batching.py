@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from colibri_stream.batching import ContinuousBatch, GenerationRequest
-from colibri_stream.config import StoreOptions
 from colibri_stream.errors import RequestError
-from colibri_stream.generate import SamplingParams, generate
-from colibri_stream.loader import load
+from colibri_stream.planning.budget import StoreOptions
+from colibri_stream.runtime.batching import ContinuousBatch, GenerationRequest
+from colibri_stream.runtime.generate import SamplingParams, generate
+from colibri_stream.runtime.loader import load
 
 CHUNK = 8  # prompt positions per prefill forward: small, so a 30-token prompt takes 4 steps
 LONG_PROMPT = list(range(5, 35))
@@ -88,7 +88,7 @@ def test_joined_generations_equal_their_solo_runs_under_a_tight_budget(stream_co
 
 @pytest.fixture(scope="module")
 def tiny(tiny_checkpoints):
-    from colibri_stream.loader import load_checkpoint
+    from colibri_stream.runtime.loader import load_checkpoint
 
     return load_checkpoint(tiny_checkpoints["deepseek_v32"])
 

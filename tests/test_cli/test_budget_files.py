@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from colibri_stream.config import load_budget_file, parse_size
+from colibri_stream.planning.budget import load_budget_file, parse_size
 
 BUDGETS = Path(__file__).resolve().parents[2] / "budgets"
 GIB = 2**30

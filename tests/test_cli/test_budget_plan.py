@@ -7,10 +7,10 @@ import json
 import pytest
 
 from colibri_stream import cli
-from colibri_stream.config import load_budget_file, parse_size
 from colibri_stream.errors import BudgetError
-from colibri_stream.generate import PREFILL_CHUNK_TOKENS
-from colibri_stream.placement import RUNTIME_BASELINE_BYTES
+from colibri_stream.planning.activations import PREFILL_CHUNK_TOKENS
+from colibri_stream.planning.budget import load_budget_file, parse_size
+from colibri_stream.planning.placement import RUNTIME_BASELINE_BYTES
 from storage.container import Container
 
 GIB = 2**30

@@ -17,8 +17,8 @@ from safetensors.torch import load_file, save_file
 
 from colibri_stream.convert.converter import CRASH_ENV, JOURNAL, Converter, ConvertOptions
 from colibri_stream.devtools import fixtures
-from colibri_stream.generate import generate
-from colibri_stream.loader import load_checkpoint, load_container
+from colibri_stream.runtime.generate import generate
+from colibri_stream.runtime.loader import load_checkpoint, load_container
 from storage.errors import IncompatibleStateError
 
 NEW_TOKENS = 32

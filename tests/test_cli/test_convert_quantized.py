@@ -19,9 +19,9 @@ from colibri_stream.convert.converter import Converter, ConvertOptions
 from colibri_stream.devtools import fixtures
 from colibri_stream.devtools import quantized_fixtures as qf
 from colibri_stream.errors import USER_ERRORS, CheckpointError, ColibriError
-from colibri_stream.expert_codec import record_views
-from colibri_stream.generate import generate
-from colibri_stream.loader import load_container
+from colibri_stream.experts.codec import record_views
+from colibri_stream.runtime.generate import generate
+from colibri_stream.runtime.loader import load_container
 from engine.quant import QuantizedExpert, packed_width
 from storage.container import Container
 
@@ -210,7 +210,7 @@ def test_a_config_quantising_activations_is_refused(built, tmp_path):
 
 
 def test_running_a_quantised_directory_directly_says_to_convert_it(built):
-    from colibri_stream.loader import load_checkpoint
+    from colibri_stream.runtime.loader import load_checkpoint
     from engine.config_checks import ConfigError
 
     with pytest.raises(ConfigError, match="compressed-tensors.*read by `colibri-stream convert`, not loaded directly"):

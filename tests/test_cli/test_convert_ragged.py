@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 
 from colibri_stream.convert.converter import Converter, ConvertOptions
 from colibri_stream.devtools import fixtures
-from colibri_stream.generate import generate
-from colibri_stream.loader import load_container
+from colibri_stream.runtime.generate import generate
+from colibri_stream.runtime.loader import load_container
 from engine.quant import quantized_matrix
 from storage.verify import verify_container
 

@@ -13,8 +13,8 @@ from colibri_stream.convert.converter import Converter, ConvertOptions
 from colibri_stream.devtools import fixtures
 from colibri_stream.devtools.v4_native_fixture import build_v4_native_checkpoint, dequantised_v4_checkpoint
 from colibri_stream.errors import CheckpointError
-from colibri_stream.generate import generate
-from colibri_stream.loader import load_container
+from colibri_stream.runtime.generate import generate
+from colibri_stream.runtime.loader import load_container
 from storage.container import Container, ExpertReader
 
 LOGIT_TOL = 1e-4

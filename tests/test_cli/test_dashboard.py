@@ -25,9 +25,9 @@ import numpy as np
 import pytest
 import uvicorn
 
-from colibri_stream.config import StoreOptions
-from colibri_stream.conversation import Runtime, RuntimeOptions, TurnOptions, load_runtime, run_turn
-from colibri_stream.fingerprint import container_fingerprint
+from colibri_stream.checkpoint.fingerprint import container_fingerprint
+from colibri_stream.planning.budget import StoreOptions
+from colibri_stream.runtime.turn import Runtime, RuntimeOptions, TurnOptions, load_runtime, run_turn
 from colibri_stream.serve.app import Server, create_app
 from colibri_stream.serve.auth import ApiKeys
 from colibri_stream.serve.dashboard import STATIC, Dashboard

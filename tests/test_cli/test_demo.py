@@ -17,13 +17,13 @@ import pytest
 import torch
 
 from colibri_stream import cli
+from colibri_stream.checkpoint.demo_model import DEMO_PROMPT, demo_model_dir
 from colibri_stream.cli.demo import describe
-from colibri_stream.demo_model import DEMO_PROMPT, demo_model_dir
 from colibri_stream.devtools.fixtures import load_reference, oracle_greedy
 from colibri_stream.devtools.train_demo import engine_perplexity, expert_counts, heldout_windows
-from colibri_stream.generate import generate
-from colibri_stream.loader import CheckpointError, load_checkpoint, load_container
-from colibri_stream.text import load_tokenizer
+from colibri_stream.runtime.generate import generate
+from colibri_stream.runtime.loader import CheckpointError, load_checkpoint, load_container
+from colibri_stream.text.chat_format import load_tokenizer
 
 DEMO = demo_model_dir()
 

@@ -4,8 +4,8 @@ cache consistent, so a session can store it and continue."""
 from __future__ import annotations
 
 from colibri_stream.devtools import fixtures
-from colibri_stream.generate import generate
-from colibri_stream.loader import load_checkpoint
+from colibri_stream.runtime.generate import generate
+from colibri_stream.runtime.loader import load_checkpoint
 
 
 def test_should_stop_cuts_after_the_current_token(tiny_checkpoints):

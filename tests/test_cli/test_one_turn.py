@@ -17,8 +17,8 @@ import uvicorn
 
 from colibri_stream import cli
 from colibri_stream.cli.chat import Chat
-from colibri_stream.config import StoreOptions
-from colibri_stream.conversation import RuntimeOptions, TurnOptions, load_runtime, run_turn
+from colibri_stream.planning.budget import StoreOptions
+from colibri_stream.runtime.turn import RuntimeOptions, TurnOptions, load_runtime, run_turn
 from colibri_stream.serve.app import Server, create_app
 
 FAMILY = "deepseek_v3"
@@ -145,8 +145,8 @@ def test_run_and_serve_report_one_stats_schema(serving, make_container, tmp_path
 
 
 def test_both_stores_implement_the_expert_store_protocol(make_container, tiny_checkpoints, tmp_path):
-    from colibri_stream.expert_store import ExpertStore, ResidentStore
-    from colibri_stream.loader import load, load_checkpoint
+    from colibri_stream.experts.store import ExpertStore, ResidentStore
+    from colibri_stream.runtime.loader import load, load_checkpoint
     from storage.tiered import TieredExpertStore
 
     resident = load_checkpoint(tiny_checkpoints[FAMILY]).experts

@@ -12,10 +12,10 @@ import psutil
 import pytest
 
 from colibri_stream import cli
-from colibri_stream.bandwidth import Bandwidth
 from colibri_stream.errors import BudgetError
-from colibri_stream.geometry import ContainerTarget, model_geometry
-from colibri_stream.placement import check_fits, expected_speed, plan, verdict
+from colibri_stream.planning.bandwidth import Bandwidth
+from colibri_stream.planning.geometry import ContainerTarget, model_geometry
+from colibri_stream.planning.placement import check_fits, expected_speed, plan, verdict
 from storage.container import Container
 from storage.tiered import StoreConfig, minimum_slots
 
@@ -209,7 +209,7 @@ def test_check_fits_refuses_below_the_floor_with_the_numbers(v3_config, memory):
 
 
 def test_the_speed_range_formula():
-    from colibri_stream.placement import Placement
+    from colibri_stream.planning.placement import Placement
 
     fields = {f.name: 0 for f in dataclasses.fields(Placement)}
     placement = Placement(**{**fields, "dense_bytes_per_token": 6e9, "bytes_per_token_at_zero_hits": 4e9})

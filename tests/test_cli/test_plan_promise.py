@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
+from colibri_stream.checkpoint.demo_model import demo_model_dir
 from colibri_stream.convert.converter import Converter, ConvertOptions
-from colibri_stream.demo_model import demo_model_dir
 from colibri_stream.devtools.fixtures import make_prompt
 
 DTYPES = ("float32", "bfloat16")

@@ -12,12 +12,13 @@ import anthropic
 import openai
 import pytest
 
-from colibri_stream.batching import PREFILL_CHUNK_TOKENS, ContinuousBatch
-from colibri_stream.config import StoreOptions
-from colibri_stream.conversation import RuntimeOptions, load_runtime
+from colibri_stream.checkpoint.demo_model import demo_model_dir
 from colibri_stream.convert.converter import Converter, ConvertOptions
-from colibri_stream.demo_model import demo_model_dir
-from colibri_stream.sessions import Session
+from colibri_stream.planning.activations import PREFILL_CHUNK_TOKENS
+from colibri_stream.planning.budget import StoreOptions
+from colibri_stream.runtime.batching import ContinuousBatch
+from colibri_stream.runtime.sessions import Session
+from colibri_stream.runtime.turn import RuntimeOptions, load_runtime
 
 MODEL = "demo"
 WAIT_S = 300

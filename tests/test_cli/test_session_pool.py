@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from colibri_stream.devtools import fixtures
-from colibri_stream.generate import generate
-from colibri_stream.loader import load_checkpoint
-from colibri_stream.session_pool import SessionPool
-from colibri_stream.sessions import Session
+from colibri_stream.runtime.generate import generate
+from colibri_stream.runtime.loader import load_checkpoint
+from colibri_stream.runtime.session_pool import SessionPool
+from colibri_stream.runtime.sessions import Session
 from storage.errors import IncompatibleStateError
 
 PROMPT = fixtures.make_prompt(512, 20)

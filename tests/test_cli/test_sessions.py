@@ -11,9 +11,9 @@ import torch
 
 from colibri_stream import cli
 from colibri_stream.devtools import fixtures
-from colibri_stream.generate import generate
-from colibri_stream.kv_geometry import kv_geometry, naive_kv_bytes_per_token
-from colibri_stream.loader import load_checkpoint
+from colibri_stream.planning.kv_bytes import kv_geometry, naive_kv_bytes_per_token
+from colibri_stream.runtime.generate import generate
+from colibri_stream.runtime.loader import load_checkpoint
 
 PROMPT = fixtures.make_prompt(512, 20)  # > index_topk (8): the DSA indexer selects from the start
 ADDED = [77, 78, 79, 80]
@@ -157,7 +157,7 @@ def test_glm5_geometry_compression():
 
 def test_bfloat16_records_restore_close_to_float32(tiny_checkpoints, tmp_path):
     """bf16 halves the file; restored states differ by bf16 rounding (tokens may drift; see the note)."""
-    from colibri_stream.sessions import cache_from_payloads, cache_payloads
+    from colibri_stream.runtime.sessions import cache_from_payloads, cache_payloads
 
     loaded = load_checkpoint(tiny_checkpoints["deepseek_v32"])
     cache = loaded.model.new_cache()

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from colibri_stream import text
 from colibri_stream.devtools import fixtures
-from colibri_stream.text import (
+from colibri_stream.text import chat_format as text
+from colibri_stream.text.chat_format import (
     FALLBACK_CHAT_TEMPLATE,
     ChatFormat,
     ChatTemplateError,

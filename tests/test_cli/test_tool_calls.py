@@ -19,10 +19,10 @@ import openai
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from colibri_stream.conversation import RuntimeOptions, TurnResult, load_runtime
 from colibri_stream.devtools.fixtures import TINY_CHAT_TEMPLATE
-from colibri_stream.text import IncrementalDecoder, load_chat_format, load_tokenizer
-from colibri_stream.tool_calls import (
+from colibri_stream.runtime.turn import RuntimeOptions, TurnResult, load_runtime
+from colibri_stream.text.chat_format import IncrementalDecoder, load_chat_format, load_tokenizer
+from colibri_stream.text.tool_calls import (
     FORMATS,
     TOOL_MARKERS,
     ToolCall,

@@ -12,7 +12,7 @@ import threading
 import openai
 import pytest
 
-from colibri_stream.conversation import RuntimeOptions, load_runtime
+from colibri_stream.runtime.turn import RuntimeOptions, load_runtime
 
 WAIT_S = 120
 

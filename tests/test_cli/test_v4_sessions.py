@@ -13,16 +13,16 @@ import torch
 
 from colibri_stream import cli
 from colibri_stream.devtools import fixtures
-from colibri_stream.generate import generate
-from colibri_stream.kv_geometry import (
+from colibri_stream.planning.kv_bytes import (
     cache_bytes_per_token,
     compressed_kv_bytes_per_token,
     kv_geometry,
     naive_kv_bytes_per_token,
 )
-from colibri_stream.loader import load_checkpoint
-from colibri_stream.session_pool import SessionPool
-from colibri_stream.sessions import Session, session_info
+from colibri_stream.runtime.generate import generate
+from colibri_stream.runtime.loader import load_checkpoint
+from colibri_stream.runtime.session_pool import SessionPool
+from colibri_stream.runtime.sessions import Session, session_info
 from engine.args import ModelArgs
 from storage.kvlog import HEADER_BYTES
 
@@ -241,11 +241,11 @@ def test_kv_info_of_a_model_with_sliding_layers_only(tmp_path):
 def test_a_long_prompt_in_a_session_is_logged_chunk_by_chunk_and_its_rows_released(tiny_v4_checkpoint, tmp_path):
     """A session logs each prompt chunk as it is computed, so the V4 cache holds the window rows, not
     the whole prompt's; the turn's tokens are those of a run without the session."""
-    from colibri_stream.batching import ContinuousBatch, GenerationRequest
-    from colibri_stream.conversation import log_prompt_chunks
-    from colibri_stream.fingerprint import model_fingerprint
-    from colibri_stream.generate import generate
-    from colibri_stream.loader import load_checkpoint
+    from colibri_stream.checkpoint.fingerprint import model_fingerprint
+    from colibri_stream.runtime.batching import ContinuousBatch, GenerationRequest
+    from colibri_stream.runtime.generate import generate
+    from colibri_stream.runtime.loader import load_checkpoint
+    from colibri_stream.runtime.turn import log_prompt_chunks
 
     loaded = load_checkpoint(tiny_v4_checkpoint)
     prompt = fixtures.make_prompt(loaded.args.vocab_size, 70, seed=11)

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
+from colibri_stream.checkpoint.wrapped_configs import text_model_config
 from colibri_stream.convert.converter import Converter, ConvertOptions
 from colibri_stream.devtools import fixtures
-from colibri_stream.generate import generate
-from colibri_stream.loader import load_checkpoint, load_container, read_config
-from colibri_stream.wrapped_configs import text_model_config
+from colibri_stream.runtime.generate import generate
+from colibri_stream.runtime.loader import load_checkpoint, load_container, read_config
 from engine.weights import sort_names
 
 NEW_TOKENS = 16

@@ -8,11 +8,11 @@ import json
 import pytest
 import torch
 
-from colibri_stream.cluster import wire
-from colibri_stream.cluster.group import ClusterOptions, local_worker_flags
-from colibri_stream.cluster.shares import deal, measured_owners, read_expert_map, share_weights
-from colibri_stream.cluster.wire import Hello, Op
 from colibri_stream.errors import ColibriError
+from colibri_stream.experts.cluster import wire
+from colibri_stream.experts.cluster.group import ClusterOptions, local_worker_flags
+from colibri_stream.experts.cluster.shares import deal, measured_owners, read_expert_map, share_weights
+from colibri_stream.experts.cluster.wire import Hello, Op
 from storage.stats import StoreStats
 from storage.tiered import StoreConfig
 

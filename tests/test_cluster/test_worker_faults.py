@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from colibri_stream.cluster.local import free_port
+from colibri_stream.experts.cluster.local import free_port
 
 TIMEOUT_S = 8
 

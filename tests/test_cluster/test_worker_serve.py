@@ -9,9 +9,9 @@ import threading
 
 import psutil
 
-from colibri_stream.cluster.group import ClusterOptions
-from colibri_stream.config import StoreOptions
-from colibri_stream.conversation import RuntimeOptions, load_runtime
+from colibri_stream.experts.cluster.group import ClusterOptions
+from colibri_stream.planning.budget import StoreOptions
+from colibri_stream.runtime.turn import RuntimeOptions, load_runtime
 from colibri_stream.serve.app import Server
 from tests.test_cli.test_dashboard import MODEL, complete, request, serving, stats
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import torch
 
-from colibri_stream.batching import ContinuousBatch, GenerationRequest
-from colibri_stream.cluster.group import ClusterOptions
-from colibri_stream.config import StoreOptions
-from colibri_stream.conversation import RuntimeOptions, TurnOptions, load_runtime, run_turn
 from colibri_stream.devtools import fixtures
-from colibri_stream.sampling import SamplingParams
+from colibri_stream.experts.cluster.group import ClusterOptions
+from colibri_stream.planning.budget import StoreOptions
+from colibri_stream.runtime.batching import ContinuousBatch, GenerationRequest
+from colibri_stream.runtime.sampling import SamplingParams
+from colibri_stream.runtime.turn import RuntimeOptions, TurnOptions, load_runtime, run_turn
 
 TIGHT = StoreOptions(ram="40%")  # of the routed-expert bytes, together: every worker's store misses
 NEW_TOKENS = 6

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from colibri_stream.bench.kernels import KINDS, make_experts, random_kind_matrix
-from colibri_stream.generate import generate
-from colibri_stream.loader import load_container
+from colibri_stream.runtime.generate import generate
+from colibri_stream.runtime.loader import load_container
 from engine.quant import QuantizedExpert
 from storage.container import Container
 from storage.tiered import StoreConfig, minimum_slots

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from colibri_stream.devtools import fixtures
-from colibri_stream.generate import generate
-from colibri_stream.loader import load_checkpoint
+from colibri_stream.runtime.generate import generate
+from colibri_stream.runtime.loader import load_checkpoint
 
 PROMPT_LEN = 20  # longer than index_topk (8): DSA selects from the first decode step on
 NEW_TOKENS = 32

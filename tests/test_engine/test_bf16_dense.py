@@ -59,12 +59,12 @@ def test_bf16_container_keeps_linears_in_bf16_with_the_same_tokens(make_containe
     indexer's weights_proj excepted), half the bytes, and logits/greedy ids equal the model whose
     weights were upcast at load."""
     from colibri_stream.devtools import fixtures
-    from colibri_stream.generate import generate
-    from colibri_stream.loader import load_container
+    from colibri_stream.runtime.generate import generate
+    from colibri_stream.runtime.loader import load_container
 
     path = make_container(family, dense="bf16")
     held = load_container(path)
-    monkeypatch.setattr("colibri_stream.placement.bf16_kernel_available", lambda: False)
+    monkeypatch.setattr("colibri_stream.planning.placement.bf16_kernel_available", lambda: False)
     upcast = load_container(path)
     kinds = {name: type(m).__name__ for name, m in held.model.named_modules() if name.endswith(("wkv_b", "wo", "head"))}
     assert kinds["head"] == "Bf16Linear" and kinds["layers.0.attn.wo"] == "Bf16Linear"

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from colibri_stream.loader import load_container
+from colibri_stream.runtime.loader import load_container
 from engine import decode_ops
 from engine.moe import stable_topk_indices
 from engine.q8 import int8_activations

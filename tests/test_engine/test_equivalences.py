@@ -71,7 +71,7 @@ def test_prefill_then_decode_equals_one_forward(loaded, chunk):
 def test_chunked_prefill_equals_one_forward(loaded, chunk):
     """generate's prefill in chunks (40 = 3 x 12 + an absorbed tail of 4; 16 + 16 + 8), each attending to
     the cache the earlier ones filled, == the prompt in one forward: logits and greedy ids."""
-    from colibri_stream.generate import generate, prefill
+    from colibri_stream.runtime.generate import generate, prefill
 
     ids = _ids(loaded)
     whole = _logits(loaded, ids)[-1]
@@ -108,7 +108,7 @@ def test_auto_mode_picks_absorbed_for_decode_and_expanded_for_prefill(loaded, mo
 @pytest.mark.parametrize("absorb", [False, True], ids=["expanded", "absorbed"])
 def test_dsa_selecting_every_position_equals_dense(tiny_checkpoints, absorb):
     """Attention given a selection of all T positions (future ones masked causally) == no selection."""
-    from colibri_stream.loader import load_checkpoint
+    from colibri_stream.runtime.loader import load_checkpoint
 
     loaded = load_checkpoint(tiny_checkpoints["deepseek_v32"])
     attn, args = loaded.model.layers[0].attn, loaded.args
@@ -127,7 +127,7 @@ def test_dsa_selecting_every_position_equals_dense(tiny_checkpoints, absorb):
 
 @pytest.mark.parametrize("family", DSA_FAMILIES)
 def test_index_topk_at_least_context_equals_dense_and_below_it_selects(tiny_checkpoints, family):
-    from colibri_stream.loader import load_checkpoint
+    from colibri_stream.runtime.loader import load_checkpoint
 
     loaded = load_checkpoint(tiny_checkpoints[family])
     ids = _ids(loaded, 24)
@@ -143,7 +143,7 @@ def test_index_topk_at_least_context_equals_dense_and_below_it_selects(tiny_chec
 @pytest.mark.parametrize("family", DSA_FAMILIES)
 def test_decode_selection_is_active_beyond_index_topk(tiny_checkpoints, family):
     """A decode step at context 21 > index_topk really uses a K-position selection."""
-    from colibri_stream.loader import load_checkpoint
+    from colibri_stream.runtime.loader import load_checkpoint
 
     loaded = load_checkpoint(tiny_checkpoints[family])
     ids = _ids(loaded, 21)
@@ -156,7 +156,7 @@ def test_decode_selection_is_active_beyond_index_topk(tiny_checkpoints, family):
 
 
 def test_glm_shared_layers_reuse_the_previous_full_layers_selection(tiny_checkpoints):
-    from colibri_stream.loader import load_checkpoint
+    from colibri_stream.runtime.loader import load_checkpoint
 
     loaded = load_checkpoint(tiny_checkpoints["glm_moe_dsa"])
     kinds = loaded.args.indexer_types

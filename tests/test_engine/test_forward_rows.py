@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from colibri_stream.bench.kernels import KINDS, random_kind_matrix
-from colibri_stream.config import StoreOptions
-from colibri_stream.generate import decode_one_token, prefill
-from colibri_stream.loader import load
+from colibri_stream.planning.budget import StoreOptions
+from colibri_stream.runtime.generate import decode_one_token, prefill
+from colibri_stream.runtime.loader import load
 from engine.bf16 import ISA, bf16_kernel_available, bf16_matmul
 from engine.quant import int4_kernel_available, kernel_matmul
 from engine.rows import computing_alone, linear, rows_alone

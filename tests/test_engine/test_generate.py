@@ -7,8 +7,8 @@ import torch
 
 from colibri_stream.devtools import fixtures
 from colibri_stream.errors import RequestError
-from colibri_stream.generate import SamplingParams, generate, sample
-from colibri_stream.loader import load_checkpoint
+from colibri_stream.runtime.generate import SamplingParams, generate, sample
+from colibri_stream.runtime.loader import load_checkpoint
 
 
 def _prompt(loaded):

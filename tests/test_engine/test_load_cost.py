@@ -11,7 +11,7 @@ from engine.layers import embedding
 
 CHECK = """
 import sys
-from colibri_stream.loader import load_container
+from colibri_stream.runtime.loader import load_container
 from storage.tiered import StoreConfig
 loaded = load_container(sys.argv[1], store=StoreConfig(ram_bytes=10**12, preload=True))
 loaded.experts.close()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import engine.model
-from colibri_stream.loader import load_container
+from colibri_stream.runtime.loader import load_container
 from engine import decode_ops, mla_decode
 from engine.mla_decode import FusedMLA
 from engine.q8 import int8_activations

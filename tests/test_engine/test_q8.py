@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from colibri_stream.errors import ColibriError
-from colibri_stream.loader import load, load_container
+from colibri_stream.runtime.loader import load, load_container
 from engine.int8_dense import Int8Linear
 from engine.q8 import (
     ISA_AVX2,

@@ -1,4 +1,4 @@
-"""Whether a loaded model reads ahead (colibri_stream/read_ahead.py): only where the last-level cache holds
+"""Whether a loaded model reads ahead (colibri_stream/planning/read_ahead.py): only where the last-level cache holds
 a read-ahead request several times over; the engine then never asks the helper thread to read."""
 
 from __future__ import annotations
@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 
 import engine.model
-from colibri_stream import loader, read_ahead
-from colibri_stream.config import StoreOptions
-from colibri_stream.read_ahead import CACHE_SHARE, choose_read_ahead, last_level_cache_bytes
+from colibri_stream.planning import read_ahead
+from colibri_stream.planning.budget import StoreOptions
+from colibri_stream.planning.read_ahead import CACHE_SHARE, choose_read_ahead, last_level_cache_bytes
+from colibri_stream.runtime import loader
 
 
 def _cache_dir(root, *entries):
@@ -58,7 +59,7 @@ def test_a_model_reads_ahead_only_where_the_cache_holds_it(stream_container, cac
 
 
 def test_a_model_loaded_on_a_small_cache_never_asks_for_read_ahead(stream_container, monkeypatch):
-    from colibri_stream.generate import generate
+    from colibri_stream.runtime.generate import generate
 
     monkeypatch.setattr(read_ahead, "last_level_cache_bytes", lambda: 1024)  # far below any request
     monkeypatch.setattr(loader, "last_level_cache_bytes", lambda: 1024)

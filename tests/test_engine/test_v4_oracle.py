@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from colibri_stream.devtools import fixtures
-from colibri_stream.generate import generate
-from colibri_stream.loader import load_checkpoint
+from colibri_stream.runtime.generate import generate
+from colibri_stream.runtime.loader import load_checkpoint
 from engine.experts import ResidentExperts
 
 PROMPT_LEN = 20  # CSA selects from position 10 on: index_topk 4 x rate 2 < 20 / 2 entries

@@ -107,8 +107,8 @@ def test_resident_experts_give_their_memory_gate_and_up_before_down():
 @needs_helper
 @pytest.mark.parametrize("int8", [False, True], ids=["float", "int8-act"])
 def test_decoding_with_read_ahead_gives_the_same_logits(stream_container, int8, monkeypatch):
-    from colibri_stream.generate import decode_one_token, prefill
-    from colibri_stream.loader import load_container
+    from colibri_stream.runtime.generate import decode_one_token, prefill
+    from colibri_stream.runtime.loader import load_container
     from storage.container import Container
     from storage.tiered import StoreConfig
 
@@ -177,7 +177,7 @@ def test_a_helper_sharing_its_core_with_a_busy_process_skips_the_read_ahead():
 
 @needs_helper
 def test_closing_a_runtime_lets_go_of_the_arrays_its_last_request_named(stream_container, tmp_path):
-    from colibri_stream.conversation import RuntimeOptions, TurnOptions, load_runtime, run_turn
+    from colibri_stream.runtime.turn import RuntimeOptions, TurnOptions, load_runtime, run_turn
 
     with kernel_threads_set(2):
         runtime = load_runtime(stream_container, RuntimeOptions(kv_dir=tmp_path, text=False))

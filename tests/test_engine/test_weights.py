@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from colibri_stream.loader import CheckpointError, load_checkpoint
+from colibri_stream.runtime.loader import CheckpointError, load_checkpoint
 from engine.weights import WeightNameError, engine_name, routed_expert_key
 
 

@@ -22,7 +22,7 @@ import pytest
 from colibri_stream import cli
 from colibri_stream.convert.hf_source import HFSource
 from colibri_stream.errors import USER_ERRORS, CheckpointError
-from colibri_stream.loader import load_checkpoint, load_container
+from colibri_stream.runtime.loader import load_checkpoint, load_container
 from engine.args import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]

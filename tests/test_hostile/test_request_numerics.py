@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from colibri_stream.cli import build_parser, main
-from colibri_stream.config import parse_size
-from colibri_stream.conversation import RuntimeOptions, TurnOptions, fit_to_context, load_runtime, run_turn
 from colibri_stream.errors import BudgetError, RequestError
-from colibri_stream.generate import SamplingParams, sample
+from colibri_stream.planning.budget import parse_size
+from colibri_stream.runtime.generate import SamplingParams, sample
+from colibri_stream.runtime.turn import RuntimeOptions, TurnOptions, fit_to_context, load_runtime, run_turn
 from colibri_stream.serve.intake import parse_request
 from colibri_stream.serve.schemas import ApiError, ChatRequest, CompletionRequest
 

@@ -21,13 +21,13 @@ import pytest
 import uvicorn
 
 from colibri_stream.cli import main
-from colibri_stream.conversation import RuntimeOptions, load_runtime
 from colibri_stream.errors import ChatTemplateError, ColibriError
+from colibri_stream.runtime.turn import RuntimeOptions, load_runtime
 from colibri_stream.serve import intake, worker
 from colibri_stream.serve.app import Server, create_app
 from colibri_stream.serve.auth import ApiKeys
 from colibri_stream.serve.http import HttpLimits, server_config
-from colibri_stream.text import ChatFormat
+from colibri_stream.text.chat_format import ChatFormat
 
 FAMILY = "deepseek_v3"
 MODEL = "tiny"

@@ -13,11 +13,12 @@ import textwrap
 
 import pytest
 
-from colibri_stream import cli, fingerprint
+from colibri_stream import cli
+from colibri_stream.checkpoint import fingerprint
+from colibri_stream.checkpoint.fingerprint import container_weights_sha256, model_fingerprint
 from colibri_stream.devtools import fixtures
 from colibri_stream.errors import SessionError
-from colibri_stream.fingerprint import container_weights_sha256, model_fingerprint
-from colibri_stream.sessions import Session, check_session_name
+from colibri_stream.runtime.sessions import Session, check_session_name
 from engine.args import ModelArgs
 from storage import kvlog
 from storage.container import Container
@@ -205,7 +206,7 @@ _OPEN_HUGE_LOG = textwrap.dedent(
     """
     import json, os, sys
     import numpy as np
-    from colibri_stream.memory import peak_rss_bytes
+    from colibri_stream.runtime.memory import peak_rss_bytes
     from storage.kvlog import KVGeometry, KVLog
     geometry = KVGeometry(2, 4, 2, (0,), 3, "float32")
     path = sys.argv[1]

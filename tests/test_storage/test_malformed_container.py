@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from colibri_stream import cli
-from colibri_stream.loader import load_container
+from colibri_stream.runtime.loader import load_container
 from storage.errors import StorageError
 
 

@@ -16,9 +16,9 @@ from colibri_stream.convert.converter import Converter, ConvertOptions
 SCRIPT = r"""
 import json, sys
 import torch
-from colibri_stream.loader import load_container
-from colibri_stream.generate import generate
-from colibri_stream.memory import PeakSampler, return_large_frees_to_the_os, uss_bytes
+from colibri_stream.runtime.loader import load_container
+from colibri_stream.runtime.generate import generate
+from colibri_stream.runtime.memory import PeakSampler, return_large_frees_to_the_os, uss_bytes
 from storage.container import Container
 from storage.tiered import StoreConfig
 

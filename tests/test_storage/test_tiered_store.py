@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from colibri_stream.devtools.fixtures import FAMILIES, make_prompt
-from colibri_stream.generate import generate
-from colibri_stream.loader import load_container
+from colibri_stream.runtime.generate import generate
+from colibri_stream.runtime.loader import load_container
 from storage.container import Container
 from storage.errors import BudgetError, CorruptDataError
 from storage.history import UsageHistory
@@ -236,7 +236,7 @@ def test_pinned_leaves_a_layer_unpinned_and_chunks_fit_beside_the_hot_store(stre
 
 
 def test_history_is_persisted_and_refuses_another_model(history_file, stream_container):
-    from colibri_stream.fingerprint import container_fingerprint
+    from colibri_stream.checkpoint.fingerprint import container_fingerprint
     from storage.errors import IncompatibleStateError
 
     container = Container(stream_container)

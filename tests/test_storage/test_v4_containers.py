@@ -13,10 +13,10 @@ from safetensors.torch import load_file, save_file
 from colibri_stream.convert.converter import Converter, ConvertOptions
 from colibri_stream.devtools import fixtures
 from colibri_stream.errors import CheckpointError
-from colibri_stream.generate import generate
-from colibri_stream.geometry import geometry_from_container
-from colibri_stream.loader import load_checkpoint, load_container
-from colibri_stream.placement import plan
+from colibri_stream.planning.geometry import geometry_from_container
+from colibri_stream.planning.placement import plan
+from colibri_stream.runtime.generate import generate
+from colibri_stream.runtime.loader import load_checkpoint, load_container
 from engine.bf16 import bf16_kernel_available
 from storage.container import Container
 from storage.tiered import StoreConfig

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from colibri_stream.dtypes import TORCH_DTYPES, bf16_bits
+from colibri_stream.checkpoint.dtypes import TORCH_DTYPES, bf16_bits
 from engine.experts import Expert, ExpertWeights
 from engine.quant import QuantizedExpert, QuantizedMatrix, quantize
 from storage.layout import ExpertRecordLayout

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from colibri_stream.sessions import Session, as_logged
+from colibri_stream.runtime.sessions import Session, as_logged
 from engine.cache import KVCache
 
 

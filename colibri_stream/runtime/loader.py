@@ -16,7 +16,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from colibri_stream.checkpoint_files import (
+from colibri_stream.checkpoint.dtypes import COMPUTE_DTYPES, compute_dtype_of, from_stored
+from colibri_stream.checkpoint.files import (
     WEIGHT_DTYPES,
     TensorInfo,
     check_dtypes,
@@ -25,17 +26,16 @@ from colibri_stream.checkpoint_files import (
     shard_files,
     short_name,
 )
-from colibri_stream.cluster.group import ClusterOptions, connect
-from colibri_stream.config import StoreOptions, store_config
-from colibri_stream.dtypes import COMPUTE_DTYPES, compute_dtype_of, from_stored
+from colibri_stream.checkpoint.fingerprint import container_fingerprint
+from colibri_stream.checkpoint.wrapped_configs import text_model_config
 from colibri_stream.errors import CheckpointError, ColibriError
-from colibri_stream.expert_codec import expert_from_record
-from colibri_stream.expert_store import ExpertStore, ResidentStore
-from colibri_stream.fingerprint import container_fingerprint
-from colibri_stream.geometry import container_args, geometry_from_container
-from colibri_stream.placement import bf16_held_weights, check_fits, plan
-from colibri_stream.read_ahead import choose_read_ahead, last_level_cache_bytes
-from colibri_stream.wrapped_configs import text_model_config
+from colibri_stream.experts.cluster.group import ClusterOptions, connect
+from colibri_stream.experts.codec import expert_from_record
+from colibri_stream.experts.store import ExpertStore, ResidentStore
+from colibri_stream.planning.budget import StoreOptions, store_config
+from colibri_stream.planning.geometry import container_args, geometry_from_container
+from colibri_stream.planning.placement import bf16_held_weights, check_fits, plan
+from colibri_stream.planning.read_ahead import choose_read_ahead, last_level_cache_bytes
 from engine.args import ModelArgs
 from engine.bf16 import hold_in_bf16, linear_candidates
 from engine.experts import Expert, ExpertWeights
@@ -205,7 +205,7 @@ def load(
 
 
 def _reading_ahead(loaded: LoadedModel, expert_bytes: int) -> LoadedModel:
-    """Decode reads ahead into the CPU caches only where they hold what it reads (colibri_stream/read_ahead.py)."""
+    """Decode reads ahead into the CPU caches only where they hold what it reads (planning/read_ahead.py)."""
     if isinstance(loaded.model, Transformer):
         choose_read_ahead(loaded.model, loaded.args.n_activated_experts, expert_bytes, last_level_cache_bytes())
     return loaded

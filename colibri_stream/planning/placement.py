@@ -19,14 +19,13 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from colibri_stream.activations import prefill_activation_bytes
-from colibri_stream.bandwidth import Bandwidth
-from colibri_stream.dtypes import COMPUTE_DTYPES, FLOAT32_PARAMETERS
-from colibri_stream.dtypes import dtype_bytes as dtype_bytes_of
+from colibri_stream.checkpoint.dtypes import COMPUTE_DTYPES, FLOAT32_PARAMETERS
+from colibri_stream.checkpoint.dtypes import dtype_bytes as dtype_bytes_of
 from colibri_stream.errors import BudgetError
-from colibri_stream.generate import PREFILL_CHUNK_TOKENS
-from colibri_stream.geometry import DenseArray, ModelGeometry
-from colibri_stream.kv_geometry import cache_bytes_per_token, held_rows_bytes
+from colibri_stream.planning.activations import PREFILL_CHUNK_TOKENS, prefill_activation_bytes
+from colibri_stream.planning.bandwidth import Bandwidth
+from colibri_stream.planning.geometry import DenseArray, ModelGeometry
+from colibri_stream.planning.kv_bytes import cache_bytes_per_token, held_rows_bytes
 from engine.args import ModelArgs
 from engine.bf16 import bf16_candidates, bf16_kernel_available
 from engine.families import meta_transformer

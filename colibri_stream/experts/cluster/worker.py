@@ -22,15 +22,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from colibri_stream.bandwidth import disk_bandwidth
-from colibri_stream.cluster import wire
-from colibri_stream.cluster.rendezvous import join_group
-from colibri_stream.cluster.wire import COORDINATOR, Hello, Op
-from colibri_stream.config import StoreOptions, worker_store_config
+from colibri_stream.checkpoint.fingerprint import container_fingerprint
 from colibri_stream.errors import ColibriError
-from colibri_stream.expert_codec import expert_from_record
-from colibri_stream.fingerprint import container_fingerprint
-from colibri_stream.geometry import container_args, geometry_from_container
+from colibri_stream.experts.cluster import wire
+from colibri_stream.experts.cluster.rendezvous import join_group
+from colibri_stream.experts.cluster.wire import COORDINATOR, Hello, Op
+from colibri_stream.experts.codec import expert_from_record
+from colibri_stream.planning.bandwidth import disk_bandwidth
+from colibri_stream.planning.budget import StoreOptions, worker_store_config
+from colibri_stream.planning.geometry import container_args, geometry_from_container
 from engine.moe import routed_sum
 from engine.q8 import int8_activations
 from engine.rows import rows_alone, torch_on_one_thread

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from colibri_stream.checkpoint_files import read_json_object
-from colibri_stream.dtypes import stored_dense_dtype
+from colibri_stream.checkpoint.dtypes import stored_dense_dtype
+from colibri_stream.checkpoint.files import read_json_object
+from colibri_stream.checkpoint.packed_quant import PackedFormat, packed_format
+from colibri_stream.checkpoint.wrapped_configs import text_model_config
 from colibri_stream.errors import USER_ERRORS, CheckpointError, ColibriError
-from colibri_stream.packed_quant import PackedFormat, packed_format
-from colibri_stream.wrapped_configs import text_model_config
 from engine.args import ConfigError, ModelArgs
 from engine.config_checks import brief
 from engine.families import meta_transformer

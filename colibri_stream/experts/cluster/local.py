@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from colibri_stream.cluster.wire import WorkerError
+from colibri_stream.experts.cluster.wire import WorkerError
 
 LOCALHOST = "127.0.0.1"
 STOP_WAIT_S = 10.0

@@ -21,8 +21,8 @@ from jinja2 import TemplateError
 from tokenizers import Tokenizer
 
 from colibri_stream.errors import ChatTemplateError, TokenizerError
-from colibri_stream.template_sandbox import BoundedSandbox, end_render, start_render
-from colibri_stream.tool_calls import TOOL_MARKERS
+from colibri_stream.text.template_sandbox import BoundedSandbox, end_render, start_render
+from colibri_stream.text.tool_calls import TOOL_MARKERS
 from storage.errors import FormatError
 from storage.safe_read import decode_utf8, read_bounded, read_json
 

@@ -25,8 +25,8 @@ import psutil
 import torch
 
 from colibri_stream.errors import BudgetError
-from colibri_stream.geometry import ModelGeometry
-from colibri_stream.placement import floor_bytes, plan
+from colibri_stream.planning.geometry import ModelGeometry
+from colibri_stream.planning.placement import floor_bytes, plan
 from storage.errors import FormatError
 from storage.policy import POLICY_NAMES
 from storage.safe_read import decode_utf8, read_bounded

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 from colibri_stream.errors import RequestError
-from colibri_stream.sampling import SamplingParams, sample
+from colibri_stream.planning.activations import PREFILL_CHUNK_TOKENS
+from colibri_stream.runtime.sampling import SamplingParams, sample
 from engine.cache import KVCache
 from engine.experts import ExpertProvider
 from engine.model import Transformer
@@ -55,13 +56,6 @@ class GenerationResult:
     stats: GenerationStats = field(default_factory=GenerationStats)
     stopped_on: int | None = None  # the stop id that ended generation, if any
     cancelled: bool = False  # should_stop() returned True before max_new_tokens or a stop id
-
-
-# Prefill runs the prompt this many positions at a time, appending each chunk to the cache: activation
-# memory then depends on the chunk and the context, never on the prompt's length, and placement counts
-# it (colibri_stream/activations.py). A fixed number, never derived from a budget or from what else is
-# running, so the positions each forward sees (and the tokens) are the same under any budget or batch.
-PREFILL_CHUNK_TOKENS = 256
 
 
 @dataclass

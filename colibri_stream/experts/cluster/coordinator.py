@@ -22,9 +22,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from colibri_stream.cluster import wire
-from colibri_stream.cluster.local import LocalWorkers
-from colibri_stream.cluster.wire import Hello, Op, WorkerError
+from colibri_stream.experts.cluster import wire
+from colibri_stream.experts.cluster.local import LocalWorkers
+from colibri_stream.experts.cluster.wire import Hello, Op, WorkerError
 from engine.q8 import activations_are_int8
 from engine.rows import computing_alone
 from storage.container import Container

@@ -10,7 +10,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from colibri_stream.cluster.wire import WorkerError
+from colibri_stream.experts.cluster.wire import WorkerError
 
 POLL_S = 0.05
 # Operations without an explicit timeout (a worker's replies) may take this long; every wait that matters

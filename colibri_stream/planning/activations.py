@@ -26,6 +26,12 @@ from engine.args import ModelArgs
 from engine.bf16 import UPCAST_BLOCK_BYTES
 from engine.layers import SCORE_BLOCK_BYTES
 
+# Prefill runs the prompt this many positions at a time, appending each chunk to the cache: activation
+# memory then depends on the chunk and the context, never on the prompt's length, and placement counts
+# it (prefill_activation_bytes below). A fixed number, never derived from a budget or from what else is
+# running, so the positions each forward sees (and the tokens) are the same under any budget or batch.
+PREFILL_CHUNK_TOKENS = 256
+
 F32 = 4
 INT64 = 8
 F64 = 8

@@ -1,6 +1,6 @@
 """The generation loop of one sequence: prefill -> decode_one_token -> generate.
 
-``generate`` is a ContinuousBatch (colibri_stream/batching.py) with one sequence: the CLI's run and
+``generate`` is a ContinuousBatch (colibri_stream/runtime/batching.py) with one sequence: the CLI's run and
 chat, the demo, bench and the server's batch all compute a request the same way. Timing stats are
 measured around the real forward calls.
 """
@@ -11,15 +11,15 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from colibri_stream.batching import (
-    PREFILL_CHUNK_TOKENS,
+from colibri_stream.errors import RequestError
+from colibri_stream.planning.activations import PREFILL_CHUNK_TOKENS
+from colibri_stream.runtime.batching import (
     ContinuousBatch,
     GenerationRequest,
     GenerationResult,
     GenerationStats,
 )
-from colibri_stream.errors import RequestError
-from colibri_stream.sampling import GREEDY_BELOW, SamplingParams, sample
+from colibri_stream.runtime.sampling import GREEDY_BELOW, SamplingParams, sample
 from engine.cache import KVCache
 from engine.experts import ExpertProvider
 from engine.model import Transformer

@@ -21,9 +21,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from colibri_stream.dtypes import bf16_bits, dtype_bytes, from_stored
+from colibri_stream.checkpoint.dtypes import bf16_bits, dtype_bytes, from_stored
 from colibri_stream.errors import SessionError
-from colibri_stream.kv_geometry import (
+from colibri_stream.paths import user_cache_dir
+from colibri_stream.planning.kv_bytes import (
     V4_ROW_ORDER,
     cache_bytes_per_token,
     compressed_kv_bytes_per_token,
@@ -32,7 +33,6 @@ from colibri_stream.kv_geometry import (
     naive_kv_kind,
     v4_layer_rows,
 )
-from colibri_stream.paths import user_cache_dir
 from engine.args import ModelArgs
 from engine.cache import KVCache
 from engine.position_rows import RowsReleased

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
-from colibri_stream.dtypes import dtype_bytes
+from colibri_stream.checkpoint.dtypes import dtype_bytes
 from engine.args import ModelArgs
 from engine.v4_args import V4Args
 from storage.kvlog import Geometry, KVGeometry, RowsGeometry

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from colibri_stream.checkpoint.fingerprint import model_fingerprint
 from colibri_stream.errors import CheckpointError
-from colibri_stream.fingerprint import model_fingerprint
 from colibri_stream.paths import user_cache_dir
 
 DEMO_PROMPT = "import sys\n\n\ndef main():\n"
-REPO_ROOT = Path(__file__).resolve().parents[1]  # the package is installed editable from the repository
+REPO_ROOT = Path(__file__).resolve().parents[2]  # the package is installed editable from the repository
 
 
 def demo_model_dir(root: Path = REPO_ROOT) -> Path:

@@ -9,14 +9,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from colibri_stream.cluster import wire
-from colibri_stream.cluster.coordinator import DistributedExperts
-from colibri_stream.cluster.local import LOCALHOST, LocalWorkers, free_port
-from colibri_stream.cluster.rendezvous import host_group
-from colibri_stream.cluster.shares import measured_owners, read_expert_map
-from colibri_stream.cluster.wire import Hello, Op, WorkerError
+from colibri_stream.checkpoint.fingerprint import container_fingerprint
 from colibri_stream.errors import ColibriError
-from colibri_stream.fingerprint import container_fingerprint
+from colibri_stream.experts.cluster import wire
+from colibri_stream.experts.cluster.coordinator import DistributedExperts
+from colibri_stream.experts.cluster.local import LOCALHOST, LocalWorkers, free_port
+from colibri_stream.experts.cluster.rendezvous import host_group
+from colibri_stream.experts.cluster.shares import measured_owners, read_expert_map
+from colibri_stream.experts.cluster.wire import Hello, Op, WorkerError
 from storage.container import Container
 from storage.tiered import StoreConfig
 from storage.trace import TraceWriter
@@ -36,7 +36,7 @@ class ClusterOptions:
     local_workers: int = 0
     timeout_s: float = DEFAULT_TIMEOUT_S  # a worker's answer to one request
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S  # every worker joined
-    expert_map: str | Path | None = None  # explicit shares (colibri_stream/cluster/shares.py)
+    expert_map: str | Path | None = None  # explicit shares (colibri_stream/experts/cluster/shares.py)
 
     @property
     def enabled(self) -> bool:

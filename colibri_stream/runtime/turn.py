@@ -24,18 +24,18 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from colibri_stream.batching import ContinuousBatch, GenerationRequest, GenerationResult
-from colibri_stream.cluster.group import ClusterOptions
-from colibri_stream.config import StoreOptions
+from colibri_stream.checkpoint.fingerprint import model_fingerprint
 from colibri_stream.errors import RequestError, TokenizerError
-from colibri_stream.expert_store import ExpertStore
-from colibri_stream.fingerprint import model_fingerprint
-from colibri_stream.loader import LoadedModel, load
-from colibri_stream.memory import PeakWatch, SharedPeakSampler, disk_read_bytes, peak_rss_bytes
-from colibri_stream.sampling import SamplingParams
-from colibri_stream.session_pool import SessionPool
-from colibri_stream.sessions import Session, TurnStart, default_kv_dir
-from colibri_stream.text import ChatFormat, PromptEncoder, load_chat_format, load_tokenizer
+from colibri_stream.experts.cluster.group import ClusterOptions
+from colibri_stream.experts.store import ExpertStore
+from colibri_stream.planning.budget import StoreOptions
+from colibri_stream.runtime.batching import ContinuousBatch, GenerationRequest, GenerationResult
+from colibri_stream.runtime.loader import LoadedModel, load
+from colibri_stream.runtime.memory import PeakWatch, SharedPeakSampler, disk_read_bytes, peak_rss_bytes
+from colibri_stream.runtime.sampling import SamplingParams
+from colibri_stream.runtime.session_pool import SessionPool
+from colibri_stream.runtime.sessions import Session, TurnStart, default_kv_dir
+from colibri_stream.text.chat_format import ChatFormat, PromptEncoder, load_chat_format, load_tokenizer
 from engine.cache import KVCache
 from engine.v4_cache import V4Cache
 from engine.warm import stop_warming

@@ -1,0 +1,1 @@
+"""Routed experts as the engine sees them: the record codec, the ExpertStore protocol, the cluster."""

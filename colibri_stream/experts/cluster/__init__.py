@@ -1,0 +1,1 @@
+"""Experts sharded over worker processes on torch.distributed gloo."""

@@ -1,0 +1,1 @@
+"""'Will it fit' before anything loads: budgets, model and KV sizes, placement, bandwidth probes."""

@@ -1,0 +1,1 @@
+"""Running a model: the loader, the one turn, batching, sampling, sessions and their pool."""
