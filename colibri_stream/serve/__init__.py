@@ -1,1 +1,1 @@
-"""`colibri-stream serve`: the OpenAI-compatible HTTP API over one model (app, worker, schemas)."""
+"""`colibri-stream serve`: the OpenAI-compatible HTTP API over one model (app, model thread, schemas)."""

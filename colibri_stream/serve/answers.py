@@ -2,7 +2,7 @@
 offered tools), either collected whole or iterated as it streams. Shared by the OpenAI and Anthropic
 routes, which only shape what comes out of here.
 
-A job's events (worker.Job) are ("text", delta) ..., then ("done", TurnResult) or ("error", ApiError).
+A job's events (model_thread.Job) are ("text", delta) ..., then ("done", TurnResult) or ("error", ApiError).
 ``answer_events`` passes them on with each text delta run through the request's ToolCallParser, so they
 become ("text", str) and ("tool_call", ToolCall) events, in the order the model wrote them.
 """
@@ -17,8 +17,8 @@ from typing import Any
 from starlette.requests import Request
 
 from colibri_stream.runtime.turn import Runtime, TurnResult
+from colibri_stream.serve.model_thread import Job
 from colibri_stream.serve.schemas import ApiError
-from colibri_stream.serve.worker import Job
 from colibri_stream.text.tool_calls import ToolCall, ToolCallParser, tool_format_for, tools_from_functions
 
 KNOWN_FORMATS = "DeepSeek-V3/R1, DeepSeek-V3.1/V3.2, GLM-4.5/5, Kimi-K2"

@@ -2,7 +2,7 @@
 
 A request (system, messages of text / tool_use / tool_result blocks, tools) is mapped onto the same
 template messages as an OpenAI chat request (assistant ``tool_calls``, ``tool`` messages), so one chat
-template renders both, and runs through the same Server (auth, limits, sessions, worker). Only the shapes
+template renders both, and runs through the same Server (auth, limits, sessions, model thread). Only the shapes
 differ: the answer is a message of content blocks with a stop_reason, streamed as Anthropic's event
 sequence (message_start, ping, content_block_start / _delta / _stop per block, message_delta with the
 stop_reason and usage, message_stop), and every failure on these routes, authentication and validation
@@ -24,8 +24,8 @@ from pydantic import BaseModel, Field
 from colibri_stream.runtime.turn import TurnResult
 from colibri_stream.serve.answers import Answer, answer_events, collect, tool_parser
 from colibri_stream.serve.intake import parse_request, read_body
+from colibri_stream.serve.model_thread import Job
 from colibri_stream.serve.schemas import STRICT, TOOL_NAME, ApiError, template_call
-from colibri_stream.serve.worker import Job
 from colibri_stream.text.tool_calls import ToolCall, ToolCallParser
 
 Server = Any  # serve.app.Server, which imports this module (so it cannot be imported here)

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: /v1/models, /v1/chat/completions, /v1/completions (JSON or SSE).
 
 Requests are authenticated (serve/auth.py), read and validated (serve/intake.py) and turned into
-prompts here, then run by the worker (serve/worker.py). A request's ``user`` field names its KV session
+prompts here, then run by the model thread (serve/model_thread.py). A request's ``user`` field names its KV session
 (prefix reuse across requests and restarts), within its API key's namespace when keys are set. CPU work
 (parsing, template rendering, tokenisation) runs in a small thread pool, never on the event loop, so
 one huge prompt does not stall /health or other clients. A client that disconnects cancels its job,
@@ -32,8 +32,8 @@ from colibri_stream.serve.anthropic_api import add_anthropic_routes
 from colibri_stream.serve.auth import ApiKeys
 from colibri_stream.serve.dashboard import add_dashboard_routes
 from colibri_stream.serve.intake import parse_request, read_body
+from colibri_stream.serve.model_thread import Admission, Job, ModelThread
 from colibri_stream.serve.schemas import ApiError, ChatRequest, CompletionRequest
-from colibri_stream.serve.worker import Admission, Job, Worker
 from colibri_stream.text.tool_calls import ToolCall, ToolCallParser
 
 PROMPT_THREADS = 2  # parsing and tokenising requests; more would only contend for the same cores
@@ -42,7 +42,7 @@ T = TypeVar("T")
 
 
 class Server:
-    """Request validation, prompt building and response shaping around a Worker."""
+    """Request validation, prompt building and response shaping around a ModelThread."""
 
     def __init__(
         self,
@@ -56,7 +56,7 @@ class Server:
         if slots < 1 or max_queue < 0:
             raise ColibriError(f"--slots must be >= 1 and --max-queue >= 0, got {slots} and {max_queue}")
         self.runtime = runtime
-        self.worker = Worker(runtime, sync_every, held_sessions=slots)
+        self.model_thread = ModelThread(runtime, sync_every, held_sessions=slots)
         self.slots, self.max_queue = slots, max_queue
         self.default_max_tokens = default_max_tokens
         self.api_keys = api_keys or ApiKeys()
@@ -162,13 +162,13 @@ class Server:
         try:
             await self.admission.acquire()
         except ApiError:
-            self.worker.counters.rejected += 1
+            self.model_thread.counters.rejected += 1
             raise
         sampling = SamplingParams(body.temperature, body.top_p, body.seed)
         job = Job(
             prompt, limit, sampling, session, body.stop_strings(), asyncio.get_running_loop(), self.admission.release
         )
-        self.worker.jobs.put(job)
+        self.model_thread.jobs.put(job)
         return job
 
     def status(self) -> dict[str, Any]:
@@ -180,9 +180,9 @@ class Server:
             "max_queue": self.max_queue,
             "slots_busy": admission.busy if admission else 0,
             "queued": admission.waiting if admission else 0,
-            "batch": len(self.worker.running),  # generations decoding together now
-            "sessions_in_memory": len(self.worker.pool),
-            **vars(self.worker.counters),
+            "batch": len(self.model_thread.running),  # generations decoding together now
+            "sessions_in_memory": len(self.model_thread.pool),
+            **vars(self.model_thread.counters),
         }
 
 
@@ -262,9 +262,9 @@ def _completion_chunk(cid: str, model: str) -> Chunk:
 def create_app(server: Server) -> FastAPI:
     async def lifespan(app: FastAPI):
         server.admission = Admission(server.slots, server.max_queue)
-        server.worker.start()
+        server.model_thread.start()
         yield
-        server.worker.stop()
+        server.model_thread.stop()
         server.cpu.shutdown(wait=False, cancel_futures=True)
 
     async def parse_body(request: Request, schema: type[ChatRequest] | type[CompletionRequest]):

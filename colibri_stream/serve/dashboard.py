@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request, Response
 
 from colibri_stream.runtime.turn import Runtime
 from colibri_stream.serve.live_stats import RateWindow, experts_json, residency_json, tier_json
-from colibri_stream.serve.worker import Admission, Worker
+from colibri_stream.serve.model_thread import Admission, ModelThread
 
 STATIC = {  # URL path -> (file in serve/static, media type); nothing else is served from there
     "/": ("index.html", "text/html; charset=utf-8"),
@@ -43,7 +43,7 @@ class Server(Protocol):
     """What the dashboard reads of serve.app.Server (which registers these routes, so no import of it)."""
 
     runtime: Runtime
-    worker: Worker
+    model_thread: ModelThread
     slots: int
     admission: Admission | None
 
@@ -51,7 +51,7 @@ class Server(Protocol):
 
 
 class Dashboard:
-    """Builds /api/stats from the server's store, worker and admission."""
+    """Builds /api/stats from the server's store, model thread and admission."""
 
     def __init__(self, server: Server):
         self.server = server
@@ -64,7 +64,7 @@ class Dashboard:
         counters = store.snapshot()
         tiers = store.tiers()
         layers = store.routed.layers
-        activity = server.worker.activity()
+        activity = server.model_thread.activity()
         admission = server.admission
         return {
             "model": server.runtime.model_id,
@@ -72,7 +72,7 @@ class Dashboard:
             "tiers": [tier_json(tier, counters) for tier in tiers],
             "experts": experts_json(counters),
             "io": self.window.rates(counters),
-            "counters": dict(vars(server.worker.counters)),
+            "counters": dict(vars(server.model_thread.counters)),
             "queue": {
                 "slots": server.slots,
                 "busy": admission.busy if admission else 0,

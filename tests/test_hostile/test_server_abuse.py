@@ -250,7 +250,7 @@ def test_a_non_streaming_client_that_leaves_cancels_its_generation(runtime, monk
     scenario(server, test)
     assert len(turns) == 1 and turns[0].finish_reason == "cancelled"
     assert len(turns[0].ids) < 400
-    assert server.worker.counters.cancelled == 1 and server.worker.counters.served == 0
+    assert server.model_thread.counters.cancelled == 1 and server.model_thread.counters.served == 0
 
 
 # ------------------------------------------------------------------------------------ D13: API keys
@@ -318,7 +318,7 @@ def test_extreme_temperatures_are_greedy_and_bad_text_is_a_400(runtime):
 
     server = Server(runtime)
     scenario(server, test)
-    assert server.worker.counters.failed == 0
+    assert server.model_thread.counters.failed == 0
 
 
 def test_a_user_cannot_type_the_eos_token(runtime):

@@ -1,6 +1,6 @@
 """The one thread that runs the model, and admission in front of it.
 
-One worker thread owns the model and decodes every admitted request together (continuous batching,
+One model thread owns the model and decodes every admitted request together (continuous batching,
 colibri_stream/runtime/batching.py): ``slots`` requests at once, joining and leaving between steps; up to
 ``max_queue`` more wait for a slot; beyond that a request gets 503 at once, so a flood never grows
 memory or latency without bound. A client that goes away sets its job's cancel flag, which the batch
@@ -61,7 +61,7 @@ class TextStream:
 
 @dataclass
 class Job:
-    """One admitted request; events flow from the worker thread to the request's event loop."""
+    """One admitted request; events flow from the model thread to the request's event loop."""
 
     prompt_ids: list[int]
     max_tokens: int
@@ -72,7 +72,7 @@ class Job:
     on_done: Callable[[], None]
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
-    generated: int = 0  # tokens sampled so far (written by the worker thread)
+    generated: int = 0  # tokens sampled so far (written by the model thread)
     first_token_at: float | None = None  # perf_counter() when the first token was sampled
 
     def count_token(self) -> None:
@@ -113,7 +113,7 @@ class Running:
     stream: TextStream
 
 
-class Worker:
+class ModelThread:
     """The one thread that runs the model: admitted jobs decode together in a ContinuousBatch.
 
     Between steps new jobs join (a job whose session is already in the batch waits for that turn to
@@ -252,7 +252,7 @@ class Worker:
 
 
 def api_error(exc: BaseException) -> ApiError:
-    """The HTTP answer for a failed turn: the worker survives anything one request does."""
+    """The HTTP answer for a failed turn: the model thread survives anything one request does."""
     if isinstance(exc, StorageError):  # e.g. the session is open in another process
         return ApiError(409, str(exc), "session_unavailable")
     if isinstance(exc, WorkerError):  # a worker holding experts died or stalled: restart the server with it
