@@ -30,7 +30,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import signal
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -254,16 +253,9 @@ def remove_log(path: str | Path) -> None:
         os.close(fd)
 
 
-# Fault injection for the crash tests: SIGKILL this process at the named point of an append.
+# Called with each named point of an append ("before_write", "mid_record", "before_fsync", "after_fsync"):
+# the crash tests pass a hook that SIGKILLs the process there.
 FaultHook = Callable[[str], None]
-
-
-def kill_at(point: str) -> FaultHook:
-    def hook(reached: str) -> None:
-        if reached == point:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return hook
 
 
 class KVLog:

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-import torch
-
-from colibri_stream.errors import RequestError
 from colibri_stream.planning.activations import PREFILL_CHUNK_TOKENS
 from colibri_stream.runtime.batching import (
     ContinuousBatch,
@@ -30,34 +27,9 @@ __all__ = [
     "GenerationResult",
     "GenerationStats",
     "SamplingParams",
-    "decode_one_token",
     "generate",
-    "prefill",
     "sample",
 ]
-
-
-def prefill(
-    model: Transformer,
-    ids: Sequence[int],
-    cache: KVCache,
-    experts: ExpertProvider,
-    chunk: int = PREFILL_CHUNK_TOKENS,
-) -> torch.Tensor:
-    """Run the prompt from the cache's end, ``chunk`` positions per forward; return the last position's
-    logits [vocab]. A chunk attends to the cache the earlier ones filled: the same logits as one forward."""
-    if not ids:
-        raise RequestError("the prompt is empty (0 tokens)")
-    ids = list(ids)
-    for start in range(0, len(ids), chunk):
-        tokens = torch.tensor([ids[start : start + chunk]], dtype=torch.long, device=model.device)
-        logits = model(tokens, cache.length, cache, experts, last_only=True)
-    return logits[0, -1]
-
-
-def decode_one_token(model: Transformer, token: int, cache: KVCache, experts: ExpertProvider) -> torch.Tensor:
-    tokens = torch.tensor([[token]], dtype=torch.long, device=model.device)
-    return model(tokens, cache.length, cache, experts)[0, -1]
 
 
 def generate(

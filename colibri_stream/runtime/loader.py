@@ -223,11 +223,6 @@ def check_activations(activations: str, dtype: str) -> bool:
     return activations == "int8"
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """A converted container or a Hugging Face checkpoint directory, every expert resident."""
-    return load_container(path, dtype) if is_container(path) else load_checkpoint(path, dtype)
-
-
 # ------------------------------------------------------------------------------ HF checkpoints
 
 

@@ -20,7 +20,7 @@ from engine import warm as warming
 from engine.experts import ExpertWeights, ResidentExperts, expert_tensors
 
 needs_helper = pytest.mark.skipif(
-    warming._int4 is None or not hasattr(warming._int4, "warm"), reason="the C kernels are not built"
+    warming._kernels is None or not hasattr(warming._kernels, "warm"), reason="the C kernels are not built"
 )
 
 
@@ -37,7 +37,7 @@ def kernel_threads_set(threads: int):
 
 def _read_after(before: int, at_least: int, timeout_s: float = 10.0) -> int:
     deadline = time.monotonic() + timeout_s
-    while (read := warming._int4.warm_bytes() - before) < at_least and time.monotonic() < deadline:
+    while (read := warming._kernels.warm_bytes() - before) < at_least and time.monotonic() < deadline:
         time.sleep(0.001)
     return read
 
@@ -48,7 +48,7 @@ def test_the_helper_reads_every_byte_it_is_asked_for():
     # while, and a helper sharing its core with a busy thread rightly skips the read-ahead
     arrays = [np.ones(3 * 2**20 + 5, dtype=np.uint8), np.zeros((1000, 77), dtype=np.float32)]  # odd sizes
     wanted = sum(a.nbytes for a in arrays)
-    before = warming._int4.warm_bytes()
+    before = warming._kernels.warm_bytes()
     with kernel_threads_set(2):
         warming.warm(arrays)
         assert _read_after(before, wanted) == wanted
@@ -57,26 +57,26 @@ def test_the_helper_reads_every_byte_it_is_asked_for():
 
 @needs_helper
 def test_one_kernel_thread_reads_nothing_ahead():
-    before = warming._int4.warm_bytes()
+    before = warming._kernels.warm_bytes()
     with kernel_threads_set(1):
         assert not warming.warming_available()
         warming.warm([np.ones(2**20)])
     time.sleep(0.05)
-    assert warming._int4.warm_bytes() == before
+    assert warming._kernels.warm_bytes() == before
 
 
 @needs_helper
 def test_a_new_request_replaces_the_old_one_and_the_old_memory_may_go():
     big = np.ones(512 * 2**20, dtype=np.uint8)  # far more than is read before the next request
     small = np.ones(2**20, dtype=np.uint8)
-    before = warming._int4.warm_bytes()
+    before = warming._kernels.warm_bytes()
     with kernel_threads_set(2):
         warming.warm([big])
         warming.warm([small])
         del big  # freed at once: the helper no longer reads it (a read of freed memory would crash)
         read = _read_after(before, small.nbytes)
         time.sleep(0.05)
-        assert small.nbytes <= warming._int4.warm_bytes() - before < 256 * 2**20
+        assert small.nbytes <= warming._kernels.warm_bytes() - before < 256 * 2**20
         warming.stop_warming()
     assert read >= small.nbytes
 
@@ -107,7 +107,6 @@ def test_resident_experts_give_their_memory_gate_and_up_before_down():
 @needs_helper
 @pytest.mark.parametrize("int8", [False, True], ids=["float", "int8-act"])
 def test_decoding_with_read_ahead_gives_the_same_logits(stream_container, int8, monkeypatch):
-    from colibri_stream.runtime.generate import decode_one_token, prefill
     from colibri_stream.runtime.loader import load_container
     from storage.container import Container
     from storage.tiered import StoreConfig
@@ -119,9 +118,11 @@ def test_decoding_with_read_ahead_gives_the_same_logits(stream_container, int8, 
         loaded = load_container(stream_container, store=StoreConfig(ram_bytes=budget), int8_activations=int8)
         try:
             cache = loaded.model.new_cache()
-            out = [prefill(loaded.model, [5, 9, 2, 77, 13], cache, loaded.experts)]
+            prompt = torch.tensor([[5, 9, 2, 77, 13]])
+            out = [loaded.model(prompt, 0, cache, loaded.experts, last_only=True)[0, -1]]
             for _ in range(4):
-                out.append(decode_one_token(loaded.model, int(out[-1].argmax()), cache, loaded.experts))
+                token = torch.tensor([[int(out[-1].argmax())]])
+                out.append(loaded.model(token, cache.length, cache, loaded.experts)[0, -1])
             return out
         finally:
             loaded.experts.close()
@@ -152,12 +153,12 @@ def test_a_helper_sharing_its_core_with_a_busy_process_skips_the_read_ahead():
         try:
             time.sleep(0.3)  # the busy loop is running
             big = np.ones(256 * 2**20, dtype=np.uint8)
-            before = warming._int4.warm_bytes()
+            before = warming._kernels.warm_bytes()
             warming.warm([big])
             time.sleep(0.5)
-            shared_read = warming._int4.warm_bytes() - before
+            shared_read = warming._kernels.warm_bytes() - before
             time.sleep(0.5)
-            later_read = warming._int4.warm_bytes() - before
+            later_read = warming._kernels.warm_bytes() - before
         finally:
             busy.kill()
             busy.wait()
@@ -165,7 +166,7 @@ def test_a_helper_sharing_its_core_with_a_busy_process_skips_the_read_ahead():
                 with contextlib.suppress(OSError):  # a thread that has ended since
                     os.sched_setaffinity(tid, cpus)
         time.sleep(0.2)  # the busy loop's CPU is idle again
-        before = warming._int4.warm_bytes()
+        before = warming._kernels.warm_bytes()
         warming.warm([big])
         alone_read = _read_after(before, big.nbytes)
         warming.stop_warming()

@@ -21,15 +21,26 @@ from storage.checksum import crc32c
 from storage.errors import CorruptDataError, FormatError, IncompatibleStateError
 from storage.kvlog import (
     HEADER_BYTES,
+    FaultHook,
     KVGeometry,
     KVLog,
     RowsGeometry,
     StateMismatchError,
     count_valid_records,
-    kill_at,
     read_header_state,
     remove_log,
 )
+
+
+def kill_at(point: str) -> FaultHook:
+    """The crash tests' fault hook: SIGKILL this process at the named point of an append."""
+
+    def hook(reached: str) -> None:
+        if reached == point:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
+
 
 GEOMETRY = KVGeometry(
     n_layers=2, kv_lora_rank=4, qk_rope_head_dim=2, index_layers=(0,), index_head_dim=3, dtype="float32"
