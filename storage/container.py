@@ -6,9 +6,10 @@
     DST/experts/layer_NNN/c/<e>/0    that chunk: exactly one expert record (see layout.py)
     DST/config.json, tokenizer*, ... copied from the source checkpoint
 
-Stock ``zarr.open`` reads all of it. The hot path does not: a zarr chunk read costs ~1 ms per 4 MiB
-against 0.2 ms for one ``pread``, so ``ExpertReader`` opens the chunk file itself and reads the
-record in one call, optionally with O_DIRECT (records are 4 KiB multiples at offset 0).
+Stock ``zarr.open`` reads all of it. The hot path does not: a zarr chunk read costs several times one
+``pread`` of the same bytes (docs/benchmarks.md, "Figures behind the code"), so ``ExpertReader`` opens
+the chunk file itself and reads the record in one call, optionally with O_DIRECT (records are 4 KiB
+multiples at offset 0).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import zarr
@@ -187,8 +188,11 @@ class Container:
         parsed = {}
         for layer in self.moe_layers:
             crcs = checksums.get(str(layer))
-            valid = isinstance(crcs, list) and all(type(c) is int and 0 <= c < 1 << 32 for c in crcs)
-            if not valid or len(crcs) != self.n_experts:
+            if (
+                not isinstance(crcs, list)
+                or not all(type(c) is int and 0 <= c < 1 << 32 for c in crcs)
+                or len(crcs) != self.n_experts
+            ):
                 raise FormatError(f"{self.path}: experts.checksums[{layer}] must list {self.n_experts} crc32c values")
             parsed[layer] = crcs
         return parsed
@@ -254,7 +258,7 @@ class Container:
                 f"container attributes say {dtype}{list(entry.shape)}"
             )
         chunks = _chunk_shape(meta, where)
-        codecs = meta.get("codecs")
+        codecs: Any = meta.get("codecs")  # JSON, checked just below
         bytes_only = isinstance(codecs, list) and len(codecs) == 1 and isinstance(codecs[0], dict)
         if not bytes_only or codecs[0].get("name") != "bytes" or chunks != list(entry.shape):
             raise FormatError(
@@ -347,7 +351,8 @@ class Container:
     def _read_entry(self, entry: DenseEntry) -> np.ndarray:
         self.check_dense_metadata(entry)
         try:
-            array = zarr.open_array(self.path / DENSE_GROUP / entry.name, mode="r")[...]
+            # zarr types a read as any array-like or scalar; a whole-array read of a stored array is an ndarray
+            array = cast(np.ndarray, zarr.open_array(self.path / DENSE_GROUP / entry.name, mode="r")[...])
         except Exception as exc:  # zarr raises assorted types for unreadable chunks
             raise CorruptDataError(
                 f"dense array {entry.name}: unreadable chunk ({type(exc).__name__}: {exc})"
@@ -360,13 +365,13 @@ class Container:
 def o_direct_refusal(file: Path) -> str | None:
     """Why an aligned O_DIRECT read of ``file`` fails here (None: it works). tmpfs and some network
     filesystems refuse O_DIRECT; the reader then goes through the page cache."""
-    if not hasattr(os, "O_DIRECT"):
+    if not hasattr(os, "O_DIRECT"):  # reflection: Linux only
         return "this OS has no O_DIRECT"
     buffer = aligned_empty(PAGE)
     try:
         fd = os.open(file, os.O_RDONLY | os.O_DIRECT)
         try:
-            os.preadv(fd, [memoryview(buffer)], 0)
+            os.preadv(fd, [memoryview(buffer)], 0)  # type: ignore[arg-type]  # numpy: a Buffer only on >= 3.12
         finally:
             os.close(fd)
     except OSError as exc:
@@ -400,7 +405,7 @@ class ExpertReader:
         # O_NONBLOCK: opening a FIFO planted as a chunk returns at once (and is refused below) instead
         # of waiting forever for a writer; it changes nothing for a regular file.
         flags = os.O_RDONLY | os.O_NONBLOCK | (os.O_DIRECT if self.direct else 0)
-        target = memoryview(out.reshape(-1)[:size])
+        target = memoryview(out.reshape(-1)[:size])  # type: ignore[arg-type]  # numpy: a Buffer only on >= 3.12
         try:
             fd = os.open(path, flags)
         except FileNotFoundError:

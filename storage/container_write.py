@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import zarr
@@ -26,7 +26,12 @@ from storage.container import (
 )
 from storage.layout import DTYPES, ExpertRecordLayout
 
-_NO_SKIP = {"write_empty_chunks": True}  # an all-zero chunk must still be a file: the hot path reads files
+if TYPE_CHECKING:
+    from zarr.core.array_spec import ArrayConfigParams
+
+_NO_SKIP: ArrayConfigParams = {
+    "write_empty_chunks": True
+}  # an all-zero chunk must still be a file: the hot path reads files
 CONTENT_KEY = "content_sha256"
 
 
@@ -62,7 +67,7 @@ class ContainerWriter:
             shape=(self.n_experts, self.layout.record_bytes),
             chunks=(1, self.layout.record_bytes),
             dtype="uint8",
-            compressors=None,  # int4 nibbles compress 1.00x with lz4: not worth a decode on the hot path
+            compressors=None,  # int4 nibbles do not compress with lz4: not worth a decode on the hot path
             fill_value=0,
             overwrite=True,
             config=_NO_SKIP,

@@ -2,9 +2,9 @@
 served before queued lookahead reads.
 
 Why: the model asks for layer L+1's guessed experts just before layer L's own experts, so in a plain
-FIFO pool layer L's misses queued behind up to a layer's worth of guesses (measured on the stress
-model at a 25% budget: 7 ms of queueing per demand read, with the disk already saturated by the
-guesses). A guess is only worth reading before a need when nothing needed is waiting.
+FIFO pool layer L's misses queued behind up to a layer's worth of guesses, with the disk already
+saturated by them (docs/benchmarks.md, "Figures behind the code"). A guess is only worth reading before
+a need when nothing needed is waiting.
 
 Verbs:
     submit(fn, demand)  -> a Future; demand reads start before every queued guess
@@ -21,7 +21,9 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 class _Job:
@@ -29,7 +31,7 @@ class _Job:
 
     def __init__(self, fn: Callable[[], Any]):
         self.fn = fn
-        self.future: Future = Future()
+        self.future: Future[Any] = Future()
         self.taken = False  # a thread has claimed it (it may also sit in the other queue after a promote)
         self.demand = False  # taken from the demand queue (a promoted guess counts as a need)
 
@@ -42,14 +44,14 @@ class ReadQueue:
         self._running = {True: 0, False: 0}  # demand?, reads running
         self._demand: deque[_Job] = deque()
         self._guesses: deque[_Job] = deque()
-        self._jobs: dict[Future, _Job] = {}  # queued, not yet taken: what promote can move
+        self._jobs: dict[Future[Any], _Job] = {}  # queued, not yet taken: what promote can move
         self._lock = threading.Condition()
         self._closed = False
         self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(threads)]
         for thread in self._threads:
             thread.start()
 
-    def submit(self, fn: Callable[[], Any], demand: bool = True) -> Future:
+    def submit(self, fn: Callable[[], T], demand: bool = True) -> Future[T]:
         job = _Job(fn)
         with self._lock:
             if self._closed:
@@ -59,13 +61,13 @@ class ReadQueue:
             self._lock.notify()
         return job.future
 
-    def promote(self, future: Future) -> None:
+    def promote(self, future: Future[Any]) -> None:
         with self._lock:
             job = self._jobs.get(future)
             if job is not None and not job.taken:
                 self._demand.append(job)  # the copy left in the guess queue is skipped as taken
 
-    def cancel(self, future: Future) -> bool:
+    def cancel(self, future: Future[Any]) -> bool:
         with self._lock:
             job = self._jobs.pop(future, None)  # only jobs no thread has taken are listed
             if job is None:

@@ -2,19 +2,19 @@
 layer's weights and guessed experts into the CPU caches while Python runs (engine/warm.py).
 
 It pays only where those bytes stay in the last-level cache until the kernels read them, beside the
-current layer's. Measured on the stress model (int8 activations, experts in RAM, 2 threads), where one
-request names ~31 MB (a layer's dense part and six guessed experts):
-- a host with a 480 MB L3: 152-160 -> 132-134 ms/token with read-ahead (docs/kernels.md);
-- an AMD EPYC with 32 MB of L3 per core complex: 41-45 ms/token without, 52-55 with, alternating in
-  one process; reading the dense part alone still lost (48.5).
+current layer's. On the stress model (int8 activations, experts in RAM, 2 threads), where one request
+names ~31 MB (a layer's dense part and six guessed experts), it saved time per token on a host with a
+480 MB L3 and cost time on an AMD EPYC with 32 MB of L3 per core complex, even reading the dense part
+alone (docs/kernels.md, "Read-ahead into the caches").
 So a model reads ahead when the cache holds one request CACHE_SHARE times over.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from engine.model import Transformer
+from engine.interfaces import Model
 
 CACHE_SHARE = 4
 CPU_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
@@ -44,8 +44,9 @@ def _size_bytes(text: str) -> int:
     return int(text)
 
 
-def choose_read_ahead(model: Transformer, experts_per_token: int, expert_bytes: int, cache_bytes: int | None) -> bool:
-    """Sets ``model.read_ahead`` for this machine's cache (None: unknown, no read-ahead) and returns it."""
+def choose_read_ahead(model: Model[Any], experts_per_token: int, expert_bytes: int, cache_bytes: int | None) -> bool:
+    """Sets ``model.read_ahead`` for this machine's cache (None: unknown, no read-ahead) and returns it;
+    never for a model that does not read ahead."""
     request = model.read_ahead_bytes(experts_per_token, expert_bytes)
-    model.read_ahead = cache_bytes is not None and cache_bytes >= CACHE_SHARE * request
+    model.read_ahead = request is not None and cache_bytes is not None and cache_bytes >= CACHE_SHARE * request
     return model.read_ahead

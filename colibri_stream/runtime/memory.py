@@ -21,13 +21,13 @@ def return_large_frees_to_the_os() -> bool:
 
     By default glibc raises the threshold to the size of each freed mmapped block (up to 32 MiB), so
     after the first few dequantised expert matrices (MBs each) are freed, later ones come from the
-    heap and stay mapped: measured here as ~260-390 MB of USS retained during generation beyond the
-    expert slots. A fixed threshold keeps large temporaries in mmaps that go back at free. Returns
-    False where libc has no mallopt (not glibc)."""
+    heap and stay mapped: hundreds of MB of USS retained during generation beyond the expert slots
+    (docs/benchmarks.md, "Figures behind the code"). A fixed threshold keeps large temporaries in mmaps
+    that go back at free. Returns False where libc has no mallopt (not glibc)."""
     libc_name = ctypes.util.find_library("c")
     if libc_name is None:
         return False
-    mallopt = getattr(ctypes.CDLL(libc_name), "mallopt", None)
+    mallopt = getattr(ctypes.CDLL(libc_name), "mallopt", None)  # reflection: only glibc has it
     return bool(mallopt is not None and mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
 
 
@@ -59,8 +59,8 @@ _PRIVATE = (b"Private_Clean:", b"Private_Dirty:", b"Private_Hugetlb:")
 
 def uss_bytes() -> int:
     """Memory only this process holds (USS). From smaps_rollup where the kernel has it: psutil parses the
-    whole of /proc/self/smaps in Python, 17 ms per sample measured here with the demo model loaded, most
-    of it holding the GIL the model's thread needs (the kernel's walk, ~13 ms, remains either way)."""
+    whole of /proc/self/smaps in Python, mostly holding the GIL the model's thread needs (the kernel's
+    walk of the pages remains either way; docs/benchmarks.md, "Figures behind the code")."""
     try:
         lines = ROLLUP.read_bytes().splitlines()
     except OSError:
@@ -77,7 +77,8 @@ def anon_rss_bytes() -> int:
 
 
 # USS is sampled this often during a turn: each sample costs the kernel a walk of the process's pages
-# (~13 ms with the demo model), so 20 samples a second would take a quarter of a core from decode.
+# (milliseconds with a model loaded: docs/benchmarks.md, "Figures behind the code"), so sampling much
+# more often would take a noticeable share of a core from decode.
 USS_INTERVAL_S = 0.25
 
 

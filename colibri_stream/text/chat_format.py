@@ -10,14 +10,14 @@ encoded as text, not the eos id (``PromptEncoder``); only the template's own spe
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from jinja2 import TemplateError
+from jinja2 import Template, TemplateError
 from tokenizers import Tokenizer
 
 from colibri_stream.errors import ChatTemplateError, TokenizerError
@@ -26,8 +26,8 @@ from colibri_stream.text.tool_calls import TOOL_MARKERS
 from storage.errors import FormatError
 from storage.safe_read import decode_utf8, read_bounded, read_json
 
-# The rendered prompt's size. The tokenizer holds ~450 bytes per token while it encodes (measured:
-# 4 MiB of one-token characters peaked at 1.9 GB) and aborts the process when an allocation fails, and a
+# The rendered prompt's size. The tokenizer holds hundreds of bytes per token while it encodes
+# (docs/benchmarks.md, "Figures behind the code") and aborts the process when an allocation fails, and a
 # token covers at least one byte, so the prompt is capped before encoding: 4 MiB, the largest request
 # body (template_sandbox bounds the work of making it).
 MAX_RENDERED_BYTES = 4 * 2**20
@@ -119,7 +119,7 @@ class ChatFormat:
     is_fallback: bool = False
 
     @cached_property
-    def _compiled(self):
+    def _compiled(self) -> Template:
         env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True)
         env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
         try:
@@ -152,7 +152,7 @@ class ChatFormat:
             end_render(budget)
 
 
-def _bounded_join(parts) -> str:
+def _bounded_join(parts: Iterable[str]) -> str:
     """The rendered prompt, refused once over MAX_RENDERED_BYTES of UTF-8 (counted as it is made)."""
     out: list[str] = []
     size = 0

@@ -2,11 +2,11 @@
  * The small float ops of a decode step for the int8-activations model (engine/decode_ops.py).
  *
  * Between its weight-bound kernels a decode step runs ~100 small torch ops per layer (norms, the
- * router's score / bias / group mask / sort / gather, five bmm for one query's attention), each
- * 5-120 us once the kernels have streamed the caches out: on a 2-core box they cost as much as the
- * expert matmuls. Here each is one call over float32 arrays. The sums run in another order than
- * torch's, so the results differ from the exact path by float rounding: only the int8 path (already
- * lossy in its activations) uses them.
+ * router's score / bias / group mask / sort / gather, five bmm for one query's attention), each slow
+ * once the kernels have streamed the caches out: on a 2-core box they cost as much as the expert
+ * matmuls (docs/benchmarks.md, "Figures behind the code"). Here each is one call over float32 arrays.
+ * The sums run in another order than torch's, so the results differ from the exact path by float
+ * rounding: only the int8 path (already lossy in its activations) uses them.
  */
 #include "decode_ops.h"
 

@@ -7,9 +7,10 @@
  *             rotate each head's q_rope and the shared key kv[rank:]; the cache row is written
  *   output    attend (decode_ops.c attend_one) -> [H, v]; out = x + wo(attention)
  *
- * Why in C: a decode step ran ~25 torch ops and four kernel calls per layer here, each 5-80 us with the
- * interpreter's caches evicted by the kernels in between: ~4 ms a token of Python on the bench model
- * for ~2 ms of weights. The float rounding is C's (sums in other orders than torch): int8 path only.
+ * Why in C: a decode step ran ~25 torch ops and four kernel calls per layer here, each slow with the
+ * interpreter's caches evicted by the kernels in between: on the bench model that Python took longer
+ * per token than the weights it drove (docs/benchmarks.md, "Figures behind the code"). The float
+ * rounding is C's (sums in other orders than torch): int8 path only.
  */
 #include "mla_decode.h"
 

@@ -50,7 +50,7 @@ Q8_INLINE void Q8_NAME(chunk_step)(int kind, int one_scale, int P, int RB, const
         __m256i w[2];
         /* the rows two blocks ahead, same columns, into L2: a few short rows interleaved are not a
          * stream the hardware prefetchers follow; one block ahead is too late from DRAM and into L1
-         * evicts what this block still reads (docs/kernels.md: int4 at 1 thread 8-10 -> 14-15 GB/s) */
+         * evicts what this block still reads (docs/kernels.md, "int8 activations") */
         if (ahead) _mm_prefetch((const char *)(rows[p] + ahead + (size_t)c * step), _MM_HINT_T2);
         Q8_NAME(chunk_weights)(kind, rows[p] + (size_t)c * step, w);
         __m256 sv = one_scale ? _mm256_broadcast_ss(sc[p] + gi[2 * c])
@@ -102,7 +102,7 @@ Q8_INLINE void Q8_NAME(rows_block)(int kind, int one_scale, int P, int RB, const
 
 /* The first 8 output rows of a call, every line, into L2 at once: rows_block prefetches the rows two
  * steps ahead of those it computes, so without this the call's first two steps wait on DRAM line by
- * line (no prefetch at all is 2.4x slower). */
+ * line (without any prefetch the kernel is much slower: docs/kernels.md, "Fused decode steps"). */
 Q8_INLINE void Q8_NAME(prefetch_start)(int kind, const Q8Matrix *m, int begin, int end) {
     size_t row_bytes = kind == Q8_WEIGHTS_INT4 ? (size_t)(m->in + 1) / 2 : (size_t)m->in;
     int rows = end - begin < 8 ? end - begin : 8;

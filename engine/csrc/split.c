@@ -3,10 +3,11 @@
  * atomic ticket (job generation, block count, next block) by compare-and-swap, so the helper can
  * never take a block of a finished job: a ticket of another generation fails its swap.
  *
- * Wake-ups cost more than a small call's work (a condition variable wakes the helper in ~50 us, an
- * expert matrix takes ~100 us), so after a job the helper spins for a while (SPIN_NS, yielding the
- * CPU between polls) before it sleeps: during a forward pass the next call comes sooner than that
- * and finds it awake. The caller, once no block is left, waits only for a block the helper is inside.
+ * Wake-ups cost more than a small call's work (a condition variable's wake-up beside an expert
+ * matrix's time: docs/benchmarks.md, "Figures behind the code"), so after a job the helper spins for a
+ * while (SPIN_NS, yielding the CPU between polls) before it sleeps: during a forward pass the next call
+ * comes sooner than that and finds it awake. The caller, once no block is left, waits only for a block
+ * the helper is inside.
  */
 #include "split.h"
 #include "warm.h"
@@ -74,9 +75,9 @@ static int64_t thread_cpu_ns(void) {
 /* Whether the helper shares its core with another busy thread: over its last awake window of
  * SHARE_WINDOW_NS it ran less than SHARE_MIN of the time (each poll yields the core, so a competitor
  * takes it). Read-ahead then stops: on a shared core it would take time from the caller, not give it
- * (measured: decode beside a busy loop 216-233 -> 294-324 ms/token with it). Under load the helper
- * keeps measuring; a verdict older than SHARE_FORGET_NS is dropped by the next request, which is then
- * read until a window says otherwise (a core shared a while ago may be free now). */
+ * (decode beside a busy loop was slower with it: docs/kernels.md, "Read-ahead into the caches"). Under
+ * load the helper keeps measuring; a verdict older than SHARE_FORGET_NS is dropped by the next request,
+ * which is then read until a window says otherwise (a core shared a while ago may be free now). */
 #define SHARE_WINDOW_NS 200000L
 #define SHARE_MIN 0.75
 #define SHARE_FORGET_NS 20000000L /* a verdict older than this is measured again on the next request */

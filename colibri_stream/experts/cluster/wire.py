@@ -1,5 +1,6 @@
 """What coordinator and workers say to each other over torch.distributed's gloo backend (point-to-point
-CPU tensors; chosen over Ray by tools/bench_rpc.py: 0.21 vs 1.0 ms per 14 KiB round trip on loopback).
+CPU tensors; chosen over Ray by tools/bench_rpc.py: at decode sizes gloo's round trip is several times
+cheaper, docs/benchmarks.md "Sharding experts over workers: the per-layer round trip").
 
 Every message is a fixed header (int64 [HEADER]) and, where the header says so, one packed payload
 (uint8) whose size the header gives; replies carry their own tag so a stats request from a server's
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import astuple, dataclass, fields
 from datetime import timedelta
 from enum import IntEnum
 
@@ -144,7 +145,7 @@ def read_hello(rank: int, values: torch.Tensor, host: torch.Tensor) -> Hello:
 
 
 def stats_tensor(stats: StoreStats, ram_slots: int, experts_held: int) -> torch.Tensor:
-    values = [float(getattr(stats, f.name)) for f in fields(StoreStats)] + [ram_slots, experts_held]
+    values = [float(value) for value in astuple(stats)] + [ram_slots, experts_held]  # in STATS_FIELDS order
     return torch.tensor(values, dtype=torch.float64)
 
 
