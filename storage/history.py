@@ -1,8 +1,7 @@
 """Usage history: how often each (layer, expert) was routed to, persisted across runs.
 
 It drives the learned hot store (the most-used experts are pinned in RAM) and ``plan``. Written
-atomically (temp file + rename) after each turn, so a crash leaves the previous history intact;
-``decay`` < 1 lets old conversations fade.
+atomically (temp file + rename) after each turn, so a crash leaves the previous history intact.
 """
 
 from __future__ import annotations
@@ -38,11 +37,6 @@ class UsageHistory:
         row = self.counts.setdefault(layer, [0.0] * self.n_experts)
         for expert in experts:
             row[expert] += 1
-
-    def decay(self, factor: float) -> None:
-        for row in self.counts.values():
-            for i, value in enumerate(row):
-                row[i] = value * factor
 
     def hottest(self, n: int) -> list[tuple[int, int]]:
         """The n most-routed (layer, expert) keys, most used first (ties: lower layer, lower expert)."""

@@ -11,6 +11,7 @@ import heapq
 from collections import Counter
 from collections.abc import Hashable, Sequence
 from pathlib import Path
+from typing import Any
 
 from storage.policy import POLICIES
 from storage.tier import SlotTier
@@ -18,7 +19,11 @@ from storage.trace import read_acquires as stream_acquires
 
 
 def replay(
-    trace: Sequence[Hashable], capacity: int, policy: str = "lru", hot: frozenset = frozenset(), count_from: int = 0
+    trace: Sequence[Hashable],
+    capacity: int,
+    policy: str,
+    hot: frozenset[Hashable] = frozenset(),
+    count_from: int = 0,
 ) -> int:
     """Hits of ``policy`` (lru | hybrid) over ``trace`` with ``capacity`` slots; ``hot`` keys never leave.
     Requests before ``count_from`` warm the cache without being counted (e.g. the prompt's)."""
@@ -77,7 +82,7 @@ def compare_policies(
     room: int,
     count_from: int = 0,
     learned_from: Sequence[Hashable] | None = None,
-) -> list[dict]:
+) -> list[dict[str, Any]]:
     """Hit rates of LRU, the hybrid, learned pins and Belady, per capacity, over the requests from
     ``count_from`` on. Pins are the most frequent keys of ``learned_from`` (another run's trace, as the
     live store learns from earlier runs; default: this trace itself, an optimistic history), leaving

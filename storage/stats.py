@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 
@@ -25,19 +25,20 @@ class StoreStats:
     recall_total: int = 0  # acquired experts in layers with a prediction
 
     def add(self, **deltas: float) -> None:
-        for name, delta in deltas.items():
+        for name, delta in deltas.items():  # reflection: counters named by the caller
             setattr(self, name, getattr(self, name) + delta)
 
     def minus(self, earlier: StoreStats) -> StoreStats:
         """The counts accumulated since ``earlier`` (a snapshot of this object), e.g. decode only."""
-        return replace(self, **{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)})
+        now, then = asdict(self), asdict(earlier)
+        return replace(self, **{name: now[name] - then[name] for name in now})
 
     @property
     def prefetch_recall(self) -> float | None:
         return self.recall_hits / self.recall_total if self.recall_total else None
 
     def as_dict(self) -> dict[str, Any]:
-        raw = {f.name: getattr(self, f.name) for f in fields(self)}
+        raw = asdict(self)
         return {
             "expert_requests": raw["requests"],
             "hits": {"ram": raw["hits_ram"], "vram": raw["hits_vram"]},
@@ -58,7 +59,7 @@ class StoreStats:
 
 class RoutingCounts:
     """Requests per (MoE layer, routed expert) since the store opened — what the dashboard's heat map
-    draws. Unlike the usage history it starts at zero, never decays and is never persisted."""
+    draws. Unlike the usage history it starts at zero and is never persisted."""
 
     def __init__(self, layers: Sequence[int], n_experts: int):
         self.layers = tuple(layers)  # the model layer of each row

@@ -1,12 +1,14 @@
 """The tiered expert store: disk -> RAM slots -> VRAM slots, driven by the router.
 
-It satisfies the engine's ExpertProvider structurally:
+It satisfies the engine's LocalExperts protocol (engine/experts.py) structurally:
     acquire(layer, ids)  -> starts every missing read at once and returns at once; each expert is
-                            waited for only when the MoE first touches it, so the shared expert and
-                            already-resident experts compute while misses load; all are pinned
+                            waited for only when the MoE first touches it (``ready`` says whether it
+                            would wait), so the shared expert and already-resident experts compute
+                            while misses load; all are pinned
     release(layer, ids)  -> unpins them
     prefetch(layer, ids) -> lookahead: reads predicted experts of the next layer into free or
                             evictable RAM slots; never blocks, never evicts anything in use
+    wants_prefetch, lookahead_layers, max_acquire, memory_of: see each below
 Experts are materialised by a caller-supplied function over the slot bytes (storage knows bytes,
 not maths). Reads run on a thread pool: one ``pread`` per expert straight into its slot.
 """
@@ -38,31 +40,35 @@ from storage.trace import TraceWriter
 HUGE_PAGE = 2 << 20  # slot block alignment: lets the kernel back it with transparent huge pages
 
 # slot bytes (numpy uint8 or torch uint8 tensor) -> expert: views of the slot, copying nothing. Built once
-# per slot and kept for every record the slot holds (a read changes the bytes, not the views): at a 25%
-# budget a decode step re-read ~80 records, and building six typed views each cost ~20 ms per token.
+# per slot and kept for every record the slot holds (a read changes the bytes, not the views): at a low
+# budget a decode step re-reads dozens of records, and building their typed views anew each time cost a
+# noticeable share of a token (docs/benchmarks.md, "Figures behind the code").
 Materialize = Callable[[Any], Any]
 
 
 @dataclass(frozen=True)
 class StoreConfig:
-    ram_bytes: int
-    vram_bytes: int = 0
+    """How the tiered store is sized and run. These field defaults are the only ones: the library's
+    ``Budget`` (budget files) and the command-line flags take theirs from here."""
+
+    ram_bytes: int  # RAM for expert slots (the library's Budget says it as a size, a % or auto)
+    vram_bytes: int = 0  # VRAM for expert slots; 0: no VRAM tier
     vram_device: str = "cuda"  # "cpu" stands in for a GPU so the tier logic runs anywhere
-    policy: str = "lru"  # lru | hybrid | pinned (lru + learned hot store)
-    prefetch: bool = True
+    policy: str = "lru"  # eviction: lru | hybrid | pinned (lru + learned hot store), storage.policy
+    prefetch: bool = True  # read the experts the router guesses for the next layers while this one computes
     # O_DIRECT reads (where the filesystem allows): the RAM slots are the cache; buffered reads would
     # keep the same bytes twice and, under a memory limit, pay page-cache reclaim on every miss
-    # (measured: 2x slower decode at a 25% budget in a memory cgroup, docs/benchmarks.md).
+    # (docs/benchmarks.md).
     direct: bool = True
-    threads: int = 4
+    threads: int = 4  # disk reader threads: parallel expert reads keep an NVMe queue busy
     # how many MoE layers ahead the model guesses and prefetches (engine.model's lookahead): 2 gives a
     # read a layer more to land while the disk would otherwise idle between layers' misses
     lookahead_layers: int = 2
     # when the RAM slots hold every expert: read them all at load (``preload``), in file order, so no
-    # prompt waits for a read; the reads fault the slot memory in, instead of a separate pre-fault pass
-    preload: bool = False
-    history_path: Path | None = None
-    history_decay: float = 1.0
+    # prompt waits for a read; the reads fault the slot memory in, instead of a separate pre-fault pass.
+    # Code that counts on-demand reads at such a budget (tests, disk benchmarks) turns it off.
+    preload: bool = True
+    history_path: Path | None = None  # usage-history file (learned hot store), saved after every turn
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_NAMES:
@@ -166,7 +172,8 @@ class TieredExpertStore:
         block = aligned_empty(n_slots * self.record_bytes, HUGE_PAGE)
         if prefault:
             # Fault the budget in now, once: a first-touch fault inside every O_DIRECT read made cold reads
-            # ~20% slower than the raw disk (docs/benchmarks.md); the memory is the budget the user granted.
+            # slower than the raw disk (docs/benchmarks.md, "Figures behind the code"); the memory is the
+            # budget the user granted.
             block.fill(0)
         return block
 
@@ -199,7 +206,7 @@ class TieredExpertStore:
     def wants_prefetch(self, layer: int) -> bool:
         """Whether a guess for ``layer`` could start a read: not when prefetch is off or every expert of
         the layer is already held (a budget that fits them all, once warm), so the model skips the
-        lookahead router run (~0.2 ms per layer and token on the stress model)."""
+        lookahead router run, a cost per layer and token (docs/benchmarks.md, "Figures behind the code")."""
         if not self.config.prefetch or len(self.ram.entries) >= total_records(self.container):
             return False  # (the second: every expert in RAM, without looking at each)
         return not all(self._held((layer, expert)) for expert in range(self.container.n_experts))
@@ -422,8 +429,6 @@ class TieredExpertStore:
         """Persist the usage history (atomically) and flush the trace after a turn."""
         if self.trace is not None:
             self.trace.flush()
-        if self.config.history_decay != 1.0:
-            self.history.decay(self.config.history_decay)
         if self.config.history_path is not None:
             self.history.save(self.config.history_path)
 

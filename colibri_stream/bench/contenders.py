@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -46,7 +47,7 @@ def our_argv(container: Path, config: OurConfig, ram_bytes: int, inputs: RunInpu
         "run", str(container), "--ids", ",".join(map(str, inputs.ids)), "--max-new-tokens", str(inputs.new_tokens)
     )
     argv += ["--ram", f"{ram_bytes}B", "--policy", config.policy, "--activations", config.activations, "--json", *extra]
-    return argv + ([] if config.prefetch else ["--no-prefetch"])
+    return argv + ["--prefetch" if config.prefetch else "--no-prefetch"]  # said either way: the row is named by it
 
 
 def run_ours(
@@ -55,7 +56,7 @@ def run_ours(
     ram_bytes: int,
     inputs: RunInputs,
     limit: MemoryLimit,
-    extra: list[str] = (),
+    extra: Sequence[str] = (),
 ) -> dict:
     """One measured run; ``extra`` adds flags such as --trace or --history."""
     dropped = drop_page_cache() if config.cold else False

@@ -167,7 +167,7 @@ class Bench:
             self.work / "sequential.scratch",
             self.settings.sequential_bytes,
             self.settings.disk_records,
-            threads=4,
+            threads=StoreConfig(ram_bytes=0).threads,  # the store's default: the reads a user's store makes
         )
 
     def _convert_bf16(self) -> None:
@@ -301,7 +301,9 @@ class Bench:
         files = prepare_gguf_files(self.hf, self.work, self.llama_cpp_dir, self.threads, self.log, sys.stderr.isatty())
         self.int4_int8dense = self._convert("int4", dense="int8")
         context = self.settings.prompt_tokens
-        matched, rows, failed = [], [], []
+        matched: list[dict] = []
+        rows: list[dict] = []
+        failed: list[dict] = []
         # budget by budget, ours then llama.cpp's rows: the ratios compare rows minutes apart, not the whole
         # section apart (this machine's memory speed was seen to move by 1.5x within the hour)
         for pct in self.settings.llama_cpp_budgets_pct:
@@ -472,7 +474,7 @@ def int8_dense_bytes_per_token(container: Container) -> int:
         if entry.dtype == "int8" and name.removesuffix(".weight").endswith(KEEP_FLOAT32):
             total += 4 * elements
         elif entry.dtype == "int8" and name != "embed.weight":
-            total += elements + 2 * math.prod(entry.scales.shape)
+            total += elements + 2 * math.prod(entry.scales.shape)  # type: ignore[union-attr]  # int8: has scales
         else:
             total += (4 if entry.dtype == "int8" else itemsize[entry.dtype]) * elements
     return total

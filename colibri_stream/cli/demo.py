@@ -1,7 +1,7 @@
 """`colibri-stream demo`: the shipped demo model, converted once, then streamed under a small RAM budget.
 
-The demo model (``demo/model``, a small MoE trained on the Python standard library, see
-demo/README.md) is converted to int4 into the user's cache directory on first use. Each run then
+The demo model (``colibri_stream/demo_model``, package data: a small MoE trained on the Python standard
+library, see its README.md) is converted to int4 into the user's cache directory on first use. Each run then
 generates under a RAM budget smaller than the model's routed experts, so experts really stream from
 disk, and continues a named session so a second run restores the prompt's KV state from its file.
 Everything after the conversion is the one turn every command runs (load_runtime, run_turn).
@@ -76,7 +76,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens to generate (default 48)")
     parser.add_argument("--reset", action="store_true", help="forget the demo session first (a cold start)")
     parser.add_argument("--json", action="store_true", help="print one JSON object {text, ids, stats} as the last line")
-    add_store_arguments(parser)
+    add_store_arguments(parser, ram_default=DEFAULT_RAM)
     parser.set_defaults(handler=demo, ram=DEFAULT_RAM)
 
 

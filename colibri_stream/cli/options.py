@@ -10,7 +10,7 @@ from colibri_stream.checkpoint.dtypes import COMPUTE_DTYPES
 from colibri_stream.errors import BudgetError, RequestError
 from colibri_stream.experts.cluster.group import DEFAULT_TIMEOUT_S, ClusterOptions
 from colibri_stream.experts.cluster.local import LOCALHOST
-from colibri_stream.planning.budget import StoreOptions, parse_size
+from colibri_stream.planning.budget import TABLES, Budget, StoreOptions, parse_size
 from colibri_stream.planning.geometry import (
     DEFAULT_DENSE,
     DEFAULT_EXPERTS,
@@ -97,35 +97,72 @@ def target_options(args: argparse.Namespace) -> ContainerTarget:
     return ContainerTarget(experts=args.experts, group_size=args.group_size, dense=args.dense)
 
 
-def add_store_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags sizing and tuning the tiered expert store (containers only); they override --budget."""
+DEFAULTS = Budget()  # what the store flags default to without a budget file
+
+
+def _shown(value: object) -> str:
+    return str(value).replace("%", "%%")  # argparse %-formats help text
+
+
+def _on(flag: bool) -> str:
+    return "on" if flag else "off"
+
+
+def _if_default(flag: bool) -> str:
+    return " (the default)" if flag else ""
+
+
+def add_store_arguments(parser: argparse.ArgumentParser, ram_default: str | int | None = None) -> None:
+    """Flags sizing and tuning the tiered expert store (containers only); they override --budget. Every
+    flag defaults to None, "the budget file's, else ``Budget``'s": the defaults in the help are read from
+    ``Budget`` (whose store settings are ``StoreConfig``'s), never written here. ``ram_default``: what
+    the help says of a command that sizes RAM its own way without --ram or --budget (plan, demo)."""
+    ram_default = DEFAULTS.ram if ram_default is None else ram_default
     group = parser.add_argument_group("expert streaming (containers)")
-    group.add_argument("--budget", help="TOML budget file ([memory] ram/vram, [io] direct/threads, [cache] ...)")
+    tables = ", ".join(f"[{table}]" for table in TABLES)
+    group.add_argument("--budget", help=f"TOML budget file ({tables}; an unknown key is an error)")
     group.add_argument(
-        "--ram", type=parse_size_flag, help="RAM for expert slots: 8GiB, 512MB, 25%% (of expert bytes) or auto"
+        "--ram",
+        type=parse_size_flag,
+        help=f"RAM for expert slots: 8GiB, 512MB, 25%% (of expert bytes) or auto (default {_shown(ram_default)})",
     )
     group.add_argument(
-        "--vram", type=parse_size_flag, help="VRAM for expert slots, same forms as --ram (default 0: no VRAM tier)"
+        "--vram",
+        type=parse_size_flag,
+        help=f"VRAM for expert slots, same forms as --ram; 0: no VRAM tier (default {_shown(DEFAULTS.vram)})",
     )
     group.add_argument("--vram-device", default=None, help="device of the VRAM tier (default cuda; cpu stands in)")
-    group.add_argument("--policy", choices=POLICY_NAMES, help="eviction policy (default lru)")
-    group.add_argument("--no-prefetch", action="store_true", help="disable router-lookahead prefetch")
+    group.add_argument("--policy", choices=POLICY_NAMES, help=f"eviction policy (default {DEFAULTS.policy})")
+    group.add_argument(
+        "--prefetch",
+        action=argparse.BooleanOptionalAction,
+        help=f"router-lookahead prefetch (default {_on(DEFAULTS.prefetch)})",
+    )
     group.add_argument(
         "--lookahead",
         type=positive_int,
         metavar="N",
-        help="MoE layers ahead whose experts decode guesses and prefetches (default 2: the next layer's "
-        "guess is better, the one after has longer to load)",
+        help=f"MoE layers ahead whose experts decode guesses and prefetches (default {DEFAULTS.lookahead}: the "
+        "next layer's guess is the best, a later one's read has longer to land)",
     )
     group.add_argument(
-        "--no-preload",
-        action="store_true",
-        help="when --ram holds every expert, read them as prompts need them instead of all at load",
+        "--preload",
+        action=argparse.BooleanOptionalAction,
+        help="when --ram holds every expert, read them all at load rather than as prompts need them "
+        f"(default {_on(DEFAULTS.preload)})",
     )
     io = group.add_mutually_exclusive_group()
-    io.add_argument("--direct", action="store_true", help="read experts with O_DIRECT (the default where supported)")
-    io.add_argument("--buffered", action="store_true", help="read experts through the page cache instead of O_DIRECT")
-    group.add_argument("--io-threads", type=int, help="disk reader threads (default 4)")
+    io.add_argument(
+        "--direct",
+        action="store_true",
+        help=f"read experts with O_DIRECT where the filesystem allows{_if_default(DEFAULTS.direct)}",
+    )
+    io.add_argument(
+        "--buffered",
+        action="store_true",
+        help=f"read experts through the page cache{_if_default(not DEFAULTS.direct)}",
+    )
+    group.add_argument("--io-threads", type=positive_int, help=f"disk reader threads (default {DEFAULTS.threads})")
     group.add_argument("--history", help="usage-history file (learned hot store), updated after every turn")
     group.add_argument("--trace", help="write the routing trace (one JSON line per MoE acquire) to this file")
 
@@ -137,11 +174,11 @@ def store_options(args: argparse.Namespace) -> StoreOptions:
         vram=args.vram,
         vram_device=args.vram_device,
         policy=args.policy,
-        prefetch=not args.no_prefetch,
+        prefetch=args.prefetch,
         direct=True if args.direct else False if args.buffered else None,
         io_threads=args.io_threads,
         lookahead=args.lookahead,
-        preload=not args.no_preload,
+        preload=args.preload,
         history=args.history,
         trace=args.trace,
     )

@@ -21,6 +21,7 @@ from colibri_stream.planning.budget import parse_size, store_config
 from colibri_stream.planning.geometry import model_geometry
 from colibri_stream.planning.placement import check_fits, describe, expected_speed, plan, verdict
 
+PLAN_RAM = "auto"  # without --ram or --budget: what this machine has available for expert slots
 PLAN_EPILOG = """\
 examples:
   colibri-stream plan config.json                      # before the download: DeepSeek-V3's config.json is enough
@@ -60,7 +61,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     speed = parser.add_argument_group("bandwidths (default: measured here)")
     speed.add_argument("--memory-bandwidth", help="memory bandwidth per second instead of the probe, e.g. 40GB")
     speed.add_argument("--disk-bandwidth", help="disk read bandwidth per second instead of the probe, e.g. 3GB")
-    add_store_arguments(parser)
+    add_store_arguments(parser, ram_default=PLAN_RAM)
     parser.set_defaults(handler=run_plan)
 
 
@@ -70,10 +71,11 @@ def bandwidth(args: argparse.Namespace) -> Bandwidth:
         measured = measure(args.path)
     memory = parse_size(args.memory_bandwidth, 0, "--memory-bandwidth") if args.memory_bandwidth else None
     disk = parse_size(args.disk_bandwidth, 0, "--disk-bandwidth") if args.disk_bandwidth else None
+    # measured is None only when both bandwidths are given
     return Bandwidth(
-        memory or measured.memory_bytes_per_s,
-        disk or measured.disk_bytes_per_s,
-        "given" if disk else measured.disk_method,
+        memory or measured.memory_bytes_per_s,  # type: ignore[union-attr]
+        disk or measured.disk_bytes_per_s,  # type: ignore[union-attr]
+        "given" if disk else measured.disk_method,  # type: ignore[union-attr]
     )
 
 
@@ -81,7 +83,7 @@ def run_plan(args: argparse.Namespace) -> int:
     geometry = model_geometry(Path(args.path), target_options(args))
     options = store_options(args)
     if options.ram is None and options.budget is None:
-        options = dataclasses.replace(options, ram="auto")
+        options = dataclasses.replace(options, ram=PLAN_RAM)
     placement = plan(geometry, store_config(options, geometry, args.dtype), args.dtype)
     speed = expected_speed(placement, bandwidth(args))
     if args.json:

@@ -1,25 +1,33 @@
 """Budgets and flags -> StoreConfig: human sizes, percentages of the model's routed-expert bytes,
 `auto`, TOML budget files, and the store options a command's flags give (``StoreOptions``).
 
-    [memory]            ram = "8GiB" | "25%" | "auto"    vram = "0" | "12GiB" | "50%"
-    [io]                direct = true     threads = 4
-    [cache]             policy = "lru" | "hybrid" | "pinned"    prefetch = true    history = "path.json"
+A budget file holds these keys and no others (``BUDGET_KEYS``); a key it leaves out keeps ``Budget``'s
+default, and those of the store settings are ``StoreConfig``'s (storage/tiered.py), stated once:
 
-Errors name the file and the key. ``auto`` sizes the RAM tier from what psutil says is available
-(MemAvailable), leaving room for the dense weights, the KV cache at full context and a safety margin
-(shaved only down to the store's floor). A budget file's RAM size is capped at that same figure: a file
-written for a bigger machine still runs here. When even the floor does not fit, ``placement.check_fits``
-refuses with RAM available, dense, KV and floor.
+    [memory]  ram = "8GiB" | "25%" | "auto"    vram = 0 | "12GiB" | "50%"
+    [io]      direct = true | false             threads = N (>= 1)
+    [cache]   policy = "lru" | "hybrid" | "pinned"    prefetch = true | false    lookahead = N (>= 1)
+              preload = true | false    history = "usage.json"
+
+Any other table or key (a misspelling, or a setting a budget does not hold: the session directory and
+record dtype are --kv-dir and --kv-dtype) is refused. Errors are one line naming the file and the key.
+
+``auto`` sizes the RAM tier from what psutil says is available (MemAvailable), leaving room for the
+dense weights, the KV cache at full context and a safety margin (shaved only down to the store's floor).
+A budget file's RAM size is capped at that same figure: a file written for a bigger machine still runs
+here. When even the floor does not fit, ``placement.check_fits`` refuses with RAM available, dense, KV
+and floor.
 """
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import psutil
 import torch
@@ -51,6 +59,7 @@ _UNITS = {
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 SAFETY_MARGIN = 0.10
 MAX_BUDGET_FILE_BYTES = 1 << 20  # a budget is a dozen keys; anything near this size is not one
+T = TypeVar("T")
 
 
 def parse_size(value: str | int, expert_bytes: int, key: str = "size", auto_bytes: int | None = None) -> int:
@@ -92,34 +101,64 @@ def auto_ram_bytes(
     return max(0, int(left * (1 - SAFETY_MARGIN)), min(floor, left))
 
 
+_STORE = StoreConfig(ram_bytes=0)  # the store's defaults: a budget's store settings start from them
+
+
 @dataclass(frozen=True)
 class Budget:
-    ram: str | int = "100%"
-    vram: str | int = 0
-    direct: bool = True
-    threads: int = 4
-    policy: str = "lru"
-    prefetch: bool = True
-    lookahead: int = 2
-    preload: bool = True
-    history: str | None = None
-    source: str = "defaults"
-    extra: dict[str, Any] = field(default_factory=dict)
+    """What a budget file sets (``source``), or no file: these defaults."""
+
+    ram: str | int = "100%"  # [memory] ram: RAM for expert slots: a size, a % of the expert bytes, or auto
+    vram: str | int = _STORE.vram_bytes  # [memory] vram: VRAM for expert slots (a size or a %)
+    direct: bool = _STORE.direct  # [io] direct: O_DIRECT reads where the filesystem allows
+    threads: int = _STORE.threads  # [io] threads: disk reader threads
+    policy: str = _STORE.policy  # [cache] policy: eviction policy
+    prefetch: bool = _STORE.prefetch  # [cache] prefetch: read the router's guesses ahead
+    lookahead: int = _STORE.lookahead_layers  # [cache] lookahead: MoE layers guessed ahead
+    preload: bool = _STORE.preload  # [cache] preload: read every expert at load when RAM holds them all
+    history: str | None = None  # [cache] history: usage-history file (learned hot store)
+    source: str = "defaults"  # the budget file these came from
 
 
-_SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
-    "memory": {"ram": (str, int), "vram": (str, int), "limit": (str, int)},
-    "io": {"direct": (bool,), "threads": (int,)},
-    "cache": {"policy": (str,), "prefetch": (bool,), "lookahead": (int,), "preload": (bool,), "history": (str,)},
-    "kv": {"dir": (str,), "dtype": (str,)},
+# Every key a budget file may hold: "table.key" -> (Budget field, TOML types accepted).
+BUDGET_KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
+    "memory.ram": ("ram", (str, int)),
+    "memory.vram": ("vram", (str, int)),
+    "io.direct": ("direct", (bool,)),
+    "io.threads": ("threads", (int,)),
+    "cache.policy": ("policy", (str,)),
+    "cache.prefetch": ("prefetch", (bool,)),
+    "cache.lookahead": ("lookahead", (int,)),
+    "cache.preload": ("preload", (bool,)),
+    "cache.history": ("history", (str,)),
 }
+TABLES = sorted({key.split(".")[0] for key in BUDGET_KEYS})
+# Settings that are not a budget's: refused with where they are set, rather than read by nothing.
+_SET_ELSEWHERE = {"kv.dir": "--kv-dir", "kv.dtype": "--kv-dtype"}
 
 
 def load_budget_file(path: str | Path) -> Budget:
     path = Path(path)
+    data = _read_toml(path)
+    values: dict[str, Any] = {}
+    for table, content in data.items():
+        if not isinstance(content, dict):
+            raise BudgetError(f"{path}: key {table} is outside a table{_closest(table, _BY_KEY)}")
+        for key, value in content.items():
+            name = f"{table}.{key}"
+            field_name, types = _known_key(path, name)
+            if not isinstance(value, types) or (bool not in types and isinstance(value, bool)):
+                raise BudgetError(f"{path}: {name} must be {' or '.join(t.__name__ for t in types)}")
+            values[field_name] = value
+    budget = Budget(**values, source=str(path))
+    _check_values(budget, path)
+    return budget
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
     try:
         text = decode_utf8(read_bounded(path, MAX_BUDGET_FILE_BYTES, "budget file"), path, "budget file")
-        data = tomllib.loads(text)
+        return tomllib.loads(text)
     except FileNotFoundError:
         raise BudgetError(f"{path}: budget file not found") from None
     except FormatError as exc:  # a directory, FIFO or device; too large; not UTF-8
@@ -128,37 +167,45 @@ def load_budget_file(path: str | Path) -> Budget:
         raise BudgetError(f"{path}: not valid TOML ({exc})") from None
     except RecursionError:  # tomllib recurses into nested arrays and inline tables
         raise BudgetError(f"{path}: not valid TOML (arrays or tables nested too deeply)") from None
-    values: dict[str, Any] = {}
-    for section, content in data.items():
-        if section not in _SCHEMA or not isinstance(content, dict):
-            raise BudgetError(f"{path}: unknown section [{section}] (known: {sorted(_SCHEMA)})")
-        for key, value in content.items():
-            types = _SCHEMA[section].get(key)
-            if types is None:
-                raise BudgetError(f"{path}: unknown key {section}.{key} (known: {sorted(_SCHEMA[section])})")
-            if not isinstance(value, types) or (bool not in types and isinstance(value, bool)):
-                raise BudgetError(f"{path}: {section}.{key} must be {' or '.join(t.__name__ for t in types)}")
-            values[f"{section}.{key}"] = value
-    if values.get("io.threads", 1) < 1:
+
+
+def _known_key(path: Path, name: str) -> tuple[str, tuple[type, ...]]:
+    """The Budget field and types of ``table.key``; anything else is a BudgetError naming it, with the
+    valid key closest to it."""
+    if name in BUDGET_KEYS:
+        return BUDGET_KEYS[name]
+    if name in _SET_ELSEWHERE:
+        raise BudgetError(f"{path}: {name} is not a budget setting; use {_SET_ELSEWHERE[name]}")
+    table, key = name.split(".", 1)
+    if table not in TABLES:
+        hint = _closest(name, {k: k for k in BUDGET_KEYS}) or _closest(key, _BY_KEY)
+        known = ", ".join(f"[{t}]" for t in TABLES)
+        raise BudgetError(f"{path}: unknown table [{table}] in {name}{hint or f' (a budget file has {known})'}")
+    same_table = {k.split(".", 1)[1]: k for k in BUDGET_KEYS if k.startswith(f"{table}.")}
+    hint = _closest(key, same_table) or _closest(key, _BY_KEY)  # misspelt, or in the wrong table
+    known = ", ".join(same_table.values())
+    raise BudgetError(f"{path}: unknown key {name}{hint or f' (known: {known})'}")
+
+
+_BY_KEY = {full.split(".", 1)[1]: full for full in BUDGET_KEYS}  # "ram" -> "memory.ram"
+
+
+def _closest(word: str, choices: dict[str, str]) -> str:
+    """' (did you mean memory.ram?)' for the choice whose name is closest to ``word``; '' when none is."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {choices[close[0]]}?)" if close else ""
+
+
+def _check_values(budget: Budget, path: Path) -> None:
+    """Values a type does not rule out, refused when the file is read: each error names file and key."""
+    if budget.threads < 1:
         raise BudgetError(f"{path}: io.threads must be >= 1")
-    if values.get("cache.lookahead", 1) < 1:
+    if budget.lookahead < 1:
         raise BudgetError(f"{path}: cache.lookahead must be >= 1 (MoE layers guessed ahead)")
-    policy = values.get("cache.policy", "lru")
-    if policy not in POLICY_NAMES:
-        raise BudgetError(f"{path}: cache.policy must be one of {', '.join(POLICY_NAMES)}, got {policy!r}")
-    return Budget(
-        ram=values.get("memory.ram", "100%"),
-        vram=values.get("memory.vram", 0),
-        direct=values.get("io.direct", True),
-        threads=values.get("io.threads", 4),
-        policy=policy,
-        prefetch=values.get("cache.prefetch", True),
-        lookahead=values.get("cache.lookahead", 2),
-        preload=values.get("cache.preload", True),
-        history=values.get("cache.history"),
-        source=str(path),
-        extra={k: v for k, v in values.items() if k.startswith(("kv.", "memory.limit"))},
-    )
+    if budget.policy not in POLICY_NAMES:
+        raise BudgetError(f"{path}: cache.policy must be one of {', '.join(POLICY_NAMES)}, got {budget.policy!r}")
+    parse_size(budget.ram, 0, f"{path}: memory.ram", auto_bytes=0)  # the form only: % and auto need the model
+    parse_size(budget.vram, 0, f"{path}: memory.vram")
 
 
 @dataclass(frozen=True)
@@ -171,11 +218,11 @@ class StoreOptions:
     vram: str | None = None
     vram_device: str | None = None  # default cuda where available, else cpu standing in
     policy: str | None = None
-    prefetch: bool = True  # False: --no-prefetch (wins over the budget file)
+    prefetch: bool | None = None  # --prefetch / --no-prefetch
     direct: bool | None = None  # True --direct, False --buffered, None: the budget file
     io_threads: int | None = None
     lookahead: int | None = None  # MoE layers guessed ahead (--lookahead)
-    preload: bool = True  # False: --no-preload (wins over the budget file)
+    preload: bool | None = None  # --preload / --no-preload
     history: str | Path | None = None  # usage-history file, updated after every turn
     trace: str | Path | None = None  # routing trace, one JSON line per acquire
     kv_sequences: int = 1  # KV caches held at once, each counted at the full context (serve: 2 x slots)
@@ -208,24 +255,34 @@ def worker_store_config(options: StoreOptions, expert_bytes: int) -> StoreConfig
 def _ram_bytes(options: StoreOptions, budget: Budget, expert_bytes: int, auto: int) -> int:
     if options.ram is not None:
         return parse_size(options.ram, expert_bytes, "--ram", auto_bytes=auto)
-    ram = parse_size(budget.ram, expert_bytes, "memory.ram", auto_bytes=auto)
+    ram = parse_size(budget.ram, expert_bytes, _key(None, "ram", budget), auto_bytes=auto)
     if options.budget:  # written for some machine: no more than this one has available
         ram = min(ram, auto)
     return ram
 
 
 def _store_config(options: StoreOptions, budget: Budget, ram: int, expert_bytes: int) -> StoreConfig:
-    vram = parse_size(options.vram if options.vram is not None else budget.vram, expert_bytes, "vram")
-    history = options.history if options.history is not None else budget.history
+    vram = parse_size(_chosen(options.vram, budget.vram), expert_bytes, _key(options.vram, "vram", budget))
+    history = _chosen(options.history, budget.history)
     return StoreConfig(
         ram_bytes=ram,
         vram_bytes=vram,
         vram_device=options.vram_device or ("cuda" if torch.cuda.is_available() else "cpu"),
-        policy=options.policy or budget.policy,
-        prefetch=budget.prefetch and options.prefetch,
-        direct=budget.direct if options.direct is None else options.direct,
-        threads=options.io_threads or budget.threads,
-        lookahead_layers=options.lookahead or budget.lookahead,
-        preload=budget.preload and options.preload,
+        policy=_chosen(options.policy, budget.policy),
+        prefetch=_chosen(options.prefetch, budget.prefetch),
+        direct=_chosen(options.direct, budget.direct),
+        threads=_chosen(options.io_threads, budget.threads),
+        lookahead_layers=_chosen(options.lookahead, budget.lookahead),
+        preload=_chosen(options.preload, budget.preload),
         history_path=Path(history) if history else None,
     )
+
+
+def _chosen(flag: T | None, budget_value: T) -> T:
+    """A flag that was given wins over the budget (its file, else its defaults)."""
+    return budget_value if flag is None else flag
+
+
+def _key(flag: object, name: str, budget: Budget) -> str:
+    """What a size error names: the flag, or the budget file's key."""
+    return f"--{name}" if flag is not None else f"{budget.source}: memory.{name}"

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 
 import pytest
 
-from colibri_stream.planning.budget import load_budget_file, parse_size
+from colibri_stream.planning.budget import BUDGET_KEYS, load_budget_file, parse_size
 
-BUDGETS = Path(__file__).resolve().parents[2] / "budgets"
+ROOT = Path(__file__).resolve().parents[2]
+BUDGETS = ROOT / "budgets"
 GIB = 2**30
 
 # (machine RAM, VRAM, dense bf16, KV at full context, one layer's experts, all experts) in GiB, from the
@@ -36,3 +38,14 @@ def test_budget_file_loads_and_fits_its_machine(name):
     assert budget.source.endswith(name)
     text = (BUDGETS / name).read_text()
     assert "colibri-stream plan" in text and "#" in text  # commented, with the command to check it
+
+
+def test_the_readme_example_is_a_valid_budget_showing_every_key(tmp_path):
+    """The README's budget file is where users learn the keys: it loads, and it names each one."""
+    readme = (ROOT / "README.md").read_text()
+    example = readme.split("A TOML budget file sets the same things:", 1)[1].split("```toml\n", 1)[1].split("```")[0]
+    path = tmp_path / "readme.toml"
+    path.write_text(example)
+    load_budget_file(path)
+    shown = {f"{table}.{key}" for table, content in tomllib.loads(example).items() for key in content}
+    assert shown == set(BUDGET_KEYS)

@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+from dataclasses import fields
 
 import pytest
 
 from colibri_stream import cli
+from colibri_stream.cli import options
 from colibri_stream.errors import BudgetError
 from colibri_stream.planning.activations import PREFILL_CHUNK_TOKENS
-from colibri_stream.planning.budget import load_budget_file, parse_size
+from colibri_stream.planning.budget import (
+    BUDGET_KEYS,
+    Budget,
+    StoreOptions,
+    load_budget_file,
+    parse_size,
+    worker_store_config,
+)
 from colibri_stream.planning.placement import RUNTIME_BASELINE_BYTES
 from storage.container import Container
+from storage.tiered import StoreConfig
 
 GIB = 2**30
 
@@ -33,32 +44,118 @@ def test_bad_sizes_name_the_key(text):
 def test_budget_file_reads_every_section(tmp_path):
     path = tmp_path / "b.toml"
     path.write_text(
-        '[memory]\nram = "25%"\nvram = "2GiB"\n[io]\ndirect = true\nthreads = 2\n'
-        '[cache]\npolicy = "hybrid"\nprefetch = false\nlookahead = 3\nhistory = "h.json"\n[kv]\ndir = "/tmp/kv"\n'
+        '[memory]\nram = "25%"\nvram = "2GiB"\n[io]\ndirect = false\nthreads = 2\n'
+        '[cache]\npolicy = "hybrid"\nprefetch = false\nlookahead = 3\npreload = false\nhistory = "h.json"\n'
     )
     budget = load_budget_file(path)
-    assert (budget.ram, budget.vram, budget.direct, budget.threads) == ("25%", "2GiB", True, 2)
+    assert (budget.ram, budget.vram, budget.direct, budget.threads) == ("25%", "2GiB", False, 2)
     assert (budget.policy, budget.prefetch, budget.lookahead, budget.history) == ("hybrid", False, 3, "h.json")
+    assert budget.preload is False and budget.source == str(path)
 
 
 @pytest.mark.parametrize(
     "content, culprit",
     [
-        ("[cache]\npolcy = 'lru'\n", "cache.polcy"),
-        ("[memory]\nram = true\n", "memory.ram"),
-        ("[io]\nthreads = 0\n", "io.threads"),
+        ("[cache]\npolcy = 'lru'\n", "unknown key cache.polcy (did you mean cache.policy?)"),
+        ("[memory]\nrma = '8GiB'\n", "unknown key memory.rma (did you mean memory.ram?)"),
+        ("[io]\npolicy = 'lru'\n", "unknown key io.policy (did you mean cache.policy?)"),  # the wrong table
+        ("[memroy]\nram = '8GiB'\n", "unknown table [memroy] in memroy.ram (did you mean memory.ram?)"),
+        ("ram = '8GiB'\n", "key ram is outside a table (did you mean memory.ram?)"),
+        ("[memory]\nlimit = '8GiB'\n", "unknown key memory.limit (known: memory.ram, memory.vram)"),
+        ("[kv]\ndir = '/tmp/kv'\n", "kv.dir is not a budget setting; use --kv-dir"),
+        ("[kv]\ndtype = 'bfloat16'\n", "kv.dtype is not a budget setting; use --kv-dtype"),
+        ("[memory]\nram = true\n", "memory.ram must be str or int"),
+        ("[memory]\nram = 'lots'\n", "memory.ram: bad size 'lots'"),
+        ("[memory]\nvram = 'auto'\n", "memory.vram: 'auto' is not available here"),
+        ("[io]\nthreads = 0\n", "io.threads must be >= 1"),
         ("[cache]\nlookahead = 0\n", "cache.lookahead must be >= 1"),
         ("[cache]\nlookahead = 'far'\n", "cache.lookahead must be int"),
-        ("[cache]\npolicy = 'mru'\n", "cache.policy"),
-        ("[disk]\nx = 1\n", "[disk]"),
+        ("[cache]\npolicy = 'mru'\n", "cache.policy must be one of"),
+        ("[disk]\nx = 1\n", "unknown table [disk] in disk.x (a budget file has [cache], [io], [memory])"),
         ("[memory\nram = 1\n", "not valid TOML"),
     ],
 )
-def test_budget_file_errors_name_the_key(tmp_path, content, culprit):
+def test_budget_file_errors_are_one_line_naming_the_file_and_the_key(tmp_path, content, culprit):
+    """Nothing in a budget file is read by nothing: a misspelt key, one in the wrong table or a setting
+    that lives elsewhere is refused, with the closest valid key where one is close."""
     path = tmp_path / "bad.toml"
     path.write_text(content)
-    with pytest.raises(BudgetError, match=culprit.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(BudgetError) as error:
         load_budget_file(path)
+    message = str(error.value)
+    assert message.startswith(f"{path}: ") and culprit in message and "\n" not in message
+
+
+def test_every_budget_key_sets_a_field_and_every_field_has_a_key():
+    assert sorted(field for field, _ in BUDGET_KEYS.values()) == sorted(
+        f.name for f in fields(Budget) if f.name != "source"
+    )
+
+
+def test_the_budget_takes_the_store_settings_defaults_from_store_config():
+    """One home for a default: a Budget (no file) builds the StoreConfig that StoreConfig's own defaults
+    are, whatever those are."""
+    store = {f.name: f.default for f in fields(StoreConfig)}
+    budget = Budget()
+    same = {"vram": "vram_bytes", "direct": "direct", "threads": "threads", "policy": "policy"}
+    same |= {"prefetch": "prefetch", "lookahead": "lookahead_layers", "preload": "preload"}
+    assert {mine: getattr(budget, mine) for mine in same} == {mine: store[theirs] for mine, theirs in same.items()}
+    config = worker_store_config(StoreOptions(ram="1000", vram_device="cuda"), expert_bytes=1000)
+    assert config == StoreConfig(ram_bytes=1000)
+
+
+def test_flags_win_over_the_budget_file_either_way(tmp_path):
+    path = tmp_path / "b.toml"
+    path.write_text("[io]\ndirect = false\nthreads = 3\n[cache]\nprefetch = false\npreload = false\nlookahead = 4\n")
+    from_file = worker_store_config(StoreOptions(budget=path, ram="1000"), expert_bytes=1000)
+    assert (from_file.direct, from_file.threads, from_file.prefetch, from_file.preload) == (False, 3, False, False)
+    assert from_file.lookahead_layers == 4
+    flags = StoreOptions(budget=path, ram="1000", direct=True, io_threads=1, prefetch=True, preload=True, lookahead=1)
+    config = worker_store_config(flags, expert_bytes=1000)
+    assert (config.direct, config.threads, config.prefetch, config.preload, config.lookahead_layers) == (
+        True,
+        1,
+        True,
+        True,
+        1,
+    )
+
+
+def _store_help(monkeypatch, defaults: Budget, **kwargs) -> str:
+    monkeypatch.setattr(options, "DEFAULTS", defaults)
+    parser = argparse.ArgumentParser(
+        prog="x", formatter_class=lambda prog: argparse.HelpFormatter(prog, width=1000, max_help_position=200)
+    )
+    options.add_store_arguments(parser, **kwargs)
+    return parser.format_help()
+
+
+@pytest.mark.parametrize(
+    "defaults",
+    [Budget(), Budget(ram="7%", vram="3GiB", policy="hybrid", prefetch=False, lookahead=5, preload=False, threads=9)],
+)
+def test_store_flag_help_shows_the_budget_defaults_not_literals(monkeypatch, defaults):
+    text = _store_help(monkeypatch, defaults)
+    on = {True: "on", False: "off"}
+    for flag, shown in [
+        ("--ram", defaults.ram),
+        ("--vram", defaults.vram),
+        ("--policy", defaults.policy),
+        ("--prefetch", on[defaults.prefetch]),
+        ("--lookahead", defaults.lookahead),
+        ("--preload", on[defaults.preload]),
+        ("--io-threads", defaults.threads),
+    ]:
+        line = next(line for line in text.splitlines() if line.split() and line.split()[0].rstrip(",") == flag)
+        assert f"(default {shown}" in line, line
+    assert "(default auto)" in _store_help(monkeypatch, defaults, ram_default="auto")
+
+
+def test_direct_help_says_which_io_is_the_default(monkeypatch):
+    lines = {
+        line.split()[0]: line for line in _store_help(monkeypatch, Budget(direct=False)).splitlines() if "--" in line
+    }
+    assert "(the default)" in lines["--buffered"] and "(the default)" not in lines["--direct"]
 
 
 def test_plan_reports_the_placement_before_loading(stream_container, capsys):

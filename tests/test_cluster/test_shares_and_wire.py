@@ -104,8 +104,9 @@ def test_cluster_options_refuse_what_cannot_form_a_group():
 
 def test_local_workers_split_the_budget_and_keep_their_own_history(tmp_path):
     store = StoreConfig(ram_bytes=10_000, vram_bytes=3_000, vram_device="cpu", prefetch=False, direct=False)
-    store = StoreConfig(**{**vars(store), "history_path": tmp_path / "h.json", "threads": 2})
+    store = StoreConfig(**{**vars(store), "history_path": tmp_path / "h.json", "threads": 2, "preload": False})
     flags = local_worker_flags(store, 3, 2)
     assert flags[flags.index("--ram") + 1] == "3333" and flags[flags.index("--vram") + 1] == "1000"
     assert "--no-prefetch" in flags and "--buffered" in flags and flags[flags.index("--io-threads") + 1] == "2"
+    assert "--no-preload" in flags and "--no-preload" not in local_worker_flags(StoreConfig(ram_bytes=10_000), 3, 2)
     assert flags[flags.index("--history") + 1] == f"{tmp_path / 'h.json'}.worker2"

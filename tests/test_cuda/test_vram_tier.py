@@ -55,6 +55,7 @@ def _streamed(stream_container, vram_slots: int, ram: str = "100%", prefetch: bo
         vram_bytes=vram_slots * container.layout.record_bytes,
         vram_device="cuda",
         prefetch=prefetch,
+        preload=False,  # RAM is read as the model asks at every budget, 100% included
     )
     return load_container(stream_container, store=config)
 

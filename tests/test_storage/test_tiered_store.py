@@ -64,6 +64,7 @@ def test_any_placement_generates_the_resident_tokens(
         prefetch=prefetch,
         direct=direct,
         history_path=history_file if policy == "pinned" else None,
+        preload=False,  # 100% streams too: preload has its own tests
     )
     loaded = load_container(stream_container, store=config)
     acquires = _count_acquires(loaded.experts)
@@ -171,8 +172,9 @@ def test_a_chunk_reads_no_more_than_its_own_union(stream_container):
 
 
 def _fresh(stream_container, **overrides):
+    """A store whose RAM holds every expert, read as the model asks (no preload): its reads are counted."""
     container = Container(stream_container)
-    config = StoreConfig(ram_bytes=container.expert_bytes, **overrides)
+    config = StoreConfig(ram_bytes=container.expert_bytes, **{"preload": False, **overrides})
     return container, load_container(stream_container, store=config)
 
 
@@ -286,7 +288,8 @@ def test_o_direct_is_the_default_and_falls_back_where_the_filesystem_refuses(
 
 def test_acquired_experts_say_whether_indexing_would_wait_for_a_read(stream_container):
     container = Container(stream_container)
-    loaded = load_container(stream_container, store=StoreConfig(ram_bytes=container.expert_bytes, prefetch=False))
+    config = StoreConfig(ram_bytes=container.expert_bytes, prefetch=False, preload=False)
+    loaded = load_container(stream_container, store=config)
     store, layer = loaded.experts, container.moe_layers[0]
     try:
         first = store.acquire(layer, [0, 1])
@@ -331,10 +334,11 @@ class HeldReads:
 
 @pytest.fixture
 def held_store(stream_container):
-    """(store holding every expert, one read thread whose reads wait at ``held.gate``, first MoE layer,
-    held); the gate is opened and the store closed after the test."""
+    """(store with room for every expert, none read yet, one read thread whose reads wait at ``held.gate``,
+    first MoE layer, held); the gate is opened and the store closed after the test."""
     container = Container(stream_container)
-    loaded = load_container(stream_container, store=StoreConfig(ram_bytes=container.expert_bytes, threads=1))
+    config = StoreConfig(ram_bytes=container.expert_bytes, threads=1, preload=False)
+    loaded = load_container(stream_container, store=config)
     store = loaded.experts
     held = HeldReads(store)
     try:

@@ -87,14 +87,16 @@ def connect(
 
 
 def local_worker_flags(store: StoreConfig, count: int, rank: int) -> list[str]:
-    """A local worker's store flags: 1/count of the coordinator's RAM and VRAM budgets, its policy, I/O
-    and prefetch settings, and its own usage-history file beside the coordinator's (``.workerR``)."""
+    """A local worker's store flags: 1/count of the coordinator's RAM and VRAM budgets, its policy, I/O,
+    prefetch and preload settings, and its own usage-history file beside the coordinator's (``.workerR``)."""
     flags = ["--ram", str(store.ram_bytes // count), "--policy", store.policy, "--io-threads", str(store.threads)]
     flags += ["--direct" if store.direct else "--buffered"]
     if store.vram_bytes:
         flags += ["--vram", str(store.vram_bytes // count), "--vram-device", store.vram_device]
     if not store.prefetch:
         flags.append("--no-prefetch")
+    if not store.preload:
+        flags.append("--no-preload")
     if store.history_path is not None:
         flags += ["--history", f"{store.history_path}.worker{rank}"]
     return flags
