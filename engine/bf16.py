@@ -3,10 +3,10 @@ bytes read per token, with float32 activations as before.
 
 bf16 -> float32 is exact (the 16 bits become the high half of the float), so ``Bf16Linear`` computes
 what a Linear over the upcast weight computes, to float rounding. A few rows (decode) go through the
-C kernel (engine/csrc/int4.c), which reads each weight once at 2 bytes; more rows (prefill) upcast a
+C kernel (engine/csrc/kernels.c), which reads each weight once at 2 bytes; more rows (prefill) upcast a
 block of output rows at a time for torch's matmul, so no float32 copy of a large matrix (an LM head)
-is ever whole. Measured here on 20 matrices of 4096x2048: the kernel 7.5 ms, torch's float32 GEMV
-over the upcast weights 30.9 ms.
+is ever whole. For a few rows the kernel is several times faster than torch's float32 GEMV over the
+upcast weights (docs/kernels.md, "bf16 dense weights, float32 compute").
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from torch import nn
 from engine.rows import computing_alone, in_row_chunks, kernel_threads, linear
 
 try:
-    from engine import _int4
+    from engine import _kernels
 except ImportError:  # pragma: no cover - machines without a compiler
-    _int4 = None
+    _kernels = None  # type: ignore[assignment]  # no C extension built: callers check for None first
 
 # Linears whose weight is also used as a matrix, not only through forward, stay float32: absorbed
 # attention views wkv_b per head; the indexer's weights_proj is float32 by the reference's rule.
@@ -30,10 +30,15 @@ UPCAST_BLOCK_BYTES = 64 << 20  # float32 weight rows upcast at once on the matmu
 def bf16_kernel_available() -> bool:
     """The kernel is built and this CPU has a SIMD path for it (its scalar loop is slower than keeping
     the weights in float32, so without SIMD the model keeps them float32)."""
-    return _int4 is not None and getattr(_int4, "BF16_SIMD", 0) > 0
+    return _kernels is not None and getattr(_kernels, "BF16_SIMD", 0) > 0  # reflection: absent in older builds
 
 
 ISA = {"best": 2, "avx2": 1, "scalar": 0}  # the highest SIMD path the kernel may take
+
+
+class TakesBf16Weight:
+    """A module, not an nn.Linear, that computes from a bf16-held weight itself (DeepSeek-V4's grouped
+    output projection): its ``weight`` may be kept in bf16 in a float32 model (bf16_candidates)."""
 
 
 def bf16_matmul(x: torch.Tensor, weight: torch.Tensor, isa: str = "best", alone: bool = False) -> torch.Tensor:
@@ -43,7 +48,7 @@ def bf16_matmul(x: torch.Tensor, weight: torch.Tensor, isa: str = "best", alone:
     rows, in_dim = x.shape
     x = x.contiguous()
     y = torch.empty((rows, weight.shape[0]), dtype=torch.float32)
-    _int4.bf16_gemm(
+    _kernels.bf16_gemm(
         weight.data_ptr(),
         x.data_ptr(),
         y.data_ptr(),
@@ -81,9 +86,9 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         and x.dtype == torch.float32
         and x.device.type == "cpu"
         and 0 < flat.shape[0]
-        and (alone or flat.shape[0] <= _int4.MAX_ROWS)
+        and (alone or flat.shape[0] <= _kernels.MAX_ROWS)
     ):
-        out = in_row_chunks(flat, _int4.MAX_ROWS, lambda rows: bf16_matmul(rows, weight, alone=alone))
+        out = in_row_chunks(flat, _kernels.MAX_ROWS, lambda rows: bf16_matmul(rows, weight, alone=alone))
     else:
         step = max(1, UPCAST_BLOCK_BYTES // (4 * weight.shape[1]))
         out = torch.cat([linear(flat, block.to(x.dtype)) for block in weight.split(step)], dim=-1)
@@ -101,9 +106,8 @@ def linear_candidates(model: nn.Module) -> set[str]:
 
 def bf16_candidates(model: nn.Module) -> set[str]:
     """Names of the weights a float32 model may keep in bf16: linear_candidates, swapped for Bf16Linear by
-    hold_in_bf16, and the weights of modules that compute from a bf16 weight themselves (``takes_bf16``:
-    DeepSeek-V4's grouped output projection)."""
-    own = {f"{name}.weight" for name, module in model.named_modules() if getattr(module, "takes_bf16", False)}
+    hold_in_bf16, and the weights of modules that compute from a bf16 weight themselves (TakesBf16Weight)."""
+    own = {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, TakesBf16Weight)}
     return linear_candidates(model) | own
 
 

@@ -2,8 +2,9 @@
 router, and absorbed MLA attention for one query.
 
 Between its weight-bound kernels a decode step runs ~100 small torch ops per layer; on a 2-core machine,
-with the kernels streaming the caches out between them, they took as long as the expert matmuls
-(rms_norm 90-120 us a call, the router's dozen ops, five bmm for one query). Here each is one call.
+with the kernels streaming the caches out between them, they took as long as the expert matmuls (an
+rms_norm, the router's dozen ops, five bmm for one query; docs/benchmarks.md, "Figures behind the code").
+Here each is one call.
 C sums in another order than torch, so the results differ from the exact path by float rounding: only
 inside ``int8_activations()`` (engine/q8.py), a path already lossy in its activations, do the modules
 take these. ``active(x)`` says whether they apply to x.
@@ -21,9 +22,9 @@ from engine.q8 import activations_are_int8
 from engine.rows import kernel_threads
 
 try:
-    from engine import _int4
+    from engine import _kernels
 except ImportError:  # pragma: no cover - machines without a compiler
-    _int4 = None
+    _kernels = None  # type: ignore[assignment]  # no C extension built: callers check for None first
 
 SCORE_KINDS = {"sigmoid": 0, "softmax": 1, "sqrtsoftplus": 2}  # decode_ops.h SCORE_*
 MAX_GROUPS = 256  # decode_ops.c keeps a row's group scores on the stack
@@ -41,7 +42,8 @@ def torch_ops() -> Iterator[None]:
         _off.reset(token)
 
 
-_BUILT = _int4 is not None and hasattr(_int4, "attend_one")  # checked once: active() runs ~100 times a token
+# reflection: a build of the C extension older than attend_one lacks it; checked once (active() runs per op)
+_BUILT = _kernels is not None and hasattr(_kernels, "attend_one")
 
 
 def available() -> bool:
@@ -58,7 +60,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty_like(x)
     dim = x.shape[-1]
-    _int4.rms_norm(x.data_ptr(), x.numel() // dim, dim, weight.data_ptr(), eps, out.data_ptr())
+    _kernels.rms_norm(x.data_ptr(), x.numel() // dim, dim, weight.data_ptr(), eps, out.data_ptr())
     return out
 
 
@@ -96,7 +98,7 @@ def route(
     ids = torch.empty((rows, topk), dtype=torch.int64)
     weights = torch.empty((rows, topk), dtype=torch.float32)
     bias_ptr = 0 if bias is None else bias.data_ptr()
-    _int4.route(
+    _kernels.route(
         x.data_ptr(), rows, weight.data_ptr(), bias_ptr, weight.shape[0], weight.shape[1],
         SCORE_KINDS[score], groups, topk_groups, topk, normalise, scale,
         ids.data_ptr(), weights.data_ptr(),
@@ -129,7 +131,7 @@ def attend_one(
     if positions is not None:
         positions = positions.to(torch.int64).contiguous()
     out = torch.empty((heads, value), dtype=torch.float32)
-    _int4.attend_one(
+    _kernels.attend_one(
         q_nope.data_ptr(), q_rope.data_ptr(), latents.data_ptr(), rope_keys.data_ptr(),
         0 if positions is None else positions.data_ptr(), total, heads, nope, rope, value, rank, softmax_scale,
         kv_b.data_ptr(), 0 if kv_b_scales is None else kv_b_scales.data_ptr(), group_size, out.data_ptr(),

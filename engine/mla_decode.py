@@ -2,11 +2,12 @@
 
 A decode step's attention was ~25 torch ops and four kernel calls per layer (norm, two projections, two
 latent norms, the q projection, splits, rope, the cache append, attention, the output projection, the
-residual), each 5-80 us once the kernels had evicted the interpreter's caches: ~4 ms of Python a token
-on the bench model for ~2 ms of weights. Here it is ``mla_project`` (everything up to the cache's new
-row) and ``mla_output`` (attention, wo, residual); a DSA layer runs its indexer between them. The C
-steps are the int8 path's own (the same kernels, norms and attention, rope without fused multiply-adds),
-so the result has the same bits as that path's torch glue: only the number of calls changes.
+residual), each slow once the kernels had evicted the interpreter's caches: on the bench model that
+Python took longer per token than the weights it drove (docs/benchmarks.md, "Figures behind the code").
+Here it is ``mla_project`` (everything up to the cache's new row) and ``mla_output`` (attention, wo,
+residual); a DSA layer runs its indexer between them. The C steps are the int8 path's own (the same
+kernels, norms and attention, rope without fused multiply-adds), so the result has the same bits as that
+path's torch glue: only the number of calls changes.
 
 Taken when: one query of one sequence, ``decode_ops.active`` (int8 activations on, float32 CPU), and the
 layer's projections held as int8 records (a `--dense int8` container) with wkv_b's records held for
@@ -25,9 +26,9 @@ from engine.q8 import ISA_BEST, c_matrix_of
 from engine.rows import kernel_threads
 
 try:
-    from engine import _int4
+    from engine import _kernels
 except ImportError:  # pragma: no cover - machines without a compiler
-    _int4 = None
+    _kernels = None  # type: ignore[assignment]  # no C extension built: callers check for None first
 
 
 def _norm(norm: RMSNorm | None) -> bool:
@@ -37,7 +38,7 @@ def _norm(norm: RMSNorm | None) -> bool:
 class FusedMLA:
     """A layer's attention (its attn_norm included) described to C once, with the step's scratch rows."""
 
-    def __init__(self, attn_norm: RMSNorm, mla: MLA, weights: object):
+    def __init__(self, attn_norm: RMSNorm, mla: MLA, weights: _kernels.MlaWeights):
         self.mla, self.attn_norm = mla, attn_norm
         self.weights = weights  # the capsule; attn_norm and mla keep the arrays it points to alive
         heads = mla.n_heads
@@ -50,13 +51,15 @@ class FusedMLA:
     @classmethod
     def build(cls, attn_norm: RMSNorm, mla: MLA) -> FusedMLA | None:
         """None when the layer's weights are not all in the forms the C steps read."""
-        if _int4 is None or not hasattr(_int4, "mla_weights") or mla.kv_b_group <= 0:
+        # reflection: a build of the C extension older than mla_decode.c lacks mla_weights
+        if _kernels is None or not hasattr(_kernels, "mla_weights") or mla.kv_b_group <= 0:
             return None
         lora = mla.q_lora_rank > 0
         names = ("wq_a", "wkv_a", "wq_b", "wo") if lora else ("wq", "wkv_a", "wo")
-        matrices = {name: c_matrix_of(getattr(mla, name)) for name in names}
+        found = {name: c_matrix_of(mla.get_submodule(name)) for name in names}
+        matrices = {name: m for name, m in found.items() if m is not None}
         norms = (attn_norm, mla.kv_norm, mla.q_norm if lora else None)
-        if any(m is None for m in matrices.values()) or not all(_norm(n) for n in norms):
+        if len(matrices) < len(found) or not all(_norm(n) for n in norms):
             return None
         dims = (attn_norm.weight.shape[0], mla.n_heads, mla.nope_dim, mla.rope_dim, mla.v_dim, mla.kv_lora_rank,
                 mla.q_lora_rank, mla.rope_interleave)  # fmt: skip
@@ -67,7 +70,7 @@ class FusedMLA:
             mla.kv_norm.weight.data_ptr(),
         )
         kv_b = (mla.kv_b_codes.data_ptr(), mla.kv_b_scales.data_ptr(), mla.kv_b_group)
-        weights = _int4.mla_weights(
+        weights = _kernels.mla_weights(
             dims, floats, pointers, matrices["wq_a" if lora else "wq"], matrices["wkv_a"],
             matrices["wq_b"] if lora else None, matrices["wo"], kv_b,
         )  # fmt: skip
@@ -91,7 +94,7 @@ class FusedMLA:
         threads = kernel_threads()
         latent, rope_key = cache.next_row()
         try:
-            _int4.mla_project(
+            _kernels.mla_project(
                 self.weights, x.data_ptr(), cos.data_ptr(), sin.data_ptr(), normed, q_latent, q_nope, q_rope,
                 latent.data_ptr(), rope_key.data_ptr(), ISA_BEST, threads,
             )  # fmt: skip
@@ -104,7 +107,7 @@ class FusedMLA:
         positions = None if selection is None else selection.reshape(-1).to(torch.int64).contiguous()
         total = cache.length if positions is None else positions.numel()
         out = torch.empty_like(x)
-        _int4.mla_output(
+        _kernels.mla_output(
             self.weights, q_nope, q_rope, cache.latent.data_ptr(), cache.rope_key.data_ptr(),
             0 if positions is None else positions.data_ptr(), total, x.data_ptr(), out.data_ptr(), ISA_BEST, threads,
         )  # fmt: skip

@@ -19,9 +19,9 @@ import torch
 from engine.rows import kernel_threads
 
 try:
-    from engine import _int4
+    from engine import _kernels
 except ImportError:  # pragma: no cover - machines without a compiler
-    _int4 = None
+    _kernels = None  # type: ignore[assignment]  # no C extension built: callers check for None first
 
 BLOCK = 32  # columns of x per int8 scale
 WEIGHT_KINDS = {"int4": 0, "int8": 1}  # the kernel's weight kinds (q8.h)
@@ -47,8 +47,8 @@ def activations_are_int8() -> bool:
 def q8_kernel_handles(code: str, group_size: int, x: torch.Tensor) -> bool:
     """Whether q8_matmul takes these weights and activations."""
     return (
-        _int4 is not None
-        and hasattr(_int4, "q8_gemm")
+        _kernels is not None
+        and hasattr(_kernels, "q8_gemm")  # reflection: a build of the C extension older than q8 lacks it
         and code in WEIGHT_KINDS
         and group_size % BLOCK == 0
         and x.dtype == torch.float32
@@ -72,7 +72,7 @@ def q8_matmul(
     rows, in_dim = x.shape
     x = x.contiguous()
     y = torch.empty((rows, w.shape[0]), dtype=torch.float32)
-    _int4.q8_gemm(
+    _kernels.q8_gemm(
         w.data_ptr(),
         scales.data_ptr(),
         x.data_ptr(),
@@ -101,11 +101,18 @@ def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     return (q * (amax / 127.0)).view(rows, -1)[:, :in_dim]
 
 
+class KernelMatrix:
+    """A linear whose int8 records the fused C steps read as they are: engine/int8_dense.py's Int8Linear
+    (declared here because int8_dense imports this module)."""
+
+    def c_matrix(self) -> tuple[int, int, int, int, int, int] | None:
+        """(w, scales, kind, scale kind, in, group) as the C steps take a matrix; None where they cannot."""
+        return None
+
+
 def c_matrix_of(linear: object) -> tuple[int, int, int, int, int, int] | None:
-    """A linear's codes as the fused C steps take a matrix (``Int8Linear.c_matrix``: engine/int8_dense.py
-    imports this module, so it is asked for by name), None for a module without int8 records."""
-    c_matrix = getattr(linear, "c_matrix", None)
-    return c_matrix() if c_matrix is not None else None
+    """A linear's codes as the fused C steps take a matrix, None for a module without int8 records."""
+    return linear.c_matrix() if isinstance(linear, KernelMatrix) else None
 
 
 def q8_mlp(w1: object, w2: object, w3: object, x: torch.Tensor, limit: float | None = None) -> torch.Tensor | None:
@@ -113,16 +120,17 @@ def q8_mlp(w1: object, w2: object, w3: object, x: torch.Tensor, limit: float | N
     where the three are Int8Linear the kernel reads and int8 activations are on (a shared expert, a dense
     layer's FFN); else None. The SwiGLU is q8_moe's (C's expf), not torch's: int8 path only."""
     cpu_float32 = x.dtype == torch.float32 and x.device.type == "cpu"
-    if not (activations_are_int8() and cpu_float32 and hasattr(_int4, "q8_mlp")):
+    # reflection: a build of the C extension older than q8_mlp lacks it
+    if not (activations_are_int8() and cpu_float32 and hasattr(_kernels, "q8_mlp")):
         return None
-    specs = [c_matrix_of(m) for m in (w1, w3, w2)]
-    if any(spec is None for spec in specs) or x.numel() == 0:
+    gate, up, down = (c_matrix_of(m) for m in (w1, w3, w2))
+    if gate is None or up is None or down is None or x.numel() == 0:
         return None
-    dim, inter = specs[0][4], specs[2][4]
+    dim, inter = gate[4], down[4]
     flat = x.reshape(-1, dim).contiguous()
     out = torch.empty(flat.shape, dtype=torch.float32)
-    _int4.q8_mlp(
-        *specs, flat.data_ptr(), flat.shape[0], dim, inter, limit is not None, float(limit or 0.0), out.data_ptr(),
-        ISA_BEST, kernel_threads(),
+    _kernels.q8_mlp(
+        gate, up, down, flat.data_ptr(), flat.shape[0], dim, inter, limit is not None, float(limit or 0.0),
+        out.data_ptr(), ISA_BEST, kernel_threads(),
     )  # fmt: skip
     return out.view(x.shape)

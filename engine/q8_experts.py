@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+from typing import TypeGuard
 
 import torch
 
@@ -19,17 +20,18 @@ from engine.quant import KERNEL_SCALES, QuantizedExpert, QuantizedMatrix
 from engine.rows import kernel_threads
 
 try:
-    from engine import _int4
+    from engine import _kernels
 except ImportError:  # pragma: no cover - machines without a compiler
-    _int4 = None
+    _kernels = None  # type: ignore[assignment]  # no C extension built: callers check for None first
 
 MAX_WORK_BYTES = 32 << 20  # one call's work area at most: a prefill's experts are split over calls
 
 
-def fused_experts_handle(experts: Sequence[object], x: torch.Tensor) -> bool:
+def fused_experts_handle(experts: Sequence[object], x: torch.Tensor) -> TypeGuard[Sequence[QuantizedExpert]]:
     """Whether ``add_experts`` takes these experts with x: int8 activations on, float32 x on the CPU,
     QuantizedExperts whose matrices the q8 kernel takes, all of one layout."""
-    if not experts or not activations_are_int8() or not hasattr(_int4, "q8_moe"):
+    # reflection: a build of the C extension older than q8_moe.c lacks it
+    if not experts or not activations_are_int8() or not hasattr(_kernels, "q8_moe"):
         return False
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[0] == 0:
         return False
@@ -37,31 +39,25 @@ def fused_experts_handle(experts: Sequence[object], x: torch.Tensor) -> bool:
     return first is not None and all((plan := _plan(e)) is not None and plan[0] == first[0] for e in experts[1:])
 
 
-_NO_PLAN = object()
-
-
-def _plan(expert: object) -> tuple[tuple, tuple[int, ...]] | None:
+def _plan(expert: object) -> tuple[tuple[object, ...], tuple[int, ...]] | None:
     """(layout, the six addresses of w1, its scales, w3, its scales, w2, its scales) of an expert the call
-    takes, else None; kept on the expert, which its store builds once per slot (a decode step
-    would otherwise re-check 18 matrices per layer: ~90 us)."""
-    plan = getattr(expert, "_q8_plan", _NO_PLAN)
-    if plan is _NO_PLAN:
-        layout = _layout(expert)
-        matrices = (expert.w1, expert.w3, expert.w2) if layout is not None else ()
-        plan = (
-            None
-            if layout is None
-            else (layout, tuple(p for m in matrices for p in (m.q.data_ptr(), m.scales.data_ptr())))
-        )
-        if isinstance(expert, QuantizedExpert):
-            object.__setattr__(expert, "_q8_plan", plan)  # frozen dataclass: an attribute outside its fields
-    return plan
-
-
-def _layout(expert: object) -> tuple | None:
-    """What one call needs alike in every expert: codes, groups, scale dtype, shape; None if it cannot."""
+    takes, else None; kept on the expert (``QuantizedExpert.q8_plan``), which its store builds once per
+    slot: a decode step would otherwise re-check 18 matrices per layer."""
     if not isinstance(expert, QuantizedExpert):
         return None
+    if expert.q8_plan is None:
+        layout = _layout(expert)
+        plan = () if layout is None else (layout, _addresses(expert))
+        object.__setattr__(expert, "q8_plan", plan)  # a frozen dataclass: its one field set after init
+    return expert.q8_plan or None
+
+
+def _addresses(expert: QuantizedExpert) -> tuple[int, ...]:
+    return tuple(p for m in (expert.w1, expert.w3, expert.w2) for p in (m.q.data_ptr(), m.scales.data_ptr()))
+
+
+def _layout(expert: QuantizedExpert) -> tuple[object, ...] | None:
+    """What one call needs alike in every expert: codes, groups, scale dtype, shape; None if it cannot."""
     w1, w3, w2 = expert.w1, expert.w3, expert.w2
     if not all(_kernel_takes(m, w1.scales.dtype) for m in (w1, w3, w2)):
         return None
@@ -100,10 +96,11 @@ def add_experts(
     ids = ids.to(torch.int64).contiguous()
     for part in _parts(ids, list(expert_ids), experts[0]):
         chosen = [experts[i] for i in part]
-        mats = array("Q", [p for e in chosen for p in _plan(e)[1]])  # [n, 6] addresses
+        # [n, 6] addresses; fused_experts_handle held, so every expert has a plan
+        mats = array("Q", [p for e in chosen for p in _plan(e)[1]])  # type: ignore[index]
         part_ids = array("q", [expert_ids[i] for i in part])
         w1, w2 = chosen[0].w1, chosen[0].w2
-        _int4.q8_moe(
+        _kernels.q8_moe(
             x.data_ptr(), x.shape[0], w1.in_dim, w1.out_dim,
             ids.data_ptr(), weights.data_ptr(), ids.shape[1],
             part_ids.buffer_info()[0], len(chosen), mats.buffer_info()[0],
@@ -122,7 +119,9 @@ def _parts(ids: torch.Tensor, expert_ids: list[int], expert: QuantizedExpert) ->
     if ids.shape[0] * ids.shape[1] * row_bytes <= MAX_WORK_BYTES:
         return [list(range(len(expert_ids)))]
     counts = torch.bincount(ids.flatten().clamp(min=0)).tolist()
-    parts, part, rows = [], [], 0
+    parts: list[list[int]] = []
+    part: list[int] = []
+    rows = 0
     for i, expert_id in enumerate(expert_ids):
         n = counts[expert_id] if expert_id < len(counts) else 0
         if part and (rows + n) * row_bytes > MAX_WORK_BYTES:

@@ -21,7 +21,7 @@ exponent e: 2^(e - 127), MXFP4's and V4's power-of-two scales).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -30,12 +30,13 @@ from engine.layers import swiglu
 from engine.q8 import activations_are_int8, q8_kernel_handles, q8_matmul
 from engine.rows import computing_alone, in_row_chunks, kernel_threads, linear
 
-try:  # the C kernels (engine/csrc/nibble.c, int4.c), built at install time when a compiler is there
-    from engine import _int4
+try:  # the C kernels (engine/csrc/nibble.c, kernels.c), built at install time when a compiler is there
+    from engine import _kernels
 except ImportError:  # pragma: no cover - exercised on machines without a compiler
-    _int4 = None
-if getattr(_int4, "NIBBLE_ABI", 0) < 2:  # pragma: no cover - a stale build (int4 + float16 scales only)
-    _int4 = None
+    _kernels = None  # type: ignore[assignment]  # no C extension built: callers check for None first
+# reflection: a stale build (int4 + float16 scales only) has no NIBBLE_ABI or an older one
+if getattr(_kernels, "NIBBLE_ABI", 0) < 2:  # pragma: no cover
+    _kernels = None  # type: ignore[assignment]  # no C extension built: callers check for None first
 
 
 QMAX = {4: 7, 8: 127}
@@ -147,7 +148,7 @@ class QuantizedMatrix:
         CPU where it handles the matrix (bit-identical: the same float operations), torch elsewhere."""
         if _kernel_handles(self):
             w = torch.empty((self.out_dim, self.in_dim), dtype=torch.float32)
-            _int4.dequant(self.q.data_ptr(), self.scales.data_ptr(), w.data_ptr(), *_kernel_shape(self))
+            _kernels.dequant(self.q.data_ptr(), self.scales.data_ptr(), w.data_ptr(), *_kernel_shape(self))
             return w.to(dtype)
         return dequantize_torch(self, dtype)
 
@@ -161,14 +162,14 @@ class QuantizedMatrix:
             return q8_matmul(x, self.q, self.scales, self.code, self.group_size, KERNEL_SCALES[self.scales.dtype])
         if x.dtype == torch.bfloat16 and x.device.type == "cpu":
             # bf16 rows in float32 through the kernel or sgemm: torch's bf16 matmul on the CPU (oneDNN)
-            # keeps a primitive per shape, and every expert sees new row counts; measured on the demo,
-            # a 2047-token bf16 prefill retained +20 MB per 256-token chunk that way
+            # keeps a primitive per shape, and every expert sees new row counts, so a long bf16 prefill's
+            # memory grew chunk after chunk (docs/benchmarks.md, "Figures behind the code")
             return self.matmul(x.float()).to(torch.bfloat16)
         alone = computing_alone()
         if _kernel_handles(self) and x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[0] > 0:
             if alone:
-                return in_row_chunks(x, _int4.MAX_ROWS, lambda rows: kernel_matmul(rows, self, alone=True))
-            if x.shape[0] <= _int4.MAX_ROWS:
+                return in_row_chunks(x, _kernels.MAX_ROWS, lambda rows: kernel_matmul(rows, self, alone=True))
+            if x.shape[0] <= _kernels.MAX_ROWS:
                 return kernel_matmul(x, self)
         return linear(x, self.dequantize(x.dtype))
 
@@ -189,13 +190,13 @@ def dequantize_torch(m: QuantizedMatrix, dtype: torch.dtype = torch.float32) -> 
 
 
 def int4_kernel_available() -> bool:
-    return _int4 is not None
+    return _kernels is not None
 
 
 def _kernel_handles(m: QuantizedMatrix) -> bool:
     """Whether the C kernel takes this matrix: 4-bit codes (int4, fp4) with any scale kind, any width."""
     return (
-        _int4 is not None
+        _kernels is not None
         and m.code in KERNEL_CODES
         and m.scales.dtype in KERNEL_SCALES
         and m.q.device.type == "cpu"
@@ -228,8 +229,8 @@ def kernel_matmul(x: torch.Tensor, m: QuantizedMatrix, force_scalar: bool = Fals
         raise ValueError(f"x has {in_dim} columns, the quantised matrix {m.in_dim} inputs")
     x = x.contiguous()
     y = torch.empty((rows, m.out_dim), dtype=torch.float32)
-    work = torch.empty(_int4.work_floats(max(rows, 1), in_dim, m.group_size), dtype=torch.float32)
-    _int4.gemm(
+    work = torch.empty(_kernels.work_floats(max(rows, 1), in_dim, m.group_size), dtype=torch.float32)
+    _kernels.gemm(
         m.q.data_ptr(),
         m.scales.data_ptr(),
         x.data_ptr(),
@@ -240,7 +241,7 @@ def kernel_matmul(x: torch.Tensor, m: QuantizedMatrix, force_scalar: bool = Fals
         m.group_size,
         work.data_ptr(),
         force_scalar,
-        kernel_threads(),  # 2+: a persistent helper thread shares the output rows (int4.c run_split)
+        kernel_threads(),  # 2+: a persistent helper thread shares the output rows (kernels.c run_split)
         KERNEL_CODES[m.code],
         KERNEL_SCALES[m.scales.dtype],
         alone,
@@ -255,10 +256,19 @@ class QuantizedExpert:
     w1: QuantizedMatrix
     w2: QuantizedMatrix
     w3: QuantizedMatrix
+    # engine/q8_experts.py's plan for the fused q8 call, worked out at the first call (None: not yet, (): the
+    # call does not take it); kept here because a store builds its experts once per slot, not once per read
+    q8_plan: tuple[()] | tuple[tuple[object, ...], tuple[int, ...]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     @property
     def device(self) -> torch.device:
         return self.w1.q.device
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Codes and scales of gate and up before down: the order a call reads them."""
+        return [t for m in (self.w1, self.w3, self.w2) for t in (m.q, m.scales)]
 
     def __call__(self, x: torch.Tensor, limit: float | None = None) -> torch.Tensor:
         """x [N, dim] -> [N, dim]: the SwiGLU FFN (clamped at ``limit`` if set), one quantised matrix at a time."""

@@ -1,6 +1,7 @@
 """Cold expert-record reads, side by side in one run: raw `dd iflag=direct`, our reader on a thread
 pool (buffered and O_DIRECT), one thread, and aiofiles. The page cache is dropped before each
-contender (needs root; otherwise the numbers are warm and say so).
+contender (needs root; otherwise the numbers are warm and say so). aiofiles is the contender the
+thread pool was chosen over (docs/storage.md), not a dependency: `pip install aiofiles` to run this.
 
     python tools/bench_io.py CONTAINER [--records 64] [--threads 4]
 """

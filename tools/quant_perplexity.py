@@ -6,7 +6,7 @@ Variants: our int4 at group 64 (the default) and 32; the experts quantised by co
 own compressor (pack-quantized int4 g32, as Kimi-K2-Thinking ships; MXFP4) and copied into records as
 shipped. Dense weights bf16 (convert's default), except the int8 rows: dense int8 records and/or int8
 activations (engine/q8.py); the float row runs the checkpoint directory itself in float32. Same 64
-windows x 256 held-out tokens as demo/README.md.
+windows x 256 held-out tokens as colibri_stream/demo_model/README.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Train the demo model shipped in demo/model (see colibri_stream/devtools/train_demo.py and demo/README.md).
+"""Train the demo model shipped in colibri_stream/demo_model (recipe in its README.md; the code is
+colibri_stream/devtools/train_demo.py).
 
 python tools/train_demo.py [DST] [--steps N] [--seed S] [--threads T] [--max-minutes M]
 """
@@ -16,7 +17,7 @@ from colibri_stream.devtools.train_demo import TrainOptions, make_demo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("dst", nargs="?", default="demo/model")
+    parser.add_argument("dst", nargs="?", default="colibri_stream/demo_model")
     parser.add_argument("--steps", type=int, help=f"optimizer steps (default {TrainOptions.steps})")
     parser.add_argument("--seed", type=int, help=f"seed (default {TrainOptions.seed})")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")

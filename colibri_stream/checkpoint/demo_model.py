@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 
 from colibri_stream.checkpoint.fingerprint import model_fingerprint
@@ -9,16 +11,18 @@ from colibri_stream.errors import CheckpointError
 from colibri_stream.paths import user_cache_dir
 
 DEMO_PROMPT = "import sys\n\n\ndef main():\n"
-REPO_ROOT = Path(__file__).resolve().parents[2]  # the package is installed editable from the repository
+# package data of colibri_stream (pyproject's package-data), so a wheel install has it as well as a clone
+DEMO_MODEL_FOLDER = "demo_model"
 
 
-def demo_model_dir(root: Path = REPO_ROOT) -> Path:
-    """``demo/model`` of the repository this package is installed from."""
-    path = root / "demo" / "model"
-    if not (path / "config.json").is_file():
+def demo_model_dir(package: Traversable | None = None) -> Path:
+    """The shipped demo model: ``colibri_stream/demo_model``, found through the installed package."""
+    path = (package or resources.files("colibri_stream")) / DEMO_MODEL_FOLDER
+    # the converter and loader open files by path: a package imported from a zip has none to give
+    if not isinstance(path, Path) or not (path / "config.json").is_file():
         raise CheckpointError(
-            f"the demo model is missing: {path} has no config.json (reinstall from a clone of the "
-            "repository with `pip install -e .`, or remake it with `python tools/train_demo.py`)"
+            f"the demo model is missing: {path} has no config.json (reinstall colibri-stream, or remake "
+            f"it in a clone with `python tools/train_demo.py colibri_stream/{DEMO_MODEL_FOLDER}`)"
         )
     return path
 

@@ -93,7 +93,7 @@ def demo(args: argparse.Namespace) -> int:
     options = TurnOptions(args.max_new_tokens, session=DEMO_SESSION, reset=args.reset, on_token=show)
     try:
         result = run_turn(runtime, prompt_ids, options)
-        ram_bytes = runtime.loaded.experts.config.ram_bytes
+        ram_bytes = runtime.loaded.experts.config.ram_bytes  # type: ignore[union-attr]  # a local container's store
     finally:
         runtime.close()
     if args.json:

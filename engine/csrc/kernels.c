@@ -1,5 +1,5 @@
 /*
- * The C extension engine._int4: the Python entry points and the thread split for the 4-bit
+ * The C extension engine._kernels: the Python entry points and the thread split for the 4-bit
  * group-quantised kernels (nibble.c: every record kind, int4 / fp4 codes, float16 / bfloat16 / e8m0
  * scales, ragged groups), and bf16 weights times float32 rows.
  *
@@ -512,11 +512,11 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_int4", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", NULL, -1, methods};
 
 extern PyMethodDef py_decode_methods[]; /* py_decode.c: the fused decode steps */
 
-PyMODINIT_FUNC PyInit__int4(void) {
+PyMODINIT_FUNC PyInit__kernels(void) {
     PyObject *m = PyModule_Create(&module);
     pthread_atfork(NULL, NULL, split_after_fork);
     if (m && PyModule_AddFunctions(m, py_decode_methods) != 0) Py_CLEAR(m);

@@ -1,5 +1,5 @@
 /* Group-quantised 4-bit matrices times a few float32 rows, and their dequantiser (nibble.c); the
- * Python module, the thread split and the bf16 kernels are in int4.c. */
+ * Python module, the thread split and the bf16 kernels are in kernels.c. */
 #ifndef COLIBRI_NIBBLE_H
 #define COLIBRI_NIBBLE_H
 

@@ -1,4 +1,4 @@
-"""The shipped demo model (demo/model) and `colibri-stream demo`.
+"""The shipped demo model (colibri_stream/demo_model) and `colibri-stream demo`.
 
 The demo checkpoint is committed, so these tests run it for real: the engine must match transformers
 on it, the demo command must convert it and stream its experts, the session must make the second run
@@ -108,6 +108,6 @@ def test_int4_heldout_perplexity_within_5_percent_of_float(first_run, windows):
     container = next((cache_home / "colibri-stream" / "demo").glob("*.cstream"))
     float_ppl = engine_perplexity(load_checkpoint(DEMO), windows)
     int4_ppl = engine_perplexity(load_container(container), windows)
-    # trained: 56.6 over 16k held-out tokens (demo/README.md); random weights give ~4096
+    # trained: 56.6 over 16k held-out tokens (demo_model/README.md); random weights give ~4096
     assert math.isfinite(float_ppl) and float_ppl < 200
     assert abs(int4_ppl / float_ppl - 1) < 0.05, (float_ppl, int4_ppl)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from engine import bf16
 from engine.bf16 import Bf16Linear, bf16_kernel_available, bf16_matmul
 
-needs_kernel = pytest.mark.skipif(not bf16_kernel_available(), reason="engine._int4 was not built")
+needs_kernel = pytest.mark.skipif(not bf16_kernel_available(), reason="engine._kernels was not built")
 
 
 def _weight(out_dim: int, in_dim: int, seed: int) -> torch.Tensor:

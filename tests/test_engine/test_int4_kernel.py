@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from engine import quant
 from engine.quant import QuantizedExpert, dequantize_torch, int4_kernel_available, kernel_matmul, quantized_matrix
 
-needs_kernel = pytest.mark.skipif(not int4_kernel_available(), reason="engine._int4 was not built")
+needs_kernel = pytest.mark.skipif(not int4_kernel_available(), reason="engine._kernels was not built")
 
 
 @needs_kernel
@@ -43,7 +43,7 @@ def test_quantised_expert_without_the_kernel_gives_the_same_output(monkeypatch):
     expert = QuantizedExpert(matrix(128, 64), matrix(64, 128), matrix(128, 64))
     x = torch.randn(1, 64, generator=gen)
     fast = expert(x)
-    monkeypatch.setattr(quant, "_int4", None)
+    monkeypatch.setattr(quant, "_kernels", None)
     slow = expert(x)
     torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-6)
     many = torch.randn(20, 64, generator=gen)  # prefill-sized: always the dequantise path

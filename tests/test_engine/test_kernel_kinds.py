@@ -15,7 +15,7 @@ from colibri_stream.bench.kernels import random_kind_matrix
 from engine import quant
 from engine.quant import E8M0, QuantizedMatrix, _kernel_handles, dequantize_torch, int4_kernel_available, kernel_matmul
 
-needs_kernel = pytest.mark.skipif(not int4_kernel_available(), reason="engine._int4 was not built")
+needs_kernel = pytest.mark.skipif(not int4_kernel_available(), reason="engine._kernels was not built")
 
 # (code, scale dtype, group): our int4, compressed-tensors pack-quantized, MXFP4, and fp4 with float16
 KINDS = {

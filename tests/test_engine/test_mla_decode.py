@@ -90,7 +90,7 @@ def test_a_failed_step_leaves_the_cache_as_it_was(make_container, monkeypatch):
     model(torch.tensor([PROMPT]), 0, cache, experts)
     before = cache.state()
 
-    real = mla_decode._int4
+    real = mla_decode._kernels
 
     class Failing:
         """The extension, but its projection step fails as on a machine out of memory."""
@@ -104,7 +104,7 @@ def test_a_failed_step_leaves_the_cache_as_it_was(make_container, monkeypatch):
 
             return fail
 
-    monkeypatch.setattr(mla_decode, "_int4", Failing())
+    monkeypatch.setattr(mla_decode, "_kernels", Failing())
     with pytest.raises(MemoryError):
         model(torch.tensor([[7]]), cache.length, cache, experts)
     assert cache.length == len(PROMPT)

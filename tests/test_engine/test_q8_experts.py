@@ -11,7 +11,7 @@ from engine.experts import ExpertWeights, ResidentExperts
 from engine.q8 import int8_activations, quantize_rows
 from engine.quant import SCALE_DTYPE, QuantizedExpert, QuantizedMatrix, int4_kernel_available, quantized_matrix
 
-needs_kernel = pytest.mark.skipif(not int4_kernel_available(), reason="engine._int4 was not built")
+needs_kernel = pytest.mark.skipif(not int4_kernel_available(), reason="engine._kernels was not built")
 DIM, INTER, N_EXPERTS, TOPK = 200, 96, 10, 3  # widths that are no multiple of 64: partial chunks
 
 
@@ -107,8 +107,8 @@ def test_a_prefill_too_big_for_one_work_area_is_split_over_calls_with_the_same_s
         whole, _ = moe.routed_sum(x, weights, ids, experts, 0)
         monkeypatch.setattr(q8_experts, "MAX_WORK_BYTES", 8 * 4 * (2 * INTER + DIM))  # ~8 rows per call
         sizes = []
-        call = q8_experts._int4.q8_moe
-        monkeypatch.setattr(q8_experts._int4, "q8_moe", lambda *a: sizes.append(a[8]) or call(*a))
+        call = q8_experts._kernels.q8_moe
+        monkeypatch.setattr(q8_experts._kernels, "q8_moe", lambda *a: sizes.append(a[8]) or call(*a))
         split, _ = moe.routed_sum(x, weights, ids, experts, 0)
     assert len(sizes) > 2 and sum(sizes) == len(ids.unique())
     assert torch.equal(whole, split)

@@ -12,7 +12,7 @@ from engine.layers import MLP
 from engine.q8 import int8_activations, q8_mlp
 from engine.quant import int4_kernel_available, quantized_matrix
 
-needs_kernel = pytest.mark.skipif(not int4_kernel_available(), reason="engine._int4 was not built")
+needs_kernel = pytest.mark.skipif(not int4_kernel_available(), reason="engine._kernels was not built")
 
 
 def int8_linear(out_dim: int, in_dim: int, group: int, gen: torch.Generator) -> Int8Linear:
