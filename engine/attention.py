@@ -13,6 +13,8 @@ Two mathematically equal ways to attend:
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -24,11 +26,18 @@ from engine.layers import RMSNorm, query_blocks
 from engine.quant import scale_values
 from engine.rope import apply_rope, softmax_scale
 from engine.rows import Linear
+from engine.warm import ReadsOtherFormInDecode
 
 ABSORB_MAX_NEW_POSITIONS = 4  # auto mode: absorbed attention for decode-sized steps
 
+# _project's result: q latent or None, q, latent, rope key
+_Projected = tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]
 
-class MLA(nn.Module):
+
+class MLA(nn.Module, ReadsOtherFormInDecode):
+    kv_b_codes: torch.Tensor  # buffers of hold_kv_b_int8 (register_buffer): declared for the type checker
+    kv_b_scales: torch.Tensor
+
     def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
         self.n_heads = args.n_heads
@@ -102,13 +111,14 @@ class MLA(nn.Module):
             return self.wo(out.flatten(2)), [selection]
         outs, chosen = [], []
         for b, (start, rope, cache, selection) in enumerate(zip(starts, ropes, caches, selections, strict=True)):
-            row = tuple(None if t is None else t[b : b + 1] for t in projected)
+            # row b of each of _project's four (the first may be None)
+            row = cast(_Projected, tuple(None if t is None else t[b : b + 1] for t in projected))
             out, selection = self._attend(x[b : b + 1], row, start, rope, cache, selection, None)
             outs.append(out)
             chosen.append(selection)
         return self.wo(torch.cat(outs).flatten(2)), chosen
 
-    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _project(self, x: torch.Tensor) -> _Projected:
         """x [B, S, dim] -> (q latent [B, S, q_lora] or None, q [B, S, H, n + r], latent [B, S, c],
         rope key [B, S, r] not yet roped): every weight-bound step before attention."""
         bsz, seqlen, _ = x.shape
@@ -117,7 +127,16 @@ class MLA(nn.Module):
         latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         return q_latent, q, self.kv_norm(latent), k_rope
 
-    def _attend(self, x, projected, start_pos, rope, cache, selection, absorb):
+    def _attend(
+        self,
+        x: torch.Tensor,
+        projected: _Projected,
+        start_pos: int,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: LayerCache,
+        selection: torch.Tensor | None,
+        absorb: bool | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One sequence's projections at positions start_pos.. against its cache -> ([B, S, H, v], selection)."""
         q_latent, q, latent, k_rope = projected
         seqlen = x.shape[1]
@@ -141,7 +160,15 @@ class MLA(nn.Module):
         w = self.wkv_b.weight.view(self.n_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         return w[:, : self.nope_dim], w[:, self.nope_dim :]
 
-    def _expanded(self, q_nope, q_rope, latents, rope_keys, start_pos, selection):
+    def _expanded(
+        self,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        latents: torch.Tensor,
+        rope_keys: torch.Tensor,
+        start_pos: int,
+        selection: torch.Tensor | None,
+    ) -> torch.Tensor:
         bsz, total = latents.shape[0], latents.shape[1]
         kv = self.wkv_b(latents).view(bsz, total, self.n_heads, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # [B, T, H, n], [B, T, H, v]
@@ -162,7 +189,16 @@ class MLA(nn.Module):
             dim=1,
         )
 
-    def _expanded_block(self, q_nope, q_rope, k_nope, v, rope_keys, start_pos, selection):
+    def _expanded_block(
+        self,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        k_nope: torch.Tensor,
+        v: torch.Tensor,
+        rope_keys: torch.Tensor,
+        start_pos: int,
+        selection: torch.Tensor | None,
+    ) -> torch.Tensor:
         """Queries start_pos.. of one block against all T expanded keys -> [B, S_block, H, v]."""
         bsz, seqlen, total = q_nope.shape[0], q_nope.shape[1], k_nope.shape[1]
         scores = torch.einsum("bshn,bthn->bsht", q_nope, k_nope) + torch.einsum("bshr,btr->bsht", q_rope, rope_keys)
@@ -174,7 +210,15 @@ class MLA(nn.Module):
         probs = scores.softmax(dim=-1, dtype=torch.float32).to(q_nope.dtype)
         return torch.einsum("bsht,bthv->bshv", probs, v)
 
-    def _absorbed(self, q_nope, q_rope, latents, rope_keys, start_pos, selection):
+    def _absorbed(
+        self,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        latents: torch.Tensor,
+        rope_keys: torch.Tensor,
+        start_pos: int,
+        selection: torch.Tensor | None,
+    ) -> torch.Tensor:
         bsz, seqlen, total = q_nope.shape[0], q_nope.shape[1], latents.shape[1]
         if bsz == seqlen == 1:  # decode, alone or in rows
             return self._absorbed_one(q_nope, q_rope, latents, rope_keys, selection)
@@ -197,7 +241,14 @@ class MLA(nn.Module):
         mixed = torch.einsum("bsht,bstc->bshc", probs, latents.expand(-1, seqlen, -1, -1))
         return torch.einsum("bshc,hvc->bshv", mixed, w_v)
 
-    def _absorbed_one(self, q_nope, q_rope, latents, rope_keys, selection):
+    def _absorbed_one(
+        self,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        latents: torch.Tensor,
+        rope_keys: torch.Tensor,
+        selection: torch.Tensor | None,
+    ) -> torch.Tensor:
         """_absorbed for one query (B = S = 1; q_nope [1, 1, H, n], q_rope [1, 1, H, r]) -> [1, 1, H, v].
 
         The same batched matmuls einsum runs there, called directly, and no causal mask: the query is

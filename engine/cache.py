@@ -9,6 +9,7 @@ all (absorbed decode). Buffers grow by doubling so a long decode does not copy t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -93,9 +94,12 @@ class LayerCache:
 
 @dataclass
 class KVCache:
-    """All layers' compressed state; ``length`` positions are valid in every layer."""
+    """All layers' compressed state; ``length`` positions are valid in every layer (engine/interfaces.py
+    Cache). A position's log record: every layer's latent and roped key, then the DSA full layers'
+    indexer keys."""
 
     layers: list[LayerCache] = field(default_factory=list)
+    frees_logged_rows: ClassVar[bool] = False  # all it holds is what attention reads
 
     @classmethod
     def empty(
@@ -128,9 +132,27 @@ class KVCache:
     def length(self) -> int:
         return self.layers[0].length if self.layers else 0
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layers[0].latent.dtype
+
     def trim(self, length: int) -> None:
         for layer in self.layers:
             layer.trim(length)
+
+    def log_rows(self, start: int, end: int) -> list[torch.Tensor]:
+        """Positions start..end of batch row 0 in record order, [end - start, width] each."""
+        rows = [t[0, start:end] for layer in self.layers for t in (layer.latent, layer.rope_key)]
+        return rows + [layer.index_key[0, start:end] for layer in self.layers if layer.index_key is not None]
+
+    def release_logged(self, logged: int) -> None:
+        """Nothing to free: every row held is one attention reads."""
+
+    def round_as_logged(self, dtype: torch.dtype) -> None:
+        for layer in self.layers:
+            for t in (layer.latent, layer.rope_key, layer.index_key):
+                if t is not None and t.dtype != dtype:
+                    t[:, : layer.length] = t[:, : layer.length].to(dtype).to(t.dtype)
 
     def state(self) -> list[dict[str, torch.Tensor]]:
         return [layer.state() for layer in self.layers]

@@ -1,32 +1,43 @@
-"""How the MoE layer gets routed-expert weights: the ExpertProvider protocol.
+"""How the MoE layer gets routed experts: the expert sources the engine declares.
 
-The engine never owns routed experts. It asks a provider for the experts the router picked, which
-lets storage stream them from disk into RAM/VRAM tiers (the tiered store satisfies this protocol
-structurally) while tests and small models use ``ResidentExperts``.
+The engine never owns routed experts. A MoE layer gets them from an expert source, one of two kinds:
+``LocalExperts`` hands over the experts themselves and the layer computes with them (storage streams
+them from disk into RAM/VRAM tiers: the tiered store satisfies the protocol structurally; tests and
+small models use ``ResidentExperts``), while ``RemoteExperts`` computes the routed sum elsewhere (the
+experts sharded over worker processes) and returns it. Both take the model's lookahead guesses.
 
-Verbs:
-    acquire(layer, ids)   -> start bringing every id in and return at once; indexing the result
-                             waits for that expert only, so the shared expert (computed right after
-                             acquire) overlaps the loads; the ids stay pinned until release. The
-                             result may have ``ready(id)`` (would indexing wait?): the MoE layer then
-                             computes the experts already in memory together before it waits
-    release(layer, ids)   -> unpin: the provider may evict them again
-    memory_of(layer, ids) -> optional: the arrays of those ids the provider holds in CPU memory now,
-                             without pinning or waiting: what the model has the kernels' idle helper
-                             thread read into the CPU caches ahead of use (engine/warm.py)
-    max_acquire()         -> how many experts of one layer may be pinned at once (None: no limit); the MoE
-                             layer acquires a step's distinct experts in chunks of at most that many,
-                             each released before the next is acquired
-    prefetch(layer, ids)  -> a non-blocking lookahead hint for a coming layer (the next layer's router
-                             applied to the current hidden state); it may be ignored, never changes tokens
+What every source offers (``ExpertSource``):
+    prefetch(layer, ids)   -> a non-blocking lookahead hint for a coming layer (the next layer's router
+                              applied to the current hidden state); it may be ignored, never changes tokens
+    wants_prefetch(layer)  -> whether a guess for that layer could do anything: when not, the model skips
+                              the lookahead router run
+    lookahead_layers       -> how many MoE layers ahead the model guesses (the nearest first)
+    memory_of(layer, ids)  -> the arrays of those ids held in this process's CPU memory now, without
+                              pinning or waiting: what the kernels' idle helper thread reads into the CPU
+                              caches ahead of use (engine/warm.py); none when nothing is held here
+A local source (``LocalExperts``) also:
+    acquire(layer, ids)    -> start bringing every id in and return at once (``Acquired``): indexing it
+                              waits for that expert only, so the shared expert (computed right after
+                              acquire) overlaps the loads; ``ready(id)`` says whether indexing would wait,
+                              so the MoE layer computes the experts already in memory before it waits. The
+                              ids stay pinned until release
+    release(layer, ids)    -> unpin: the source may evict them again
+    max_acquire()          -> how many experts of one layer may be pinned at once (None: no limit); the MoE
+                              layer acquires a step's distinct experts in chunks of at most that many,
+                              each released before the next is acquired
+A remote source (``RemoteExperts``) instead:
+    start_routed_sum(layer, x, weights, ids) -> send the layer's rows to where the experts are; the
+                              returned function waits for the float64 routed sum
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from engine.layers import swiglu
@@ -49,6 +60,10 @@ class ExpertWeights:
     def device(self) -> torch.device:
         return self.w1.device
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The weights in the order a call reads them: gate and up before down."""
+        return [self.w1, self.w3, self.w2]
+
     def __call__(self, x: torch.Tensor, limit: float | None = None) -> torch.Tensor:
         """x [N, dim] -> [N, dim]; ``limit``: the swiglu clamp (engine.layers.swiglu), None for none"""
         w1, w2, w3 = (w if w.dtype == x.dtype else w.to(x.dtype) for w in (self.w1, self.w2, self.w3))
@@ -56,17 +71,51 @@ class ExpertWeights:
 
 
 class Expert(Protocol):
-    """x [N, dim] -> [N, dim] on the expert's own device (``limit``: the swiglu clamp, V4 only).
-    Experts may also expose ``device`` (where
-    their weights live, e.g. a VRAM slot); the MoE layer then sends x there (see RoutedSum)."""
+    """One routed expert: ExpertWeights, or engine.quant's QuantizedExpert."""
 
-    def __call__(self, x: torch.Tensor, limit: float | None = None) -> torch.Tensor: ...
+    @property
+    def device(self) -> torch.device:
+        """Where its weights live (e.g. a VRAM slot): the MoE layer computes it there (see RoutedSum)."""
+        ...
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Its weight arrays in the order a call reads them (what a read-ahead may touch)."""
+        ...
+
+    def __call__(self, x: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+        """x [N, dim] -> [N, dim] on the expert's device (``limit``: the swiglu clamp, V4 only)."""
+        ...
 
 
-class ExpertProvider(Protocol):
+class Acquired(Protocol):
+    """The experts of one acquire, by id."""
+
+    def __getitem__(self, expert: int) -> Expert:
+        """The expert, waiting for its read if it is still loading."""
+        ...
+
+    def ready(self, expert: int) -> bool:
+        """Whether indexing ``expert`` returns without waiting."""
+        ...
+
+
+class ExpertSource(Protocol):
+    """What the model asks of any expert source: lookahead guesses and the memory to read ahead."""
+
+    @property
+    def lookahead_layers(self) -> int: ...
+
+    def wants_prefetch(self, layer: int) -> bool: ...
+
     def prefetch(self, layer: int, expert_ids: Sequence[int]) -> None: ...
 
-    def acquire(self, layer: int, expert_ids: Sequence[int]) -> Mapping[int, Expert]: ...
+    def memory_of(self, layer: int, expert_ids: Sequence[int]) -> Sequence[torch.Tensor | np.ndarray]: ...
+
+
+class LocalExperts(ExpertSource, Protocol):
+    """A source that hands the MoE layer the experts themselves (see the module doc)."""
+
+    def acquire(self, layer: int, expert_ids: Sequence[int]) -> Acquired: ...
 
     def release(self, layer: int, expert_ids: Sequence[int]) -> None: ...
 
@@ -75,8 +124,60 @@ class ExpertProvider(Protocol):
         ...
 
 
+class RemoteExperts(ABC):
+    """A source that computes a layer's routed sum where the experts are, e.g. worker processes.
+
+    Subclassed by name (the library's DistributedExperts), so the MoE layer tells the two kinds apart
+    with a plain isinstance; local stores satisfy ``LocalExperts`` structurally (storage does not
+    import the engine)."""
+
+    @property
+    @abstractmethod
+    def lookahead_layers(self) -> int: ...
+
+    @abstractmethod
+    def wants_prefetch(self, layer: int) -> bool: ...
+
+    @abstractmethod
+    def prefetch(self, layer: int, expert_ids: Sequence[int]) -> None: ...
+
+    @abstractmethod
+    def memory_of(self, layer: int, expert_ids: Sequence[int]) -> Sequence[torch.Tensor | np.ndarray]: ...
+
+    @abstractmethod
+    def start_routed_sum(
+        self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> Callable[[], torch.Tensor]:
+        """Send the layer's rows x [N, dim], gate weights [N, topk] float32 and expert ids [N, topk]; the
+        returned function waits for the routed sum, float64 [N, dim] on x's device."""
+
+
+Experts = LocalExperts | RemoteExperts  # what a model's forward takes
+
+
+class HeldExperts(Mapping[int, Expert]):
+    """The experts of one acquire from memory: every one is ready."""
+
+    def __init__(self, experts: dict[int, Expert]):
+        self._experts = experts
+
+    def __getitem__(self, expert: int) -> Expert:
+        return self._experts[expert]
+
+    def ready(self, expert: int) -> bool:
+        return True
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._experts)
+
+    def __len__(self) -> int:
+        return len(self._experts)
+
+
 class ResidentExperts:
     """Every routed expert held in memory (small models, tests)."""
+
+    lookahead_layers = 1  # a guess further ahead finds nothing more to do here than the next layer's
 
     def __init__(self, experts: Mapping[int, Mapping[int, Expert]]):
         self._experts = experts  # layer -> expert id -> weights
@@ -91,11 +192,11 @@ class ResidentExperts:
 
     def memory_of(self, layer: int, expert_ids: Sequence[int]) -> list[torch.Tensor]:
         held = self._experts.get(layer, {})
-        return [tensor for e in expert_ids if e in held for tensor in expert_tensors(held[e])]
+        return [tensor for e in expert_ids if e in held for tensor in held[e].tensors()]
 
-    def acquire(self, layer: int, expert_ids: Sequence[int]) -> Mapping[int, Expert]:
+    def acquire(self, layer: int, expert_ids: Sequence[int]) -> HeldExperts:
         try:
-            return {e: self._experts[layer][e] for e in expert_ids}
+            return HeldExperts({e: self._experts[layer][e] for e in expert_ids})
         except KeyError as exc:
             raise KeyError(f"layer {layer} has no routed expert {exc.args[0]}") from None
 
@@ -104,14 +205,3 @@ class ResidentExperts:
 
     def max_acquire(self) -> int | None:
         return None
-
-
-def expert_tensors(expert: object) -> list[torch.Tensor]:
-    """An expert's weight tensors, gate and up before down (the order it reads them): its w1, w3, w2
-    fields, each a tensor or an object of tensors (a quantised matrix's codes and scales)."""
-    tensors = []
-    for name in ("w1", "w3", "w2"):
-        value = getattr(expert, name, None)
-        parts = [value] if isinstance(value, torch.Tensor) else list(getattr(value, "__dict__", {}).values())
-        tensors += [part for part in parts if isinstance(part, torch.Tensor)]
-    return tensors

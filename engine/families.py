@@ -1,22 +1,328 @@
-"""Which forward pass a model config gets: Transformer (MLA, MLA + DSA) or V4Transformer (DeepSeek-V4)."""
+"""Model families, chosen once per config: ``family_of(args)`` is the one place that asks which.
+
+A family is its model and cache (engine/interfaces.py: what generation, sessions and serving drive)
+plus the facts about them that code outside the forward pass needs:
+    model()                          -> the forward pass, parameters uninitialised
+    swiglu_limit                     -> the routed experts' clamp (None: none), for a cluster worker's sums
+    log_record(), log_row_widths()   -> a position's KV log record: storage.kvlog's geometry (its format
+                                        version and fields) and the widths of its rows, in record order
+    cache_from_log(rows, dtype)      -> the cache holding the positions of those logged rows
+    cache / held rows / compressed / naive KV bytes, and the activation terms of attention, indexer
+    and residual stream: what colibri_stream/planning adds up before anything loads.
+
+Two families: ``MLAFamily`` (DeepSeek-V3/R1, Kimi-K2, V3.2 and GLM-5: MLA attention, the DSA indexer on
+some) and ``V4Family`` (DeepSeek-V4: compressed sparse attention and hyper-connections).
+
+Activation shapes drop the batch dim (B = 1): C new positions attend to T cached ones; d is the compute
+dtype's bytes, f32 scores are 4. Score tensors are cut into query blocks of at most SCORE_BLOCK_BYTES
+(engine.layers.query_blocks), so a block holds q_blk = min(C, SCORE_BLOCK_BYTES // (heads * T * 4))
+queries (at least one).
+"""
 
 from __future__ import annotations
 
+import math
+from fractions import Fraction
+from typing import Any, Protocol
+
 import torch
-from torch import nn
 
 from engine.args import ModelArgs
+from engine.cache import KVCache
+from engine.interfaces import Cache, Model
+from engine.layers import SCORE_BLOCK_BYTES
 from engine.model import Transformer
+from engine.v4_args import V4Args
+from engine.v4_cache import V4Cache, layer_row_widths
 from engine.v4_model import V4Transformer
 
+F32 = 4
+INT64 = 8
+INDEX_KEY_BYTES = 4  # the in-memory DSA indexer keys stay float32 whatever the compute dtype
 
-def transformer_for(args: ModelArgs) -> nn.Module:
-    """The model of ``args``' family, parameters uninitialised."""
-    return V4Transformer(args) if args.v4 is not None else Transformer(args)
+
+class Family(Protocol):
+    """What differs between model families outside their forward pass (see the module doc)."""
+
+    args: ModelArgs
+
+    @property
+    def swiglu_limit(self) -> float | None: ...
+
+    @property
+    def naive_kv_kind(self) -> str:
+        """What ``naive_kv_bytes_per_token`` counts, in words."""
+        ...
+
+    def model(self) -> Model[Any]: ...
+
+    def log_record(self) -> tuple[int, dict[str, Any]]:
+        """A position's KV log record: storage.kvlog's format version for it and its geometry's fields."""
+        ...
+
+    def log_row_widths(self) -> list[int]:
+        """The widths (values) of a record's rows, in record order (Cache.log_rows)."""
+        ...
+
+    def cache_from_log(self, rows: list[torch.Tensor], dtype: torch.dtype) -> Cache:
+        """The one-sequence cache of the logged positions whose rows are ``rows`` (float32 [1, n, width]
+        each, in record order), computing in ``dtype``."""
+        ...
+
+    def cache_bytes_per_token(self, item: int) -> int:
+        """The in-memory cache per position, ``item`` bytes per value in the compute dtype."""
+        ...
+
+    def held_rows_bytes(self, item: int) -> int:
+        """Bytes the cache holds whatever the context (fixed windows), ``item`` bytes per value."""
+        ...
+
+    def compressed_kv_bytes_per_token(self, item: int) -> float | None:
+        """What compressed attention works from per context position; None: the family has none."""
+        ...
+
+    def naive_kv_bytes_per_token(self, item: int) -> int:
+        """An uncompressed cache of the model's own attention."""
+        ...
+
+    def residual_bytes(self, d: int, chunk: int) -> int:
+        """The residual stream of a forward of ``chunk`` positions, held across every layer."""
+        ...
+
+    def attention_bytes(self, d: int, chunk: int, context: int) -> int:
+        """Peak temporaries of one attention layer: ``chunk`` new positions against ``context`` cached."""
+        ...
+
+    def indexer_bytes(self, d: int, chunk: int, context: int) -> int:
+        """Peak temporaries of one sparse-attention indexer (0 without one)."""
+        ...
 
 
-def meta_transformer(args: ModelArgs) -> nn.Module:
+def family_of(args: ModelArgs) -> Family:
+    """The family of a model config."""
+    return MLAFamily(args) if args.v4 is None else V4Family(args, args.v4)
+
+
+def meta_transformer(args: ModelArgs) -> Model[Any]:
     """The model's modules and parameter shapes without memory (on torch's meta device): what loaders
     check names and shapes against before any tensor is read."""
     with torch.device("meta"):
-        return transformer_for(args)
+        return family_of(args).model()
+
+
+def block_queries(chunk: int, heads: int, context: int) -> int:
+    """Queries per score block: engine.layers.query_blocks with one query's float32 scores [heads, T]."""
+    return min(chunk, max(1, SCORE_BLOCK_BYTES // (heads * context * F32)))
+
+
+def stream_bytes(args: ModelArgs, d: int, chunk: int) -> int:
+    """x, the normed input, the branch output, x + branch [C, dim]."""
+    return 4 * chunk * args.dim * d
+
+
+class MLAFamily:
+    """MLA attention (engine/model.py); the DSA indexer on the layers that run one."""
+
+    swiglu_limit = None
+    naive_kv_kind = "uncompressed per-head K and V per layer (MHA)"
+
+    def __init__(self, args: ModelArgs):
+        self.args = args
+        self.index_layers = tuple(layer for layer in range(args.n_layers) if args.has_indexer(layer))
+
+    def model(self) -> Transformer:
+        return Transformer(self.args)
+
+    def log_record(self) -> tuple[int, dict[str, Any]]:
+        """Format 2 (storage.kvlog KVGeometry): per layer latent + roped key, then per DSA full layer
+        the indexer key."""
+        args = self.args
+        fields = {"n_layers": args.n_layers, "kv_lora_rank": args.kv_lora_rank, "index_layers": self.index_layers}
+        return 2, fields | {"qk_rope_head_dim": args.qk_rope_head_dim, "index_head_dim": args.index_head_dim}
+
+    def log_row_widths(self) -> list[int]:
+        args = self.args
+        latent = [args.kv_lora_rank, args.qk_rope_head_dim] * args.n_layers
+        return latent + [args.index_head_dim] * len(self.index_layers)
+
+    def cache_from_log(self, rows: list[torch.Tensor], dtype: torch.dtype) -> KVCache:
+        """Latent and roped key in ``dtype``; the indexer keys stay float32 (as KVCache holds them)."""
+        if rows[0].shape[1] == 0:
+            return KVCache.empty(self.args, 1, dtype)
+        n = self.args.n_layers
+        state = [{"latent": rows[2 * i].to(dtype), "rope_key": rows[2 * i + 1].to(dtype)} for i in range(n)]
+        for layer, index_key in zip(self.index_layers, rows[2 * n :], strict=True):
+            state[layer]["index_key"] = index_key
+        return KVCache.from_state(state)
+
+    def cache_bytes_per_token(self, item: int) -> int:
+        """Latent + roped key in the compute dtype, indexer keys float32."""
+        args = self.args
+        latent = args.n_layers * (args.kv_lora_rank + args.qk_rope_head_dim) * item
+        return latent + len(self.index_layers) * args.index_head_dim * INDEX_KEY_BYTES
+
+    def held_rows_bytes(self, item: int) -> int:
+        return 0
+
+    def compressed_kv_bytes_per_token(self, item: int) -> float | None:
+        return None
+
+    def naive_kv_bytes_per_token(self, item: int) -> int:
+        """K [H, qk_head_dim] and V [H, v_head_dim] per layer (per-head MHA)."""
+        args = self.args
+        return args.n_layers * args.n_heads * (args.qk_head_dim + args.v_head_dim) * item
+
+    def residual_bytes(self, d: int, chunk: int) -> int:
+        return stream_bytes(self.args, d, chunk)
+
+    def attention_bytes(self, d: int, chunk: int, context: int) -> int:
+        """The expanded path (engine/attention.py MLA.forward, _expanded, _expanded_block). H heads, n nope,
+        r rope, v value head dims."""
+        args, c, t, h = self.args, chunk, context, self.args.n_heads
+        per_position = (
+            args.q_lora_rank  # q latent [C, q_lora]
+            + 2 * h * args.qk_head_dim  # q [C, H, n + r] and the roped q_rope copy
+            + args.kv_lora_rank
+            + args.qk_rope_head_dim  # wkv_a out [C, c + r]
+            + 2 * h * args.v_head_dim  # block outputs [C, H, v], their cat, wo's input
+        )
+        projections = d * c * per_position
+        # wkv_b over every cached latent: kv [T, H, n + v] (the einsums read its k_nope / v views in place,
+        # as a measured peak confirms: docs/benchmarks.md, "Figures behind the code"). It grows with T, not
+        # C: for DeepSeek-V3 at 163840 positions 20 GiB in float32, the largest term there.
+        expanded = d * t * h * (args.qk_nope_head_dim + args.v_head_dim)
+        # one query block's scores [q_blk, H, T]: float32 holds 3 at once (the two einsums and their sum,
+        # then scaled, masked, softmax); bfloat16 the masked scores, the softmax's float32 copy of its input
+        # and its float32 output, then the cast back (both checked against measured peaks, same section).
+        # Masks [q_blk, T] bool: causal, chosen (DSA), their negation.
+        per_score = 3 * d if d == F32 else 2 * d + 2 * F32
+        q_blk = block_queries(c, h, t)
+        scores = q_blk * h * t * per_score + 3 * q_blk * t
+        return projections + expanded + scores
+
+    def indexer_bytes(self, d: int, chunk: int, context: int) -> int:
+        """The DSA lightning indexer (engine/indexer.py), Hi heads of D, on layers with their own indexer."""
+        args = self.args
+        if not args.has_dsa:
+            return 0
+        c, t, hi, dim = chunk, context, args.index_n_heads, args.index_head_dim
+        queries = c * hi * dim * (2 * d + F32) + c * dim * (d + F32) + c * hi * F32  # q, roped, float; k; weights
+        q_blk = block_queries(c, hi, t)
+        # head scores [q_blk, Hi, T] float32 (ReLU in place); index scores [q_blk, T] float32, masked copy,
+        # the stable sort's values (f32) and indices (int64); the future mask [q_blk, T] bool
+        scores = q_blk * hi * t * F32 + q_blk * t * (3 * F32 + INT64 + 1)
+        return queries + scores
+
+
+class V4Family:
+    """DeepSeek-V4 (engine/v4_model.py): its cache logs every row it keeps per position, so a restored
+    log continues exactly and can be cut back anywhere; in memory it keeps the compressed entries (its
+    rows are released once logged, or when nothing logs them: engine/position_rows.py)."""
+
+    naive_kv_kind = "one uncompressed K=V head per layer (MQA)"
+
+    def __init__(self, args: ModelArgs, v4: V4Args):
+        self.args, self.v4 = args, v4
+
+    @property
+    def swiglu_limit(self) -> float | None:
+        return self.v4.swiglu_limit
+
+    def model(self) -> V4Transformer:
+        return V4Transformer(self.args)
+
+    def _layer_rows(self) -> list[dict[str, int]]:
+        return [layer_row_widths(self.v4, layer) for layer in range(self.args.n_layers)]
+
+    def log_record(self) -> tuple[int, dict[str, Any]]:
+        """Format 3 (storage.kvlog RowsGeometry): per layer, that layer's rows (layer_row_widths)."""
+        return 3, {"layer_rows": tuple(tuple(rows.values()) for rows in self._layer_rows())}
+
+    def log_row_widths(self) -> list[int]:
+        return [width for rows in self._layer_rows() for width in rows.values()]
+
+    def cache_from_log(self, rows: list[torch.Tensor], dtype: torch.dtype) -> V4Cache:
+        """Its compressed entries are rebuilt by the next forward call."""
+        if rows[0].shape[1] == 0:
+            return V4Cache.empty(self.args, 1, dtype)
+        logged = iter(rows)
+        layers = [{name: next(logged).to(dtype) for name in names} for names in self._layer_rows()]
+        return V4Cache.from_rows(self.args, layers)
+
+    def cache_bytes_per_token(self, item: int) -> int:
+        """The compressed entries (one per m positions per compressed layer), rounded up to a whole byte:
+        the rows are released but for the fixed windows of ``held_rows_bytes``."""
+        return math.ceil(self._entry_values() * item)
+
+    def held_rows_bytes(self, item: int) -> int:
+        """Per layer the sliding window's K=V rows (window - 1 of D), and per compressor its open
+        window's projections (kv and gate; an overlapping one also the window before it). A session
+        logging rows in another dtype than it computes keeps them all."""
+        v4, values = self.v4, 0
+        for layer, widths in enumerate(self._layer_rows()):
+            values += (v4.sliding_window - 1) * widths["kv"]
+            if v4.rate(layer):
+                overlap = v4.is_csa(layer)
+                values += (v4.rate(layer) - 1 + overlap * v4.rate(layer)) * 2 * widths["compressor.kv"]
+            if v4.is_csa(layer):
+                values += (2 * v4.csa_rate - 1) * 2 * widths["indexer.kv"]
+        return values * item
+
+    def compressed_kv_bytes_per_token(self, item: int) -> float | None:
+        """What its attention works from per context position once the sliding window has passed (the
+        window's rows are a constant, window x D per layer, not a cost per token): per compressed layer
+        its entries (D / m), on CSA layers also the indexer's entries (index_head_dim / m). HCA attends
+        to all of its entries; CSA to the index_topk its indexer picks after scoring all of its."""
+        return float(self._entry_values() * item)
+
+    def _entry_values(self) -> Fraction:
+        """Values of compressed entries per position: D / m per compressed layer, index_head_dim / m per CSA layer."""
+        v4, values = self.v4, Fraction(0)
+        for layer in range(self.args.n_layers):
+            if v4.rate(layer):
+                values += Fraction(v4.head_dim, v4.rate(layer))
+            if v4.is_csa(layer):
+                values += Fraction(v4.index_head_dim, v4.csa_rate)
+        return values
+
+    def naive_kv_bytes_per_token(self, item: int) -> int:
+        """Its one shared K=V head [D] per layer (MQA)."""
+        return self.args.n_layers * self.v4.head_dim * item
+
+    def residual_bytes(self, d: int, chunk: int) -> int:
+        """Besides the stream's temporaries, n residual streams [C, n, dim], twice while a block spreads
+        its output."""
+        return stream_bytes(self.args, d, chunk) + 2 * self.v4.hc_mult * chunk * self.args.dim * d
+
+    def attention_bytes(self, d: int, chunk: int, context: int) -> int:
+        """engine/v4_attention.py on its widest layer: the sliding window's rows plus every closed entry
+        (an HCA layer attends to all T / m' of them; a CSA layer masks all T / m). D head_dim, g o_groups,
+        K = C + n - 1 + E keys per query."""
+        args, v4, c, h = self.args, self.v4, chunk, self.args.n_heads
+        per_position = (
+            args.q_lora_rank  # q latent
+            + 2 * h * v4.head_dim  # q normed, q roped
+            + 2 * v4.head_dim  # kv normed, roped
+            + 3 * h * v4.head_dim  # attention output, its rope undone, grouped view
+            + v4.o_groups * v4.o_lora_rank  # wo_a output
+        )
+        rates = [v4.rate(i) for i in range(args.n_layers) if v4.rate(i)]
+        entries = context // min(rates) if rates else 0
+        keys = c + v4.sliding_window - 1 + entries
+        q_blk = block_queries(c, h, keys)
+        # one block's scores [q_blk, H, K]: scores, masked, with the sink column, probs; masks [q_blk, K]
+        scores = q_blk * h * keys * 4 * F32 + 2 * q_blk * keys + c * entries  # + the visible-entry mask [C, E]
+        return d * c * per_position + scores
+
+    def indexer_bytes(self, d: int, chunk: int, context: int) -> int:
+        """The CSA lightning indexer (engine/v4_attention.py Indexer), query-blocked like DSA's."""
+        v4, c = self.v4, chunk
+        if not any(v4.is_csa(i) for i in range(self.args.n_layers)):
+            return 0
+        hi, dim, entries = v4.index_n_heads, v4.index_head_dim, max(1, context // v4.csa_rate)
+        queries = c * hi * dim * (2 * d + F32) + c * hi * F32  # q, roped, float; weights
+        q_blk = block_queries(c, hi, entries)
+        # head scores [q_blk, Hi, E] float32 and their ReLU and weighted copies; index [q_blk, E] float32,
+        # masked; top-k indices (int64) and the chosen mask
+        scores = 3 * q_blk * hi * entries * F32 + q_blk * entries * (2 * F32 + INT64 + 2)
+        return queries + scores

@@ -8,16 +8,22 @@ the bytes of bf16 per token, as llama.cpp's Q8_0 dense tensors.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Self, cast
+
 import torch
 from torch import nn
 
-from engine.q8 import BLOCK, WEIGHT_KINDS, q8_kernel_handles, q8_matmul, quantize_rows
+from engine.q8 import BLOCK, WEIGHT_KINDS, KernelMatrix, q8_kernel_handles, q8_matmul, quantize_rows
 from engine.quant import KERNEL_SCALES, QuantizedMatrix
 from engine.rows import linear
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(nn.Module, KernelMatrix):
     """A bias-free Linear over int8 codes q [out, in] and scales [out, ceil(in / group_size)]."""
+
+    q: torch.Tensor  # buffers (register_buffer): declared for the type checker
+    scales: torch.Tensor
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, group_size: int):
         super().__init__()
@@ -26,11 +32,12 @@ class Int8Linear(nn.Module):
         self.register_buffer("q", q.contiguous())
         self.register_buffer("scales", scales.contiguous())
         self.group_size = group_size
-        self._c_matrix: tuple | None = None
+        self._c_matrix: tuple[int, int, int, int, int, int] | None = None
 
-    def _apply(self, fn, recurse=True):
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
         self._c_matrix = None  # .to(), ...: new buffers
-        return super()._apply(fn, recurse)
+        # torch leaves Module._apply unannotated (it returns self)
+        return cast(Self, super()._apply(fn, recurse))  # type: ignore[no-untyped-call]
 
     def c_matrix(self) -> tuple[int, int, int, int, int, int] | None:
         """The codes as the fused C steps take a matrix, (w, scales, kind, scale kind, in, group), or None

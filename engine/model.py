@@ -3,13 +3,14 @@
     tokens -> embed -> n_layers x [attn_norm -> MLA(+DSA) -> residual -> ffn_norm -> MLP|MoE -> residual]
            -> norm -> head -> logits
 
-Routed experts are not parameters of this module: every MoE layer asks the ExpertProvider passed to
-``forward`` for the experts its router picked.
+Routed experts are not parameters of this module: every MoE layer asks the expert source passed to
+``forward`` (engine/experts.py) for the experts its router picked.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal, Self, cast
 
 import torch
 from torch import nn
@@ -17,14 +18,15 @@ from torch import nn
 from engine.args import ModelArgs
 from engine.attention import MLA
 from engine.cache import KVCache, LayerCache
-from engine.experts import ExpertProvider
+from engine.experts import Experts
+from engine.interfaces import Model
 from engine.layers import MLP, RMSNorm, embedding
 from engine.mla_decode import FusedMLA, fused_attention_applies
 from engine.moe import MoE
 from engine.q8 import int8_activations
 from engine.rope import rope_tables
 from engine.rows import Linear, rows_alone, torch_on_one_thread
-from engine.warm import expert_arrays, module_arrays, warm, warming_available
+from engine.warm import module_arrays, warm, warming_available
 
 # Lookahead prefetch only for decode-sized steps: a prompt's rows together route to nearly every
 # expert of the next layer, which that layer's own acquire reads (once each) anyway.
@@ -39,7 +41,7 @@ class Block(nn.Module):
         self.attn = MLA(args, layer_id)
         self.ffn_norm = RMSNorm(args.dim, args.rms_norm_eps)
         self.ffn = MoE(args, layer_id) if args.is_moe(layer_id) else MLP(args.dim, args.inter_dim)
-        self._fused: FusedMLA | bool | None = None  # the attention's C steps: None not built yet, False n/a
+        self._fused: FusedMLA | Literal[False] | None = None  # the attention's C steps: None not built yet, False n/a
 
     def forward(
         self,
@@ -47,7 +49,7 @@ class Block(nn.Module):
         start_pos: int,
         rope: tuple[torch.Tensor, torch.Tensor],
         cache: LayerCache,
-        experts: ExpertProvider,
+        experts: Experts,
         selection: torch.Tensor | None,
         absorb: bool | None,
         lookahead: Callable[[torch.Tensor], None] | None = None,
@@ -78,7 +80,7 @@ class Block(nn.Module):
         starts: list[int],
         ropes: list[tuple[torch.Tensor, torch.Tensor]],
         caches: list[LayerCache],
-        experts: ExpertProvider,
+        experts: Experts,
         selections: list[torch.Tensor | None],
         lookahead: Callable[[torch.Tensor], None] | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
@@ -99,18 +101,19 @@ class Block(nn.Module):
             self._fused = FusedMLA.build(self.attn_norm, self.attn) or False
         return self._fused or None
 
-    def _apply(self, fn, recurse=True):
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
         self._fused = None  # .to(), .float(), ...: new tensors
-        return super()._apply(fn, recurse)
+        # torch leaves Module._apply unannotated (it returns self)
+        return cast(Self, super()._apply(fn, recurse))  # type: ignore[no-untyped-call]
 
-    def _ffn(self, x: torch.Tensor, experts: ExpertProvider, lookahead) -> torch.Tensor:
+    def _ffn(self, x: torch.Tensor, experts: Experts, lookahead: Callable[[torch.Tensor], None] | None) -> torch.Tensor:
         if lookahead is not None:
             lookahead(x)
         h = self.ffn_norm(x)
         return x + (self.ffn(h, experts) if isinstance(self.ffn, MoE) else self.ffn(h))
 
 
-class Transformer(nn.Module):
+class Transformer(Model[KVCache]):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -124,9 +127,10 @@ class Transformer(nn.Module):
         self.read_ahead = True
         self._weights_listed: dict[int, list[torch.Tensor]] = {}  # layer -> its dense weights, for warm()
 
-    def _apply(self, fn, recurse=True):
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
         self._weights_listed = {}  # .to(), .float(), ...: new tensors
-        return super()._apply(fn, recurse)
+        # torch leaves Module._apply unannotated (it returns self)
+        return cast(Self, super()._apply(fn, recurse))  # type: ignore[no-untyped-call]
 
     def _weights_of(self, layer: int) -> list[torch.Tensor]:
         """Layer ``layer``'s dense weights in the order a forward reads them (past the last layer: the
@@ -155,33 +159,34 @@ class Transformer(nn.Module):
 
         return max(request(layer) for layer in range(len(self.layers) + 1))
 
-    def _lookahead(self, layer: int, experts: ExpertProvider, read_ahead: bool = False):
+    def _lookahead(
+        self, layer: int, experts: Experts, read_ahead: bool = False
+    ) -> Callable[[torch.Tensor], None] | None:
         """A hook given the current post-attention hidden state before the current layer's FFN: layer
         ``layer``'s router picks the experts to prefetch while that FFN runs, and so do the routers of the
-        MoE layers after it up to the provider's ``lookahead_layers`` (default 1): a guess two layers
-        ahead is less often right (0.65 vs 0.73 recall on the stress model) but its read has a whole layer
-        more to land, and the next layer guesses again. With ``read_ahead`` it also has the kernels' idle
-        helper thread read layer ``layer``'s dense weights, then the guessed experts the provider holds,
+        MoE layers after it up to the source's ``lookahead_layers``: a guess two layers ahead is less often
+        right (docs/benchmarks.md, "Figures behind the code") but its read has a whole layer more to land,
+        and the next layer guesses again. With ``read_ahead`` it also has the kernels' idle
+        helper thread read layer ``layer``'s dense weights, then the guessed experts the source holds,
         into the CPU caches (engine/warm.py); past the last layer, the output head. None when there is
         nothing to do."""
         if layer >= len(self.layers) or not isinstance(self.layers[layer].ffn, MoE):
             return (lambda x: warm(self._weights_of(layer))) if read_ahead else None
-        depth = getattr(experts, "lookahead_layers", 1)
+        depth = experts.lookahead_layers
         targets = [t for t in range(layer, min(layer + depth, len(self.layers))) if isinstance(self.layers[t].ffn, MoE)]
-        wants = getattr(experts, "wants_prefetch", None)  # a provider may know the guess would change nothing
 
         def lookahead(x: torch.Tensor) -> None:
             for target in targets:
-                prefetch = wants is None or wants(target)
+                prefetch = experts.wants_prefetch(target)  # a source may know the guess would change nothing
                 warming = read_ahead and target == layer  # the caches hold one layer's weights, not two
                 if not (prefetch or warming):
                     continue
-                block = self.layers[target]
-                guess = block.ffn.predict(block.ffn_norm(x))
+                block = cast(Block, self.layers[target])  # nn.ModuleList types its items as Module
+                guess = cast(MoE, block.ffn).predict(block.ffn_norm(x))  # targets are MoE layers
                 if prefetch:
                     experts.prefetch(target, guess)
                 if warming:
-                    warm(self._weights_of(layer) + expert_arrays(experts, layer, guess))
+                    warm([*self._weights_of(layer), *experts.memory_of(layer, guess)])
 
         return lookahead
 
@@ -202,7 +207,7 @@ class Transformer(nn.Module):
         tokens: torch.Tensor,
         start_pos: int,
         cache: KVCache,
-        experts: ExpertProvider,
+        experts: Experts,
         absorb: bool | None = None,
         last_only: bool = False,
     ) -> torch.Tensor:
@@ -224,7 +229,7 @@ class Transformer(nn.Module):
             return self.head(self.norm(x)).float()
 
     @torch.inference_mode()
-    def forward_rows(self, tokens: list[int], caches: list[KVCache], experts: ExpertProvider) -> torch.Tensor:
+    def forward_rows(self, tokens: list[int], caches: list[KVCache], experts: Experts) -> torch.Tensor:
         """Decode one token for each of B independent sequences in one pass -> float32 logits [B, vocab].
 
         tokens[b] goes at the end of caches[b] (each its own length, positions and DSA state). Every
@@ -238,7 +243,7 @@ class Transformer(nn.Module):
         selections: list[torch.Tensor | None] = [None] * len(tokens)
         with rows_alone(), int8_activations(self.int8_activations), torch_on_one_thread():
             read_ahead = self._start_read_ahead(x)
-            for i, layer in enumerate(self.layers):
+            for i, layer in enumerate(cast("list[Block]", self.layers)):  # a ModuleList of Blocks
                 layer_caches = [cache.layers[i] for cache in caches]
                 lookahead = self._lookahead(i + 1, experts, read_ahead)
                 x, selections = layer.forward_rows(x, starts, ropes, layer_caches, experts, selections, lookahead)

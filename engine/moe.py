@@ -1,9 +1,9 @@
-"""The router (Gate) and the MoE layer that applies routed experts fetched through an ExpertProvider."""
+"""The router (Gate) and the MoE layer that applies routed experts from an expert source (engine/experts.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -11,7 +11,7 @@ from torch import nn
 
 from engine import decode_ops
 from engine.args import ModelArgs
-from engine.experts import ExpertProvider
+from engine.experts import Expert, Experts, LocalExperts, RemoteExperts
 from engine.layers import MLP
 from engine.q8_experts import add_experts, fused_experts_handle
 from engine.rows import linear, per_row
@@ -28,7 +28,7 @@ def stable_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
-SCORES = {
+SCORES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "sigmoid": torch.sigmoid,
     "softmax": lambda logits: logits.softmax(dim=-1),
     "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(),  # DeepSeek-V4
@@ -113,6 +113,7 @@ class HashGate(Gate):
     topk]); the router's scores still weight them. Known from the ids alone, so prefetch is exact."""
 
     by_score = False
+    tid2eid: torch.Tensor  # a buffer (register_buffer): declared for the type checker
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)
@@ -125,11 +126,11 @@ class HashGate(Gate):
         return self._scores(x), self.route(x, tokens)
 
     def route(self, x: torch.Tensor | None, tokens: torch.Tensor | None = None) -> torch.Tensor:
-        return self.tid2eid[tokens.reshape(-1)]
+        return self.tid2eid[tokens.reshape(-1)]  # type: ignore[union-attr]  # a hash gate is given the ids
 
 
 class MoE(nn.Module):
-    """Routed experts (fetched per call from the provider) plus always-on shared experts."""
+    """Routed experts (from the expert source, per call) plus always-on shared experts."""
 
     def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
@@ -148,20 +149,20 @@ class MoE(nn.Module):
     def predict(self, x: torch.Tensor | None, tokens: torch.Tensor | None = None) -> list[int]:
         """The experts this layer's router would pick for x [B, S, dim] (normalised), as a lookahead
         guess; exact on a hash-routed layer (from ``tokens`` [B, S] alone)."""
-        rows = self.gate.route(None if x is None else x.reshape(-1, x.shape[-1]), tokens).tolist()
+        # x is None only on a hash-routed layer, whose gate takes it (HashGate.route)
+        rows = self.gate.route(None if x is None else x.reshape(-1, x.shape[-1]), tokens).tolist()  # type: ignore[arg-type]
         return sorted({expert for row in rows for expert in row})
 
-    def forward(self, x: torch.Tensor, experts: ExpertProvider, tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """x [B, S, dim] -> [B, S, dim]. The routed sum comes from ``routed_sum`` over the provider's
-        experts, or from the provider itself when it computes it elsewhere (``start_routed_sum``: experts
-        sharded over worker processes); either way the shared expert runs while the experts load.
+    def forward(self, x: torch.Tensor, experts: Experts, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, S, dim] -> [B, S, dim]. The routed sum comes from ``routed_sum`` over a local source's
+        experts, or from a remote source that computes it where its experts are (``start_routed_sum``:
+        experts sharded over worker processes); either way the shared expert runs while the experts load.
         ``tokens`` [B, S]: the input ids, for hash-routed layers."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, ids = self.gate(x, tokens)
-        remote = getattr(experts, "start_routed_sum", None)
-        if remote is not None:
-            pending = remote(self.layer_id, x, weights, ids)  # requests sent; the workers read and compute...
+        if isinstance(experts, RemoteExperts):
+            pending = experts.start_routed_sum(self.layer_id, x, weights, ids)  # requests sent; workers compute...
             shared = self._shared(x)  # ...meanwhile
             routed = pending()
         else:
@@ -176,16 +177,16 @@ def routed_sum(
     x: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
-    experts: ExpertProvider,
+    experts: LocalExperts,
     layer: int,
     limit: float | None = None,
-    meanwhile: Callable[[], T] = lambda: None,
+    meanwhile: Callable[[], T] = lambda: None,  # type: ignore[assignment,return-value]  # T is None when not given
     owned: Callable[[int], bool] | None = None,
 ) -> tuple[torch.Tensor, T]:
     """sum over routed experts of gate weight x expert(x rows) -> (float64 [N, dim], ``meanwhile()``).
 
     x [N, dim], weights [N, topk] float32, ids [N, topk]. Batch-union: each distinct expert is acquired
-    once for all rows, in chunks of at most what the provider can pin at once (one chunk when it has no
+    once for all rows, in chunks of at most what the source can pin at once (one chunk when it has no
     limit); ``meanwhile`` runs right after the first acquire, while its misses load. ``owned``: only the
     experts it accepts are summed (a worker's share; the others are another process's)."""
     routed = RoutedSum(x, weights, ids, limit)  # one sum over every chunk, in unique-id order
@@ -196,21 +197,21 @@ def routed_sum(
         try:
             if i == 0:  # ...meanwhile
                 side = meanwhile()
-            for batch in _in_arrival_order(chunk, getattr(acquired, "ready", None)):
+            for batch in _in_arrival_order(chunk, acquired.ready):
                 routed.add_batch([(expert_id, acquired[expert_id]) for expert_id in batch])
         finally:
             experts.release(layer, chunk)
-    return routed.total(), side
+    # side is meanwhile()'s: every caller that passes one has at least one expert to sum
+    return routed.total(), cast(T, side)
 
 
-def _in_arrival_order(expert_ids: list[int], ready: Callable[[int], bool] | None) -> Iterator[list[int]]:
+def _in_arrival_order(expert_ids: list[int], ready: Callable[[int], bool]) -> Iterator[list[int]]:
     """expert_ids in batches to compute: every expert already in memory first, then, when none is, the
-    lowest id still loading alone (indexing it waits for its read only), and again. ``ready`` None: all
-    are in memory. The float64 sum does not depend on the order (RoutedSum), so computing what is here
-    while the rest loads changes speed only."""
+    lowest id still loading alone (indexing it waits for its read only), and again. The float64 sum does
+    not depend on the order (RoutedSum), so computing what is here while the rest loads changes speed only."""
     pending = expert_ids
     while pending:
-        here = pending if ready is None else [e for e in pending if ready(e)]
+        here = [e for e in pending if ready(e)]
         batch = here or pending[:1]
         yield batch
         done = set(batch)
@@ -223,13 +224,14 @@ def _rows_routed_to(ids: torch.Tensor) -> dict[int, tuple[torch.Tensor | None, t
     One row (decode) needs no tensor search: its slot per expert is a Python int and rows is None."""
     if ids.shape[0] == 1:
         return {expert: (None, slot) for slot, expert in enumerate(ids[0].tolist())}
-    return {expert: torch.where(ids == expert) for expert in ids.unique().tolist()}
+    # torch.where(condition) of a 2-D ids is (rows, slots)
+    return {expert: torch.where(ids == expert) for expert in ids.unique().tolist()}  # type: ignore[misc]
 
 
 def chunks(expert_ids: list[int], size: int | None) -> list[list[int]]:
     """expert_ids in consecutive chunks of at most ``size`` (None: no limit, one chunk)."""
     if size is not None and size < 1:
-        raise ValueError(f"an expert provider must pin at least one expert at once, not {size}")
+        raise ValueError(f"an expert source must pin at least one expert at once, not {size}")
     if size is None or size >= len(expert_ids):
         return [expert_ids]
     return [expert_ids[start : start + size] for start in range(0, len(expert_ids), size)]
@@ -245,11 +247,11 @@ class RoutedSum:
     bits as one sum in expert order (where a float64 sum does round, the float32 result can still only
     differ if it lands within 2^-53 of a float32 rounding midpoint).
 
-    An expert computes where its weights are (``expert.device``; the activations' device if it has
-    none): a VRAM-tier expert on the GPU. x and the gate weights go to such a device once per layer,
-    and each device's partial sum comes back in one transfer at ``total()``: a transfer per expert
-    would stall the CPU on every GPU matmul and serialise the side-stream copies behind them. With all
-    experts on the activations' device this is the plain index_add_ in expert order.
+    An expert computes where its weights are (``expert.device``): a VRAM-tier expert on the GPU. x and
+    the gate weights go to such a device once per layer, and each device's partial sum comes back in one
+    transfer at ``total()``: a transfer per expert would stall the CPU on every GPU matmul and serialise
+    the side-stream copies behind them. With all experts on the activations' device this is the plain
+    index_add_ in expert order.
     """
 
     def __init__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, limit: float | None = None):
@@ -260,7 +262,7 @@ class RoutedSum:
         self._inputs = {x.device: (x, weights)}  # device -> (x [N, dim], weights [N, topk]) there
         self._sums: dict[torch.device, torch.Tensor] = {}
 
-    def add_batch(self, batch: Sequence[tuple[int, object]]) -> None:
+    def add_batch(self, batch: Sequence[tuple[int, Expert]]) -> None:
         """Add experts given as (id, expert), in order: in one C call where they all take it
         (int8 activations, engine/q8_experts.py), else one by one."""
         experts = [expert for _, expert in batch]
@@ -277,10 +279,10 @@ class RoutedSum:
             self._sums[device] = torch.zeros(x.shape, dtype=torch.float64, device=device)
         return self._sums[device]
 
-    def add(self, expert, rows: torch.Tensor | None, slot: torch.Tensor | int) -> None:
+    def add(self, expert: Expert, rows: torch.Tensor | None, slot: torch.Tensor | int) -> None:
         """rows/slot: which rows of x routed to ``expert`` and in which of their top-k places; rows None
         and an int slot when x is one row (the decode path: no indexing, no index_add_)."""
-        device = getattr(expert, "device", self.home)
+        device = expert.device
         # non_blocking: a blocking host-to-device copy waits for the GPU's queued work (every earlier
         # expert), while from pageable memory a non-blocking one is staged at once and waits for nothing.
         if device not in self._inputs:
@@ -291,11 +293,12 @@ class RoutedSum:
         if rows is None:  # one row: the same products and the same additions, in place
             total.add_((self._apply(expert, x).float() * weights[:, slot, None]).double())
             return
-        rows, slot = rows.to(device, non_blocking=True), slot.to(device, non_blocking=True)
+        # slot is a tensor whenever rows is (_rows_routed_to)
+        rows, slot = rows.to(device, non_blocking=True), slot.to(device, non_blocking=True)  # type: ignore[union-attr]
         term = self._apply(expert, x[rows]).float() * weights[rows, slot, None]
         total.index_add_(0, rows, term.double())
 
-    def _apply(self, expert, x: torch.Tensor) -> torch.Tensor:
+    def _apply(self, expert: Expert, x: torch.Tensor) -> torch.Tensor:
         return expert(x) if self.limit is None else expert(x, limit=self.limit)
 
     def total(self) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from engine.args import ModelArgs
-from engine.bf16 import bf16_linear
+from engine.bf16 import TakesBf16Weight, bf16_linear
 from engine.compressor import Compressor, CompressorState
 from engine.hyper import unweighted_rms_norm
 from engine.layers import RMSNorm, query_blocks
@@ -36,6 +36,9 @@ class V4Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
         v4 = args.v4
+        assert (
+            v4 is not None and args.compress_rope is not None
+        )  # a V4 module is built from deepseek_v4 args (engine/families.py)
         self.n_heads, self.head_dim, self.rope_dim = args.n_heads, v4.head_dim, v4.rope_dim
         self.window = v4.sliding_window
         self.groups = v4.o_groups
@@ -88,7 +91,9 @@ class V4Attention(nn.Module):
         out = rotate_tail(out, cos, -sin)
         return self.wo_b(self.wo_a(out.flatten(2)))
 
-    def _window(self, recent, first_recent: int, positions: torch.Tensor, block: slice):
+    def _window(
+        self, recent: torch.Tensor, first_recent: int, positions: torch.Tensor, block: slice
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The sliding keys a block of queries may see: (rows [B, K, D], mask [S_b, K])."""
         lo = max(int(positions[block.start]) - self.window + 1, first_recent) - first_recent
         hi = int(positions[block.stop - 1]) + 1 - first_recent
@@ -96,7 +101,15 @@ class V4Attention(nn.Module):
         query_pos = positions[block, None]
         return recent[:, lo:hi], (key_pos[None, :] <= query_pos) & (key_pos[None, :] > query_pos - self.window)
 
-    def _attend(self, q, recent, first_recent, positions, entries=None, visible=None) -> torch.Tensor:
+    def _attend(
+        self,
+        q: torch.Tensor,
+        recent: torch.Tensor,
+        first_recent: int,
+        positions: torch.Tensor,
+        entries: torch.Tensor | None = None,
+        visible: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """q [B, S, H, D] against the sliding keys and the entries ``visible`` [B, S, E] marks -> [B, S, H, D]."""
         bsz = q.shape[0]
         score_bytes = bsz * self.n_heads * (recent.shape[1] + (0 if entries is None else entries.shape[1])) * 4
@@ -106,13 +119,21 @@ class V4Attention(nn.Module):
             mask = seen[None].expand(bsz, -1, -1)
             if entries is not None and entries.shape[1]:
                 keys = torch.cat([keys, entries], dim=1)
-                mask = torch.cat([mask, visible[:, block]], dim=-1)
+                mask = torch.cat([mask, visible[:, block]], dim=-1)  # type: ignore[index]  # given with entries
             scores = torch.einsum("bshd,bkd->bshk", q[:, block], keys).masked_fill(~mask[:, :, None, :], float("-inf"))
             probs = self._with_sink(scores)
             blocks.append(torch.einsum("bshk,bkd->bshd", probs.to(keys.dtype), keys))
         return torch.cat(blocks, dim=1)
 
-    def _attend_picked(self, q, recent, first_recent, positions, entries, picked) -> torch.Tensor:
+    def _attend_picked(
+        self,
+        q: torch.Tensor,
+        recent: torch.Tensor,
+        first_recent: int,
+        positions: torch.Tensor,
+        entries: torch.Tensor,
+        picked: torch.Tensor,
+    ) -> torch.Tensor:
         """A few queries q [B, S, H, D]: the sliding keys plus, per query, only the k entries its indexer
         picked ([B, S, k], -1: none), gathered: O(k) per token where masking all E would be O(E)."""
         keys, seen = self._window(recent, first_recent, positions, slice(0, q.shape[1]))
@@ -142,12 +163,10 @@ def picked_mask(picked: torch.Tensor, n_entries: int) -> torch.Tensor:
     return mask.scatter_(-1, torch.where(picked < 0, n_entries, picked), True)[..., :n_entries]
 
 
-class GroupedLinear(nn.Module):
+class GroupedLinear(nn.Module, TakesBf16Weight):
     """wo_a: weight [g * o_lora, H * D / g], a block of o_lora rows per group of heads. Not an nn.Linear,
     so the loader never swaps it for a kernel that would take all groups' inputs at once; a float32 model
-    may hold it in bf16 (``takes_bf16``, engine/bf16.py), each group's rows then go through the bf16 kernel."""
-
-    takes_bf16 = True
+    may hold it in bf16 (TakesBf16Weight, engine/bf16.py), each group's rows then go through the bf16 kernel."""
 
     def __init__(self, in_per_group: int, out_per_group: int, groups: int):
         super().__init__()
@@ -174,6 +193,9 @@ class Indexer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         v4 = args.v4
+        assert (
+            v4 is not None and args.compress_rope is not None
+        )  # a V4 module is built from deepseek_v4 args (engine/families.py)
         self.n_heads, self.head_dim, self.topk = v4.index_n_heads, v4.index_head_dim, v4.index_topk
         self.wq_b = Linear(args.q_lora_rank, v4.index_n_heads * v4.index_head_dim, bias=False)
         self.weights_proj = Linear(args.dim, v4.index_n_heads, bias=False)
@@ -181,7 +203,15 @@ class Indexer(nn.Module):
             args.dim, v4.index_head_dim, v4.csa_rate, True, args.compress_rope, v4.rope_dim, args.rms_norm_eps
         )
 
-    def forward(self, x, q_latent, cos, sin, closed: torch.Tensor, state: CompressorState) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        q_latent: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        closed: torch.Tensor,
+        state: CompressorState,
+    ) -> torch.Tensor:
         """x [B, S, dim], q_latent [B, S, q_lora], closed [S, E] -> the picked entries [B, S, min(k, E)]
         (-1 where a query has fewer than k closed entries)."""
         bsz, seqlen, _ = x.shape
@@ -200,7 +230,7 @@ class Indexer(nn.Module):
             dim=1,
         )
 
-    def _choose(self, q, keys, weights, closed) -> torch.Tensor:
+    def _choose(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, closed: torch.Tensor) -> torch.Tensor:
         """One block of queries q [B, S, H_i, d] against the entries' keys [B, E, d] -> picked [B, S, k]."""
         scores = torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1)).relu() * self.head_dim**-0.5
         index = (scores * weights.unsqueeze(-1)).sum(dim=2).masked_fill(~closed, float("-inf"))  # [B, S, E]

@@ -5,22 +5,40 @@
   windows closed so far (engine/compressor.py).
 - ``indexer`` (CSA layers): the same for the lightning indexer's own compressor.
 
-Per position the rows are what a conversation's KV log stores (``rows``), and all the state is a
-function of them: ``from_rows`` rebuilds it (the entries are recompressed on the next forward call),
-``trim`` cuts it back. Once logged (or with no log) the rows attention no longer needs are released
-(engine/position_rows.py), and what stays per position is the compressed entries: D / m per compressed
-layer (``colibri_stream.planning.kv_bytes``), plus the sliding window's and the open windows' rows.
+Per position the rows are what a conversation's KV log stores (``rows``, widths ``layer_row_widths``),
+and all the state is a function of them: ``from_rows`` rebuilds it (the entries are recompressed on the
+next forward call), ``trim`` cuts it back. Once logged (or with no log) the rows attention no longer
+needs are released (engine/position_rows.py), and what stays per position is the compressed entries: D / m
+per compressed layer (engine/families.py V4Family), plus the sliding window's and the open windows' rows.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
 from engine.args import ModelArgs
 from engine.compressor import CompressorState
 from engine.position_rows import PositionRows, RowsReleased
+from engine.v4_args import V4Args
+
+# The order of a layer's rows in a log record (those the layer has; V4LayerCache.rows names).
+ROW_ORDER = ("kv", "compressor.kv", "compressor.gate", "indexer.kv", "indexer.gate")
+
+
+def layer_row_widths(v4: V4Args, layer: int) -> dict[str, int]:
+    """Name -> width of the rows ``layer`` keeps per position, in record order (ROW_ORDER):
+    kv [D] on every layer; on compressed layers the compressor's kv and gate [c * D] (c = 2: CSA's
+    windows overlap, 1: HCA's do not); on CSA layers the indexer's kv and gate [2 * index_head_dim]."""
+    rows = {"kv": v4.head_dim}
+    if v4.rate(layer):
+        series = 2 if v4.is_csa(layer) else 1
+        rows |= {"compressor.kv": series * v4.head_dim, "compressor.gate": series * v4.head_dim}
+    if v4.is_csa(layer):
+        rows |= {"indexer.kv": 2 * v4.index_head_dim, "indexer.gate": 2 * v4.index_head_dim}
+    return rows
 
 
 @dataclass
@@ -86,18 +104,21 @@ class V4Cache:
     """All layers' state; ``length`` positions have been fed to every layer.
 
     ``keep_rows_from``: the first position whose rows must stay (a session's log does not have them
-    yet); None: no log, keep only what attention needs. ``release`` frees the rest."""
+    yet); None: no log, keep only what attention needs. ``release`` frees the rest. A position's log
+    record: every layer's rows (``rows``), layer after layer, each layer's in ROW_ORDER."""
 
     layers: list[V4LayerCache] = field(default_factory=list)
     rates: list[tuple[int, int]] = field(default_factory=list)  # per layer (compressor, indexer) window
     window: int = 1
     keep_rows_from: int | None = None
+    frees_logged_rows: ClassVar[bool] = True
 
     @classmethod
     def empty(
         cls, args: ModelArgs, batch: int = 1, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
     ) -> V4Cache:
         v4, device = args.v4, torch.device(device)
+        assert v4 is not None  # a V4 cache is built from deepseek_v4 args (engine/families.py)
 
         def state(width: int, overlap: bool) -> CompressorState:
             return CompressorState.empty(batch, width, overlap, dtype, device)
@@ -116,6 +137,7 @@ class V4Cache:
         """A cache holding the positions whose per-layer rows (as ``V4LayerCache.rows`` names them,
         [B, T, *] each) are ``rows``; the compressed entries are rebuilt by the next forward call."""
         v4 = args.v4
+        assert v4 is not None  # a V4 cache is built from deepseek_v4 args (engine/families.py)
         layers = []
         for layer_rows in rows:
             states = {}
@@ -146,7 +168,29 @@ class V4Cache:
         for layer, rates in zip(self.layers, self.rates, strict=True):
             layer.release_before(keep, self.window, rates)
 
+    def log_rows(self, start: int, end: int) -> list[torch.Tensor]:
+        """Every layer's rows in record order (ROW_ORDER), positions start..end of batch row 0."""
+        rows = []
+        for layer in self.layers:
+            held = layer.rows()
+            rows += [held[name].between(start, end)[0] for name in ROW_ORDER if name in held]
+        return rows
+
+    def release_logged(self, logged: int) -> None:
+        """Keep the rows the log lacks (from ``logged`` on) and release the others: what stays per
+        position is the compressed entries."""
+        self.keep_rows_from = logged
+        self.release()
+
+    def round_as_logged(self, dtype: torch.dtype) -> None:
+        """Rows rounded, compressed entries dropped: the next call rebuilds them from the rounded rows, as
+        it does for a cache restored from the log. Rows already in ``dtype`` are what the log holds."""
+        if self.dtype != dtype:
+            for layer in self.layers:
+                layer.round_rows(dtype)
+
 
 def _rates(args: ModelArgs) -> list[tuple[int, int]]:
     v4 = args.v4
+    assert v4 is not None  # a V4 cache is built from deepseek_v4 args (engine/families.py)
     return [(v4.rate(i), v4.csa_rate) for i in range(args.n_layers)]

@@ -5,20 +5,22 @@
                           hc_ffn:  collapse -> ffn_norm  -> MoE (hash-routed or scored) -> spread]
            -> hc_head collapse -> norm -> head -> logits
 
-The same interface as engine.model.Transformer (forward, forward_rows, new_cache), so generation,
-sessions and serving drive either; routed experts come from the ExpertProvider as for V3.
+The same interface as engine.model.Transformer (engine/interfaces.py Model), so generation, sessions and
+serving drive either; routed experts come from the expert source as for V3.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import nn
 
 from engine.args import ModelArgs
-from engine.experts import ExpertProvider
+from engine.experts import Experts
 from engine.hyper import HyperConnection, HyperHead, spread
+from engine.interfaces import Model
 from engine.layers import RMSNorm, embedding
 from engine.model import LOOKAHEAD_MAX_NEW_POSITIONS
 from engine.moe import MoE
@@ -32,6 +34,7 @@ class V4Block(nn.Module):
     def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
         v4 = args.v4
+        assert v4 is not None  # a V4 module is built from deepseek_v4 args (engine/families.py)
         self.layer_id = layer_id
         self.hc_attn = HyperConnection(args.dim, v4.hc_mult, v4.hc_sinkhorn_iters, v4.hc_eps, args.rms_norm_eps)
         self.attn_norm = RMSNorm(args.dim, args.rms_norm_eps)
@@ -46,7 +49,7 @@ class V4Block(nn.Module):
         tokens: torch.Tensor,
         start_pos: int,
         cache: V4LayerCache,
-        experts: ExpertProvider,
+        experts: Experts,
         lookahead: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """streams [B, S, n, dim] of tokens [B, S] at positions start_pos.. -> [B, S, n, dim].
@@ -66,7 +69,7 @@ class V4Block(nn.Module):
         tokens: torch.Tensor,
         starts: list[int],
         caches: list[V4LayerCache],
-        experts: ExpertProvider,
+        experts: Experts,
         lookahead: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """One new position of each of B independent sequences (streams [B, 1, n, dim]), inside
@@ -90,7 +93,7 @@ class V4Block(nn.Module):
         return self.ffn_norm(self.hc_ffn(streams)[2])
 
 
-class V4Transformer(nn.Module):
+class V4Transformer(Model[V4Cache]):
     def __init__(self, args: ModelArgs):
         super().__init__()
         if args.v4 is None:
@@ -103,6 +106,7 @@ class V4Transformer(nn.Module):
         self.norm = RMSNorm(args.dim, args.rms_norm_eps)
         self.head = Linear(args.dim, args.vocab_size, bias=False)
         self.int8_activations = False
+        self.read_ahead = False  # no read-ahead into the CPU caches (read_ahead_bytes)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -115,16 +119,19 @@ class V4Transformer(nn.Module):
     def new_cache(self, batch: int = 1) -> V4Cache:
         return V4Cache.empty(self.args, batch, self.dtype, self.device)
 
-    def _lookahead(self, layer: int, tokens: torch.Tensor, experts: ExpertProvider):
+    def read_ahead_bytes(self, experts_per_token: int, expert_bytes: int) -> int | None:
+        """None: this model's decode does not read ahead into the CPU caches (engine/warm.py)."""
+        return None
+
+    def _lookahead(self, layer: int, tokens: torch.Tensor, experts: Experts) -> Callable[[torch.Tensor], None] | None:
         """A hook prefetching layer ``layer``'s experts while the current layer's FFN runs: exact from the
         token ids on a hash-routed layer, else that layer's router applied to the current streams."""
         if layer >= len(self.layers):
             return None
-        block = self.layers[layer]
-        wants = getattr(experts, "wants_prefetch", None)
+        block = cast(V4Block, self.layers[layer])  # nn.ModuleList types its items as Module
 
         def lookahead(streams: torch.Tensor) -> None:
-            if wants is None or wants(layer):
+            if experts.wants_prefetch(layer):
                 guess_input = None if block.ffn.hashed else block.router_input(streams)
                 experts.prefetch(layer, block.ffn.predict(guess_input, tokens))
 
@@ -136,7 +143,7 @@ class V4Transformer(nn.Module):
         tokens: torch.Tensor,
         start_pos: int,
         cache: V4Cache,
-        experts: ExpertProvider,
+        experts: Experts,
         absorb: bool | None = None,
         last_only: bool = False,
     ) -> torch.Tensor:
@@ -157,7 +164,7 @@ class V4Transformer(nn.Module):
             return self.head(self.norm(self.hc_head(streams))).float()
 
     @torch.inference_mode()
-    def forward_rows(self, tokens: list[int], caches: list[V4Cache], experts: ExpertProvider) -> torch.Tensor:
+    def forward_rows(self, tokens: list[int], caches: list[V4Cache], experts: Experts) -> torch.Tensor:
         """Decode one token for each of B independent sequences in one pass -> float32 logits [B, vocab].
 
         tokens[b] goes at the end of caches[b]. Each MoE layer acquires the union of the rows' experts
@@ -166,7 +173,7 @@ class V4Transformer(nn.Module):
         streams = self.embed(ids).unsqueeze(2).expand(-1, -1, self.n_streams, -1).contiguous()
         starts = [cache.length for cache in caches]
         with rows_alone(), int8_activations(self.int8_activations), torch_on_one_thread():
-            for i, layer in enumerate(self.layers):
+            for i, layer in enumerate(cast("list[V4Block]", self.layers)):  # a ModuleList of V4Blocks
                 layer_caches = [cache.layers[i] for cache in caches]
                 lookahead = self._lookahead(i + 1, ids, experts)
                 streams = layer.forward_rows(streams, ids, starts, layer_caches, experts, lookahead)

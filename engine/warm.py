@@ -1,12 +1,13 @@
 """Read-ahead into the CPU caches: the next layer's weights, read by the kernels' idle helper thread.
 
 A decode step alternates weight-bound kernel calls with Python that touches almost no memory (norms,
-rope, routing, small torch ops). One core streaming a matrix from DRAM gets ~8 GB/s on these machines,
-the same kernel over weights already in L3 15-25 GB/s, and L3 is large (hundreds of MB). So while the
-caller runs the Python between two kernel calls, the helper thread (engine/csrc/split.c, warm.c),
-otherwise idle, reads the weights the next layer will use: its dense part, then the routed experts the
-lookahead router guesses and the provider already holds in memory. The kernels then find them in the
-caches. The same bytes come from DRAM, off the critical path; no value changes.
+rope, routing, small torch ops). One core streams a matrix from DRAM at half the speed or less that the
+same kernel reads weights already in L3 (docs/kernels.md, "Read-ahead into the caches"), and L3 is
+large (hundreds of MB). So while the caller runs the Python between two kernel calls, the helper thread
+(engine/csrc/split.c, warm.c), otherwise idle, reads the weights the next layer will use: its dense part,
+then the routed experts the lookahead router guesses and the expert source already holds in memory. The
+kernels then find them in the caches. The same bytes come from DRAM, off the critical path; no value
+changes.
 
 Only with 2+ kernel threads (with one there is no idle core) and only for CPU tensors.
 """
@@ -14,7 +15,7 @@ Only with 2+ kernel threads (with one there is no idle core) and only for CPU te
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -23,25 +24,34 @@ from torch import nn
 from engine.rows import kernel_threads
 
 try:
-    from engine import _int4
+    from engine import _kernels
 except ImportError:  # pragma: no cover - machines without a compiler
-    _int4 = None
+    _kernels = None  # type: ignore[assignment]  # no C extension built: callers check for None first
 
 MIN_BYTES = 16 * 1024  # smaller arrays (norm weights, biases) are not worth a range
 
 _lock = threading.Lock()
-_held: list = []  # what the helper may be reading: kept alive until the next request replaces it
+_held: list[object] = []  # what the helper may be reading: kept alive until the next request replaces it
 
 
 def warming_available() -> bool:
-    return _int4 is not None and hasattr(_int4, "warm") and kernel_threads() >= 2
+    # reflection: a build of the C extension older than warm.c lacks it
+    return _kernels is not None and hasattr(_kernels, "warm") and kernel_threads() >= 2
+
+
+class ReadsOtherFormInDecode:
+    """A module whose decode step reads some of its weights in another form (e.g. MLA's wkv_b as int8
+    records): ``decode_unread`` names those the read-ahead leaves out."""
+
+    def decode_unread(self) -> list[torch.Tensor]:
+        return []
 
 
 def module_arrays(module: nn.Module) -> list[torch.Tensor]:
     """A module's CPU parameters and buffers of MIN_BYTES or more, in registration order (for a Block:
-    attention, then the FFN: the order a forward reads them), less those a submodule's optional
-    ``decode_unread()`` names (weights its decode step reads in another form)."""
-    unread = {id(t) for sub in module.modules() for t in getattr(sub, "decode_unread", list)()}
+    attention, then the FFN: the order a forward reads them), less those a submodule's decode step does
+    not read (``ReadsOtherFormInDecode``)."""
+    unread = {id(t) for sub in module.modules() if isinstance(sub, ReadsOtherFormInDecode) for t in sub.decode_unread()}
     arrays = []
     for sub in module.modules():
         for tensor in (*sub.parameters(recurse=False), *sub.buffers(recurse=False)):
@@ -65,16 +75,16 @@ def warm(arrays: Sequence[torch.Tensor | np.ndarray]) -> None:
         return
     arrays = [a for a in arrays if _contiguous(a)]
     with _lock:
-        _int4.warm([_address_and_bytes(a) for a in arrays], kernel_threads())
+        _kernels.warm([_address_and_bytes(a) for a in arrays], kernel_threads())
         _held[:] = arrays  # the C side no longer touches the previous arrays: they may go
 
 
 def stop_warming() -> None:
     """Drop the pending request and the arrays held for it: a closed model's weights (or a store's RAM
     block, through its slots) can then be freed."""
-    if _int4 is not None and hasattr(_int4, "warm"):
+    if _kernels is not None and hasattr(_kernels, "warm"):  # reflection: as in warming_available
         with _lock:
-            _int4.warm([], 2)
+            _kernels.warm([], 2)
             _held.clear()
 
 
@@ -82,9 +92,3 @@ def _contiguous(array: torch.Tensor | np.ndarray) -> bool:
     if isinstance(array, np.ndarray):
         return array.flags.c_contiguous
     return array.is_contiguous()
-
-
-def expert_arrays(experts: object, layer: int, expert_ids: Iterable[int]) -> list:
-    """The memory of those experts the provider holds now (its optional ``memory_of`` verb), else none."""
-    memory_of = getattr(experts, "memory_of", None)
-    return [] if memory_of is None else list(memory_of(layer, list(expert_ids)))

@@ -3,7 +3,7 @@
 Names are pure string logic here (no file I/O): the loader in colibri_stream reads tensors, asks
 ``engine_name`` where each goes, and ``check_complete`` refuses a checkpoint with tensors left over
 or parameters missing. Routed experts are recognised separately (``routed_expert_key``) because they
-live with the ExpertProvider, not in the Transformer module.
+live with the expert source (engine/experts.py), not in the Transformer module.
 
 Multimodal wrappers (Kimi-K2.5: ``model_type`` kimi_k25 around a DeepSeek-V3 text model) ship the
 text model under a prefix (``language_model.model.layers.N...``, ``language_model.lm_head.weight``;

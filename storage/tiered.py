@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -33,7 +33,7 @@ from storage.errors import BudgetError, CorruptDataError
 from storage.history import UsageHistory
 from storage.policy import POLICIES, POLICY_NAMES, LRUPolicy
 from storage.read_queue import ReadQueue
-from storage.stats import RoutingCounts, StoreStats, TierView
+from storage.stats import Key, RoutingCounts, StoreStats, TierView
 from storage.tier import Entry, SlotTier
 from storage.trace import TraceWriter
 
@@ -231,7 +231,7 @@ class TieredExpertStore:
             self._start_read(key, entry, demand=False)
             self._count(prefetch_issued=1)
 
-    def preload(self, progress: Callable[[int], None] = lambda records: None) -> int:
+    def preload(self, progress: Callable[[int], object] = lambda records: None) -> int:
         """Read every expert into its RAM slot now, when ``preloads()``; returns the records read (0
         otherwise). ``progress`` gets 1 as each read lands, in file order. The reads count in
         the store's stats before any turn, so a turn's own counters stay that turn's."""
@@ -242,6 +242,7 @@ class TieredExpertStore:
         entries = []
         for key in keys:  # every read queued at once: the threads never wait for the caller
             entry = self.ram.allocate(key)  # a free slot: the tier holds every record
+            assert entry is not None  # preloads() holds: a slot for every record
             self._start_read(key, entry)
             entries.append((key, entry))
         for key, entry in entries:
@@ -249,7 +250,7 @@ class TieredExpertStore:
             progress(1)
         return len(keys)
 
-    def acquire(self, layer: int, expert_ids: Sequence[int]) -> Mapping[int, Any]:
+    def acquire(self, layer: int, expert_ids: Sequence[int]) -> AcquiredExperts:
         self.history.record(layer, expert_ids)
         self.routed.record(layer, expert_ids)
         if self.trace is not None:
@@ -257,7 +258,8 @@ class TieredExpertStore:
         predicted = self._predicted.pop(layer, None)
         if predicted is not None or layer != self._guess[0]:  # else: a further chunk of the same layer's step
             self._guess = (layer, predicted)
-        counts = {"requests": len(expert_ids)}  # counted under the lock once per acquire, not per expert
+        # counted under the lock once per acquire, not per expert
+        counts: dict[str, float] = {"requests": len(expert_ids)}
         if self._guess[1] is not None:
             counts.update(recall_hits=len(self._guess[1] & set(expert_ids)), recall_total=len(expert_ids))
         try:
@@ -290,7 +292,7 @@ class TieredExpertStore:
         if entry is not None:
             counts["hits_ram"] = counts.get("hits_ram", 0) + 1
             if entry.reading:
-                self._reads.promote(entry.loading)  # a queued guess is now a need
+                self._reads.promote(entry.loading)  # type: ignore[arg-type]  # reading: loading is set
             if entry.prefetched:
                 entry.prefetched = False
                 counts["prefetch_useful"] = counts.get("prefetch_useful", 0) + 1
@@ -307,7 +309,7 @@ class TieredExpertStore:
             entry = self.ram.entries.get((layer, expert))
             if entry is None or not entry.prefetched or entry.pins or not entry.reading:
                 continue
-            if self._reads.cancel(entry.loading):
+            if self._reads.cancel(entry.loading):  # type: ignore[arg-type]  # reading: loading is set
                 entry.prefetched = False  # not read: not a wasted read either
                 self.ram.remove((layer, expert))
                 self._count(prefetch_cancelled=1)
@@ -319,8 +321,10 @@ class TieredExpertStore:
                 raise BudgetError(
                     f"RAM tier full: {self.ram.n_slots} slots are all in use by this step; raise the RAM budget"
                 )
-            self._reads.promote(in_flight[0].loading)
-            self._wait(in_flight[0].loading)  # a prefetch still reading: let it land, then evict it
+            reading = in_flight[0].loading  # a prefetch still reading: let it land, then evict it
+            assert reading is not None  # SlotTier.loading() lists entries whose read is under way
+            self._reads.promote(reading)
+            self._wait(reading)
         return entry
 
     def _start_read(self, key: tuple[int, int], entry: Entry, demand: bool = True) -> None:
@@ -332,7 +336,7 @@ class TieredExpertStore:
         self._reader.read_into(key[0], key[1], slot)
         self._count(io_service_s=time.perf_counter() - start, expert_bytes_read=self.record_bytes, reads=1)
 
-    def _wait(self, future: Future) -> None:
+    def _wait(self, future: Future[None]) -> None:
         if future.done():
             future.result()
             return
@@ -383,6 +387,7 @@ class TieredExpertStore:
         entry.loading = None
 
     def _copy_up(self, key: tuple[int, int], ram_entry: Entry) -> Any:
+        assert self.vram is not None  # called only with a VRAM tier
         vram_entry = self.vram.allocate(key)
         if vram_entry is None:  # VRAM full of experts in use: compute from RAM this time
             return self._materialized(ram_entry, False)
@@ -419,8 +424,11 @@ class TieredExpertStore:
         return views
 
     def _view(self, tier: SlotTier, budget_bytes: int) -> TierView:
-        resident = frozenset(tier.entries.copy())
-        return TierView(tier.name, tier.n_slots, self.record_bytes, budget_bytes, resident, tier.hot)
+        # this store's tiers are keyed (layer, expert); SlotTier itself takes any hashable key
+        resident = cast(frozenset[Key], frozenset(tier.entries.copy()))
+        return TierView(
+            tier.name, tier.n_slots, self.record_bytes, budget_bytes, resident, cast(frozenset[Key], tier.hot)
+        )
 
     def report(self) -> dict[str, Any]:
         return {**self.snapshot().as_dict(), "store": "tiered", "direct_io": self._reader.direct}

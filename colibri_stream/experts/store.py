@@ -1,28 +1,28 @@
-"""The ExpertStore protocol: what the library asks of whoever holds the routed experts.
+"""The ExpertStore: what the library asks of whoever holds the routed experts.
 
-The engine needs only an ExpertProvider (acquire / release / prefetch). A run also measures and
-persists: ``snapshot`` (the counters now, StoreStats), ``report`` (them as the stats schema's
-expert keys), ``routed`` (requests per (layer, expert) since start, RoutingCounts), ``tiers`` (what each
-tier holds now, for the dashboard), ``end_turn`` (persist the usage history, flush the trace) and ``close``. Two
-implementations: storage's TieredExpertStore (experts streamed from a container) and
-``ResidentStore`` below (every expert in memory: each request is a RAM hit, nothing is read).
+The engine needs only an expert source (engine/experts.py): a local one (acquire / release /
+prefetch) or a remote one (start_routed_sum). A run also measures and persists (``StoreReports``):
+``snapshot`` (the counters now, StoreStats), ``report`` (them as the stats schema's expert keys),
+``routed`` (requests per (layer, expert) since start, RoutingCounts), ``tiers`` (what each tier holds
+now, for the dashboard), ``end_turn`` (persist the usage history, flush the trace) and ``close``. Local
+stores: storage's TieredExpertStore (experts streamed from a container) and ``ResidentStore`` below
+(every expert in memory: each request is a RAM hit, nothing is read); the remote one:
+experts/cluster's DistributedExperts (experts in worker processes).
 """
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Protocol, runtime_checkable
 
-import torch
-
-from engine.experts import Expert, ExpertProvider, ResidentExperts
+from engine.experts import Expert, HeldExperts, LocalExperts, RemoteExperts, ResidentExperts
 from storage.stats import RoutingCounts, StoreStats, TierView
 from storage.trace import TraceWriter
 
 
-@runtime_checkable
-class ExpertStore(ExpertProvider, Protocol):
+class StoreReports(Protocol):
     routed: RoutingCounts
 
     def snapshot(self) -> StoreStats: ...
@@ -34,6 +34,35 @@ class ExpertStore(ExpertProvider, Protocol):
     def end_turn(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class LocalExpertStore(LocalExperts, StoreReports, Protocol):
+    """A local expert source that reports (TieredExpertStore satisfies it structurally, ResidentStore)."""
+
+
+class RemoteExpertStore(RemoteExperts):
+    """A remote expert source that reports (DistributedExperts)."""
+
+    routed: RoutingCounts
+
+    @abstractmethod
+    def snapshot(self) -> StoreStats: ...
+
+    @abstractmethod
+    def tiers(self) -> list[TierView]: ...
+
+    @abstractmethod
+    def report(self) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def end_turn(self) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+ExpertStore = LocalExpertStore | RemoteExpertStore
 
 
 class ResidentStore(ResidentExperts):
@@ -49,7 +78,7 @@ class ResidentStore(ResidentExperts):
         self._keys = frozenset((layer, e) for layer in layers for e in experts[layer])
         self._expert_bytes = _tensor_bytes(experts[layers[0]][0]) if layers else 0
 
-    def acquire(self, layer: int, expert_ids: Sequence[int]) -> Mapping[int, Expert]:
+    def acquire(self, layer: int, expert_ids: Sequence[int]) -> HeldExperts:
         chosen = super().acquire(layer, expert_ids)
         self.stats.add(requests=len(expert_ids), hits_ram=len(expert_ids))
         self.routed.record(layer, expert_ids)
@@ -78,6 +107,5 @@ class ResidentStore(ResidentExperts):
 
 
 def _tensor_bytes(expert: Expert) -> int:
-    """The bytes of an expert's weight tensors (its dataclass fields), or 0 for an opaque expert."""
-    fields = getattr(expert, "__dict__", {}).values()
-    return sum(value.nbytes for value in fields if isinstance(value, torch.Tensor))
+    """The bytes of an expert's weight arrays."""
+    return sum(tensor.nbytes for tensor in expert.tensors())

@@ -100,7 +100,7 @@ def _probe_file(directory: Path) -> Iterator[tuple[Path, int]]:
     written, start = 0, time.perf_counter()
     try:
         while written < PROBE_BYTES and (time.perf_counter() - start) < PHASE_SECONDS:
-            written += os.write(fd, chunk)
+            written += os.write(fd, chunk)  # type: ignore[arg-type]  # numpy: a Buffer only on >= 3.12
         os.fsync(fd)
         os.close(fd)
         yield Path(name), written
@@ -111,7 +111,7 @@ def _probe_file(directory: Path) -> Iterator[tuple[Path, int]]:
 
 
 def _open_direct(path: Path) -> int | None:
-    flag = getattr(os, "O_DIRECT", 0)
+    flag = getattr(os, "O_DIRECT", 0)  # reflection: Linux only
     if not flag:
         return None
     try:
@@ -123,7 +123,7 @@ def _open_direct(path: Path) -> int | None:
 def _drop_cache(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
-        if hasattr(os, "posix_fadvise"):
+        if hasattr(os, "posix_fadvise"):  # reflection: not on macOS
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
@@ -131,7 +131,7 @@ def _drop_cache(path: Path) -> None:
 
 def _timed_read(fd: int, size: int) -> float:
     buffer = aligned_empty(CHUNK_BYTES, 4096)
-    view = memoryview(buffer)
+    view = memoryview(buffer)  # type: ignore[arg-type]  # numpy: a Buffer only on >= 3.12
     done, start = 0, time.perf_counter()
     while done < size and (time.perf_counter() - start) < PHASE_SECONDS:
         n = os.preadv(fd, [view], done)

@@ -2,7 +2,7 @@
 
 A step runs at most one prefill chunk's worth of prompt positions (PREFILL_CHUNK_TOKENS: the next
 chunk of the oldest sequences still reading their prompts, as many as fit) and then one decode pass
-over every sequence that has a token to feed (``Transformer.forward_rows``: each weight read once,
+over every sequence that has a token to feed (``Model.forward_rows``: each weight read once,
 each MoE layer's experts acquired once for the union of the rows). Several short prompts are read in
 one step; a long prompt costs the others one chunk per step, never the whole prompt. Sequences join
 between steps and leave the step they finish, are cancelled or fail.
@@ -17,15 +17,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from colibri_stream.errors import RequestError
 from colibri_stream.planning.activations import PREFILL_CHUNK_TOKENS
 from colibri_stream.runtime.sampling import SamplingParams, sample
-from engine.cache import KVCache
-from engine.experts import ExpertProvider
-from engine.model import Transformer
+from engine.experts import Experts
+from engine.interfaces import Cache, Model
 
 
 @dataclass
@@ -68,16 +68,16 @@ class GenerationRequest:
     max_new_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_ids: Iterable[int] = ()
-    cache: KVCache | None = None
+    cache: Cache | None = None
     on_token: Callable[[int], None] | None = None
     should_stop: Callable[[], bool] | None = None
-    on_prompt_chunk: Callable[[], None] | None = None  # after each prompt chunk but the last (a session logs it)
+    on_prompt_chunk: Callable[[], object] | None = None  # after each prompt chunk but the last (a session logs it)
 
 
 class Generation:
     """One sequence in the batch: its cache, the prompt positions still to prefill, its result so far."""
 
-    def __init__(self, request: GenerationRequest, cache: KVCache):
+    def __init__(self, request: GenerationRequest, cache: Cache):
         self.request, self.cache = request, cache
         self.pending = list(request.prompt_ids[cache.length :])  # prompt positions not yet in the cache
         self.stop = set(request.stop_ids)
@@ -121,7 +121,7 @@ class Generation:
 class ContinuousBatch:
     """Sequences decoded together; ``step`` advances all of them and returns those that finished."""
 
-    def __init__(self, model: Transformer, experts: ExpertProvider, prefill_chunk: int = PREFILL_CHUNK_TOKENS):
+    def __init__(self, model: Model[Any], experts: Experts, prefill_chunk: int = PREFILL_CHUNK_TOKENS):
         self.model, self.experts, self.prefill_chunk = model, experts, prefill_chunk
         self.active: list[Generation] = []
 
@@ -189,7 +189,8 @@ class ContinuousBatch:
         tokens = [g.next_token for g in generations]
         for g in generations:
             g.next_token = None
-        logits = self.model.forward_rows(tokens, [g.cache for g in generations], self.experts)
+        # a generation being decoded has its next token (None only before its prompt is done)
+        logits = self.model.forward_rows(tokens, [g.cache for g in generations], self.experts)  # type: ignore[arg-type]
         for generation, row in zip(generations, logits, strict=True):
             generation.take(row)
 

@@ -1,4 +1,4 @@
-"""The generation loop of one sequence: prefill -> decode_one_token -> generate.
+"""The generation loop of one sequence: ``generate``.
 
 ``generate`` is a ContinuousBatch (colibri_stream/runtime/batching.py) with one sequence: the CLI's run and
 chat, the demo, bench and the server's batch all compute a request the same way. Timing stats are
@@ -8,6 +8,7 @@ measured around the real forward calls.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from colibri_stream.planning.activations import PREFILL_CHUNK_TOKENS
 from colibri_stream.runtime.batching import (
@@ -17,9 +18,8 @@ from colibri_stream.runtime.batching import (
     GenerationStats,
 )
 from colibri_stream.runtime.sampling import GREEDY_BELOW, SamplingParams, sample
-from engine.cache import KVCache
-from engine.experts import ExpertProvider
-from engine.model import Transformer
+from engine.experts import Experts
+from engine.interfaces import Cache, Model
 
 __all__ = [
     "GREEDY_BELOW",
@@ -33,13 +33,13 @@ __all__ = [
 
 
 def generate(
-    model: Transformer,
+    model: Model[Any],
     prompt_ids: Sequence[int],
     max_new_tokens: int,
-    experts: ExpertProvider,
+    experts: Experts,
     sampling: SamplingParams | None = None,
     stop_ids: Iterable[int] = (),
-    cache: KVCache | None = None,
+    cache: Cache | None = None,
     on_token: Callable[[int], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
     prefill_chunk: int = PREFILL_CHUNK_TOKENS,

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
+from torch import nn
 from tqdm import tqdm
 
 from colibri_stream.checkpoint.dtypes import COMPUTE_DTYPES, compute_dtype_of, from_stored
@@ -37,11 +38,12 @@ from colibri_stream.planning.geometry import container_args, geometry_from_conta
 from colibri_stream.planning.placement import bf16_held_weights, check_fits, plan
 from colibri_stream.planning.read_ahead import choose_read_ahead, last_level_cache_bytes
 from engine.args import ModelArgs
+from engine.attention import MLA
 from engine.bf16 import hold_in_bf16, linear_candidates
 from engine.experts import Expert, ExpertWeights
 from engine.families import meta_transformer
 from engine.int8_dense import hold_in_int8
-from engine.model import Transformer
+from engine.interfaces import Model
 from engine.quant import QuantizedMatrix
 from engine.weights import SortedNames, check_complete, layer_of, sort_names
 from storage.buffers import aligned_empty
@@ -57,7 +59,7 @@ class LoadedModel:
     path: Path
     config: dict[str, Any]
     args: ModelArgs
-    model: Transformer
+    model: Model[Any]
     experts: ExpertStore
 
 
@@ -94,7 +96,7 @@ def check_tensors(
     shapes: dict[str, tuple[int, ...]],
     source: str,
     config: Mapping[str, Any] | None = None,
-) -> Transformer:
+) -> Model[Any]:
     """Everything about a checkpoint's tensors that can be checked from its headers, before a byte of
     weights is read: config.json's layer count against the layers present, names, routed experts and
     every shape against the model config.json describes (a mismatch names the ``config`` keys that
@@ -156,7 +158,7 @@ def _check_routed_names(args: ModelArgs, names: SortedNames, source: str) -> Non
                 )
 
 
-def check_dense_names(args: ModelArgs, unmapped: list[str], loaded: set[str], source: str) -> Transformer:
+def check_dense_names(args: ModelArgs, unmapped: list[str], loaded: set[str], source: str) -> Model[Any]:
     """The meta-device model, after refusing tensors it does not use and parameters nobody provides
     (a tied LM head may be absent: it is the embedding)."""
     model = meta_transformer(args)
@@ -206,8 +208,7 @@ def load(
 
 def _reading_ahead(loaded: LoadedModel, expert_bytes: int) -> LoadedModel:
     """Decode reads ahead into the CPU caches only where they hold what it reads (planning/read_ahead.py)."""
-    if isinstance(loaded.model, Transformer):
-        choose_read_ahead(loaded.model, loaded.args.n_activated_experts, expert_bytes, last_level_cache_bytes())
+    choose_read_ahead(loaded.model, loaded.args.n_activated_experts, expert_bytes, last_level_cache_bytes())
     return loaded
 
 
@@ -236,7 +237,8 @@ def load_checkpoint(
     names = sort_names(table, args.n_layers)
     shapes = {name: info.shape for name, (_, info) in table.items()}
     model = check_tensors(args, names, shapes, str(path), config)
-    wanted = {name: ("dense", target) for name, target in names.dense.items()}
+    # (kind, target): a dense name, or a routed (layer, expert, proj); Any: the kind says which
+    wanted: dict[str, tuple[str, Any]] = {name: ("dense", target) for name, target in names.dense.items()}
     wanted.update({name: ("routed", key) for key, name in names.routed.items()})
     dense: dict[str, torch.Tensor] = {}
     routed: dict[int, dict[int, dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
@@ -258,7 +260,7 @@ def load_checkpoint(
     return LoadedModel(path, config, args, model.eval(), experts)
 
 
-def check_hash_tables(model, args: ModelArgs, source: str) -> None:
+def check_hash_tables(model: nn.Module, args: ModelArgs, source: str) -> None:
     """DeepSeek-V4's token -> experts tables hold expert ids of this model (an id beyond them would
     fail deep in a forward pass, or read another layer's expert)."""
     for name, table in model.named_buffers():
@@ -283,7 +285,9 @@ def _read_tensors(file: Path, names: list[str], device: str) -> Iterator[tuple[s
         raise CheckpointError(f"{file}: unreadable safetensors file ({exc})") from None
 
 
-def _routed_experts(args: ModelArgs, routed: dict) -> dict[int, dict[int, ExpertWeights]]:
+def _routed_experts(
+    args: ModelArgs, routed: dict[int, dict[int, dict[str, torch.Tensor]]]
+) -> dict[int, dict[int, ExpertWeights]]:
     """Names were checked complete by check_tensors."""
     return {
         layer: {e: ExpertWeights(w["w1"], w["w2"], w["w3"]) for e, w in routed[layer].items()}
@@ -340,7 +344,7 @@ def _preload(store: TieredExpertStore) -> None:
 
 def _load_dense(
     container: Container, args: ModelArgs, dtype: torch.dtype, int8_activations: bool = False
-) -> Transformer:
+) -> Model[Any]:
     """The resident model. bf16 Linear weights of a float32 model stay bf16 on the CPU (engine/bf16.py:
     exact, half the memory and bytes per token); int8 Linear weights stay int8 with int8 activations
     (engine/int8_dense.py) and are dequantised otherwise; everything else is cast to ``dtype``."""
@@ -358,6 +362,7 @@ def _load_dense(
             )
         target = compute_dtype_of(name, dtype)
         if entry.dtype == "int8":
+            assert entry.group_size is not None  # an int8 array has its group size (storage.container checks)
             q = torch.from_numpy(container.read_dense(name))
             scales = torch.from_numpy(container.read_dense_scales(name))
             if name in held_int8:
@@ -376,9 +381,9 @@ def _load_dense(
         state[f"{module}.q"], state[f"{module}.scales"] = q, scales
     model.load_state_dict(state, strict=True, assign=True)
     for attention, (q, scales, group_size) in kv_b_codes.items():
-        module = model.get_submodule(attention)
-        if hasattr(module, "hold_kv_b_int8"):  # MLA (DeepSeek-V4's attention has no wkv_b)
-            module.hold_kv_b_int8(q, scales, group_size)
+        attention_module = model.get_submodule(attention)
+        if isinstance(attention_module, MLA):  # (DeepSeek-V4's attention has no wkv_b)
+            attention_module.hold_kv_b_int8(q, scales, group_size)
     check_hash_tables(model, args, path)
     hold_in_bf16(model, held_bf16)
     return model.eval()

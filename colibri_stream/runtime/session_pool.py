@@ -9,13 +9,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from colibri_stream.runtime.sessions import Session, as_logged
-from engine.cache import KVCache
+from engine.interfaces import Cache
 
 
 @dataclass
 class HeldSession:
     session: Session  # open: its log's lock is held
-    cache: KVCache  # the log's positions, as logged (as_logged)
+    cache: Cache  # the log's positions, as logged (as_logged)
     ids: list[int]  # the token at each of those positions
 
 
@@ -36,7 +36,7 @@ class SessionPool:
         """The session named ``name`` if held (it leaves the pool while its turn runs)."""
         return self._held.pop(name, None)
 
-    def put(self, session: Session, cache: KVCache, ids: list[int]) -> None:
+    def put(self, session: Session, cache: Cache, ids: list[int]) -> None:
         """Hold a session after its turn (its log already has every position of ``cache``)."""
         if self.capacity == 0:
             session.close()

@@ -1,8 +1,8 @@
 """Conversation sessions: the engine's compressed KV cache persisted in a per-session KV log.
 
-MLA models log per position the latent, roped key and indexer keys (KVCache); DeepSeek-V4 logs every
-row its V4Cache keeps per position (``kv_geometry.v4_layer_rows``) and rebuilds the compressed entries
-from them on the next forward call.
+Per position the log holds the rows the model family's cache records (engine/interfaces.py Cache:
+MLA models the latent, roped key and indexer keys; DeepSeek-V4 every row its cache keeps per position,
+rebuilding the compressed entries from them on the next forward call).
 
 A turn restores the longest stored prefix of the new prompt (zero re-prefill after a restart), cuts
 the log where the conversation diverged, prefills only what is new, and appends the turn's new
@@ -17,6 +17,7 @@ import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,18 +26,15 @@ from colibri_stream.checkpoint.dtypes import bf16_bits, dtype_bytes, from_stored
 from colibri_stream.errors import SessionError
 from colibri_stream.paths import user_cache_dir
 from colibri_stream.planning.kv_bytes import (
-    V4_ROW_ORDER,
     cache_bytes_per_token,
-    compressed_kv_bytes_per_token,
     kv_geometry,
     naive_kv_bytes_per_token,
     naive_kv_kind,
-    v4_layer_rows,
 )
 from engine.args import ModelArgs
-from engine.cache import KVCache
+from engine.families import family_of
+from engine.interfaces import Cache
 from engine.position_rows import RowsReleased
-from engine.v4_cache import V4Cache
 from storage.errors import CorruptDataError, FormatError
 from storage.kvlog import HEADER_BYTES, Geometry, KVLog, StateMismatchError, read_header_state
 from storage.safe_read import NotRegularFileError, file_kind
@@ -46,7 +44,6 @@ SESSION_SUFFIX = ".kvlog"
 # with fullmatch: "$" would also accept a trailing newline ("chat\n" -> a file named "chat\n.kvlog").
 SESSION_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
 TRANSCRIPT_SUFFIX = ".chat.json"  # `chat`'s messages beside the log: the text the template renders
-Cache = KVCache | V4Cache  # MLA models' cache | DeepSeek-V4's
 
 
 def check_session_name(name: str) -> str:
@@ -77,60 +74,17 @@ def _from_bytes(b: np.ndarray, dtype: str, width: int) -> torch.Tensor:
 
 def cache_payloads(cache: Cache, start: int, end: int, geometry: Geometry) -> np.ndarray:
     """Positions start..end of batch row 0 as record payloads [n, payload_bytes] uint8."""
-    if isinstance(cache, V4Cache):
-        return _v4_payloads(cache, start, end, geometry.dtype)
-    parts = []
-    for layer in cache.layers:
-        parts += [layer.latent[0, start:end], layer.rope_key[0, start:end]]
-    parts += [cache.layers[i].index_key[0, start:end] for i in geometry.index_layers]
-    return np.concatenate([_as_bytes(p, geometry.dtype) for p in parts], axis=1)
-
-
-def _v4_payloads(cache: V4Cache, start: int, end: int, record_dtype: str) -> np.ndarray:
-    """Every layer's rows in record order (V4_ROW_ORDER), positions start..end of batch row 0."""
-    parts = []
-    for layer in cache.layers:
-        rows = layer.rows()
-        parts += [rows[name].between(start, end)[0] for name in V4_ROW_ORDER if name in rows]
-    return np.concatenate([_as_bytes(p, record_dtype) for p in parts], axis=1)
+    return np.concatenate([_as_bytes(rows, geometry.dtype) for rows in cache.log_rows(start, end)], axis=1)
 
 
 def cache_from_payloads(payloads: np.ndarray, geometry: Geometry, args: ModelArgs, dtype: torch.dtype) -> Cache:
     """The cache holding the positions whose record payloads [n, payload_bytes] are ``payloads``."""
-    if args.v4 is not None:
-        return _v4_from_payloads(payloads, geometry.dtype, args, dtype)
-    item = dtype_bytes(geometry.dtype)
-    cache = KVCache.empty(args, 1, dtype)
-    offset = 0
-
-    def take(width: int) -> torch.Tensor:
-        nonlocal offset
-        values = _from_bytes(payloads[:, offset : offset + width * item], geometry.dtype, width)
+    family = family_of(args)
+    item, offset, rows = dtype_bytes(geometry.dtype), 0, []
+    for width in family.log_row_widths():
+        rows.append(_from_bytes(payloads[:, offset : offset + width * item], geometry.dtype, width)[None])
         offset += width * item
-        return values[None]  # [1, n, width]
-
-    state = []
-    for _ in range(geometry.n_layers):
-        state.append(
-            {"latent": take(geometry.kv_lora_rank).to(dtype), "rope_key": take(geometry.qk_rope_head_dim).to(dtype)}
-        )
-    for layer in geometry.index_layers:
-        state[layer]["index_key"] = take(geometry.index_head_dim)
-    return KVCache.from_state(state) if len(payloads) else cache
-
-
-def _v4_from_payloads(payloads: np.ndarray, record_dtype: str, args: ModelArgs, dtype: torch.dtype) -> V4Cache:
-    """A V4Cache of the logged rows (its compressed entries are rebuilt by the next forward call)."""
-    if not len(payloads):
-        return V4Cache.empty(args, 1, dtype)
-    item, offset, layers = dtype_bytes(record_dtype), 0, []
-    for layer in range(args.n_layers):
-        rows = {}
-        for name, width in v4_layer_rows(args.v4, layer).items():
-            rows[name] = _from_bytes(payloads[:, offset : offset + width * item], record_dtype, width)[None].to(dtype)
-            offset += width * item
-        layers.append(rows)
-    return V4Cache.from_rows(args, layers)
+    return family.cache_from_log(rows, dtype)
 
 
 @dataclass
@@ -242,14 +196,11 @@ class Session:
         return end - start
 
     def _keep_unlogged_rows(self, cache: Cache) -> None:
-        """A V4 cache keeps the rows the log lacks and releases the others (what stays per position is
-        its compressed entries). Not when the log rounds rows to another dtype: a turn continued from
-        memory then recompresses every entry from rounded rows (as_logged), as a restored one does."""
-        if not isinstance(cache, V4Cache):
-            return
+        """The cache may free rows the log holds (DeepSeek-V4's: what stays per position is its compressed
+        entries). Not when the log rounds rows to another dtype: a turn continued from memory then
+        recompresses every entry from rounded rows (as_logged), as a restored one does."""
         logs_as_held = self.geometry.dtype == str(cache.dtype).removeprefix("torch.")
-        cache.keep_rows_from = self.log.length if logs_as_held else 0
-        cache.release()
+        cache.release_logged(self.log.length if logs_as_held else 0)
 
     def close(self) -> None:
         self.log.close()
@@ -270,28 +221,10 @@ def as_logged(cache: Cache, record_dtype: str) -> None:
     if record_dtype != "bfloat16":
         return
     with torch.inference_mode():  # the cache's buffers were made by the forward pass, in inference mode
-        if isinstance(cache, V4Cache):
-            _round_v4_to_bf16(cache)
-        else:
-            _round_to_bf16(cache)
+        cache.round_as_logged(torch.bfloat16)
 
 
-def _round_v4_to_bf16(cache: V4Cache) -> None:
-    """Rows rounded, compressed entries dropped: the next call rebuilds them from the rounded rows, as
-    it does for a cache restored from the log. Rows already in bfloat16 are what the log holds."""
-    if cache.dtype != torch.bfloat16:
-        for layer in cache.layers:
-            layer.round_rows(torch.bfloat16)
-
-
-def _round_to_bf16(cache: KVCache) -> None:
-    for layer in cache.layers:
-        for t in (layer.latent, layer.rope_key, layer.index_key):
-            if t is not None and t.dtype != torch.bfloat16:
-                t[:, : layer.length] = t[:, : layer.length].to(torch.bfloat16).to(t.dtype)
-
-
-def session_info(path: Path, args: ModelArgs) -> dict:
+def session_info(path: Path, args: ModelArgs) -> dict[str, Any]:
     """Tokens, bytes per token and the ratio against a naive per-head K/V cache of the same model.
     A log whose header cannot be read is reported ("header" says why), never an error: one damaged
     session must not hide the others from `kv ls`."""
@@ -325,16 +258,17 @@ def session_info(path: Path, args: ModelArgs) -> dict:
         "naive_kv_bytes_per_token": naive,
         "compression_vs_naive": round(naive / geometry.record_bytes, 2),
     }
-    return info if args.v4 is None else {**info, **_v4_info(args, state.get("compute_dtype"), geometry.dtype)}
+    compressed = family_of(args).compressed_kv_bytes_per_token(dtype_bytes(geometry.dtype))
+    if compressed is None:  # no compressed attention: the log's record is what the cache holds
+        return info
+    return {**info, **_compressed_info(args, state.get("compute_dtype"), compressed, naive)}
 
 
-def _v4_info(args: ModelArgs, compute_dtype: object, record_dtype: str) -> dict:
-    """DeepSeek-V4's other sizes per token: its cache in memory (the compressed entries, in the compute
-    dtype; rows are released once logged), the compressed entries in the record dtype, and what the
-    naive cache counts."""
+def _compressed_info(args: ModelArgs, compute_dtype: object, compressed: float, naive: int) -> dict[str, Any]:
+    """A compressed-attention model's (DeepSeek-V4's) other sizes per token: its cache in memory (the
+    compressed entries, in the compute dtype; rows are released once logged), the ``compressed``
+    entries and the ``naive`` cache in the record dtype, and what the naive cache counts."""
     in_memory = cache_bytes_per_token(args, compute_dtype) if compute_dtype in ("float32", "bfloat16") else None
-    compressed = compressed_kv_bytes_per_token(args, record_dtype)
-    naive = naive_kv_bytes_per_token(args, record_dtype)
     return {
         "naive_kv": naive_kv_kind(args),
         "in_memory_bytes_per_token": in_memory,

@@ -36,8 +36,7 @@ from colibri_stream.runtime.sampling import SamplingParams
 from colibri_stream.runtime.session_pool import SessionPool
 from colibri_stream.runtime.sessions import Session, TurnStart, default_kv_dir
 from colibri_stream.text.chat_format import ChatFormat, PromptEncoder, load_chat_format, load_tokenizer
-from engine.cache import KVCache
-from engine.v4_cache import V4Cache
+from engine.interfaces import Cache
 from engine.warm import stop_warming
 from storage.stats import StoreStats
 
@@ -235,14 +234,15 @@ def finish_turn(turn: OpenTurn, result: GenerationResult, pool: SessionPool | No
     turn.uss.stop()
     try:
         if turn.session is not None:
-            keep_session(turn.session, turn.request.cache, turn.prompt_ids + result.ids, pool)
+            # begin_turn gives every request its cache
+            keep_session(turn.session, turn.request.cache, turn.prompt_ids + result.ids, pool)  # type: ignore[arg-type]
     finally:
         turn.runtime.loaded.experts.end_turn()  # a failed turn's routings and trace are kept too
     stats = turn_stats(result, turn.start, wall, turn.recorder.report(), turn.uss.peak)
     return TurnResult(result.ids, finish_reason(result), len(turn.prompt_ids), stats)
 
 
-def keep_session(session: Session, cache: KVCache, ids: list[int], pool: SessionPool | None) -> None:
+def keep_session(session: Session, cache: Cache, ids: list[int], pool: SessionPool | None) -> None:
     """Append the positions the log lacks (fsynced), then keep the session open with its KV in ``pool``
     for the next turn, or close it."""
     try:
@@ -334,19 +334,17 @@ class PhaseRecorder:
         return report
 
 
-def log_prompt_chunks(
-    session: Session | None, cache: KVCache | V4Cache, prompt_ids: list[int]
-) -> Callable[[], None] | None:
-    """DeepSeek-V4 in a session: each prompt chunk's positions go to the log as they are computed, so the
-    cache releases their rows (engine/position_rows.py) instead of holding a long prompt's rows to the
-    end of the turn. None otherwise."""
-    if session is None or not isinstance(cache, V4Cache):
+def log_prompt_chunks(session: Session | None, cache: Cache, prompt_ids: list[int]) -> Callable[[], object] | None:
+    """A session whose cache frees logged rows (DeepSeek-V4's): each prompt chunk's positions go to the log
+    as they are computed, so the cache releases their rows (engine/position_rows.py) instead of holding a
+    long prompt's rows to the end of the turn. None otherwise."""
+    if session is None or not cache.frees_logged_rows:
         return None
     return lambda: session.end_turn(cache, prompt_ids)
 
 
 def with_periodic_sync(
-    options: TurnOptions, session: Session | None, cache: KVCache, prompt_ids: list[int]
+    options: TurnOptions, session: Session | None, cache: Cache, prompt_ids: list[int]
 ) -> Callable[[int], None] | None:
     """The per-token callback: the caller's, and every ``sync_every`` tokens the session persisted so far."""
     if session is None or options.sync_every <= 0:

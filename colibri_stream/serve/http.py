@@ -26,6 +26,7 @@ class GuardedH11Protocol(H11Protocol):
     """H11Protocol plus a deadline for the next request's headers."""
 
     header_timeout_s: float = HttpLimits.header_timeout_s
+    _header_deadline: asyncio.TimerHandle | None = None  # none armed yet (a connection may be lost first)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -46,9 +47,8 @@ class GuardedH11Protocol(H11Protocol):
         self._header_deadline = self.loop.call_later(self.header_timeout_s, self._headers_late, self.cycle)
 
     def _cancel_header_deadline(self) -> None:
-        deadline = getattr(self, "_header_deadline", None)
-        if deadline is not None:
-            deadline.cancel()
+        if self._header_deadline is not None:
+            self._header_deadline.cancel()
         self._header_deadline = None
 
     def _headers_late(self, cycle: Any) -> None:

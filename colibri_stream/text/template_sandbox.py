@@ -21,12 +21,12 @@ import contextvars
 import functools
 import json
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from jinja2 import nodes
-from jinja2.compiler import CodeGenerator
-from jinja2.runtime import LoopContext, markup_join, str_join
+from jinja2.compiler import CodeGenerator, Frame
+from jinja2.runtime import Context, LoopContext, markup_join, str_join
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedEnvironment, SandboxedFormatter
 from jinja2.utils import Namespace, generate_lorem_ipsum
 
@@ -72,12 +72,12 @@ def budget() -> _RenderBudget:
     return _budget.get() or _UNBOUNDED
 
 
-def start_render() -> contextvars.Token:
+def start_render() -> contextvars.Token[_RenderBudget | None]:
     """A fresh budget for one render; pass the token to ``end_render``."""
     return _budget.set(_RenderBudget())
 
 
-def end_render(token: contextvars.Token) -> None:
+def end_render(token: contextvars.Token[_RenderBudget | None]) -> None:
     _budget.reset(token)
 
 
@@ -107,7 +107,7 @@ def text_size(value: Any, limit: int | None = None) -> int:
 _PRINTF = re.compile(r"%(?:\([^)]*\))?[#0\- +]*(\*|\d+)?(?:\.(\*|\d+))?")
 
 
-def _printf_estimate(fmt: str, args: tuple) -> int:
+def _printf_estimate(fmt: str, args: tuple[Any, ...]) -> int:
     """An upper bound on ``fmt % args``: the format, the text of the arguments, and every width or
     precision (``*`` takes one from the arguments)."""
     numbers = [a for a in args if isinstance(a, int) and not isinstance(a, bool)]
@@ -152,7 +152,7 @@ class _BoundedRange:
     def __len__(self) -> int:
         return len(self.inner)
 
-    def __getitem__(self, index):
+    def __getitem__(self, index: Any) -> Any:
         return self.inner[index]
 
 
@@ -169,8 +169,12 @@ def _lipsum(n: int = 5, html: bool = True, min: int = 20, max: int = 100) -> str
 
 
 def _tojson(
-    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False
-):
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     """Hugging Face's ``tojson`` (what chat templates are written for): plain JSON, non-ASCII kept and
     nothing HTML-escaped, and an ``ensure_ascii`` argument (jinja's own takes none and escapes <>&')."""
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
@@ -180,12 +184,12 @@ class _GuardedCodeGenerator(CodeGenerator):
     """Compiles every ``for`` loop's iterable through ``environment.guard_iterable`` and every ``~``
     through ``environment.guard_concat``: neither goes through a sandbox hook otherwise."""
 
-    def visit_For(self, node: nodes.For, frame) -> None:
+    def visit_For(self, node: nodes.For, frame: Frame) -> None:
         guarded = nodes.Call(nodes.EnvironmentAttribute("guard_iterable"), [node.iter], [], None, None)
         copy = nodes.For(node.target, guarded, node.body, node.else_, node.test, node.recursive, lineno=node.lineno)
         super().visit_For(copy, frame)
 
-    def visit_Concat(self, node: nodes.Concat, frame) -> None:
+    def visit_Concat(self, node: nodes.Concat, frame: Frame) -> None:
         self.write("environment.guard_concat(context.eval_ctx, (")
         for arg in node.nodes:
             self.visit(arg, frame)
@@ -202,7 +206,7 @@ def _units(value: Any) -> int:
     return 0
 
 
-def _str_method_estimate(text: str, method: str, args: tuple, kwargs: dict) -> int | None:
+def _str_method_estimate(text: str, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
     """The size of ``text.method(*args)`` before it is built, for the str methods that can amplify."""
     first = args[0] if args else None
     if method in ("center", "ljust", "rjust", "zfill") and isinstance(first, int):
@@ -237,7 +241,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         budget().spend(text_size(value), "an output value")
         return value
 
-    def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
+    def call_binop(self, context: Context, operator: str, left: Any, right: Any) -> Any:
         if operator == "**" and isinstance(right, int | float) and abs(right) > 1024:
             raise ChatTemplateError(f"chat template: exponent {right} is too large")
         estimate = _binop_estimate(operator, left, right)
@@ -247,7 +251,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         budget().spend(_units(result), f"{type(left).__name__} {operator} {type(right).__name__}")
         return result
 
-    def wrap_str_format(self, value: Any):
+    def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
         """``'...'.format`` and ``format_map`` through the bounded formatter (jinja's, otherwise)."""
         wrapper = super().wrap_str_format(value)
         if wrapper is None or not isinstance(value.__self__, str) or type(value.__self__) is not str:
@@ -259,31 +263,33 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
             if is_map:
                 if kwargs or len(args) != 1:
                     raise TypeError("format_map() takes exactly one positional argument")
-                args, kwargs = (), args[0]
+                mapping = args[0]  # two statements: mypy checks `args[0]` after `args = ()`
+                args, kwargs = (), mapping
             return formatter.vformat(fmt, args, kwargs)
 
         return functools.update_wrapper(bounded, value)
 
-    def call(__self, __context, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 - jinja's signature
+    def call(__self, __context: Context, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 - jinja's signature
         if isinstance(__obj, LoopContext) and args:  # a recursive loop's next level
             args = (__self.guard_iterable(args[0]), *args[1:])
+        # reflection: which callable a template calls (a bound str method is budgeted before it runs)
         owner = getattr(__obj, "__self__", None)
-        if isinstance(owner, str) and getattr(__obj, "__name__", "") == "join" and args:
+        if isinstance(owner, str) and getattr(__obj, "__name__", "") == "join" and args:  # reflection: as above
             items = list(args[0])
             budget().check(sum(text_size(i) for i in items) + len(owner) * len(items), "str.join")
             args = (items, *args[1:])
         elif isinstance(owner, str):
-            estimate = _str_method_estimate(owner, getattr(__obj, "__name__", ""), args, kwargs)
+            estimate = _str_method_estimate(owner, getattr(__obj, "__name__", ""), args, kwargs)  # reflection: as above
             if estimate is not None:
                 budget().check(estimate, f"str.{__obj.__name__}")
         result = SandboxedEnvironment.call(__self, __context, __obj, *args, **kwargs)
-        budget().spend(_units(result), f"{getattr(__obj, '__name__', 'a call')}()")
+        budget().spend(_units(result), f"{getattr(__obj, '__name__', 'a call')}()")  # reflection: its name, if any
         return result
 
     def guard_iterable(self, iterable: Any) -> Iterator[Any]:
         return _counted(iterable)
 
-    def guard_concat(self, eval_ctx, items: tuple) -> str:
+    def guard_concat(self, eval_ctx: nodes.EvalContext, items: tuple[Any, ...]) -> str:
         budget().spend(sum(text_size(i) for i in items), "a ~ concatenation")
         return markup_join(items) if eval_ctx.autoescape else str_join(items)
 
@@ -310,7 +316,7 @@ _TEXT_FILTERS = frozenset(
 _SEQUENCE_FILTERS = frozenset("list batch slice map select reject unique sort groupby dictsort".split())
 
 
-def _filter_estimate(name: str, value: Any, args: tuple, kwargs: dict) -> int:
+def _filter_estimate(name: str, value: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     """An upper bound (or close) on the characters filter ``name`` builds from ``value``."""
     if name == "join":
         sep = args[0] if args else kwargs.get("d", "")
@@ -344,6 +350,7 @@ def _filter_estimate(name: str, value: Any, args: tuple, kwargs: dict) -> int:
 def _guarded_filter(name: str, func: Any) -> Any:
     """``func`` with its output (and for text filters, its work) counted against the render's budget.
     The wrapper keeps jinja's pass_context/pass_environment marker (copied by functools.wraps)."""
+    # reflection: jinja marks pass_context/pass_environment filters with this attribute
     value_at = 1 if getattr(func, "jinja_pass_arg", None) is not None else 0
 
     @functools.wraps(func)

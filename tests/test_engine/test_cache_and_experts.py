@@ -1,4 +1,4 @@
-"""KV cache state/trim and the ExpertProvider contract (batch-union, only routed experts)."""
+"""KV cache state/trim and the expert source contract (batch-union, only routed experts)."""
 
 from __future__ import annotations
 
@@ -131,11 +131,19 @@ class _Chunking:
         self.acquires: list[tuple[int, tuple[int, ...]]] = []
         self.pinned: tuple[int, ...] = ()
 
+    lookahead_layers = 1
+
     def max_acquire(self):
         return self.limit
 
     def prefetch(self, layer, expert_ids):
         pass
+
+    def wants_prefetch(self, layer):
+        return False
+
+    def memory_of(self, layer, expert_ids):
+        return self.experts.memory_of(layer, expert_ids)
 
     def acquire(self, layer, expert_ids):
         assert not self.pinned, "a chunk was acquired before the previous one was released"

@@ -71,7 +71,8 @@ def test_prefill_then_decode_equals_one_forward(loaded, chunk):
 def test_chunked_prefill_equals_one_forward(loaded, chunk):
     """generate's prefill in chunks (40 = 3 x 12 + an absorbed tail of 4; 16 + 16 + 8), each attending to
     the cache the earlier ones filled, == the prompt in one forward: logits and greedy ids."""
-    from colibri_stream.runtime.generate import generate, prefill
+    from colibri_stream.devtools.steps import prefill
+    from colibri_stream.runtime.generate import generate
 
     ids = _ids(loaded)
     whole = _logits(loaded, ids)[-1]

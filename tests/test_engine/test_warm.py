@@ -17,7 +17,7 @@ from torch import nn
 
 import engine.model
 from engine import warm as warming
-from engine.experts import ExpertWeights, ResidentExperts, expert_tensors
+from engine.experts import ExpertWeights, ResidentExperts
 
 needs_helper = pytest.mark.skipif(
     warming._kernels is None or not hasattr(warming._kernels, "warm"), reason="the C kernels are not built"
@@ -89,9 +89,18 @@ def test_module_arrays_are_the_large_cpu_weights_in_registration_order():
     # weight; biases and norm weights are under MIN_BYTES
     expected = [module.table, module[0].weight, module[2].weight]
     assert [a.data_ptr() for a in arrays] == [a.data_ptr() for a in expected]
-    module[2].decode_unread = lambda: [module[0].weight]  # a submodule may name weights its decode does not read
+    module[1] = _LayerNormReadingOtherForm(module[0].weight)  # names weights its decode does not read
     read = [module.table, module[2].weight]
     assert [a.data_ptr() for a in warming.module_arrays(module)] == [a.data_ptr() for a in read]
+
+
+class _LayerNormReadingOtherForm(nn.LayerNorm, warming.ReadsOtherFormInDecode):
+    def __init__(self, unread: torch.Tensor):
+        super().__init__(128)
+        self.unread = [unread]  # a list: not registered as this module's parameter
+
+    def decode_unread(self) -> list[torch.Tensor]:
+        return self.unread
 
 
 def test_resident_experts_give_their_memory_gate_and_up_before_down():
@@ -99,7 +108,7 @@ def test_resident_experts_give_their_memory_gate_and_up_before_down():
     expert = ExpertWeights(*(torch.randn(s, generator=gen) for s in [(8, 4), (4, 8), (8, 4)]))
     experts = ResidentExperts({3: {0: expert, 1: expert}})
     in_order = [expert.w1, expert.w3, expert.w2]
-    assert [t.data_ptr() for t in expert_tensors(expert)] == [t.data_ptr() for t in in_order]
+    assert [t.data_ptr() for t in expert.tensors()] == [t.data_ptr() for t in in_order]
     assert len(experts.memory_of(3, [1, 5])) == 3  # 5 is not there
     assert experts.memory_of(4, [0]) == []
 

@@ -23,7 +23,7 @@ import uvicorn
 from colibri_stream.cli import main
 from colibri_stream.errors import ChatTemplateError, ColibriError
 from colibri_stream.runtime.turn import RuntimeOptions, load_runtime
-from colibri_stream.serve import intake, worker
+from colibri_stream.serve import intake, model_thread
 from colibri_stream.serve.app import Server, create_app
 from colibri_stream.serve.auth import ApiKeys
 from colibri_stream.serve.http import HttpLimits, server_config
@@ -116,7 +116,7 @@ async def call(
 
 @asynccontextmanager
 async def lifespan(app):
-    """The app's real start-up and shutdown (admission, the model's worker thread)."""
+    """The app's real start-up and shutdown (admission, the model thread)."""
     inbox: asyncio.Queue = asyncio.Queue()
     outbox: asyncio.Queue = asyncio.Queue()
     task = asyncio.create_task(app({"type": "lifespan", "asgi": {"version": "3.0"}}, inbox.get, outbox.put))
@@ -223,7 +223,7 @@ def test_health_answers_while_a_prompt_is_being_tokenised(runtime, monkeypatch):
 # ------------------------------------------------------------------------------------ D4: disconnects
 def test_a_non_streaming_client_that_leaves_cancels_its_generation(runtime, monkeypatch):
     first_token, turns = threading.Event(), []
-    real_begin, real_finish = worker.begin_turn, worker.finish_turn
+    real_begin, real_finish = model_thread.begin_turn, model_thread.finish_turn
 
     def observed_begin(rt, prompt_ids, options, pool):
         def on_token(token: int) -> None:
@@ -236,8 +236,8 @@ def test_a_non_streaming_client_that_leaves_cancels_its_generation(runtime, monk
         turns.append(real_finish(turn, result, pool))
         return turns[-1]
 
-    monkeypatch.setattr(worker, "begin_turn", observed_begin)
-    monkeypatch.setattr(worker, "finish_turn", observed_finish)
+    monkeypatch.setattr(model_thread, "begin_turn", observed_begin)
+    monkeypatch.setattr(model_thread, "finish_turn", observed_finish)
     server = Server(runtime)
 
     async def leave_after_first_token() -> None:

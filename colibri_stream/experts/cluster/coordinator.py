@@ -1,4 +1,4 @@
-"""The coordinator's side: an ExpertStore whose routed experts live in worker processes.
+"""The coordinator's side: a remote expert store (RemoteExpertStore) whose routed experts live in worker processes.
 
 The coordinator keeps the dense part, the KV state and the routers. Per MoE layer it sends each worker
 holding one of the routed experts one request (the rows, their expert ids and gate weights, plus the
@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -25,11 +25,14 @@ import torch.distributed as dist
 from colibri_stream.experts.cluster import wire
 from colibri_stream.experts.cluster.local import LocalWorkers
 from colibri_stream.experts.cluster.wire import Hello, Op, WorkerError
+from colibri_stream.experts.store import RemoteExpertStore
 from engine.q8 import activations_are_int8
 from engine.rows import computing_alone
 from storage.container import Container
 from storage.stats import RoutingCounts, StoreStats, TierView
 from storage.trace import TraceWriter
+
+R = TypeVar("R")
 
 
 @dataclass
@@ -81,8 +84,10 @@ class WorkerView:
         }
 
 
-class DistributedExperts:
-    """ExpertStore over joined workers (``connect`` forms the group and hands out the shares)."""
+class DistributedExperts(RemoteExpertStore):
+    """The routed sums of joined workers (``connect`` forms the group and hands out the shares)."""
+
+    lookahead_layers = 1  # a guess travels with the next request: one layer ahead
 
     def __init__(
         self,
@@ -179,7 +184,8 @@ class DistributedExperts:
 
     def _send(self, rank: int, what: str, *tensors: torch.Tensor) -> list[tuple[int, dist.Work]]:
         self.network.bytes_sent += sum(t.nbytes for t in tensors)
-        return [(rank, self._issue(rank, what, lambda t=t: dist.isend(t, rank))) for t in tensors]
+        # the default argument binds each tensor (mypy cannot infer such a lambda's type)
+        return [(rank, self._issue(rank, what, lambda t=t: dist.isend(t, rank))) for t in tensors]  # type: ignore[misc]
 
     def _receive(self, rank: int, reply: torch.Tensor, tag: int, what: str) -> dist.Work:
         return self._issue(rank, what, lambda: dist.irecv(reply, rank, tag=tag))
@@ -196,15 +202,9 @@ class DistributedExperts:
     def wants_prefetch(self, layer: int) -> bool:
         return self.prefetch_enabled
 
-    # ------------------------------------------------------------------ the ExpertProvider verbs
-    def acquire(self, layer: int, expert_ids: Sequence[int]):
-        raise NotImplementedError("routed experts live in the workers: the MoE layer uses start_routed_sum")
-
-    def release(self, layer: int, expert_ids: Sequence[int]) -> None:
-        pass
-
-    def max_acquire(self) -> int | None:
-        return None
+    def memory_of(self, layer: int, expert_ids: Sequence[int]) -> list[torch.Tensor]:
+        """None of them: the experts are in the workers' memory, not this process's."""
+        return []
 
     # ------------------------------------------------------------------------ stats and control
     def snapshot(self) -> StoreStats:
@@ -272,10 +272,10 @@ class DistributedExperts:
     def _wait(self, work: dist.Work, rank: int, what: str) -> None:
         self._failing(rank, lambda name: wire.wait(work, self.timeout_s, f"{name}, {what}"))
 
-    def _issue(self, rank: int, what: str, start: Callable[[], dist.Work]) -> dist.Work:
+    def _issue(self, rank: int, what: str, start: Callable[[], dist.Work | None]) -> dist.Work:
         return self._failing(rank, lambda name: wire.issue(start, f"{name}, {what}"))
 
-    def _failing(self, rank: int, step: Callable[[str], Any]) -> Any:
+    def _failing(self, rank: int, step: Callable[[str], R]) -> R:
         """step(the worker's name); its WorkerError is kept: every later call raises it at once."""
         try:
             return step(self.workers[rank].hello.name())

@@ -155,20 +155,22 @@ def read_stats(values: torch.Tensor) -> tuple[StoreStats, int, int]:
     return stats, int(raw["ram_slots"]), int(raw["experts_held"])
 
 
-def wait(work: dist.Work, seconds: float, what: str) -> None:
+def wait(work: dist.Work | None, seconds: float, what: str) -> None:
     """work.wait() within ``seconds``; a peer that died or stalled becomes a WorkerError saying ``what``."""
     try:
-        work.wait(timeout=timedelta(seconds=seconds))
+        # torch types isend/irecv as Work | None (None: this rank is outside the group, never so here)
+        work.wait(timeout=timedelta(seconds=seconds))  # type: ignore[union-attr]
     except RuntimeError as exc:
         if "Timed out" in str(exc):
             raise WorkerError(f"{what}: no answer within {seconds:g} s") from None
         raise lost(exc, what) from None
 
 
-def issue(start: Callable[[], dist.Work], what: str) -> dist.Work:
+def issue(start: Callable[[], dist.Work | None], what: str) -> dist.Work:
     """start() (an isend/irecv); one to a peer already known dead fails at once: a WorkerError too."""
     try:
-        return start()
+        # torch types isend/irecv as Work | None (None: this rank is outside the group, never so here)
+        return start()  # type: ignore[return-value]
     except RuntimeError as exc:
         raise lost(exc, what) from None
 

@@ -31,6 +31,7 @@ from colibri_stream.experts.codec import expert_from_record
 from colibri_stream.planning.bandwidth import disk_bandwidth
 from colibri_stream.planning.budget import StoreOptions, worker_store_config
 from colibri_stream.planning.geometry import container_args, geometry_from_container
+from engine.families import family_of
 from engine.moe import routed_sum
 from engine.q8 import int8_activations
 from engine.rows import rows_alone, torch_on_one_thread
@@ -131,8 +132,7 @@ class Server:
         self.layers = list(container.moe_layers)  # owner table row -> model layer
         self.row = {layer: i for i, layer in enumerate(self.layers)}
         self.owned = [set(torch.nonzero(owners[i] == rank).flatten().tolist()) for i in range(len(self.layers))]
-        args = container_args(container)
-        self.limit = args.v4.swiglu_limit if args.v4 else None
+        self.limit = family_of(container_args(container)).swiglu_limit
 
     def serve(self) -> int:
         while True:

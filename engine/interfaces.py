@@ -1,0 +1,99 @@
+"""The two interfaces every model family implements: its model (``Model``) and its KV cache (``Cache``).
+
+Generation, sessions, batching and serving drive any family through these alone; what differs between
+families beyond them (the log record's layout, memory estimates, the swiglu clamp) is a ``Family``
+(engine/families.py), chosen once per config.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar, Generic, Protocol, TypeVar
+
+import torch
+from torch import nn
+
+from engine.args import ModelArgs
+from engine.experts import Experts
+
+
+class Cache(Protocol):
+    """A batch of sequences' attention state, ``length`` positions long (engine/cache.py KVCache for MLA
+    models, engine/v4_cache.py V4Cache for DeepSeek-V4).
+
+    Per position it holds rows a session's KV log stores (``log_rows``, in the family's record order);
+    the family rebuilds a cache from them (Family.cache_from_log)."""
+
+    # whether the cache frees rows once a log holds them (``release_logged``): a session then logs a long
+    # prompt chunk by chunk, so its rows need not all be held to the end of the turn
+    frees_logged_rows: ClassVar[bool]
+
+    @property
+    def length(self) -> int: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def trim(self, length: int) -> None:
+        """Forget every position from ``length`` on (engine.position_rows.RowsReleased if the rows that
+        needs were freed)."""
+        ...
+
+    def log_rows(self, start: int, end: int) -> list[torch.Tensor]:
+        """Positions start..end of batch row 0 as the log records them: [end - start, width] per row."""
+        ...
+
+    def release_logged(self, logged: int) -> None:
+        """The first ``logged`` positions are in a log as held here (0: none): rows kept only for a log
+        may be freed before there."""
+        ...
+
+    def round_as_logged(self, dtype: torch.dtype) -> None:
+        """Round the held positions in place to what a log of ``dtype`` records holds, so a turn that
+        continues from memory computes what one restored from the log would."""
+        ...
+
+
+CacheT = TypeVar("CacheT", bound=Cache)
+
+
+class Model(nn.Module, ABC, Generic[CacheT]):
+    """A family's whole forward pass (engine/model.py Transformer, engine/v4_model.py V4Transformer),
+    routed experts coming from an expert source (engine/experts.py)."""
+
+    args: ModelArgs
+    int8_activations: bool  # the kernel matmuls quantise their inputs (engine/q8.py; lossy, opt-in)
+    read_ahead: bool  # decode reads the next weights into the CPU caches (engine/warm.py)
+
+    @property
+    @abstractmethod
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device: ...
+
+    @abstractmethod
+    def new_cache(self, batch: int = 1) -> CacheT: ...
+
+    @abstractmethod
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        start_pos: int,
+        cache: CacheT,
+        experts: Experts,
+        absorb: bool | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """tokens [B, S] at positions start_pos.. -> float32 logits [B, S, vocab] (S=1 if last_only).
+        Appends the S positions to ``cache``; ``absorb`` forces MLA's attention path (None: automatic)."""
+
+    @abstractmethod
+    def forward_rows(self, tokens: list[int], caches: list[CacheT], experts: Experts) -> torch.Tensor:
+        """Decode one token for each of B independent sequences (tokens[b] at the end of caches[b]) in one
+        pass -> float32 logits [B, vocab]; each row computed exactly as ``forward`` computes it alone."""
+
+    @abstractmethod
+    def read_ahead_bytes(self, experts_per_token: int, expert_bytes: int) -> int | None:
+        """The most bytes one read-ahead request names (engine/warm.py); None: this model never reads ahead."""
