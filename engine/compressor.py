@@ -20,6 +20,7 @@ prompt fed at once, and a state restored from projections alone catches up on it
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -110,7 +111,11 @@ class Compressor(nn.Module):
     def _compress(self, state: CompressorState, first: int, closed: int) -> torch.Tensor:
         """Entries of windows first..closed-1 from their positions' rows -> [B, W, w]."""
         m = self.rate
-        windows = lambda rows: rows.between(first * m, closed * m).unflatten(1, (closed - first, m))  # noqa: E731
+
+        def windows(rows: PositionRows) -> torch.Tensor:
+            # torch leaves Tensor.unflatten unannotated
+            return cast(torch.Tensor, rows.between(first * m, closed * m).unflatten(1, (closed - first, m)))
+
         kv, gate = windows(state.kv), windows(state.gate) + self.ape  # [B, W, m, c * w]
         if self.overlap:
             kv, gate = self._overlap(kv, gate, self._previous_ca(state, first))
@@ -126,7 +131,9 @@ class Compressor(nn.Module):
         start, end, w = (first - 1) * self.rate, first * self.rate, self.width
         return state.kv.between(start, end)[..., :w], state.gate.between(start, end)[..., :w] + self.ape[:, :w]
 
-    def _overlap(self, kv: torch.Tensor, gate: torch.Tensor, previous: tuple[torch.Tensor, torch.Tensor] | None):
+    def _overlap(
+        self, kv: torch.Tensor, gate: torch.Tensor, previous: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, W, m, 2w] -> [B, W, 2m, w]: window i's Cb half after window i-1's Ca half (``previous`` for
         i = 0; at the very start none: zero rows with -inf gates, i.e. softmax weight 0)."""
         bsz, windows, m, w = kv.shape[0], kv.shape[1], self.rate, self.width

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +17,8 @@ from engine.rows import Linear, per_row
 def embedding(vocab_size: int, dim: int) -> nn.Embedding:
     """The token embedding table, not initialised: its values always come from a checkpoint (or a test's
     own fill). nn.Embedding's normal_ init, on the meta device the loaders first build the model on,
-    imports torch._dynamo: 1.4-2.1 s of every model load, for values thrown away."""
+    imports torch._dynamo, seconds of every model load for values thrown away (docs/benchmarks.md,
+    "Figures behind the code")."""
     return nn.Embedding(vocab_size, dim, _weight=torch.empty(vocab_size, dim))
 
 
@@ -27,7 +29,8 @@ class RMSNorm(nn.Module):
     and layer, and the same bits (it runs the same pow/mean/add/rsqrt/mul sequence in C++). Other
     dtypes keep the reference's order: torch's would multiply the weight in the input dtype, not
     promote it as ``weight * x`` does. With int8 activations a C loop (engine/decode_ops.py): torch's
-    composite took 90-120 us a call between the kernels.
+    composite of eager ops was slow there, between kernels that evict the caches (docs/benchmarks.md,
+    "Figures behind the code").
     """
 
     def __init__(self, dim: int, eps: float = 1e-6):
@@ -45,13 +48,20 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
+    if TYPE_CHECKING:  # torch types every Module call as Any: this one's is forward's
+        __call__ = forward
+
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
     """silu(gate) * up; with a limit (DeepSeek-V4's swiglu_limit) gate is clamped from above and up
     to [-limit, limit] first."""
     if limit is not None:
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-    return per_row(lambda g, u: F.silu(g) * u, gate, up)
+    return per_row(_silu_times, gate, up)
+
+
+def _silu_times(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
 
 
 class MLP(nn.Module):
@@ -70,6 +80,9 @@ class MLP(nn.Module):
             if out is not None:
                 return out
         return self.w2(swiglu(self.w1(x), self.w3(x), self.limit))
+
+    if TYPE_CHECKING:  # torch types every Module call as Any: this one's is forward's
+        __call__ = forward
 
 
 # A long prefill's [S, H, T] score tensors grow with S*T (2000 tokens x 16 heads: 256 MB each, several

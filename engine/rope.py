@@ -62,13 +62,15 @@ def cos_sin_scale(rope: RopeArgs) -> float:
 
 def softmax_scale(args: ModelArgs) -> float:
     """1/sqrt(qk_head_dim), times mscale^2 for YaRN models that set mscale_all_dim (DeepSeek-V3)."""
-    scale = args.qk_head_dim**-0.5
+    scale: float = args.qk_head_dim**-0.5  # typeshed types int ** float as Any (it may be complex)
     if args.rope.kind != "default" and args.rope.mscale_all_dim:
         scale *= _yarn_mscale(args.rope.factor, args.rope.mscale_all_dim) ** 2
     return scale
 
 
-def rope_tables(args: ModelArgs, start_pos: int, length: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+def rope_tables(
+    args: ModelArgs, start_pos: int, length: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin), each [length, qk_rope_head_dim // 2] float32, for positions start_pos .. +length."""
     return rope_at(args.rope, args.qk_rope_head_dim, torch.arange(start_pos, start_pos + length, device=device))
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any
+from typing import TYPE_CHECKING, Any, overload
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +46,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+@overload
+def per_row(fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor: ...
+@overload
+def per_row(fn: Callable[..., tuple[torch.Tensor, ...]], *xs: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
 def per_row(fn: Callable[..., Any], *xs: torch.Tensor) -> Any:
     """fn(*xs) for a row-wise fn over tensors of N rows (first dim), giving a tensor or a tuple of them;
     row by row inside rows_alone(): torch's vectorised transcendental functions give a value in a
@@ -75,6 +79,9 @@ class Linear(nn.Linear):
             return super().forward(x)
         return linear(x, self.weight)
 
+    if TYPE_CHECKING:  # torch types every Module call as Any: this one's is forward's
+        __call__ = forward
+
 
 def kernel_threads() -> int:
     """Threads the C kernels split their output rows over: torch's count, as torch_on_one_thread() found it."""
@@ -88,8 +95,9 @@ def torch_on_one_thread() -> Iterator[None]:
 
     A decode step is hundreds of tiny torch ops (norms, router, attention over one query) between the
     weight-bound kernels; spreading a 2048-float op over threads costs more in wake-ups than it saves.
-    Worse, on a busy machine every parallel op waits for its descheduled second thread: a 32-token
-    prefill of the stress model took 19.3 s with 2 torch threads beside another process, 1.0 s with 1.
+    Worse, on a busy machine every parallel op waits for its descheduled second thread: beside another
+    process a short prefill took many times longer with 2 torch threads than with 1 (docs/kernels.md,
+    "Threads").
     The kernels keep every thread, and their split does not wait for a thread that is not running."""
     threads = torch.get_num_threads()
     token = _kernel_threads.set(threads)

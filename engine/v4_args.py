@@ -193,7 +193,7 @@ def _hash_layers(config: Mapping[str, Any], n_layers: int) -> tuple[bool, ...]:
 
 
 def _scoring_func(config: Mapping[str, Any]) -> str:
-    func = config.get("scoring_func", "sqrtsoftplus")
+    func: str = config.get("scoring_func", "sqrtsoftplus")  # checked just below
     if func not in SCORING_FUNCS:
         raise ConfigError(
             f"config.json: scoring_func={brief(func)} is not supported (supported: {list(SCORING_FUNCS)})"

@@ -31,6 +31,7 @@ class DeviceCopies:
         if not self._cuda:
             target.copy_(source)
             return
+        assert self._stream is not None  # made with a CUDA device
         with torch.cuda.stream(self._stream):
             if (free := self._slot_free.pop(slot, None)) is not None:
                 self._stream.wait_event(free)

@@ -31,6 +31,7 @@ import fcntl
 import json
 import os
 import struct
+from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -56,8 +57,12 @@ RECORD_DTYPES = ("float32", "bfloat16")
 class _RecordSizes:
     """Sizes of a record from its geometry's ``values_per_token`` and ``dtype``."""
 
-    values_per_token: int
     dtype: str
+
+    @property
+    @abstractmethod
+    def values_per_token(self) -> int:
+        """Values one record holds per token (each geometry sums its own)."""
 
     @property
     def payload_bytes(self) -> int:
@@ -135,7 +140,7 @@ class StateMismatchError(IncompatibleStateError):
         self.field, self.stored, self.current = field, stored, current
 
 
-def _record_crc(position: int, body: bytes | memoryview) -> int:
+def _record_crc(position: int, body: bytes | memoryview | np.ndarray) -> int:
     return crc32c(body, crc32c(_POSITION.pack(position)))
 
 
@@ -183,7 +188,7 @@ def decode_header(data: bytes, path: Path) -> dict[str, Any]:
 
 def geometry_of_header(header: dict[str, Any], path: Path) -> Geometry:
     """The geometry a decoded header describes (its kind from the format version), or FormatError."""
-    fields = header.get("geometry")
+    fields: Any = header.get("geometry")  # JSON; a malformed value raises KeyError/TypeError below
     try:
         if header["format_version"] == RowsGeometry.FORMAT_VERSION:
             layers = tuple(tuple(layer) for layer in fields["layer_rows"])
@@ -374,7 +379,7 @@ class KVLog:
         """Records start..start+count as uint8 [count, record_bytes], read in chunks into one array."""
         size = self.geometry.record_bytes
         out = np.empty((count, size), dtype=np.uint8)
-        flat = memoryview(out.reshape(-1))
+        flat = memoryview(out.reshape(-1))  # type: ignore[arg-type]  # numpy: ndarray is a Buffer only on >= 3.12
         for first in range(0, count, self._chunk_records()):
             n = min(self._chunk_records(), count - first)
             target = flat[first * size : (first + n) * size]
@@ -455,5 +460,5 @@ class KVLog:
     def __enter__(self) -> KVLog:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

@@ -21,7 +21,7 @@ Key = Hashable
 class Entry:
     slot: int
     pins: int = 0  # users in the current step; a pinned entry is never evicted
-    loading: Future | None = None  # in-flight read into the slot (None once observed complete)
+    loading: Future[None] | None = None  # in-flight read into the slot (None once observed complete)
     prefetched: bool = False  # brought in by lookahead and not yet used
 
     @property

@@ -13,7 +13,7 @@ import json
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from storage.errors import FormatError
 from storage.safe_read import decode_utf8, open_regular, parse_json
@@ -75,5 +75,5 @@ def _acquire(record: Any, text: str, path: Path, number: int) -> tuple[int, list
     return layer, experts
 
 
-def _is_index(value: Any) -> bool:
+def _is_index(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,7 +33,7 @@ KINDS = {
 LEGACY_KIND = "int4-f16-g64"  # the top-level int4_* keys
 
 
-def _best_seconds(fn: Callable[[], None], repeats: int) -> float:
+def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
     fn()  # warm-up
     best = float("inf")
     for _ in range(repeats):
@@ -96,10 +97,10 @@ def measure_kind(kind: str, n_experts: int, dim: int, inter: int, rows: tuple[in
     experts = make_kind_experts(kind, n_experts, dim, inter)
     total = sum(expert_bytes(e) for e in experts)
     memcpy_s = memcpy_seconds(total, repeats)
-    result = {"working_set_bytes": total, "memcpy_GBps": round(total / memcpy_s / 1e9, 2), "rows": {}}
+    result: dict[str, Any] = {"working_set_bytes": total, "memcpy_GBps": round(total / memcpy_s / 1e9, 2), "rows": {}}
     for n in rows:
         x = torch.randn(n, dim)
-        ffn_s = _best_seconds(lambda x=x: [e(x) for e in experts], repeats)
+        ffn_s = _best_seconds(lambda x=x: [e(x) for e in experts], repeats)  # type: ignore[misc]  # x bound per row
         result["rows"][str(n)] = {"ffn_GBps": round(total / ffn_s / 1e9, 2), "vs_memcpy": round(memcpy_s / ffn_s, 3)}
     return result
 

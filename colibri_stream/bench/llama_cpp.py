@@ -105,7 +105,7 @@ def extract_converter(sdist: Path, dest: Path) -> int:
                 continue
             target = dest / match.group(1)
             target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(archive.extractfile(member).read())
+            target.write_bytes(archive.extractfile(member).read())  # type: ignore[union-attr]  # a regular file
             count += 1
     if not (dest / "convert_hf_to_gguf.py").is_file():
         raise PeerSetupError(f"{sdist}: no vendor/llama.cpp/convert_hf_to_gguf.py in this sdist")
@@ -197,7 +197,7 @@ def run_converter(llama_cpp_dir: Path, hf: Path, out: Path) -> None:
     """llama.cpp's convert_hf_to_gguf.py as its own __main__, with its vendored gguf-py, in this process."""
     converter = llama_cpp_dir / "convert_hf_to_gguf.py"
     sys.path[:0] = [str(llama_cpp_dir), str(llama_cpp_dir / "gguf-py")]  # its gguf-py, not pip's older gguf
-    from conversion import base  # the converter's own package, from llama_cpp_dir
+    from conversion import base  # type: ignore[import-not-found]  # the converter's own package, from llama_cpp_dir
 
     recognised = base.TextModel.get_vocab_base_pre
 

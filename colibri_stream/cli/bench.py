@@ -8,6 +8,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -110,7 +111,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     work = Path(args.work) if args.work else default_work_dir(args.quick)
     out = Path(args.out)
     command = "colibri-stream " + " ".join(sys.argv[1:])
-    results = {"mode": "quick" if args.quick else "full", "date": time.strftime("%Y-%m-%d %H:%M")}
+    results: dict[str, Any] = {"mode": "quick" if args.quick else "full", "date": time.strftime("%Y-%m-%d %H:%M")}
     log = lambda line: print(f"[bench] {line}", file=sys.stderr)  # noqa: E731
     results |= run_bench(settings, work, out, command, log, args.sections or SECTIONS, llama_cpp_dir)
     try:

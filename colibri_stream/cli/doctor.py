@@ -145,7 +145,8 @@ def container_checks(path: Path, full: bool) -> Iterator[Check]:
 
 
 def checkpoint_checks(path: Path) -> Iterator[Check]:
-    from colibri_stream.runtime.loader import read_config, shard_files
+    from colibri_stream.checkpoint.files import shard_files
+    from colibri_stream.runtime.loader import read_config
     from engine.args import ModelArgs
 
     model_args = ModelArgs.from_hf_config(read_config(path))

@@ -66,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
         prompt_ids = tokenizer.encode(args.prompt).ids if tokenizer is not None else args.ids
         note_context_cut(runtime.context_size, len(prompt_ids), args.max_new_tokens)
         stream = tokenizer is not None and not args.json
-        show = (lambda t: print(tokenizer.decode([t]), end="", flush=True)) if stream else None
+        # stream implies a tokenizer (mypy does not narrow a captured variable inside a lambda)
+        show = (lambda t: print(tokenizer.decode([t]), end="", flush=True)) if stream else None  # type: ignore[union-attr]
         options = TurnOptions(
             args.max_new_tokens, params, args.session, args.reset, sync_every=args.kv_sync_every, on_token=show
         )

@@ -72,8 +72,8 @@ def plan_conversion(source: HFSource) -> Plan:
     for (layer, expert, proj), name in names.routed.items():
         experts[layer][expert][proj] = name
     for name, target in names.dense.items():
-        layer = int(target.split(".")[1]) if target.startswith("layers.") else None
-        dense_by_layer[layer].append((name, target))
+        dense_layer = int(target.split(".")[1]) if target.startswith("layers.") else None
+        dense_by_layer[dense_layer].append((name, target))
     check_dense_names(args, names.unmapped, set(names.dense.values()), str(source.path))
     _check_experts(args, experts, source)
     units = []

@@ -34,8 +34,9 @@ from colibri_stream.checkpoint.packed_quant import PackedFormat, is_v4_native, p
 from colibri_stream.convert.compressed_tensors_source import SUFFIXES, PackedModule, packed_modules, read_packed
 from colibri_stream.convert.v4_native import allowed_dtypes as v4_allowed_dtypes
 from colibri_stream.convert.v4_native import renamed_table
+from colibri_stream.errors import CheckpointError
 from colibri_stream.planning.geometry import dequantised_config
-from colibri_stream.runtime.loader import CheckpointError, check_tensors, read_config, tensor_table
+from colibri_stream.runtime.loader import check_tensors, read_config, tensor_table
 from engine.args import ModelArgs
 from engine.config_checks import brief
 from engine.quant import QuantizedMatrix, dequantize_torch, scale_values
@@ -83,9 +84,9 @@ class HFSource:
         names = sort_names(self.tensor_names, args.n_layers)
         check_tensors(args, names, self.shapes, str(self.path), self.dense_config())
         if self.block:
-            self._check_fp8_scales({name: info.dtype for name, (_, info) in table.items()})
+            self._check_fp8_scales({name: info.dtype for name, (_, info) in table.items()}, self.block)
 
-    def _check_fp8_scales(self, dtypes: dict[str, str]) -> None:
+    def _check_fp8_scales(self, dtypes: dict[str, str], block: tuple[int, int]) -> None:
         """Every FP8 weight's block scales present and shaped for it, from the headers: refused before
         the conversion starts (and its progress bar), not midway through it."""
         for name, dtype in dtypes.items():
@@ -94,11 +95,11 @@ class HFSource:
             scale = name + FP8_SCALE_SUFFIX
             if scale not in self.shapes:
                 raise CheckpointError(f"{self.where[name]}: FP8 tensor {name} has no {scale}")
-            expected = [-(-d // b) for d, b in zip(self.shapes[name], self.block, strict=False)]
+            expected = [-(-d // b) for d, b in zip(self.shapes[name], block, strict=False)]
             if len(self.shapes[name]) != 2 or list(self.shapes[scale]) != expected:
                 raise CheckpointError(
                     f"{self.where[scale]}: tensor {scale} has shape {list(self.shapes[scale])}, FP8 weight {name} "
-                    f"{list(self.shapes[name])} in {list(self.block)} blocks needs {expected}"
+                    f"{list(self.shapes[name])} in {list(block)} blocks needs {expected}"
                 )
 
     def _fp8_block(self, quant: Any) -> tuple[int, int] | None:
@@ -118,7 +119,7 @@ class HFSource:
                 "(supported: quant_method fp8, fmt e4m3, weight_block_size [rows, cols], scale_fmt float or "
                 "ue8m0; or quant_method compressed-tensors)"
             )
-        return int(block[0]), int(block[1])
+        return int(block[0]), int(block[1])  # type: ignore[index]  # a list of two, checked by `sizes`
 
     @property
     def tensor_names(self) -> list[str]:
@@ -204,7 +205,8 @@ class TensorReader:
 
     def get_quantized(self, name: str) -> QuantizedMatrix:
         """A quantised module's logical weight as shipped: codes in our record layout, its own scales."""
-        return read_packed(self._raw, self.source.packed_modules[name], self.source.packed)
+        # packed_modules is empty unless the source ships a packed format
+        return read_packed(self._raw, self.source.packed_modules[name], self.source.packed)  # type: ignore[arg-type]
 
     def get(self, name: str) -> torch.Tensor:
         if name in self.source.packed_modules:  # the float32 weight the codes mean: q * scale, exact

@@ -156,7 +156,7 @@ TINY_SPECS: dict[str, TinySpec] = {
 }
 
 
-def _transformers_classes(model_type: str) -> tuple[type, type]:
+def _transformers_classes(model_type: str) -> tuple[Any, Any]:  # transformers classes, looked up by name
     try:
         import transformers
     except ImportError as exc:  # pragma: no cover - dev dependency
@@ -211,7 +211,7 @@ def _randomise_untrained_defaults(model: torch.nn.Module) -> None:
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(torch.randn_like(buffer) * 0.1)
             elif name.endswith("tid2eid"):
-                experts = model.config.n_routed_experts
+                experts: int = model.config.n_routed_experts  # type: ignore[union-attr,assignment]  # transformers config
                 rows = [torch.randperm(experts)[: buffer.shape[1]] for _ in range(buffer.shape[0])]
                 buffer.copy_(torch.stack(rows))
         for name, parameter in model.named_parameters():
@@ -438,7 +438,7 @@ def oracle_greedy(
     """transformers' greedy continuation of ``prompt_ids`` (new ids only, no EOS stop)."""
     model = _as_model(checkpoint)
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
-    out = model.generate(
+    out = model.generate(  # type: ignore[operator]  # a transformers model: nn.Module types generate as an attribute
         ids,
         attention_mask=torch.ones_like(ids),
         max_new_tokens=max_new_tokens,

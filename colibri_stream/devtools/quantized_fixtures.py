@@ -70,9 +70,9 @@ def _calibrate(root: torch.nn.Module) -> None:
         scheme = getattr(module, "quantization_scheme", None)
         if scheme is None:
             continue
-        groups = module.weight.unflatten(-1, (-1, scheme.weights.group_size))
+        groups = module.weight.unflatten(-1, (-1, scheme.weights.group_size))  # type: ignore[operator]  # nn.Module types its attributes as Tensor | Module
         scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
-        module.weight_scale.data.copy_(scale.to(module.weight_scale.dtype))
+        module.weight_scale.data.copy_(scale.to(module.weight_scale.dtype))  # type: ignore[operator]  # nn.Module types its attributes as Tensor | Module
         module.quantization_status = QuantizationStatus.FROZEN
 
 

@@ -284,7 +284,7 @@ def expert_counts(loaded, windows: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def _routed(moe: torch.nn.Module, x: torch.Tensor, n_experts: int) -> torch.Tensor:
-    ids = moe.gate(x.reshape(-1, x.shape[-1]))[1]  # [tokens, top_k]
+    ids = moe.gate(x.reshape(-1, x.shape[-1]))[1]  # type: ignore[operator]  # [tokens, top_k]; a Module attribute
     return torch.bincount(ids.flatten().cpu(), minlength=n_experts)
 
 
@@ -296,7 +296,7 @@ def save_demo(model: torch.nn.Module, tokenizer, dst: str | Path, meta: dict[str
     a chat template, and ``training.json`` recording how the weights were made."""
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
-    model.to(torch.bfloat16).save_pretrained(dst)
+    model.to(torch.bfloat16).save_pretrained(dst)  # type: ignore[operator]  # nn.Module types its attributes as Tensor | Module
     model.float()
     tokenizer.save(str(dst / "tokenizer.json"))
     write_tokenizer_config(dst)
@@ -360,7 +360,7 @@ def make_demo(dst: str | Path, options: TrainOptions, log: Callable[[str], None]
     counts = parameter_counts(model)
     log(f"parameters: {counts}")
     run = train(model, train_ids, options, log, **kw)
-    meta = {
+    meta: dict[str, Any] = {
         "options": asdict(options),
         "parameters": counts,
         "training": run,

@@ -26,6 +26,7 @@ def expert_from_record(layout: ExpertRecordLayout, record: np.ndarray | torch.Te
     views = record_views(layout, record)
     kind = layout.quant_kind
     if kind is not None:
+        assert layout.group_size is not None  # ExpertRecordLayout.build gives every quantised scheme a group
         return QuantizedExpert(
             *(
                 QuantizedMatrix(views[f"{m}.q"], views[f"{m}.scale"], kind[0], layout.group_size, layout.in_dim(m))
@@ -41,6 +42,7 @@ def record_from_expert(layout: ExpertRecordLayout, weights: dict[str, torch.Tens
     arrays: dict[str, np.ndarray] = {}
     for name, w in weights.items():
         if layout.scheme in ("int4", "int8"):
+            assert layout.group_size is not None  # ExpertRecordLayout.build gives every quantised scheme a group
             q, scales = quantize(w, 4 if layout.scheme == "int4" else 8, layout.group_size)
             arrays[f"{name}.q"], arrays[f"{name}.scale"] = q.numpy(), scales.numpy()
         elif layout.scheme == "bf16":

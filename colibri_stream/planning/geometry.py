@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from colibri_stream.checkpoint.dtypes import stored_dense_dtype
 from colibri_stream.checkpoint.files import read_json_object
@@ -70,7 +70,7 @@ class ContainerTarget:
         """The group of what this conversion quantises itself (int4/int8 experts, int8 dense)."""
         return self.group_size or DEFAULT_GROUP_SIZE
 
-    def passthrough(self, packed: PackedFormat | None) -> bool:
+    def passthrough(self, packed: PackedFormat | None) -> TypeGuard[PackedFormat]:
         """Whether routed experts are copied as shipped rather than (re-)quantised here."""
         return self.experts == AUTO and packed is not None
 

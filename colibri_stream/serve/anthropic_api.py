@@ -167,7 +167,7 @@ class MessagesRequest(BaseModel):
 
 
 class CountTokensRequest(MessagesRequest):
-    max_tokens: int | None = Field(None, ge=1)  # not needed to count
+    max_tokens: int | None = Field(None, ge=1)  # type: ignore[assignment]  # optional here: not needed to count
 
 
 def _function(tool: ToolSpec) -> dict[str, Any]:

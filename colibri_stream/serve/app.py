@@ -240,7 +240,7 @@ def openai_tool_call(call: ToolCall) -> dict[str, Any]:
 
 def _chat_chunk(cid: str, model: str) -> Chunk:
     def chunk(text: str | None, reason: str | None, tool_call: dict[str, Any] | None = None) -> dict[str, Any]:
-        delta = {"role": "assistant", "content": ""} if text is None and reason is None else {}
+        delta: dict[str, Any] = {"role": "assistant", "content": ""} if text is None and reason is None else {}
         if text is not None:
             delta = {"content": text}
         if tool_call is not None:

@@ -41,7 +41,7 @@ class ToolCall:
         return json.dumps(self.arguments, ensure_ascii=False)
 
 
-class TemplateArguments(dict):
+class TemplateArguments(dict[str, Any]):
     """A call's arguments as chat templates want them: a mapping (GLM and DeepSeek-V3.2 iterate its
     items, Kimi writes it ``| tojson``) that also behaves as its JSON text where a template concatenates
     it as a string (DeepSeek-V3/V3.1: ``'<｜tool▁sep｜>' + arguments``)."""

@@ -1,10 +1,10 @@
 /*
  * A decode step alternates kernel calls that stream weights from DRAM with Python that touches almost
- * no memory (norms, rope, routing, small torch ops). One core streaming from DRAM gets ~8 GB/s here
- * while the same kernel reads L3 at 15-25 GB/s, and the caches on these hosts are large (hundreds of
- * MB of L3), so the helper thread, idle during the Python stretches, reads the next layer's weights
- * (the engine says which) into the caches: the kernel then finds them there. The bytes read from DRAM
- * are the same; they move off the critical path.
+ * no memory (norms, rope, routing, small torch ops). One core streams from DRAM at half the speed or
+ * less that the same kernel reads L3 (docs/kernels.md, "Read-ahead into the caches"), and the caches on
+ * these hosts are large (hundreds of MB of L3), so the helper thread, idle during the Python stretches,
+ * reads the next layer's weights (the engine says which) into the caches: the kernel then finds them
+ * there. The bytes read from DRAM are the same; they move off the critical path.
  *
  * A request replaces the previous one (the engine asks for the next layer's weights once per layer:
  * an older request is about a layer already past). The helper reads one step at a time under `lock`,
@@ -61,9 +61,8 @@ static uint8_t touch(const uint8_t *p, size_t n) {
 int warm_step(void) {
     if (!warm_pending()) return 0;
     /* The helper calls this back to back, and a mutex is not fair: re-taking it at once after each
-     * step, the helper kept the caller's warm_request waiting (a request over 20 x 1 MB ranges between
-     * Python stretches: ~40 us of the caller's time, 12-34 us with this). While a request waits, a
-     * step reads nothing and says "more to do". */
+     * step, the helper kept the caller's warm_request waiting (docs/benchmarks.md, "Figures behind the
+     * code"). While a request waits, a step reads nothing and says "more to do". */
     if (__atomic_load_n(&requesting, __ATOMIC_SEQ_CST)) return 1;
     pthread_mutex_lock(&lock);
     size_t budget = WARM_STEP_BYTES;

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from colibri_stream.bench.kernels import KINDS, random_kind_matrix
-from colibri_stream.planning.budget import StoreOptions
 from colibri_stream.devtools.steps import decode_one_token, prefill
+from colibri_stream.planning.budget import StoreOptions
 from colibri_stream.runtime.loader import load
 from engine.bf16 import ISA, bf16_kernel_available, bf16_matmul
 from engine.quant import int4_kernel_available, kernel_matmul

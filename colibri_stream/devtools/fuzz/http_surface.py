@@ -144,7 +144,7 @@ class ServedModel:
 
 
 def judge_response(case: Case, status: int | None, payload: bytes, alive: bool) -> Verdict:
-    result = {"status": status, "body": payload[:500].decode(errors="replace")}
+    result: dict[str, Any] = {"status": status, "body": payload[:500].decode(errors="replace")}
     if status is None:
         return Verdict(BAD_HANG, f"no answer in {REQUEST_TIMEOUT_S} s", "http:hang", result)
     if not alive:

@@ -52,7 +52,9 @@ class Surface:
         target = targets[drawn["target"] % len(targets)]
         resolved = APPLY[self.edit](case_dir / target, drawn["ops"], canary)
         argv = list(self.commands[drawn["command"]])
-        common = dict(surface=self.name, cwd=str(case_dir), mutation=[{"file": target}, *resolved], mutated=[target])
+        common: dict[str, Any] = dict(
+            surface=self.name, cwd=str(case_dir), mutation=[{"file": target}, *resolved], mutated=[target]
+        )
         if self.kind == "call":
             return Case(kind="call", target=argv[0], args=[str(case_dir / a) for a in argv[1:]], **common)
         return Case(argv=argv, stdin=self.stdin, **common)

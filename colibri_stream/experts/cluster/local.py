@@ -23,14 +23,15 @@ def free_port() -> int:
     """A TCP port nothing listens on now (the OS picks it; the store binds it moments later)."""
     with socket.socket() as probe:
         probe.bind((LOCALHOST, 0))
-        return probe.getsockname()[1]
+        port: int = probe.getsockname()[1]  # (host, port) for an AF_INET socket
+        return port
 
 
 @dataclass
 class LocalWorkers:
     """The child processes; ``check`` raises for one that has exited, ``stop`` ends them all."""
 
-    processes: dict[int, subprocess.Popen] = field(default_factory=dict)  # rank -> process
+    processes: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)  # rank -> process
 
     @classmethod
     def start(cls, path: str, count: int, port: int, flags: Callable[[int], list[str]]) -> LocalWorkers:
