@@ -26,7 +26,7 @@ class OptionalBuildExt(build_ext):
 
 
 # engine/csrc/<name>.c, each with its .h but kernels and py_decode (the Python entry points)
-C_FILES = ("kernels", "nibble", "q8", "split", "warm", "q8_moe", "decode_ops", "mla_decode", "py_decode")
+C_FILES = ("kernels", "nibble", "q8", "split", "read_ahead", "q8_moe", "decode_ops", "mla_decode", "py_decode")
 
 setup(
     ext_modules=[

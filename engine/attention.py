@@ -24,9 +24,9 @@ from engine.cache import LayerCache
 from engine.indexer import Indexer
 from engine.layers import RMSNorm, query_blocks
 from engine.quant import scale_values
+from engine.read_ahead import ReadsOtherFormInDecode
 from engine.rope import apply_rope, softmax_scale
 from engine.rows import Linear
-from engine.warm import ReadsOtherFormInDecode
 
 ABSORB_MAX_NEW_POSITIONS = 4  # auto mode: absorbed attention for decode-sized steps
 
@@ -71,7 +71,7 @@ class MLA(nn.Module, ReadsOtherFormInDecode):
         self.kv_b_group = group_size
 
     def decode_unread(self) -> list[torch.Tensor]:
-        """Weights one query's attention does not read (engine/warm.py reads ahead the others): the float
+        """Weights one query's attention does not read (engine/read_ahead.py reads ahead the others): the float
         wkv_b while its int8 records are held."""
         return [self.wkv_b.weight] if self.kv_b_group > 0 else []
 

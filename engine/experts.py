@@ -4,17 +4,17 @@ The engine never owns routed experts. A MoE layer gets them from an expert sourc
 ``LocalExperts`` hands over the experts themselves and the layer computes with them (storage streams
 them from disk into RAM/VRAM tiers: the tiered store satisfies the protocol structurally; tests and
 small models use ``ResidentExperts``), while ``RemoteExperts`` computes the routed sum elsewhere (the
-experts sharded over worker processes) and returns it. Both take the model's lookahead guesses.
+experts sharded over worker processes) and returns it. Both take the model's prefetch guesses.
 
 What every source offers (``ExpertSource``):
-    prefetch(layer, ids)   -> a non-blocking lookahead hint for a coming layer (the next layer's router
+    prefetch(layer, ids)   -> a non-blocking prefetch hint for a coming layer (the next layer's router
                               applied to the current hidden state); it may be ignored, never changes tokens
     wants_prefetch(layer)  -> whether a guess for that layer could do anything: when not, the model skips
-                              the lookahead router run
-    lookahead_layers       -> how many MoE layers ahead the model guesses (the nearest first)
+                              the guess's router run
+    prefetch_layers       -> how many MoE layers ahead the model guesses (the nearest first)
     memory_of(layer, ids)  -> the arrays of those ids held in this process's CPU memory now, without
                               pinning or waiting: what the kernels' idle helper thread reads into the CPU
-                              caches ahead of use (engine/warm.py); none when nothing is held here
+                              caches ahead of use (engine/read_ahead.py); none when nothing is held here
 A local source (``LocalExperts``) also:
     acquire(layer, ids)    -> start bringing every id in and return at once (``Acquired``): indexing it
                               waits for that expert only, so the shared expert (computed right after
@@ -100,10 +100,10 @@ class Acquired(Protocol):
 
 
 class ExpertSource(Protocol):
-    """What the model asks of any expert source: lookahead guesses and the memory to read ahead."""
+    """What the model asks of any expert source: prefetch guesses and the memory to read ahead."""
 
     @property
-    def lookahead_layers(self) -> int: ...
+    def prefetch_layers(self) -> int: ...
 
     def wants_prefetch(self, layer: int) -> bool: ...
 
@@ -133,7 +133,7 @@ class RemoteExperts(ABC):
 
     @property
     @abstractmethod
-    def lookahead_layers(self) -> int: ...
+    def prefetch_layers(self) -> int: ...
 
     @abstractmethod
     def wants_prefetch(self, layer: int) -> bool: ...
@@ -177,7 +177,7 @@ class HeldExperts(Mapping[int, Expert]):
 class ResidentExperts:
     """Every routed expert held in memory (small models, tests)."""
 
-    lookahead_layers = 1  # a guess further ahead finds nothing more to do here than the next layer's
+    prefetch_layers = 1  # a guess further ahead finds nothing more to do here than the next layer's
 
     def __init__(self, experts: Mapping[int, Mapping[int, Expert]]):
         self._experts = experts  # layer -> expert id -> weights
@@ -186,7 +186,7 @@ class ResidentExperts:
         pass
 
     def wants_prefetch(self, layer: int) -> bool:
-        """Whether a lookahead guess could do anything: not for this no-op prefetch (every expert is in
+        """Whether a prefetch guess could do anything: not for this no-op prefetch (every expert is in
         memory), so the model skips the router run; a subclass that overrides prefetch gets its guesses."""
         return type(self).prefetch is not ResidentExperts.prefetch
 

@@ -63,7 +63,7 @@ class Model(nn.Module, ABC, Generic[CacheT]):
 
     args: ModelArgs
     int8_activations: bool  # the kernel matmuls quantise their inputs (engine/q8.py; lossy, opt-in)
-    read_ahead: bool  # decode reads the next weights into the CPU caches (engine/warm.py)
+    read_ahead: bool  # decode reads the next weights into the CPU caches (engine/read_ahead.py)
 
     @property
     @abstractmethod
@@ -96,4 +96,4 @@ class Model(nn.Module, ABC, Generic[CacheT]):
 
     @abstractmethod
     def read_ahead_bytes(self, experts_per_token: int, expert_bytes: int) -> int | None:
-        """The most bytes one read-ahead request names (engine/warm.py); None: this model never reads ahead."""
+        """The most bytes one read-ahead request names (engine/read_ahead.py); None: this model never reads ahead."""

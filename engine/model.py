@@ -24,13 +24,13 @@ from engine.layers import MLP, RMSNorm, embedding
 from engine.mla_decode import FusedMLA, fused_attention_applies
 from engine.moe import MoE
 from engine.q8 import int8_activations
+from engine.read_ahead import module_arrays, read_ahead_available, request_read_ahead
 from engine.rope import rope_tables
 from engine.rows import Linear, rows_alone, torch_on_one_thread
-from engine.warm import module_arrays, warm, warming_available
 
 # Lookahead prefetch only for decode-sized steps: a prompt's rows together route to nearly every
 # expert of the next layer, which that layer's own acquire reads (once each) anyway.
-LOOKAHEAD_MAX_NEW_POSITIONS = 4
+GUESS_MAX_NEW_POSITIONS = 4
 
 
 class Block(nn.Module):
@@ -52,7 +52,7 @@ class Block(nn.Module):
         experts: Experts,
         selection: torch.Tensor | None,
         absorb: bool | None,
-        lookahead: Callable[[torch.Tensor], None] | None = None,
+        guess_ahead: Callable[[torch.Tensor], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x [B, S, dim] at positions start_pos.. -> (x [B, S, dim], DSA selection [B, S, K] or None).
 
@@ -64,15 +64,15 @@ class Block(nn.Module):
         one is passed on to the next layer.
         ``absorb``: forces the attention path, True absorbed (decode), False expanded (prefill),
         None automatic by S.
-        ``lookahead``: optional hook called with the post-attention hidden state [B, S, dim] before
+        ``guess_ahead``: optional hook called with the post-attention hidden state [B, S, dim] before
         this layer's FFN, to prefetch the experts the next MoE layer will probably route to.
         """
         fused = self._fused_attention(x, cache, absorb)
         if fused is not None:
             x, selection = fused(x, start_pos, rope, cache, selection)
-            return self._ffn(x, experts, lookahead), selection
+            return self._ffn(x, experts, guess_ahead), selection
         attn_out, selection = self.attn(self.attn_norm(x), start_pos, rope, cache, selection, absorb)
-        return self._ffn(x + attn_out, experts, lookahead), selection
+        return self._ffn(x + attn_out, experts, guess_ahead), selection
 
     def forward_rows(
         self,
@@ -82,16 +82,16 @@ class Block(nn.Module):
         caches: list[LayerCache],
         experts: Experts,
         selections: list[torch.Tensor | None],
-        lookahead: Callable[[torch.Tensor], None] | None = None,
+        guess_ahead: Callable[[torch.Tensor], None] | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """One new position of each of B independent sequences (x [B, 1, dim]; see MLA.forward_rows): the
         FFN runs over all rows, so a MoE layer acquires the union of the rows' experts once."""
         fused = self._fused_attention(x, caches[0], None) if len(caches) == 1 else None
         if fused is not None:
             x, selection = fused(x, starts[0], ropes[0], caches[0], selections[0])
-            return self._ffn(x, experts, lookahead), [selection]
+            return self._ffn(x, experts, guess_ahead), [selection]
         attn_out, selections = self.attn.forward_rows(self.attn_norm(x), starts, ropes, caches, selections)
-        return self._ffn(x + attn_out, experts, lookahead), selections
+        return self._ffn(x + attn_out, experts, guess_ahead), selections
 
     def _fused_attention(self, x: torch.Tensor, cache: LayerCache, absorb: bool | None) -> FusedMLA | None:
         """The attention step in two C calls (engine/mla_decode.py) where it applies, built at first use."""
@@ -106,9 +106,11 @@ class Block(nn.Module):
         # torch leaves Module._apply unannotated (it returns self)
         return cast(Self, super()._apply(fn, recurse))  # type: ignore[no-untyped-call]
 
-    def _ffn(self, x: torch.Tensor, experts: Experts, lookahead: Callable[[torch.Tensor], None] | None) -> torch.Tensor:
-        if lookahead is not None:
-            lookahead(x)
+    def _ffn(
+        self, x: torch.Tensor, experts: Experts, guess_ahead: Callable[[torch.Tensor], None] | None
+    ) -> torch.Tensor:
+        if guess_ahead is not None:
+            guess_ahead(x)
         h = self.ffn_norm(x)
         return x + (self.ffn(h, experts) if isinstance(self.ffn, MoE) else self.ffn(h))
 
@@ -122,10 +124,10 @@ class Transformer(Model[KVCache]):
         self.norm = RMSNorm(args.dim, args.rms_norm_eps)
         self.head = Linear(args.dim, args.vocab_size, bias=False)
         self.int8_activations = False  # the kernel matmuls quantise their inputs (engine/q8.py; lossy, opt-in)
-        # decode reads the next layer's weights into the CPU caches on the kernels' idle thread (engine/warm.py);
+        # decode reads the next layer's weights into the CPU caches on the kernels' idle thread (engine/read_ahead.py);
         # a loss where they do not fit the cache beside the current layer's, so the loader decides per machine
         self.read_ahead = True
-        self._weights_listed: dict[int, list[torch.Tensor]] = {}  # layer -> its dense weights, for warm()
+        self._weights_listed: dict[int, list[torch.Tensor]] = {}  # layer -> its dense weights, for request_read_ahead()
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
         self._weights_listed = {}  # .to(), .float(), ...: new tensors
@@ -142,10 +144,10 @@ class Transformer(Model[KVCache]):
 
     def _start_read_ahead(self, x: torch.Tensor) -> bool:
         """Whether this decode step reads ahead (CPU activations, 2+ kernel threads); if so, layer 0's
-        weights are asked for now, each later layer's at the lookahead before it."""
-        if not self.read_ahead or x.device.type != "cpu" or not warming_available():
+        weights are asked for now, each later layer's at the guess before it."""
+        if not self.read_ahead or x.device.type != "cpu" or not read_ahead_available():
             return False
-        warm(self._weights_of(0))
+        request_read_ahead(self._weights_of(0))
         return True
 
     def read_ahead_bytes(self, experts_per_token: int, expert_bytes: int) -> int:
@@ -159,36 +161,36 @@ class Transformer(Model[KVCache]):
 
         return max(request(layer) for layer in range(len(self.layers) + 1))
 
-    def _lookahead(
+    def _guess_ahead(
         self, layer: int, experts: Experts, read_ahead: bool = False
     ) -> Callable[[torch.Tensor], None] | None:
         """A hook given the current post-attention hidden state before the current layer's FFN: layer
         ``layer``'s router picks the experts to prefetch while that FFN runs, and so do the routers of the
-        MoE layers after it up to the source's ``lookahead_layers``: a guess two layers ahead is less often
+        MoE layers after it up to the source's ``prefetch_layers``: a guess two layers ahead is less often
         right (docs/benchmarks.md, "Figures behind the code") but its read has a whole layer more to land,
         and the next layer guesses again. With ``read_ahead`` it also has the kernels' idle
         helper thread read layer ``layer``'s dense weights, then the guessed experts the source holds,
-        into the CPU caches (engine/warm.py); past the last layer, the output head. None when there is
+        into the CPU caches (engine/read_ahead.py); past the last layer, the output head. None when there is
         nothing to do."""
         if layer >= len(self.layers) or not isinstance(self.layers[layer].ffn, MoE):
-            return (lambda x: warm(self._weights_of(layer))) if read_ahead else None
-        depth = experts.lookahead_layers
+            return (lambda x: request_read_ahead(self._weights_of(layer))) if read_ahead else None
+        depth = experts.prefetch_layers
         targets = [t for t in range(layer, min(layer + depth, len(self.layers))) if isinstance(self.layers[t].ffn, MoE)]
 
-        def lookahead(x: torch.Tensor) -> None:
+        def guess_ahead(x: torch.Tensor) -> None:
             for target in targets:
                 prefetch = experts.wants_prefetch(target)  # a source may know the guess would change nothing
-                warming = read_ahead and target == layer  # the caches hold one layer's weights, not two
-                if not (prefetch or warming):
+                reading_ahead = read_ahead and target == layer  # the caches hold one layer's weights, not two
+                if not (prefetch or reading_ahead):
                     continue
                 block = cast(Block, self.layers[target])  # nn.ModuleList types its items as Module
                 guess = cast(MoE, block.ffn).predict(block.ffn_norm(x))  # targets are MoE layers
                 if prefetch:
                     experts.prefetch(target, guess)
-                if warming:
-                    warm([*self._weights_of(layer), *experts.memory_of(layer, guess)])
+                if reading_ahead:
+                    request_read_ahead([*self._weights_of(layer), *experts.memory_of(layer, guess)])
 
-        return lookahead
+        return guess_ahead
 
     @property
     def dtype(self) -> torch.dtype:
@@ -218,12 +220,12 @@ class Transformer(Model[KVCache]):
         x = self.embed(tokens)
         rope = rope_tables(self.args, start_pos, tokens.shape[1], x.device)
         selection = None  # DSA: the last full layer's choice, reused by "shared" layers
-        guess = tokens.shape[1] <= LOOKAHEAD_MAX_NEW_POSITIONS
+        guess = tokens.shape[1] <= GUESS_MAX_NEW_POSITIONS
         with int8_activations(self.int8_activations), torch_on_one_thread():
             read_ahead = guess and self._start_read_ahead(x)
             for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers, strict=True)):
-                lookahead = self._lookahead(i + 1, experts, read_ahead) if guess else None
-                x, selection = layer(x, start_pos, rope, layer_cache, experts, selection, absorb, lookahead)
+                guess_ahead = self._guess_ahead(i + 1, experts, read_ahead) if guess else None
+                x, selection = layer(x, start_pos, rope, layer_cache, experts, selection, absorb, guess_ahead)
             if last_only:
                 x = x[:, -1:]
             return self.head(self.norm(x)).float()
@@ -245,6 +247,6 @@ class Transformer(Model[KVCache]):
             read_ahead = self._start_read_ahead(x)
             for i, layer in enumerate(cast("list[Block]", self.layers)):  # a ModuleList of Blocks
                 layer_caches = [cache.layers[i] for cache in caches]
-                lookahead = self._lookahead(i + 1, experts, read_ahead)
-                x, selections = layer.forward_rows(x, starts, ropes, layer_caches, experts, selections, lookahead)
+                guess_ahead = self._guess_ahead(i + 1, experts, read_ahead)
+                x, selections = layer.forward_rows(x, starts, ropes, layer_caches, experts, selections, guess_ahead)
             return self.head(self.norm(x)).float()[:, -1]

@@ -70,7 +70,7 @@ class Gate(nn.Module):
         return weights * self.route_scale, ids
 
     def route(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """x [N, dim] -> expert ids [N, topk]: the choice alone, without the weights (lookahead)."""
+        """x [N, dim] -> expert ids [N, topk]: the choice alone, without the weights (a prefetch guess)."""
         if self._routes_in_c(x):
             return self._route_in_c(x)[1]
         return self._scores_and_ids(x, tokens)[1]
@@ -147,7 +147,7 @@ class MoE(nn.Module):
         return isinstance(self.gate, HashGate)
 
     def predict(self, x: torch.Tensor | None, tokens: torch.Tensor | None = None) -> list[int]:
-        """The experts this layer's router would pick for x [B, S, dim] (normalised), as a lookahead
+        """The experts this layer's router would pick for x [B, S, dim] (normalised), as a prefetch
         guess; exact on a hash-routed layer (from ``tokens`` [B, S] alone)."""
         # x is None only on a hash-routed layer, whose gate takes it (HashGate.route)
         rows = self.gate.route(None if x is None else x.reshape(-1, x.shape[-1]), tokens).tolist()  # type: ignore[arg-type]
@@ -201,7 +201,7 @@ def routed_sum(
                 routed.add_batch([(expert_id, acquired[expert_id]) for expert_id in batch])
         finally:
             experts.release(layer, chunk)
-    # side is meanwhile()'s: every caller that passes one has at least one expert to sum
+    # side is meanwhile()'s: chunks() gives at least one chunk (an empty one when no expert is wanted)
     return routed.total(), cast(T, side)
 
 

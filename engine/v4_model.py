@@ -22,7 +22,7 @@ from engine.experts import Experts
 from engine.hyper import HyperConnection, HyperHead, spread
 from engine.interfaces import Model
 from engine.layers import RMSNorm, embedding
-from engine.model import LOOKAHEAD_MAX_NEW_POSITIONS
+from engine.model import GUESS_MAX_NEW_POSITIONS
 from engine.moe import MoE
 from engine.q8 import int8_activations
 from engine.rows import Linear, per_row, rows_alone, torch_on_one_thread
@@ -50,16 +50,16 @@ class V4Block(nn.Module):
         start_pos: int,
         cache: V4LayerCache,
         experts: Experts,
-        lookahead: Callable[[torch.Tensor], None] | None = None,
+        guess_ahead: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """streams [B, S, n, dim] of tokens [B, S] at positions start_pos.. -> [B, S, n, dim].
 
-        ``lookahead``: optional hook given the streams after attention, before this layer's FFN, to
+        ``guess_ahead``: optional hook given the streams after attention, before this layer's FFN, to
         prefetch the experts the next layer will probably route to."""
         post, comb, x = self.hc_attn(streams)
         streams = spread(streams, self.attn(self.attn_norm(x), start_pos, cache), post, comb)
-        if lookahead is not None:
-            lookahead(streams)
+        if guess_ahead is not None:
+            guess_ahead(streams)
         post, comb, x = self.hc_ffn(streams)
         return spread(streams, self.ffn(self.ffn_norm(x), experts, tokens), post, comb)
 
@@ -70,7 +70,7 @@ class V4Block(nn.Module):
         starts: list[int],
         caches: list[V4LayerCache],
         experts: Experts,
-        lookahead: Callable[[torch.Tensor], None] | None = None,
+        guess_ahead: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """One new position of each of B independent sequences (streams [B, 1, n, dim]), inside
         rows_alone(): each row's hyper-connections (per_row) and attention run alone (its own cache), the
@@ -83,8 +83,8 @@ class V4Block(nn.Module):
             ]
         )
         streams = per_row(spread, streams, out, post, comb)
-        if lookahead is not None:
-            lookahead(streams)
+        if guess_ahead is not None:
+            guess_ahead(streams)
         post, comb, x = per_row(self.hc_ffn, streams)
         return per_row(spread, streams, self.ffn(self.ffn_norm(x), experts, tokens), post, comb)
 
@@ -120,22 +120,22 @@ class V4Transformer(Model[V4Cache]):
         return V4Cache.empty(self.args, batch, self.dtype, self.device)
 
     def read_ahead_bytes(self, experts_per_token: int, expert_bytes: int) -> int | None:
-        """None: this model's decode does not read ahead into the CPU caches (engine/warm.py)."""
+        """None: this model's decode does not read ahead into the CPU caches (engine/read_ahead.py)."""
         return None
 
-    def _lookahead(self, layer: int, tokens: torch.Tensor, experts: Experts) -> Callable[[torch.Tensor], None] | None:
+    def _guess_ahead(self, layer: int, tokens: torch.Tensor, experts: Experts) -> Callable[[torch.Tensor], None] | None:
         """A hook prefetching layer ``layer``'s experts while the current layer's FFN runs: exact from the
         token ids on a hash-routed layer, else that layer's router applied to the current streams."""
         if layer >= len(self.layers):
             return None
         block = cast(V4Block, self.layers[layer])  # nn.ModuleList types its items as Module
 
-        def lookahead(streams: torch.Tensor) -> None:
+        def guess_ahead(streams: torch.Tensor) -> None:
             if experts.wants_prefetch(layer):
                 guess_input = None if block.ffn.hashed else block.router_input(streams)
                 experts.prefetch(layer, block.ffn.predict(guess_input, tokens))
 
-        return lookahead
+        return guess_ahead
 
     @torch.inference_mode()
     def forward(
@@ -153,11 +153,11 @@ class V4Transformer(Model[V4Cache]):
         K=V head has no absorbed form."""
         x = self.embed(tokens)
         streams = x.unsqueeze(2).expand(-1, -1, self.n_streams, -1).contiguous()  # [B, S, n, dim]
-        guess = tokens.shape[1] <= LOOKAHEAD_MAX_NEW_POSITIONS
+        guess = tokens.shape[1] <= GUESS_MAX_NEW_POSITIONS
         with int8_activations(self.int8_activations), torch_on_one_thread():
             for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers, strict=True)):
-                lookahead = self._lookahead(i + 1, tokens, experts) if guess else None
-                streams = layer(streams, tokens, start_pos, layer_cache, experts, lookahead)
+                guess_ahead = self._guess_ahead(i + 1, tokens, experts) if guess else None
+                streams = layer(streams, tokens, start_pos, layer_cache, experts, guess_ahead)
             cache.release()  # rows neither attention nor a log still needs
             if last_only:
                 streams = streams[:, -1:]
@@ -175,8 +175,8 @@ class V4Transformer(Model[V4Cache]):
         with rows_alone(), int8_activations(self.int8_activations), torch_on_one_thread():
             for i, layer in enumerate(cast("list[V4Block]", self.layers)):  # a ModuleList of V4Blocks
                 layer_caches = [cache.layers[i] for cache in caches]
-                lookahead = self._lookahead(i + 1, ids, experts)
-                streams = layer.forward_rows(streams, ids, starts, layer_caches, experts, lookahead)
+                guess_ahead = self._guess_ahead(i + 1, ids, experts)
+                streams = layer.forward_rows(streams, ids, starts, layer_caches, experts, guess_ahead)
             for cache in caches:
                 cache.release()
             collapsed = per_row(self.hc_head, streams)

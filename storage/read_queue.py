@@ -1,5 +1,5 @@
 """The expert-read thread pool, demand reads first: a read the compute thread is about to wait for is
-served before queued lookahead reads.
+served before queued prefetch reads.
 
 Why: the model asks for layer L+1's guessed experts just before layer L's own experts, so in a plain
 FIFO pool layer L's misses queued behind up to a layer's worth of guesses, with the disk already

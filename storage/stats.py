@@ -21,7 +21,7 @@ class StoreStats:
     prefetch_useful: int = 0  # prefetched experts later acquired
     prefetch_wasted: int = 0  # prefetched experts evicted before any use
     prefetch_cancelled: int = 0  # guesses dropped before their read started (a newer guess or the router said no)
-    recall_hits: int = 0  # acquired experts that the lookahead had predicted
+    recall_hits: int = 0  # acquired experts that a prefetch guess had predicted
     recall_total: int = 0  # acquired experts in layers with a prediction
 
     def add(self, **deltas: float) -> None:

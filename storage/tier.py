@@ -22,7 +22,7 @@ class Entry:
     slot: int
     pins: int = 0  # users in the current step; a pinned entry is never evicted
     loading: Future[None] | None = None  # in-flight read into the slot (None once observed complete)
-    prefetched: bool = False  # brought in by lookahead and not yet used
+    prefetched: bool = False  # brought in by a prefetch guess and not yet used
 
     @property
     def reading(self) -> bool:

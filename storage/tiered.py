@@ -6,9 +6,9 @@ It satisfies the engine's LocalExperts protocol (engine/experts.py) structurally
                             would wait), so the shared expert and already-resident experts compute
                             while misses load; all are pinned
     release(layer, ids)  -> unpins them
-    prefetch(layer, ids) -> lookahead: reads predicted experts of the next layer into free or
+    prefetch(layer, ids) -> reads predicted experts of the next layer into free or
                             evictable RAM slots; never blocks, never evicts anything in use
-    wants_prefetch, lookahead_layers, max_acquire, memory_of: see each below
+    wants_prefetch, prefetch_layers, max_acquire, memory_of: see each below
 Experts are materialised by a caller-supplied function over the slot bytes (storage knows bytes,
 not maths). Reads run on a thread pool: one ``pread`` per expert straight into its slot.
 """
@@ -61,9 +61,9 @@ class StoreConfig:
     # (docs/benchmarks.md).
     direct: bool = True
     threads: int = 4  # disk reader threads: parallel expert reads keep an NVMe queue busy
-    # how many MoE layers ahead the model guesses and prefetches (engine.model's lookahead): 2 gives a
+    # how many MoE layers ahead the model guesses and prefetches (engine.model's guesses): 2 gives a
     # read a layer more to land while the disk would otherwise idle between layers' misses
-    lookahead_layers: int = 2
+    prefetch_layers: int = 2
     # when the RAM slots hold every expert: read them all at load (``preload``), in file order, so no
     # prompt waits for a read; the reads fault the slot memory in, instead of a separate pre-fault pass.
     # Code that counts on-demand reads at such a budget (tests, disk benchmarks) turns it off.
@@ -75,8 +75,8 @@ class StoreConfig:
             raise BudgetError(f"cache policy must be one of {POLICY_NAMES}, got {self.policy!r}")
         if self.threads < 1:
             raise BudgetError(f"io threads must be >= 1, got {self.threads}")
-        if self.lookahead_layers < 1:
-            raise BudgetError(f"lookahead layers must be >= 1, got {self.lookahead_layers}")
+        if self.prefetch_layers < 1:
+            raise BudgetError(f"prefetch layers must be >= 1, got {self.prefetch_layers}")
 
 
 def slots_for(budget_bytes: int, record_bytes: int) -> int:
@@ -111,7 +111,7 @@ def minimum_slots(container: Container) -> int:
 
 def pinned_room(container: Container, n_slots: int) -> int:
     """RAM slots the ``pinned`` policy leaves unpinned: one layer's routed experts where the budget holds
-    them (a prompt's union then fits in one acquire, and lookahead has room), else every slot."""
+    them (a prompt's union then fits in one acquire, and prefetch has room), else every slot."""
     return min(container.n_experts, n_slots)
 
 
@@ -135,10 +135,10 @@ class TieredExpertStore:
         self._stats_lock = threading.Lock()
         direct = config.direct and o_direct_refusal(container.expert_path(container.moe_layers[0], 0)) is None
         self._reader = ExpertReader(container, direct=direct)
-        self._reads = ReadQueue(config.threads)  # misses before queued lookahead guesses
+        self._reads = ReadQueue(config.threads)  # misses before queued prefetch guesses
         self.ram = self._make_ram_tier()
         self.vram = self._make_vram_tier()
-        self._predicted: dict[int, set[int]] = {}  # lookahead guesses per layer, for recall
+        self._predicted: dict[int, set[int]] = {}  # prefetch guesses per layer, for recall
         self._slot_experts: dict[tuple[bool, int], Any] = {}  # (VRAM?, slot) -> materialize(slot), built once
         self._guess: tuple[int, set[int] | None] = (-1, None)  # the guess the layer being acquired is scored on
         self.trace = trace  # every acquire, streamed to a file (--trace); never accumulated here
@@ -199,14 +199,14 @@ class TieredExpertStore:
         return self.ram.n_slots - len(self.ram.hot)
 
     @property
-    def lookahead_layers(self) -> int:
+    def prefetch_layers(self) -> int:
         """How many MoE layers ahead the model sends guesses (the nearest first)."""
-        return self.config.lookahead_layers
+        return self.config.prefetch_layers
 
     def wants_prefetch(self, layer: int) -> bool:
         """Whether a guess for ``layer`` could start a read: not when prefetch is off or every expert of
         the layer is already held (a budget that fits them all, once warm), so the model skips the
-        lookahead router run, a cost per layer and token (docs/benchmarks.md, "Figures behind the code")."""
+        guess's router run, a cost per layer and token (docs/benchmarks.md, "Figures behind the code")."""
         if not self.config.prefetch or len(self.ram.entries) >= total_records(self.container):
             return False  # (the second: every expert in RAM, without looking at each)
         return not all(self._held((layer, expert)) for expert in range(self.container.n_experts))

@@ -136,13 +136,13 @@ def add_store_arguments(parser: argparse.ArgumentParser, ram_default: str | int 
     group.add_argument(
         "--prefetch",
         action=argparse.BooleanOptionalAction,
-        help=f"router-lookahead prefetch (default {_on(DEFAULTS.prefetch)})",
+        help=f"router-guided prefetch (default {_on(DEFAULTS.prefetch)})",
     )
     group.add_argument(
-        "--lookahead",
+        "--prefetch-layers",
         type=positive_int,
         metavar="N",
-        help=f"MoE layers ahead whose experts decode guesses and prefetches (default {DEFAULTS.lookahead}: the "
+        help=f"MoE layers ahead whose experts decode guesses and prefetches (default {DEFAULTS.prefetch_layers}: the "
         "next layer's guess is the best, a later one's read has longer to land)",
     )
     group.add_argument(
@@ -177,7 +177,7 @@ def store_options(args: argparse.Namespace) -> StoreOptions:
         prefetch=args.prefetch,
         direct=True if args.direct else False if args.buffered else None,
         io_threads=args.io_threads,
-        lookahead=args.lookahead,
+        prefetch_layers=args.prefetch_layers,
         preload=args.preload,
         history=args.history,
         trace=args.trace,

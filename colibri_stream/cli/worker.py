@@ -31,7 +31,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="hold a share of the routed experts for a coordinator on another process or machine",
         description=(
             "Join a coordinator's group and hold a share of every MoE layer's routed experts: its own RAM/VRAM "
-            "budget, eviction policy, usage history and lookahead prefetch; answers one request per MoE layer."
+            "budget, eviction policy, usage history and prefetch; answers one request per MoE layer."
         ),
         **help_options(WORKER_EPILOG),
     )

@@ -262,7 +262,7 @@ def expert_counts(loaded, windows: Sequence[torch.Tensor]) -> torch.Tensor:
     """[n_moe_layers, n_routed_experts] per-token routing counts of the engine's routers over ``windows``.
 
     The hook replays each MoE layer's gate on that layer's input: hooking the gate itself would also
-    count the router-lookahead prefetch guesses, which are not routing decisions."""
+    count the router-guided prefetch guesses, which are not routing decisions."""
     from engine.moe import MoE
 
     layers = [m for m in loaded.model.modules() if isinstance(m, MoE)]

@@ -6,7 +6,7 @@ default, and those of the store settings are ``StoreConfig``'s (storage/tiered.p
 
     [memory]  ram = "8GiB" | "25%" | "auto"    vram = 0 | "12GiB" | "50%"
     [io]      direct = true | false             threads = N (>= 1)
-    [cache]   policy = "lru" | "hybrid" | "pinned"    prefetch = true | false    lookahead = N (>= 1)
+    [cache]   policy = "lru" | "hybrid" | "pinned"    prefetch = true | false    prefetch_layers = N (>= 1)
               preload = true | false    history = "usage.json"
 
 Any other table or key (a misspelling, or a setting a budget does not hold: the session directory and
@@ -114,7 +114,7 @@ class Budget:
     threads: int = _STORE.threads  # [io] threads: disk reader threads
     policy: str = _STORE.policy  # [cache] policy: eviction policy
     prefetch: bool = _STORE.prefetch  # [cache] prefetch: read the router's guesses ahead
-    lookahead: int = _STORE.lookahead_layers  # [cache] lookahead: MoE layers guessed ahead
+    prefetch_layers: int = _STORE.prefetch_layers  # [cache] prefetch_layers: MoE layers guessed ahead
     preload: bool = _STORE.preload  # [cache] preload: read every expert at load when RAM holds them all
     history: str | None = None  # [cache] history: usage-history file (learned hot store)
     source: str = "defaults"  # the budget file these came from
@@ -128,7 +128,7 @@ BUDGET_KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
     "io.threads": ("threads", (int,)),
     "cache.policy": ("policy", (str,)),
     "cache.prefetch": ("prefetch", (bool,)),
-    "cache.lookahead": ("lookahead", (int,)),
+    "cache.prefetch_layers": ("prefetch_layers", (int,)),
     "cache.preload": ("preload", (bool,)),
     "cache.history": ("history", (str,)),
 }
@@ -200,8 +200,8 @@ def _check_values(budget: Budget, path: Path) -> None:
     """Values a type does not rule out, refused when the file is read: each error names file and key."""
     if budget.threads < 1:
         raise BudgetError(f"{path}: io.threads must be >= 1")
-    if budget.lookahead < 1:
-        raise BudgetError(f"{path}: cache.lookahead must be >= 1 (MoE layers guessed ahead)")
+    if budget.prefetch_layers < 1:
+        raise BudgetError(f"{path}: cache.prefetch_layers must be >= 1 (MoE layers guessed ahead)")
     if budget.policy not in POLICY_NAMES:
         raise BudgetError(f"{path}: cache.policy must be one of {', '.join(POLICY_NAMES)}, got {budget.policy!r}")
     parse_size(budget.ram, 0, f"{path}: memory.ram", auto_bytes=0)  # the form only: % and auto need the model
@@ -221,7 +221,7 @@ class StoreOptions:
     prefetch: bool | None = None  # --prefetch / --no-prefetch
     direct: bool | None = None  # True --direct, False --buffered, None: the budget file
     io_threads: int | None = None
-    lookahead: int | None = None  # MoE layers guessed ahead (--lookahead)
+    prefetch_layers: int | None = None  # MoE layers guessed ahead (--prefetch-layers)
     preload: bool | None = None  # --preload / --no-preload
     history: str | Path | None = None  # usage-history file, updated after every turn
     trace: str | Path | None = None  # routing trace, one JSON line per acquire
@@ -272,7 +272,7 @@ def _store_config(options: StoreOptions, budget: Budget, ram: int, expert_bytes:
         prefetch=_chosen(options.prefetch, budget.prefetch),
         direct=_chosen(options.direct, budget.direct),
         threads=_chosen(options.io_threads, budget.threads),
-        lookahead_layers=_chosen(options.lookahead, budget.lookahead),
+        prefetch_layers=_chosen(options.prefetch_layers, budget.prefetch_layers),
         preload=_chosen(options.preload, budget.preload),
         history_path=Path(history) if history else None,
     )

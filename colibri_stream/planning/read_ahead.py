@@ -1,5 +1,5 @@
 """Whether a loaded model reads ahead during decode: the kernels' idle helper thread reading the next
-layer's weights and guessed experts into the CPU caches while Python runs (engine/warm.py).
+layer's weights and guessed experts into the CPU caches while Python runs (engine/read_ahead.py).
 
 It pays only where those bytes stay in the last-level cache until the kernels read them, beside the
 current layer's. On the stress model (int8 activations, experts in RAM, 2 threads), where one request

@@ -37,7 +37,7 @@ from colibri_stream.runtime.session_pool import SessionPool
 from colibri_stream.runtime.sessions import Session, TurnStart, default_kv_dir
 from colibri_stream.text.chat_format import ChatFormat, PromptEncoder, load_chat_format, load_tokenizer
 from engine.interfaces import Cache
-from engine.warm import stop_warming
+from engine.read_ahead import stop_read_ahead
 from storage.stats import StoreStats
 
 
@@ -97,7 +97,7 @@ class Runtime:
 
     def close(self) -> None:
         self.loaded.experts.close()
-        stop_warming()  # the helper's last request may name this model's arrays
+        stop_read_ahead()  # the helper's last request may name this model's arrays
 
 
 def load_runtime(path: str | Path, options: RuntimeOptions | None = None) -> Runtime:

@@ -26,7 +26,7 @@
 #include "q8_moe.h"
 #include "decode_ops.h"
 #include "split.h"
-#include "warm.h"
+#include "read_ahead.h"
 
 #if HAVE_X86
 __attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v) {
@@ -395,14 +395,14 @@ static PyObject *py_q8_moe(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* warm(ranges, threads): ranges a sequence of (address, bytes); the helper thread reads them into the
- * caches while it has no kernel block to run, replacing the previous request (split.h split_warm). The
+/* read_ahead(ranges, threads): ranges a sequence of (address, bytes); the helper thread reads them into the
+ * caches while it has no kernel block to run, replacing the previous request (split.h split_read_ahead). The
  * caller keeps the memory alive until its next request. */
-static PyObject *py_warm(PyObject *self, PyObject *args) {
+static PyObject *py_read_ahead(PyObject *self, PyObject *args) {
     PyObject *seq;
     int threads;
     if (!PyArg_ParseTuple(args, "Oi", &seq, &threads)) return NULL;
-    PyObject *fast = PySequence_Fast(seq, "warm: ranges must be a sequence of (address, bytes)");
+    PyObject *fast = PySequence_Fast(seq, "read_ahead: ranges must be a sequence of (address, bytes)");
     if (fast == NULL) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
     const void **starts = malloc(sizeof(void *) * (size_t)(n > 0 ? n : 1));
@@ -413,7 +413,7 @@ static PyObject *py_warm(PyObject *self, PyObject *args) {
         ok = PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "KK", &address, &bytes);
         if (ok) starts[i] = (const void *)(uintptr_t)address, lengths[i] = (size_t)bytes;
     }
-    if (ok && split_warm(starts, lengths, (int)n, threads) != 0) PyErr_NoMemory(), ok = 0;
+    if (ok && split_read_ahead(starts, lengths, (int)n, threads) != 0) PyErr_NoMemory(), ok = 0;
     else if (!ok && !PyErr_Occurred()) PyErr_NoMemory();
     free(starts), free(lengths);
     Py_DECREF(fast);
@@ -421,8 +421,8 @@ static PyObject *py_warm(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *py_warm_bytes(PyObject *self, PyObject *unused) {
-    return PyLong_FromUnsignedLongLong(warm_bytes_read());
+static PyObject *py_bytes_read_ahead(PyObject *self, PyObject *unused) {
+    return PyLong_FromUnsignedLongLong(read_ahead_bytes_read());
 }
 
 /* rms_norm(x_ptr, rows, dim, w_ptr, eps, out_ptr): float32 [rows, dim] (decode_ops.c). */
@@ -501,8 +501,8 @@ static PyMethodDef methods[] = {
     {"rms_norm", py_rms_norm, METH_VARARGS, "out = w * x / sqrt(mean(x^2) + eps) per row, float32."},
     {"route", py_route, METH_VARARGS, "a MoE router's expert ids and weights for rows of x, float32."},
     {"attend_one", py_attend_one, METH_VARARGS, "absorbed MLA attention of one query over the compressed cache."},
-    {"warm_bytes", py_warm_bytes, METH_NOARGS, "bytes the helper thread has read ahead into the caches, ever."},
-    {"warm", py_warm, METH_VARARGS, "read these (address, bytes) ranges into the caches on the idle helper thread."},
+    {"bytes_read_ahead", py_bytes_read_ahead, METH_NOARGS, "bytes the helper thread has read ahead into the caches, ever."},
+    {"read_ahead", py_read_ahead, METH_VARARGS, "read these (address, bytes) ranges into the caches on the idle helper thread."},
     {"q8_moe", py_q8_moe, METH_VARARGS, "a MoE layer's routed SwiGLU experts with int8 activations, added to out."},
     {"q8_gemm", py_q8_gemm, METH_VARARGS, "y[rows, out] = int8(x[rows, in]) @ dequant(w, scales)^T, integer dot products."},
     {"dequant", py_dequant, METH_VARARGS, "float32 [out, in] from 4-bit group-quantised q and its scales."},

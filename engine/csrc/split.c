@@ -10,7 +10,7 @@
  * the helper is inside.
  */
 #include "split.h"
-#include "warm.h"
+#include "read_ahead.h"
 
 #include <pthread.h>
 #include <sched.h>
@@ -94,15 +94,15 @@ static void watch_share(int64_t wall, int64_t *wall0, int64_t *cpu0) {
     *wall0 = wall, *cpu0 = cpu;
 }
 
-/* Returns the generation of a job with blocks left. Meanwhile warms what the engine asked for (warm.c)
- * unless the core is shared, then spins, then sleeps until a job or a warming request comes. */
+/* Returns the generation of a job with blocks left. Meanwhile reads ahead what the engine asked for (read_ahead.c)
+ * unless the core is shared, then spins, then sleeps until a job or a read-ahead request comes. */
 static uint64_t wait_for_job(uint64_t seen) {
     while (!has_work(seen)) {
         int64_t wall0 = now_ns(), cpu0 = thread_cpu_ns();
         int64_t deadline = wall0 + SPIN_NS;
         for (int polls = 0; !has_work(seen); polls++) {
-            if (!shared() && warm_step()) {
-                deadline = now_ns() + SPIN_NS; /* idle only from the end of the warming */
+            if (!shared() && read_ahead_step()) {
+                deadline = now_ns() + SPIN_NS; /* idle only from the end of the read-ahead */
                 if (polls % 64 == 63) watch_share(now_ns(), &wall0, &cpu0);
                 continue;
             }
@@ -116,7 +116,7 @@ static uint64_t wait_for_job(uint64_t seen) {
         }
         pthread_mutex_lock(&mu);
         __atomic_store_n(&helper_sleeping, 1, __ATOMIC_SEQ_CST);
-        while (!has_work(seen) && !(warm_pending() && !shared())) pthread_cond_wait(&work_ready, &mu);
+        while (!has_work(seen) && !(read_ahead_pending() && !shared())) pthread_cond_wait(&work_ready, &mu);
         __atomic_store_n(&helper_sleeping, 0, __ATOMIC_SEQ_CST);
         pthread_mutex_unlock(&mu);
     }
@@ -161,8 +161,8 @@ static void wake_helper(void) {
     }
 }
 
-int split_warm(const void *const *starts, const size_t *lengths, int n, int threads) {
-    if (n == 0) return warm_request(starts, lengths, 0); /* a clear needs no helper */
+int split_read_ahead(const void *const *starts, const size_t *lengths, int n, int threads) {
+    if (n == 0) return read_ahead_request(starts, lengths, 0); /* a clear needs no helper */
     if (threads < 2) return 0;                              /* no idle core to read ahead on */
     pthread_mutex_lock(&call_lock);
     int helper = ensure_helper();
@@ -170,7 +170,7 @@ int split_warm(const void *const *starts, const size_t *lengths, int n, int thre
     if (!helper) return 0;
     if (now_ns() - __atomic_load_n(&measured_at, __ATOMIC_RELAXED) > SHARE_FORGET_NS)
         __atomic_store_n(&core_shared, 0, __ATOMIC_SEQ_CST); /* stale: measured again from this request on */
-    int status = warm_request(starts, lengths, n);
+    int status = read_ahead_request(starts, lengths, n);
     wake_helper();
     return status;
 }
@@ -196,7 +196,7 @@ void split_run(split_block_fn fn, void *job, int n_blocks, int threads) {
 }
 
 void split_after_fork(void) {
-    warm_after_fork();
+    read_ahead_after_fork();
     helper_state = 0;
     helper_inside = helper_sleeping = 0;
     pthread_mutex_init(&call_lock, NULL);

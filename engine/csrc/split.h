@@ -14,8 +14,8 @@ typedef void (*split_block_fn)(void *job, int block);
 void split_run(split_block_fn fn, void *job, int n_blocks, int threads);
 
 /* Has the helper (threads >= 2) read these ranges into the caches while it has no block to run,
- * replacing what was asked before (warm.c); returns at once. 0, or -1 without memory. */
-int split_warm(const void *const *starts, const size_t *lengths, int n, int threads);
+ * replacing what was asked before (read_ahead.c); returns at once. 0, or -1 without memory. */
+int split_read_ahead(const void *const *starts, const size_t *lengths, int n, int threads);
 
 /* A forked child has no helper thread (only the forking thread survives): call in the child. */
 void split_after_fork(void);

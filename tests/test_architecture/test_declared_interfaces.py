@@ -117,8 +117,8 @@ def test_no_capability_probes_remain_and_reflection_says_why():
 
 
 def test_the_probe_check_sees_a_probe():
-    assert PROBE.search('depth = getattr(experts, "lookahead_layers", 1)')
-    assert not PROBE.search("experts.lookahead_layers")
+    assert PROBE.search('depth = getattr(experts, "prefetch_layers", 1)')
+    assert not PROBE.search("experts.prefetch_layers")
 
 
 if TYPE_CHECKING:  # what a type checker holds the implementations to (nothing runs here)

@@ -45,11 +45,11 @@ def test_budget_file_reads_every_section(tmp_path):
     path = tmp_path / "b.toml"
     path.write_text(
         '[memory]\nram = "25%"\nvram = "2GiB"\n[io]\ndirect = false\nthreads = 2\n'
-        '[cache]\npolicy = "hybrid"\nprefetch = false\nlookahead = 3\npreload = false\nhistory = "h.json"\n'
+        '[cache]\npolicy = "hybrid"\nprefetch = false\nprefetch_layers = 3\npreload = false\nhistory = "h.json"\n'
     )
     budget = load_budget_file(path)
     assert (budget.ram, budget.vram, budget.direct, budget.threads) == ("25%", "2GiB", False, 2)
-    assert (budget.policy, budget.prefetch, budget.lookahead, budget.history) == ("hybrid", False, 3, "h.json")
+    assert (budget.policy, budget.prefetch, budget.prefetch_layers, budget.history) == ("hybrid", False, 3, "h.json")
     assert budget.preload is False and budget.source == str(path)
 
 
@@ -68,8 +68,8 @@ def test_budget_file_reads_every_section(tmp_path):
         ("[memory]\nram = 'lots'\n", "memory.ram: bad size 'lots'"),
         ("[memory]\nvram = 'auto'\n", "memory.vram: 'auto' is not available here"),
         ("[io]\nthreads = 0\n", "io.threads must be >= 1"),
-        ("[cache]\nlookahead = 0\n", "cache.lookahead must be >= 1"),
-        ("[cache]\nlookahead = 'far'\n", "cache.lookahead must be int"),
+        ("[cache]\nprefetch_layers = 0\n", "cache.prefetch_layers must be >= 1"),
+        ("[cache]\nprefetch_layers = 'far'\n", "cache.prefetch_layers must be int"),
         ("[cache]\npolicy = 'mru'\n", "cache.policy must be one of"),
         ("[disk]\nx = 1\n", "unknown table [disk] in disk.x (a budget file has [cache], [io], [memory])"),
         ("[memory\nram = 1\n", "not valid TOML"),
@@ -98,7 +98,7 @@ def test_the_budget_takes_the_store_settings_defaults_from_store_config():
     store = {f.name: f.default for f in fields(StoreConfig)}
     budget = Budget()
     same = {"vram": "vram_bytes", "direct": "direct", "threads": "threads", "policy": "policy"}
-    same |= {"prefetch": "prefetch", "lookahead": "lookahead_layers", "preload": "preload"}
+    same |= {"prefetch": "prefetch", "prefetch_layers": "prefetch_layers", "preload": "preload"}
     assert {mine: getattr(budget, mine) for mine in same} == {mine: store[theirs] for mine, theirs in same.items()}
     config = worker_store_config(StoreOptions(ram="1000", vram_device="cuda"), expert_bytes=1000)
     assert config == StoreConfig(ram_bytes=1000)
@@ -106,13 +106,13 @@ def test_the_budget_takes_the_store_settings_defaults_from_store_config():
 
 def test_flags_win_over_the_budget_file_either_way(tmp_path):
     path = tmp_path / "b.toml"
-    path.write_text("[io]\ndirect = false\nthreads = 3\n[cache]\nprefetch = false\npreload = false\nlookahead = 4\n")
+    path.write_text("[io]\ndirect = false\nthreads = 3\n[cache]\nprefetch = false\npreload = false\nprefetch_layers = 4\n")
     from_file = worker_store_config(StoreOptions(budget=path, ram="1000"), expert_bytes=1000)
     assert (from_file.direct, from_file.threads, from_file.prefetch, from_file.preload) == (False, 3, False, False)
-    assert from_file.lookahead_layers == 4
-    flags = StoreOptions(budget=path, ram="1000", direct=True, io_threads=1, prefetch=True, preload=True, lookahead=1)
+    assert from_file.prefetch_layers == 4
+    flags = StoreOptions(budget=path, ram="1000", direct=True, io_threads=1, prefetch=True, preload=True, prefetch_layers=1)
     config = worker_store_config(flags, expert_bytes=1000)
-    assert (config.direct, config.threads, config.prefetch, config.preload, config.lookahead_layers) == (
+    assert (config.direct, config.threads, config.prefetch, config.preload, config.prefetch_layers) == (
         True,
         1,
         True,
@@ -132,7 +132,7 @@ def _store_help(monkeypatch, defaults: Budget, **kwargs) -> str:
 
 @pytest.mark.parametrize(
     "defaults",
-    [Budget(), Budget(ram="7%", vram="3GiB", policy="hybrid", prefetch=False, lookahead=5, preload=False, threads=9)],
+    [Budget(), Budget(ram="7%", vram="3GiB", policy="hybrid", prefetch=False, prefetch_layers=5, preload=False, threads=9)],
 )
 def test_store_flag_help_shows_the_budget_defaults_not_literals(monkeypatch, defaults):
     text = _store_help(monkeypatch, defaults)
@@ -142,7 +142,7 @@ def test_store_flag_help_shows_the_budget_defaults_not_literals(monkeypatch, def
         ("--vram", defaults.vram),
         ("--policy", defaults.policy),
         ("--prefetch", on[defaults.prefetch]),
-        ("--lookahead", defaults.lookahead),
+        ("--prefetch-layers", defaults.prefetch_layers),
         ("--preload", on[defaults.preload]),
         ("--io-threads", defaults.threads),
     ]:

@@ -131,7 +131,7 @@ class _Chunking:
         self.acquires: list[tuple[int, tuple[int, ...]]] = []
         self.pinned: tuple[int, ...] = ()
 
-    lookahead_layers = 1
+    prefetch_layers = 1
 
     def max_acquire(self):
         return self.limit

@@ -1,5 +1,5 @@
 """The decode fast paths give the bits of the general code they bypass: RMSNorm through torch's
-rms_norm, one-query absorbed attention without einsum or mask, the one-row MoE sum, the lookahead
+rms_norm, one-query absorbed attention without einsum or mask, the one-row MoE sum, the prefetch
 router (ids only, skipped for providers that ignore prefetch)."""
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def test_one_row_moe_is_that_row_of_a_batch_bit_for_bit(args):
 
 
 class RecordingPrefetch(ResidentExperts):
-    """Resident experts that record the lookahead hints they get."""
+    """Resident experts that record the prefetch hints they get."""
 
     def __init__(self, experts):
         super().__init__(experts._experts)
@@ -146,15 +146,15 @@ class RecordingPrefetch(ResidentExperts):
         self.hints.append((layer, list(expert_ids)))
 
 
-def test_lookahead_hints_are_the_next_routers_sorted_ids_and_skip_no_op_providers(args, monkeypatch):
+def test_prefetch_hints_are_the_next_routers_sorted_ids_and_skip_no_op_providers(args, monkeypatch):
     model = randomised(Transformer(args), 7)
     experts = resident_experts(args, 8)
     recording = RecordingPrefetch(experts)
     predicted: list[int] = []
     predict = MoE.predict
     monkeypatch.setattr(MoE, "predict", lambda self, x: predicted.append(self.layer_id) or predict(self, x))
-    # the read-ahead into the CPU caches wants the guess for any provider (tests/test_engine/test_warm.py)
-    monkeypatch.setattr(engine.model, "warming_available", lambda: False)
+    # the read-ahead into the CPU caches wants the guess for any provider (tests/test_engine/test_read_ahead.py)
+    monkeypatch.setattr(engine.model, "read_ahead_available", lambda: False)
     cache = model.new_cache()
     plain = model.forward_rows([3], [cache], experts)
     assert predicted == []  # ResidentExperts ignores prefetch: no router run for it
@@ -167,11 +167,11 @@ def test_lookahead_hints_are_the_next_routers_sorted_ids_and_skip_no_op_provider
         assert all(0 <= e < args.n_routed_experts for e in ids)
 
 
-def test_a_deeper_lookahead_also_guesses_the_layers_after_the_next_nearest_first(args, monkeypatch):
+def test_a_deeper_prefetch_also_guesses_the_layers_after_the_next_nearest_first(args, monkeypatch):
     model = randomised(Transformer(args), 7)
-    monkeypatch.setattr(engine.model, "warming_available", lambda: False)
+    monkeypatch.setattr(engine.model, "read_ahead_available", lambda: False)
     near, deep = RecordingPrefetch(resident_experts(args, 8)), RecordingPrefetch(resident_experts(args, 8))
-    deep.lookahead_layers = 3  # past the last MoE layer: only the layers there are
+    deep.prefetch_layers = 3  # past the last MoE layer: only the layers there are
     near_logits = model.forward_rows([3], [model.new_cache()], near)
     deep_logits = model.forward_rows([3], [model.new_cache()], deep)
     assert torch.equal(near_logits, deep_logits)

@@ -63,9 +63,9 @@ def test_a_model_loaded_on_a_small_cache_never_asks_for_read_ahead(stream_contai
 
     monkeypatch.setattr(read_ahead, "last_level_cache_bytes", lambda: 1024)  # far below any request
     monkeypatch.setattr(loader, "last_level_cache_bytes", lambda: 1024)
-    monkeypatch.setattr(engine.model, "warming_available", lambda: True)  # as with 2 kernel threads
+    monkeypatch.setattr(engine.model, "read_ahead_available", lambda: True)  # as with 2 kernel threads
     requests = []
-    monkeypatch.setattr(engine.model, "warm", lambda arrays: requests.append(arrays))
+    monkeypatch.setattr(engine.model, "request_read_ahead", lambda arrays: requests.append(arrays))
     loaded = loader.load(stream_container, store=StoreOptions(ram="100%"))
     try:
         assert loaded.model.read_ahead is False

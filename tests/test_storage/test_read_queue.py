@@ -1,4 +1,4 @@
-"""The expert-read queue: a read the compute thread waits for goes before queued lookahead guesses."""
+"""The expert-read queue: a read the compute thread waits for goes before queued prefetch guesses."""
 
 from __future__ import annotations
 

@@ -137,7 +137,7 @@ def test_every_family_at_the_floor_generates_the_resident_tokens(make_container,
 
 
 def test_a_chunk_reads_no_more_than_its_own_union(stream_container):
-    """At the floor, with lookahead off: between a chunk's acquire and its release the store reads the
+    """At the floor, with prefetch off: between a chunk's acquire and its release the store reads the
     chunk's missing records and nothing else, and never pins more than max_acquire RAM slots."""
     container = Container(stream_container)
     record = container.layout.record_bytes
@@ -205,7 +205,7 @@ def test_cold_prefill_reads_each_expert_at_most_once(stream_container):
     assert stats["expert_bytes_read"] <= container.expert_bytes
 
 
-def test_lookahead_prefetch_is_counted_and_recalls_some_experts(stream_container):
+def test_prefetch_is_counted_and_recalls_some_experts(stream_container):
     _, loaded = _fresh(stream_container, prefetch=True)
     generate(loaded.model, PROMPT, NEW_TOKENS, loaded.experts)
     stats = loaded.experts.report()
@@ -377,10 +377,10 @@ def test_a_guess_whose_read_started_is_kept_and_counted_as_read(held_store):
     assert stats["prefetch"]["cancelled"] == 0 and stats["reads"] == 2
 
 
-@pytest.mark.parametrize("lookahead", [1, 2, 3])
-def test_any_lookahead_depth_generates_the_resident_tokens(stream_container, reference_ids, lookahead):
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_any_prefetch_depth_generates_the_resident_tokens(stream_container, reference_ids, depth):
     container = Container(stream_container)
-    config = StoreConfig(ram_bytes=_budget(container, "20%"), lookahead_layers=lookahead, threads=2)
+    config = StoreConfig(ram_bytes=_budget(container, "20%"), prefetch_layers=depth, threads=2)
     loaded = load_container(stream_container, store=config)
     try:
         ids = generate(loaded.model, PROMPT, NEW_TOKENS, loaded.experts).ids

@@ -2,7 +2,7 @@
 
 The coordinator keeps the dense part, the KV state and the routers. Per MoE layer it sends each worker
 holding one of the routed experts one request (the rows, their expert ids and gate weights, plus the
-next layer's lookahead guess for that worker's experts), computes the shared expert while the workers
+next layer's prefetch guess for that worker's experts), computes the shared expert while the workers
 read and compute, and adds their float64 partial sums: the same exact terms a single process adds
 (engine/moe.py RoutedSum), so the tokens are the same whatever the number of workers.
 
@@ -87,7 +87,7 @@ class WorkerView:
 class DistributedExperts(RemoteExpertStore):
     """The routed sums of joined workers (``connect`` forms the group and hands out the shares)."""
 
-    lookahead_layers = 1  # a guess travels with the next request: one layer ahead
+    prefetch_layers = 1  # a guess travels with the next request: one layer ahead
 
     def __init__(
         self,
@@ -110,7 +110,7 @@ class DistributedExperts(RemoteExpertStore):
         self.workers = {h.rank: WorkerView(h, StoreStats()) for h in hellos}
         self.routed = RoutingCounts(self.layers, container.n_experts)
         self.network = NetworkStats()
-        self._ahead: dict[int, tuple[int, list[int]]] = {}  # rank -> a lookahead guess not sent yet
+        self._ahead: dict[int, tuple[int, list[int]]] = {}  # rank -> a prefetch guess not sent yet
         self._lock = threading.Lock()  # one thread at a time sends (a server's dashboard asks for stats)
         self._failed: WorkerError | None = None
 
@@ -149,7 +149,7 @@ class DistributedExperts(RemoteExpertStore):
     def _request(
         self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     ) -> tuple[list[tuple[int, dist.Work, torch.Tensor]], list[tuple[int, dist.Work]]]:
-        """A SUM request to every worker holding one of ``ids`` (with its part of the lookahead guess), a
+        """A SUM request to every worker holding one of ``ids`` (with its part of the prefetch guess), a
         lone PREFETCH to one that holds none but has a guess waiting -> (pending replies, sends)."""
         owners = self.owners[self.row[layer]][ids.cpu()]  # [N, topk] ranks
         flags = (wire.FLAG_ROWS_ALONE if computing_alone() else 0) | (

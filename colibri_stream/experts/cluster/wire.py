@@ -9,7 +9,7 @@ dashboard thread can never take a MoE layer's reply.
     coordinator -> worker   SUM       layer, rows, topk, dim, dtype, flags, prefetch layer, prefetches; payload:
                                       prefetch ids | ids [rows, topk] | weights [rows, topk] f32 | x [rows, dim]
                                       reply (TAG_SUM): float64 [rows, dim], the worker's share of the routed sum
-                            PREFETCH  layer, prefetches; payload: the lookahead's expert ids (no reply)
+                            PREFETCH  layer, prefetches; payload: the guess's expert ids (no reply)
                             STATS     reply (TAG_STATS): float64 [STATS_FIELDS]
                             END_TURN  persist the usage history (no reply)
                             SHUTDOWN  the worker exits

@@ -3,7 +3,7 @@ budget, policy, usage history), serving the coordinator's per-layer requests unt
 
     join      rendezvous with the coordinator, say HELLO (budget, measured disk speed, model fingerprint)
     setup     receive the owner table, open the store sized for this worker's share, say READY
-    serve     SUM: prefetch the lookahead ids sent along, compute this share of the routed sum (the
+    serve     SUM: prefetch the guessed ids sent along, compute this share of the routed sum (the
               engine's own routed_sum over the store), send it back; PREFETCH, STATS, END_TURN, SHUTDOWN
 
 A worker computes with the same engine code as a single process (rows_alone and int8 activations as the
@@ -156,7 +156,7 @@ class Server:
             raise ColibriError(f"unexpected message {op.name} from the coordinator")
 
     def _sum(self, layer: int, rows: int, topk: int, dim: int, dtype: int, flags: int, ahead: int, count: int) -> None:
-        """This share of ``layer``'s routed sum; first the lookahead guess for layer ``ahead`` sent along."""
+        """This share of ``layer``'s routed sum; first the prefetch guess for layer ``ahead`` sent along."""
         specs = wire.sum_payload_specs(rows, topk, dim, wire.DTYPES[dtype], count)
         guess, ids, weights, x = wire.unpack(_receive(torch.uint8, (wire.payload_bytes(specs),)), specs)
         if count:

@@ -1,4 +1,4 @@
-"""Read-ahead into the CPU caches (engine/warm.py, engine/csrc/warm.c): the kernels' idle helper thread
+"""Read-ahead into the CPU caches (engine/read_ahead.py, engine/csrc/read_ahead.c): the kernels' idle helper thread
 reads what it is asked, a new request replaces the old one, and decoding with it gives the same bits."""
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import torch
 from torch import nn
 
 import engine.model
-from engine import warm as warming
+from engine import read_ahead as ahead
 from engine.experts import ExpertWeights, ResidentExperts
 
 needs_helper = pytest.mark.skipif(
-    warming._kernels is None or not hasattr(warming._kernels, "warm"), reason="the C kernels are not built"
+    ahead._kernels is None or not hasattr(ahead._kernels, "read_ahead"), reason="the C kernels are not built"
 )
 
 
@@ -37,7 +37,7 @@ def kernel_threads_set(threads: int):
 
 def _read_after(before: int, at_least: int, timeout_s: float = 10.0) -> int:
     deadline = time.monotonic() + timeout_s
-    while (read := warming._kernels.warm_bytes() - before) < at_least and time.monotonic() < deadline:
+    while (read := ahead._kernels.bytes_read_ahead() - before) < at_least and time.monotonic() < deadline:
         time.sleep(0.001)
     return read
 
@@ -48,53 +48,53 @@ def test_the_helper_reads_every_byte_it_is_asked_for():
     # while, and a helper sharing its core with a busy thread rightly skips the read-ahead
     arrays = [np.ones(3 * 2**20 + 5, dtype=np.uint8), np.zeros((1000, 77), dtype=np.float32)]  # odd sizes
     wanted = sum(a.nbytes for a in arrays)
-    before = warming._kernels.warm_bytes()
+    before = ahead._kernels.bytes_read_ahead()
     with kernel_threads_set(2):
-        warming.warm(arrays)
+        ahead.request_read_ahead(arrays)
         assert _read_after(before, wanted) == wanted
-        warming.stop_warming()
+        ahead.stop_read_ahead()
 
 
 @needs_helper
 def test_one_kernel_thread_reads_nothing_ahead():
-    before = warming._kernels.warm_bytes()
+    before = ahead._kernels.bytes_read_ahead()
     with kernel_threads_set(1):
-        assert not warming.warming_available()
-        warming.warm([np.ones(2**20)])
+        assert not ahead.read_ahead_available()
+        ahead.request_read_ahead([np.ones(2**20)])
     time.sleep(0.05)
-    assert warming._kernels.warm_bytes() == before
+    assert ahead._kernels.bytes_read_ahead() == before
 
 
 @needs_helper
 def test_a_new_request_replaces_the_old_one_and_the_old_memory_may_go():
     big = np.ones(512 * 2**20, dtype=np.uint8)  # far more than is read before the next request
     small = np.ones(2**20, dtype=np.uint8)
-    before = warming._kernels.warm_bytes()
+    before = ahead._kernels.bytes_read_ahead()
     with kernel_threads_set(2):
-        warming.warm([big])
-        warming.warm([small])
+        ahead.request_read_ahead([big])
+        ahead.request_read_ahead([small])
         del big  # freed at once: the helper no longer reads it (a read of freed memory would crash)
         read = _read_after(before, small.nbytes)
         time.sleep(0.05)
-        assert small.nbytes <= warming._kernels.warm_bytes() - before < 256 * 2**20
-        warming.stop_warming()
+        assert small.nbytes <= ahead._kernels.bytes_read_ahead() - before < 256 * 2**20
+        ahead.stop_read_ahead()
     assert read >= small.nbytes
 
 
 def test_module_arrays_are_the_large_cpu_weights_in_registration_order():
     module = nn.Sequential(nn.Linear(64, 128, bias=True), nn.LayerNorm(128), nn.Linear(128, 96, bias=False))
     module.register_buffer("table", torch.zeros(100, 50))
-    arrays = warming.module_arrays(module)
+    arrays = ahead.module_arrays(module)
     # the buffer of the container first (its own members come before its children's), then each Linear's
     # weight; biases and norm weights are under MIN_BYTES
     expected = [module.table, module[0].weight, module[2].weight]
     assert [a.data_ptr() for a in arrays] == [a.data_ptr() for a in expected]
     module[1] = _LayerNormReadingOtherForm(module[0].weight)  # names weights its decode does not read
     read = [module.table, module[2].weight]
-    assert [a.data_ptr() for a in warming.module_arrays(module)] == [a.data_ptr() for a in read]
+    assert [a.data_ptr() for a in ahead.module_arrays(module)] == [a.data_ptr() for a in read]
 
 
-class _LayerNormReadingOtherForm(nn.LayerNorm, warming.ReadsOtherFormInDecode):
+class _LayerNormReadingOtherForm(nn.LayerNorm, ahead.ReadsOtherFormInDecode):
     def __init__(self, unread: torch.Tensor):
         super().__init__(128)
         self.unread = [unread]  # a list: not registered as this module's parameter
@@ -121,8 +121,12 @@ def test_decoding_with_read_ahead_gives_the_same_logits(stream_container, int8, 
     from storage.tiered import StoreConfig
 
     def logits(read_ahead: bool, calls: list) -> list[torch.Tensor]:
-        monkeypatch.setattr(engine.model, "warming_available", lambda: read_ahead)
-        monkeypatch.setattr(engine.model, "warm", lambda arrays: calls.append(list(arrays)) or warming.warm(arrays))
+        monkeypatch.setattr(engine.model, "read_ahead_available", lambda: read_ahead)
+        monkeypatch.setattr(
+            engine.model,
+            "request_read_ahead",
+            lambda arrays: calls.append(list(arrays)) or ahead.request_read_ahead(arrays),
+        )
         budget = Container(stream_container).expert_bytes // 2
         loaded = load_container(stream_container, store=StoreConfig(ram_bytes=budget), int8_activations=int8)
         try:
@@ -137,13 +141,13 @@ def test_decoding_with_read_ahead_gives_the_same_logits(stream_container, int8, 
             loaded.experts.close()
 
     with kernel_threads_set(2):
-        plain, warmed = [], []
-        expected, got = logits(False, plain), logits(True, warmed)
+        plain, read = [], []
+        expected, got = logits(False, plain), logits(True, read)
     assert not plain
     assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
     n_layers = 8
-    assert len(warmed) == 4 * (n_layers + 1)  # per decode step: layer 0 first, then one per layer (the head last)
-    assert any(len(request) > 3 for request in warmed[1 :: n_layers + 1])  # dense weights and some experts' slots
+    assert len(read) == 4 * (n_layers + 1)  # per decode step: layer 0 first, then one per layer (the head last)
+    assert any(len(request) > 3 for request in read[1 :: n_layers + 1])  # dense weights and some experts' slots
 
 
 @needs_helper
@@ -152,7 +156,7 @@ def test_a_helper_sharing_its_core_with_a_busy_process_skips_the_read_ahead():
     """On a shared core the read-ahead would take time from the caller: the helper measures how much of
     its awake time it runs and drops the request when another busy thread has its core."""
     with kernel_threads_set(2):
-        warming.warm([np.ones(4096, dtype=np.uint8)])  # the helper exists from here on
+        ahead.request_read_ahead([np.ones(4096, dtype=np.uint8)])  # the helper exists from here on
         before_all = {tid: os.sched_getaffinity(tid) for tid in map(int, os.listdir("/proc/self/task"))}
         cpu = min(os.sched_getaffinity(0))
         for tid in before_all:
@@ -162,12 +166,12 @@ def test_a_helper_sharing_its_core_with_a_busy_process_skips_the_read_ahead():
         try:
             time.sleep(0.3)  # the busy loop is running
             big = np.ones(256 * 2**20, dtype=np.uint8)
-            before = warming._kernels.warm_bytes()
-            warming.warm([big])
+            before = ahead._kernels.bytes_read_ahead()
+            ahead.request_read_ahead([big])
             time.sleep(0.5)
-            shared_read = warming._kernels.warm_bytes() - before
+            shared_read = ahead._kernels.bytes_read_ahead() - before
             time.sleep(0.5)
-            later_read = warming._kernels.warm_bytes() - before
+            later_read = ahead._kernels.bytes_read_ahead() - before
         finally:
             busy.kill()
             busy.wait()
@@ -175,10 +179,10 @@ def test_a_helper_sharing_its_core_with_a_busy_process_skips_the_read_ahead():
                 with contextlib.suppress(OSError):  # a thread that has ended since
                     os.sched_setaffinity(tid, cpus)
         time.sleep(0.2)  # the busy loop's CPU is idle again
-        before = warming._kernels.warm_bytes()
-        warming.warm([big])
+        before = ahead._kernels.bytes_read_ahead()
+        ahead.request_read_ahead([big])
         alone_read = _read_after(before, big.nbytes)
-        warming.stop_warming()
+        ahead.stop_read_ahead()
     # It stopped once it saw the core shared: the bytes before that depend on the machine's memory speed
     # (8-125 MB of the 256 measured here), so what is asserted is that it read no more after, and not all.
     assert later_read == shared_read < big.nbytes
@@ -194,7 +198,7 @@ def test_closing_a_runtime_lets_go_of_the_arrays_its_last_request_named(stream_c
         try:
             run_turn(runtime, [5, 9, 2], TurnOptions(max_new_tokens=3))
             head = runtime.loaded.model.head.weight
-            assert any(a is head for a in warming._held)  # a decode step's last request: the output head
+            assert any(a is head for a in ahead._held)  # a decode step's last request: the output head
         finally:
             runtime.close()
-    assert warming._held == []
+    assert ahead._held == []

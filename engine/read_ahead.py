@@ -2,12 +2,12 @@
 
 A decode step alternates weight-bound kernel calls with Python that touches almost no memory (norms,
 rope, routing, small torch ops). One core streams a matrix from DRAM at half the speed or less that the
-same kernel reads weights already in L3 (docs/kernels.md, "Read-ahead into the caches"), and L3 is
-large (hundreds of MB). So while the caller runs the Python between two kernel calls, the helper thread
-(engine/csrc/split.c, warm.c), otherwise idle, reads the weights the next layer will use: its dense part,
-then the routed experts the lookahead router guesses and the expert source already holds in memory. The
-kernels then find them in the caches. The same bytes come from DRAM, off the critical path; no value
-changes.
+same kernel reads weights already in L3 (docs/kernels.md, "Read-ahead into the caches"). So where L3
+holds a request several times over (colibri_stream/planning/read_ahead.py decides per machine), while the
+caller runs the Python between two kernel calls, the helper thread (engine/csrc/split.c, read_ahead.c),
+otherwise idle, reads the weights the next layer will use: its dense part, then the routed experts the
+prefetch guess names and the expert source already holds in memory. The kernels then find them in the
+caches. The same bytes come from DRAM, off the critical path; no value changes.
 
 Only with 2+ kernel threads (with one there is no idle core) and only for CPU tensors.
 """
@@ -34,9 +34,9 @@ _lock = threading.Lock()
 _held: list[object] = []  # what the helper may be reading: kept alive until the next request replaces it
 
 
-def warming_available() -> bool:
-    # reflection: a build of the C extension older than warm.c lacks it
-    return _kernels is not None and hasattr(_kernels, "warm") and kernel_threads() >= 2
+def read_ahead_available() -> bool:
+    # reflection: a build of the C extension older than read_ahead.c lacks it
+    return _kernels is not None and hasattr(_kernels, "read_ahead") and kernel_threads() >= 2
 
 
 class ReadsOtherFormInDecode:
@@ -68,23 +68,23 @@ def _address_and_bytes(array: torch.Tensor | np.ndarray) -> tuple[int, int]:
     return array.data_ptr(), array.numel() * array.element_size()
 
 
-def warm(arrays: Sequence[torch.Tensor | np.ndarray]) -> None:
+def request_read_ahead(arrays: Sequence[torch.Tensor | np.ndarray]) -> None:
     """Have the helper thread read these contiguous arrays, in order, into the caches, instead of
     whatever it was asked before. Returns at once. Non-contiguous arrays are skipped."""
-    if not warming_available():
+    if not read_ahead_available():
         return
     arrays = [a for a in arrays if _contiguous(a)]
     with _lock:
-        _kernels.warm([_address_and_bytes(a) for a in arrays], kernel_threads())
+        _kernels.read_ahead([_address_and_bytes(a) for a in arrays], kernel_threads())
         _held[:] = arrays  # the C side no longer touches the previous arrays: they may go
 
 
-def stop_warming() -> None:
+def stop_read_ahead() -> None:
     """Drop the pending request and the arrays held for it: a closed model's weights (or a store's RAM
     block, through its slots) can then be freed."""
-    if _kernels is not None and hasattr(_kernels, "warm"):  # reflection: as in warming_available
+    if _kernels is not None and hasattr(_kernels, "read_ahead"):  # reflection: as in read_ahead_available
         with _lock:
-            _kernels.warm([], 2)
+            _kernels.read_ahead([], 2)
             _held.clear()
 
 

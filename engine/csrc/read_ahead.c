@@ -8,15 +8,15 @@
  *
  * A request replaces the previous one (the engine asks for the next layer's weights once per layer:
  * an older request is about a layer already past). The helper reads one step at a time under `lock`,
- * so once warm_request has swapped the lists no older range is touched again.
+ * so once read_ahead_request has swapped the lists no older range is touched again.
  */
-#include "warm.h"
+#include "read_ahead.h"
 
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-#define WARM_STEP_BYTES (16 * 1024) /* between two looks at the kernel's ticket: a few microseconds */
+#define READ_AHEAD_STEP_BYTES (16 * 1024) /* between two looks at the kernel's ticket: a few microseconds */
 #define LINE 64
 
 typedef struct {
@@ -29,11 +29,11 @@ static Range *ranges = NULL;
 static int n_ranges = 0, current = 0;
 static size_t offset = 0; /* within ranges[current] */
 static int pending = 0;   /* ranges left: read without the lock by the helper's poll */
-static int requesting = 0; /* callers inside warm_request: the helper steps aside (see warm_step) */
+static int requesting = 0; /* callers inside read_ahead_request: the helper steps aside (see read_ahead_step) */
 static volatile uint8_t sink;
 static uint64_t bytes_read = 0; /* ever, for tests and stats */
 
-int warm_request(const void *const *starts, const size_t *lengths, int n) {
+int read_ahead_request(const void *const *starts, const size_t *lengths, int n) {
     Range *fresh = NULL;
     int ok = 1;
     if (n > 0 && (fresh = malloc(sizeof(Range) * (size_t)n)) == NULL) ok = 0, n = 0;
@@ -48,7 +48,7 @@ int warm_request(const void *const *starts, const size_t *lengths, int n) {
     return ok ? 0 : -1;
 }
 
-int warm_pending(void) { return __atomic_load_n(&pending, __ATOMIC_SEQ_CST); }
+int read_ahead_pending(void) { return __atomic_load_n(&pending, __ATOMIC_SEQ_CST); }
 
 /* One load per cache line: the hardware brings the line into this core's L2, and from there into the
  * shared L3 when L2 evicts it. Loads (not prefetch hints) so that none is dropped. */
@@ -58,14 +58,14 @@ static uint8_t touch(const uint8_t *p, size_t n) {
     return n ? (uint8_t)(x ^ p[n - 1]) : x;
 }
 
-int warm_step(void) {
-    if (!warm_pending()) return 0;
+int read_ahead_step(void) {
+    if (!read_ahead_pending()) return 0;
     /* The helper calls this back to back, and a mutex is not fair: re-taking it at once after each
-     * step, the helper kept the caller's warm_request waiting (docs/benchmarks.md, "Figures behind the
+     * step, the helper kept the caller's read_ahead_request waiting (docs/benchmarks.md, "Figures behind the
      * code"). While a request waits, a step reads nothing and says "more to do". */
     if (__atomic_load_n(&requesting, __ATOMIC_SEQ_CST)) return 1;
     pthread_mutex_lock(&lock);
-    size_t budget = WARM_STEP_BYTES;
+    size_t budget = READ_AHEAD_STEP_BYTES;
     while (budget > 0 && current < n_ranges) {
         Range r = ranges[current];
         size_t n = r.length - offset < budget ? r.length - offset : budget;
@@ -80,9 +80,9 @@ int warm_step(void) {
     return left;
 }
 
-uint64_t warm_bytes_read(void) { return __atomic_load_n(&bytes_read, __ATOMIC_RELAXED); }
+uint64_t read_ahead_bytes_read(void) { return __atomic_load_n(&bytes_read, __ATOMIC_RELAXED); }
 
-void warm_after_fork(void) {
+void read_ahead_after_fork(void) {
     pthread_mutex_init(&lock, NULL);
     ranges = NULL; /* the parent's list: not ours to free */
     n_ranges = current = 0, offset = 0, pending = 0, requesting = 0;
