@@ -5,6 +5,7 @@ anything else is a bug and gets a traceback (exit status 3).
       CheckpointError            a Hugging Face checkpoint directory: config.json, shards, tensors
       BudgetError                a budget that cannot work (also a storage.errors.BudgetError)
       SessionError               a session name or state that cannot be used
+        SessionInUseError        held by another process (also a storage IncompatibleStateError)
       TokenizerError             tokenizer.json missing or unusable
         ChatTemplateError        a chat template that fails to render in the sandbox
       RequestError               a prompt or sampling request that cannot be served
@@ -39,6 +40,11 @@ class BudgetError(ColibriError, storage_errors.BudgetError):
 
 class SessionError(ColibriError):
     """A session name or conversation state that cannot be used."""
+
+
+class SessionInUseError(SessionError, storage_errors.IncompatibleStateError):
+    """A session another process holds; the message names its pid. Also a storage error, so the server
+    answers it as it answers a KV log locked elsewhere (409)."""
 
 
 class TokenizerError(ColibriError):

@@ -17,7 +17,9 @@ from typing import Any
 
 from colibri_stream.cli.help import help_options
 from colibri_stream.cli.options import add_runtime_arguments, add_sampling_arguments, runtime_options, sampling
+from colibri_stream.runtime.session_lock import SessionLease
 from colibri_stream.runtime.sessions import SESSION_SUFFIX, TRANSCRIPT_SUFFIX, check_session_name, session_info
+from colibri_stream.runtime.transcript import load_transcript, remove_transcript
 from colibri_stream.runtime.turn import Runtime, TurnOptions, TurnResult, load_runtime, run_turn
 from colibri_stream.text.chat_format import IncrementalDecoder
 from storage.atomic import atomic_write_json
@@ -46,6 +48,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add_runtime_arguments(parser)
     parser.add_argument("--session", default="chat", help="conversation name (default: chat)")
     parser.add_argument("--system", help="system message for a new conversation")
+    parser.add_argument("--reset", action="store_true", help="start the session over (its transcript and KV log)")
     add_sampling_arguments(parser, 512, "longest answer")
     parser.set_defaults(handler=run_chat)
 
@@ -57,17 +60,17 @@ class Chat:
         self.runtime, self.args = runtime, args
         self.name = check_session_name(args.session)
         self.transcript = runtime.kv_dir / f"{self.name}{TRANSCRIPT_SUFFIX}"
-        self.messages: list[dict[str, str]] = self._load()
         self.sampling = sampling(args)
         self.stop = threading.Event()
         self.turns: list[dict[str, Any]] = []
         self.pending_reset = False
+        self.messages: list[dict[str, str]] = []
+        if args.reset:  # also the way out of a damaged transcript (load_transcript's error says so)
+            self.reset()
+        else:
+            self.messages = load_transcript(self.transcript, self.name) or self._fresh()
 
-    def _load(self) -> list[dict[str, str]]:
-        if self.transcript.is_file():
-            messages = json.loads(self.transcript.read_text()).get("messages", [])
-            if isinstance(messages, list):
-                return messages
+    def _fresh(self) -> list[dict[str, str]]:
         return [{"role": "system", "content": self.args.system}] if self.args.system else []
 
     def _save(self) -> None:
@@ -75,8 +78,8 @@ class Chat:
         atomic_write_json(self.transcript, {"messages": self.messages})
 
     def reset(self) -> None:
-        self.messages = [{"role": "system", "content": self.args.system}] if self.args.system else []
-        self.transcript.unlink(missing_ok=True)
+        self.messages = self._fresh()
+        remove_transcript(self.transcript, self.name)
         self.pending_reset = True  # the KV log is cut at the next turn (it is opened only during turns)
 
     def ask(self, text: str) -> TurnResult | None:
@@ -150,11 +153,14 @@ def run_chat(args: argparse.Namespace) -> int:
     check_session_name(args.session)
     runtime = load_runtime(args.path, runtime_options(args))
     try:
-        chat = Chat(runtime, args)
-        interactive = sys.stdin.isatty()
-        state = f"resumed, {len(chat.messages)} messages" if chat.messages else "new"
-        print(f"{runtime.model_id}: session {chat.name!r} ({state}); :reset :stats :quit", file=sys.stderr)
-        return _loop(chat, interactive)
+        # Held before the transcript is read, until exit: another process on this session would write
+        # its turns over ours (its transcript and log replacing what we acknowledged), so it is refused.
+        with SessionLease(runtime.kv_dir, args.session):
+            chat = Chat(runtime, args)
+            interactive = sys.stdin.isatty()
+            state = f"resumed, {len(chat.messages)} messages" if chat.messages else "new"
+            print(f"{runtime.model_id}: session {chat.name!r} ({state}); :reset :stats :quit", file=sys.stderr)
+            return _loop(chat, interactive)
     finally:
         runtime.close()
 

@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from colibri_stream.checkpoint.fingerprint import model_fingerprint
 from colibri_stream.cli.help import help_options
 from colibri_stream.errors import SessionError
 from colibri_stream.runtime.loader import model_config
-from colibri_stream.runtime.sessions import SESSION_SUFFIX, TRANSCRIPT_SUFFIX, default_kv_dir, session_info
+from colibri_stream.runtime.session_lock import SessionLease
+from colibri_stream.runtime.sessions import (
+    SESSION_SUFFIX,
+    TRANSCRIPT_SUFFIX,
+    check_session_name,
+    default_kv_dir,
+    session_info,
+    session_path,
+)
+from colibri_stream.runtime.transcript import remove_transcript
 from engine.args import ModelArgs
 from storage.kvlog import remove_log
 
@@ -42,6 +52,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run_kv(args: argparse.Namespace) -> int:
+    if args.kv_command != "ls":
+        check_session_name(args.session)  # before the model is read: "../x" names nothing of ours
     model_args = ModelArgs.from_hf_config(model_config(args.model))  # first: a bad MODEL is refused here
     kv_dir = Path(args.kv_dir) if args.kv_dir else default_kv_dir(model_fingerprint(args.model))
     if args.kv_command == "ls":
@@ -52,16 +64,19 @@ def run_kv(args: argparse.Namespace) -> int:
             state = f"{info['tokens']} tokens" if info["header"] == "ok" else info["header"]
             print(f"{info['session']}\t{state}\t{info['file_bytes']} bytes")
         return 0
-    path = kv_dir / f"{args.session}{SESSION_SUFFIX}"
-    if not path.is_file():
-        if path.exists():  # a directory, FIFO or device under a session's name: not ours to open or delete
+    path = session_path(kv_dir, args.session)
+    if not path.is_file() or path.is_symlink():
+        if os.path.lexists(path):  # a link, directory, FIFO or device under a session's name: not ours
             raise SessionError(f"{path}: session {args.session!r} is not a regular file; remove it by hand")
         raise SessionError(f"{path}: no such session")
     if args.kv_command == "info":
         info = session_info(path, model_args)
         print(json.dumps(info) if args.json else "\n".join(f"{k}: {v}" for k, v in info.items()))
         return 0
-    remove_log(path)  # refuses a session another process has open; needs no valid header
-    (kv_dir / f"{args.session}{TRANSCRIPT_SUFFIX}").unlink(missing_ok=True)
+    # Refused while a process holds the session (a chat between its turns too), then the log's own lock
+    with SessionLease(kv_dir, check_session_name(args.session)) as lease:
+        remove_log(path)  # refuses a session in use or a file without our magic; needs no valid header
+        remove_transcript(session_path(kv_dir, args.session, TRANSCRIPT_SUFFIX), args.session)
+        lease.path.unlink(missing_ok=True)  # a process that opened it meanwhile locks the next one
     print(f"removed {path}")
     return 0

@@ -31,12 +31,13 @@ from colibri_stream.planning.kv_bytes import (
     naive_kv_bytes_per_token,
     naive_kv_kind,
 )
+from colibri_stream.runtime.session_lock import SessionLease
 from engine.args import ModelArgs
 from engine.families import family_of
 from engine.interfaces import Cache
 from engine.position_rows import RowsReleased
 from storage.errors import CorruptDataError, FormatError
-from storage.kvlog import HEADER_BYTES, Geometry, KVLog, StateMismatchError, read_header_state
+from storage.kvlog import HEADER_BYTES, Geometry, KVLog, NotALogError, StateMismatchError, read_header_state
 from storage.safe_read import NotRegularFileError, file_kind
 
 SESSION_SUFFIX = ".kvlog"
@@ -50,8 +51,17 @@ def check_session_name(name: str) -> str:
     """The name unchanged, or SessionError: names are file names under the KV directory, so anything
     that could leave it ("../x", "a/b", ".hidden") is refused."""
     if not isinstance(name, str) or not SESSION_NAME.fullmatch(name) or ".." in name:
-        raise SessionError(f"session name {name!r} must be 1-128 of A-Z a-z 0-9 _ - . (no leading dot, no '..')")
+        text = str(name)  # a huge name is cut in the message: the error stays one short line
+        shown = repr(text) if len(text) <= 64 else f"{text[:64]!r}... ({len(text)} characters)"
+        raise SessionError(f"session name {shown} must be 1-128 of A-Z a-z 0-9 _ - . (no leading dot, no '..')")
     return name
+
+
+def session_path(kv_dir: str | Path, name: str, suffix: str = SESSION_SUFFIX) -> Path:
+    """The file of session ``name`` (its log, or with ``suffix`` its transcript) inside ``kv_dir``: where
+    every session name becomes a path, so the name is checked here and no file outside the directory
+    can be named."""
+    return Path(kv_dir) / f"{check_session_name(name)}{suffix}"
 
 
 def default_kv_dir(fingerprint: str) -> Path:
@@ -96,22 +106,47 @@ class TurnStart:
 
 # What a state mismatch means, in the words of the flags that set it.
 _FIELD_WORDS = {
-    "fingerprint": "another model",
-    "geometry.dtype": "KV record dtype (--kv-dtype)",
-    "state.compute_dtype": "compute dtype (--dtype)",
+    "geometry.dtype": ("KV record dtype", "--kv-dtype"),
+    "state.compute_dtype": ("compute dtype", "--dtype"),
+    "state.activations": ("activations", "--activations"),
 }
 _FIX = "use --reset (chat: :reset) to start it over, or another --session"
+DEFAULT_ACTIVATIONS = "float32"
+# State fields left out of a header when at their default (a log written before the field was recorded
+# has none): a missing one reads as this.
+_STATE_DEFAULTS = {"activations": DEFAULT_ACTIVATIONS}
+
+
+def session_state(compute_dtype: str, activations: str = DEFAULT_ACTIVATIONS) -> dict[str, str]:
+    """What a session's stored values depend on beyond the model (the fingerprint) and the KV record dtype
+    (the geometry): the compute dtype and the activation path (int8 activations quantise every matmul
+    input). Nothing else a run chooses changes a stored value or what a position means: the budget, tiers,
+    prefetch, threads and workers decide where an expert is read from, never what it computes, and
+    positions are matched by token id, whatever template, text or sampling produced the tokens.
+    A field at its default is left out, so logs written before it was recorded open as before."""
+    state = {"compute_dtype": compute_dtype}
+    if activations != DEFAULT_ACTIVATIONS:
+        state["activations"] = activations
+    return state
 
 
 def state_mismatch_message(name: str, error: StateMismatchError) -> str:
-    """One line naming what differs between the session's log and this run, and the way out."""
+    """One line naming what differs between the session's log and this run (the flag that sets it), and
+    the way out."""
     if error.field == "fingerprint":
         return (
             f"session {name!r} was made by another model (fingerprint mismatch: the log's {error.stored}, "
             f"this model's {error.current}): {_FIX}"
         )
-    what = _FIELD_WORDS.get(error.field, error.field)
-    return f"session {name!r} was made with {what} {error.stored}; this run uses {error.current}: {_FIX}"
+    if error.field not in _FIELD_WORDS:
+        return f"session {name!r} was made with {error.field} {error.stored}; this run's is {error.current}: {_FIX}"
+    what, flag = _FIELD_WORDS[error.field]
+    key = error.field.removeprefix("state.")
+    stored, current = (_STATE_DEFAULTS.get(key) if v is None else v for v in (error.stored, error.current))
+    return (
+        f"session {name!r} was made with {what} ({flag}) {stored}; this run uses {current}: "
+        f"rerun with {flag} {stored}, or {_FIX}"
+    )
 
 
 def open_session_log(
@@ -122,6 +157,10 @@ def open_session_log(
         return KVLog(path, fingerprint, geometry, state=state, fresh=fresh)
     except StateMismatchError as exc:
         raise SessionError(state_mismatch_message(name, exc)) from None
+    except NotALogError as exc:  # a file of something else under the log's name
+        raise SessionError(
+            f"session {name!r}: {exc} (not even by --reset); move it away or use another --session"
+        ) from None
     except NotRegularFileError as exc:  # nothing of ours: never truncated, not even by --reset
         raise SessionError(f"session {name!r}: {exc}; remove it or use another --session") from None
     except (FormatError, CorruptDataError) as exc:  # records are recovered, so this is the header
@@ -132,11 +171,13 @@ def open_session_log(
 
 
 class Session:
-    """One named conversation of one model; the log is locked while the Session is open.
+    """One named conversation of one model; while the Session is open its lock (session_lock.py: no
+    other process may use the session) and its log's are held.
 
-    The log's header records the compute dtype beside the model fingerprint and geometry: values
-    computed in bfloat16 continued in float32 (or the reverse) would silently drift from a fresh run,
-    so a turn with another dtype is refused. ``reset`` starts the log over whatever it held."""
+    The log's header records what the values depend on (``session_state``: the compute dtype and the
+    activation path) beside the model fingerprint and geometry (the KV record dtype): values computed
+    one way continued another would silently drift from a fresh run, so such a turn is refused naming
+    the flag. ``reset`` starts the log over whatever it held."""
 
     def __init__(
         self,
@@ -147,13 +188,19 @@ class Session:
         record_dtype: str = "float32",
         compute_dtype: str = "float32",
         reset: bool = False,
+        activations: str = DEFAULT_ACTIVATIONS,
     ):
         self.name = check_session_name(name)
         self.args = args
         self.geometry = kv_geometry(args, record_dtype)
-        path = Path(kv_dir) / f"{name}{SESSION_SUFFIX}"
-        state = {"compute_dtype": compute_dtype}
-        self.log = open_session_log(path, self.name, fingerprint, self.geometry, state, reset)
+        path = session_path(kv_dir, self.name)
+        state = session_state(compute_dtype, activations)
+        self.lease = SessionLease(kv_dir, self.name)
+        try:
+            self.log = open_session_log(path, self.name, fingerprint, self.geometry, state, reset)
+        except BaseException:
+            self.lease.release()
+            raise
 
     def reset(self) -> None:
         self.log.truncate(0)
@@ -204,6 +251,7 @@ class Session:
 
     def close(self) -> None:
         self.log.close()
+        self.lease.release()
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -230,8 +278,8 @@ def session_info(path: Path, args: ModelArgs) -> dict[str, Any]:
     session must not hide the others from `kv ls`."""
     name = path.name[: -len(SESSION_SUFFIX)]
     try:
-        status = path.stat()
-    except OSError as exc:  # a dangling symlink, or removed since it was listed
+        status = path.lstat()  # a symbolic link is reported, never followed out of the directory
+    except OSError as exc:  # removed since it was listed
         return {"session": name, "header": f"unreadable: {exc.strerror}", "tokens": None, "file_bytes": None}
     size = status.st_size
     if not stat.S_ISREG(status.st_mode):  # listed, not opened: a FIFO would block, /dev/zero never ends
@@ -241,6 +289,8 @@ def session_info(path: Path, args: ModelArgs) -> dict[str, Any]:
             "tokens": None,
             "file_bytes": size,
         }
+    if size == 0:  # created, killed before its header: opens as a new session, nothing to call corrupt
+        return {"session": name, "header": "empty (no header yet)", "tokens": 0, "file_bytes": 0}
     try:
         _, geometry, state = read_header_state(path)
     except (FormatError, CorruptDataError) as exc:
@@ -253,6 +303,7 @@ def session_info(path: Path, args: ModelArgs) -> dict[str, Any]:
         "tokens": max(0, size - HEADER_BYTES) // geometry.record_bytes,
         "file_bytes": size,
         "compute_dtype": state.get("compute_dtype"),
+        "activations": state.get("activations", DEFAULT_ACTIVATIONS),
         "record_dtype": geometry.dtype,
         "bytes_per_token": geometry.record_bytes,
         "naive_kv_bytes_per_token": naive,

@@ -3,8 +3,9 @@
 
 A turn with a session opens the session's KV log (restoring the longest stored prefix of the prompt),
 generates, appends the new positions and closes the log again, so the log's lock is held only while
-the turn runs and a session is never open twice in one process. After every turn the store persists
-its usage history and flushes its routing trace.
+the turn runs and a session is never open twice in one process; the session's own lock
+(session_lock.py) keeps other processes out for as long as the caller holds it (a chat: its whole
+run). After every turn the store persists its usage history and flushes its routing trace.
 
 The stats schema (README "Stats"): generation (prefill_tokens, decode_tokens, prefill_s, decode_s,
 ttft_s, decode_tok_per_s, wall_s), session (reused_tokens, kv_load_s), experts over the turn
@@ -38,6 +39,7 @@ from colibri_stream.runtime.sessions import Session, TurnStart, default_kv_dir
 from colibri_stream.text.chat_format import ChatFormat, PromptEncoder, load_chat_format, load_tokenizer
 from engine.interfaces import Cache
 from engine.read_ahead import stop_read_ahead
+from storage.safe_read import check_output_dir
 from storage.stats import StoreStats
 
 
@@ -103,11 +105,14 @@ class Runtime:
 def load_runtime(path: str | Path, options: RuntimeOptions | None = None) -> Runtime:
     """The model at ``path`` (container or HF directory) with its text side and session directory."""
     options = options or RuntimeOptions()
+    if options.kv_dir:  # a file there is refused before the (slow) load, not at the first turn
+        check_output_dir(options.kv_dir, "--kv-dir")
     tokenizer = load_tokenizer(path) if options.text else None
     chat = load_chat_format(path) if options.text else None
     loaded = load(path, options.dtype, options.store, options.activations, options.cluster)
     fingerprint = model_fingerprint(path)
     kv_dir = Path(options.kv_dir) if options.kv_dir else default_kv_dir(fingerprint)
+    check_output_dir(kv_dir, "the session directory")
     model_id = options.model_id or Path(path).resolve().name
     return Runtime(loaded, tokenizer, chat, kv_dir, fingerprint, options.kv_dtype, model_id)
 
@@ -219,6 +224,7 @@ def open_turn_session(
         runtime.kv_dtype,
         compute_dtype=str(model.dtype).removeprefix("torch."),  # recorded: another dtype is refused
         reset=options.reset,  # starts over whatever the log held, a damaged header included
+        activations="int8" if model.int8_activations else "float32",  # recorded too
     )
     try:
         return session, session.start_turn(prompt_ids, model.dtype)
