@@ -7,16 +7,34 @@ import os
 from pathlib import Path
 from typing import Any
 
+from storage.errors import write_errors
+
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` or leave it as it was. A full disk or a device error raises
+    DiskFullError / DiskWriteError naming the path, and the partial temp file is removed (left behind, it
+    would hold the space the next try needs)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with write_errors(path, "the file"):
+            with os.fdopen(_create_temp(tmp), "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
+
+
+def _create_temp(tmp: Path) -> int:
+    """A new file at ``tmp``: a leftover of a dead process with our pid is removed first (a link planted
+    there is unlinked, never followed), and the file is created exclusively without following links, so
+    the bytes meant for ``path``'s directory cannot be written anywhere else."""
+    tmp.unlink(missing_ok=True)
+    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)  # as open()
 
 
 def atomic_write_json(path: str | Path, obj: Any) -> None:

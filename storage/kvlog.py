@@ -15,8 +15,10 @@ builds before version 3 wrote, and what they still read.
 The position is folded into each record's checksum, so a record copied or shifted to another place
 fails. Opening scans the records and keeps the longest valid prefix (point-in-time recovery: a torn
 or corrupted record and everything after it are cut off, never half-used). A file of another model,
-geometry or state is refused before anything is touched, naming the field that differs. An exclusive
-flock guards each file: a second process gets a clear error instead of interleaving appends.
+geometry or state is refused before anything is touched, naming the field that differs. A symbolic
+link is never followed and a file without our magic is never written, cut (not even by a reset) or
+deleted: a log cannot reach outside its directory. An exclusive flock guards each file: a second
+process gets a clear error instead of interleaving appends.
 
 Memory is bounded whatever the file holds: the open-time scan and every read go through chunks of at
 most ``CHUNK_BYTES`` (a log with gigabytes of garbage appended, or a sparse 100 GiB file, opens in a
@@ -27,6 +29,7 @@ Storage sees the payload as bytes of a known width; which floats go where is the
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -40,9 +43,9 @@ from typing import Any, ClassVar
 import numpy as np
 
 from storage.checksum import crc32c
-from storage.errors import CorruptDataError, FormatError, IncompatibleStateError
+from storage.errors import CorruptDataError, FormatError, IncompatibleStateError, write_errors
 from storage.layout import DTYPES
-from storage.safe_read import check_regular_mode, open_regular
+from storage.safe_read import NotRegularFileError, check_regular_mode, open_regular
 
 MAGIC = b"COLIKV\x00\x01"
 HEADER_BYTES = 4096
@@ -207,7 +210,7 @@ def read_header(path: str | Path) -> tuple[str, Geometry]:
 def read_header_state(path: str | Path) -> tuple[str, Geometry, dict[str, str]]:
     """(fingerprint, geometry, state) from a KV log's header, without locking or scanning it."""
     path = Path(path)
-    with os.fdopen(open_regular(path, "KV log"), "rb") as f:
+    with os.fdopen(open_regular(path, "KV log", follow_symlinks=False), "rb") as f:
         header = decode_header(f.read(HEADER_BYTES), path)
     geometry = geometry_of_header(header, path)
     state = header.get("state")
@@ -216,12 +219,36 @@ def read_header_state(path: str | Path) -> tuple[str, Geometry, dict[str, str]]:
     return str(header.get("fingerprint")), geometry, state
 
 
+class NotALogError(FormatError):
+    """A file at a log's path that is not a KV log of ours (no magic): never written, cut or deleted."""
+
+
+def is_ours(first_bytes: bytes) -> bool:
+    """Whether a file starting with ``first_bytes`` (at least len(MAGIC) of them when it has them) is a
+    KV log of ours: empty, our magic (a corrupt header or records behind it included), or a prefix of
+    the magic (a header torn while it was being created)."""
+    return first_bytes[: len(MAGIC)] == MAGIC[: len(first_bytes)]
+
+
+def check_ours(fd: int, path: Path) -> None:
+    """NotALogError unless the open file is one of ours (see ``is_ours``)."""
+    if not is_ours(os.pread(fd, len(MAGIC), 0)):
+        raise NotALogError(f"{path}: not a colibri-stream KV log (bad magic); left untouched")
+
+
 def _open_log(path: Path) -> int:
     """The log's descriptor, created if missing. Only a regular file: a directory, FIFO or device planted
-    at the path (``/dev/zero`` reads as endless zeros and refuses fsync) is refused before any write."""
-    if path.exists():
-        check_regular_mode(path, path.stat().st_mode, "KV log")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    at the path (``/dev/zero`` reads as endless zeros and refuses fsync) is refused before any write, and
+    a symbolic link is refused, never followed (a log must not write outside its directory)."""
+    if os.path.lexists(path):
+        check_regular_mode(path, path.lstat().st_mode, "KV log")
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # a link planted after the lstat
+            raise NotRegularFileError(f"{path}: KV log is a symbolic link, not a regular file") from None
+        raise
     try:
         check_regular_mode(path, os.fstat(fd).st_mode, "KV log")  # the file opened, if it was swapped
     except BaseException:
@@ -245,17 +272,51 @@ def count_valid_records(data: bytes | memoryview, record_bytes: int, first: int 
 
 def remove_log(path: str | Path) -> None:
     """Delete a log, whatever its header holds (a corrupt one included), unless another process has it
-    open: the lock needs only the file, not a valid header."""
+    open: the lock needs only the file, not a valid header. A file without our magic, a symbolic link
+    or anything but a regular file is refused and left in place."""
     path = Path(path)
-    fd = open_regular(path, "KV log", os.O_RDWR)
+    fd = open_regular(path, "KV log", os.O_RDWR, follow_symlinks=False)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise IncompatibleStateError(f"{path}: session is in use by another process") from None
+        check_ours(fd, path)
+        opened, named = os.fstat(fd), path.lstat()
+        if (opened.st_dev, opened.st_ino) != (named.st_dev, named.st_ino):  # swapped since the open
+            raise NotALogError(f"{path}: replaced while being removed; left untouched")
         path.unlink()
     finally:
         os.close(fd)
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    """Write all of ``data`` at ``offset``: a nearly full disk takes part of a write and refuses the rest,
+    and a short count taken for success would acknowledge records that are not in the file."""
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        if written <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        view, offset = view[written:], offset + written
+
+
+def _cut_back(fd: int, size: int) -> None:
+    """Drop what a failed append left past ``size``; if even that fails, the tail is unacknowledged and
+    the next open's recovery scan drops whatever of it is torn."""
+    try:
+        os.ftruncate(fd, size)
+    except OSError:
+        pass
+
+
+def _unlink_if_same(path: Path, fd: int) -> None:
+    """Remove ``path`` if it is still the file open as ``fd`` (never another one swapped in meanwhile)."""
+    try:
+        if os.path.samestat(os.lstat(path), os.fstat(fd)):
+            path.unlink()
+    except OSError:
+        pass
 
 
 # Called with each named point of an append ("before_write", "mid_record", "before_fsync", "after_fsync"):
@@ -286,8 +347,9 @@ class KVLog:
         self.state = dict(state or {})
         self._fresh = fresh
         self._fault = fault or (lambda point: None)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = _open_log(self.path)
+        with write_errors(self.path, "the KV log"):  # a full directory refuses the new entry itself
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = _open_log(self.path)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -303,10 +365,9 @@ class KVLog:
     def _open_or_create(self) -> int:
         """Check the header and scan the records; returns the file's size before any tail was cut."""
         size = os.fstat(self._fd).st_size
+        check_ours(self._fd, self.path)  # before anything is written or cut: --reset included
         if size == 0 or self._fresh:
-            os.ftruncate(self._fd, 0)
-            os.pwrite(self._fd, encode_header(self.fingerprint, self.geometry, self.state), 0)
-            os.fsync(self._fd)
+            self._write_header()
             self.length = 0
             return size
         self._check_header(decode_header(os.pread(self._fd, HEADER_BYTES, 0), self.path))
@@ -316,6 +377,19 @@ class KVLog:
             os.ftruncate(self._fd, valid_end)
             os.fsync(self._fd)
         return size
+
+    def _write_header(self) -> None:
+        """Start the file over with this log's header; if that cannot be written (a full disk), the file is
+        removed and the error raised: a header-less log is never left behind for `kv ls` to call corrupt."""
+        header = encode_header(self.fingerprint, self.geometry, self.state)
+        try:
+            with write_errors(self.path, "the KV log header"):
+                os.ftruncate(self._fd, 0)
+                _pwrite_all(self._fd, header, 0)
+                os.fsync(self._fd)
+        except BaseException:
+            _unlink_if_same(self.path, self._fd)
+            raise
 
     def _check_header(self, header: dict[str, Any]) -> None:
         """Refuse a log of another model, geometry or state, naming the first field that differs."""
@@ -428,18 +502,25 @@ class KVLog:
             crc = _record_crc(self.length + i, records[i, : -_CRC.size])
             records[i, -_CRC.size :] = np.frombuffer(_CRC.pack(crc), dtype=np.uint8)
         offset = HEADER_BYTES + self.length * self.geometry.record_bytes
+        try:
+            with write_errors(self.path, f"{n} KV log record(s)"):
+                self._write_records(records.tobytes(), offset, sync)
+        except BaseException:  # a full disk, a device error: the log stays at its last acknowledged record
+            _cut_back(self._fd, offset)
+            raise
+        self.length += n
+        self._fault("after_fsync")
+
+    def _write_records(self, data: bytes, offset: int, sync: bool) -> None:
         self._fault("before_write")
-        data = records.tobytes()
         # Two writes with the "mid_record" fault point between them: a kill there leaves a torn record.
         split = max(0, len(data) - self.geometry.record_bytes // 2)
-        os.pwrite(self._fd, data[:split], offset)
+        _pwrite_all(self._fd, data[:split], offset)
         self._fault("mid_record")
-        os.pwrite(self._fd, data[split:], offset + split)
-        self.length += n
+        _pwrite_all(self._fd, data[split:], offset + split)
         self._fault("before_fsync")
         if sync:
             os.fsync(self._fd)
-        self._fault("after_fsync")
 
     def sync(self) -> None:
         os.fsync(self._fd)

@@ -13,6 +13,7 @@ them as its own types (a budget file's as ``BudgetError``). A missing file is le
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -27,6 +28,7 @@ _KINDS = (
     (stat.S_ISCHR, "a character device"),
     (stat.S_ISBLK, "a block device"),
     (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISLNK, "a symbolic link"),  # seen only where links are not followed (lstat)
 )
 
 
@@ -48,11 +50,13 @@ def check_regular_mode(path: Path, mode: int, what: str) -> None:
         raise NotRegularFileError(f"{path}: {what} is {file_kind(mode)}, not a regular file")
 
 
-def open_regular(path: str | Path, what: str, flags: int = os.O_RDONLY) -> int:
-    """A file descriptor on the regular file at ``path`` (symlinks followed); the caller closes it."""
+def open_regular(path: str | Path, what: str, flags: int = os.O_RDONLY, *, follow_symlinks: bool = True) -> int:
+    """A file descriptor on the regular file at ``path``; the caller closes it. With ``follow_symlinks``
+    False a symbolic link there is refused, not followed (a state file that must stay in its directory)."""
     path = Path(path)
-    check_regular_mode(path, os.stat(path).st_mode, what)  # before open: a FIFO would block it
-    fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC)
+    status = os.stat(path) if follow_symlinks else os.lstat(path)
+    check_regular_mode(path, status.st_mode, what)  # before open: a FIFO would block it
+    fd = _open_nonblocking(path, what, flags | (0 if follow_symlinks else os.O_NOFOLLOW))
     try:
         check_regular_mode(path, os.fstat(fd).st_mode, what)  # the file opened, if it was swapped
     except BaseException:
@@ -61,10 +65,19 @@ def open_regular(path: str | Path, what: str, flags: int = os.O_RDONLY) -> int:
     return fd
 
 
-def read_bounded(path: str | Path, max_bytes: int, what: str) -> bytes:
+def _open_nonblocking(path: Path, what: str, flags: int) -> int:
+    try:
+        return os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and flags & os.O_NOFOLLOW:  # a link swapped in after the lstat
+            raise NotRegularFileError(f"{path}: {what} is a symbolic link, not a regular file") from None
+        raise
+
+
+def read_bounded(path: str | Path, max_bytes: int, what: str, *, follow_symlinks: bool = True) -> bytes:
     """The whole regular file at ``path``, refused (before reading) when over ``max_bytes``."""
     path = Path(path)
-    fd = open_regular(path, what)
+    fd = open_regular(path, what, follow_symlinks=follow_symlinks)
     with os.fdopen(fd, "rb") as f:
         size = os.fstat(fd).st_size
         if size > max_bytes:
@@ -99,6 +112,61 @@ def parse_json(text: str | bytes, path: str | Path, what: str, line: int | None 
         raise FormatError(f"{where}: {what} holds an unreadable JSON value ({exc})") from None
 
 
-def read_json(path: str | Path, max_bytes: int, what: str) -> Any:
+def read_json(path: str | Path, max_bytes: int, what: str, *, follow_symlinks: bool = True) -> Any:
     """A bounded regular file parsed as UTF-8 JSON (any top-level type: the caller checks the shape)."""
-    return parse_json(decode_utf8(read_bounded(path, max_bytes, what), path, what), path, what)
+    data = read_bounded(path, max_bytes, what, follow_symlinks=follow_symlinks)
+    return parse_json(decode_utf8(data, path, what), path, what)
+
+
+class OutputPathError(FormatError):
+    """A path to be written that cannot be: its directory is missing or is a file, or opening it failed."""
+
+
+def check_output_path(path: str | Path, what: str) -> None:
+    """Before anything is computed for it: ``path`` is a regular file (overwritten) or does not exist yet
+    in an existing directory. Checked up front so a run does not end, after its work, on a bad path."""
+    path = Path(path)
+    try:
+        status = os.stat(path)
+    except FileNotFoundError:
+        if not path.parent.is_dir():
+            state = "is not a directory" if path.parent.exists() else "does not exist"
+            raise OutputPathError(f"{path}: cannot write {what}: directory {path.parent} {state}") from None
+        return
+    except NotADirectoryError:
+        raise OutputPathError(f"{path}: cannot write {what}: a parent of it is a file, not a directory") from None
+    check_regular_mode(path, status.st_mode, what)
+
+
+def open_for_writing(path: str | Path, what: str) -> int:
+    """A descriptor on ``path`` created or truncated for writing, refused (one line) unless it is a regular
+    file: opened O_NONBLOCK (a FIFO swapped in after the check cannot block) and fstat-ed before truncating."""
+    path = Path(path)
+    check_output_path(path, what)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as exc:  # ENXIO: a FIFO without a reader; EACCES, EROFS, ...
+        raise OutputPathError(f"{path}: cannot open {what} for writing ({exc.strerror})") from None
+    try:
+        check_regular_mode(path, os.fstat(fd).st_mode, what)
+        os.ftruncate(fd, 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def check_output_dir(path: str | Path, what: str) -> None:
+    """``path`` is a directory, or can be made one: it does not exist and its nearest existing ancestor
+    is a directory. A file (or FIFO, device) in the way is one OutputPathError naming it, before any work."""
+    path = Path(path)
+    for ancestor in (path, *path.absolute().parents):
+        try:
+            mode = os.stat(ancestor).st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        if not stat.S_ISDIR(mode):
+            kind = "a file" if stat.S_ISREG(mode) else file_kind(mode)
+            where = "it" if ancestor == path else str(ancestor)
+            raise OutputPathError(f"{path}: {what} must be a directory, and {where} is {kind}")
+        return

@@ -10,10 +10,17 @@ and a session of one continued by the other would resume silently into wrong tok
 model say what their weights are without reading them whole:
 - a container stores a content hash made at convert time from the checksum of every stored byte
   (``storage.container_write.content_sha256``);
-- an HF directory is hashed from each shard's safetensors header and three 64-byte samples (first,
-  middle, last) of every tensor's data: bounded reads, any real change of a tensor (a fine-tune, another
-  seed) changes its samples. The result is cached per (path, shard names, sizes, mtimes), so only the
-  first open of a checkpoint pays for the samples.
+- an HF directory is hashed from each shard's safetensors header, the first, middle and last
+  ``SPAN_BYTES`` of every tensor's data (a tensor of up to three spans is read whole), and one span
+  every ``GRID_STRIDE`` bytes of the shard: bounded reads (about 1/1000 of the weights plus three pages
+  per tensor), and any real change of a tensor (a fine-tune, another seed) changes its samples. An edit
+  of bytes outside every span (inside a tensor larger than three spans, away from the grid) is not
+  seen: that is the limit, stated in the README.
+The HF result is cached per shard identity (device, inode, size, mtime and ctime in ns: a replacement
+with the same size and a restored mtime still has another inode or ctime, and no utime call sets a
+ctime), so only the first open of a checkpoint pays for the samples. A shard changed in the last
+``RACY_NS`` before the hash, or while it was hashed, is not cached: a timestamp of coarse granularity
+could not tell a later edit apart.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import hashlib
 import json
 import os
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +39,9 @@ from storage.container import Container, is_container
 from storage.container_write import CONTENT_KEY, content_sha256
 from storage.safe_read import open_regular, read_bounded
 
-SAMPLE_BYTES = 64
+SPAN_BYTES = 4096  # a page: reading one costs what reading 64 bytes of it would
+GRID_STRIDE = 4 << 20  # one span per this many bytes of a shard, whatever the tensors
+RACY_NS = 1_000_000_000  # shards changed this recently are hashed but not cached (1 s timestamps)
 _MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header
 _CACHE_ENTRIES = 256  # entries kept in the digest cache (the newest)
 _TOKENIZER = "tokenizer.json"
@@ -80,26 +90,28 @@ def container_fingerprint(container: Container) -> str:
 
 
 def hf_weights_sha256(path: Path) -> str:
-    """Hash of every shard's header and samples of every tensor, cached by the shards' identity."""
+    """Hash of every shard's header and sampled spans, cached by the shards' identity."""
     shards = sorted(path.glob("*.safetensors"))
-    key = _cache_key(path, shards)
+    identities = _shard_identities(shards)
+    key = _cache_key(path, identities)
     entries = _read_cache()
     if isinstance(entries.get(key), str):
         return entries[key]
+    started = time.time_ns()
     digest = hashlib.sha256()
     for shard in shards:
         digest.update(shard.name.encode() + b"\0" + shard_digest(shard))
     value = digest.hexdigest()
-    if shards:
+    if shards and _settled(identities, started) and _shard_identities(shards) == identities:
         entries.pop(key, None)
         _write_cache({**entries, key: value})
     return value
 
 
 def shard_digest(shard: Path) -> bytes:
-    """sha256 of a safetensors file's header and, per tensor, its first, middle and last 64 bytes.
-    Reads at most the header plus 192 bytes per tensor. A malformed file is hashed as far as it parses
-    (the loader is what reports it)."""
+    """sha256 of a safetensors file's header and its spans (``sampled_spans``). Reads at most the header
+    plus three ``SPAN_BYTES`` per tensor and one per ``GRID_STRIDE`` of the file. A malformed file is
+    hashed as far as it parses (the loader is what reports it)."""
     digest = hashlib.sha256()
     with os.fdopen(open_regular(shard, "a safetensors shard"), "rb") as f:
         fd = f.fileno()
@@ -112,9 +124,8 @@ def shard_digest(shard: Path) -> bytes:
         header = os.pread(fd, min(length, _MAX_HEADER_BYTES, max(0, size - 8)), 8)
         digest.update(header)
         data_start = 8 + len(header)
-        for begin, end in _tensor_ranges(header):
-            for offset in sample_offsets(begin, end):
-                digest.update(os.pread(fd, min(SAMPLE_BYTES, end - offset), data_start + offset))
+        for begin, end in sampled_spans(_tensor_ranges(header), size - data_start):
+            digest.update(begin.to_bytes(8, "little") + os.pread(fd, end - begin, data_start + begin))
     return digest.digest()
 
 
@@ -136,21 +147,49 @@ def _tensor_ranges(header: bytes) -> list[tuple[int, int]]:
     return sorted(ranges)
 
 
-def sample_offsets(begin: int, end: int) -> list[int]:
-    """Where the samples of a tensor's data [begin, end) start: first, middle and last SAMPLE_BYTES."""
-    if end - begin <= 3 * SAMPLE_BYTES:
-        return [begin] if end > begin else []
-    middle = begin + (end - begin) // 2 - SAMPLE_BYTES // 2
-    return [begin, middle, end - SAMPLE_BYTES]
+def tensor_spans(begin: int, end: int) -> list[tuple[int, int]]:
+    """The spans read of a tensor's data [begin, end): all of it up to three spans, else its first,
+    middle and last SPAN_BYTES."""
+    if end - begin <= 3 * SPAN_BYTES:
+        return [(begin, end)] if end > begin else []
+    middle = begin + (end - begin) // 2 - SPAN_BYTES // 2
+    return [(begin, begin + SPAN_BYTES), (middle, middle + SPAN_BYTES), (end - SPAN_BYTES, end)]
 
 
-def _cache_key(path: Path, shards: list[Path]) -> str:
-    """Changes whenever a shard is added, removed, resized or rewritten (mtime)."""
-    identity: list[Any] = [str(path.resolve())]
+def sampled_spans(tensors: list[tuple[int, int]], data_bytes: int) -> list[tuple[int, int]]:
+    """Every byte range [begin, end) of a shard's data region (``data_bytes`` long) that its digest
+    covers: each tensor's spans and one span every GRID_STRIDE bytes, sorted and merged (each byte is
+    read once)."""
+    spans = [span for begin, end in tensors for span in tensor_spans(begin, end)]
+    spans += [(at, min(at + SPAN_BYTES, data_bytes)) for at in range(0, max(0, data_bytes), GRID_STRIDE)]
+    merged: list[tuple[int, int]] = []
+    for begin, end in sorted(spans):
+        if merged and begin <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((begin, end))
+    return merged
+
+
+def _shard_identities(shards: list[Path]) -> list[list[Any]]:
+    """Per shard what a replacement or rewrite changes: a new file has another inode, and any write,
+    utime or rename sets the ctime to now (no call sets it back)."""
+    identities: list[list[Any]] = []
     for shard in shards:
-        stat = shard.stat()
-        identity.append([shard.name, stat.st_size, stat.st_mtime_ns])
-    return hashlib.sha256(json.dumps(identity).encode()).hexdigest()
+        st = shard.stat()
+        identities.append([shard.name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns])
+    return identities
+
+
+def _settled(identities: list[list[Any]], started_ns: int) -> bool:
+    """Whether every shard's last change is older than RACY_NS before the hash began: an edit within the
+    same timestamp granule would otherwise keep the key of the content hashed before it."""
+    return all(max(identity[-2:]) < started_ns - RACY_NS for identity in identities)  # mtime_ns, ctime_ns
+
+
+def _cache_key(path: Path, identities: list[list[Any]]) -> str:
+    """Changes whenever a shard is added, removed, replaced, resized or rewritten."""
+    return hashlib.sha256(json.dumps([str(path.resolve()), *identities]).encode()).hexdigest()
 
 
 def _cache_file() -> Path:

@@ -136,6 +136,7 @@ def error_of(status: int, raw: bytes) -> tuple[int, str, str]:
         ({"model": MODEL, "max_tokens": 5, "messages": HELLO, "top_k": 5}, 400, "invalid_request_error", "top_k"),
         ({"model": MODEL, "max_tokens": 5, "messages": HELLO, "temperature": 1.5}, 400, "invalid_request", "temp"),
         ({"model": MODEL, "max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, 400, "invalid_", "role"),
+        ({"model": MODEL, "max_tokens": 5, "messages": HELLO, "metadata": {"user_id": "../x"}}, 400, "invalid", "user"),
         (
             {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
             400,

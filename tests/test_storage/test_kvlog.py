@@ -266,7 +266,7 @@ def test_fresh_starts_over_a_log_whatever_its_header_holds(tmp_path):
 
 def test_remove_log_needs_no_valid_header_but_respects_the_lock(tmp_path):
     path = tmp_path / "s.kvlog"
-    path.write_bytes(b"NOTAKVLOG" * 10)
+    path.write_bytes(kvlog.MAGIC + b"NOTAKVLOG" * 10)  # ours (the magic), its header unreadable
     with open(path, "r+b") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         with pytest.raises(IncompatibleStateError, match="in use by another process"):
