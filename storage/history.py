@@ -6,14 +6,16 @@ atomically (temp file + rename) after each turn, so a crash leaves the previous 
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable
 from pathlib import Path
 
 from storage.atomic import atomic_write_json
-from storage.errors import FormatError, IncompatibleStateError
-from storage.safe_read import read_json
+from storage.errors import DiskFullError, DiskWriteError, FormatError, IncompatibleStateError
+from storage.safe_read import check_output_path, read_json
 
+logger = logging.getLogger(__name__)
 HISTORY_FORMAT = "colibri-stream-usage-history"
 HISTORY_VERSION = 1
 # The file is read whole, so its size is capped by what a real history of this model can be: one count
@@ -32,6 +34,7 @@ class UsageHistory:
         self.n_experts = n_experts
         self.fingerprint = fingerprint  # the container this history belongs to
         self.counts: dict[int, list[float]] = counts or {}
+        self._save_failed = False  # the last save hit a full disk (warned once until one succeeds)
 
     def record(self, layer: int, experts: Iterable[int]) -> None:
         row = self.counts.setdefault(layer, [0.0] * self.n_experts)
@@ -58,12 +61,27 @@ class UsageHistory:
             },
         )
 
+    def save_or_warn(self, path: str | Path) -> bool:
+        """``save``, except that a full disk (or a device error) warns once and the run goes on: the
+        history only ranks experts for the hot store, so a turn is never lost to it. The file keeps the
+        last history that was written; a later save, once there is space, brings it up to date."""
+        try:
+            self.save(path)
+        except (DiskFullError, DiskWriteError) as exc:
+            if not self._save_failed:
+                logger.warning("%s; usage history not updated, the run goes on", exc)
+            self._save_failed = True
+            return False
+        self._save_failed = False
+        return True
+
     @classmethod
     def load(cls, path: str | Path, n_experts: int, fingerprint: str = "") -> UsageHistory:
         """Read a history file; a missing file is an empty history, a foreign one an error, and one that
         is not a regular file (a directory, a FIFO, /dev/zero) or too large for the model is refused."""
         path = Path(path)
         if not path.exists():
+            check_output_path(path, "usage history")  # saved after every turn: its directory must be there
             return cls(n_experts, fingerprint)
         data = read_json(path, max_history_bytes(n_experts), "usage history")
         try:

@@ -44,6 +44,9 @@ HUGE_PAGE = 2 << 20  # slot block alignment: lets the kernel back it with transp
 # budget a decode step re-reads dozens of records, and building their typed views anew each time cost a
 # noticeable share of a token (docs/benchmarks.md, "Figures behind the code").
 Materialize = Callable[[Any], Any]
+# Disk reader threads a store may start (StoreConfig.threads; budget io.threads, --io-threads): an NVMe
+# queue is kept busy by a few dozen reads in flight; thousands of threads only cost memory and start-up.
+MAX_IO_THREADS = 256
 
 
 @dataclass(frozen=True)
@@ -73,8 +76,8 @@ class StoreConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICY_NAMES:
             raise BudgetError(f"cache policy must be one of {POLICY_NAMES}, got {self.policy!r}")
-        if self.threads < 1:
-            raise BudgetError(f"io threads must be >= 1, got {self.threads}")
+        if not 1 <= self.threads <= MAX_IO_THREADS:
+            raise BudgetError(f"io threads must be 1..{MAX_IO_THREADS}, got {self.threads}")
         if self.prefetch_layers < 1:
             raise BudgetError(f"prefetch layers must be >= 1, got {self.prefetch_layers}")
 
@@ -434,11 +437,12 @@ class TieredExpertStore:
         return {**self.snapshot().as_dict(), "store": "tiered", "direct_io": self._reader.direct}
 
     def end_turn(self) -> None:
-        """Persist the usage history (atomically) and flush the trace after a turn."""
+        """Persist the usage history (atomically) and flush the trace after a turn; neither fails the turn on a
+        full disk (each warns)."""
         if self.trace is not None:
             self.trace.flush()
         if self.config.history_path is not None:
-            self.history.save(self.config.history_path)
+            self.history.save_or_warn(self.config.history_path)  # an optimisation: a full disk only warns
 
     def close(self) -> None:
         self._reads.shutdown()

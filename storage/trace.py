@@ -10,14 +10,17 @@ fails at its first line instead of filling memory; a bad line is a FormatError n
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, TypeGuard
 
-from storage.errors import FormatError
-from storage.safe_read import decode_utf8, open_regular, parse_json
+from storage.errors import FormatError, disk_error
+from storage.safe_read import decode_utf8, open_for_writing, open_regular, parse_json
 
+logger = logging.getLogger(__name__)
 # One acquire: a layer and the experts routed to (top-k of at most a few hundred): ~2 KB; 64 KiB is ample.
 MAX_LINE_BYTES = 64 << 10
 
@@ -28,28 +31,50 @@ class TraceWriter:
         self.buffer_lines = buffer_lines
         self.pending: list[str] = []
         self.written = 0  # lines handed to the file so far
-        self._file = open(self.path, "w")  # noqa: SIM115 - open for the writer's lifetime, closed by close()
+        self.stopped: str | None = None  # why tracing stopped (a full disk), if it did
+        # a FIFO, directory or device (/dev/full) is refused in one line, before it can block or fail a turn
+        self._file = os.fdopen(open_for_writing(self.path, "routing trace"), "w")  # closed by close()
 
     def write(self, layer: int, expert_ids: Sequence[int]) -> None:
+        if self.stopped is not None:
+            return
         self.pending.append(json.dumps({"layer": layer, "experts": [int(e) for e in expert_ids]}))
         if len(self.pending) >= self.buffer_lines:
             self._drain()
 
     def _drain(self) -> None:
         if self.pending:
-            self._file.write("\n".join(self.pending) + "\n")
-            self.written += len(self.pending)
+            with self._stopping_on_disk_errors():
+                self._file.write("\n".join(self.pending) + "\n")
+                self.written += len(self.pending)
             self.pending.clear()
 
     def flush(self) -> None:
         """Everything written so far is in the file (end of a turn)."""
         if not self._file.closed:
             self._drain()
-            self._file.flush()
+            with self._stopping_on_disk_errors():
+                self._file.flush()
 
     def close(self) -> None:
         self.flush()
         self._file.close()
+
+    @contextmanager
+    def _stopping_on_disk_errors(self) -> Iterator[None]:
+        """A trace is a diagnostic: a full disk (or a device error) under it stops tracing with one warning
+        and the run goes on; the file keeps the lines written before (the last may be torn)."""
+        try:
+            yield
+        except OSError as exc:
+            error = disk_error(self.path, exc, "the routing trace")
+            if error is None:
+                raise
+            self.stopped = str(error)
+            logger.warning("%s; tracing stopped, the run goes on", error)
+            self.pending.clear()
+            with suppress(OSError):  # the buffered tail cannot be written either
+                self._file.close()
 
 
 def read_acquires(path: str | Path) -> Iterator[tuple[int, list[int]]]:

@@ -15,6 +15,7 @@ import torch
 from colibri_stream.bench.kernels import measure
 from colibri_stream.cli.help import help_options
 from colibri_stream.paths import user_cache_dir
+from storage.safe_read import check_output_dir
 
 BENCH_EPILOG = """\
 examples:
@@ -26,7 +27,8 @@ examples:
 The full run generates a ~15 GB bf16 model and its int4 and bf16 containers (~20 GB) in --work once.
 Run as root on an idle machine: contenders are confined by a memory cgroup (page cache counted) and
 the page cache is dropped before cold runs; without root both are skipped with a warning.
-exit status: 0 on success, 1 when a contender fails (its error is printed), 2 on bad flags."""
+exit status: 0 on success, 1 when a contender fails (its error is printed) or --work lacks room for the run,
+2 on bad flags."""
 
 
 def default_work_dir(quick: bool) -> Path:
@@ -110,6 +112,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
     settings = QUICK_SETTINGS if args.quick else FULL
     work = Path(args.work) if args.work else default_work_dir(args.quick)
     out = Path(args.out)
+    check_output_dir(work, "--work")  # before an hour of generating models into it
+    check_output_dir(out, "--out")
     command = "colibri-stream " + " ".join(sys.argv[1:])
     results: dict[str, Any] = {"mode": "quick" if args.quick else "full", "date": time.strftime("%Y-%m-%d %H:%M")}
     log = lambda line: print(f"[bench] {line}", file=sys.stderr)  # noqa: E731

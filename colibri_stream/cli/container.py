@@ -10,6 +10,7 @@ from colibri_stream.cli.help import help_options
 from colibri_stream.cli.options import add_target_arguments
 from colibri_stream.convert.converter import Converter, ConvertOptions
 from colibri_stream.planning.geometry import container_problems
+from storage.safe_read import check_output_dir
 
 CONVERT_EPILOG = """\
 examples:
@@ -57,6 +58,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
 
 def run_convert(args: argparse.Namespace) -> int:
     options = ConvertOptions(experts=args.experts, group_size=args.group_size, dense=args.dense)
+    check_output_dir(args.dst, "the destination container")
     report = Converter(args.src, args.dst, options, progress=not args.no_progress).run()
     print(json.dumps(report))
     return 0

@@ -9,7 +9,7 @@ import math
 from colibri_stream.checkpoint.dtypes import COMPUTE_DTYPES
 from colibri_stream.errors import BudgetError, RequestError
 from colibri_stream.experts.cluster.group import DEFAULT_TIMEOUT_S, ClusterOptions
-from colibri_stream.experts.cluster.local import LOCALHOST
+from colibri_stream.experts.cluster.local import LOCALHOST, MAX_LOCAL_WORKERS, check_local_workers
 from colibri_stream.planning.budget import TABLES, Budget, StoreOptions, parse_size
 from colibri_stream.planning.geometry import (
     DEFAULT_DENSE,
@@ -24,6 +24,7 @@ from colibri_stream.runtime.generate import SamplingParams
 from colibri_stream.runtime.turn import RuntimeOptions
 from storage.kvlog import RECORD_DTYPES
 from storage.policy import POLICY_NAMES
+from storage.tiered import MAX_IO_THREADS
 
 
 def parse_ids(text: str) -> list[int]:
@@ -55,6 +56,14 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def io_threads(text: str) -> int:
+    """--io-threads: 1 .. MAX_IO_THREADS (storage.tiered, where the bound is stated)."""
+    value = positive_int(text)
+    if value > MAX_IO_THREADS:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_IO_THREADS} disk reader threads, got {text!r}")
     return value
 
 
@@ -162,7 +171,9 @@ def add_store_arguments(parser: argparse.ArgumentParser, ram_default: str | int 
         action="store_true",
         help=f"read experts through the page cache{_if_default(not DEFAULTS.direct)}",
     )
-    group.add_argument("--io-threads", type=positive_int, help=f"disk reader threads (default {DEFAULTS.threads})")
+    group.add_argument(
+        "--io-threads", type=io_threads, help=f"disk reader threads, 1..{MAX_IO_THREADS} (default {DEFAULTS.threads})"
+    )
     group.add_argument("--history", help="usage-history file (learned hot store), updated after every turn")
     group.add_argument("--trace", help="write the routing trace (one JSON line per MoE acquire) to this file")
 
@@ -251,7 +262,13 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         "workers (experts sharded over processes or machines; the store flags above are then the workers' "
         "budget together, split evenly between local workers)"
     )
-    group.add_argument("--local-workers", type=int, default=0, metavar="N", help="start N workers on 127.0.0.1")
+    group.add_argument(
+        "--local-workers",
+        type=int,
+        default=0,
+        metavar="N",
+        help=f"start N workers on 127.0.0.1 (at most {MAX_LOCAL_WORKERS})",
+    )
     group.add_argument("--world-size", type=int, help="coordinator + workers started by hand (`colibri-stream worker`)")
     group.add_argument("--master-addr", default=LOCALHOST, help=f"address the workers connect to (default {LOCALHOST})")
     group.add_argument(
@@ -272,8 +289,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cluster_options(args: argparse.Namespace) -> ClusterOptions:
-    if args.local_workers < 0:
-        raise RequestError(f"--local-workers must be >= 0, got {args.local_workers}")
+    check_local_workers(args.local_workers)  # before the model loads
     return ClusterOptions(
         world_size=args.world_size,
         master_addr=args.master_addr,

@@ -5,7 +5,7 @@ A budget file holds these keys and no others (``BUDGET_KEYS``); a key it leaves 
 default, and those of the store settings are ``StoreConfig``'s (storage/tiered.py), stated once:
 
     [memory]  ram = "8GiB" | "25%" | "auto"    vram = 0 | "12GiB" | "50%"
-    [io]      direct = true | false             threads = N (>= 1)
+    [io]      direct = true | false             threads = N (1..MAX_IO_THREADS, storage.tiered)
     [cache]   policy = "lru" | "hybrid" | "pinned"    prefetch = true | false    prefetch_layers = N (>= 1)
               preload = true | false    history = "usage.json"
 
@@ -38,7 +38,7 @@ from colibri_stream.planning.placement import floor_bytes, plan
 from storage.errors import FormatError
 from storage.policy import POLICY_NAMES
 from storage.safe_read import decode_utf8, read_bounded
-from storage.tiered import StoreConfig
+from storage.tiered import MAX_IO_THREADS, StoreConfig
 
 _UNITS = {
     "": 1,
@@ -198,8 +198,8 @@ def _closest(word: str, choices: dict[str, str]) -> str:
 
 def _check_values(budget: Budget, path: Path) -> None:
     """Values a type does not rule out, refused when the file is read: each error names file and key."""
-    if budget.threads < 1:
-        raise BudgetError(f"{path}: io.threads must be >= 1")
+    if not 1 <= budget.threads <= MAX_IO_THREADS:
+        raise BudgetError(f"{path}: io.threads must be 1..{MAX_IO_THREADS}, got {budget.threads}")
     if budget.prefetch_layers < 1:
         raise BudgetError(f"{path}: cache.prefetch_layers must be >= 1 (MoE layers guessed ahead)")
     if budget.policy not in POLICY_NAMES:

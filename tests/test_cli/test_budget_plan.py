@@ -67,7 +67,7 @@ def test_budget_file_reads_every_section(tmp_path):
         ("[memory]\nram = true\n", "memory.ram must be str or int"),
         ("[memory]\nram = 'lots'\n", "memory.ram: bad size 'lots'"),
         ("[memory]\nvram = 'auto'\n", "memory.vram: 'auto' is not available here"),
-        ("[io]\nthreads = 0\n", "io.threads must be >= 1"),
+        ("[io]\nthreads = 0\n", "io.threads must be 1..256, got 0"),
         ("[cache]\nprefetch_layers = 0\n", "cache.prefetch_layers must be >= 1"),
         ("[cache]\nprefetch_layers = 'far'\n", "cache.prefetch_layers must be int"),
         ("[cache]\npolicy = 'mru'\n", "cache.policy must be one of"),

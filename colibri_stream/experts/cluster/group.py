@@ -68,7 +68,8 @@ def connect(
         flags = lambda rank: local_worker_flags(store, options.local_workers, rank)  # noqa: E731
         local = LocalWorkers.start(str(container.path), options.local_workers, port, flags)
     try:
-        host_group(options.master_addr, port, world, options.connect_timeout_s, local.check if local else _nothing)
+        checks = local.check if local else _nothing
+        host_group(options.master_addr, port, world, options.connect_timeout_s, checks, options.timeout_s)
         hellos = [_receive_hello(rank, options.timeout_s) for rank in range(1, world)]
         _check_same_model(container, hellos)
         owners = _owners(container, hellos, options.expert_map)

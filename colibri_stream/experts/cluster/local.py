@@ -13,10 +13,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from colibri_stream.errors import ColibriError
 from colibri_stream.experts.cluster.wire import WorkerError
 
 LOCALHOST = "127.0.0.1"
 STOP_WAIT_S = 10.0
+# --local-workers at most: each worker is a Python process holding torch (hundreds of MB before its share
+# of experts) on this one machine's cores and disk; past a few dozen they only divide the same resources.
+MAX_LOCAL_WORKERS = 64
 
 
 def free_port() -> int:
@@ -35,13 +39,19 @@ class LocalWorkers:
 
     @classmethod
     def start(cls, path: str, count: int, port: int, flags: Callable[[int], list[str]]) -> LocalWorkers:
-        """Workers 1 .. count of a group of count + 1 at 127.0.0.1:port; ``flags(rank)``: their store flags."""
+        """Workers 1 .. count of a group of count + 1 at 127.0.0.1:port; ``flags(rank)``: their store flags.
+        If one cannot be started (no memory, a process limit), those already started are killed and reaped
+        before the WorkerError: none is left running without its coordinator."""
+        check_local_workers(count)
         workers = cls()
-        for rank in range(1, count + 1):
-            command = [sys.executable, "-m", "colibri_stream", "worker", str(path), "--rank", str(rank)]
-            command += ["--world-size", str(count + 1), "--master-addr", LOCALHOST, "--master-port", str(port)]
-            command += ["--disk-speed", "0", *flags(rank)]  # one disk for all: equal shares, nothing to measure
-            workers.processes[rank] = subprocess.Popen(command, stdin=subprocess.DEVNULL, env=_worker_env(count))
+        try:
+            for rank in range(1, count + 1):
+                workers.processes[rank] = _start_worker(path, count, port, rank, flags(rank))
+        except BaseException as exc:
+            workers.stop(kill=True)
+            if isinstance(exc, OSError):
+                raise WorkerError(f"cannot start local worker {rank} of {count} ({exc.strerror or exc})") from None
+            raise
         return workers
 
     def check(self) -> None:
@@ -57,6 +67,18 @@ class LocalWorkers:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+def check_local_workers(count: int) -> None:
+    if not 0 <= count <= MAX_LOCAL_WORKERS:
+        raise ColibriError(f"--local-workers must be 0..{MAX_LOCAL_WORKERS}, got {count}")
+
+
+def _start_worker(path: str, count: int, port: int, rank: int, flags: list[str]) -> subprocess.Popen[bytes]:
+    command = [sys.executable, "-m", "colibri_stream", "worker", str(path), "--rank", str(rank)]
+    command += ["--world-size", str(count + 1), "--master-addr", LOCALHOST, "--master-port", str(port)]
+    command += ["--disk-speed", "0", *flags]  # one disk for all: equal shares, nothing to measure
+    return subprocess.Popen(command, stdin=subprocess.DEVNULL, env=_worker_env(count))
 
 
 def _worker_env(count: int) -> dict[str, str]:

@@ -33,10 +33,18 @@ def join_group(addr: str, port: int, rank: int, world_size: int, timeout_s: floa
 
 
 def host_group(
-    addr: str, port: int, world_size: int, timeout_s: float, check_children: Callable[[], None] = lambda: None
+    addr: str,
+    port: int,
+    world_size: int,
+    timeout_s: float,
+    check_children: Callable[[], None] = lambda: None,
+    answer_timeout_s: float | None = None,
 ) -> None:
     """The coordinator: wait (up to ``timeout_s``) until workers 1 .. world_size - 1 have checked in,
-    calling ``check_children`` between polls (it raises for a local worker that exited), then join."""
+    calling ``check_children`` between polls (it raises for a local worker that exited), then join.
+    Joining waits for every worker's address in the store: ``answer_timeout_s`` (--worker-timeout) bounds
+    it, and is the group's own timeout, so a stray client that wrote the check-in keys but is no worker
+    (or a worker that died after checking in) is a WorkerError then, not a wait of GROUP_TIMEOUT."""
     try:
         store = dist.TCPStore(
             addr, port, world_size=world_size, is_master=True, timeout=GROUP_TIMEOUT, wait_for_workers=False
@@ -49,4 +57,12 @@ def host_group(
         if time.monotonic() > deadline:
             raise WorkerError(f"worker(s) {missing} did not join {addr}:{port} within {timeout_s:g} s")
         time.sleep(POLL_S)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=world_size, timeout=GROUP_TIMEOUT)
+    answer = GROUP_TIMEOUT if answer_timeout_s is None else timedelta(seconds=answer_timeout_s)
+    try:
+        dist.init_process_group("gloo", store=store, rank=0, world_size=world_size, timeout=answer)
+    except (RuntimeError, dist.DistStoreError) as exc:
+        detail = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise WorkerError(
+            f"worker(s) checked in at {addr}:{port} but did not form the group within "
+            f"{answer.total_seconds():g} s ({detail})"
+        ) from None
