@@ -7,6 +7,7 @@ from pathlib import Path
 
 from storage.buffers import aligned_empty
 from storage.container import Container, ExpertReader, check_plain_name
+from storage.container_write import CONTENT_KEY, content_sha256
 from storage.errors import StorageError
 
 ModelCheck = Callable[[Container], list[str]]
@@ -22,9 +23,23 @@ def verify_container(path: str | Path, check_model: ModelCheck | None = None) ->
     except StorageError as exc:
         return [str(exc)]
     model = check_model(container) if check_model else []
-    return (
-        model + list(_dense_problems(container)) + list(_expert_problems(container)) + list(_file_problems(container))
-    )
+    stored = [*_dense_problems(container), *_expert_problems(container), *_file_problems(container)]
+    return model + stored + list(_digest_problems(container))
+
+
+def _digest_problems(container: Container) -> Iterator[str]:
+    """The published content digest against one recomputed from the stored checksums: every record can
+    match its own checksum while records and checksums were swapped together (another model's
+    weights, or the same ones in another order), which only the digest published at convert time shows."""
+    published = container.attrs.get(CONTENT_KEY)
+    if published is None:  # converted before the digest was published: nothing to compare with
+        return
+    recomputed = content_sha256(container.attrs)
+    if published != recomputed:
+        yield (
+            f"{container.path}: {CONTENT_KEY} is {str(published)[:64]!r} but the stored checksums give "
+            f"{recomputed}: the weights are not the ones converted (records and checksums changed together)"
+        )
 
 
 def _dense_problems(container: Container) -> Iterator[str]:

@@ -348,7 +348,7 @@ def add_anthropic_routes(app: FastAPI, server: Server) -> None:
         try:
             key, body = await read(request, MessagesRequest)
             prompt, parser = await prompt_of(body)
-            job = await server.submit(body, prompt, server.token_limit(body, prompt), server.session(body, key))
+            job = await server.submit(body, prompt, server.token_limit(body, prompt), server.session(body, key), key)
             mid = f"msg_{uuid.uuid4().hex[:24]}"
             stop_reason = stop_reason_of(server, body.stop_strings())
             if body.stream:

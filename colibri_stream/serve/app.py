@@ -34,6 +34,7 @@ from colibri_stream.serve.dashboard import add_dashboard_routes
 from colibri_stream.serve.intake import parse_request, read_body
 from colibri_stream.serve.model_thread import Admission, Job, ModelThread
 from colibri_stream.serve.schemas import ApiError, ChatRequest, CompletionRequest
+from colibri_stream.text.chat_format import PromptTooLong
 from colibri_stream.text.tool_calls import ToolCall, ToolCallParser
 
 PROMPT_THREADS = 2  # parsing and tokenising requests; more would only contend for the same cores
@@ -86,17 +87,33 @@ class Server:
         return self.encode_messages(messages, body.offered_tools())
 
     def encode_messages(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """The conversation (and the tools offered) through the chat template, as prompt ids."""
+        """The conversation (and the tools offered) through the chat template, as prompt ids; a prompt
+        that cannot fit the context is refused before it is encoded whole (PromptEncoder's limit)."""
+        chat = self.runtime.text_side()[1]
         try:
-            if not tools:
-                return self.runtime.encode_chat(messages, add_generation_prompt=True)
-            return self.runtime.prompt_encoder.encode_chat(self.runtime.text_side()[1], messages, True, tools)
+            return self.runtime.prompt_encoder.encode_chat(chat, messages, True, tools or None, self.prompt_limit)
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), "chat_template_error", "messages") from None
+        except PromptTooLong as exc:
+            raise self.too_long(exc.at_least, "messages") from None
+
+    @property
+    def prompt_limit(self) -> int:
+        return self.runtime.context_size - 1  # an answer needs one more position
+
+    def too_long(self, tokens: int, param: str, at_least: bool = True) -> ApiError:
+        """The one refusal of a prompt that fills the context, whenever it is found."""
+        count = f"at least {tokens}" if at_least else f"{tokens}"
+        context = self.runtime.context_size
+        message = f"the prompt has {count} tokens; this model's context is {context} tokens"
+        return ApiError(400, message, "context_length_exceeded", param)
 
     def completion_prompt(self, body: CompletionRequest) -> list[int]:
         if isinstance(body.prompt, str):
-            return self.runtime.encode(body.prompt)
+            try:
+                return self.runtime.prompt_encoder.encode(body.prompt, self.prompt_limit)
+            except PromptTooLong as exc:
+                raise self.too_long(exc.at_least, "prompt") from None
         vocab = self.runtime.vocab_size
         if bad := [i for i in body.prompt if not 0 <= i < vocab]:
             raise ApiError(
@@ -134,12 +151,7 @@ class Server:
         if not prompt:
             raise ApiError(400, "the prompt is empty (0 tokens)", "empty_prompt")
         if len(prompt) >= context:
-            raise ApiError(
-                400,
-                f"the prompt has {len(prompt)} tokens; this model's context is {context} tokens",
-                "context_length_exceeded",
-                "messages",
-            )
+            raise self.too_long(len(prompt), "messages", at_least=False)
         room = context - len(prompt)
         limit = body.token_limit()
         if limit is None:
@@ -156,7 +168,12 @@ class Server:
 
     # ------------------------------------------------------------------------------------ jobs
     async def submit(
-        self, body: ChatRequest | CompletionRequest, prompt: list[int], limit: int, session: str | None
+        self,
+        body: ChatRequest | CompletionRequest,
+        prompt: list[int],
+        limit: int,
+        session: str | None,
+        owner: bytes | None = None,
     ) -> Job:
         assert self.admission is not None
         try:
@@ -168,6 +185,7 @@ class Server:
         job = Job(
             prompt, limit, sampling, session, body.stop_strings(), asyncio.get_running_loop(), self.admission.release
         )
+        job.owner = owner
         self.model_thread.jobs.put(job)
         return job
 
@@ -268,7 +286,7 @@ def create_app(server: Server) -> FastAPI:
         server.cpu.shutdown(wait=False, cancel_futures=True)
 
     async def parse_body(request: Request, schema: type[ChatRequest] | type[CompletionRequest]):
-        return await server.off_loop(parse_request, await read_body(request), schema)
+        return await server.off_loop(parse_request, await read_body(request), schema, schema.unimplemented)
 
     app = FastAPI(title="colibri-stream", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     model = server.runtime.model_id
@@ -308,7 +326,7 @@ def create_app(server: Server) -> FastAPI:
         server.check_fields(body)
         parser = tool_parser(server.runtime, body.offered_tools())
         prompt = await server.off_loop(server.chat_prompt, body)
-        job = await server.submit(body, prompt, server.token_limit(body, prompt), server.session(body, key))
+        job = await server.submit(body, prompt, server.token_limit(body, prompt), server.session(body, key), key)
         cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         if body.stream:
             return StreamingResponse(stream(job, _chat_chunk(cid, model), parser), media_type="text/event-stream")
@@ -339,7 +357,7 @@ def create_app(server: Server) -> FastAPI:
         body = await parse_body(request, CompletionRequest)
         server.check_fields(body)
         prompt = await server.off_loop(server.completion_prompt, body)
-        job = await server.submit(body, prompt, server.token_limit(body, prompt), server.session(body, key))
+        job = await server.submit(body, prompt, server.token_limit(body, prompt), server.session(body, key), key)
         cid = f"cmpl-{uuid.uuid4().hex[:24]}"
         if body.stream:
             return StreamingResponse(stream(job, _completion_chunk(cid, model)), media_type="text/event-stream")

@@ -33,8 +33,16 @@ class ApiKeys:
 
     @classmethod
     def from_sources(cls, flags: Iterable[str] | None, environ: Mapping[str, str] = os.environ) -> ApiKeys:
+        """The --api-key flags plus COLIBRI_API_KEYS. The variable set but holding no key, with no flag
+        either, is refused: whoever set it meant to protect the server, and it would start open."""
         from_env = [k.strip() for k in environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
-        return cls([*(flags or []), *from_env])
+        keys = cls([*(flags or []), *from_env])
+        if API_KEYS_ENV in environ and not keys.enabled:
+            raise ColibriError(
+                f"{API_KEYS_ENV} is set but holds no key, so the server would accept anyone: "
+                f"give it comma-separated keys, or unset it to serve without keys"
+            )
+        return keys
 
     @property
     def enabled(self) -> bool:

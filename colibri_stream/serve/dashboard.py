@@ -6,9 +6,9 @@ from elsewhere — no CDN, no fonts; a Content-Security-Policy header holds it t
 canvas: MoE layers x routed experts, colour by request count, RAM/VRAM residents and pinned experts
 marked). The JSON shape is documented in serve/live_stats.py.
 
-The page is served openly; /api/stats is authenticated like /v1 when API keys are set (it names the
-sessions being served). The page then asks for a key once and keeps it in sessionStorage (this tab
-only), sending it as ``Authorization: Bearer``.
+The page is served openly; /api/stats is authenticated like /v1 when API keys are set, and names only
+the caller's own sessions (a keyed session's name starts with its ``user`` text). The page then asks
+for a key once and keeps it in sessionStorage (this tab only), sending it as ``Authorization: Bearer``.
 """
 
 from __future__ import annotations
@@ -58,13 +58,14 @@ class Dashboard:
         self.started = time.monotonic()
         self.window = RateWindow()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, viewer: bytes | None = None) -> dict[str, Any]:
+        """``viewer``: the caller's API key; with keys set, sessions of other keys are left out."""
         server = self.server
         store = server.runtime.loaded.experts
         counters = store.snapshot()
         tiers = store.tiers()
         layers = store.routed.layers
-        activity = server.model_thread.activity()
+        active = visible_activity(server.model_thread, viewer)
         admission = server.admission
         return {
             "model": server.runtime.model_id,
@@ -78,12 +79,24 @@ class Dashboard:
                 "busy": admission.busy if admission else 0,
                 "queued": admission.waiting if admission else 0,
             },
-            "active": activity["active"],
-            "decode_tok_per_s": activity["decode_tok_per_s"],
+            "active": active,
+            "decode_tok_per_s": round(sum(a["decode_tok_per_s"] for a in active), 3),
             "heat": store.routed.table(),
             "heat_layers": list(layers),
             "resident": residency_json(tiers, layers),
         }
+
+
+def visible_activity(model_thread: ModelThread, viewer: bytes | None) -> list[dict[str, Any]]:
+    """The requests being generated, as ``viewer`` may see them: a keyed session's name starts with its
+    ``user`` text, so a request of another key shows its numbers with ``session`` null."""
+    active = []
+    for running in list(model_thread.running.values()):
+        progress = running.job.progress()
+        if running.job.owner != viewer:
+            progress["session"] = None
+        active.append(progress)
+    return active
 
 
 def add_dashboard_routes(app: FastAPI, server: Server) -> Dashboard:
@@ -94,8 +107,7 @@ def add_dashboard_routes(app: FastAPI, server: Server) -> Dashboard:
 
     @app.get("/api/stats", include_in_schema=False)
     async def api_stats(request: Request) -> dict[str, Any]:
-        server.authenticate(request)
-        return dashboard.stats()
+        return dashboard.stats(server.authenticate(request))
 
     return dashboard
 

@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
-from colibri_stream.serve.schemas import ApiError, describe_validation_error
+from colibri_stream.serve.schemas import ApiError, NoOps, describe_validation_error, refuse_unimplemented
 
 MAX_BODY_BYTES = 4 * 2**20
 BODY_TIMEOUT_S = 30.0
@@ -57,8 +57,9 @@ def _refuse_constant(name: str) -> Any:
     raise _NotJson(f"the request body contains {name}, which is not JSON (numbers must be finite)")
 
 
-def parse_request(raw: bytes, schema: type[BaseModel]) -> Any:
-    """The validated request, or ApiError 400 naming what is wrong."""
+def parse_request(raw: bytes, schema: type[BaseModel], unimplemented: NoOps | None = None) -> Any:
+    """The validated request, or ApiError 400 naming what is wrong, including a field of
+    ``unimplemented`` (schemas.NoOps) whose value asks for something."""
     try:
         data = json.loads(raw, parse_constant=_refuse_constant)
     except _NotJson as exc:
@@ -68,6 +69,7 @@ def parse_request(raw: bytes, schema: type[BaseModel]) -> Any:
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object", "invalid_json")
     check_unicode(data)
+    refuse_unimplemented(data, unimplemented or {})
     try:
         return schema.model_validate(data)
     except ValidationError as exc:

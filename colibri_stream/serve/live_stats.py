@@ -15,6 +15,7 @@ measured time between the samples. The JSON (every key always present):
     counters       {served, cancelled, failed, rejected}
     queue          {slots, busy, queued}
     active         [{prompt_tokens, generated_tokens, max_tokens, session, decode_tok_per_s}]
+                   session: null for a request of another API key than the caller's
     decode_tok_per_s   the active requests' decode rates summed
     heat           [[count per routed expert] per MoE layer]: requests routed to each expert since start
     heat_layers    [model layer of each heat row]

@@ -1,12 +1,15 @@
 """Request bodies of the OpenAI-compatible endpoints, validated strictly: a wrong type is a 400, never
-a silent coercion ("5" is not 5), and unknown fields are ignored as OpenAI clients send many; and the
-error body every failure is answered with (``ApiError``). Numbers must be finite (NaN and inf are
-refused, also where a range check alone would let them through)."""
+a silent coercion ("5" is not 5), and unknown fields are ignored as OpenAI clients send many, but a
+field OpenAI (or vLLM) defines and this server does not implement is a 400 naming it unless its value
+asks for nothing (``logprobs: false``, ``best_of: 1``, ``null``): ignoring it would answer another
+question than the one asked. Also the error body every failure is answered with (``ApiError``).
+Numbers must be finite (NaN and inf are refused, also where a range check alone would let them
+through)."""
 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -106,8 +109,49 @@ def template_call(call_id: str, name: str, arguments: dict[str, Any]) -> dict[st
     return {"id": call_id, "type": "function", "function": function}
 
 
+# Fields that change what is generated or returned, not implemented here: the values that ask for
+# nothing (null always does). A value is matched by type too: best_of true is not best_of 1.
+NoOps = dict[str, tuple[Any, ...]]
+COMMON_UNIMPLEMENTED: NoOps = {
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "logit_bias": ({},),
+    "top_k": (0, -1),  # vLLM's extensions, sent by clients written for it
+    "min_p": (0, 0.0),
+    "repetition_penalty": (1, 1.0),
+}
+CHAT_UNIMPLEMENTED: NoOps = {
+    **COMMON_UNIMPLEMENTED,
+    "response_format": ({"type": "text"},),
+    "functions": ([],),  # the deprecated form of tools
+    "function_call": ("none", "auto"),
+    "parallel_tool_calls": (True,),
+    "modalities": (["text"],),
+    "audio": (),
+    "prediction": (),
+}
+COMPLETION_UNIMPLEMENTED: NoOps = {**COMMON_UNIMPLEMENTED, "echo": (False,), "best_of": (1,), "suffix": ("",)}
+
+
+def refuse_unimplemented(data: dict[str, Any], unimplemented: NoOps) -> None:
+    """ApiError 400 naming the first field in ``data`` that asks for something not implemented."""
+    for name, no_ops in unimplemented.items():
+        value = data.get(name)
+        if value is not None and not any(type(value) is type(n) and value == n for n in no_ops):
+            allowed = ", ".join(json.dumps(n) for n in (None, *no_ops))
+            raise ApiError(
+                400,
+                f"{name}: not supported by this server (accepted only as {allowed})",
+                "unsupported_parameter",
+                name,
+            )
+
+
 class _Common(BaseModel):
     model_config = STRICT
+    unimplemented: ClassVar[NoOps] = COMMON_UNIMPLEMENTED
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
@@ -126,6 +170,7 @@ class _Common(BaseModel):
 
 
 class ChatRequest(_Common):
+    unimplemented: ClassVar[NoOps] = CHAT_UNIMPLEMENTED
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
@@ -145,6 +190,7 @@ class ChatRequest(_Common):
 
 
 class CompletionRequest(_Common):
+    unimplemented: ClassVar[NoOps] = COMPLETION_UNIMPLEMENTED
     prompt: str | list[int] = Field(min_length=1)
 
     def token_limit(self) -> int | None:

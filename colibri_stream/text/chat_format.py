@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from jinja2 import Template, TemplateError
-from tokenizers import Tokenizer
+from tokenizers import Encoding, Tokenizer
 
-from colibri_stream.errors import ChatTemplateError, TokenizerError
+from colibri_stream.errors import ChatTemplateError, RequestError, TokenizerError
 from colibri_stream.text.template_sandbox import BoundedSandbox, end_render, start_render
 from colibri_stream.text.tool_calls import TOOL_MARKERS
 from storage.errors import FormatError
@@ -31,6 +31,21 @@ from storage.safe_read import decode_utf8, read_bounded, read_json
 # token covers at least one byte, so the prompt is capped before encoding: 4 MiB, the largest request
 # body (template_sandbox bounds the work of making it).
 MAX_RENDERED_BYTES = 4 * 2**20
+# A prompt with a token limit (serve: the context) is never encoded whole when long: the bytes first
+# (more than limit x the longest token's bytes cannot fit), then at most SLICE_CHARS per encode call,
+# refused as soon as the count passes the limit. Slices are cut where the tokenizer's pre-tokenizer
+# always splits (a newline before a non-space, a space between a non-space and a letter), checked on
+# PROBE_TEXT when the encoder is made; elsewhere a cut is an estimate, allowed CUT_SLACK_TOKENS of error,
+# and a prompt estimated to fit is then encoded whole for its exact ids.
+SLICE_CHARS = 64 * 2**10
+CUT_SLACK_TOKENS = 64
+NORMALIZER_SLACK = 4  # a normalizer may shorten text: NFC composes up to 3 code points into one
+_SEAM = re.compile(r"(?<=\n)(?=\S)|(?<=\S)(?= [^\W\d_])")
+PROBE_TEXT = (
+    "Hello world, this is a probe.\nSecond line:  two  spaces\n\tTabbed\n123 4567 x\n"
+    "\u00dcber caf\u00e9 na\u00efve \u6f22\u5b57 \u0442\u0435\u043a\u0441\u0442\n"
+    "<b>tag</b> end!\n  indented\nx?\n\u00e9."
+)
 # tokenizer_config.json, generation_config.json, chat_template.jinja (real ones: a few KB to a few MB)
 MAX_MODEL_TEXT_BYTES = 64 * 2**20
 
@@ -221,6 +236,18 @@ _SENTINEL, _SENTINEL_END = "\ue000", "\ue001"
 _MASKED = re.compile(f"{_SENTINEL}([0-9]+){_SENTINEL_END}")
 
 
+class PromptTooLong(RequestError):
+    """A prompt with more tokens than its limit, found before it was encoded whole."""
+
+    def __init__(self, at_least: int, limit: int):
+        super().__init__(f"the prompt has at least {at_least} tokens; the limit is {limit}")
+        self.at_least, self.limit = at_least, limit
+
+
+def _utf8_bytes(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
 class PromptEncoder:
     """Text -> ids. ``encode`` lets special-token strings in the text become their ids (a raw prompt
     may spell the template out); ``encode_chat`` renders a conversation so that only the template's own
@@ -237,8 +264,75 @@ class PromptEncoder:
         self.masked = [*sorted(set(specials), key=len, reverse=True), _SENTINEL]
         self.pattern = re.compile("|".join(re.escape(s) for s in self.masked))
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+    def encode(self, text: str, limit: int | None = None) -> list[int]:
+        """``limit``: PromptTooLong as soon as the text is known to have more tokens (never encoded whole
+        when long, see SLICE_CHARS)."""
+        if limit is None:
+            return self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+        return self._encode_bounded([text], [], limit)
+
+    @cached_property
+    def max_token_bytes(self) -> int:
+        """An upper bound of the input bytes one token covers: its vocabulary string's UTF-8 length (a
+        byte-level token's characters are 1-2 bytes each for one input byte), loosened when a normalizer
+        may shorten the input."""
+        longest = max((_utf8_bytes(s) for s in self.tokenizer.get_vocab(with_added_tokens=True)), default=1)
+        return max(1, longest) * (NORMALIZER_SLACK if self.tokenizer.normalizer is not None else 1)
+
+    @cached_property
+    def exact_seams(self) -> bool:
+        """Whether text encodes to the same ids cut at _SEAM positions: tried at each one in PROBE_TEXT
+        (a Metaspace or prefix-space tokenizer fails: each slice would start a word), and no added token
+        may span a seam."""
+        added = (t.content for t in self.tokenizer.get_added_tokens_decoder().values())
+        if any(re.search(r"\n\S|\S ", content) for content in added):
+            return False
+        whole = self.encode(PROBE_TEXT)
+        for seam in (m.start() for m in _SEAM.finditer(PROBE_TEXT)):
+            if self.encode(PROBE_TEXT[:seam]) + self.encode(PROBE_TEXT[seam:]) != whole:
+                return False
+        return True
+
+    def _cut(self, text: str, start: int) -> tuple[int, bool]:
+        """Where the slice from ``start`` ends, and whether the cut is exact (a seam, or the end)."""
+        end = start + SLICE_CHARS
+        if end >= len(text):
+            return len(text), True
+        if self.exact_seams and (seams := [m.start() for m in _SEAM.finditer(text, end - SLICE_CHARS // 2, end)]):
+            return seams[-1], True
+        return end, False
+
+    def _encode_bounded(self, texts: list[str], literals: list[list[int]], limit: int) -> list[int]:
+        """``texts`` (template text) encoded with ``literals`` between them, at most ``limit`` ids."""
+        at_least = -(-sum(map(_utf8_bytes, texts)) // self.max_token_bytes)
+        if at_least > limit:
+            raise PromptTooLong(at_least, limit)
+        if sum(map(len, texts)) <= SLICE_CHARS:
+            ids = _interleave(self.tokenizer.encode_batch(texts, add_special_tokens=False), literals)
+        else:
+            ids = self._encode_slices(texts, literals, limit)
+        if len(ids) > limit:
+            raise PromptTooLong(len(ids), limit)
+        return ids
+
+    def _encode_slices(self, texts: list[str], literals: list[list[int]], limit: int) -> list[int]:
+        """The ids, one slice per encode call; refused once past ``limit`` (less CUT_SLACK_TOKENS per
+        inexact cut); re-encoded whole only when an inexact cut was made and the estimate fits."""
+        ids: list[int] = []
+        inexact = 0
+        for k, text in enumerate(texts):
+            start = 0
+            while start < len(text):
+                end, exact = self._cut(text, start)
+                inexact += not exact
+                ids += self.tokenizer.encode_batch([text[start:end]], add_special_tokens=False)[0].ids
+                if len(ids) - inexact * CUT_SLACK_TOKENS > limit:
+                    raise PromptTooLong(len(ids) - inexact * CUT_SLACK_TOKENS, limit)
+                start = end
+            ids += literals[k] if k < len(literals) else []
+        if inexact:
+            return _interleave(self.tokenizer.encode_batch(texts, add_special_tokens=False), literals)
+        return ids
 
     def _mask(self, text: str) -> str:
         index = {s: i for i, s in enumerate(self.masked)}
@@ -261,17 +355,26 @@ class PromptEncoder:
         messages: Sequence[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: Sequence[dict[str, Any]] | None = None,
+        limit: int | None = None,
     ) -> list[int]:
+        """``limit``: as in ``encode``."""
         masked = [{**m, **{k: self._mask_all(v) for k, v in m.items() if k != "role"}} for m in messages]
         masked_tools = self._mask_all(list(tools)) if tools else None
         pieces = _MASKED.split(chat.render(masked, add_generation_prompt, masked_tools))
         # pieces alternate: template text (specials are special), a masked index (plain text), ...
-        ids: list[int] = []
-        template_parts = self.tokenizer.encode_batch(pieces[0::2], add_special_tokens=False)
         literals = [self.masked[int(i)] if int(i) < len(self.masked) else "" for i in pieces[1::2]]
         literal_parts = self.literal.encode_batch(literals, add_special_tokens=False) if literals else []
-        for k, part in enumerate(template_parts):
-            ids += part.ids
-            if k < len(literal_parts):
-                ids += literal_parts[k].ids
-        return ids
+        literal_ids = [part.ids for part in literal_parts]
+        if limit is not None:
+            return self._encode_bounded(pieces[0::2], literal_ids, limit)
+        return _interleave(self.tokenizer.encode_batch(pieces[0::2], add_special_tokens=False), literal_ids)
+
+
+def _interleave(template_parts: Sequence[Encoding], literals: list[list[int]]) -> list[int]:
+    """Template parts' ids with the literal ids between them: part 0, literal 0, part 1, ..."""
+    ids: list[int] = []
+    for k, part in enumerate(template_parts):
+        ids += part.ids
+        if k < len(literals):
+            ids += literals[k]
+    return ids

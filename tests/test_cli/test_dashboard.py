@@ -266,6 +266,38 @@ def test_stats_need_a_key_when_keys_are_set_and_the_page_does_not(served):
         assert status == 200 and b"<canvas" in page
 
 
+def test_stats_name_only_the_callers_own_sessions(served):
+    """A keyed session's name starts with its ``user`` text: key A's caller must not read key B's."""
+    server = Server(served.server.runtime, api_keys=ApiKeys(["key-a", "key-b"]))
+    with serving(server) as port:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S)
+        body = {
+            "model": MODEL,
+            "prompt": "Hi",
+            "max_tokens": 400,
+            "temperature": 0,
+            "stream": True,
+            "user": "bob-secret",
+        }
+        headers = {"content-type": "application/json", "authorization": "Bearer key-b"}
+        conn.request("POST", "/v1/completions", body=json.dumps(body), headers=headers)
+        try:
+            reply = conn.getresponse()
+            reply.readline(), reply.readline(), reply.readline()  # the role chunk, then the first token's
+            status, _, raw = request(port, "GET", "/api/stats", headers={"authorization": "Bearer key-a"})
+            assert status == 200 and b"bob-secret" not in raw
+            assert [a["session"] for a in json.loads(raw)["active"]] == [None]  # its numbers, not its name
+            (own,) = stats(port, {"authorization": "Bearer key-b"})["active"]
+            assert own["session"].startswith("bob-secret-")
+        finally:
+            conn.sock.shutdown(socket.SHUT_RDWR)
+            conn.close()
+        deadline = time.monotonic() + WAIT_S
+        while stats(port, {"authorization": "Bearer key-b"})["active"]:
+            assert time.monotonic() < deadline, "the cancelled request stayed active"
+            time.sleep(0.05)
+
+
 def test_the_page_and_its_assets_are_self_contained_and_shipped(served):
     static = REPO / "colibri_stream" / "serve" / "static"
     for path, (name, media_type) in STATIC.items():

@@ -313,7 +313,7 @@ def script(monkeypatch, served, answer: str) -> list[int]:
     ids = tokenizer.encode(answer, add_special_tokens=False).ids
     served.prompts = []
 
-    async def submit(body, prompt, limit, session):
+    async def submit(body, prompt, limit, session, owner=None):
         served.prompts.append(prompt)
         job = SimpleNamespace(events=asyncio.Queue(), cancel=threading.Event())
         decoder, out = IncrementalDecoder(tokenizer, chat.stop_ids), ids[:limit]
@@ -412,9 +412,9 @@ def test_a_tool_round_trip_on_the_real_model(family_server, monkeypatch):
     runtime, prompts = served.server.runtime, []
     real_submit = served.server.submit
 
-    async def spy(body, prompt, limit, session):
+    async def spy(body, prompt, limit, session, owner=None):
         prompts.append(prompt)
-        return await real_submit(body, prompt, limit, session)
+        return await real_submit(body, prompt, limit, session, owner)
 
     monkeypatch.setattr(served.server, "submit", spy)
     ask = dict(model=MODEL, max_tokens=2, temperature=0)

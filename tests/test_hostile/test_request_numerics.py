@@ -15,7 +15,7 @@ from colibri_stream.planning.budget import parse_size
 from colibri_stream.runtime.generate import SamplingParams, sample
 from colibri_stream.runtime.turn import RuntimeOptions, TurnOptions, fit_to_context, load_runtime, run_turn
 from colibri_stream.serve.intake import parse_request
-from colibri_stream.serve.schemas import ApiError, ChatRequest, CompletionRequest
+from colibri_stream.serve.schemas import COMPLETION_UNIMPLEMENTED, ApiError, ChatRequest, CompletionRequest
 
 FAMILY = "deepseek_v3"
 
@@ -76,6 +76,54 @@ def test_lone_surrogates_are_400s(raw):
     with pytest.raises(ApiError) as refused:
         parse_request(raw, ChatRequest)
     assert refused.value.status == 400 and refused.value.code == "invalid_text"
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+COMPLETION = {"model": "m", "prompt": "x"}
+ASKING = {  # a value per unimplemented field that asks for something (type-matched: true is not 1)
+    "logprobs": True,
+    "top_logprobs": 5,
+    "presence_penalty": 0.5,
+    "frequency_penalty": -1,
+    "logit_bias": {"50256": -100},
+    "top_k": 40,
+    "min_p": 0.1,
+    "repetition_penalty": 1.2,
+}
+CHAT_ASKING = {
+    **ASKING,
+    "response_format": {"type": "json_object"},
+    "functions": [{"name": "f"}],
+    "function_call": {"name": "f"},
+    "parallel_tool_calls": False,
+    "modalities": ["text", "audio"],
+    "audio": {"voice": "alloy"},
+    "prediction": {"type": "content", "content": "x"},
+}
+COMPLETION_ASKING = {**ASKING, "logprobs": 0, "echo": True, "best_of": 2, "suffix": "tail"}
+NO_OPS = {"logprobs": False, "top_logprobs": 0, "presence_penalty": 0.0, "frequency_penalty": 0, "logit_bias": {}}
+
+
+@pytest.mark.parametrize(
+    ("schema", "base", "field", "value"),
+    [(ChatRequest, CHAT, f, v) for f, v in CHAT_ASKING.items()]
+    + [(CompletionRequest, COMPLETION, f, v) for f, v in COMPLETION_ASKING.items()],
+)
+def test_unimplemented_fields_that_ask_for_something_are_400s_naming_them(schema, base, field, value):
+    with pytest.raises(ApiError) as refused:
+        parse_request(json.dumps({**base, field: value}).encode(), schema, schema.unimplemented)
+    assert refused.value.status == 400 and refused.value.param == field
+    assert refused.value.message.startswith(f"{field}: not supported")
+
+
+@pytest.mark.parametrize(("schema", "base"), [(ChatRequest, CHAT), (CompletionRequest, COMPLETION)])
+def test_unimplemented_fields_that_ask_for_nothing_are_accepted(schema, base):
+    extra = {**NO_OPS, "n": 1, "top_k": -1, "echo": False, "best_of": 1, "suffix": None, "response_format": None}
+    if schema is ChatRequest:
+        extra |= {"response_format": {"type": "text"}, "parallel_tool_calls": True, "function_call": "auto"}
+    parse_request(json.dumps({**base, **extra}).encode(), schema, schema.unimplemented)
+    with pytest.raises(ApiError, match="best_of"):  # best_of true is not best_of 1
+        parse_request(json.dumps({**base, "best_of": True}).encode(), CompletionRequest, COMPLETION_UNIMPLEMENTED)
 
 
 def test_tiny_but_finite_numbers_are_accepted():

@@ -193,19 +193,64 @@ def test_a_trickled_body_times_out_with_408(runtime, monkeypatch):
     scenario(Server(runtime), test)
 
 
+# ------------------------------------------------------------------------------------ prompt length
+class HandedTo:
+    """The runtime's tokenizer, recording the length of every text it is asked to encode."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.calls = tokenizer, []
+
+    def encode_batch(self, texts, **kwargs):
+        self.calls.extend(len(t) for t in texts)
+        return self.tokenizer.encode_batch(texts, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tokenizer, name)
+
+
+def test_maximal_prompts_are_refused_before_they_are_tokenised_whole(runtime, monkeypatch):
+    """A 4 MiB prompt cannot fit 512 tokens: the same 400 as a prompt found too long after encoding, with
+    no more of it handed to the tokenizer than one slice (here: none, its bytes alone refuse it)."""
+    encoder = runtime.prompt_encoder
+    assert encoder.max_token_bytes and encoder.exact_seams in (True, False)  # the probe, before counting
+    spy = HandedTo(encoder.tokenizer)
+    monkeypatch.setattr(encoder, "tokenizer", spy)
+    text = "word " * ((intake.MAX_BODY_BYTES - 4096) // 5)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 4}
+    anthropic = {**chat, "max_tokens": 4}
+    requests = [
+        ("/v1/completions", completion(prompt=text), "prompt"),
+        ("/v1/chat/completions", json.dumps(chat).encode(), "messages"),
+        ("/v1/messages", json.dumps(anthropic).encode(), None),
+        ("/v1/completions", completion(prompt="word " * 600), "prompt"),  # found by counting its tokens
+        ("/v1/completions", completion(prompt=[5] * 600), "messages"),  # token ids: found by their length
+    ]
+
+    async def test(app) -> None:
+        for path, body, param in requests:
+            reply = await call(app, "POST", path, body)
+            error = reply.json()["error"]
+            assert reply.status == 400 and "this model's context is 512 tokens" in error["message"], error
+            if param is not None:
+                assert error["code"] == "context_length_exceeded" and error["param"] == param
+
+    scenario(Server(runtime), test)
+    assert sum(spy.calls) == len("word " * 600)  # only the short prompt reached the tokenizer
+
+
 # ------------------------------------------------------------------------------------ D3: event loop
 def test_health_answers_while_a_prompt_is_being_tokenised(runtime, monkeypatch):
     """If tokenisation ran on the event loop, /health could only answer after it ("encoded" first)."""
     entered, release, order = threading.Event(), threading.Event(), []
-    real = runtime.encode_chat
+    real = runtime.prompt_encoder.encode_chat
 
-    def slow_encode_chat(messages, add_generation_prompt=True):
+    def slow_encode_chat(*args, **kwargs):
         entered.set()
         release.wait(WAIT_S)
         order.append("encoded")
-        return real(messages, add_generation_prompt)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(runtime, "encode_chat", slow_encode_chat)
+    monkeypatch.setattr(runtime.prompt_encoder, "encode_chat", slow_encode_chat)
     chat = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}).encode()
 
     async def test(app) -> None:
@@ -297,6 +342,17 @@ def test_keys_come_from_flags_and_the_environment():
         ApiKeys([" "])
     assert ApiKeys.session_name(None, "alice") == "alice"
     assert ApiKeys.session_name(b"a", "alice") != ApiKeys.session_name(b"b", "alice")
+
+
+@pytest.mark.parametrize("blank", ["", " ", ",", " , ,"])
+def test_a_blank_key_variable_refuses_to_start_an_open_server(blank, monkeypatch, tmp_path, capsys):
+    with pytest.raises(ColibriError, match="COLIBRI_API_KEYS is set but holds no key"):
+        ApiKeys.from_sources(None, {"COLIBRI_API_KEYS": blank})
+    assert ApiKeys.from_sources(["a"], {"COLIBRI_API_KEYS": blank}).keys == [b"a"]  # the flag protects it
+    monkeypatch.setenv("COLIBRI_API_KEYS", blank)
+    assert main(["serve", str(tmp_path / "no-model")]) == 1  # refused before the model is even looked for
+    err = capsys.readouterr().err
+    assert "COLIBRI_API_KEYS is set but holds no key" in err and len(err.strip().splitlines()) == 1
 
 
 # ------------------------------------------------------------------------------------ numerics, text

@@ -183,3 +183,24 @@ def test_root_attributes_of_the_wrong_json_type_name_the_file(pristine, tmp_path
     _edit_json(broken / "zarr.json", lambda meta: meta.update(attributes=["colibri"]))
     with pytest.raises(StorageError, match=r"zarr.json: attributes must be a JSON object, got \['colibri'\]"):
         load_container(broken)
+
+
+def test_swapped_records_with_swapped_checksums_fail_the_published_digest(pristine, tmp_path, capsys):
+    """Each record still matches its own checksum, so only the digest published at convert time can
+    tell: verify recomputes it from the stored checksums."""
+    broken = tmp_path / "broken"
+    shutil.copytree(pristine, broken)
+    first, second = broken / f"{EXPERT}/c/0/0", broken / f"{EXPERT}/c/1/0"
+    first_bytes, second_bytes = first.read_bytes(), second.read_bytes()
+    assert first_bytes != second_bytes  # a swap of equal records would change nothing
+    first.write_bytes(second_bytes)
+    second.write_bytes(first_bytes)
+
+    def swap_checksums(attrs: dict) -> None:
+        crcs = attrs["experts"]["checksums"]["1"]
+        crcs[0], crcs[1] = crcs[1], crcs[0]
+
+    _attrs(swap_checksums)(broken)
+    assert cli.main(["verify", str(broken)]) == 1
+    err = capsys.readouterr().err
+    assert "content_sha256" in err and "Traceback" not in err
