@@ -106,11 +106,15 @@ def test_the_budget_takes_the_store_settings_defaults_from_store_config():
 
 def test_flags_win_over_the_budget_file_either_way(tmp_path):
     path = tmp_path / "b.toml"
-    path.write_text("[io]\ndirect = false\nthreads = 3\n[cache]\nprefetch = false\npreload = false\nprefetch_layers = 4\n")
+    path.write_text(
+        "[io]\ndirect = false\nthreads = 3\n[cache]\nprefetch = false\npreload = false\nprefetch_layers = 4\n"
+    )
     from_file = worker_store_config(StoreOptions(budget=path, ram="1000"), expert_bytes=1000)
     assert (from_file.direct, from_file.threads, from_file.prefetch, from_file.preload) == (False, 3, False, False)
     assert from_file.prefetch_layers == 4
-    flags = StoreOptions(budget=path, ram="1000", direct=True, io_threads=1, prefetch=True, preload=True, prefetch_layers=1)
+    flags = StoreOptions(
+        budget=path, ram="1000", direct=True, io_threads=1, prefetch=True, preload=True, prefetch_layers=1
+    )
     config = worker_store_config(flags, expert_bytes=1000)
     assert (config.direct, config.threads, config.prefetch, config.preload, config.prefetch_layers) == (
         True,
@@ -132,7 +136,10 @@ def _store_help(monkeypatch, defaults: Budget, **kwargs) -> str:
 
 @pytest.mark.parametrize(
     "defaults",
-    [Budget(), Budget(ram="7%", vram="3GiB", policy="hybrid", prefetch=False, prefetch_layers=5, preload=False, threads=9)],
+    [
+        Budget(),
+        Budget(ram="7%", vram="3GiB", policy="hybrid", prefetch=False, prefetch_layers=5, preload=False, threads=9),
+    ],
 )
 def test_store_flag_help_shows_the_budget_defaults_not_literals(monkeypatch, defaults):
     text = _store_help(monkeypatch, defaults)
