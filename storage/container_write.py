@@ -7,10 +7,12 @@ conversion resume into a container byte-identical to an uninterrupted one.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 import zarr
@@ -24,6 +26,7 @@ from storage.container import (
     FORMAT_VERSION,
     expert_array_name,
 )
+from storage.errors import write_errors
 from storage.layout import DTYPES, ExpertRecordLayout
 
 if TYPE_CHECKING:
@@ -33,6 +36,8 @@ _NO_SKIP: ArrayConfigParams = {
     "write_empty_chunks": True
 }  # an all-zero chunk must still be a file: the hot path reads files
 CONTENT_KEY = "content_sha256"
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def content_sha256(attrs: dict[str, Any]) -> str:
@@ -47,6 +52,18 @@ def content_sha256(attrs: dict[str, Any]) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
+def _writes(method: Callable[Concatenate[ContainerWriter, P], R]) -> Callable[Concatenate[ContainerWriter, P], R]:
+    """A full disk (or a device error) under a write is a DiskFullError / DiskWriteError naming the
+    container; a conversion redoes the unfinished unit when rerun, so nothing half-written is kept."""
+
+    @functools.wraps(method)
+    def guarded(writer: ContainerWriter, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        with write_errors(writer.path, "the container"):
+            return method(writer, *args, **kwargs)
+
+    return guarded
+
+
 class ContainerWriter:
     def __init__(self, path: str | Path, layout: ExpertRecordLayout, n_experts: int):
         self.path = Path(path)
@@ -54,6 +71,7 @@ class ContainerWriter:
         self.n_experts = n_experts
         self.root = zarr.open_group(self.path, mode="a", zarr_format=3)
 
+    @_writes
     def mark_incomplete(self) -> None:
         self.root.attrs[ATTRS_KEY] = {
             "format": FORMAT_NAME,
@@ -61,6 +79,7 @@ class ContainerWriter:
             "complete": False,
         }
 
+    @_writes
     def create_expert_array(self, layer: int) -> None:
         self.root.create_array(
             f"{EXPERTS_GROUP}/{expert_array_name(layer)}",
@@ -73,6 +92,7 @@ class ContainerWriter:
             config=_NO_SKIP,
         )
 
+    @_writes
     def write_expert(self, layer: int, expert: int, record: np.ndarray) -> int:
         if record.shape != (self.layout.record_bytes,) or record.dtype != np.uint8:
             raise ValueError(
@@ -82,6 +102,7 @@ class ContainerWriter:
         array[expert : expert + 1] = record[None]
         return crc32c(record)
 
+    @_writes
     def write_dense(self, name: str, array: np.ndarray, dtype: str) -> dict[str, Any]:
         """Store one dense array (float32, bfloat16 bits as uint16, int8, or float16 scales); return its
         attribute entry."""
@@ -103,6 +124,7 @@ class ContainerWriter:
         target[...] = array
         return {"shape": list(array.shape), "dtype": dtype, "crc32c": crc32c(array)}
 
+    @_writes
     def publish(self, attrs: dict[str, Any]) -> None:
         """Write the final attributes; from here on the container opens as complete."""
         attrs = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **attrs, "complete": True}

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import errno
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
 
 class StorageError(Exception):
     """Base of every error storage raises on bad input."""
@@ -21,3 +27,51 @@ class IncompatibleStateError(StorageError):
 
 class BudgetError(StorageError):
     """A memory budget that cannot work: below the minimum, above the machine, or exhausted."""
+
+
+class DiskFullError(StorageError):
+    """A write refused for lack of space (ENOSPC, EDQUOT); the message names the path and its free bytes."""
+
+
+class DiskWriteError(StorageError):
+    """A write the device failed (EIO); the message names the path."""
+
+
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def free_bytes(path: str | Path) -> int | None:
+    """Bytes an unprivileged writer may still use on ``path``'s filesystem (its nearest existing parent's
+    if it does not exist yet); None if even that cannot be asked."""
+    where = Path(path).absolute()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        status = os.statvfs(where)
+    except OSError:
+        return None
+    return status.f_bavail * status.f_frsize
+
+
+def disk_error(path: str | Path, exc: OSError, what: str) -> StorageError | None:
+    """The typed error for writing ``what`` at ``path`` when it failed with ``exc``: DiskFullError for a
+    full disk or quota, DiskWriteError for a device error; None for anything else (a bug or a bad path)."""
+    if exc.errno in DISK_FULL_ERRNOS:
+        free = free_bytes(path)
+        left = "unknown" if free is None else f"{free:,} bytes"
+        return DiskFullError(f"{path}: no space left writing {what} ({left} free there)")
+    if exc.errno == errno.EIO:
+        return DiskWriteError(f"{path}: I/O error writing {what} (EIO: the device failed the write)")
+    return None
+
+
+@contextmanager
+def write_errors(path: str | Path, what: str) -> Iterator[None]:
+    """Turn a full disk or a device error inside the block into its typed error; other OSErrors pass."""
+    try:
+        yield
+    except OSError as exc:
+        typed = disk_error(path, exc, what)
+        if typed is None:
+            raise
+        raise typed from exc

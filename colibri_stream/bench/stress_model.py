@@ -78,6 +78,26 @@ def config_for(shape: StressShape) -> dict:
     }
 
 
+def checkpoint_bytes(shape: StressShape) -> int:
+    """The bytes ``write_stress_checkpoint`` writes for ``shape`` (bf16 tensors, as ``_layer_tensors`` and
+    the global shard make them; headers aside), computed without making them."""
+    h, heads = shape.hidden_size, shape.num_attention_heads
+    qk = shape.qk_nope_head_dim + shape.qk_rope_head_dim
+    attention = (
+        2 * h
+        + shape.q_lora_rank * (h + 1 + heads * qk)
+        + (shape.kv_lora_rank + shape.qk_rope_head_dim) * h
+        + shape.kv_lora_rank * (1 + heads * (shape.qk_nope_head_dim + shape.v_head_dim))
+        + h * heads * shape.v_head_dim
+    )
+    dense_mlp = 3 * shape.intermediate_size * h
+    moe_mlp = shape.n_routed_experts * (h + 2) + (shape.n_routed_experts + 1) * 3 * shape.moe_intermediate_size * h
+    dense_layers = min(shape.first_k_dense_replace, shape.num_hidden_layers)
+    layers = shape.num_hidden_layers * attention + dense_layers * dense_mlp
+    layers += (shape.num_hidden_layers - dense_layers) * moe_mlp
+    return 2 * (layers + 2 * shape.vocab_size * h + h)
+
+
 def _layer_tensors(shape: StressShape, layer: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
     def w(*dims: int, std: float = 0.02) -> torch.Tensor:
         return (torch.randn(*dims, generator=gen) * std).to(torch.bfloat16)

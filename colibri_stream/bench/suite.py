@@ -41,7 +41,7 @@ from colibri_stream.bench.llama_cpp_section import (
 )
 from colibri_stream.bench.load import loaded_vs_idle
 from colibri_stream.bench.sessions import random_prompt_ids, sessions_section
-from colibri_stream.bench.stress_model import QUICK, StressShape, write_stress_checkpoint
+from colibri_stream.bench.stress_model import QUICK, StressShape, checkpoint_bytes, write_stress_checkpoint
 from colibri_stream.bench.system import (
     ContenderFailed,
     MemoryLimit,
@@ -57,6 +57,7 @@ from colibri_stream.planning.geometry import geometry_from_container
 from colibri_stream.planning.placement import plan
 from engine.bf16 import KEEP_FLOAT32
 from storage.container import Container
+from storage.errors import DiskFullError, free_bytes
 from storage.policy import POLICY_NAMES
 from storage.tiered import StoreConfig, minimum_slots, total_records
 
@@ -438,6 +439,7 @@ def run_bench(
     if unknown or ("caching" in sections and "decode" not in sections):
         raise ValueError(f"sections must be among {SECTIONS} and caching needs decode, not {sorted(sections)}")
     work.mkdir(parents=True, exist_ok=True)
+    check_work_space(work, work_bytes_needed(settings, sections))  # before minutes of writing into it
     out.mkdir(parents=True, exist_ok=True)
     start, cpu_start = time.perf_counter(), cpu_times()
     bench = Bench(settings, work, out, log, llama_cpp_dir=llama_cpp_dir or default_llama_cpp_dir())
@@ -459,6 +461,34 @@ def run_bench(
     bench.results["machine"]["cpu_steal_share"] = steal_share(cpu_start, cpu_times())
     bench.results["elapsed_s"] = round(time.perf_counter() - start, 1)
     return bench.results
+
+
+def work_bytes_needed(settings: BenchSettings, sections: tuple[str, ...]) -> int:
+    """About the most the sections write into --work: the bf16 model and its int4 container, the bf16
+    container (decode), llama.cpp's files with their bf16 intermediate and the int8-dense container
+    (llama_cpp), the disk section's scratch file. An estimate from the model's bf16 bytes, not a bound."""
+    model = checkpoint_bytes(settings.shape)
+    need = model + model // 4
+    if "decode" in sections:
+        need += model
+    if "llama_cpp" in sections:
+        need += 2 * model
+    if "disk" in sections:
+        need += settings.sequential_bytes
+    return need
+
+
+def check_work_space(work: Path, needed: int) -> None:
+    """Refuse, in one line, a --work without room for what the bench writes: on a full disk it would die
+    minutes in, quoting the tail of a progress bar. Files already there (a previous run's model and
+    containers, reused) count as room."""
+    present = sum(f.lstat().st_size for f in work.rglob("*") if f.is_file() and not f.is_symlink())
+    free = free_bytes(work)
+    if free is not None and free + present < needed:
+        raise DiskFullError(
+            f"--work {work}: {free:,} bytes free there, the bench needs about {needed - present:,} "
+            "(the generated model, its containers and scratch files); free space or pass --work on a bigger disk"
+        )
 
 
 def int8_dense_bytes_per_token(container: Container) -> int:

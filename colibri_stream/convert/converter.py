@@ -5,7 +5,9 @@ each reading its tensors one at a time, so peak memory is about one layer's tens
 model size. A journal in the destination records finished units (atomically, with their checksums);
 a rerun after a crash redoes only unfinished units, and since every write is deterministic the result
 is byte-identical to an uninterrupted conversion. The journal also pins the source and options, so a
-rerun can never mix two sources into one container.
+rerun can never mix two sources into one container. A full disk (or a device error) is a one-line
+DiskFullError / DiskWriteError naming the destination and its free bytes; the rerun, once there is space,
+resumes from the journal like one after a kill.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from engine.weights import sort_names
 from storage.atomic import atomic_write_json
 from storage.container import Container, read_json
 from storage.container_write import ContainerWriter
-from storage.errors import IncompatibleStateError, StorageError
+from storage.errors import IncompatibleStateError, StorageError, write_errors
 from storage.layout import ExpertRecordLayout
 
 JOURNAL = "convert-journal.json"
@@ -251,7 +253,8 @@ class Converter:
         checksums = {
             str(u.experts_layer): done[u.key]["crc32c"] for u in self.plan.units if u.experts_layer is not None
         }
-        copied = self.source.copy_side_files(self.dst)
+        with write_errors(self.dst, "the container's side files"):  # a rerun copies them again
+            copied = self.source.copy_side_files(self.dst)
         writer.publish(
             {
                 "model_config": self.source.dense_config(),

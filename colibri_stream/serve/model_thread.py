@@ -25,7 +25,7 @@ from colibri_stream.runtime.session_pool import SessionPool
 from colibri_stream.runtime.turn import OpenTurn, Runtime, TurnOptions, abort_turn, begin_turn, finish_turn
 from colibri_stream.serve.schemas import ApiError
 from colibri_stream.text.chat_format import IncrementalDecoder
-from storage.errors import StorageError
+from storage.errors import DiskFullError, DiskWriteError, StorageError
 
 
 class TextStream:
@@ -74,6 +74,7 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     generated: int = 0  # tokens sampled so far (written by the model thread)
     first_token_at: float | None = None  # perf_counter() when the first token was sampled
+    owner: bytes | None = None  # the API key that sent it (None without keys): /api/stats names only its own
 
     def count_token(self) -> None:
         self.generated += 1
@@ -253,6 +254,8 @@ class ModelThread:
 
 def api_error(exc: BaseException) -> ApiError:
     """The HTTP answer for a failed turn: the model thread survives anything one request does."""
+    if isinstance(exc, DiskFullError | DiskWriteError):  # the session's log could not be written; nothing lost
+        return ApiError(507, str(exc), "insufficient_storage")
     if isinstance(exc, StorageError):  # e.g. the session is open in another process
         return ApiError(409, str(exc), "session_unavailable")
     if isinstance(exc, WorkerError):  # a worker holding experts died or stalled: restart the server with it
