@@ -44,7 +44,14 @@ def streaming_runtime(container: Path, tmp_path: Path, buffer_lines: int = 1024)
 def test_chat_saves_history_and_trace_after_each_turn(make_container, tmp_path, capsys):
     runtime = streaming_runtime(make_container(FAMILY), tmp_path)
     flags = argparse.Namespace(
-        session="talk", system=None, max_new_tokens=4, temperature=0.0, top_p=1.0, seed=None, kv_sync_every=0
+        session="talk",
+        system=None,
+        max_new_tokens=4,
+        temperature=0.0,
+        top_p=1.0,
+        seed=None,
+        kv_sync_every=0,
+        reset=False,
     )
     try:
         chat = Chat(runtime, flags)

@@ -14,18 +14,13 @@ import os
 import signal
 import subprocess
 import sys
-import threading
-import time
-from datetime import timedelta
 
 import psutil
 import pytest
-import torch.distributed as dist
 
 from colibri_stream import cli
 from colibri_stream.errors import SessionError
 from colibri_stream.experts.cluster import local
-from colibri_stream.experts.cluster.rendezvous import host_group
 from colibri_stream.experts.cluster.wire import WorkerError
 from colibri_stream.planning.budget import load_budget_file
 from colibri_stream.runtime.transcript import load_transcript
@@ -214,18 +209,37 @@ def test_workers_started_before_one_fails_are_killed_and_reaped(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------- rendezvous
+STRAY_CLIENT = """
+import threading, time
+from datetime import timedelta
+import torch.distributed as dist
+from colibri_stream.experts.cluster import local
+from colibri_stream.experts.cluster.rendezvous import host_group
+from colibri_stream.experts.cluster.wire import WorkerError
+
+port = local.free_port()
+
+def stray():  # checks in as worker 1, then never joins the group
+    time.sleep(0.3)
+    store = dist.TCPStore(local.LOCALHOST, port, world_size=2, is_master=False, timeout=timedelta(seconds=5))
+    store.set("colibri/joined/1", "1")
+    time.sleep(20)
+
+threading.Thread(target=stray, daemon=True).start()
+start = time.monotonic()
+try:
+    host_group(local.LOCALHOST, port, 2, 10.0, answer_timeout_s=2.0)  # was: a wait of 10 minutes
+except WorkerError as exc:
+    print("WorkerError:", exc)
+print("seconds:", round(time.monotonic() - start, 1), "initialized:", dist.is_initialized())
+"""
+
+
 def test_a_stray_client_on_the_rendezvous_is_a_worker_error_within_the_timeout():
-    port = local.free_port()
-
-    def stray() -> None:  # checks in as worker 1, then never joins the group
-        time.sleep(0.3)
-        store = dist.TCPStore(local.LOCALHOST, port, world_size=2, is_master=False, timeout=timedelta(seconds=5))
-        store.set("colibri/joined/1", "1")
-        time.sleep(20)
-
-    threading.Thread(target=stray, daemon=True).start()
-    start = time.monotonic()
-    with pytest.raises(WorkerError, match="did not form the group within 2 s"):
-        host_group(local.LOCALHOST, port, 2, 10.0, answer_timeout_s=2.0)  # was: a wait of 10 minutes
-    assert time.monotonic() - start < 8
-    assert not dist.is_initialized()
+    """In a child process: a failed join leaves torch's process-group counter advanced in the process that
+    tried, which would make a later group in the same test process wait under other keys."""
+    child = subprocess.run([sys.executable, "-c", STRAY_CLIENT], capture_output=True, text=True, timeout=60)
+    lines = child.stdout.splitlines()
+    assert any(line.startswith("WorkerError:") and "did not form the group within 2 s" in line for line in lines), child
+    seconds = float(lines[-1].split()[1])
+    assert seconds < 8 and lines[-1].endswith("initialized: False"), lines
