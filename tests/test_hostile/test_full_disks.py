@@ -186,8 +186,7 @@ def test_run_on_a_full_kv_disk_is_one_line_and_keeps_the_session(make_container,
     stored = (kv / "s.kvlog").read_bytes()
     filler = fill(kv)
     longer = PROMPT + "," + ",".join(map(str, first)) + ",13,14"
-    code, _, err = _cli(
-        capsys,
+    follow_up = (
         "run",
         container,
         "--ids",
@@ -200,6 +199,7 @@ def test_run_on_a_full_kv_disk_is_one_line_and_keeps_the_session(make_container,
         "--kv-dir",
         str(kv),
     )
+    code, _, err = _cli(capsys, *follow_up)
     assert code == cli.EXIT_USER_ERROR and "Traceback" not in err
     (line,) = err.strip().splitlines()
     assert "no space left" in line and str(kv / "s.kvlog") in line and "bytes free" in line
@@ -207,20 +207,7 @@ def test_run_on_a_full_kv_disk_is_one_line_and_keeps_the_session(make_container,
     code, _, err = _cli(capsys, "run", container, "--ids", PROMPT, "--json", "--session", "new", "--kv-dir", str(kv))
     assert code == cli.EXIT_USER_ERROR and "KV log header" in err and not (kv / "new.kvlog").exists()
     filler.unlink()
-    code, out, _ = _cli(
-        capsys,
-        "run",
-        container,
-        "--ids",
-        longer,
-        "--max-new-tokens",
-        "4",
-        "--json",
-        "--session",
-        "s",
-        "--kv-dir",
-        str(kv),
-    )
+    code, out, _ = _cli(capsys, *follow_up)
     assert code == 0 and json.loads(out.strip().splitlines()[-1])["stats"]["reused_tokens"] > 0
     (kv / "killed.kvlog").touch()  # a process killed between creating a log and writing its header
     code, out, _ = _cli(capsys, "kv", "ls", container, "--kv-dir", str(kv))
