@@ -1,20 +1,25 @@
 """Faults: a worker killed (-9) or stopped mid-generation is an error naming it within the timeout, the
 coordinator exits (status 1) and takes its local workers with it, the session log stays usable; a
 coordinator that dies takes its workers down too; a worker of another model, or one whose budget cannot
-hold its share, is refused with the reason. Everything runs as real processes (the CLI)."""
+hold its share, is refused with the reason. Coordinators and workers run as real processes (the CLI);
+the runs around them that only read a result (a resume, a one-process reference, a chat over a local
+worker) run through cli.main in this process."""
 
 from __future__ import annotations
 
+import io
 import json
 import signal
 import subprocess
 import sys
 import time
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import psutil
 import pytest
 
+from colibri_stream import cli
 from colibri_stream.experts.cluster.local import free_port
 
 TIMEOUT_S = 8
@@ -22,6 +27,18 @@ TIMEOUT_S = 8
 
 def colibri(*args: str) -> list[str]:
     return [sys.executable, "-m", "colibri_stream", *map(str, args)]
+
+
+def in_process(*args: object, script: str = "") -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of `colibri-stream ARGS` run by cli.main here, ``script`` its stdin."""
+    out, err = io.StringIO(), io.StringIO()
+    stdin, sys.stdin = sys.stdin, io.StringIO(script)
+    try:
+        with redirect_stdout(out), redirect_stderr(err):
+            status = cli.main([str(arg) for arg in args])
+    finally:
+        sys.stdin = stdin
+    return status, out.getvalue(), err.getvalue()
 
 
 def start_generation(container: Path, kv_dir: Path, workers: int = 2) -> subprocess.Popen:
@@ -91,15 +108,12 @@ def test_a_worker_lost_mid_generation_is_an_error_naming_it(make_container, tmp_
     assert gone(workers)  # the other worker (and a stopped one) ended with the coordinator
 
     # The session log is intact: one process resumes it from what was stored before the fault.
-    resumed = subprocess.run(
-        colibri("run", container, "--ids", "5,9,2,7", "--max-new-tokens", "2", "--session", "s")
-        + ["--kv-dir", tmp_path / "kv", "--json", "--ram", "40%"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert resumed.returncode == 0, resumed.stderr
-    assert json.loads(resumed.stdout.splitlines()[-1])["stats"]["reused_tokens"] >= 3
+    status, out, err = in_process(
+        "run", container, "--ids", "5,9,2,7", "--max-new-tokens", "2", "--session", "s",
+        "--kv-dir", tmp_path / "kv", "--json", "--ram", "40%",
+    )  # fmt: skip
+    assert status == 0, err
+    assert json.loads(out.splitlines()[-1])["stats"]["reused_tokens"] >= 3
 
 
 def test_workers_end_when_the_coordinator_dies(make_container, tmp_path):
@@ -156,12 +170,10 @@ def test_a_worker_whose_budget_cannot_hold_its_share_is_refused(make_container, 
 def test_hand_started_worker_serves_a_turn(make_container, tmp_path):
     """The by-hand path (--world-size/--master-port + `colibri-stream worker`) gives one process's tokens."""
     container = make_container("deepseek_v3", "int4")
-    alone = subprocess.run(
-        colibri("run", container, "--ids", "3,1,4,1,5", "--max-new-tokens", "5", "--json", "--kv-dir", tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=120,
+    status, alone, err = in_process(
+        "run", container, "--ids", "3,1,4,1,5", "--max-new-tokens", "5", "--json", "--kv-dir", tmp_path
     )
+    assert status == 0, err
     worker, common = hand_started(container, free_port(), "--ram", "50%")
     run = subprocess.run(
         colibri("run", container, "--ids", "3,1,4,1,5", "--max-new-tokens", "5", "--json", *common)
@@ -173,7 +185,7 @@ def test_hand_started_worker_serves_a_turn(make_container, tmp_path):
     assert run.returncode == 0, run.stderr
     assert worker.wait(timeout=30) == 0  # told to stop, not left behind
     result = json.loads(run.stdout.splitlines()[-1])
-    assert result["ids"] == json.loads(alone.stdout.splitlines()[-1])["ids"]
+    assert result["ids"] == json.loads(alone.splitlines()[-1])["ids"]
     stats = result["stats"]
     (only,) = stats["workers"]
     assert only["rank"] == 1 and only["experts_held"] == 2 * 16  # every record of the 2 MoE layers
@@ -188,14 +200,10 @@ def test_hand_started_worker_serves_a_turn(make_container, tmp_path):
 
 
 def test_chat_over_a_local_worker(make_container, tmp_path):
-    command = colibri("chat", make_container("deepseek_v3", "int4"), "--kv-dir", tmp_path, "--session", "talk")
-    done = subprocess.run(
-        command + ["--max-new-tokens", "4", "--local-workers", "1", "--ram", "60%"],
-        input="Hello there\n:stats\n",
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr
-    store = json.loads(done.stderr.strip().splitlines()[-1])["store"]
+    status, _, err = in_process(
+        "chat", make_container("deepseek_v3", "int4"), "--kv-dir", tmp_path, "--session", "talk",
+        "--max-new-tokens", "4", "--local-workers", "1", "--ram", "60%", script="Hello there\n:stats\n",
+    )  # fmt: skip
+    assert status == 0, err
+    store = json.loads(err.strip().splitlines()[-1])["store"]
     assert store["store"] == "workers" and store["workers"][0]["requests"] == store["expert_requests"] > 0

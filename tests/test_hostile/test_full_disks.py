@@ -233,31 +233,30 @@ def test_a_full_trace_or_history_disk_warns_and_the_tokens_stay(make_container, 
     assert "usage history not updated" in warnings[1] and "bytes free" in warnings[1]
 
 
-def test_convert_into_a_full_disk_is_one_line_and_resumes_once_there_is_space(tiny_checkpoints, tmpfs, tmp_path):
+def test_convert_into_a_full_disk_is_one_line_and_resumes_once_there_is_space(
+    tiny_checkpoints, tmpfs, tmp_path, capsys
+):
     src = tiny_checkpoints["glm_moe_dsa"]
     straight = tmp_path / "straight"
-    assert _convert(src, straight).returncode == 0
+    assert _convert(capsys, src, straight)[0] == 0
     disk = tmpfs("1m")  # about half the container: some units are done when the disk fills
     dst = disk / "container"
-    full = _convert(src, dst)
-    assert full.returncode == cli.EXIT_USER_ERROR, full.stderr
-    (line,) = full.stderr.strip().splitlines()
+    status, _, err = _convert(capsys, src, dst)
+    assert status == cli.EXIT_USER_ERROR, err
+    (line,) = err.strip().splitlines()
     assert "no space left" in line and str(dst) in line and "bytes free" in line
     subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)  # space freed
-    resumed = _convert(src, dst)
-    assert resumed.returncode == 0, resumed.stderr
-    assert json.loads(resumed.stdout.strip().splitlines()[-1])["resumed_units"] > 0
+    status, out, err = _convert(capsys, src, dst)
+    assert status == 0, err
+    assert json.loads(out.strip().splitlines()[-1])["resumed_units"] > 0
     assert _tree(dst) == _tree(straight)
-    verified = subprocess.run([sys.executable, "-m", "colibri_stream", "verify", str(dst)], capture_output=True)
-    assert verified.returncode == 0, verified.stderr
+    status, _, err = _cli(capsys, "verify", str(dst))
+    assert status == 0, err
 
 
-def _convert(src: Path, dst: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "colibri_stream", "convert", str(src), str(dst), "--no-progress"],
-        capture_output=True,
-        text=True,
-    )
+def _convert(capsys, src: Path, dst: Path) -> tuple[int, str, str]:
+    """`colibri-stream convert` through cli.main (this process: no torch import per call)."""
+    return _cli(capsys, "convert", str(src), str(dst), "--no-progress")
 
 
 def _tree(path: Path) -> dict[str, bytes]:
@@ -306,15 +305,10 @@ def test_serve_answers_507_on_a_full_kv_disk_and_keeps_serving(tiny_checkpoints,
 # ------------------------------------------------------------------------------------------ bench
 
 
-def test_bench_refuses_a_work_disk_without_room_before_writing(tmpfs, tmp_path):
+def test_bench_refuses_a_work_disk_without_room_before_writing(tmpfs, tmp_path, capsys):
     work = tmpfs("1m")
-    done = subprocess.run(
-        [sys.executable, "-m", "colibri_stream", "bench", "--quick", "--work", str(work), "--out", str(tmp_path / "o")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == cli.EXIT_USER_ERROR, done.stderr
-    (line,) = [line for line in done.stderr.strip().splitlines() if not line.startswith("[bench]")]
+    status, _, err = _cli(capsys, "bench", "--quick", "--work", str(work), "--out", str(tmp_path / "o"))
+    assert status == cli.EXIT_USER_ERROR, err
+    (line,) = [line for line in err.strip().splitlines() if not line.startswith("[bench]")]
     assert f"--work {work}:" in line and "bytes free" in line and "needs about" in line
     assert list(work.iterdir()) == []  # refused before anything was written

@@ -1,11 +1,19 @@
 """A session continued under other flags: every runtime flag changed in turn between two runs of one
 session is either refused in one line naming the flag (the log is left as it was) or resumes to exactly
-the tokens a fresh run under the new flags writes. Both ways: made with the flag and resumed without,
-and the reverse."""
+the tokens a fresh run writes. Refused flags both ways (made with the flag and resumed without, and the
+reverse); flags that change no stored value one way each (see EXACT).
+
+Every run is `colibri-stream run` in this process (cli.main: the flags go through the real parser); the
+session made under the default flags and the fresh default run are made once for the module."""
 
 from __future__ import annotations
 
+import io
 import json
+import shutil
+from contextlib import redirect_stderr, redirect_stdout
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -18,14 +26,16 @@ from storage.kvlog import read_header_state
 FIRST = list(range(2, 12))
 SECOND = [*FIRST, 40, 41, 42]  # FIRST's prompt and more: the whole of FIRST is a stored prefix
 
-# Flags that change a stored value: refused, naming the flag.
+# Flags that change a stored value: refused, naming the flag, whichever run has it.
 REFUSED = {
     "--dtype": ["--dtype", "bfloat16"],
     "--activations": ["--activations", "int8"],
     "--kv-dtype": ["--kv-dtype", "bfloat16"],
 }
 # Flags that decide where experts are read from, how often the log is synced, or how tokens are drawn:
-# the session resumes, token for token what a fresh run computes.
+# the session resumes, token for token what a fresh run computes. One direction each: none of them is
+# recorded in the log's header, so a flag wrongly recorded would be refused whichever run has it. Those
+# that shape how the log is written go on the run that makes it; the rest on the run that resumes.
 EXACT = {
     "--ram": ["--ram", "30%"],
     "--policy": ["--ram", "30%", "--policy", "hybrid"],
@@ -42,6 +52,14 @@ EXACT = {
     "--temperature": ["--temperature", "0.8", "--seed", "3"],
     "--local-workers": ["--local-workers", "1"],
 }
+MADE_WITH = {"--kv-sync-every", "--history", "--no-preload", "--direct", "--local-workers"}
+DRAWS_OTHER_TOKENS = {"--temperature"}  # compared with a fresh run under the flag, the rest with the default run
+
+
+@dataclass(frozen=True)
+class Plain:
+    kv_dir: Path  # holds session "s", made from FIRST under the default flags
+    fresh_ids: list[int]  # SECOND's tokens from a fresh run under the default flags
 
 
 @pytest.fixture(autouse=True)
@@ -49,53 +67,84 @@ def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
 
 
-def run(capsys, path, ids, *extra: str) -> tuple[int, dict | None, str]:
+def run(path, ids, *extra: str) -> tuple[int, dict | None, str]:
     """(exit status, the --json object or None, stderr) of one in-process `run`."""
-    capsys.readouterr()
+    out, err = io.StringIO(), io.StringIO()
     argv = ["run", str(path), "--ids", ",".join(map(str, ids)), "--max-new-tokens", "8", "--json", *extra]
-    status = cli.main(argv)
-    out, err = capsys.readouterr()
-    return status, json.loads(out.strip().splitlines()[-1]) if status == 0 else None, err
+    with redirect_stdout(out), redirect_stderr(err):
+        status = cli.main(argv)
+    return status, json.loads(out.getvalue().strip().splitlines()[-1]) if status == 0 else None, err.getvalue()
 
 
-def flags(name: str, tmp_path) -> list[str]:
-    table = REFUSED if name in REFUSED else EXACT
+@pytest.fixture(scope="module")
+def plain(stream_container, tmp_path_factory) -> Plain:
+    root = tmp_path_factory.mktemp("plain")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(root / "cache"))
+        made = run(stream_container, FIRST, "--session", "s", "--kv-dir", str(root / "kv"))
+        fresh = run(stream_container, SECOND)
+    assert made[0] == 0 and fresh[0] == 0 and fresh[1] is not None, made[2] + fresh[2]
+    return Plain(root / "kv", fresh[1]["ids"])
+
+
+def flags(table: dict[str, list[str]], name: str, tmp_path) -> list[str]:
     return [part.replace("{tmp}", str(tmp_path)) for part in table[name]]
 
 
-@pytest.mark.parametrize("made_with_flag", [True, False], ids=["made-with", "resumed-with"])
-# Each case is three model loads; the exact ones (about 7 s each, a worker process for --local-workers) are slow.
-@pytest.mark.parametrize("name", [*REFUSED, *(pytest.param(name, marks=pytest.mark.slow) for name in EXACT)])
-def test_a_flag_changed_between_runs_is_refused_naming_it_or_resumes_exactly(
-    stream_container, tmp_path, capsys, name, made_with_flag
-):
-    changed = flags(name, tmp_path)
-    first_flags, second_flags = (changed, []) if made_with_flag else ([], changed)
+def make_session(stream_container, plain: Plain, tmp_path, first_flags: list[str]) -> list[str]:
+    """Session "s" made from FIRST under ``first_flags`` in tmp_path/kv (the module's copy when there are
+    none); returns the --session flags that continue it."""
     session = ["--session", "s", "--kv-dir", str(tmp_path / "kv")]
-    assert run(capsys, stream_container, FIRST, *session, *first_flags)[0] == 0
+    if first_flags:
+        status, _, err = run(stream_container, FIRST, *session, *first_flags)
+        assert status == 0, err
+    else:
+        shutil.copytree(plain.kv_dir, tmp_path / "kv")
+    return session
+
+
+@pytest.mark.parametrize("made_with_flag", [True, False], ids=["made-with", "resumed-with"])
+@pytest.mark.parametrize("name", REFUSED)
+def test_a_flag_that_changes_a_stored_value_is_refused_naming_it(
+    stream_container, plain, tmp_path, name, made_with_flag
+):
+    changed = flags(REFUSED, name, tmp_path)
+    first_flags, second_flags = (changed, []) if made_with_flag else ([], changed)
+    session = make_session(stream_container, plain, tmp_path, first_flags)
     log = tmp_path / "kv" / "s.kvlog"
     before = log.read_bytes()
-    status, resumed, err = run(capsys, stream_container, SECOND, *session, *second_flags)
-    if name in REFUSED:
-        assert status == 1, f"{name}: a session made under other flags resumed silently"
-        assert len(err.strip().splitlines()) == 1 and f"rerun with {changed[0]} " in err and "--reset" in err
-        assert log.read_bytes() == before  # nothing written, nothing cut
-        return
-    assert status == 0, err
-    fresh = run(capsys, stream_container, SECOND, *second_flags)[1]
+    status, _, err = run(stream_container, SECOND, *session, *second_flags)
+    assert status == 1, f"{name}: a session made under other flags resumed silently"
+    assert len(err.strip().splitlines()) == 1 and f"rerun with {changed[0]} " in err and "--reset" in err
+    assert log.read_bytes() == before  # nothing written, nothing cut
+
+
+# --local-workers starts a worker process (a torch import) for the run that makes the session
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if "workers" in n else n for n in EXACT])
+def test_a_flag_that_changes_no_stored_value_resumes_exactly(stream_container, plain, tmp_path, name):
+    changed = flags(EXACT, name, tmp_path)
+    first_flags, second_flags = (changed, []) if name in MADE_WITH else ([], changed)
+    session = make_session(stream_container, plain, tmp_path, first_flags)
+    status, resumed, err = run(stream_container, SECOND, *session, *second_flags)
+    assert status == 0 and resumed is not None, err
     assert resumed["stats"]["reused_tokens"] == len(FIRST)  # it did resume
-    assert resumed["ids"] == fresh["ids"]
+    if name in DRAWS_OTHER_TOKENS:
+        fresh = run(stream_container, SECOND, *second_flags)[1]
+        assert fresh is not None and fresh["ids"] != plain.fresh_ids  # the flag is in force
+        assert resumed["ids"] == fresh["ids"]
+    else:  # placement changes speed, never tokens: the default run's tokens
+        assert resumed["ids"] == plain.fresh_ids
 
 
-def test_the_refusal_names_the_flag_and_the_value_to_rerun_with(stream_container, tmp_path, capsys):
+def test_the_refusal_names_the_flag_and_the_value_to_rerun_with(stream_container, tmp_path):
     session = ["--session", "q8", "--kv-dir", str(tmp_path)]
-    assert run(capsys, stream_container, FIRST, *session, "--activations", "int8")[0] == 0
-    status, _, err = run(capsys, stream_container, SECOND, *session)
+    assert run(stream_container, FIRST, *session, "--activations", "int8")[0] == 0
+    status, _, err = run(stream_container, SECOND, *session)
     assert status == 1
     assert "session 'q8' was made with activations (--activations) int8; this run uses float32" in err
     assert "rerun with --activations int8, or use --reset" in err
     # --reset starts it over under this run's flags; the header then records them
-    assert run(capsys, stream_container, SECOND, *session, "--reset")[0] == 0
+    assert run(stream_container, SECOND, *session, "--reset")[0] == 0
     assert "activations" not in read_header_state(tmp_path / "q8.kvlog")[2]
 
 

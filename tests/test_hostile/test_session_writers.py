@@ -1,9 +1,14 @@
 """One writer per session across processes: a second `chat` or `run` on a session another process holds
 is refused in one line naming that process's pid, the holder's turns are all kept, and once the holder
-ends (even by SIGKILL) the session opens again."""
+ends (even by SIGKILL) the session opens again.
+
+The holder is always a real process (a `chat` child, or this process against a child); the commands
+that meet it run in this process through cli.main where the holder is the other process (no torch
+import each)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -12,10 +17,12 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
 import torch
 
+from colibri_stream import cli
 from colibri_stream.checkpoint.fingerprint import model_fingerprint
 from colibri_stream.errors import SessionInUseError
 from colibri_stream.runtime.loader import model_config
@@ -66,6 +73,19 @@ def one_shot(argv: list[str], script: str = "") -> subprocess.CompletedProcess[s
     return subprocess.run(argv, input=script, capture_output=True, text=True, timeout=300)
 
 
+def in_process(argv: list[str], script: str = "") -> subprocess.CompletedProcess[str]:
+    """``argv`` (COMMAND and its arguments) run by cli.main in this process, ``script`` its stdin."""
+    assert argv[: len(COMMAND)] == COMMAND
+    out, err = io.StringIO(), io.StringIO()
+    stdin, sys.stdin = sys.stdin, io.StringIO(script)
+    try:
+        with redirect_stdout(out), redirect_stderr(err):
+            status = cli.main(argv[len(COMMAND) :])
+    finally:
+        sys.stdin = stdin
+    return subprocess.CompletedProcess(argv, status, out.getvalue(), err.getvalue())
+
+
 def transcript(kv_dir) -> list[dict[str, str]]:
     return json.loads((kv_dir / "talk.chat.json").read_text())["messages"]
 
@@ -74,14 +94,14 @@ def test_a_second_chat_is_refused_naming_the_first_and_the_first_keeps_every_tur
     first = start_chat(model, tmp_path)
     try:
         say(first, "Hello")
-        second = one_shot(chat_argv(model, tmp_path), "Intruder\n")
+        second = in_process(chat_argv(model, tmp_path), "Intruder\n")
         assert second.returncode == 1
         (line,) = second.stderr.strip().splitlines()[-1:]
         assert f"session 'talk' is in use by pid {first.pid}" in line
         assert "Traceback" not in second.stderr
-        run = one_shot([*COMMAND, "run", str(model), "--ids", "1,2,3", "--session", "talk", "--kv-dir", str(tmp_path)])
+        run = in_process([*COMMAND, "run", str(model), "--ids", "1,2", "--session", "talk", "--kv-dir", str(tmp_path)])
         assert run.returncode == 1 and f"in use by pid {first.pid}" in run.stderr
-        rm = one_shot([*COMMAND, "kv", "rm", str(model), "talk", "--kv-dir", str(tmp_path)])
+        rm = in_process([*COMMAND, "kv", "rm", str(model), "talk", "--kv-dir", str(tmp_path)])
         assert rm.returncode == 1 and f"in use by pid {first.pid}" in rm.stderr  # between turns too
         say(first, "And then?")
     finally:
@@ -89,7 +109,7 @@ def test_a_second_chat_is_refused_naming_the_first_and_the_first_keeps_every_tur
     assert first.returncode == 0
     messages = transcript(tmp_path)
     assert [m["content"] for m in messages if m["role"] == "user"] == ["Hello", "And then?"]
-    again = one_shot(chat_argv(model, tmp_path), "Third\n")  # free once the first has ended
+    again = in_process(chat_argv(model, tmp_path), "Third\n")  # free once the first has ended
     assert again.returncode == 0, again.stderr
     assert "resumed, 4 messages" in again.stderr and int(FOOTER.search(again.stderr)[1]) > 0
 
@@ -100,13 +120,13 @@ def test_a_killed_holders_session_is_taken_over_with_its_acknowledged_turn(model
     os.kill(first.pid, signal.SIGKILL)
     first.wait(timeout=60)
     assert (tmp_path / "talk.lock").read_text().strip() == str(first.pid)  # the dead holder's lock file
-    again = one_shot(chat_argv(model, tmp_path), "Again\n")
+    again = in_process(chat_argv(model, tmp_path), "Again\n")
     assert again.returncode == 0, again.stderr
     assert "resumed, 2 messages" in again.stderr and int(FOOTER.search(again.stderr)[1]) > 0
     assert [m["content"] for m in transcript(tmp_path) if m["role"] == "user"] == ["Hello", "Again"]
-    rm = one_shot([*COMMAND, "kv", "rm", str(model), "talk", "--kv-dir", str(tmp_path)])
+    rm = in_process([*COMMAND, "kv", "rm", str(model), "talk", "--kv-dir", str(tmp_path)])
     assert rm.returncode == 0, rm.stderr
-    assert not any(tmp_path.iterdir())  # log, transcript and lock file gone
+    assert not list(tmp_path.glob("talk*"))  # log, transcript and lock file gone (stores shared by sessions stay)
 
 
 def test_a_session_the_servers_pool_holds_refuses_a_chat(model, tmp_path):
@@ -119,7 +139,7 @@ def test_a_session_the_servers_pool_holds_refuses_a_chat(model, tmp_path):
     refused = one_shot(chat_argv(model, tmp_path), "Hello\n")
     assert refused.returncode == 1 and f"session 'talk' is in use by pid {os.getpid()}" in refused.stderr
     pool.close()
-    assert one_shot(chat_argv(model, tmp_path), "Hello\n").returncode == 0
+    assert in_process(chat_argv(model, tmp_path), "Hello\n").returncode == 0
 
 
 def test_the_lease_is_shared_within_a_process_and_answered_409_by_the_server(tmp_path):
