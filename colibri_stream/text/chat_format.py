@@ -21,8 +21,11 @@ from jinja2 import Template, TemplateError
 from tokenizers import Encoding, Tokenizer
 
 from colibri_stream.errors import ChatTemplateError, RequestError, TokenizerError
+from colibri_stream.text.dsml import BOS as DEEPSEEK_BOS
+from colibri_stream.text.dsml import EOS as DEEPSEEK_EOS
+from colibri_stream.text.dsml import DsmlEncoding
 from colibri_stream.text.template_sandbox import BoundedSandbox, end_render, start_render
-from colibri_stream.text.tool_calls import TOOL_MARKERS
+from colibri_stream.text.tool_calls import DSML, TOOL_MARKERS, ToolFormat, tool_format_for
 from storage.errors import FormatError
 from storage.safe_read import decode_utf8, read_bounded, read_json
 
@@ -125,13 +128,22 @@ def _strftime_now(fmt: str) -> str:
 
 @dataclass(frozen=True)
 class ChatFormat:
-    """How one model turns a conversation into a prompt string, and which ids end an answer."""
+    """How one model turns a conversation into a prompt string, and which ids end an answer: its chat
+    template, or (DeepSeek-V3.2/V4, which ship none) its DSML ``encoding``."""
 
     template: str
     bos_token: str = ""
     eos_token: str = ""
     stop_ids: tuple[int, ...] = ()
     is_fallback: bool = False
+    encoding: DsmlEncoding | None = None  # set: renders instead of ``template``
+
+    @property
+    def tool_format(self) -> ToolFormat | None:
+        """The tool-call format the prompt teaches (the answer is parsed with it); None: no tools."""
+        if self.encoding is not None:
+            return self.encoding.tool_format
+        return None if self.is_fallback else tool_format_for(self.template)
 
     @cached_property
     def _compiled(self) -> Template:
@@ -149,6 +161,9 @@ class ChatFormat:
         tools: Sequence[dict[str, Any]] | None = None,
     ) -> str:
         """``tools``: as Hugging Face passes them, [{"type": "function", "function": {name, ...}}]."""
+        if self.encoding is not None:
+            bos, eos = self.bos_token, self.eos_token
+            return _bounded_join(self.encoding.render(messages, add_generation_prompt, tools, bos, eos))
         budget = start_render()
         try:
             parts = self._compiled.generate(
@@ -180,16 +195,51 @@ def _bounded_join(parts: Iterable[str]) -> str:
 
 
 def load_chat_format(checkpoint: str | Path) -> ChatFormat:
+    """The model's chat template; without one, DeepSeek-V3.2/V4's DSML encoding when the checkpoint is
+    one of them (dsml_family), else the fallback template."""
     checkpoint = Path(checkpoint)
     config = _read_json(checkpoint / "tokenizer_config.json")
     template = load_chat_template(checkpoint)
+    family = dsml_family(checkpoint) if template is None else None
+    encoding = DsmlEncoding(family) if family else None
+    bos, eos = _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
     return ChatFormat(
-        template=template or FALLBACK_CHAT_TEMPLATE,
-        bos_token=_token_text(config.get("bos_token")),
-        eos_token=_token_text(config.get("eos_token")),
+        template=template or ("" if encoding else FALLBACK_CHAT_TEMPLATE),
+        bos_token=bos or (DEEPSEEK_BOS if encoding else ""),
+        eos_token=eos or (DEEPSEEK_EOS if encoding else ""),
         stop_ids=stop_token_ids(checkpoint),
-        is_fallback=template is None,
+        is_fallback=template is None and encoding is None,
+        encoding=encoding,
     )
+
+
+# DeepSeek-V4's tokenizer has tokens of its own chat encoding that V3.2's has not.
+_V4_ONLY_TOKEN = "<｜latest_reminder｜>"
+
+
+def dsml_family(checkpoint: Path) -> str | None:
+    """The DSML family of a checkpoint without a chat template (V3.2-Exp ships DeepSeek-V3.1's and keeps
+    it), by what it ships, not its name: "deepseek_v32" or "deepseek_v4" when config.json's model_type says
+    so; under another model_type (a derived checkpoint) when its tokenizer has the ``｜DSML｜`` token, V4
+    if the tokenizer also has V4's own tokens, else V3.2; None otherwise."""
+    model_type = _read_json(checkpoint / "config.json").get("model_type")
+    if model_type in ("deepseek_v32", "deepseek_v4"):
+        return str(model_type)
+    tokens = _added_tokens(checkpoint)
+    if DSML not in tokens:
+        return None
+    return "deepseek_v4" if _V4_ONLY_TOKEN in tokens else "deepseek_v32"
+
+
+def _added_tokens(checkpoint: Path) -> set[str]:
+    """The added tokens' text in tokenizer.json; none when it cannot be read (load_tokenizer reports that)."""
+    try:
+        added = _read_json(checkpoint / "tokenizer.json").get("added_tokens")
+    except TokenizerError:
+        return set()
+    if not isinstance(added, list):
+        return set()
+    return {t["content"] for t in added if isinstance(t, dict) and isinstance(t.get("content"), str)}
 
 
 def hidden_special_ids(tokenizer: Tokenizer) -> set[int]:

@@ -6,12 +6,17 @@ for this reason, see ``TOOL_MARKERS``):
 
 * deepseek_v3 (V3, R1): ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME``
   newline, a json code fence holding ARGS, ``<｜tool▁call▁end｜>`` ... ``<｜tool▁calls▁end｜>``
-* deepseek_v31 (V3.1, V3.2): the same section, each call
+* deepseek_v31 (V3.1, V3.2-Exp): the same section, each call
   ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>``
 * glm (GLM-4.5 .. 5): ``<tool_call>NAME`` then ``<arg_key>K</arg_key><arg_value>V</arg_value>`` pairs,
   ``</tool_call>``; a value is JSON unless the tool's schema says the parameter is a string
 * kimi_k2: ``<|tool_calls_section_begin|>``, each call ``<|tool_call_begin|>functions.NAME:IDX``
   ``<|tool_call_argument_begin|>ARGS<|tool_call_end|>``, ``<|tool_calls_section_end|>``
+* deepseek_v32, deepseek_v4 (DSML, ``｜DSML｜`` is one token): ``<｜DSML｜function_calls>`` (V3.2) or
+  ``<｜DSML｜tool_calls>`` (V4), each call ``<｜DSML｜invoke name="NAME">`` holding
+  ``<｜DSML｜parameter name="K" string="true|false">V</｜DSML｜parameter>`` lines, ``</｜DSML｜invoke>``; a value
+  is taken as written when string="true", else as JSON (as GLM's, when it parses); text/dsml.py renders
+  these models' conversations
 
 A call is accepted only when it names an offered tool and its arguments are a JSON object; anything
 else (bad JSON, an unknown name, a section never closed) is handed back as plain text, markers included,
@@ -67,12 +72,17 @@ GLM_CALL_BEGIN, GLM_CALL_END = "<tool_call>", "</tool_call>"
 GLM_KEY, GLM_KEY_END, GLM_VALUE, GLM_VALUE_END = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
 KIMI_SECTION_BEGIN, KIMI_SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 KIMI_CALL_BEGIN, KIMI_ARGS, KIMI_CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+DSML = "｜DSML｜"  # one token in DeepSeek-V3.2/V4's vocabularies
+DSML_V32_BLOCK, DSML_V4_BLOCK = "function_calls", "tool_calls"  # the section's tag name per version
+DSML_INVOKE, DSML_INVOKE_END = f"<{DSML}invoke", f"</{DSML}invoke>"
+DSML_PARAMETER, DSML_PARAMETER_END = f"<{DSML}parameter", f"</{DSML}parameter>"
 
 # Every marker of every family: the special tokens the incremental decoder must not drop.
 TOOL_MARKERS = frozenset(
     [DS_CALLS_BEGIN, DS_CALLS_END, DS_CALL_BEGIN, DS_CALL_END, DS_SEP]
     + [GLM_CALL_BEGIN, GLM_CALL_END, GLM_KEY, GLM_KEY_END, GLM_VALUE, GLM_VALUE_END]
     + [KIMI_SECTION_BEGIN, KIMI_SECTION_END, KIMI_CALL_BEGIN, KIMI_ARGS, KIMI_CALL_END]
+    + [DSML]
 )
 
 
@@ -111,7 +121,7 @@ def _json_object(text: str, where: str) -> dict[str, Any]:
     return value
 
 
-def _between(section: str, begin: str, end: str) -> list[str]:
+def _between(section: str, begin: str, end: str, empty_ok: bool = False) -> list[str]:
     """The bodies of ``begin``...``end`` pairs; only whitespace may lie around and between them."""
     bodies, rest = [], section
     while rest.strip():
@@ -120,7 +130,7 @@ def _between(section: str, begin: str, end: str) -> list[str]:
             raise ToolCallError(f"expected {begin}...{end}")
         body, _, rest = rest[len(begin) :].partition(end)
         bodies.append(body)
-    if not bodies:
+    if not bodies and not empty_ok:
         raise ToolCallError("an empty tool-call section")
     return bodies
 
@@ -168,9 +178,9 @@ _GLM_PAIR = re.compile(
 )
 
 
-def _glm_value(text: str, string_typed: bool) -> Any:
+def _typed_value(text: str, string_typed: bool) -> Any:
     """A parameter declared a string is taken as written; others are JSON when they parse (the template
-    writes non-strings ``| tojson``), else the text itself."""
+    writes non-strings ``| tojson``), else the text itself (a model that forgot a string's flag)."""
     if string_typed:
         return text
     try:
@@ -187,7 +197,7 @@ def _parse_glm(section: str, tools: Tools) -> list[ToolCall]:
         if section[last : match.start()].strip():
             raise ToolCallError(f"{name}: text between arguments")
         key = match.group(1).strip()
-        arguments[key] = _glm_value(match.group(2), tools.parameter_is_string(name, key))
+        arguments[key] = _typed_value(match.group(2), tools.parameter_is_string(name, key))
         last = match.end()
     if section[last:].strip():
         raise ToolCallError(f"{name}: unterminated or malformed arguments")
@@ -206,16 +216,53 @@ def _parse_kimi(section: str, tools: Tools) -> list[ToolCall]:
     return calls
 
 
+# after <｜DSML｜invoke / <｜DSML｜parameter: the attributes (DSML writes names unescaped, so no quote in them)
+_DSML_INVOKE_HEAD = re.compile(r'\A\s+name="([^"]*)"\s*>')
+_DSML_PARAMETER_HEAD = re.compile(r'\A\s+name="([^"]*)"(?:\s+string="(true|false)")?\s*>')
+
+
+def _parse_dsml(section: str, tools: Tools) -> list[ToolCall]:
+    calls = []
+    for body in _between(section, DSML_INVOKE, DSML_INVOKE_END):
+        head = _DSML_INVOKE_HEAD.match(body)
+        if head is None:
+            raise ToolCallError(f'expected {DSML_INVOKE} name="NAME">')
+        name = _known(head.group(1), tools)
+        arguments: dict[str, Any] = {}
+        for parameter in _between(body[head.end() :], DSML_PARAMETER, DSML_PARAMETER_END, empty_ok=True):
+            match = _DSML_PARAMETER_HEAD.match(parameter)
+            if match is None:
+                raise ToolCallError(f'{name}: expected {DSML_PARAMETER} name="KEY" string="true|false">')
+            key, string = match.group(1), match.group(2)
+            if key in arguments:
+                raise ToolCallError(f"{name}: parameter {key!r} given twice")
+            # no string flag (a model's slip): the tool's schema says whether the value is a string
+            string_typed = string == "true" if string else tools.parameter_is_string(name, key)
+            arguments[key] = _typed_value(parameter[match.end() :], string_typed)
+        calls.append(ToolCall(name, arguments))
+    return calls
+
+
+def _dsml_format(family: str, block: str) -> ToolFormat:
+    return ToolFormat(family, f"<{DSML}{block}>", f"</{DSML}{block}>", _parse_dsml)
+
+
 FORMATS = {
     "deepseek_v3": ToolFormat("deepseek_v3", DS_CALLS_BEGIN, DS_CALLS_END, _parse_deepseek_v3),
     "deepseek_v31": ToolFormat("deepseek_v31", DS_CALLS_BEGIN, DS_CALLS_END, _parse_deepseek_v31),
     "glm": ToolFormat("glm", GLM_CALL_BEGIN, GLM_CALL_END, _parse_glm),
     "kimi_k2": ToolFormat("kimi_k2", KIMI_SECTION_BEGIN, KIMI_SECTION_END, _parse_kimi),
+    "deepseek_v32": _dsml_format("deepseek_v32", DSML_V32_BLOCK),
+    "deepseek_v4": _dsml_format("deepseek_v4", DSML_V4_BLOCK),
 }
 
 
 def tool_format_for(template: str) -> ToolFormat | None:
-    """The tool format a chat template renders (its own markers say which), None when it has none."""
+    """The tool format a chat template renders (its own markers say which), None when it has none.
+    DeepSeek-V3.2/V4 ship no template (text/dsml.py encodes them); a DSML template someone wrote for
+    them is recognised by its token, the section's tag name telling the version."""
+    if DSML in template:
+        return FORMATS["deepseek_v32" if DSML_V32_BLOCK in template else "deepseek_v4"]
     if KIMI_CALL_BEGIN in template or "tool_declare" in template:
         return FORMATS["kimi_k2"]
     if GLM_CALL_BEGIN in template and GLM_KEY in template:
@@ -234,8 +281,9 @@ class ToolCallParser:
     """Model text in (as deltas), events out: ("text", str) and ("tool_call", ToolCall), in order.
 
     Text that could be the start of the section marker is held back until it cannot; a section is held
-    until it closes, then becomes its calls (or, when it does not parse, its text). Whitespace-only text
-    next to a call (the newlines between GLM's calls) is dropped, so it makes no empty text blocks."""
+    until it closes, then becomes its calls (or, when it does not parse, its text, with every character the
+    model wrote). Whitespace-only text before a call (the newlines between GLM's calls, the blank line before
+    a DSML section) or after an answer's last call is dropped, so it makes no empty text blocks."""
 
     format: ToolFormat
     tools: Tools
@@ -262,8 +310,7 @@ class ToolCallParser:
                     events += self._text(self.buffer[: len(self.buffer) - keep])
                     self.buffer = self.buffer[len(self.buffer) - keep :]
                     return events
-                events += self._text(self.buffer[:begin])
-                self.space = ""  # whitespace before a call is dropped
+                events += self._text(self.buffer[:begin])  # whitespace before it waits in self.space
                 self.buffer, self.in_section = self.buffer[begin + len(self.format.begin) :], True
 
     def finish(self) -> list[Event]:
@@ -294,6 +341,7 @@ class ToolCallParser:
         except ToolCallError:
             return self._text(self.format.begin + section + self.format.end)
         self.calls += calls
+        self.space = ""  # whitespace before a call is dropped
         return [("tool_call", call) for call in calls]
 
 

@@ -1,10 +1,11 @@
-"""Tool calls, per family (DeepSeek-V3, DeepSeek-V3.1/V3.2, GLM, Kimi-K2): each family's tool-call
-text parsed exactly (whole and streamed), malformed text kept as text, the family's tool section
-rendered through a small template written after the real one, and end to end through the server with
-the OpenAI and the Anthropic client. The model's answers are scripted (Server.submit replaced by one
-that pushes chosen token ids through the incremental decoder, as the worker does), so no trained model
-is needed to produce calls; the tool markers are special tokens of the test tokenizer, so the test
-also proves the decoder hands them to the parser. One round trip runs the real tiny model."""
+"""Tool calls, per family (DeepSeek-V3, DeepSeek-V3.1/V3.2-Exp, GLM, Kimi-K2; DeepSeek-V3.2/V4's DSML in
+test_dsml_tool_calls): each family's tool-call text parsed exactly (whole and streamed), malformed text
+kept as text, the family's tool section rendered through a small template written after the real one,
+and end to end through the server with the OpenAI and the Anthropic client. The model's answers are
+scripted (Server.submit replaced by one that pushes chosen token ids through the incremental decoder, as
+the worker does), so no trained model is needed to produce calls; the tool markers are special tokens of
+the test tokenizer, so the test also proves the decoder hands them to the parser. One round trip runs
+the real tiny model."""
 
 from __future__ import annotations
 
@@ -187,7 +188,7 @@ def test_malformed_tool_call_text_is_returned_as_text(case):
     family, text = MALFORMED[case]
     content, calls = parse_tool_calls(text, FORMATS[family], TOOLS)
     if case == "unterminated":  # the first GLM call was complete and closed: only the second is text
-        assert [c.name for c in calls] == ["get_weather"] and content == "Let me check.<tool_call>get_time"
+        assert [c.name for c in calls] == ["get_weather"] and content == "Let me check.\n<tool_call>get_time"
     else:
         assert calls == [] and content == text
 
@@ -313,7 +314,7 @@ def script(monkeypatch, served, answer: str) -> list[int]:
     ids = tokenizer.encode(answer, add_special_tokens=False).ids
     served.prompts = []
 
-    async def submit(body, prompt, limit, session, owner=None):
+    async def submit(body, prompt, limit, session, owner=None, **options):  # options: e.g. logprobs
         served.prompts.append(prompt)
         job = SimpleNamespace(events=asyncio.Queue(), cancel=threading.Event())
         decoder, out = IncrementalDecoder(tokenizer, chat.stop_ids), ids[:limit]
@@ -322,7 +323,8 @@ def script(monkeypatch, served, answer: str) -> list[int]:
                 job.events.put_nowait(("text", delta))
         if tail := decoder.flush():
             job.events.put_nowait(("text", tail))
-        job.events.put_nowait(("done", TurnResult(out, "length" if len(ids) > limit else "stop", len(prompt))))
+        stats = {"reused_tokens": 0}  # what the routes read of a real turn's stats
+        job.events.put_nowait(("done", TurnResult(out, "length" if len(ids) > limit else "stop", len(prompt), stats)))
         return job
 
     monkeypatch.setattr(served.server, "submit", submit)
@@ -412,9 +414,9 @@ def test_a_tool_round_trip_on_the_real_model(family_server, monkeypatch):
     runtime, prompts = served.server.runtime, []
     real_submit = served.server.submit
 
-    async def spy(body, prompt, limit, session, owner=None):
+    async def spy(body, prompt, limit, session, owner=None, **options):
         prompts.append(prompt)
-        return await real_submit(body, prompt, limit, session, owner)
+        return await real_submit(body, prompt, limit, session, owner, **options)
 
     monkeypatch.setattr(served.server, "submit", spy)
     ask = dict(model=MODEL, max_tokens=2, temperature=0)
