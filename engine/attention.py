@@ -9,6 +9,11 @@ Two mathematically equal ways to attend:
 - absorbed (decode): the k half of wkv_b is folded into the query (q_nope [H, n] -> [H, c]) and
   scores are taken against the cached latents directly; the v half is applied after the weighted
   sum of latents. With DSA the K selected latents are gathered, never masked from all T.
+
+Once the cache is longer than one key block (engine/prefill_attention.py: scores [S, H, T] float32 above
+KEY_BLOCK_BYTES), several new positions attend one key block at a time with an online softmax, in
+whichever of the two forms costs fewer multiply-adds for S (absorb=None) or the one forced, so their
+memory is bounded by S x H x the key block, never by H x T.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from engine.args import ModelArgs
 from engine.cache import LayerCache
 from engine.indexer import Indexer
 from engine.layers import RMSNorm, query_blocks
+from engine.prefill_attention import absorbed_blocks, absorbed_is_cheaper, expanded_blocks, key_block
 from engine.quant import scale_values
 from engine.read_ahead import ReadsOtherFormInDecode
 from engine.rope import apply_rope, softmax_scale
@@ -150,10 +156,43 @@ class MLA(nn.Module, ReadsOtherFormInDecode):
         latents, rope_keys = cache.append(latent, k_rope)  # [B, T, c], [B, T, r]
         if self.indexer is not None:
             selection = self.indexer(x, q_latent, start_pos, rope, cache)
+        if seqlen > 1 and latents.shape[1] > key_block(seqlen, self.n_heads):  # a long cache: key blocks
+            if absorb is None:
+                dims = (self.kv_lora_rank, self.nope_dim, self.rope_dim, self.v_dim)
+                absorb = absorbed_is_cheaper(seqlen, self.n_heads, *dims)
+            return self._blocked(q_nope, q_rope, latents, rope_keys, start_pos, selection, absorb), selection
         if absorb is None:
             absorb = seqlen <= ABSORB_MAX_NEW_POSITIONS
         attend = self._absorbed if absorb else self._expanded
         return attend(q_nope, q_rope, latents, rope_keys, start_pos, selection), selection
+
+    def _blocked(
+        self,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        latents: torch.Tensor,
+        rope_keys: torch.Tensor,
+        start_pos: int,
+        selection: torch.Tensor | None,
+        absorb: bool,
+    ) -> torch.Tensor:
+        """S > 1 new positions against a cache of several key blocks -> [B, S, H, v], each sequence of
+        the batch on its own (engine/prefill_attention.py)."""
+        outs = []
+        for b in range(q_nope.shape[0]):
+            row = (
+                q_nope[b],
+                q_rope[b],
+                latents[b],
+                rope_keys[b],
+                start_pos,
+                None if selection is None else selection[b],
+            )
+            if absorb:
+                outs.append(absorbed_blocks(*row, self._kv_b(), self.softmax_scale))
+            else:
+                outs.append(expanded_blocks(*row, self.wkv_b, self.softmax_scale))
+        return torch.stack(outs)
 
     def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         """wkv_b split per head: k part [H, n, c] and v part [H, v, c]."""

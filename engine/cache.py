@@ -145,6 +145,14 @@ class KVCache:
         rows = [t[0, start:end] for layer in self.layers for t in (layer.latent, layer.rope_key)]
         return rows + [layer.index_key[0, start:end] for layer in self.layers if layer.index_key is not None]
 
+    def log_entries(self, start: int, end: int) -> list[torch.Tensor]:
+        """A session's log holds each position's record: its rows."""
+        return self.log_rows(start, end)
+
+    def log_window(self, position: int) -> list[torch.Tensor]:
+        """Nothing beyond the positions' rows."""
+        return []
+
     def release_logged(self, logged: int) -> None:
         """Nothing to free: every row held is one attention reads."""
 

@@ -11,10 +11,11 @@ Overlapping compressors (CSA's, and its indexer's) keep two series: the second h
 feeds its own window's entry, the first half (Ca) the *next* window's, so an entry spans 2m positions
 with stride m.
 
-The state keeps every position's projections (what a conversation's KV log stores: the state can be
-rebuilt from them, and cut back to any length) and the entries of the windows closed so far; a new
-call compresses the windows its positions close, so a prompt fed in pieces gives the entries of the
-prompt fed at once, and a state restored from projections alone catches up on its next call.
+The state keeps the positions' projections (all of them until released: what a prefix block stores,
+from which the state is rebuilt and can be cut back anywhere) and the entries of the windows closed so
+far; a new call compresses the windows its positions close, so a prompt fed in pieces gives the entries
+of the prompt fed at once, and a state restored from projections alone catches up on its next call. A
+session's lean log stores the entries and, at a few positions, the open window's rows (``window_start``).
 """
 
 from __future__ import annotations
@@ -66,8 +67,15 @@ class CompressorState:
         overlap = self.kv.buffer.shape[-1] == 2 * self.entries.shape[-1]
         return max(0, (self.entries.shape[1] - overlap) * rate)
 
+    def window_start(self, position: int, rate: int) -> int:
+        """The first position whose rows the state at ``position`` holds: its open window's, or for an
+        overlapping compressor the window before it (``needed_from`` once the entries caught up)."""
+        overlap = self.kv.buffer.shape[-1] == 2 * self.entries.shape[-1]
+        return max(0, (position // rate - overlap) * rate)
+
     def release_before(self, position: int, rate: int) -> None:
-        keep = min(position, self.needed_from(rate))
+        """Free the rows neither the next compression nor the state at ``position`` or later holds."""
+        keep = min(self.window_start(position, rate), self.needed_from(rate))
         self.kv.release_before(keep)
         self.gate.release_before(keep)
 
@@ -78,12 +86,6 @@ class CompressorState:
             raise RowsReleased(f"the rows to reopen the window at {length} were released")
         self.kv.trim(length)
         self.gate.trim(length)
-
-    def forget_entries(self) -> None:
-        """Drop every entry: the next call recompresses them from the rows (after rows were rounded)."""
-        if self.kv.base:
-            raise RowsReleased("entries cannot be recompressed: the first rows were released")
-        self.entries = self.entries[:, :0]
 
 
 class Compressor(nn.Module):

@@ -7,6 +7,9 @@ plus the facts about them that code outside the forward pass needs:
     log_record(), log_row_widths()   -> a position's KV log record: storage.kvlog's geometry (its format
                                         version and fields) and the widths of its rows, in record order
     cache_from_log(rows, dtype)      -> the cache holding the positions of those logged rows
+    session_log_record()             -> a session log's record: the per-position record (MLA) or the lean
+                                        log's series (DeepSeek-V4: entries per position, window snapshots)
+    cache_from_snapshot(...)         -> the cache at a position from that log's entries and window state
     cache / held rows / compressed / naive KV bytes, and the activation terms of attention, indexer
     and residual stream: what colibri_stream/planning adds up before anything loads.
 
@@ -16,7 +19,8 @@ some) and ``V4Family`` (DeepSeek-V4: compressed sparse attention and hyper-conne
 Activation shapes drop the batch dim (B = 1): C new positions attend to T cached ones; d is the compute
 dtype's bytes, f32 scores are 4. Score tensors are cut into query blocks of at most SCORE_BLOCK_BYTES
 (engine.layers.query_blocks), so a block holds q_blk = min(C, SCORE_BLOCK_BYTES // (heads * T * 4))
-queries (at least one).
+queries (at least one); MLA prefill over a longer cache cuts the cached positions into key blocks
+instead (engine/prefill_attention.py key_block).
 """
 
 from __future__ import annotations
@@ -32,8 +36,9 @@ from engine.cache import KVCache
 from engine.interfaces import Cache, Model
 from engine.layers import SCORE_BLOCK_BYTES
 from engine.model import Transformer
+from engine.prefill_attention import absorbed_is_cheaper, key_block
 from engine.v4_args import V4Args
-from engine.v4_cache import V4Cache, layer_row_widths
+from engine.v4_cache import V4Cache, entry_series, layer_row_widths, window_series
 from engine.v4_model import V4Transformer
 
 F32 = 4
@@ -67,6 +72,20 @@ class Family(Protocol):
     def cache_from_log(self, rows: list[torch.Tensor], dtype: torch.dtype) -> Cache:
         """The one-sequence cache of the logged positions whose rows are ``rows`` (float32 [1, n, width]
         each, in record order), computing in ``dtype``."""
+        ...
+
+    def session_log_record(self) -> tuple[int, dict[str, Any]]:
+        """A session log's record (storage.kvgeometry's format version and fields): ``log_record`` where
+        the cache holds its rows; DeepSeek-V4's lean log where it holds entries (Cache.log_entries,
+        Cache.log_window)."""
+        ...
+
+    def cache_from_snapshot(
+        self, entries: list[torch.Tensor], window: list[torch.Tensor], position: int, dtype: torch.dtype
+    ) -> Cache:
+        """The one-sequence cache at ``position`` from a session log's series (float32 [n, width] each, in
+        Cache.log_entries / Cache.log_window order): the entries of positions 0..position-1 and the
+        window state at ``position``."""
         ...
 
     def cache_bytes_per_token(self, item: int) -> int:
@@ -155,6 +174,16 @@ class MLAFamily:
             state[layer]["index_key"] = index_key
         return KVCache.from_state(state)
 
+    def session_log_record(self) -> tuple[int, dict[str, Any]]:
+        """The per-position record: a session's log is format 2, as before the lean format."""
+        return self.log_record()
+
+    def cache_from_snapshot(
+        self, entries: list[torch.Tensor], window: list[torch.Tensor], position: int, dtype: torch.dtype
+    ) -> KVCache:
+        """The entries are the positions' rows; there is no window state."""
+        return self.cache_from_log([rows[None] for rows in entries], dtype)
+
     def cache_bytes_per_token(self, item: int) -> int:
         """Latent + roped key in the compute dtype, indexer keys float32."""
         args = self.args
@@ -176,20 +205,32 @@ class MLAFamily:
         return stream_bytes(self.args, d, chunk)
 
     def attention_bytes(self, d: int, chunk: int, context: int) -> int:
-        """The expanded path (engine/attention.py MLA.forward, _expanded, _expanded_block). H heads, n nope,
-        r rope, v value head dims."""
-        args, c, t, h = self.args, chunk, context, self.args.n_heads
+        """engine/attention.py MLA.forward's peak for ``chunk`` new positions (and a decode step) against
+        ``context`` cached ones: the whole-cache expanded path while the cache fits one key block
+        (engine/prefill_attention.py key_block), else the key-blocked form MLA picks (absorbed_is_cheaper)."""
+        args, h = self.args, self.args.n_heads
         per_position = (
             args.q_lora_rank  # q latent [C, q_lora]
             + 2 * h * args.qk_head_dim  # q [C, H, n + r] and the roped q_rope copy
             + args.kv_lora_rank
             + args.qk_rope_head_dim  # wkv_a out [C, c + r]
-            + 2 * h * args.v_head_dim  # block outputs [C, H, v], their cat, wo's input
         )
-        projections = d * c * per_position
+        projections = d * chunk * per_position
+        # one query's scores [H, T] (a decode step): float32 3 at once; bfloat16 as _whole_cache's scores
+        decode = h * context * (3 * d if d == F32 else 2 * d + 2 * F32)
+        if chunk == 1 or context <= key_block(chunk, h):
+            return projections + max(decode, self._whole_cache_bytes(d, chunk, context))
+        dims = (args.kv_lora_rank, args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim)
+        blocked = self._absorbed_blocks_bytes if absorbed_is_cheaper(chunk, h, *dims) else self._expanded_blocks_bytes
+        return projections + max(decode, blocked(d, chunk, context))
+
+    def _whole_cache_bytes(self, d: int, chunk: int, context: int) -> int:
+        """MLA._expanded, _expanded_block. H heads, n nope, r rope, v value head dims."""
+        args, c, t, h = self.args, chunk, context, self.args.n_heads
+        outputs = d * c * 2 * h * args.v_head_dim  # block outputs [C, H, v], their cat, wo's input
         # wkv_b over every cached latent: kv [T, H, n + v] (the einsums read its k_nope / v views in place,
         # as a measured peak confirms: docs/benchmarks.md, "Figures behind the code"). It grows with T, not
-        # C: for DeepSeek-V3 at 163840 positions 20 GiB in float32, the largest term there.
+        # C, which is why a cache longer than one key block takes the key-blocked forms below.
         expanded = d * t * h * (args.qk_nope_head_dim + args.v_head_dim)
         # one query block's scores [q_blk, H, T]: float32 holds 3 at once (the two einsums and their sum,
         # then scaled, masked, softmax); bfloat16 the masked scores, the softmax's float32 copy of its input
@@ -198,7 +239,40 @@ class MLAFamily:
         per_score = 3 * d if d == F32 else 2 * d + 2 * F32
         q_blk = block_queries(c, h, t)
         scores = q_blk * h * t * per_score + 3 * q_blk * t
-        return projections + expanded + scores
+        return outputs + expanded + scores
+
+    def _block_common_bytes(self, d: int, chunk: int, context: int, value_dim: int) -> int:
+        """What both key-blocked forms hold besides their keys: the online softmax's float32 state (output
+        [H, C, value_dim]; max, sum, rescale and the next max and shift [H, C]); one block's scores
+        [H, C, Tk] (a float32 copy, the weights cast back, in bfloat16); its mask [C, Tk] (float32, its
+        compute-dtype copy, two bool); the DSA choice [C, T] bool; the output [C, H, v] cast back and stacked."""
+        args, c, h = self.args, chunk, self.args.n_heads
+        block = min(context, key_block(c, h))
+        state = F32 * h * c * (value_dim + 5)
+        per_score = d if d == F32 else d + F32 + d
+        scores = h * c * block * per_score + c * block * (F32 + d + 2)
+        chosen = c * context if args.has_dsa else 0
+        out = 2 * d * c * h * args.v_head_dim
+        return state + scores + chosen + out
+
+    def _expanded_blocks_bytes(self, d: int, chunk: int, context: int) -> int:
+        """prefill_attention.expanded_blocks: queries [H, C, n + r]; per block wkv_b's output [Tk, H, n + v]
+        and the keys [Tk, H, n + r]."""
+        args, c, h = self.args, chunk, self.args.n_heads
+        block = min(context, key_block(c, h))
+        query = d * h * c * args.qk_head_dim
+        keys = d * block * h * (args.qk_nope_head_dim + args.v_head_dim + args.qk_head_dim)
+        return query + keys + self._block_common_bytes(d, c, context, args.v_head_dim)
+
+    def _absorbed_blocks_bytes(self, d: int, chunk: int, context: int) -> int:
+        """prefill_attention.absorbed_blocks: q_nope folded [H, C, c] and the queries [H, C, c + r]; per
+        block the keys [Tk, c + r] and the weighted latents [H, C, c] (and their float32 copy)."""
+        args, c, h = self.args, chunk, self.args.n_heads
+        block = min(context, key_block(c, h))
+        rank, rope = args.kv_lora_rank, args.qk_rope_head_dim
+        query = d * h * c * (2 * rank + rope)
+        keys = d * block * (rank + rope) + (d + F32) * h * c * rank
+        return query + keys + self._block_common_bytes(d, c, context, rank)
 
     def indexer_bytes(self, d: int, chunk: int, context: int) -> int:
         """The DSA lightning indexer (engine/indexer.py), Hi heads of D, on layers with their own indexer."""
@@ -215,9 +289,10 @@ class MLAFamily:
 
 
 class V4Family:
-    """DeepSeek-V4 (engine/v4_model.py): its cache logs every row it keeps per position, so a restored
-    log continues exactly and can be cut back anywhere; in memory it keeps the compressed entries (its
-    rows are released once logged, or when nothing logs them: engine/position_rows.py)."""
+    """DeepSeek-V4 (engine/v4_model.py): its full record (``log_record``, a prefix block's) holds every row
+    its cache keeps per position; its session log is lean (``session_log_record``: the compressed entries
+    per position, snapshots of the window state). In memory it keeps the compressed entries (its rows are
+    released once logged, or when nothing logs them: engine/position_rows.py)."""
 
     naive_kv_kind = "one uncompressed K=V head per layer (MQA)"
 
@@ -248,6 +323,20 @@ class V4Family:
         logged = iter(rows)
         layers = [{name: next(logged).to(dtype) for name in names} for names in self._layer_rows()]
         return V4Cache.from_rows(self.args, layers)
+
+    def session_log_record(self) -> tuple[int, dict[str, Any]]:
+        """Format 4 (storage.kvgeometry LeanGeometry): every layer's entry_series and window_series, layer
+        after layer (engine/v4_cache.py); the snapshot interval follows from their sizes."""
+        layers = range(self.args.n_layers)
+        entries = tuple(series for layer in layers for series in entry_series(self.v4, layer))
+        return 4, {"entries": entries, "windows": tuple(s for layer in layers for s in window_series(self.v4, layer))}
+
+    def cache_from_snapshot(
+        self, entries: list[torch.Tensor], window: list[torch.Tensor], position: int, dtype: torch.dtype
+    ) -> V4Cache:
+        return V4Cache.from_snapshot(
+            self.args, [e.to(dtype) for e in entries], [rows.to(dtype) for rows in window], position
+        )
 
     def cache_bytes_per_token(self, item: int) -> int:
         """The compressed entries (one per m positions per compressed layer), rounded up to a whole byte:

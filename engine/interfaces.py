@@ -43,6 +43,18 @@ class Cache(Protocol):
         """Positions start..end of batch row 0 as the log records them: [end - start, width] per row."""
         ...
 
+    def log_entries(self, start: int, end: int) -> list[torch.Tensor]:
+        """What positions start..end of batch row 0 add to a session's log (Family.session_log_record):
+        [n, width] per series. MLA: its rows (``log_rows``); DeepSeek-V4: the compressed entries of the
+        windows those positions close."""
+        ...
+
+    def log_window(self, position: int) -> list[torch.Tensor]:
+        """The fixed-size state at ``position`` a session's log snapshots beside the entries: [n, width] per
+        series. MLA: none; DeepSeek-V4: the sliding window's and the open compressor windows' rows
+        (RowsReleased if freed: a session asks for them before its log moves past them)."""
+        ...
+
     def release_logged(self, logged: int) -> None:
         """The first ``logged`` positions are in a log as held here (0: none): rows kept only for a log
         may be freed before there."""

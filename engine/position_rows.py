@@ -1,9 +1,10 @@
 """Per-position rows of which only a recent part is kept: DeepSeek-V4's K=V rows and compressor projections.
 
-A conversation's KV log holds every position's rows; attention needs only the sliding window's and the
-open compressor windows'. So the rows of positions before ``base`` can be released once the log has
-them (or when nothing logs them), and the state then costs the compressed entries per position. What
-was released cannot be trimmed back to: ``RowsReleased`` says so, and the caller rebuilds from the log.
+Attention needs only the sliding window's rows and the open compressor windows'. So the rows of
+positions before ``base`` can be released once a log no longer needs them (a session's lean log stores
+the compressed entries per position and snapshots the window state; or when nothing logs them), and the
+state then costs the compressed entries per position. What was released cannot be trimmed back to:
+``RowsReleased`` says so, and the caller restores from the log.
 """
 
 from __future__ import annotations

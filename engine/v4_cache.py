@@ -5,11 +5,15 @@
   windows closed so far (engine/compressor.py).
 - ``indexer`` (CSA layers): the same for the lightning indexer's own compressor.
 
-Per position the rows are what a conversation's KV log stores (``rows``, widths ``layer_row_widths``),
-and all the state is a function of them: ``from_rows`` rebuilds it (the entries are recompressed on the
-next forward call), ``trim`` cuts it back. Once logged (or with no log) the rows attention no longer
-needs are released (engine/position_rows.py), and what stays per position is the compressed entries: D / m
-per compressed layer (engine/families.py V4Family), plus the sliding window's and the open windows' rows.
+Per position the rows are what a prefix block stores (``log_rows``, widths ``layer_row_widths``), and all
+the state is a function of them: ``from_rows`` rebuilds it (the entries are recompressed on the next
+forward call), ``trim`` cuts it back. Once logged (or with no log) the rows attention no longer needs are
+released (engine/position_rows.py), and what stays per position is the compressed entries: D / m per
+compressed layer (engine/families.py V4Family), plus the sliding window's and the open windows' rows.
+
+A session's lean log (storage/kvsnap.py) stores exactly that split: per position the entries of the
+windows it closes (``log_entries``, series ``entry_series``) and, at a few positions, the window state
+(``log_window``, series ``window_series``); ``from_snapshot`` rebuilds the state at such a position.
 """
 
 from __future__ import annotations
@@ -39,6 +43,26 @@ def layer_row_widths(v4: V4Args, layer: int) -> dict[str, int]:
     if v4.is_csa(layer):
         rows |= {"indexer.kv": 2 * v4.index_head_dim, "indexer.gate": 2 * v4.index_head_dim}
     return rows
+
+
+def entry_series(v4: V4Args, layer: int) -> list[tuple[int, int]]:
+    """(width, rate) of each compressor's entries ``layer`` keeps, in log order: the compressor's [D], then
+    on CSA layers the indexer's [index_head_dim]."""
+    series = [(v4.head_dim, v4.rate(layer))] if v4.rate(layer) else []
+    return series + ([(v4.index_head_dim, v4.csa_rate)] if v4.is_csa(layer) else [])
+
+
+def window_series(v4: V4Args, layer: int) -> list[tuple[int, int, int]]:
+    """(width, period, keep) of the rows ``layer`` holds at any position, in ROW_ORDER: the K=V rows of the
+    last window - 1 positions, and each compressor's kv and gate rows of its open window (keep 0) plus,
+    if it overlaps, the closed window before it (keep 1): CompressorState.needed_from."""
+    widths = layer_row_widths(v4, layer)
+    periods = {"kv": (1, v4.sliding_window - 1)}
+    if v4.rate(layer):
+        periods |= dict.fromkeys(("compressor.kv", "compressor.gate"), (v4.rate(layer), int(v4.is_csa(layer))))
+    if v4.is_csa(layer):
+        periods |= dict.fromkeys(("indexer.kv", "indexer.gate"), (v4.csa_rate, 1))
+    return [(width, *periods[name]) for name, width in widths.items()]
 
 
 @dataclass
@@ -75,8 +99,9 @@ class V4LayerCache:
         self.kv.trim(length)
 
     def release_before(self, position: int, window: int, rates: tuple[int, int]) -> None:
-        """Free the rows before ``position`` that attention and the open windows no longer need."""
-        self.kv.release_before(min(position, self.length - (window - 1)))
+        """Free the rows that neither attention, the open windows nor the state at ``position`` or later
+        (what a log may still record: its rows, its window) need."""
+        self.kv.release_before(min(position, self.length) - (window - 1))
         for state, rate in self.states(rates):
             state.release_before(position, rate)
 
@@ -88,24 +113,48 @@ class V4LayerCache:
                 rows[f"{name}.kv"], rows[f"{name}.gate"] = state.kv, state.gate
         return rows
 
-    def round_rows(self, dtype: torch.dtype) -> None:
-        """Round every held row in place to ``dtype`` (what a bf16 KV log holds) and recompress from them
-        (RowsReleased if the first rows are gone)."""
+    def round_held(self, dtype: torch.dtype) -> None:
+        """Round every held row and entry in place to ``dtype`` (what a bf16 lean log holds of them)."""
         for state in (self.compressor, self.indexer):
             if state is not None:
-                state.forget_entries()
+                state.entries.copy_(state.entries.to(dtype))
         for rows in self.rows().values():
             held = rows.all()
             held.copy_(held.to(dtype))
+
+    def window(self, position: int, window: int, rates: tuple[int, int]) -> list[torch.Tensor]:
+        """The rows window_series names at ``position`` (batch row 0), [n, width] each, in ROW_ORDER
+        (RowsReleased if they are gone)."""
+        rows = [self.kv.between(max(0, position - (window - 1)), position)[0]]
+        for state, rate in self.states(rates):
+            start = state.window_start(position, rate)
+            rows += [state.kv.between(start, position)[0], state.gate.between(start, position)[0]]
+        return rows
+
+    def closed_entries(self, start: int, end: int, rates: tuple[int, int]) -> list[torch.Tensor]:
+        """The entries [n, width] of the windows positions start..end-1 close, per entry_series (batch row 0)."""
+        return [state.entries[0, start // rate : end // rate] for state, rate in self.states(rates)]
+
+    @classmethod
+    def from_snapshot(cls, entries: list[torch.Tensor], window: list[torch.Tensor], position: int) -> V4LayerCache:
+        """The layer at ``position`` from its entry_series' entries [n, width] (every window closed before
+        it) and its window_series' rows [n, width], one sequence."""
+        states: list[CompressorState | None] = []
+        for kv, gate, closed in zip(window[1::2], window[2::2], entries, strict=True):
+            base = position - kv.shape[0]
+            states.append(CompressorState(PositionRows(kv[None], base), PositionRows(gate[None], base), closed[None]))
+        compressor, indexer = (*states, None, None)[:2]  # HCA: a compressor; CSA: and an indexer
+        return cls(PositionRows(window[0][None], position - window[0].shape[0]), compressor, indexer)
 
 
 @dataclass
 class V4Cache:
     """All layers' state; ``length`` positions have been fed to every layer.
 
-    ``keep_rows_from``: the first position whose rows must stay (a session's log does not have them
-    yet); None: no log, keep only what attention needs. ``release`` frees the rest. A position's log
-    record: every layer's rows (``rows``), layer after layer, each layer's in ROW_ORDER."""
+    ``keep_rows_from``: the first position a log has not recorded yet: its rows and the window state at
+    it or any later position stay (``log_rows``, ``log_window``); None: no log, keep only what attention
+    needs. ``release`` frees the rest. A position's full record (a prefix block's): every layer's rows
+    (``rows``), layer after layer, each layer's in ROW_ORDER."""
 
     layers: list[V4LayerCache] = field(default_factory=list)
     rates: list[tuple[int, int]] = field(default_factory=list)  # per layer (compressor, indexer) window
@@ -177,17 +226,46 @@ class V4Cache:
         return rows
 
     def release_logged(self, logged: int) -> None:
-        """Keep the rows the log lacks (from ``logged`` on) and release the others: what stays per
-        position is the compressed entries."""
+        """Keep what a log lacks (from ``logged`` on: rows, window states) and release the rest: what
+        stays per position is the compressed entries."""
         self.keep_rows_from = logged
         self.release()
 
     def round_as_logged(self, dtype: torch.dtype) -> None:
-        """Rows rounded, compressed entries dropped: the next call rebuilds them from the rounded rows, as
-        it does for a cache restored from the log. Rows already in ``dtype`` are what the log holds."""
+        """Held rows and entries rounded in place: what a cache restored from a lean log of ``dtype``
+        records holds (the log stores the entries, not the rows they were compressed from)."""
         if self.dtype != dtype:
             for layer in self.layers:
-                layer.round_rows(dtype)
+                layer.round_held(dtype)
+
+    def log_entries(self, start: int, end: int) -> list[torch.Tensor]:
+        """Every layer's entry_series: the entries [n, width] of the windows positions start..end-1 close."""
+        return [
+            e
+            for layer, rates in zip(self.layers, self.rates, strict=True)
+            for e in layer.closed_entries(start, end, rates)
+        ]
+
+    def log_window(self, position: int) -> list[torch.Tensor]:
+        """Every layer's window_series: the rows [n, width] the state at ``position`` holds (RowsReleased if
+        they were freed: a session's end_turn asks before its log's length moves on)."""
+        layers = zip(self.layers, self.rates, strict=True)
+        return [rows for layer, rates in layers for rows in layer.window(position, self.window, rates)]
+
+    @classmethod
+    def from_snapshot(
+        cls, args: ModelArgs, entries: list[torch.Tensor], window: list[torch.Tensor], position: int
+    ) -> V4Cache:
+        """The one-sequence state at ``position`` from every layer's entry_series (the entries [n, width] of
+        the windows closed before it) and window_series (rows [n, width]), in the compute dtype."""
+        v4 = args.v4
+        assert v4 is not None  # a V4 cache is built from deepseek_v4 args (engine/families.py)
+        rates, entry_it, window_it, layers = _rates(args), iter(entries), iter(window), []
+        for layer in range(args.n_layers):
+            own_entries = [next(entry_it) for _ in entry_series(v4, layer)]
+            own_window = [next(window_it) for _ in window_series(v4, layer)]
+            layers.append(V4LayerCache.from_snapshot(own_entries, own_window, position))
+        return cls(layers, rates, v4.sliding_window)
 
 
 def _rates(args: ModelArgs) -> list[tuple[int, int]]:

@@ -6,11 +6,14 @@
     record i (record_bytes each, at 4096 + i * record_bytes):
                          u32 token id | payload (in the record dtype) | u32 crc32c(position i, token, payload)
 
-The payload's geometry comes in two kinds, told apart by the header's format version:
+The payload's geometry comes in two kinds, told apart by the header's format version
+(storage/kvgeometry.py):
     2 (KVGeometry, MLA models): per layer latent + roped key, then per DSA full layer the indexer key;
-    3 (RowsGeometry, DeepSeek-V4): per layer, that layer's rows in order (``layer_rows`` widths).
+    3 (RowsGeometry, DeepSeek-V4's full rows): per layer, that layer's rows in order (``layer_rows``).
 A log is written in the version its geometry needs, so an MLA log stays version 2: byte for byte what
-builds before version 3 wrote, and what they still read.
+builds before version 3 wrote, and what they still read. Version 4 (DeepSeek-V4's lean session log) is
+not a log of records: storage/kvsnap.py writes it, sharing this file's header, lock and open rules
+(LockedLog).
 
 The position is folded into each record's checksum, so a record copied or shifted to another place
 fails. Opening scans the records and keeps the longest valid prefix (point-in-time recovery: a torn
@@ -34,17 +37,24 @@ import fcntl
 import json
 import os
 import struct
-from abc import abstractmethod
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 import numpy as np
 
 from storage.checksum import crc32c
 from storage.errors import CorruptDataError, FormatError, IncompatibleStateError, write_errors
-from storage.layout import DTYPES
+from storage.kvgeometry import (  # the geometries are re-exported: storage.kvlog is where callers find them
+    GEOMETRY_OF_VERSION as GEOMETRY_OF_VERSION,
+)
+from storage.kvgeometry import MAX_ROW_WIDTH as MAX_ROW_WIDTH
+from storage.kvgeometry import RECORD_DTYPES as RECORD_DTYPES
+from storage.kvgeometry import AnyGeometry, KVGeometry, RowsGeometry, log_geometry_of_header
+from storage.kvgeometry import Geometry as Geometry
+from storage.kvgeometry import geometry_of_header as geometry_of_header
 from storage.safe_read import NotRegularFileError, check_regular_mode, open_regular
 
 MAGIC = b"COLIKV\x00\x01"
@@ -53,85 +63,6 @@ CHUNK_BYTES = 8 << 20  # the most one scan or read step holds (whole records, at
 _TOKEN = struct.Struct("<I")
 _CRC = struct.Struct("<I")
 _POSITION = struct.Struct("<Q")
-# Record dtypes (float32 is exact; bfloat16 halves the file); sizes from the one table, storage.layout.DTYPES.
-RECORD_DTYPES = ("float32", "bfloat16")
-
-
-class _RecordSizes:
-    """Sizes of a record from its geometry's ``values_per_token`` and ``dtype``."""
-
-    dtype: str
-
-    @property
-    @abstractmethod
-    def values_per_token(self) -> int:
-        """Values one record holds per token (each geometry sums its own)."""
-
-    @property
-    def payload_bytes(self) -> int:
-        return self.values_per_token * np.dtype(DTYPES[self.dtype]).itemsize
-
-    @property
-    def record_bytes(self) -> int:
-        return _TOKEN.size + self.payload_bytes + _CRC.size
-
-
-@dataclass(frozen=True)
-class KVGeometry(_RecordSizes):
-    """What one record holds: per layer (kv_lora + qk_rope) values, plus index_dim per DSA full layer."""
-
-    n_layers: int
-    kv_lora_rank: int
-    qk_rope_head_dim: int
-    index_layers: tuple[int, ...]
-    index_head_dim: int
-    dtype: str  # "float32" | "bfloat16"
-
-    FORMAT_VERSION: ClassVar[int] = 2
-
-    def __post_init__(self) -> None:
-        if self.dtype not in RECORD_DTYPES:
-            raise FormatError(f"KV record dtype {self.dtype!r} is not one of {sorted(RECORD_DTYPES)}")
-
-    @property
-    def values_per_token(self) -> int:
-        return (
-            self.n_layers * (self.kv_lora_rank + self.qk_rope_head_dim) + len(self.index_layers) * self.index_head_dim
-        )
-
-
-@dataclass(frozen=True)
-class RowsGeometry(_RecordSizes):
-    """What one record holds as per-layer rows: ``layer_rows[i]`` are the widths (values) of layer i's
-    rows, stored one after another, layer after layer. Which row is which is the app's business."""
-
-    layer_rows: tuple[tuple[int, ...], ...]
-    dtype: str  # "float32" | "bfloat16"
-
-    FORMAT_VERSION: ClassVar[int] = 3
-
-    def __post_init__(self) -> None:
-        if self.dtype not in RECORD_DTYPES:
-            raise FormatError(f"KV record dtype {self.dtype!r} is not one of {sorted(RECORD_DTYPES)}")
-        if not self.layer_rows or not all(
-            isinstance(layer, tuple) and layer and all(_is_width(w) for w in layer) for layer in self.layer_rows
-        ):
-            raise FormatError(f"KV layer_rows {self.layer_rows!r} must list, per layer, positive row widths")
-
-    @property
-    def values_per_token(self) -> int:
-        return sum(sum(layer) for layer in self.layer_rows)
-
-
-Geometry = KVGeometry | RowsGeometry
-# The format versions this build reads and writes, by the geometry each holds. 2: the header records
-# "state" (the compute dtype; a version-1 log cannot say what it was computed in). 3: per-layer rows.
-GEOMETRY_OF_VERSION: dict[int, type[KVGeometry] | type[RowsGeometry]] = {2: KVGeometry, 3: RowsGeometry}
-MAX_ROW_WIDTH = 1 << 24  # values in one row: far above any model's, far below an absurd record
-
-
-def _is_width(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_ROW_WIDTH
 
 
 class StateMismatchError(IncompatibleStateError):
@@ -147,7 +78,7 @@ def _record_crc(position: int, body: bytes | memoryview | np.ndarray) -> int:
     return crc32c(body, crc32c(_POSITION.pack(position)))
 
 
-def encode_header(fingerprint: str, geometry: Geometry, state: dict[str, str] | None = None) -> bytes:
+def encode_header(fingerprint: str, geometry: AnyGeometry, state: dict[str, str] | None = None) -> bytes:
     meta = json.dumps(
         {
             "format_version": geometry.FORMAT_VERSION,
@@ -189,30 +120,18 @@ def decode_header(data: bytes, path: Path) -> dict[str, Any]:
     return header
 
 
-def geometry_of_header(header: dict[str, Any], path: Path) -> Geometry:
-    """The geometry a decoded header describes (its kind from the format version), or FormatError."""
-    fields: Any = header.get("geometry")  # JSON; a malformed value raises KeyError/TypeError below
-    try:
-        if header["format_version"] == RowsGeometry.FORMAT_VERSION:
-            layers = tuple(tuple(layer) for layer in fields["layer_rows"])
-            return RowsGeometry(**{**fields, "layer_rows": layers})
-        return KVGeometry(**{**fields, "index_layers": tuple(fields["index_layers"])})
-    except (KeyError, TypeError) as exc:
-        raise FormatError(f"{path}: KV log geometry is malformed ({exc!r})") from None
-
-
-def read_header(path: str | Path) -> tuple[str, Geometry]:
+def read_header(path: str | Path) -> tuple[str, AnyGeometry]:
     """(fingerprint, geometry) from a KV log's header, without locking or scanning it."""
     fingerprint, geometry, _ = read_header_state(path)
     return fingerprint, geometry
 
 
-def read_header_state(path: str | Path) -> tuple[str, Geometry, dict[str, str]]:
+def read_header_state(path: str | Path) -> tuple[str, AnyGeometry, dict[str, str]]:
     """(fingerprint, geometry, state) from a KV log's header, without locking or scanning it."""
     path = Path(path)
     with os.fdopen(open_regular(path, "KV log", follow_symlinks=False), "rb") as f:
         header = decode_header(f.read(HEADER_BYTES), path)
-    geometry = geometry_of_header(header, path)
+    geometry = log_geometry_of_header(header, path)
     state = header.get("state")
     if not isinstance(state, dict):
         raise FormatError(f"{path}: KV log header 'state' is {state!r}, expected an object")
@@ -270,6 +189,24 @@ def count_valid_records(data: bytes | memoryview, record_bytes: int, first: int 
     return n
 
 
+def encode_records(tokens: np.ndarray, payloads: np.ndarray, first: int, record_bytes: int) -> np.ndarray:
+    """Records for positions first.. as uint8 [n, record_bytes]: token | payload | crc (position folded in)."""
+    n = len(tokens)
+    records = np.empty((n, record_bytes), dtype=np.uint8)
+    records[:, : _TOKEN.size] = np.asarray(tokens, dtype="<u4").reshape(n, 1).view(np.uint8)
+    records[:, _TOKEN.size : -_CRC.size] = payloads
+    for i in range(n):
+        crc = _record_crc(first + i, records[i, : -_CRC.size])
+        records[i, -_CRC.size :] = np.frombuffer(_CRC.pack(crc), dtype=np.uint8)
+    return records
+
+
+def decode_records(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids [n] uint32, payloads [n, payload_bytes] uint8) of records uint8 [n, record_bytes]."""
+    tokens = raw[:, : _TOKEN.size].copy().view("<u4").reshape(len(raw))
+    return tokens, raw[:, _TOKEN.size : raw.shape[1] - _CRC.size]
+
+
 def remove_log(path: str | Path) -> None:
     """Delete a log, whatever its header holds (a corrupt one included), unless another process has it
     open: the lock needs only the file, not a valid header. A file without our magic, a symbolic link
@@ -324,23 +261,28 @@ def _unlink_if_same(path: Path, fd: int) -> None:
 FaultHook = Callable[[str], None]
 
 
-class KVLog:
-    """One conversation slot's log, opened exclusively; ``length`` is its count of valid records.
+class LockedLog(ABC):
+    """A log file opened exclusively, its header checked (or written): what KVLog and the lean log
+    (storage/kvsnap.py) share. ``length`` is its count of valid positions.
 
     ``state`` names what the stored values depend on besides the model and geometry (the app's choice,
     e.g. {"compute_dtype": "bfloat16"}); a log written under another state is refused. ``fresh``
     starts the log over whatever the file held (a corrupt header, another model): a reset."""
 
+    GEOMETRIES: ClassVar[tuple[type, ...]]  # the geometries this kind of log writes
+
     def __init__(
         self,
         path: str | Path,
         fingerprint: str,
-        geometry: Geometry,
+        geometry: AnyGeometry,
         fault: FaultHook | None = None,
         *,
         state: dict[str, str] | None = None,
         fresh: bool = False,
     ):
+        if not isinstance(geometry, self.GEOMETRIES):  # a lean geometry is storage/kvsnap.py's
+            raise TypeError(f"{type(self).__name__} does not write {type(geometry).__name__} logs")
         self.path = Path(path)
         self.fingerprint = fingerprint
         self.geometry = geometry
@@ -368,15 +310,37 @@ class KVLog:
         check_ours(self._fd, self.path)  # before anything is written or cut: --reset included
         if size == 0 or self._fresh:
             self._write_header()
-            self.length = 0
+            self._start_empty()
             return size
         self._check_header(decode_header(os.pread(self._fd, HEADER_BYTES, 0), self.path))
-        self.length = self._scan(size)
-        valid_end = HEADER_BYTES + self.length * self.geometry.record_bytes
+        valid_end = self._recover(size)
         if size != valid_end:  # cut the torn or corrupted tail so appends continue a valid file
             os.ftruncate(self._fd, valid_end)
             os.fsync(self._fd)
         return size
+
+    @abstractmethod
+    def _start_empty(self) -> None:
+        """Set the state of a log that holds no position yet."""
+
+    @abstractmethod
+    def _recover(self, size: int) -> int:
+        """Scan a file of ``size`` bytes after the header: set the state from its valid prefix, return where
+        that prefix ends (the rest is cut)."""
+
+    def sync(self) -> None:
+        os.fsync(self._fd)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)  # releases the flock
+            self._fd = -1
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _write_header(self) -> None:
         """Start the file over with this log's header; if that cannot be written (a full disk), the file is
@@ -431,6 +395,23 @@ class KVLog:
                         current.get(key),
                     )
 
+
+class KVLog(LockedLog):
+    """One conversation slot's log of fixed-size records (KVGeometry or RowsGeometry), opened exclusively;
+    ``length`` is its count of valid records."""
+
+    geometry: Geometry
+
+    GEOMETRIES = (KVGeometry, RowsGeometry)
+
+    def _start_empty(self) -> None:
+        self.length = 0
+
+    def _recover(self, size: int) -> int:
+        self._start_empty()
+        self.length = self._scan(size)
+        return HEADER_BYTES + self.length * self.geometry.record_bytes
+
     def _chunk_records(self) -> int:
         return max(1, CHUNK_BYTES // self.geometry.record_bytes)
 
@@ -468,10 +449,7 @@ class KVLog:
     def read(self, count: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(token ids [n] uint32, payloads [n, payload_bytes] uint8) of the first ``count`` records."""
         count = self.length if count is None else min(count, self.length)
-        size = self.geometry.record_bytes
-        raw = self._read_records(0, count)
-        tokens = raw[:, : _TOKEN.size].copy().view("<u4").reshape(count)
-        return tokens, raw[:, _TOKEN.size : size - _CRC.size]
+        return decode_records(self._read_records(0, count))
 
     def common_prefix(self, token_ids: Sequence[int]) -> int:
         """How many leading records hold exactly ``token_ids``' first tokens, read a chunk at a time (the
@@ -495,12 +473,7 @@ class KVLog:
             raise ValueError(
                 f"payloads must be uint8[{n}, {self.geometry.payload_bytes}], got {payloads.dtype}{payloads.shape}"
             )
-        records = np.empty((n, self.geometry.record_bytes), dtype=np.uint8)
-        records[:, : _TOKEN.size] = np.asarray(tokens, dtype="<u4").reshape(n, 1).view(np.uint8)
-        records[:, _TOKEN.size : -_CRC.size] = payloads
-        for i in range(n):
-            crc = _record_crc(self.length + i, records[i, : -_CRC.size])
-            records[i, -_CRC.size :] = np.frombuffer(_CRC.pack(crc), dtype=np.uint8)
+        records = encode_records(tokens, payloads, self.length, self.geometry.record_bytes)
         offset = HEADER_BYTES + self.length * self.geometry.record_bytes
         try:
             with write_errors(self.path, f"{n} KV log record(s)"):
@@ -522,9 +495,6 @@ class KVLog:
         if sync:
             os.fsync(self._fd)
 
-    def sync(self) -> None:
-        os.fsync(self._fd)
-
     def truncate(self, length: int) -> None:
         """Forget records from ``length`` on (the conversation diverged there)."""
         if not 0 <= length <= self.length:
@@ -532,14 +502,3 @@ class KVLog:
         os.ftruncate(self._fd, HEADER_BYTES + length * self.geometry.record_bytes)
         os.fsync(self._fd)
         self.length = length
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)  # releases the flock
-            self._fd = -1
-
-    def __enter__(self) -> KVLog:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from colibri_stream.cli.help import help_options
 from colibri_stream.cli.options import (
+    add_context_argument,
     add_dtype_argument,
     add_store_arguments,
     add_target_arguments,
@@ -17,7 +18,7 @@ from colibri_stream.cli.options import (
     target_options,
 )
 from colibri_stream.planning.bandwidth import Bandwidth, measure
-from colibri_stream.planning.budget import parse_size, store_config
+from colibri_stream.planning.budget import parse_size, planned_context, store_config
 from colibri_stream.planning.geometry import model_geometry
 from colibri_stream.planning.placement import check_fits, describe, expected_speed, plan, verdict
 
@@ -25,14 +26,17 @@ PLAN_RAM = "auto"  # without --ram or --budget: what this machine has available 
 PLAN_EPILOG = """\
 examples:
   colibri-stream plan config.json                      # before the download: DeepSeek-V3's config.json is enough
+  colibri-stream plan config.json --context 32768 --ram 16GiB   # KV and activations for 32k tokens, not 163,840
   colibri-stream plan HF_DIR --ram 48GiB --vram 24GiB  # as `convert` would write it (--experts int4 --group-size 64)
   colibri-stream plan MODEL.cstream --ram 25%
   colibri-stream plan MODEL.cstream --budget budgets/workstation-128g-24gvram.toml --dtype bfloat16 --json
 
 PATH is a container, a Hugging Face checkpoint directory, or a config.json (the file, or a directory
 holding it); for the last two every number is computed from the config, for the container
---experts/--group-size/--dense would write. Without --ram or --budget the RAM tier is `--ram auto`:
-what is available (MemAvailable) after dense weights and KV at full context, less 10%.
+--experts/--group-size/--dense would write. KV and prefill activations are sized for --context tokens
+(default: the budget file's [kv] context, else the model's max_position_embeddings, the most it may be).
+Without --ram or --budget the RAM tier is `--ram auto`: what is available (MemAvailable) after dense
+weights, KV and activations at that context, less 10%.
 
 The last line is the verdict: "fits" (every expert cached), "fits with N% of experts cached", or
 "does not fit: <why, with the numbers>". Expected decode tok/s, from this machine's measured memory
@@ -48,13 +52,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "plan",
         help="will it fit? dense, experts, KV, slots per tier and expected tok/s, before loading or downloading",
-        description="Compute the placement (dense, KV at max context, expert slots per tier, disk bytes per token "
+        description="Compute the placement (dense, KV at the context, expert slots per tier, disk bytes per token "
         "at 0% hits, expected peak RSS and decode tok/s) from a container's metadata or a config.json and a "
         "budget, without loading anything.",
         **help_options(PLAN_EPILOG),
     )
     parser.add_argument("path", help="container, Hugging Face checkpoint directory, or config.json")
     add_dtype_argument(parser)
+    add_context_argument(parser)
     parser.add_argument("--json", action="store_true", help="print the placement as one JSON object")
     target = parser.add_argument_group("the container a conversion would write (checkpoints and config.json)")
     add_target_arguments(target)
@@ -81,10 +86,11 @@ def bandwidth(args: argparse.Namespace) -> Bandwidth:
 
 def run_plan(args: argparse.Namespace) -> int:
     geometry = model_geometry(Path(args.path), target_options(args))
-    options = store_options(args)
+    options = store_options(args, args.context)
     if options.ram is None and options.budget is None:
         options = dataclasses.replace(options, ram=PLAN_RAM)
-    placement = plan(geometry, store_config(options, geometry, args.dtype), args.dtype)
+    context = planned_context(options, geometry.args)
+    placement = plan(geometry, store_config(options, geometry, args.dtype), args.dtype, context=context)
     speed = expected_speed(placement, bandwidth(args))
     if args.json:
         result = verdict(placement)

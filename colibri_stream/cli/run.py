@@ -53,7 +53,7 @@ def note_context_cut(context: int, prompt_tokens: int, max_new_tokens: int) -> N
     if 0 < room < max_new_tokens:
         print(
             f"colibri-stream run: note: --max-new-tokens {max_new_tokens} cut to {room}: the prompt has "
-            f"{prompt_tokens} tokens and the model's context is {context}",
+            f"{prompt_tokens} tokens and the context is {context}",
             file=sys.stderr,
         )
 

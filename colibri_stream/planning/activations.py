@@ -2,7 +2,10 @@
 `plan` adds for the worst step a run can take.
 
 That step is the last prefill chunk of a prompt that fills the context: C = PREFILL_CHUNK_TOKENS new
-positions attending to T = max_position_embeddings cached ones. (A decode step is a chunk of one.)
+positions attending to T cached ones, T the context planned for (--context, else the model's
+max_position_embeddings; budget.planned_context). A decode step is a chunk of one, and the family's
+attention term counts it too. MLA prefill over a cache longer than one key block attends block by block
+(engine/prefill_attention.py), so its term stops growing with heads x T.
 Shapes below drop the batch dim (B = 1); d is the compute dtype's bytes (4 float32, 2 bfloat16),
 f = 4 (float32: softmax, router scores).
 

@@ -3,8 +3,9 @@ geometries), the in-memory cache (plan), what compressed attention keeps per tok
 uncompressed K/V cache (the comparison `kv info` prints). Each is the model family's (engine/families.py):
 
 MLA models (V3, V3.2, GLM-5) log per layer the latent and roped key, per DSA full layer the indexer key.
-DeepSeek-V4 logs per layer every row its cache keeps per position: the state is a function of them, so a
-restored log continues exactly and can be cut back anywhere.
+DeepSeek-V4's record (``kv_geometry``: what a prefix block stores) holds per layer every row its cache
+keeps per position; its session log (``session_geometry``, storage/kvsnap.py) is lean: per position the
+entries of the windows it closes, and snapshots of the window state, at most 2x the in-memory state.
 """
 
 from __future__ import annotations
@@ -12,13 +13,20 @@ from __future__ import annotations
 from colibri_stream.checkpoint.dtypes import dtype_bytes
 from engine.args import ModelArgs
 from engine.families import family_of
-from storage.kvlog import GEOMETRY_OF_VERSION, Geometry
+from storage.kvgeometry import RECORD_GEOMETRY_OF_VERSION, AnyGeometry, Geometry, make_geometry
 
 
 def kv_geometry(args: ModelArgs, dtype: str = "float32") -> Geometry:
     """The log record of one position, in the format the family's record needs (Family.log_record)."""
     version, fields = family_of(args).log_record()
-    return GEOMETRY_OF_VERSION[version](**fields, dtype=dtype)
+    return RECORD_GEOMETRY_OF_VERSION[version](**fields, dtype=dtype)
+
+
+def session_geometry(args: ModelArgs, dtype: str = "float32") -> AnyGeometry:
+    """A session log's geometry (Family.session_log_record): MLA models the record of ``kv_geometry``,
+    DeepSeek-V4 the lean log's series with their snapshot interval."""
+    version, fields = family_of(args).session_log_record()
+    return make_geometry(version, fields, dtype)
 
 
 def cache_bytes_per_token(args: ModelArgs, dtype: str) -> int:

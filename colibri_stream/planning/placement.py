@@ -43,7 +43,7 @@ class Placement:
     dense_bytes: int
     dense_bytes_per_token: int
     kv_bytes_per_token: int
-    max_context: int
+    max_context: int  # the context planned for: --context, or the model's max_position_embeddings
     kv_bytes_at_max_context: int  # for every sequence held at once (serve: its slots and held sessions)
     kv_sequences: int
     prefill_chunk_tokens: int
@@ -136,9 +136,11 @@ def plan(
     dtype: str = "float32",
     machine: Machine | None = None,
     sequences: int = 1,
+    context: int | None = None,
 ) -> Placement:
-    """Where everything goes. ``sequences``: KV caches held at once, each up to the full context (1 for
-    run and chat; serve holds its batch and its sessions kept in memory)."""
+    """Where everything goes. ``sequences``: KV caches held at once, each up to the context (1 for run and
+    chat; serve holds its batch and its sessions kept in memory). ``context``: the positions KV and
+    activations are sized for (budget.planned_context; None: the model's max_position_embeddings)."""
     args, record = geometry.args, geometry.record_bytes
     resident = resident_bytes(geometry, dtype)
     dense = sum(resident.values())
@@ -147,7 +149,7 @@ def plan(
     ram_slots = min(slots_for(config.ram_bytes, record), geometry.total_records)
     vram_slots = min(slots_for(config.vram_bytes, record), geometry.total_records)
     machine = machine or Machine.here()
-    context = args.max_position_embeddings
+    context = args.max_position_embeddings if context is None else context
     kv_max = (kv_token * context + held_rows_bytes(args, dtype)) * sequences
     held = held_in_bf16(geometry.dense, args, COMPUTE_DTYPES[dtype])
     activations = prefill_activation_bytes(

@@ -33,7 +33,7 @@ from colibri_stream.errors import CheckpointError, ColibriError
 from colibri_stream.experts.cluster.group import ClusterOptions, connect
 from colibri_stream.experts.codec import expert_from_record
 from colibri_stream.experts.store import ExpertStore, ResidentStore
-from colibri_stream.planning.budget import StoreOptions, store_config
+from colibri_stream.planning.budget import StoreOptions, planned_context, store_config
 from colibri_stream.planning.geometry import container_args, geometry_from_container
 from colibri_stream.planning.placement import bf16_held_weights, check_fits, plan
 from colibri_stream.planning.read_ahead import choose_read_ahead, last_level_cache_bytes
@@ -201,7 +201,8 @@ def load(
     geometry = geometry_from_container(Container(path))
     config = store_config(store, geometry, dtype)
     if cluster is None or cluster.local_workers:
-        check_fits(plan(geometry, config, dtype, sequences=store.kv_sequences))
+        context = planned_context(store, geometry.args)
+        check_fits(plan(geometry, config, dtype, sequences=store.kv_sequences, context=context))
     loaded = load_container(path, COMPUTE_DTYPES[dtype], config, trace, int8_activations=int8, cluster=cluster)
     return _reading_ahead(loaded, geometry.record_bytes)
 

@@ -1,13 +1,18 @@
 """Conversation sessions: the engine's compressed KV cache persisted in a per-session KV log.
 
-Per position the log holds the rows the model family's cache records (engine/interfaces.py Cache:
-MLA models the latent, roped key and indexer keys; DeepSeek-V4 every row its cache keeps per position,
-rebuilding the compressed entries from them on the next forward call).
+The log's kind is the model family's (runtime/session_logs.py): MLA models log per position the rows
+their cache holds (the latent, roped key and indexer keys; format 2); DeepSeek-V4 logs per position the
+compressed entries of the windows it closes, and snapshots of its fixed-size window state every
+``snapshot_every`` positions and at the log's end (format 4, storage/kvsnap.py).
 
-A turn restores the longest stored prefix of the new prompt (zero re-prefill after a restart), cuts
-the log where the conversation diverged, prefills only what is new, and appends the turn's new
-positions at the end (fsynced). One file and one exclusive lock per session, so many sessions can
-be open at once (the server's slots) and a second process gets a clear error.
+A turn restores the longest stored prefix of the new prompt that the log can restore (all of it for
+MLA; for V4 up to the last snapshot at or before it: the log's end after a restart, so zero
+re-prefill; after an edit, fewer than ``snapshot_every`` positions re-prefilled, and none before the
+last turn's answer: the state at its last prompt position is kept as a bookmark), cuts the log there,
+prefills the rest and appends the turn's new positions at the end (fsynced). One file and one exclusive
+lock per session, so many sessions can be open at once (the server's slots) and a second process gets
+a clear error. A DeepSeek-V4 log of format 3 (every row per position, builds before the lean log) is
+refused in one line saying to --reset.
 """
 
 from __future__ import annotations
@@ -19,25 +24,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from colibri_stream.checkpoint.dtypes import bf16_bits, dtype_bytes, from_stored
+from colibri_stream.checkpoint.dtypes import dtype_bytes
 from colibri_stream.errors import SessionError
 from colibri_stream.paths import user_cache_dir
 from colibri_stream.planning.kv_bytes import (
     cache_bytes_per_token,
-    kv_geometry,
     naive_kv_bytes_per_token,
     naive_kv_kind,
+    session_geometry,
 )
 from colibri_stream.runtime.session_lock import SessionLease
+from colibri_stream.runtime.session_logs import SessionLog, open_log
+from colibri_stream.runtime.session_logs import cache_from_payloads as cache_from_payloads
+from colibri_stream.runtime.session_logs import cache_payloads as cache_payloads
 from engine.args import ModelArgs
 from engine.families import family_of
 from engine.interfaces import Cache
 from engine.position_rows import RowsReleased
 from storage.errors import CorruptDataError, FormatError
-from storage.kvlog import HEADER_BYTES, Geometry, KVLog, NotALogError, StateMismatchError, read_header_state
+from storage.kvgeometry import AnyGeometry, LeanGeometry
+from storage.kvlog import HEADER_BYTES, NotALogError, StateMismatchError, read_header_state
+from storage.kvsnap import count_positions
 from storage.safe_read import NotRegularFileError, file_kind
 
 SESSION_SUFFIX = ".kvlog"
@@ -66,35 +75,6 @@ def session_path(kv_dir: str | Path, name: str, suffix: str = SESSION_SUFFIX) ->
 
 def default_kv_dir(fingerprint: str) -> Path:
     return user_cache_dir("kv", fingerprint[:16])
-
-
-def _as_bytes(t: torch.Tensor, dtype: str) -> np.ndarray:
-    """[n, d] tensor -> [n, d * itemsize] uint8 in the record dtype."""
-    if dtype == "bfloat16":
-        return bf16_bits(t).view(np.uint8)
-    return t.to(torch.float32).contiguous().numpy().view(np.uint8)
-
-
-def _from_bytes(b: np.ndarray, dtype: str, width: int) -> torch.Tensor:
-    """[n, width * itemsize] uint8 -> float32 [n, width]."""
-    raw = np.ascontiguousarray(b)
-    values = from_stored(raw.view(np.uint16), dtype) if dtype == "bfloat16" else torch.from_numpy(raw.view(np.float32))
-    return values.view(-1, width).float()
-
-
-def cache_payloads(cache: Cache, start: int, end: int, geometry: Geometry) -> np.ndarray:
-    """Positions start..end of batch row 0 as record payloads [n, payload_bytes] uint8."""
-    return np.concatenate([_as_bytes(rows, geometry.dtype) for rows in cache.log_rows(start, end)], axis=1)
-
-
-def cache_from_payloads(payloads: np.ndarray, geometry: Geometry, args: ModelArgs, dtype: torch.dtype) -> Cache:
-    """The cache holding the positions whose record payloads [n, payload_bytes] are ``payloads``."""
-    family = family_of(args)
-    item, offset, rows = dtype_bytes(geometry.dtype), 0, []
-    for width in family.log_row_widths():
-        rows.append(_from_bytes(payloads[:, offset : offset + width * item], geometry.dtype, width)[None])
-        offset += width * item
-    return family.cache_from_log(rows, dtype)
 
 
 @dataclass
@@ -133,6 +113,11 @@ def session_state(compute_dtype: str, activations: str = DEFAULT_ACTIVATIONS) ->
 def state_mismatch_message(name: str, error: StateMismatchError) -> str:
     """One line naming what differs between the session's log and this run (the flag that sets it), and
     the way out."""
+    if error.field == "format_version":  # a DeepSeek-V4 log of every row per position (format 3)
+        return (
+            f"session {name!r} is a KV log of format {error.stored}, which this build no longer keeps for this "
+            f"model (it writes format {error.current}): {_FIX}"
+        )
     if error.field == "fingerprint":
         return (
             f"session {name!r} was made by another model (fingerprint mismatch: the log's {error.stored}, "
@@ -150,11 +135,17 @@ def state_mismatch_message(name: str, error: StateMismatchError) -> str:
 
 
 def open_session_log(
-    path: Path, name: str, fingerprint: str, geometry: Geometry, state: dict[str, str], fresh: bool
-) -> KVLog:
+    path: Path,
+    name: str,
+    fingerprint: str,
+    geometry: AnyGeometry,
+    state: dict[str, str],
+    fresh: bool,
+    args: ModelArgs,
+) -> SessionLog:
     """The session's log, or a SessionError that says what is wrong with it and how to get out."""
     try:
-        return KVLog(path, fingerprint, geometry, state=state, fresh=fresh)
+        return open_log(str(path), fingerprint, geometry, args, state, fresh)
     except StateMismatchError as exc:
         raise SessionError(state_mismatch_message(name, exc)) from None
     except NotALogError as exc:  # a file of something else under the log's name
@@ -192,12 +183,13 @@ class Session:
     ):
         self.name = check_session_name(name)
         self.args = args
-        self.geometry = kv_geometry(args, record_dtype)
+        self.geometry = session_geometry(args, record_dtype)
         path = session_path(kv_dir, self.name)
         state = session_state(compute_dtype, activations)
         self.lease = SessionLease(kv_dir, self.name)
+        self.bookmark: int | None = None  # the turn's last prompt position: a lean log keeps its state too
         try:
-            self.log = open_session_log(path, self.name, fingerprint, self.geometry, state, reset)
+            self.log = open_session_log(path, self.name, fingerprint, self.geometry, state, reset, args)
         except BaseException:
             self.lease.release()
             raise
@@ -206,14 +198,14 @@ class Session:
         self.log.truncate(0)
 
     def start_turn(self, prompt_ids: list[int], dtype: torch.dtype) -> TurnStart:
-        """The cache holding the longest stored prefix of ``prompt_ids`` (at least one token left to run).
-        Only that prefix is read: the rest of a long log is never loaded."""
+        """The cache holding the longest stored prefix of ``prompt_ids`` the log can restore (at least one
+        token left to run; a lean log's last snapshot at or before it). Only that prefix is read."""
         start = time.perf_counter()
-        reused = min(self.log.common_prefix(prompt_ids), len(prompt_ids) - 1)
+        self.bookmark = len(prompt_ids) - 1
+        reused = self.log.restore_point(min(self.log.common_prefix(prompt_ids), len(prompt_ids) - 1))
         if reused < self.log.length:
             self.log.truncate(reused)  # diverged (or nothing new): forget the rest
-        _, payloads = self.log.read(reused)
-        cache = cache_from_payloads(payloads, self.geometry, self.args, dtype)
+        cache = self.log.restore(reused, dtype)
         self._keep_unlogged_rows(cache)
         return TurnStart(cache, reused, time.perf_counter() - start)
 
@@ -221,15 +213,18 @@ class Session:
         """``start_turn`` for a cache still in memory from this session's last turn (``ids``: the tokens
         of its positions, the log's): the common prefix is kept, nothing is read from the log."""
         start = time.perf_counter()
+        self.bookmark = len(prompt_ids) - 1
         reused = min(common_prefix(ids, prompt_ids), len(prompt_ids) - 1)
         if reused < self.log.length:
-            self.log.truncate(reused)  # diverged (or nothing new): forget the rest
+            self.log.truncate(self.log.restore_point(reused))  # diverged (or nothing new): forget the rest
         try:
             cache.trim(reused)
-        except RowsReleased:  # a V4 cache cut back before rows it released: the log has them
+        except RowsReleased:  # a V4 cache cut back before rows it released: restore from the log
             ids.clear()
             return self.start_turn(prompt_ids, cache.dtype)
         del ids[reused:]
+        if self.log.length < reused:  # the log restores an earlier state: log the rest again from memory
+            self.end_turn(cache, ids)
         self._keep_unlogged_rows(cache)
         return TurnStart(cache, reused, time.perf_counter() - start)
 
@@ -237,17 +232,14 @@ class Session:
         """Append positions the log lacks (token_ids[i] is the token at position i); fsync. Returns count."""
         start, end = self.log.length, cache.length
         if end > start:
-            tokens = np.asarray(token_ids[start:end], dtype=np.uint32)
-            self.log.append(tokens, cache_payloads(cache, start, end, self.geometry))
+            self.log.append_from(cache, token_ids, self.bookmark)
         self._keep_unlogged_rows(cache)
         return end - start
 
     def _keep_unlogged_rows(self, cache: Cache) -> None:
-        """The cache may free rows the log holds (DeepSeek-V4's: what stays per position is its compressed
-        entries). Not when the log rounds rows to another dtype: a turn continued from memory then
-        recompresses every entry from rounded rows (as_logged), as a restored one does."""
-        logs_as_held = self.geometry.dtype == str(cache.dtype).removeprefix("torch.")
-        cache.release_logged(self.log.length if logs_as_held else 0)
+        """The cache may free what the log holds (DeepSeek-V4's rows: what stays per position is its
+        compressed entries; a bf16 log's rounding is applied to what stays, as_logged)."""
+        cache.release_logged(self.log.length)
 
     def close(self) -> None:
         self.log.close()
@@ -296,23 +288,44 @@ def session_info(path: Path, args: ModelArgs) -> dict[str, Any]:
     except (FormatError, CorruptDataError) as exc:
         return {"session": name, "header": f"corrupt header: {exc}", "tokens": None, "file_bytes": size}
     naive = naive_kv_bytes_per_token(args, geometry.dtype)
+    tokens, per_token, lean = _log_sizes(path, geometry, size)
     info = {
         "session": name,
         "header": "ok",
-        # Whole records in the file: the valid ones are counted (and a damaged tail cut) at the next turn.
-        "tokens": max(0, size - HEADER_BYTES) // geometry.record_bytes,
+        "tokens": tokens,
         "file_bytes": size,
         "compute_dtype": state.get("compute_dtype"),
         "activations": state.get("activations", DEFAULT_ACTIVATIONS),
         "record_dtype": geometry.dtype,
-        "bytes_per_token": geometry.record_bytes,
+        "bytes_per_token": per_token,
+        **lean,
         "naive_kv_bytes_per_token": naive,
-        "compression_vs_naive": round(naive / geometry.record_bytes, 2),
+        "compression_vs_naive": round(naive / per_token, 2),
     }
     compressed = family_of(args).compressed_kv_bytes_per_token(dtype_bytes(geometry.dtype))
     if compressed is None:  # no compressed attention: the log's record is what the cache holds
         return info
     return {**info, **_compressed_info(args, state.get("compute_dtype"), compressed, naive)}
+
+
+def _log_sizes(path: Path, geometry: AnyGeometry, size: int) -> tuple[int, float, dict[str, Any]]:
+    """(tokens, bytes per token, the lean log's other sizes). Tokens: the whole records (or in-sequence
+    frames) in the file; the valid ones are counted, and a damaged tail cut, at the next turn. A lean log's
+    bytes per token: what a long log costs per position at most (an append per token, its share of the
+    kept snapshots); its end snapshot and the bookmark of the last turn's prompt are a fixed cost, like
+    the windows in memory."""
+    if not isinstance(geometry, LeanGeometry):
+        return max(0, size - HEADER_BYTES) // geometry.record_bytes, geometry.record_bytes, {}
+    tokens, snapshots = count_positions(path, geometry)
+    return (
+        tokens,
+        round(geometry.bytes_per_token, 2),
+        {
+            "snapshots": snapshots,
+            "snapshot_every": geometry.snapshot_every,
+            "fixed_bytes_max": 2 * geometry.end_snapshot_bytes,  # the end snapshot and the turn's bookmark
+        },
+    )
 
 
 def _compressed_info(args: ModelArgs, compute_dtype: object, compressed: float, naive: int) -> dict[str, Any]:

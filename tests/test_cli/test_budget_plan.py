@@ -71,7 +71,10 @@ def test_budget_file_reads_every_section(tmp_path):
         ("[cache]\nprefetch_layers = 0\n", "cache.prefetch_layers must be >= 1"),
         ("[cache]\nprefetch_layers = 'far'\n", "cache.prefetch_layers must be int"),
         ("[cache]\npolicy = 'mru'\n", "cache.policy must be one of"),
-        ("[disk]\nx = 1\n", "unknown table [disk] in disk.x (a budget file has [cache], [io], [memory])"),
+        (
+            "[disk]\nx = 1\n",
+            "unknown table [disk] in disk.x (a budget file has [cache], [io], [kv], [memory], [prefix])",
+        ),
         ("[memory\nram = 1\n", "not valid TOML"),
     ],
 )

@@ -266,3 +266,54 @@ def test_doctor_gives_plans_verdict_line(v3_config, memory, capsys):
 def test_not_a_model(tmp_path, capsys):
     assert cli.main(["plan", str(tmp_path), *BANDWIDTH]) == 1
     assert "neither a container, a checkpoint directory nor a config.json" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------- --context
+
+
+KV_PER_TOKEN_F32 = 61 * (512 + 64) * 4
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_deepseek_v3_at_a_32k_context_on_a_64gb_machine(v3_config, memory, capsys, dtype):
+    """KV sized for the 32768 tokens asked, not the model's 163,840; prefill activations under 2 GiB (the
+    key-blocked prefill: the whole-cache expanded path needed 4.3 GiB here, 20 GiB at 163,840)."""
+    memory.total, memory.available = 64 * 10**9, int(0.9 * 64 * 10**9)
+    argv = [str(v3_config), "--context", "32768", "--ram", "16GiB", "--dtype", dtype, *BANDWIDTH]
+    code, p = plan_json(capsys, *argv)
+    kv_per_token = KV_PER_TOKEN_F32 if dtype == "float32" else KV_PER_TOKEN_BF16
+    assert p["max_context"] == 32768 and p["kv_bytes_at_max_context"] == kv_per_token * 32768
+    assert 0 < p["activation_bytes"] <= 2 * GIB
+    if dtype == "bfloat16":  # float32's dense part depends on this CPU's bf16 kernel
+        assert code == 0 and p["fits"] and p["ram_budget_bytes"] == 16 * GIB
+        assert p["expected_peak_rss_bytes"] < 64 * 10**9
+    _, full = plan_json(capsys, str(v3_config), "--ram", "16GiB", "--dtype", dtype, *BANDWIDTH)
+    assert full["max_context"] == 163840 and full["kv_bytes_at_max_context"] == kv_per_token * 163840
+    assert full["activation_bytes"] <= 2 * GIB  # bounded whatever the context
+
+
+def test_a_context_beyond_the_models_is_refused_in_one_line(v3_config, memory, capsys):
+    assert cli.main(["plan", str(v3_config), "--context", "163841", *BANDWIDTH]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "colibri-stream plan: error: --context 163841 is longer than this model's context: "
+        "max_position_embeddings is 163840"
+    )
+
+
+def test_a_budget_files_kv_context_sizes_the_plan_and_the_flag_wins(v3_config, memory, capsys, tmp_path):
+    budget = tmp_path / "long.toml"
+    budget.write_text('[memory]\nram = "16GiB"\n[kv]\ncontext = 4096\n')
+    _, p = plan_json(capsys, str(v3_config), "--budget", str(budget), "--dtype", "bfloat16", *BANDWIDTH)
+    assert p["max_context"] == 4096 and p["kv_bytes_at_max_context"] == KV_PER_TOKEN_BF16 * 4096
+    flagged = [str(v3_config), "--budget", str(budget), "--context", "8192", "--dtype", "bfloat16", *BANDWIDTH]
+    assert plan_json(capsys, *flagged)[1]["max_context"] == 8192
+    for text, message in [
+        ("[kv]\ncontext = 0\n", "kv.context must be >= 1"),
+        ("[kv]\ncontext = 200000\n", "kv.context 200000 is longer than this model's context"),
+        ("[kv]\ncontxt = 4096\n", "unknown key kv.contxt (did you mean kv.context?)"),
+        ('[kv]\ncontext = "4096"\n', "kv.context must be int"),
+    ]:
+        budget.write_text(text)
+        assert cli.main(["plan", str(v3_config), "--budget", str(budget), *BANDWIDTH]) == 1
+        assert message in capsys.readouterr().err

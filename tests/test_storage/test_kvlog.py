@@ -370,7 +370,7 @@ def _rewrite_header(path, **changes) -> None:
 @pytest.mark.parametrize(
     "changes, message",
     [
-        ({"format_version": 4}, "format version 4 is not supported"),
+        ({"format_version": 5}, "format version 5 is not supported"),
         ({"format_version": 3.0}, "format version 3.0 is not supported"),
         ({"format_version": 1}, "format version 1 is not supported"),
         ({"geometry": {"layer_rows": [[4, 0]], "dtype": "float32"}}, "positive row widths"),

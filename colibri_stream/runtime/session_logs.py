@@ -1,0 +1,186 @@
+"""A session's log as the session drives it: restore the cache at a position, append what a cache adds.
+
+Two kinds, chosen once by the family's session record (engine/families.py Family.session_log_record):
+    RecordLog  one fixed-size record per position (storage/kvlog.py; MLA models, format 2): every position
+               is a restore point, the cache is rebuilt from the records' rows;
+    LeanLog    DeepSeek-V4's lean log (storage/kvsnap.py, format 4): the entries per position and snapshots
+               of the window state; the restore points are the snapshots (every ``snapshot_every``
+               positions and the log's end), and the caller re-prefills from there.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Self
+
+import numpy as np
+import torch
+
+from colibri_stream.checkpoint.dtypes import bf16_bits, dtype_bytes, from_stored
+from engine.args import ModelArgs
+from engine.families import family_of
+from engine.interfaces import Cache
+from storage.kvgeometry import AnyGeometry, Geometry, LeanGeometry
+from storage.kvlog import KVLog
+from storage.kvsnap import LeanLog
+
+
+def _as_bytes(t: torch.Tensor, dtype: str) -> np.ndarray:
+    """[n, d] tensor -> [n, d * itemsize] uint8 in the record dtype."""
+    if dtype == "bfloat16":
+        return bf16_bits(t).view(np.uint8)
+    return t.to(torch.float32).contiguous().numpy().view(np.uint8)
+
+
+def _from_bytes(b: np.ndarray, dtype: str, width: int) -> torch.Tensor:
+    """[n, width * itemsize] uint8 -> float32 [n, width]."""
+    raw = np.ascontiguousarray(b)
+    values = from_stored(raw.view(np.uint16), dtype) if dtype == "bfloat16" else torch.from_numpy(raw.view(np.float32))
+    return values.view(-1, width).float()
+
+
+def cache_payloads(cache: Cache, start: int, end: int, geometry: Geometry) -> np.ndarray:
+    """Positions start..end of batch row 0 as record payloads [n, payload_bytes] uint8 (Cache.log_rows)."""
+    return np.concatenate([_as_bytes(rows, geometry.dtype) for rows in cache.log_rows(start, end)], axis=1)
+
+
+def cache_from_payloads(payloads: np.ndarray, geometry: Geometry, args: ModelArgs, dtype: torch.dtype) -> Cache:
+    """The cache holding the positions whose record payloads [n, payload_bytes] are ``payloads``."""
+    family = family_of(args)
+    item, offset, rows = dtype_bytes(geometry.dtype), 0, []
+    for width in family.log_row_widths():
+        rows.append(_from_bytes(payloads[:, offset : offset + width * item], geometry.dtype, width)[None])
+        offset += width * item
+    return family.cache_from_log(rows, dtype)
+
+
+class SessionLog(Protocol):
+    """What a Session asks of its log; ``length``: the positions it holds."""
+
+    @property
+    def length(self) -> int: ...
+
+    def common_prefix(self, token_ids: list[int]) -> int:
+        """How many leading positions hold exactly ``token_ids``' first tokens."""
+        ...
+
+    def restore_point(self, limit: int) -> int:
+        """The last position at or before ``limit`` whose state the log restores exactly."""
+        ...
+
+    def truncate(self, length: int) -> None:
+        """Forget the positions from ``length`` on (a restore point)."""
+        ...
+
+    def restore(self, position: int, dtype: torch.dtype) -> Cache:
+        """The cache of positions 0..position-1 (a restore point), computing in ``dtype``."""
+        ...
+
+    def append_from(self, cache: Cache, token_ids: list[int], bookmark: int | None = None) -> None:
+        """Log the cache's positions length..cache.length (token_ids[i]: the token at position i); fsync.
+        ``bookmark``: a position (the turn's last prompt position) whose state a lean log keeps too, so
+        the turn's answer can be regenerated or edited from there."""
+        ...
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Self: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+class RecordLog:
+    """A log of one record per position (storage/kvlog.py KVLog)."""
+
+    def __init__(self, log: KVLog, args: ModelArgs):
+        self.file, self.args = log, args
+
+    @property
+    def length(self) -> int:
+        return self.file.length
+
+    def common_prefix(self, token_ids: list[int]) -> int:
+        return self.file.common_prefix(token_ids)
+
+    def restore_point(self, limit: int) -> int:
+        return min(limit, self.file.length)
+
+    def truncate(self, length: int) -> None:
+        self.file.truncate(length)
+
+    def restore(self, position: int, dtype: torch.dtype) -> Cache:
+        _, payloads = self.file.read(position)
+        return cache_from_payloads(payloads, self.file.geometry, self.args, dtype)
+
+    def append_from(self, cache: Cache, token_ids: list[int], bookmark: int | None = None) -> None:
+        start, end = self.file.length, cache.length
+        tokens = np.asarray(token_ids[start:end], dtype=np.uint32)
+        self.file.append(tokens, cache_payloads(cache, start, end, self.file.geometry))
+
+    def close(self) -> None:
+        self.file.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class LeanSessionLog:
+    """DeepSeek-V4's lean log (storage/kvsnap.py LeanLog): Cache.log_entries per position, Cache.log_window
+    at the snapshots; restored with Family.cache_from_snapshot."""
+
+    def __init__(self, log: LeanLog, args: ModelArgs):
+        self.file, self.args = log, args
+
+    @property
+    def length(self) -> int:
+        return self.file.length
+
+    def common_prefix(self, token_ids: list[int]) -> int:
+        return self.file.common_prefix(token_ids)
+
+    def restore_point(self, limit: int) -> int:
+        return self.file.restore_point(limit)
+
+    def truncate(self, length: int) -> None:
+        self.file.truncate(length)
+
+    def restore(self, position: int, dtype: torch.dtype) -> Cache:
+        geometry = self.file.geometry
+        entries = [
+            _from_bytes(rows, geometry.dtype, width)
+            for rows, (width, _) in zip(self.file.read_entries(position), geometry.entries, strict=True)
+        ]
+        window = [
+            _from_bytes(rows, geometry.dtype, width)
+            for rows, (width, _, _) in zip(self.file.read_snapshot(position), geometry.windows, strict=True)
+        ]
+        return family_of(self.args).cache_from_snapshot(entries, window, position, dtype)
+
+    def append_from(self, cache: Cache, token_ids: list[int], bookmark: int | None = None) -> None:
+        start, end, dtype = self.file.length, cache.length, self.file.geometry.dtype
+        tokens = np.asarray(token_ids[start:end], dtype=np.uint32)
+        entries = [_as_bytes(rows, dtype) for rows in cache.log_entries(start, end)]
+        due = self.file.snapshots_due(end)
+        marked = [bookmark] if bookmark is not None and start < bookmark < end and bookmark not in due else []
+        windows = {at: [_as_bytes(rows, dtype) for rows in cache.log_window(at)] for at in [*due, *marked]}
+        self.file.append(tokens, entries, windows, bookmark)
+
+    def close(self) -> None:
+        self.file.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_log(
+    path: str, fingerprint: str, geometry: AnyGeometry, args: ModelArgs, state: dict[str, str], fresh: bool
+) -> SessionLog:
+    """The log of the kind ``geometry`` is written in (storage's errors pass through)."""
+    if isinstance(geometry, LeanGeometry):
+        return LeanSessionLog(LeanLog(path, fingerprint, geometry, state=state, fresh=fresh), args)
+    return RecordLog(KVLog(path, fingerprint, geometry, state=state, fresh=fresh), args)
