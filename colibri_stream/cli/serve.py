@@ -24,7 +24,9 @@ examples:
     -d '{"model": "dsv3", "user": "alice", "messages": [{"role": "user", "content": "Hi"}]}'
 
 endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (JSON or "stream": true
-for SSE), GET /health (slots busy, queue, served/cancelled counts; needs no key).
+for SSE), POST /v1/messages (Anthropic), GET /health (slots busy, queue, served/cancelled counts; needs
+no key). Any `model` a request names is served by the one model (responses name --model-name);
+--strict-model-name answers 404 for names other than --model-name and the --alias names.
 without --api-key the server is single-tenant: any client can use any session by naming it in `user`.
 with keys (--api-key, repeatable, and/or COLIBRI_API_KEYS=k1,k2) /v1 needs `Authorization: Bearer KEY`
 (or `x-api-key: KEY`), and each key's `user` names only that key's sessions.
@@ -41,7 +43,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         description="Serve PATH over /v1/chat/completions, /v1/completions and /v1/models (JSON and SSE). "
         "Up to --slots requests decode together (continuous batching: one forward per step over all of them, "
         "each with its own KV; greedy answers are those of each request alone); --max-queue more wait, the rest "
-        "get 503. The RAM check counts 2 x --slots KV caches at the full context: the batch's, and as many "
+        "get 503. The RAM check counts 2 x --slots KV caches at the context (--context): the batch's, and as many "
         "sessions kept in memory between requests.",
         **help_options(EPILOG),
     )
@@ -52,7 +54,22 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--slots", type=int, default=4, help="requests decoded together, and sessions kept in memory (default 4)"
     )
     parser.add_argument("--max-queue", type=int, default=16, help="requests waiting for a slot before 503 (default 16)")
-    parser.add_argument("--model-name", help="the model id clients send (default: PATH's directory name)")
+    parser.add_argument(
+        "--model-name", help="the model id /v1/models lists and responses name (default: PATH's directory name)"
+    )
+    parser.add_argument(
+        "--alias",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another name /v1/models lists for the model (repeatable; accepted under --strict-model-name)",
+    )
+    parser.add_argument(
+        "--strict-model-name",
+        action="store_true",
+        help="answer 404 for a request naming another model than --model-name or an --alias "
+        "(default: any name is served by the one model)",
+    )
     parser.add_argument(
         "--default-max-tokens",
         type=int,
@@ -99,7 +116,16 @@ def run_serve(args: argparse.Namespace) -> int:
     options = dataclasses.replace(options, store=dataclasses.replace(options.store, kv_sequences=2 * args.slots))
     runtime = load_runtime(args.path, options)
     try:
-        server = Server(runtime, args.slots, args.max_queue, args.default_max_tokens, args.kv_sync_every, keys)
+        server = Server(
+            runtime,
+            args.slots,
+            args.max_queue,
+            args.default_max_tokens,
+            args.kv_sync_every,
+            keys,
+            strict_model_name=args.strict_model_name,
+            aliases=args.alias,
+        )
         server.check_chat_template()  # a broken template stops the start, not every chat request
         if not _is_loopback(args.host) and not keys.enabled:
             print(

@@ -10,6 +10,11 @@ between steps and leave the step they finish, are cancelled or fail.
 Every sequence is computed exactly as if it ran alone (its prompt in the same chunks, its decode rows
 batch-invariant, its own sampling generator): at temperature 0 its tokens are those of its solo run,
 and ``generate`` is this loop with one sequence.
+
+A request may ask for log-probabilities (runtime/sampling.py ``token_logprobs``): of each sampled token
+(computed from the logits it was sampled from: the tokens do not change), and of every prompt token but
+the first, for which its prompt chunks compute the logits of every position instead of only the last
+(only such a request pays for that). A prompt-logprobs request may stop after its prompt (no tokens).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch
 
 from colibri_stream.errors import RequestError
 from colibri_stream.planning.activations import PREFILL_CHUNK_TOKENS
-from colibri_stream.runtime.sampling import SamplingParams, sample
+from colibri_stream.runtime.sampling import SamplingParams, TokenLogprob, sample, token_logprobs
 from engine.experts import Experts
 from engine.interfaces import Cache, Model
 
@@ -56,13 +61,17 @@ class GenerationResult:
     stats: GenerationStats = field(default_factory=GenerationStats)
     stopped_on: int | None = None  # the stop id that ended generation, if any
     cancelled: bool = False  # should_stop() returned True before max_new_tokens or a stop id
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per id, when the request asked
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., when asked
 
 
 @dataclass
 class GenerationRequest:
     """One generation: continue ``prompt_ids`` by up to ``max_new_tokens`` (``cache`` may already hold a
     prefix of the prompt). ``on_token`` sees each id as it is sampled; ``should_stop`` is polled after
-    every token (a client gone, Ctrl-C, a stop string)."""
+    every token (a client gone, Ctrl-C, a stop string). ``logprobs`` / ``prompt_logprobs`` (None: not
+    asked) record each sampled / prompt token's log-probability with that many alternatives; prompt
+    logprobs need every prompt position computed, so ``cache`` must then be empty."""
 
     prompt_ids: Sequence[int]
     max_new_tokens: int
@@ -72,6 +81,8 @@ class GenerationRequest:
     on_token: Callable[[int], None] | None = None
     should_stop: Callable[[], bool] | None = None
     on_prompt_chunk: Callable[[], object] | None = None  # after each prompt chunk but the last (a session logs it)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
 
 class Generation:
@@ -94,6 +105,8 @@ class Generation:
     def take(self, logits: torch.Tensor) -> None:
         """Sample from this sequence's logits [vocab]; finish on a stop id, max tokens or should_stop."""
         token = sample(logits, self.request.sampling, self.generator)
+        if self.request.logprobs is not None:  # before on_token, which may pass it on
+            self.result.logprobs += token_logprobs(logits[None], [token], self.request.logprobs)
         now = time.perf_counter()
         stats = self.result.stats
         if self.first_token_at is None:
@@ -110,6 +123,11 @@ class Generation:
         elif len(self.result.ids) < self.request.max_new_tokens and not self.poll_cancel():
             self.next_token = token
             return
+        self.done = True
+
+    def end_at_prompt(self) -> None:
+        """A request for no tokens (only its prompt's logprobs) ends when its prompt is read."""
+        self.result.stats.prefill_s = time.perf_counter() - self.started
         self.done = True
 
     def poll_cancel(self) -> bool:
@@ -129,8 +147,9 @@ class ContinuousBatch:
         return len(self.active)
 
     def add(self, request: GenerationRequest) -> Generation:
-        """Start a generation (it joins at the next step). Refuses an empty prompt, and a cache that
-        already holds the whole prompt (at least one position must run to give logits)."""
+        """Start a generation (it joins at the next step). Refuses an empty prompt, a cache that
+        already holds the whole prompt (at least one position must run to give logits), and a cache
+        holding any of it when the prompt's logprobs are asked (those positions' logits are gone)."""
         if not request.prompt_ids:
             raise RequestError("the prompt is empty (0 tokens)")
         cache = self.model.new_cache() if request.cache is None else request.cache
@@ -138,8 +157,12 @@ class ContinuousBatch:
             raise ValueError(
                 f"cache holds {cache.length} positions; the prompt must extend it (has {len(request.prompt_ids)})"
             )
+        if request.prompt_logprobs is not None and cache.length:
+            raise RequestError(
+                f"the prompt's logprobs need every position computed, but {cache.length} were reused from a cache"
+            )
         generation = Generation(request, cache)
-        generation.done = request.max_new_tokens <= 0
+        generation.done = request.max_new_tokens <= 0 and request.prompt_logprobs is None
         if not generation.done:
             self.active.append(generation)
         return generation
@@ -179,8 +202,14 @@ class ContinuousBatch:
         (generation,) = generations
         chunk, generation.pending = generation.pending[: self.prefill_chunk], generation.pending[self.prefill_chunk :]
         tokens = torch.tensor([chunk], dtype=torch.long, device=self.model.device)
-        logits = self.model(tokens, generation.cache.length, generation.cache, self.experts, last_only=True)
-        if not generation.pending:
+        start, top_n = generation.cache.length, generation.request.prompt_logprobs
+        logits = self.model(tokens, start, generation.cache, self.experts, last_only=top_n is None)
+        if top_n is not None:  # logits [1, len(chunk), vocab]: row i predicts prompt token start + i + 1
+            targets = generation.request.prompt_ids[start + 1 : start + 1 + len(chunk)]
+            generation.result.prompt_logprobs += token_logprobs(logits[0, : len(targets)], targets, top_n)
+        if not generation.pending and generation.request.max_new_tokens <= 0:
+            generation.end_at_prompt()
+        elif not generation.pending:
             generation.take(logits[0, -1])
         elif generation.request.on_prompt_chunk is not None:
             generation.request.on_prompt_chunk()

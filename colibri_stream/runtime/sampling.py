@@ -1,9 +1,12 @@
 """Sampling parameters and the sampler: greedy (temperature 0) or temperature/top-p with a seeded
-generator, numerically safe at any finite temperature."""
+generator, numerically safe at any finite temperature; and the log-probabilities a request may ask for
+(``token_logprobs``): those of the model's own distribution, log_softmax of its float32 logits before
+temperature and top-p (as OpenAI reports them), so they do not depend on how the token was drawn."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -45,3 +48,24 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         sorted_probs[outside] = 0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token with its log-probability and the ``top`` most likely ids with theirs, best first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top_n: int) -> list[TokenLogprob]:
+    """logits [S, vocab] where row i is the distribution ``tokens[i]`` was drawn from -> one entry per
+    row, with the ``top_n`` most likely ids of that row."""
+    logp = logits.float().log_softmax(dim=-1)  # [S, vocab]
+    ids = torch.tensor(list(tokens), dtype=torch.long, device=logp.device)
+    chosen = logp.gather(1, ids[:, None])[:, 0].tolist()
+    k = min(top_n, logp.shape[-1])
+    best, best_ids = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], ids[:, None][:, :0])
+    tops = [tuple(zip(i, v, strict=True)) for i, v in zip(best_ids.tolist(), best.tolist(), strict=True)]
+    return [TokenLogprob(t, lp, top) for t, lp, top in zip(ids.tolist(), chosen, tops, strict=True)]

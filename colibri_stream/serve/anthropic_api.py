@@ -7,7 +7,10 @@ differ: the answer is a message of content blocks with a stop_reason, streamed a
 sequence (message_start, ping, content_block_start / _delta / _stop per block, message_delta with the
 stop_reason and usage, message_stop), and every failure on these routes, authentication and validation
 included, is ``{"type": "error", "error": {"type", "message"}}``. ``metadata.user_id`` names the KV
-session as ``user`` does on the OpenAI routes.
+session as ``user`` does on the OpenAI routes. Usage counts the prompt's reused tokens (their KV taken
+from a session or the prefix cache) as ``cache_read_input_tokens`` and the computed rest as
+``input_tokens``, as Anthropic counts them. Fields of the API that would change the answer and are not
+implemented (``thinking``, ``mcp_servers``, ``container``; ``top_k``) are a 400 naming them.
 """
 
 from __future__ import annotations
@@ -25,13 +28,15 @@ from colibri_stream.runtime.turn import TurnResult
 from colibri_stream.serve.answers import Answer, answer_events, collect, tool_parser
 from colibri_stream.serve.intake import parse_request, read_body
 from colibri_stream.serve.model_thread import Job
-from colibri_stream.serve.schemas import STRICT, TOOL_NAME, ApiError, template_call
+from colibri_stream.serve.schemas import STRICT, TOOL_NAME, ApiError, NoOps, template_call
 from colibri_stream.text.tool_calls import ToolCall, ToolCallParser
 
 Server = Any  # serve.app.Server, which imports this module (so it cannot be imported here)
 
 MAX_STOP_SEQUENCES = 16
 MAX_TOOLS = 256
+# What these fields accept as asking for nothing (schemas.refuse_unimplemented); anything else is a 400.
+UNIMPLEMENTED: NoOps = {"thinking": ({"type": "disabled"},), "mcp_servers": ([],), "container": ()}
 
 # HTTP status -> Anthropic's error type (https://docs.anthropic.com/en/api/errors)
 ERROR_TYPES = {
@@ -113,7 +118,7 @@ class MessagesRequest(BaseModel):
     ``token_limit`` are what Server.check_fields / submit / token_limit read of any request."""
 
     model_config = STRICT
-    model: str
+    model: str = Field(min_length=1)
     max_tokens: int = Field(ge=1)
     messages: list[Message] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
@@ -247,8 +252,20 @@ def message_json(mid: str, model: str, answer: Answer, stop_reason: StopReason) 
         "content": content,
         "stop_reason": reason,
         "stop_sequence": sequence,
-        "usage": {"input_tokens": answer.turn.prompt_tokens, "output_tokens": len(answer.turn.ids)},
+        "usage": anthropic_usage(answer.turn),
         "colibri": answer.turn.stats,
+    }
+
+
+def anthropic_usage(turn: TurnResult) -> dict[str, int]:
+    """Anthropic's split: ``input_tokens`` computed, ``cache_read_input_tokens`` reused (their sum is the
+    prompt); nothing is written to a cache the way Anthropic bills it (``cache_creation_input_tokens`` 0)."""
+    reused = turn.stats["reused_tokens"]
+    return {
+        "input_tokens": turn.prompt_tokens - reused,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": reused,
+        "output_tokens": len(turn.ids),
     }
 
 
@@ -321,7 +338,7 @@ async def stream_message(
                     yield chunk
                 reason, sequence = stop_reason(value, blocks.calls)
                 delta = {"stop_reason": reason, "stop_sequence": sequence}
-                yield event("message_delta", {"delta": delta, "usage": {"output_tokens": len(value.ids)}})
+                yield event("message_delta", {"delta": delta, "usage": anthropic_usage(value)})
                 yield event("message_stop", {})
     finally:
         job.cancel.set()
@@ -333,7 +350,7 @@ def add_anthropic_routes(app: FastAPI, server: Server) -> None:
 
     async def read(request: Request, schema: type[MessagesRequest]) -> tuple[bytes | None, MessagesRequest]:
         key = server.authenticate(request)  # before the body is read: strangers cost nothing
-        body = await server.off_loop(parse_request, await read_body(request), schema)
+        body = await server.off_loop(parse_request, await read_body(request), schema, UNIMPLEMENTED)
         server.check_fields(body)
         body.check_supported()
         return key, body

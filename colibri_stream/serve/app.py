@@ -6,6 +6,10 @@ prompts here, then run by the model thread (serve/model_thread.py). A request's 
 (parsing, template rendering, tokenisation) runs in a small thread pool, never on the event loop, so
 one huge prompt does not stall /health or other clients. A client that disconnects cancels its job,
 streaming or not.
+
+A one-model server answers whatever ``model`` a request names (agents send their usual model names) and
+names the served model in its response; ``strict_model_name`` answers 404 for names other than the
+model's id and its ``aliases`` (which /v1/models lists). Logprobs and ``echo``: serve/logprobs.py.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -25,6 +29,7 @@ from starlette.exceptions import HTTPException
 
 from colibri_stream.errors import ChatTemplateError, ColibriError, SessionError
 from colibri_stream.runtime.generate import SamplingParams
+from colibri_stream.runtime.sampling import TokenLogprob
 from colibri_stream.runtime.sessions import check_session_name
 from colibri_stream.runtime.turn import Runtime, TurnResult
 from colibri_stream.serve.answers import answer_events, collect, tool_parser
@@ -32,6 +37,7 @@ from colibri_stream.serve.anthropic_api import add_anthropic_routes
 from colibri_stream.serve.auth import ApiKeys
 from colibri_stream.serve.dashboard import add_dashboard_routes
 from colibri_stream.serve.intake import parse_request, read_body
+from colibri_stream.serve.logprobs import ChatShape, CompletionShape, TokenTexts, chat_logprobs, joined
 from colibri_stream.serve.model_thread import Admission, Job, ModelThread
 from colibri_stream.serve.schemas import ApiError, ChatRequest, CompletionRequest
 from colibri_stream.text.chat_format import PromptTooLong
@@ -53,6 +59,8 @@ class Server:
         default_max_tokens: int | None = None,
         sync_every: int = 0,
         api_keys: ApiKeys | None = None,
+        strict_model_name: bool = False,
+        aliases: Sequence[str] = (),
     ):
         if slots < 1 or max_queue < 0:
             raise ColibriError(f"--slots must be >= 1 and --max-queue >= 0, got {slots} and {max_queue}")
@@ -63,6 +71,8 @@ class Server:
         self.api_keys = api_keys or ApiKeys()
         self.admission: Admission | None = None  # made on the server's event loop
         self.cpu = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="colibri-prompt")
+        self.strict_model_name = strict_model_name
+        self.names = list(dict.fromkeys([runtime.model_id, *aliases]))  # the id first, no repeats
 
     def check_chat_template(self) -> None:
         """Render and encode a one-message conversation: a template that cannot is the model's
@@ -108,27 +118,31 @@ class Server:
         message = f"the prompt has {count} tokens; this model's context is {context} tokens"
         return ApiError(400, message, "context_length_exceeded", param)
 
-    def completion_prompt(self, body: CompletionRequest) -> list[int]:
-        if isinstance(body.prompt, str):
+    def completion_prompts(self, body: CompletionRequest) -> list[tuple[list[int], str | None]]:
+        """Each prompt's ids, and its text when the request echoes it (a prompt of ids: their decoding)."""
+        return [self.completion_prompt(prompt, body.echo) for prompt in body.prompts()]
+
+    def completion_prompt(self, prompt: str | list[int], echo: bool) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
             try:
-                return self.runtime.prompt_encoder.encode(body.prompt, self.prompt_limit)
+                return self.runtime.prompt_encoder.encode(prompt, self.prompt_limit), prompt if echo else None
             except PromptTooLong as exc:
                 raise self.too_long(exc.at_least, "prompt") from None
         vocab = self.runtime.vocab_size
-        if bad := [i for i in body.prompt if not 0 <= i < vocab]:
+        if bad := [i for i in prompt if not 0 <= i < vocab]:
             raise ApiError(
                 400, f"prompt: token ids {bad[:5]} are outside the vocabulary (size {vocab})", "invalid_token", "prompt"
             )
-        return list(body.prompt)
+        text = self.runtime.text_side()[0].decode(prompt, skip_special_tokens=False) if echo else None
+        return list(prompt), text
 
     def check_fields(self, body: ChatRequest | CompletionRequest) -> None:
-        """Checks before any prompt work: 404 for another model, 400 for a bad session name or stop."""
-        if body.model != self.runtime.model_id:
+        """Checks before any prompt work: 404 for another model (``strict_model_name`` only), 400 for a
+        bad session name, stop, or logprobs request."""
+        if self.strict_model_name and body.model not in self.names:
+            served = " or ".join(repr(name) for name in self.names)
             raise ApiError(
-                404,
-                f"model {body.model!r} does not exist; this server serves {self.runtime.model_id!r}",
-                "model_not_found",
-                "model",
+                404, f"model {body.model!r} does not exist; this server serves {served}", "model_not_found", "model"
             )
         if body.user is not None:
             try:
@@ -144,6 +158,24 @@ class Server:
                 body.offered_tools()
             except ValueError as exc:
                 raise ApiError(400, str(exc), "invalid_value", "tool_choice") from None
+            try:
+                body.logprob_count()
+            except ValueError as exc:
+                raise ApiError(400, str(exc), "invalid_value", "top_logprobs") from None
+        if isinstance(body, CompletionRequest):
+            try:
+                body.prompts()
+            except ValueError as exc:
+                param = str(exc).split(":", 1)[0]
+                raise ApiError(400, str(exc), "invalid_value", param) from None
+            if body.prompt_logprob_count() is not None and body.user is not None:
+                raise ApiError(
+                    400,
+                    "user: a request for its prompt's logprobs (echo with logprobs) computes the whole prompt, "
+                    "so it cannot continue a session",
+                    "invalid_value",
+                    "user",
+                )
 
     def token_limit(self, body: ChatRequest | CompletionRequest, prompt: list[int]) -> int:
         """The answer's token budget; 400 when the prompt is empty or prompt + limit overflow the context."""
@@ -174,6 +206,8 @@ class Server:
         limit: int,
         session: str | None,
         owner: bytes | None = None,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> Job:
         assert self.admission is not None
         try:
@@ -185,7 +219,7 @@ class Server:
         job = Job(
             prompt, limit, sampling, session, body.stop_strings(), asyncio.get_running_loop(), self.admission.release
         )
-        job.owner = owner
+        job.owner, job.logprobs, job.prompt_logprobs = owner, logprobs, prompt_logprobs
         self.model_thread.jobs.put(job)
         return job
 
@@ -208,11 +242,14 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(turn: TurnResult) -> dict[str, int]:
+def usage(*turns: TurnResult) -> dict[str, Any]:
+    """OpenAI's usage of one or more turns; cached_tokens: prompt tokens whose KV was reused, not computed."""
+    prompt, completion = sum(t.prompt_tokens for t in turns), sum(len(t.ids) for t in turns)
     return {
-        "prompt_tokens": turn.prompt_tokens,
-        "completion_tokens": len(turn.ids),
-        "total_tokens": turn.prompt_tokens + len(turn.ids),
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(t.stats["reused_tokens"] for t in turns)},
     }
 
 
@@ -226,26 +263,47 @@ def sse(obj: Any) -> bytes:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
 
 
-Chunk = Callable[..., dict[str, Any]]  # (text, finish_reason, tool_call delta or None) -> one chunk
+Chunk = Callable[..., dict[str, Any]]  # (text, finish_reason, tool_call delta or None, logprobs) -> one chunk
+Shape = ChatShape | CompletionShape
 
 
-async def stream(job: Job, chunk: Chunk, parser: ToolCallParser | None = None) -> AsyncIterator[bytes]:
+async def stream(
+    job: Job, chunk: Chunk, parser: ToolCallParser | None = None, shape: Shape | None = None, echo: str | None = None
+) -> AsyncIterator[bytes]:
     """SSE: one chunk per text delta or tool call, a final chunk with finish_reason, then ``data:
-    [DONE]``. However the stream ends — finished, failed, or the client gone — the job's cancel flag is
-    set on the way out, which is a no-op for a finished job and stops a running one after its current token."""
-    calls = 0
+    [DONE]``; with ``echo`` the prompt's text (and logprobs, when asked) comes first. With ``shape`` each
+    chunk carries the logprobs of the tokens since the previous one. However the stream ends — finished,
+    failed, or the client gone — the job's cancel flag is set on the way out, which is a no-op for a
+    finished job and stops a running one after its current token."""
+    calls, tokens = 0, list[TokenLogprob]()
+
+    def logprobs() -> dict[str, Any] | None:
+        if shape is None:
+            return None
+        taken = shape.tokens(tokens)
+        tokens.clear()
+        return taken
+
     try:
         yield sse(chunk(None, None))
+        if echo is not None and job.prompt_logprobs is None:
+            yield sse(chunk(echo, None))
         async for kind, value in answer_events(job, parser):
-            if kind == "text":
-                yield sse(chunk(value, None))
+            if kind == "token":
+                tokens.append(value)
+            elif kind == "prompt":
+                assert shape is not None and echo is not None  # asked only with both
+                yield sse(chunk(echo, None, None, shape.prompt(value)))
+            elif kind == "text":
+                yield sse(chunk(value, None, None, logprobs()))
             elif kind == "tool_call":
-                yield sse(chunk(None, None, {**openai_tool_call(value), "index": calls}))
+                yield sse(chunk(None, None, {**openai_tool_call(value), "index": calls}, logprobs()))
                 calls += 1
             elif kind == "error":
                 yield sse(value.body())
             else:
-                yield sse({**chunk(None, finish_reason(value, calls)), "usage": usage(value), "colibri": value.stats})
+                last = chunk(None, finish_reason(value, calls), None, logprobs())
+                yield sse({**last, "usage": usage(value), "colibri": value.stats})
                 yield b"data: [DONE]\n\n"
     finally:
         job.cancel.set()
@@ -257,21 +315,28 @@ def openai_tool_call(call: ToolCall) -> dict[str, Any]:
 
 
 def _chat_chunk(cid: str, model: str) -> Chunk:
-    def chunk(text: str | None, reason: str | None, tool_call: dict[str, Any] | None = None) -> dict[str, Any]:
+    def chunk(
+        text: str | None,
+        reason: str | None,
+        tool_call: dict[str, Any] | None = None,
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if text is None and reason is None else {}
         if text is not None:
             delta = {"content": text}
         if tool_call is not None:
             delta = {"tool_calls": [tool_call]}
-        choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+        choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
         return {"id": cid, "object": "chat.completion.chunk", "created": now(), "model": model, "choices": [choice]}
 
     return chunk
 
 
 def _completion_chunk(cid: str, model: str) -> Chunk:
-    def chunk(text: str | None, reason: str | None, tool_call: None = None) -> dict[str, Any]:
-        choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+    def chunk(
+        text: str | None, reason: str | None, tool_call: None = None, logprobs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
         return {"id": cid, "object": "text_completion", "created": now(), "model": model, "choices": [choice]}
 
     return chunk
@@ -311,13 +376,13 @@ def create_app(server: Server) -> FastAPI:
     async def models(request: Request) -> dict[str, Any]:
         server.authenticate(request)
         entry = {
-            "id": model,
             "object": "model",
             "created": now(),
             "owned_by": "colibri-stream",
+            "root": model,  # an alias names the served model
             "context_length": server.runtime.context_size,
         }
-        return {"object": "list", "data": [entry]}
+        return {"object": "list", "data": [{"id": name, **entry} for name in server.names]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -326,10 +391,15 @@ def create_app(server: Server) -> FastAPI:
         server.check_fields(body)
         parser = tool_parser(server.runtime, body.offered_tools())
         prompt = await server.off_loop(server.chat_prompt, body)
-        job = await server.submit(body, prompt, server.token_limit(body, prompt), server.session(body, key), key)
+        top_n = body.logprob_count()
+        limit, session = server.token_limit(body, prompt), server.session(body, key)
+        job = await server.submit(body, prompt, limit, session, key, logprobs=top_n)
         cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        texts = TokenTexts(server.runtime.text_side()[0])
         if body.stream:
-            return StreamingResponse(stream(job, _chat_chunk(cid, model), parser), media_type="text/event-stream")
+            shape = ChatShape(texts) if top_n is not None else None
+            events = stream(job, _chat_chunk(cid, model), parser, shape)
+            return StreamingResponse(events, media_type="text/event-stream")
         answer = await collect(request, job, parser)
         text, turn = answer.text, answer.turn
         message: dict[str, Any] = {"role": "assistant", "content": text if text or not answer.calls else None}
@@ -339,7 +409,7 @@ def create_app(server: Server) -> FastAPI:
             "index": 0,
             "message": message,
             "finish_reason": finish_reason(turn, len(answer.calls)),
-            "logprobs": None,
+            "logprobs": chat_logprobs(answer.logprobs, texts) if top_n is not None else None,
         }
         return {
             "id": cid,
@@ -353,25 +423,44 @@ def create_app(server: Server) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
+        """One choice per prompt, computed one after another; ``colibri`` holds the stats of the one
+        turn, or a list of them for several prompts."""
         key = server.authenticate(request)
         body = await parse_body(request, CompletionRequest)
         server.check_fields(body)
-        prompt = await server.off_loop(server.completion_prompt, body)
-        job = await server.submit(body, prompt, server.token_limit(body, prompt), server.session(body, key), key)
+        prompts = await server.off_loop(server.completion_prompts, body)
+        limits = [server.token_limit(body, prompt) for prompt, _ in prompts]  # every prompt checked first
+        texts = TokenTexts(server.runtime.text_side()[0]) if body.logprobs is not None else None
         cid = f"cmpl-{uuid.uuid4().hex[:24]}"
-        if body.stream:
-            return StreamingResponse(stream(job, _completion_chunk(cid, model)), media_type="text/event-stream")
-        answer = await collect(request, job)
-        text, turn = answer.text, answer.turn
-        choice = {"index": 0, "text": text, "finish_reason": finish_reason(turn), "logprobs": None}
+        choices, turns = [], []
+        for index, ((prompt, echo), limit) in enumerate(zip(prompts, limits, strict=True)):
+            job = await server.submit(
+                body, prompt, limit, server.session(body, key), key, body.logprobs, body.prompt_logprob_count()
+            )
+            shape = CompletionShape(texts, prompt, echo) if texts is not None else None
+            if body.stream:
+                events = stream(job, _completion_chunk(cid, model), shape=shape, echo=echo)
+                return StreamingResponse(events, media_type="text/event-stream")
+            answer = await collect(request, job)
+            if job.cancel.is_set():  # the client left: the prompts after this one are not run
+                raise ApiError(499, "request cancelled", "cancelled")
+            text = (echo or "") + answer.text
+            logprobs = None
+            if shape is not None:  # the echoed prompt's entries first: their offsets come first
+                echoed = shape.prompt(answer.prompt_logprobs) if echo is not None else None
+                logprobs = shape.tokens(answer.logprobs)
+                logprobs = joined(echoed, logprobs) if echoed is not None else logprobs
+            reason = finish_reason(answer.turn)
+            choices.append({"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs})
+            turns.append(answer.turn)
         return {
             "id": cid,
             "object": "text_completion",
             "created": now(),
             "model": model,
-            "choices": [choice],
-            "usage": usage(turn),
-            "colibri": turn.stats,
+            "choices": choices,
+            "usage": usage(*turns),
+            "colibri": turns[0].stats if len(turns) == 1 else [turn.stats for turn in turns],
         }
 
     add_anthropic_routes(app, server)

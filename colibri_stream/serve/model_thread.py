@@ -19,7 +19,7 @@ from typing import Any
 
 from colibri_stream.errors import ColibriError
 from colibri_stream.experts.cluster.wire import WorkerError
-from colibri_stream.runtime.batching import ContinuousBatch, Generation
+from colibri_stream.runtime.batching import ContinuousBatch, Generation, GenerationResult
 from colibri_stream.runtime.sampling import SamplingParams
 from colibri_stream.runtime.session_pool import SessionPool
 from colibri_stream.runtime.turn import OpenTurn, Runtime, TurnOptions, abort_turn, begin_turn, finish_turn
@@ -75,6 +75,9 @@ class Job:
     generated: int = 0  # tokens sampled so far (written by the model thread)
     first_token_at: float | None = None  # perf_counter() when the first token was sampled
     owner: bytes | None = None  # the API key that sent it (None without keys): /api/stats names only its own
+    logprobs: int | None = None  # each token's logprob with this many alternatives: ("token", TokenLogprob) events
+    prompt_logprobs: int | None = None  # the prompt's too: one ("prompt", [TokenLogprob]) event before any token
+    prompt_sent: bool = False
 
     def count_token(self) -> None:
         self.generated += 1
@@ -95,6 +98,13 @@ class Job:
 
     def emit(self, kind: str, value: Any) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+
+    def emit_prompt_logprobs(self, result: GenerationResult) -> None:
+        """The prompt's logprobs, once, when they were asked (before the first token, or at the end of a
+        request for no tokens)."""
+        if self.prompt_logprobs is not None and not self.prompt_sent:
+            self.prompt_sent = True
+            self.emit("prompt", list(result.prompt_logprobs))
 
 
 @dataclass
@@ -181,9 +191,13 @@ class ModelThread:
             return
         tokenizer, chat = self.runtime.text_side()
         stream = TextStream(IncrementalDecoder(tokenizer, chat.stop_ids), job.stops)
+        result = GenerationResult(ids=[])  # the generation's, once it is added (its logprobs are read here)
 
         def on_token(token: int) -> None:
             job.count_token()
+            job.emit_prompt_logprobs(result)
+            if job.logprobs is not None:
+                job.emit("token", result.logprobs[-1])
             if delta := stream.push(token):
                 job.emit("text", delta)
 
@@ -195,6 +209,8 @@ class ModelThread:
             sync_every=self.sync_every,
             on_token=on_token,
             should_stop=lambda: job.cancel.is_set() or stream.stopped,
+            logprobs=job.logprobs,
+            prompt_logprobs=job.prompt_logprobs,
         )
         try:
             turn = begin_turn(self.runtime, job.prompt_ids, options, self.pool)
@@ -207,7 +223,10 @@ class ModelThread:
             abort_turn(turn)
             self._fail(job, exc)
             return
+        result = generation.result
         self.running[generation] = Running(job, turn, stream)
+        if generation.done:  # asked for nothing to compute (the batch never steps it)
+            self._finish(generation)
 
     def _finish(self, generation: Generation) -> None:
         running = self.running.pop(generation)
@@ -222,6 +241,7 @@ class ModelThread:
             except Exception as exc:
                 self._fail(job, exc)
                 return
+            job.emit_prompt_logprobs(generation.result)
             if tail := stream.finish():
                 job.emit("text", tail)
             if stream.stopped:

@@ -12,7 +12,7 @@ import json
 from typing import Any, ClassVar, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from colibri_stream.text.tool_calls import TemplateArguments
 
@@ -113,8 +113,6 @@ def template_call(call_id: str, name: str, arguments: dict[str, Any]) -> dict[st
 # nothing (null always does). A value is matched by type too: best_of true is not best_of 1.
 NoOps = dict[str, tuple[Any, ...]]
 COMMON_UNIMPLEMENTED: NoOps = {
-    "logprobs": (False,),
-    "top_logprobs": (0,),
     "presence_penalty": (0, 0.0),
     "frequency_penalty": (0, 0.0),
     "logit_bias": ({},),
@@ -132,7 +130,14 @@ CHAT_UNIMPLEMENTED: NoOps = {
     "audio": (),
     "prediction": (),
 }
-COMPLETION_UNIMPLEMENTED: NoOps = {**COMMON_UNIMPLEMENTED, "echo": (False,), "best_of": (1,), "suffix": ("",)}
+COMPLETION_UNIMPLEMENTED: NoOps = {
+    **COMMON_UNIMPLEMENTED,
+    "top_logprobs": (0,),  # chat's field; here ``logprobs`` is the count
+    "best_of": (1,),
+    "suffix": ("",),
+}
+MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's chat limit)
+MAX_PROMPTS = 128  # prompts in one /v1/completions request
 
 
 def refuse_unimplemented(data: dict[str, Any], unimplemented: NoOps) -> None:
@@ -152,7 +157,7 @@ def refuse_unimplemented(data: dict[str, Any], unimplemented: NoOps) -> None:
 class _Common(BaseModel):
     model_config = STRICT
     unimplemented: ClassVar[NoOps] = COMMON_UNIMPLEMENTED
-    model: str
+    model: str = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -175,6 +180,16 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def logprob_count(self) -> int | None:
+        """Alternatives per token when logprobs are asked (None: not asked)."""
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise ValueError("top_logprobs: needs logprobs: true")
+            return None
+        return self.top_logprobs or 0
 
     def offered_tools(self) -> list[dict[str, Any]]:
         """The tools for the template (Hugging Face's shape), none when tool_choice is "none"; a choice
@@ -190,8 +205,37 @@ class ChatRequest(_Common):
 
 
 class CompletionRequest(_Common):
+    """A legacy completion: one prompt (text or token ids) or several (a choice each, in order).
+    ``max_tokens: 0`` scores the prompt without answering (with ``echo`` and ``logprobs``)."""
+
     unimplemented: ClassVar[NoOps] = COMPLETION_UNIMPLEMENTED
-    prompt: str | list[int] = Field(min_length=1)
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=0)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _false_is_none(cls, value: Any) -> Any:
+        return None if value is False else value  # "logprobs": false asks for nothing, as null does
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each non-empty; at most MAX_PROMPTS."""
+        several = isinstance(self.prompt, list) and bool(self.prompt) and not isinstance(self.prompt[0], int)
+        prompts = list(self.prompt) if several else [self.prompt]
+        if len(prompts) > MAX_PROMPTS:
+            raise ValueError(f"prompt: at most {MAX_PROMPTS} prompts in one request, got {len(prompts)}")
+        if any(len(p) == 0 for p in prompts):  # type: ignore[arg-type]
+            raise ValueError("prompt: every prompt must be non-empty")
+        if self.max_tokens == 0 and not (self.echo and self.logprobs is not None):
+            raise ValueError("max_tokens: 0 scores the prompt, which needs echo: true and logprobs")
+        if self.stream and len(prompts) > 1:
+            raise ValueError("prompt: one prompt at a time when streaming")
+        return prompts  # type: ignore[return-value]
+
+    def prompt_logprob_count(self) -> int | None:
+        """Alternatives per prompt token when the prompt's logprobs are asked (echo with logprobs)."""
+        return self.logprobs if self.echo else None
 
     def token_limit(self) -> int | None:
         return self.max_tokens

@@ -132,7 +132,7 @@ def error_of(status: int, raw: bytes) -> tuple[int, str, str]:
     [
         ({"model": MODEL, "messages": HELLO}, 400, "invalid_request_error", "max_tokens"),
         ({"model": MODEL, "max_tokens": 10**6, "messages": HELLO}, 400, "invalid_request_error", "context"),
-        ({"model": "claude-x", "max_tokens": 5, "messages": HELLO}, 404, "not_found_error", "claude-x"),
+        ({"model": "", "max_tokens": 5, "messages": HELLO}, 400, "invalid_request_error", "model"),
         ({"model": MODEL, "max_tokens": 5, "messages": HELLO, "top_k": 5}, 400, "invalid_request_error", "top_k"),
         ({"model": MODEL, "max_tokens": 5, "messages": HELLO, "temperature": 1.5}, 400, "invalid_request", "temp"),
         ({"model": MODEL, "max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, 400, "invalid_", "role"),
@@ -162,7 +162,9 @@ def test_authentication_errors_are_anthropic_shaped_and_openai_routes_keep_their
 
 
 def test_the_client_raises_its_typed_errors(served):
-    with pytest.raises(anthropic.NotFoundError):
-        client(served).messages.create(model="claude-x", max_tokens=2, messages=HELLO)
+    with pytest.raises(anthropic.BadRequestError, match="thinking"):
+        client(served).messages.create(
+            model=MODEL, max_tokens=2, messages=HELLO, thinking={"type": "enabled", "budget_tokens": 1024}
+        )
     with pytest.raises(anthropic.BadRequestError, match="context"):
         client(served).messages.create(model=MODEL, max_tokens=10**6, messages=HELLO)

@@ -81,8 +81,6 @@ def test_lone_surrogates_are_400s(raw):
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
 COMPLETION = {"model": "m", "prompt": "x"}
 ASKING = {  # a value per unimplemented field that asks for something (type-matched: true is not 1)
-    "logprobs": True,
-    "top_logprobs": 5,
     "presence_penalty": 0.5,
     "frequency_penalty": -1,
     "logit_bias": {"50256": -100},
@@ -100,7 +98,7 @@ CHAT_ASKING = {
     "audio": {"voice": "alloy"},
     "prediction": {"type": "content", "content": "x"},
 }
-COMPLETION_ASKING = {**ASKING, "logprobs": 0, "echo": True, "best_of": 2, "suffix": "tail"}
+COMPLETION_ASKING = {**ASKING, "top_logprobs": 5, "best_of": 2, "suffix": "tail"}  # logprobs, echo: implemented
 NO_OPS = {"logprobs": False, "top_logprobs": 0, "presence_penalty": 0.0, "frequency_penalty": 0, "logit_bias": {}}
 
 
