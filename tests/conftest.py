@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_user_cache(tmp_path_factory):
+    """The user cache (sessions, the prefix cache, weight digests) in a directory of this test run, for
+    the CLI subprocesses too: what an earlier run or the developer's own use left there (a cached prompt
+    prefix) must not change what a test computes."""
+    saved = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("user-cache"))
+    yield
+    if saved is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = saved
 
 
 @pytest.fixture(scope="session")

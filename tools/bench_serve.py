@@ -17,15 +17,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import socket
 import sys
-import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-
-import uvicorn
 
 from colibri_stream.bench.stress_model import StressShape, write_stress_checkpoint
 from colibri_stream.checkpoint.demo_model import demo_model_dir
@@ -33,38 +29,33 @@ from colibri_stream.convert.converter import Converter, ConvertOptions
 from colibri_stream.devtools.fixtures import write_tiny_tokenizer
 from colibri_stream.planning.budget import StoreOptions
 from colibri_stream.runtime.turn import RuntimeOptions, load_runtime
-from colibri_stream.serve.app import Server, create_app
+from colibri_stream.serve.app import Server
+from colibri_stream.serve.in_process import start_server
 from storage.container import is_container
+from storage.prefix_store import PrefixConfig
 
 MODEL_ID = "bench"
 
 
-def container_for(model: str, work: Path, stress_layers: int) -> Path:
-    """The container to serve, converted into ``work`` once (kept for later runs)."""
+def container_for(model: str, work: Path, stress_layers: int, stress_context: int = 4096) -> Path:
+    """The container to serve ("demo", "stress" or a path), converted into ``work`` once (kept for later
+    runs). The stress model has no tokenizer: a tiny one is trained so the server can decode text."""
     if model not in ("demo", "stress"):
         return Path(model)
-    dst = work / f"{model}-{stress_layers}.cstream" if model == "stress" else work / "demo.cstream"
+    name = f"stress-{stress_layers}-{stress_context}" if model == "stress" else "demo"
+    dst = work / f"{name}.cstream"
     if not is_container(dst):
         if model == "demo":
             source = demo_model_dir()
         else:
-            shape = dataclasses.replace(StressShape(), num_hidden_layers=stress_layers)
-            source = write_stress_checkpoint(work / f"stress-{stress_layers}-hf", shape)
+            shape = dataclasses.replace(
+                StressShape(), num_hidden_layers=stress_layers, max_position_embeddings=stress_context
+            )
+            source = write_stress_checkpoint(work / f"{name}-hf", shape)
         Converter(source, dst, ConvertOptions()).run()
-    if not (dst / "tokenizer.json").exists():  # the stress model has none; the server decodes text
+    if not (dst / "tokenizer.json").exists():
         write_tiny_tokenizer(dst, json.loads((dst / "config.json").read_text())["vocab_size"])
     return dst
-
-
-def start_server(server: Server) -> tuple[uvicorn.Server, int]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    http_server = uvicorn.Server(uvicorn.Config(create_app(server), host="127.0.0.1", port=port, log_level="error"))
-    threading.Thread(target=http_server.run, daemon=True).start()
-    while not http_server.started:
-        time.sleep(0.05)
-    return http_server, port
 
 
 def complete(port: int, prompt: list[int], max_tokens: int) -> tuple[str, int]:
@@ -113,11 +104,15 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     container = container_for(args.model, work, args.stress_layers)
     options = RuntimeOptions(
-        store=StoreOptions(ram=args.ram, kv_sequences=2 * max(clients)), kv_dir=work / "kv", model_id=MODEL_ID
+        store=StoreOptions(ram=args.ram, kv_sequences=2 * max(clients)),
+        kv_dir=work / "kv",
+        model_id=MODEL_ID,
+        prefix=PrefixConfig(enabled=False),  # the same prompts are sent twice: both runs compute them
     )
     runtime = load_runtime(container, options)
     server = Server(runtime, slots=max(clients), max_queue=max(clients))
-    http_server, port = start_server(server)
+    running = start_server(server)
+    port = running.port
     complete(port, prompts_for(1, args.prompt_tokens, runtime.vocab_size)[0], 4)  # warm-up
     rows = []
     print(f"{args.model} at --ram {args.ram}: {args.max_tokens} tokens per request", file=sys.stderr)
@@ -136,7 +131,7 @@ def main() -> None:
         }
         rows.append(row)
         print(f"| {n} | {sequential:.2f} | {together:.2f} | {together / sequential:.2f}x | {row['same_answers']} |")
-    http_server.should_exit = True
+    running.stop()
     if args.json:
         result = {"model": args.model, "ram": args.ram, "max_tokens": args.max_tokens, "rows": rows}
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -44,7 +44,13 @@ class RunInputs:
 
 def our_argv(container: Path, config: OurConfig, ram_bytes: int, inputs: RunInputs, extra: list[str]) -> list[str]:
     argv = cli_argv(
-        "run", str(container), "--ids", ",".join(map(str, inputs.ids)), "--max-new-tokens", str(inputs.new_tokens)
+        "run",
+        str(container),
+        "--ids",
+        ",".join(map(str, inputs.ids)),
+        "--max-new-tokens",
+        str(inputs.new_tokens),
+        "--no-prefix-cache",
     )
     argv += ["--ram", f"{ram_bytes}B", "--policy", config.policy, "--activations", config.activations, "--json", *extra]
     return argv + ["--prefetch" if config.prefetch else "--no-prefetch"]  # said either way: the row is named by it

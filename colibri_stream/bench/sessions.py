@@ -27,7 +27,7 @@ def _turn(
     container: Path, ids: list[int], ram: str, kv_dir: Path, session: str | None, limit: MemoryLimit, timeout_s: float
 ) -> dict:
     argv = cli_argv("run", str(container), "--ids", ",".join(map(str, ids)), "--max-new-tokens", "1")
-    argv += ["--ram", ram, "--json", "--kv-dir", str(kv_dir)]
+    argv += ["--ram", ram, "--json", "--kv-dir", str(kv_dir), "--no-prefix-cache"]  # the log's path alone
     if session:
         argv += ["--session", session]
     return json.loads(limit.run(argv, timeout_s).last_json_line())

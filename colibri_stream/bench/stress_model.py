@@ -35,6 +35,7 @@ class StressShape:
     vocab_size: int = 8192
     n_group: int = 8
     topk_group: int = 4
+    max_position_embeddings: int = 4096  # the context (an agent bench's 4k preamble needs more)
 
 
 QUICK = StressShape(
@@ -69,7 +70,6 @@ def config_for(shape: StressShape) -> dict:
         "topk_method": "noaux_tc",
         "hidden_act": "silu",
         "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 4096,
         "rope_theta": 10000.0,
         "tie_word_embeddings": False,
         "bos_token_id": 0,

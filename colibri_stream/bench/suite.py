@@ -262,7 +262,16 @@ class Bench:
         demo = convert(model_dir, demo_container_path(model_dir, self.work / "demo"))  # cheap once converted
         trace = self.out / "demo-trace.jsonl"
         argv = cli_argv("run", str(demo), "--prompt", DEMO_PROMPT, "--max-new-tokens", str(self.settings.demo_tokens))
-        argv += ["--ram", "40%", "--json", "--trace", str(trace), "--kv-dir", str(self.work / "kv")]
+        argv += [
+            "--ram",
+            "40%",
+            "--json",
+            "--trace",
+            str(trace),
+            "--kv-dir",
+            str(self.work / "kv"),
+            "--no-prefix-cache",
+        ]
         MemoryLimit(self.settings.overhead_bytes).run(argv, self.settings.timeout_s).last_json_line()
         container = Container(demo)
         budgets = {f"{pct}%": container.expert_bytes * pct // 100 for pct in (35, 40, 50, 75)}

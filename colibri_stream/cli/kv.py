@@ -1,4 +1,4 @@
-"""`colibri-stream kv ls|info|rm`: the sessions stored for a model."""
+"""`colibri-stream kv ls|info|rm` (the sessions stored for a model) and the prefix cache's actions (kv_prefix.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ from pathlib import Path
 
 from colibri_stream.checkpoint.fingerprint import model_fingerprint
 from colibri_stream.cli.help import help_options
+from colibri_stream.cli.kv_prefix import ACTIONS as PREFIX_ACTIONS
+from colibri_stream.cli.kv_prefix import add_actions as add_prefix_actions
+from colibri_stream.cli.kv_prefix import run_prefix_action
 from colibri_stream.errors import SessionError
 from colibri_stream.runtime.loader import model_config
 from colibri_stream.runtime.session_lock import SessionLease
@@ -29,14 +32,20 @@ examples:
   colibri-stream kv ls MODEL.cstream
   colibri-stream kv info MODEL.cstream chat --json
   colibri-stream kv rm MODEL.cstream chat          # refused while another process has it open
+  colibri-stream kv prefix MODEL.cstream           # the shared prefix cache: blocks, tokens, bytes
+  colibri-stream kv export MODEL.cstream agent.kvpack --prompt-file preamble.txt
+  colibri-stream kv import MODEL.cstream agent.kvpack   # on another machine: the preamble is not recomputed
 A session whose header is damaged is listed as "corrupt header"; `kv rm` (or run --reset) clears it.
 exit status: 0 on success, 1 for an unknown session or one in use, 2 on bad flags."""
+
+
+KV_DIR_HELP = "session directory (default: ~/.cache/colibri-stream/kv/<model>)"
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     kv = commands.add_parser(
         "kv",
-        help="list, inspect or delete a model's stored conversation sessions",
+        help="list, inspect or delete a model's stored sessions and its shared prefix cache; KV packs",
         description="Sessions are per model: MODEL (a container or HF directory) selects their directory.",
         **help_options(KV_EPILOG),
     )
@@ -46,15 +55,18 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         action.add_argument("model", help="container or HF checkpoint directory")
         if name != "ls":
             action.add_argument("session", help="session name")
-        action.add_argument("--kv-dir", help="session directory (default: ~/.cache/colibri-stream/kv/<model>)")
+        action.add_argument("--kv-dir", help=KV_DIR_HELP)
         action.add_argument("--json", action="store_true", help="JSON output")
         action.set_defaults(handler=run_kv)
+    add_prefix_actions(actions, KV_DIR_HELP, run_kv)
 
 
 def run_kv(args: argparse.Namespace) -> int:
-    if args.kv_command != "ls":
+    if args.kv_command not in ("ls", *PREFIX_ACTIONS):
         check_session_name(args.session)  # before the model is read: "../x" names nothing of ours
     model_args = ModelArgs.from_hf_config(model_config(args.model))  # first: a bad MODEL is refused here
+    if args.kv_command in PREFIX_ACTIONS:
+        return run_prefix_action(args, model_args)
     kv_dir = Path(args.kv_dir) if args.kv_dir else default_kv_dir(model_fingerprint(args.model))
     if args.kv_command == "ls":
         infos = [session_info(p, model_args) for p in sorted(kv_dir.glob(f"*{SESSION_SUFFIX}"))]

@@ -10,7 +10,7 @@ from colibri_stream.checkpoint.dtypes import COMPUTE_DTYPES
 from colibri_stream.errors import BudgetError, RequestError
 from colibri_stream.experts.cluster.group import DEFAULT_TIMEOUT_S, ClusterOptions
 from colibri_stream.experts.cluster.local import LOCALHOST, MAX_LOCAL_WORKERS, check_local_workers
-from colibri_stream.planning.budget import TABLES, Budget, StoreOptions, parse_size
+from colibri_stream.planning.budget import TABLES, Budget, StoreOptions, parse_size, prefix_config, prefix_size
 from colibri_stream.planning.geometry import (
     DEFAULT_DENSE,
     DEFAULT_EXPERTS,
@@ -113,6 +113,16 @@ def _shown(value: object) -> str:
     return str(value).replace("%", "%%")  # argparse %-formats help text
 
 
+def _binary_size(value: str | int) -> str:
+    """8589934592 -> "8GiB" (a default shown in help the way a user would write it)."""
+    if isinstance(value, str):
+        return value
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if value >= scale and value % scale == 0:
+            return f"{value // scale}{unit}"
+    return str(value)
+
+
 def _on(flag: bool) -> str:
     return "on" if flag else "off"
 
@@ -178,7 +188,20 @@ def add_store_arguments(parser: argparse.ArgumentParser, ram_default: str | int 
     group.add_argument("--trace", help="write the routing trace (one JSON line per MoE acquire) to this file")
 
 
-def store_options(args: argparse.Namespace) -> StoreOptions:
+def add_context_argument(parser: argparse.ArgumentParser) -> None:
+    """--context N: the positions a run is sized and checked for (plan, run, chat, serve)."""
+    parser.add_argument(
+        "--context",
+        type=positive_int,
+        metavar="N",
+        help="tokens of context (prompt + answer) the KV cache and activations are sized for; a longer prompt "
+        "is refused, answers are cut to fit (default: the budget file's [kv] context, else the model's "
+        "max_position_embeddings, which is also the most N may be)",
+    )
+
+
+def store_options(args: argparse.Namespace, context: int | None = None) -> StoreOptions:
+    """The store flags; ``context`` is --context of the commands that take it (add_context_argument)."""
     return StoreOptions(
         budget=args.budget,
         ram=args.ram,
@@ -192,6 +215,7 @@ def store_options(args: argparse.Namespace) -> StoreOptions:
         preload=args.preload,
         history=args.history,
         trace=args.trace,
+        context=context,
     )
 
 
@@ -231,21 +255,58 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
         "records multiply int8-quantised activations with integer dot products, as llama.cpp does (faster, "
         "lossy: +0.2%% held-out perplexity on the demo model, docs/quantization.md)",
     )
+    add_context_argument(parser)
     add_session_arguments(parser)
+    add_prefix_arguments(parser)
     add_store_arguments(parser)
     add_cluster_arguments(parser)
+
+
+def prefix_size_flag(text: str) -> str:
+    """--prefix-ram/--prefix-disk checked for form when the flags are read."""
+    try:
+        prefix_size(text, "size")
+    except BudgetError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("size: ")) from None
+    return text
+
+
+def add_prefix_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "prefix cache (the KV of earlier prompts, shared by every request and session, kept across restarts)"
+    )
+    group.add_argument(
+        "--prefix-ram",
+        type=prefix_size_flag,
+        metavar="SIZE",
+        help=f"RAM for recently used prefix blocks; 0: none (default {_binary_size(DEFAULTS.prefix_ram)})",
+    )
+    group.add_argument(
+        "--prefix-disk",
+        type=prefix_size_flag,
+        metavar="SIZE",
+        help=f"prefix blocks kept in the KV directory, least recently used dropped first; 0: none "
+        f"(default {_binary_size(DEFAULTS.prefix_disk)})",
+    )
+    group.add_argument(
+        "--prefix-cache",
+        action=argparse.BooleanOptionalAction,
+        help="restore the longest cached prefix of each prompt and remember what each turn computes "
+        f"(default {_on(DEFAULTS.prefix_enabled)}; --no-prefix-cache computes every prompt whole)",
+    )
 
 
 def runtime_options(args: argparse.Namespace, text: bool = True, model_id: str | None = None) -> RuntimeOptions:
     return RuntimeOptions(
         dtype=args.dtype,
         activations=args.activations,
-        store=store_options(args),
+        store=store_options(args, args.context),
         kv_dir=args.kv_dir,
         kv_dtype=args.kv_dtype,
         model_id=model_id,
         text=text,
         cluster=cluster_options(args),
+        prefix=prefix_config(args.budget, args.prefix_ram, args.prefix_disk, args.prefix_cache),
     )
 
 

@@ -8,15 +8,18 @@ default, and those of the store settings are ``StoreConfig``'s (storage/tiered.p
     [io]      direct = true | false             threads = N (1..MAX_IO_THREADS, storage.tiered)
     [cache]   policy = "lru" | "hybrid" | "pinned"    prefetch = true | false    prefetch_layers = N (>= 1)
               preload = true | false    history = "usage.json"
+    [prefix]  ram = "512MiB"    disk = "8GiB"    enabled = true | false   (the shared prefix cache)
+    [kv]      context = N (positions the KV cache and activations are sized for; default and at most
+              the model's max_position_embeddings; a longer prompt is refused)
 
 Any other table or key (a misspelling, or a setting a budget does not hold: the session directory and
 record dtype are --kv-dir and --kv-dtype) is refused. Errors are one line naming the file and the key.
 
 ``auto`` sizes the RAM tier from what psutil says is available (MemAvailable), leaving room for the
-dense weights, the KV cache at full context and a safety margin (shaved only down to the store's floor).
-A budget file's RAM size is capped at that same figure: a file written for a bigger machine still runs
-here. When even the floor does not fit, ``placement.check_fits`` refuses with RAM available, dense, KV
-and floor.
+dense weights, the KV cache at the planned context (--context, else [kv] context, else the model's
+max_position_embeddings) and a safety margin (shaved only down to the store's floor). A budget file's
+RAM size is capped at that same figure: a file written for a bigger machine still runs here. When even
+the floor does not fit, ``placement.check_fits`` refuses with RAM available, dense, KV and floor.
 """
 
 from __future__ import annotations
@@ -35,8 +38,10 @@ import torch
 from colibri_stream.errors import BudgetError
 from colibri_stream.planning.geometry import ModelGeometry
 from colibri_stream.planning.placement import floor_bytes, plan
+from engine.args import ModelArgs
 from storage.errors import FormatError
 from storage.policy import POLICY_NAMES
+from storage.prefix_store import PrefixConfig
 from storage.safe_read import decode_utf8, read_bounded
 from storage.tiered import MAX_IO_THREADS, StoreConfig
 
@@ -102,6 +107,7 @@ def auto_ram_bytes(
 
 
 _STORE = StoreConfig(ram_bytes=0)  # the store's defaults: a budget's store settings start from them
+_PREFIX = PrefixConfig()  # the prefix cache's defaults
 
 
 @dataclass(frozen=True)
@@ -117,11 +123,19 @@ class Budget:
     prefetch_layers: int = _STORE.prefetch_layers  # [cache] prefetch_layers: MoE layers guessed ahead
     preload: bool = _STORE.preload  # [cache] preload: read every expert at load when RAM holds them all
     history: str | None = None  # [cache] history: usage-history file (learned hot store)
+    context: int | None = None  # [kv] context: positions KV and activations are sized for (None: the model's)
+    prefix_ram: str | int = _PREFIX.ram_bytes  # [prefix] ram: RAM for the prefix cache's recent blocks
+    prefix_disk: str | int = _PREFIX.disk_bytes  # [prefix] disk: the prefix cache's blocks in the KV directory
+    prefix_enabled: bool = _PREFIX.enabled  # [prefix] enabled: restore prompts' cached prefixes
     source: str = "defaults"  # the budget file these came from
 
 
 # Every key a budget file may hold: "table.key" -> (Budget field, TOML types accepted).
 BUDGET_KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
+    # first: a bare "ram" misplaced in another table is then hinted as memory.ram (listed later)
+    "prefix.ram": ("prefix_ram", (str, int)),
+    "prefix.disk": ("prefix_disk", (str, int)),
+    "prefix.enabled": ("prefix_enabled", (bool,)),
     "memory.ram": ("ram", (str, int)),
     "memory.vram": ("vram", (str, int)),
     "io.direct": ("direct", (bool,)),
@@ -131,6 +145,7 @@ BUDGET_KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
     "cache.prefetch_layers": ("prefetch_layers", (int,)),
     "cache.preload": ("preload", (bool,)),
     "cache.history": ("history", (str,)),
+    "kv.context": ("context", (int,)),
 }
 TABLES = sorted({key.split(".")[0] for key in BUDGET_KEYS})
 # Settings that are not a budget's: refused with where they are set, rather than read by nothing.
@@ -200,12 +215,35 @@ def _check_values(budget: Budget, path: Path) -> None:
     """Values a type does not rule out, refused when the file is read: each error names file and key."""
     if not 1 <= budget.threads <= MAX_IO_THREADS:
         raise BudgetError(f"{path}: io.threads must be 1..{MAX_IO_THREADS}, got {budget.threads}")
+    if budget.context is not None and budget.context < 1:
+        raise BudgetError(f"{path}: kv.context must be >= 1 (positions), got {budget.context}")
     if budget.prefetch_layers < 1:
         raise BudgetError(f"{path}: cache.prefetch_layers must be >= 1 (MoE layers guessed ahead)")
     if budget.policy not in POLICY_NAMES:
         raise BudgetError(f"{path}: cache.policy must be one of {', '.join(POLICY_NAMES)}, got {budget.policy!r}")
     parse_size(budget.ram, 0, f"{path}: memory.ram", auto_bytes=0)  # the form only: % and auto need the model
     parse_size(budget.vram, 0, f"{path}: memory.vram")
+    for key, value in (("prefix.ram", budget.prefix_ram), ("prefix.disk", budget.prefix_disk)):
+        prefix_size(value, f"{path}: {key}")
+
+
+def prefix_size(value: str | int, key: str) -> int:
+    """A prefix-cache budget: a size (0 turns the tier off); a percentage or auto has nothing to be of."""
+    if isinstance(value, str) and value.strip().endswith("%") or str(value).strip() == "auto":
+        raise BudgetError(f"{key}: expected a size such as 512MiB or 0, got {value!r}")
+    return parse_size(value, 0, key)
+
+
+def prefix_config(
+    budget_path: str | Path | None, ram: str | None = None, disk: str | None = None, enabled: bool | None = None
+) -> PrefixConfig:
+    """The prefix cache's sizes: flags over the budget file's [prefix] table over PrefixConfig's defaults."""
+    budget = load_budget_file(budget_path) if budget_path else Budget()
+    return PrefixConfig(
+        ram_bytes=prefix_size(budget.prefix_ram if ram is None else ram, "prefix ram"),
+        disk_bytes=prefix_size(budget.prefix_disk if disk is None else disk, "prefix disk"),
+        enabled=budget.prefix_enabled if enabled is None else enabled,
+    )
 
 
 @dataclass(frozen=True)
@@ -226,20 +264,42 @@ class StoreOptions:
     history: str | Path | None = None  # usage-history file, updated after every turn
     trace: str | Path | None = None  # routing trace, one JSON line per acquire
     kv_sequences: int = 1  # KV caches held at once, each counted at the full context (serve: 2 x slots)
+    context: int | None = None  # --context: positions KV and activations are sized for (planned_context)
+    beside_store_bytes: int = 0  # RAM the run holds beside the plan's parts: the prefix cache's RAM tier
+
+
+def planned_context(options: StoreOptions, args: ModelArgs) -> int:
+    """The context a run is sized and checked for: --context over the budget file's [kv] context over the
+    model's max_position_embeddings, refused beyond it (positions the model was never trained on)."""
+    budget = load_budget_file(options.budget) if options.budget and options.context is None else Budget()
+    context = options.context if options.context is not None else budget.context
+    if context is None:
+        return args.max_position_embeddings
+    where = "--context" if options.context is not None else f"{budget.source}: kv.context"
+    if context < 1:
+        raise BudgetError(f"{where} must be >= 1 (positions), got {context}")
+    if context > args.max_position_embeddings:
+        raise BudgetError(
+            f"{where} {context} is longer than this model's context: max_position_embeddings is "
+            f"{args.max_position_embeddings}"
+        )
+    return context
 
 
 def store_config(options: StoreOptions, geometry: ModelGeometry, dtype: str = "float32") -> StoreConfig:
     """The store's configuration: flags over the budget file over defaults; `auto` RAM from what is
-    available after the dense weights, the KV cache and the prefill activations at full context; a budget
-    file's RAM at most that."""
+    available after the dense weights, the KV cache and the prefill activations at the planned context
+    (``planned_context``) and what the run holds beside them (the prefix cache's RAM); a budget file's
+    RAM at most that."""
     budget = load_budget_file(options.budget) if options.budget else Budget()
     expert_bytes = geometry.expert_bytes
-    provisional = plan(geometry, StoreConfig(ram_bytes=0), dtype, sequences=options.kv_sequences)
+    context = planned_context(options, geometry.args)
+    provisional = plan(geometry, StoreConfig(ram_bytes=0), dtype, sequences=options.kv_sequences, context=context)
     auto = auto_ram_bytes(
         provisional.dense_bytes,
         provisional.kv_bytes_at_max_context,
         floor_bytes(provisional),
-        activation_bytes=provisional.activation_bytes,
+        activation_bytes=provisional.activation_bytes + options.beside_store_bytes,
     )
     return _store_config(options, budget, _ram_bytes(options, budget, expert_bytes, auto), expert_bytes)
 

@@ -16,6 +16,7 @@ expert counters from the first token on, plus disk_read_bytes), memory (peak_rss
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,16 +30,24 @@ from colibri_stream.checkpoint.fingerprint import model_fingerprint
 from colibri_stream.errors import RequestError, TokenizerError
 from colibri_stream.experts.cluster.group import ClusterOptions
 from colibri_stream.experts.store import ExpertStore
-from colibri_stream.planning.budget import StoreOptions
+from colibri_stream.planning.budget import StoreOptions, planned_context
 from colibri_stream.runtime.batching import ContinuousBatch, GenerationRequest, GenerationResult
 from colibri_stream.runtime.loader import LoadedModel, load
 from colibri_stream.runtime.memory import PeakWatch, SharedPeakSampler, disk_read_bytes, peak_rss_bytes
+from colibri_stream.runtime.prefix_cache import (
+    PrefixCache,
+    PrefixHit,
+    prompt_chunk_hook,
+    prompt_sources,
+    restore_prefix,
+)
 from colibri_stream.runtime.sampling import SamplingParams
 from colibri_stream.runtime.session_pool import SessionPool
-from colibri_stream.runtime.sessions import Session, TurnStart, default_kv_dir
+from colibri_stream.runtime.sessions import Session, TurnStart, default_kv_dir, session_state
 from colibri_stream.text.chat_format import ChatFormat, PromptEncoder, load_chat_format, load_tokenizer
-from engine.interfaces import Cache
+from engine.interfaces import Cache, Model
 from engine.read_ahead import stop_read_ahead
+from storage.prefix_store import PrefixConfig
 from storage.safe_read import check_output_dir
 from storage.stats import StoreStats
 
@@ -53,6 +62,7 @@ class RuntimeOptions:
     model_id: str | None = None  # the name clients send (default: the directory's name)
     text: bool = True  # load tokenizer.json and the chat template (False: token ids only)
     cluster: ClusterOptions = field(default_factory=ClusterOptions)  # routed experts held by worker processes
+    prefix: PrefixConfig = field(default_factory=PrefixConfig)  # the shared prefix cache (prefix_cache.py)
 
 
 @dataclass
@@ -66,10 +76,20 @@ class Runtime:
     fingerprint: str
     kv_dtype: str = "float32"
     model_id: str = "model"
+    prefix: PrefixCache | None = None  # the KV of earlier prompts' prefixes, shared by every turn
+    context: int | None = None  # positions a turn may fill (budget.planned_context; None: the model's)
 
     @property
     def context_size(self) -> int:
-        return self.loaded.args.max_position_embeddings
+        """Positions a turn may fill, prompt and answer: what KV and activations were sized for."""
+        return self.loaded.args.max_position_embeddings if self.context is None else self.context
+
+    @property
+    def context_source(self) -> str:
+        """Where ``context_size`` comes from, as the refusals name it."""
+        return (
+            "max_position_embeddings" if self.context_size == self.loaded.args.max_position_embeddings else "--context"
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -109,12 +129,28 @@ def load_runtime(path: str | Path, options: RuntimeOptions | None = None) -> Run
         check_output_dir(options.kv_dir, "--kv-dir")
     tokenizer = load_tokenizer(path) if options.text else None
     chat = load_chat_format(path) if options.text else None
-    loaded = load(path, options.dtype, options.store, options.activations, options.cluster)
+    beside = options.prefix.ram_bytes if options.prefix.enabled else 0  # `auto` RAM leaves it room
+    store = dataclasses.replace(options.store, beside_store_bytes=beside)
+    loaded = load(path, options.dtype, store, options.activations, options.cluster)
     fingerprint = model_fingerprint(path)
     kv_dir = Path(options.kv_dir) if options.kv_dir else default_kv_dir(fingerprint)
     check_output_dir(kv_dir, "the session directory")
     model_id = options.model_id or Path(path).resolve().name
-    return Runtime(loaded, tokenizer, chat, kv_dir, fingerprint, options.kv_dtype, model_id)
+    prefix = open_prefix_cache(loaded, kv_dir, fingerprint, options) if options.prefix.enabled else None
+    context = planned_context(options.store, loaded.args)  # refused beyond max_position_embeddings
+    return Runtime(loaded, tokenizer, chat, kv_dir, fingerprint, options.kv_dtype, model_id, prefix, context)
+
+
+def open_prefix_cache(loaded: LoadedModel, kv_dir: Path, fingerprint: str, options: RuntimeOptions) -> PrefixCache:
+    """The model's prefix cache for this runtime's state: blocks computed in another dtype or on another
+    activation path are other blocks (prefix_cache.py)."""
+    state = session_state(*value_state(loaded.model))
+    return PrefixCache.open(kv_dir, fingerprint, loaded.args, options.kv_dtype, state, options.prefix)
+
+
+def value_state(model: Model[Cache]) -> tuple[str, str]:
+    """(compute dtype, activation path): what the stored KV values depend on beyond the model."""
+    return str(model.dtype).removeprefix("torch."), "int8" if model.int8_activations else "float32"
 
 
 @dataclass(frozen=True)
@@ -127,6 +163,10 @@ class TurnOptions:
     sync_every: int = 0  # also persist the session every N generated tokens (0: at the end only)
     on_token: Callable[[int], None] | None = None  # sees each generated id as it is sampled
     should_stop: Callable[[], bool] | None = None  # polled after each token: a client gone, Ctrl-C
+    logprobs: int | None = None  # record each generated token's logprob, with this many alternatives
+    # also every prompt token's (GenerationRequest.prompt_logprobs): the whole prompt must be computed,
+    # so no stored or cached prefix may be reused for such a turn
+    prompt_logprobs: int | None = None
 
 
 @dataclass
@@ -144,14 +184,15 @@ def check_prompt(runtime: Runtime, prompt_ids: list[int]) -> None:
         raise RequestError(f"prompt ids {bad[:5]} are outside the vocabulary (size {runtime.vocab_size})")
     if len(prompt_ids) >= runtime.context_size:
         raise RequestError(
-            f"the prompt has {len(prompt_ids)} tokens; this model's context is {runtime.context_size} tokens "
-            "(max_position_embeddings) and an answer needs at least one more"
+            f"the prompt has {len(prompt_ids)} tokens; the context is {runtime.context_size} tokens "
+            f"({runtime.context_source}) and an answer needs at least one more"
         )
 
 
 def fit_to_context(runtime: Runtime, prompt_tokens: int, max_new_tokens: int) -> int:
-    """``max_new_tokens`` cut so prompt + answer fit the model's context (positions past
-    max_position_embeddings were never trained: the model would run on, silently wrong)."""
+    """``max_new_tokens`` cut so prompt + answer fit the context (--context: what the KV and activations
+    were sized for; without it max_position_embeddings, past which positions were never trained: the
+    model would run on, silently wrong)."""
     return max(0, min(max_new_tokens, runtime.context_size - prompt_tokens))
 
 
@@ -167,6 +208,7 @@ class OpenTurn:
     prompt_ids: list[int]
     session: Session | None
     start: TurnStart | None
+    prefix_hit: PrefixHit | None  # the blocks of the shared prefix cache it started from, if any
     recorder: PhaseRecorder
     request: GenerationRequest
     uss: PeakWatch
@@ -180,9 +222,10 @@ def begin_turn(
     the returned turn's ``request`` is ready for a ContinuousBatch."""
     check_prompt(runtime, prompt_ids)
     model, store = runtime.loaded.model, runtime.loaded.experts
-    session, start = open_turn_session(runtime, prompt_ids, options, pool)
+    session, start, hit = open_turn_session(runtime, prompt_ids, options, pool)
     try:
         cache = start.cache if start is not None else model.new_cache()
+        on_prompt_chunk = prompt_chunk_hook(runtime.prefix, session, cache, prompt_ids)
         recorder = PhaseRecorder(store)
         request = GenerationRequest(
             prompt_ids,
@@ -192,42 +235,48 @@ def begin_turn(
             cache,
             recorder.wrap(with_periodic_sync(options, session, cache, prompt_ids)),
             options.should_stop,
-            log_prompt_chunks(session, cache, prompt_ids),
+            on_prompt_chunk,
+            logprobs=options.logprobs,
+            prompt_logprobs=options.prompt_logprobs,
         )
     except BaseException:
         if session is not None:
             session.close()
         raise
-    return OpenTurn(runtime, prompt_ids, session, start, recorder, request, USS_SAMPLER.watch())
+    return OpenTurn(runtime, prompt_ids, session, start, hit, recorder, request, USS_SAMPLER.watch())
 
 
 def open_turn_session(
     runtime: Runtime, prompt_ids: list[int], options: TurnOptions, pool: SessionPool | None
-) -> tuple[Session | None, TurnStart | None]:
-    """The turn's session and restored prefix: from the pool (its KV still in memory: nothing read) or
-    opened from its log. None, None without a session."""
+) -> tuple[Session | None, TurnStart | None, PrefixHit | None]:
+    """The turn's session and restored prefix: from the pool (its KV still in memory: nothing read),
+    opened from its log, or from the shared prefix cache when that holds more of the prompt than the
+    log (prefix_cache.restore_prefix). None for what the turn has not."""
+    model = runtime.loaded.model
     if options.session is None:
-        return None, None
+        reusable = runtime.prefix if options.prompt_logprobs is None else None  # prompt logprobs: compute all
+        return None, *restore_prefix(reusable, prompt_ids, model.dtype, None, None)
     held = pool.take(options.session) if pool is not None else None
     if held is not None:
         if options.reset:
             held.session.reset()
             held.cache.trim(0)
             held.ids.clear()
-        return held.session, held.session.continue_turn(held.cache, held.ids, prompt_ids)
-    model = runtime.loaded.model
+        return held.session, held.session.continue_turn(held.cache, held.ids, prompt_ids), None
+    compute_dtype, activations = value_state(model)  # recorded: another one is refused
     session = Session(
         runtime.kv_dir,
         options.session,
         runtime.fingerprint,
         runtime.loaded.args,
         runtime.kv_dtype,
-        compute_dtype=str(model.dtype).removeprefix("torch."),  # recorded: another dtype is refused
+        compute_dtype=compute_dtype,
         reset=options.reset,  # starts over whatever the log held, a damaged header included
-        activations="int8" if model.int8_activations else "float32",  # recorded too
+        activations=activations,
     )
     try:
-        return session, session.start_turn(prompt_ids, model.dtype)
+        start = session.start_turn(prompt_ids, model.dtype)
+        return session, *restore_prefix(runtime.prefix, prompt_ids, model.dtype, session, start)
     except BaseException:
         session.close()
         raise
@@ -239,12 +288,14 @@ def finish_turn(turn: OpenTurn, result: GenerationResult, pool: SessionPool | No
     wall = time.perf_counter() - turn.started
     turn.uss.stop()
     try:
+        if turn.runtime.prefix is not None:  # before the session's log takes the rows a cache then frees
+            turn.runtime.prefix.remember(turn.request.cache, turn.prompt_ids + result.ids)  # type: ignore[arg-type]
         if turn.session is not None:
             # begin_turn gives every request its cache
             keep_session(turn.session, turn.request.cache, turn.prompt_ids + result.ids, pool)  # type: ignore[arg-type]
     finally:
         turn.runtime.loaded.experts.end_turn()  # a failed turn's routings and trace are kept too
-    stats = turn_stats(result, turn.start, wall, turn.recorder.report(), turn.uss.peak)
+    stats = turn_stats(result, turn.start, turn.prefix_hit, wall, turn.recorder.report(), turn.uss.peak)
     return TurnResult(result.ids, finish_reason(result), len(turn.prompt_ids), stats)
 
 
@@ -292,13 +343,20 @@ def finish_reason(result: GenerationResult) -> str:
 
 
 def turn_stats(
-    result: GenerationResult, turn: TurnStart | None, wall: float, experts: dict[str, Any], peak_uss: int
+    result: GenerationResult,
+    turn: TurnStart | None,
+    hit: PrefixHit | None,
+    wall: float,
+    experts: dict[str, Any],
+    peak_uss: int,
 ) -> dict[str, Any]:
     """The stats schema, key by key as documented above and in the README."""
+    reused = turn.reused_tokens if turn is not None else 0
     return {
         **result.stats.as_dict(),
         "wall_s": round(wall, 6),
-        "reused_tokens": turn.reused_tokens if turn is not None else 0,
+        "reused_tokens": reused,
+        "prompt_sources": prompt_sources(reused, hit, result.stats.prefill_tokens),
         "kv_load_s": round(turn.kv_load_s, 6) if turn is not None else 0.0,
         **experts,
         "peak_rss_bytes": peak_rss_bytes(),
@@ -338,15 +396,6 @@ class PhaseRecorder:
             then, disk_then = self.at_first_token
             report["decode_phase"] = {**now.minus(then).as_dict(), "disk_read_bytes": disk_read_bytes() - disk_then}
         return report
-
-
-def log_prompt_chunks(session: Session | None, cache: Cache, prompt_ids: list[int]) -> Callable[[], object] | None:
-    """A session whose cache frees logged rows (DeepSeek-V4's): each prompt chunk's positions go to the log
-    as they are computed, so the cache releases their rows (engine/position_rows.py) instead of holding a
-    long prompt's rows to the end of the turn. None otherwise."""
-    if session is None or not cache.frees_logged_rows:
-        return None
-    return lambda: session.end_turn(cache, prompt_ids)
 
 
 def with_periodic_sync(

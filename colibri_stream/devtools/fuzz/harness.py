@@ -248,6 +248,7 @@ class Worker:
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
+    env.pop("XDG_CACHE_HOME", None)  # a case's user cache follows the HOME it is given (its scratch)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     env["MALLOC_ARENA_MAX"] = "2"  # every thread's 64 MiB arena would count against RLIMIT_AS
     env.setdefault("OMP_NUM_THREADS", "1")

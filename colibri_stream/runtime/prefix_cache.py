@@ -1,0 +1,204 @@
+"""The prefix cache: the KV of token prefixes, shared by every request and every session of one model,
+in RAM and in the KV directory (storage/prefix_store.py), across restarts.
+
+A prompt is cut into blocks of ``BLOCK_TOKENS`` positions. Block k's key is a hash chain over the
+namespace (model fingerprint, record geometry, and the state the values depend on: compute dtype and
+activation path) and every token up to the block's end, so a key names one whole prefix of one model
+computed one way: a block of another model, dtype or activation path has another key, and its header
+is checked on top (storage/prefix_blocks.py). A turn restores the longest run of blocks the prompt
+starts with (at least one position is left to compute: it gives the first token's logits), and after
+it the positions it computed are remembered as whole blocks. The records are the session log's
+(runtime/sessions.py cache_payloads / cache_from_payloads), so a restored prefix computes what a
+restored session would.
+
+An agent's stateless requests each resend the whole conversation: the next request starts with the
+last one's prompt and answer, so all of it but the new message (and the block it ends in) is restored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from colibri_stream.planning.kv_bytes import kv_geometry
+from colibri_stream.runtime.sessions import Session, TurnStart, cache_from_payloads, cache_payloads
+from engine.args import ModelArgs
+from engine.interfaces import Cache
+from engine.position_rows import RowsReleased
+from storage.prefix_blocks import Block, Namespace
+from storage.prefix_store import PrefixConfig, PrefixStore, PrefixUsage
+
+# Positions per block: the most a request recomputes past its last cached block. Small enough that a
+# new message costs little, large enough that a 30k-token prompt is a few hundred files.
+BLOCK_TOKENS = 64
+PREFIX_DIR = "prefix"  # under the model's KV directory
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """The restored run of blocks: ``tokens`` positions (``ram_tokens`` of them found in RAM, the rest on
+    disk) as record payloads [tokens, payload_bytes] uint8."""
+
+    tokens: int
+    ram_tokens: int
+    disk_tokens: int
+    payloads: np.ndarray
+    load_s: float
+
+
+class PrefixCache:
+    """One model's prefix cache for one state (the compute dtype and activation path of this runtime)."""
+
+    def __init__(self, store: PrefixStore, args: ModelArgs):
+        self.store = store
+        self.args = args
+        self.geometry = store.namespace.geometry
+        self._root = _namespace_digest(store.namespace)
+
+    @classmethod
+    def open(
+        cls,
+        kv_dir: Path,
+        fingerprint: str,
+        args: ModelArgs,
+        record_dtype: str,
+        state: dict[str, str],
+        config: PrefixConfig,
+    ) -> PrefixCache:
+        namespace = Namespace.of(fingerprint, kv_geometry(args, record_dtype), state)
+        return cls(PrefixStore(namespace, kv_dir / PREFIX_DIR, config.ram_bytes, config.disk_bytes), args)
+
+    def block_keys(self, ids: Sequence[int], positions: int) -> list[str]:
+        """The keys of the whole blocks within ids[:positions]."""
+        keys, digest = [], self._root
+        for end in range(BLOCK_TOKENS, min(positions, len(ids)) + 1, BLOCK_TOKENS):
+            block = np.asarray(ids[end - BLOCK_TOKENS : end], dtype="<u4").tobytes()
+            digest = hashlib.sha256(digest + block).digest()
+            keys.append(digest.hex())
+        return keys
+
+    def lookup(self, prompt_ids: Sequence[int], more_than: int = 0) -> PrefixHit | None:
+        """The longest run of cached blocks ``prompt_ids`` starts with, leaving at least its last token to
+        compute; None unless it holds more than ``more_than`` positions (what a session's log already has)."""
+        start = time.perf_counter()
+        keys = self.block_keys(prompt_ids, len(prompt_ids) - 1)
+        if len(keys) * BLOCK_TOKENS <= more_than:
+            return None
+        found: list[Block] = []
+        ram = 0
+        for index, key in enumerate(keys):
+            got = self.store.get(key)
+            if got is None or not _holds(got[0], prompt_ids, index * BLOCK_TOKENS):
+                break
+            found.append(got[0])
+            ram += BLOCK_TOKENS if got[1] == "ram" else 0
+        tokens = len(found) * BLOCK_TOKENS
+        if tokens <= more_than:
+            return None
+        payloads = np.concatenate([block.payloads for block in found])
+        return PrefixHit(tokens, ram, tokens - ram, payloads, time.perf_counter() - start)
+
+    def restore(self, hit: PrefixHit, dtype: torch.dtype) -> Cache:
+        return cache_from_payloads(hit.payloads, self.geometry, self.args, dtype)
+
+    def remember(self, cache: Cache, ids: Sequence[int]) -> int:
+        """Keep the whole blocks of the cache's positions (``ids[i]``: the token at position i) that are
+        not held yet; returns how many were added. Rows a cache already released (DeepSeek-V4's, once
+        logged) are skipped: their blocks were remembered before the release."""
+        added = 0
+        for index, key in enumerate(self.block_keys(ids, cache.length)):
+            if self.store.contains(key):
+                continue
+            first = index * BLOCK_TOKENS
+            try:
+                payloads = cache_payloads(cache, first, first + BLOCK_TOKENS, self.geometry)
+            except RowsReleased:
+                continue
+            tokens = np.asarray(ids[first : first + BLOCK_TOKENS], dtype=np.uint32)
+            self.store.put(key, Block(first, tokens, payloads))
+            added += 1
+        return added
+
+    def usage(self) -> PrefixUsage:
+        return self.store.usage()
+
+
+def _holds(block: Block, ids: Sequence[int], first: int) -> bool:
+    """Whether ``block`` is positions first.. of ``ids`` (the key already says so; this makes a hash
+    collision a miss, not another prompt's KV)."""
+    wanted = np.asarray(ids[first : first + block.length], dtype=np.int64)
+    return block.first == first and np.array_equal(block.tokens.astype(np.int64), wanted)
+
+
+def _namespace_digest(namespace: Namespace) -> bytes:
+    described = {
+        "fingerprint": namespace.fingerprint,
+        "geometry": asdict(namespace.geometry),
+        "geometry_version": namespace.geometry.FORMAT_VERSION,
+        "state": dict(namespace.state),
+        "block_tokens": BLOCK_TOKENS,
+    }
+    return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).digest()
+
+
+def restore_prefix(
+    prefix: PrefixCache | None,
+    prompt_ids: Sequence[int],
+    dtype: torch.dtype,
+    session: Session | None,
+    start: TurnStart | None,
+) -> tuple[TurnStart | None, PrefixHit | None]:
+    """The turn's start: ``start`` (what the session's log restored, if any), or the prefix cache's longest
+    run of blocks when that holds more of the prompt. A session's log is then started over: at the end
+    of the turn (or of each prompt chunk) it is written from the restored cache, so it holds what the
+    cache holds, and what it held is in the prefix cache's blocks."""
+    reused = start.reused_tokens if start is not None else 0
+    hit = prefix.lookup(prompt_ids, more_than=reused) if prefix is not None else None
+    if prefix is None or hit is None:
+        return start, None
+    if session is not None:
+        session.reset()
+    cache = prefix.restore(hit, dtype)
+    cache.release_logged(0)  # nothing of it is logged yet: the rows stay until the log (or we) take them
+    return TurnStart(cache, hit.tokens, hit.load_s + (start.kv_load_s if start is not None else 0.0)), hit
+
+
+def prompt_chunk_hook(
+    prefix: PrefixCache | None, session: Session | None, cache: Cache, prompt_ids: Sequence[int]
+) -> Callable[[], object] | None:
+    """What runs after each prompt chunk but the last, for a cache that frees rows once they are kept
+    elsewhere (DeepSeek-V4's, engine/position_rows.py): the chunk's whole blocks are remembered and its
+    positions logged, so the cache releases their rows instead of holding a long prompt's rows to the end
+    of the turn. None for other caches (or with nothing to keep the rows)."""
+    if not cache.frees_logged_rows or (session is None and prefix is None):
+        return None
+    if session is None:
+        assert prefix is not None
+        cache.release_logged(0)  # keep every row until its block is remembered
+
+        def remember_then_release() -> None:
+            prefix.remember(cache, prompt_ids)
+            cache.release_logged(cache.length // BLOCK_TOKENS * BLOCK_TOKENS)
+
+        return remember_then_release
+
+    def remember_then_log() -> None:
+        if prefix is not None:
+            prefix.remember(cache, prompt_ids)
+        session.end_turn(cache, list(prompt_ids))
+
+    return remember_then_log
+
+
+def prompt_sources(reused: int, hit: PrefixHit | None, computed: int) -> dict[str, int]:
+    """Where a turn's prompt positions came from: the session (its log or the server's memory), the prefix
+    cache's RAM or disk tier, or computed (the prompt's prefill)."""
+    ram, disk = (hit.ram_tokens, hit.disk_tokens) if hit is not None else (0, 0)
+    return {"session": reused - ram - disk, "prefix_ram": ram, "prefix_disk": disk, "computed": computed}
