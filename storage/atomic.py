@@ -1,11 +1,13 @@
-"""Crash-safe small-file writes: temp file in the same directory, fsync, rename, fsync the directory."""
+"""Crash-safe file writes: temp file in the same directory, fsync, rename, fsync the directory."""
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from storage.errors import write_errors
 
@@ -14,19 +16,30 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     """Replace ``path`` with ``data`` or leave it as it was. A full disk or a device error raises
     DiskFullError / DiskWriteError naming the path, and the partial temp file is removed (left behind, it
     would hold the space the next try needs)."""
+    with replacing(path, "the file") as f:
+        f.write(data)
+
+
+@contextmanager
+def replacing(path: str | Path, what: str, durable: bool = True) -> Iterator[BinaryIO]:
+    """A file to write whose bytes replace ``path`` whole when the block ends, or never (an error, a full
+    disk: DiskFullError / DiskWriteError naming ``what`` at ``path``, the temp file removed). ``durable``:
+    fsynced with its directory (False for a cache, whose torn file is a checked miss after a power cut)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with write_errors(path, "the file"):
+        with write_errors(path, what):
             with os.fdopen(_create_temp(tmp), "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+                yield f
+                if durable:
+                    f.flush()
+                    os.fsync(f.fileno())
             os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
 
 
 def _create_temp(tmp: Path) -> int:

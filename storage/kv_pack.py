@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from storage.atomic import fsync_dir
-from storage.errors import CorruptDataError, FormatError, write_errors
+from storage.atomic import replacing
+from storage.errors import CorruptDataError, FormatError
 from storage.kvlog import (
     HEADER_BYTES,
     Geometry,
@@ -52,24 +52,12 @@ def write_pack(path: Path, header: PackHeader, chunks: Iterable[tuple[np.ndarray
     """Write the pack: ``chunks`` are (tokens [n] uint32, payloads [n, payload_bytes] uint8) of
     consecutive positions from 0. Returns the positions written."""
     state = header.state | {"pack_name": header.name, "chat_template": header.chat_template}
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     written = 0
-    try:
-        with write_errors(path, "the KV pack"):
-            tmp.unlink(missing_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-            with os.fdopen(fd, "wb") as f:
-                f.write(encode_header(header.fingerprint, header.geometry, state))
-                for tokens, payloads in chunks:
-                    f.write(encode_records(tokens, payloads, written, header.geometry.record_bytes).tobytes())
-                    written += len(tokens)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    with replacing(path, "the KV pack") as f:
+        f.write(encode_header(header.fingerprint, header.geometry, state))
+        for tokens, payloads in chunks:
+            f.write(encode_records(tokens, payloads, written, header.geometry.record_bytes).tobytes())
+            written += len(tokens)
     return written
 
 

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from storage.errors import CorruptDataError, FormatError, IncompatibleStateError, write_errors
+from storage.atomic import replacing
+from storage.errors import CorruptDataError, FormatError, IncompatibleStateError
 from storage.kvlog import (
     HEADER_BYTES,
     Geometry,
@@ -90,17 +91,8 @@ def write_block(path: Path, namespace: Namespace, key: str, block: Block) -> int
     """Write ``block`` at ``path`` (temp + rename, see the module docstring); returns the file's bytes.
     A full disk raises DiskFullError naming the path and leaves no partial file."""
     data = encode_block(namespace, key, block)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with write_errors(path, "a prefix-cache block"):
-            tmp.unlink(missing_ok=True)  # a dead process's leftover with our pid
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with replacing(path, "a prefix-cache block", durable=False) as f:
+        f.write(data)
     return len(data)
 
 
