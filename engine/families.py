@@ -108,6 +108,11 @@ class Family(Protocol):
         """The residual stream of a forward of ``chunk`` positions, held across every layer."""
         ...
 
+    def prompt_window_bytes(self, d: int, window: int) -> int:
+        """What a prompt read ``window`` positions at a time, layer by layer (Model.forward_prompt), holds
+        across a layer beyond one chunk's forward (0: the family reads prompts chunk by chunk)."""
+        ...
+
     def attention_bytes(self, d: int, chunk: int, context: int) -> int:
         """Peak temporaries of one attention layer: ``chunk`` new positions against ``context`` cached."""
         ...
@@ -203,6 +208,11 @@ class MLAFamily:
 
     def residual_bytes(self, d: int, chunk: int) -> int:
         return stream_bytes(self.args, d, chunk)
+
+    def prompt_window_bytes(self, d: int, window: int) -> int:
+        """engine/model.py forward_prompt: every chunk's residual [W, dim], at an FFN also its normed input,
+        its output and its float64 routed sum."""
+        return window * self.args.dim * (3 * d + 8)
 
     def attention_bytes(self, d: int, chunk: int, context: int) -> int:
         """engine/attention.py MLA.forward's peak for ``chunk`` new positions (and a decode step) against
@@ -382,6 +392,9 @@ class V4Family:
         """Besides the stream's temporaries, n residual streams [C, n, dim], twice while a block spreads
         its output."""
         return stream_bytes(self.args, d, chunk) + 2 * self.v4.hc_mult * chunk * self.args.dim * d
+
+    def prompt_window_bytes(self, d: int, window: int) -> int:
+        return 0  # chunk by chunk: the cache frees rows between chunks (engine/interfaces.py prompt_in_windows)
 
     def attention_bytes(self, d: int, chunk: int, context: int) -> int:
         """engine/v4_attention.py on its widest layer: the sliding window's rows plus every closed entry

@@ -73,6 +73,9 @@ class Model(nn.Module, ABC, Generic[CacheT]):
     """A family's whole forward pass (engine/model.py Transformer, engine/v4_model.py V4Transformer),
     routed experts coming from an expert source (engine/experts.py)."""
 
+    # forward_prompt reads a prompt's chunks layer by layer (engine/model.py); False: chunk by chunk, so a
+    # cache that frees rows (DeepSeek-V4's) can release them between chunks
+    prompt_in_windows: ClassVar[bool] = False
     args: ModelArgs
     int8_activations: bool  # the kernel matmuls quantise their inputs (engine/q8.py; lossy, opt-in)
     read_ahead: bool  # decode reads the next weights into the CPU caches (engine/read_ahead.py)
@@ -100,6 +103,18 @@ class Model(nn.Module, ABC, Generic[CacheT]):
     ) -> torch.Tensor:
         """tokens [B, S] at positions start_pos.. -> float32 logits [B, S, vocab] (S=1 if last_only).
         Appends the S positions to ``cache``; ``absorb`` forces MLA's attention path (None: automatic)."""
+
+    def forward_prompt(
+        self, tokens: torch.Tensor, start_pos: int, cache: CacheT, experts: Experts, chunk: int, last_only: bool = False
+    ) -> torch.Tensor:
+        """``forward`` of tokens [B, S] in chunks of ``chunk`` positions, one after another: the same logits
+        as those forwards (the last one's only if ``last_only``) and the same cache. Here chunk by chunk; a
+        family with ``prompt_in_windows`` reads them layer by layer."""
+        logits = [
+            self.forward(part, start_pos + i * chunk, cache, experts, last_only=last_only)
+            for i, part in enumerate(tokens.split(chunk, dim=1))
+        ]
+        return logits[-1] if last_only else torch.cat(logits, dim=1)
 
     @abstractmethod
     def forward_rows(self, tokens: list[int], caches: list[CacheT], experts: Experts) -> torch.Tensor:

@@ -67,12 +67,32 @@ class Block(nn.Module):
         ``guess_ahead``: optional hook called with the post-attention hidden state [B, S, dim] before
         this layer's FFN, to prefetch the experts the next MoE layer will probably route to.
         """
+        x, selection = self.attend(x, start_pos, rope, cache, selection, absorb)
+        return self._ffn(x, experts, guess_ahead), selection
+
+    def attend(
+        self,
+        x: torch.Tensor,
+        start_pos: int,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: LayerCache,
+        selection: torch.Tensor | None,
+        absorb: bool | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The attention half of ``forward``: x [B, S, dim] -> (x + attention [B, S, dim], selection)."""
         fused = self._fused_attention(x, cache, absorb)
         if fused is not None:
-            x, selection = fused(x, start_pos, rope, cache, selection)
-            return self._ffn(x, experts, guess_ahead), selection
+            return fused(x, start_pos, rope, cache, selection)
         attn_out, selection = self.attn(self.attn_norm(x), start_pos, rope, cache, selection, absorb)
-        return self._ffn(x + attn_out, experts, guess_ahead), selection
+        return x + attn_out, selection
+
+    def ffn_window(self, xs: list[torch.Tensor], experts: Experts) -> list[torch.Tensor]:
+        """The FFN half of ``forward`` for several prompt chunks x_i [B, S_i, dim], each the bits it gets
+        alone; a MoE layer acquires their experts once (MoE.forward_window)."""
+        if not isinstance(self.ffn, MoE):
+            return [self._ffn(x, experts, None) for x in xs]
+        outs = self.ffn.forward_window([self.ffn_norm(x) for x in xs], experts)
+        return [x + out for x, out in zip(xs, outs, strict=True)]
 
     def forward_rows(
         self,
@@ -116,6 +136,8 @@ class Block(nn.Module):
 
 
 class Transformer(Model[KVCache]):
+    prompt_in_windows = True  # forward_prompt reads a prompt's chunks layer by layer
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -229,6 +251,35 @@ class Transformer(Model[KVCache]):
             if last_only:
                 x = x[:, -1:]
             return self.head(self.norm(x)).float()
+
+    @torch.inference_mode()
+    def forward_prompt(
+        self,
+        tokens: torch.Tensor,
+        start_pos: int,
+        cache: KVCache,
+        experts: Experts,
+        chunk: int,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """``forward`` of tokens [B, S] cut in chunks of ``chunk`` positions, one after another, read layer
+        by layer: every chunk passes a layer before any chunk passes the next. Each chunk meets the same
+        cache, positions and DSA selection as in its own ``forward`` after the chunks before it, so the
+        logits and the cache hold the same bits; but a MoE layer acquires the union of the chunks' experts
+        once: a prompt under a small budget reads each expert once per layer, not once per chunk."""
+        parts = list(tokens.split(chunk, dim=1))
+        starts = [start_pos + i * chunk for i in range(len(parts))]
+        xs = [self.embed(part) for part in parts]
+        ropes = [rope_tables(self.args, s, part.shape[1], xs[0].device) for s, part in zip(starts, parts, strict=True)]
+        selections: list[torch.Tensor | None] = [None] * len(parts)  # DSA: each chunk's, layer to layer
+        with int8_activations(self.int8_activations), torch_on_one_thread():
+            for layer, layer_cache in zip(cast("list[Block]", self.layers), cache.layers, strict=True):
+                for i, (x, start, rope) in enumerate(zip(xs, starts, ropes, strict=True)):
+                    xs[i], selections[i] = layer.attend(x, start, rope, layer_cache, selections[i], None)
+                xs = layer.ffn_window(xs, experts)
+            if last_only:
+                return self.head(self.norm(xs[-1][:, -1:])).float()
+            return torch.cat([self.head(self.norm(x)).float() for x in xs], dim=1)
 
     @torch.inference_mode()
     def forward_rows(self, tokens: list[int], caches: list[KVCache], experts: Experts) -> torch.Tensor:

@@ -169,6 +169,21 @@ class MoE(nn.Module):
             routed, shared = routed_sum(x, weights, ids, experts, self.layer_id, self.limit, lambda: self._shared(x))
         return (routed.to(x.dtype) + shared).view(shape)
 
+    def forward_window(self, xs: list[torch.Tensor], experts: Experts) -> list[torch.Tensor]:
+        """Several prompt chunks of one layer, x_i [B, S_i, dim] -> their outputs, each the bits ``forward``
+        gives it alone; the routed experts of all of them are acquired once (``add_routed``), so a prompt
+        read layer by layer reads each expert once per layer, not once per chunk. Score-routed layers only
+        (a hash-routed one needs each chunk's tokens)."""
+        if isinstance(experts, RemoteExperts) or len(xs) == 1:
+            return [self.forward(x, experts) for x in xs]
+        flat = [x.reshape(-1, x.shape[-1]) for x in xs]
+        sums = []
+        for x in flat:
+            weights, ids = self.gate(x)
+            sums.append(RoutedSum(x, weights, ids, self.limit))
+        shared = add_routed(sums, experts, self.layer_id, lambda: [self._shared(x) for x in flat])
+        return [(s.total().to(x.dtype) + side).view(x.shape) for s, x, side in zip(sums, xs, shared, strict=True)]
+
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         return self.shared_experts(x) if self.shared_experts is not None else torch.zeros_like(x)
 
@@ -190,7 +205,20 @@ def routed_sum(
     limit); ``meanwhile`` runs right after the first acquire, while its misses load. ``owned``: only the
     experts it accepts are summed (a worker's share; the others are another process's)."""
     routed = RoutedSum(x, weights, ids, limit)  # one sum over every chunk, in unique-id order
-    wanted = sorted(e for e in routed.rows_of if owned is None or owned(e))
+    side = add_routed([routed], experts, layer, meanwhile, owned)
+    return routed.total(), side
+
+
+def add_routed(
+    sums: Sequence[RoutedSum],
+    experts: LocalExperts,
+    layer: int,
+    meanwhile: Callable[[], T] = lambda: None,  # type: ignore[assignment,return-value]  # T is None when not given
+    owned: Callable[[int], bool] | None = None,
+) -> T:
+    """Add to each sum its routed experts, each expert of the union acquired once for all the sums (see
+    ``routed_sum``) -> ``meanwhile()``. Each sum gets the same terms as alone, in arrival order."""
+    wanted = sorted({e for routed in sums for e in routed.rows_of if owned is None or owned(e)})
     side = None
     for i, chunk in enumerate(chunks(wanted, experts.max_acquire())):
         acquired = experts.acquire(layer, chunk)  # misses start loading now...
@@ -198,11 +226,14 @@ def routed_sum(
             if i == 0:  # ...meanwhile
                 side = meanwhile()
             for batch in _in_arrival_order(chunk, acquired.ready):
-                routed.add_batch([(expert_id, acquired[expert_id]) for expert_id in batch])
+                for routed in sums:
+                    mine = [(expert_id, acquired[expert_id]) for expert_id in batch if expert_id in routed.rows_of]
+                    if mine:
+                        routed.add_batch(mine)
         finally:
             experts.release(layer, chunk)
     # side is meanwhile()'s: chunks() gives at least one chunk (an empty one when no expert is wanted)
-    return routed.total(), cast(T, side)
+    return cast(T, side)
 
 
 def _in_arrival_order(expert_ids: list[int], ready: Callable[[int], bool]) -> Iterator[list[int]]:

@@ -33,6 +33,10 @@ from engine.families import family_of
 # it (prefill_activation_bytes below). A fixed number, never derived from a budget or from what else is
 # running, so the positions each forward sees (and the tokens) are the same under any budget or batch.
 PREFILL_CHUNK_TOKENS = 256
+# A prompt alone in the batch is read this many chunks at a time, layer by layer (engine/model.py
+# forward_prompt: the same bits, each expert read once per layer per window instead of once per chunk);
+# the window's residual stream and routed sums are held across a layer (prompt_window_bytes).
+PREFILL_WINDOW_CHUNKS = 16
 
 F32 = 4
 F64 = 8
@@ -71,9 +75,11 @@ def prefill_activation_bytes(
     context: int,
     bf16_weight_shapes: Iterable[tuple[int, ...]] = (),
 ) -> int:
-    """Peak activation bytes of a forward of ``chunk`` new positions against ``context`` cached ones."""
+    """Peak activation bytes of a forward of ``chunk`` new positions against ``context`` cached ones, in a
+    window of PREFILL_WINDOW_CHUNKS chunks read layer by layer where the family does."""
     d = torch.empty((), dtype=dtype).element_size()
     c = min(chunk, context)
     family = family_of(args)
     phases = max(family.attention_bytes(d, c, context), family.indexer_bytes(d, c, context), ffn_bytes(args, d, c))
-    return family.residual_bytes(d, c) + phases + bf16_upcast_bytes(c, bf16_weight_shapes)
+    window = family.prompt_window_bytes(d, min(chunk * PREFILL_WINDOW_CHUNKS, context))
+    return family.residual_bytes(d, c) + window + phases + bf16_upcast_bytes(c, bf16_weight_shapes)

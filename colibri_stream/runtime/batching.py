@@ -1,7 +1,8 @@
 """Continuous batching: several generations advance together, one step at a time.
 
 A step runs at most one prefill chunk's worth of prompt positions (PREFILL_CHUNK_TOKENS: the next
-chunk of the oldest sequences still reading their prompts, as many as fit) and then one decode pass
+chunk of the oldest sequences still reading their prompts, as many as fit; a sequence alone in the batch
+reads a window of chunks layer by layer, Model.forward_prompt) and then one decode pass
 over every sequence that has a token to feed (``Model.forward_rows``: each weight read once,
 each MoE layer's experts acquired once for the union of the rows). Several short prompts are read in
 one step; a long prompt costs the others one chunk per step, never the whole prompt. Sequences join
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 
 from colibri_stream.errors import RequestError
-from colibri_stream.planning.activations import PREFILL_CHUNK_TOKENS
+from colibri_stream.planning.activations import PREFILL_CHUNK_TOKENS, PREFILL_WINDOW_CHUNKS
 from colibri_stream.runtime.sampling import SamplingParams, TokenLogprob, sample, token_logprobs
 from engine.experts import Experts
 from engine.interfaces import Cache, Model
@@ -198,12 +199,21 @@ class ContinuousBatch:
             budget -= size
         return readers
 
+    def _prompt_step(self) -> int:
+        """Prompt positions a reader takes this step: one chunk; a window of PREFILL_WINDOW_CHUNKS chunks when
+        it is alone in the batch (no one waits for the step) and the model reads prompts layer by layer."""
+        alone = len(self.active) == 1 and self.model.prompt_in_windows
+        return self.prefill_chunk * (PREFILL_WINDOW_CHUNKS if alone else 1)
+
     def _prefill_chunk(self, generations: list[Generation]) -> None:
         (generation,) = generations
-        chunk, generation.pending = generation.pending[: self.prefill_chunk], generation.pending[self.prefill_chunk :]
+        size = self._prompt_step()
+        chunk, generation.pending = generation.pending[:size], generation.pending[size:]
         tokens = torch.tensor([chunk], dtype=torch.long, device=self.model.device)
         start, top_n = generation.cache.length, generation.request.prompt_logprobs
-        logits = self.model(tokens, start, generation.cache, self.experts, last_only=top_n is None)
+        logits = self.model.forward_prompt(
+            tokens, start, generation.cache, self.experts, self.prefill_chunk, last_only=top_n is None
+        )
         if top_n is not None:  # logits [1, len(chunk), vocab]: row i predicts prompt token start + i + 1
             targets = generation.request.prompt_ids[start + 1 : start + 1 + len(chunk)]
             generation.result.prompt_logprobs += token_logprobs(logits[0, : len(targets)], targets, top_n)

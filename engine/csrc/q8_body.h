@@ -29,6 +29,10 @@ Q8_INLINE __m256i Q8_NAME(chunk_dot)(int kind, const __m256i w[2], const uint8_t
     return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(start, a0, x0), a1, x1);
 #else
     const __m256i ones = _mm256_set1_epi16(1);
+    if (kind == Q8_WEIGHTS_INT4) { /* |pair sums| <= 2 * 15 * 127: two of them add up in int16 exactly */
+        __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(a0, x0), _mm256_maddubs_epi16(a1, x1));
+        return _mm256_add_epi32(_mm256_madd_epi16(pairs, ones), start);
+    }
     __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(a0, x0), ones),
                                    _mm256_madd_epi16(_mm256_maddubs_epi16(a1, x1), ones));
     return _mm256_add_epi32(sum, start);
