@@ -69,6 +69,7 @@ def llama_cpp_lines(results: dict) -> list[str]:
     if matched:
         lines += ["", "Ours, quality-matched (int4 experts, int8 dense records, `--activations int8`):", ""]
         lines += table(["run", "tok/s", "TTFT s", "expert MB read/token"], matched)
+    lines += prefill_lines(section.get("prefill"))
     failed = [f"- failed: {f['name']}: {f['error']}" for f in section.get("failed", [])]
     lines += [""] + failed if failed else []
     return lines + [
@@ -77,6 +78,29 @@ def llama_cpp_lines(results: dict) -> list[str]:
         "during the row (llama.cpp's OpenMP threads spin-wait by default, which a competing process punishes). "
         "Token ids are compared with ours at the same budget and page-cache "
         "state; random weights leave near-ties that a different quantization of the dense part can flip.",
+    ]
+
+
+def prefill_lines(prefill: dict | None) -> list[str]:
+    """The long-prompt rows (bench/prefill_rows.py): TTFT and prefill tok/s of ours and each llama.cpp file."""
+    if not prefill or not prefill["ours"]:
+        return []  # results of older runs lack them
+    body = [
+        [
+            r["name"],
+            f"{r['budget_pct']}%",
+            "cold" if r["cold"] else "warm",
+            f"{r['ttft_s']:.2f}",
+            f"{r['prefill_tok_per_s']:.1f}",
+        ]
+        for r in prefill["ours"] + prefill["rows"]
+    ]
+    tokens = prefill["ours"][0]["prompt_tokens"]
+    lines = ["", f"Prefill of a {tokens}-token prompt (ours: the int8 path), time to the first token:", ""]
+    lines += table(["run", "budget", "page cache", "TTFT s", "prompt tok/s"], body)
+    return lines + [
+        "",
+        "The ratios `prefill_vs_*` take warm rows at 100% (llama.cpp's best mode) and cold rows below it.",
     ]
 
 

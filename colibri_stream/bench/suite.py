@@ -40,6 +40,7 @@ from colibri_stream.bench.llama_cpp_section import (
     touched_from_facts,
 )
 from colibri_stream.bench.load import loaded_vs_idle
+from colibri_stream.bench.prefill_rows import llama_cpp_prefill_rows, our_prefill_rows, prefill_ratios
 from colibri_stream.bench.sessions import random_prompt_ids, sessions_section
 from colibri_stream.bench.stress_model import QUICK, StressShape, checkpoint_bytes, write_stress_checkpoint
 from colibri_stream.bench.system import (
@@ -63,6 +64,7 @@ from storage.tiered import StoreConfig, minimum_slots, total_records
 
 GiB = 1 << 30
 RATIO_BUDGET = 25  # the budget (% of int4 expert bytes) at which the headline ratios (and sessions) are taken
+PREFILL_RATIO_PREFIXES = {"q4e_q8": "llama_cpp", "q4_0": "llama_cpp_q4_0"}  # file kind -> ratio name
 INT8_MATCHED = "int4-int8dense"  # our container quality-matched to llama.cpp's Q4_0-experts + Q8_0 file
 BUSY_MACHINE = 0.25  # others' share of the CPU during a llama.cpp row above which the bench warns
 SECTIONS = ("disk", "decode", "peer", "caching", "sessions", "llama_cpp", "load")
@@ -85,12 +87,14 @@ class BenchSettings:
     timeout_s: float = 900.0
     demo_tokens: int = 128
     llama_cpp_budgets_pct: tuple[int, ...] = (RATIO_BUDGET, 100)
+    prefill_tokens: int = 1024  # the llama.cpp section's long-prompt TTFT rows (bench/prefill_rows.py)
 
 
 FULL = BenchSettings(shape=StressShape(), prompt_tokens=32, new_tokens=32)
 QUICK_SETTINGS = BenchSettings(
     shape=replace(QUICK, num_hidden_layers=12),  # 11 MoE layers: one layer's experts fit in a 10% budget
     prompt_tokens=16,
+    prefill_tokens=128,
     new_tokens=12,
     sequential_bytes=64 << 20,
     disk_records=48,
@@ -308,18 +312,19 @@ class Bench:
             self.results["llama_cpp"] = {"skipped": reason}
             return
         self.log("6/7 llama.cpp: the same checkpoint as GGUF (converted once, cached in --work)")
-        files = prepare_gguf_files(self.hf, self.work, self.llama_cpp_dir, self.threads, self.log, sys.stderr.isatty())
-        self.int4_int8dense = self._convert("int4", dense="int8")
+        files = self.llama_cpp_files()
         context = self.settings.prompt_tokens
         matched: list[dict] = []
         rows: list[dict] = []
         failed: list[dict] = []
         # budget by budget, ours then llama.cpp's rows: the ratios compare rows minutes apart, not the whole
         # section apart (this machine's memory speed was seen to move by 1.5x within the hour)
+        prefill: tuple[list[dict], list[dict]] = ([], [])
         for pct in self.settings.llama_cpp_budgets_pct:
             matched += self._matched_rows(pct)
             for kind in FILE_KINDS:
                 self._llama_cpp_rows(files[kind], kind, pct, rows, failed)
+            self.prefill_rows(pct, files, prefill, failed)
         busy = [r["name"] for r in rows if (r["other_cpu_share"] or 0) > BUSY_MACHINE]
         if busy:
             self.results["warnings"].append(
@@ -333,7 +338,14 @@ class Bench:
             "files": {kind: {"path": str(path)} | gguf_facts(path, context) for kind, path in files.items()},
             "rows": rows,
             "failed": failed,
+            "prefill": {"ours": prefill[0], "rows": prefill[1]},
         }
+
+    def llama_cpp_files(self) -> dict[str, Path]:
+        """llama.cpp's files of the bench model and our quality-matched container (each made once in --work)."""
+        files = prepare_gguf_files(self.hf, self.work, self.llama_cpp_dir, self.threads, self.log, sys.stderr.isatty())
+        self.int4_int8dense = self._convert("int4", dense="int8")
+        return files
 
     def _llama_cpp_rows(self, gguf: Path, kind: str, pct: int, rows: list[dict], failed: list[dict]) -> None:
         """One file's rows at one budget (mmap, and at 100% repacked; cold, then warm) into ``rows``."""
@@ -347,6 +359,30 @@ class Bench:
             except ContenderFailed as exc:  # e.g. killed at its memory limit: a result, not a crash
                 failed.append({"name": name, "error": str(exc)})
                 self.results["warnings"].append(f"{name} failed: {exc}")
+
+    def prefill_rows(
+        self, pct: int, files: dict[str, Path], into: tuple[list[dict], list[dict]], failed: list[dict]
+    ) -> None:
+        """A long prompt's first token, ours (the int8 path) and each llama.cpp file's, at one budget."""
+        n = self.settings.prefill_tokens
+        inputs = RunInputs(random_prompt_ids(self.settings.shape.vocab_size, n, 11), 2, self.settings.timeout_s)
+        self.log(f"6/7 prefill: a {n}-token prompt at {pct}%")
+
+        def ours(cold: bool) -> dict:
+            config = OurConfig(pct, container=INT8_MATCHED, activations="int8", cold=cold)
+            return run_ours(self.int4_int8dense, config, self.ram_bytes(pct), inputs, self.limit(pct))
+
+        into[0].extend(our_prefill_rows(n, ours))
+        for kind in FILE_KINDS:
+
+            def theirs(repack: bool, cold: bool, kind: str = kind) -> dict:
+                limit = self.limit(pct)
+                return run_llama_cpp_contender(files[kind], kind, pct, repack, cold, inputs, limit, self.threads)
+
+            try:
+                into[1].extend(llama_cpp_prefill_rows(pct, n, theirs))
+            except ContenderFailed as exc:  # e.g. killed at its memory limit: a result, not a crash
+                failed.append({"name": f"prefill {n} llama.cpp {kind} {pct}%", "error": str(exc)})
 
     def _matched_rows(self, pct: int) -> list[dict]:
         """Ours as llama.cpp computes: int4 experts, int8 dense records, int8 activations (its Q4_0-experts +
@@ -386,6 +422,8 @@ class Bench:
             matched = {r["budget_pct"]: r for r in results["llama_cpp"]["ours_matched"] if r["cold"]}
             ratios |= llama_cpp_ratios(matched, results["llama_cpp"]["rows"])
             ratios |= {f"exact_{k}": v for k, v in llama_cpp_ratios(ours, results["llama_cpp"]["rows"]).items()}
+            prefill = results["llama_cpp"]["prefill"]
+            ratios |= prefill_ratios(prefill["ours"], prefill["rows"], PREFILL_RATIO_PREFIXES)
         if "load" in results:
             ratios["loaded_vs_idle"] = results["load"]["loaded_vs_idle"]
         return ratios

@@ -1,0 +1,60 @@
+"""The prefill rows of the llama.cpp section: the time to the first token of a long prompt, ours (the int8
+path, as llama.cpp computes) beside each llama.cpp file, at each budget of the section.
+
+At 100% both run warm (the page cache as the run just before left it: what a user who keeps chatting sees;
+cold, llama.cpp would fault its file in during the prompt) and llama.cpp's best mode counts (mmap or
+repacked); below 100% both run cold, under the section's memory limit, llama.cpp memory-mapped (its
+repacked copy cannot fit there). Ratios are llama.cpp's TTFT over ours: above 1, ours is faster.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+FULL_BUDGET = 100
+PREFILL_NEW_TOKENS = 2  # the first token is the prefill's; a second shows the run went on
+
+
+def counts(pct: int, cold: bool) -> bool:
+    """Whether a row at ``pct`` with this page cache enters the ratio: warm at 100%, cold below."""
+    return cold != (pct >= FULL_BUDGET)
+
+
+def prefill_ratios(ours: list[dict], llama_cpp: list[dict], kinds: dict[str, str]) -> dict[str, float]:
+    """prefill_vs_<prefix>_<pct>: llama.cpp's lowest TTFT of ``kind`` over ours, rows that count only.
+    ``kinds``: file kind -> ratio prefix (e.g. q4_0 -> llama_cpp_q4_0)."""
+    ratios = {}
+    for pct in sorted({r["budget_pct"] for r in ours}, reverse=True):
+        mine = [r["ttft_s"] for r in ours if r["budget_pct"] == pct and counts(pct, r["cold"])]
+        for kind, prefix in kinds.items():
+            theirs = [
+                r["ttft_s"]
+                for r in llama_cpp
+                if r["file"] == kind and r["budget_pct"] == pct and counts(pct, r["cold"]) and r["ttft_s"] > 0
+            ]
+            if mine and theirs and min(mine) > 0:
+                ratios[f"prefill_vs_{prefix}_{pct}"] = round(min(theirs) / min(mine), 2)
+    return ratios
+
+
+def as_prefill_row(row: dict, prompt_tokens: int) -> dict:
+    """A contender's row renamed as a prefill row, with its prompt length and prefill throughput."""
+    ttft = row["ttft_s"]
+    return row | {
+        "name": f"prefill {prompt_tokens} {row['name']}",
+        "prompt_tokens": prompt_tokens,
+        "prefill_tok_per_s": round(prompt_tokens / ttft, 2) if ttft > 0 else 0.0,
+    }
+
+
+def our_prefill_rows(prompt_tokens: int, run: Callable[[bool], dict]) -> list[dict]:
+    """Ours cold, then warm at once (``run(cold)`` runs one row)."""
+    return [as_prefill_row(run(cold), prompt_tokens) for cold in (True, False)]
+
+
+def llama_cpp_prefill_rows(pct: int, prompt_tokens: int, run: Callable[[bool, bool], dict]) -> list[dict]:
+    """One llama.cpp file's modes at ``pct``, each cold then warm (repacked too at 100%: ``run(repack, cold)``)."""
+    rows = []
+    for repack in (False, True) if pct >= FULL_BUDGET else (False,):
+        rows += [as_prefill_row(run(repack, cold), prompt_tokens) for cold in (True, False)]
+    return rows
