@@ -1,6 +1,16 @@
-"""Round trip of one MoE layer's request to a worker on loopback, torch.distributed (gloo) vs Ray, one run.
+"""Round trip of one MoE layer's request to workers on loopback: the framed TCP links the cluster uses
+(one socket per worker, colibri_stream/experts/cluster/transport.py) vs torch.distributed gloo in one
+group (the transport before issue #43) vs Ray, one run.
 
-    python tools/bench_rpc.py [--kib 14] [--calls 2000]       # Ray is optional: pip install ray
+    python tools/bench_rpc.py [--kib 14] [--calls 2000] [--workers 2] [--dim 7168] [--rounds 3]  # Ray: pip install ray
+
+"layer" numbers: per MoE layer the coordinator sends each of --workers workers one request (a token's
+activations at --dim, bf16, plus ids and weights) and waits for every float64 [1, dim] partial sum:
+gloo_one_group (isend/irecv in one group of workers + 1, the transport before #43), gloo_group_per_worker
+(the coordinator and each worker in a group of their own: new_group([0, w]), so a timeout closes only that
+pair's group) vs socket_per_worker (the cluster's own Link frames, what #43 chose). "regroup_ms": the
+median time to form a fresh gloo group of all the processes (new_group over the store, every pair
+connected): what the "fresh group with the survivors" arrangement would pay at every loss and rejoin.
 
 Issue #19 shards experts over workers: per MoE layer the coordinator sends each worker the batch's
 activations (one token at DeepSeek-V3's width: 7168 bf16 values, 14 KiB) and takes back the partial
@@ -23,6 +33,9 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from colibri_stream.experts.cluster.transport import Link, Reply, dial
+from colibri_stream.experts.cluster.wire import Op
 
 MOE_LAYERS_V3 = 58
 WARMUP = 200
@@ -59,6 +72,95 @@ def gloo_round_trips(values: int, calls: int) -> list[float]:
         out = manager.dict()
         mp.spawn(_gloo_worker, args=(_free_port(), values, calls, out), nprocs=2, join=True)
         return list(out["times"])
+
+
+def _layer_request(dim: int) -> torch.Tensor:
+    """One token's request payload: 8 ids, 8 weights, activations [1, dim] bf16 (as bytes)."""
+    return torch.zeros(8 * 8 + 8 * 4 + dim * 2, dtype=torch.uint8)
+
+
+REGROUPS = 5
+
+
+def _regroup_times(workers: int) -> list[float]:
+    """Seconds to form a fresh group of every process, REGROUPS times (all ranks call it, in order)."""
+    times = []
+    for _ in range(REGROUPS):
+        dist.barrier()
+        start = time.perf_counter()
+        group = dist.new_group(list(range(workers + 1)))
+        dist.barrier(group=group)  # gloo connects the pairs lazily on some versions: use it once
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _gloo_layer(rank: int, port: int, workers: int, dim: int, calls: int, per_worker: bool, out: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=workers + 1)
+    # per worker: one group {0, w} each (every rank takes part in forming each one, in the same order)
+    groups = [dist.new_group([0, w]) for w in range(1, workers + 1)] if per_worker else [None] * workers
+    request, reply = _layer_request(dim), torch.zeros(dim, dtype=torch.float64)
+    times = []
+    for i in range(WARMUP + calls):
+        if rank:
+            dist.recv(request, src=0, group=groups[rank - 1])
+            dist.send(reply, dst=0, group=groups[rank - 1])
+            continue
+        start = time.perf_counter()
+        replies = [torch.empty(dim, dtype=torch.float64) for _ in range(workers)]
+        sends = [dist.isend(request, dst=w, group=groups[w - 1]) for w in range(1, workers + 1)]
+        works = [dist.irecv(replies[w - 1], src=w, group=groups[w - 1]) for w in range(1, workers + 1)]
+        for work in sends + works:
+            work.wait()
+        if i >= WARMUP:
+            times.append(time.perf_counter() - start)
+    regroup = [] if per_worker else _regroup_times(workers)
+    if rank == 0:
+        out["times"], out["regroup"] = times, regroup
+    dist.destroy_process_group()
+
+
+def gloo_layer_round_trips(workers: int, dim: int, calls: int, per_worker: bool) -> tuple[list[float], list[float]]:
+    """(round trips, times to form a fresh group of all; [] per worker)."""
+    with mp.Manager() as manager:
+        out = manager.dict()
+        args = (_free_port(), workers, dim, calls, per_worker, out)
+        mp.spawn(_gloo_layer, args=args, nprocs=workers + 1, join=True)
+        return list(out["times"]), list(out["regroup"])
+
+
+def _socket_worker(index: int, port: int, dim: int, calls: int) -> None:
+    link = dial("127.0.0.1", port, 60.0, "the coordinator")
+    reply = torch.zeros(dim, dtype=torch.float64).numpy().tobytes()
+    for _ in range(WARMUP + calls):
+        link.receive(None, "request")
+        link.send(Op.SUM, [reply], (), None)
+    link.close()
+
+
+def socket_layer_round_trips(workers: int, dim: int, calls: int) -> list[float]:
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    context = mp.get_context("spawn")
+    processes = [context.Process(target=_socket_worker, args=(w, port, dim, calls)) for w in range(workers)]
+    for process in processes:
+        process.start()
+    links = [Link(server.accept()[0], f"worker {w}") for w in range(workers)]
+    request = _layer_request(dim).numpy().tobytes()
+    times = []
+    for i in range(WARMUP + calls):
+        start = time.perf_counter()
+        replies = [Reply(Op.SUM, torch.empty(dim, dtype=torch.float64), "layer") for _ in links]
+        for link, reply in zip(links, replies, strict=True):
+            link.send(Op.SUM, [request], (1, 1, 8, dim), 10.0, reply)
+        for link, reply in zip(links, replies, strict=True):
+            link.wait(reply, 10.0)
+        if i >= WARMUP:
+            times.append(time.perf_counter() - start)
+    for process in processes:
+        process.join()
+    server.close()
+    return times
 
 
 def ray_round_trips(values: int, calls: int) -> list[float] | None:
@@ -99,19 +201,54 @@ def summary(times: list[float] | None) -> dict | None:
     }
 
 
+def _layer_rounds(workers: int, dim: int, calls: int, rounds: int) -> dict:
+    """The three layer contenders, alternated ``rounds`` times: each one's round with the lowest median
+    (a shared box's other load lands on one round or another), every round's median, the regroup time."""
+    runs: dict[str, list[list[float]]] = {"gloo_one_group": [], "gloo_group_per_worker": [], "socket_per_worker": []}
+    regroup: list[float] = []
+    for _ in range(rounds):
+        one_group, formed = gloo_layer_round_trips(workers, dim, calls, per_worker=False)
+        runs["gloo_one_group"].append(one_group)
+        regroup += formed
+        runs["gloo_group_per_worker"].append(gloo_layer_round_trips(workers, dim, calls, per_worker=True)[0])
+        runs["socket_per_worker"].append(socket_layer_round_trips(workers, dim, calls))
+    out: dict = {}
+    for name, rounds_of in runs.items():
+        medians = [statistics.median(times) for times in rounds_of]
+        best = summary(rounds_of[medians.index(min(medians))])
+        assert best is not None
+        out[name] = {**best, "round_medians_us": [round(m * 1e6, 1) for m in medians]}
+    out["regroup_ms_median"] = round(statistics.median(regroup) * 1e3, 2)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kib", type=float, default=14.0, help="payload each way (default 14: one V3 token, bf16)")
     parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--workers", type=int, default=2, help="workers asked per layer (default 2)")
+    parser.add_argument("--dim", type=int, default=7168, help="model width (default 7168: DeepSeek-V3)")
+    parser.add_argument("--rounds", type=int, default=3, help="layer contenders alternated this many times")
+    parser.add_argument("--no-ray", action="store_true", help="leave Ray out")
     args = parser.parse_args()
     values = max(1, int(args.kib * 1024) // 4)  # float32 elements
     gloo = summary(gloo_round_trips(values, args.calls))
-    ray = summary(ray_round_trips(values, args.calls))
+    ray = None if args.no_ray else summary(ray_round_trips(values, args.calls))
     result = {"payload_bytes": values * 4, "calls": args.calls, "gloo": gloo, "ray": ray}
+    result["layer"] = {
+        "workers": args.workers,
+        "request_bytes": _layer_request(args.dim).numel(),
+        "reply_bytes": args.dim * 8,
+    }
+    layer = result["layer"]
+    layer.update(_layer_rounds(args.workers, args.dim, args.calls, args.rounds))
+    gloo_us = layer["gloo_one_group"]["median_us"]
+    layer["socket_vs_gloo"] = round(layer["socket_per_worker"]["median_us"] / gloo_us, 2)
+    layer["gloo_per_worker_vs_gloo"] = round(layer["gloo_group_per_worker"]["median_us"] / gloo_us, 2)
     if ray is not None:
         result["ray_vs_gloo_round_trip"] = round(ray["median_us"] / gloo["median_us"], 1)
     else:
-        result["ray"] = "not installed: pip install ray"
+        result["ray"] = "left out (--no-ray)" if args.no_ray else "not installed: pip install ray"
     print(json.dumps(result))
 
 

@@ -1,4 +1,5 @@
-"""The pieces without processes: who holds which expert, the message layout, the coordinator's flags."""
+"""The pieces without processes: who holds which expert, the message layout, the coordinator's flags
+(and what it refuses before starting any)."""
 
 from __future__ import annotations
 
@@ -65,26 +66,31 @@ def test_an_explicit_map_is_checked_with_the_file_and_the_id(tmp_path):
 def test_a_sum_request_round_trips_through_one_payload():
     x = torch.randn(3, 7, dtype=torch.bfloat16)  # an odd width, a 2-byte dtype
     ids, weights, guess = torch.tensor([[1, 4], [0, 2], [3, 4]]), torch.rand(3, 2), torch.tensor([5, 6, 7])
-    specs = wire.sum_payload_specs(3, 2, 7, torch.bfloat16, 3)
-    payload = wire.pack(guess, ids, weights, x)
-    assert payload.dtype == torch.uint8 and payload.numel() == wire.payload_bytes(specs) == 24 + 48 + 24 + 42
-    for got, sent in zip(wire.unpack(payload, specs), (guess, ids, weights, x), strict=True):
+    assigned = torch.tensor([0, 4])
+    specs = wire.sum_payload_specs(3, 2, 7, torch.bfloat16, 3, 2)
+    payload = torch.frombuffer(
+        bytearray(b"".join(wire.tensor_bytes(t).tobytes() for t in (guess, assigned, ids, weights, x))),
+        dtype=torch.uint8,
+    )
+    assert payload.numel() == wire.payload_bytes(specs) == 24 + 16 + 48 + 24 + 42
+    for got, sent in zip(wire.unpack(payload, specs), (guess, assigned, ids, weights, x), strict=True):
         assert torch.equal(got, sent)
     with pytest.raises(ValueError, match="payload of"):
         wire.unpack(payload[:-2], specs)
-    head = wire.header(Op.SUM, 5, 3, 2, 7, 1, wire.FLAG_ROWS_ALONE, 6, 3)
-    assert head.shape == (wire.HEADER,) and head.tolist()[:9] == [Op.SUM, 5, 3, 2, 7, 1, 1, 6, 3]
+    head = wire.decode_head(wire.encode_head(Op.SUM, 154, 5, 3, 2, 7, 1, wire.FLAG_ROWS_ALONE, 6, 3, 2))
+    assert head.op == Op.SUM and head.payload_bytes == 154 and head.values[:9] == (5, 3, 2, 7, 1, 1, 6, 3, 2)
+    with pytest.raises(wire.WorkerError, match="not a colibri-stream frame"):
+        wire.decode_head(b"GET / HTTP/1.1\r\nHost: x\r\n" + bytes(wire.HEAD.size - 25))
 
 
 def test_hello_and_stats_survive_the_wire():
     sent = Hello(2, "box-" + "x" * 80, 4242, 58, 256, 7 << 20, 48 << 30, 3 << 30, 0xDEADBEEF)
-    got = wire.read_hello(2, *wire.hello_tensor(sent))
+    got = wire.read_hello(wire.hello_values(sent), sent.host.encode())
     assert got == dataclasses.replace(sent, host=sent.host[: wire.HOST_BYTES])  # a long host name is cut
     assert got.name() == f"worker 2 ({got.host}, pid 4242)"
-    values, host = wire.hello_tensor(sent)
-    values[0] = 99
+    values = (99, *wire.hello_values(sent)[1:])
     with pytest.raises(wire.WorkerError, match="protocol 99"):
-        wire.read_hello(2, values, host)
+        wire.read_hello(values, b"box")
     stats = StoreStats(requests=10, hits_ram=6, misses=4, expert_bytes_read=12345, io_wait_s=0.25)
     assert wire.read_stats(wire.stats_tensor(stats, 7, 96)) == (stats, 7, 96)
 
@@ -100,6 +106,18 @@ def test_cluster_options_refuse_what_cannot_form_a_group():
     ]:
         with pytest.raises(ColibriError, match=message):
             options.checked_world_size()
+
+
+def test_replicas_without_a_usage_history_are_refused_before_any_worker_starts(make_container):
+    import psutil
+
+    from colibri_stream.experts.cluster.group import connect
+    from storage.container import Container
+
+    container = Container(make_container("deepseek_v3", "int4"))
+    with pytest.raises(ColibriError, match="--replicas 2 .* give --history FILE"):
+        connect(container, ClusterOptions(local_workers=2, replicas=2), StoreConfig(ram_bytes=10_000))
+    assert not [p for p in psutil.Process().children() if "--rank" in p.cmdline()]
 
 
 def test_local_workers_split_the_budget_and_keep_their_own_history(tmp_path):

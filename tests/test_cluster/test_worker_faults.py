@@ -1,7 +1,6 @@
-"""Faults: a worker killed (-9) or stopped mid-generation is an error naming it within the timeout, the
-coordinator exits (status 1) and takes its local workers with it, the session log stays usable; a
-coordinator that dies takes its workers down too; a worker of another model, or one whose budget cannot
-hold its share, is refused with the reason. Coordinators and workers run as real processes (the CLI);
+"""Faults around the workers (a worker lost mid-generation is test_failover.py's): a coordinator that
+dies takes its workers down too; a worker of another model, or one whose budget cannot hold its share,
+is refused with the reason. Coordinators and workers run as real processes (the CLI);
 the runs around them that only read a result (a resume, a one-process reference, a chat over a local
 worker) run through cli.main in this process."""
 
@@ -9,7 +8,6 @@ from __future__ import annotations
 
 import io
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -17,10 +15,10 @@ from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import psutil
-import pytest
 
 from colibri_stream import cli
 from colibri_stream.experts.cluster.local import free_port
+from colibri_stream.experts.cluster.wire import HEAD
 
 TIMEOUT_S = 8
 
@@ -89,31 +87,6 @@ def finish(process: subprocess.Popen, within: float) -> tuple[int, str]:
 def gone(processes: list[psutil.Process], within: float = 15.0) -> bool:
     _, alive = psutil.wait_procs(processes, timeout=within)
     return not alive
-
-
-@pytest.mark.parametrize("fault", ["kill", "stop"])
-def test_a_worker_lost_mid_generation_is_an_error_naming_it(make_container, tmp_path, fault):
-    container = make_container("deepseek_v3", "int4")
-    coordinator = start_generation(container, tmp_path / "kv")
-    workers = workers_of(coordinator, 2)
-    wait_for_generation(tmp_path / "kv")
-    victim = workers[1]
-    rank = victim.cmdline()[victim.cmdline().index("--rank") + 1]
-    victim.send_signal(signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
-    status, err = finish(coordinator, within=TIMEOUT_S + 30)
-    assert status == 1, err
-    assert f"worker {rank} (" in err and f"pid {victim.pid}" in err
-    assert ("connection lost" if fault == "kill" else f"no answer within {TIMEOUT_S} s") in err
-    assert "Traceback" not in err
-    assert gone(workers)  # the other worker (and a stopped one) ended with the coordinator
-
-    # The session log is intact: one process resumes it from what was stored before the fault.
-    status, out, err = in_process(
-        "run", container, "--ids", "5,9,2,7", "--max-new-tokens", "2", "--session", "s",
-        "--kv-dir", tmp_path / "kv", "--json", "--ram", "40%",
-    )  # fmt: skip
-    assert status == 0, err
-    assert json.loads(out.splitlines()[-1])["stats"]["reused_tokens"] >= 3
 
 
 def test_workers_end_when_the_coordinator_dies(make_container, tmp_path):
@@ -195,7 +168,8 @@ def test_hand_started_worker_serves_a_turn(make_container, tmp_path):
     tokens = 5 + 4  # the prompt and the generated tokens fed back (the last one is not)
     assert network["layer_requests"] == 2 * (1 + 4)  # a prefill and 4 decode steps through 2 MoE layers
     assert network["bytes_per_token"] == round((network["bytes_sent"] + network["bytes_received"]) / tokens)
-    assert network["bytes_received"] == tokens * 2 * 64 * 8  # float64 partial sums [rows, dim 64] per layer
+    # float64 partial sums [rows, dim 64] per layer, each in one frame (a head of HEAD.size bytes)
+    assert network["bytes_received"] == tokens * 2 * 64 * 8 + network["layer_requests"] * HEAD.size
     assert network["round_trip_ms_mean"] > 0
 
 

@@ -1,28 +1,39 @@
-"""``connect``: from the coordinator's flags to a DistributedExperts store — start local workers if asked,
-form the group, check every worker serves this model, hand out the shares, wait until all are ready."""
+"""``connect``: from the coordinator's flags to a DistributedExperts store — listen, start local workers
+if asked, wait for every worker's HELLO, check each serves this model, hand out the shares (and replicas),
+wait until all are ready. The listener stays open: a lost worker started again rejoins through it."""
 
 from __future__ import annotations
 
+import queue
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from colibri_stream.checkpoint.fingerprint import container_fingerprint
 from colibri_stream.errors import ColibriError
 from colibri_stream.experts.cluster import wire
 from colibri_stream.experts.cluster.coordinator import DistributedExperts
-from colibri_stream.experts.cluster.local import LOCALHOST, LocalWorkers, free_port
-from colibri_stream.experts.cluster.rendezvous import host_group
+from colibri_stream.experts.cluster.failover import Fallback
+from colibri_stream.experts.cluster.local import LOCALHOST, LocalWorkers
+from colibri_stream.experts.cluster.members import Member, refuse, send_setup, wait_ready
+from colibri_stream.experts.cluster.rendezvous import Listener
+from colibri_stream.experts.cluster.replicas import Holders, with_replicas
 from colibri_stream.experts.cluster.shares import measured_owners, read_expert_map
-from colibri_stream.experts.cluster.wire import Hello, Op, WorkerError
+from colibri_stream.experts.cluster.transport import Link
+from colibri_stream.experts.cluster.wire import Hello, WorkerError
+from colibri_stream.planning.geometry import container_args
+from engine.families import family_of
 from storage.container import Container
+from storage.history import UsageHistory
 from storage.tiered import StoreConfig
 from storage.trace import TraceWriter
 
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_CONNECT_TIMEOUT_S = 600.0
+POLL_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -37,6 +48,7 @@ class ClusterOptions:
     timeout_s: float = DEFAULT_TIMEOUT_S  # a worker's answer to one request
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S  # every worker joined
     expert_map: str | Path | None = None  # explicit shares (colibri_stream/experts/cluster/shares.py)
+    replicas: int = 0  # the N hottest experts of each layer (usage history) held by two workers
 
     @property
     def enabled(self) -> bool:
@@ -52,6 +64,8 @@ class ClusterOptions:
             raise ColibriError(f"--world-size {world}: the coordinator needs at least one worker (2 or more)")
         if not self.local_workers and self.master_port is None:
             raise ColibriError("--world-size needs --master-port (where the workers connect)")
+        if self.replicas < 0:
+            raise ColibriError(f"--replicas must be >= 0, got {self.replicas}")
         if self.timeout_s <= 0:
             raise ColibriError(f"--worker-timeout must be > 0 seconds, got {self.timeout_s:g}")
         return world
@@ -62,29 +76,39 @@ def connect(
 ) -> DistributedExperts:
     """The store over the workers. With local workers, ``store``'s budgets are split evenly between them."""
     world = options.checked_world_size()
-    port = options.master_port or free_port()
-    local = None
-    if options.local_workers:
-        flags = lambda rank: local_worker_flags(store, options.local_workers, rank)  # noqa: E731
-        local = LocalWorkers.start(str(container.path), options.local_workers, port, flags)
+    if options.replicas and store.history_path is None:  # refused before any worker starts
+        raise ColibriError(
+            f"--replicas {options.replicas} holds the hottest experts twice, ranked by the usage history: "
+            "give --history FILE (saved after every turn; the replicas follow it from the next start)"
+        )
+    listener = Listener(options.master_addr, options.master_port or 0, options.timeout_s)
+    local, links = None, []
     try:
-        checks = local.check if local else _nothing
-        host_group(options.master_addr, port, world, options.connect_timeout_s, checks, options.timeout_s)
-        hellos = [_receive_hello(rank, options.timeout_s) for rank in range(1, world)]
+        if options.local_workers:
+            flags = lambda rank: local_worker_flags(store, options.local_workers, rank)  # noqa: E731
+            local = LocalWorkers.start(str(container.path), options.local_workers, listener.port, flags)
+        joined = _gather(listener, world, options.connect_timeout_s, local.check if local else _nothing)
+        links = [link for _, link in joined]
+        hellos = [hello for hello, _ in joined]
         _check_same_model(container, hellos)
+        history = _history(container, store)
         owners = _owners(container, hellos, options.expert_map)
-        for hello in hellos:
-            dist.send(wire.header(Op.SETUP), hello.rank, tag=wire.TAG_CONTROL)
-            dist.send(owners, hello.rank, tag=wire.TAG_CONTROL)
-        for hello in hellos:
-            _receive_ready(hello, options.timeout_s)
+        ranks = [h.rank for h in hellos]
+        holders = with_replicas(owners, list(container.moe_layers), history and history[0], options.replicas, ranks)
+        _set_up(joined, holders, options.timeout_s)
     except BaseException:
+        for link in links:
+            link.close()
+        listener.close()
         if local is not None:
             local.stop(kill=True)
-        if dist.is_initialized():
-            dist.destroy_process_group()
         raise
-    return DistributedExperts(container, hellos, owners, options.timeout_s, store.prefetch, local, trace)
+    fallback = Fallback(container, store, family_of(container_args(container)).swiglu_limit)
+    members = [Member(hello, link) for hello, link in joined]
+    return DistributedExperts(
+        container, members, holders, options.timeout_s, fallback, listener, store.prefetch, local, trace, history,
+        rejoin_timeout_s=options.connect_timeout_s,
+    )  # fmt: skip
 
 
 def local_worker_flags(store: StoreConfig, count: int, rank: int) -> list[str]:
@@ -107,12 +131,34 @@ def _nothing() -> None:
     pass
 
 
-def _receive_hello(rank: int, timeout_s: float) -> Hello:
-    values = torch.empty(8, dtype=torch.int64)
-    host = torch.empty(wire.HOST_BYTES, dtype=torch.uint8)
-    for tensor in (values, host):
-        wire.wait(dist.irecv(tensor, rank, tag=wire.TAG_CONTROL), timeout_s, f"worker {rank}, joining")
-    return wire.read_hello(rank, values, host)
+def _gather(
+    listener: Listener, world: int, timeout_s: float, check_children: Callable[[], None]
+) -> list[tuple[Hello, Link]]:
+    """Workers 1 .. world - 1 joined (in rank order), within ``timeout_s``; a local worker that exits
+    meanwhile is reported at once. A second worker with a rank already joined, or a rank outside the
+    world, is refused (it exits saying why); the first one keeps the rank."""
+    deadline = time.monotonic() + timeout_s
+    joined: dict[int, tuple[Hello, Link]] = {}
+    try:
+        while len(joined) < world - 1:
+            check_children()
+            missing = [r for r in range(1, world) if r not in joined]
+            if time.monotonic() > deadline:
+                raise WorkerError(f"worker(s) {missing} did not join {listener.address} within {timeout_s:g} s")
+            try:
+                hello, link = listener.joined.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+            if hello.rank not in missing:
+                why = "taken" if hello.rank in joined else f"not one of 1 .. {world - 1} (--world-size {world})"
+                refuse(link, f"rank {hello.rank} is {why}")
+                continue
+            joined[hello.rank] = (hello, link)
+    except BaseException:
+        for _, link in joined.values():
+            link.close()
+        raise
+    return [joined[rank] for rank in sorted(joined)]
 
 
 def _check_same_model(container: Container, hellos: list[Hello]) -> None:
@@ -127,6 +173,15 @@ def _check_same_model(container: Container, hellos: list[Hello]) -> None:
             )
 
 
+def _history(container: Container, store: StoreConfig) -> tuple[UsageHistory, str] | None:
+    """The coordinator's own usage history (every routed request, saved after each turn): it ranks the
+    experts ``--replicas`` holds twice. The workers keep theirs (``.workerR`` beside it for local ones)."""
+    if store.history_path is None:
+        return None
+    fingerprint = container_fingerprint(container)
+    return UsageHistory.load(store.history_path, container.n_experts, fingerprint), str(store.history_path)
+
+
 def _owners(container: Container, hellos: list[Hello], expert_map: str | Path | None) -> torch.Tensor:
     layers, experts = len(container.moe_layers), container.n_experts
     if expert_map is not None:
@@ -134,10 +189,9 @@ def _owners(container: Container, hellos: list[Hello], expert_map: str | Path | 
     return measured_owners(hellos, layers, experts)
 
 
-def _receive_ready(hello: Hello, timeout_s: float) -> None:
-    length = torch.empty(1, dtype=torch.int64)
-    wire.wait(dist.irecv(length, hello.rank, tag=wire.TAG_CONTROL), timeout_s, f"{hello.name()}, setting up")
-    if int(length):
-        text = torch.empty(int(length), dtype=torch.uint8)
-        wire.wait(dist.irecv(text, hello.rank, tag=wire.TAG_CONTROL), timeout_s, f"{hello.name()}, setting up")
-        raise WorkerError(f"{hello.name()} cannot take its share: {bytes(text.tolist()).decode(errors='replace')}")
+def _set_up(joined: list[tuple[Hello, Link]], holders: Holders, timeout_s: float) -> None:
+    """Every worker gets what it holds at once (they open their stores side by side), then each READY."""
+    for hello, link in joined:
+        send_setup(link, hello, wire.tensor_bytes(holders.held_by(hello.rank)).tobytes(), timeout_s)
+    for hello, link in joined:
+        wait_ready(link, hello, timeout_s)

@@ -33,7 +33,8 @@ def free_port() -> int:
 
 @dataclass
 class LocalWorkers:
-    """The child processes; ``check`` raises for one that has exited, ``stop`` ends them all."""
+    """The child processes; ``check`` raises for one that has exited, ``end`` kills a lost one, ``stop``
+    ends them all."""
 
     processes: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)  # rank -> process
 
@@ -58,6 +59,13 @@ class LocalWorkers:
         for rank, process in self.processes.items():
             if process.poll() is not None:
                 raise WorkerError(f"local worker {rank} (pid {process.pid}) exited with status {process.returncode}")
+
+    def end(self, rank: int) -> None:
+        """Kill and reap worker ``rank`` (lost: stopped or unreachable, it must not linger)."""
+        process = self.processes.get(rank)
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.wait()
 
     def stop(self, kill: bool = False) -> None:
         """Wait a little for workers told to shut down (``kill``: none was), then kill the rest."""

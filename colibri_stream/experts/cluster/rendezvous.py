@@ -1,68 +1,78 @@
-"""Forming the gloo process group: the coordinator (rank 0) hosts torch's TCPStore and waits for every
-worker to check in, checking meanwhile that the workers it started itself are still running (a worker
-that fails at start is reported at once, not after the connect timeout); then all ranks join the group."""
+"""Where workers find the coordinator: a TCP listener on --master-addr:--master-port, open as long as
+the coordinator lives, so a worker can join at start or rejoin after it was lost.
+
+A thread accepts; each connection gets its own short-lived thread that reads the worker's HELLO (within
+``hello_timeout_s``) and hands (Hello, Link) to ``on_join``: at start a queue ``connect`` drains, later
+the coordinator's rejoin handshake. A connection that says nothing useful (a port scanner, another
+program) is closed and forgotten; it never reaches the coordinator.
+"""
 
 from __future__ import annotations
 
-import time
+import logging
+import queue
+import socket
+import threading
 from collections.abc import Callable
-from datetime import timedelta
 
-import torch.distributed as dist
+from colibri_stream.experts.cluster import wire
+from colibri_stream.experts.cluster.transport import Link
+from colibri_stream.experts.cluster.wire import Hello, Op, WorkerError
 
-from colibri_stream.experts.cluster.wire import WorkerError
+logger = logging.getLogger(__name__)
+ACCEPT_POLL_S = 0.2  # how soon the accept thread sees close()
 
-POLL_S = 0.05
-# Operations without an explicit timeout (a worker's replies) may take this long; every wait that matters
-# passes its own: the coordinator's answer timeout, a worker's idle wait for the next request.
-GROUP_TIMEOUT = timedelta(minutes=10)
-
-
-def _joined_key(rank: int) -> str:
-    return f"colibri/joined/{rank}"
+JoinHandler = Callable[[Hello, Link], None]
 
 
-def join_group(addr: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
-    """A worker: connect to the coordinator's store, check in, join the group."""
-    try:
-        store = dist.TCPStore(addr, port, world_size=world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
-        store.set(_joined_key(rank), "1")
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=GROUP_TIMEOUT)
-    except (RuntimeError, dist.DistStoreError) as exc:
-        raise WorkerError(f"worker {rank}: cannot join the coordinator at {addr}:{port} ({exc})") from None
+class Listener:
+    """Accepts workers until ``close``; ``on_join`` may be swapped (start -> rejoin) at any time."""
 
+    def __init__(self, addr: str, port: int, hello_timeout_s: float):
+        try:
+            self.sock = socket.create_server((addr, port))
+        except OSError as exc:
+            raise WorkerError(f"cannot listen for workers on {addr}:{port} ({exc.strerror or exc})") from None
+        self.sock.settimeout(ACCEPT_POLL_S)
+        self.port: int = self.sock.getsockname()[1]  # port 0: the one the OS picked
+        self.address = f"{addr}:{self.port}"
+        self.hello_timeout_s = hello_timeout_s
+        self.joined: queue.Queue[tuple[Hello, Link]] = queue.Queue()
+        self.on_join: JoinHandler = lambda hello, link: self.joined.put((hello, link))
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._accept, name="colibri-workers-listener", daemon=True)
+        self._thread.start()
 
-def host_group(
-    addr: str,
-    port: int,
-    world_size: int,
-    timeout_s: float,
-    check_children: Callable[[], None] = lambda: None,
-    answer_timeout_s: float | None = None,
-) -> None:
-    """The coordinator: wait (up to ``timeout_s``) until workers 1 .. world_size - 1 have checked in,
-    calling ``check_children`` between polls (it raises for a local worker that exited), then join.
-    Joining waits for every worker's address in the store: ``answer_timeout_s`` (--worker-timeout) bounds
-    it, and is the group's own timeout, so a stray client that wrote the check-in keys but is no worker
-    (or a worker that died after checking in) is a WorkerError then, not a wait of GROUP_TIMEOUT."""
-    try:
-        store = dist.TCPStore(
-            addr, port, world_size=world_size, is_master=True, timeout=GROUP_TIMEOUT, wait_for_workers=False
-        )
-    except (RuntimeError, dist.DistStoreError) as exc:
-        raise WorkerError(f"cannot listen for workers on {addr}:{port} ({exc})") from None
-    deadline = time.monotonic() + timeout_s
-    while missing := [r for r in range(1, world_size) if not store.check([_joined_key(r)])]:
-        check_children()
-        if time.monotonic() > deadline:
-            raise WorkerError(f"worker(s) {missing} did not join {addr}:{port} within {timeout_s:g} s")
-        time.sleep(POLL_S)
-    answer = GROUP_TIMEOUT if answer_timeout_s is None else timedelta(seconds=answer_timeout_s)
-    try:
-        dist.init_process_group("gloo", store=store, rank=0, world_size=world_size, timeout=answer)
-    except (RuntimeError, dist.DistStoreError) as exc:
-        detail = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-        raise WorkerError(
-            f"worker(s) checked in at {addr}:{port} but did not form the group within "
-            f"{answer.total_seconds():g} s ({detail})"
-        ) from None
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, peer = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return  # closed
+            name = f"a worker at {peer[0]}:{peer[1]}"
+            threading.Thread(target=self._greet, args=(Link(conn, name),), daemon=True).start()
+
+    def _greet(self, link: Link) -> None:
+        try:
+            head, payload = link.receive(self.hello_timeout_s, "joining")
+            if head.op != Op.HELLO:
+                raise WorkerError(f"{link.name}: sent {head.op.name} before HELLO")
+            hello = wire.read_hello(head.values, bytes(payload))
+        except WorkerError as exc:
+            logger.warning("%s", exc)
+            link.close()
+            return
+        link.name = hello.name()
+        if self._closed.is_set():
+            link.close()
+            return
+        self.on_join(hello, link)
+
+    def close(self) -> None:
+        self._closed.set()
+        self.sock.close()
+        self._thread.join()
+        while not self.joined.empty():  # joined but never taken in: told nothing, it sees the link end
+            self.joined.get_nowait()[1].close()

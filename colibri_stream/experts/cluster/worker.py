@@ -1,13 +1,16 @@
-"""A worker process: one share of every MoE layer's routed experts, its own tiered store (RAM/VRAM
-budget, policy, usage history), serving the coordinator's per-layer requests until told to stop.
+"""A worker process: one share of every MoE layer's routed experts (and any replicas of hot experts), its
+own tiered store (RAM/VRAM budget, policy, usage history), serving the coordinator's per-layer requests
+until told to stop.
 
-    join      rendezvous with the coordinator, say HELLO (budget, measured disk speed, model fingerprint)
-    setup     receive the owner table, open the store sized for this worker's share, say READY
-    serve     SUM: prefetch the guessed ids sent along, compute this share of the routed sum (the
-              engine's own routed_sum over the store), send it back; PREFETCH, STATS, END_TURN, SHUTDOWN
+    join      connect to the coordinator, say HELLO (rank, budget, measured disk speed, model fingerprint)
+    setup     receive which experts it holds, open the store sized for them, say READY
+    serve     SUM: prefetch the guessed ids sent along, compute the assigned experts' part of the routed sum
+              (the engine's own routed_sum over the store), send it back; PREFETCH, STATS, END_TURN, SHUTDOWN
 
-A worker computes with the same engine code as a single process (rows_alone and int8 activations as the
-request's flags say), so its share of the sum is the same float64 terms.
+Started again with the same flags after it was lost, a worker joins the same way and the coordinator
+gives it its share back (between steps). A worker computes with the same engine code as a single
+process (rows_alone and int8 activations as the request's flags say), so its part of the sum is the
+same float64 terms.
 """
 
 from __future__ import annotations
@@ -20,13 +23,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from colibri_stream.checkpoint.fingerprint import container_fingerprint
-from colibri_stream.errors import ColibriError
+from colibri_stream.errors import USER_ERRORS, ColibriError
 from colibri_stream.experts.cluster import wire
-from colibri_stream.experts.cluster.rendezvous import join_group
-from colibri_stream.experts.cluster.wire import COORDINATOR, Hello, Op
+from colibri_stream.experts.cluster.transport import Link, dial
+from colibri_stream.experts.cluster.wire import Hello, Op, WorkerError
 from colibri_stream.experts.codec import expert_from_record
 from colibri_stream.planning.bandwidth import disk_bandwidth
 from colibri_stream.planning.budget import StoreOptions, worker_store_config
@@ -40,7 +42,10 @@ from storage.history import UsageHistory
 from storage.tiered import StoreConfig, TieredExpertStore
 from storage.trace import TraceWriter
 
-IDLE_S = 365 * 86400.0  # a worker waits for the next request as long as the coordinator lives
+COORDINATOR = "the coordinator"
+# what a request's failure is told to the coordinator as (it serves around this worker): I/O errors and
+# every user-facing error, the storage ones included (a vanished or corrupt record is a CorruptDataError)
+REPORTED: tuple[type[BaseException], ...] = (OSError, *USER_ERRORS)
 
 
 @dataclass(frozen=True)
@@ -56,46 +61,59 @@ class WorkerOptions:
 
 
 def run_worker(options: WorkerOptions) -> int:
-    """Join, take a share, serve until SHUTDOWN (0) or until the coordinator is gone (1)."""
+    """Join, take a share, serve until SHUTDOWN (0); a coordinator that is gone or refuses it is a
+    WorkerError (exit status 1)."""
     container = Container(options.path)
     geometry = geometry_from_container(container)
     config = worker_store_config(options.store, geometry.expert_bytes)
     disk = options.disk_bytes_per_s
     if disk is None:
         disk = int(disk_bandwidth(Path(options.path))[0])
-    join_group(options.master_addr, options.master_port, options.rank, options.world_size, options.connect_timeout_s)
-    hello = Hello(
-        options.rank,
-        socket.gethostname(),
-        os.getpid(),
-        len(container.moe_layers),
-        container.n_experts,
-        container.layout.record_bytes,
-        config.ram_bytes,
-        disk,
-        wire.fingerprint_crc(container_fingerprint(container)),
-    )
-    for tensor in wire.hello_tensor(hello):
-        _send(tensor, wire.TAG_CONTROL)
+    link = dial(options.master_addr, options.master_port, options.connect_timeout_s, COORDINATOR)
     try:
-        owners = _receive_owners(container)
+        hello = Hello(
+            options.rank,
+            socket.gethostname(),
+            os.getpid(),
+            len(container.moe_layers),
+            container.n_experts,
+            container.layout.record_bytes,
+            config.ram_bytes,
+            disk,
+            wire.fingerprint_crc(container_fingerprint(container)),
+        )
+        link.send(Op.HELLO, [hello.host.encode()[: wire.HOST_BYTES]], wire.hello_values(hello), None)
+        held = _receive_setup(link, container)
         trace = TraceWriter(options.store.trace) if options.store.trace else None
-        store = _open_store(container, config, int((owners == options.rank).sum()), trace)
+        store = _open_store(link, container, config, int(held.sum()), trace)
         try:
-            return Server(container, store, owners, options.rank).serve()
+            return Server(link, container, store, held).serve()
         finally:
             store.close()
     finally:
-        dist.destroy_process_group()
+        link.close()
 
 
-def _open_store(container: Container, config: StoreConfig, share: int, trace: TraceWriter | None) -> TieredExpertStore:
+def _receive_setup(link: Link, container: Container) -> torch.Tensor:
+    """bool [MoE layers, experts]: the experts this worker holds."""
+    head, payload = link.receive(None, "waiting for its share")
+    if head.op == Op.REFUSE:
+        raise WorkerError(f"the coordinator refused this worker: {payload.decode(errors='replace')}")
+    shape = (len(container.moe_layers), container.n_experts)
+    if head.op != Op.SETUP or len(payload) != shape[0] * shape[1]:
+        raise ColibriError(f"expected the share table from the coordinator, got {head.op.name} ({len(payload)} B)")
+    return torch.frombuffer(payload, dtype=torch.uint8).view(shape).bool()
+
+
+def _open_store(
+    link: Link, container: Container, config: StoreConfig, share: int, trace: TraceWriter | None
+) -> TieredExpertStore:
     """This worker's store, its RAM no more than its share of records; READY (or why not) to the coordinator."""
     try:
         history = None
         if config.history_path is not None:
             history = UsageHistory.load(config.history_path, container.n_experts, container_fingerprint(container))
-        held = min(config.ram_bytes, share * container.layout.record_bytes)
+        held = min(config.ram_bytes, max(share, 1) * container.layout.record_bytes)
         store = TieredExpertStore(
             container,
             replace(config, ram_bytes=held),
@@ -104,84 +122,66 @@ def _open_store(container: Container, config: StoreConfig, share: int, trace: Tr
             trace,
         )
     except Exception as exc:  # a budget below this share's floor, an unreadable history: the coordinator says it
-        _ready(f"{type(exc).__name__}: {exc}")
+        link.send(Op.READY, [f"{type(exc).__name__}: {exc}".encode()[: wire.MAX_TEXT_BYTES]], (), None)
         raise
-    _ready("")
+    link.send(Op.READY, [], (), None)
     return store
-
-
-def _receive_owners(container: Container) -> torch.Tensor:
-    head = _receive(torch.int64, (wire.HEADER,), wire.TAG_CONTROL)
-    if head[0] != Op.SETUP:
-        raise ColibriError(f"expected the owner table from the coordinator, got message {int(head[0])}")
-    return _receive(torch.int64, (len(container.moe_layers), container.n_experts), wire.TAG_CONTROL)
-
-
-def _ready(error: str) -> None:
-    text = error.encode()
-    _send(torch.tensor([len(text)], dtype=torch.int64), wire.TAG_CONTROL)
-    if text:
-        _send(torch.tensor(list(text), dtype=torch.uint8), wire.TAG_CONTROL)
 
 
 class Server:
     """The request loop of a joined worker."""
 
-    def __init__(self, container: Container, store: TieredExpertStore, owners: torch.Tensor, rank: int):
+    def __init__(self, link: Link, container: Container, store: TieredExpertStore, held: torch.Tensor):
+        self.link = link
         self.store = store
-        self.layers = list(container.moe_layers)  # owner table row -> model layer
+        self.layers = list(container.moe_layers)  # share table row -> model layer
         self.row = {layer: i for i, layer in enumerate(self.layers)}
-        self.owned = [set(torch.nonzero(owners[i] == rank).flatten().tolist()) for i in range(len(self.layers))]
+        self.held = int(held.sum())
         self.limit = family_of(container_args(container)).swiglu_limit
 
     def serve(self) -> int:
         while True:
-            op, *values = _receive(torch.int64, (wire.HEADER,)).tolist()
-            if op == Op.SHUTDOWN:
+            head, payload = self.link.receive(None, "waiting for a request")
+            if head.op == Op.SHUTDOWN:
                 return 0
-            self._handle(Op(op), values)
+            try:
+                self._handle(head, payload)
+            except REPORTED as exc:  # a failing disk, a bad record: say why, then leave
+                if not isinstance(exc, WorkerError):
+                    self.link.send(Op.ERROR, [f"{type(exc).__name__}: {exc}".encode()[: wire.MAX_TEXT_BYTES]], (), None)
+                raise
 
-    def _handle(self, op: Op, values: list[int]) -> None:
-        if op == Op.SUM:
-            self._sum(*values[:8])
-        elif op == Op.PREFETCH:
-            layer, count = values[:2]
-            self._prefetch(layer, _receive(torch.int64, (count,)))
-        elif op == Op.STATS:
-            stats = wire.stats_tensor(self.store.snapshot(), self.store.ram.n_slots, sum(map(len, self.owned)))
-            _send(stats, wire.TAG_STATS)
-        elif op == Op.END_TURN:
+    def _handle(self, head: wire.Head, payload: bytearray) -> None:
+        if head.op == Op.SUM:
+            self._sum(payload, *head.values[:9])
+        elif head.op == Op.PREFETCH:
+            layer, count = head.values[:2]
+            self._prefetch(layer, torch.frombuffer(payload, dtype=torch.int64) if count else torch.empty(0))
+        elif head.op == Op.STATS:
+            stats = wire.stats_tensor(self.store.snapshot(), self.store.ram.n_slots, self.held)
+            self.link.send(Op.STATS, [wire.tensor_bytes(stats)], (), None)
+        elif head.op == Op.END_TURN:
             self.store.end_turn()
         else:
-            raise ColibriError(f"unexpected message {op.name} from the coordinator")
+            raise ColibriError(f"unexpected message {head.op.name} from the coordinator")
 
-    def _sum(self, layer: int, rows: int, topk: int, dim: int, dtype: int, flags: int, ahead: int, count: int) -> None:
-        """This share of ``layer``'s routed sum; first the prefetch guess for layer ``ahead`` sent along."""
-        specs = wire.sum_payload_specs(rows, topk, dim, wire.DTYPES[dtype], count)
-        guess, ids, weights, x = wire.unpack(_receive(torch.uint8, (wire.payload_bytes(specs),)), specs)
+    def _sum(
+        self, payload: bytearray, layer: int, rows: int, topk: int, dim: int, dtype: int, flags: int, ahead: int,
+        count: int, assigned: int,
+    ) -> None:  # fmt: skip
+        """The assigned experts' part of ``layer``'s routed sum; first the prefetch guess for layer ``ahead``."""
+        specs = wire.sum_payload_specs(rows, topk, dim, wire.DTYPES[dtype], count, assigned)
+        guess, mine, ids, weights, x = wire.unpack(torch.frombuffer(payload, dtype=torch.uint8), specs)
         if count:
             self._prefetch(ahead, guess)  # read while this layer computes
-        owned = self.owned[self.row[layer]]
+        wanted = set(mine.tolist())
         with _engine_context(flags):
-            total, _ = routed_sum(x, weights, ids, self.store, layer, self.limit, owned=owned.__contains__)
-        _send(total, wire.TAG_SUM)
+            total, _ = routed_sum(x, weights, ids, self.store, layer, self.limit, owned=wanted.__contains__)
+        self.link.send(Op.SUM, [wire.tensor_bytes(total)], (), None)
 
     def _prefetch(self, layer: int, ids: torch.Tensor) -> None:
         if layer in self.row:
             self.store.prefetch(layer, ids.tolist())
-
-
-def _receive(dtype: torch.dtype, shape: tuple[int, ...], tag: int = 0) -> torch.Tensor:
-    """The coordinator's next message, however long it takes (a chat waits for its user); a coordinator
-    that is gone is a WorkerError (exit status 1)."""
-    out = torch.empty(shape, dtype=dtype)
-    wire.wait(wire.issue(lambda: dist.irecv(out, COORDINATOR, tag=tag), "the coordinator"), IDLE_S, "the coordinator")
-    return out
-
-
-def _send(tensor: torch.Tensor, tag: int) -> None:
-    work = wire.issue(lambda: dist.isend(tensor, COORDINATOR, tag=tag), "the coordinator")
-    wire.wait(work, IDLE_S, "the coordinator")
 
 
 @contextlib.contextmanager
