@@ -119,12 +119,24 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
     with open(file, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         prefix = f.read(8)
-        if len(prefix) < 8:
-            raise CheckpointError(f"{file}: {size} bytes, too short for a safetensors header")
-        (length,) = struct.unpack("<Q", prefix)
-        if length > min(MAX_HEADER_BYTES, size - 8):
-            raise CheckpointError(f"{file}: header length {length} at offset 0 exceeds the file ({size} bytes)")
-        raw = f.read(length)
+        length = header_length(file, prefix, size)
+        return parse_header(file, f.read(length), size, length)
+
+
+def header_length(file: Path, prefix: bytes, size: int) -> int:
+    """The header length a shard of ``size`` bytes announces in its first 8 bytes, checked against the file."""
+    if len(prefix) < 8:
+        raise CheckpointError(f"{file}: {size} bytes, too short for a safetensors header")
+    (length,) = struct.unpack("<Q", prefix[:8])
+    if length > min(MAX_HEADER_BYTES, size - 8):
+        raise CheckpointError(f"{file}: header length {length} at offset 0 exceeds the file ({size} bytes)")
+    return int(length)
+
+
+def parse_header(file: Path, raw: bytes, size: int, length: int | None = None) -> dict[str, TensorInfo]:
+    """The header JSON ``raw`` of a shard of ``size`` bytes (read here, or fetched by a Range request
+    before the shard is downloaded: convert/pull_hub.py), every byte span checked against that size."""
+    length = len(raw) if length is None else length
     try:
         header = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -9,7 +9,7 @@ import traceback
 from collections.abc import Sequence
 
 from colibri_stream import __version__
-from colibri_stream.cli import bench, chat, container, demo, doctor, kv, plan, run, serve, worker
+from colibri_stream.cli import bench, chat, container, demo, doctor, kv, plan, pull, run, serve, worker
 from colibri_stream.errors import USER_ERRORS
 from colibri_stream.runtime.memory import return_large_frees_to_the_os
 
@@ -36,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_parser(commands)
     container.add_parsers(commands)
     plan.add_parser(commands)
+    pull.add_parser(commands)
     kv.add_parser(commands)
     bench.add_parser(commands)
     serve.add_parser(commands)

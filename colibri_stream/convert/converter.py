@@ -123,8 +123,8 @@ def dense_arrays(engine: str, tensor: torch.Tensor, scheme: str, group_size: int
 
 
 class Converter:
-    def __init__(self, src: str | Path, dst: str | Path, options: ConvertOptions, progress: bool = True):
-        self.source = HFSource(src)
+    def __init__(self, src: str | Path | HFSource, dst: str | Path, options: ConvertOptions, progress: bool = True):
+        self.source = src if isinstance(src, HFSource) else HFSource(src)
         self.dst = Path(dst)
         self.options = options
         self.progress = progress
@@ -163,7 +163,7 @@ class Converter:
                     journal["done"][unit.key] = self._convert_unit(unit, reader, writer, crash)
                 atomic_write_json(self.dst / JOURNAL, journal)
                 bar.update(self._unit_bytes(unit))
-        self._publish(writer, journal)
+        self.publish(writer, journal)
         return {
             "status": "converted",
             "path": str(self.dst),
@@ -189,29 +189,33 @@ class Converter:
     def _convert_unit(self, unit: Unit, reader: TensorReader, writer: ContainerWriter, crash: bool) -> dict[str, Any]:
         result: dict[str, Any] = {}
         for hf, engine in unit.dense:
-            written = [
-                writer.write_dense(name, array, dtype)
-                for name, array, dtype in dense_arrays(
-                    engine, reader.get(hf), self.options.dense, self.options.quant_group_size
-                )
-            ]
-            if len(written) == 1:
-                result[engine] = written[0]
-            else:  # int8: the codes, their scales and the group size the scales are for
-                result[engine] = {**written[0], "scales": written[1], "group_size": self.options.quant_group_size}
+            result[engine] = self.convert_dense(hf, engine, reader, writer)
             _crash_if(crash)
         if unit.experts_layer is not None:
             layer = unit.experts_layer
             writer.create_expert_array(layer)
             crcs = []
             for expert in range(self.plan.args.n_routed_experts):
-                record = self._expert_record(reader, self.plan.experts[layer][expert])
+                record = self.expert_record(reader, self.plan.experts[layer][expert])
                 crcs.append(writer.write_expert(layer, expert, record))
                 _crash_if(crash)
             result = {"crc32c": crcs}
         return result
 
-    def _expert_record(self, reader: TensorReader, names: dict[str, str]) -> np.ndarray:
+    def convert_dense(self, hf: str, engine: str, reader: TensorReader, writer: ContainerWriter) -> dict[str, Any]:
+        """Write one dense tensor's arrays; return its entry for the container's attributes."""
+        written = [
+            writer.write_dense(name, array, dtype)
+            for name, array, dtype in dense_arrays(
+                engine, reader.get(hf), self.options.dense, self.options.quant_group_size
+            )
+        ]
+        if len(written) == 1:
+            return written[0]
+        # int8: the codes, their scales and the group size the scales are for
+        return {**written[0], "scales": written[1], "group_size": self.options.quant_group_size}
+
+    def expert_record(self, reader: TensorReader, names: dict[str, str]) -> np.ndarray:
         """One expert's record: its shipped codes copied, or its float weights quantised here."""
         if self.copy_quantized:
             return record_from_quantized(self.layout, {w: reader.get_quantized(names[w]) for w in ("w1", "w2", "w3")})
@@ -242,7 +246,8 @@ class Converter:
         atomic_write_json(path, journal)
         return journal
 
-    def _publish(self, writer: ContainerWriter, journal: dict[str, Any]) -> None:
+    def publish(self, writer: ContainerWriter, journal: dict[str, Any]) -> None:
+        """Copy the side files and write the final attributes from a journal whose units are all done."""
         done = journal["done"]
         dense = {
             name: entry
@@ -270,7 +275,7 @@ class Converter:
                 "files": copied,
             }
         )
-        (self.dst / JOURNAL).unlink()
+        (self.dst / JOURNAL).unlink(missing_ok=True)  # a pull keeps its own journal (convert/pull_state.py)
 
 
 def _check_all_quantized(plan: Plan, source: HFSource) -> None:

@@ -66,7 +66,7 @@ class HFSource:
             allowed.update({"": FLOAT_DTYPES + (FP8_DTYPE,), FP8_SCALE_SUFFIX: FLOAT_DTYPES + E8M0_SCALE_DTYPES})
         if self.packed:
             allowed.update(self.packed.allowed_dtypes())
-        table = tensor_table(self.path, v4_allowed_dtypes() if native else allowed)
+        table = self.read_table(v4_allowed_dtypes() if native else allowed)
         # logical (as the FP8 and packed paths name them) -> shipped tensor name, where they differ
         self.shipped: dict[str, str] = {}
         if native:
@@ -85,6 +85,11 @@ class HFSource:
         check_tensors(args, names, self.shapes, str(self.path), self.dense_config())
         if self.block:
             self._check_fp8_scales({name: info.dtype for name, (_, info) in table.items()}, self.block)
+
+    def read_table(self, allowed: dict[str, tuple[str, ...]]) -> dict[str, tuple[Path, TensorInfo]]:
+        """Tensor name -> (shard, header entry), from the shards' headers (a source whose shards are
+        not on disk yet reads them elsewhere: convert/pull_source.py)."""
+        return tensor_table(self.path, allowed)
 
     def _check_fp8_scales(self, dtypes: dict[str, str], block: tuple[int, int]) -> None:
         """Every FP8 weight's block scales present and shaped for it, from the headers: refused before
@@ -143,8 +148,8 @@ class HFSource:
         return dequantised_config(self.config)
 
     @contextlib.contextmanager
-    def reading(self) -> Iterator[TensorReader]:
-        reader = TensorReader(self)
+    def reading(self, where: dict[str, Path] | None = None) -> Iterator[TensorReader]:
+        reader = TensorReader(self, where)
         try:
             yield reader
         finally:
@@ -180,13 +185,15 @@ class HFSource:
 class TensorReader:
     """Open shards on demand within one unit of work; float32 tensors out."""
 
-    def __init__(self, source: HFSource):
+    def __init__(self, source: HFSource, where: dict[str, Path] | None = None):
         self.source = source
+        # tensor -> the file to read it from: the source's shards, or (a streaming pull) only the tensors on disk now
+        self.where = source.where if where is None else where
         self._open: dict[Path, Any] = {}
         self._stack = contextlib.ExitStack()
 
     def _shard(self, name: str):
-        file = self.source.where.get(name)
+        file = self.where.get(name)
         if file is None:
             raise CheckpointError(f"{self.source.path}: tensor {name} is missing")
         if file not in self._open:

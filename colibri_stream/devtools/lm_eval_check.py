@@ -101,8 +101,28 @@ def write_task(directory: Path, documents: Sequence[str], task: str = TASK) -> P
 def lm_eval_scores(completions_url: str, model: str, tokenizer_dir: Path, task_dir: Path, max_length: int) -> dict:
     """lm-eval's metrics for the task in ``task_dir`` against the completions endpoint at
     ``completions_url`` (its ``local-completions`` model; the HF tokenizer in ``tokenizer_dir``)."""
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with offline_hub():
+        return _lm_eval_scores(completions_url, model, tokenizer_dir, task_dir, max_length)
+
+
+@contextmanager
+def offline_hub() -> Iterator[None]:
+    """HF_HUB_OFFLINE and HF_DATASETS_OFFLINE set for the evaluation only (lm-eval would look the task's
+    data up on the Hub), then as they were: other code of this process (`pull`) needs the Hub."""
+    names = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
+    before = {name: os.environ.get(name) for name in names}
+    os.environ.update({name: "1" for name in names})
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _lm_eval_scores(completions_url: str, model: str, tokenizer_dir: Path, task_dir: Path, max_length: int) -> dict:
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
