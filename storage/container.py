@@ -14,6 +14,7 @@ multiples at offset 0).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -31,6 +32,7 @@ from storage.buffers import PAGE, aligned_empty
 from storage.checksum import crc32c
 from storage.errors import CorruptDataError, FormatError
 from storage.layout import DTYPES, ExpertRecordLayout
+from storage.parts import Parts, load_parts
 
 FORMAT_NAME = "colibri-stream-container"
 FORMAT_VERSION = 1
@@ -40,6 +42,7 @@ EXPERTS_GROUP = "experts"
 # Arrays a container keeps for completeness but no model loads (DeepSeek-V4's multi-token-prediction
 # modules): checksummed and verified like the rest, never resident, never in a plan.
 KEPT_PREFIX = "kept."
+CONTENT_KEY = "content_sha256"
 DENSE_DTYPES = ("float32", "bfloat16", "int8", "int32")  # int8: group-quantised, with float16 scales; int32: tables
 MAX_METADATA_BYTES = 64 << 20  # zarr.json files; DeepSeek-V3's root, every checksum included, is ~0.2 MB
 # Dense array names are engine parameter names: one path component, never "." or ".." or a separator.
@@ -111,6 +114,18 @@ def _chunk_shape(meta: dict[str, Any], where: str) -> Any:
     return metadata_object(grid, "configuration", f"{where}: chunk_grid").get("chunk_shape")
 
 
+def content_sha256(attrs: dict[str, Any]) -> str:
+    """What the stored weights are, as one hash: sha256 over every dense array's entry (shape, dtype,
+    crc32c of its bytes) and the experts' layout and per-record crc32c.
+
+    Every stored weight byte is under one of those checksums, so two containers agree here only if
+    their weights do (for weights that differ by accident, not by construction: crc32c is no defence
+    against a deliberate collision). Published at convert time; containers converted before it existed
+    give the same value computed from their attributes (storage.container attrs "dense"/"experts")."""
+    payload = json.dumps({"dense": attrs.get("dense"), "experts": attrs.get("experts")}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
 def is_container(path: str | Path) -> bool:
     """True for a directory shaped like a container (even a damaged one): opening it then says what is wrong."""
     path = Path(path)
@@ -151,6 +166,15 @@ class Container:
         arrays = self._parse_dense(attrs["dense"])
         self.dense = {name: entry for name, entry in arrays.items() if not name.startswith(KEPT_PREFIX)}
         self.kept = {name: entry for name, entry in arrays.items() if name.startswith(KEPT_PREFIX)}
+        # Spread over several directories (storage/parts.py): None for a whole container, whose reads
+        # resolve paths exactly as before. Every part directory is checked here (one error naming it).
+        self.parts: Parts | None = load_parts(self.path, self.moe_layers, self.n_experts, self.content_hash)
+
+    @property
+    def content_hash(self) -> str:
+        """What the weights are (storage.container_write.content_sha256): the same whole or spread."""
+        stored = self.attrs.get(CONTENT_KEY)
+        return stored if isinstance(stored, str) else content_sha256(self.attrs)
 
     # ------------------------------------------------------------------------------------ metadata
     def _check_header(self) -> None:
@@ -323,7 +347,17 @@ class Container:
             raise KeyError(f"layer {layer} has no routed experts in {self.path}")
         if not 0 <= expert < self.n_experts:
             raise KeyError(f"layer {layer} has no routed expert {expert}")
-        return self.path / expert_chunk_relpath(layer, expert)
+        if self.parts is None:
+            return self.path / expert_chunk_relpath(layer, expert)
+        return self.parts.root(self.parts.primary(layer, expert)) / expert_chunk_relpath(layer, expert)
+
+    def expert_copies(self, layer: int, expert: int) -> tuple[tuple[int, Path], ...]:
+        """(part, path) of every copy of a record, primary first; one (0, path) for a whole container."""
+        if self.parts is None:
+            return ((0, self.expert_path(layer, expert)),)
+        self.expert_path(layer, expert)  # the same KeyErrors
+        relpath = expert_chunk_relpath(layer, expert)
+        return tuple((part, self.parts.root(part) / relpath) for part in self.parts.of(layer, expert))
 
     def expert_checksum(self, layer: int, expert: int) -> int:
         return self._expert_crcs[layer][expert]
@@ -379,6 +413,34 @@ def o_direct_refusal(file: Path) -> str | None:
     return None
 
 
+def read_record_file(path: Path, layer: int, expert: int, out: np.ndarray, size: int, direct: bool) -> memoryview:
+    """One ``pread`` of the ``size``-byte record at ``path`` into ``out``; the bytes read, unverified.
+    Short reads and I/O errors are CorruptDataError naming the expert and the file."""
+    if out.nbytes < size:
+        raise ValueError(f"buffer of {out.nbytes} bytes cannot hold a {size}-byte record")
+    # O_NONBLOCK: opening a FIFO planted as a chunk returns at once (and is refused below) instead
+    # of waiting forever for a writer; it changes nothing for a regular file.
+    flags = os.O_RDONLY | os.O_NONBLOCK | (os.O_DIRECT if direct else 0)
+    target = memoryview(out.reshape(-1)[:size])  # type: ignore[arg-type]  # numpy: a Buffer only on >= 3.12
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise CorruptDataError(f"layer {layer} expert {expert}: chunk file {path} is missing") from None
+    except OSError as exc:  # a part directory made unreadable after open
+        raise CorruptDataError(f"layer {layer} expert {expert}: cannot open {path}: {exc.strerror}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CorruptDataError(f"layer {layer} expert {expert}: chunk {path} is not a regular file")
+        got = os.preadv(fd, [target], 0)
+    except OSError as exc:
+        raise CorruptDataError(f"layer {layer} expert {expert}: read of {path} failed: {exc}") from None
+    finally:
+        os.close(fd)
+    if got != size:
+        raise CorruptDataError(f"layer {layer} expert {expert}: short read of {path} ({got} of {size} bytes)")
+    return target
+
+
 class ExpertReader:
     """The hot path: one ``pread`` of one whole expert record into a caller-provided buffer.
 
@@ -399,30 +461,10 @@ class ExpertReader:
 
     def read_into(self, layer: int, expert: int, out: np.ndarray) -> int:
         path = self.container.expert_path(layer, expert)
-        size = self.record_bytes
-        if out.nbytes < size:
-            raise ValueError(f"buffer of {out.nbytes} bytes cannot hold a {size}-byte record")
-        # O_NONBLOCK: opening a FIFO planted as a chunk returns at once (and is refused below) instead
-        # of waiting forever for a writer; it changes nothing for a regular file.
-        flags = os.O_RDONLY | os.O_NONBLOCK | (os.O_DIRECT if self.direct else 0)
-        target = memoryview(out.reshape(-1)[:size])  # type: ignore[arg-type]  # numpy: a Buffer only on >= 3.12
-        try:
-            fd = os.open(path, flags)
-        except FileNotFoundError:
-            raise CorruptDataError(f"layer {layer} expert {expert}: chunk file {path} is missing") from None
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise CorruptDataError(f"layer {layer} expert {expert}: chunk {path} is not a regular file")
-            got = os.preadv(fd, [target], 0)
-        except OSError as exc:
-            raise CorruptDataError(f"layer {layer} expert {expert}: read of {path} failed: {exc}") from None
-        finally:
-            os.close(fd)
-        if got != size:
-            raise CorruptDataError(f"layer {layer} expert {expert}: short read of {path} ({got} of {size} bytes)")
+        target = read_record_file(path, layer, expert, out, self.record_bytes, self.direct)
         if self.verify:
             self._verify_once(layer, expert, target)
-        return got
+        return len(target)
 
     def _verify_once(self, layer: int, expert: int, data: memoryview) -> None:
         key = (layer, expert)

@@ -8,7 +8,6 @@ conversion resume into a container byte-identical to an uninterrupted one.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -18,14 +17,9 @@ import numpy as np
 import zarr
 
 from storage.checksum import crc32c
-from storage.container import (
-    ATTRS_KEY,
-    DENSE_GROUP,
-    EXPERTS_GROUP,
-    FORMAT_NAME,
-    FORMAT_VERSION,
-    expert_array_name,
-)
+from storage.container import ATTRS_KEY, DENSE_GROUP, EXPERTS_GROUP, FORMAT_NAME, FORMAT_VERSION, expert_array_name
+from storage.container import CONTENT_KEY as CONTENT_KEY  # defined beside the reader; re-exported
+from storage.container import content_sha256 as content_sha256
 from storage.errors import write_errors
 from storage.layout import DTYPES, ExpertRecordLayout
 
@@ -35,21 +29,8 @@ if TYPE_CHECKING:
 _NO_SKIP: ArrayConfigParams = {
     "write_empty_chunks": True
 }  # an all-zero chunk must still be a file: the hot path reads files
-CONTENT_KEY = "content_sha256"
 P = ParamSpec("P")
 R = TypeVar("R")
-
-
-def content_sha256(attrs: dict[str, Any]) -> str:
-    """What the stored weights are, as one hash: sha256 over every dense array's entry (shape, dtype,
-    crc32c of its bytes) and the experts' layout and per-record crc32c.
-
-    Every stored weight byte is under one of those checksums, so two containers agree here only if
-    their weights do (for weights that differ by accident, not by construction: crc32c is no defence
-    against a deliberate collision). Published at convert time; containers converted before it existed
-    give the same value computed from their attributes (storage.container attrs "dense"/"experts")."""
-    payload = json.dumps({"dense": attrs.get("dense"), "experts": attrs.get("experts")}, sort_keys=True)
-    return hashlib.sha256(payload.encode()).hexdigest()
 
 
 def _writes(method: Callable[Concatenate[ContainerWriter, P], R]) -> Callable[Concatenate[ContainerWriter, P], R]:

@@ -21,9 +21,20 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T")
+
+
+class ReadScheduler(Protocol):
+    """What the tiered store asks of its reads once queued: this queue, or one per device
+    (storage/spread_reads.py)."""
+
+    def promote(self, future: Future[Any]) -> None: ...
+
+    def cancel(self, future: Future[Any]) -> bool: ...
+
+    def shutdown(self) -> None: ...
 
 
 class _Job:

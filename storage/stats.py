@@ -7,6 +7,40 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 
+@dataclass(frozen=True)
+class DeviceStats:
+    """One device (part directory) of a spread container: what its reads did since the store opened,
+    measured. Kept apart from StoreStats, whose fields are all scalars (the worker wire sends them as a
+    tensor)."""
+
+    device: str  # the part directory
+    reads: int = 0
+    bytes: int = 0
+    busy_s: float = 0.0  # wall time with at least one read of this device in flight
+    service_s: float = 0.0  # summed duration of its reads (across its I/O threads)
+    fallbacks: int = 0  # copies here that failed their checksum or read; served from another copy
+
+    def minus(self, earlier: DeviceStats) -> DeviceStats:
+        return DeviceStats(
+            self.device,
+            self.reads - earlier.reads,
+            self.bytes - earlier.bytes,
+            self.busy_s - earlier.busy_s,
+            self.service_s - earlier.service_s,
+            self.fallbacks - earlier.fallbacks,
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "device": self.device,
+            "reads": self.reads,
+            "bytes_read": self.bytes,
+            "busy_s": round(self.busy_s, 6),
+            "mb_per_s": round(self.bytes / self.busy_s / 1e6, 1) if self.busy_s > 0 else None,
+            "fallbacks": self.fallbacks,
+        }
+
+
 @dataclass
 class StoreStats:
     requests: int = 0  # expert requests (one per routed expert per acquire)

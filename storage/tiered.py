@@ -32,8 +32,9 @@ from storage.device_copy import DeviceCopies
 from storage.errors import BudgetError, CorruptDataError
 from storage.history import UsageHistory
 from storage.policy import POLICIES, POLICY_NAMES, LRUPolicy
-from storage.read_queue import ReadQueue
-from storage.stats import Key, RoutingCounts, StoreStats, TierView
+from storage.read_queue import ReadQueue, ReadScheduler
+from storage.spread_reads import SpreadReads
+from storage.stats import DeviceStats, Key, RoutingCounts, StoreStats, TierView
 from storage.tier import Entry, SlotTier
 from storage.trace import TraceWriter
 
@@ -63,7 +64,7 @@ class StoreConfig:
     # keep the same bytes twice and, under a memory limit, pay page-cache reclaim on every miss
     # (docs/benchmarks.md).
     direct: bool = True
-    threads: int = 4  # disk reader threads: parallel expert reads keep an NVMe queue busy
+    threads: int = 4  # disk reader threads (per device of a spread container): parallel reads keep an NVMe queue busy
     # how many MoE layers ahead the model guesses and prefetches (engine.model's guesses): 2 gives a
     # read a layer more to land while the disk would otherwise idle between layers' misses
     prefetch_layers: int = 2
@@ -138,7 +139,18 @@ class TieredExpertStore:
         self._stats_lock = threading.Lock()
         direct = config.direct and o_direct_refusal(container.expert_path(container.moe_layers[0], 0)) is None
         self._reader = ExpertReader(container, direct=direct)
-        self._reads = ReadQueue(config.threads)  # misses before queued prefetch guesses
+        # A spread container gets one queue per device (storage/spread_reads.py); a whole one the single
+        # queue, read exactly as before. Either serves demand reads before queued prefetch guesses.
+        self._spread: SpreadReads | None = None
+        self._reads: ReadScheduler
+        if container.parts is None:
+            self._queue = ReadQueue(config.threads)
+            self._reads = self._queue
+        else:
+            self._spread = SpreadReads(
+                container, container.parts, config.threads, config.direct, on_read=self._counted_read
+            )
+            self._reads = self._spread
         self.ram = self._make_ram_tier()
         self.vram = self._make_vram_tier()
         self._predicted: dict[int, set[int]] = {}  # prefetch guesses per layer, for recall
@@ -332,12 +344,18 @@ class TieredExpertStore:
 
     def _start_read(self, key: tuple[int, int], entry: Entry, demand: bool = True) -> None:
         slot = self.ram_slot(entry.slot)
-        entry.loading = self._reads.submit(lambda: self._read(key, slot), demand)
+        if self._spread is not None:
+            entry.loading = self._spread.submit(key, slot, demand)
+            return
+        entry.loading = self._queue.submit(lambda: self._read(key, slot), demand)
 
     def _read(self, key: tuple[int, int], slot: np.ndarray) -> None:
         start = time.perf_counter()
         self._reader.read_into(key[0], key[1], slot)
         self._count(io_service_s=time.perf_counter() - start, expert_bytes_read=self.record_bytes, reads=1)
+
+    def _counted_read(self, seconds: float) -> None:
+        self._count(io_service_s=seconds, expert_bytes_read=self.record_bytes, reads=1)
 
     def _wait(self, future: Future[None]) -> None:
         if future.done():
@@ -434,7 +452,15 @@ class TieredExpertStore:
         )
 
     def report(self) -> dict[str, Any]:
-        return {**self.snapshot().as_dict(), "store": "tiered", "direct_io": self._reader.direct}
+        report = {**self.snapshot().as_dict(), "store": "tiered", "direct_io": self._reader.direct}
+        if self._spread is not None:
+            report["direct_io"] = self._spread.direct
+            report["devices"] = [device.as_dict() for device in self.device_stats()]
+        return report
+
+    def device_stats(self) -> tuple[DeviceStats, ...]:
+        """Per device of a spread container, since the store opened (empty for a whole one)."""
+        return () if self._spread is None else self._spread.stats()
 
     def end_turn(self) -> None:
         """Persist the usage history (atomically) and flush the trace after a turn; neither fails the turn on a

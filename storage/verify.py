@@ -6,9 +6,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from storage.buffers import aligned_empty
-from storage.container import Container, ExpertReader, check_plain_name
-from storage.container_write import CONTENT_KEY, content_sha256
+from storage.container import CONTENT_KEY, Container, ExpertReader, check_plain_name, content_sha256
 from storage.errors import StorageError
+from storage.mirror import copy_problems
 
 ModelCheck = Callable[[Container], list[str]]
 
@@ -53,6 +53,9 @@ def _dense_problems(container: Container) -> Iterator[str]:
 
 
 def _expert_problems(container: Container) -> Iterator[str]:
+    if container.parts is not None:  # spread or mirrored: every copy on every device
+        yield from _spread_expert_problems(container)
+        return
     reader = ExpertReader(container)
     buffer = None  # allocated once a chunk file of the layout's record size exists, not from metadata alone
     for layer in container.moe_layers:
@@ -68,6 +71,15 @@ def _expert_problems(container: Container) -> Iterator[str]:
                 reader.read_into(layer, expert, buffer)
             except StorageError as exc:
                 yield str(exc)
+
+
+def _spread_expert_problems(container: Container) -> Iterator[str]:
+    for layer in container.moe_layers:
+        try:
+            container.check_expert_metadata(layer)
+        except StorageError as exc:
+            yield str(exc)
+    yield from copy_problems(container, mirrored_only=False)
 
 
 def _file_problems(container: Container) -> Iterator[str]:

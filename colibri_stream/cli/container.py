@@ -5,11 +5,22 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
+from colibri_stream.cli import container_spread
 from colibri_stream.cli.help import help_options
 from colibri_stream.cli.options import add_target_arguments
 from colibri_stream.convert.converter import Converter, ConvertOptions
-from colibri_stream.planning.geometry import container_problems
+from colibri_stream.convert.hf_source import COPIED_FILES
+from colibri_stream.convert.pull_space import (
+    SKIP_FLAG,
+    Need,
+    check_free_space,
+    complete_container,
+    container_bytes,
+    tree_bytes,
+)
+from colibri_stream.planning.geometry import container_problems, model_geometry
 from storage.safe_read import check_output_dir
 
 CONVERT_EPILOG = """\
@@ -44,6 +55,14 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     convert.add_argument("dst", help="container directory to create (or to resume)")
     add_target_arguments(convert)
     convert.add_argument("--no-progress", action="store_true", help="no progress bar")
+    convert.add_argument(
+        "--spread",
+        metavar="DIR[:WEIGHT],...",
+        help="then spread the expert records over these directories too (as `container spread --to`)",
+    )
+    convert.add_argument(
+        SKIP_FLAG, action="store_true", help="skip the free-space check (the container's size is an estimate)"
+    )
     convert.set_defaults(handler=run_convert)
 
     verify = commands.add_parser(
@@ -54,12 +73,21 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     )
     verify.add_argument("path", help="container directory")
     verify.set_defaults(handler=run_verify)
+    container_spread.add_parser(commands)
 
 
 def run_convert(args: argparse.Namespace) -> int:
     options = ConvertOptions(experts=args.experts, group_size=args.group_size, dense=args.dense)
     check_output_dir(args.dst, "the destination container")
+    if not (args.no_space_check or complete_container(Path(args.dst))):  # `plan`'s size, less what is written
+        side = [(Path(args.src) / name).stat().st_size for name in COPIED_FILES if (Path(args.src) / name).is_file()]
+        estimate = container_bytes(model_geometry(args.src, options), options.quant_group_size, side)
+        check_free_space(
+            [Need(Path(args.dst), max(0, estimate - tree_bytes(Path(args.dst))), "the container, estimated")]
+        )
     report = Converter(args.src, args.dst, options, progress=not args.no_progress).run()
+    if args.spread:  # a step after the conversion, resumable on its own: rerunning convert redoes it
+        report["spread"] = container_spread.spread_container(args.dst, args.spread.split(","))
     print(json.dumps(report))
     return 0
 

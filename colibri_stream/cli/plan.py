@@ -17,7 +17,7 @@ from colibri_stream.cli.options import (
     store_options,
     target_options,
 )
-from colibri_stream.planning.bandwidth import Bandwidth, measure
+from colibri_stream.planning.bandwidth import Bandwidth, DeviceShare, combined_disk_bandwidth, device_shares, measure
 from colibri_stream.planning.budget import parse_size, planned_context, store_config
 from colibri_stream.planning.geometry import model_geometry
 from colibri_stream.planning.placement import check_fits, describe, expected_speed, plan, verdict
@@ -70,7 +70,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run_plan)
 
 
-def bandwidth(args: argparse.Namespace) -> Bandwidth:
+def bandwidth(args: argparse.Namespace, devices: list[DeviceShare] | None = None) -> Bandwidth:
+    if devices and args.disk_bandwidth is None:  # a spread container: its devices read at once
+        memory = parse_size(args.memory_bandwidth, 0, "--memory-bandwidth") if args.memory_bandwidth else None
+        spread = combined_disk_bandwidth(devices)
+        return Bandwidth(memory or measure(args.path).memory_bytes_per_s, spread, f"{len(devices)} devices")
     measured = None
     if args.memory_bandwidth is None or args.disk_bandwidth is None:
         measured = measure(args.path)
@@ -91,12 +95,22 @@ def run_plan(args: argparse.Namespace) -> int:
         options = dataclasses.replace(options, ram=PLAN_RAM)
     context = planned_context(options, geometry.args)
     placement = plan(geometry, store_config(options, geometry, args.dtype), args.dtype, context=context)
-    speed = expected_speed(placement, bandwidth(args))
+    devices = device_shares(args.path)
+    speed = expected_speed(placement, bandwidth(args, devices))
+    per_device = [
+        {**dataclasses.asdict(d), "bytes_per_token_at_zero_hits": d.share * placement.bytes_per_token_at_zero_hits}
+        for d in devices
+    ]
     if args.json:
         result = verdict(placement)
-        report = {**dataclasses.asdict(placement), "speed": dataclasses.asdict(speed)}
+        report = {**dataclasses.asdict(placement), "speed": dataclasses.asdict(speed), "devices": per_device}
         print(json.dumps({**report, "fits": result.fits, "verdict": result.line}))
     else:
+        for d in per_device:
+            print(
+                f"device {d['directory']}: {d['bytes_per_s'] / 1e6:.0f} MB/s random reads, "
+                f"{d['bytes_per_token_at_zero_hits'] / 1e6:.2f} MB per token at 0% hits"
+            )
         print(describe(placement, speed))
     check_fits(placement)
     return 0

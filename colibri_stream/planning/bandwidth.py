@@ -4,22 +4,24 @@
     memory: copy of a 256 MiB numpy array, best of three; 2 x bytes / s (read + write traffic)
     disk:   a 256 MiB temporary file written beside the model, then read back with O_DIRECT where the
             filesystem allows (else buffered after fsync + fadvise DONTNEED); bytes / s
+    spread: per part directory of a spread container, random record-sized O_DIRECT reads
+            (storage.device_probe), combined by each device's share of the reads
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from storage.buffers import aligned_empty
+from storage.container import Container, is_container
+from storage.device_probe import open_for_reads, probe_directory, probe_file
 
 PROBE_BYTES = 256 * 2**20
 CHUNK_BYTES = 8 * 2**20
@@ -48,19 +50,10 @@ def memory_bandwidth(n_bytes: int = PROBE_BYTES) -> float:
 
 def disk_bandwidth(directory: Path) -> tuple[float, str]:
     """Read bandwidth of ``directory``'s filesystem in bytes/s, and how it was read."""
-    with _probe_file(directory) as (path, size):
-        direct = _open_direct(path)
-        if direct is not None:
-            try:
-                return _timed_read(direct, size), "O_DIRECT"
-            except OSError:  # refused at read time: some filesystems accept only the open
-                pass
-            finally:
-                os.close(direct)
-        _drop_cache(path)
-        fd = os.open(path, os.O_RDONLY)
+    with probe_file(directory, PHASE_SECONDS) as (path, size):
+        fd, method = open_for_reads(path)
         try:
-            return _timed_read(fd, size), "buffered"
+            return _timed_read(fd, size), method
         finally:
             os.close(fd)
 
@@ -91,44 +84,6 @@ def _writable_directory(path: Path) -> Path:
     raise OSError(f"no writable directory near {path} to probe the disk")
 
 
-@contextlib.contextmanager
-def _probe_file(directory: Path) -> Iterator[tuple[Path, int]]:
-    """A temporary file of up to PROBE_BYTES (less when the disk is slow), synced to the device."""
-    fd, name = tempfile.mkstemp(prefix=".colibri-probe-", dir=directory)
-    chunk = aligned_empty(CHUNK_BYTES, 4096)
-    chunk[:] = np.random.default_rng(0).integers(0, 255, CHUNK_BYTES, dtype=np.uint8)
-    written, start = 0, time.perf_counter()
-    try:
-        while written < PROBE_BYTES and (time.perf_counter() - start) < PHASE_SECONDS:
-            written += os.write(fd, chunk)  # type: ignore[arg-type]  # numpy: a Buffer only on >= 3.12
-        os.fsync(fd)
-        os.close(fd)
-        yield Path(name), written
-    finally:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-        os.unlink(name)
-
-
-def _open_direct(path: Path) -> int | None:
-    flag = getattr(os, "O_DIRECT", 0)  # reflection: Linux only
-    if not flag:
-        return None
-    try:
-        return os.open(path, os.O_RDONLY | flag)
-    except OSError:
-        return None
-
-
-def _drop_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if hasattr(os, "posix_fadvise"):  # reflection: not on macOS
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def _timed_read(fd: int, size: int) -> float:
     buffer = aligned_empty(CHUNK_BYTES, 4096)
     view = memoryview(buffer)  # type: ignore[arg-type]  # numpy: a Buffer only on >= 3.12
@@ -139,3 +94,46 @@ def _timed_read(fd: int, size: int) -> float:
             break
         done += n
     return done / max(time.perf_counter() - start, 1e-9)
+
+
+@dataclass(frozen=True)
+class DeviceShare:
+    """One device of a spread container: its measured random-read speed and the share of expert reads
+    it serves at 0% hits (records whose primary copy is there; a mirrored record counts for each copy)."""
+
+    directory: str
+    bytes_per_s: float
+    share: float
+
+
+def device_shares(path: str | Path) -> list[DeviceShare]:
+    """Per part directory of a spread container at ``path``; [] for anything else. Each device's speed
+    is measured with random record-sized O_DIRECT reads (storage.device_probe), once per filesystem."""
+    path = Path(path)
+    if not is_container(path):
+        return []
+    container = Container(path)
+    parts = container.parts
+    if parts is None:
+        return []
+    served = [0.0] * len(parts.dirs)
+    for _, where in parts.records():
+        for part in where:
+            served[part] += 1 / len(where)
+    total = sum(served)
+    return [
+        DeviceShare(str(d), _random_read_cached(os.stat(d).st_dev, d, container.layout.record_bytes), s / total)
+        for d, s in zip(parts.dirs, served, strict=True)
+    ]
+
+
+@functools.cache
+def _random_read_cached(device: int, directory: Path, record_bytes: int) -> float:
+    del device  # the cache key: one probe per filesystem
+    return probe_directory(directory, record_bytes).bytes_per_s
+
+
+def combined_disk_bandwidth(shares: list[DeviceShare]) -> float:
+    """Bytes/s the devices deliver together when each serves its share: the sum of their speeds when the
+    shares match the speeds, less when one device has more than its share (decode waits for it)."""
+    return min(d.bytes_per_s / d.share for d in shares if d.share > 0)

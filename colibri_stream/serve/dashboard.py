@@ -84,6 +84,8 @@ class Dashboard:
             "heat": store.routed.table(),
             "heat_layers": list(layers),
             "resident": residency_json(tiers, layers),
+            # a spread container's devices since the store opened (reads, bytes, busy s, MB/s, fallbacks)
+            "devices": store.report().get("devices", []),
         }
 
 

@@ -90,6 +90,25 @@ function drawIo(stats) {
   setText("hit-recent", percent(io.hit_rate));
   setText("hit-total", percent(stats.experts.hit_rate));
   setText("requests", String(stats.experts.requests));
+  drawDevices(stats.devices ?? []);
+}
+
+// Per device of a spread container (empty, and hidden, for a whole one).
+function drawDevices(devices) {
+  $("devices-table").hidden = devices.length === 0;
+  const body = $("devices");
+  body.replaceChildren();
+  for (const d of devices) {
+    const row = document.createElement("tr");
+    const cells = [d.device, d.reads, formatBytes(d.bytes_read), number(d.busy_s, 2),
+      d.mb_per_s === null ? "–" : number(d.mb_per_s, 0), d.fallbacks];
+    for (const value of cells) {
+      const td = document.createElement("td");
+      td.textContent = String(value);
+      row.append(td);
+    }
+    body.append(row);
+  }
 }
 
 // ------------------------------------------------------------------------------------- heat map
