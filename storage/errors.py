@@ -34,10 +34,18 @@ class DiskFullError(StorageError):
 
 
 class DiskWriteError(StorageError):
-    """A write the device failed (EIO); the message names the path."""
+    """A write, cut or fsync the device or its filesystem failed (EIO; EROFS once the filesystem has gone
+    read-only, as ext4 does after a failed journal write; EFBIG past its largest file); the message names
+    the path."""
 
 
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+# What each device-side errno means to the user: the write did not reach the disk, and why.
+DEVICE_ERRNOS = {
+    errno.EIO: "EIO: the device failed the write",
+    errno.EROFS: "EROFS: the filesystem is read-only, e.g. remounted so after a device error",
+    errno.EFBIG: "EFBIG: past the largest file this filesystem holds",
+}
 
 
 def free_bytes(path: str | Path) -> int | None:
@@ -55,13 +63,14 @@ def free_bytes(path: str | Path) -> int | None:
 
 def disk_error(path: str | Path, exc: OSError, what: str) -> StorageError | None:
     """The typed error for writing ``what`` at ``path`` when it failed with ``exc``: DiskFullError for a
-    full disk or quota, DiskWriteError for a device error; None for anything else (a bug or a bad path)."""
+    full disk or quota, DiskWriteError for a device or read-only filesystem; None for anything else (a bug
+    or a bad path)."""
     if exc.errno in DISK_FULL_ERRNOS:
         free = free_bytes(path)
         left = "unknown" if free is None else f"{free:,} bytes"
         return DiskFullError(f"{path}: no space left writing {what} ({left} free there)")
-    if exc.errno == errno.EIO:
-        return DiskWriteError(f"{path}: I/O error writing {what} (EIO: the device failed the write)")
+    if exc.errno in DEVICE_ERRNOS:
+        return DiskWriteError(f"{path}: I/O error writing {what} ({DEVICE_ERRNOS[exc.errno]})")
     return None
 
 
@@ -75,3 +84,15 @@ def write_errors(path: str | Path, what: str) -> Iterator[None]:
         if typed is None:
             raise
         raise typed from exc
+
+
+@contextmanager
+def read_errors(path: str | Path, what: str) -> Iterator[None]:
+    """Turn a device's read error (EIO) inside the block into a CorruptDataError naming the path, as a
+    short read is; other OSErrors pass."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno != errno.EIO:
+            raise
+        raise CorruptDataError(f"{path}: I/O error reading {what} (EIO: the device failed the read)") from exc

@@ -46,7 +46,7 @@ from typing import Any, ClassVar, Self
 import numpy as np
 
 from storage.checksum import crc32c
-from storage.errors import CorruptDataError, FormatError, IncompatibleStateError, write_errors
+from storage.errors import CorruptDataError, FormatError, IncompatibleStateError, read_errors, write_errors
 from storage.kvgeometry import (  # the geometries are re-exported: storage.kvlog is where callers find them
     GEOMETRY_OF_VERSION as GEOMETRY_OF_VERSION,
 )
@@ -129,7 +129,10 @@ def read_header(path: str | Path) -> tuple[str, AnyGeometry]:
 def read_header_state(path: str | Path) -> tuple[str, AnyGeometry, dict[str, str]]:
     """(fingerprint, geometry, state) from a KV log's header, without locking or scanning it."""
     path = Path(path)
-    with os.fdopen(open_regular(path, "KV log", follow_symlinks=False), "rb") as f:
+    with (
+        os.fdopen(open_regular(path, "KV log", follow_symlinks=False), "rb") as f,
+        read_errors(path, "the KV log header"),
+    ):
         header = decode_header(f.read(HEADER_BYTES), path)
     geometry = log_geometry_of_header(header, path)
     state = header.get("state")
@@ -298,7 +301,8 @@ class LockedLog(ABC):
             os.close(self._fd)
             raise IncompatibleStateError(f"{self.path}: session is in use by another process") from None
         try:
-            self.recovered_from_bytes = self._open_or_create()
+            with read_errors(self.path, "the KV log"):  # a device failing reads: typed, like a short read
+                self.recovered_from_bytes = self._open_or_create()
         except BaseException:
             self.close()
             raise
@@ -315,8 +319,10 @@ class LockedLog(ABC):
         self._check_header(decode_header(os.pread(self._fd, HEADER_BYTES, 0), self.path))
         valid_end = self._recover(size)
         if size != valid_end:  # cut the torn or corrupted tail so appends continue a valid file
-            os.ftruncate(self._fd, valid_end)
-            os.fsync(self._fd)
+            # A device that fails the cut fails the open: the valid prefix stays as it was, the tail unused.
+            with write_errors(self.path, "the KV log's recovery cut (dropping its torn tail)"):
+                os.ftruncate(self._fd, valid_end)
+                os.fsync(self._fd)
         return size
 
     @abstractmethod
@@ -329,7 +335,8 @@ class LockedLog(ABC):
         that prefix ends (the rest is cut)."""
 
     def sync(self) -> None:
-        os.fsync(self._fd)
+        with write_errors(self.path, "the KV log (fsync)"):
+            os.fsync(self._fd)
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -432,6 +439,10 @@ class KVLog(LockedLog):
 
     def _read_records(self, start: int, count: int) -> np.ndarray:
         """Records start..start+count as uint8 [count, record_bytes], read in chunks into one array."""
+        with read_errors(self.path, f"KV log records {start}..{start + count - 1}"):
+            return self._read_records_unchecked(start, count)
+
+    def _read_records_unchecked(self, start: int, count: int) -> np.ndarray:
         size = self.geometry.record_bytes
         out = np.empty((count, size), dtype=np.uint8)
         flat = memoryview(out.reshape(-1))  # type: ignore[arg-type]  # numpy: ndarray is a Buffer only on >= 3.12
@@ -496,9 +507,25 @@ class KVLog(LockedLog):
             os.fsync(self._fd)
 
     def truncate(self, length: int) -> None:
-        """Forget records from ``length`` on (the conversation diverged there)."""
+        """Forget records from ``length`` on (the conversation diverged there). A device that fails the cut
+        raises DiskWriteError (DiskFullError) naming the file; the log then holds the records the file
+        still has, from ``length`` to its old length, each a whole valid record of the old conversation
+        (a reopen's scan sees the same: the next turn matches them by token id like any other)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a log of {self.length} records to {length}")
-        os.ftruncate(self._fd, HEADER_BYTES + length * self.geometry.record_bytes)
-        os.fsync(self._fd)
+        try:
+            with write_errors(self.path, f"a cut-back of the KV log to record {length}"):
+                os.ftruncate(self._fd, HEADER_BYTES + length * self.geometry.record_bytes)
+                os.fsync(self._fd)
+        except BaseException:
+            self.length = min(self.length, self._records_in_file())
+            raise
         self.length = length
+
+    def _records_in_file(self) -> int:
+        """Whole records the file holds now (all valid: only ever written whole, then fsynced)."""
+        try:
+            size = os.fstat(self._fd).st_size
+        except OSError:
+            return self.length
+        return max(0, size - HEADER_BYTES) // self.geometry.record_bytes

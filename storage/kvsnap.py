@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from storage.checksum import crc32c
-from storage.errors import CorruptDataError, write_errors
+from storage.errors import CorruptDataError, read_errors, write_errors
 from storage.kvgeometry import FRAME_HEADER, LeanGeometry
 from storage.kvlog import CHUNK_BYTES, HEADER_BYTES, LockedLog, _cut_back, _pwrite_all
 from storage.safe_read import open_regular
@@ -162,7 +162,8 @@ class LeanLog(LockedLog):
     def _read(self, frame: Frame) -> np.ndarray:
         size = frame.end - _CRC_BYTES - frame.offset - FRAME_HEADER.size
         out = np.empty(size, dtype=np.uint8)
-        got = os.preadv(self._fd, [memoryview(out)], frame.offset + FRAME_HEADER.size)  # type: ignore[arg-type]
+        with read_errors(self.path, f"the KV log frame at byte {frame.offset}"):
+            got = os.preadv(self._fd, [memoryview(out)], frame.offset + FRAME_HEADER.size)  # type: ignore[arg-type]
         if got != size:
             raise CorruptDataError(f"{self.path}: short read of the frame at byte {frame.offset}")
         return out
@@ -334,8 +335,11 @@ class LeanLog(LockedLog):
         while self._frames and not (self._frames[-1].tag == SNAPSHOT and self._frames[-1].position == position):
             self._forget_last_frame()
         end = self._frames[-1].end if self._frames else HEADER_BYTES
-        os.ftruncate(self._fd, end)
-        os.fsync(self._fd)
+        # A device that fails the cut: the frames past ``end`` stay in the file, whole and valid (a reopen
+        # restores from them, matched by token id), and this log, cut in memory, writes over them next.
+        with write_errors(self.path, f"a cut-back of the KV log to position {position}"):
+            os.ftruncate(self._fd, end)
+            os.fsync(self._fd)
 
     def _cut_to_bookmark(self) -> None:
         """End the log at its bookmark b: the positions frame holding b cut there, the bookmark's state
@@ -352,10 +356,14 @@ class LeanLog(LockedLog):
             data, tokens = self._positions_prefix(frame, b - frame.position)
         offset = frame.offset if cut else frame.end
         data += _frame_bytes(SNAPSHOT, b, 0, payload)
-        with write_errors(self.path, "a cut-back of the KV log"):
-            _pwrite_all(self._fd, data, offset)
-            os.ftruncate(self._fd, offset + len(data))
-            os.fsync(self._fd)
+        try:
+            with write_errors(self.path, f"a cut-back of the KV log to position {b}"):
+                _pwrite_all(self._fd, data, offset)
+                os.ftruncate(self._fd, offset + len(data))
+                os.fsync(self._fd)
+        except BaseException:  # the frame holding b may be half rewritten: index what the file holds now
+            self._rescan()
+            raise
         while len(self._frames) > index + (0 if cut else 1):
             self._forget_last_frame()
         snapshot_at = offset + len(data) - (FRAME_HEADER.size + len(payload) + _CRC_BYTES)
@@ -363,6 +371,14 @@ class LeanLog(LockedLog):
             self._index(Frame(POSITIONS, frame.position, b - frame.position, offset, snapshot_at))
             self._tokens.frombytes(tokens)
         self._index(Frame(SNAPSHOT, b, 0, snapshot_at, offset + len(data)))
+
+    def _rescan(self) -> None:
+        """Index the file's valid frames again after a failed write (what a reopen would restore); if even
+        reading fails, the log holds nothing (the next open scans the file)."""
+        try:
+            self._recover(os.fstat(self._fd).st_size)
+        except OSError:
+            self._start_empty()
 
     def _positions_prefix(self, frame: Frame, count: int) -> tuple[bytes, bytes]:
         """(the frame of ``frame``'s first ``count`` positions, their token bytes)."""
@@ -380,7 +396,8 @@ def count_positions(path: str | os.PathLike[str], geometry: LeanGeometry) -> tup
     """(positions, snapshots) of a lean log's frames in sequence, read from their headers only (no lock,
     no checksums: `kv ls`'s count; the next open checks them)."""
     positions, snapshots, offset = 0, 0, HEADER_BYTES
-    with os.fdopen(open_regular(Path(path), "KV log", follow_symlinks=False), "rb") as f:
+    opened = os.fdopen(open_regular(Path(path), "KV log", follow_symlinks=False), "rb")
+    with opened as f, read_errors(Path(path), "the KV log's frame headers"):
         size = os.fstat(f.fileno()).st_size
         while offset + FRAME_HEADER.size <= size:
             tag, zero, position, count = FRAME_HEADER.unpack(os.pread(f.fileno(), FRAME_HEADER.size, offset))

@@ -50,10 +50,18 @@ def check_regular_mode(path: Path, mode: int, what: str) -> None:
         raise NotRegularFileError(f"{path}: {what} is {file_kind(mode)}, not a regular file")
 
 
+def check_no_nul(path: Path, what: str) -> None:
+    """A path read from a file (a budget's history, an index's shard name) may hold a NUL byte, which no
+    file name can: refused in one line (the OS calls would raise ValueError)."""
+    if "\0" in str(path):
+        raise FormatError(f"{str(path)!r}: {what} cannot be there: the path holds a NUL byte")
+
+
 def open_regular(path: str | Path, what: str, flags: int = os.O_RDONLY, *, follow_symlinks: bool = True) -> int:
     """A file descriptor on the regular file at ``path``; the caller closes it. With ``follow_symlinks``
     False a symbolic link there is refused, not followed (a state file that must stay in its directory)."""
     path = Path(path)
+    check_no_nul(path, what)
     status = os.stat(path) if follow_symlinks else os.lstat(path)
     check_regular_mode(path, status.st_mode, what)  # before open: a FIFO would block it
     fd = _open_nonblocking(path, what, flags | (0 if follow_symlinks else os.O_NOFOLLOW))
@@ -126,6 +134,7 @@ def check_output_path(path: str | Path, what: str) -> None:
     """Before anything is computed for it: ``path`` is a regular file (overwritten) or does not exist yet
     in an existing directory. Checked up front so a run does not end, after its work, on a bad path."""
     path = Path(path)
+    check_no_nul(path, what)
     try:
         status = os.stat(path)
     except FileNotFoundError:
@@ -135,6 +144,8 @@ def check_output_path(path: str | Path, what: str) -> None:
         return
     except NotADirectoryError:
         raise OutputPathError(f"{path}: cannot write {what}: a parent of it is a file, not a directory") from None
+    except OSError as exc:  # ELOOP (a link loop), EACCES, ...
+        raise OutputPathError(f"{path}: cannot write {what} ({exc.strerror})") from None
     check_regular_mode(path, status.st_mode, what)
 
 
@@ -160,13 +171,20 @@ def check_output_dir(path: str | Path, what: str) -> None:
     """``path`` is a directory, or can be made one: it does not exist and its nearest existing ancestor
     is a directory. A file (or FIFO, device) in the way is one OutputPathError naming it, before any work."""
     path = Path(path)
+    check_no_nul(path, what)
     for ancestor in (path, *path.absolute().parents):
+        where = "it" if ancestor == path else str(ancestor)
         try:
             mode = os.stat(ancestor).st_mode
         except (FileNotFoundError, NotADirectoryError):
+            if os.path.lexists(ancestor):  # a dangling symbolic link: making the directory would fail on it
+                raise OutputPathError(
+                    f"{path}: {what} must be a directory, and {where} is a broken symbolic link"
+                ) from None
             continue
+        except OSError as exc:  # ELOOP (a link loop), EACCES, ...
+            raise OutputPathError(f"{path}: {what} cannot be used as a directory ({exc.strerror})") from None
         if not stat.S_ISDIR(mode):
             kind = "a file" if stat.S_ISREG(mode) else file_kind(mode)
-            where = "it" if ancestor == path else str(ancestor)
             raise OutputPathError(f"{path}: {what} must be a directory, and {where} is {kind}")
         return

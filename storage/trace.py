@@ -62,16 +62,14 @@ class TraceWriter:
 
     @contextmanager
     def _stopping_on_disk_errors(self) -> Iterator[None]:
-        """A trace is a diagnostic: a full disk (or a device error) under it stops tracing with one warning
-        and the run goes on; the file keeps the lines written before (the last may be torn)."""
+        """A trace is a diagnostic: a full disk, a device error or a file that refuses lines stops tracing
+        with one warning and the run goes on; the file keeps the lines written before (the last may be torn)."""
         try:
             yield
-        except OSError as exc:
+        except OSError as exc:  # a full or failing disk, or a file that takes no lines (/proc, EINVAL)
             error = disk_error(self.path, exc, "the routing trace")
-            if error is None:
-                raise
-            self.stopped = str(error)
-            logger.warning("%s; tracing stopped, the run goes on", error)
+            self.stopped = str(error or f"{self.path}: cannot write the routing trace ({exc.strerror})")
+            logger.warning("%s; tracing stopped, the run goes on", self.stopped)
             self.pending.clear()
             with suppress(OSError):  # the buffered tail cannot be written either
                 self._file.close()
