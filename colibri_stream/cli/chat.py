@@ -16,7 +16,13 @@ import threading
 from typing import Any
 
 from colibri_stream.cli.help import help_options
-from colibri_stream.cli.options import add_runtime_arguments, add_sampling_arguments, runtime_options, sampling
+from colibri_stream.cli.options import (
+    add_runtime_arguments,
+    add_sampling_arguments,
+    runtime_options,
+    sampling,
+    session_wait,
+)
 from colibri_stream.runtime.session_lock import SessionLease
 from colibri_stream.runtime.sessions import SESSION_SUFFIX, TRANSCRIPT_SUFFIX, check_session_name, session_info
 from colibri_stream.runtime.transcript import load_transcript, remove_transcript
@@ -34,6 +40,7 @@ commands at the prompt: :reset (forget the conversation), :stats (session and st
 :quit (or Ctrl-D). Ctrl-C stops the answer being written; the conversation keeps what was said.
 after each answer one line on stderr: decode tok/s, time to first token, expert hit rate, MB read
 from disk per token, and how many tokens were reused from the session instead of prefilled.
+another process's session is refused naming its pid; --wait-session waits for it to end instead.
 exit status: 0 on :quit or end of input, 1 on a user error (bad path, budget, session in use),
 2 on bad flags, 130 on Ctrl-C at the prompt."""
 
@@ -155,7 +162,7 @@ def run_chat(args: argparse.Namespace) -> int:
     try:
         # Held before the transcript is read, until exit: another process on this session would write
         # its turns over ours (its transcript and log replacing what we acknowledged), so it is refused.
-        with SessionLease(runtime.kv_dir, args.session):
+        with SessionLease(runtime.kv_dir, args.session, session_wait(args, "chat")):
             chat = Chat(runtime, args)
             interactive = sys.stdin.isatty()
             state = f"resumed, {len(chat.messages)} messages" if chat.messages else "new"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 
 from colibri_stream.checkpoint.dtypes import COMPUTE_DTYPES
 from colibri_stream.errors import BudgetError, RequestError
@@ -21,6 +22,7 @@ from colibri_stream.planning.geometry import (
     ContainerTarget,
 )
 from colibri_stream.runtime.generate import SamplingParams
+from colibri_stream.runtime.session_lock import SessionWait
 from colibri_stream.runtime.turn import RuntimeOptions
 from storage.kvlog import RECORD_DTYPES
 from storage.policy import POLICY_NAMES
@@ -182,7 +184,10 @@ def add_store_arguments(parser: argparse.ArgumentParser, ram_default: str | int 
         help=f"read experts through the page cache{_if_default(not DEFAULTS.direct)}",
     )
     group.add_argument(
-        "--io-threads", type=io_threads, help=f"disk reader threads, 1..{MAX_IO_THREADS} (default {DEFAULTS.threads})"
+        "--io-threads",
+        type=io_threads,
+        help=f"disk reader threads (per device of a spread container), 1..{MAX_IO_THREADS} "
+        f"(default {DEFAULTS.threads})",
     )
     group.add_argument("--history", help="usage-history file (learned hot store), updated after every turn")
     group.add_argument("--trace", help="write the routing trace (one JSON line per MoE acquire) to this file")
@@ -239,7 +244,27 @@ def add_session_arguments(parser: argparse.ArgumentParser) -> argparse._Argument
         metavar="N",
         help="also append + fsync the KV log every N generated tokens (default 0: once, at the end of the turn)",
     )
+    sessions.add_argument(
+        "--wait-session",
+        nargs="?",
+        type=positive_seconds,
+        const=math.inf,
+        metavar="SECONDS",
+        help="when another process holds the session, wait for it to end (for ever, or at most "
+        "--wait-session=SECONDS) instead of refusing with the holder's pid",
+    )
     return sessions
+
+
+def session_wait(args: argparse.Namespace, command: str) -> SessionWait:
+    """--wait-session as a SessionWait that prints once, on stderr, whom it waits for."""
+    seconds = args.wait_session
+    if seconds is None:
+        return SessionWait()
+    return SessionWait(
+        None if math.isinf(seconds) else seconds,
+        lambda line: print(f"colibri-stream {command}: {line}", file=sys.stderr, flush=True),
+    )
 
 
 def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
@@ -340,12 +365,21 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         type=positive_seconds,
         default=DEFAULT_TIMEOUT_S,
         metavar="S",
-        help=f"a worker silent for S seconds on a request is an error naming it (default {DEFAULT_TIMEOUT_S:g})",
+        help="a worker silent for S seconds on a request is lost: its experts are served by the coordinator "
+        f"(or a replica) until it is started again and rejoins (default {DEFAULT_TIMEOUT_S:g})",
     )
     group.add_argument(
         "--expert-map",
         help='JSON {"1": [expert ids], "2": [...]}: which worker holds which experts in every MoE layer '
         "(default: by the workers' RAM budgets and measured disk speeds)",
+    )
+    group.add_argument(
+        "--replicas",
+        type=int,
+        default=0,
+        metavar="N",
+        help="hold the N hottest experts of each layer (by the --history usage history) on two workers: a lost "
+        "worker costs no disk reads for them, and each request goes to the less-loaded holder (default 0)",
     )
 
 
@@ -358,6 +392,7 @@ def cluster_options(args: argparse.Namespace) -> ClusterOptions:
         local_workers=args.local_workers,
         timeout_s=args.worker_timeout,
         expert_map=args.expert_map,
+        replicas=args.replicas,
     )
 
 

@@ -13,7 +13,10 @@ from colibri_stream.cli.options import (
     parse_ids,
     runtime_options,
     sampling,
+    session_wait,
 )
+from colibri_stream.runtime.session_lock import SessionLease
+from colibri_stream.runtime.sessions import check_session_name
 from colibri_stream.runtime.turn import TurnOptions, load_runtime, run_turn
 
 RUN_EPILOG = """\
@@ -22,6 +25,7 @@ examples:
   colibri-stream run MODEL --prompt "Hello" --temperature 0.7 --seed 1  # text (needs tokenizer.json)
   colibri-stream run MODEL.cstream --prompt "Hi" --budget budgets/laptop-32g.toml --dtype bfloat16
   colibri-stream run MODEL.cstream --ids 1,2,3 --session notes           # continue a stored conversation
+  colibri-stream run MODEL --ids 4,5 --session notes --wait-session=60   # wait while another process has it
 exit status: 0 on success, 1 on a user error (bad path, config, budget, session), 2 on bad flags."""
 
 
@@ -60,8 +64,13 @@ def note_context_cut(context: int, prompt_tokens: int, max_new_tokens: int) -> N
 
 def run(args: argparse.Namespace) -> int:
     params = sampling(args)
+    if args.session is not None:
+        check_session_name(args.session)  # before the (slow) model load
     runtime = load_runtime(args.path, runtime_options(args, text=args.prompt is not None))
+    lease = None
     try:
+        if args.session is not None and args.wait_session is not None:  # the turn's own lock shares this one
+            lease = SessionLease(runtime.kv_dir, args.session, session_wait(args, "run"))
         tokenizer = runtime.tokenizer
         prompt_ids = tokenizer.encode(args.prompt).ids if tokenizer is not None else args.ids
         note_context_cut(runtime.context_size, len(prompt_ids), args.max_new_tokens)
@@ -73,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
         )
         result = run_turn(runtime, prompt_ids, options)
     finally:
+        if lease is not None:
+            lease.release()
         runtime.close()
     stats = result.stats
     if args.json:

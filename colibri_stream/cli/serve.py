@@ -8,7 +8,7 @@ import ipaddress
 import sys
 
 from colibri_stream.cli.help import help_options
-from colibri_stream.cli.options import add_runtime_arguments, positive_int, runtime_options
+from colibri_stream.cli.options import add_runtime_arguments, positive_int, runtime_options, session_wait
 from colibri_stream.errors import ColibriError
 
 DEFAULT_MAX_CONNECTIONS = 64  # serve/ needs FastAPI and uvicorn (an extra): imported only when serving
@@ -125,6 +125,7 @@ def run_serve(args: argparse.Namespace) -> int:
             keys,
             strict_model_name=args.strict_model_name,
             aliases=args.alias,
+            session_wait=session_wait(args, "serve"),
         )
         server.check_chat_template()  # a broken template stops the start, not every chat request
         if not _is_loopback(args.host) and not keys.enabled:

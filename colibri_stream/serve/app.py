@@ -15,7 +15,9 @@ model's id and its ``aliases`` (which /v1/models lists). Logprobs and ``echo``: 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -30,6 +32,7 @@ from starlette.exceptions import HTTPException
 from colibri_stream.errors import ChatTemplateError, ColibriError, SessionError
 from colibri_stream.runtime.generate import SamplingParams
 from colibri_stream.runtime.sampling import TokenLogprob
+from colibri_stream.runtime.session_lock import REFUSE, SessionLease, SessionWait
 from colibri_stream.runtime.sessions import check_session_name
 from colibri_stream.runtime.turn import Runtime, TurnResult
 from colibri_stream.serve.answers import answer_events, collect, tool_parser
@@ -38,12 +41,13 @@ from colibri_stream.serve.auth import ApiKeys
 from colibri_stream.serve.dashboard import add_dashboard_routes
 from colibri_stream.serve.intake import parse_request, read_body
 from colibri_stream.serve.logprobs import ChatShape, CompletionShape, TokenTexts, chat_logprobs, joined
-from colibri_stream.serve.model_thread import Admission, Job, ModelThread
+from colibri_stream.serve.model_thread import Admission, Job, ModelThread, api_error
 from colibri_stream.serve.schemas import ApiError, ChatRequest, CompletionRequest
 from colibri_stream.text.chat_format import PromptTooLong
 from colibri_stream.text.tool_calls import ToolCall, ToolCallParser
 
 PROMPT_THREADS = 2  # parsing and tokenising requests; more would only contend for the same cores
+SESSION_WAIT_THREADS = 16  # requests waiting (--wait-session) for a session another process holds; more queue
 SAMPLE_CONVERSATION = [{"role": "user", "content": "Hello"}]  # rendered at start-up to try the template
 T = TypeVar("T")
 
@@ -61,6 +65,7 @@ class Server:
         api_keys: ApiKeys | None = None,
         strict_model_name: bool = False,
         aliases: Sequence[str] = (),
+        session_wait: SessionWait = REFUSE,
     ):
         if slots < 1 or max_queue < 0:
             raise ColibriError(f"--slots must be >= 1 and --max-queue >= 0, got {slots} and {max_queue}")
@@ -73,6 +78,11 @@ class Server:
         self.cpu = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="colibri-prompt")
         self.strict_model_name = strict_model_name
         self.names = list(dict.fromkeys([runtime.model_id, *aliases]))  # the id first, no repeats
+        # --wait-session: a request whose session another process holds waits for it in a thread of its own
+        # (before taking a slot), then holds it until the request is done
+        self.stopping = threading.Event()  # set at shutdown: ends every wait for a session
+        self.session_wait = dataclasses.replace(session_wait, stop=self.stopping)
+        self.waiters = ThreadPoolExecutor(SESSION_WAIT_THREADS, thread_name_prefix="colibri-session-wait")
 
     def check_chat_template(self) -> None:
         """Render and encode a one-message conversation: a template that cannot is the model's
@@ -210,18 +220,38 @@ class Server:
         prompt_logprobs: int | None = None,
     ) -> Job:
         assert self.admission is not None
+        lease = await self.wait_for_session(session)
         try:
             await self.admission.acquire()
-        except ApiError:
-            self.model_thread.counters.rejected += 1
+        except BaseException as exc:  # refused (503), or the client left while queued: the lease goes back
+            if isinstance(exc, ApiError):
+                self.model_thread.counters.rejected += 1
+            if lease is not None:
+                lease.release()
             raise
         sampling = SamplingParams(body.temperature, body.top_p, body.seed)
+        release = self.admission.release
         job = Job(
-            prompt, limit, sampling, session, body.stop_strings(), asyncio.get_running_loop(), self.admission.release
+            prompt, limit, sampling, session, body.stop_strings(), asyncio.get_running_loop(), _then(lease, release)
         )
         job.owner, job.logprobs, job.prompt_logprobs = owner, logprobs, prompt_logprobs
         self.model_thread.jobs.put(job)
         return job
+
+    async def wait_for_session(self, session: str | None) -> SessionLease | None:
+        """With --wait-session, the session's lease once no other process holds it (409 if the wait runs
+        out); None without the flag (the model thread's turn takes the lock, or answers 409)."""
+        if session is None or self.session_wait.seconds == 0:
+            return None
+        loop = asyncio.get_running_loop()
+        waiting = loop.run_in_executor(self.waiters, SessionLease, self.runtime.kv_dir, session, self.session_wait)
+        try:
+            return await asyncio.shield(waiting)
+        except ColibriError as exc:  # still in use after the wait, or a lock file that cannot be used
+            raise api_error(exc) from None
+        except asyncio.CancelledError:  # the client left: a lease the thread still gets is given back
+            waiting.add_done_callback(_release_unused)
+            raise
 
     def status(self) -> dict[str, Any]:
         admission = self.admission
@@ -236,6 +266,24 @@ class Server:
             "sessions_in_memory": len(self.model_thread.pool),
             **vars(self.model_thread.counters),
         }
+
+
+def _release_unused(waiting: asyncio.Future[SessionLease]) -> None:
+    """A lease whose request was cancelled while it waited: released once the wait ends with one."""
+    if not waiting.cancelled() and waiting.exception() is None:
+        waiting.result().release()
+
+
+def _then(lease: SessionLease | None, release: Callable[[], None]) -> Callable[[], None]:
+    """A job's on_done: the session lease it waited for (if any) given back, then its slot."""
+    if lease is None:
+        return release
+
+    def done() -> None:
+        lease.release()
+        release()
+
+    return done
 
 
 def now() -> int:
@@ -347,8 +395,10 @@ def create_app(server: Server) -> FastAPI:
         server.admission = Admission(server.slots, server.max_queue)
         server.model_thread.start()
         yield
+        server.stopping.set()  # requests still waiting for a session (--wait-session) give up now
         server.model_thread.stop()
         server.cpu.shutdown(wait=False, cancel_futures=True)
+        server.waiters.shutdown(wait=False, cancel_futures=True)
 
     async def parse_body(request: Request, schema: type[ChatRequest] | type[CompletionRequest]):
         return await server.off_loop(parse_request, await read_body(request), schema, schema.unimplemented)

@@ -8,6 +8,7 @@ session made under the default flags and the fresh default run are made once for
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import shutil
@@ -50,10 +51,50 @@ EXACT = {
     "--trace": ["--trace", "{tmp}/trace.jsonl"],
     "--kv-sync-every": ["--kv-sync-every", "1"],
     "--temperature": ["--temperature", "0.8", "--seed", "3"],
+    "--top-p": ["--temperature", "0.8", "--seed", "3", "--top-p", "0.5"],
+    "--context": ["--context", "64"],
+    "--no-prefix-cache": ["--no-prefix-cache"],
+    "--prefix-cache": ["--prefix-cache", "--prefix-ram", "1MiB", "--prefix-disk", "0"],
+    "--wait-session": ["--wait-session", "5"],
     "--local-workers": ["--local-workers", "1"],
+    "--worker-timeout": ["--local-workers", "1", "--worker-timeout", "30"],
 }
-MADE_WITH = {"--kv-sync-every", "--history", "--no-preload", "--direct", "--local-workers"}
-DRAWS_OTHER_TOKENS = {"--temperature"}  # compared with a fresh run under the flag, the rest with the default run
+MADE_WITH = {"--kv-sync-every", "--history", "--no-preload", "--direct", "--local-workers", "--no-prefix-cache"}
+DRAWS_OTHER_TOKENS = {"--temperature", "--top-p"}  # compared with a fresh run under the flag, the rest with the default
+# What is not changed between the two runs here, and why: what the turn is, which session, or the wiring
+# of a cluster across machines (tests/test_cluster checks its tokens against one process).
+NOT_RUNTIME = {
+    "--help": "no run",
+    "-h": "no run",
+    "--ids": "the prompt itself",
+    "--prompt": "the prompt itself (text: needs a tokenizer)",
+    "--max-new-tokens": "how many tokens, not which",
+    "--json": "output format",
+    "--seed": "with --temperature above",
+    "--session": "which session",
+    "--kv-dir": "which session",
+    "--reset": "starts the session over",
+    "--budget": "a file of --ram/--vram/--io-threads/--context values, each changed above",
+    "--prefix-ram": "with --prefix-cache above",
+    "--prefix-disk": "with --prefix-cache above",
+    "--vram-device": "with --vram above",
+    "--prefetch": "--no-prefetch above",
+    "--preload": "--no-preload above",
+    "--world-size": "a multi-machine cluster (tests/test_cluster)",
+    "--master-addr": "a multi-machine cluster (tests/test_cluster)",
+    "--master-port": "a multi-machine cluster (tests/test_cluster)",
+    "--expert-map": "which worker computes an expert (tests/test_cluster)",
+    "--replicas": "which worker computes an expert (tests/test_cluster)",
+}
+
+
+def test_every_run_flag_is_changed_here_or_says_why_not():
+    """A flag added to `run` later must be added to REFUSED or EXACT (or NOT_RUNTIME, with its reason)."""
+    parser = cli.build_parser()
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    flags = {flag for action in commands.choices["run"]._actions for flag in action.option_strings}
+    classified = set(REFUSED) | set(NOT_RUNTIME) | {part for parts in EXACT.values() for part in parts}
+    assert sorted(flags - classified) == []
 
 
 @dataclass(frozen=True)
@@ -119,8 +160,8 @@ def test_a_flag_that_changes_a_stored_value_is_refused_naming_it(
     assert log.read_bytes() == before  # nothing written, nothing cut
 
 
-# --local-workers starts a worker process (a torch import) for the run that makes the session
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if "workers" in n else n for n in EXACT])
+# --local-workers (--worker-timeout with it) starts a worker process (a torch import): marked slow
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if "worker" in n else n for n in EXACT])
 def test_a_flag_that_changes_no_stored_value_resumes_exactly(stream_container, plain, tmp_path, name):
     changed = flags(EXACT, name, tmp_path)
     first_flags, second_flags = (changed, []) if name in MADE_WITH else ([], changed)
