@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -33,6 +34,7 @@ def main() -> int:
     parser.add_argument("--no-confirm", action="store_true", help="skip the fresh-interpreter rerun of findings")
     parser.add_argument("--keep", action="store_true", help="keep the run's work directory")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill still stops the worker child (finally)
     root = Path(tempfile.mkdtemp(prefix="colibri-fuzz-"))
     print(f"seed {args.seed}; work directory {root}", flush=True)
     fuzzer = open_run(root)
@@ -50,6 +52,9 @@ def main() -> int:
             round_ += 1
             print(f"round {round_}: {sum(sum(c.values()) for c in fuzzer.report.counts.values())} cases, "
                   f"{len(fuzzer.report.bad())} distinct BAD", flush=True)  # fmt: skip
+    except BaseException:
+        fuzzer.worker.stop()  # with its process group: a case's own processes too
+        raise
     finally:
         if served is not None:
             served.stop()

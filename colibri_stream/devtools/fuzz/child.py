@@ -46,12 +46,19 @@ _PATH_EVENTS = frozenset(
 )
 
 
+# Events that act on a link itself, never on what it points to: their path's last component is not
+# resolved when judging where the case reached (an unlink of a planted symlink stays inside the inputs).
+_LINK_EVENTS = frozenset({"os.remove", "os.rename", "os.rmdir", "os.symlink", "os.link"})
+
+
 class _Recorder:
-    """Collects the paths of audit events while armed (only during a case: imports are not its doing)."""
+    """Collects the paths of audit events while armed (only during a case: imports are not its doing),
+    each with whether its last component is followed if it is a symbolic link (an open with O_NOFOLLOW
+    or an unlink does not follow it: refusing a planted link is no escape)."""
 
     def __init__(self) -> None:
         self.armed = False
-        self.paths: list[str] = []
+        self.paths: list[tuple[str, bool]] = []
 
     def hook(self, event: str, args: tuple) -> None:
         if not self.armed or event not in _PATH_EVENTS or not args:
@@ -59,10 +66,21 @@ class _Recorder:
         path = args[0]
         if isinstance(path, int | type(None)):
             return
+        flags = args[2] if event == "open" and len(args) > 2 and isinstance(args[2], int) else 0
+        follows = event not in _LINK_EVENTS and not flags & os.O_NOFOLLOW
         try:
-            self.paths.append(os.fsdecode(path))
+            self.paths.append((os.fsdecode(path), follows))
         except (TypeError, ValueError):
             pass
+
+
+def _where(cwd: str, path: str, follows: bool) -> str:
+    """The real path an event reached: the last component resolved only when the event follows it."""
+    joined = os.path.join(cwd, path)
+    if follows:
+        return os.path.realpath(joined)
+    head, name = os.path.split(joined)
+    return os.path.join(os.path.realpath(head), name)
 
 
 _RECORDER = _Recorder()
@@ -92,14 +110,30 @@ def _run_call(target: str, args: list[Any]) -> int:
     module_name, _, function = target.partition(":")
     typed = _typed_errors()
     try:
-        getattr(importlib.import_module(module_name), function)(*args)
+        status = getattr(importlib.import_module(module_name), function)(*args)
     except typed as exc:
         print(f"colibri-stream {function}: error: {exc}", file=sys.stderr)
         return 1
     except Exception:
         traceback.print_exc()
         return 3
-    return 0
+    return status if isinstance(status, int) else 0  # a scenario returns its own exit status
+
+
+def run_cli_captured(argv: list[str], stdin: str = "") -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of ``python -m colibri_stream ARGV`` run in this process, as a case
+    runs it (a scenario's step; the audit hook, when armed, sees its paths)."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), _stdin(stdin):
+        try:
+            code = _run_cli(argv)
+        except MemoryError:
+            print("MemoryError (outside the CLI's handler)", file=sys.stderr)
+            code = 3
+        except BaseException:
+            traceback.print_exc()
+            code = 3
+    return code, stdout.getvalue(), stderr.getvalue()
 
 
 def _typed_errors() -> tuple[type[BaseException], ...]:
@@ -143,7 +177,7 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
         "stderr_head": stderr.getvalue()[:2000],
         "stderr_chars": len(stderr.getvalue()),
         "stderr_lines": len([line for line in stderr.getvalue().splitlines() if line.strip()]),
-        "paths": sorted({os.path.realpath(os.path.join(case["cwd"], p)) for p in _RECORDER.paths}),
+        "paths": sorted({_where(case["cwd"], p, follows) for p, follows in _RECORDER.paths}),
         "seconds": round(time.monotonic() - started, 3),
     }
 

@@ -42,7 +42,13 @@ BAD_TRACEBACK, BAD_HANG, BAD_MEMORY, BAD_CRASH, BAD_PATH, BAD_LINES, BAD_HTTP = 
     "not-one-line",
     "http",
 )
-BAD = frozenset({BAD_TRACEBACK, BAD_HANG, BAD_MEMORY, BAD_CRASH, BAD_PATH, BAD_LINES, BAD_HTTP})
+# What a multi-step case (scenarios.py) finds wrong in the state it leaves: a resumed turn whose tokens
+# differ from the same turns run with the same flags in a fresh session, an acknowledged turn missing
+# from the transcript or the KV log, a write outside the KV directory (canary changed).
+BAD_RESUME, BAD_LOST = "wrong-resume", "lost-turn"
+SCENARIO_BAD_EXIT = 4  # a scenario's exit status when it prints "BAD <kind>: <detail>"
+SCENARIO_SKIP_EXIT, SKIPPED = 5, "skipped"  # a scenario this machine cannot run (no root for a mount)
+BAD = frozenset({BAD_TRACEBACK, BAD_HANG, BAD_MEMORY, BAD_CRASH, BAD_PATH, BAD_LINES, BAD_HTTP, BAD_RESUME, BAD_LOST})
 
 
 @dataclass
@@ -59,6 +65,7 @@ class Case:
     target: str = ""
     args: list[Any] = field(default_factory=list)
     stdin: str = ""
+    timeout_s: float | None = None  # the worker's CASE_TIMEOUT_S unless the case needs longer (scenarios)
 
     def command(self) -> str:
         if self.kind == "http":
@@ -117,6 +124,11 @@ def judge(case: Case, result: dict[str, Any], extra_roots: tuple[str, ...] = ())
     if "MemoryError" in stderr:
         return Verdict(BAD_MEMORY, _last_line(stderr), f"{case.surface}:{BAD_MEMORY}:{_raise_site(stderr)}", result)
     code = result["exit"]
+    if code == SCENARIO_SKIP_EXIT:
+        return Verdict(SKIPPED, _last_line(stderr), f"{case.surface}:{SKIPPED}", result)
+    if code == SCENARIO_BAD_EXIT and (found := _scenario_bad(stderr)) is not None:
+        kind, detail = found
+        return Verdict(kind, detail, f"{case.surface}:{kind}:{detail[:60]}", result)
     if code == 3 or "Traceback (most recent call last)" in stderr:
         where = _raise_site(stderr)
         return Verdict(BAD_TRACEBACK, _exception_line(stderr), f"{case.surface}:{BAD_TRACEBACK}:{where}", result)
@@ -139,6 +151,16 @@ def judge(case: Case, result: dict[str, Any], extra_roots: tuple[str, ...] = ())
     if not _names_the_input(case, stderr):
         return Verdict(UNNAMED, line, f"{case.surface}:{UNNAMED}", result)
     return Verdict(TYPED, line, f"{case.surface}:{TYPED}", result)
+
+
+def _scenario_bad(stderr: str) -> tuple[str, str] | None:
+    """(kind, detail) of a scenario's "BAD <kind>: <detail>" line, if it printed one of a known kind."""
+    for line in stderr.splitlines():
+        if line.startswith("BAD "):
+            kind, _, detail = line[4:].partition(": ")
+            if kind in BAD:
+                return kind, detail[:300]
+    return None
 
 
 def _names_the_input(case: Case, line: str) -> bool:
@@ -205,14 +227,15 @@ class Worker:
         if self.process is None or self.process.poll() is not None:
             self._start()
         os.write(self._to_child, (json.dumps(asdict(case)) + "\n").encode())
-        deadline = time.monotonic() + self.timeout_s + (60.0 if self.cases_run == 0 else 0.0)  # first: imports
+        timeout = case.timeout_s or self.timeout_s
+        deadline = time.monotonic() + timeout + (60.0 if self.cases_run == 0 else 0.0)  # first: imports
         self.cases_run += 1
         while b"\n" not in self._buffer:
             left = deadline - time.monotonic()
             ready, _, _ = select.select([self._from_child], [], [], max(left, 0))
             if not ready:
                 self.stop()
-                return {"timeout": self.timeout_s}
+                return {"timeout": timeout}
             chunk = os.read(self._from_child, 1 << 20)
             if not chunk:
                 return {"died": self._death()}
@@ -273,6 +296,7 @@ def run_isolated(
             start_new_session=True,
             env=child_env(env),
         )
+        timeout_s = case.timeout_s or timeout_s
         try:
             _, err = process.communicate(timeout=timeout_s + 30.0)  # +30: the interpreter's imports
         except subprocess.TimeoutExpired:

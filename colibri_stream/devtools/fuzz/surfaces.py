@@ -5,6 +5,8 @@ drawn edit to a fresh case directory and returns the ``Case`` to run."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import struct
 import tomllib
 from collections.abc import Callable
@@ -17,6 +19,7 @@ from hypothesis import strategies as st
 from colibri_stream.devtools.fuzz import mutations as mut
 from colibri_stream.devtools.fuzz.bases import PROMPT_IDS, SESSION, copy_case
 from colibri_stream.devtools.fuzz.harness import Case
+from colibri_stream.devtools.fuzz.scenarios import SCENARIOS, Scenario
 from colibri_stream.devtools.fuzz.templates import hostile_template
 
 GEN = ["--max-new-tokens", "2", "--json"]
@@ -69,6 +72,83 @@ def _files(*patterns: str) -> Callable[[Path], list[str]]:
 
 # ------------------------------------------------------------------------------------------- edits
 
+# What an output path (--trace, --kv-dir, --history, convert's OUT, bench --work) may be when a command
+# runs: each must work or be refused in one line, never hang (a FIFO), write through a device or a link
+# out of the case, or leave a traceback.
+OUT_KINDS = (
+    "missing", "empty-file", "file", "dir", "nonempty-dir", "fifo", "dev-null", "dev-full", "link-dir",
+    "link-file", "dangling", "link-loop", "proc",
+)  # fmt: skip
+NOT_A_DIRECTORY = ("empty-file", "file", "fifo", "dev-null", "dev-full", "link-file", "link-loop", "proc")
+# What a symbolic link planted in the KV directory (as a log, transcript, lock or prefix file) may point
+# at: a canary outside the case (must never be read, written or removed through the link), or nothing.
+LINK_TARGETS = ("canary", "canary.json", "canary.d", "dangling", "self", "dev-zero", "fifo")
+
+
+def _kinds(kinds: tuple[str, ...]) -> st.SearchStrategy[list[dict]]:
+    return st.lists(
+        st.fixed_dictionaries({"op": st.just("path"), "kind": st.sampled_from(kinds)}), min_size=1, max_size=1
+    )
+
+
+def _make_path(path: Path, ops: list[dict], canary: str) -> list[dict]:
+    """Put the drawn kind of thing at ``path`` (which does not exist yet)."""
+    kind = ops[0]["kind"]
+    if kind in ("empty-file", "file"):
+        path.write_bytes(b"" if kind == "empty-file" else b"not an output of ours\n")
+    elif kind in ("dir", "nonempty-dir"):
+        path.mkdir()
+        if kind == "nonempty-dir":
+            (path / "keep.txt").write_text("someone else's file\n")
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind in ("dev-null", "dev-full", "proc"):
+        path.symlink_to({"dev-null": "/dev/null", "dev-full": "/dev/full", "proc": "/proc/self/status"}[kind])
+    elif kind in ("link-dir", "link-file"):
+        target = path.with_name(path.name + "-target")
+        target.mkdir() if kind == "link-dir" else target.write_text("linked\n")
+        path.symlink_to(target.name)
+    elif kind == "dangling":
+        path.symlink_to("nowhere/at/all")
+    elif kind == "link-loop":
+        path.symlink_to(path.name)
+    return ops
+
+
+def _plant_link(path: Path, ops: list[dict], canary: str) -> list[dict]:
+    """Replace ``path`` (a KV directory entry, or a name a session would create) by a symbolic link."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+    to = ops[0]["to"]
+    outside = Path(canary).parent
+    if to in ("canary", "canary.json", "canary.d"):
+        path.symlink_to(outside / to)
+    elif to == "dangling":
+        path.symlink_to(outside / "missing-file")
+    elif to == "self":
+        path.symlink_to(path.name)
+    elif to == "dev-zero":
+        path.symlink_to("/dev/zero")
+    else:
+        fifo = outside / "canary.fifo"
+        if not fifo.exists():
+            os.mkfifo(fifo)
+        path.symlink_to(fifo)
+    return ops
+
+
+def _out_path(case_dir: Path) -> list[str]:
+    return ["out"]
+
+
+def _kv_entries(case_dir: Path) -> list[str]:
+    """Every file of the KV directory, and the names a session creates there."""
+    found = {str(p.relative_to(case_dir)) for p in (case_dir / "kv").rglob("*")}
+    return sorted(found | {"kv/s.kvlog", "kv/s.chat.json", "kv/s.lock"})
+
+
 _file_or = lambda ops: st.one_of(ops, st.lists(mut.file_op(), min_size=1, max_size=1))  # noqa: E731
 
 EDITS: dict[str, st.SearchStrategy] = {
@@ -96,6 +176,11 @@ EDITS: dict[str, st.SearchStrategy] = {
             max_size=3,
         ),  # fmt: skip
         st.lists(mut.bytes_op(), min_size=1, max_size=2),
+    ),
+    "outpath": _kinds(OUT_KINDS),
+    "outpath-file": _kinds(NOT_A_DIRECTORY),
+    "symlink": st.lists(
+        st.fixed_dictionaries({"op": st.just("link"), "to": st.sampled_from(LINK_TARGETS)}), min_size=1, max_size=1
     ),
     "template": st.one_of(
         st.lists(
@@ -183,6 +268,9 @@ APPLY: dict[str, Callable[[Path, list[dict], str], list[dict]]] = {
     "toml": _edit_toml,
     "lines": _edit_lines,
     "template": _edit_template,
+    "outpath": _make_path,
+    "outpath-file": _make_path,
+    "symlink": _plant_link,
 }
 
 
@@ -216,7 +304,7 @@ def _toml_value(value: Any) -> str:
 
 # ---------------------------------------------------------------------------------------- surfaces
 
-SURFACES: dict[str, Surface] = {
+SURFACES: dict[str, Surface | Scenario] = {
     s.name: s
     for s in (
         Surface("config", ("ckpt",), _files("ckpt/config.json"), "json",
@@ -244,5 +332,18 @@ SURFACES: dict[str, Surface] = {
         Surface("chat-template", ("ckpt",), _files("ckpt/tokenizer_config.json"), "template",
                 (("chat", "ckpt", "--max-new-tokens", "2", "--kv-dir", "kv", "--session", "t"),),
                 stdin="hello\n"),
+        Surface("output-paths", ("ckpt", "container"), _out_path, "outpath",
+                ((*RUN_CONTAINER, "--trace", "out"), (*RUN_CONTAINER, "--kv-dir", "out", "--session", "s"),
+                 (*CONVERT[:2], "out", "--no-progress"), (*RUN_CONTAINER, "--history", "out", "--policy", "pinned"),
+                 ("chat", "ckpt", "--max-new-tokens", "2", "--kv-dir", "out", "--session", "t")),
+                stdin="hello\n"),
+        Surface("bench-work", (), _out_path, "outpath-file",
+                (("bench", "--quick", "--sections", "disk", "--work", "out", "--out", "results"),)),
+        Surface("kv-symlinks", ("container", "kv"), _kv_entries, "symlink",
+                (tuple(RUN_SESSION), (*RUN_SESSION, "--reset"), ("kv", "info", "container", SESSION, "--kv-dir", "kv"),
+                 ("kv", "ls", "container", "--kv-dir", "kv"), ("kv", "rm", "container", SESSION, "--kv-dir", "kv"),
+                 ("chat", "container", "--max-new-tokens", "2", "--kv-dir", "kv", "--session", SESSION)),
+                stdin="hello\n"),
     )
 }  # fmt: skip
+SURFACES.update(SCENARIOS)  # the multi-step ones: state changes between runs, concurrent writers, full disks
