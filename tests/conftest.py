@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from colibri_stream.devtools import fixtures
+from colibri_stream.devtools.fuzz.disks import DiskUnavailable, LoopDisk
 
 
 def pytest_collection_modifyitems(config, items):
@@ -104,3 +106,17 @@ def stream_container(tmp_path_factory) -> Path:
     dst = root / "container"
     Converter(source, dst, ConvertOptions(experts="int4", dense="f32"), progress=False).run()
     return dst
+
+
+@pytest.fixture
+def failing_disk(tmp_path) -> Iterator[LoopDisk]:
+    """A mounted ext4 loop device that can be made to fail every write (``fail()``) and healed; the
+    test is skipped where this machine cannot make one (not root, no loop devices)."""
+    try:
+        made = LoopDisk(parent=tmp_path)
+    except DiskUnavailable as exc:
+        pytest.skip(f"no failing device on this machine: {exc}")
+    try:
+        yield made
+    finally:
+        made.close()

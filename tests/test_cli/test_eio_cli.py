@@ -11,14 +11,12 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from colibri_stream.devtools import fixtures
-from colibri_stream.devtools.fuzz.disks import DiskUnavailable, LoopDisk
 from colibri_stream.runtime.turn import RuntimeOptions, load_runtime
 from colibri_stream.serve.app import Server
 from storage.kvlog import HEADER_BYTES, read_header
@@ -26,18 +24,6 @@ from tests.test_hostile.test_server_abuse import FAMILY, MODEL, call, completion
 
 PROMPT = fixtures.make_prompt(512, 13)
 WAIT_S = 300
-
-
-@pytest.fixture
-def disk(tmp_path) -> Iterator[LoopDisk]:
-    try:
-        made = LoopDisk(parent=tmp_path)
-    except DiskUnavailable as exc:
-        pytest.skip(f"no failing device on this machine: {exc}")
-    try:
-        yield made
-    finally:
-        made.close()
 
 
 def _run(checkpoint: Path, kv: Path, ids: list[int]) -> subprocess.CompletedProcess:
@@ -66,20 +52,20 @@ def _positions(log: Path) -> int:
 
 
 @pytest.mark.parametrize("diverge", [False, True], ids=["append", "cut-back"])
-def test_run_on_a_failing_device_says_one_line_and_keeps_the_acknowledged_turn(tiny_checkpoints, disk, diverge):
-    checkpoint, log = tiny_checkpoints["deepseek_v32"], disk.path / "s.kvlog"
-    first = _ok(_run(checkpoint, disk.path, PROMPT))
+def test_run_on_a_failing_device_says_one_line_and_keeps_the_acknowledged_turn(tiny_checkpoints, failing_disk, diverge):
+    checkpoint, log = tiny_checkpoints["deepseek_v32"], failing_disk.path / "s.kvlog"
+    first = _ok(_run(checkpoint, failing_disk.path, PROMPT))
     stored = log.read_bytes()
-    disk.fail()
+    failing_disk.fail()
     # append: the next turn extends the conversation (its new records fail); cut-back: it diverges
     # from position 5, so the log is cut first (the cut fails)
     ids = PROMPT[:5] + [99, 98] if diverge else PROMPT + first["ids"] + [77, 78]
-    line = _one_error_line(_run(checkpoint, disk.path, ids), log)
+    line = _one_error_line(_run(checkpoint, failing_disk.path, ids), log)
     assert ("cut-back" in line) == diverge
-    disk.heal()
+    failing_disk.heal()
     now = log.read_bytes()
     assert now == stored or (diverge and stored.startswith(now) and _positions(log) == 5)
-    again = _ok(_run(checkpoint, disk.path, PROMPT))  # the acknowledged turn resumes
+    again = _ok(_run(checkpoint, failing_disk.path, PROMPT))  # the acknowledged turn resumes
     assert again["stats"]["reused_tokens"] == (len(PROMPT) - 1 if now == stored else 5)
     assert again["ids"] == first["ids"]
 
@@ -94,10 +80,10 @@ def _read_until(stream, marker: str, deadline: float) -> str:
     return seen
 
 
-def test_chat_whose_device_fails_between_turns_keeps_the_first_turn(tiny_checkpoints, disk):
+def test_chat_whose_device_fails_between_turns_keeps_the_first_turn(tiny_checkpoints, failing_disk):
     checkpoint = tiny_checkpoints[FAMILY]
     argv = [sys.executable, "-m", "colibri_stream", "chat", str(checkpoint), "--max-new-tokens", "3"]
-    argv += ["--session", "c", "--kv-dir", str(disk.path)]
+    argv += ["--session", "c", "--kv-dir", str(failing_disk.path)]
     chat = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + WAIT_S
     try:
@@ -105,9 +91,9 @@ def test_chat_whose_device_fails_between_turns_keeps_the_first_turn(tiny_checkpo
         chat.stdin.write("first question\n")
         chat.stdin.flush()
         _read_until(chat.stderr, "tok at", deadline)  # the first turn's footer: acknowledged
-        transcript = (disk.path / "c.chat.json").read_bytes()
-        stored = (disk.path / "c.kvlog").read_bytes()
-        disk.fail()
+        transcript = (failing_disk.path / "c.chat.json").read_bytes()
+        stored = (failing_disk.path / "c.kvlog").read_bytes()
+        failing_disk.fail()
         _, err = chat.communicate("second question\n", timeout=WAIT_S)
     finally:
         if chat.poll() is None:
@@ -116,21 +102,21 @@ def test_chat_whose_device_fails_between_turns_keeps_the_first_turn(tiny_checkpo
     assert chat.returncode == 1, err
     errors = [line for line in err.splitlines() if ": error: " in line]
     assert len(errors) == 1 and "I/O error" in errors[0] and "Traceback" not in err, err
-    assert str(disk.path) in errors[0]
-    disk.heal()
-    assert (disk.path / "c.chat.json").read_bytes() == transcript  # the first turn, whole; not the second
+    assert str(failing_disk.path) in errors[0]
+    failing_disk.heal()
+    assert (failing_disk.path / "c.chat.json").read_bytes() == transcript  # the first turn, whole; not the second
     assert json.loads(transcript)["messages"][0]["content"] == "first question"
-    assert (disk.path / "c.kvlog").read_bytes() == stored
+    assert (failing_disk.path / "c.kvlog").read_bytes() == stored
 
 
-def test_serve_answers_507_naming_the_failed_device(tiny_checkpoints, disk):
-    kv = disk.path
+def test_serve_answers_507_naming_the_failed_device(tiny_checkpoints, failing_disk):
+    kv = failing_disk.path
     runtime = load_runtime(tiny_checkpoints[FAMILY], RuntimeOptions(kv_dir=kv, model_id=MODEL))
     results: dict[str, Any] = {}
 
     async def test(app) -> None:
         results["first"] = await call(app, "POST", "/v1/completions", completion(user="s"))
-        disk.fail()
+        failing_disk.fail()
         longer = completion(user="s", prompt="Hello there, a longer turn")
         results["failed"] = await call(app, "POST", "/v1/completions", longer)
         results["sessionless"] = await call(app, "POST", "/v1/completions", completion())

@@ -7,13 +7,11 @@ acknowledged record once the device is back."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from colibri_stream.devtools.fuzz.disks import DiskUnavailable, LoopDisk
 from storage.errors import CorruptDataError, DiskWriteError
 from storage.kvgeometry import LeanGeometry
 from storage.kvlog import HEADER_BYTES, KVGeometry, KVLog
@@ -22,18 +20,6 @@ from storage.kvsnap import LeanLog
 GEOMETRY = KVGeometry(
     n_layers=2, kv_lora_rank=48, qk_rope_head_dim=16, index_layers=(1,), index_head_dim=24, dtype="float32"
 )
-
-
-@pytest.fixture
-def disk(tmp_path) -> Iterator[LoopDisk]:
-    try:
-        made = LoopDisk(parent=tmp_path)
-    except DiskUnavailable as exc:
-        pytest.skip(f"no failing device on this machine: {exc}")
-    try:
-        yield made
-    finally:
-        made.close()
 
 
 def _batch(log: KVLog, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -55,11 +41,11 @@ def _check_acknowledged(path: Path, acknowledged: int) -> None:
         assert tokens.tolist() == list(range(100, 100 + acknowledged))
 
 
-def test_an_append_on_a_failing_device_raises_and_keeps_what_was_acknowledged(disk):
-    path = disk.path / "s.kvlog"
+def test_an_append_on_a_failing_device_raises_and_keeps_what_was_acknowledged(failing_disk):
+    path = failing_disk.path / "s.kvlog"
     with KVLog(path, "fp", GEOMETRY) as log:
         log.append(*_batch(log, 5))
-        disk.fail()
+        failing_disk.fail()
         with pytest.raises(DiskWriteError) as failed:
             log.append(*_batch(log, 3))
         _one_line(failed, path)
@@ -67,55 +53,55 @@ def test_an_append_on_a_failing_device_raises_and_keeps_what_was_acknowledged(di
         with pytest.raises(DiskWriteError) as again:  # the filesystem has gone read-only: still typed
             log.append(*_batch(log, 1))
         _one_line(again, path)
-    disk.heal()
+    failing_disk.heal()
     _check_acknowledged(path, 5)
 
 
-def test_a_cut_back_on_a_failing_device_raises_and_the_log_holds_whole_records(disk):
-    path = disk.path / "s.kvlog"
+def test_a_cut_back_on_a_failing_device_raises_and_the_log_holds_whole_records(failing_disk):
+    path = failing_disk.path / "s.kvlog"
     with KVLog(path, "fp", GEOMETRY) as log:
         log.append(*_batch(log, 6))
-        disk.fail()
+        failing_disk.fail()
         with pytest.raises(DiskWriteError) as failed:
             log.truncate(2)
         assert "cut-back" in _one_line(failed, path)
         assert log.length in (2, 6)  # what the file holds: the cut was made in memory or not at all
-    disk.heal()
+    failing_disk.heal()
     with KVLog(path, "fp", GEOMETRY) as log:  # the old records (whole, valid) or the cut: nothing torn
         assert log.length in (2, 6)
         assert log.read()[0].tolist() == list(range(100, 100 + log.length))
 
 
-def test_a_recovery_cut_on_a_failing_device_refuses_the_open_and_keeps_the_prefix(disk):
-    path = disk.path / "s.kvlog"
+def test_a_recovery_cut_on_a_failing_device_refuses_the_open_and_keeps_the_prefix(failing_disk):
+    path = failing_disk.path / "s.kvlog"
     with KVLog(path, "fp", GEOMETRY) as log:
         log.append(*_batch(log, 4))
     with open(path, "ab") as f:  # a torn record after the acknowledged ones (a kill mid-append)
         f.write(b"\x01" * (GEOMETRY.record_bytes // 2))
-    disk.heal()  # the torn tail on disk
+    failing_disk.heal()  # the torn tail on disk
     torn_size = len(path.read_bytes())  # now cached: the failed device still reads it, only writes fail
-    disk.fail()
+    failing_disk.fail()
     with pytest.raises(DiskWriteError) as failed:
         KVLog(path, "fp", GEOMETRY)
     assert "recovery cut" in _one_line(failed, path)
-    disk.heal()
+    failing_disk.heal()
     assert path.stat().st_size in (torn_size, HEADER_BYTES + 4 * GEOMETRY.record_bytes)
     _check_acknowledged(path, 4)
 
 
-def test_a_device_failing_reads_at_open_is_a_typed_error(disk):
-    path = disk.path / "s.kvlog"
+def test_a_device_failing_reads_at_open_is_a_typed_error(failing_disk):
+    path = failing_disk.path / "s.kvlog"
     with KVLog(path, "fp", GEOMETRY) as log:
         log.append(*_batch(log, 300))  # past the first MiB the failed device still serves
-    disk.heal()  # nothing cached
+    failing_disk.heal()  # nothing cached
     path.stat()  # the inode is read before the failure: only the records' blocks fail
-    disk.fail()
+    failing_disk.fail()
     with pytest.raises((CorruptDataError, DiskWriteError)) as failed:
         with KVLog(path, "fp", GEOMETRY) as log:
             log.read()
     message = str(failed.value)
     assert str(path) in message and "I/O error" in message and "\n" not in message, message
-    disk.heal()
+    failing_disk.heal()
     _check_acknowledged(path, 300)
 
 
@@ -138,16 +124,16 @@ def _lean_append(log: LeanLog, n: int) -> None:
     log.append(np.arange(start, end, dtype=np.uint32), entries, windows)
 
 
-def test_a_lean_log_cut_back_on_a_failing_device_raises_in_one_line(disk):
-    path = disk.path / "v4.kvlog"
+def test_a_lean_log_cut_back_on_a_failing_device_raises_in_one_line(failing_disk):
+    path = failing_disk.path / "v4.kvlog"
     with LeanLog(path, "fp", LEAN) as log:
         _lean_append(log, 9)  # kept snapshots at 4 and 8, the end one at 9
         acknowledged = log.tokens().tolist()
-        disk.fail()
+        failing_disk.fail()
         with pytest.raises(DiskWriteError) as failed:
             log.truncate(4)
         assert "cut-back" in _one_line(failed, path)
-    disk.heal()
+    failing_disk.heal()
     with LeanLog(path, "fp", LEAN) as log:  # the cut, or the old frames whole: a prefix of what was acknowledged
         assert log.length in (4, 9)
         assert log.tokens().tolist() == acknowledged[: log.length]
