@@ -19,6 +19,8 @@ def machine_lines(machine: dict) -> list[str]:
         f"disk {machine['filesystem']}, Linux {machine['kernel']}, Python {machine['python']}, "
         f"torch {machine['torch']} ({machine['torch_threads']} threads)."
     )
+    if "isa" in machine:  # results of older runs lack it
+        line += f" ISA: {', '.join(machine['isa']) or 'none of the listed SIMD extensions'}."
     if "memory_bandwidth_Bps" in machine:  # results of older runs lack these
         steal, end = machine.get("cpu_steal_share"), machine.get("memory_bandwidth_Bps_at_end")
         line += (

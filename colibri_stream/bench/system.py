@@ -199,18 +199,37 @@ def children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+# The CPU features a 4/8-bit kernel's speed depends on (ours and llama.cpp's pick paths by them): a
+# table from two hosts differs first by these.
+ISA_FLAGS = (
+    "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+    "amx_tile", "amx_int8", "amx_bf16", "asimd", "asimddp", "sve", "i8mm",
+)  # fmt: skip
+
+
+def isa_of(cpuinfo: str) -> list[str]:
+    """The ISA_FLAGS present in /proc/cpuinfo's text (its first "flags"/"Features" line), in ISA_FLAGS order."""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            present = set(value.split())
+            return [flag for flag in ISA_FLAGS if flag in present]
+    return []
+
+
 def machine_facts(path: Path) -> dict:
     """What the reader of a benchmark table needs to compare it with another machine: the CPU, the
     memory bandwidth measured now with the contenders' thread count, how loaded the machine was at
     the start (load average) and, added at the end of the run, how much CPU the hypervisor stole."""
     cpu = platform.processor() or platform.machine()
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        cpuinfo = Path("/proc/cpuinfo").read_text()
     except OSError:
-        pass
+        cpuinfo = ""
+    for line in cpuinfo.splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
     import torch  # only for its version and thread count; the bench process itself computes nothing
 
     from colibri_stream.bench.limit_line import memory_bandwidth
@@ -218,6 +237,7 @@ def machine_facts(path: Path) -> dict:
     threads = torch.get_num_threads()
     return {
         "cpu": cpu,
+        "isa": isa_of(cpuinfo),
         "cores": os.cpu_count(),
         "ram_bytes": psutil.virtual_memory().total,
         "disk_free_bytes": shutil.disk_usage(path).free,

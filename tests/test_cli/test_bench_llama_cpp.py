@@ -20,7 +20,7 @@ from colibri_stream.bench.limit_line import TouchedBytes, gguf_touched, limit_li
 from colibri_stream.bench.llama_cpp_section import best_row, llama_cpp_grid, llama_cpp_ratios
 from colibri_stream.bench.load import loaded_vs_idle
 from colibri_stream.bench.prefill_rows import as_prefill_row, prefill_ratios
-from colibri_stream.bench.report_peers import llama_cpp_lines, prefill_lines
+from colibri_stream.bench.report_peers import llama_cpp_lines, machine_lines, prefill_lines
 from colibri_stream.bench.system import ContenderFailed, ProcessRun, steal_share
 
 
@@ -189,6 +189,17 @@ def test_steal_share_counts_only_steal_over_all_cpu_time():
 
 
 # ------------------------------------------------------------------------------- setup and skips
+def test_machine_facts_name_the_hosts_simd_extensions():
+    x86 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 fma avx512f avx512_vnni amx_int8 avx512vbmi\nflags : avx\n"
+    assert system.isa_of(x86) == ["avx2", "fma", "avx512f", "avx512_vnni", "amx_int8"]  # the first line only
+    assert system.isa_of("Features\t: fp asimd asimddp i8mm\n") == ["asimd", "asimddp", "i8mm"]  # aarch64
+    assert system.isa_of("model name : a CPU\n") == []
+    machine = {"cpu": "c", "cores": 2, "ram_bytes": 2**30, "filesystem": "f", "kernel": "k", "python": "3"}
+    machine |= {"torch": "2", "torch_threads": 2}
+    assert "ISA" not in machine_lines(machine)[0]  # an older run's results
+    assert machine_lines(machine | {"isa": ["avx2", "fma"]})[0].endswith(" ISA: avx2, fma.")
+
+
 def test_skip_reason_says_what_to_run(tmp_path, monkeypatch):
     # the extra's modules as this machine may or may not have them: llama_cpp absent, gguf present
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "llama_cpp" else object())
