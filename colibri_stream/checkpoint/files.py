@@ -211,3 +211,18 @@ def check_dtypes(file: Path, tensors: dict[str, TensorInfo], allowed: dict[str, 
                 f"{file}: tensor {short_name(name)} is {info.dtype}, expected one of {list(allowed[suffix])} "
                 "(the weight dtypes config.json announces)"
             )
+
+
+def add_shard(
+    table: dict[str, tuple[Path, TensorInfo]],
+    file: Path,
+    tensors: dict[str, TensorInfo],
+    allowed: dict[str, tuple[str, ...]],
+) -> None:
+    """One shard's header entries into ``table`` (tensor name -> (shard, entry)): a dtype outside
+    ``allowed`` (check_dtypes) or a name another shard already holds is refused."""
+    check_dtypes(file, tensors, allowed)
+    for name, info in tensors.items():
+        if name in table:
+            raise CheckpointError(f"{file}: tensor {short_name(name)} is also in {table[name][0]}")
+        table[name] = (file, info)

@@ -21,7 +21,7 @@ from colibri_stream.checkpoint.files import (
     FP8_SCALE_SUFFIX,
     INDEX_FILE,
     TensorInfo,
-    check_dtypes,
+    add_shard,
     inside,
     read_json_object,
 )
@@ -64,13 +64,8 @@ class HubSource(HFSource):
     def read_table(self, allowed: dict[str, tuple[str, ...]]) -> dict[str, tuple[Path, TensorInfo]]:
         table: dict[str, tuple[Path, TensorInfo]] = {}
         for name in shard_names(self.path, self.snapshot):
-            file = self.path / name
             tensors = parse_shard_header(name, self.headers[name], self.snapshot.files[name].size, self.path)
-            check_dtypes(file, tensors, allowed)
-            for tensor, info in tensors.items():
-                if tensor in table:
-                    raise CheckpointError(f"{file}: tensor {tensor} is also in {table[tensor][0]}")
-                table[tensor] = (file, info)
+            add_shard(table, self.path / name, tensors, allowed)
         return table
 
     def identity(self) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from colibri_stream.checkpoint.dtypes import COMPUTE_DTYPES, compute_dtype_of, f
 from colibri_stream.checkpoint.files import (
     WEIGHT_DTYPES,
     TensorInfo,
-    check_dtypes,
+    add_shard,
     read_header,
     read_json_object,
     shard_files,
@@ -81,12 +81,7 @@ def tensor_table(path: str | Path, allowed: dict[str, tuple[str, ...]]) -> dict[
     outside ``allowed`` (see checkpoint_files.check_dtypes) or a name in two shards is refused."""
     table: dict[str, tuple[Path, TensorInfo]] = {}
     for file in shard_files(path):
-        tensors = read_header(file)
-        check_dtypes(file, tensors, allowed)
-        for name, info in tensors.items():
-            if name in table:
-                raise CheckpointError(f"{file}: tensor {short_name(name)} is also in {table[name][0]}")
-            table[name] = (file, info)
+        add_shard(table, file, read_header(file), allowed)
     return table
 
 

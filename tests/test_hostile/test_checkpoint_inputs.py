@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from colibri_stream import cli
+from colibri_stream.checkpoint.files import TensorInfo, add_shard
 from colibri_stream.convert.hf_source import HFSource
 from colibri_stream.errors import USER_ERRORS, CheckpointError
 from colibri_stream.runtime.loader import load_checkpoint, load_container
@@ -276,6 +277,7 @@ _CHILD = """
 import json, resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))  # a regression fails here, not the machine
 from colibri_stream import cli
+from colibri_stream.checkpoint.files import TensorInfo, add_shard
 results = []
 for argv in json.loads(sys.argv[1]):
     code = cli.main(argv)
@@ -445,6 +447,20 @@ def test_tensors_that_overlap_in_a_shard_are_refused_from_the_header(copy):
     _rewrite_header(path / SHARD, overlap)
     with pytest.raises(CheckpointError, match=r"starts at data offset \d+, the previous tensor ends at"):
         HFSource(path)
+
+
+def test_a_tensor_in_two_shards_is_refused_naming_both():
+    entry = TensorInfo("F32", (2,), 8, 0)
+    table: dict = {}
+    add_shard(table, Path("a.safetensors"), {"w": entry}, {"": ("F32",)})
+    long_name = "x" * (1 << 20)
+    add_shard(table, Path("a.safetensors"), {long_name: entry}, {"": ("F32",)})
+    with pytest.raises(CheckpointError, match=r"^b.safetensors: tensor w is also in a.safetensors$"):
+        add_shard(table, Path("b.safetensors"), {"w": entry}, {"": ("F32",)})
+    with pytest.raises(CheckpointError) as refused:  # a hostile name is cut in the line
+        add_shard(table, Path("b.safetensors"), {long_name: entry}, {"": ("F32",)})
+    assert len(str(refused.value)) < 200
+    assert table == {"w": (Path("a.safetensors"), entry), long_name: (Path("a.safetensors"), entry)}
 
 
 @pytest.mark.parametrize(
