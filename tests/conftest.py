@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from colibri_stream.devtools import fixtures
-from colibri_stream.devtools.fuzz.disks import DiskUnavailable, LoopDisk
+from colibri_stream.devtools.fuzz.disks import DiskUnavailable, LoopDisk, Tmpfs
 
 
 def pytest_collection_modifyitems(config, items):
@@ -120,3 +120,24 @@ def failing_disk(tmp_path) -> Iterator[LoopDisk]:
         yield made
     finally:
         made.close()
+
+
+@pytest.fixture
+def tmpfs(tmp_path) -> Iterator[Callable[[str], Path]]:
+    """``tmpfs("256k")`` mounts a fresh tmpfs of that size (a disk that fills up) and returns its
+    directory; all are unmounted at teardown. Skipped where this machine cannot mount one (not root)."""
+    mounted: list[Tmpfs] = []
+
+    def mount(size: str) -> Path:
+        try:
+            disk = Tmpfs(size, parent=tmp_path)
+        except DiskUnavailable as exc:
+            pytest.skip(f"cannot mount a tmpfs: {exc}")
+        mounted.append(disk)
+        return disk.path
+
+    try:
+        yield mount
+    finally:
+        for disk in reversed(mounted):
+            disk.close()

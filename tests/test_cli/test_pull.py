@@ -225,21 +225,15 @@ def test_unsupported_config_is_refused_after_config_json_only(checkpoint, tmp_pa
     assert hub.files_requested() == {"config.json"}
 
 
-def test_not_enough_space_is_refused_before_any_shard(repo, tmp_path):
+def test_not_enough_space_is_refused_before_any_shard(repo, tmp_path, tmpfs):
     """A real small filesystem (tmpfs, root only): refused in one line with the directory and the numbers."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(mount)]).returncode != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    try:
-        with FakeHub({REPO: repo}) as hub, _hub_env(hub, tmp_path):
-            with pytest.raises(DiskSpaceError) as refused:
-                _pull(mount / "out.cstream", download_dir=tmp_path / "dl")
-        line = str(refused.value)
-        assert "\n" not in line and str(mount / "out.cstream") in line and "free" in line
-        assert not _shard_gets(hub)
-    finally:
-        subprocess.run(["umount", str(mount)], check=True)
+    mount = tmpfs("400k")
+    with FakeHub({REPO: repo}) as hub, _hub_env(hub, tmp_path):
+        with pytest.raises(DiskSpaceError) as refused:
+            _pull(mount / "out.cstream", download_dir=tmp_path / "dl")
+    line = str(refused.value)
+    assert "\n" not in line and str(mount / "out.cstream") in line and "free" in line
+    assert not _shard_gets(hub)
 
 
 def _pull_cli(out: Path, *flags: str) -> subprocess.Popen:
@@ -301,38 +295,26 @@ def test_offline_mode_is_refused_in_one_line(repo, tmp_path, monkeypatch):
     assert not hub.log
 
 
-def test_convert_refuses_a_filesystem_too_small_for_the_container(checkpoint, tmp_path, capsys):
+def test_convert_refuses_a_filesystem_too_small_for_the_container(checkpoint, capsys, tmpfs):
     """`convert` sizes the container as `plan` does and refuses before writing; the flag overrides."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(mount)]).returncode != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    try:
-        assert cli.main(["convert", str(checkpoint), str(mount / "m.cstream"), "--no-progress"]) == 1
-        err = capsys.readouterr().err.strip()
-        assert err.count("\n") == 0 and "not enough free space" in err and str(mount / "m.cstream") in err
-        assert not (mount / "m.cstream").exists()
-        status = cli.main(["convert", str(checkpoint), str(mount / "m.cstream"), "--no-progress", "--no-space-check"])
-        assert status == 1 and "no space left" in capsys.readouterr().err  # the estimate was right
-    finally:
-        subprocess.run(["umount", str(mount)], check=True)
+    mount = tmpfs("400k")
+    assert cli.main(["convert", str(checkpoint), str(mount / "m.cstream"), "--no-progress"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "not enough free space" in err and str(mount / "m.cstream") in err
+    assert not (mount / "m.cstream").exists()
+    status = cli.main(["convert", str(checkpoint), str(mount / "m.cstream"), "--no-progress", "--no-space-check"])
+    assert status == 1 and "no space left" in capsys.readouterr().err  # the estimate was right
 
 
-def test_a_full_disk_stops_in_one_line_and_the_same_command_continues(repo, reference, tmp_path):
+def test_a_full_disk_stops_in_one_line_and_the_same_command_continues(repo, reference, tmp_path, tmpfs):
     """A disk that fills midway (past the space check): DiskFullError naming it; with space, it continues."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=800k", "tmpfs", str(mount)]).returncode != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    try:
-        with FakeHub({REPO: repo}) as hub, _hub_env(hub, tmp_path):
-            with pytest.raises(DiskFullError) as full:
-                _pull(mount / "out.cstream", space_check=False)
-            assert "\n" not in str(full.value) and str(mount) in str(full.value)
-            converted = json.loads((mount / "out.cstream" / ".pull" / "journal.json").read_text())["converted"]
-            subprocess.run(["mount", "-o", "remount,size=64m", str(mount)], check=True)
-            result = _pull(mount / "out.cstream")
-        assert converted and result["resumed_shards"] == len(converted)
-        _same_tree(mount / "out.cstream", reference)
-    finally:
-        subprocess.run(["umount", str(mount)], check=True)
+    mount = tmpfs("800k")
+    with FakeHub({REPO: repo}) as hub, _hub_env(hub, tmp_path):
+        with pytest.raises(DiskFullError) as full:
+            _pull(mount / "out.cstream", space_check=False)
+        assert "\n" not in str(full.value) and str(mount) in str(full.value)
+        converted = json.loads((mount / "out.cstream" / ".pull" / "journal.json").read_text())["converted"]
+        subprocess.run(["mount", "-o", "remount,size=64m", str(mount)], check=True)
+        result = _pull(mount / "out.cstream")
+    assert converted and result["resumed_shards"] == len(converted)
+    _same_tree(mount / "out.cstream", reference)

@@ -12,7 +12,7 @@ import logging
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,30 +32,6 @@ GEOMETRY = KVGeometry(
     n_layers=2, kv_lora_rank=512, qk_rope_head_dim=64, index_layers=(), index_head_dim=0, dtype="float32"
 )
 Mount = Callable[[str], Path]
-
-
-@pytest.fixture
-def tmpfs(tmp_path) -> Iterator[Mount]:
-    """``tmpfs("256k")`` mounts a fresh tmpfs of that size and returns its directory; all are unmounted
-    at teardown."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mounted: list[Path] = []
-
-    def mount(size: str) -> Path:
-        where = tmp_path / f"tmpfs{len(mounted)}"
-        where.mkdir()
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
-        if done.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs: {done.stderr.decode().strip()}")
-        mounted.append(where)
-        return where
-
-    try:
-        yield mount
-    finally:
-        for where in reversed(mounted):
-            subprocess.run(["umount", "-l", str(where)], check=False)
 
 
 def fill(directory: Path, leave: int = 0) -> Path:
