@@ -9,7 +9,7 @@ change the maths and that we do not implement raise ConfigError instead of being
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from engine.config_checks import (
@@ -137,6 +137,11 @@ class ModelArgs:
     qk_rope_head_dim = the roped tail of a head, ``rope`` = the sliding layers' rope."""
     compress_rope: RopeArgs | None = None
     """DeepSeek-V4 only: the rope of CSA/HCA layers and their compressors (``compress_rope_theta``, yarn)."""
+    n_mtp_layers: int = 0
+    """Multi-token-prediction modules loaded after the last block (DeepSeek-V3/R1, GLM-5: layer ids n_layers..,
+    each a MoE block; engine/mtp.py). Not read from the config (``num_nextn_predict_layers`` says what a model
+    ships, not what a checkpoint or container holds): the loader sets it from the tensors present
+    (``with_mtp_layers``), `plan` from the config (``shipped_mtp_layers``)."""
 
     @property
     def qk_head_dim(self) -> int:
@@ -147,19 +152,37 @@ class ModelArgs:
         return self.index_n_heads > 0
 
     def is_moe(self, layer: int) -> bool:
-        return not self.dense_layers[layer]
+        """Layers past the last block are MTP modules' blocks: MoE in every model that ships them."""
+        return layer >= self.n_layers or not self.dense_layers[layer]
 
     def has_indexer(self, layer: int) -> bool:
-        """True where ``layer`` runs its own indexer (and caches indexer keys)."""
-        return self.has_dsa and self.indexer_types[layer] == "full"
+        """True where ``layer`` runs its own indexer (and caches indexer keys); an MTP block runs its own."""
+        return self.has_dsa and (layer >= self.n_layers or self.indexer_types[layer] == "full")
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
-        return tuple(i for i in range(self.n_layers) if self.is_moe(i))
+        """Every layer whose routed experts the expert source holds: the blocks', then the MTP modules'."""
+        return tuple(i for i in range(self.n_layers + self.n_mtp_layers) if self.is_moe(i))
+
+    @property
+    def mtp_layers(self) -> tuple[int, ...]:
+        """The layer ids of the loaded MTP modules' blocks (their experts are records like any layer's)."""
+        return tuple(range(self.n_layers, self.n_layers + self.n_mtp_layers))
+
+    def with_mtp_layers(self, count: int) -> ModelArgs:
+        """These args with ``count`` MTP modules (0: none loaded)."""
+        if count and self.v4 is not None:
+            raise ConfigError("DeepSeek-V4's MTP modules are kept in the container but not run (engine/mtp.py)")
+        return replace(self, n_mtp_layers=count)
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any]) -> ModelArgs:
         return _parse(config)
+
+
+def shipped_mtp_layers(config: Mapping[str, Any]) -> int:
+    """The MTP modules a model ships by its config (``num_nextn_predict_layers``; 0 when absent)."""
+    return optional_int(config, "num_nextn_predict_layers", 0, 0, MAX_LAYERS)
 
 
 # ----------------------------------------------------------------------------------------- parsing

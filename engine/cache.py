@@ -35,6 +35,19 @@ class LayerCache:
     index_key: torch.Tensor | None  # [B, capacity, index_head_dim] on DSA full layers
     length: int = 0
 
+    @classmethod
+    def empty(
+        cls, args: ModelArgs, layer: int, batch: int, dtype: torch.dtype, device: str | torch.device
+    ) -> LayerCache:
+        """Layer ``layer``'s state with no positions yet."""
+
+        def buffer(width: int, buffer_dtype: torch.dtype = dtype) -> torch.Tensor:
+            return torch.empty((batch, 0, width), dtype=buffer_dtype, device=device)
+
+        # Indexer keys are scored in float32 (as the reference does), so cached in float32.
+        index_key = buffer(args.index_head_dim, torch.float32) if args.has_indexer(layer) else None
+        return cls(buffer(args.kv_lora_rank), buffer(args.qk_rope_head_dim), index_key)
+
     def append(self, latent: torch.Tensor, rope_key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store S new positions ([B, S, *]) and return the whole valid latent and rope key ([B, T, *])."""
         end = self.length + latent.shape[1]
@@ -109,24 +122,7 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
     ) -> KVCache:
-        def buffer(width: int) -> torch.Tensor:
-            return torch.empty((batch, 0, width), dtype=dtype, device=device)
-
-        return cls(
-            [
-                LayerCache(
-                    latent=buffer(args.kv_lora_rank),
-                    rope_key=buffer(args.qk_rope_head_dim),
-                    # Indexer keys are scored in float32 (as the reference does), so cached in float32.
-                    index_key=(
-                        torch.empty((batch, 0, args.index_head_dim), dtype=torch.float32, device=device)
-                        if args.has_indexer(layer)
-                        else None
-                    ),
-                )
-                for layer in range(args.n_layers)
-            ]
-        )
+        return cls([LayerCache.empty(args, layer, batch, dtype, device) for layer in range(args.n_layers)])
 
     @property
     def length(self) -> int:
@@ -171,3 +167,25 @@ class KVCache:
         if len({layer.length for layer in cache.layers}) > 1:
             raise ValueError("layers disagree on the number of cached positions")
         return cache
+
+
+@dataclass
+class DraftCache:
+    """One sequence's MTP module attention state (engine/mtp.py): cache index j holds position ``offset + j``."""
+
+    layer: LayerCache
+    offset: int = 0
+
+    @property
+    def end(self) -> int:
+        """The position after the last one held."""
+        return self.offset + self.layer.length
+
+    def continue_at(self, position: int) -> None:
+        """Make ``position`` the next one stored: forget those from it on (the draft chain's), or, when
+        positions before it were never stored (drafting paused), start over at it."""
+        if self.offset <= position <= self.end:
+            self.layer.trim(position - self.offset)
+        else:
+            self.layer.trim(0)
+            self.offset = position

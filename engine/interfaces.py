@@ -8,12 +8,13 @@ families beyond them (the log record's layout, memory estimates, the swiglu clam
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar, Generic, Protocol, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
 from torch import nn
 
 from engine.args import ModelArgs
+from engine.cache import DraftCache
 from engine.experts import Experts
 
 
@@ -124,3 +125,24 @@ class Model(nn.Module, ABC, Generic[CacheT]):
     @abstractmethod
     def read_ahead_bytes(self, experts_per_token: int, expert_bytes: int) -> int | None:
         """The most bytes one read-ahead request names (engine/read_ahead.py); None: this model never reads ahead."""
+
+
+class Drafter(Protocol):
+    """A model that drafts tokens with a multi-token-prediction module and verifies them in one pass
+    (engine/model.py Transformer with its MTP modules loaded; engine/mtp.py)."""
+
+    def forward_rows_hidden(
+        self, tokens: list[int], caches: list[Any], experts: Experts
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Model.forward_rows -> (logits [B, vocab], hidden states [B, dim] before the final norm); rows on
+        the same cache (consecutive positions of one sequence) each get the bits of their own decode step."""
+        ...
+
+    def new_draft_cache(self) -> DraftCache: ...
+
+    def draft(
+        self, hidden: torch.Tensor, tokens: list[int], position: int, cache: DraftCache, experts: Experts, depth: int
+    ) -> list[int]:
+        """``depth`` drafted tokens after the pairs (hidden [S, dim] = h_i, tokens[s] = t_{i+1}) of positions
+        i = position.. ; the first is the token after tokens[-1]."""
+        ...

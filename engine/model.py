@@ -17,12 +17,13 @@ from torch import nn
 
 from engine.args import ModelArgs
 from engine.attention import MLA
-from engine.cache import KVCache, LayerCache
+from engine.cache import DraftCache, KVCache, LayerCache
 from engine.experts import Experts
 from engine.interfaces import Model
 from engine.layers import MLP, RMSNorm, embedding
 from engine.mla_decode import FusedMLA, fused_attention_applies
 from engine.moe import MoE
+from engine.mtp import MTP, draft_tokens
 from engine.q8 import int8_activations
 from engine.read_ahead import module_arrays, read_ahead_available, request_read_ahead
 from engine.rope import rope_tables
@@ -145,6 +146,7 @@ class Transformer(Model[KVCache]):
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.rms_norm_eps)
         self.head = Linear(args.dim, args.vocab_size, bias=False)
+        self.mtp = nn.ModuleList(MTP(args, layer, Block(args, layer)) for layer in args.mtp_layers)
         self.int8_activations = False  # the kernel matmuls quantise their inputs (engine/q8.py; lossy, opt-in)
         # decode reads the next layer's weights into the CPU caches on the kernels' idle thread (engine/read_ahead.py);
         # a loss where they do not fit the cache beside the current layer's, so the loader decides per machine
@@ -290,8 +292,18 @@ class Transformer(Model[KVCache]):
         each row is computed exactly as ``forward`` computes it alone (engine/rows.py): a request's
         tokens do not depend on what it is batched with.
         """
+        return self.forward_rows_hidden(tokens, caches, experts)[0]
+
+    @torch.inference_mode()
+    def forward_rows_hidden(
+        self, tokens: list[int], caches: list[KVCache], experts: Experts
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward_rows`` -> (logits [B, vocab], hidden states [B, dim] before the final norm: what an MTP
+        module drafts from). Consecutive rows may share a cache (the same object): each such row goes at
+        the position after the previous one's, and is computed as that sequence's own next decode step
+        would compute it: a verify step of drafted tokens gives each the bits plain decoding gives it."""
         x = self.embed(torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None])  # [B, 1, dim]
-        starts = [cache.length for cache in caches]
+        starts = _row_positions(caches)
         ropes = [rope_tables(self.args, start, 1, x.device) for start in starts]
         selections: list[torch.Tensor | None] = [None] * len(tokens)
         with rows_alone(), int8_activations(self.int8_activations), torch_on_one_thread():
@@ -300,4 +312,33 @@ class Transformer(Model[KVCache]):
                 layer_caches = [cache.layers[i] for cache in caches]
                 guess_ahead = self._guess_ahead(i + 1, experts, read_ahead)
                 x, selections = layer.forward_rows(x, starts, ropes, layer_caches, experts, selections, guess_ahead)
-            return self.head(self.norm(x)).float()[:, -1]
+            return self.head(self.norm(x)).float()[:, -1], x[:, -1]
+
+    @property
+    def drafts(self) -> bool:
+        return len(self.mtp) > 0
+
+    def new_draft_cache(self) -> DraftCache:
+        return cast(MTP, self.mtp[0]).new_cache(self.dtype, self.device)
+
+    @torch.inference_mode()
+    def draft(
+        self, hidden: torch.Tensor, tokens: list[int], position: int, cache: DraftCache, experts: Experts, depth: int
+    ) -> list[int]:
+        """``depth`` drafted tokens from the first MTP module (engine/mtp.py draft_tokens), re-applied past
+        the first: hidden [S, dim] and tokens are the pairs (h_i, t_{i+1}) of positions position.. not yet
+        in ``cache``."""
+        with int8_activations(self.int8_activations), torch_on_one_thread():
+            mtp = cast(MTP, self.mtp[0])
+            return draft_tokens(mtp, self.embed, self.head, hidden, tokens, position, cache, experts, depth)
+
+
+def _row_positions(caches: list[KVCache]) -> list[int]:
+    """Each row's position: its cache's length, plus the earlier rows on the same cache (a verify step)."""
+    earlier: dict[int, int] = {}
+    positions = []
+    for cache in caches:
+        before = earlier.get(id(cache), 0)
+        positions.append(cache.length + before)
+        earlier[id(cache)] = before + 1
+    return positions

@@ -120,12 +120,43 @@ def layer_of(hf_name: str) -> int | None:
 
 
 def is_extra_layer(hf_name: str, n_layers: int) -> bool:
-    """Multi-token-prediction layers (model.layers.N with N >= num_hidden_layers, as DeepSeek-V3 ships
-    them; mtp.N... in DeepSeek-V4) are not part of next-token inference and are skipped on purpose."""
+    """Multi-token-prediction layers: model.layers.N with N >= num_hidden_layers, as DeepSeek-V3/R1 and
+    GLM-5 ship them (engine/mtp.py runs them); mtp.N... in DeepSeek-V4 (kept, not run)."""
     if hf_name.startswith(_V4_MTP):
         return True
     layer = layer_of(hf_name)
     return layer is not None and layer >= n_layers
+
+
+# An MTP layer's own tensors (the rest of model.layers.N is a decoder block like any other):
+# (name after "model.layers.N.", engine name after "mtp.I.")
+_MTP_OWN = {
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "shared_head.norm.weight": "norm.weight",
+}
+# Copies of the main model's embedding and output head that DeepSeek-V3 ships in each MTP layer (the
+# modules are trained sharing them, DeepSeek-V3 report §2.2): not stored twice, the main ones are used.
+MTP_SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+
+
+def mtp_engine_name(hf_name: str, n_layers: int) -> str | None:
+    """The engine parameter of an MTP layer's dense tensor (model.layers.N.X, N >= n_layers -> mtp.{N -
+    n_layers}.X for its own norms and projection, mtp.I.block.X for its decoder block), else None."""
+    plain = text_name(hf_name)
+    layer = layer_of(plain)
+    if layer is None or layer < n_layers or plain.startswith(_V4_MTP):
+        return None
+    prefix = f"model.layers.{layer}."
+    rest = plain.removeprefix(prefix)
+    index = layer - n_layers
+    if rest in _MTP_OWN:
+        return f"mtp.{index}.{_MTP_OWN[rest]}"
+    target = engine_name(plain)
+    if target is None:
+        return None
+    return f"mtp.{index}.block." + target.removeprefix(f"layers.{layer}.")
 
 
 def routed_expert_key(hf_name: str) -> tuple[int, int, str] | None:
@@ -172,12 +203,15 @@ class SortedNames:
     unmapped: list[str] = field(default_factory=list)  # names no rule claims (check_complete refuses them)
     skipped: list[str] = field(default_factory=list)  # a wrapped model's vision tower and projector
     kept: dict[str, str] = field(default_factory=dict)  # hf name -> kept name (converted, never loaded): V4's MTP
+    mtp_layers: int = 0  # MTP layers whose tensors are present (their names are in dense and routed)
+    left_out: list[str] = field(default_factory=list)  # MTP tensors not loaded: shared copies, or all with mtp=False
 
 
-def sort_names(hf_names: Iterable[str], n_layers: int) -> SortedNames:
+def sort_names(hf_names: Iterable[str], n_layers: int, mtp: bool = True) -> SortedNames:
     """Every tensor name classified once: routed expert, dense parameter, kept (DeepSeek-V4's MTP modules:
-    converted, never run), skipped (a wrapped model's vision tensors), unmapped; DeepSeek-V3's extra
-    (MTP) layers are left out on purpose."""
+    converted, never run), skipped (a wrapped model's vision tensors), unmapped. DeepSeek-V3/GLM-5 MTP
+    layers (model.layers.N, N >= n_layers) sort as dense (mtp.I...) and routed tensors of layer N, or are
+    left out with ``mtp`` False; ``mtp_layers`` counts the layers present."""
     sorted_names = SortedNames()
     hf_names = list(hf_names)
     wrapped = is_wrapped(hf_names)
@@ -186,6 +220,7 @@ def sort_names(hf_names: Iterable[str], n_layers: int) -> SortedNames:
             sorted_names.kept[name] = KEPT_PREFIX + name.removeprefix("model.")
             continue
         if is_extra_layer(name, n_layers):
+            _sort_mtp_name(name, n_layers, mtp, sorted_names)
             continue
         if wrapped and is_vision_tensor(name):
             sorted_names.skipped.append(name)
@@ -197,3 +232,19 @@ def sort_names(hf_names: Iterable[str], n_layers: int) -> SortedNames:
         else:
             sorted_names.unmapped.append(name)
     return sorted_names
+
+
+def _sort_mtp_name(name: str, n_layers: int, mtp: bool, sorted_names: SortedNames) -> None:
+    layer = layer_of(name)
+    assert layer is not None  # is_extra_layer found it
+    rest = text_name(name).removeprefix(f"model.layers.{layer}.")
+    if not mtp or rest in MTP_SHARED_COPIES:
+        sorted_names.left_out.append(name)
+        return
+    sorted_names.mtp_layers = max(sorted_names.mtp_layers, layer - n_layers + 1)
+    if (key := routed_expert_key(name)) is not None:
+        sorted_names.routed[key] = name
+    elif (target := mtp_engine_name(name, n_layers)) is not None:
+        sorted_names.dense[name] = target
+    else:
+        sorted_names.unmapped.append(name)

@@ -198,7 +198,9 @@ class Container:
         return value
 
     def _parse_layers(self, layers: Any) -> tuple[int, ...]:
-        n_layers = self._config_int("num_hidden_layers")
+        # MTP modules' blocks (engine/mtp.py) follow the last layer, as many as the model ships
+        mtp = self.model_config.get("num_nextn_predict_layers", 0)
+        n_layers = self._config_int("num_hidden_layers") + (mtp if type(mtp) is int and mtp > 0 else 0)
         ok = isinstance(layers, list) and all(type(x) is int and 0 <= x < n_layers for x in layers)
         if not ok or len(set(layers)) != len(layers):
             raise FormatError(

@@ -29,6 +29,7 @@ examples:
   colibri-stream convert ~/hf/Kimi-K2-Thinking k2t.cstream                   # its int4 g32 experts as shipped
   colibri-stream convert ~/hf/Kimi-K2 kimi.cstream --experts int8 --group-size 128
   colibri-stream convert tiny-hf tiny.cstream --experts f32 --dense f32      # lossless, for exactness tests
+  colibri-stream convert ~/hf/GLM-5 glm5.cstream --no-mtp                    # without the MTP layer (no drafting)
 exit status: 0 when the container is complete, 1 on a user error (unreadable source, mismatched resume),
 2 on bad flags. Interrupted? Run the same command again: it resumes."""
 
@@ -77,7 +78,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    options = ConvertOptions(experts=args.experts, group_size=args.group_size, dense=args.dense)
+    options = ConvertOptions(experts=args.experts, group_size=args.group_size, dense=args.dense, mtp=not args.no_mtp)
     check_output_dir(args.dst, "the destination container")
     if not (args.no_space_check or complete_container(Path(args.dst))):  # `plan`'s size, less what is written
         side = [(Path(args.src) / name).stat().st_size for name in COPIED_FILES if (Path(args.src) / name).is_file()]

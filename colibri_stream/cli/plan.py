@@ -28,13 +28,17 @@ examples:
   colibri-stream plan config.json                      # before the download: DeepSeek-V3's config.json is enough
   colibri-stream plan config.json --context 32768 --ram 16GiB   # KV and activations for 32k tokens, not 163,840
   colibri-stream plan HF_DIR --ram 48GiB --vram 24GiB  # as `convert` would write it (--experts int4 --group-size 64)
+  colibri-stream plan config.json --no-mtp             # without the multi-token-prediction layer DeepSeek-V3 ships
   colibri-stream plan MODEL.cstream --ram 25%
   colibri-stream plan MODEL.cstream --budget budgets/workstation-128g-24gvram.toml --dtype bfloat16 --json
 
 PATH is a container, a Hugging Face checkpoint directory, or a config.json (the file, or a directory
 holding it); for the last two every number is computed from the config, for the container
---experts/--group-size/--dense would write. KV and prefill activations are sized for --context tokens
-(default: the budget file's [kv] context, else the model's max_position_embeddings, the most it may be).
+--experts/--group-size/--dense/--no-mtp would write: the multi-token-prediction layer a DeepSeek-V3/R1 or
+GLM-5 config ships (num_nextn_predict_layers; a checkpoint: the one its shards hold) is counted in the
+dense and expert bytes unless --no-mtp, and one line says what it adds. KV and prefill activations are
+sized for --context tokens (default: the budget file's [kv] context, else the model's
+max_position_embeddings, the most it may be).
 Without --ram or --budget the RAM tier is `--ram auto`: what is available (MemAvailable) after dense
 weights, KV and activations at that context, less 10%.
 

@@ -75,7 +75,7 @@ def run_pull(args: argparse.Namespace) -> int:
         out=out,
         revision=args.revision,
         download_dir=Path(args.download_dir) if args.download_dir else None,
-        target=ConvertOptions(experts=args.experts, group_size=args.group_size, dense=args.dense),
+        target=ConvertOptions(experts=args.experts, group_size=args.group_size, dense=args.dense, mtp=not args.no_mtp),
         in_flight=args.in_flight,
         keep_download=args.keep_download,
         force=args.force,

@@ -65,21 +65,32 @@ class Plan:
     skipped: list[str]  # a wrapped multimodal checkpoint's vision tensors (text model only)
 
 
-def plan_conversion(source: HFSource) -> Plan:
+def _dense_unit_layer(engine_name: str, n_layers: int) -> int | None:
+    """The layer whose unit converts a dense tensor: layers.N -> N, an MTP module's mtp.I -> n_layers + I,
+    None for the globals."""
+    kind, _, rest = engine_name.partition(".")
+    if kind == "layers":
+        return int(rest.split(".")[0])
+    if kind == "mtp":
+        return n_layers + int(rest.split(".")[0])
+    return None
+
+
+def plan_conversion(source: HFSource, mtp: bool = True) -> Plan:
     """Map every source tensor to a unit; refuse tensors the engine would not consume."""
     args = ModelArgs.from_hf_config(source.dense_config())
     dense_by_layer: dict[int | None, list[tuple[str, str]]] = defaultdict(list)
     experts: dict[int, dict[int, dict[str, str]]] = defaultdict(lambda: defaultdict(dict))
-    names = sort_names(source.tensor_names, args.n_layers)
+    names = sort_names(source.tensor_names, args.n_layers, mtp)
+    args = args.with_mtp_layers(names.mtp_layers)
     for (layer, expert, proj), name in names.routed.items():
         experts[layer][expert][proj] = name
     for name, target in names.dense.items():
-        dense_layer = int(target.split(".")[1]) if target.startswith("layers.") else None
-        dense_by_layer[dense_layer].append((name, target))
+        dense_by_layer[_dense_unit_layer(target, args.n_layers)].append((name, target))
     check_dense_names(args, names.unmapped, set(names.dense.values()), str(source.path))
     _check_experts(args, experts, source)
     units = []
-    for layer in range(args.n_layers):
+    for layer in range(args.n_layers + args.n_mtp_layers):
         units.append(Unit(f"layer.{layer:03d}.dense", tuple(sorted(dense_by_layer[layer]))))
         if args.is_moe(layer):
             units.append(Unit(f"layer.{layer:03d}.experts", experts_layer=layer))
@@ -128,7 +139,7 @@ class Converter:
         self.dst = Path(dst)
         self.options = options
         self.progress = progress
-        self.plan = plan_conversion(self.source)
+        self.plan = plan_conversion(self.source, options.mtp)
         args = self.plan.args
         packed = self.source.packed
         scheme, group_size = options.expert_kind(packed, self.source.scale_dtype)

@@ -82,7 +82,7 @@ class HFSource:
         self.stored_bytes = {name: info.nbytes for name, info in logical.items()}  # bytes on disk, for progress
         args = ModelArgs.from_hf_config(self.dense_config())
         names = sort_names(self.tensor_names, args.n_layers)
-        check_tensors(args, names, self.shapes, str(self.path), self.dense_config())
+        check_tensors(args.with_mtp_layers(names.mtp_layers), names, self.shapes, str(self.path), self.dense_config())
         if self.block:
             self._check_fp8_scales({name: info.dtype for name, (_, info) in table.items()}, self.block)
 

@@ -137,6 +137,7 @@ TINY_SPECS: dict[str, TinySpec] = {
             topk_group=1,
             routed_scaling_factor=2.827,
             rope_parameters=dict(_YARN, rope_theta=50000.0),
+            num_nextn_predict_layers=0,  # as Kimi-K2's config.json says (it ships no MTP layer)
         ),
         legacy_rope=True,
         seed=1,

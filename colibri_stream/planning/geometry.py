@@ -10,20 +10,20 @@ model, the record size from storage.layout.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeGuard
 
 from colibri_stream.checkpoint.dtypes import stored_dense_dtype
-from colibri_stream.checkpoint.files import read_json_object
+from colibri_stream.checkpoint.files import read_header, read_json_object, shard_files
 from colibri_stream.checkpoint.packed_quant import PackedFormat, packed_format
 from colibri_stream.checkpoint.wrapped_configs import text_model_config
 from colibri_stream.errors import USER_ERRORS, CheckpointError, ColibriError
-from engine.args import ConfigError, ModelArgs
+from engine.args import ConfigError, ModelArgs, shipped_mtp_layers
 from engine.config_checks import brief
 from engine.families import meta_transformer
-from engine.weights import check_complete
+from engine.weights import check_complete, sort_names
 from storage.container import Container, is_container
 from storage.errors import FormatError
 from storage.layout import SCHEMES, ExpertRecordLayout
@@ -41,6 +41,7 @@ DEFAULT_EXPERTS = AUTO
 REQUANTISED_EXPERTS = "int4"  # what auto means for a float (or FP8) source
 DEFAULT_GROUP_SIZE = 64
 DEFAULT_DENSE = "bf16"
+MTP_PREFIX = "mtp."  # the engine parameters of the multi-token-prediction modules (engine/mtp.py)
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class ContainerTarget:
     experts: str = DEFAULT_EXPERTS
     group_size: int | None = None
     dense: str = DEFAULT_DENSE
+    mtp: bool = True  # keep the multi-token-prediction modules the checkpoint ships (engine/mtp.py)
 
     def __post_init__(self) -> None:
         if self.experts not in EXPERT_SCHEMES:
@@ -118,6 +120,7 @@ class ModelGeometry:
     n_moe_layers: int
     experts_per_layer: int
     minimum_slots: int  # the store's floor of RAM slots
+    mtp_left_out: int  # MTP modules the model ships that are not held (mtp_not_held)
 
     @property
     def record_bytes(self) -> int:
@@ -133,8 +136,14 @@ class ModelGeometry:
 
     @property
     def active_records_per_token(self) -> int:
-        """Routed experts one decode token reads: top-k per MoE layer."""
-        return self.n_moe_layers * self.args.n_activated_experts
+        """Routed experts one decode token reads: top-k per MoE layer of the main model (an MTP module's
+        block runs only when drafting, which is opt-in)."""
+        return (self.n_moe_layers - self.args.n_mtp_layers) * self.args.n_activated_experts
+
+    @property
+    def mtp_records(self) -> int:
+        """The expert records of the MTP modules' blocks (layer ids n_layers..)."""
+        return self.args.n_mtp_layers * self.experts_per_layer
 
 
 def config_floor(args: ModelArgs) -> int:
@@ -152,11 +161,41 @@ def dequantised_config(config: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in config.items() if k != "quantization_config"}
 
 
+def mtp_layers_held(dense_names: Iterable[str]) -> int:
+    """The MTP modules a container holds: those whose joining projection (mtp.I.eh_proj) is stored."""
+    return sum(1 for name in dense_names if name.startswith(MTP_PREFIX) and name.endswith(".eh_proj.weight"))
+
+
+def planned_mtp_layers(
+    config: Mapping[str, Any], args: ModelArgs, target: ContainerTarget, tensor_names: Iterable[str] | None
+) -> int:
+    """The MTP modules a conversion keeps: none with --no-mtp (nor DeepSeek-V4's, kept arrays that are never
+    run: engine/mtp.py); else those the checkpoint's tensors hold (convert's rule, engine.weights.sort_names),
+    or before the download (``tensor_names`` None) those its config ships."""
+    if not target.mtp or args.v4 is not None:
+        return 0
+    if tensor_names is None:
+        return shipped_mtp_layers(config)
+    return sort_names(tensor_names, args.n_layers).mtp_layers
+
+
+def mtp_not_held(config: Mapping[str, Any], args: ModelArgs) -> int:
+    """The MTP modules the model ships (its config says) that ``args`` do not hold: left out by --no-mtp,
+    or absent from the checkpoint. DeepSeek-V4's are not counted (never run)."""
+    return 0 if args.v4 is not None else max(0, shipped_mtp_layers(config) - args.n_mtp_layers)
+
+
+def checkpoint_tensor_names(directory: Path) -> list[str]:
+    """Every tensor name of a checkpoint directory's shards (their headers; no tensor is read)."""
+    return [name for shard in shard_files(directory) for name in read_header(shard)]
+
+
 def container_args(container: Container) -> ModelArgs:
     """The model a container describes, after checking its dense table and expert layers against it:
     the layer count against the layers the table holds before anything is built per layer, then every
     name and shape against the meta-device model. A container `verify` passes can be loaded."""
     args = ModelArgs.from_hf_config(container.model_config)
+    args = args.with_mtp_layers(mtp_layers_held(container.dense))
     where = f"{container.path}: model_config"
     present = {name.split(".")[1] for name in container.dense if name.startswith("layers.")}
     if args.n_layers > len(present):
@@ -202,16 +241,23 @@ def geometry_from_container(container: Container) -> ModelGeometry:
         n_moe_layers=len(container.moe_layers),
         experts_per_layer=container.n_experts,
         minimum_slots=minimum_slots(container),
+        mtp_left_out=mtp_not_held(container.model_config, args),
     )
 
 
 def geometry_from_config(
-    config: Mapping[str, Any], target: ContainerTarget, kind: str = "config", source: str | Path = "."
+    config: Mapping[str, Any],
+    target: ContainerTarget,
+    kind: str = "config",
+    source: str | Path = ".",
+    tensor_names: Iterable[str] | None = None,
 ) -> ModelGeometry:
     """The geometry of the container `convert` would write from a checkpoint with this config.json (a
     compressed-tensors source sized at the record kind its experts convert to; its scales taken to be
-    bfloat16: float16 ones make a record of the same size)."""
+    bfloat16: float16 ones make a record of the same size), with the MTP modules ``planned_mtp_layers``
+    keeps: ``tensor_names`` are the checkpoint's where its shards are here (None: the config's word)."""
     args = ModelArgs.from_hf_config(dequantised_config(config))
+    args = args.with_mtp_layers(planned_mtp_layers(config, args, target, tensor_names))
     packed = packed_format(config, source)
     scheme, group_size = target.expert_kind(packed)
     layout = ExpertRecordLayout.build(scheme, args.dim, args.moe_inter_dim, group_size)
@@ -235,6 +281,7 @@ def geometry_from_config(
         n_moe_layers=len(args.moe_layers),
         experts_per_layer=args.n_routed_experts,
         minimum_slots=config_floor(args),
+        mtp_left_out=mtp_not_held(config, args),
     )
 
 
@@ -247,8 +294,10 @@ def model_geometry(path: str | Path, target: ContainerTarget | None = None) -> M
     config_path = path / "config.json" if path.is_dir() else path
     if not config_path.is_file():
         raise CheckpointError(f"{path}: neither a container, a checkpoint directory nor a config.json")
-    kind = "checkpoint" if path.is_dir() and any(path.glob("*.safetensors")) else "config"
-    return geometry_from_config(read_json_config(config_path), target, kind, config_path.parent)
+    if path.is_dir() and any(path.glob("*.safetensors")):  # the MTP layers its shards hold, as convert keeps them
+        config = read_json_config(config_path)
+        return geometry_from_config(config, target, "checkpoint", path, checkpoint_tensor_names(path))
+    return geometry_from_config(read_json_config(config_path), target, "config", config_path.parent)
 
 
 def read_json_config(path: Path) -> dict[str, Any]:

@@ -8,7 +8,9 @@ Expected decode speed (``expected_speed``), from this machine's measured bandwid
     fastest (every routed expert hit)    = 1 / (bytes touched per token / memory bandwidth)
     bytes touched per token = dense weights a decode step reads (all but the embedding table)
                               + top-k expert records per MoE layer
-Compute, the KV cache and the VRAM tier are left out: the range bounds a memory-bound decode.
+Compute, the KV cache and the VRAM tier are left out: the range bounds a memory-bound decode. A model's
+MTP modules (engine/mtp.py) are held, in the dense and expert bytes, but a plain decode step does not
+run them (drafting is opt-in): they are not in the bytes per token.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from colibri_stream.checkpoint.dtypes import dtype_bytes as dtype_bytes_of
 from colibri_stream.errors import BudgetError
 from colibri_stream.planning.activations import PREFILL_CHUNK_TOKENS, prefill_activation_bytes
 from colibri_stream.planning.bandwidth import Bandwidth
-from colibri_stream.planning.geometry import DenseArray, ModelGeometry
+from colibri_stream.planning.geometry import MTP_PREFIX, DenseArray, ModelGeometry
 from colibri_stream.planning.kv_bytes import cache_bytes_per_token, held_rows_bytes
 from engine.args import ModelArgs
 from engine.bf16 import bf16_candidates, bf16_kernel_available
@@ -65,6 +67,13 @@ class Placement:
     expected_peak_rss_bytes: int
     machine_ram_bytes: int
     available_ram_bytes: int
+    # The multi-token-prediction modules (speculative decoding's drafter), counted in dense_bytes and
+    # expert_bytes above; mtp_left_out: those the model ships that are not held (--no-mtp, or not in the
+    # checkpoint)
+    mtp_layers: int
+    mtp_dense_bytes: int
+    mtp_expert_bytes: int
+    mtp_left_out: int
 
 
 @dataclass(frozen=True)
@@ -144,7 +153,9 @@ def plan(
     args, record = geometry.args, geometry.record_bytes
     resident = resident_bytes(geometry, dtype)
     dense = sum(resident.values())
-    per_token = dense - resident.get(EMBEDDING, 0) + (args.dim * dtype_bytes_of(dtype) if EMBEDDING in resident else 0)
+    mtp_dense = sum(size for name, size in resident.items() if name.startswith(MTP_PREFIX))
+    embedding_row = args.dim * dtype_bytes_of(dtype) if EMBEDDING in resident else 0
+    per_token = dense - mtp_dense - resident.get(EMBEDDING, 0) + embedding_row
     kv_token = cache_bytes_per_token(args, dtype)
     ram_slots = min(slots_for(config.ram_bytes, record), geometry.total_records)
     vram_slots = min(slots_for(config.vram_bytes, record), geometry.total_records)
@@ -187,6 +198,10 @@ def plan(
         expected_peak_rss_bytes=RUNTIME_BASELINE_BYTES + dense + ram_slots * record + kv_max + activations,
         machine_ram_bytes=machine.total_bytes,
         available_ram_bytes=machine.available_bytes,
+        mtp_layers=args.n_mtp_layers,
+        mtp_dense_bytes=mtp_dense,
+        mtp_expert_bytes=geometry.mtp_records * record,
+        mtp_left_out=geometry.mtp_left_out,
     )
 
 
@@ -257,8 +272,27 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
+def mtp_line(placement: Placement) -> str | None:
+    """What the multi-token-prediction modules add, or that they are left out; None for a model without."""
+    p = placement
+    if p.mtp_layers:
+        layers, them = ("1 layer", "it") if p.mtp_layers == 1 else (f"{p.mtp_layers} layers", "them")
+        return (
+            f"multi-token prediction       {layers} for speculative decoding: {_gib(p.mtp_dense_bytes)} dense + "
+            f"{_gib(p.mtp_expert_bytes)} routed experts of the sizes above (--no-mtp leaves {them} out)"
+        )
+    if p.mtp_left_out:
+        layers = "1 layer" if p.mtp_left_out == 1 else f"{p.mtp_left_out} layers"
+        return (
+            f"multi-token prediction       none: the model ships {layers}, left out (--no-mtp, or not in the "
+            "checkpoint); no speculative decoding"
+        )
+    return None
+
+
 def describe(placement: Placement, speed: Speed | None = None) -> str:
     p = placement
+    mtp = mtp_line(p)
     lines = [
         f"model                        {p.model}",
         f"dense weights (resident)     {_gib(p.dense_bytes)} ({_gib(p.dense_bytes_per_token)} read per token)",
@@ -269,6 +303,7 @@ def describe(placement: Placement, speed: Speed | None = None) -> str:
         f"tokens, at {p.max_context} tokens)",
         f"routed experts (on disk)     {_gib(p.expert_bytes)}: {p.moe_layers} layers x {p.experts_per_layer} "
         f"records of {p.expert_record_bytes / 2**20:.2f} MiB, {p.experts_per_token} per token",
+        *([mtp] if mtp else []),  # beside the bytes it adds to
         f"RAM tier                     {_gib(p.ram_budget_bytes)}: {p.ram_slots} slots (min {p.minimum_ram_slots})",
         f"VRAM tier                    {_gib(p.vram_budget_bytes)} = {p.vram_slots} slots",
         f"experts cached               {p.cached_fraction:.1%}",

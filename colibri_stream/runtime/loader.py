@@ -43,7 +43,8 @@ from engine.bf16 import hold_in_bf16, linear_candidates
 from engine.experts import Expert, ExpertWeights
 from engine.families import meta_transformer
 from engine.int8_dense import hold_in_int8
-from engine.interfaces import Model
+from engine.interfaces import Drafter, Model
+from engine.model import Transformer
 from engine.quant import QuantizedMatrix
 from engine.weights import SortedNames, check_complete, layer_of, sort_names
 from storage.buffers import aligned_empty
@@ -61,6 +62,11 @@ class LoadedModel:
     args: ModelArgs
     model: Model[Any]
     experts: ExpertStore
+
+    @property
+    def drafter(self) -> Drafter | None:
+        """The model as a drafter, where it has MTP modules loaded (engine/mtp.py)."""
+        return self.model if isinstance(self.model, Transformer) and self.model.drafts else None
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
@@ -231,6 +237,7 @@ def load_checkpoint(
     args = ModelArgs.from_hf_config(config)
     table = tensor_table(path, WEIGHT_DTYPES)
     names = sort_names(table, args.n_layers)
+    args = args.with_mtp_layers(names.mtp_layers)
     shapes = {name: info.shape for name, (_, info) in table.items()}
     model = check_tensors(args, names, shapes, str(path), config)
     # (kind, target): a dense name, or a routed (layer, expert, proj); Any: the kind says which

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from colibri_stream.runtime.loader import CheckpointError, load_checkpoint
-from engine.weights import WeightNameError, engine_name, routed_expert_key
+from engine.weights import WeightNameError, engine_name, routed_expert_key, sort_names
 
 
 def _copy_with(tmp_path, source, edit):
@@ -55,8 +55,9 @@ def test_missing_routed_expert_is_refused(tmp_path, tiny_checkpoints):
         load_checkpoint(path)
 
 
-def test_multi_token_prediction_layers_are_skipped(tmp_path, tiny_checkpoints):
-    """DeepSeek-V3 ships an MTP layer as model.layers.<num_hidden_layers>; inference ignores it."""
+def test_a_broken_multi_token_prediction_layer_is_refused_naming_the_tensor(tmp_path, tiny_checkpoints):
+    """DeepSeek-V3 ships an MTP layer as model.layers.<num_hidden_layers>: it is loaded (engine/mtp.py), so a
+    wrong one is an error naming the tensor; ``sort_names(mtp=False)`` (convert --no-mtp) leaves it out."""
     source = tiny_checkpoints["deepseek_v3"]
 
     def add_mtp(tensors):
@@ -64,13 +65,11 @@ def test_multi_token_prediction_layers_are_skipped(tmp_path, tiny_checkpoints):
             tensors[name.replace("model.layers.2.", "model.layers.3.")] = tensors[name].clone()
         tensors["model.layers.3.eh_proj.weight"] = torch.ones(4, 4)
 
-    baseline = load_checkpoint(source)
-    loaded = load_checkpoint(_copy_with(tmp_path, source, add_mtp))
-    ids = torch.tensor([[3, 4, 5, 6]])
-    assert torch.equal(
-        loaded.model(ids, 0, loaded.model.new_cache(), loaded.experts),
-        baseline.model(ids, 0, baseline.model.new_cache(), baseline.experts),
-    )
+    broken = _copy_with(tmp_path, source, add_mtp)
+    with pytest.raises(WeightNameError, match=r"parameter\(s\) missing, e\.g\. \['mtp\.0\.enorm\.weight'"):
+        load_checkpoint(broken)
+    names = sort_names(["model.layers.3.eh_proj.weight", "model.layers.3.mlp.experts.0.up_proj.weight"], 3, mtp=False)
+    assert names.mtp_layers == 0 and not names.dense and not names.routed and len(names.left_out) == 2
 
 
 def test_not_a_checkpoint_directory(tmp_path):
