@@ -22,6 +22,7 @@ from colibri_stream.planning.geometry import (
     ContainerTarget,
 )
 from colibri_stream.runtime.generate import SamplingParams
+from colibri_stream.runtime.mtp_governor import MODES, MTPOptions
 from colibri_stream.runtime.session_lock import SessionWait
 from colibri_stream.runtime.turn import RuntimeOptions
 from storage.kvlog import RECORD_DTYPES
@@ -80,7 +81,8 @@ def parse_size_flag(text: str) -> str:
 
 
 def add_target_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """--experts, --group-size, --dense: the container a conversion writes (`convert`) or would write (`plan`)."""
+    """--experts, --group-size, --dense, --no-mtp: the container a conversion writes (`convert`, `pull`) or
+    would write (`plan`)."""
     parser.add_argument(
         "--experts",
         choices=EXPERT_SCHEMES,
@@ -102,10 +104,18 @@ def add_target_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
     parser.add_argument(
         "--dense", choices=DENSE_SCHEMES, default=DEFAULT_DENSE, help=f"dense-weight format (default {DEFAULT_DENSE})"
     )
+    parser.add_argument(
+        "--no-mtp",
+        action="store_true",
+        help=(
+            "leave out the multi-token-prediction layer the checkpoint ships (DeepSeek-V3/R1, GLM-5): smaller "
+            "container, no speculative decoding"
+        ),
+    )
 
 
 def target_options(args: argparse.Namespace) -> ContainerTarget:
-    return ContainerTarget(experts=args.experts, group_size=args.group_size, dense=args.dense)
+    return ContainerTarget(experts=args.experts, group_size=args.group_size, dense=args.dense, mtp=not args.no_mtp)
 
 
 DEFAULTS = Budget()  # what the store flags default to without a budget file
@@ -281,10 +291,30 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
         "lossy: +0.2%% held-out perplexity on the demo model, docs/quantization.md)",
     )
     add_context_argument(parser)
+    add_mtp_arguments(parser)
     add_session_arguments(parser)
     add_prefix_arguments(parser)
     add_store_arguments(parser)
     add_cluster_arguments(parser)
+
+
+def add_mtp_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("multi-token prediction (DeepSeek-V3/R1, GLM-5 MTP modules)")
+    group.add_argument(
+        "--mtp",
+        choices=MODES,
+        default=MTPOptions.mode,
+        help="draft tokens with the model's MTP module and verify them in one pass: auto (default) drafts only "
+        "when the measured acceptance, hit rate, disk wait and row cost say it is faster; on: always; off: never. "
+        "The tokens are those of plain decoding either way (greedy identical, sampling the same distribution)",
+    )
+    group.add_argument(
+        "--mtp-depth",
+        type=positive_int,
+        default=MTPOptions.max_depth,
+        metavar="K",
+        help=f"most tokens drafted per step (default {MTPOptions.max_depth}; the module is re-applied past the first)",
+    )
 
 
 def prefix_size_flag(text: str) -> str:
@@ -332,6 +362,7 @@ def runtime_options(args: argparse.Namespace, text: bool = True, model_id: str |
         text=text,
         cluster=cluster_options(args),
         prefix=prefix_config(args.budget, args.prefix_ram, args.prefix_disk, args.prefix_cache),
+        mtp=MTPOptions(args.mtp, args.mtp_depth),
     )
 
 

@@ -23,13 +23,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import Any, cast
 
 import torch
 
 from colibri_stream.errors import RequestError
 from colibri_stream.planning.activations import PREFILL_CHUNK_TOKENS, PREFILL_WINDOW_CHUNKS
-from colibri_stream.runtime.sampling import SamplingParams, TokenLogprob, sample, token_logprobs
+from colibri_stream.runtime.sampling import SamplingParams, TokenLogprob, sample, sample_against, token_logprobs
+from colibri_stream.runtime.speculation import DraftedSequence, DraftState, Speculation
 from engine.experts import Experts
 from engine.interfaces import Cache, Model
 
@@ -40,6 +42,9 @@ class GenerationStats:
     decode_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    decode_steps: int = 0  # decode forwards (with MTP drafts, one may yield several tokens)
+    drafted: int = 0  # tokens drafted by the MTP module and verified
+    accepted: int = 0  # drafted tokens the model chose too
 
     @property
     def decode_tok_per_s(self) -> float:
@@ -53,6 +58,7 @@ class GenerationStats:
             "decode_s": round(self.decode_s, 6),
             "ttft_s": round(self.prefill_s, 6),
             "decode_tok_per_s": round(self.decode_tok_per_s, 3),
+            "decode_steps": self.decode_steps,
         }
 
 
@@ -102,10 +108,21 @@ class Generation:
         self.error: BaseException | None = None
         self.started = time.perf_counter()
         self.first_token_at: float | None = None
+        self.drafting: DraftState | None = None  # with a Speculation: made at the first decode step
 
-    def take(self, logits: torch.Tensor) -> None:
-        """Sample from this sequence's logits [vocab]; finish on a stop id, max tokens or should_stop."""
-        token = sample(logits, self.request.sampling, self.generator)
+    def choose(self, logits: torch.Tensor, draft: int | None = None) -> int:
+        """The token this sequence samples from logits [vocab]; with a drafted token proposed, by the
+        rejection rule (``sample_against``: the same distribution)."""
+        sampling = self.request.sampling
+        if draft is None:
+            return sample(logits, sampling, self.generator)
+        return sample_against(logits, sampling, self.generator, draft)
+
+    def take(self, logits: torch.Tensor, token: int | None = None) -> int:
+        """Take ``token`` (default: one sampled from logits [vocab], the distribution it was drawn from);
+        finish on a stop id, max tokens or should_stop. Returns the token."""
+        if token is None:
+            token = self.choose(logits)
         if self.request.logprobs is not None:  # before on_token, which may pass it on
             self.result.logprobs += token_logprobs(logits[None], [token], self.request.logprobs)
         now = time.perf_counter()
@@ -123,8 +140,14 @@ class Generation:
             self.result.stopped_on = token
         elif len(self.result.ids) < self.request.max_new_tokens and not self.poll_cancel():
             self.next_token = token
-            return
+            return token
         self.done = True
+        return token
+
+    @property
+    def room(self) -> int:
+        """Tokens it may still take."""
+        return self.request.max_new_tokens - len(self.result.ids)
 
     def end_at_prompt(self) -> None:
         """A request for no tokens (only its prompt's logprobs) ends when its prompt is read."""
@@ -140,8 +163,15 @@ class Generation:
 class ContinuousBatch:
     """Sequences decoded together; ``step`` advances all of them and returns those that finished."""
 
-    def __init__(self, model: Model[Any], experts: Experts, prefill_chunk: int = PREFILL_CHUNK_TOKENS):
+    def __init__(
+        self,
+        model: Model[Any],
+        experts: Experts,
+        prefill_chunk: int = PREFILL_CHUNK_TOKENS,
+        speculation: Speculation | None = None,
+    ):
         self.model, self.experts, self.prefill_chunk = model, experts, prefill_chunk
+        self.speculation = speculation  # decode drafts with the model's MTP module (runtime/speculation.py)
         self.active: list[Generation] = []
 
     def __len__(self) -> int:
@@ -225,13 +255,36 @@ class ContinuousBatch:
             generation.request.on_prompt_chunk()
 
     def _decode(self, generations: list[Generation]) -> None:
-        tokens = [g.next_token for g in generations]
+        # a generation being decoded has its next token (None only before its prompt is done)
+        tokens = [cast(int, g.next_token) for g in generations]
         for g in generations:
             g.next_token = None
-        # a generation being decoded has its next token (None only before its prompt is done)
-        logits = self.model.forward_rows(tokens, [g.cache for g in generations], self.experts)  # type: ignore[arg-type]
+            g.result.stats.decode_steps += 1
+        if self.speculation is not None:
+            self._speculate(self.speculation, generations, tokens)
+            return
+        logits = self.model.forward_rows(tokens, [g.cache for g in generations], self.experts)
         for generation, row in zip(generations, logits, strict=True):
             generation.take(row)
+
+    def _speculate(self, speculation: Speculation, generations: list[Generation], tokens: list[int]) -> None:
+        """The decode pass with drafts (runtime/speculation.py): a generation may take several tokens."""
+        states = []
+        for g in generations:
+            g.drafting = g.drafting or speculation.new_state()
+            states.append(g.drafting)
+
+        def take(index: int, logits: torch.Tensor, token: int) -> bool:
+            generations[index].take(logits, token)  # sets next_token to it while going on
+            return not generations[index].done
+
+        sequences = [
+            DraftedSequence(g.cache, token, state, g.choose, partial(take, i), g.room, g.stop)
+            for i, (g, token, state) in enumerate(zip(generations, tokens, states, strict=True))
+        ]
+        for g, (drafted, accepted) in zip(generations, speculation.step(sequences, self.experts), strict=True):
+            g.result.stats.drafted += drafted
+            g.result.stats.accepted += accepted
 
     @staticmethod
     def _guarded(generations: list[Generation], work: Callable[[list[Generation]], None]) -> None:

@@ -32,12 +32,32 @@ GREEDY_BELOW = float(torch.finfo(torch.float32).tiny)  # temperatures under this
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Pick one id from logits [vocab] (float32). The logits are shifted so the best is 0 before the
-    division: every scaled value is then <= 0, so a tiny temperature cannot overflow to inf (inf - inf
-    made NaN probabilities); other tokens underflow to probability 0, which is greedy, as it should
-    be. Below float32's smallest normal the temperature itself would round to 0: greedy outright."""
+    """Pick one id from logits [vocab] (float32): greedy, or drawn from ``distribution``."""
     if params.temperature < GREEDY_BELOW:
         return int(logits.argmax())
+    return int(torch.multinomial(distribution(logits, params), 1, generator=generator))
+
+
+def sample_against(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None, draft: int) -> int:
+    """``sample`` where a drafted token is proposed (speculative decoding): greedy returns the best id (the
+    draft is accepted when that is it); otherwise the standard rejection rule for a draft proposed with
+    certainty: keep it with probability p(draft), else draw from p with the draft removed. The id
+    returned has exactly ``sample``'s distribution, and equals ``draft`` iff the draft was accepted."""
+    if params.temperature < GREEDY_BELOW:
+        return int(logits.argmax())
+    probs = distribution(logits, params)
+    if float(torch.rand((), generator=generator)) < float(probs[draft]):
+        return draft
+    probs[draft] = 0  # p(draft) < 1 here (else the draw above kept it): some other id has mass
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The probabilities [vocab] a non-greedy ``sample`` draws from: temperature, then top-p. The logits
+    are shifted so the best is 0 before the division: every scaled value is then <= 0, so a tiny
+    temperature cannot overflow to inf (inf - inf made NaN probabilities); other tokens underflow to
+    probability 0, which is greedy, as it should be. Below float32's smallest normal the temperature
+    itself would round to 0: ``sample`` is greedy outright there."""
     shifted = logits.float() - logits.max().float()
     probs = (shifted / params.temperature).softmax(dim=-1)
     if params.top_p < 1:
@@ -47,7 +67,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         outside[0] = False  # a top_p that rounds to 0 in float32 must not remove the best one too
         sorted_probs[outside] = 0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return probs
 
 
 @dataclass(frozen=True)

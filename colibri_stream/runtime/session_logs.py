@@ -76,7 +76,8 @@ class SessionLog(Protocol):
         ...
 
     def append_from(self, cache: Cache, token_ids: list[int], bookmark: int | None = None) -> None:
-        """Log the cache's positions length..cache.length (token_ids[i]: the token at position i); fsync.
+        """Log the cache's positions length..cache.length, those whose token is known (token_ids[i]: the token
+        at position i; a drafting step's cache may hold rows ahead of the tokens taken so far); fsync.
         ``bookmark``: a position (the turn's last prompt position) whose state a lean log keeps too, so
         the turn's answer can be regenerated or edited from there."""
         ...
@@ -112,7 +113,7 @@ class RecordLog:
         return cache_from_payloads(payloads, self.file.geometry, self.args, dtype)
 
     def append_from(self, cache: Cache, token_ids: list[int], bookmark: int | None = None) -> None:
-        start, end = self.file.length, cache.length
+        start, end = self.file.length, min(cache.length, len(token_ids))
         tokens = np.asarray(token_ids[start:end], dtype=np.uint32)
         self.file.append(tokens, cache_payloads(cache, start, end, self.file.geometry))
 
@@ -159,7 +160,7 @@ class LeanSessionLog:
         return family_of(self.args).cache_from_snapshot(entries, window, position, dtype)
 
     def append_from(self, cache: Cache, token_ids: list[int], bookmark: int | None = None) -> None:
-        start, end, dtype = self.file.length, cache.length, self.file.geometry.dtype
+        start, end, dtype = self.file.length, min(cache.length, len(token_ids)), self.file.geometry.dtype
         tokens = np.asarray(token_ids[start:end], dtype=np.uint32)
         entries = [_as_bytes(rows, dtype) for rows in cache.log_entries(start, end)]
         due = self.file.snapshots_due(end)

@@ -230,7 +230,7 @@ class Session:
 
     def end_turn(self, cache: Cache, token_ids: list[int]) -> int:
         """Append positions the log lacks (token_ids[i] is the token at position i); fsync. Returns count."""
-        start, end = self.log.length, cache.length
+        start, end = self.log.length, min(cache.length, len(token_ids))
         if end > start:
             self.log.append_from(cache, token_ids, self.bookmark)
         self._keep_unlogged_rows(cache)

@@ -27,13 +27,14 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from colibri_stream.checkpoint.fingerprint import model_fingerprint
-from colibri_stream.errors import RequestError, TokenizerError
+from colibri_stream.errors import ColibriError, RequestError, TokenizerError
 from colibri_stream.experts.cluster.group import ClusterOptions
 from colibri_stream.experts.store import ExpertStore
 from colibri_stream.planning.budget import StoreOptions, planned_context
-from colibri_stream.runtime.batching import ContinuousBatch, GenerationRequest, GenerationResult
+from colibri_stream.runtime.batching import ContinuousBatch, GenerationRequest, GenerationResult, GenerationStats
 from colibri_stream.runtime.loader import LoadedModel, load
 from colibri_stream.runtime.memory import PeakWatch, SharedPeakSampler, disk_read_bytes, peak_rss_bytes
+from colibri_stream.runtime.mtp_governor import MTPOptions
 from colibri_stream.runtime.prefix_cache import (
     PrefixCache,
     PrefixHit,
@@ -44,6 +45,7 @@ from colibri_stream.runtime.prefix_cache import (
 from colibri_stream.runtime.sampling import SamplingParams
 from colibri_stream.runtime.session_pool import SessionPool
 from colibri_stream.runtime.sessions import Session, TurnStart, default_kv_dir, session_state
+from colibri_stream.runtime.speculation import Speculation
 from colibri_stream.text.chat_format import ChatFormat, PromptEncoder, load_chat_format, load_tokenizer
 from engine.interfaces import Cache, Model
 from engine.read_ahead import stop_read_ahead
@@ -63,6 +65,7 @@ class RuntimeOptions:
     text: bool = True  # load tokenizer.json and the chat template (False: token ids only)
     cluster: ClusterOptions = field(default_factory=ClusterOptions)  # routed experts held by worker processes
     prefix: PrefixConfig = field(default_factory=PrefixConfig)  # the shared prefix cache (prefix_cache.py)
+    mtp: MTPOptions = field(default_factory=MTPOptions)  # drafting with the model's MTP module, if it has one
 
 
 @dataclass
@@ -78,6 +81,7 @@ class Runtime:
     model_id: str = "model"
     prefix: PrefixCache | None = None  # the KV of earlier prompts' prefixes, shared by every turn
     context: int | None = None  # positions a turn may fill (budget.planned_context; None: the model's)
+    speculation: Speculation | None = None  # decode drafts with the model's MTP module (runtime/speculation.py)
 
     @property
     def context_size(self) -> int:
@@ -138,7 +142,21 @@ def load_runtime(path: str | Path, options: RuntimeOptions | None = None) -> Run
     model_id = options.model_id or Path(path).resolve().name
     prefix = open_prefix_cache(loaded, kv_dir, fingerprint, options) if options.prefix.enabled else None
     context = planned_context(options.store, loaded.args)  # refused beyond max_position_embeddings
-    return Runtime(loaded, tokenizer, chat, kv_dir, fingerprint, options.kv_dtype, model_id, prefix, context)
+    speculation = speculation_for(loaded, options.mtp)
+    return Runtime(
+        loaded, tokenizer, chat, kv_dir, fingerprint, options.kv_dtype, model_id, prefix, context, speculation
+    )
+
+
+def speculation_for(loaded: LoadedModel, options: MTPOptions) -> Speculation | None:
+    """Drafting for a model with an MTP module, unless ``options`` turn it off; ``on`` for a model without
+    one is refused (the user asked for something that cannot happen)."""
+    drafter = loaded.drafter
+    if drafter is None:
+        if options.mode == "on":
+            raise ColibriError(f"{loaded.path}: --mtp on, but the model has no multi-token-prediction module loaded")
+        return None
+    return None if options.mode == "off" else Speculation(drafter, options, loaded.experts.snapshot)
 
 
 def open_prefix_cache(loaded: LoadedModel, kv_dir: Path, fingerprint: str, options: RuntimeOptions) -> PrefixCache:
@@ -296,6 +314,8 @@ def finish_turn(turn: OpenTurn, result: GenerationResult, pool: SessionPool | No
     finally:
         turn.runtime.loaded.experts.end_turn()  # a failed turn's routings and trace are kept too
     stats = turn_stats(result, turn.start, turn.prefix_hit, wall, turn.recorder.report(), turn.uss.peak)
+    if turn.runtime.speculation is not None:
+        stats["mtp"] = mtp_stats(result.stats, turn.runtime.speculation)
     return TurnResult(result.ids, finish_reason(result), len(turn.prompt_ids), stats)
 
 
@@ -325,7 +345,7 @@ def run_turn(runtime: Runtime, prompt_ids: list[int], options: TurnOptions | Non
     """Generate one answer to ``prompt_ids``, continuing ``options.session``'s stored KV when given."""
     turn = begin_turn(runtime, prompt_ids, options or TurnOptions())
     model, store = runtime.loaded.model, runtime.loaded.experts
-    batch = ContinuousBatch(model, store)
+    batch = ContinuousBatch(model, store, speculation=runtime.speculation)
     generation = batch.add(turn.request)
     try:
         while batch:
@@ -361,6 +381,17 @@ def turn_stats(
         **experts,
         "peak_rss_bytes": peak_rss_bytes(),
         "peak_uss_bytes": peak_uss,
+    }
+
+
+def mtp_stats(stats: GenerationStats, speculation: Speculation) -> dict[str, Any]:
+    """The stats' ``mtp`` object: this turn's drafts, and the governor's state (since the model loaded)."""
+    return {
+        **speculation.governor.report(),
+        "drafted": stats.drafted,
+        "accepted": stats.accepted,
+        "acceptance_rate": round(stats.accepted / stats.drafted, 4) if stats.drafted else None,
+        "tokens_per_step": round(stats.decode_tokens / stats.decode_steps, 4) if stats.decode_steps else None,
     }
 
 

@@ -137,7 +137,7 @@ class ModelThread:
         self.sync_every = sync_every  # also persist each session every N generated tokens (0: at the end)
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.counters = Counters()
-        self.batch = ContinuousBatch(runtime.loaded.model, runtime.loaded.experts)
+        self.batch = ContinuousBatch(runtime.loaded.model, runtime.loaded.experts, speculation=runtime.speculation)
         self.pool = SessionPool(held_sessions)
         self.running: dict[Generation, Running] = {}
         self.deferred: list[Job] = []  # admitted, waiting for their session's turn to end

@@ -1,0 +1,100 @@
+"""The MTP governor's choices from measured step costs: on where drafts are accepted and rows are cheap
+(experts cached), off where each extra row's experts are disk reads or drafts are wrong, probes while
+off, and the stats it reports; then the same choices in real runs (a random MTP head is turned off)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from colibri_stream.devtools.mtp_fixture import add_mtp_layer
+from colibri_stream.errors import ColibriError
+from colibri_stream.runtime.batching import ContinuousBatch, GenerationRequest
+from colibri_stream.runtime.loader import load_checkpoint
+from colibri_stream.runtime.mtp_governor import PROBE_EVERY, Governor, MTPOptions, StepCost
+from colibri_stream.runtime.speculation import Speculation
+from storage.stats import StoreStats
+
+PLAIN_S = 0.010  # a plain step: 10 ms
+
+
+def store(requests: int, misses: int, wait_s: float) -> StoreStats:
+    return StoreStats(requests=requests, misses=misses, io_wait_s=wait_s)
+
+
+def drive(governor: Governor, steps: int, accept: float, row_s: float, miss_rate: float, miss_s: float) -> list[int]:
+    """``steps`` decode steps of one sequence whose drafts are accepted with probability ``accept`` (as a
+    fixed pattern), each extra row costing ``row_s`` of compute and 32 expert requests (1 MoE layer x 8
+    experts x 4, as the store counts them) with ``miss_rate`` of them disk reads of ``miss_s`` each."""
+    depths, hits = [], 0.0
+    for _ in range(steps):
+        depth = governor.depth()
+        depths.append(depth)
+        accepted = 0
+        for _ in range(depth):
+            hits += accept
+            if hits < 1:
+                break
+            hits -= 1
+            accepted += 1
+        rows = 1 + depth
+        misses = round(32 * rows * miss_rate)
+        seconds = PLAIN_S + depth * row_s + misses * miss_s
+        counters = store(32 * rows, misses, misses * miss_s)
+        cost = StepCost(depth, (accepted,) if depth else (), seconds, 0.001 * depth, counters)
+        governor.observe(cost)
+    return depths
+
+
+def test_cached_experts_and_good_drafts_turn_drafting_on_and_deep():
+    governor = Governor(MTPOptions("auto", 3))
+    depths = drive(governor, 200, accept=0.8, row_s=0.002, miss_rate=0.0, miss_s=0.0)
+    # drafting every step but one plain step in PROBE_EVERY (the yardstick kept current)
+    assert sum(d == 0 for d in depths[-100:]) in (100 // (PROBE_EVERY + 1), -(-100 // (PROBE_EVERY + 1)))
+    assert max(depths[-100:]) >= 2
+    report = governor.report()
+    assert report["on_share"] > 0.9 and report["estimated_gain"] > 1.4
+    assert 0.7 < report["acceptance_rate"] <= 0.85
+
+
+def test_streaming_misses_turn_drafting_off_but_it_probes():
+    governor = Governor(MTPOptions("auto", 3))
+    # every extra row's experts miss half the time and a miss waits 5 ms: a row costs 80 ms, a step 10 ms
+    depths = drive(governor, 300, accept=0.8, row_s=0.002, miss_rate=0.5, miss_s=0.005)
+    late = depths[100:]
+    assert sum(d > 0 for d in late) <= len(late) // PROBE_EVERY + 1  # probes only
+    assert 1 in late  # it does probe
+    assert governor.gain(1) < 1 and governor.report()["on_share"] < 0.1
+
+
+def test_wrong_drafts_turn_drafting_off_even_when_rows_are_cheap():
+    governor = Governor(MTPOptions("auto", 2))
+    depths = drive(governor, 200, accept=0.0, row_s=0.003, miss_rate=0.0, miss_s=0.0)
+    assert sum(d > 0 for d in depths[50:]) <= 150 // PROBE_EVERY + 1
+    assert governor.report()["acceptance_rate"] == 0.0
+
+
+def test_forced_modes_and_options():
+    assert Governor(MTPOptions("on", 3)).depth() == 3
+    assert Governor(MTPOptions("off", 3)).depth() == 0
+    assert Governor(MTPOptions("auto", 3)).depth() == 0  # the first plain step measures the yardstick
+    with pytest.raises(ColibriError, match="--mtp must be one of auto, on, off"):
+        MTPOptions("sometimes")
+    with pytest.raises(ColibriError, match="--mtp-depth must be between 1 and 8"):
+        MTPOptions("on", 0)
+
+
+def test_a_random_mtp_head_is_turned_off_in_a_real_run(tiny_checkpoints, tmp_path):
+    path = shutil.copytree(tiny_checkpoints["glm_moe_dsa"], tmp_path / "glm")
+    add_mtp_layer(path, seed=5)
+    loaded = load_checkpoint(path)
+    speculation = Speculation(loaded.drafter, MTPOptions("auto", 2), loaded.experts.snapshot)
+    batch = ContinuousBatch(loaded.model, loaded.experts, speculation=speculation)
+    generation = batch.add(GenerationRequest([3, 9, 4, 7, 1, 8], 120))
+    while batch:
+        batch.step()
+    report = speculation.governor.report()
+    assert report["acceptance_rate"] is not None and report["acceptance_rate"] < 0.2
+    assert report["on_share"] < 0.3, report  # a few steps while it learns, then probes
+    assert generation.result.stats.decode_steps == 119
