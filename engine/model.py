@@ -107,10 +107,12 @@ class Block(nn.Module):
     ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """One new position of each of B independent sequences (x [B, 1, dim]; see MLA.forward_rows): the
         FFN runs over all rows, so a MoE layer acquires the union of the rows' experts once."""
-        fused = self._fused_attention(x, caches[0], None) if len(caches) == 1 else None
-        if fused is not None:
-            x, selection = fused(x, starts[0], ropes[0], caches[0], selections[0])
-            return self._ffn(x, experts, guess_ahead), [selection]
+        one_sequence = all(cache is caches[0] for cache in caches)  # decode alone, or a verify step's rows
+        fused = self._fused_attention(x[:1], caches[0], None) if one_sequence else None
+        if fused is not None:  # each row the C steps of its own decode step, one after another
+            attended = [fused(x[b : b + 1], starts[b], ropes[b], caches[b], selections[b]) for b in range(len(caches))]
+            x = torch.cat([row for row, _ in attended]) if len(attended) > 1 else attended[0][0]
+            return self._ffn(x, experts, guess_ahead), [selection for _, selection in attended]
         attn_out, selections = self.attn.forward_rows(self.attn_norm(x), starts, ropes, caches, selections)
         return self._ffn(x + attn_out, experts, guess_ahead), selections
 
