@@ -30,6 +30,7 @@ PROBE_EVERY = 32  # plain steps between depth-1 probes while drafting is off
 SMOOTHING = 0.2  # weight of the newest measurement in each running average
 PRIOR_ACCEPTANCE = 0.5  # before any draft was verified
 PRIOR_ROW_SHARE = 0.25  # one more row's compute as a share of a plain step, before it is measured
+MARGIN = 1.05  # draft only where the expected gain clears measurement noise: "never slower" comes first
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class StepCost:
 
     depth: int  # tokens each drafting sequence drafted and verified (0: a plain step)
     accepted: tuple[int, ...]  # per drafting sequence, its drafts verified equal to what the model chose
-    seconds: float  # the verify (or plain) forward
+    seconds: float  # the verify (or plain) forward and taking its tokens
     draft_seconds: float  # the MTP module's forwards
     store: StoreStats | None  # the expert store's counters over the step (None: not measured)
 
@@ -104,6 +105,8 @@ class Governor:
         if self.plain_s.samples == 0 or self.since_plain >= PROBE_EVERY:
             return 0  # a plain step sets (or, while drafting, refreshes) the yardstick
         best = max(range(self.options.max_depth + 1), key=self.gain)
+        if self.gain(best) < MARGIN:
+            best = 0
         if best == 0 and self.since_draft >= PROBE_EVERY:
             return 1  # a probe: the cache or the text may have changed since drafting stopped
         return best

@@ -110,15 +110,15 @@ class Speculation:
         tokens = [token for row in rows for token in row.tokens]
         caches = [row.sequence.cache for row in rows for _ in row.tokens]
         logits, hidden = self.drafter.forward_rows_hidden(tokens, caches, experts)
-        verified = time.perf_counter()
         counts, offset = [], 0
         for row in rows:
             end = offset + len(row.tokens)
             counts.append(self._accept(row, logits[offset:end], hidden[offset:end]))
             offset = end
+        taken = time.perf_counter()
         store = self.counters().minus(before) if self.counters is not None and before is not None else None
         accepted = tuple(a for d, a in counts if d)
-        cost = StepCost(depth if accepted else 0, accepted, verified - drafted, drafted - started, store)
+        cost = StepCost(depth if accepted else 0, accepted, taken - drafted, drafted - started, store)
         self.governor.observe(cost)
         return counts
 

@@ -125,3 +125,31 @@ def test_a_session_continues_from_memory_and_a_restart_continues_from_the_log(
     from_log = openai_client(restarted).chat.completions.create(**ask)
     assert reads == ["talk"] and from_log.model_extra["colibri"]["reused_tokens"] > 0
     assert from_log.choices[0].message.content == from_memory.choices[0].message.content
+
+
+def test_drafting_server_answers_concurrent_clients_as_a_plain_one(live_server, demo_container, tmp_path):
+    """The demo model's MTP head drafting every step (`serve --mtp on`): concurrent requests, each drafting
+    and verifying in the shared batch, get a plain server's answers."""
+    from colibri_stream.runtime.mtp_governor import MTPOptions
+
+    def runtime(mode: str, kv: str):
+        options = RuntimeOptions(
+            store=StoreOptions(ram="30%"), kv_dir=tmp_path / kv, model_id=MODEL, mtp=MTPOptions(mode)
+        )
+        return load_runtime(demo_container, options)
+
+    plain = live_server(runtime("off", "plain"), slots=4, max_queue=4)
+    drafting = live_server(runtime("on", "mtp"), slots=4, max_queue=4)
+    assert drafting.server.runtime.speculation is not None and plain.server.runtime.speculation is None
+    expected = [ask_openai(plain, q) for q in QUESTIONS]
+    answers: dict[int, str] = {}
+    threads = [
+        threading.Thread(target=lambda i=i: answers.__setitem__(i, ask_openai(drafting, QUESTIONS[i])))
+        for i in range(len(QUESTIONS))
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=WAIT_S)
+    assert [answers.get(i) for i in range(len(QUESTIONS))] == expected
+    assert drafting.server.runtime.speculation.governor.report()["drafted"] > 0

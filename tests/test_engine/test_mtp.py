@@ -4,6 +4,7 @@ budget, int8 activations, batched), and the verify rows hold the bits of their o
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -226,3 +227,20 @@ def test_a_drafting_turn_logs_its_session_as_plain_decoding_does(mtp_checkpoints
     reference = run_turn(runtime("ref", "off"), follow, TurnOptions(max_new_tokens=12, session="s", stop_ids=(stop,)))
     assert again.stats["reused_tokens"] == reference.stats["reused_tokens"] >= len(prompt) + TOKENS - 1
     assert again.ids == reference.ids and again.finish_reason == reference.finish_reason
+
+
+def test_run_cli_drafts_reports_mtp_and_refuses_on_without_a_module(mtp_container, tiny_checkpoints, capsys):
+    from colibri_stream import cli
+
+    argv = ["run", str(mtp_container), "--ids", "5,6,7", "--max-new-tokens", "12", "--ram", "60%", "--json"]
+    outputs = {}
+    for mode in ("off", "on"):
+        assert cli.main([*argv, "--mtp", mode, "--mtp-depth", "3", "--no-prefix-cache"]) == 0
+        outputs[mode] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert outputs["on"]["ids"] == outputs["off"]["ids"]
+    assert "mtp" not in outputs["off"]["stats"]
+    mtp = outputs["on"]["stats"]["mtp"]
+    assert mtp["mode"] == "on" and mtp["max_depth"] == 3 and mtp["drafted"] > 0 and mtp["on_share"] > 0.5
+    plain = ["run", str(tiny_checkpoints["deepseek_v3"]), "--ids", "5,6", "--max-new-tokens", "2", "--mtp", "on"]
+    assert cli.main(plain) != 0
+    assert "no multi-token-prediction module" in capsys.readouterr().err
