@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from colibri_stream.bench.mtp_rows import mtp_table
 from colibri_stream.bench.report_peers import (
     limit_line_lines,
     llama_cpp_lines,
@@ -24,6 +25,8 @@ GOALS = {  # ratio -> (goal text, test)
     "vs_llama_cpp_25": (">= 10", lambda v: v >= 10),
     "ttft_vs_llama_cpp_100": (">= 1.0", lambda v: v >= 1.0),
     "loaded_vs_idle": (">= 0.5", lambda v: v >= 0.5),
+    "mtp_governor_vs_plain_100": (">= 1.3", lambda v: v >= 1.3),
+    "mtp_governor_vs_plain_25": (">= 1.0", lambda v: v >= 1.0),
 }
 MB = 1e6
 
@@ -69,6 +72,10 @@ def markdown(results: dict) -> str:
         lines += ["", "## 6. llama.cpp, same checkpoint, same limits", ""] + llama_cpp_lines(results)
     if "load" in results:
         lines += ["", "## 7. Decode beside a CPU-bound process", ""] + load_lines(results["load"])
+    if "mtp" in results:
+        mtp = results["mtp"]
+        lines += ["", f"## 8. MTP drafts on the demo model ({mtp['tokens']} tokens, depth {mtp['depth']})", ""]
+        lines += mtp_table(mtp) + ["", f"Same tokens in every mode: {mtp['same_tokens']}."]
     if "limit_line" in results:
         lines += ["", "## The limit line (100%: everything in RAM)", ""] + limit_line_lines(results["limit_line"])
     return "\n".join(lines) + "\n"

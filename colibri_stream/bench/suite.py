@@ -40,6 +40,7 @@ from colibri_stream.bench.llama_cpp_section import (
     touched_from_facts,
 )
 from colibri_stream.bench.load import loaded_vs_idle
+from colibri_stream.bench.mtp_rows import mtp_section
 from colibri_stream.bench.prefill_rows import llama_cpp_prefill_rows, our_prefill_rows, prefill_ratios
 from colibri_stream.bench.sessions import random_prompt_ids, sessions_section
 from colibri_stream.bench.stress_model import QUICK, StressShape, checkpoint_bytes, write_stress_checkpoint
@@ -67,7 +68,7 @@ RATIO_BUDGET = 25  # the budget (% of int4 expert bytes) at which the headline r
 PREFILL_RATIO_PREFIXES = {"q4e_q8": "llama_cpp", "q4_0": "llama_cpp_q4_0"}  # file kind -> ratio name
 INT8_MATCHED = "int4-int8dense"  # our container quality-matched to llama.cpp's Q4_0-experts + Q8_0 file
 BUSY_MACHINE = 0.25  # others' share of the CPU during a llama.cpp row above which the bench warns
-SECTIONS = ("disk", "decode", "peer", "caching", "sessions", "llama_cpp", "load")
+SECTIONS = ("disk", "decode", "peer", "caching", "sessions", "llama_cpp", "load", "mtp")
 
 
 @dataclass(frozen=True)
@@ -403,6 +404,14 @@ class Bench:
 
         self.results["load"] = loaded_vs_idle(run)
 
+    def mtp(self) -> None:
+        self.log("8/8 mtp: the demo model's MTP drafts, plain vs governor vs forced, at 100% and 25%")
+        model_dir = demo_model_dir()
+        demo = convert(model_dir, demo_container_path(model_dir, self.work / "demo"))  # cheap once converted
+        tokens = self.settings.demo_tokens * 2
+        limit = Container(demo).expert_bytes + self.settings.overhead_bytes
+        self.results["mtp"] = mtp_section(demo, DEMO_PROMPT, tokens, self.work / "kv", limit, self.settings.timeout_s)
+
     # --------------------------------------------------------------------------------- summary
     def ratios(self) -> dict:
         """The headline ratios of the sections that ran."""
@@ -426,6 +435,8 @@ class Bench:
             ratios |= prefill_ratios(prefill["ours"], prefill["rows"], PREFILL_RATIO_PREFIXES)
         if "load" in results:
             ratios["loaded_vs_idle"] = results["load"]["loaded_vs_idle"]
+        if "mtp" in results:
+            ratios |= {f"mtp_{name}": value for name, value in results["mtp"]["ratios"].items()}
         return ratios
 
     def limit_line_summary(self) -> dict:
