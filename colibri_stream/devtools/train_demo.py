@@ -262,10 +262,11 @@ def expert_counts(loaded, windows: Sequence[torch.Tensor]) -> torch.Tensor:
     """[n_moe_layers, n_routed_experts] per-token routing counts of the engine's routers over ``windows``.
 
     The hook replays each MoE layer's gate on that layer's input: hooking the gate itself would also
-    count the router-guided prefetch guesses, which are not routing decisions."""
+    count the router-guided prefetch guesses, which are not routing decisions. An MTP module's block
+    (``mtp.*``) drafts rather than routes the model's tokens, and never runs here: it is not counted."""
     from engine.moe import MoE
 
-    layers = [m for m in loaded.model.modules() if isinstance(m, MoE)]
+    layers = [m for name, m in loaded.model.named_modules() if isinstance(m, MoE) and not name.startswith("mtp.")]
     counts = torch.zeros(len(layers), loaded.args.n_routed_experts, dtype=torch.long)
 
     def record(i: int) -> Callable:

@@ -17,54 +17,13 @@ from colibri_stream.checkpoint.dtypes import FLOAT32_PARAMETERS
 from colibri_stream.planning.geometry import ContainerTarget, dequantised_config, model_geometry
 from engine.args import ModelArgs
 from engine.families import meta_transformer
+from tests.test_cli.test_plan_config import DEEPSEEK_V3 as V3_CONFIG
 
 GIB = 2**30
 BANDWIDTH = ["--memory-bandwidth", "40GB", "--disk-bandwidth", "2GB"]
 
 # deepseek-ai/DeepSeek-V3's config.json: the fields the engine reads, FP8 as shipped.
-DEEPSEEK_V3: dict[str, Any] = {
-    "model_type": "deepseek_v3",
-    "hidden_size": 7168,
-    "intermediate_size": 18432,
-    "moe_intermediate_size": 2048,
-    "num_hidden_layers": 61,
-    "num_nextn_predict_layers": 1,
-    "first_k_dense_replace": 3,
-    "n_routed_experts": 256,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 8,
-    "n_group": 8,
-    "topk_group": 4,
-    "q_lora_rank": 1536,
-    "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-    "num_attention_heads": 128,
-    "num_key_value_heads": 128,
-    "vocab_size": 129280,
-    "max_position_embeddings": 163840,
-    "routed_scaling_factor": 2.5,
-    "scoring_func": "sigmoid",
-    "topk_method": "noaux_tc",
-    "norm_topk_prob": True,
-    "rope_theta": 10000,
-    "rope_scaling": {
-        "beta_fast": 32,
-        "beta_slow": 1,
-        "factor": 40,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
-        "original_max_position_embeddings": 4096,
-        "type": "yarn",
-    },
-    "quantization_config": {
-        "activation_scheme": "dynamic",
-        "fmt": "e4m3",
-        "quant_method": "fp8",
-        "weight_block_size": [128, 128],
-    },
-}
+DEEPSEEK_V3: dict[str, Any] = {**V3_CONFIG, "num_nextn_predict_layers": 1}  # as the shipped config.json says
 # zai-org/GLM-5's config.json: the fields the engine reads (every layer a full DSA layer, the first 3 dense).
 GLM_5: dict[str, Any] = {
     "model_type": "glm_moe_dsa",

@@ -58,6 +58,7 @@ EXACT = {
     "--wait-session": ["--wait-session", "5"],
     "--local-workers": ["--local-workers", "1"],
     "--worker-timeout": ["--local-workers", "1", "--worker-timeout", "30"],
+    "--mtp": ["--mtp", "off"],  # this model has no MTP module: `on` is refused (tests/test_engine/test_mtp.py)
 }
 MADE_WITH = {"--kv-sync-every", "--history", "--no-preload", "--direct", "--local-workers", "--no-prefix-cache"}
 DRAWS_OTHER_TOKENS = {"--temperature", "--top-p"}  # compared with a fresh run under the flag, the rest with the default
@@ -70,6 +71,7 @@ NOT_RUNTIME = {
     "--prompt": "the prompt itself (text: needs a tokenizer)",
     "--max-new-tokens": "how many tokens, not which",
     "--json": "output format",
+    "--mtp-depth": "drafts need an MTP module; a drafting session's log: tests/test_engine/test_mtp.py",
     "--seed": "with --temperature above",
     "--session": "which session",
     "--kv-dir": "which session",
