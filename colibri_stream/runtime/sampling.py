@@ -46,14 +46,15 @@ def sample_against(logits: torch.Tensor, params: SamplingParams, generator: torc
     if params.temperature < GREEDY_BELOW:
         return int(logits.argmax())
     probs = distribution(logits, params)
-    if float(torch.rand((), generator=generator)) < float(probs[draft]):
+    if float(torch.rand((), generator=generator)) < float(probs[draft] / probs.sum()):  # top-p's mass is < 1
         return draft
     probs[draft] = 0  # p(draft) < 1 here (else the draw above kept it): some other id has mass
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The probabilities [vocab] a non-greedy ``sample`` draws from: temperature, then top-p. The logits
+    """The weights [vocab] a non-greedy ``sample`` draws from: temperature, then top-p (the tail zeroed, the
+    rest not renormalised: they sum to the kept mass, multinomial draws in proportion). The logits
     are shifted so the best is 0 before the division: every scaled value is then <= 0, so a tiny
     temperature cannot overflow to inf (inf - inf made NaN probabilities); other tokens underflow to
     probability 0, which is greedy, as it should be. Below float32's smallest normal the temperature
