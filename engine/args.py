@@ -138,10 +138,11 @@ class ModelArgs:
     compress_rope: RopeArgs | None = None
     """DeepSeek-V4 only: the rope of CSA/HCA layers and their compressors (``compress_rope_theta``, yarn)."""
     n_mtp_layers: int = 0
-    """Multi-token-prediction modules loaded after the last block (DeepSeek-V3/R1, GLM-5: layer ids n_layers..,
-    each a MoE block; engine/mtp.py). Not read from the config (``num_nextn_predict_layers`` says what a model
-    ships, not what a checkpoint or container holds): the loader sets it from the tensors present
-    (``with_mtp_layers``), `plan` from the config (``shipped_mtp_layers``)."""
+    """Multi-token-prediction modules loaded after the last block (DeepSeek-V3/R1, GLM-5, DeepSeek-V4: layer
+    ids n_layers.., each a MoE block; engine/mtp.py, engine/v4_mtp.py). Not read from the config
+    (``num_nextn_predict_layers`` says what a model ships, not what a checkpoint or container holds): the
+    loader sets it from the tensors present (``with_mtp_layers``), `plan` from the config
+    (``shipped_mtp_layers``)."""
 
     @property
     def qk_head_dim(self) -> int:
@@ -171,8 +172,11 @@ class ModelArgs:
 
     def with_mtp_layers(self, count: int) -> ModelArgs:
         """These args with ``count`` MTP modules (0: none loaded)."""
-        if count and self.v4 is not None:
-            raise ConfigError("DeepSeek-V4's MTP modules are kept in the container but not run (engine/mtp.py)")
+        if self.v4 is not None and count > self.v4.n_mtp_layers:
+            raise ConfigError(
+                f"{count} MTP modules (mtp.0..{count - 1}) but config.json's num_nextn_predict_layers is "
+                f"{self.v4.n_mtp_layers}: DeepSeek-V4's per-layer settings of their blocks are read from it"
+            )
         return replace(self, n_mtp_layers=count)
 
     @classmethod

@@ -8,8 +8,9 @@ all (absorbed decode). Buffers grow by doubling so a long decode does not copy t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Generic, Protocol, TypeVar
 
 import torch
 
@@ -169,12 +170,29 @@ class KVCache:
         return cache
 
 
-@dataclass
-class DraftCache:
-    """One sequence's MTP module attention state (engine/mtp.py): cache index j holds position ``offset + j``."""
+class DraftLayer(Protocol):
+    """An MTP block's attention state: a LayerCache, or DeepSeek-V4's (engine/v4_cache.py V4DraftLayer)."""
 
-    layer: LayerCache
+    @property
+    def length(self) -> int: ...
+
+    def trim(self, length: int) -> None: ...
+
+
+L = TypeVar("L", bound=DraftLayer)
+
+
+@dataclass
+class DraftCache(Generic[L]):
+    """One sequence's MTP module attention state (engine/mtp.py): cache index j holds position ``offset + j``.
+    ``fresh`` makes an empty state (at the start, and when drafting starts over)."""
+
+    fresh: Callable[[], L]
     offset: int = 0
+    layer: L = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.layer = self.fresh()
 
     @property
     def end(self) -> int:
@@ -187,5 +205,4 @@ class DraftCache:
         if self.offset <= position <= self.end:
             self.layer.trim(position - self.offset)
         else:
-            self.layer.trim(0)
-            self.offset = position
+            self.layer, self.offset = self.fresh(), position

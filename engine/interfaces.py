@@ -129,20 +129,27 @@ class Model(nn.Module, ABC, Generic[CacheT]):
 
 class Drafter(Protocol):
     """A model that drafts tokens with a multi-token-prediction module and verifies them in one pass
-    (engine/model.py Transformer with its MTP modules loaded; engine/mtp.py)."""
+    (engine/model.py Transformer, engine/v4_model.py V4Transformer, with their MTP modules loaded)."""
 
     def forward_rows_hidden(
         self, tokens: list[int], caches: list[Any], experts: Experts
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Model.forward_rows -> (logits [B, vocab], hidden states [B, dim] before the final norm); rows on
-        the same cache (consecutive positions of one sequence) each get the bits of their own decode step."""
+        """Model.forward_rows -> (logits [B, vocab], hidden states before the head's norm: [B, dim], DeepSeek-V4's
+        hyper-connection streams [B, n, dim]); rows on the same cache (consecutive positions of one sequence)
+        each get the bits of their own decode step."""
         ...
 
-    def new_draft_cache(self) -> DraftCache: ...
+    def new_draft_cache(self) -> DraftCache[Any]: ...
 
     def draft(
-        self, hidden: torch.Tensor, tokens: list[int], position: int, cache: DraftCache, experts: Experts, depth: int
+        self,
+        hidden: torch.Tensor,
+        tokens: list[int],
+        position: int,
+        cache: DraftCache[Any],
+        experts: Experts,
+        depth: int,
     ) -> list[int]:
-        """``depth`` drafted tokens after the pairs (hidden [S, dim] = h_i, tokens[s] = t_{i+1}) of positions
+        """``depth`` drafted tokens after the pairs (hidden [S, ...] = h_i, tokens[s] = t_{i+1}) of positions
         i = position.. ; the first is the token after tokens[-1]."""
         ...

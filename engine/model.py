@@ -9,7 +9,7 @@ Routed experts are not parameters of this module: every MoE layer asks the exper
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal, Self, cast
 
 import torch
@@ -19,11 +19,11 @@ from engine.args import ModelArgs
 from engine.attention import MLA
 from engine.cache import DraftCache, KVCache, LayerCache
 from engine.experts import Experts
-from engine.interfaces import Model
+from engine.interfaces import Cache, Model
 from engine.layers import MLP, RMSNorm, embedding
 from engine.mla_decode import FusedMLA, fused_attention_applies
 from engine.moe import MoE
-from engine.mtp import MTP, draft_tokens
+from engine.mtp import MTP, draft_with
 from engine.q8 import int8_activations
 from engine.read_ahead import module_arrays, read_ahead_available, request_read_ahead
 from engine.rope import rope_tables
@@ -305,7 +305,7 @@ class Transformer(Model[KVCache]):
         the position after the previous one's, and is computed as that sequence's own next decode step
         would compute it: a verify step of drafted tokens gives each the bits plain decoding gives it."""
         x = self.embed(torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None])  # [B, 1, dim]
-        starts = _row_positions(caches)
+        starts = row_positions(caches)
         ropes = [rope_tables(self.args, start, 1, x.device) for start in starts]
         selections: list[torch.Tensor | None] = [None] * len(tokens)
         with rows_alone(), int8_activations(self.int8_activations), torch_on_one_thread():
@@ -320,22 +320,28 @@ class Transformer(Model[KVCache]):
     def drafts(self) -> bool:
         return len(self.mtp) > 0
 
-    def new_draft_cache(self) -> DraftCache:
+    def new_draft_cache(self) -> DraftCache[LayerCache]:
         return cast(MTP, self.mtp[0]).new_cache(self.dtype, self.device)
 
     @torch.inference_mode()
     def draft(
-        self, hidden: torch.Tensor, tokens: list[int], position: int, cache: DraftCache, experts: Experts, depth: int
+        self,
+        hidden: torch.Tensor,
+        tokens: list[int],
+        position: int,
+        cache: DraftCache[LayerCache],
+        experts: Experts,
+        depth: int,
     ) -> list[int]:
-        """``depth`` drafted tokens from the first MTP module (engine/mtp.py draft_tokens), re-applied past
+        """``depth`` drafted tokens from the first MTP module (engine/mtp.py draft_with), re-applied past
         the first: hidden [S, dim] and tokens are the pairs (h_i, t_{i+1}) of positions position.. not yet
         in ``cache``."""
         with int8_activations(self.int8_activations), torch_on_one_thread():
             mtp = cast(MTP, self.mtp[0])
-            return draft_tokens(mtp, self.embed, self.head, hidden, tokens, position, cache, experts, depth)
+            return draft_with(mtp, self.embed, self.head, (hidden, tokens, position), cache, experts, depth)
 
 
-def _row_positions(caches: list[KVCache]) -> list[int]:
+def row_positions(caches: Sequence[Cache]) -> list[int]:
     """Each row's position: its cache's length, plus the earlier rows on the same cache (a verify step)."""
     earlier: dict[int, int] = {}
     positions = []

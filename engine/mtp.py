@@ -21,6 +21,9 @@ Positions past the last real pair are the draft chain's own and are forgotten at
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, Protocol
+
 import torch
 from torch import nn
 
@@ -47,14 +50,29 @@ class MTP(nn.Module):
         self.block = block
         self.norm = RMSNorm(args.dim, args.rms_norm_eps)
 
-    def new_cache(self, dtype: torch.dtype, device: torch.device) -> DraftCache:
-        return DraftCache(LayerCache.empty(self.args, self.layer_id, 1, dtype, device))
+    def new_cache(self, dtype: torch.dtype, device: torch.device) -> DraftCache[LayerCache]:
+        return DraftCache(lambda: LayerCache.empty(self.args, self.layer_id, 1, dtype, device))
+
+    def start_draft(self, position: int, cache: DraftCache[LayerCache]) -> None:
+        """A draft's first pair goes at ``position`` (what was held from it on is forgotten)."""
+        cache.continue_at(position)
+
+    def collapse(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[.., dim] -> the normalised input of the shared head."""
+        return self.norm(hidden)
 
     def forward(
-        self, hidden: torch.Tensor, embedded: torch.Tensor, position: int, cache: DraftCache, experts: Experts
+        self,
+        hidden: torch.Tensor,
+        embedded: torch.Tensor,
+        ids: torch.Tensor,
+        position: int,
+        cache: DraftCache[LayerCache],
+        experts: Experts,
     ) -> torch.Tensor:
-        """hidden, embedded [1, S, dim] (h_i and embed(t_{i+1}) for positions i = position..) -> the
-        module's hidden states [1, S, dim] (before ``norm``); the S positions are appended to ``cache``."""
+        """hidden, embedded [1, S, dim] (h_i and embed(t_{i+1}) of ids [1, S], positions i = position..) ->
+        the module's hidden states [1, S, dim] (before ``norm``); the S positions are appended to ``cache``.
+        (``ids``: the common signature of MTP modules; V4's block routes by them.)"""
         cache.continue_at(position)
         seqlen = hidden.shape[1]
         x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
@@ -65,26 +83,68 @@ class MTP(nn.Module):
         return out[0]
 
 
-def draft_tokens(
-    mtp: MTP,
-    embed: nn.Embedding,
-    head: Linear,
-    hidden: torch.Tensor,
-    tokens: list[int],
-    position: int,
-    cache: DraftCache,
+class DraftModule(Protocol):
+    """An MTP module as ``draft_with`` drives it: MTP here, engine/v4_mtp.py V4MTP."""
+
+    def start_draft(self, position: int, cache: DraftCache[Any]) -> None: ...
+
+    def collapse(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        embedded: torch.Tensor,
+        ids: torch.Tensor,
+        position: int,
+        cache: DraftCache[Any],
+        experts: Experts,
+    ) -> torch.Tensor: ...
+
+
+def draft_with(
+    module: DraftModule,
+    embed: nn.Module,
+    head: nn.Module,
+    request: tuple[torch.Tensor, list[int], int],
+    cache: DraftCache[Any],
     experts: Experts,
     depth: int,
 ) -> list[int]:
-    """``depth`` greedy drafts after the pairs (hidden [S, dim] = h_i, tokens[s] = t_{i+1}) of positions
+    """``depth`` drafts of ``module`` (with the main model's ``embed`` and ``head``) for ``request`` = the pairs
+    (hidden [S, ...], tokens, first position) not yet in ``cache`` (``draft_tokens``)."""
+    hidden, tokens, position = request
+    module.start_draft(position, cache)
+
+    def step(x: torch.Tensor, ids: torch.Tensor, first: int) -> torch.Tensor:
+        return module(x, embed(ids), ids, first, cache, experts)
+
+    def predict(x: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = head(module.collapse(x))
+        return logits
+
+    return draft_tokens(step, predict, hidden, tokens, position, depth)
+
+
+def draft_tokens(
+    step: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor],
+    predict: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    tokens: list[int],
+    position: int,
+    depth: int,
+) -> list[int]:
+    """``depth`` greedy drafts after the pairs (hidden [S, ...] = h_i, tokens[s] = t_{i+1}) of positions
     i = position .. position + S - 1: the first predicts the token after tokens[-1], each next one is the
-    module applied again to its own last hidden state and draft (one position further on)."""
+    module applied again to its own last hidden state and draft (one position further on).
+
+    ``step(h [1, S, ...], ids [1, S], first position)``: the module's hidden states of S pairs (appended to
+    its cache); ``predict(x [1, 1, ...])``: the logits of one."""
     ids = torch.tensor([tokens], dtype=torch.long, device=hidden.device)
-    x = mtp(hidden[None], embed(ids), position, cache, experts)[:, -1:]  # [1, 1, dim]
+    x = step(hidden[None], ids, position)[:, -1:]
     drafts: list[int] = []
-    for step in range(depth):
-        drafts.append(int(head(mtp.norm(x)).float().argmax()))
-        if step + 1 < depth:
+    for n in range(depth):
+        drafts.append(int(predict(x).float().argmax()))
+        if n + 1 < depth:
             following = torch.tensor([[drafts[-1]]], dtype=torch.long, device=hidden.device)
-            x = mtp(x, embed(following), position + len(tokens) + step, cache, experts)
+            x = step(x, following, position + len(tokens) + n)
     return drafts

@@ -40,7 +40,10 @@ class V4Args:
     """DeepSeek-V4's attention, hyper-connection and routing settings (one value per layer where it varies)."""
 
     layer_types: tuple[LayerType, ...]
-    """Per layer: sliding window only, + CSA (compressed, indexer-selected), + HCA (heavily compressed, dense)."""
+    """Per layer: sliding window only, + CSA (compressed, indexer-selected), + HCA (heavily compressed, dense).
+    The per-layer tuples go on past the last block to the MTP modules' blocks (layer ids n_layers..), as
+    DeepSeek's own code indexes its per-layer lists with an MTP block's id: an entry the config does not
+    list is sliding-only and score-routed."""
     csa_rate: int
     """m: source positions folded into one CSA entry (entries overlap: each spans 2m). <- ``compress_rates``."""
     hca_rate: int
@@ -72,7 +75,7 @@ class V4Args:
     index_topk: int
     """CSA lightning indexer: heads, head width, compressed entries kept per query. <- ``index_*``."""
     n_mtp_layers: int = 0
-    """Multi-token-prediction layers the checkpoint ships (kept in containers, never run)."""
+    """Multi-token-prediction modules the model ships (``mtp.I``, engine/v4_mtp.py). <- ``num_nextn_predict_layers``."""
 
     def rate(self, layer: int) -> int:
         """Positions per compressed entry of ``layer``; 0 for sliding-only layers."""
@@ -89,8 +92,9 @@ def parse_v4(config: Mapping[str, Any], n_layers: int) -> tuple[V4Args, dict[str
     head_dim = size(config, "head_dim")
     rope_dim = _rope_dim(config, head_dim)
     rates = _compress_rates(config)
+    n_mtp = optional_int(config, "num_nextn_predict_layers", 0, 0, MAX_LAYERS)
     args = V4Args(
-        layer_types=_layer_types(config, n_layers),
+        layer_types=_layer_types(config, n_layers, n_mtp),
         csa_rate=rates[CSA],
         hca_rate=rates[HCA],
         head_dim=head_dim,
@@ -101,13 +105,13 @@ def parse_v4(config: Mapping[str, Any], n_layers: int) -> tuple[V4Args, dict[str
         hc_mult=optional_int(config, "hc_mult", 4, 1, 64),
         hc_sinkhorn_iters=optional_int(config, "hc_sinkhorn_iters", 20, 1, 10_000),
         hc_eps=optional_float(config, "hc_eps", 1e-6),
-        hash_layers=_hash_layers(config, n_layers),
+        hash_layers=_hash_layers(config, n_layers, n_mtp),
         scoring_func=_scoring_func(config),
         swiglu_limit=optional_float(config, "swiglu_limit", 10.0),
         index_n_heads=size(config, "index_n_heads", maximum=MAX_HEADS),
         index_head_dim=size(config, "index_head_dim"),
         index_topk=size(config, "index_topk", maximum=1 << 30),
-        n_mtp_layers=optional_int(config, "num_nextn_predict_layers", 0, 0, MAX_LAYERS),
+        n_mtp_layers=n_mtp,
     )
     if args.index_head_dim < rope_dim:
         raise ConfigError(
@@ -166,7 +170,7 @@ def _compress_rates(config: Mapping[str, Any]) -> dict[str, int]:
     return {kind: as_int(f"compress_rates[{kind!r}]", rates[kind], 1, MAX_SIZE) for kind in (CSA, HCA)}
 
 
-def _layer_types(config: Mapping[str, Any], n_layers: int) -> tuple[LayerType, ...]:
+def _layer_types(config: Mapping[str, Any], n_layers: int, n_mtp: int) -> tuple[LayerType, ...]:
     types = config.get("layer_types")
     ratios = config.get("compress_ratios")
     if types is None and ratios is not None:
@@ -179,17 +183,19 @@ def _layer_types(config: Mapping[str, Any], n_layers: int) -> tuple[LayerType, .
         raise ConfigError(
             f"config.json: layer_types must list one of {list(LAYER_TYPES)} for each of {n_layers} layers"
         )
-    return tuple(types[:n_layers])
+    mtp_types = [types[i] if i < len(types) else SLIDING for i in range(n_layers, n_layers + n_mtp)]
+    return tuple([*types[:n_layers], *mtp_types])
 
 
-def _hash_layers(config: Mapping[str, Any], n_layers: int) -> tuple[bool, ...]:
+def _hash_layers(config: Mapping[str, Any], n_layers: int, n_mtp: int) -> tuple[bool, ...]:
     kinds = config.get("mlp_layer_types")
     if kinds is None:
         n_hash = optional_int(config, "num_hash_layers", 3, 0, MAX_LAYERS)
-        return tuple(i < n_hash for i in range(n_layers))
+        return tuple(i < min(n_hash, n_layers) for i in range(n_layers + n_mtp))
     if not isinstance(kinds, list) or len(kinds) < n_layers or not set(map(str, kinds)) <= {"hash_moe", "moe"}:
         raise ConfigError(f"config.json: mlp_layer_types must list 'hash_moe'/'moe' for {n_layers} layers")
-    return tuple(kind == "hash_moe" for kind in kinds[:n_layers])
+    mtp_kinds = [kinds[i] if i < len(kinds) else "moe" for i in range(n_layers, n_layers + n_mtp)]
+    return tuple(kind == "hash_moe" for kind in [*kinds[:n_layers], *mtp_kinds])
 
 
 def _scoring_func(config: Mapping[str, Any]) -> str:

@@ -147,6 +147,45 @@ class V4LayerCache:
         return cls(PositionRows(window[0][None], position - window[0].shape[0]), compressor, indexer)
 
 
+def empty_layer(v4: V4Args, layer: int, batch: int, dtype: torch.dtype, device: str | torch.device) -> V4LayerCache:
+    """Layer ``layer``'s state holding no position (an MTP block's too: its id is past the last layer's)."""
+    device = torch.device(device)
+
+    def state(width: int, overlap: bool) -> CompressorState:
+        return CompressorState.empty(batch, width, overlap, dtype, device)
+
+    return V4LayerCache(
+        kv=PositionRows(torch.empty((batch, 0, v4.head_dim), dtype=dtype, device=device)),
+        compressor=state(v4.head_dim, v4.is_csa(layer)) if v4.rate(layer) else None,
+        indexer=state(v4.index_head_dim, True) if v4.is_csa(layer) else None,
+    )
+
+
+@dataclass
+class V4DraftLayer:
+    """An MTP block's state for one sequence (engine/cache.py DraftCache): its layer cache, trimmed back as a
+    draft chain is forgotten, and nothing kept that attention will not see again."""
+
+    cache: V4LayerCache
+    window: int
+    rates: tuple[int, int]
+
+    @classmethod
+    def empty(cls, v4: V4Args, layer: int, dtype: torch.dtype, device: str | torch.device) -> V4DraftLayer:
+        return cls(empty_layer(v4, layer, 1, dtype, device), v4.sliding_window, (v4.rate(layer), v4.csa_rate))
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    def trim(self, length: int) -> None:
+        self.cache.trim(length, self.window, self.rates)
+
+    def release_before(self, position: int) -> None:
+        """Free what the state at ``position`` and later does not need (a trim goes back no further)."""
+        self.cache.release_before(position, self.window, self.rates)
+
+
 @dataclass
 class V4Cache:
     """All layers' state; ``length`` positions have been fed to every layer.
@@ -166,20 +205,10 @@ class V4Cache:
     def empty(
         cls, args: ModelArgs, batch: int = 1, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
     ) -> V4Cache:
-        v4, device = args.v4, torch.device(device)
+        v4 = args.v4
         assert v4 is not None  # a V4 cache is built from deepseek_v4 args (engine/families.py)
-
-        def state(width: int, overlap: bool) -> CompressorState:
-            return CompressorState.empty(batch, width, overlap, dtype, device)
-
-        def layer(i: int) -> V4LayerCache:
-            return V4LayerCache(
-                kv=PositionRows(torch.empty((batch, 0, v4.head_dim), dtype=dtype, device=device)),
-                compressor=state(v4.head_dim, v4.is_csa(i)) if v4.rate(i) else None,
-                indexer=state(v4.index_head_dim, True) if v4.is_csa(i) else None,
-            )
-
-        return cls([layer(i) for i in range(args.n_layers)], _rates(args), v4.sliding_window)
+        layers = [empty_layer(v4, i, batch, dtype, device) for i in range(args.n_layers)]
+        return cls(layers, _rates(args), v4.sliding_window)
 
     @classmethod
     def from_rows(cls, args: ModelArgs, rows: list[dict[str, torch.Tensor]]) -> V4Cache:
@@ -211,9 +240,11 @@ class V4Cache:
         for layer, rates in zip(self.layers, self.rates, strict=True):
             layer.trim(length, self.window, rates)
 
-    def release(self) -> None:
-        """Free the rows no one needs: before ``keep_rows_from`` (all but attention's when None)."""
+    def release(self, keep_from: int | None = None) -> None:
+        """Free the rows no one needs: before ``keep_rows_from`` (all but attention's when None), and before
+        ``keep_from`` when given (a verify step's first row: its drafts may be trimmed back to it)."""
         keep = self.length if self.keep_rows_from is None else self.keep_rows_from
+        keep = keep if keep_from is None else min(keep, keep_from)
         for layer, rates in zip(self.layers, self.rates, strict=True):
             layer.release_before(keep, self.window, rates)
 

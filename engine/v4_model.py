@@ -5,6 +5,8 @@
                           hc_ffn:  collapse -> ffn_norm  -> MoE (hash-routed or scored) -> spread]
            -> hc_head collapse -> norm -> head -> logits
 
+With its MTP modules loaded (engine/v4_mtp.py) it is also a Drafter (engine/interfaces.py): speculative
+decoding drafts with them and verifies the drafts as rows on the sequence's own cache (``forward_rows_hidden``).
 The same interface as engine.model.Transformer (engine/interfaces.py Model), so generation, sessions and
 serving drive either; routed experts come from the expert source as for V3.
 """
@@ -18,16 +20,19 @@ import torch
 from torch import nn
 
 from engine.args import ModelArgs
+from engine.cache import DraftCache
 from engine.experts import Experts
 from engine.hyper import HyperConnection, HyperHead, spread
 from engine.interfaces import Model
 from engine.layers import RMSNorm, embedding
-from engine.model import GUESS_MAX_NEW_POSITIONS
+from engine.model import GUESS_MAX_NEW_POSITIONS, row_positions
 from engine.moe import MoE
+from engine.mtp import draft_with
 from engine.q8 import int8_activations
 from engine.rows import Linear, per_row, rows_alone, torch_on_one_thread
 from engine.v4_attention import V4Attention
-from engine.v4_cache import V4Cache, V4LayerCache
+from engine.v4_cache import V4Cache, V4DraftLayer, V4LayerCache
+from engine.v4_mtp import V4MTP
 
 
 class V4Block(nn.Module):
@@ -105,6 +110,7 @@ class V4Transformer(Model[V4Cache]):
         self.hc_head = HyperHead(args.dim, args.v4.hc_mult, args.v4.hc_eps, args.rms_norm_eps)
         self.norm = RMSNorm(args.dim, args.rms_norm_eps)
         self.head = Linear(args.dim, args.vocab_size, bias=False)
+        self.mtp = nn.ModuleList(V4MTP(args, layer, V4Block(args, layer)) for layer in args.mtp_layers)
         self.int8_activations = False
         self.read_ahead = False  # no read-ahead into the CPU caches (read_ahead_bytes)
 
@@ -169,15 +175,52 @@ class V4Transformer(Model[V4Cache]):
 
         tokens[b] goes at the end of caches[b]. Each MoE layer acquires the union of the rows' experts
         once, while each row is computed exactly as ``forward`` computes it alone (engine/rows.py)."""
+        return self.forward_rows_hidden(tokens, caches, experts)[0]
+
+    @torch.inference_mode()
+    def forward_rows_hidden(
+        self, tokens: list[int], caches: list[V4Cache], experts: Experts
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward_rows`` -> (logits [B, vocab], the streams [B, n, dim] before the head's collapse: what an
+        MTP module drafts from). Consecutive rows may share a cache: each such row goes at the position after
+        the previous one's, computed as that sequence's own next decode step (a verify step of drafts), and
+        the cache keeps what a trim back to its first row needs."""
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]  # [B, 1]
         streams = self.embed(ids).unsqueeze(2).expand(-1, -1, self.n_streams, -1).contiguous()
-        starts = [cache.length for cache in caches]
+        starts = row_positions(caches)
         with rows_alone(), int8_activations(self.int8_activations), torch_on_one_thread():
             for i, layer in enumerate(cast("list[V4Block]", self.layers)):  # a ModuleList of V4Blocks
                 layer_caches = [cache.layers[i] for cache in caches]
                 guess_ahead = self._guess_ahead(i + 1, ids, experts)
                 streams = layer.forward_rows(streams, ids, starts, layer_caches, experts, guess_ahead)
-            for cache in caches:
-                cache.release()
+            firsts: dict[int, tuple[V4Cache, int]] = {}
+            for cache, start in zip(caches, starts, strict=True):
+                firsts.setdefault(id(cache), (cache, start))
+            for cache, first in firsts.values():
+                cache.release(keep_from=first)
             collapsed = per_row(self.hc_head, streams)
-            return self.head(self.norm(collapsed)).float()[:, -1]
+            return self.head(self.norm(collapsed)).float()[:, -1], streams[:, -1]
+
+    @property
+    def drafts(self) -> bool:
+        return len(self.mtp) > 0
+
+    def new_draft_cache(self) -> DraftCache[V4DraftLayer]:
+        return cast(V4MTP, self.mtp[0]).new_cache(self.dtype, self.device)
+
+    @torch.inference_mode()
+    def draft(
+        self,
+        hidden: torch.Tensor,
+        tokens: list[int],
+        position: int,
+        cache: DraftCache[V4DraftLayer],
+        experts: Experts,
+        depth: int,
+    ) -> list[int]:
+        """``depth`` drafted tokens from the first MTP module, re-applied past the first (engine/mtp.py
+        draft_with): hidden [S, n, dim] and tokens are the pairs (h_i, t_{i+1}) of positions position..
+        not yet in ``cache``."""
+        with int8_activations(self.int8_activations), torch_on_one_thread():
+            mtp = cast(V4MTP, self.mtp[0])
+            return draft_with(mtp, self.embed, self.head, (hidden, tokens, position), cache, experts, depth)

@@ -82,7 +82,6 @@ V4_TO_ENGINE: tuple[tuple[str, str], ...] = (
 _V4_COMPILED = tuple((re.compile(pattern), target) for pattern, target in V4_TO_ENGINE)
 _V4_ROUTED = re.compile(r"(?:model\.)?layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight")
 _V4_MTP = ("mtp.", "model.mtp.")  # DeepSeek-V4's multi-token-prediction modules
-KEPT_PREFIX = "kept."  # storage.container.KEPT_PREFIX: converted and kept, never loaded
 
 # wrapped text-model prefixes -> the plain names the table matches
 _TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."), ("language_model.", ""))
@@ -121,7 +120,7 @@ def layer_of(hf_name: str) -> int | None:
 
 def is_extra_layer(hf_name: str, n_layers: int) -> bool:
     """Multi-token-prediction layers: model.layers.N with N >= num_hidden_layers, as DeepSeek-V3/R1 and
-    GLM-5 ship them (engine/mtp.py runs them); mtp.N... in DeepSeek-V4 (kept, not run)."""
+    GLM-5 ship them (engine/mtp.py runs them); mtp.I... in DeepSeek-V4 (engine/v4_mtp.py)."""
     if hf_name.startswith(_V4_MTP):
         return True
     layer = layer_of(hf_name)
@@ -141,12 +140,43 @@ _MTP_OWN = {
 MTP_SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
 
 
+# DeepSeek-V4's MTP module mtp.I: its own tensors (name after "mtp.I.", engine name after "mtp.I."); the
+# rest is a V4 block (the table's names with layers.{n_layers + I} for mtp.I), its experts those of that layer
+_V4_MTP_OWN = {
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "e_proj.weight": "e_proj.weight",
+    "h_proj.weight": "h_proj.weight",
+    "norm.weight": "norm.weight",
+    **{f"hc_head{sep}{part}": f"hc_head.{part}" for sep in ("_", ".", ".hc_") for part in ("fn", "base", "scale")},
+}
+V4_MTP_SHARED_COPIES = ("embed.weight", "head.weight", "emb.tok_emb.weight")
+_V4_MTP_NAME = re.compile(r"(?:model\.)?mtp\.(\d+)\.(.+)")
+
+
+def v4_mtp_layer(hf_name: str, n_layers: int) -> tuple[int, str] | None:
+    """(the layer id of its block, the name as that block's: layers.{n_layers + I}.X) of DeepSeek-V4's
+    mtp.I.X, else None."""
+    match = _V4_MTP_NAME.fullmatch(hf_name)
+    if match is None:
+        return None
+    layer = n_layers + int(match.group(1))
+    return layer, f"layers.{layer}.{match.group(2)}"
+
+
 def mtp_engine_name(hf_name: str, n_layers: int) -> str | None:
     """The engine parameter of an MTP layer's dense tensor (model.layers.N.X, N >= n_layers -> mtp.{N -
-    n_layers}.X for its own norms and projection, mtp.I.block.X for its decoder block), else None."""
+    n_layers}.X for its own norms and projection, mtp.I.block.X for its decoder block; DeepSeek-V4's
+    mtp.I.X likewise), else None."""
     plain = text_name(hf_name)
+    if (v4 := v4_mtp_layer(plain, n_layers)) is not None:
+        index, rest = v4[0] - n_layers, v4[1].removeprefix(f"layers.{v4[0]}.")
+        if rest in _V4_MTP_OWN:
+            return f"mtp.{index}.{_V4_MTP_OWN[rest]}"
+        target = engine_name(v4[1])
+        return None if target is None else f"mtp.{index}.block." + target.removeprefix(f"layers.{v4[0]}.")
     layer = layer_of(plain)
-    if layer is None or layer < n_layers or plain.startswith(_V4_MTP):
+    if layer is None or layer < n_layers:
         return None
     prefix = f"model.layers.{layer}."
     rest = plain.removeprefix(prefix)
@@ -166,6 +196,13 @@ def routed_expert_key(hf_name: str) -> tuple[int, int, str] | None:
         return int(match.group(1)), int(match.group(2)), ROUTED_PROJ_TO_ENGINE[match.group(3)]
     match = _V4_ROUTED.fullmatch(hf_name)
     return None if match is None else (int(match.group(1)), int(match.group(2)), match.group(3))
+
+
+def mtp_routed_key(hf_name: str, n_layers: int) -> tuple[int, int, str] | None:
+    """routed_expert_key of an MTP layer's expert tensor, DeepSeek-V4's mtp.I.ffn.experts.J.wK as layer
+    n_layers + I's."""
+    v4 = v4_mtp_layer(text_name(hf_name), n_layers)
+    return routed_expert_key(hf_name if v4 is None else v4[1])
 
 
 def engine_name(hf_name: str) -> str | None:
@@ -202,23 +239,19 @@ class SortedNames:
     routed: dict[tuple[int, int, str], str] = field(default_factory=dict)  # (layer, expert, w1|w2|w3) -> hf name
     unmapped: list[str] = field(default_factory=list)  # names no rule claims (check_complete refuses them)
     skipped: list[str] = field(default_factory=list)  # a wrapped model's vision tower and projector
-    kept: dict[str, str] = field(default_factory=dict)  # hf name -> kept name (converted, never loaded): V4's MTP
     mtp_layers: int = 0  # MTP layers whose tensors are present (their names are in dense and routed)
     left_out: list[str] = field(default_factory=list)  # MTP tensors not loaded: shared copies, or all with mtp=False
 
 
 def sort_names(hf_names: Iterable[str], n_layers: int, mtp: bool = True) -> SortedNames:
-    """Every tensor name classified once: routed expert, dense parameter, kept (DeepSeek-V4's MTP modules:
-    converted, never run), skipped (a wrapped model's vision tensors), unmapped. DeepSeek-V3/GLM-5 MTP
-    layers (model.layers.N, N >= n_layers) sort as dense (mtp.I...) and routed tensors of layer N, or are
-    left out with ``mtp`` False; ``mtp_layers`` counts the layers present."""
+    """Every tensor name classified once: routed expert, dense parameter, skipped (a wrapped model's vision
+    tensors), unmapped. MTP layers (DeepSeek-V3/GLM-5's model.layers.N, N >= n_layers; DeepSeek-V4's mtp.I)
+    sort as dense (mtp.I...) and routed tensors of their block's layer, or are left out with ``mtp`` False;
+    ``mtp_layers`` counts the layers present."""
     sorted_names = SortedNames()
     hf_names = list(hf_names)
     wrapped = is_wrapped(hf_names)
     for name in hf_names:
-        if name.startswith(_V4_MTP):
-            sorted_names.kept[name] = KEPT_PREFIX + name.removeprefix("model.")
-            continue
         if is_extra_layer(name, n_layers):
             _sort_mtp_name(name, n_layers, mtp, sorted_names)
             continue
@@ -235,14 +268,15 @@ def sort_names(hf_names: Iterable[str], n_layers: int, mtp: bool = True) -> Sort
 
 
 def _sort_mtp_name(name: str, n_layers: int, mtp: bool, sorted_names: SortedNames) -> None:
-    layer = layer_of(name)
+    v4 = v4_mtp_layer(text_name(name), n_layers)
+    layer = v4[0] if v4 is not None else layer_of(name)
     assert layer is not None  # is_extra_layer found it
-    rest = text_name(name).removeprefix(f"model.layers.{layer}.")
-    if not mtp or rest in MTP_SHARED_COPIES:
+    rest = v4[1].removeprefix(f"layers.{layer}.") if v4 is not None else text_name(name).split(".", 3)[-1]
+    if not mtp or rest in (V4_MTP_SHARED_COPIES if v4 is not None else MTP_SHARED_COPIES):
         sorted_names.left_out.append(name)
         return
     sorted_names.mtp_layers = max(sorted_names.mtp_layers, layer - n_layers + 1)
-    if (key := routed_expert_key(name)) is not None:
+    if (key := mtp_routed_key(name, n_layers)) is not None:
         sorted_names.routed[key] = name
     elif (target := mtp_engine_name(name, n_layers)) is not None:
         sorted_names.dense[name] = target

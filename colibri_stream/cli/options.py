@@ -108,8 +108,8 @@ def add_target_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
         "--no-mtp",
         action="store_true",
         help=(
-            "leave out the multi-token-prediction layer the checkpoint ships (DeepSeek-V3/R1, GLM-5): smaller "
-            "container, no speculative decoding"
+            "leave out the multi-token-prediction layer the checkpoint ships (DeepSeek-V3/R1, GLM-5, "
+            "DeepSeek-V4): smaller container, no speculative decoding"
         ),
     )
 
@@ -299,7 +299,7 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_mtp_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("multi-token prediction (DeepSeek-V3/R1, GLM-5 MTP modules)")
+    group = parser.add_argument_group("multi-token prediction (DeepSeek-V3/R1, GLM-5, DeepSeek-V4 MTP modules)")
     group.add_argument(
         "--mtp",
         choices=MODES,

@@ -95,8 +95,6 @@ def plan_conversion(source: HFSource, mtp: bool = True) -> Plan:
         if args.is_moe(layer):
             units.append(Unit(f"layer.{layer:03d}.experts", experts_layer=layer))
     units.append(Unit("globals", tuple(sorted(dense_by_layer[None]))))
-    if names.kept:  # DeepSeek-V4's MTP modules: in the container, never loaded
-        units.append(Unit("kept", tuple(sorted(names.kept.items()))))
     return Plan(args, units, experts, names.skipped)
 
 

@@ -1,4 +1,4 @@
-"""An MTP layer added to a tiny checkpoint, as DeepSeek-V3/R1 and GLM-5 ship theirs.
+"""An MTP layer added to a tiny checkpoint, as DeepSeek-V3/R1, GLM-5 and DeepSeek-V4 ship theirs.
 
 transformers' classes neither build nor save the multi-token-prediction layer (``num_nextn_predict_layers``
 is read and ignored), so the oracle fixtures have none. This writes one beside the checkpoint's shards:
@@ -20,6 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 MTP_SHARD = "model-mtp.safetensors"
+_UNPERTURBED = ("e_score_correction_bias", "ffn.gate.bias")  # router correction biases (V3's, V4's)
 INDEX = "model.safetensors.index.json"
 
 
@@ -73,12 +74,57 @@ def _block_tensors(
             if found:
                 block.update(found)
                 break
+    return _perturbed(block, f"model.layers.{n_layers}.", generator, scale)
+
+
+def _perturbed(
+    block: dict[str, torch.Tensor], prefix: str, generator: torch.Generator, scale: float
+) -> dict[str, torch.Tensor]:
+    """``block``'s tensors under ``prefix``, each plus noise of ``scale`` times its spread; norms, router
+    biases and integer tables unchanged."""
     out = {}
     for name, t in block.items():
+        if not t.is_floating_point():
+            out[prefix + name] = t.clone()
+            continue
         noise = torch.randn(t.shape, generator=generator) * scale * t.float().std().nan_to_num(0.0)
-        keep = name.endswith("e_score_correction_bias") or re.search(r"norm\.(weight|bias)$", name)
-        out[f"model.layers.{n_layers}.{name}"] = t.clone() if keep else (t.float() + noise).to(t.dtype)
+        kept = name.endswith(_UNPERTURBED) or re.search(r"norm\.(weight|bias)$", name)
+        out[prefix + name] = t.clone() if kept else (t.float() + noise).to(t.dtype)
     return out
+
+
+def add_v4_mtp_module(checkpoint: str | Path, seed: int = 0, scale: float = 0.05) -> Path:
+    """Add DeepSeek-V4's MTP module mtp.0 to a tiny V4 ``checkpoint`` in place: its block a copy of the last
+    layer's (perturbed); config.json ships it (num_nextn_predict_layers 1) and lists its block's attention
+    as CSA, so a draft's own compressors and indexer run too."""
+    path = Path(checkpoint)
+    config = json.loads((path / "config.json").read_text())
+    n_layers, dim, streams = int(config["num_hidden_layers"]), int(config["hidden_size"]), int(config["hc_mult"])
+    tensors = _read_all(path)
+    generator = torch.Generator().manual_seed(seed)
+    last = f"model.layers.{n_layers - 1}."
+    block = {name.removeprefix(last): t for name, t in tensors.items() if name.startswith(last)}
+    module = _perturbed(block, "mtp.0.", generator, scale)
+    for norm in ("enorm", "hnorm", "norm"):
+        module[f"mtp.0.{norm}.weight"] = 1 + scale * torch.randn(dim, generator=generator)
+    for proj in ("e_proj", "h_proj"):
+        module[f"mtp.0.{proj}.weight"] = torch.randn(dim, dim, generator=generator) / dim**0.5
+    module["mtp.0.hc_head_fn"] = torch.randn(streams, streams * dim, generator=generator) / (streams * dim) ** 0.5
+    module["mtp.0.hc_head_base"] = scale * torch.randn(streams, generator=generator)
+    module["mtp.0.hc_head_scale"] = torch.ones(1)
+    dtype = tensors["model.embed_tokens.weight"].dtype
+    save_file(
+        {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in module.items()},
+        str(path / MTP_SHARD),
+    )
+    _index(path, sorted(module))
+    config["num_nextn_predict_layers"] = 1
+    if isinstance(config.get("layer_types"), list):
+        config["layer_types"] = [*config["layer_types"][:n_layers], "compressed_sparse_attention"]
+    if isinstance(config.get("mlp_layer_types"), list):
+        config["mlp_layer_types"] = [*config["mlp_layer_types"][:n_layers], "moe"]
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
 
 
 def _index(path: Path, names: list[str]) -> None:

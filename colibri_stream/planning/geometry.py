@@ -162,17 +162,19 @@ def dequantised_config(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def mtp_layers_held(dense_names: Iterable[str]) -> int:
-    """The MTP modules a container holds: those whose joining projection (mtp.I.eh_proj) is stored."""
-    return sum(1 for name in dense_names if name.startswith(MTP_PREFIX) and name.endswith(".eh_proj.weight"))
+    """The MTP modules a container holds: those whose joining projection is stored (mtp.I.eh_proj; DeepSeek-V4's
+    mtp.I.e_proj)."""
+    joins = (".eh_proj.weight", ".e_proj.weight")
+    return sum(1 for name in dense_names if name.startswith(MTP_PREFIX) and name.endswith(joins))
 
 
 def planned_mtp_layers(
     config: Mapping[str, Any], args: ModelArgs, target: ContainerTarget, tensor_names: Iterable[str] | None
 ) -> int:
-    """The MTP modules a conversion keeps: none with --no-mtp (nor DeepSeek-V4's, kept arrays that are never
-    run: engine/mtp.py); else those the checkpoint's tensors hold (convert's rule, engine.weights.sort_names),
-    or before the download (``tensor_names`` None) those its config ships."""
-    if not target.mtp or args.v4 is not None:
+    """The MTP modules a conversion keeps: none with --no-mtp; else those the checkpoint's tensors hold
+    (convert's rule, engine.weights.sort_names), or before the download (``tensor_names`` None) those its
+    config ships."""
+    if not target.mtp:
         return 0
     if tensor_names is None:
         return shipped_mtp_layers(config)
@@ -181,8 +183,8 @@ def planned_mtp_layers(
 
 def mtp_not_held(config: Mapping[str, Any], args: ModelArgs) -> int:
     """The MTP modules the model ships (its config says) that ``args`` do not hold: left out by --no-mtp,
-    or absent from the checkpoint. DeepSeek-V4's are not counted (never run)."""
-    return 0 if args.v4 is not None else max(0, shipped_mtp_layers(config) - args.n_mtp_layers)
+    or absent from the checkpoint."""
+    return max(0, shipped_mtp_layers(config) - args.n_mtp_layers)
 
 
 def checkpoint_tensor_names(directory: Path) -> list[str]:

@@ -46,6 +46,7 @@ from engine.int8_dense import hold_in_int8
 from engine.interfaces import Drafter, Model
 from engine.model import Transformer
 from engine.quant import QuantizedMatrix
+from engine.v4_model import V4Transformer
 from engine.weights import SortedNames, check_complete, layer_of, sort_names
 from storage.buffers import aligned_empty
 from storage.container import Container, ExpertReader, is_container
@@ -65,8 +66,9 @@ class LoadedModel:
 
     @property
     def drafter(self) -> Drafter | None:
-        """The model as a drafter, where it has MTP modules loaded (engine/mtp.py)."""
-        return self.model if isinstance(self.model, Transformer) and self.model.drafts else None
+        """The model as a drafter, where it has MTP modules loaded (engine/mtp.py, engine/v4_mtp.py)."""
+        model = self.model
+        return model if isinstance(model, (Transformer, V4Transformer)) and model.drafts else None
 
 
 def read_config(path: str | Path) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -37,8 +38,8 @@ CATCH_UP_PAIRS = 8
 class DraftState:
     """One sequence's drafting state: its MTP cache and the pairs (h_i, t_{i+1}) it has not seen yet."""
 
-    cache: DraftCache
-    hidden: list[torch.Tensor] = field(default_factory=list)  # [dim] each: h_i for i = first..
+    cache: DraftCache[Any]
+    hidden: list[torch.Tensor] = field(default_factory=list)  # [dim] ([n, dim] in DeepSeek-V4) each: h_i, i = first..
     tokens: list[int] = field(default_factory=list)  # t_{i+1}
     first: int = 0  # the position of hidden[0]
 
@@ -55,7 +56,7 @@ class DraftState:
             self.first += 1
 
     def take_pairs(self) -> tuple[torch.Tensor, list[int], int]:
-        """(hidden [S, dim], tokens, first position), forgotten here: the draft feeds them to the module."""
+        """(hidden [S, ...], tokens, first position), forgotten here: the draft feeds them to the module."""
         pairs = torch.stack(self.hidden), self.tokens, self.first
         self.hidden, self.tokens = [], []
         return pairs

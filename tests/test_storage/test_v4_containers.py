@@ -1,5 +1,5 @@
 """DeepSeek-V4 containers: experts stream like V3's (placement changes speed, never tokens), the
-token -> experts table converts exactly, and the MTP modules are kept in the container, never loaded."""
+token -> experts table converts exactly, and the MTP module converts, streams and drafts."""
 
 from __future__ import annotations
 
@@ -12,11 +12,16 @@ from safetensors.torch import load_file, save_file
 
 from colibri_stream.convert.converter import Converter, ConvertOptions
 from colibri_stream.devtools import fixtures
+from colibri_stream.devtools.mtp_fixture import add_v4_mtp_module
 from colibri_stream.errors import CheckpointError
 from colibri_stream.planning.geometry import geometry_from_container
 from colibri_stream.planning.placement import plan
+from colibri_stream.runtime.batching import ContinuousBatch, GenerationRequest
 from colibri_stream.runtime.generate import generate
 from colibri_stream.runtime.loader import load_checkpoint, load_container
+from colibri_stream.runtime.mtp_governor import MTPOptions
+from colibri_stream.runtime.sampling import SamplingParams
+from colibri_stream.runtime.speculation import Speculation
 from engine.bf16 import bf16_kernel_available
 from storage.container import Container
 from storage.tiered import StoreConfig
@@ -61,44 +66,47 @@ def test_the_hash_table_converts_exactly(v4_checkpoint, v4_container):
             assert torch.equal(ours.ffn.gate.tid2eid, theirs.ffn.gate.tid2eid)
 
 
-MTP = {  # DeepSeek-V4's hub names for its multi-token-prediction module (a few of them)
-    "mtp.0.enorm.weight": (80,),
-    "mtp.0.e_proj.weight": (80, 160),
-    "mtp.0.attn.wq_a.weight": (48, 80),
-    "mtp.0.ffn.experts.0.w1.weight": (40, 80),
-}
-
-
-def test_mtp_modules_are_kept_in_the_container_and_never_loaded(v4_checkpoint, v4_container, tmp_path):
+def test_the_mtp_module_converts_streams_and_drafts_without_changing_a_token(v4_checkpoint, v4_container, tmp_path):
+    """mtp.0 (DeepSeek-V4's hub names) converts to engine arrays and expert records of layer n_layers, `plan`
+    counts it, --no-mtp leaves it out, and drafting with it under a quarter of the expert bytes (its own
+    experts streamed too) gives the plain greedy tokens."""
     source = tmp_path / "with-mtp"
     shutil.copytree(v4_checkpoint, source)
-    tensors = load_file(source / "model.safetensors")
-    gen = torch.Generator().manual_seed(7)
-    mtp = {name: torch.randn(shape, generator=gen) for name, shape in MTP.items()}
-    save_file({**tensors, **mtp}, source / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((source / "config.json").read_text())
-    (source / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
-
-    dst = tmp_path / "with-mtp.cstream"
-    Converter(source, dst, ConvertOptions(experts="int4", dense="f32"), progress=False).run()
-    container = Container(dst)
-    assert sorted(container.kept) == sorted(f"kept.{name}" for name in MTP)
-    for name, tensor in mtp.items():
-        assert torch.equal(torch.from_numpy(container.read_dense(f"kept.{name}")), tensor)
-    assert verify_container(dst) == []
-
-    prompt = fixtures.make_prompt(config["vocab_size"], 12, seed=2)
-    with_mtp, without = load_container(dst), load_container(v4_container)
-    assert (
-        generate(with_mtp.model, prompt, 8, with_mtp.experts).ids
-        == generate(without.model, prompt, 8, without.experts).ids
-    )
-    assert load_checkpoint(source).model.state_dict().keys() == load_checkpoint(v4_checkpoint).model.state_dict().keys()
+    add_v4_mtp_module(source, seed=5)
+    n_layers = json.loads((source / "config.json").read_text())["num_hidden_layers"]
+    held, left_out = tmp_path / "mtp.cstream", tmp_path / "no-mtp.cstream"
+    Converter(source, held, ConvertOptions(experts="int4", dense="f32"), progress=False).run()
+    Converter(source, left_out, ConvertOptions(experts="int4", dense="f32", mtp=False), progress=False).run()
+    container = Container(held)
+    own = {"mtp.0.e_proj.weight", "mtp.0.h_proj.weight", "mtp.0.hc_head.fn", "mtp.0.block.attn.wq_a.weight"}
+    assert own <= set(container.dense) and container.moe_layers[-1] == n_layers
+    assert not any(name.startswith("mtp.") for name in Container(left_out).dense)
+    assert Container(left_out).moe_layers[-1] == n_layers - 1
+    assert verify_container(held) == []
     placed = [
-        plan(geometry_from_container(Container(p)), StoreConfig(ram_bytes=1 << 30), "float32")
-        for p in (dst, v4_container)
+        plan(geometry_from_container(Container(p)), StoreConfig(ram_bytes=1 << 30), "float32") for p in (held, left_out)
     ]
-    assert placed[0].dense_bytes == placed[1].dense_bytes
+    assert (placed[0].mtp_layers, placed[1].mtp_layers, placed[1].mtp_left_out) == (1, 0, 1)
+    assert placed[0].dense_bytes == placed[1].dense_bytes + placed[0].mtp_dense_bytes > placed[1].dense_bytes
+    assert placed[0].mtp_expert_bytes == container.expert_bytes - Container(left_out).expert_bytes > 0
+
+    prompt = fixtures.make_prompt(container.model_config["vocab_size"], 30, seed=4)
+    plain = load_container(left_out)
+    expected = generate(plain.model, prompt, NEW_TOKENS, plain.experts).ids
+    quarter = container.expert_bytes // 4 // container.layout.record_bytes * container.layout.record_bytes
+    loaded = load_container(held, store=StoreConfig(ram_bytes=quarter))
+    try:
+        speculation = Speculation(loaded.drafter, MTPOptions("on", 2))
+        batch = ContinuousBatch(loaded.model, loaded.experts, speculation=speculation)
+        drafted = batch.add(GenerationRequest(prompt, NEW_TOKENS, SamplingParams()))
+        while batch:
+            batch.step()
+        stats = loaded.experts.snapshot()
+    finally:
+        loaded.experts.close()
+    assert drafted.error is None and drafted.result.ids == expected
+    assert speculation.governor.report()["drafted"] > 0
+    assert stats.misses > 0 and loaded.experts.routed.table()[n_layers] != [0] * loaded.args.n_routed_experts
 
 
 @pytest.mark.skipif(not bf16_kernel_available(), reason="no bf16 kernel on this CPU: bf16 weights are upcast at load")
