@@ -1,9 +1,10 @@
-"""Dense weights held as the container's int8 records, for models run with int8 activations.
+"""Dense weights held as the container's int8 or int4 records, for models run with int8 activations.
 
 A container converted with `--dense int8` stores each 2-D dense weight as int8 [out, in] with one
-float16 scale per group of columns. The exact float path dequantises them at load (the oracle's
-model); with int8 activations (engine/q8.py) they stay int8 and the integer kernel reads them: half
-the bytes of bf16 per token, as llama.cpp's Q8_0 dense tensors.
+float16 scale per group of columns; `--dense int4` most of them as int4 codes two a byte [out,
+ceil(in / 2)] (checkpoint/dtypes.py says which stay int8). The exact float path dequantises them at load
+(the oracle's model); with int8 activations (engine/q8.py) they stay coded and the integer kernel reads
+them: half (int8) or a quarter (int4) of the bytes of bf16 per token, as llama.cpp's Q8_0 / Q4_0 tensors.
 """
 
 from __future__ import annotations
@@ -18,20 +19,27 @@ from engine.q8 import BLOCK, WEIGHT_KINDS, KernelMatrix, q8_kernel_handles, q8_m
 from engine.quant import KERNEL_SCALES, QuantizedMatrix
 from engine.rows import linear
 
+CODE_DTYPES = {"int8": torch.int8, "int4": torch.uint8}  # int4: two codes a byte, the low nibble first
 
-class Int8Linear(nn.Module, KernelMatrix):
-    """A bias-free Linear over int8 codes q [out, in] and scales [out, ceil(in / group_size)]."""
+
+class CodedLinear(nn.Module, KernelMatrix):
+    """A bias-free Linear over ``code`` codes q (int8 [out, in]; int4 [out, ceil(in / 2)] bytes) and scales
+    [out, ceil(in / group_size)]; ``in_dim`` the weight's width."""
 
     q: torch.Tensor  # buffers (register_buffer): declared for the type checker
     scales: torch.Tensor
 
-    def __init__(self, q: torch.Tensor, scales: torch.Tensor, group_size: int):
+    def __init__(
+        self, q: torch.Tensor, scales: torch.Tensor, group_size: int, code: str = "int8", in_dim: int | None = None
+    ):
         super().__init__()
-        if q.dtype != torch.int8 or q.dim() != 2:
-            raise TypeError(f"Int8Linear needs int8 codes [out, in], got {q.dtype} {list(q.shape)}")
+        in_dim = q.shape[-1] if in_dim is None else in_dim
+        packed = -(-in_dim // 2) if code == "int4" else in_dim
+        if code not in CODE_DTYPES or q.dtype != CODE_DTYPES[code] or q.dim() != 2 or q.shape[1] != packed:
+            raise TypeError(f"CodedLinear needs {code} codes [out, {packed}], got {q.dtype} {list(q.shape)}")
         self.register_buffer("q", q.contiguous())
         self.register_buffer("scales", scales.contiguous())
-        self.group_size = group_size
+        self.group_size, self.code, self.in_dim = group_size, code, in_dim
         self._c_matrix: tuple[int, int, int, int, int, int] | None = None
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
@@ -44,34 +52,35 @@ class Int8Linear(nn.Module, KernelMatrix):
         where the kernel cannot read them (engine/mla_decode.py, engine/q8.py q8_mlp)."""
         if self._c_matrix is None and self.group_size % BLOCK == 0 and self.scales.dtype in KERNEL_SCALES:
             q, scales = self.q, self.scales
-            kind, scale_kind = WEIGHT_KINDS["int8"], KERNEL_SCALES[scales.dtype]
-            self._c_matrix = (q.data_ptr(), scales.data_ptr(), kind, scale_kind, q.shape[1], self.group_size)
+            kind, scale_kind = WEIGHT_KINDS[self.code], KERNEL_SCALES[scales.dtype]
+            self._c_matrix = (q.data_ptr(), scales.data_ptr(), kind, scale_kind, self.in_dim, self.group_size)
         return self._c_matrix
 
     @property
     def matrix(self) -> QuantizedMatrix:
-        return QuantizedMatrix(self.q, self.scales, "int8", self.group_size, self.q.shape[1])
+        return QuantizedMatrix(self.q, self.scales, self.code, self.group_size, self.in_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in] -> [..., out] float32: int8 activations times the int8 weights. Without the
+        """x [..., in] -> [..., out] float32: int8 activations times the coded weights. Without the
         kernel the same function in torch (quantised x times the dequantised weights), slower."""
         flat = x.reshape(-1, x.shape[-1]).float()
-        if q8_kernel_handles("int8", self.group_size, flat) and self.scales.dtype in KERNEL_SCALES:
-            out = q8_matmul(flat, self.q, self.scales, "int8", self.group_size, KERNEL_SCALES[self.scales.dtype])
+        if q8_kernel_handles(self.code, self.group_size, flat) and self.scales.dtype in KERNEL_SCALES:
+            scale_kind = KERNEL_SCALES[self.scales.dtype]
+            out = q8_matmul(flat, self.q, self.scales, self.code, self.group_size, scale_kind)
         else:
             out = linear(quantize_rows(flat), self.matrix.dequantize(torch.float32))
         return out.view(*x.shape[:-1], self.q.shape[0])
 
 
-def hold_in_int8(model: nn.Module, weights: dict[str, tuple[torch.Tensor, torch.Tensor, int]]) -> int:
-    """Swap each nn.Linear named ``<name>`` with ``<name>.weight`` in ``weights`` ((q, scales, group))
-    for an Int8Linear over them. Returns how many were swapped."""
+def hold_codes(model: nn.Module, weights: dict[str, tuple[torch.Tensor, torch.Tensor, int, str, int]]) -> int:
+    """Swap each nn.Linear named ``<name>`` with ``<name>.weight`` in ``weights`` ((q, scales, group, code,
+    in_dim)) for a CodedLinear over them. Returns how many were swapped."""
     swapped = 0
     for name, module in list(model.named_modules()):
         held = weights.get(f"{name}.weight")
         if held is None or not isinstance(module, nn.Linear) or module.bias is not None:
             continue
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, Int8Linear(*held))
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, CodedLinear(*held))
         swapped += 1
     return swapped

@@ -102,7 +102,7 @@ def quantize_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 class KernelMatrix:
-    """A linear whose int8 records the fused C steps read as they are: engine/int8_dense.py's Int8Linear
+    """A linear whose int8 or int4 records the fused C steps read as they are: engine/int8_dense.py's CodedLinear
     (declared here because int8_dense imports this module)."""
 
     def c_matrix(self) -> tuple[int, int, int, int, int, int] | None:
@@ -117,7 +117,7 @@ def c_matrix_of(linear: object) -> tuple[int, int, int, int, int, int] | None:
 
 def q8_mlp(w1: object, w2: object, w3: object, x: torch.Tensor, limit: float | None = None) -> torch.Tensor | None:
     """w2(swiglu(w1 x, w3 x)) for x [..., dim] in one C call (gate and up as one threaded job, then down)
-    where the three are Int8Linear the kernel reads and int8 activations are on (a shared expert, a dense
+    where the three are CodedLinear the kernel reads and int8 activations are on (a shared expert, a dense
     layer's FFN); else None. The SwiGLU is q8_moe's (C's expf), not torch's: int8 path only."""
     cpu_float32 = x.dtype == torch.float32 and x.device.type == "cpu"
     # reflection: a build of the C extension older than q8_mlp lacks it

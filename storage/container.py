@@ -31,7 +31,7 @@ import zarr
 from storage.buffers import PAGE, aligned_empty
 from storage.checksum import crc32c
 from storage.errors import CorruptDataError, FormatError
-from storage.layout import DTYPES, ExpertRecordLayout
+from storage.layout import DENSE_ARRAY_DTYPES, QUANTISED_DENSE, ExpertRecordLayout, stored_shape
 from storage.parts import Parts, load_parts
 
 FORMAT_NAME = "colibri-stream-container"
@@ -43,7 +43,8 @@ EXPERTS_GROUP = "experts"
 # modules): checksummed and verified like the rest, never resident, never in a plan.
 KEPT_PREFIX = "kept."
 CONTENT_KEY = "content_sha256"
-DENSE_DTYPES = ("float32", "bfloat16", "int8", "int32")  # int8: group-quantised, with float16 scales; int32: tables
+# int8 / int4: group-quantised codes with float16 scales (int4 two per byte); int32: tables
+DENSE_DTYPES = ("float32", "bfloat16", "int8", "int4", "int32")
 MAX_METADATA_BYTES = 64 << 20  # zarr.json files; DeepSeek-V3's root, every checksum included, is ~0.2 MB
 # Dense array names are engine parameter names: one path component, never "." or ".." or a separator.
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
@@ -135,11 +136,11 @@ def is_container(path: str | Path) -> bool:
 @dataclass(frozen=True)
 class DenseEntry:
     name: str
-    shape: tuple[int, ...]
-    dtype: str  # "float32" | "bfloat16" | "int8" | "float16" (int8 scales)
+    shape: tuple[int, ...]  # the weight's (an int4 array stores ceil(in / 2) bytes per row: ``stored_shape``)
+    dtype: str  # "float32" | "bfloat16" | "int8" | "int4" | "int32" | "float16" (the codes' scales)
     crc32c: int
-    scales: DenseEntry | None = None  # int8 only: float16 [out, ceil(in / group)] stored as "<name>.scale"
-    group_size: int | None = None  # int8 only; the last group of a row may be partial
+    scales: DenseEntry | None = None  # int8/int4 only: float16 [out, ceil(in / group)] stored as "<name>.scale"
+    group_size: int | None = None  # int8/int4 only; the last group of a row may be partial
 
 
 class Container:
@@ -232,13 +233,13 @@ class Container:
                 raise FormatError(
                     f"{self.path}: dense array {name}: dtype {brief(dense.dtype)} is not one of {DENSE_DTYPES}"
                 )
-            if dense.dtype == "int8":
-                dense = self._int8_entry(dense, entry)
+            if dense.dtype in QUANTISED_DENSE:
+                dense = self._quantised_entry(dense, entry)
             entries[name] = dense
         return entries
 
-    def _int8_entry(self, dense: DenseEntry, entry: dict[str, Any]) -> DenseEntry:
-        """An int8 array with its scales and group size (containers before ragged groups recorded no
+    def _quantised_entry(self, dense: DenseEntry, entry: dict[str, Any]) -> DenseEntry:
+        """An int8 or int4 array with its scales and group size (containers before ragged groups recorded no
         group size: their groups divide the width, so it is width / scale columns)."""
         name = dense.name
         scales = self._dense_entry(f"{name}.scale", entry.get("scales"), "float16")
@@ -251,7 +252,9 @@ class Container:
                 f"{self.path}: dense array {name}: group size {brief(group)} does not give its "
                 f"{groups} scale columns for width {width}"
             )
-        return DenseEntry(name, dense.shape, "int8", dense.crc32c, scales, group)
+        if dense.dtype == "int4" and group % 2:
+            raise FormatError(f"{self.path}: dense array {name}: int4 groups pack two codes a byte, not {group}")
+        return DenseEntry(name, dense.shape, dense.dtype, dense.crc32c, scales, group)
 
     def _dense_entry(self, name: str, entry: Any, dtype: str | None = None) -> DenseEntry:
         try:
@@ -276,17 +279,17 @@ class Container:
         relpath = f"{DENSE_GROUP}/{entry.name}"
         meta = self.array_metadata(relpath)
         where = f"{self.path / relpath / 'zarr.json'}"
-        dtype = np.dtype(DTYPES[entry.dtype])
-        if meta.get("shape") != list(entry.shape) or meta.get("data_type") != str(dtype):
+        dtype, shape = np.dtype(DENSE_ARRAY_DTYPES[entry.dtype]), list(stored_shape(entry.shape, entry.dtype))
+        if meta.get("shape") != shape or meta.get("data_type") != str(dtype):
             raise FormatError(
                 f"dense array {entry.name}: zarr metadata says "
                 f"{brief(meta.get('data_type'))}{brief(meta.get('shape'))}, "
-                f"container attributes say {dtype}{list(entry.shape)}"
+                f"container attributes say {dtype}{shape}"
             )
         chunks = _chunk_shape(meta, where)
         codecs: Any = meta.get("codecs")  # JSON, checked just below
         bytes_only = isinstance(codecs, list) and len(codecs) == 1 and isinstance(codecs[0], dict)
-        if not bytes_only or codecs[0].get("name") != "bytes" or chunks != list(entry.shape):
+        if not bytes_only or codecs[0].get("name") != "bytes" or chunks != shape:
             raise FormatError(
                 f"dense array {entry.name}: needs one uncompressed chunk (bytes codec only, chunk_shape = shape), "
                 f"got codecs {brief(codecs)}, chunks {brief(chunks)}"
@@ -297,7 +300,7 @@ class Container:
         self._check_chunk_key_encoding(meta, f"dense array {entry.name}", where)
         chunk = self.path / relpath / "c" / "/".join("0" * len(entry.shape))
         size = regular_file_size(chunk, f"chunk of dense array {entry.name}")
-        expected = math.prod(entry.shape) * dtype.itemsize
+        expected = math.prod(shape) * dtype.itemsize
         if size != expected:
             raise CorruptDataError(f"dense array {entry.name}: {chunk} holds {size} bytes, expected {expected}")
 
@@ -371,17 +374,17 @@ class Container:
 
     def read_dense(self, name: str) -> np.ndarray:
         """The dense array through zarr, checksum-verified. bfloat16 comes back as its uint16 bits,
-        int8 as its quantised values (see ``read_dense_scales``)."""
+        int8 as its quantised values, int4 as its packed bytes (see ``read_dense_scales``)."""
         entry = self.dense.get(name) or self.kept.get(name)
         if entry is None:
             raise FormatError(f"{self.path}: no dense array {name!r}")
         return self._read_entry(entry)
 
     def read_dense_scales(self, name: str) -> np.ndarray:
-        """float16 group scales of an int8 dense array."""
+        """float16 group scales of an int8 or int4 dense array."""
         scales = self.dense[name].scales
         if scales is None:
-            raise FormatError(f"{self.path}: dense array {name} is not int8-quantised")
+            raise FormatError(f"{self.path}: dense array {name} is not quantised")
         return self._read_entry(scales)
 
     def _read_entry(self, entry: DenseEntry) -> np.ndarray:

@@ -21,7 +21,7 @@ from storage.container import ATTRS_KEY, DENSE_GROUP, EXPERTS_GROUP, FORMAT_NAME
 from storage.container import CONTENT_KEY as CONTENT_KEY  # defined beside the reader; re-exported
 from storage.container import content_sha256 as content_sha256
 from storage.errors import write_errors
-from storage.layout import DTYPES, ExpertRecordLayout
+from storage.layout import DENSE_ARRAY_DTYPES, ExpertRecordLayout, stored_shape
 
 if TYPE_CHECKING:
     from zarr.core.array_spec import ArrayConfigParams
@@ -84,13 +84,19 @@ class ContainerWriter:
         return crc32c(record)
 
     @_writes
-    def write_dense(self, name: str, array: np.ndarray, dtype: str) -> dict[str, Any]:
-        """Store one dense array (float32, bfloat16 bits as uint16, int8, or float16 scales); return its
-        attribute entry."""
+    def write_dense(
+        self, name: str, array: np.ndarray, dtype: str, shape: tuple[int, ...] | None = None
+    ) -> dict[str, Any]:
+        """Store one dense array (float32, bfloat16 bits as uint16, int8, int4 codes packed two a byte, or
+        float16 scales); return its attribute entry. ``shape``: the weight's (int4: its width, not the
+        packed array's; default the array's)."""
         array = np.ascontiguousarray(array)
-        if array.dtype != DTYPES[dtype]:
+        shape = tuple(array.shape) if shape is None else shape
+        wanted, wanted_shape = np.dtype(DENSE_ARRAY_DTYPES[dtype]), stored_shape(shape, dtype)
+        if array.dtype != wanted or tuple(array.shape) != wanted_shape:
             raise ValueError(
-                f"dense array {name}: {dtype} must be given as {np.dtype(DTYPES[dtype])}, got {array.dtype}"
+                f"dense array {name}: {dtype}{list(shape)} must be given as {wanted}{list(wanted_shape)}, "
+                f"got {array.dtype}{list(array.shape)}"
             )
         target = self.root.create_array(
             f"{DENSE_GROUP}/{name}",
@@ -103,7 +109,7 @@ class ContainerWriter:
             config=_NO_SKIP,
         )
         target[...] = array
-        return {"shape": list(array.shape), "dtype": dtype, "crc32c": crc32c(array)}
+        return {"shape": list(shape), "dtype": dtype, "crc32c": crc32c(array)}
 
     @_writes
     def publish(self, attrs: dict[str, Any]) -> None:

@@ -46,6 +46,15 @@ DTYPES = {
     "e8m0": np.uint8,  # power-of-two scales 2^(e - 127)
 }
 MATRICES = ("w1", "w3", "w2")
+# Dense arrays (storage/container.py) add int4: two codes per byte, a row's last byte half filled when its
+# width is odd, so the stored array is [.., ceil(width / 2)] uint8 while the entry keeps the weight's shape.
+DENSE_ARRAY_DTYPES = {**DTYPES, "int4": np.uint8}
+QUANTISED_DENSE = ("int8", "int4")  # dense dtypes stored as codes with float16 group scales
+
+
+def stored_shape(shape: tuple[int, ...], dtype: str) -> tuple[int, ...]:
+    """The stored array's shape of a dense weight of ``shape`` kept as ``dtype``."""
+    return (*shape[:-1], -(-shape[-1] // 2)) if dtype == "int4" else shape
 
 
 def align(n: int, to: int) -> int:

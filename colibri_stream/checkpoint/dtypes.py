@@ -62,15 +62,23 @@ def from_stored(array: np.ndarray, tag: str) -> torch.Tensor:
     return tensor.view(torch.bfloat16) if tag == "bfloat16" else tensor
 
 
+# Under --dense int4 these 2-D weights stay int8: the embedding and output head (every token's first and
+# last step, as llama.cpp's Q4_0 files keep the output tensor wider), the router and the DSA indexer (a
+# choice of experts or positions, not a sum), and MLA's wkv_b (absorbed decode reads its int8 codes per head).
+INT8_UNDER_INT4 = ("embed.weight", "head.weight", ".wkv_b.weight", ".ffn.gate.weight")
+
+
 def stored_dense_dtype(name: str, shape: tuple[int, ...], scheme: str, group_size: int) -> str:
     """The dtype tag a conversion stores one dense parameter as, under the dense ``scheme``.
 
-    int8 applies to 2-D weights (any width: the last group of a row may be partial); other tensors
-    (norms, biases) keep bf16, and the float32-only parameters always stay float32."""
+    int8 applies to 2-D weights (any width: the last group of a row may be partial), int4 to those but
+    ``INT8_UNDER_INT4`` and the indexer's (int8); other tensors (norms, biases) keep bf16, and the
+    float32-only parameters always stay float32."""
     if name.endswith(INTEGER_PARAMETERS):
         return "int32"
     if scheme == "f32" or name.endswith(FLOAT32_PARAMETERS):
         return "float32"
-    if scheme == "int8" and len(shape) == 2:
-        return "int8"
+    if scheme in ("int8", "int4") and len(shape) == 2:
+        wider = name.endswith(INT8_UNDER_INT4) or ".indexer." in name
+        return "int4" if scheme == "int4" and not wider else "int8"
     return "bfloat16"

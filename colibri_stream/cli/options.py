@@ -102,7 +102,14 @@ def add_target_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
         ),
     )
     parser.add_argument(
-        "--dense", choices=DENSE_SCHEMES, default=DEFAULT_DENSE, help=f"dense-weight format (default {DEFAULT_DENSE})"
+        "--dense",
+        choices=DENSE_SCHEMES,
+        default=DEFAULT_DENSE,
+        help=(
+            f"dense-weight format (default {DEFAULT_DENSE}; f32 lossless): int8 / int4 store 2-D weights as "
+            "group-quantised codes, read as codes with --activations int8 (int4 keeps the embedding, output "
+            "head, router, DSA indexer and MLA's wkv_b int8)"
+        ),
     )
     parser.add_argument(
         "--no-mtp",

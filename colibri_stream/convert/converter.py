@@ -112,20 +112,24 @@ def _check_experts(args: ModelArgs, experts: dict, source: HFSource) -> None:
 
 # ----------------------------------------------------------------------------------------- records
 
+DenseArrayData = tuple[str, np.ndarray, str, tuple[int, ...]]  # (array name, array, dtype tag, weight shape)
 
-def dense_arrays(engine: str, tensor: torch.Tensor, scheme: str, group_size: int) -> list[tuple[str, np.ndarray, str]]:
-    """(array name, array, dtype tag) to store for one dense tensor under ``scheme``.
+
+def dense_arrays(engine: str, tensor: torch.Tensor, scheme: str, group_size: int) -> list[DenseArrayData]:
+    """(array name, array, dtype tag, the weight's shape) to store for one dense tensor under ``scheme``.
 
     The dtype is colibri_stream.checkpoint.dtypes.stored_dense_dtype's, the rule `plan` sizes a conversion with."""
-    stored = stored_dense_dtype(engine, tuple(tensor.shape), scheme, group_size)
+    shape = tuple(tensor.shape)
+    stored = stored_dense_dtype(engine, shape, scheme, group_size)
     if stored == "float32":
-        return [(engine, tensor.float().contiguous().numpy(), "float32")]
+        return [(engine, tensor.float().contiguous().numpy(), "float32", shape)]
     if stored == "int32":  # an integer table (DeepSeek-V4's tid2eid), exact
-        return [(engine, tensor.to(torch.int32).contiguous().numpy(), "int32")]
-    if stored == "int8":
-        q, scales = quantize(tensor, 8, group_size)
-        return [(engine, q.numpy(), "int8"), (f"{engine}.scale", scales.numpy(), "float16")]
-    return [(engine, bf16_bits(tensor), "bfloat16")]
+        return [(engine, tensor.to(torch.int32).contiguous().numpy(), "int32", shape)]
+    if stored in ("int8", "int4"):
+        q, scales = quantize(tensor, 8 if stored == "int8" else 4, group_size)
+        scale_array = scales.numpy()
+        return [(engine, q.numpy(), stored, shape), (f"{engine}.scale", scale_array, "float16", scale_array.shape)]
+    return [(engine, bf16_bits(tensor), "bfloat16", shape)]
 
 
 # ------------------------------------------------------------------------------------------- driver
@@ -214,14 +218,14 @@ class Converter:
     def convert_dense(self, hf: str, engine: str, reader: TensorReader, writer: ContainerWriter) -> dict[str, Any]:
         """Write one dense tensor's arrays; return its entry for the container's attributes."""
         written = [
-            writer.write_dense(name, array, dtype)
-            for name, array, dtype in dense_arrays(
+            writer.write_dense(name, array, dtype, shape)
+            for name, array, dtype, shape in dense_arrays(
                 engine, reader.get(hf), self.options.dense, self.options.quant_group_size
             )
         ]
         if len(written) == 1:
             return written[0]
-        # int8: the codes, their scales and the group size the scales are for
+        # int8 / int4: the codes, their scales and the group size the scales are for
         return {**written[0], "scales": written[1], "group_size": self.options.quant_group_size}
 
     def expert_record(self, reader: TensorReader, names: dict[str, str]) -> np.ndarray:

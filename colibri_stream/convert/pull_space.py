@@ -21,7 +21,7 @@ from colibri_stream.errors import ColibriError
 from colibri_stream.planning.geometry import ModelGeometry
 from storage.container import Container, is_container
 from storage.errors import StorageError, free_bytes
-from storage.layout import DTYPES
+from storage.layout import DENSE_ARRAY_DTYPES, QUANTISED_DENSE, stored_shape
 
 METADATA_MARGIN = 0.005  # zarr.json files and partly filled blocks: measured 0.1-0.3% on DeepSeek-V3's layout
 BLOCK = 4096
@@ -43,13 +43,14 @@ class Need:
 def container_bytes(geometry: ModelGeometry, dense_group: int, side_files: Iterable[int] = ()) -> int:
     """The container `convert` writes for this geometry, on disk: every record and dense array (one file
     each, rounded to a block), plus a margin for metadata, plus the side files it copies (config,
-    tokenizer: their sizes). ``dense_group``: int8 dense arrays' group."""
+    tokenizer: their sizes). ``dense_group``: int8 and int4 dense arrays' group."""
     # a record is a chunk file in a directory of its own (zarr's c/<expert>/0): its blocks plus the directory's
     records = geometry.total_records * (_blocks(geometry.record_bytes) + BLOCK)
     dense = 0
     for array in geometry.dense:  # zarr.json and the chunk's directories (c/, c/0/...), then the chunk
-        dense += ARRAY_OVERHEAD + _blocks(array.numel * np.dtype(DTYPES[array.dtype]).itemsize)
-        if array.dtype == "int8":  # its float16 scales, one per group of the last dim
+        stored = math.prod(stored_shape(array.shape, array.dtype))
+        dense += ARRAY_OVERHEAD + _blocks(stored * np.dtype(DENSE_ARRAY_DTYPES[array.dtype]).itemsize)
+        if array.dtype in QUANTISED_DENSE:  # its float16 scales, one per group of the last dim
             groups = math.prod(array.shape[:-1]) * -(-array.shape[-1] // dense_group)
             dense += ARRAY_OVERHEAD + _blocks(groups * 2)
     return int((records + dense) * (1 + METADATA_MARGIN)) + sum(_blocks(n) for n in side_files)

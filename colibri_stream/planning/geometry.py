@@ -36,7 +36,7 @@ AUTO = "auto"  # --experts auto: a quantised source's routed experts as shipped,
 # copied from a source that ships them (auto).
 PASSTHROUGH_SCHEMES = ("int4-bf16scale", "mxfp4")
 EXPERT_SCHEMES = (AUTO, *(s for s in SCHEMES if s not in PASSTHROUGH_SCHEMES))
-DENSE_SCHEMES = ("bf16", "f32", "int8")
+DENSE_SCHEMES = ("bf16", "f32", "int8", "int4")
 DEFAULT_EXPERTS = AUTO
 REQUANTISED_EXPERTS = "int4"  # what auto means for a float (or FP8) source
 DEFAULT_GROUP_SIZE = 64

@@ -42,7 +42,7 @@ from engine.attention import MLA
 from engine.bf16 import hold_in_bf16, linear_candidates
 from engine.experts import Expert, ExpertWeights
 from engine.families import meta_transformer
-from engine.int8_dense import hold_in_int8
+from engine.int8_dense import hold_codes
 from engine.interfaces import Drafter, Model
 from engine.model import Transformer
 from engine.quant import QuantizedMatrix
@@ -351,37 +351,40 @@ def _load_dense(
     container: Container, args: ModelArgs, dtype: torch.dtype, int8_activations: bool = False
 ) -> Model[Any]:
     """The resident model. bf16 Linear weights of a float32 model stay bf16 on the CPU (engine/bf16.py:
-    exact, half the memory and bytes per token); int8 Linear weights stay int8 with int8 activations
-    (engine/int8_dense.py) and are dequantised otherwise; everything else is cast to ``dtype``."""
+    exact, half the memory and bytes per token); int8 and int4 Linear weights stay coded with int8
+    activations (engine/int8_dense.py) and are dequantised otherwise; everything else is cast to ``dtype``."""
     path = str(container.path)
     model = meta_transformer(args)
     expected = dict(model.state_dict())
     check_complete([n for n in container.dense if n not in expected], expected.keys(), container.dense.keys(), path)
     held_bf16 = bf16_held_weights(container, args, dtype)
     held_int8 = linear_candidates(model) if int8_activations else set()  # the Linears, used only through forward
-    state, int8_weights, kv_b_codes = {}, {}, {}
+    state: dict[str, torch.Tensor] = {}
+    coded: dict[str, tuple[torch.Tensor, torch.Tensor, int, str, int]] = {}
+    kv_b_codes: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
     for name, entry in container.dense.items():
         if tuple(expected[name].shape) != entry.shape:
             raise FormatError(
                 f"dense array {name}: shape {list(entry.shape)}, the model needs {list(expected[name].shape)}"
             )
         target = compute_dtype_of(name, dtype)
-        if entry.dtype == "int8":
-            assert entry.group_size is not None  # an int8 array has its group size (storage.container checks)
+        if entry.dtype in ("int8", "int4"):
+            assert entry.group_size is not None  # a coded array has its group size (storage.container checks)
             q = torch.from_numpy(container.read_dense(name))
             scales = torch.from_numpy(container.read_dense_scales(name))
             if name in held_int8:
-                int8_weights[name] = (q, scales, entry.group_size)
+                coded[name] = (q, scales, entry.group_size, entry.dtype, entry.shape[1])
                 continue
-            if int8_activations and name.endswith(".attn.wkv_b.weight"):  # also as stored, for decode (MLA)
+            if int8_activations and entry.dtype == "int8" and name.endswith(".attn.wkv_b.weight"):  # for decode (MLA)
                 kv_b_codes[name.removesuffix(".wkv_b.weight")] = (q, scales, entry.group_size)
-            state[name] = QuantizedMatrix(q, scales, "int8", entry.group_size, q.shape[1]).dequantize(target)
+            matrix = QuantizedMatrix(q, scales, entry.dtype, entry.group_size, entry.shape[1])
+            state[name] = matrix.dequantize(target)
         elif name in held_bf16:
             state[name] = from_stored(container.read_dense(name), entry.dtype)
         else:
             state[name] = from_stored(container.read_dense(name), entry.dtype).to(target)
-    hold_in_int8(model, int8_weights)
-    for name, (q, scales, _) in int8_weights.items():
+    hold_codes(model, coded)
+    for name, (q, scales, *_) in coded.items():
         module = name.removesuffix(".weight")
         state[f"{module}.q"], state[f"{module}.scales"] = q, scales
     model.load_state_dict(state, strict=True, assign=True)

@@ -57,6 +57,15 @@ def test_fused_attention_gives_the_module_paths_bits(make_container, family, mon
     assert calls == 5 * len(loaded.model.layers)  # every decode step of every layer, none of the prompt's
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm_moe_dsa"])
+def test_int4_dense_matrices_give_the_module_paths_bits_too(make_container, family, monkeypatch):
+    """--dense int4: the C steps read wq_a/wq_b/wkv_a/wo as int4 codes (wkv_b stays int8)."""
+    loaded = load_container(make_container(family, "int4", "int4"), int8_activations=True)
+    assert loaded.model.layers[1].attn.wq_b.code == "int4"
+    calls = _compare(loaded.model, loaded.experts, monkeypatch)
+    assert calls == 5 * len(loaded.model.layers)
+
+
 def test_one_row_of_forward_rows_takes_it_too(make_container, monkeypatch):
     loaded = load_container(make_container("deepseek_v32", "int4", "int8"), int8_activations=True)
     assert _compare(loaded.model, loaded.experts, monkeypatch, rows=True) == 5 * len(loaded.model.layers)

@@ -10,7 +10,7 @@ import torch
 
 from colibri_stream.errors import ColibriError
 from colibri_stream.runtime.loader import load, load_container
-from engine.int8_dense import Int8Linear
+from engine.int8_dense import CodedLinear
 from engine.q8 import (
     ISA_AVX2,
     ISA_BEST,
@@ -91,7 +91,7 @@ def test_matmul_takes_the_integer_kernel_only_inside_the_context():
 def test_int8_linear_kernel_equals_its_torch_fallback(monkeypatch):
     gen = torch.Generator().manual_seed(3)
     m = quantized_matrix(torch.randn(70, 136, generator=gen) * 0.02, 8, 64)
-    layer = Int8Linear(m.q, m.scales, 64)
+    layer = CodedLinear(m.q, m.scales, 64)
     x = torch.randn(2, 5, 136, generator=gen)
     fast = layer(x)
     monkeypatch.setattr("engine.int8_dense.q8_kernel_handles", lambda *a: False)
@@ -99,7 +99,7 @@ def test_int8_linear_kernel_equals_its_torch_fallback(monkeypatch):
     assert fast.shape == (2, 5, 70)
     assert (fast - slow).abs().max() <= 2e-6 * slow.abs().max()
     with pytest.raises(TypeError, match="int8"):
-        Int8Linear(m.q.float(), m.scales, 64)
+        CodedLinear(m.q.float(), m.scales, 64)
 
 
 @needs_kernel
@@ -109,10 +109,10 @@ def test_a_model_with_int8_activations_holds_int8_dense_and_stays_close(make_con
     (deepseek_v3: no DSA top-k for the rounding to flip)."""
     path = make_container("deepseek_v3", "int4", "int8")
     exact, fast = load_container(path), load_container(path, int8_activations=True)
-    held = {name for name, module in fast.model.named_modules() if isinstance(module, Int8Linear)}
+    held = {name for name, module in fast.model.named_modules() if isinstance(module, CodedLinear)}
     assert "head" in held and "layers.0.attn.wq_a" in held and "layers.1.ffn.shared_experts.w2" in held
     assert not any(name.endswith("wkv_b") for name in held)
-    assert not any(isinstance(module, Int8Linear) for module in exact.model.modules())
+    assert not any(isinstance(module, CodedLinear) for module in exact.model.modules())
     tokens = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
     a = exact.model(tokens, 0, exact.model.new_cache(), exact.experts)
     b = fast.model(tokens, 0, fast.model.new_cache(), fast.experts)

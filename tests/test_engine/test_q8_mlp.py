@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.int8_dense import Int8Linear
+from engine.int8_dense import CodedLinear
 from engine.layers import MLP
 from engine.q8 import int8_activations, q8_mlp
 from engine.quant import int4_kernel_available, quantized_matrix
@@ -15,9 +15,9 @@ from engine.quant import int4_kernel_available, quantized_matrix
 needs_kernel = pytest.mark.skipif(not int4_kernel_available(), reason="engine._kernels was not built")
 
 
-def int8_linear(out_dim: int, in_dim: int, group: int, gen: torch.Generator) -> Int8Linear:
+def int8_linear(out_dim: int, in_dim: int, group: int, gen: torch.Generator) -> CodedLinear:
     m = quantized_matrix(torch.randn(out_dim, in_dim, generator=gen) * 0.05, 8, group)
-    return Int8Linear(m.q, m.scales, group)
+    return CodedLinear(m.q, m.scales, group)
 
 
 def int8_mlp(dim: int, inter: int, group: int, limit: float | None = None) -> MLP:
@@ -29,7 +29,7 @@ def int8_mlp(dim: int, inter: int, group: int, limit: float | None = None) -> ML
 
 
 def module_path(mlp: MLP, x: torch.Tensor) -> torch.Tensor:
-    """The three Int8Linear calls and torch's SwiGLU, as before the fused call."""
+    """The three CodedLinear calls and torch's SwiGLU, as before the fused call."""
     gate, up = mlp.w1(x), mlp.w3(x)
     if mlp.limit is not None:
         gate, up = gate.clamp(max=mlp.limit), up.clamp(-mlp.limit, mlp.limit)
