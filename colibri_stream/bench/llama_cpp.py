@@ -45,6 +45,8 @@ CONVERTER_FILES = re.compile(
 EXPERT_TENSOR = r"_exps\.weight$"  # llama.cpp's names of the routed experts' 3-D tensors (ffn_{gate,up,down}_exps)
 GGML_TYPE_Q4_0 = 2  # ggml.h
 FILE_KINDS = ("q4e_q8", "q4_0")  # quality-matched first: the ratios are taken against it
+# each file -> our container computed as it is (int4 experts, int8 activations; int8 / int4 dense records)
+MATCHED_CONTAINERS = {"q4e_q8": "int4-int8dense", "q4_0": "int4-int4dense"}
 SETUP_COMMAND = "pip install 'colibri-stream[peers]' && colibri-stream bench --setup-peers"
 
 

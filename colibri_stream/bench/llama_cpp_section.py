@@ -116,15 +116,18 @@ def best_row(rows: list[dict], kind: str, budget_pct: int) -> dict | None:
     }
 
 
-def llama_cpp_ratios(ours_cold: dict[int, dict], rows: list[dict]) -> dict:
-    """Ours (cold, LRU, prefetch) over llama.cpp's best cold row per budget; TTFT: llama.cpp's / ours."""
+def llama_cpp_ratios(ours_by_file: dict[str, dict[int, dict]], rows: list[dict]) -> dict:
+    """Ours (cold, LRU, prefetch) over llama.cpp's best cold row per budget, each file against our row for it
+    (``ours_by_file``: file kind -> budget -> row; a kind without rows of its own takes q4e_q8's); TTFT:
+    llama.cpp's q4e_q8 / ours."""
     ratios = {}
-    for pct, ours in sorted(ours_cold.items(), reverse=True):
-        for kind, prefix in (("q4e_q8", "vs_llama_cpp"), ("q4_0", "vs_llama_cpp_q4_0")):
+    for kind, prefix in (("q4e_q8", "vs_llama_cpp"), ("q4_0", "vs_llama_cpp_q4_0")):
+        for pct, ours in (ours_by_file.get(kind) or ours_by_file.get("q4e_q8", {})).items():
             best = best_row(rows, kind, pct)
             if best and best["decode_tok_per_s"] > 0:
                 ratios[f"{prefix}_{pct}"] = round(ours["decode_tok_per_s"] / best["decode_tok_per_s"], 2)
-        best = best_row(rows, "q4e_q8", pct)
-        if pct == 100 and best and ours["ttft_s"] > 0:
-            ratios["ttft_vs_llama_cpp_100"] = round(best["ttft_s"] / ours["ttft_s"], 2)
+    matched_100 = ours_by_file.get("q4e_q8", {}).get(100)
+    best = best_row(rows, "q4e_q8", 100)
+    if matched_100 and best and matched_100["ttft_s"] > 0:
+        ratios["ttft_vs_llama_cpp_100"] = round(best["ttft_s"] / matched_100["ttft_s"], 2)
     return ratios

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from colibri_stream.bench.llama_cpp import MATCHED_CONTAINERS
+
 MB = 1e6
 
 
@@ -43,8 +45,9 @@ def llama_cpp_lines(results: dict) -> list[str]:
         lines.append(f"- `{kind}`: {facts['file_bytes'] / MB:,.1f} MB, tensors {types}.")
     ours = {r["name"]: r for r in section.get("ours_matched", [])}
     body = []
-    for r in section["rows"]:  # against ours quality-matched: int4 experts, int8 dense, int8 activations
-        mine = ours.get(f"int4-int8dense int8-act {r['budget_pct']}% lru prefetch {'cold' if r['cold'] else 'warm'}")
+    for r in section["rows"]:  # against ours computed as that file is (MATCHED_CONTAINERS)
+        state = f"int8-act {r['budget_pct']}% lru prefetch {'cold' if r['cold'] else 'warm'}"
+        mine = ours.get(f"{MATCHED_CONTAINERS[r['file']]} {state}") or ours.get(f"int4-int8dense {state}")
         ratio = f"{mine['decode_tok_per_s'] / r['decode_tok_per_s']:.2f}x" if mine and r["decode_tok_per_s"] else "-"
         body.append(
             [
@@ -69,7 +72,12 @@ def llama_cpp_lines(results: dict) -> list[str]:
         for r in section.get("ours_matched", [])
     ]
     if matched:
-        lines += ["", "Ours, quality-matched (int4 experts, int8 dense records, `--activations int8`):", ""]
+        lines += [
+            "",
+            "Ours, quality-matched (int4 experts, `--activations int8`; int8 dense records against q4e_q8, int4 "
+            "dense records against all-Q4_0):",
+            "",
+        ]
         lines += table(["run", "tok/s", "TTFT s", "expert MB read/token"], matched)
     lines += prefill_lines(section.get("prefill"))
     failed = [f"- failed: {f['name']}: {f['error']}" for f in section.get("failed", [])]
@@ -148,8 +156,9 @@ def plot_llama_cpp(plt, results: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     series: dict[str, dict[tuple[int, bool], float]] = {}
     for r in results.get("decode", []) + results["llama_cpp"].get("ours_matched", []):
-        if r["container"] in ("int4", "int4-int8dense") and r["policy"] == "lru" and r["prefetch"]:
-            label = "colibri-stream int4" + (" + int8 dense/act" if r["activations"] == "int8" else "")
+        if r["container"] in ("int4", *MATCHED_CONTAINERS.values()) and r["policy"] == "lru" and r["prefetch"]:
+            dense = {"int4-int8dense": " + int8 dense/act", "int4-int4dense": " + int4 dense, int8 act"}
+            label = "colibri-stream int4" + dense.get(r["container"], "")
             series.setdefault(label, {})[(r["budget_pct"], r["cold"])] = r["decode_tok_per_s"]
     for r in results["llama_cpp"]["rows"]:
         points = series.setdefault(f"llama.cpp {r['file']}", {})

@@ -31,7 +31,13 @@ from colibri_stream.bench.cache import gap_to_belady_pp, trace_section
 from colibri_stream.bench.contenders import OurConfig, RunInputs, run_ours, run_peer_contender
 from colibri_stream.bench.disk import disk_section
 from colibri_stream.bench.limit_line import limit_line, memory_bandwidth, ours_touched
-from colibri_stream.bench.llama_cpp import FILE_KINDS, default_llama_cpp_dir, prepare_gguf_files, skip_reason
+from colibri_stream.bench.llama_cpp import (
+    FILE_KINDS,
+    MATCHED_CONTAINERS,
+    default_llama_cpp_dir,
+    prepare_gguf_files,
+    skip_reason,
+)
 from colibri_stream.bench.llama_cpp_section import (
     gguf_facts,
     llama_cpp_grid,
@@ -60,13 +66,15 @@ from colibri_stream.planning.placement import plan
 from engine.bf16 import KEEP_FLOAT32
 from storage.container import Container
 from storage.errors import DiskFullError, free_bytes
+from storage.layout import QUANTISED_DENSE, stored_shape
 from storage.policy import POLICY_NAMES
 from storage.tiered import StoreConfig, minimum_slots, total_records
 
 GiB = 1 << 30
 RATIO_BUDGET = 25  # the budget (% of int4 expert bytes) at which the headline ratios (and sessions) are taken
 PREFILL_RATIO_PREFIXES = {"q4e_q8": "llama_cpp", "q4_0": "llama_cpp_q4_0"}  # file kind -> ratio name
-INT8_MATCHED = "int4-int8dense"  # our container quality-matched to llama.cpp's Q4_0-experts + Q8_0 file
+INT8_MATCHED = MATCHED_CONTAINERS["q4e_q8"]  # ours quality-matched to llama.cpp's Q4_0-experts + Q8_0 file
+INT4_MATCHED = MATCHED_CONTAINERS["q4_0"]  # ours as its all-Q4_0 file: int4 dense records too (convert --dense int4)
 BUSY_MACHINE = 0.25  # others' share of the CPU during a llama.cpp row above which the bench warns
 SECTIONS = ("disk", "decode", "peer", "caching", "sessions", "llama_cpp", "load", "mtp")
 
@@ -346,6 +354,7 @@ class Bench:
         """llama.cpp's files of the bench model and our quality-matched container (each made once in --work)."""
         files = prepare_gguf_files(self.hf, self.work, self.llama_cpp_dir, self.threads, self.log, sys.stderr.isatty())
         self.int4_int8dense = self._convert("int4", dense="int8")
+        self.matched = {INT8_MATCHED: self.int4_int8dense, INT4_MATCHED: self._convert("int4", dense="int4")}
         return files
 
     def _llama_cpp_rows(self, gguf: Path, kind: str, pct: int, rows: list[dict], failed: list[dict]) -> None:
@@ -386,13 +395,15 @@ class Bench:
                 failed.append({"name": f"prefill {n} llama.cpp {kind} {pct}%", "error": str(exc)})
 
     def _matched_rows(self, pct: int) -> list[dict]:
-        """Ours as llama.cpp computes: int4 experts, int8 dense records, int8 activations (its Q4_0-experts +
-        Q8_0 file with Q8 activations), at one budget, cold then warm."""
+        """Ours as llama.cpp computes, at one budget, cold then warm: int4 experts, int8 activations and int8
+        dense records (its Q4_0-experts + Q8_0 file with Q8 activations), then int4 dense records (its
+        all-Q4_0 file)."""
         rows = []
-        for cold in (True, False):
-            config = OurConfig(pct, container=INT8_MATCHED, activations="int8", cold=cold)
-            self.log(f"6/7 {config.name}")
-            rows.append(run_ours(self.int4_int8dense, config, self.ram_bytes(pct), self.inputs(), self.limit(pct)))
+        for container, path in self.matched.items():
+            for cold in (True, False):
+                config = OurConfig(pct, container=container, activations="int8", cold=cold)
+                self.log(f"6/7 {config.name}")
+                rows.append(run_ours(path, config, self.ram_bytes(pct), self.inputs(), self.limit(pct)))
         return rows
 
     def load(self) -> None:
@@ -428,9 +439,15 @@ class Bench:
         if "sessions" in results:
             ratios["resume_speedup"] = results["sessions"]["resume_speedup"]
         if "rows" in results.get("llama_cpp", {}):
-            matched = {r["budget_pct"]: r for r in results["llama_cpp"]["ours_matched"] if r["cold"]}
-            ratios |= llama_cpp_ratios(matched, results["llama_cpp"]["rows"])
-            ratios |= {f"exact_{k}": v for k, v in llama_cpp_ratios(ours, results["llama_cpp"]["rows"]).items()}
+            matched = results["llama_cpp"]["ours_matched"]
+            by_file = {
+                file: cold
+                for file, container in MATCHED_CONTAINERS.items()
+                if (cold := {r["budget_pct"]: r for r in matched if r["cold"] and _container(r) == container})
+            }
+            ratios |= llama_cpp_ratios(by_file, results["llama_cpp"]["rows"])
+            exact = llama_cpp_ratios({"q4e_q8": ours}, results["llama_cpp"]["rows"])
+            ratios |= {f"exact_{k}": v for k, v in exact.items()}
             prefill = results["llama_cpp"]["prefill"]
             ratios |= prefill_ratios(prefill["ours"], prefill["rows"], PREFILL_RATIO_PREFIXES)
         if "load" in results:
@@ -453,23 +470,24 @@ class Bench:
                 context,
             )
         }
-        matched = Container(self.int4_int8dense) if getattr(self, "int4_int8dense", None) else None
-        if matched is not None:
+        names = {"int4": "colibri-stream", INT8_MATCHED: "colibri-stream int8", INT4_MATCHED: "colibri-stream int4"}
+        for label, path in getattr(self, "matched", {}).items():
+            matched = Container(path)
             m = plan(geometry_from_container(matched), StoreConfig(ram_bytes=0))
-            touched["colibri-stream int8"] = ours_touched(
-                int8_dense_bytes_per_token(matched),
+            touched[names[label]] = ours_touched(
+                coded_dense_bytes_per_token(matched),
                 matched.layout.record_bytes,
                 shape.num_experts_per_tok,
                 len(matched.moe_layers),
                 m.kv_bytes_per_token,
                 context,
             )
-        best = {}
+        best: dict[str, float] = {}
         matched_rows = self.results.get("llama_cpp", {}).get("ours_matched", [])
-        for name, rows in (("colibri-stream", self.results.get("decode", [])), ("colibri-stream int8", matched_rows)):
-            ours = [r for r in rows if r["budget_pct"] == 100 and r["container"] in ("int4", INT8_MATCHED)]
-            if ours:
-                best[name] = max(r["decode_tok_per_s"] for r in ours)
+        for r in self.results.get("decode", []) + matched_rows:
+            name = names.get(_container(r))
+            if name is not None and r["budget_pct"] == 100:
+                best[name] = max(best.get(name, 0.0), r["decode_tok_per_s"])
         for kind, facts in self.results.get("llama_cpp", {}).get("files", {}).items():
             name = f"llama.cpp {kind}"
             touched[name] = touched_from_facts(facts)
@@ -523,14 +541,14 @@ def run_bench(
 
 def work_bytes_needed(settings: BenchSettings, sections: tuple[str, ...]) -> int:
     """About the most the sections write into --work: the bf16 model and its int4 container, the bf16
-    container (decode), llama.cpp's files with their bf16 intermediate and the int8-dense container
+    container (decode), llama.cpp's files with their bf16 intermediate and the int8- and int4-dense containers
     (llama_cpp), the disk section's scratch file. An estimate from the model's bf16 bytes, not a bound."""
     model = checkpoint_bytes(settings.shape)
     need = model + model // 4
     if "decode" in sections:
         need += model
     if "llama_cpp" in sections:
-        need += 2 * model
+        need += 2 * model + model // 4
     if "disk" in sections:
         need += settings.sequential_bytes
     return need
@@ -549,20 +567,23 @@ def check_work_space(work: Path, needed: int) -> None:
         )
 
 
-def int8_dense_bytes_per_token(container: Container) -> int:
-    """Dense bytes a token reads with int8 activations: int8 records as stored (codes + float16 scales),
-    except those kept float32 (engine.bf16.KEEP_FLOAT32, dequantised at load); other arrays as stored;
-    the embedding one row."""
-    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+def _container(row: dict) -> str:
+    """The container a row of ours ran (rows of older results lack the key: the int8-dense one)."""
+    return str(row.get("container", INT8_MATCHED))
+
+
+def coded_dense_bytes_per_token(container: Container) -> int:
+    """Dense bytes a token reads with int8 activations: int8 and int4 records as stored (codes + float16
+    scales), except those kept float32 (engine.bf16.KEEP_FLOAT32, dequantised at load); other arrays as
+    stored; the embedding one row (float32, dequantised)."""
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}
     total = 0
     for name, entry in container.dense.items():
-        elements = math.prod(entry.shape)
-        if name == "embed.weight":
-            elements = entry.shape[-1]
-        if entry.dtype == "int8" and name.removesuffix(".weight").endswith(KEEP_FLOAT32):
-            total += 4 * elements
-        elif entry.dtype == "int8" and name != "embed.weight":
-            total += elements + 2 * math.prod(entry.scales.shape)  # type: ignore[union-attr]  # int8: has scales
+        elements = entry.shape[-1] if name == "embed.weight" else math.prod(entry.shape)
+        coded = entry.dtype in QUANTISED_DENSE
+        if coded and name != "embed.weight" and not name.removesuffix(".weight").endswith(KEEP_FLOAT32):
+            stored = math.prod(stored_shape(entry.shape, entry.dtype))
+            total += stored + 2 * math.prod(entry.scales.shape)  # type: ignore[union-attr]  # coded: has scales
         else:
-            total += (4 if entry.dtype == "int8" else itemsize[entry.dtype]) * elements
+            total += (4 if coded else itemsize[entry.dtype]) * elements
     return total

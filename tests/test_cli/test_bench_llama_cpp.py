@@ -72,14 +72,18 @@ def test_ratios_take_llama_cpps_best_cold_row_of_each_file():
         "ttft_s": 0.8,  # ... and, separately, the lowest TTFT
     }
     ours = {100: {"decode_tok_per_s": 5.0, "ttft_s": 4.0}, 25: {"decode_tok_per_s": 3.0, "ttft_s": 5.0}}
-    assert llama_cpp_ratios(ours, rows) == {
+    assert llama_cpp_ratios({"q4e_q8": ours}, rows) == {
         "vs_llama_cpp_100": 0.25,
-        "vs_llama_cpp_q4_0_100": 0.2,
+        "vs_llama_cpp_q4_0_100": 0.2,  # no int4-dense rows of ours: the int8-dense ones stand in
         "ttft_vs_llama_cpp_100": 0.2,  # llama.cpp's TTFT / ours: < 1 means we are slower to the first token
         "vs_llama_cpp_25": 6.0,
         "vs_llama_cpp_q4_0_25": 7.5,
     }
-    assert llama_cpp_ratios({10: ours[25]}, rows) == {}  # no llama.cpp row at that budget: no ratio
+    int4_dense = {100: {"decode_tok_per_s": 30.0, "ttft_s": 1.0}}  # all-Q4_0 against ours with int4 dense records
+    ratios = llama_cpp_ratios({"q4e_q8": ours, "q4_0": int4_dense}, rows)
+    assert ratios["vs_llama_cpp_q4_0_100"] == 1.2 and "vs_llama_cpp_q4_0_25" not in ratios
+    assert ratios["vs_llama_cpp_100"] == 0.25 and ratios["ttft_vs_llama_cpp_100"] == 0.2  # q4e_q8's stay ours'
+    assert llama_cpp_ratios({"q4e_q8": {10: ours[25]}}, rows) == {}  # no llama.cpp row at that budget: no ratio
 
 
 def test_prefill_ratios_take_warm_rows_at_100_and_cold_rows_below():
@@ -311,11 +315,12 @@ def test_the_headline_ratios_are_ours_quality_matched_and_the_exact_path_is_repo
     """vs_llama_cpp_* compare llama.cpp's Q4_0 + Q8_0 file with ours computed the same way (int4 experts, int8
     dense, int8 activations: the llama.cpp section's cold rows); exact_* with our default float path."""
     from colibri_stream.bench.contenders import OurConfig
-    from colibri_stream.bench.suite import INT8_MATCHED, Bench
+    from colibri_stream.bench.suite import INT4_MATCHED, INT8_MATCHED, Bench
 
     def ours(config, tok_s, ttft):
         return {
             "name": config.name,
+            "container": config.container,
             "budget_pct": config.budget_pct,
             "cold": config.cold,
             "decode_tok_per_s": tok_s,
@@ -324,11 +329,13 @@ def test_the_headline_ratios_are_ours_quality_matched_and_the_exact_path_is_repo
 
     bench = Bench.__new__(Bench)
     matched = [OurConfig(100, container=INT8_MATCHED, activations="int8", cold=c) for c in (True, False)]
+    int4_dense = [OurConfig(100, container=INT4_MATCHED, activations="int8", cold=c) for c in (True, False)]
     bench.results = {
         "decode": [ours(OurConfig(100), 5.0, 4.0), ours(OurConfig(100, cold=False), 50.0, 0.1)],
         "llama_cpp": {
             "rows": [_row("q4e_q8", 100, 10.0, 0.8), _row("q4_0", 100, 20.0, 0.5)],
-            "ours_matched": [ours(matched[0], 12.0, 0.4), ours(matched[1], 99.0, 0.01)],  # warm never counts
+            "ours_matched": [ours(matched[0], 12.0, 0.4), ours(matched[1], 99.0, 0.01)]  # warm never counts
+            + [ours(int4_dense[0], 16.0, 0.3), ours(int4_dense[1], 90.0, 0.01)],
             "prefill": {
                 "ours": [ours(matched[1], 0.0, 8.0)],
                 "rows": [_row("q4_0", 100, 0.0, 10.0, cold=False, repack=True)],
@@ -337,7 +344,7 @@ def test_the_headline_ratios_are_ours_quality_matched_and_the_exact_path_is_repo
     }
     assert bench.ratios() == {
         "vs_llama_cpp_100": 1.2,
-        "vs_llama_cpp_q4_0_100": 0.6,
+        "vs_llama_cpp_q4_0_100": 0.8,  # all-Q4_0 against ours with int4 dense records
         "ttft_vs_llama_cpp_100": 2.0,
         "exact_vs_llama_cpp_100": 0.5,
         "exact_vs_llama_cpp_q4_0_100": 0.25,
