@@ -25,3 +25,15 @@ def test_module_entry_point_prints_version():
 def test_no_command_prints_help_and_fails(capsys):
     assert cli.main([]) == 2
     assert "usage: colibri-stream" in capsys.readouterr().err
+
+
+def test_bench_help_lists_every_section(capsys):
+    """The --sections help is written out (the CLI does not import the bench suite to build its parser)."""
+    import pytest
+
+    from colibri_stream.bench.suite import SECTIONS
+
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    listed = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text
+    assert f"comma-separated subset of {','.join(SECTIONS)} " in listed
