@@ -263,7 +263,10 @@ def test_ctrl_c_then_kill_9_at_random_points_then_resume(repo, reference, tmp_pa
         stdout, stderr = final.communicate(timeout=300)
     assert final.returncode == 0, stderr
     result = json.loads(stdout.strip().splitlines()[-1])
-    assert result["event"] == "result" and result["status"] == "pulled" and result["resumed_shards"] > 0
+    assert result["event"] == "result" and result["status"] in ("pulled", "already pulled")
+    # "already pulled": the last SIGKILL came after its process had published the container (seen under
+    # load: its resumed pull ended within the random delay); the tree must be the same either way
+    assert result["status"] == "already pulled" or result["resumed_shards"] > 0
     _same_tree(out, reference)
     weights = sum(e.body_bytes for e in hub.log if e.method == "GET" and e.path.endswith(".safetensors"))
     assert weights <= 1.1 * one_pass + 15 * 100_000  # + each shard's header, fetched once (a Range request)
