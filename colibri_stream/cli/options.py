@@ -284,19 +284,24 @@ def session_wait(args: argparse.Namespace, command: str) -> SessionWait:
     )
 
 
+def add_activations_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    parser.add_argument(
+        "--activations",
+        choices=("float32", "int8"),
+        default="float32",
+        help="float32 (default): token-exact against the reference; int8: the 4-bit experts and int8/int4 dense "
+        "records multiply int8-quantised activations with integer dot products, as llama.cpp does (faster, "
+        "lossy: +0.2%% held-out perplexity on the demo model, docs/quantization.md; the dense records then stay "
+        "codes in memory)",
+    )
+
+
 def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of the commands that hold a model and its sessions (run, chat, serve): PATH, dtype,
     sessions, expert streaming."""
     parser.add_argument("path", help="a converted container, or a Hugging Face checkpoint directory")
     add_dtype_argument(parser)
-    parser.add_argument(
-        "--activations",
-        choices=("float32", "int8"),
-        default="float32",
-        help="float32 (default): token-exact against the reference; int8: the 4-bit experts and int8 dense "
-        "records multiply int8-quantised activations with integer dot products, as llama.cpp does (faster, "
-        "lossy: +0.2%% held-out perplexity on the demo model, docs/quantization.md)",
-    )
+    add_activations_argument(parser)
     add_context_argument(parser)
     add_mtp_arguments(parser)
     add_session_arguments(parser)

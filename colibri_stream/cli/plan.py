@@ -10,6 +10,7 @@ from pathlib import Path
 
 from colibri_stream.cli.help import help_options
 from colibri_stream.cli.options import (
+    add_activations_argument,
     add_context_argument,
     add_dtype_argument,
     add_store_arguments,
@@ -63,6 +64,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("path", help="container, Hugging Face checkpoint directory, or config.json")
     add_dtype_argument(parser)
+    add_activations_argument(parser)
     add_context_argument(parser)
     parser.add_argument("--json", action="store_true", help="print the placement as one JSON object")
     target = parser.add_argument_group("the container a conversion would write (checkpoints and config.json)")
@@ -98,7 +100,9 @@ def run_plan(args: argparse.Namespace) -> int:
     if options.ram is None and options.budget is None:
         options = dataclasses.replace(options, ram=PLAN_RAM)
     context = planned_context(options, geometry.args)
-    placement = plan(geometry, store_config(options, geometry, args.dtype), args.dtype, context=context)
+    int8 = args.activations == "int8"
+    config = store_config(options, geometry, args.dtype, int8)
+    placement = plan(geometry, config, args.dtype, context=context, int8_activations=int8)
     devices = device_shares(args.path)
     speed = expected_speed(placement, bandwidth(args, devices))
     per_device = [

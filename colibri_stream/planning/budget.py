@@ -286,15 +286,19 @@ def planned_context(options: StoreOptions, args: ModelArgs) -> int:
     return context
 
 
-def store_config(options: StoreOptions, geometry: ModelGeometry, dtype: str = "float32") -> StoreConfig:
+def store_config(
+    options: StoreOptions, geometry: ModelGeometry, dtype: str = "float32", int8_activations: bool = False
+) -> StoreConfig:
     """The store's configuration: flags over the budget file over defaults; `auto` RAM from what is
     available after the dense weights, the KV cache and the prefill activations at the planned context
     (``planned_context``) and what the run holds beside them (the prefix cache's RAM); a budget file's
-    RAM at most that."""
+    RAM at most that. ``int8_activations``: the dense part as the loader then holds it (placement.plan)."""
     budget = load_budget_file(options.budget) if options.budget else Budget()
     expert_bytes = geometry.expert_bytes
     context = planned_context(options, geometry.args)
-    provisional = plan(geometry, StoreConfig(ram_bytes=0), dtype, sequences=options.kv_sequences, context=context)
+    empty = StoreConfig(ram_bytes=0)
+    sequences, int8 = options.kv_sequences, int8_activations
+    provisional = plan(geometry, empty, dtype, sequences=sequences, context=context, int8_activations=int8)
     auto = auto_ram_bytes(
         provisional.dense_bytes,
         provisional.kv_bytes_at_max_context,

@@ -26,7 +26,7 @@ from engine.families import meta_transformer
 from engine.weights import check_complete, sort_names
 from storage.container import Container, is_container
 from storage.errors import FormatError
-from storage.layout import SCHEMES, ExpertRecordLayout
+from storage.layout import QUANTISED_DENSE, SCHEMES, ExpertRecordLayout, stored_shape
 from storage.tiered import minimum_slots
 from storage.verify import verify_container
 
@@ -102,6 +102,14 @@ class DenseArray:
     name: str  # engine parameter name
     shape: tuple[int, ...]
     dtype: str  # stored dtype tag (storage.layout.DTYPES)
+    group_size: int | None = None  # int8 / int4 codes: columns per float16 scale
+
+    @property
+    def coded_bytes(self) -> int:
+        """The codes and their float16 scales as stored (int8 / int4 arrays only)."""
+        assert self.group_size is not None, f"{self.name} is not coded"
+        scales = math.prod(self.shape[:-1]) * -(-self.shape[-1] // self.group_size)
+        return math.prod(stored_shape(self.shape, self.dtype)) + 2 * scales
 
     @property
     def numel(self) -> int:
@@ -187,6 +195,12 @@ def mtp_not_held(config: Mapping[str, Any], args: ModelArgs) -> int:
     return max(0, shipped_mtp_layers(config) - args.n_mtp_layers)
 
 
+def _converted_array(name: str, shape: tuple[int, ...], scheme: str, group_size: int) -> DenseArray:
+    """A dense parameter as `convert --dense scheme` stores it."""
+    dtype = stored_dense_dtype(name, shape, scheme, group_size)
+    return DenseArray(name, shape, dtype, group_size if dtype in QUANTISED_DENSE else None)
+
+
 def checkpoint_tensor_names(directory: Path) -> list[str]:
     """Every tensor name of a checkpoint directory's shards (their headers; no tensor is read)."""
     return [name for shard in shard_files(directory) for name in read_header(shard)]
@@ -231,7 +245,7 @@ def container_problems(path: str | Path) -> list[str]:
 
 def geometry_from_container(container: Container) -> ModelGeometry:
     args = container_args(container)
-    dense = tuple(DenseArray(name, tuple(e.shape), e.dtype) for name, e in container.dense.items())
+    dense = tuple(DenseArray(name, tuple(e.shape), e.dtype, e.group_size) for name, e in container.dense.items())
     layout = container.layout
     group = f" g{layout.group_size}" if layout.group_size else ""
     return ModelGeometry(
@@ -265,7 +279,7 @@ def geometry_from_config(
     layout = ExpertRecordLayout.build(scheme, args.dim, args.moe_inter_dim, group_size)
     group_of_dense = target.quant_group_size
     dense = tuple(
-        DenseArray(name, tuple(p.shape), stored_dense_dtype(name, tuple(p.shape), target.dense, group_of_dense))
+        _converted_array(name, tuple(p.shape), target.dense, group_of_dense)
         for name, p in meta_transformer(args).state_dict().items()
         if not (args.tie_word_embeddings and name == "head.weight")
     )

@@ -29,7 +29,7 @@ from colibri_stream.planning.bandwidth import Bandwidth
 from colibri_stream.planning.geometry import MTP_PREFIX, DenseArray, ModelGeometry
 from colibri_stream.planning.kv_bytes import cache_bytes_per_token, held_rows_bytes
 from engine.args import ModelArgs
-from engine.bf16 import bf16_candidates, bf16_kernel_available
+from engine.bf16 import bf16_candidates, bf16_kernel_available, linear_candidates
 from engine.families import meta_transformer
 from storage.container import Container
 from storage.tiered import StoreConfig, slots_for
@@ -108,7 +108,7 @@ class Verdict:
 
 def bf16_held_weights(container: Container, args: ModelArgs, dtype: torch.dtype) -> set[str]:
     """The dense arrays a float32 model on this CPU keeps in bf16 (see ``held_in_bf16``)."""
-    dense = tuple(DenseArray(name, tuple(e.shape), e.dtype) for name, e in container.dense.items())
+    dense = tuple(DenseArray(name, tuple(e.shape), e.dtype, e.group_size) for name, e in container.dense.items())
     return held_in_bf16(dense, args, dtype)
 
 
@@ -126,13 +126,23 @@ def _bf16_candidates(args: ModelArgs) -> frozenset[str]:
     return frozenset(bf16_candidates(meta_transformer(args)))
 
 
-def resident_bytes(geometry: ModelGeometry, dtype: str) -> dict[str, int]:
+@functools.cache
+def _linear_candidates(args: ModelArgs) -> frozenset[str]:
+    """The Linears the loader keeps as codes with int8 activations (runtime/loader.py _load_dense)."""
+    return frozenset(linear_candidates(meta_transformer(args)))
+
+
+def resident_bytes(geometry: ModelGeometry, dtype: str, int8_activations: bool = False) -> dict[str, int]:
     """Bytes of each dense array once loaded, as the loader holds it (float32-only parameters, bf16-held
-    Linears, everything else in the compute dtype)."""
+    Linears, int8/int4 Linears kept as their codes with int8 activations, everything else in the compute
+    dtype)."""
     held = held_in_bf16(geometry.dense, geometry.args, COMPUTE_DTYPES[dtype])
+    coded = _linear_candidates(geometry.args) if int8_activations else frozenset()
     compute = dtype_bytes_of(dtype)
 
     def size(a: DenseArray) -> int:
+        if a.group_size is not None and a.name in coded:
+            return a.coded_bytes
         per = 4 if a.name.endswith(FLOAT32_PARAMETERS) else 2 if a.name in held else compute
         return a.numel * per
 
@@ -146,12 +156,14 @@ def plan(
     machine: Machine | None = None,
     sequences: int = 1,
     context: int | None = None,
+    int8_activations: bool = False,
 ) -> Placement:
     """Where everything goes. ``sequences``: KV caches held at once, each up to the context (1 for run and
     chat; serve holds its batch and its sessions kept in memory). ``context``: the positions KV and
-    activations are sized for (budget.planned_context; None: the model's max_position_embeddings)."""
+    activations are sized for (budget.planned_context; None: the model's max_position_embeddings).
+    ``int8_activations``: int8/int4 dense records stay codes (--activations int8), not dequantised."""
     args, record = geometry.args, geometry.record_bytes
-    resident = resident_bytes(geometry, dtype)
+    resident = resident_bytes(geometry, dtype, int8_activations)
     dense = sum(resident.values())
     mtp_dense = sum(size for name, size in resident.items() if name.startswith(MTP_PREFIX))
     embedding_row = args.dim * dtype_bytes_of(dtype) if EMBEDDING in resident else 0

@@ -202,10 +202,10 @@ def load(
         args = loaded.args
         return _reading_ahead(loaded, 3 * args.dim * args.moe_inter_dim * COMPUTE_DTYPES[dtype].itemsize)
     geometry = geometry_from_container(Container(path))
-    config = store_config(store, geometry, dtype)
+    config = store_config(store, geometry, dtype, int8)
     if cluster is None or cluster.local_workers:
         context = planned_context(store, geometry.args)
-        check_fits(plan(geometry, config, dtype, sequences=store.kv_sequences, context=context))
+        check_fits(plan(geometry, config, dtype, sequences=store.kv_sequences, context=context, int8_activations=int8))
     loaded = load_container(path, COMPUTE_DTYPES[dtype], config, trace, int8_activations=int8, cluster=cluster)
     return _reading_ahead(loaded, geometry.record_bytes)
 

@@ -108,3 +108,23 @@ def test_a_flipped_int4_byte_fails_verify(int4_dense, tmp_path, capsys):
     chunk.write_bytes(bytes(data))
     assert cli.main(["verify", str(copy)]) == 1
     assert "layers.1.attn.wq_a.weight: checksum mismatch" in capsys.readouterr().err
+
+
+def test_plan_counts_the_codes_the_int8_path_holds(int4_dense, capsys):
+    """With --activations int8 the coded Linears stay codes: plan's dense bytes are what the loaded model
+    holds, not their dequantised size (which a float run holds, and plan says without the flag)."""
+    from colibri_stream import cli
+    from colibri_stream.planning.placement import plan
+    from storage.tiered import StoreConfig
+
+    geometry = geometry_from_container(Container(int4_dense))
+    fast, exact = (plan(geometry, StoreConfig(ram_bytes=1 << 30), int8_activations=i) for i in (True, False))
+    for int8, placement in ((True, fast), (False, exact)):
+        loaded = load_container(int4_dense, int8_activations=int8)
+        assert placement.dense_bytes == sum(t.nbytes for t in loaded.model.state_dict().values())
+    assert fast.dense_bytes < 0.5 * exact.dense_bytes
+    sizes = {}
+    for activations in ("float32", "int8"):
+        cli.main(["plan", str(int4_dense), "--json", "--activations", activations, "--ram", "1GiB"])
+        sizes[activations] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["dense_bytes"]
+    assert (sizes["int8"], sizes["float32"]) == (fast.dense_bytes, exact.dense_bytes)
