@@ -26,7 +26,9 @@ class OptionalBuildExt(build_ext):
 
 
 # engine/csrc/<name>.c, each with its .h but kernels and py_decode (the Python entry points)
-C_FILES = ("kernels", "nibble", "q8", "split", "read_ahead", "q8_moe", "decode_ops", "mla_decode", "py_decode")
+C_FILES = (
+    "kernels", "nibble", "q8", "split", "read_ahead", "q8_moe", "decode_ops", "mla_decode", "decode_step", "py_decode",
+)  # fmt: skip
 
 setup(
     ext_modules=[

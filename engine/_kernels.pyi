@@ -33,6 +33,7 @@ def route(
     scale: float,
     ids: int,
     weights: int,
+    ld: int,
     /,
 ) -> None: ...
 def attend_one(
@@ -170,6 +171,32 @@ def mla_output(
     total: int,
     x: int,
     out: int,
+    isa: int,
+    threads: int,
+    /,
+) -> None: ...
+
+# layer_plan's result: a capsule holding a layer's LayerPlan for decode_layers
+LayerPlanCapsule = NewType("LayerPlanCapsule", object)
+
+def layer_plan(
+    attention: MlaWeights,
+    ffn_norm: int,
+    ffn_eps: float,
+    mlp: tuple[Matrix, Matrix, Matrix, int] | None,
+    router: tuple[int, int, int, int, int, int, int, bool, float, int] | None,
+    layout: tuple[int, ...] | None,
+    /,
+) -> LayerPlanCapsule: ...
+def decode_layers(
+    plans: tuple[LayerPlanCapsule, ...],
+    steps: int,
+    x: int,
+    cos: int,
+    sin: int,
+    total: int,
+    ids: int,
+    topk_max: int,
     isa: int,
     threads: int,
     /,

@@ -65,14 +65,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def routes(score: str, weight: torch.Tensor, groups: int, topk_groups: int) -> bool:
-    """Whether ``route`` takes a router of this kind (float32 CPU weight [experts, dim], groups that split
-    the experts evenly into at least two each)."""
+    """Whether ``route`` takes a router of this kind (float32 CPU weight [experts, dim], its rows contiguous
+    (a row stride padded for alignment is fine), groups that split the experts evenly into at least two each)."""
     experts = weight.shape[0]
     return (
         score in SCORE_KINDS
         and weight.dtype == torch.float32
         and weight.device.type == "cpu"
-        and weight.is_contiguous()
+        and weight.stride(-1) == 1
+        and weight.stride(0) >= weight.shape[1]
         and 1 <= groups <= MAX_GROUPS
         and experts % groups == 0
         and (groups == 1 or (experts // groups >= 2 and 1 <= topk_groups <= groups))
@@ -101,7 +102,7 @@ def route(
     _kernels.route(
         x.data_ptr(), rows, weight.data_ptr(), bias_ptr, weight.shape[0], weight.shape[1],
         SCORE_KINDS[score], groups, topk_groups, topk, normalise, scale,
-        ids.data_ptr(), weights.data_ptr(),
+        ids.data_ptr(), weights.data_ptr(), weight.stride(0),
     )  # fmt: skip
     return weights, ids
 

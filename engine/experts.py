@@ -25,6 +25,12 @@ A local source (``LocalExperts``) also:
     max_acquire()          -> how many experts of one layer may be pinned at once (None: no limit); the MoE
                               layer acquires a step's distinct experts in chunks of at most that many,
                               each released before the next is acquired
+    resident(layer)        -> every expert of the layer by id, when the source holds them all in memory and
+                              never evicts, moves or rewrites them while it lives (a budget that fits them
+                              all, all read), else None: a decode step may then run every layer in one C
+                              call with no acquire (engine/fused_decode.py)
+    count_resident(used)   -> count such a step's experts (layer -> ids) as the acquires it skipped would
+                              have: requests, hits, routing counts, usage history, trace
 A remote source (``RemoteExperts``) instead:
     start_routed_sum(layer, x, weights, ids) -> send the layer's rows to where the experts are; the
                               returned function waits for the float64 routed sum
@@ -123,6 +129,13 @@ class LocalExperts(ExpertSource, Protocol):
         """How many experts of one layer may be pinned at once; None: no limit."""
         ...
 
+    def resident(self, layer: int) -> Sequence[Expert] | None:
+        """Every routed expert of ``layer`` (index = id) while none can leave memory, else None; the same
+        object from call to call while that holds, so a caller may keep what it derives from it."""
+        ...
+
+    def count_resident(self, used: Mapping[int, Sequence[int]]) -> None: ...
+
 
 class RemoteExperts(ABC):
     """A source that computes a layer's routed sum where the experts are, e.g. worker processes.
@@ -181,6 +194,7 @@ class ResidentExperts:
 
     def __init__(self, experts: Mapping[int, Mapping[int, Expert]]):
         self._experts = experts  # layer -> expert id -> weights
+        self._by_id: dict[int, tuple[Expert, ...] | None] = {}  # resident()'s answers, built once per layer
 
     def prefetch(self, layer: int, expert_ids: Sequence[int]) -> None:
         pass
@@ -205,3 +219,14 @@ class ResidentExperts:
 
     def max_acquire(self) -> int | None:
         return None
+
+    def resident(self, layer: int) -> tuple[Expert, ...] | None:
+        """The layer's experts by id, when they are numbered 0..n-1 (None for a layer without them)."""
+        if layer not in self._by_id:
+            held = self._experts.get(layer, {})
+            whole = len(held) > 0 and all(e in held for e in range(len(held)))
+            self._by_id[layer] = tuple(held[e] for e in range(len(held))) if whole else None
+        return self._by_id[layer]
+
+    def count_resident(self, used: Mapping[int, Sequence[int]]) -> None:
+        """Nothing to count here (ResidentStore counts)."""

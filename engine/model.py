@@ -15,10 +15,13 @@ from typing import Literal, Self, cast
 import torch
 from torch import nn
 
+from engine import decode_ops
 from engine.args import ModelArgs
 from engine.attention import MLA
 from engine.cache import DraftCache, KVCache, LayerCache
-from engine.experts import Experts
+from engine.experts import Experts, LocalExperts, RemoteExperts
+from engine.fused_decode import FusedDecode, LayerParts, one_sequence_cache
+from engine.fused_decode import available as fused_decode_available
 from engine.interfaces import Cache, Model
 from engine.layers import MLP, RMSNorm, embedding
 from engine.mla_decode import FusedMLA, fused_attention_applies
@@ -154,9 +157,11 @@ class Transformer(Model[KVCache]):
         # a loss where they do not fit the cache beside the current layer's, so the loader decides per machine
         self.read_ahead = True
         self._weights_listed: dict[int, list[torch.Tensor]] = {}  # layer -> its dense weights, for request_read_ahead()
+        self._fused_decode: FusedDecode | Literal[False] | None = None  # None: not built yet, False: n/a
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
         self._weights_listed = {}  # .to(), .float(), ...: new tensors
+        self._fused_decode = None
         # torch leaves Module._apply unannotated (it returns self)
         return cast(Self, super()._apply(fn, recurse))  # type: ignore[no-untyped-call]
 
@@ -309,12 +314,39 @@ class Transformer(Model[KVCache]):
         ropes = [rope_tables(self.args, start, 1, x.device) for start in starts]
         selections: list[torch.Tensor | None] = [None] * len(tokens)
         with rows_alone(), int8_activations(self.int8_activations), torch_on_one_thread():
+            fused = self._decoder_in_one_call(x, caches, experts)
+            if fused is not None:  # each row the whole step in one C call, one after another
+                local = cast(LocalExperts, experts)  # _decoder_in_one_call: not remote
+                x = torch.stack([fused.step(x[b, 0], starts[b], ropes[b], caches[b], local) for b in range(len(x))])
+                return self.head(self.norm(x)).float(), x
             read_ahead = self._start_read_ahead(x)
             for i, layer in enumerate(cast("list[Block]", self.layers)):  # a ModuleList of Blocks
                 layer_caches = [cache.layers[i] for cache in caches]
                 guess_ahead = self._guess_ahead(i + 1, experts, read_ahead)
                 x, selections = layer.forward_rows(x, starts, ropes, layer_caches, experts, selections, guess_ahead)
             return self.head(self.norm(x)).float()[:, -1], x[:, -1]
+
+    def _decoder_in_one_call(self, x: torch.Tensor, caches: list[KVCache], experts: Experts) -> FusedDecode | None:
+        """The whole decode step in one C call per row (engine/fused_decode.py) where it applies to these
+        rows x [B, 1, dim] on these caches with these experts; None: the module path."""
+        if not (self.int8_activations and decode_ops.active(x) and fused_decode_available()):
+            return None
+        if isinstance(experts, RemoteExperts) or not one_sequence_cache(caches):
+            return None
+        if self._fused_decode is None:
+            self._fused_decode = self._build_fused_decode(x, caches[0]) or False
+        if self._fused_decode is False or not self._fused_decode.ready_for(experts):
+            return None
+        return self._fused_decode
+
+    def _build_fused_decode(self, x: torch.Tensor, cache: KVCache) -> FusedDecode | None:
+        parts = []
+        for block, layer_cache in zip(cast("list[Block]", self.layers), cache.layers, strict=True):
+            attention = block._fused_attention(x[:1], layer_cache, None)
+            if attention is None or block.attn.indexer is not None:
+                return None
+            parts.append(LayerParts(attention, block.ffn_norm, block.ffn))
+        return FusedDecode(parts)
 
     @property
     def drafts(self) -> bool:

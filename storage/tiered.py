@@ -155,6 +155,7 @@ class TieredExpertStore:
         self.vram = self._make_vram_tier()
         self._predicted: dict[int, set[int]] = {}  # prefetch guesses per layer, for recall
         self._slot_experts: dict[tuple[bool, int], Any] = {}  # (VRAM?, slot) -> materialize(slot), built once
+        self._resident: dict[int, tuple[Any, ...]] = {}  # layer -> resident()'s answer
         self._guess: tuple[int, set[int] | None] = (-1, None)  # the guess the layer being acquired is scored on
         self.trace = trace  # every acquire, streamed to a file (--trace); never accumulated here
 
@@ -383,6 +384,34 @@ class TieredExpertStore:
             if entry is not None and not entry.reading:
                 slots.append(self.ram_slot(entry.slot))
         return slots
+
+    def resident(self, layer: int) -> tuple[Any, ...] | None:
+        """Every expert of ``layer`` by id, when the RAM slots hold every record, all read, and there is no
+        VRAM tier: nothing is evicted then (every key has its slot, so nothing is allocated again) and no
+        slot is rewritten. Built once per layer, the same tuple after. None otherwise."""
+        if self.vram is not None or len(self.ram.entries) < total_records(self.container):
+            return None
+        held = self._resident.get(layer)
+        if held is None and layer in self.container.moe_layers:
+            entries = [self.ram.entries[(layer, e)] for e in range(self.container.n_experts)]
+            if any(entry.reading for entry in entries):
+                return None
+            for expert, entry in enumerate(entries):
+                self._land((layer, expert), entry)  # observed complete (a failed read raises here, as expert() does)
+            held = self._resident[layer] = tuple(self._materialized(entry, False) for entry in entries)
+        return held
+
+    def count_resident(self, used: Mapping[int, Sequence[int]]) -> None:
+        """A step's experts used from ``resident`` without acquire, counted as ``acquire`` counts RAM hits:
+        requests, hits, routing counts, usage history and trace."""
+        requests = 0
+        for layer, expert_ids in used.items():
+            self.history.record(layer, expert_ids)
+            self.routed.record(layer, expert_ids)
+            if self.trace is not None:
+                self.trace.write(layer, expert_ids)
+            requests += len(expert_ids)
+        self._count(requests=requests, hits_ram=requests)
 
     def expert(self, layer: int, expert: int) -> Any:
         """The materialised expert of a pinned key, waiting for its read if needed."""

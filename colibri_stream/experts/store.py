@@ -86,6 +86,14 @@ class ResidentStore(ResidentExperts):
             self.trace.write(layer, expert_ids)
         return chosen
 
+    def count_resident(self, used: Mapping[int, Sequence[int]]) -> None:
+        """A step's experts used without acquire (engine/fused_decode.py), counted as ``acquire`` counts them."""
+        for layer, expert_ids in used.items():
+            self.stats.add(requests=len(expert_ids), hits_ram=len(expert_ids))
+            self.routed.record(layer, expert_ids)
+            if self.trace is not None:
+                self.trace.write(layer, expert_ids)
+
     def snapshot(self) -> StoreStats:
         return replace(self.stats)
 

@@ -178,7 +178,7 @@ static void best_k(const float *values, const unsigned char *allowed, int n, int
 static void route_one(const Router *rt, const float *x, float *scores, float *biased, unsigned char *allowed,
                       int *chosen, int64_t *ids, float *weights) {
     int n = rt->experts;
-    for (int e = 0; e < n; e++) scores[e] = score_of(rt->score, dot(rt->weight + (size_t)e * rt->dim, x, rt->dim));
+    for (int e = 0; e < n; e++) scores[e] = score_of(rt->score, dot(rt->weight + (size_t)e * (rt->ld ? rt->ld : rt->dim), x, rt->dim));
     if (rt->score == SCORE_SOFTMAX) {
         float top = scores[0], sum = 0.f;
         for (int e = 1; e < n; e++) top = scores[e] > top ? scores[e] : top;

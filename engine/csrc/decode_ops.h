@@ -16,6 +16,7 @@ typedef struct {
     const float *bias;   /* [experts] correction bias (steers the choice only), or NULL */
     int experts, dim, score, groups, topk_groups, topk, normalise;
     float scale; /* route_scale */
+    int ld;      /* floats from one expert's weight row to the next; 0: dim (rows padded for alignment are wider) */
 } Router;
 
 /* Per row of x [rows, dim]: scores of every expert, the top-k of the biased scores (ties: the lower

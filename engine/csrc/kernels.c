@@ -446,13 +446,13 @@ static PyObject *py_rms_norm(PyObject *self, PyObject *args) {
  * weights float32 [rows, topk]. */
 static PyObject *py_route(PyObject *self, PyObject *args) {
     unsigned long long x, w, bias, ids, weights;
-    int rows, experts, dim, score, groups, topk_groups, topk, normalise;
+    int rows, experts, dim, score, groups, topk_groups, topk, normalise, ld;
     float scale;
-    if (!PyArg_ParseTuple(args, "KiKKiiiiiipfKK", &x, &rows, &w, &bias, &experts, &dim, &score, &groups, &topk_groups,
-                          &topk, &normalise, &scale, &ids, &weights))
+    if (!PyArg_ParseTuple(args, "KiKKiiiiiipfKKi", &x, &rows, &w, &bias, &experts, &dim, &score, &groups, &topk_groups,
+                          &topk, &normalise, &scale, &ids, &weights, &ld))
         return NULL;
     int per = groups > 0 ? experts / groups : 0;
-    if (rows < 0 || dim < 1 || experts < 1 || score < 0 || score > SCORE_SQRTSOFTPLUS || groups < 1 || groups > 256 ||
+    if (rows < 0 || dim < 1 || ld < dim || experts < 1 || score < 0 || score > SCORE_SQRTSOFTPLUS || groups < 1 || groups > 256 ||
         experts % groups || (groups > 1 && (per < 2 || topk_groups < 1 || topk_groups > groups)) || topk < 1 ||
         topk > (groups > 1 ? topk_groups * per : experts)) {
         PyErr_Format(PyExc_ValueError, "route: experts=%d groups=%d topk_groups=%d topk=%d score=%d", experts, groups,
@@ -460,7 +460,7 @@ static PyObject *py_route(PyObject *self, PyObject *args) {
         return NULL;
     }
     Router router = {(const float *)(uintptr_t)w, (const float *)(uintptr_t)bias, experts, dim, score, groups,
-                     topk_groups, topk, normalise, scale};
+                     topk_groups, topk, normalise, scale, ld};
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = route_rows(&router, (const float *)(uintptr_t)x, rows, (int64_t *)(uintptr_t)ids, (float *)(uintptr_t)weights);

@@ -8,6 +8,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "decode_step.h"
 #include "mla_decode.h"
 #include "nibble.h"
 #include "q8_moe.h"
@@ -138,7 +139,116 @@ static PyObject *py_q8_mlp(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+#define PLAN_CAPSULE "colibri.LayerPlan"
+
+static void free_plan(PyObject *capsule) { free(PyCapsule_GetPointer(capsule, PLAN_CAPSULE)); }
+
+/* The SwiGLU MLP (w1, w3, w2) of a layer_plan, each matrix as matrix() takes it. */
+static int mlp(PyObject *spec, LayerPlan *plan) {
+    PyObject *w1, *w3, *w2;
+    if (!PyArg_ParseTuple(spec, "OOOi", &w1, &w3, &w2, &plan->mlp_inter)) return 0;
+    plan->has_mlp = 1;
+    return matrix(w1, &plan->mlp.w1, "layer_plan: w1") && matrix(w3, &plan->mlp.w3, "layer_plan: w3") &&
+           matrix(w2, &plan->mlp.w2, "layer_plan: w2");
+}
+
+/* The router and the routed experts' layout of a MoE layer_plan. */
+static int routed(PyObject *router, PyObject *layout, LayerPlan *plan, int dim) {
+    Router *r = &plan->router;
+    unsigned long long weight, bias;
+    if (!PyArg_ParseTuple(router, "KKiiiiipfi", &weight, &bias, &r->experts, &r->score, &r->groups, &r->topk_groups,
+                          &r->topk, &r->normalise, &r->scale, &r->ld) ||
+        !PyArg_ParseTuple(layout, "iiiiii", &plan->routed_inter, &plan->kind13, &plan->kind2, &plan->scale_kind,
+                          &plan->group13, &plan->group2))
+        return 0;
+    r->weight = ptr(weight), r->bias = ptr(bias), r->dim = dim;
+    int per = r->groups > 0 ? r->experts / r->groups : 0;
+    if (r->ld < dim || r->experts < 1 || r->score < 0 || r->score > SCORE_SQRTSOFTPLUS || r->groups < 1 || r->groups > 256 ||
+        r->experts % r->groups || (r->groups > 1 && (per < 2 || r->topk_groups < 1 || r->topk_groups > r->groups)) ||
+        r->topk < 1 || r->topk > (r->groups > 1 ? r->topk_groups * per : r->experts) || plan->routed_inter < 1 ||
+        plan->kind13 < 0 || plan->kind13 >= N_Q8_WEIGHTS || plan->kind2 < 0 || plan->kind2 >= N_Q8_WEIGHTS ||
+        plan->scale_kind < 0 || plan->scale_kind >= N_SCALE_KINDS || plan->group13 < Q8_BLOCK || plan->group13 % Q8_BLOCK ||
+        plan->group2 < Q8_BLOCK || plan->group2 % Q8_BLOCK) {
+        PyErr_Format(PyExc_ValueError, "layer_plan: experts=%d groups=%d topk=%d inter=%d kinds=%d,%d groups=%d,%d",
+                     r->experts, r->groups, r->topk, plan->routed_inter, plan->kind13, plan->kind2, plan->group13, plan->group2);
+        return 0;
+    }
+    return 1;
+}
+
+/* layer_plan(mla_weights capsule, ffn_norm, ffn_eps, mlp or None, router or None, layout or None) -> capsule.
+ * mlp: (w1, w3, w2, inter), the dense MLP or the shared expert; router: (weight, bias or 0, experts, score,
+ * groups, topk_groups, topk, normalise, scale, row stride); layout: the routed experts' (inter, kind13, kind2, scale_kind,
+ * group13, group2). A MoE layer has a router and a layout; the caller keeps the mla capsule alive. */
+static PyObject *py_layer_plan(PyObject *self, PyObject *args) {
+    PyObject *attn, *mlp_spec, *router, *layout;
+    unsigned long long norm;
+    LayerPlan plan = {0};
+    if (!PyArg_ParseTuple(args, "OKfOOO", &attn, &norm, &plan.ffn_eps, &mlp_spec, &router, &layout)) return NULL;
+    plan.attn = PyCapsule_GetPointer(attn, CAPSULE);
+    if (plan.attn == NULL) return NULL;
+    plan.ffn_norm = ptr(norm);
+    plan.moe = router != Py_None;
+    if ((mlp_spec != Py_None && !mlp(mlp_spec, &plan)) || (plan.moe && !routed(router, layout, &plan, plan.attn->dim)))
+        return NULL;
+    if ((!plan.moe && !plan.has_mlp) || (plan.has_mlp && (plan.mlp.w1.in != plan.attn->dim || plan.mlp.w2.in != plan.mlp_inter))) {
+        PyErr_SetString(PyExc_ValueError, "layer_plan: a dense layer needs its MLP, of the attention's width");
+        return NULL;
+    }
+    LayerPlan *held = malloc(sizeof plan);
+    if (held == NULL) return PyErr_NoMemory();
+    *held = plan;
+    PyObject *capsule = PyCapsule_New(held, PLAN_CAPSULE, free_plan);
+    if (capsule == NULL) free(held);
+    return capsule;
+}
+
+/* decode_layers(plans, steps, x, cos, sin, total, ids, topk_max, isa, threads): plans a tuple of layer_plan
+ * capsules; steps the address of uint64 [n, 3] (each layer's expert table or 0, cache latents, rope keys);
+ * x float32 [dim] in place; ids int64 [n, topk_max] out (decode_step.h). */
+static PyObject *py_decode_layers(PyObject *self, PyObject *args) {
+    PyObject *plans;
+    unsigned long long steps, x, cos, sin, ids;
+    int total, topk_max, isa, threads, rc;
+    if (!PyArg_ParseTuple(args, "O!KKKKiKiii", &PyTuple_Type, &plans, &steps, &x, &cos, &sin, &total, &ids, &topk_max,
+                          &isa, &threads))
+        return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(plans);
+    const LayerPlan **held = malloc(sizeof(LayerPlan *) * (size_t)(n > 0 ? n : 1));
+    LayerStep *step = malloc(sizeof(LayerStep) * (size_t)(n > 0 ? n : 1));
+    if (held == NULL || step == NULL) {
+        free(held), free(step);
+        return PyErr_NoMemory();
+    }
+    const uint64_t *given = ptr(steps);
+    for (Py_ssize_t l = 0; l < n; l++) {
+        held[l] = PyCapsule_GetPointer(PyTuple_GET_ITEM(plans, l), PLAN_CAPSULE);
+        int bad = held[l] == NULL || (held[l]->moe && (given[3 * l] == 0 || held[l]->router.topk > topk_max));
+        if (bad) {
+            if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "decode_layers: layer %zd has no expert table", l);
+            free(held), free(step);
+            return NULL;
+        }
+        step[l].table = ptr(given[3 * l]);
+        step[l].latents = (float *)(uintptr_t)given[3 * l + 1], step[l].rope_keys = (float *)(uintptr_t)given[3 * l + 2];
+    }
+    if (total < 1) {
+        free(held), free(step);
+        return PyErr_Format(PyExc_ValueError, "decode_layers: total=%d", total);
+    }
+    (void)q8_vnni_available(); /* detect the CPU once, before any helper thread looks */
+    Py_BEGIN_ALLOW_THREADS
+    rc = decode_layers(held, step, (int)n, (float *)(uintptr_t)x, ptr(cos), ptr(sin), total, (int64_t *)(uintptr_t)ids,
+                       topk_max, isa, threads);
+    Py_END_ALLOW_THREADS
+    free(held), free(step);
+    if (rc) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 PyMethodDef py_decode_methods[] = {
+    {"layer_plan", py_layer_plan, METH_VARARGS, "a layer's weights for decode_layers (a capsule)."},
+    {"decode_layers", py_decode_layers, METH_VARARGS, "one decode step through every layer, experts resident."},
     {"q8_mlp", py_q8_mlp, METH_VARARGS, "one SwiGLU MLP with int8 activations: gate and up as one job, then down."},
     {"mla_weights", py_mla_weights, METH_VARARGS, "a layer's MLA weights for the fused decode steps (a capsule)."},
     {"mla_project", py_mla_project, METH_VARARGS, "one query's MLA projections, rope and the cache's new row."},

@@ -4,14 +4,12 @@ calls), at odd widths, alone or as one row of forward_rows, and a failed step le
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 import engine.model
 from colibri_stream.runtime.loader import load_container
-from engine import decode_ops, mla_decode
+from engine import decode_ops, fused_decode, mla_decode
 from engine.mla_decode import FusedMLA
 from engine.q8 import int8_activations
 
@@ -35,12 +33,14 @@ def _greedy(model, experts, steps: int, rows: bool = False) -> tuple[list[int], 
 
 
 def _compare(model, experts, monkeypatch, rows: bool = False) -> int:
-    """Fused against the module path: the same tokens, logits and cache bits; returns the fused calls."""
+    """Fused against the module path: the same tokens, logits and cache bits; returns the fused calls. (A
+    forward_rows step keeps the module path here: the whole step in one call is test_fused_decode.py's.)"""
     calls = []
     original = FusedMLA.__call__
     monkeypatch.setattr(FusedMLA, "__call__", lambda self, *a: calls.append(1) or original(self, *a))
-    fused = _greedy(model, experts, 5, rows)
-    with monkeypatch.context() as off:
+    with fused_decode.module_path():
+        fused = _greedy(model, experts, 5, rows)
+    with fused_decode.module_path(), monkeypatch.context() as off:
         off.setattr(engine.model, "fused_attention_applies", lambda *a: False)
         plain = _greedy(model, experts, 5, rows)
     assert fused[0] == plain[0]
@@ -69,22 +69,6 @@ def test_int4_dense_matrices_give_the_module_paths_bits_too(make_container, fami
 def test_one_row_of_forward_rows_takes_it_too(make_container, monkeypatch):
     loaded = load_container(make_container("deepseek_v32", "int4", "int8"), int8_activations=True)
     assert _compare(loaded.model, loaded.experts, monkeypatch, rows=True) == 5 * len(loaded.model.layers)
-
-
-@pytest.fixture(scope="module")
-def odd_container(tmp_path_factory):
-    """Widths no kernel block divides: hidden 200, q LoRA 72, kv LoRA 40, 3 heads of 24 + 16 (rope), v 20."""
-    from colibri_stream.bench.stress_model import QUICK, write_stress_checkpoint
-    from colibri_stream.convert.converter import Converter, ConvertOptions
-
-    root = tmp_path_factory.mktemp("odd-mla")
-    shape = dataclasses.replace(
-        QUICK, hidden_size=200, q_lora_rank=72, kv_lora_rank=40, num_attention_heads=3, qk_nope_head_dim=24,
-        qk_rope_head_dim=16, v_head_dim=20, moe_intermediate_size=96, intermediate_size=136, vocab_size=300,
-    )  # fmt: skip
-    source = write_stress_checkpoint(root / "hf", shape, progress=False)
-    Converter(source, root / "c", ConvertOptions(experts="int4", dense="int8", group_size=32), progress=False).run()
-    return root / "c"
 
 
 def test_odd_widths_give_the_module_paths_bits(odd_container, monkeypatch):

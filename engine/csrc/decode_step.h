@@ -1,0 +1,42 @@
+/* A whole decode step's layers in one call, for int8-activation models whose routed experts are all
+ * resident (decode_step.c): per layer the fused MLA steps, the FFN norm, the router, the routed experts
+ * and the shared expert (or the dense MLP), and the residuals, with no Python between layers. */
+#ifndef COLIBRI_DECODE_STEP_H
+#define COLIBRI_DECODE_STEP_H
+
+#include <stdint.h>
+
+#include "decode_ops.h"
+#include "mla_decode.h"
+#include "q8_moe.h"
+
+/* What a layer's step reads, described once (engine/fused_decode.py). */
+typedef struct {
+    const MlaWeights *attn;
+    const float *ffn_norm; /* [dim] */
+    float ffn_eps;
+    int moe;               /* 0: a dense SwiGLU MLP (`mlp`); 1: router, routed experts, optional shared (`mlp`) */
+    int has_mlp;           /* the dense MLP, or the shared expert where moe */
+    Q8Expert mlp;
+    int mlp_inter;
+    Router router;         /* moe only; router.topk is the layer's top-k */
+    int routed_inter;      /* moe only: the routed experts' width and their matrices' layout */
+    int kind13, kind2, scale_kind, group13, group2;
+} LayerPlan;
+
+/* What a layer's step writes and reads this token. */
+typedef struct {
+    const uint64_t *table; /* moe only: [router.experts, 6] each expert's w1, scales, w3, scales, w2, scales */
+    float *latents;        /* the cache [total, rank], its last row written by this step */
+    float *rope_keys;      /* [total, rope] */
+} LayerStep;
+
+/* x [dim] (in: the embedding, out: the hidden state before the final norm) through n layers at the
+ * position whose rope angles are cos, sin [rope / 2]; every cache holds `total` positions, the new one
+ * last. ids [n, topk_max] gets each MoE layer's routed experts (-1 past its top-k, and on dense layers).
+ * The same kernels in the same order as the module path (engine/model.py) with int8 activations, so the
+ * same bits. 0, or -1 without memory (x and the caches then hold a partial step). */
+int decode_layers(const LayerPlan *const *plans, const LayerStep *steps, int n, float *x, const float *cos,
+                  const float *sin, int total, int64_t *ids, int topk_max, int isa, int threads);
+
+#endif

@@ -1,0 +1,181 @@
+"""A decode step in one C call (engine/fused_decode.py): with int8 activations and every expert resident it
+gives the module path's bits (logits, hidden states, cache) for one row and for a verify step's rows, at the
+fixtures' widths and at odd ones, with int8 and int4 dense records, in the tiered store and the resident
+one; it counts the experts it used as the acquires it skipped would have; it stays off where it does not
+apply (DSA, a budget below the experts, several sequences, float activations), and a failed step leaves the
+cache as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from colibri_stream.runtime.loader import load_container
+from engine import decode_ops, fused_decode
+from engine.cache import KVCache
+from storage.container import Container
+from storage.tiered import StoreConfig
+
+pytestmark = pytest.mark.skipif(not fused_decode.available(), reason="the C kernels are not built")
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+
+
+class Counting:
+    """The extension, counting decode_layers calls (and failing them with ``fail``)."""
+
+    def __init__(self, real, fail: bool = False):
+        self.real, self.fail, self.calls = real, fail, 0
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def decode_layers(self, *args):
+        self.calls += 1
+        if self.fail:
+            raise MemoryError("no memory for the work area")
+        return self.real.decode_layers(*args)
+
+
+@pytest.fixture
+def counting(monkeypatch):
+    kernels = Counting(fused_decode._kernels)
+    monkeypatch.setattr(fused_decode, "_kernels", kernels)
+    return kernels
+
+
+def _decode(model, experts, steps: int, verify: int = 0):
+    """Prompt, ``steps`` greedy one-row steps, then (``verify``) one step of that many rows on the same cache:
+    (tokens, every step's logits and hidden states, the cache's final state)."""
+    cache, tokens, outputs = model.new_cache(), list(PROMPT), []
+    logits = model(torch.tensor([tokens]), 0, cache, experts)[0, -1]
+    for _ in range(steps):
+        tokens.append(int(logits.argmax()))
+        logits, hidden = model.forward_rows_hidden([tokens[-1]], [cache], experts)
+        outputs += [logits, hidden]
+        logits = logits[0]
+    if verify:
+        drafted = [(tokens[-1] + i) % 7 for i in range(verify)]
+        outputs += list(model.forward_rows_hidden(drafted, [cache] * verify, experts))
+    return tokens, outputs, cache.state()
+
+
+def _assert_same(a, b):
+    assert a[0] == b[0]
+    assert all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True))
+    for x, y in zip(a[2], b[2], strict=True):
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def _resident_store(path):
+    return StoreConfig(ram_bytes=Container(path).expert_bytes, preload=True)
+
+
+@pytest.mark.parametrize(
+    ("family", "dense", "tiered"),
+    [("deepseek_v3", "int8", True), ("deepseek_v3", "int4", False), ("kimi_k2", "int4", True)],
+)
+def test_one_call_gives_the_module_paths_bits(make_container, counting, family, dense, tiered):
+    path = make_container(family, "int4", dense)
+    loaded = load_container(path, store=_resident_store(path) if tiered else None, int8_activations=True)
+    fused = _decode(loaded.model, loaded.experts, 5, verify=3)
+    assert counting.calls == 5 + 3  # every decode row, none of the prompt's
+    with fused_decode.module_path():
+        plain = _decode(loaded.model, loaded.experts, 5, verify=3)
+    assert counting.calls == 8
+    _assert_same(fused, plain)
+
+
+def test_odd_widths_give_the_module_paths_bits(odd_container, counting):
+    loaded = load_container(odd_container, store=_resident_store(odd_container), int8_activations=True)
+    fused = _decode(loaded.model, loaded.experts, 6)
+    with fused_decode.module_path():
+        plain = _decode(loaded.model, loaded.experts, 6)
+    assert counting.calls == 6
+    _assert_same(fused, plain)
+
+
+def test_the_experts_used_are_counted_as_the_acquires_would_have(make_container, counting):
+    path = make_container("deepseek_v3", "int4", "int8")
+    runs = []
+    for module_path in (False, True):
+        loaded = load_container(path, store=_resident_store(path), int8_activations=True)
+        cache = loaded.model.new_cache()
+        loaded.model(torch.tensor([PROMPT]), 0, cache, loaded.experts)
+        before = loaded.experts.snapshot()
+        with fused_decode.module_path() if module_path else _nothing():
+            for token in (7, 8, 9, 10):
+                loaded.model.forward_rows([token], [cache], loaded.experts)
+        step = loaded.experts.snapshot().minus(before)
+        history = {layer: list(counts) for layer, counts in loaded.experts.history.counts.items()}
+        runs.append((step.requests, step.hits_ram, step.misses, loaded.experts.routed.table(), history))
+    assert counting.calls == 4
+    (requests, hits, misses, routed, history), plain = runs[0], runs[1]
+    assert requests == plain[0] == hits == plain[1] and requests == 4 * loaded.args.n_activated_experts * 2
+    assert misses == plain[2] == 0
+    assert routed == plain[3] and history == plain[4]
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_it_stays_off_where_it_does_not_apply(make_container, counting):
+    path = make_container("deepseek_v3", "int4", "int8")
+    container = Container(path)
+    # a budget below the experts: the store cannot promise they stay, so every step acquires
+    partial = load_container(path, store=StoreConfig(ram_bytes=container.expert_bytes // 2), int8_activations=True)
+    assert all(partial.experts.resident(layer) is None for layer in container.moe_layers)
+    _decode(partial.model, partial.experts, 3)
+    # float activations, and two sequences in one step
+    exact = load_container(path, store=_resident_store(path))
+    _decode(exact.model, exact.experts, 3)
+    loaded = load_container(path, store=_resident_store(path), int8_activations=True)
+    caches = [loaded.model.new_cache(), loaded.model.new_cache()]
+    for cache in caches:
+        loaded.model(torch.tensor([PROMPT]), 0, cache, loaded.experts)
+    loaded.model.forward_rows([1, 2], caches, loaded.experts)
+    assert counting.calls == 0
+    # a DSA model: its indexer runs between the attention steps, in Python
+    dsa = load_container(make_container("deepseek_v32", "int4", "int8"), int8_activations=True)
+    _decode(dsa.model, dsa.experts, 2)
+    assert counting.calls == 0 and not dsa.model._fused_decode
+
+
+def test_the_tiered_store_promises_residency_only_once_every_expert_is_read(make_container):
+    path = make_container("deepseek_v3", "int4", "int8")
+    container = Container(path)
+    lazy = load_container(path, store=StoreConfig(ram_bytes=container.expert_bytes, preload=False))
+    layer = container.moe_layers[0]
+    assert lazy.experts.resident(layer) is None  # the slots could hold them all, but nothing is read yet
+    loaded = load_container(path, store=_resident_store(path))
+    first = loaded.experts.resident(layer)
+    assert first is not None and len(first) == container.n_experts
+    assert loaded.experts.resident(layer) is first  # the same tuple: a caller keeps what it derived from it
+    assert loaded.experts.resident(0 if layer else -1) is None  # a dense layer has no experts
+    record = container.layout.record_bytes
+    cpu_vram = StoreConfig(ram_bytes=container.expert_bytes, vram_bytes=record, vram_device="cpu")
+    assert load_container(path, store=cpu_vram).experts.resident(layer) is None  # a VRAM tier moves experts
+
+
+def test_a_failed_step_leaves_the_cache_as_it_was(make_container, monkeypatch):
+    path = make_container("deepseek_v3", "int4", "int8")
+    loaded = load_container(path, store=_resident_store(path), int8_activations=True)
+    cache = loaded.model.new_cache()
+    loaded.model(torch.tensor([PROMPT]), 0, cache, loaded.experts)
+    before = cache.state()
+    monkeypatch.setattr(fused_decode, "_kernels", Counting(fused_decode._kernels, fail=True))
+    with pytest.raises(MemoryError):
+        loaded.model.forward_rows([7], [cache], loaded.experts)
+    assert cache.length == len(PROMPT)
+    after = cache.state()
+    assert all(torch.equal(before[i]["latent"], after[i]["latent"]) for i in range(len(before)))
+    monkeypatch.undo()
+    with fused_decode.module_path():  # and the next step is the one it would have been
+        expected = loaded.model.forward_rows([7], [KVCache.from_state(before)], loaded.experts)
+    assert torch.equal(loaded.model.forward_rows([7], [cache], loaded.experts), expected)
+    assert decode_ops.available()
