@@ -191,10 +191,10 @@ def layer_plan(
 def decode_layers(
     plans: tuple[LayerPlanCapsule, ...],
     steps: int,
+    rows: int,
     x: int,
     cos: int,
     sin: int,
-    total: int,
     ids: int,
     topk_max: int,
     isa: int,

@@ -9,8 +9,9 @@ the step is one call instead: per layer the fused MLA steps, the FFN norm, the r
 shared experts and the residuals, the same kernels in the same order as the module path, so the same
 bits. The experts it used are then counted as the acquires it skipped would have (``count_resident``).
 
-Taken when: int8 activations, one sequence (one row, or a verify step's rows on one cache, each as its
-own step), every layer's attention fused (``FusedMLA``) without a DSA indexer, every FFN a coded MLP or a
+Taken when: int8 activations, one-sequence caches (any number of rows: several requests, or a verify
+step's rows on one cache; the FFN runs over all rows, each expert of their union once), every layer's
+attention fused (``FusedMLA``) without a DSA indexer, every FFN a coded MLP or a
 score-routed MoE whose router runs in C and whose shared expert is coded, and a local expert source whose
 every MoE layer is resident. Anything else keeps the module path.
 """
@@ -118,7 +119,7 @@ class FusedDecode:
         self._sources: list[Sequence[Expert]] = []  # what resident() gave, by MoE layer: the tables' origin
         self._tables: list[array[int]] = []  # the C tables derived from them (kept alive: C reads them)
         self._plans: tuple[_kernels.LayerPlanCapsule, ...] | None = None
-        self._steps = array("Q", [0] * (3 * len(parts)))  # per layer: table, cache latents, cache rope keys
+        self._table_addresses = [0] * len(parts)  # per layer: its expert table's, 0 on a dense layer
 
     def ready_for(self, experts: LocalExperts) -> bool:
         """Whether every MoE layer's experts are resident in ``experts`` and the plans are built for them;
@@ -150,45 +151,65 @@ class FusedDecode:
             plans.append(plan)
         self._sources, self._tables, self._plans = sources, tables, tuple(plans)
         for layer, table in zip(self.moe_layers, tables, strict=True):
-            self._steps[3 * layer] = table.buffer_info()[0]
+            self._table_addresses[layer] = table.buffer_info()[0]
         return True
 
     def step(
-        self, x: torch.Tensor, start: int, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
-        experts: LocalExperts,
+        self, x: torch.Tensor, starts: list[int], ropes: list[tuple[torch.Tensor, torch.Tensor]],
+        caches: list[KVCache], experts: LocalExperts,
     ) -> torch.Tensor:  # fmt: skip
-        """x [dim] float32 (the token's embedding) at position ``start`` -> the hidden state [dim] after the
-        last layer; the position is appended to every layer of ``cache`` (``ready_for`` must hold)."""
-        if cache.length != start:
-            raise ValueError(f"cache holds {cache.length} positions but start_pos is {start}")
-        x = x.contiguous().clone()
-        cos, sin = (t.contiguous() for t in rope)
-        for i, layer in enumerate(cache.layers):
-            layer.next_row()
-            self._steps[3 * i + 1], self._steps[3 * i + 2] = layer.latent.data_ptr(), layer.rope_key.data_ptr()
-        ids = torch.empty((len(self.parts), self.topk), dtype=torch.int64)
-        assert self._plans is not None  # ready_for held
+        """Rows x [B, dim] (their tokens' embeddings), row b at position starts[b] of caches[b] (rows of one
+        sequence at consecutive positions, a verify step) -> the hidden states [B, dim] after the last layer;
+        each position is appended to its cache (``ready_for`` must hold)."""
+        appended: dict[int, tuple[KVCache, int]] = {}  # id(cache) -> (cache, its length before this step)
         try:
-            _kernels.decode_layers(
-                self._plans, self._steps.buffer_info()[0], x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                start + 1, ids.data_ptr(), self.topk, ISA_BEST, kernel_threads(),
-            )  # fmt: skip
+            for cache, start in zip(caches, starts, strict=True):
+                if cache.length != start:
+                    raise ValueError(f"cache holds {cache.length} positions but start_pos is {start}")
+                appended.setdefault(id(cache), (cache, start))
+                for layer in cache.layers:
+                    layer.next_row()
+            return self._run(x, starts, ropes, caches, experts)
         except BaseException:
-            cache.trim(start)
+            for cache, length in appended.values():
+                cache.trim(length)
             raise
+
+    def _run(
+        self, x: torch.Tensor, starts: list[int], ropes: list[tuple[torch.Tensor, torch.Tensor]],
+        caches: list[KVCache], experts: LocalExperts,
+    ) -> torch.Tensor:  # fmt: skip
+        rows = len(starts)
+        x = x.contiguous().clone()
+        cos = torch.cat([cos for cos, _ in ropes]).contiguous()  # [B, rope / 2]
+        sin = torch.cat([sin for _, sin in ropes]).contiguous()
+        steps = array("Q", [
+            value
+            for i, table in enumerate(self._table_addresses)
+            for cache, start in zip(caches, starts, strict=True)
+            for value in (table, cache.layers[i].latent.data_ptr(), cache.layers[i].rope_key.data_ptr(), start + 1)
+        ])  # fmt: skip
+        width = rows * self.topk  # room for a layer's union of experts
+        ids = torch.empty((len(self.parts), width), dtype=torch.int64)
+        assert self._plans is not None  # ready_for held
+        _kernels.decode_layers(
+            self._plans, steps.buffer_info()[0], rows, x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            ids.data_ptr(), width, ISA_BEST, kernel_threads(),
+        )  # fmt: skip
         chosen = ids.tolist()
         experts.count_resident({layer: [e for e in chosen[layer] if e >= 0] for layer in self.moe_layers})
         return x
 
 
-def one_sequence_cache(caches: Sequence[KVCache]) -> bool:
-    """Whether the rows' caches are one sequence's, float32 and contiguous, as the C step writes them."""
-    cache = caches[0]
-    return all(c is cache for c in caches) and all(
+def caches_taken(caches: Sequence[KVCache]) -> bool:
+    """Whether the C step writes these rows' caches: each one sequence's, float32, contiguous, without DSA
+    indexer keys (rows may share one: a verify step)."""
+    return all(
         layer.latent.dtype == torch.float32
         and layer.latent.shape[0] == 1
         and layer.index_key is None
         and layer.latent.is_contiguous()
         and layer.rope_key.is_contiguous()
+        for cache in caches
         for layer in cache.layers
     )

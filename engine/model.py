@@ -20,7 +20,7 @@ from engine.args import ModelArgs
 from engine.attention import MLA
 from engine.cache import DraftCache, KVCache, LayerCache
 from engine.experts import Experts, LocalExperts, RemoteExperts
-from engine.fused_decode import FusedDecode, LayerParts, one_sequence_cache
+from engine.fused_decode import FusedDecode, LayerParts, caches_taken
 from engine.fused_decode import available as fused_decode_available
 from engine.interfaces import Cache, Model
 from engine.layers import MLP, RMSNorm, embedding
@@ -315,9 +315,8 @@ class Transformer(Model[KVCache]):
         selections: list[torch.Tensor | None] = [None] * len(tokens)
         with rows_alone(), int8_activations(self.int8_activations), torch_on_one_thread():
             fused = self._decoder_in_one_call(x, caches, experts)
-            if fused is not None:  # each row the whole step in one C call, one after another
-                local = cast(LocalExperts, experts)  # _decoder_in_one_call: not remote
-                x = torch.stack([fused.step(x[b, 0], starts[b], ropes[b], caches[b], local) for b in range(len(x))])
+            if fused is not None:  # the whole step in one C call
+                x = fused.step(x[:, 0], starts, ropes, caches, cast(LocalExperts, experts))  # not remote: checked
                 return self.head(self.norm(x)).float(), x
             read_ahead = self._start_read_ahead(x)
             for i, layer in enumerate(cast("list[Block]", self.layers)):  # a ModuleList of Blocks
@@ -327,11 +326,11 @@ class Transformer(Model[KVCache]):
             return self.head(self.norm(x)).float()[:, -1], x[:, -1]
 
     def _decoder_in_one_call(self, x: torch.Tensor, caches: list[KVCache], experts: Experts) -> FusedDecode | None:
-        """The whole decode step in one C call per row (engine/fused_decode.py) where it applies to these
-        rows x [B, 1, dim] on these caches with these experts; None: the module path."""
+        """The whole decode step in one C call (engine/fused_decode.py) where it applies to these rows x [B, 1,
+        dim] on these caches with these experts; None: the module path."""
         if not (self.int8_activations and decode_ops.active(x) and fused_decode_available()):
             return None
-        if isinstance(experts, RemoteExperts) or not one_sequence_cache(caches):
+        if isinstance(experts, RemoteExperts) or not caches_taken(caches):
             return None
         if self._fused_decode is None:
             self._fused_decode = self._build_fused_decode(x, caches[0]) or False

@@ -24,19 +24,23 @@ typedef struct {
     int kind13, kind2, scale_kind, group13, group2;
 } LayerPlan;
 
-/* What a layer's step writes and reads this token. */
+/* What a layer's step reads of one row this token. */
 typedef struct {
     const uint64_t *table; /* moe only: [router.experts, 6] each expert's w1, scales, w3, scales, w2, scales */
-    float *latents;        /* the cache [total, rank], its last row written by this step */
+    float *latents;        /* the row's cache [total, rank], its last row written by this step */
     float *rope_keys;      /* [total, rope] */
+    int total;             /* positions in the cache, the new one included */
 } LayerStep;
 
-/* x [dim] (in: the embedding, out: the hidden state before the final norm) through n layers at the
- * position whose rope angles are cos, sin [rope / 2]; every cache holds `total` positions, the new one
- * last. ids [n, topk_max] gets each MoE layer's routed experts (-1 past its top-k, and on dense layers).
- * The same kernels in the same order as the module path (engine/model.py) with int8 activations, so the
- * same bits. 0, or -1 without memory (x and the caches then hold a partial step). */
-int decode_layers(const LayerPlan *const *plans, const LayerStep *steps, int n, float *x, const float *cos,
-                  const float *sin, int total, int64_t *ids, int topk_max, int isa, int threads);
+/* The rows x [rows, dim] (in: their embeddings, out: the hidden states before the final norm) through n
+ * layers, row r at the position whose rope angles are cos, sin [rows, rope / 2], with steps [n, rows].
+ * Per layer each row's attention runs after the previous row's (rows of one sequence, a verify step, see
+ * the rows before them), then the FFN over all rows: each routed expert of their union once for every row
+ * routed to it. ids [n, topk_max] gets each MoE layer's union in id order (-1 after it, and on dense
+ * layers). The same kernels in the same order as the module path (engine/model.py forward_rows) with int8
+ * activations, each row's bits its solo step's (the kernels are batch-invariant). 0, or -1 without memory
+ * (x and the caches then hold a partial step). */
+int decode_layers(const LayerPlan *const *plans, const LayerStep *steps, int n, int rows, float *x, const float *cos,
+                  const float *sin, int64_t *ids, int topk_max, int isa, int threads);
 
 #endif

@@ -203,19 +203,21 @@ static PyObject *py_layer_plan(PyObject *self, PyObject *args) {
     return capsule;
 }
 
-/* decode_layers(plans, steps, x, cos, sin, total, ids, topk_max, isa, threads): plans a tuple of layer_plan
- * capsules; steps the address of uint64 [n, 3] (each layer's expert table or 0, cache latents, rope keys);
- * x float32 [dim] in place; ids int64 [n, topk_max] out (decode_step.h). */
+/* decode_layers(plans, steps, rows, x, cos, sin, ids, topk_max, isa, threads): plans a tuple of n layer_plan
+ * capsules; steps the address of uint64 [n, rows, 4] (per layer and row: the expert table or 0, the row's
+ * cache latents, rope keys, positions with the new one); x float32 [rows, dim] in place; cos, sin float32
+ * [rows, rope / 2]; ids int64 [n, topk_max] out (decode_step.h). */
 static PyObject *py_decode_layers(PyObject *self, PyObject *args) {
     PyObject *plans;
     unsigned long long steps, x, cos, sin, ids;
-    int total, topk_max, isa, threads, rc;
-    if (!PyArg_ParseTuple(args, "O!KKKKiKiii", &PyTuple_Type, &plans, &steps, &x, &cos, &sin, &total, &ids, &topk_max,
+    int rows, topk_max, isa, threads, rc;
+    if (!PyArg_ParseTuple(args, "O!KiKKKKiii", &PyTuple_Type, &plans, &steps, &rows, &x, &cos, &sin, &ids, &topk_max,
                           &isa, &threads))
         return NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(plans);
-    const LayerPlan **held = malloc(sizeof(LayerPlan *) * (size_t)(n > 0 ? n : 1));
-    LayerStep *step = malloc(sizeof(LayerStep) * (size_t)(n > 0 ? n : 1));
+    if (rows < 1 || n < 1) return PyErr_Format(PyExc_ValueError, "decode_layers: rows=%d layers=%zd", rows, n);
+    const LayerPlan **held = malloc(sizeof(LayerPlan *) * (size_t)n);
+    LayerStep *step = malloc(sizeof(LayerStep) * (size_t)n * rows);
     if (held == NULL || step == NULL) {
         free(held), free(step);
         return PyErr_NoMemory();
@@ -223,22 +225,22 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *args) {
     const uint64_t *given = ptr(steps);
     for (Py_ssize_t l = 0; l < n; l++) {
         held[l] = PyCapsule_GetPointer(PyTuple_GET_ITEM(plans, l), PLAN_CAPSULE);
-        int bad = held[l] == NULL || (held[l]->moe && (given[3 * l] == 0 || held[l]->router.topk > topk_max));
+        int bad = held[l] == NULL || (held[l]->moe && held[l]->router.topk * rows > topk_max);
+        for (int r = 0; r < rows && !bad; r++) {
+            const uint64_t *g = given + ((size_t)l * rows + r) * 4;
+            LayerStep one = {ptr(g[0]), (float *)(uintptr_t)g[1], (float *)(uintptr_t)g[2], (int)g[3]};
+            step[(size_t)l * rows + r] = one;
+            bad = one.total < 1 || one.latents == NULL || (held[l]->moe && one.table == NULL);
+        }
         if (bad) {
-            if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "decode_layers: layer %zd has no expert table", l);
+            if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "decode_layers: layer %zd: no expert table, cache or room for ids", l);
             free(held), free(step);
             return NULL;
         }
-        step[l].table = ptr(given[3 * l]);
-        step[l].latents = (float *)(uintptr_t)given[3 * l + 1], step[l].rope_keys = (float *)(uintptr_t)given[3 * l + 2];
-    }
-    if (total < 1) {
-        free(held), free(step);
-        return PyErr_Format(PyExc_ValueError, "decode_layers: total=%d", total);
     }
     (void)q8_vnni_available(); /* detect the CPU once, before any helper thread looks */
     Py_BEGIN_ALLOW_THREADS
-    rc = decode_layers(held, step, (int)n, (float *)(uintptr_t)x, ptr(cos), ptr(sin), total, (int64_t *)(uintptr_t)ids,
+    rc = decode_layers(held, step, (int)n, rows, (float *)(uintptr_t)x, ptr(cos), ptr(sin), (int64_t *)(uintptr_t)ids,
                        topk_max, isa, threads);
     Py_END_ALLOW_THREADS
     free(held), free(step);

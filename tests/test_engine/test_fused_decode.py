@@ -1,9 +1,9 @@
 """A decode step in one C call (engine/fused_decode.py): with int8 activations and every expert resident it
 gives the module path's bits (logits, hidden states, cache) for one row and for a verify step's rows, at the
 fixtures' widths and at odd ones, with int8 and int4 dense records, in the tiered store and the resident
-one; it counts the experts it used as the acquires it skipped would have; it stays off where it does not
-apply (DSA, a budget below the experts, several sequences, float activations), and a failed step leaves the
-cache as it was."""
+one; several sequences in one step each get their solo bits and each expert of the union is used once; it
+counts the experts it used as the acquires it skipped would have; it stays off where it does not apply
+(DSA, a budget below the experts, float activations), and a failed step leaves the caches as they were."""
 
 from __future__ import annotations
 
@@ -79,10 +79,10 @@ def test_one_call_gives_the_module_paths_bits(make_container, counting, family, 
     path = make_container(family, "int4", dense)
     loaded = load_container(path, store=_resident_store(path) if tiered else None, int8_activations=True)
     fused = _decode(loaded.model, loaded.experts, 5, verify=3)
-    assert counting.calls == 5 + 3  # every decode row, none of the prompt's
+    assert counting.calls == 5 + 1  # every decode step (the verify step's three rows in one), none of the prompt's
     with fused_decode.module_path():
         plain = _decode(loaded.model, loaded.experts, 5, verify=3)
-    assert counting.calls == 8
+    assert counting.calls == 6
     _assert_same(fused, plain)
 
 
@@ -93,6 +93,39 @@ def test_odd_widths_give_the_module_paths_bits(odd_container, counting):
         plain = _decode(loaded.model, loaded.experts, 6)
     assert counting.calls == 6
     _assert_same(fused, plain)
+
+
+@pytest.mark.parametrize("dense", ["int8", "int4"])
+def test_several_sequences_in_one_call_each_get_their_solo_bits(make_container, counting, dense):
+    """Three conversations of different lengths, one of them twice in the step (a verify step beside two
+    requests): each row's logits, hidden state and cache are what its solo module-path steps give, and each
+    layer's experts are the union of the rows' once."""
+    loaded = load_container(make_container("kimi_k2", "int4", dense), int8_activations=True)
+    model, experts = loaded.model, loaded.experts
+    prompts = [PROMPT, PROMPT[:4], [9, 8, 7, 6, 5, 4, 3]]
+    caches, solo = [model.new_cache() for _ in prompts], [model.new_cache() for _ in prompts]
+    for prompt, cache, alone in zip(prompts, caches, solo, strict=True):
+        model(torch.tensor([prompt]), 0, cache, experts)
+        model(torch.tensor([prompt]), 0, alone, experts)
+    batched = [
+        KVCache.from_state(cache.state()) for cache in caches
+    ]  # the module path's batched step, for its acquires
+    rows, tokens = [caches[0], caches[1], caches[1], caches[2]], [11, 12, 13, 14]
+    before = experts.snapshot()
+    logits, hidden = model.forward_rows_hidden(tokens, rows, experts)
+    used = experts.snapshot().minus(before).requests
+    assert counting.calls == 1
+    before = experts.snapshot()
+    with fused_decode.module_path():
+        module = model.forward_rows_hidden(tokens, [batched[0], batched[1], batched[1], batched[2]], experts)
+    assert used == experts.snapshot().minus(before).requests  # the union of each layer, once
+    assert torch.equal(module[0], logits) and torch.equal(module[1], hidden)
+    with fused_decode.module_path():
+        for b, (token, cache) in enumerate(zip(tokens, [solo[0], solo[1], solo[1], solo[2]], strict=True)):
+            alone_logits, alone_hidden = model.forward_rows_hidden([token], [cache], experts)
+            assert torch.equal(logits[b], alone_logits[0]) and torch.equal(hidden[b], alone_hidden[0])
+    for cache, alone in zip(caches, solo, strict=True):
+        _assert_same(([], [], cache.state()), ([], [], alone.state()))
 
 
 def test_the_experts_used_are_counted_as_the_acquires_would_have(make_container, counting):
@@ -131,14 +164,9 @@ def test_it_stays_off_where_it_does_not_apply(make_container, counting):
     partial = load_container(path, store=StoreConfig(ram_bytes=container.expert_bytes // 2), int8_activations=True)
     assert all(partial.experts.resident(layer) is None for layer in container.moe_layers)
     _decode(partial.model, partial.experts, 3)
-    # float activations, and two sequences in one step
+    # float activations
     exact = load_container(path, store=_resident_store(path))
     _decode(exact.model, exact.experts, 3)
-    loaded = load_container(path, store=_resident_store(path), int8_activations=True)
-    caches = [loaded.model.new_cache(), loaded.model.new_cache()]
-    for cache in caches:
-        loaded.model(torch.tensor([PROMPT]), 0, cache, loaded.experts)
-    loaded.model.forward_rows([1, 2], caches, loaded.experts)
     assert counting.calls == 0
     # a DSA model: its indexer runs between the attention steps, in Python
     dsa = load_container(make_container("deepseek_v32", "int4", "int8"), int8_activations=True)
@@ -162,16 +190,17 @@ def test_the_tiered_store_promises_residency_only_once_every_expert_is_read(make
     assert load_container(path, store=cpu_vram).experts.resident(layer) is None  # a VRAM tier moves experts
 
 
-def test_a_failed_step_leaves_the_cache_as_it_was(make_container, monkeypatch):
+def test_a_failed_step_leaves_the_caches_as_they_were(make_container, monkeypatch):
     path = make_container("deepseek_v3", "int4", "int8")
     loaded = load_container(path, store=_resident_store(path), int8_activations=True)
-    cache = loaded.model.new_cache()
+    cache, other = loaded.model.new_cache(), loaded.model.new_cache()
     loaded.model(torch.tensor([PROMPT]), 0, cache, loaded.experts)
+    loaded.model(torch.tensor([PROMPT[:3]]), 0, other, loaded.experts)
     before = cache.state()
     monkeypatch.setattr(fused_decode, "_kernels", Counting(fused_decode._kernels, fail=True))
     with pytest.raises(MemoryError):
-        loaded.model.forward_rows([7], [cache], loaded.experts)
-    assert cache.length == len(PROMPT)
+        loaded.model.forward_rows([7, 8, 9], [cache, other, cache], loaded.experts)
+    assert cache.length == len(PROMPT) and other.length == 3
     after = cache.state()
     assert all(torch.equal(before[i]["latent"], after[i]["latent"]) for i in range(len(before)))
     monkeypatch.undo()
