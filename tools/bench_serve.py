@@ -3,6 +3,7 @@ another, measured side by side in one run (a benchmark, not a test).
 
     python tools/bench_serve.py [--model demo|stress|PATH] [--ram 25%] [--clients 1,2,4,8]
                                 [--max-tokens 32] [--stress-layers 8] [--work DIR] [--json FILE]
+                                [--dense int8|int4 --activations int8]
 
 The model is converted once into --work (the demo model, or the generated DeepSeek-V3-shaped stress
 model of colibri_stream/bench/stress_model.py with --stress-layers layers) and served in-process by the
@@ -28,6 +29,7 @@ from colibri_stream.checkpoint.demo_model import demo_model_dir
 from colibri_stream.convert.converter import Converter, ConvertOptions
 from colibri_stream.devtools.fixtures import write_tiny_tokenizer
 from colibri_stream.planning.budget import StoreOptions
+from colibri_stream.planning.geometry import DEFAULT_DENSE
 from colibri_stream.runtime.turn import RuntimeOptions, load_runtime
 from colibri_stream.serve.app import Server
 from colibri_stream.serve.in_process import start_server
@@ -37,13 +39,16 @@ from storage.prefix_store import PrefixConfig
 MODEL_ID = "bench"
 
 
-def container_for(model: str, work: Path, stress_layers: int, stress_context: int = 4096) -> Path:
+def container_for(
+    model: str, work: Path, stress_layers: int, stress_context: int = 4096, dense: str = DEFAULT_DENSE
+) -> Path:
     """The container to serve ("demo", "stress" or a path), converted into ``work`` once (kept for later
-    runs). The stress model has no tokenizer: a tiny one is trained so the server can decode text."""
+    runs) with ``dense`` records. The stress model has no tokenizer: a tiny one is trained so the server can
+    decode text."""
     if model not in ("demo", "stress"):
         return Path(model)
     name = f"stress-{stress_layers}-{stress_context}" if model == "stress" else "demo"
-    dst = work / f"{name}.cstream"
+    dst = work / (f"{name}.cstream" if dense == DEFAULT_DENSE else f"{name}-{dense}.cstream")
     if not is_container(dst):
         if model == "demo":
             source = demo_model_dir()
@@ -52,7 +57,7 @@ def container_for(model: str, work: Path, stress_layers: int, stress_context: in
                 StressShape(), num_hidden_layers=stress_layers, max_position_embeddings=stress_context
             )
             source = write_stress_checkpoint(work / f"{name}-hf", shape)
-        Converter(source, dst, ConvertOptions()).run()
+        Converter(source, dst, ConvertOptions(dense=dense)).run()
     if not (dst / "tokenizer.json").exists():
         write_tiny_tokenizer(dst, json.loads((dst / "config.json").read_text())["vocab_size"])
     return dst
@@ -98,12 +103,17 @@ def main() -> None:
     parser.add_argument("--stress-layers", type=int, default=8, help="layers of the stress model (default 8)")
     parser.add_argument("--work", default=str(Path.home() / ".cache" / "colibri-stream" / "bench-serve"))
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument(
+        "--dense", default=DEFAULT_DENSE, help="the dense records converted (int8, int4: the int8 path)"
+    )
+    parser.add_argument("--activations", default="float32", choices=["float32", "int8"])
     args = parser.parse_args()
     clients = [int(n) for n in args.clients.split(",")]
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    container = container_for(args.model, work, args.stress_layers)
+    container = container_for(args.model, work, args.stress_layers, dense=args.dense)
     options = RuntimeOptions(
+        activations=args.activations,
         store=StoreOptions(ram=args.ram, kv_sequences=2 * max(clients)),
         kv_dir=work / "kv",
         model_id=MODEL_ID,
@@ -115,7 +125,11 @@ def main() -> None:
     port = running.port
     complete(port, prompts_for(1, args.prompt_tokens, runtime.vocab_size)[0], 4)  # warm-up
     rows = []
-    print(f"{args.model} at --ram {args.ram}: {args.max_tokens} tokens per request", file=sys.stderr)
+    print(
+        f"{args.model} at --ram {args.ram}, dense {args.dense}, {args.activations} activations: "
+        f"{args.max_tokens} tokens per request",
+        file=sys.stderr,
+    )
     print("| clients | sequential tok/s | concurrent tok/s | ratio | same answers |")
     print("|---|---|---|---|---|")
     for n in clients:
