@@ -134,7 +134,9 @@ class LocalExperts(ExpertSource, Protocol):
         object from call to call while that holds, so a caller may keep what it derives from it."""
         ...
 
-    def count_resident(self, used: Mapping[int, Sequence[int]]) -> None: ...
+    def count_resident(self, used: Mapping[int, Sequence[int]]) -> None:
+        """Count a step's experts taken from ``resident`` (layer -> ids) as the skipped acquires would have."""
+        ...
 
 
 class RemoteExperts(ABC):

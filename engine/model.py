@@ -308,7 +308,9 @@ class Transformer(Model[KVCache]):
         """``forward_rows`` -> (logits [B, vocab], hidden states [B, dim] before the final norm: what an MTP
         module drafts from). Consecutive rows may share a cache (the same object): each such row goes at
         the position after the previous one's, and is computed as that sequence's own next decode step
-        would compute it: a verify step of drafted tokens gives each the bits plain decoding gives it."""
+        would compute it: a verify step of drafted tokens gives each the bits plain decoding gives it. With
+        int8 activations and every expert resident the whole step is one C call (engine/fused_decode.py), the
+        same bits."""
         x = self.embed(torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None])  # [B, 1, dim]
         starts = row_positions(caches)
         ropes = [rope_tables(self.args, start, 1, x.device) for start in starts]
