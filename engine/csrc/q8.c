@@ -145,22 +145,26 @@ AVX2 static void row_scales(const Q8Matrix *m, int o, int groups, float *out) {
 #define Q8_INLINE AVX2_INLINE
 #define Q8_VNNI 0
 #define Q8_NAME(name) name##_avx2
+#define Q8_RB 2
 #include "q8_body.h"
 #undef Q8_TARGET
 #undef Q8_INLINE
 #undef Q8_VNNI
 #undef Q8_NAME
+#undef Q8_RB
 
 #define VNNI __attribute__((target("avx2,fma,f16c,avx512vl,avx512vnni")))
 #define Q8_TARGET VNNI
 #define Q8_INLINE VNNI __attribute__((always_inline)) static inline
 #define Q8_VNNI 1
 #define Q8_NAME(name) name##_vnni
+#define Q8_RB 4
 #include "q8_body.h"
 #undef Q8_TARGET
 #undef Q8_INLINE
 #undef Q8_VNNI
 #undef Q8_NAME
+#undef Q8_RB
 /* 32 floats -> 32 int8 round(x * inv) in order (|x * inv| <= 127: no saturation); *sum += their sum. */
 AVX2_INLINE __m256i quantize_block(const float *x, float inv, int *sum) {
     __m256 scale = _mm256_set1_ps(inv);

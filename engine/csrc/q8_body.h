@@ -1,5 +1,7 @@
 /* The q8 gemm loops, included by q8.c once per instruction set with Q8_TARGET / Q8_INLINE (function
- * attributes), Q8_VNNI (1: dpbusd products) and Q8_NAME (the set's suffix) defined. */
+ * attributes), Q8_VNNI (1: dpbusd products), Q8_NAME (the set's suffix) and Q8_RB (rows of x per block:
+ * each chunk's weights are unpacked once for that many rows; 4 where AVX-512VL gives 32 vector registers
+ * for the 4 x 4 accumulators, else 2) defined. */
 
 /* A chunk's weights as two vectors of unsigned (int4) or signed (int8) bytes, block 0 in the low lanes:
  * int4: the low nibbles (even columns) and the high ones; int8: columns 0-15|32-47 and 16-31|48-63. */
@@ -44,10 +46,10 @@ Q8_INLINE __m256i Q8_NAME(chunk_dot)(int kind, const __m256i w[2], const uint8_t
  * of a chunk have one scale (one broadcast instead of two and an insert; a block past the row's end is
  * zeros in x and in the codes' copy, so its scale never mattered). */
 Q8_INLINE void Q8_NAME(chunk_step)(int kind, int one_scale, int P, int RB, const uint8_t *const rows[4],
-                            const float *const sc[4], const int *gi, const uint8_t *const s[2], int c, size_t step,
-                            size_t ahead, __m256 acc[4][2]) {
-    __m256 d[2];
-#pragma GCC unroll 2
+                            const float *const sc[4], const int *gi, const uint8_t *const s[Q8_RB], int c, size_t step,
+                            size_t ahead, __m256 acc[4][Q8_RB]) {
+    __m256 d[Q8_RB];
+#pragma GCC unroll 4
     for (int r = 0; r < RB; r++) d[r] = _mm256_loadu_ps((const float *)(s[r] + (size_t)c * SLOT_BYTES + SLOT_SCALES));
 #pragma GCC unroll 4
     for (int p = 0; p < P; p++) {
@@ -60,7 +62,7 @@ Q8_INLINE void Q8_NAME(chunk_step)(int kind, int one_scale, int P, int RB, const
         __m256 sv = one_scale ? _mm256_broadcast_ss(sc[p] + gi[2 * c])
                               : _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(sc[p] + gi[2 * c])),
                                                      _mm_broadcast_ss(sc[p] + gi[2 * c + 1]), 1);
-#pragma GCC unroll 2
+#pragma GCC unroll 4
         for (int r = 0; r < RB; r++) {
             __m256 dot = _mm256_cvtepi32_ps(Q8_NAME(chunk_dot)(kind, w, s[r] + (size_t)c * SLOT_BYTES));
             acc[p][r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d[r], sv), acc[p][r]);
@@ -78,12 +80,14 @@ Q8_INLINE void Q8_NAME(rows_block)(int kind, int one_scale, int P, int RB, const
     int full = (int)(row_bytes / step);
     const uint8_t *rows[4];
     const float *sc[4] = {scales[0], scales[1], scales[2], scales[3]};
-    const uint8_t *s[2] = {slot(x, r0, 0), slot(x, r0 + RB - 1, 0)};
-    __m256 acc[4][2];
+    const uint8_t *s[Q8_RB];
+#pragma GCC unroll 4
+    for (int r = 0; r < Q8_RB; r++) s[r] = slot(x, r0 + (r < RB ? r : RB - 1), 0);
+    __m256 acc[4][Q8_RB];
 #pragma GCC unroll 4
     for (int p = 0; p < P; p++) {
         rows[p] = (const uint8_t *)m->w + (size_t)(o + p) * row_bytes;
-#pragma GCC unroll 2
+#pragma GCC unroll 4
         for (int r = 0; r < RB; r++) acc[p][r] = _mm256_setzero_ps();
     }
     /* only on the first pass over these rows (r0 == 0), and not past this caller's last block */
@@ -100,7 +104,7 @@ Q8_INLINE void Q8_NAME(rows_block)(int kind, int one_scale, int P, int RB, const
     }
 #pragma GCC unroll 4
     for (int p = 0; p < P; p++)
-#pragma GCC unroll 2
+#pragma GCC unroll 4
         for (int r = 0; r < RB; r++) y[(size_t)(r0 + r) * ldy + (o + p - begin)] = hsum(acc[p][r]);
 }
 
@@ -122,23 +126,34 @@ Q8_INLINE void Q8_NAME(gemm_kind)(int kind, int one_scale, const Q8Matrix *m, co
     for (int o = begin; o < end; o += 4) {
         int P = end - o < 4 ? end - o : 4;
         for (int p = 0; p < P; p++) row_scales(m, o + p, groups, scales[p]);
-        for (int r0 = 0; r0 < x->rows; r0 += 2) {
-            switch (P * 2 + (x->rows - r0 < 2 ? 1 : 2) - 1) {
-            case 2: ROWS_BLOCK(1, 1); break;
-            case 3: ROWS_BLOCK(1, 2); break;
-            case 4: ROWS_BLOCK(2, 1); break;
-            case 5: ROWS_BLOCK(2, 2); break;
-            case 6: ROWS_BLOCK(3, 1); break;
-            case 7: ROWS_BLOCK(3, 2); break;
-            case 8: ROWS_BLOCK(4, 1); break;
-            default: ROWS_BLOCK(4, 2); break;
+        for (int r0 = 0; r0 < x->rows; r0 += Q8_RB) {
+            int rb = x->rows - r0 < Q8_RB ? x->rows - r0 : Q8_RB;
+            switch (P * 8 + rb) { /* constant P and RB: the loops above unroll into registers */
+            case 9: ROWS_BLOCK(1, 1); break;
+            case 10: ROWS_BLOCK(1, 2); break;
+            case 17: ROWS_BLOCK(2, 1); break;
+            case 18: ROWS_BLOCK(2, 2); break;
+            case 25: ROWS_BLOCK(3, 1); break;
+            case 26: ROWS_BLOCK(3, 2); break;
+            case 33: ROWS_BLOCK(4, 1); break;
+            case 34: ROWS_BLOCK(4, 2); break;
+#if Q8_RB == 4
+            case 11: ROWS_BLOCK(1, 3); break;
+            case 12: ROWS_BLOCK(1, 4); break;
+            case 19: ROWS_BLOCK(2, 3); break;
+            case 20: ROWS_BLOCK(2, 4); break;
+            case 27: ROWS_BLOCK(3, 3); break;
+            case 28: ROWS_BLOCK(3, 4); break;
+            case 35: ROWS_BLOCK(4, 3); break;
+            case 36: ROWS_BLOCK(4, 4); break;
+#endif
             }
         }
     }
 }
 #undef ROWS_BLOCK
 
-/* Four output rows at a time; rows of x two at a time (the accumulators stay in registers). */
+/* Four output rows at a time; rows of x Q8_RB at a time (the accumulators stay in registers). */
 Q8_TARGET static void Q8_NAME(gemm)(const Q8Matrix *m, const Q8Rows *x, int begin, int end, float *y, size_t ldy) {
     int groups = (m->in + m->group - 1) / m->group, blocks = 2 * x->chunks;
     float *buffer = malloc(sizeof(float) * 4 * (size_t)(groups + 1) + sizeof(int) * (size_t)blocks);
