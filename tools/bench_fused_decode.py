@@ -1,5 +1,6 @@
 """Decode with every layer in one C call vs the module path (engine/fused_decode.py), int8 activations,
-experts preloaded (100% RAM), one model in one process, alternating rounds so machine noise hits both alike.
+experts preloaded (100% RAM), loaded as `run` loads it (the machine's read-ahead choice included), one
+model in one process, alternating rounds so machine noise hits both alike.
 
 python tools/bench_fused_decode.py CONTAINER [--tokens 64] [--rounds 5] [--batch 4]
 
@@ -21,11 +22,10 @@ from pathlib import Path
 
 import torch
 
+from colibri_stream.planning.budget import StoreOptions
 from colibri_stream.runtime.generate import generate
-from colibri_stream.runtime.loader import LoadedModel, load_container
+from colibri_stream.runtime.loader import LoadedModel, load
 from engine.fused_decode import module_path
-from storage.container import Container
-from storage.tiered import StoreConfig
 
 PROMPT = [1, 17, 42, 7, 99, 5, 3, 250]
 PATHS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
@@ -59,8 +59,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batch", type=int, default=0, help="conversations decoded together (0: skip)")
     args = parser.parse_args()
-    budget = StoreConfig(ram_bytes=Container(args.container).expert_bytes, preload=True)
-    loaded = load_container(args.container, store=budget, int8_activations=True)
+    # as `run` loads it (the machine's read-ahead choice included): every expert in RAM, int8 activations
+    loaded = load(args.container, store=StoreOptions(ram="100%"), activations="int8")
     generate(loaded.model, PROMPT, 4, loaded.experts)  # warm
     rates: dict[str, list[float]] = {name: [] for name in PATHS}
     ids: dict[str, list[int]] = {}
