@@ -209,6 +209,14 @@ static void route_one(const Router *rt, const float *x, float *scores, float *bi
     }
 }
 
+int router_valid(const Router *rt) {
+    int per = rt->groups > 0 ? rt->experts / rt->groups : 0;
+    return rt->dim >= 1 && (rt->ld == 0 || rt->ld >= rt->dim) && rt->experts >= 1 && rt->score >= 0 &&
+           rt->score <= SCORE_SQRTSOFTPLUS && rt->groups >= 1 && rt->groups <= 256 && rt->experts % rt->groups == 0 &&
+           (rt->groups == 1 || (per >= 2 && rt->topk_groups >= 1 && rt->topk_groups <= rt->groups)) && rt->topk >= 1 &&
+           rt->topk <= (rt->groups > 1 ? rt->topk_groups * per : rt->experts);
+}
+
 int route_rows(const Router *rt, const float *x, int rows, int64_t *ids, float *weights) {
     int n = rt->experts;
     float *scores = malloc(sizeof(float) * 2 * (size_t)n + (size_t)n + sizeof(int) * (size_t)rt->topk);

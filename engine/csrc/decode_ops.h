@@ -25,6 +25,10 @@ typedef struct {
  * times scale. 0, or -1 without memory. */
 int route_rows(const Router *router, const float *x, int rows, int64_t *ids, float *weights);
 
+/* 1 when route_rows takes this router: known score, groups that split the experts evenly into at least two
+ * each, top-k within the allowed groups, rows at least dim floats apart. */
+int router_valid(const Router *router);
+
 /* wkv_b [H * (n + v), c]: per head n rows of its k part, then v rows of its v part; float32 or int8
  * codes with one float32 scale per `group` columns. */
 typedef struct {

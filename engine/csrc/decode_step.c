@@ -63,7 +63,7 @@ static int attention(const MlaWeights *w, const LayerStep *step, float *x, const
 /* The union of the rows' experts in id order (how the module path adds them: engine/moe.py add_routed),
  * with their matrices from the layer's table; returns how many. */
 static int union_experts(const LayerPlan *plan, const uint64_t *table, int rows, Scratch *s) {
-    int n = 0, dim = plan->router.dim, inter = plan->routed_inter;
+    int n = 0;
     for (int i = 0; i < rows * plan->router.topk; i++) { /* insertion sort of the distinct ids: a few dozen */
         int64_t id = s->ids[i];
         int j = n;
@@ -72,13 +72,7 @@ static int union_experts(const LayerPlan *plan, const uint64_t *table, int rows,
         memmove(s->sorted + j + 1, s->sorted + j, sizeof(int64_t) * (size_t)(n - j));
         s->sorted[j] = id, n++;
     }
-    for (int i = 0; i < n; i++) {
-        const uint64_t *m = table + (size_t)s->sorted[i] * 6;
-        Q8Matrix w1 = {(const void *)(uintptr_t)m[0], (const void *)(uintptr_t)m[1], plan->kind13, plan->scale_kind, dim, plan->group13};
-        Q8Matrix w3 = {(const void *)(uintptr_t)m[2], (const void *)(uintptr_t)m[3], plan->kind13, plan->scale_kind, dim, plan->group13};
-        Q8Matrix w2 = {(const void *)(uintptr_t)m[4], (const void *)(uintptr_t)m[5], plan->kind2, plan->scale_kind, inter, plan->group2};
-        s->experts[i].w1 = w1, s->experts[i].w3 = w3, s->experts[i].w2 = w2;
-    }
+    for (int i = 0; i < n; i++) s->experts[i] = q8_expert_at(table + (size_t)s->sorted[i] * 6, &plan->routed);
     return n;
 }
 
@@ -98,7 +92,7 @@ static int ffn(const LayerPlan *plan, const uint64_t *table, int rows, float *x,
     int n = union_experts(plan, table, rows, s);
     for (int i = 0; i < n && i < topk_max; i++) ids[i] = s->sorted[i];
     memset(s->routed, 0, sizeof(double) * all);
-    Q8MoE moe = {s->experts, s->sorted, n, s->h, s->ids, s->weights, rows, k, dim, plan->routed_inter, 0, 0.f, isa, threads, s->routed};
+    Q8MoE moe = {s->experts, s->sorted, n, s->h, s->ids, s->weights, rows, k, dim, plan->routed.inter, 0, 0.f, isa, threads, s->routed};
     if (q8_moe_run(&moe) != 0) return -1;
     for (size_t i = 0; i < all; i++) x[i] = x[i] + ((float)s->routed[i] + (plan->has_mlp ? s->mlp[i] : 0.f));
     return 0;

@@ -20,8 +20,7 @@ typedef struct {
     Q8Expert mlp;
     int mlp_inter;
     Router router;         /* moe only; router.topk is the layer's top-k */
-    int routed_inter;      /* moe only: the routed experts' width and their matrices' layout */
-    int kind13, kind2, scale_kind, group13, group2;
+    Q8Layout routed;       /* moe only: the routed experts' layout */
 } LayerPlan;
 
 /* What a layer's step reads of one row this token. */

@@ -366,22 +366,16 @@ static PyObject *py_q8_moe(PyObject *self, PyObject *args) {
                           &n_experts, &mats, &kind13, &kind2, &scale_kind, &group13, &group2, &clamp, &limit, &out,
                           &isa, &threads))
         return NULL;
-    if (rows < 1 || dim < 1 || inter < 1 || topk < 1 || n_experts < 0 || kind13 < 0 || kind13 >= N_Q8_WEIGHTS ||
-        kind2 < 0 || kind2 >= N_Q8_WEIGHTS || scale_kind < 0 || scale_kind >= N_SCALE_KINDS || group13 < Q8_BLOCK ||
-        group13 % Q8_BLOCK || group2 < Q8_BLOCK || group2 % Q8_BLOCK) {
+    Q8Layout layout = {dim, inter, kind13, kind2, scale_kind, group13, group2};
+    if (rows < 1 || topk < 1 || n_experts < 0 || !q8_layout_valid(&layout)) {
         PyErr_Format(PyExc_ValueError, "q8 moe: unsupported shape or kind rows=%d dim=%d inter=%d topk=%d kinds=%d,%d "
                      "scale=%d groups=%d,%d", rows, dim, inter, topk, kind13, kind2, scale_kind, group13, group2);
         return NULL;
     }
     Q8Expert *experts = malloc(sizeof(Q8Expert) * (size_t)(n_experts > 0 ? n_experts : 1));
     if (experts == NULL) return PyErr_NoMemory();
-    const unsigned long long *p = (const unsigned long long *)(uintptr_t)mats;
-    for (int e = 0; e < n_experts; e++, p += 6) {
-        Q8Matrix w1 = {(const void *)(uintptr_t)p[0], (const void *)(uintptr_t)p[1], kind13, scale_kind, dim, group13};
-        Q8Matrix w3 = {(const void *)(uintptr_t)p[2], (const void *)(uintptr_t)p[3], kind13, scale_kind, dim, group13};
-        Q8Matrix w2 = {(const void *)(uintptr_t)p[4], (const void *)(uintptr_t)p[5], kind2, scale_kind, inter, group2};
-        experts[e].w1 = w1, experts[e].w3 = w3, experts[e].w2 = w2;
-    }
+    const uint64_t *p = (const uint64_t *)(uintptr_t)mats;
+    for (int e = 0; e < n_experts; e++) experts[e] = q8_expert_at(p + (size_t)e * 6, &layout);
     Q8MoE moe = {experts, (const int64_t *)(uintptr_t)expert_ids, n_experts, (const float *)(uintptr_t)x,
                  (const int64_t *)(uintptr_t)ids, (const float *)(uintptr_t)weights, rows, topk, dim, inter, clamp,
                  limit, isa, threads, (double *)(uintptr_t)out};
@@ -451,16 +445,13 @@ static PyObject *py_route(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "KiKKiiiiiipfKKi", &x, &rows, &w, &bias, &experts, &dim, &score, &groups, &topk_groups,
                           &topk, &normalise, &scale, &ids, &weights, &ld))
         return NULL;
-    int per = groups > 0 ? experts / groups : 0;
-    if (rows < 0 || dim < 1 || ld < dim || experts < 1 || score < 0 || score > SCORE_SQRTSOFTPLUS || groups < 1 || groups > 256 ||
-        experts % groups || (groups > 1 && (per < 2 || topk_groups < 1 || topk_groups > groups)) || topk < 1 ||
-        topk > (groups > 1 ? topk_groups * per : experts)) {
+    Router router = {(const float *)(uintptr_t)w, (const float *)(uintptr_t)bias, experts, dim, score, groups,
+                     topk_groups, topk, normalise, scale, ld};
+    if (rows < 0 || ld < dim || !router_valid(&router)) {
         PyErr_Format(PyExc_ValueError, "route: experts=%d groups=%d topk_groups=%d topk=%d score=%d", experts, groups,
                      topk_groups, topk, score);
         return NULL;
     }
-    Router router = {(const float *)(uintptr_t)w, (const float *)(uintptr_t)bias, experts, dim, score, groups,
-                     topk_groups, topk, normalise, scale, ld};
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = route_rows(&router, (const float *)(uintptr_t)x, rows, (int64_t *)(uintptr_t)ids, (float *)(uintptr_t)weights);

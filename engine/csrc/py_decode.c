@@ -155,22 +155,16 @@ static int mlp(PyObject *spec, LayerPlan *plan) {
 /* The router and the routed experts' layout of a MoE layer_plan. */
 static int routed(PyObject *router, PyObject *layout, LayerPlan *plan, int dim) {
     Router *r = &plan->router;
+    Q8Layout *l = &plan->routed;
     unsigned long long weight, bias;
     if (!PyArg_ParseTuple(router, "KKiiiiipfi", &weight, &bias, &r->experts, &r->score, &r->groups, &r->topk_groups,
                           &r->topk, &r->normalise, &r->scale, &r->ld) ||
-        !PyArg_ParseTuple(layout, "iiiiii", &plan->routed_inter, &plan->kind13, &plan->kind2, &plan->scale_kind,
-                          &plan->group13, &plan->group2))
+        !PyArg_ParseTuple(layout, "iiiiii", &l->inter, &l->kind13, &l->kind2, &l->scale_kind, &l->group13, &l->group2))
         return 0;
-    r->weight = ptr(weight), r->bias = ptr(bias), r->dim = dim;
-    int per = r->groups > 0 ? r->experts / r->groups : 0;
-    if (r->ld < dim || r->experts < 1 || r->score < 0 || r->score > SCORE_SQRTSOFTPLUS || r->groups < 1 || r->groups > 256 ||
-        r->experts % r->groups || (r->groups > 1 && (per < 2 || r->topk_groups < 1 || r->topk_groups > r->groups)) ||
-        r->topk < 1 || r->topk > (r->groups > 1 ? r->topk_groups * per : r->experts) || plan->routed_inter < 1 ||
-        plan->kind13 < 0 || plan->kind13 >= N_Q8_WEIGHTS || plan->kind2 < 0 || plan->kind2 >= N_Q8_WEIGHTS ||
-        plan->scale_kind < 0 || plan->scale_kind >= N_SCALE_KINDS || plan->group13 < Q8_BLOCK || plan->group13 % Q8_BLOCK ||
-        plan->group2 < Q8_BLOCK || plan->group2 % Q8_BLOCK) {
+    r->weight = ptr(weight), r->bias = ptr(bias), r->dim = l->dim = dim;
+    if (r->ld < dim || !router_valid(r) || !q8_layout_valid(l)) {
         PyErr_Format(PyExc_ValueError, "layer_plan: experts=%d groups=%d topk=%d inter=%d kinds=%d,%d groups=%d,%d",
-                     r->experts, r->groups, r->topk, plan->routed_inter, plan->kind13, plan->kind2, plan->group13, plan->group2);
+                     r->experts, r->groups, r->topk, l->inter, l->kind13, l->kind2, l->group13, l->group2);
         return 0;
     }
     return 1;

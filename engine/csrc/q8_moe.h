@@ -12,6 +12,17 @@ typedef struct {
     Q8Matrix w1, w3, w2;
 } Q8Expert;
 
+/* What a layer's routed experts share: width, code kinds (w1/w3, w2), scale kind, group sizes. */
+typedef struct {
+    int dim, inter, kind13, kind2, scale_kind, group13, group2;
+} Q8Layout;
+
+/* 1 when the q8 kernels take experts of this layout. */
+int q8_layout_valid(const Q8Layout *layout);
+
+/* The expert whose six arrays are at m (w1, its scales, w3, its scales, w2, its scales). */
+Q8Expert q8_expert_at(const uint64_t m[6], const Q8Layout *layout);
+
 typedef struct {
     const Q8Expert *experts; /* in the order their terms are added */
     const int64_t *expert_ids; /* [n_experts]: the id each expert has in `ids` */
