@@ -180,9 +180,9 @@ class FusedDecode:
         caches: list[KVCache], experts: LocalExperts,
     ) -> torch.Tensor:  # fmt: skip
         rows = len(starts)
-        x = x.contiguous().clone()
-        cos = torch.cat([cos for cos, _ in ropes]).contiguous()  # [B, rope / 2]
-        sin = torch.cat([sin for _, sin in ropes]).contiguous()
+        x = x.clone(memory_format=torch.contiguous_format)  # written in place by the C step
+        cos = torch.cat([cos for cos, _ in ropes])  # [B, rope / 2]
+        sin = torch.cat([sin for _, sin in ropes])
         steps = array("Q", [
             value
             for i, table in enumerate(self._table_addresses)

@@ -267,10 +267,7 @@ class TieredExpertStore:
         return len(keys)
 
     def acquire(self, layer: int, expert_ids: Sequence[int]) -> AcquiredExperts:
-        self.history.record(layer, expert_ids)
-        self.routed.record(layer, expert_ids)
-        if self.trace is not None:
-            self.trace.write(layer, expert_ids)
+        self._record_routing(layer, expert_ids)
         predicted = self._predicted.pop(layer, None)
         if predicted is not None or layer != self._guess[0]:  # else: a further chunk of the same layer's step
             self._guess = (layer, predicted)
@@ -406,12 +403,16 @@ class TieredExpertStore:
         requests, hits, routing counts, usage history and trace."""
         requests = 0
         for layer, expert_ids in used.items():
-            self.history.record(layer, expert_ids)
-            self.routed.record(layer, expert_ids)
-            if self.trace is not None:
-                self.trace.write(layer, expert_ids)
+            self._record_routing(layer, expert_ids)
             requests += len(expert_ids)
         self._count(requests=requests, hits_ram=requests)
+
+    def _record_routing(self, layer: int, expert_ids: Sequence[int]) -> None:
+        """What the router chose, into the usage history, the routing counts and the trace."""
+        self.history.record(layer, expert_ids)
+        self.routed.record(layer, expert_ids)
+        if self.trace is not None:
+            self.trace.write(layer, expert_ids)
 
     def expert(self, layer: int, expert: int) -> Any:
         """The materialised expert of a pinned key, waiting for its read if needed."""

@@ -80,19 +80,19 @@ class ResidentStore(ResidentExperts):
 
     def acquire(self, layer: int, expert_ids: Sequence[int]) -> HeldExperts:
         chosen = super().acquire(layer, expert_ids)
-        self.stats.add(requests=len(expert_ids), hits_ram=len(expert_ids))
-        self.routed.record(layer, expert_ids)
-        if self.trace is not None:
-            self.trace.write(layer, expert_ids)
+        self._count(layer, expert_ids)
         return chosen
 
     def count_resident(self, used: Mapping[int, Sequence[int]]) -> None:
         """A step's experts used without acquire (engine/fused_decode.py), counted as ``acquire`` counts them."""
         for layer, expert_ids in used.items():
-            self.stats.add(requests=len(expert_ids), hits_ram=len(expert_ids))
-            self.routed.record(layer, expert_ids)
-            if self.trace is not None:
-                self.trace.write(layer, expert_ids)
+            self._count(layer, expert_ids)
+
+    def _count(self, layer: int, expert_ids: Sequence[int]) -> None:
+        self.stats.add(requests=len(expert_ids), hits_ram=len(expert_ids))
+        self.routed.record(layer, expert_ids)
+        if self.trace is not None:
+            self.trace.write(layer, expert_ids)
 
     def snapshot(self) -> StoreStats:
         return replace(self.stats)
