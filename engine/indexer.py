@@ -51,12 +51,12 @@ class Indexer(nn.Module):
         non-causal fillers, which the attention's causal mask removes.
         """
         bsz, seqlen, _ = x.shape
-        q = self._rope(self.wq_b(q_latent).view(bsz, seqlen, self.n_heads, self.head_dim), *rope)
         k = self._rope(self.k_norm(self.wk(x)), *rope)
         keys = cache.append_index_key(k.float())  # [B, T, D]
         total = keys.shape[1]
-        if total <= self.topk:
+        if total <= self.topk:  # every position stays: the queries are not needed
             return None
+        q = self._rope(self.wq_b(q_latent).view(bsz, seqlen, self.n_heads, self.head_dim), *rope)
         # weights_proj stays float32 even in bf16 models (the reference keeps it in fp32).
         weights = F.linear(x.float(), self.weights_proj.weight.float()) * self.n_heads**-0.5  # [B, S, H]
         score_bytes = bsz * self.n_heads * total * 4  # one query's float32 head scores
