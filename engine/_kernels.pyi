@@ -186,6 +186,7 @@ def layer_plan(
     mlp: tuple[Matrix, Matrix, Matrix, int] | None,
     router: tuple[int, int, int, int, int, int, int, bool, float, int] | None,
     layout: tuple[int, ...] | None,
+    stops: bool,
     /,
 ) -> LayerPlanCapsule: ...
 def decode_layers(
@@ -197,7 +198,9 @@ def decode_layers(
     sin: int,
     ids: int,
     topk_max: int,
+    carry: tuple[int, int, int, int],
+    at: tuple[int, int, bool],
     isa: int,
     threads: int,
     /,
-) -> None: ...
+) -> tuple[int, int] | None: ...

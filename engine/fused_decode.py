@@ -11,9 +11,14 @@ bits. The experts it used are then counted as the acquires it skipped would have
 
 Taken when: int8 activations, one-sequence caches (any number of rows: several requests, or a verify
 step's rows on one cache; the FFN runs over all rows, each expert of their union once), every layer's
-attention fused (``FusedMLA``) without a DSA indexer, every FFN a coded MLP or a
+attention fused (``FusedMLA``), every FFN a coded MLP or a
 score-routed MoE whose router runs in C and whose shared expert is coded, and a local expert source whose
 every MoE layer is resident. Anything else keeps the module path.
+
+DSA models (DeepSeek-V3.2, GLM-5): a layer with its own indexer hands each row back after its projections
+(the C step returns where it stopped); the indexer runs here as the module path runs it, on the row's attention
+norm output and q latent, its selection goes into the step for that layer and the "shared" layers after it,
+and the C step resumes. Between two indexers no Python runs.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from engine import decode_ops
-from engine.cache import KVCache
+from engine.cache import KVCache, LayerCache
 from engine.experts import Expert, LocalExperts
 from engine.layers import MLP, RMSNorm
 from engine.mla_decode import FusedMLA
@@ -44,6 +49,8 @@ except ImportError:  # pragma: no cover - machines without a compiler
 Matrix = tuple[int, int, int, int, int, int]  # a C matrix (engine/q8.py c_matrix_of)
 MLPSpec = tuple[Matrix, Matrix, Matrix, int]  # w1, w3, w2, inter
 
+
+STEP = 6  # uint64 per layer and row in decode_layers' steps (table, latents, rope keys, total, positions, count)
 
 _off: ContextVar[bool] = ContextVar("fused_decode_off", default=False)
 # reflection: a build of the C extension older than decode_step.c lacks it; checked once
@@ -99,14 +106,15 @@ def layer_plan(parts: LayerParts, layout: tuple[int, ...] | None) -> _kernels.La
     if norm.weight.dtype != torch.float32 or not norm.weight.is_contiguous():
         return None
     head = (parts.attention.weights, norm.weight.data_ptr(), norm.eps)
+    stops = parts.attention.mla.indexer is not None
     if not isinstance(ffn, MoE):  # a dense layer: its MLP
         mlp = _mlp_spec(ffn)
-        return None if mlp is None else _kernels.layer_plan(*head, mlp, None, None)
+        return None if mlp is None else _kernels.layer_plan(*head, mlp, None, None, stops)
     router = _router_spec(ffn.gate)
     shared = None if ffn.shared_experts is None else _mlp_spec(ffn.shared_experts)
     if router is None or layout is None or ffn.limit is not None or (ffn.shared_experts is not None and shared is None):
         return None
-    return _kernels.layer_plan(*head, shared, router, layout)
+    return _kernels.layer_plan(*head, shared, router, layout, stops)
 
 
 class FusedDecode:
@@ -120,6 +128,13 @@ class FusedDecode:
         self._tables: list[array[int]] = []  # the C tables derived from them (kept alive: C reads them)
         self._plans: tuple[_kernels.LayerPlanCapsule, ...] | None = None
         self._table_addresses = [0] * len(parts)  # per layer: its expert table's, 0 on a dense layer
+        # a row's attention state across a stop, sized for the widest layer (decode_step.h DecodeCarry)
+        attention = [p.attention for p in parts]
+        self.normed = torch.empty(max(a.normed.numel() for a in attention))
+        self.q_latent = torch.empty(max(a.q_latent.numel() for a in attention))
+        self.q_nope = torch.empty(max(a.q_nope.numel() for a in attention))
+        self.q_rope = torch.empty(max(a.q_rope.numel() for a in attention))
+        self._carry = (self.normed.data_ptr(), self.q_latent.data_ptr(), self.q_nope.data_ptr(), self.q_rope.data_ptr())
 
     def ready_for(self, experts: LocalExperts) -> bool:
         """Whether every MoE layer's experts are resident in ``experts`` and the plans are built for them;
@@ -188,26 +203,64 @@ class FusedDecode:
             for i, table in enumerate(self._table_addresses)
             for cache, start in zip(caches, starts, strict=True)
             for value in (table, cache.layers[i].latent.data_ptr(), cache.layers[i].rope_key.data_ptr(), start + 1)
+            + (0, 0)  # DSA's chosen positions and their count: none yet (_share)
         ])  # fmt: skip
         width = rows * self.topk  # room for a layer's union of experts
         ids = torch.empty((len(self.parts), width), dtype=torch.int64)
         assert self._plans is not None  # ready_for held
-        _kernels.decode_layers(
-            self._plans, steps.buffer_info()[0], rows, x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-            ids.data_ptr(), width, ISA_BEST, kernel_threads(),
-        )  # fmt: skip
+        selections: list[torch.Tensor] = []  # kept alive while C reads them
+        at: tuple[int, int] | None = (0, 0)
+        projected = False
+        while at is not None:
+            at = _kernels.decode_layers(
+                self._plans, steps.buffer_info()[0], rows, x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                ids.data_ptr(), width, self._carry, (*at, projected), ISA_BEST, kernel_threads(),
+            )  # fmt: skip
+            if at is not None:  # a DSA layer's projections of row at[1]: its indexer, then on from there
+                layer, row = at
+                selection = self._select(layer, starts[row], ropes[row], caches[row].layers[layer])
+                if selection is not None:
+                    selections.append(selection)
+                    self._share(steps, layer, row, rows, selection)
+                projected = True
         chosen = ids.tolist()
         experts.count_resident({layer: [e for e in chosen[layer] if e >= 0] for layer in self.moe_layers})
         return x
 
+    def _select(
+        self, layer: int, position: int, rope: tuple[torch.Tensor, torch.Tensor], cache: LayerCache
+    ) -> torch.Tensor | None:
+        """The indexer of ``layer`` for the row at ``position`` (its projections in the carry) -> its chosen
+        positions (int64 [K]), or None: all of them. As the module path runs it (engine/mla_decode.py)."""
+        indexer = self.parts[layer].attention.mla.indexer
+        assert indexer is not None  # only such layers stop
+        q_rank = self.parts[layer].attention.mla.q_lora_rank
+        normed = self.normed[: self.parts[layer].attention.normed.numel()].view(1, 1, -1)
+        q_latent = self.q_latent[:q_rank].view(1, 1, -1) if q_rank else None
+        held = cache.length  # the step counted all its rows at the start; this row sees those up to its own
+        cache.length = position + 1
+        try:
+            selection = indexer(normed, q_latent, position, rope, cache)
+        finally:
+            cache.length = held
+        return None if selection is None else selection.reshape(-1).to(torch.int64).contiguous()
+
+    def _share(self, steps: array[int], layer: int, row: int, rows: int, selection: torch.Tensor) -> None:
+        """The row's steps at ``layer`` and the layers after it up to the next indexer attend to ``selection``
+        (DSA "shared" layers reuse the last full layer's choice)."""
+        for i in range(layer, len(self.parts)):
+            if i > layer and self.parts[i].attention.mla.indexer is not None:
+                break
+            at = (i * rows + row) * STEP
+            steps[at + 4], steps[at + 5] = selection.data_ptr(), selection.numel()
+
 
 def caches_taken(caches: Sequence[KVCache]) -> bool:
-    """Whether the C step writes these rows' caches: each one sequence's, float32, contiguous, without DSA
-    indexer keys (rows may share one: a verify step)."""
+    """Whether the C step writes these rows' caches: each one sequence's, float32, contiguous (rows may share
+    one: a verify step)."""
     return all(
         layer.latent.dtype == torch.float32
         and layer.latent.shape[0] == 1
-        and layer.index_key is None
         and layer.latent.is_contiguous()
         and layer.rope_key.is_contiguous()
         for cache in caches

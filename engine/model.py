@@ -344,7 +344,7 @@ class Transformer(Model[KVCache]):
         parts = []
         for block, layer_cache in zip(cast("list[Block]", self.layers), cache.layers, strict=True):
             attention = block._fused_attention(x[:1], layer_cache, None)
-            if attention is None or block.attn.indexer is not None:
+            if attention is None:
                 return None
             parts.append(LayerParts(attention, block.ffn_norm, block.ffn))
         return FusedDecode(parts)

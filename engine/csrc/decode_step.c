@@ -19,44 +19,43 @@
 #include <string.h>
 
 typedef struct {
-    float *normed, *q_latent, *q_nope, *q_rope; /* mla_project's outputs, one row at a time */
-    float *h, *mlp;                             /* [rows, dim]: the FFN's input and the dense or shared MLP's output */
-    double *routed;                             /* [rows, dim] */
-    int64_t *ids, *sorted;                      /* [rows, topk]: each row's experts; their union in id order */
-    float *weights;                             /* [rows, topk] */
-    Q8Expert *experts;                          /* [rows * topk]: the union's matrices */
+    float *h, *mlp;         /* [rows, dim]: the FFN's input and the dense or shared MLP's output */
+    double *routed;         /* [rows, dim] */
+    int64_t *ids, *sorted;  /* [rows, topk]: each row's experts; their union in id order */
+    float *weights;         /* [rows, topk] */
+    Q8Expert *experts;      /* [rows * topk]: the union's matrices */
 } Scratch;
 
 /* The largest of every layer's sizes, so one scratch serves all. */
 static void *scratch_for(const LayerPlan *const *plans, int n, int rows, Scratch *s) {
-    size_t dim = 1, q_rank = 1, nope = 1, rope = 1, topk = 1;
+    size_t dim = 1, topk = 1;
     for (int l = 0; l < n; l++) {
-        const MlaWeights *w = plans[l]->attn;
-        dim = (size_t)w->dim > dim ? (size_t)w->dim : dim;
-        q_rank = (size_t)w->q_rank > q_rank ? (size_t)w->q_rank : q_rank;
-        nope = (size_t)w->heads * w->nope > nope ? (size_t)w->heads * w->nope : nope;
-        rope = (size_t)w->heads * w->rope > rope ? (size_t)w->heads * w->rope : rope;
+        dim = (size_t)plans[l]->attn->dim > dim ? (size_t)plans[l]->attn->dim : dim;
         if (plans[l]->moe && (size_t)plans[l]->router.topk > topk) topk = (size_t)plans[l]->router.topk;
     }
-    size_t r = (size_t)rows, floats = dim + q_rank + nope + rope + 2 * r * dim + r * topk;
+    size_t r = (size_t)rows, floats = 2 * r * dim + r * topk;
     char *area = malloc(r * dim * sizeof(double) + r * topk * (2 * sizeof(int64_t) + sizeof(Q8Expert)) + floats * sizeof(float));
     if (area == NULL) return NULL;
     s->routed = (double *)area;
     s->ids = (int64_t *)(s->routed + r * dim), s->sorted = s->ids + r * topk;
     s->experts = (Q8Expert *)(s->sorted + r * topk);
-    s->normed = (float *)(s->experts + r * topk);
-    s->q_latent = s->normed + dim, s->q_nope = s->q_latent + q_rank, s->q_rope = s->q_nope + nope;
-    s->h = s->q_rope + rope, s->mlp = s->h + r * dim, s->weights = s->mlp + r * dim;
+    s->h = (float *)(s->experts + r * topk), s->mlp = s->h + r * dim, s->weights = s->mlp + r * dim;
     return area;
 }
 
-static int attention(const MlaWeights *w, const LayerStep *step, float *x, const float *cos, const float *sin,
-                     Scratch *s, int isa, int threads) {
+/* A row's projections, rope and its cache's new row (into `c`). */
+static int project(const MlaWeights *w, const LayerStep *step, float *x, const float *cos, const float *sin,
+                   const DecodeCarry *c, int isa, int threads) {
     size_t last = (size_t)(step->total - 1);
-    MlaProject p = {x, cos, sin, s->normed, s->q_latent, s->q_nope, s->q_rope, step->latents + last * w->rank,
+    MlaProject p = {x, cos, sin, c->normed, c->q_latent, c->q_nope, c->q_rope, step->latents + last * w->rank,
                     step->rope_keys + last * w->rope};
-    if (mla_project(w, &p, isa, threads) != 0) return -1;
-    MlaOutput o = {s->q_nope, s->q_rope, step->latents, step->rope_keys, NULL, step->total, x, x}; /* x + ..., in place */
+    return mla_project(w, &p, isa, threads);
+}
+
+/* The row's attention over its cache (all of it, or DSA's chosen positions), wo, and x + that, in place. */
+static int output(const MlaWeights *w, const LayerStep *step, float *x, const DecodeCarry *c, int isa, int threads) {
+    int total = step->positions == NULL ? step->total : step->count;
+    MlaOutput o = {c->q_nope, c->q_rope, step->latents, step->rope_keys, step->positions, total, x, x};
     return mla_output(w, &o, isa, threads);
 }
 
@@ -99,18 +98,31 @@ static int ffn(const LayerPlan *plan, const uint64_t *table, int rows, float *x,
 }
 
 int decode_layers(const LayerPlan *const *plans, const LayerStep *steps, int n, int rows, float *x, const float *cos,
-                  const float *sin, int64_t *ids, int topk_max, int isa, int threads) {
+                  const float *sin, int64_t *ids, int topk_max, const DecodeCarry *carry, DecodePoint *at, int isa,
+                  int threads) {
     Scratch s;
     void *area = scratch_for(plans, n, rows, &s);
     if (area == NULL) return -1;
     int rc = 0;
-    for (int l = 0; l < n && rc == 0; l++) {
+    for (int l = at->layer; l < n && rc == 0; l++) {
         int half = plans[l]->attn->rope / 2, dim = plans[l]->attn->dim;
+        for (int r = l == at->layer ? at->row : 0; r < rows && rc == 0; r++) {
+            const LayerStep *step = &steps[(size_t)l * rows + r];
+            float *row = x + (size_t)r * dim;
+            if (l == at->layer && r == at->row && at->projected) {
+                at->projected = 0; /* resumed: the indexer ran, its selection is in the step */
+            } else {
+                rc = project(plans[l]->attn, step, row, cos + (size_t)r * half, sin + (size_t)r * half, carry, isa, threads);
+                if (rc == 0 && plans[l]->stops) {
+                    at->layer = l, at->row = r, at->projected = 1;
+                    free(area);
+                    return 1;
+                }
+            }
+            if (rc == 0) rc = output(plans[l]->attn, step, row, carry, isa, threads);
+        }
         int64_t *layer_ids = ids + (size_t)l * topk_max;
         for (int i = 0; i < topk_max; i++) layer_ids[i] = -1;
-        for (int r = 0; r < rows && rc == 0; r++)
-            rc = attention(plans[l]->attn, &steps[(size_t)l * rows + r], x + (size_t)r * dim, cos + (size_t)r * half,
-                           sin + (size_t)r * half, &s, isa, threads);
         if (rc == 0) rc = ffn(plans[l], steps[(size_t)l * rows].table, rows, x, layer_ids, topk_max, &s, isa, threads);
     }
     free(area);

@@ -21,6 +21,7 @@ typedef struct {
     int mlp_inter;
     Router router;         /* moe only; router.topk is the layer's top-k */
     Q8Layout routed;       /* moe only: the routed experts' layout */
+    int stops;             /* a DSA layer with its own indexer: the step returns after each row's projections */
 } LayerPlan;
 
 /* What a layer's step reads of one row this token. */
@@ -29,17 +30,34 @@ typedef struct {
     float *latents;        /* the row's cache [total, rank], its last row written by this step */
     float *rope_keys;      /* [total, rope] */
     int total;             /* positions in the cache, the new one included */
+    const int64_t *positions; /* DSA: the [count] cached positions this row attends to, or NULL: all of them */
+    int count;
 } LayerStep;
 
+/* Where a step resumes or stopped: before layer `layer` (row 0), or, with `projected`, after row `row`'s
+ * projections at `layer` (a DSA layer's indexer ran in between: its selection is now in the row's step). */
+typedef struct {
+    int layer, row, projected;
+} DecodePoint;
+
+/* What a row's attention carries from its projections to its output, across a stop: the attention norm's
+ * output, the q latent (both what a DSA indexer reads), q's nope and rope parts; sized for every layer. */
+typedef struct {
+    float *normed, *q_latent, *q_nope, *q_rope;
+} DecodeCarry;
+
 /* The rows x [rows, dim] (in: their embeddings, out: the hidden states before the final norm) through n
- * layers, row r at the position whose rope angles are cos, sin [rows, rope / 2], with steps [n, rows].
+ * layers from `at` on, row r at the position whose rope angles are cos, sin [rows, rope / 2], with steps [n, rows].
  * Per layer each row's attention runs after the previous row's (rows of one sequence, a verify step, see
  * the rows before them), then the FFN over all rows: each routed expert of their union once for every row
  * routed to it. ids [n, topk_max] gets each MoE layer's union in id order (-1 after it, and on dense
  * layers). The same kernels in the same order as the module path (engine/model.py forward_rows) with int8
- * activations, each row's bits its solo step's (the kernels are batch-invariant). 0, or -1 without memory
- * (x and the caches then hold a partial step). */
+ * activations, each row's bits its solo step's (the kernels are batch-invariant). A layer that `stops`
+ * returns 1 after a row's projections with `at` set there: the caller runs the indexer on `carry` and
+ * calls again from `at` (steps, carry, x as it left them). 0 when done, or -1 without memory (x and the
+ * caches then hold a partial step). */
 int decode_layers(const LayerPlan *const *plans, const LayerStep *steps, int n, int rows, float *x, const float *cos,
-                  const float *sin, int64_t *ids, int topk_max, int isa, int threads);
+                  const float *sin, int64_t *ids, int topk_max, const DecodeCarry *carry, DecodePoint *at, int isa,
+                  int threads);
 
 #endif

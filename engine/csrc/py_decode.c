@@ -170,15 +170,17 @@ static int routed(PyObject *router, PyObject *layout, LayerPlan *plan, int dim) 
     return 1;
 }
 
-/* layer_plan(mla_weights capsule, ffn_norm, ffn_eps, mlp or None, router or None, layout or None) -> capsule.
+/* layer_plan(mla_weights capsule, ffn_norm, ffn_eps, mlp or None, router or None, layout or None, stops) -> capsule.
  * mlp: (w1, w3, w2, inter), the dense MLP or the shared expert; router: (weight, bias or 0, experts, score,
  * groups, topk_groups, topk, normalise, scale, row stride); layout: the routed experts' (inter, kind13, kind2, scale_kind,
- * group13, group2). A MoE layer has a router and a layout; the caller keeps the mla capsule alive. */
+ * group13, group2). A MoE layer has a router and a layout; stops: a DSA layer with its own indexer, which
+ * decode_layers hands back to the caller after each row's projections. The caller keeps the mla capsule alive. */
 static PyObject *py_layer_plan(PyObject *self, PyObject *args) {
     PyObject *attn, *mlp_spec, *router, *layout;
     unsigned long long norm;
     LayerPlan plan = {0};
-    if (!PyArg_ParseTuple(args, "OKfOOO", &attn, &norm, &plan.ffn_eps, &mlp_spec, &router, &layout)) return NULL;
+    if (!PyArg_ParseTuple(args, "OKfOOOp", &attn, &norm, &plan.ffn_eps, &mlp_spec, &router, &layout, &plan.stops))
+        return NULL;
     plan.attn = PyCapsule_GetPointer(attn, CAPSULE);
     if (plan.attn == NULL) return NULL;
     plan.ffn_norm = ptr(norm);
@@ -197,19 +199,27 @@ static PyObject *py_layer_plan(PyObject *self, PyObject *args) {
     return capsule;
 }
 
-/* decode_layers(plans, steps, rows, x, cos, sin, ids, topk_max, isa, threads): plans a tuple of n layer_plan
- * capsules; steps the address of uint64 [n, rows, 4] (per layer and row: the expert table or 0, the row's
- * cache latents, rope keys, positions with the new one); x float32 [rows, dim] in place; cos, sin float32
- * [rows, rope / 2]; ids int64 [n, topk_max] out (decode_step.h). */
+/* decode_layers(plans, steps, rows, x, cos, sin, ids, topk_max, carry, at, isa, threads): plans a tuple of n
+ * layer_plan capsules; steps the address of uint64 [n, rows, 6] (per layer and row: the expert table or 0,
+ * the row's cache latents, rope keys, positions with the new one, DSA's chosen positions (int64) or 0, their
+ * count); x float32 [rows, dim] in place; cos, sin float32 [rows, rope / 2]; ids int64 [n, topk_max] out;
+ * carry the addresses of float32 normed [dim], q latent [q_rank or 1], q nope [heads * nope], q rope [heads *
+ * rope] for the widest layer; at (layer, row, projected) where to start (decode_step.h). -> None when the
+ * step is done, or (layer, row): stopped after that row's projections for its indexer. */
 static PyObject *py_decode_layers(PyObject *self, PyObject *args) {
     PyObject *plans;
     unsigned long long steps, x, cos, sin, ids;
+    unsigned long long normed, q_latent, q_nope, q_rope;
+    DecodePoint at;
     int rows, topk_max, isa, threads, rc;
-    if (!PyArg_ParseTuple(args, "O!KiKKKKiii", &PyTuple_Type, &plans, &steps, &rows, &x, &cos, &sin, &ids, &topk_max,
-                          &isa, &threads))
+    if (!PyArg_ParseTuple(args, "O!KiKKKKi(KKKK)(iip)ii", &PyTuple_Type, &plans, &steps, &rows, &x, &cos, &sin, &ids,
+                          &topk_max, &normed, &q_latent, &q_nope, &q_rope, &at.layer, &at.row, &at.projected, &isa,
+                          &threads))
         return NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(plans);
-    if (rows < 1 || n < 1) return PyErr_Format(PyExc_ValueError, "decode_layers: rows=%d layers=%zd", rows, n);
+    if (rows < 1 || n < 1 || at.layer < 0 || at.layer >= n || at.row < 0 || at.row >= rows)
+        return PyErr_Format(PyExc_ValueError, "decode_layers: rows=%d layers=%zd from layer %d row %d", rows, n,
+                            at.layer, at.row);
     const LayerPlan **held = malloc(sizeof(LayerPlan *) * (size_t)n);
     LayerStep *step = malloc(sizeof(LayerStep) * (size_t)n * rows);
     if (held == NULL || step == NULL) {
@@ -221,24 +231,30 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *args) {
         held[l] = PyCapsule_GetPointer(PyTuple_GET_ITEM(plans, l), PLAN_CAPSULE);
         int bad = held[l] == NULL || (held[l]->moe && held[l]->router.topk * rows > topk_max);
         for (int r = 0; r < rows && !bad; r++) {
-            const uint64_t *g = given + ((size_t)l * rows + r) * 4;
-            LayerStep one = {ptr(g[0]), (float *)(uintptr_t)g[1], (float *)(uintptr_t)g[2], (int)g[3]};
+            const uint64_t *g = given + ((size_t)l * rows + r) * 6;
+            LayerStep one = {ptr(g[0]), (float *)(uintptr_t)g[1], (float *)(uintptr_t)g[2], (int)g[3],
+                             (const int64_t *)(uintptr_t)g[4], (int)g[5]};
             step[(size_t)l * rows + r] = one;
-            bad = one.total < 1 || one.latents == NULL || (held[l]->moe && one.table == NULL);
+            bad = one.total < 1 || one.latents == NULL || (held[l]->moe && one.table == NULL) ||
+                  (one.positions != NULL && (one.count < 1 || one.count > one.total));
         }
         if (bad) {
-            if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "decode_layers: layer %zd: no expert table, cache or room for ids", l);
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_ValueError, "decode_layers: layer %zd: no expert table, cache, room for ids or a bad selection", l);
             free(held), free(step);
             return NULL;
         }
     }
+    DecodeCarry carry = {(float *)(uintptr_t)normed, (float *)(uintptr_t)q_latent, (float *)(uintptr_t)q_nope,
+                         (float *)(uintptr_t)q_rope};
     (void)q8_vnni_available(); /* detect the CPU once, before any helper thread looks */
     Py_BEGIN_ALLOW_THREADS
     rc = decode_layers(held, step, (int)n, rows, (float *)(uintptr_t)x, ptr(cos), ptr(sin), (int64_t *)(uintptr_t)ids,
-                       topk_max, isa, threads);
+                       topk_max, &carry, &at, isa, threads);
     Py_END_ALLOW_THREADS
     free(held), free(step);
-    if (rc) return PyErr_NoMemory();
+    if (rc < 0) return PyErr_NoMemory();
+    if (rc == 1) return Py_BuildValue("(ii)", at.layer, at.row);
     Py_RETURN_NONE;
 }
 

@@ -2,8 +2,9 @@
 gives the module path's bits (logits, hidden states, cache) for one row and for a verify step's rows, at the
 fixtures' widths and at odd ones, with int8 and int4 dense records, in the tiered store and the resident
 one; several sequences in one step each get their solo bits and each expert of the union is used once; it
-counts the experts it used as the acquires it skipped would have; it stays off where it does not apply
-(DSA, a budget below the experts, float activations), and a failed step leaves the caches as they were."""
+counts the experts it used as the acquires it skipped would have; on DSA models the indexers run between
+the C step's layers with the same bits; it stays off where it does not apply (a budget below the experts,
+float activations), and a failed step leaves the caches as they were."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
 
 
 class Counting:
-    """The extension, counting decode_layers calls (and failing them with ``fail``)."""
+    """The extension, counting the decode steps begun in C (a DSA step resumes after each indexer: those calls
+    are not counted) and failing them with ``fail``."""
 
     def __init__(self, real, fail: bool = False):
         self.real, self.fail, self.calls = real, fail, 0
@@ -31,7 +33,7 @@ class Counting:
         return getattr(self.real, name)
 
     def decode_layers(self, *args):
-        self.calls += 1
+        self.calls += args[9] == (0, 0, False)  # at: from the first layer
         if self.fail:
             raise MemoryError("no memory for the work area")
         return self.real.decode_layers(*args)
@@ -44,10 +46,10 @@ def counting(monkeypatch):
     return kernels
 
 
-def _decode(model, experts, steps: int, verify: int = 0):
+def _decode(model, experts, steps: int, verify: int = 0, prompt: list[int] = PROMPT):
     """Prompt, ``steps`` greedy one-row steps, then (``verify``) one step of that many rows on the same cache:
     (tokens, every step's logits and hidden states, the cache's final state)."""
-    cache, tokens, outputs = model.new_cache(), list(PROMPT), []
+    cache, tokens, outputs = model.new_cache(), list(prompt), []
     logits = model(torch.tensor([tokens]), 0, cache, experts)[0, -1]
     for _ in range(steps):
         tokens.append(int(logits.argmax()))
@@ -73,7 +75,13 @@ def _resident_store(path):
 
 @pytest.mark.parametrize(
     ("family", "dense", "tiered"),
-    [("deepseek_v3", "int8", True), ("deepseek_v3", "int4", False), ("kimi_k2", "int4", True)],
+    [
+        ("deepseek_v3", "int8", True),
+        ("deepseek_v3", "int4", False),
+        ("kimi_k2", "int4", True),
+        ("deepseek_v32", "int8", True),
+        ("glm_moe_dsa", "int4", False),
+    ],
 )
 def test_one_call_gives_the_module_paths_bits(make_container, counting, family, dense, tiered):
     path = make_container(family, "int4", dense)
@@ -95,12 +103,24 @@ def test_odd_widths_give_the_module_paths_bits(odd_container, counting):
     _assert_same(fused, plain)
 
 
-@pytest.mark.parametrize("dense", ["int8", "int4"])
-def test_several_sequences_in_one_call_each_get_their_solo_bits(make_container, counting, dense):
+def test_a_dsa_context_growing_past_index_topk_gives_the_module_paths_bits(make_container, counting):
+    """From a 3-token prompt to 12 positions: the indexer keeps every position (no selection) up to its
+    top-k of 8, then selects; the cache's indexer keys are the module path's throughout."""
+    loaded = load_container(make_container("glm_moe_dsa", "int4", "int8"), int8_activations=True)
+    fused = _decode(loaded.model, loaded.experts, 8, verify=2, prompt=PROMPT[:3])
+    with fused_decode.module_path():
+        plain = _decode(loaded.model, loaded.experts, 8, verify=2, prompt=PROMPT[:3])
+    assert counting.calls == 9 and "index_key" in fused[2][0]
+    _assert_same(fused, plain)
+
+
+@pytest.mark.parametrize(("family", "dense"), [("kimi_k2", "int8"), ("kimi_k2", "int4"), ("glm_moe_dsa", "int8")])
+def test_several_sequences_in_one_call_each_get_their_solo_bits(make_container, counting, family, dense):
     """Three conversations of different lengths, one of them twice in the step (a verify step beside two
     requests): each row's logits, hidden state and cache are what its solo module-path steps give, and each
-    layer's experts are the union of the rows' once."""
-    loaded = load_container(make_container("kimi_k2", "int4", dense), int8_activations=True)
+    layer's experts are the union of the rows' once. On the DSA model one conversation is within the
+    indexer's top-k and the others past it."""
+    loaded = load_container(make_container(family, "int4", dense), int8_activations=True)
     model, experts = loaded.model, loaded.experts
     prompts = [PROMPT, PROMPT[:4], [9, 8, 7, 6, 5, 4, 3]]
     caches, solo = [model.new_cache() for _ in prompts], [model.new_cache() for _ in prompts]
@@ -168,10 +188,6 @@ def test_it_stays_off_where_it_does_not_apply(make_container, counting):
     exact = load_container(path, store=_resident_store(path))
     _decode(exact.model, exact.experts, 3)
     assert counting.calls == 0
-    # a DSA model: its indexer runs between the attention steps, in Python
-    dsa = load_container(make_container("deepseek_v32", "int4", "int8"), int8_activations=True)
-    _decode(dsa.model, dsa.experts, 2)
-    assert counting.calls == 0 and not dsa.model._fused_decode
 
 
 def test_the_tiered_store_promises_residency_only_once_every_expert_is_read(make_container):
