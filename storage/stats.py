@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 
@@ -63,9 +63,11 @@ class StoreStats:
             setattr(self, name, getattr(self, name) + delta)
 
     def minus(self, earlier: StoreStats) -> StoreStats:
-        """The counts accumulated since ``earlier`` (a snapshot of this object), e.g. decode only."""
-        now, then = asdict(self), asdict(earlier)
-        return replace(self, **{name: now[name] - then[name] for name in now})
+        """The counts accumulated since ``earlier`` (a snapshot of this object), e.g. decode only. Taken twice
+        per decode step while drafting (runtime/speculation.py): field by field, not through ``asdict``'s deep
+        copies (~0.1 ms a step on the demo model, whose whole step is ~0.6 ms)."""
+        # reflection: every counter alike, by the dataclass's own field list
+        return StoreStats(*(getattr(self, name) - getattr(earlier, name) for name in _COUNTERS))
 
     @property
     def prefetch_recall(self) -> float | None:
@@ -89,6 +91,9 @@ class StoreStats:
             },
             "prefetch_recall": None if self.prefetch_recall is None else round(self.prefetch_recall, 4),
         }
+
+
+_COUNTERS = tuple(counter.name for counter in fields(StoreStats))
 
 
 class RoutingCounts:
