@@ -24,16 +24,17 @@ and the C step resumes. Between two indexers no Python runs.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from engine import decode_ops
-from engine.cache import KVCache, LayerCache
-from engine.experts import Expert, LocalExperts
+from engine.cache import LayerCache
+from engine.experts import Expert, Experts, LocalExperts, RemoteExperts
 from engine.layers import MLP, RMSNorm
 from engine.mla_decode import FusedMLA
 from engine.moe import Gate, HashGate, MoE
@@ -118,13 +119,15 @@ def layer_plan(parts: LayerParts, layout: tuple[int, ...] | None) -> _kernels.La
 
 
 class FusedDecode:
-    """A model's layers described to C once, with the expert tables of the source they were built for."""
+    """A model's layers (or an MTP module's block) described to C once, with the expert tables of the source
+    they were built for. ``layer_ids``: each part's layer in the expert source."""
 
-    def __init__(self, parts: Sequence[LayerParts]):
+    def __init__(self, parts: Sequence[LayerParts], layer_ids: Sequence[int]):
         self.parts = parts  # keeps every array the plans point to alive
-        self.moe_layers = [i for i, p in enumerate(parts) if isinstance(p.ffn, MoE)]
+        self.layer_ids = list(layer_ids)
+        self.moe_parts = [i for i, p in enumerate(parts) if isinstance(p.ffn, MoE)]
         self.topk = max([p.ffn.gate.topk for p in parts if isinstance(p.ffn, MoE)], default=1)
-        self._sources: list[Sequence[Expert]] = []  # what resident() gave, by MoE layer: the tables' origin
+        self._sources: list[Sequence[Expert]] = []  # what resident() gave, by MoE part: the tables' origin
         self._tables: list[array[int]] = []  # the C tables derived from them (kept alive: C reads them)
         self._plans: tuple[_kernels.LayerPlanCapsule, ...] | None = None
         self._table_addresses = [0] * len(parts)  # per layer: its expert table's, 0 on a dense layer
@@ -140,8 +143,8 @@ class FusedDecode:
         """Whether every MoE layer's experts are resident in ``experts`` and the plans are built for them;
         rebuilt when the source gives other experts than last time. False: the module path."""
         sources = []
-        for layer in self.moe_layers:
-            source = experts.resident(layer)
+        for part in self.moe_parts:
+            source = experts.resident(self.layer_ids[part])
             if source is None:
                 return False
             sources.append(source)
@@ -159,40 +162,42 @@ class FusedDecode:
             return False
         layout = layouts.pop() if layouts else None
         plans = []
-        for part in self.parts:
-            plan = layer_plan(part, layout)
+        for parts in self.parts:
+            plan = layer_plan(parts, layout)
             if plan is None:
                 return False
             plans.append(plan)
         self._sources, self._tables, self._plans = sources, tables, tuple(plans)
-        for layer, table in zip(self.moe_layers, tables, strict=True):
-            self._table_addresses[layer] = table.buffer_info()[0]
+        for part, table in zip(self.moe_parts, tables, strict=True):
+            self._table_addresses[part] = table.buffer_info()[0]
         return True
 
     def step(
         self, x: torch.Tensor, starts: list[int], ropes: list[tuple[torch.Tensor, torch.Tensor]],
-        caches: list[KVCache], experts: LocalExperts,
+        caches: Sequence[Sequence[LayerCache]], experts: LocalExperts,
     ) -> torch.Tensor:  # fmt: skip
-        """Rows x [B, dim] (their tokens' embeddings), row b at position starts[b] of caches[b] (rows of one
-        sequence at consecutive positions, a verify step) -> the hidden states [B, dim] after the last layer;
-        each position is appended to its cache (``ready_for`` must hold)."""
-        appended: dict[int, tuple[KVCache, int]] = {}  # id(cache) -> (cache, its length before this step)
+        """Rows x [B, dim] (their tokens' embeddings), row b at position starts[b] of its layers' caches
+        caches[b] (rows of one sequence at consecutive positions, a verify step, pass the same list) -> the
+        hidden states [B, dim] after the last layer; each position is appended to its caches (``ready_for``
+        must hold)."""
+        appended: dict[int, tuple[Sequence[LayerCache], int]] = {}  # id(caches[b]) -> (them, length before)
         try:
-            for cache, start in zip(caches, starts, strict=True):
-                if cache.length != start:
-                    raise ValueError(f"cache holds {cache.length} positions but start_pos is {start}")
-                appended.setdefault(id(cache), (cache, start))
-                for layer in cache.layers:
+            for layers, start in zip(caches, starts, strict=True):
+                if layers[0].length != start:
+                    raise ValueError(f"cache holds {layers[0].length} positions but start_pos is {start}")
+                appended.setdefault(id(layers), (layers, start))
+                for layer in layers:
                     layer.next_row()
             return self._run(x, starts, ropes, caches, experts)
         except BaseException:
-            for cache, length in appended.values():
-                cache.trim(length)
+            for layers, length in appended.values():
+                for layer in layers:
+                    layer.trim(length)
             raise
 
     def _run(
         self, x: torch.Tensor, starts: list[int], ropes: list[tuple[torch.Tensor, torch.Tensor]],
-        caches: list[KVCache], experts: LocalExperts,
+        caches: Sequence[Sequence[LayerCache]], experts: LocalExperts,
     ) -> torch.Tensor:  # fmt: skip
         rows = len(starts)
         x = x.clone(memory_format=torch.contiguous_format)  # written in place by the C step
@@ -201,8 +206,8 @@ class FusedDecode:
         steps = array("Q", [
             value
             for i, table in enumerate(self._table_addresses)
-            for cache, start in zip(caches, starts, strict=True)
-            for value in (table, cache.layers[i].latent.data_ptr(), cache.layers[i].rope_key.data_ptr(), start + 1)
+            for layers, start in zip(caches, starts, strict=True)
+            for value in (table, layers[i].latent.data_ptr(), layers[i].rope_key.data_ptr(), start + 1)
             + (0, 0)  # DSA's chosen positions and their count: none yet (_share)
         ])  # fmt: skip
         width = rows * self.topk  # room for a layer's union of experts
@@ -218,13 +223,13 @@ class FusedDecode:
             )  # fmt: skip
             if at is not None:  # a DSA layer's projections of row at[1]: its indexer, then on from there
                 layer, row = at
-                selection = self._select(layer, starts[row], ropes[row], caches[row].layers[layer])
+                selection = self._select(layer, starts[row], ropes[row], caches[row][layer])
                 if selection is not None:
                     selections.append(selection)
                     self._share(steps, layer, row, rows, selection)
                 projected = True
         chosen = ids.tolist()
-        experts.count_resident({layer: [e for e in chosen[layer] if e >= 0] for layer in self.moe_layers})
+        experts.count_resident({self.layer_ids[i]: [e for e in chosen[i] if e >= 0] for i in self.moe_parts})
         return x
 
     def _select(
@@ -255,14 +260,42 @@ class FusedDecode:
             steps[at + 4], steps[at + 5] = selection.data_ptr(), selection.numel()
 
 
-def caches_taken(caches: Sequence[KVCache]) -> bool:
-    """Whether the C step writes these rows' caches: each one sequence's, float32, contiguous (rows may share
-    one: a verify step)."""
+def caches_taken(caches: Sequence[Sequence[LayerCache]]) -> bool:
+    """Whether the C step writes these rows' caches (each row's layers): each one sequence's, float32,
+    contiguous (rows may share them: a verify step)."""
     return all(
         layer.latent.dtype == torch.float32
         and layer.latent.shape[0] == 1
         and layer.latent.is_contiguous()
         and layer.rope_key.is_contiguous()
-        for cache in caches
-        for layer in cache.layers
+        for layers in caches
+        for layer in layers
     )
+
+
+class OneCall:
+    """Where blocks' decode steps may run as one C call: ``parts_for(x, layers)`` describes them (None: not
+    every layer is in forms the C step reads), built the first time a step could take it."""
+
+    def __init__(
+        self,
+        parts_for: Callable[[torch.Tensor, Sequence[LayerCache]], list[LayerParts] | None],
+        layer_ids: Sequence[int],
+    ):
+        self.parts_for, self.layer_ids = parts_for, layer_ids
+        self._built: FusedDecode | Literal[False] | None = None  # None: not built yet, False: n/a
+
+    def forget(self) -> None:
+        """The blocks' tensors changed (.to(), .float(), ...): describe them again."""
+        self._built = None
+
+    def applies(self, x: torch.Tensor, caches: Sequence[Sequence[LayerCache]], experts: Experts) -> FusedDecode | None:
+        """The C step for rows x [B, 1, dim] on these caches with these experts, or None: the module path."""
+        if not (decode_ops.active(x) and available()) or isinstance(experts, RemoteExperts) or not caches_taken(caches):
+            return None
+        if self._built is None:
+            parts = self.parts_for(x, caches[0])
+            self._built = False if parts is None else FusedDecode(parts, self.layer_ids)
+        if self._built is False or not self._built.ready_for(experts):  # local: checked above
+            return None
+        return self._built

@@ -9,19 +9,18 @@ Routed experts are not parameters of this module: every MoE layer asks the exper
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import Literal, Self, cast
 
 import torch
 from torch import nn
 
-from engine import decode_ops
 from engine.args import ModelArgs
 from engine.attention import MLA
 from engine.cache import DraftCache, KVCache, LayerCache
-from engine.experts import Experts, LocalExperts, RemoteExperts
-from engine.fused_decode import FusedDecode, LayerParts, caches_taken
-from engine.fused_decode import available as fused_decode_available
+from engine.experts import Experts, LocalExperts
+from engine.fused_decode import LayerParts, OneCall
 from engine.interfaces import Cache, Model
 from engine.layers import MLP, RMSNorm, embedding
 from engine.mla_decode import FusedMLA, fused_attention_applies
@@ -152,16 +151,18 @@ class Transformer(Model[KVCache]):
         self.norm = RMSNorm(args.dim, args.rms_norm_eps)
         self.head = Linear(args.dim, args.vocab_size, bias=False)
         self.mtp = nn.ModuleList(MTP(args, layer, Block(args, layer)) for layer in args.mtp_layers)
+        for mtp in cast("list[MTP]", self.mtp):  # a ModuleList of MTPs
+            mtp.one_call = OneCall(partial(_block_parts, [mtp.block]), [mtp.layer_id])
         self.int8_activations = False  # the kernel matmuls quantise their inputs (engine/q8.py; lossy, opt-in)
         # decode reads the next layer's weights into the CPU caches on the kernels' idle thread (engine/read_ahead.py);
         # a loss where they do not fit the cache beside the current layer's, so the loader decides per machine
         self.read_ahead = True
         self._weights_listed: dict[int, list[torch.Tensor]] = {}  # layer -> its dense weights, for request_read_ahead()
-        self._fused_decode: FusedDecode | Literal[False] | None = None  # None: not built yet, False: n/a
+        self._one_call = OneCall(lambda x, caches: _block_parts(self.layers, x, caches), range(args.n_layers))
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
         self._weights_listed = {}  # .to(), .float(), ...: new tensors
-        self._fused_decode = None
+        self._one_call.forget()
         # torch leaves Module._apply unannotated (it returns self)
         return cast(Self, super()._apply(fn, recurse))  # type: ignore[no-untyped-call]
 
@@ -316,9 +317,10 @@ class Transformer(Model[KVCache]):
         ropes = [rope_tables(self.args, start, 1, x.device) for start in starts]
         selections: list[torch.Tensor | None] = [None] * len(tokens)
         with rows_alone(), int8_activations(self.int8_activations), torch_on_one_thread():
-            fused = self._decoder_in_one_call(x, caches, experts)
+            layers = [cache.layers for cache in caches]
+            fused = self._one_call.applies(x, layers, experts)
             if fused is not None:  # the whole step in one C call
-                x = fused.step(x[:, 0], starts, ropes, caches, cast(LocalExperts, experts))  # not remote: checked
+                x = fused.step(x[:, 0], starts, ropes, layers, cast(LocalExperts, experts))  # not remote: checked
                 return self.head(self.norm(x)).float(), x
             read_ahead = self._start_read_ahead(x)
             for i, layer in enumerate(cast("list[Block]", self.layers)):  # a ModuleList of Blocks
@@ -326,28 +328,6 @@ class Transformer(Model[KVCache]):
                 guess_ahead = self._guess_ahead(i + 1, experts, read_ahead)
                 x, selections = layer.forward_rows(x, starts, ropes, layer_caches, experts, selections, guess_ahead)
             return self.head(self.norm(x)).float()[:, -1], x[:, -1]
-
-    def _decoder_in_one_call(self, x: torch.Tensor, caches: list[KVCache], experts: Experts) -> FusedDecode | None:
-        """The whole decode step in one C call (engine/fused_decode.py) where it applies to these rows x [B, 1,
-        dim] on these caches with these experts; None: the module path."""
-        if not (self.int8_activations and decode_ops.active(x) and fused_decode_available()):
-            return None
-        if isinstance(experts, RemoteExperts) or not caches_taken(caches):
-            return None
-        if self._fused_decode is None:
-            self._fused_decode = self._build_fused_decode(x, caches[0]) or False
-        if self._fused_decode is False or not self._fused_decode.ready_for(experts):
-            return None
-        return self._fused_decode
-
-    def _build_fused_decode(self, x: torch.Tensor, cache: KVCache) -> FusedDecode | None:
-        parts = []
-        for block, layer_cache in zip(cast("list[Block]", self.layers), cache.layers, strict=True):
-            attention = block._fused_attention(x[:1], layer_cache, None)
-            if attention is None:
-                return None
-            parts.append(LayerParts(attention, block.ffn_norm, block.ffn))
-        return FusedDecode(parts)
 
     @property
     def drafts(self) -> bool:
@@ -372,6 +352,18 @@ class Transformer(Model[KVCache]):
         with int8_activations(self.int8_activations), torch_on_one_thread():
             mtp = cast(MTP, self.mtp[0])
             return draft_with(mtp, self.embed, self.head, (hidden, tokens, position), cache, experts, depth)
+
+
+def _block_parts(blocks: Iterable[nn.Module], x: torch.Tensor, caches: Sequence[LayerCache]) -> list[LayerParts] | None:
+    """The blocks (engine/model.py Block) described for the one-call decode step (engine/fused_decode.py), or
+    None where an attention is not in forms its C steps read."""
+    parts = []
+    for block, cache in zip(cast("Iterable[Block]", blocks), caches, strict=True):
+        attention = block._fused_attention(x[:1], cache, None)
+        if attention is None:
+            return None
+        parts.append(LayerParts(attention, block.ffn_norm, block.ffn))
+    return parts
 
 
 def row_positions(caches: Sequence[Cache]) -> list[int]:

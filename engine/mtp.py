@@ -22,14 +22,15 @@ Positions past the last real pair are the draft chain's own and are forgotten at
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, Self, cast
 
 import torch
 from torch import nn
 
 from engine.args import ModelArgs
 from engine.cache import DraftCache, LayerCache
-from engine.experts import Experts
+from engine.experts import Experts, LocalExperts
+from engine.fused_decode import OneCall
 from engine.layers import RMSNorm
 from engine.rope import rope_tables
 from engine.rows import Linear
@@ -49,6 +50,13 @@ class MTP(nn.Module):
         self.eh_proj = Linear(2 * args.dim, args.dim, bias=False)
         self.block = block
         self.norm = RMSNorm(args.dim, args.rms_norm_eps)
+        self.one_call: OneCall | None = None  # the block's decode step in one C call (model.py sets it)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
+        if self.one_call is not None:
+            self.one_call.forget()  # .to(), .float(), ...: new tensors
+        # torch leaves Module._apply unannotated (it returns self)
+        return cast(Self, super()._apply(fn, recurse))  # type: ignore[no-untyped-call]
 
     def new_cache(self, dtype: torch.dtype, device: torch.device) -> DraftCache[LayerCache]:
         return DraftCache(lambda: LayerCache.empty(self.args, self.layer_id, 1, dtype, device))
@@ -76,6 +84,13 @@ class MTP(nn.Module):
         cache.continue_at(position)
         seqlen = hidden.shape[1]
         x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
+        layers = [cache.layer]  # one list for every row: they are one sequence's
+        fused = None if self.one_call is None else self.one_call.applies(x, [layers] * seqlen, experts)
+        if fused is not None:  # each pair as its own decode step of the block, in one C call
+            starts = [position - cache.offset + j for j in range(seqlen)]
+            ropes = [rope_tables(self.args, position + j, 1, x.device) for j in range(seqlen)]
+            local = cast(LocalExperts, experts)  # applies() holds only for local experts
+            return fused.step(x[0], starts, ropes, [layers] * seqlen, local)[None]
         rope = rope_tables(self.args, position, seqlen, x.device)
         out: tuple[torch.Tensor, torch.Tensor | None] = self.block(
             x, position - cache.offset, rope, cache.layer, experts, None, None
