@@ -168,6 +168,37 @@ def test_streamed_under_a_small_budget_drafts_change_no_token(mtp_container, act
     assert streamed.experts.snapshot().misses > 0  # the budget streamed: the MTP block's experts too
 
 
+def test_resident_experts_with_int8_activations_draft_in_the_one_call_step(mtp_container, monkeypatch):
+    """Every expert resident, int8 activations: the verify steps and the MTP block's drafts run as one C
+    call each (the block as its own one-layer step, its experts those of layer n_layers), a one-pair draft
+    is the module path's bit for bit, and the tokens are plain decoding's."""
+    from engine import fused_decode
+
+    loaded = load(mtp_container, activations="int8")
+    model, experts = loaded.model, loaded.experts
+    plain, _ = generate_all(loaded, PROMPTS)
+    steps: list[list[int]] = []
+    real_step = fused_decode.FusedDecode.step
+
+    def counted(self, *args):
+        steps.append(self.layer_ids)
+        return real_step(self, *args)
+
+    monkeypatch.setattr(fused_decode.FusedDecode, "step", counted)
+    speculation = Speculation(loaded.drafter, MTPOptions("on", 3), experts.snapshot)
+    assert generate_all(loaded, PROMPTS, speculation)[0] == plain
+    mtp_layer = model.args.n_layers
+    assert [mtp_layer] in steps and list(range(mtp_layer)) in steps
+    cache = model.new_cache()
+    prefill(model, PROMPTS[0], cache, experts)
+    hidden = torch.randn(1, model.args.dim, generator=torch.Generator().manual_seed(5))
+    before = len(steps)
+    fused = model.draft(hidden, [7], cache.length, model.new_draft_cache(), experts, 3)
+    assert steps[before:] == [[mtp_layer]] * 3  # the pair, then each draft re-applied
+    with fused_decode.module_path():
+        assert model.draft(hidden, [7], cache.length, model.new_draft_cache(), experts, 3) == fused
+
+
 def test_sampling_with_drafts_keeps_the_distribution(mtp_loaded):
     """The rejection rule at temperature 0.7, top-p 0.9 on the tiny model's logits, a fixed draft: over
     many seeds the chosen token's frequencies match the model's own distribution (a chi-square test over
