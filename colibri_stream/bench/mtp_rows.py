@@ -22,10 +22,10 @@ MODES = ("off", "auto", "on")
 
 def mtp_run(
     container: Path, prompt: str, tokens: int, pct: int, mode: str, depth: int, kv_dir: Path, limit: MemoryLimit,
-    timeout_s: float,
+    timeout_s: float, extra: tuple[str, ...] = (),
 ) -> dict:  # fmt: skip
-    """One run's row."""
-    argv = cli_argv("run", str(container), "--prompt", prompt, "--max-new-tokens", str(tokens), "--json")
+    """One run's row; ``extra``: more `run` options (e.g. ``--activations int8``)."""
+    argv = cli_argv("run", str(container), "--prompt", prompt, "--max-new-tokens", str(tokens), "--json", *extra)
     argv += ["--ram", f"{pct}%", "--kv-dir", str(kv_dir), "--no-prefix-cache", "--mtp", mode, "--mtp-depth", str(depth)]
     argv += ["--preload"] if pct >= 100 else ["--direct"]
     out = json.loads(limit.run(argv, timeout_s).last_json_line())
@@ -56,6 +56,7 @@ def mtp_section(
     timeout_s: float,
     depth: int = 2,
     repeats: int = 3,
+    extra: tuple[str, ...] = (),
 ) -> dict:
     """Every (budget, mode) row (the run of median decode tok/s among ``repeats``, the modes interleaved so
     a noisy moment hits them alike), the ratios over plain decoding, and whether every run kept plain's tokens."""
@@ -63,7 +64,8 @@ def mtp_section(
     runs: dict[tuple[int, str], list[dict]] = {(pct, mode): [] for pct in BUDGETS for mode in MODES}
     for _ in range(repeats):
         for pct, mode in runs:
-            runs[pct, mode].append(mtp_run(container, prompt, tokens, pct, mode, depth, kv_dir, limit, timeout_s))
+            row = mtp_run(container, prompt, tokens, pct, mode, depth, kv_dir, limit, timeout_s, extra)
+            runs[pct, mode].append(row)
     rows = [sorted(found, key=lambda row: row["decode_tok_per_s"])[len(found) // 2] for found in runs.values()]
     same = all(run["ids"] == runs[pct, "off"][0]["ids"] for (pct, _), found in runs.items() for run in found)
     plain = {row["budget_pct"]: row for row in rows if row["mode"] == "off"}

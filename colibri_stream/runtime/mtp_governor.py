@@ -12,9 +12,10 @@ verified row is cheap: drafting wins. Streaming under a tight budget, each extra
 reads: the estimate falls below 1 and drafting stops (Colibrì measured MTP 32% slower there).
 
 The governor only chooses how fast the text comes, never which text: a verify step gives the tokens
-plain decoding gives. While drafting is off it probes at depth 1 every PROBE_EVERY steps, so a changed
-cache (warmed up, or a prompt that made it cold) is noticed; while drafting, one plain step every
-PROBE_EVERY keeps the yardstick (a plain step's time) current.
+plain decoding gives. While drafting is off it probes at depth 1 after PROBE_EVERY steps, so a changed
+cache (warmed up, or a prompt that made it cold) is noticed; each probe that does not pay doubles the wait
+before the next (up to MAX_PROBE_EVERY), since under a tight budget a probe's extra experts are disk reads;
+while drafting, one plain step every PROBE_EVERY keeps the yardstick (a plain step's time) current.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from colibri_stream.errors import ColibriError
 from storage.stats import StoreStats
 
 MODES = ("auto", "on", "off")
-PROBE_EVERY = 32  # plain steps between depth-1 probes while drafting is off
+PROBE_EVERY = 32  # plain steps between depth-1 probes while drafting is off (at first)
+MAX_PROBE_EVERY = 512  # ... doubled after each probe that did not pay, up to this
 SMOOTHING = 0.2  # weight of the newest measurement in each running average
 PRIOR_ACCEPTANCE = 0.5  # before any draft was verified
 PRIOR_ROW_SHARE = 0.25  # one more row's compute as a share of a plain step, before it is measured
@@ -101,6 +103,7 @@ class Governor:
     since_draft: int = 0
     since_plain: int = 0
     plain_steps: int = 0
+    probe_every: int = PROBE_EVERY
 
     def depth(self) -> int:
         """The draft depth for the next step: 0 (plain) .. options.max_depth."""
@@ -113,7 +116,11 @@ class Governor:
         best = max(range(self.options.max_depth + 1), key=self.gain)
         if self.gain(best) < MARGIN:
             best = 0
-        if best == 0 and self.since_draft >= PROBE_EVERY:
+        if best > 0:
+            self.probe_every = PROBE_EVERY
+        elif self.since_draft == 0 and self.drafting_steps:  # the step before drafted and did not pay
+            self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY)
+        if best == 0 and self.since_draft >= self.probe_every:
             return 1  # a probe: the cache or the text may have changed since drafting stopped
         return best
 

@@ -12,7 +12,7 @@ from colibri_stream.devtools.mtp_fixture import add_mtp_layer
 from colibri_stream.errors import ColibriError
 from colibri_stream.runtime.batching import ContinuousBatch, GenerationRequest
 from colibri_stream.runtime.loader import load_checkpoint
-from colibri_stream.runtime.mtp_governor import PROBE_EVERY, Governor, MTPOptions, StepCost
+from colibri_stream.runtime.mtp_governor import MAX_PROBE_EVERY, PROBE_EVERY, Governor, MTPOptions, StepCost
 from colibri_stream.runtime.speculation import Speculation
 from storage.stats import StoreStats
 
@@ -71,6 +71,17 @@ def test_streaming_misses_turn_drafting_off_but_it_probes():
     assert sum(d > 0 for d in late) <= len(late) // PROBE_EVERY + 1  # probes only
     assert 1 in late  # it does probe
     assert governor.gain(1) < 1 and governor.report()["on_share"] < 0.1
+
+
+def test_probes_that_do_not_pay_come_ever_more_rarely():
+    """Under a tight budget a probe's extra experts are disk reads: each probe that does not pay doubles the
+    wait before the next, up to MAX_PROBE_EVERY; a probe that pays would reset it (the cached case above)."""
+    governor = Governor(MTPOptions("auto", 2))
+    depths = drive(governor, 2000, accept=0.8, row_s=0.002, miss_rate=0.5, miss_s=0.005)
+    probes = [i for i, depth in enumerate(depths) if depth > 0]
+    gaps = [b - a - 1 for a, b in zip(probes, probes[1:], strict=False)]  # plain steps between probes
+    assert gaps == [2 * PROBE_EVERY, 4 * PROBE_EVERY, 8 * PROBE_EVERY] + [MAX_PROBE_EVERY] * (len(gaps) - 3)
+    assert len(probes) == 7  # 32 steps apart throughout: 61
 
 
 def test_wrong_drafts_turn_drafting_off_even_when_rows_are_cheap():
