@@ -198,9 +198,9 @@ def decode_layers(
     sin: int,
     ids: int,
     topk_max: int,
-    carry: tuple[int, int, int, int],
-    at: tuple[int, int, bool],
+    carry: tuple[int, int, int, int, int, int, int, int],
+    at: tuple[int, bool],
     isa: int,
     threads: int,
     /,
-) -> tuple[int, int] | None: ...
+) -> int | None: ...

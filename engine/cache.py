@@ -8,7 +8,8 @@ all (absorbed decode). Buffers grow by doubling so a long decode does not copy t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import ClassVar, Generic, Protocol, TypeVar
 
@@ -85,6 +86,17 @@ class LayerCache:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot trim a cache of {self.length} positions to {length}")
         self.length = length
+
+    @contextmanager
+    def as_seen_at(self, position: int) -> Iterator[None]:
+        """Inside, the cache ends at ``position`` (its newest), as that position's own decode step saw it: a
+        step that counted several rows of one sequence at once runs each row's DSA indexer inside
+        (engine/fused_decode.py). The positions after it are kept, and counted again on the way out."""
+        held, self.length = self.length, position + 1
+        try:
+            yield
+        finally:
+            self.length = held
 
     def state(self) -> dict[str, torch.Tensor]:
         """The valid positions as plain tensors (copies), e.g. to persist them."""

@@ -49,6 +49,7 @@ except ImportError:  # pragma: no cover - machines without a compiler
 
 Matrix = tuple[int, int, int, int, int, int]  # a C matrix (engine/q8.py c_matrix_of)
 MLPSpec = tuple[Matrix, Matrix, Matrix, int]  # w1, w3, w2, inter
+Carry = tuple[int, int, int, int, int, int, int, int]  # decode_layers' carry: 4 addresses, their row strides
 
 
 STEP = 6  # uint64 per layer and row in decode_layers' steps (table, latents, rope keys, total, positions, count)
@@ -131,13 +132,24 @@ class FusedDecode:
         self._tables: list[array[int]] = []  # the C tables derived from them (kept alive: C reads them)
         self._plans: tuple[_kernels.LayerPlanCapsule, ...] | None = None
         self._table_addresses = [0] * len(parts)  # per layer: its expert table's, 0 on a dense layer
-        # a row's attention state across a stop, sized for the widest layer (decode_step.h DecodeCarry)
+        # per row, what its attention carries across a stop (decode_step.h DecodeCarry): the widest layer's
         attention = [p.attention for p in parts]
-        self.normed = torch.empty(max(a.normed.numel() for a in attention))
-        self.q_latent = torch.empty(max(a.q_latent.numel() for a in attention))
-        self.q_nope = torch.empty(max(a.q_nope.numel() for a in attention))
-        self.q_rope = torch.empty(max(a.q_rope.numel() for a in attention))
-        self._carry = (self.normed.data_ptr(), self.q_latent.data_ptr(), self.q_nope.data_ptr(), self.q_rope.data_ptr())
+        self._widths = (
+            max(a.normed.numel() for a in attention),
+            max(a.q_latent.numel() for a in attention),
+            max(a.q_nope.numel() for a in attention),
+            max(a.q_rope.numel() for a in attention),
+        )
+        self._carry_rows = 0
+        self.normed = self.q_latent = self.q_nope = self.q_rope = torch.empty(0)
+
+    def _carry(self, rows: int) -> Carry:
+        """The carry's addresses and row strides for ``rows`` rows (grown when a step has more)."""
+        if rows > self._carry_rows:
+            self.normed, self.q_latent, self.q_nope, self.q_rope = (torch.empty(rows, w) for w in self._widths)
+            self._carry_rows = rows
+        addresses = (self.normed.data_ptr(), self.q_latent.data_ptr(), self.q_nope.data_ptr(), self.q_rope.data_ptr())
+        return addresses + self._widths
 
     def ready_for(self, experts: LocalExperts) -> bool:
         """Whether every MoE layer's experts are resident in ``experts`` and the plans are built for them;
@@ -214,41 +226,46 @@ class FusedDecode:
         ids = torch.empty((len(self.parts), width), dtype=torch.int64)
         assert self._plans is not None  # ready_for held
         selections: list[torch.Tensor] = []  # kept alive while C reads them
-        at: tuple[int, int] | None = (0, 0)
+        carry = self._carry(rows)
+        at: int | None = 0
         projected = False
         while at is not None:
             at = _kernels.decode_layers(
                 self._plans, steps.buffer_info()[0], rows, x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                ids.data_ptr(), width, self._carry, (*at, projected), ISA_BEST, kernel_threads(),
+                ids.data_ptr(), width, carry, (at, projected), ISA_BEST, kernel_threads(),
             )  # fmt: skip
-            if at is not None:  # a DSA layer's projections of row at[1]: its indexer, then on from there
-                layer, row = at
-                selection = self._select(layer, starts[row], ropes[row], caches[row][layer])
-                if selection is not None:
-                    selections.append(selection)
-                    self._share(steps, layer, row, rows, selection)
+            if at is not None:  # a DSA layer's projections of every row: its indexer, then on from there
+                for row, selection in enumerate(self._select(at, starts, (cos, sin), ropes, caches)):
+                    if selection is not None:
+                        selections.append(selection)
+                        self._share(steps, at, row, rows, selection)
                 projected = True
         chosen = ids.tolist()
         experts.count_resident({self.layer_ids[i]: [e for e in chosen[i] if e >= 0] for i in self.moe_parts})
         return x
 
     def _select(
-        self, layer: int, position: int, rope: tuple[torch.Tensor, torch.Tensor], cache: LayerCache
-    ) -> torch.Tensor | None:
-        """The indexer of ``layer`` for the row at ``position`` (its projections in the carry) -> its chosen
-        positions (int64 [K]), or None: all of them. As the module path runs it (engine/mla_decode.py)."""
-        indexer = self.parts[layer].attention.mla.indexer
+        self, layer: int, starts: list[int], angles: tuple[torch.Tensor, torch.Tensor],
+        ropes: list[tuple[torch.Tensor, torch.Tensor]], caches: Sequence[Sequence[LayerCache]],
+    ) -> list[torch.Tensor | None]:  # fmt: skip
+        """The indexer of ``layer`` for every row (its projections in the carry) -> each row's chosen positions
+        (int64 [K]), or None: all of them. As the module path runs it (engine/mla_decode.py): the keys of all
+        rows at once (each alone: ``Indexer.keys``), then per row, in order, its key appended and its choice."""
+        attention = self.parts[layer].attention
+        indexer = attention.mla.indexer
         assert indexer is not None  # only such layers stop
-        q_rank = self.parts[layer].attention.mla.q_lora_rank
-        normed = self.normed[: self.parts[layer].attention.normed.numel()].view(1, 1, -1)
-        q_latent = self.q_latent[:q_rank].view(1, 1, -1) if q_rank else None
-        held = cache.length  # the step counted all its rows at the start; this row sees those up to its own
-        cache.length = position + 1
-        try:
-            selection = indexer(normed, q_latent, position, rope, cache)
-        finally:
-            cache.length = held
-        return None if selection is None else selection.reshape(-1).to(torch.int64).contiguous()
+        rows, dim, q_rank = len(starts), attention.normed.numel(), attention.mla.q_lora_rank
+        normed = self.normed[:rows, :dim]
+        keys = indexer.keys(normed[None], *angles)[0]  # [rows, D]: the rows as one sequence of positions
+        chosen: list[torch.Tensor | None] = []
+        for row, (start, rope, layers) in enumerate(zip(starts, ropes, caches, strict=True)):
+            q_latent = self.q_latent[row, :q_rank].view(1, 1, -1)  # DSA models have a q LoRA (wq_b reads it)
+            with layers[layer].as_seen_at(start):  # the step counted all its rows at the start
+                selection = indexer.select(
+                    normed[row].view(1, 1, -1), q_latent, keys[row].view(1, 1, -1), start, rope, layers[layer]
+                )
+            chosen.append(None if selection is None else selection.reshape(-1).to(torch.int64).contiguous())
+        return chosen
 
     def _share(self, steps: array[int], layer: int, row: int, rows: int, selection: torch.Tensor) -> None:
         """The row's steps at ``layer`` and the layers after it up to the next indexer attend to ``selection``

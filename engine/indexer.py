@@ -50,8 +50,25 @@ class Indexer(nn.Module):
         skipped while the whole context fits in index_topk; rows that see fewer than K positions get
         non-causal fillers, which the attention's causal mask removes.
         """
+        return self.select(x, q_latent, self.keys(x, *rope), start_pos, rope, cache)
+
+    def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, S, dim] at the angles cos/sin [S, rope / 2] -> their indexer keys [B, S, D]. Each position
+        alone (a batch-invariant projection, a norm and a rotation per position): the one-call decode step
+        computes a step's rows, of several sequences, as one sequence of S positions."""
+        return self._rope(self.k_norm(self.wk(x)), cos, sin)
+
+    def select(
+        self,
+        x: torch.Tensor,
+        q_latent: torch.Tensor,
+        k: torch.Tensor,
+        start_pos: int,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: LayerCache,
+    ) -> torch.Tensor | None:
+        """``forward`` past the keys: k [B, S, D] (``keys``) appended to ``cache``, then the selection."""
         bsz, seqlen, _ = x.shape
-        k = self._rope(self.k_norm(self.wk(x)), *rope)
         keys = cache.append_index_key(k.float())  # [B, T, D]
         total = keys.shape[1]
         if total <= self.topk:  # every position stays: the queries are not needed

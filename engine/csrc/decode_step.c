@@ -43,19 +43,22 @@ static void *scratch_for(const LayerPlan *const *plans, int n, int rows, Scratch
     return area;
 }
 
-/* A row's projections, rope and its cache's new row (into `c`). */
+/* Row r's projections, rope and its cache's new row (into the carry's row r). */
 static int project(const MlaWeights *w, const LayerStep *step, float *x, const float *cos, const float *sin,
-                   const DecodeCarry *c, int isa, int threads) {
+                   const DecodeCarry *c, int r, int isa, int threads) {
     size_t last = (size_t)(step->total - 1);
-    MlaProject p = {x, cos, sin, c->normed, c->q_latent, c->q_nope, c->q_rope, step->latents + last * w->rank,
+    MlaProject p = {x, cos, sin, c->normed + r * c->normed_ld, c->q_latent + r * c->q_latent_ld,
+                    c->q_nope + r * c->q_nope_ld, c->q_rope + r * c->q_rope_ld, step->latents + last * w->rank,
                     step->rope_keys + last * w->rope};
     return mla_project(w, &p, isa, threads);
 }
 
-/* The row's attention over its cache (all of it, or DSA's chosen positions), wo, and x + that, in place. */
-static int output(const MlaWeights *w, const LayerStep *step, float *x, const DecodeCarry *c, int isa, int threads) {
+/* Row r's attention over its cache (all of it, or DSA's chosen positions), wo, and x + that, in place. */
+static int output(const MlaWeights *w, const LayerStep *step, float *x, const DecodeCarry *c, int r, int isa,
+                  int threads) {
     int total = step->positions == NULL ? step->total : step->count;
-    MlaOutput o = {c->q_nope, c->q_rope, step->latents, step->rope_keys, step->positions, total, x, x};
+    MlaOutput o = {c->q_nope + r * c->q_nope_ld, c->q_rope + r * c->q_rope_ld, step->latents, step->rope_keys,
+                   step->positions, total, x, x};
     return mla_output(w, &o, isa, threads);
 }
 
@@ -105,25 +108,25 @@ int decode_layers(const LayerPlan *const *plans, const LayerStep *steps, int n, 
     if (area == NULL) return -1;
     int rc = 0;
     for (int l = at->layer; l < n && rc == 0; l++) {
-        int half = plans[l]->attn->rope / 2, dim = plans[l]->attn->dim;
-        for (int r = l == at->layer ? at->row : 0; r < rows && rc == 0; r++) {
-            const LayerStep *step = &steps[(size_t)l * rows + r];
-            float *row = x + (size_t)r * dim;
-            if (l == at->layer && r == at->row && at->projected) {
-                at->projected = 0; /* resumed: the indexer ran, its selection is in the step */
-            } else {
-                rc = project(plans[l]->attn, step, row, cos + (size_t)r * half, sin + (size_t)r * half, carry, isa, threads);
-                if (rc == 0 && plans[l]->stops) {
-                    at->layer = l, at->row = r, at->projected = 1;
-                    free(area);
-                    return 1;
-                }
+        const MlaWeights *w = plans[l]->attn;
+        const LayerStep *step = steps + (size_t)l * rows;
+        int half = w->rope / 2, dim = w->dim;
+        if (l == at->layer && at->projected) {
+            at->projected = 0; /* resumed: the indexer ran, its selections are in the steps */
+        } else {
+            for (int r = 0; r < rows && rc == 0; r++)
+                rc = project(w, &step[r], x + (size_t)r * dim, cos + (size_t)r * half, sin + (size_t)r * half, carry, r,
+                             isa, threads);
+            if (rc == 0 && plans[l]->stops) {
+                at->layer = l, at->projected = 1;
+                free(area);
+                return 1;
             }
-            if (rc == 0) rc = output(plans[l]->attn, step, row, carry, isa, threads);
         }
+        for (int r = 0; r < rows && rc == 0; r++) rc = output(w, &step[r], x + (size_t)r * dim, carry, r, isa, threads);
         int64_t *layer_ids = ids + (size_t)l * topk_max;
         for (int i = 0; i < topk_max; i++) layer_ids[i] = -1;
-        if (rc == 0) rc = ffn(plans[l], steps[(size_t)l * rows].table, rows, x, layer_ids, topk_max, &s, isa, threads);
+        if (rc == 0) rc = ffn(plans[l], step[0].table, rows, x, layer_ids, topk_max, &s, isa, threads);
     }
     free(area);
     return rc;

@@ -4,6 +4,7 @@
 #ifndef COLIBRI_DECODE_STEP_H
 #define COLIBRI_DECODE_STEP_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include "decode_ops.h"
@@ -34,26 +35,28 @@ typedef struct {
     int count;
 } LayerStep;
 
-/* Where a step resumes or stopped: before layer `layer` (row 0), or, with `projected`, after row `row`'s
- * projections at `layer` (a DSA layer's indexer ran in between: its selection is now in the row's step). */
+/* Where a step resumes or stopped: before layer `layer`, or, with `projected`, after every row's projections
+ * at `layer` (a DSA layer: the indexer ran on them in between, its selections are now in the rows' steps). */
 typedef struct {
-    int layer, row, projected;
+    int layer, projected;
 } DecodePoint;
 
-/* What a row's attention carries from its projections to its output, across a stop: the attention norm's
- * output, the q latent (both what a DSA indexer reads), q's nope and rope parts; sized for every layer. */
+/* What the rows' attention carries from their projections to their outputs, across a stop: per row the
+ * attention norm's output and the q latent (what a DSA indexer reads), q's nope and rope parts; row r's at
+ * r * its ld floats. */
 typedef struct {
     float *normed, *q_latent, *q_nope, *q_rope;
+    size_t normed_ld, q_latent_ld, q_nope_ld, q_rope_ld;
 } DecodeCarry;
 
 /* The rows x [rows, dim] (in: their embeddings, out: the hidden states before the final norm) through n
  * layers from `at` on, row r at the position whose rope angles are cos, sin [rows, rope / 2], with steps [n, rows].
- * Per layer each row's attention runs after the previous row's (rows of one sequence, a verify step, see
- * the rows before them), then the FFN over all rows: each routed expert of their union once for every row
- * routed to it. ids [n, topk_max] gets each MoE layer's union in id order (-1 after it, and on dense
+ * Per layer every row's projections (each writes its cache row), then every row's attention (rows of one
+ * sequence, a verify step, see the rows before them: written by then), then the FFN over all rows: each
+ * routed expert of their union once for every row routed to it. ids [n, topk_max] gets each MoE layer's union in id order (-1 after it, and on dense
  * layers). The same kernels in the same order as the module path (engine/model.py forward_rows) with int8
  * activations, each row's bits its solo step's (the kernels are batch-invariant). A layer that `stops`
- * returns 1 after a row's projections with `at` set there: the caller runs the indexer on `carry` and
+ * returns 1 after the rows' projections with `at` set there: the caller runs the indexer on `carry` and
  * calls again from `at` (steps, carry, x as it left them). 0 when done, or -1 without memory (x and the
  * caches then hold a partial step). */
 int decode_layers(const LayerPlan *const *plans, const LayerStep *steps, int n, int rows, float *x, const float *cos,

@@ -203,23 +203,24 @@ static PyObject *py_layer_plan(PyObject *self, PyObject *args) {
  * layer_plan capsules; steps the address of uint64 [n, rows, 6] (per layer and row: the expert table or 0,
  * the row's cache latents, rope keys, positions with the new one, DSA's chosen positions (int64) or 0, their
  * count); x float32 [rows, dim] in place; cos, sin float32 [rows, rope / 2]; ids int64 [n, topk_max] out;
- * carry the addresses of float32 normed [dim], q latent [q_rank or 1], q nope [heads * nope], q rope [heads *
- * rope] for the widest layer; at (layer, row, projected) where to start (decode_step.h). -> None when the
- * step is done, or (layer, row): stopped after that row's projections for its indexer. */
+ * carry the addresses of float32 normed, q latent, q nope, q rope, then each one's floats per row (at least
+ * the widest layer's dim, q_rank, heads * nope, heads * rope), each [rows, its ld]; at (layer, projected)
+ * where to start (decode_step.h). -> None when the step is done, or the layer whose projections it stopped
+ * after (for its indexer). */
 static PyObject *py_decode_layers(PyObject *self, PyObject *args) {
     PyObject *plans;
     unsigned long long steps, x, cos, sin, ids;
     unsigned long long normed, q_latent, q_nope, q_rope;
+    Py_ssize_t lds[4];
     DecodePoint at;
     int rows, topk_max, isa, threads, rc;
-    if (!PyArg_ParseTuple(args, "O!KiKKKKi(KKKK)(iip)ii", &PyTuple_Type, &plans, &steps, &rows, &x, &cos, &sin, &ids,
-                          &topk_max, &normed, &q_latent, &q_nope, &q_rope, &at.layer, &at.row, &at.projected, &isa,
-                          &threads))
+    if (!PyArg_ParseTuple(args, "O!KiKKKKi(KKKKnnnn)(ip)ii", &PyTuple_Type, &plans, &steps, &rows, &x, &cos, &sin,
+                          &ids, &topk_max, &normed, &q_latent, &q_nope, &q_rope, &lds[0], &lds[1], &lds[2], &lds[3],
+                          &at.layer, &at.projected, &isa, &threads))
         return NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(plans);
-    if (rows < 1 || n < 1 || at.layer < 0 || at.layer >= n || at.row < 0 || at.row >= rows)
-        return PyErr_Format(PyExc_ValueError, "decode_layers: rows=%d layers=%zd from layer %d row %d", rows, n,
-                            at.layer, at.row);
+    if (rows < 1 || n < 1 || at.layer < 0 || at.layer >= n)
+        return PyErr_Format(PyExc_ValueError, "decode_layers: rows=%d layers=%zd from layer %d", rows, n, at.layer);
     const LayerPlan **held = malloc(sizeof(LayerPlan *) * (size_t)n);
     LayerStep *step = malloc(sizeof(LayerStep) * (size_t)n * rows);
     if (held == NULL || step == NULL) {
@@ -229,7 +230,10 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *args) {
     const uint64_t *given = ptr(steps);
     for (Py_ssize_t l = 0; l < n; l++) {
         held[l] = PyCapsule_GetPointer(PyTuple_GET_ITEM(plans, l), PLAN_CAPSULE);
-        int bad = held[l] == NULL || (held[l]->moe && held[l]->router.topk * rows > topk_max);
+        const MlaWeights *w = held[l] == NULL ? NULL : held[l]->attn;
+        int bad = w == NULL || (held[l]->moe && held[l]->router.topk * rows > topk_max) || lds[0] < w->dim ||
+                  lds[1] < (w->q_rank > 1 ? w->q_rank : 1) || lds[2] < (Py_ssize_t)w->heads * w->nope ||
+                  lds[3] < (Py_ssize_t)w->heads * w->rope;
         for (int r = 0; r < rows && !bad; r++) {
             const uint64_t *g = given + ((size_t)l * rows + r) * 6;
             LayerStep one = {ptr(g[0]), (float *)(uintptr_t)g[1], (float *)(uintptr_t)g[2], (int)g[3],
@@ -240,13 +244,14 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *args) {
         }
         if (bad) {
             if (!PyErr_Occurred())
-                PyErr_Format(PyExc_ValueError, "decode_layers: layer %zd: no expert table, cache, room for ids or a bad selection", l);
+                PyErr_Format(PyExc_ValueError,
+                             "decode_layers: layer %zd: no expert table, cache, room for ids or carry, or a bad selection", l);
             free(held), free(step);
             return NULL;
         }
     }
     DecodeCarry carry = {(float *)(uintptr_t)normed, (float *)(uintptr_t)q_latent, (float *)(uintptr_t)q_nope,
-                         (float *)(uintptr_t)q_rope};
+                         (float *)(uintptr_t)q_rope, (size_t)lds[0], (size_t)lds[1], (size_t)lds[2], (size_t)lds[3]};
     (void)q8_vnni_available(); /* detect the CPU once, before any helper thread looks */
     Py_BEGIN_ALLOW_THREADS
     rc = decode_layers(held, step, (int)n, rows, (float *)(uintptr_t)x, ptr(cos), ptr(sin), (int64_t *)(uintptr_t)ids,
@@ -254,7 +259,7 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     free(held), free(step);
     if (rc < 0) return PyErr_NoMemory();
-    if (rc == 1) return Py_BuildValue("(ii)", at.layer, at.row);
+    if (rc == 1) return PyLong_FromLong(at.layer);
     Py_RETURN_NONE;
 }
 

@@ -33,7 +33,7 @@ class Counting:
         return getattr(self.real, name)
 
     def decode_layers(self, *args):
-        self.calls += args[9] == (0, 0, False)  # at: from the first layer
+        self.calls += args[9] == (0, False)  # at: from the first layer
         if self.fail:
             raise MemoryError("no memory for the work area")
         return self.real.decode_layers(*args)
