@@ -6,7 +6,6 @@ import ctypes
 import ctypes.util
 import resource
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -111,7 +110,11 @@ class PeakWatch:
     """One overlapping interval of a SharedPeakSampler: ``peak`` is the highest value sampled while open."""
 
     def __init__(self, sampler: SharedPeakSampler):
-        self.sampler, self.peak, self.open = sampler, 0, True
+        self.sampler, self.peak, self.samples, self.open = sampler, 0, 0, True
+
+    def take(self, value: int) -> None:
+        self.peak = max(self.peak, value)
+        self.samples += 1
 
     def stop(self) -> None:
         if self.open:
@@ -121,31 +124,45 @@ class PeakWatch:
 
 class SharedPeakSampler:
     """One sampling thread for many overlapping watches (the server's concurrent turns), instead of a
-    thread per turn each paying for its own samples. The thread runs while a watch is open."""
+    thread per turn each paying for its own samples. The thread runs while a watch is open and samples as
+    soon as one opens, then every ``interval``.
+
+    A watch's last sample is the thread's, not taken when it stops: a turn stops its watch on the server's
+    model thread, and a sample there (the kernel's walk of every page: ~5 ms with the demo model loaded,
+    more with more memory) held up every other request's next step, once per finished request (4 requests
+    of 32 tokens at a time on the demo: ~45 ms after their last step). Only a watch the thread never
+    sampled (a turn shorter than the thread's first sample) is measured when it stops."""
 
     def __init__(self, measure: Callable[[], int] = uss_bytes, interval: float = USS_INTERVAL_S):
         self.measure, self.interval = measure, interval
         self._lock = threading.Lock()
         self._watches: set[PeakWatch] = set()
         self._thread: threading.Thread | None = None
+        self._opened = threading.Event()  # a new watch: sample now (or the last one closed: end)
 
     def watch(self) -> PeakWatch:
-        watch = PeakWatch(self)  # sampled by the thread, and once when it stops: not here, on the caller's
+        watch = PeakWatch(self)
         with self._lock:
             self._watches.add(watch)
-            if self._thread is None:
+            running = self._thread is not None
+            if not running:  # a new thread samples first thing
                 self._thread = threading.Thread(target=self._run, name="peak-sampler", daemon=True)
                 self._thread.start()
+        if running:
+            self._opened.set()
         return watch
 
     def unwatch(self, watch: PeakWatch) -> None:
-        watch.peak = max(watch.peak, self.measure())
         with self._lock:
             self._watches.discard(watch)
+            if not self._watches:
+                self._opened.set()  # the thread ends now, not after its wait
+        if watch.samples == 0:
+            watch.take(self.measure())
 
     def _run(self) -> None:
         while True:
-            time.sleep(self.interval)
+            self._opened.clear()  # before the snapshot: a watch opened after it wakes the wait below
             with self._lock:
                 if not self._watches:
                     self._thread = None
@@ -153,4 +170,5 @@ class SharedPeakSampler:
                 watches = list(self._watches)
             value = self.measure()
             for watch in watches:
-                watch.peak = max(watch.peak, value)
+                watch.take(value)
+            self._opened.wait(self.interval)
