@@ -14,8 +14,10 @@ reads: the estimate falls below 1 and drafting stops (Colibrì measured MTP 32% 
 The governor only chooses how fast the text comes, never which text: a verify step gives the tokens
 plain decoding gives. While drafting is off it probes at depth 1 after PROBE_EVERY steps, so a changed
 cache (warmed up, or a prompt that made it cold) is noticed; each probe that does not pay doubles the wait
-before the next (up to MAX_PROBE_EVERY), since under a tight budget a probe's extra experts are disk reads;
-while drafting, one plain step every PROBE_EVERY keeps the yardstick (a plain step's time) current.
+before the next (up to MAX_PROBE_EVERY), since under a tight budget a probe's extra experts are disk reads,
+and where even every draft accepted without a miss would not pay (``ceiling``: the draft and the extra
+rows cost more than the tokens they add) the wait goes straight to MAX_PROBE_EVERY; while drafting, one
+plain step every PROBE_EVERY keeps the yardstick (a plain step's time) current.
 """
 
 from __future__ import annotations
@@ -120,6 +122,8 @@ class Governor:
             self.probe_every = PROBE_EVERY
         elif self.since_draft == 0 and self.drafting_steps:  # the step before drafted and did not pay
             self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY)
+            if self.draft_s.samples and self.ceiling() < MARGIN:
+                self.probe_every = MAX_PROBE_EVERY  # not even every draft accepted, no miss, would pay
         if best == 0 and self.since_draft >= self.probe_every:
             return 1  # a probe: the cache or the text may have changed since drafting stopped
         return best
@@ -134,6 +138,18 @@ class Governor:
         misses = self.extra_requests.value * self.miss_rate.value
         cost = self.plain_s.value + depth * (row + misses * self.miss_s.value + self.draft_s.value)
         return tokens * self.plain_s.value / cost
+
+    def ceiling(self) -> float:
+        """The best gain drafting could give here with every draft accepted and no extra miss: below 1, the
+        draft and the rows alone cost more than the tokens they could add (a tiny model, whose draft costs
+        about a step), and only a change in those costs, not in acceptance or the cache, could change that."""
+        if self.plain_s.value <= 0:
+            return float("inf")
+        row = self.row_s.value if self.row_s.samples else PRIOR_ROW_SHARE * self.plain_s.value
+        return max(
+            (depth + 1) * self.plain_s.value / (self.plain_s.value + depth * (row + self.draft_s.value))
+            for depth in range(1, self.options.max_depth + 1)
+        )
 
     def observe(self, step: StepCost) -> None:
         self.steps += 1

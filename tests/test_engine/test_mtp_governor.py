@@ -84,6 +84,17 @@ def test_probes_that_do_not_pay_come_ever_more_rarely():
     assert len(probes) == 7  # 32 steps apart throughout: 61
 
 
+def test_where_not_even_perfect_drafts_would_pay_it_probes_at_the_longest_wait():
+    """A draft that costs more than a step (the demo model's: ~0.5 ms against a 0.54 ms step on the int8
+    path) loses at any acceptance: after its first timed probe the wait is MAX_PROBE_EVERY at once."""
+    governor = Governor(MTPOptions("auto", 1))
+    depths = drive(governor, 1200, accept=0.9, row_s=0.001, miss_rate=0.0, miss_s=0.0, draft_s=0.012, first_s=0.05)
+    probes = [i for i, depth in enumerate(depths) if depth > 0]
+    assert probes[:2] == [2, 3]  # the untimed first drafting step, then the timed one
+    assert [b - a - 1 for a, b in zip(probes[1:], probes[2:], strict=False)] == [MAX_PROBE_EVERY] * (len(probes) - 2)
+    assert governor.ceiling() < 1
+
+
 def test_wrong_drafts_turn_drafting_off_even_when_rows_are_cheap():
     governor = Governor(MTPOptions("auto", 2))
     depths = drive(governor, 200, accept=0.0, row_s=0.003, miss_rate=0.0, miss_s=0.0)
