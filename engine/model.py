@@ -158,7 +158,7 @@ class Transformer(Model[KVCache]):
         # a loss where they do not fit the cache beside the current layer's, so the loader decides per machine
         self.read_ahead = True
         self._weights_listed: dict[int, list[torch.Tensor]] = {}  # layer -> its dense weights, for request_read_ahead()
-        self._one_call = OneCall(lambda x, caches: _block_parts(self.layers, x, caches), range(args.n_layers))
+        self._one_call = OneCall(self._layer_parts, range(args.n_layers))
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
         self._weights_listed = {}  # .to(), .float(), ...: new tensors
@@ -328,6 +328,9 @@ class Transformer(Model[KVCache]):
                 guess_ahead = self._guess_ahead(i + 1, experts, read_ahead)
                 x, selections = layer.forward_rows(x, starts, ropes, layer_caches, experts, selections, guess_ahead)
             return self.head(self.norm(x)).float()[:, -1], x[:, -1]
+
+    def _layer_parts(self, x: torch.Tensor, caches: Sequence[LayerCache]) -> list[LayerParts] | None:
+        return _block_parts(self.layers, x, caches)  # the layers now: the loader swaps modules before a forward
 
     @property
     def drafts(self) -> bool:
