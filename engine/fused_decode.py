@@ -249,8 +249,9 @@ class FusedDecode:
         ropes: list[tuple[torch.Tensor, torch.Tensor]], caches: Sequence[Sequence[LayerCache]],
     ) -> list[torch.Tensor | None]:  # fmt: skip
         """The indexer of ``layer`` for every row (its projections in the carry) -> each row's chosen positions
-        (int64 [K]), or None: all of them. As the module path runs it (engine/mla_decode.py): the keys of all
-        rows at once (each alone: ``Indexer.keys``), then per row, in order, its key appended and its choice."""
+        (int64 [K]), or None: all of them. The module path's ops (engine/mla_decode.py), but the keys of all
+        rows in one pass (each position alone, so each row's bits: ``Indexer.keys``); then per row, in order,
+        its key appended and its choice."""
         attention = self.parts[layer].attention
         indexer = attention.mla.indexer
         assert indexer is not None  # only such layers stop
