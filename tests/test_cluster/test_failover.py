@@ -55,11 +55,20 @@ def local_workers(count: int, parent: psutil.Process | None = None) -> list[psut
     parent = parent or psutil.Process()
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        found = [p for p in parent.children() if "--rank" in p.cmdline()]
+        found = [p for p in parent.children() if "--rank" in _command_line(p)]
         if len(found) == count:
             return found
         time.sleep(0.05)
     raise AssertionError(f"{count} workers never started")
+
+
+def _command_line(process: psutil.Process) -> list[str]:
+    """A child's command line; none for one that has exited (a zombie not yet reaped, e.g. an earlier
+    test's child): psutil raises for those, which killed the fault thread of a chat test once."""
+    try:
+        return process.cmdline()
+    except (psutil.ZombieProcess, psutil.NoSuchProcess):
+        return []
 
 
 def end_all(processes: list[psutil.Process | subprocess.Popen]) -> None:
