@@ -44,6 +44,7 @@ from colibri_stream.bench.llama_cpp_section import (
     llama_cpp_ratios,
     run_llama_cpp_contender,
     touched_from_facts,
+    warm_ttft_ratios,
 )
 from colibri_stream.bench.load import loaded_vs_idle
 from colibri_stream.bench.mtp_rows import mtp_section
@@ -446,6 +447,13 @@ class Bench:
                 if (cold := {r["budget_pct"]: r for r in matched if r["cold"] and _container(r) == container})
             }
             ratios |= llama_cpp_ratios(by_file, results["llama_cpp"]["rows"])
+            warm = {
+                file: row
+                for file, container in MATCHED_CONTAINERS.items()
+                for row in matched
+                if not row["cold"] and row["budget_pct"] == 100 and _container(row) == container
+            }
+            ratios |= warm_ttft_ratios(warm, results["llama_cpp"]["rows"])
             exact = llama_cpp_ratios({"q4e_q8": ours}, results["llama_cpp"]["rows"])
             ratios |= {f"exact_{k}": v for k, v in exact.items()}
             prefill = results["llama_cpp"]["prefill"]

@@ -17,7 +17,7 @@ import pytest
 from colibri_stream import cli
 from colibri_stream.bench import llama_cpp, system
 from colibri_stream.bench.limit_line import TouchedBytes, gguf_touched, limit_line, llama_cpp_kv_bytes, ours_touched
-from colibri_stream.bench.llama_cpp_section import best_row, llama_cpp_grid, llama_cpp_ratios
+from colibri_stream.bench.llama_cpp_section import best_row, llama_cpp_grid, llama_cpp_ratios, warm_ttft_ratios
 from colibri_stream.bench.load import loaded_vs_idle
 from colibri_stream.bench.prefill_rows import as_prefill_row, prefill_ratios
 from colibri_stream.bench.report_peers import llama_cpp_lines, machine_lines, prefill_lines
@@ -84,6 +84,24 @@ def test_ratios_take_llama_cpps_best_cold_row_of_each_file():
     assert ratios["vs_llama_cpp_q4_0_100"] == 1.2 and "vs_llama_cpp_q4_0_25" not in ratios
     assert ratios["vs_llama_cpp_100"] == 0.25 and ratios["ttft_vs_llama_cpp_100"] == 0.2  # q4e_q8's stay ours'
     assert llama_cpp_ratios({"q4e_q8": {10: ours[25]}}, rows) == {}  # no llama.cpp row at that budget: no ratio
+
+
+def test_warm_ttft_ratios_take_llama_cpps_lowest_warm_ttft_of_each_file_at_100():
+    """The issue's TTFT measure: warm for both (cold, llama.cpp's first token pays faulting its file in)."""
+    rows = [
+        _row("q4e_q8", 100, 20.0, 0.3, repack=True),  # cold: not counted
+        _row("q4e_q8", 100, 20.0, 0.6, cold=False),
+        _row("q4e_q8", 100, 20.0, 0.45, cold=False, repack=True),  # the lowest warm one
+        _row("q4e_q8", 25, 1.0, 0.1, cold=False),  # another budget: not counted
+        _row("q4_0", 100, 25.0, 0.36, cold=False),
+    ]
+    ours_int8, ours_int4 = {"ttft_s": 0.3}, {"ttft_s": 0.4}
+    assert warm_ttft_ratios({"q4e_q8": ours_int8, "q4_0": ours_int4}, rows) == {
+        "ttft_warm_vs_llama_cpp_100": 1.5,
+        "ttft_warm_vs_llama_cpp_q4_0_100": 0.9,
+    }
+    assert warm_ttft_ratios({"q4e_q8": ours_int8}, rows)["ttft_warm_vs_llama_cpp_q4_0_100"] == 1.2  # int8 stands in
+    assert warm_ttft_ratios({}, rows) == {} and warm_ttft_ratios({"q4e_q8": ours_int8}, rows[:1]) == {}
 
 
 def test_prefill_ratios_take_warm_rows_at_100_and_cold_rows_below():
