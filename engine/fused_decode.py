@@ -15,10 +15,10 @@ attention fused (``FusedMLA``), every FFN a coded MLP or a
 score-routed MoE whose router runs in C and whose shared expert is coded, and a local expert source whose
 every MoE layer is resident. Anything else keeps the module path.
 
-DSA models (DeepSeek-V3.2, GLM-5): a layer with its own indexer hands each row back after its projections
-(the C step returns where it stopped); the indexer runs here as the module path runs it, on the row's attention
-norm output and q latent, its selection goes into the step for that layer and the "shared" layers after it,
-and the C step resumes. Between two indexers no Python runs.
+DSA models (DeepSeek-V3.2, GLM-5): a layer with its own indexer hands the step back once every row's
+projections are done (the C step returns where it stopped); the indexer runs here with the module path's
+ops on each row's attention norm output and q latent, each row's selection goes into its step for that layer
+and the "shared" layers after it, and the C step resumes. Between two indexers no Python runs.
 """
 
 from __future__ import annotations

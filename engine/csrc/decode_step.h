@@ -22,7 +22,7 @@ typedef struct {
     int mlp_inter;
     Router router;         /* moe only; router.topk is the layer's top-k */
     Q8Layout routed;       /* moe only: the routed experts' layout */
-    int stops;             /* a DSA layer with its own indexer: the step returns after each row's projections */
+    int stops;             /* a DSA layer with its own indexer: the step returns after the rows' projections */
 } LayerPlan;
 
 /* What a layer's step reads of one row this token. */

@@ -174,7 +174,7 @@ static int routed(PyObject *router, PyObject *layout, LayerPlan *plan, int dim) 
  * mlp: (w1, w3, w2, inter), the dense MLP or the shared expert; router: (weight, bias or 0, experts, score,
  * groups, topk_groups, topk, normalise, scale, row stride); layout: the routed experts' (inter, kind13, kind2, scale_kind,
  * group13, group2). A MoE layer has a router and a layout; stops: a DSA layer with its own indexer, which
- * decode_layers hands back to the caller after each row's projections. The caller keeps the mla capsule alive. */
+ * decode_layers hands back to the caller once every row's projections are done. The caller keeps the mla capsule alive. */
 static PyObject *py_layer_plan(PyObject *self, PyObject *args) {
     PyObject *attn, *mlp_spec, *router, *layout;
     unsigned long long norm;
