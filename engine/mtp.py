@@ -84,13 +84,13 @@ class MTP(nn.Module):
         cache.continue_at(position)
         seqlen = hidden.shape[1]
         x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
-        layers = [cache.layer]  # one list for every row: they are one sequence's
-        fused = None if self.one_call is None else self.one_call.applies(x, [layers] * seqlen, experts)
+        rows = [[cache.layer]] * seqlen  # one list for every row: they are one sequence's
+        fused = None if self.one_call is None else self.one_call.applies(x, rows, experts)
         if fused is not None:  # each pair as its own decode step of the block, in one C call
             starts = [position - cache.offset + j for j in range(seqlen)]
             ropes = [rope_tables(self.args, position + j, 1, x.device) for j in range(seqlen)]
             local = cast(LocalExperts, experts)  # applies() holds only for local experts
-            return fused.step(x[0], starts, ropes, [layers] * seqlen, local)[None]
+            return fused.step(x[0], starts, ropes, rows, local)[None]
         rope = rope_tables(self.args, position, seqlen, x.device)
         out: tuple[torch.Tensor, torch.Tensor | None] = self.block(
             x, position - cache.offset, rope, cache.layer, experts, None, None

@@ -104,7 +104,6 @@ class Governor:
     accepted: int = 0
     since_draft: int = 0
     since_plain: int = 0
-    plain_steps: int = 0
     probe_every: int = PROBE_EVERY
 
     def depth(self) -> int:
@@ -132,12 +131,8 @@ class Governor:
         """Expected tokens per second at ``depth`` over plain decoding's (1.0 at depth 0)."""
         if depth == 0 or self.plain_s.value <= 0:
             return 1.0
-        a = self.acceptance.value
-        tokens = sum(a**i for i in range(depth + 1))
-        row = self.row_s.value if self.row_s.samples else PRIOR_ROW_SHARE * self.plain_s.value
         misses = self.extra_requests.value * self.miss_rate.value
-        cost = self.plain_s.value + depth * (row + misses * self.miss_s.value + self.draft_s.value)
-        return tokens * self.plain_s.value / cost
+        return self._gain(depth, self.acceptance.value, misses * self.miss_s.value)
 
     def ceiling(self) -> float:
         """The best gain drafting could give here with every draft accepted and no extra miss: below 1, the
@@ -145,11 +140,15 @@ class Governor:
         about a step), and only a change in those costs, not in acceptance or the cache, could change that."""
         if self.plain_s.value <= 0:
             return float("inf")
+        return max(self._gain(depth, 1.0, 0.0) for depth in range(1, self.options.max_depth + 1))
+
+    def _gain(self, depth: int, acceptance: float, miss_wait_s: float) -> float:
+        """Tokens per second at ``depth`` over plain decoding's, at this acceptance and this much extra waiting
+        for reads per extra row."""
+        tokens = sum(acceptance**i for i in range(depth + 1))
         row = self.row_s.value if self.row_s.samples else PRIOR_ROW_SHARE * self.plain_s.value
-        return max(
-            (depth + 1) * self.plain_s.value / (self.plain_s.value + depth * (row + self.draft_s.value))
-            for depth in range(1, self.options.max_depth + 1)
-        )
+        cost = self.plain_s.value + depth * (row + miss_wait_s + self.draft_s.value)
+        return tokens * self.plain_s.value / cost
 
     def observe(self, step: StepCost) -> None:
         self.steps += 1
@@ -159,8 +158,7 @@ class Governor:
         if step.extra_rows == 0:
             self.since_draft += 1
             self.since_plain = 0
-            self.plain_steps += 1
-            if self.plain_steps > WARMUP_STEPS:
+            if self.steps - self.drafting_steps > WARMUP_STEPS:  # this one counted in steps already
                 self.plain_s.add(step.seconds)
                 self.plain_wait_s.add(waited)
             return
