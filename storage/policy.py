@@ -10,10 +10,13 @@ or pinned by the learned hot store) and asks the policy for a victim among those
   scores halve every ``half_life`` accesses, so an expert used often a while ago can lose to one used
   a few times just now; ties go to the least recently used. It resists the scans LRU suffers from
   (a prefill touching every expert once pushes out the hot set).
+- ``FrequentPolicy``: the VRAM tier's. Fewest uses goes first, ties to the most recently used, and
+  the counts outlive eviction. See its docstring.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable
 from typing import Protocol
@@ -86,6 +89,69 @@ class HybridPolicy:
         return min(candidates, key=lambda k: (self._score[k], self._last[k]), default=None)
 
 
-POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LRUPolicy, "hybrid": HybridPolicy}
+class FrequentPolicy:
+    """The most-used experts stay; the others take turns in the least-used slots.
+
+    Made for the VRAM tier, which stages every expert it computes: where a token's experts outnumber the
+    slots, LRU evicts each one before its next use (a cycle longer than the tier: no hit, ever). Here the
+    victim is the key with the fewest uses, ties going to the most recently used, so the keys already in
+    stay and a stream of newcomers churns through the same few slots. Counts outlive eviction (an expert
+    that keeps coming back earns a slot) and halve every ``half_life`` uses, so the set follows a router
+    that shifts. A lazy heap keeps ``victim`` O(log n): a real VRAM tier holds about a thousand experts.
+    """
+
+    def __init__(self, half_life: int = 4096) -> None:
+        self.half_life = half_life
+        self._uses: dict[Key, float] = {}  # every key seen, in the tier or not
+        self._stamp: dict[Key, int] = {}  # keys in the tier: the clock at their last use
+        self._heap: list[tuple[float, int, Key]] = []  # (uses, -stamp, key); stale once the stamp moved
+        self._clock = 0
+
+    def _use(self, key: Key) -> None:
+        self._clock += 1
+        if self._clock % self.half_life == 0:
+            self._halve()
+        self._uses[key] = self._uses.get(key, 0.0) + 1.0
+        self._stamp[key] = self._clock
+        heapq.heappush(self._heap, (self._uses[key], -self._clock, key))
+
+    def _halve(self) -> None:
+        for key in self._uses:
+            self._uses[key] /= 2
+        self._heap = [(self._uses[key], -stamp, key) for key, stamp in self._stamp.items()]
+        heapq.heapify(self._heap)
+
+    def inserted(self, key: Key) -> None:
+        self._use(key)
+
+    def accessed(self, key: Key) -> None:
+        if key in self._stamp:
+            self._use(key)
+
+    def removed(self, key: Key) -> None:
+        self._stamp.pop(key, None)  # its heap entries go stale; its count stays
+
+    def victim(self, evictable: Callable[[Key], bool]) -> Key | None:
+        busy = []  # current entries that may not leave now: back on the heap afterwards
+        try:
+            while self._heap:
+                _, neg_stamp, key = self._heap[0]
+                if self._stamp.get(key) != -neg_stamp:
+                    heapq.heappop(self._heap)  # evicted, or used again since this entry
+                elif evictable(key):
+                    return key
+                else:
+                    busy.append(heapq.heappop(self._heap))
+            return None
+        finally:
+            for entry in busy:
+                heapq.heappush(self._heap, entry)
+
+
+POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
+    "lru": LRUPolicy,
+    "hybrid": HybridPolicy,
+    "frequent": FrequentPolicy,  # the VRAM tier's
+}
 # What a user may choose (--policy, [cache] policy): "pinned" is LRU plus the learned hot store.
 POLICY_NAMES = ("lru", "hybrid", "pinned")

@@ -31,7 +31,7 @@ from storage.container import Container, ExpertReader, o_direct_refusal
 from storage.device_copy import DeviceCopies
 from storage.errors import BudgetError, CorruptDataError
 from storage.history import UsageHistory
-from storage.policy import POLICIES, POLICY_NAMES, LRUPolicy
+from storage.policy import POLICIES, POLICY_NAMES, FrequentPolicy, LRUPolicy
 from storage.read_queue import ReadQueue, ReadScheduler
 from storage.spread_reads import SpreadReads
 from storage.stats import DeviceStats, Key, RoutingCounts, StoreStats, TierView
@@ -201,7 +201,7 @@ class TieredExpertStore:
             raise BudgetError(f"VRAM budget {self.config.vram_bytes} B holds no {self.record_bytes} B expert record")
         self._vram_block = torch.empty((n_slots, self.record_bytes), dtype=torch.uint8, device=self.config.vram_device)
         self._copies = DeviceCopies(self._vram_block.device)
-        return SlotTier("vram", n_slots, LRUPolicy())
+        return SlotTier("vram", n_slots, FrequentPolicy())
 
     def ram_slot(self, slot: int) -> np.ndarray:
         return self._ram_block[slot * self.record_bytes : (slot + 1) * self.record_bytes]

@@ -46,8 +46,10 @@ def _budget(container: Container, name: str) -> int:
     return int(container.expert_bytes * int(name.rstrip("%")) / 100)
 
 
+# 16 VRAM slots hold fewer than a token's 28 experts (7 MoE layers x top-4): every expert is staged
+# through the tier, and only a policy that resists that cycle keeps some for a hit (LRU kept none)
 GRID = list(
-    itertools.product(["min", "20%", "50%", "100%"], ["lru", "hybrid", "pinned"], [True, False], [False, True], [0, 40])
+    itertools.product(["min", "20%", "50%", "100%"], ["lru", "hybrid", "pinned"], [True, False], [False, True], [0, 16])
 )
 
 
