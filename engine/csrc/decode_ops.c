@@ -237,6 +237,7 @@ typedef struct {
     const AttendOne *job;
     int groups;  /* int8 wkv_b: scales per row */
     float *work; /* per head: q latent [c], scores [T], mixed [c] */
+    int per_block; /* heads a block of the split computes together */
 } AttendJob;
 
 static const float *latent_at(const AttendOne *a, int t) {
@@ -265,32 +266,164 @@ static void kv_b_axpy(const AttendJob *j, size_t row, float s, float *y) {
     axpy_i8(y, s, (const int8_t *)a->kv_b.w + row * a->rank, a->kv_b.scales + row * j->groups, a->kv_b.group, a->rank);
 }
 
-static void attend_head(void *arg, int h) {
-    const AttendJob *j = arg;
+/* Head h's query latent: q_nope[h] W_k[h] -> [c] */
+static void query_latent(const AttendJob *j, int h, float *q_latent) {
+    const AttendOne *a = j->job;
+    size_t first = (size_t)h * (a->nope + a->value); /* head h's first row of wkv_b */
+    memset(q_latent, 0, sizeof(float) * (size_t)a->rank);
+    for (int i = 0; i < a->nope; i++) kv_b_axpy(j, first + i, a->q_nope[(size_t)h * a->nope + i], q_latent);
+}
+
+/* scores[t] -> softmax(scores) in place (the max subtracted; each divided by the sum) */
+static void softmax_in_place(float *scores, int T) {
+    float top = -INFINITY, sum = 0.f;
+    for (int t = 0; t < T; t++) top = scores[t] > top ? scores[t] : top;
+    for (int t = 0; t < T; t++) sum += scores[t] = expf(scores[t] - top);
+    for (int t = 0; t < T; t++) scores[t] = scores[t] / sum;
+}
+
+/* out[h, :] = mixed W_v[h]^T */
+static void head_output(const AttendJob *j, int h, const float *mixed) {
+    const AttendOne *a = j->job;
+    size_t first = (size_t)h * (a->nope + a->value) + a->nope;
+    for (int v = 0; v < a->value; v++) a->out[(size_t)h * a->value + v] = kv_b_dot(j, first + v, mixed);
+}
+
+/* Head h's work area: q latent [c], scores [T], mixed [c] */
+static float *head_work(const AttendJob *j, int h) {
+    return j->work + (size_t)h * (2 * (size_t)j->job->rank + j->job->total);
+}
+
+/* One head alone: the portable path */
+static void attend_head(const AttendJob *j, int h) {
     const AttendOne *a = j->job;
     int c = a->rank, T = a->total;
-    float *q_latent = j->work + (size_t)h * (2 * (size_t)c + T), *scores = q_latent + c, *mixed = scores + T;
-    size_t first = (size_t)h * (a->nope + a->value); /* head h's first row of wkv_b */
-    memset(q_latent, 0, sizeof(float) * (size_t)c);
-    for (int i = 0; i < a->nope; i++) kv_b_axpy(j, first + i, a->q_nope[(size_t)h * a->nope + i], q_latent);
+    float *q_latent = head_work(j, h), *scores = q_latent + c, *mixed = scores + T;
+    query_latent(j, h, q_latent);
     const float *q_rope = a->q_rope + (size_t)h * a->rope;
-    float top = -INFINITY, sum = 0.f;
-    for (int t = 0; t < T; t++) {
+    for (int t = 0; t < T; t++)
         scores[t] = (dot(q_latent, latent_at(a, t), c) + dot(q_rope, rope_key_at(a, t), a->rope)) * a->softmax_scale;
-        top = scores[t] > top ? scores[t] : top;
-    }
-    for (int t = 0; t < T; t++) sum += scores[t] = expf(scores[t] - top);
+    softmax_in_place(scores, T);
     memset(mixed, 0, sizeof(float) * (size_t)c);
-    for (int t = 0; t < T; t++) axpy(mixed, scores[t] / sum, latent_at(a, t), c);
-    for (int v = 0; v < a->value; v++)
-        a->out[(size_t)h * a->value + v] = kv_b_dot(j, first + a->nope + v, mixed);
+    for (int t = 0; t < T; t++) axpy(mixed, scores[t], latent_at(a, t), c);
+    head_output(j, h, mixed);
+}
+
+#if HAVE_X86
+#define AVX2_INLINE AVX2 __attribute__((always_inline)) static inline
+
+/* out[h] = dot_avx2(a[h], b, n) for NH rows: each the same accumulators, order and tail as that alone,
+ * b's vectors loaded once for all of them. */
+AVX2_INLINE void dots_avx2(int NH, const float *const a[4], const float *b, int n, float out[4]) {
+    __m256 s0[4], s1[4];
+    for (int h = 0; h < NH; h++) s0[h] = s1[h] = _mm256_setzero_ps();
+    int k = 0;
+    for (; k + 16 <= n; k += 16) {
+        __m256 b0 = _mm256_loadu_ps(b + k), b1 = _mm256_loadu_ps(b + k + 8);
+        for (int h = 0; h < NH; h++) {
+            s0[h] = _mm256_fmadd_ps(_mm256_loadu_ps(a[h] + k), b0, s0[h]);
+            s1[h] = _mm256_fmadd_ps(_mm256_loadu_ps(a[h] + k + 8), b1, s1[h]);
+        }
+    }
+    for (int h = 0; h < NH; h++) {
+        float s = hsum8(_mm256_add_ps(s0[h], s1[h]));
+        for (int i = k; i < n; i++) s += a[h][i] * b[i];
+        out[h] = s;
+    }
+}
+
+/* y[h] = sum_t p[h][t] * latent_t for NH heads, as axpy_avx2 from zeros over t in order would make it
+ * (per element the same fused multiply-adds in the same order). Rows go in blocks that stay in L2, each
+ * block in strips of 16 columns: a strip of a latent row is loaded once for all the heads and the sums
+ * stay in registers across the block's rows. */
+AVX2_INLINE void mix_avx2(int NH, const AttendOne *a, const float *const p[4], float *const y[4]) {
+    enum { BLOCK_T = 64 }; /* 64 rows of a 512-float latent: 128 KB */
+    int c = a->rank, T = a->total, vectors = c / 8 * 8;
+    for (int h = 0; h < NH; h++) memset(y[h], 0, sizeof(float) * (size_t)c);
+    for (int t0 = 0; t0 < T; t0 += BLOCK_T) {
+        int t1 = t0 + BLOCK_T < T ? t0 + BLOCK_T : T;
+        for (int k = 0; k < vectors; k += 16) {
+            int two = k + 16 <= vectors; /* else one vector: the last 8 of a multiple of 8 */
+            __m256 y0[4], y1[4];
+            for (int h = 0; h < NH; h++) {
+                y0[h] = _mm256_loadu_ps(y[h] + k);
+                y1[h] = two ? _mm256_loadu_ps(y[h] + k + 8) : y0[h];
+            }
+            for (int t = t0; t < t1; t++) {
+                const float *x = latent_at(a, t) + k;
+                __m256 x0 = _mm256_loadu_ps(x), x1 = two ? _mm256_loadu_ps(x + 8) : x0;
+                for (int h = 0; h < NH; h++) {
+                    __m256 va = _mm256_set1_ps(p[h][t]);
+                    y0[h] = _mm256_fmadd_ps(va, x0, y0[h]);
+                    if (two) y1[h] = _mm256_fmadd_ps(va, x1, y1[h]);
+                }
+            }
+            for (int h = 0; h < NH; h++) {
+                _mm256_storeu_ps(y[h] + k, y0[h]);
+                if (two) _mm256_storeu_ps(y[h] + k + 8, y1[h]);
+            }
+        }
+        for (int h = 0; h < NH; h++) /* the columns past the last whole vector, as axpy_avx2's tail */
+            for (int t = t0; t < t1; t++)
+                for (int i = vectors; i < c; i++) y[h][i] += p[h][t] * latent_at(a, t)[i];
+    }
+}
+
+/* Heads h0 .. h0 + NH - 1 together: every latent row read once for them, twice in all (their scores,
+ * then their mix) rather than twice per head; each head's numbers are attend_head's, bit for bit. */
+AVX2_INLINE void attend_heads_avx2(int NH, const AttendJob *j, int h0) {
+    const AttendOne *a = j->job;
+    int c = a->rank, T = a->total;
+    const float *q_latent[4], *q_rope[4], *p[4];
+    float *scores[4], *mixed[4], dl[4], dr[4];
+    for (int h = 0; h < NH; h++) {
+        float *work = head_work(j, h0 + h);
+        q_latent[h] = work, scores[h] = work + c, mixed[h] = work + c + T, p[h] = scores[h];
+        query_latent(j, h0 + h, work);
+        q_rope[h] = a->q_rope + (size_t)(h0 + h) * a->rope;
+    }
+    for (int t = 0; t < T; t++) {
+        dots_avx2(NH, q_latent, latent_at(a, t), c, dl);
+        dots_avx2(NH, q_rope, rope_key_at(a, t), a->rope, dr);
+        for (int h = 0; h < NH; h++) scores[h][t] = (dl[h] + dr[h]) * a->softmax_scale;
+    }
+    for (int h = 0; h < NH; h++) softmax_in_place(scores[h], T);
+    mix_avx2(NH, a, p, mixed);
+    for (int h = 0; h < NH; h++) head_output(j, h0 + h, mixed[h]);
+}
+
+AVX2 static void attend_heads(const AttendJob *j, int h0, int n) {
+    switch (n) { /* a constant count: the head loops unroll into registers */
+    case 1: attend_heads_avx2(1, j, h0); return;
+    case 2: attend_heads_avx2(2, j, h0); return;
+    case 3: attend_heads_avx2(3, j, h0); return;
+    default: attend_heads_avx2(4, j, h0); return;
+    }
+}
+#endif
+
+enum { HEADS_PER_BLOCK = 4 }; /* 8 accumulators for the scores, 8 for a mix strip: AVX2's 16 registers */
+
+static void attend_block(void *arg, int b) {
+    const AttendJob *j = arg;
+    int h0 = b * j->per_block, n = j->job->heads - h0 < j->per_block ? j->job->heads - h0 : j->per_block;
+#if HAVE_X86
+    if (simd()) {
+        attend_heads(j, h0, n);
+        return;
+    }
+#endif
+    for (int h = h0; h < h0 + n; h++) attend_head(j, h);
 }
 
 int attend_one(const AttendOne *a, int threads) {
-    AttendJob j = {a, a->kv_b.int8 ? (a->rank + a->kv_b.group - 1) / a->kv_b.group : 0, NULL};
+    AttendJob j = {a, a->kv_b.int8 ? (a->rank + a->kv_b.group - 1) / a->kv_b.group : 0, NULL, 1};
     j.work = malloc(sizeof(float) * (size_t)a->heads * (2 * (size_t)a->rank + a->total));
     if (j.work == NULL) return -1;
-    split_run(attend_head, &j, a->heads, threads);
+    /* up to 4 heads a block, fewer where that would leave a thread without a block */
+    int per_thread = a->heads / (threads > 1 ? threads : 1);
+    j.per_block = per_thread < 1 ? 1 : per_thread > HEADS_PER_BLOCK ? HEADS_PER_BLOCK : per_thread;
+    split_run(attend_block, &j, (a->heads + j.per_block - 1) / j.per_block, threads);
     free(j.work);
     return 0;
 }

@@ -93,7 +93,8 @@ def reference_attend(q_nope, q_rope, latents, rope_keys, kv_b, scale):
 
 
 @pytest.mark.parametrize(
-    "heads,nope,rope,value,rank,total", [(16, 64, 32, 64, 256, 40), (3, 24, 8, 40, 72, 1), (5, 16, 0, 8, 33, 9)]
+    "heads,nope,rope,value,rank,total",
+    [(16, 64, 32, 64, 256, 40), (3, 24, 8, 40, 72, 1), (5, 16, 0, 8, 33, 9), (7, 16, 13, 24, 61, 150)],
 )
 def test_attend_one_matches_the_absorbed_reference(heads, nope, rope, value, rank, total):
     torch.manual_seed(total)
@@ -117,6 +118,43 @@ def test_attend_one_gathers_the_dsa_positions_and_reads_int8_records():
     got = decode_ops.attend_one(q_nope, q_rope, latents, rope_keys, positions, codes, scales, group, 0.2)
     want = reference_attend(q_nope, q_rope, latents[positions], rope_keys[positions], kv_b, 0.2)
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("heads", [1, 2, 3, 5, 9, 16])
+@pytest.mark.parametrize("int8", [False, True])
+def test_attend_one_gives_each_head_its_numbers_alone_whatever_the_blocking(heads, int8):
+    """Heads are computed up to 4 together (each latent row read once for them), in blocks sized by the
+    thread count: every head's output must be bit for bit that head attending alone, at any count. Odd
+    widths (a latent of 61, rope 13: vector tails), 150 positions (the mix's row blocks of 64), DSA."""
+    nope, rope, value, rank, total, group = 16, 13, 24, 61, 150, 61
+    g = torch.Generator().manual_seed(heads)
+    q_nope, q_rope = torch.randn(heads, nope, generator=g), torch.randn(heads, rope, generator=g)
+    latents, rope_keys = torch.randn(total, rank, generator=g), torch.randn(total, rope, generator=g)
+    positions = torch.randint(0, total, (97,), generator=g) if int8 else None
+    rows = heads * (nope + value)
+    if int8:
+        kv_b = torch.randint(-127, 128, (rows, rank), dtype=torch.int8, generator=g)
+        scales = torch.rand(rows, 1, generator=g) * 1e-3
+    else:
+        kv_b, scales = torch.randn(rows, rank, generator=g) * 0.05, None
+
+    def attend(h=None):
+        if h is None:
+            return decode_ops.attend_one(q_nope, q_rope, latents, rope_keys, positions, kv_b, scales, group, 0.3)
+        part = slice(h * (nope + value), (h + 1) * (nope + value))
+        one_scales = None if scales is None else scales[part]
+        return decode_ops.attend_one(
+            q_nope[h : h + 1], q_rope[h : h + 1], latents, rope_keys, positions, kv_b[part], one_scales, group, 0.3
+        )
+
+    alone = torch.cat([attend(h) for h in range(heads)])
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            assert torch.equal(attend(), alone), threads
+    finally:
+        torch.set_num_threads(previous)
 
 
 def test_ops_apply_only_with_int8_activations_on_float32_cpu_tensors():
