@@ -6,7 +6,8 @@ prefill rows alone, on the bench model (`colibri-stream bench`'s 20-layer stress
 Needs the `peers` extra and `colibri-stream bench --setup-peers` (llama.cpp's converter). Ours runs the int8
 path (the int4-int8dense container, --activations int8), as llama.cpp computes; at 100% both run warm, below
 cold under the bench's memory limit (see colibri_stream/bench/prefill_rows.py). Prints one line per row and
-the ratios (llama.cpp's TTFT over ours: above 1, ours is faster); writes everything as JSON to --out.
+the ratios (prefill_vs_*: llama.cpp's TTFT over ours; long_decode_vs_*: our decode tok/s after the prompt over
+llama.cpp's; above 1, ours is faster); writes everything as JSON to --out.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from colibri_stream.bench.llama_cpp import skip_reason
-from colibri_stream.bench.prefill_rows import prefill_ratios
+from colibri_stream.bench.prefill_rows import long_decode_ratios, prefill_ratios
 from colibri_stream.bench.suite import FULL, PREFILL_RATIO_PREFIXES, Bench
 from colibri_stream.bench.system import cgroup_available, machine_facts
 
@@ -51,9 +52,10 @@ def main() -> None:
     for pct in (int(p) for p in args.budgets.split(",")):
         bench.prefill_rows(pct, files, (ours, theirs), failed)
     for row in ours + theirs:
-        speed = f"{row['ttft_s']:8.2f} s  {row['prefill_tok_per_s']} tok/s"
+        speed = f"{row['ttft_s']:8.2f} s  {row['prefill_tok_per_s']} tok/s, then {row['decode_tok_per_s']:.2f} tok/s"
         print(f"{row['name']:<60} cold={row['cold']!s:<5} {speed}")
     ratios = prefill_ratios(ours, theirs, PREFILL_RATIO_PREFIXES)
+    ratios |= long_decode_ratios(ours, theirs, PREFILL_RATIO_PREFIXES)
     print(json.dumps(ratios))
     result = {"ours": ours, "rows": theirs, "failed": failed, "ratios": ratios, "machine": bench.results["machine"]}
     args.out.write_text(json.dumps(result, indent=1))

@@ -1,5 +1,6 @@
 """The prefill rows of the llama.cpp section: the time to the first token of a long prompt, ours (the int8
-path, as llama.cpp computes) beside each llama.cpp file, at each budget of the section.
+path, as llama.cpp computes) beside each llama.cpp file, at each budget of the section; and the tokens after
+it, decoded with the long prompt in the cache (what an agent's preamble costs every token).
 
 At 100% both run warm (the page cache as the run just before left it: what a user who keeps chatting sees;
 cold, llama.cpp would fault its file in during the prompt) and llama.cpp's best mode counts (mmap or
@@ -12,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 FULL_BUDGET = 100
-PREFILL_NEW_TOKENS = 2  # the first token is the prefill's; a second shows the run went on
+PREFILL_NEW_TOKENS = 32  # the first token is the prefill's; the others decode at the prompt's context
 
 
 def counts(pct: int, cold: bool) -> bool:
@@ -34,6 +35,23 @@ def prefill_ratios(ours: list[dict], llama_cpp: list[dict], kinds: dict[str, str
             ]
             if mine and theirs and min(mine) > 0:
                 ratios[f"prefill_vs_{prefix}_{pct}"] = round(min(theirs) / min(mine), 2)
+    return ratios
+
+
+def long_decode_ratios(ours: list[dict], llama_cpp: list[dict], kinds: dict[str, str]) -> dict[str, float]:
+    """long_decode_vs_<prefix>_<pct>: our best decode tok/s after the long prompt over llama.cpp's best of
+    ``kind``, the rows ``prefill_ratios`` counts (above 1, ours is faster)."""
+    ratios = {}
+    for pct in sorted({r["budget_pct"] for r in ours}, reverse=True):
+        mine = [r["decode_tok_per_s"] for r in ours if r["budget_pct"] == pct and counts(pct, r["cold"])]
+        for kind, prefix in kinds.items():
+            theirs = [
+                r["decode_tok_per_s"]
+                for r in llama_cpp
+                if r["file"] == kind and r["budget_pct"] == pct and counts(pct, r["cold"]) and r["ttft_s"] > 0
+            ]
+            if mine and theirs and max(theirs) > 0:
+                ratios[f"long_decode_vs_{prefix}_{pct}"] = round(max(mine) / max(theirs), 2)
     return ratios
 
 

@@ -102,15 +102,17 @@ def prefill_lines(prefill: dict | None) -> list[str]:
             "cold" if r["cold"] else "warm",
             f"{r['ttft_s']:.2f}",
             f"{r['prefill_tok_per_s']:.1f}",
+            f"{r['decode_tok_per_s']:.2f}",
         ]
         for r in prefill["ours"] + prefill["rows"]
     ]
     tokens = prefill["ours"][0]["prompt_tokens"]
     lines = ["", f"Prefill of a {tokens}-token prompt (ours: the int8 path), time to the first token:", ""]
-    lines += table(["run", "budget", "page cache", "TTFT s", "prompt tok/s"], body)
+    lines += table(["run", "budget", "page cache", "TTFT s", "prompt tok/s", "decode tok/s after it"], body)
     return lines + [
         "",
-        "The ratios `prefill_vs_*` take warm rows at 100% (llama.cpp's best mode) and cold rows below it.",
+        "The ratios `prefill_vs_*` (first token) and `long_decode_vs_*` (the tokens after it, the prompt in the "
+        "cache) take warm rows at 100% (llama.cpp's best mode) and cold rows below it.",
     ]
 
 

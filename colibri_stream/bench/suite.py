@@ -48,7 +48,13 @@ from colibri_stream.bench.llama_cpp_section import (
 )
 from colibri_stream.bench.load import loaded_vs_idle
 from colibri_stream.bench.mtp_rows import mtp_section
-from colibri_stream.bench.prefill_rows import llama_cpp_prefill_rows, our_prefill_rows, prefill_ratios
+from colibri_stream.bench.prefill_rows import (
+    PREFILL_NEW_TOKENS,
+    llama_cpp_prefill_rows,
+    long_decode_ratios,
+    our_prefill_rows,
+    prefill_ratios,
+)
 from colibri_stream.bench.sessions import random_prompt_ids, sessions_section
 from colibri_stream.bench.stress_model import QUICK, StressShape, checkpoint_bytes, write_stress_checkpoint
 from colibri_stream.bench.system import (
@@ -376,7 +382,8 @@ class Bench:
     ) -> None:
         """A long prompt's first token, ours (the int8 path) and each llama.cpp file's, at one budget."""
         n = self.settings.prefill_tokens
-        inputs = RunInputs(random_prompt_ids(self.settings.shape.vocab_size, n, 11), 2, self.settings.timeout_s)
+        prompt = random_prompt_ids(self.settings.shape.vocab_size, n, 11)
+        inputs = RunInputs(prompt, PREFILL_NEW_TOKENS, self.settings.timeout_s)
         self.log(f"6/7 prefill: a {n}-token prompt at {pct}%")
 
         def ours(cold: bool) -> dict:
@@ -458,6 +465,7 @@ class Bench:
             ratios |= {f"exact_{k}": v for k, v in exact.items()}
             prefill = results["llama_cpp"]["prefill"]
             ratios |= prefill_ratios(prefill["ours"], prefill["rows"], PREFILL_RATIO_PREFIXES)
+            ratios |= long_decode_ratios(prefill["ours"], prefill["rows"], PREFILL_RATIO_PREFIXES)
         if "load" in results:
             ratios["loaded_vs_idle"] = results["load"]["loaded_vs_idle"]
         if "mtp" in results:

@@ -19,7 +19,7 @@ from colibri_stream.bench import llama_cpp, system
 from colibri_stream.bench.limit_line import TouchedBytes, gguf_touched, limit_line, llama_cpp_kv_bytes, ours_touched
 from colibri_stream.bench.llama_cpp_section import best_row, llama_cpp_grid, llama_cpp_ratios, warm_ttft_ratios
 from colibri_stream.bench.load import loaded_vs_idle
-from colibri_stream.bench.prefill_rows import as_prefill_row, prefill_ratios
+from colibri_stream.bench.prefill_rows import as_prefill_row, long_decode_ratios, prefill_ratios
 from colibri_stream.bench.report_peers import llama_cpp_lines, machine_lines, prefill_lines
 from colibri_stream.bench.system import ContenderFailed, ProcessRun, steal_share
 
@@ -106,7 +106,11 @@ def test_warm_ttft_ratios_take_llama_cpps_lowest_warm_ttft_of_each_file_at_100()
 
 def test_prefill_ratios_take_warm_rows_at_100_and_cold_rows_below():
     def row(file: str, pct: int, ttft: float, cold: bool) -> dict:
-        return {"file": file, "budget_pct": pct, "ttft_s": ttft, "cold": cold, "name": f"{file} {pct}"}
+        decode = 40.0 / ttft if ttft else 0.0  # the decode after the prompt: faster where its TTFT was
+        return {
+            "file": file, "budget_pct": pct, "ttft_s": ttft, "decode_tok_per_s": decode, "cold": cold,
+            "name": f"{file} {pct}",
+        }  # fmt: skip
 
     ours = [row("", 100, 9.0, True), row("", 100, 4.0, False), row("", 25, 5.0, True), row("", 25, 1.0, False)]
     theirs = [
@@ -121,9 +125,15 @@ def test_prefill_ratios_take_warm_rows_at_100_and_cold_rows_below():
         "prefill_vs_llama_cpp_q4_0_100": 1.25,  # 5.0 / 4.0: above 1, ours is faster
         "prefill_vs_llama_cpp_q4_0_25": 2.0,
     }
+    # the decode after the prompt, the same rows counted: at 100% ours warm 10 tok/s over their best warm 8
+    # (not the cold 20); at 25% ours cold 8 over their cold 4 (not the warm 80)
+    assert long_decode_ratios(ours, theirs, {"q4_0": "llama_cpp_q4_0", "q4e_q8": "llama_cpp"}) == {
+        "long_decode_vs_llama_cpp_q4_0_100": 1.25,
+        "long_decode_vs_llama_cpp_q4_0_25": 2.0,
+    }
     rows = [as_prefill_row(r, 1024) for r in ours[:2]]
     report = "\n".join(prefill_lines({"ours": rows, "rows": []}))
-    assert "1024-token prompt" in report and "| 4.00 | 256.0 |" in report  # 1024 tokens / 4.0 s
+    assert "1024-token prompt" in report and "| 4.00 | 256.0 | 10.00 |" in report  # 1024 tokens / 4.0 s
 
 
 def test_the_grid_repacks_only_where_everything_fits_and_runs_warm_after_cold():
