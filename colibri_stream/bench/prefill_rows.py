@@ -10,7 +10,7 @@ repacked copy cannot fit there). Ratios are llama.cpp's TTFT over ours: above 1,
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 FULL_BUDGET = 100
 PREFILL_NEW_TOKENS = 32  # the first token is the prefill's; the others decode at the prompt's context
@@ -21,38 +21,41 @@ def counts(pct: int, cold: bool) -> bool:
     return cold != (pct >= FULL_BUDGET)
 
 
-def prefill_ratios(ours: list[dict], llama_cpp: list[dict], kinds: dict[str, str]) -> dict[str, float]:
-    """prefill_vs_<prefix>_<pct>: llama.cpp's lowest TTFT of ``kind`` over ours, rows that count only.
-    ``kinds``: file kind -> ratio prefix (e.g. q4_0 -> llama_cpp_q4_0)."""
-    ratios = {}
+def _side_by_side(
+    ours: list[dict], llama_cpp: list[dict], kinds: dict[str, str], key: str
+) -> Iterator[tuple[int, str, list[float], list[float]]]:
+    """(pct, ratio prefix, our values of ``key``, llama.cpp's of that kind) per budget, rows that count only
+    (a llama.cpp row without a first token never does)."""
     for pct in sorted({r["budget_pct"] for r in ours}, reverse=True):
-        mine = [r["ttft_s"] for r in ours if r["budget_pct"] == pct and counts(pct, r["cold"])]
+        mine = [r[key] for r in ours if r["budget_pct"] == pct and counts(pct, r["cold"])]
         for kind, prefix in kinds.items():
             theirs = [
-                r["ttft_s"]
+                r[key]
                 for r in llama_cpp
                 if r["file"] == kind and r["budget_pct"] == pct and counts(pct, r["cold"]) and r["ttft_s"] > 0
             ]
-            if mine and theirs and min(mine) > 0:
-                ratios[f"prefill_vs_{prefix}_{pct}"] = round(min(theirs) / min(mine), 2)
-    return ratios
+            if mine and theirs:
+                yield pct, prefix, mine, theirs
+
+
+def prefill_ratios(ours: list[dict], llama_cpp: list[dict], kinds: dict[str, str]) -> dict[str, float]:
+    """prefill_vs_<prefix>_<pct>: llama.cpp's lowest TTFT of ``kind`` over ours, rows that count only.
+    ``kinds``: file kind -> ratio prefix (e.g. q4_0 -> llama_cpp_q4_0)."""
+    return {
+        f"prefill_vs_{prefix}_{pct}": round(min(theirs) / min(mine), 2)
+        for pct, prefix, mine, theirs in _side_by_side(ours, llama_cpp, kinds, "ttft_s")
+        if min(mine) > 0
+    }
 
 
 def long_decode_ratios(ours: list[dict], llama_cpp: list[dict], kinds: dict[str, str]) -> dict[str, float]:
     """long_decode_vs_<prefix>_<pct>: our best decode tok/s after the long prompt over llama.cpp's best of
     ``kind``, the rows ``prefill_ratios`` counts (above 1, ours is faster)."""
-    ratios = {}
-    for pct in sorted({r["budget_pct"] for r in ours}, reverse=True):
-        mine = [r["decode_tok_per_s"] for r in ours if r["budget_pct"] == pct and counts(pct, r["cold"])]
-        for kind, prefix in kinds.items():
-            theirs = [
-                r["decode_tok_per_s"]
-                for r in llama_cpp
-                if r["file"] == kind and r["budget_pct"] == pct and counts(pct, r["cold"]) and r["ttft_s"] > 0
-            ]
-            if mine and theirs and max(theirs) > 0:
-                ratios[f"long_decode_vs_{prefix}_{pct}"] = round(max(mine) / max(theirs), 2)
-    return ratios
+    return {
+        f"long_decode_vs_{prefix}_{pct}": round(max(mine) / max(theirs), 2)
+        for pct, prefix, mine, theirs in _side_by_side(ours, llama_cpp, kinds, "decode_tok_per_s")
+        if max(theirs) > 0
+    }
 
 
 def as_prefill_row(row: dict, prompt_tokens: int) -> dict:
