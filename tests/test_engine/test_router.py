@@ -1,4 +1,4 @@
-"""The router against hand-computed cases."""
+"""The router against hand-computed cases, and the stable top-k it and the DSA indexer choose with."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.args import ModelArgs
-from engine.moe import Gate
+from engine.moe import TOPK_FIRST_FROM, Gate, stable_topk_indices
 
 BASE = dict(
     model_type="deepseek_v3",
@@ -101,3 +101,34 @@ def test_gate_shape_follows_args():
     args = ModelArgs.from_hf_config(BASE)
     gate = Gate(dataclasses.replace(args, n_activated_experts=3))
     assert gate.weight.shape == (8, 8) and gate.topk == 3
+
+
+def _sorted_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The definition: a stable descending sort of the whole row, its first k."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def _long_scores(kind: str, rows: int, total: int, g: torch.Generator) -> torch.Tensor:
+    scores = torch.randn(rows, total, generator=g)
+    if kind == "few values":  # ties everywhere, at the k-th score too
+        return torch.randint(0, 6, (rows, total), generator=g).float()
+    if kind == "masked":  # a prompt row's future positions: -inf ties once the visible ones run out
+        return scores.masked_fill(torch.arange(total) > total // 7, -torch.inf)
+    if kind == "nan":
+        return scores.index_fill(-1, torch.tensor([5, 77, total - 1]), torch.nan)
+    if kind == "relu":  # the indexer's relu: zeros tie
+        return scores.sub(1.5).relu()
+    return scores
+
+
+@pytest.mark.parametrize("kind", ["distinct", "few values", "masked", "nan", "relu"])
+def test_long_rows_take_the_same_indices_in_the_same_order_as_the_full_sort(kind):
+    """From TOPK_FIRST_FROM positions (the DSA indexer's rows at long contexts) the set comes from topk;
+    ties at the k-th score (few distinct values, -inf masks, relu's zeros) and NaNs must still give the
+    sort's indices, in its order (an attention over the selected positions sums in that order)."""
+    g = torch.Generator().manual_seed(len(kind))
+    for trial in range(12):
+        total = TOPK_FIRST_FROM + 37 * trial
+        scores = _long_scores(kind, 1 + trial % 3, total, g)
+        for k in (1, 8, 2048, total // 2):
+            assert torch.equal(stable_topk_indices(scores, k), _sorted_topk(scores, k)), (kind, trial, k)
