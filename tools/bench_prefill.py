@@ -20,8 +20,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from colibri_stream.bench.llama_cpp import skip_reason
-from colibri_stream.bench.prefill_rows import long_decode_ratios, prefill_ratios
-from colibri_stream.bench.suite import FULL, PREFILL_RATIO_PREFIXES, Bench
+from colibri_stream.bench.prefill_rows import prefill_section_ratios
+from colibri_stream.bench.suite import FULL, Bench
 from colibri_stream.bench.system import cgroup_available, machine_facts
 
 
@@ -54,8 +54,7 @@ def main() -> None:
     for row in ours + theirs:
         speed = f"{row['ttft_s']:8.2f} s  {row['prefill_tok_per_s']} tok/s, then {row['decode_tok_per_s']:.2f} tok/s"
         print(f"{row['name']:<60} cold={row['cold']!s:<5} {speed}")
-    ratios = prefill_ratios(ours, theirs, PREFILL_RATIO_PREFIXES)
-    ratios |= long_decode_ratios(ours, theirs, PREFILL_RATIO_PREFIXES)
+    ratios = prefill_section_ratios(ours, theirs)
     print(json.dumps(ratios))
     result = {"ours": ours, "rows": theirs, "failed": failed, "ratios": ratios, "machine": bench.results["machine"]}
     args.out.write_text(json.dumps(result, indent=1))

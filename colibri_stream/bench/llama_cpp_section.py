@@ -17,6 +17,8 @@ from pathlib import Path
 
 from colibri_stream.bench.contenders import RunInputs
 from colibri_stream.bench.limit_line import TouchedBytes, gguf_touched, llama_cpp_kv_bytes
+from colibri_stream.bench.llama_cpp import MATCHED_CONTAINERS
+from colibri_stream.bench.prefill_rows import prefill_section_ratios
 from colibri_stream.bench.system import MemoryLimit, children_cpu_s, cpu_times, drop_page_cache, other_cpu_share
 
 REPACK_BUDGET = 100  # repacked weights are anonymous memory: only the all-in-RAM budget can hold them
@@ -144,3 +146,34 @@ def warm_ttft_ratios(ours_warm: dict[str, dict], rows: list[dict]) -> dict:
         if ours and theirs and ours["ttft_s"] > 0:
             ratios[name] = round(min(theirs) / ours["ttft_s"], 2)
     return ratios
+
+
+def matched_container(row: dict) -> str:
+    """The container a row of ours ran (rows of older results lack the key: the int8-dense one)."""
+    return str(row.get("container", MATCHED_CONTAINERS["q4e_q8"]))
+
+
+def section_ratios(section: dict, ours_exact: dict[int, dict]) -> dict:
+    """Every ratio of a finished section (results.json's "llama_cpp"): decode and TTFT of our quality-matched
+    rows (cold; the short prompt's TTFT warm too), ``exact_*`` of our default float path (``ours_exact``:
+    budget -> section 2's row), and the prefill rows'."""
+    matched, rows = section["ours_matched"], section["rows"]
+    by_file = {
+        file: cold
+        for file, container in MATCHED_CONTAINERS.items()
+        if (cold := {r["budget_pct"]: r for r in matched if r["cold"] and matched_container(r) == container})
+    }
+    warm = {
+        file: row
+        for file, container in MATCHED_CONTAINERS.items()
+        for row in matched
+        if not row["cold"] and row["budget_pct"] == 100 and matched_container(row) == container
+    }
+    exact = llama_cpp_ratios({"q4e_q8": ours_exact}, rows)
+    prefill = section["prefill"]
+    return (
+        llama_cpp_ratios(by_file, rows)
+        | warm_ttft_ratios(warm, rows)
+        | {f"exact_{k}": v for k, v in exact.items()}
+        | prefill_section_ratios(prefill["ours"], prefill["rows"])
+    )

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 
 FULL_BUDGET = 100
 PREFILL_NEW_TOKENS = 32  # the first token is the prefill's; the others decode at the prompt's context
+RATIO_PREFIXES = {"q4e_q8": "llama_cpp", "q4_0": "llama_cpp_q4_0"}  # llama.cpp file kind -> ratio name
 
 
 def counts(pct: int, cold: bool) -> bool:
@@ -56,6 +57,11 @@ def long_decode_ratios(ours: list[dict], llama_cpp: list[dict], kinds: dict[str,
         for pct, prefix, mine, theirs in _side_by_side(ours, llama_cpp, kinds, "decode_tok_per_s")
         if max(theirs) > 0
     }
+
+
+def prefill_section_ratios(ours: list[dict], llama_cpp: list[dict]) -> dict[str, float]:
+    """Both ratio kinds of the prefill rows against both llama.cpp files: ``prefill_vs_*``, ``long_decode_vs_*``."""
+    return prefill_ratios(ours, llama_cpp, RATIO_PREFIXES) | long_decode_ratios(ours, llama_cpp, RATIO_PREFIXES)
 
 
 def as_prefill_row(row: dict, prompt_tokens: int) -> dict:

@@ -41,20 +41,14 @@ from colibri_stream.bench.llama_cpp import (
 from colibri_stream.bench.llama_cpp_section import (
     gguf_facts,
     llama_cpp_grid,
-    llama_cpp_ratios,
+    matched_container,
     run_llama_cpp_contender,
+    section_ratios,
     touched_from_facts,
-    warm_ttft_ratios,
 )
 from colibri_stream.bench.load import loaded_vs_idle
 from colibri_stream.bench.mtp_rows import mtp_section
-from colibri_stream.bench.prefill_rows import (
-    PREFILL_NEW_TOKENS,
-    llama_cpp_prefill_rows,
-    long_decode_ratios,
-    our_prefill_rows,
-    prefill_ratios,
-)
+from colibri_stream.bench.prefill_rows import PREFILL_NEW_TOKENS, llama_cpp_prefill_rows, our_prefill_rows
 from colibri_stream.bench.sessions import random_prompt_ids, sessions_section
 from colibri_stream.bench.stress_model import QUICK, StressShape, checkpoint_bytes, write_stress_checkpoint
 from colibri_stream.bench.system import (
@@ -79,7 +73,6 @@ from storage.tiered import StoreConfig, minimum_slots, total_records
 
 GiB = 1 << 30
 RATIO_BUDGET = 25  # the budget (% of int4 expert bytes) at which the headline ratios (and sessions) are taken
-PREFILL_RATIO_PREFIXES = {"q4e_q8": "llama_cpp", "q4_0": "llama_cpp_q4_0"}  # file kind -> ratio name
 INT8_MATCHED = MATCHED_CONTAINERS["q4e_q8"]  # ours quality-matched to llama.cpp's Q4_0-experts + Q8_0 file
 INT4_MATCHED = MATCHED_CONTAINERS["q4_0"]  # ours as its all-Q4_0 file: int4 dense records too (convert --dense int4)
 BUSY_MACHINE = 0.25  # others' share of the CPU during a llama.cpp row above which the bench warns
@@ -447,25 +440,7 @@ class Bench:
         if "sessions" in results:
             ratios["resume_speedup"] = results["sessions"]["resume_speedup"]
         if "rows" in results.get("llama_cpp", {}):
-            matched = results["llama_cpp"]["ours_matched"]
-            by_file = {
-                file: cold
-                for file, container in MATCHED_CONTAINERS.items()
-                if (cold := {r["budget_pct"]: r for r in matched if r["cold"] and _container(r) == container})
-            }
-            ratios |= llama_cpp_ratios(by_file, results["llama_cpp"]["rows"])
-            warm = {
-                file: row
-                for file, container in MATCHED_CONTAINERS.items()
-                for row in matched
-                if not row["cold"] and row["budget_pct"] == 100 and _container(row) == container
-            }
-            ratios |= warm_ttft_ratios(warm, results["llama_cpp"]["rows"])
-            exact = llama_cpp_ratios({"q4e_q8": ours}, results["llama_cpp"]["rows"])
-            ratios |= {f"exact_{k}": v for k, v in exact.items()}
-            prefill = results["llama_cpp"]["prefill"]
-            ratios |= prefill_ratios(prefill["ours"], prefill["rows"], PREFILL_RATIO_PREFIXES)
-            ratios |= long_decode_ratios(prefill["ours"], prefill["rows"], PREFILL_RATIO_PREFIXES)
+            ratios |= section_ratios(results["llama_cpp"], ours)
         if "load" in results:
             ratios["loaded_vs_idle"] = results["load"]["loaded_vs_idle"]
         if "mtp" in results:
@@ -501,7 +476,7 @@ class Bench:
         best: dict[str, float] = {}
         matched_rows = self.results.get("llama_cpp", {}).get("ours_matched", [])
         for r in self.results.get("decode", []) + matched_rows:
-            name = names.get(_container(r))
+            name = names.get(matched_container(r))
             if name is not None and r["budget_pct"] == 100:
                 best[name] = max(best.get(name, 0.0), r["decode_tok_per_s"])
         for kind, facts in self.results.get("llama_cpp", {}).get("files", {}).items():
@@ -581,11 +556,6 @@ def check_work_space(work: Path, needed: int) -> None:
             f"--work {work}: {free:,} bytes free there, the bench needs about {needed - present:,} "
             "(the generated model, its containers and scratch files); free space or pass --work on a bigger disk"
         )
-
-
-def _container(row: dict) -> str:
-    """The container a row of ours ran (rows of older results lack the key: the int8-dense one)."""
-    return str(row.get("container", INT8_MATCHED))
 
 
 def coded_dense_bytes_per_token(container: Container) -> int:
