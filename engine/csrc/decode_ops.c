@@ -28,6 +28,8 @@
 /* ------------------------------------------------------------------ vector helpers, AVX2 or plain */
 
 #if HAVE_X86
+#define AVX2_INLINE AVX2 __attribute__((always_inline)) static inline
+
 AVX2 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -35,16 +37,31 @@ AVX2 static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-AVX2 static float dot_avx2(const float *a, const float *b, int n) {
-    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+/* out[h] = a[h] . b for NH rows a[h] (n floats each): two accumulators over 16 columns a step, then the
+ * tail in order; b's vectors loaded once for all the rows, each row's sum made alone as it would be. */
+AVX2_INLINE void dots_avx2(int NH, const float *const a[4], const float *b, int n, float out[4]) {
+    __m256 s0[4], s1[4];
+    for (int h = 0; h < NH; h++) s0[h] = s1[h] = _mm256_setzero_ps();
     int k = 0;
     for (; k + 16 <= n; k += 16) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 8), _mm256_loadu_ps(b + k + 8), s1);
+        __m256 b0 = _mm256_loadu_ps(b + k), b1 = _mm256_loadu_ps(b + k + 8);
+        for (int h = 0; h < NH; h++) {
+            s0[h] = _mm256_fmadd_ps(_mm256_loadu_ps(a[h] + k), b0, s0[h]);
+            s1[h] = _mm256_fmadd_ps(_mm256_loadu_ps(a[h] + k + 8), b1, s1[h]);
+        }
     }
-    float s = hsum8(_mm256_add_ps(s0, s1));
-    for (; k < n; k++) s += a[k] * b[k];
-    return s;
+    for (int h = 0; h < NH; h++) {
+        float s = hsum8(_mm256_add_ps(s0[h], s1[h]));
+        for (int i = k; i < n; i++) s += a[h][i] * b[i];
+        out[h] = s;
+    }
+}
+
+AVX2 static float dot_avx2(const float *a, const float *b, int n) {
+    const float *rows[4] = {a};
+    float out[4];
+    dots_avx2(1, rows, b, n, out);
+    return out[0];
 }
 
 AVX2 static void axpy_avx2(float *y, float a, const float *x, int n) {
@@ -310,28 +327,6 @@ static void attend_head(const AttendJob *j, int h) {
 }
 
 #if HAVE_X86
-#define AVX2_INLINE AVX2 __attribute__((always_inline)) static inline
-
-/* out[h] = dot_avx2(a[h], b, n) for NH rows: each the same accumulators, order and tail as that alone,
- * b's vectors loaded once for all of them. */
-AVX2_INLINE void dots_avx2(int NH, const float *const a[4], const float *b, int n, float out[4]) {
-    __m256 s0[4], s1[4];
-    for (int h = 0; h < NH; h++) s0[h] = s1[h] = _mm256_setzero_ps();
-    int k = 0;
-    for (; k + 16 <= n; k += 16) {
-        __m256 b0 = _mm256_loadu_ps(b + k), b1 = _mm256_loadu_ps(b + k + 8);
-        for (int h = 0; h < NH; h++) {
-            s0[h] = _mm256_fmadd_ps(_mm256_loadu_ps(a[h] + k), b0, s0[h]);
-            s1[h] = _mm256_fmadd_ps(_mm256_loadu_ps(a[h] + k + 8), b1, s1[h]);
-        }
-    }
-    for (int h = 0; h < NH; h++) {
-        float s = hsum8(_mm256_add_ps(s0[h], s1[h]));
-        for (int i = k; i < n; i++) s += a[h][i] * b[i];
-        out[h] = s;
-    }
-}
-
 /* y[h] = sum_t p[h][t] * latent_t for NH heads, as axpy_avx2 from zeros over t in order would make it
  * (per element the same fused multiply-adds in the same order). Rows go in blocks that stay in L2, each
  * block in strips of 16 columns: a strip of a latent row is loaded once for all the heads and the sums
