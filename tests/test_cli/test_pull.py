@@ -238,7 +238,27 @@ def test_not_enough_space_is_refused_before_any_shard(repo, tmp_path, tmpfs):
 
 def _pull_cli(out: Path, *flags: str) -> subprocess.Popen:
     command = [sys.executable, "-c", SCALED_CHUNK_CLI, "pull", REPO, "--out", str(out), "--json", *flags]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_ctrl_c_as_a_terminal_sends_it
+    )
+
+
+def _ctrl_c_as_a_terminal_sends_it() -> None:
+    """In the child before exec: SIGINT at its default action and unblocked, as in a shell. A child inherits an
+    ignored or blocked SIGINT, and Python then never installs its KeyboardInterrupt handler: a pytest process
+    where something ignores SIGINT for a moment (system() does, while its command runs) would hand the pull a
+    Ctrl-C it cannot hear."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def _signal_masks(pid: int) -> str:
+    """The process's blocked, ignored and caught signals (hex masks, bit n-1 for signal n), for a failure message."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return "gone"
+    return " ".join(line.replace("\t", "") for line in lines if line.startswith(("SigBlk", "SigIgn", "SigCgt")))
 
 
 def test_ctrl_c_then_kill_9_at_random_points_then_resume(repo, reference, tmp_path):
@@ -255,11 +275,13 @@ def test_ctrl_c_then_kill_9_at_random_points_then_resume(repo, reference, tmp_pa
             while len(hub.log) == seen and process.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.01)  # the process is up and talking to the Hub
             time.sleep(rng.uniform(0.5, 3.5))
+            masks = _signal_masks(process.pid)
             process.send_signal(sig)
             stdout, stderr = process.communicate()
-            # what the process said and what it fetched: a run that ended 0 before its Ctrl-C explains itself
+            # what the process said, how it held signals and what it fetched: a run that ended 0 explains itself
             fetched = [(e.method, e.path, e.body_bytes) for e in hub.log[seen:]]
-            assert process.returncode == (130 if sig == signal.SIGINT else -signal.SIGKILL), (stdout, stderr, fetched)
+            expected = 130 if sig == signal.SIGINT else -signal.SIGKILL
+            assert process.returncode == expected, (stdout, stderr, masks, fetched)
         hub.faults.bytes_per_s = None
         final = _pull_cli(out)
         stdout, stderr = final.communicate(timeout=300)
