@@ -27,7 +27,8 @@ class OptionalBuildExt(build_ext):
 
 # engine/csrc/<name>.c, each with its .h but kernels and py_decode (the Python entry points)
 C_FILES = (
-    "kernels", "nibble", "q8", "split", "read_ahead", "q8_moe", "decode_ops", "mla_decode", "decode_step", "py_decode",
+    "kernels", "nibble", "nibble_moe", "q8", "split", "read_ahead", "q8_moe", "decode_ops", "mla_decode",
+    "decode_step", "py_decode",
 )  # fmt: skip
 
 setup(
@@ -36,7 +37,7 @@ setup(
             "engine._kernels",
             sources=[f"engine/csrc/{name}.c" for name in C_FILES],
             depends=[f"engine/csrc/{name}.h" for name in C_FILES if name not in ("kernels", "py_decode")]
-            + ["engine/csrc/q8_body.h"],
+            + ["engine/csrc/q8_body.h", "engine/csrc/swiglu.h"],
             extra_compile_args=["-O3"],
         )
     ],

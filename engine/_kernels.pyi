@@ -58,6 +58,23 @@ def attend_one(
 ) -> None: ...
 def bytes_read_ahead() -> int: ...
 def read_ahead(ranges: Sequence[tuple[int, int]], threads: int, /) -> None: ...
+def nibble_moe(
+    x: int,
+    rows: int,
+    ids: int,
+    weights: int,
+    topk: int,
+    expert_ids: int,
+    n_experts: int,
+    mats: int,
+    layout: tuple[int, ...],
+    clamp: bool,
+    limit: float,
+    out: int,
+    simd: bool,
+    threads: int,
+    /,
+) -> None: ...
 def q8_moe(
     x: int,
     rows: int,

@@ -295,7 +295,7 @@ class MLA(nn.Module, ReadsOtherFormInDecode):
         below T) is visible and the mask would change nothing.
         """
         heads, rank = self.n_heads, self.kv_lora_rank
-        if decode_ops.active(q_nope) and self.wkv_b.weight.dtype == torch.float32:  # int8 activations: one C call
+        if decode_ops.small_ops_take(q_nope, one_row=True) and self.wkv_b.weight.dtype == torch.float32:  # one C call
             positions = None if selection is None else selection.reshape(-1)
             held = self.kv_b_group > 0
             out = decode_ops.attend_one(

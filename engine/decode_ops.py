@@ -19,7 +19,7 @@ from contextvars import ContextVar
 import torch
 
 from engine.q8 import activations_are_int8
-from engine.rows import kernel_threads
+from engine.rows import computing_alone, kernel_threads
 
 try:
     from engine import _kernels
@@ -53,6 +53,18 @@ def available() -> bool:
 def active(x: torch.Tensor) -> bool:
     """Whether x goes through these ops: int8 activations on, x float32 on the CPU."""
     return activations_are_int8() and not _off.get() and x.dtype == torch.float32 and x.device.type == "cpu" and _BUILT
+
+
+def small_ops_take(x: torch.Tensor, one_row: bool = False) -> bool:
+    """Whether RMSNorm, the router and one query's attention take x here: the int8 path's (``active``), or a
+    decode row of the float32 path (x one row (``one_row``: the caller knows), or rows inside rows_alone():
+    each as its own decode step computes it, so a row decoded in a batch keeps its bits; the C order is one
+    more float rounding of the kind the 4-bit and bf16 kernels already make there). A prompt's rows keep
+    torch's ops."""
+    if active(x):
+        return True
+    decode_row = one_row or computing_alone() or x.numel() == x.shape[-1]
+    return decode_row and not _off.get() and x.dtype == torch.float32 and x.device.type == "cpu" and _BUILT
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

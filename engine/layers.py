@@ -40,7 +40,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            if decode_ops.active(x):
+            if decode_ops.small_ops_take(x):
                 return decode_ops.rms_norm(x, self.weight, self.eps)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype

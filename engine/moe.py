@@ -13,6 +13,7 @@ from engine import decode_ops
 from engine.args import ModelArgs
 from engine.experts import Expert, Experts, LocalExperts, RemoteExperts
 from engine.layers import MLP
+from engine.nibble_experts import add_nibble_experts, nibble_experts_handle
 from engine.q8_experts import add_experts, fused_experts_handle
 from engine.rows import linear, per_row
 
@@ -96,7 +97,7 @@ class Gate(nn.Module):
     def _routes_in_c(self, x: torch.Tensor) -> bool:
         return (
             self.by_score
-            and decode_ops.active(x)
+            and decode_ops.small_ops_take(x)
             and self.bias.dtype == torch.float32
             and decode_ops.routes(self.score_name, self.weight, self.n_groups, self.topk_groups)
         )
@@ -312,12 +313,17 @@ class RoutedSum:
         self._sums: dict[torch.device, torch.Tensor] = {}
 
     def add_batch(self, batch: Sequence[tuple[int, Expert]]) -> None:
-        """Add experts given as (id, expert), in order: in one C call where they all take it
-        (int8 activations, engine/q8_experts.py), else one by one."""
+        """Add experts given as (id, expert), in order: in one C call where they all take it (int8
+        activations: engine/q8_experts.py; 4-bit experts in a decode step: engine/nibble_experts.py), else
+        one by one."""
         experts = [expert for _, expert in batch]
         x, weights = self._inputs[self.home]
+        ids = [i for i, _ in batch]
         if fused_experts_handle(experts, x):
-            add_experts(self._sum_on(self.home), x, self.ids, weights, [i for i, _ in batch], experts, self.limit)
+            add_experts(self._sum_on(self.home), x, self.ids, weights, ids, experts, self.limit)
+            return
+        if nibble_experts_handle(experts, x):
+            add_nibble_experts(self._sum_on(self.home), x, self.ids, weights, ids, experts, self.limit)
             return
         for expert_id, expert in batch:
             self.add(expert, *self.rows_of[expert_id])

@@ -130,11 +130,15 @@ def add_experts(
 
 
 def _parts(ids: torch.Tensor, expert_ids: list[int], expert: QuantizedExpert) -> list[list[int]]:
-    """Indices into expert_ids in consecutive parts whose routed rows fit MAX_WORK_BYTES of work area
-    (a decode step's experts are one part)."""
     dim, inter = expert.w1.in_dim, expert.w1.out_dim
     row_bytes = 4 * (2 * inter + dim) + 2 * (dim + inter) + 16  # gate, up, y float32; x, h int8 + scales
-    if ids.shape[0] * ids.shape[1] * row_bytes <= MAX_WORK_BYTES:
+    return parts_within(ids, expert_ids, row_bytes, MAX_WORK_BYTES)
+
+
+def parts_within(ids: torch.Tensor, expert_ids: list[int], row_bytes: int, most: int) -> list[list[int]]:
+    """Indices into expert_ids in consecutive parts whose routed rows, at ``row_bytes`` of work area each, fit
+    ``most`` bytes (a decode step's experts are one part)."""
+    if ids.shape[0] * ids.shape[1] * row_bytes <= most:
         return [list(range(len(expert_ids)))]
     counts = torch.bincount(ids.flatten().clamp(min=0)).tolist()
     parts: list[list[int]] = []
@@ -142,7 +146,7 @@ def _parts(ids: torch.Tensor, expert_ids: list[int], expert: QuantizedExpert) ->
     rows = 0
     for i, expert_id in enumerate(expert_ids):
         n = counts[expert_id] if expert_id < len(counts) else 0
-        if part and (rows + n) * row_bytes > MAX_WORK_BYTES:
+        if part and (rows + n) * row_bytes > most:
             parts.append(part)
             part, rows = [], 0
         part.append(i)

@@ -261,6 +261,10 @@ class QuantizedExpert:
     q8_plan: tuple[()] | tuple[tuple[object, ...], tuple[int, ...]] | None = field(
         default=None, init=False, repr=False, compare=False
     )
+    # engine/nibble_experts.py's, for the fused float32 call: the same six addresses, its own layout
+    nibble_plan: tuple[()] | tuple[tuple[int, ...], tuple[int, ...]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     @property
     def device(self) -> torch.device:

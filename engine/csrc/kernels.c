@@ -23,6 +23,7 @@
 
 #include "nibble.h"
 #include "q8.h"
+#include "nibble_moe.h"
 #include "q8_moe.h"
 #include "decode_ops.h"
 #include "split.h"
@@ -389,6 +390,49 @@ static PyObject *py_q8_moe(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* nibble_moe(x_ptr, rows, ids_ptr, weights_ptr, topk, expert_ids_ptr, n_experts, mats_ptr, (dim, inter, code13,
+ * code2, scale_kind, group13, group2), clamp, limit, out_ptr, simd, threads): a MoE layer's routed 4-bit
+ * experts with float32 activations (nibble_moe.c), the arrays as q8_moe's. */
+static PyObject *py_nibble_moe(PyObject *self, PyObject *args) {
+    unsigned long long x, ids, weights, expert_ids, mats, out;
+    int rows, topk, n_experts, clamp, simd, threads, dim, inter, code13, code2, scale_kind, group13, group2;
+    float limit;
+    PyObject *layout;
+    if (!PyArg_ParseTuple(args, "KiKKiKiKO!pfKpi", &x, &rows, &ids, &weights, &topk, &expert_ids, &n_experts, &mats,
+                          &PyTuple_Type, &layout, &clamp, &limit, &out, &simd, &threads) ||
+        !PyArg_ParseTuple(layout, "iiiiiii", &dim, &inter, &code13, &code2, &scale_kind, &group13, &group2))
+        return NULL;
+    NibbleMatrix w13, w2;
+    if (!nibble_matrix(&w13, 0, 0, dim, inter, group13, code13, scale_kind, "nibble moe: w1/w3") ||
+        !nibble_matrix(&w2, 0, 0, inter, dim, group2, code2, scale_kind, "nibble moe: w2"))
+        return NULL;
+    if (rows < 1 || topk < 1 || n_experts < 0) {
+        PyErr_Format(PyExc_ValueError, "nibble moe: rows=%d topk=%d experts=%d", rows, topk, n_experts);
+        return NULL;
+    }
+    NibbleExpert *experts = malloc(sizeof(NibbleExpert) * (size_t)(n_experts > 0 ? n_experts : 1));
+    if (experts == NULL) return PyErr_NoMemory();
+    const uint64_t *m = (const uint64_t *)(uintptr_t)mats;
+    for (int e = 0; e < n_experts; e++, m += 6) {
+        NibbleExpert ex = {w13, w13, w2};
+        ex.w1.q = (const uint8_t *)(uintptr_t)m[0], ex.w1.scales = (const void *)(uintptr_t)m[1];
+        ex.w3.q = (const uint8_t *)(uintptr_t)m[2], ex.w3.scales = (const void *)(uintptr_t)m[3];
+        ex.w2.q = (const uint8_t *)(uintptr_t)m[4], ex.w2.scales = (const void *)(uintptr_t)m[5];
+        experts[e] = ex;
+    }
+    NibbleMoE moe = {experts, (const int64_t *)(uintptr_t)expert_ids, n_experts, (const float *)(uintptr_t)x,
+                     (const int64_t *)(uintptr_t)ids, (const float *)(uintptr_t)weights, rows, topk, dim, inter, clamp,
+                     limit, simd, threads, (double *)(uintptr_t)out};
+    int status;
+    (void)nibble_simd_available(); /* detect the CPU once, before any helper thread looks */
+    Py_BEGIN_ALLOW_THREADS
+    status = nibble_moe_run(&moe);
+    Py_END_ALLOW_THREADS
+    free(experts);
+    if (status != 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 /* read_ahead(ranges, threads): ranges a sequence of (address, bytes); the helper thread reads them into the
  * caches while it has no kernel block to run, replacing the previous request (split.h split_read_ahead). The
  * caller keeps the memory alive until its next request. */
@@ -494,6 +538,7 @@ static PyMethodDef methods[] = {
     {"attend_one", py_attend_one, METH_VARARGS, "absorbed MLA attention of one query over the compressed cache."},
     {"bytes_read_ahead", py_bytes_read_ahead, METH_NOARGS, "bytes the helper thread has read ahead into the caches, ever."},
     {"read_ahead", py_read_ahead, METH_VARARGS, "read these (address, bytes) ranges into the caches on the idle helper thread."},
+    {"nibble_moe", py_nibble_moe, METH_VARARGS, "a MoE layer's routed 4-bit SwiGLU experts, float32 x, added to out."},
     {"q8_moe", py_q8_moe, METH_VARARGS, "a MoE layer's routed SwiGLU experts with int8 activations, added to out."},
     {"q8_gemm", py_q8_gemm, METH_VARARGS, "y[rows, out] = int8(x[rows, in]) @ dequant(w, scales)^T, integer dot products."},
     {"dequant", py_dequant, METH_VARARGS, "float32 [out, in] from 4-bit group-quantised q and its scales."},

@@ -20,6 +20,7 @@
 
 #include "nibble.h"
 #include "split.h"
+#include "swiglu.h"
 
 #define BLOCK_ROWS 64 /* output rows per block of phases A and C */
 
@@ -51,24 +52,12 @@ static void gate_up_block(void *arg, int b) {
     q8_gemm(up ? &ex->w3 : &ex->w1, &t->x, begin, end, p->moe->isa, (up ? t->up : t->gate) + begin, (size_t)p->moe->inter);
 }
 
-/* gate[i] = silu(gate[i]) * up[i] for n values, both clamped first with a limit (DeepSeek-V4). */
-static void swiglu(float *gate, const float *up, size_t n, int clamp, float limit) {
-    for (size_t i = 0; i < n; i++) {
-        float g = gate[i], u = up[i];
-        if (clamp) {
-            g = g > limit ? limit : g;
-            u = u > limit ? limit : u < -limit ? -limit : u;
-        }
-        gate[i] = g / (1.f + expf(-g)) * u;
-    }
-}
-
 /* Phase B for expert e: h = silu(gate) * up, quantised for w2. */
 static void swiglu_block(void *arg, int e) {
     const Phase *p = arg;
     const Q8MoE *moe = p->moe;
     Term *t = &p->terms[e];
-    swiglu(t->gate, t->up, (size_t)t->rows * moe->inter, moe->clamp, moe->limit);
+    swiglu_in_place(t->gate, t->up, (size_t)t->rows * moe->inter, moe->clamp, moe->limit);
     if (t->rows) q8_prepare(moe->experts[e].w2.kind, t->gate, t->rows, moe->inter, moe->isa, &t->h);
 }
 
@@ -216,7 +205,7 @@ int q8_mlp(const Q8Expert *e, const float *x, int rows, int dim, int inter, int 
     uint8_t *work = (uint8_t *)(up + hidden);
     Q8Rows h = {work + 2 * x_bytes, 0, 0, 0};
     q8_gemm_pair(&e->w1, inter, gate, &e->w3, inter, up, x, rows, dim, work, isa, threads);
-    swiglu(gate, up, hidden, clamp, limit);
+    swiglu_in_place(gate, up, hidden, clamp, limit);
     q8_prepare(e->w2.kind, gate, rows, inter, isa, &h);
     Q8Product down = {&e->w2, &h, dim, y};
     q8_gemm_many(&down, 1, isa, threads);

@@ -8,12 +8,14 @@ import pytest
 import torch
 
 import engine.model
+from engine import decode_ops
 from engine.args import ModelArgs
 from engine.attention import MLA
 from engine.experts import ExpertWeights, ResidentExperts
 from engine.layers import RMSNorm
 from engine.model import Transformer
 from engine.moe import MoE
+from engine.rows import rows_alone
 
 CONFIG = dict(
     model_type="deepseek_v3",
@@ -101,10 +103,14 @@ def test_one_query_absorbed_attention_is_the_masked_einsum_bit_for_bit(args, tot
     latents = torch.randn(1, total + 3, args.kv_lora_rank, generator=generator)[:, :total]
     rope_keys = torch.randn(1, total, args.qk_rope_head_dim, generator=generator)
     selection = torch.randperm(total, generator=generator)[: max(1, total // 2)][None, None] if selected else None
-    got = mla._absorbed(q_nope, q_rope, latents, rope_keys, total - 1, selection)
+    with decode_ops.torch_ops():  # torch's one-query shortcut
+        got = mla._absorbed(q_nope, q_rope, latents, rope_keys, total - 1, selection)
     expected = masked_einsum_attention(mla, q_nope, q_rope, latents, rope_keys, total - 1, selection)
     assert got.shape == (1, 1, heads, args.v_head_dim)
     assert torch.equal(got, expected)
+    if decode_ops.available():  # a decode step's one C call: C's summation order, float rounding apart
+        in_c = mla._absorbed(q_nope, q_rope, latents, rope_keys, total - 1, selection)
+        torch.testing.assert_close(in_c, expected, rtol=1e-5, atol=1e-6)
 
 
 def resident_experts(args: ModelArgs, seed: int) -> ResidentExperts:
@@ -178,3 +184,24 @@ def test_a_deeper_prefetch_also_guesses_the_layers_after_the_next_nearest_first(
     first, second = args.moe_layers  # this model's two MoE layers
     assert [layer for layer, _ in deep.hints] == [first, second, second]  # layer 0 guesses both, layer 1 again
     assert deep.hints[0] == near.hints[0] and deep.hints[2] == near.hints[1]  # the nearer guess is the same
+
+
+@pytest.mark.skipif(not decode_ops.available(), reason="engine._kernels was not built")
+def test_float_decode_rows_take_the_c_ops_and_a_prompts_rows_keep_torchs(monkeypatch):
+    """RMSNorm (as the router and one query's attention): one C call for a decode row, one or batched
+    (rows_alone), with the same bits either way; a prompt's rows, and torch_ops(), keep torch's op."""
+    norm = randomised(RMSNorm(37), 1)
+    calls = []
+    c_norm = decode_ops.rms_norm
+    monkeypatch.setattr(decode_ops, "rms_norm", lambda *a: calls.append(a[0].shape) or c_norm(*a))
+    x = torch.randn(3, 1, 37, generator=torch.Generator().manual_seed(0))
+    one = norm(x[:1])
+    with rows_alone():
+        batched = norm(x)
+    prompt = norm(x.view(1, 3, 37))
+    with decode_ops.torch_ops():
+        torch_one = norm(x[:1])
+    assert calls == [(1, 1, 37), (3, 1, 37)]
+    assert torch.equal(batched[:1], one)
+    torch.testing.assert_close(one, torch_one, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(prompt.view(3, 1, 37), batched, rtol=1e-6, atol=1e-6)

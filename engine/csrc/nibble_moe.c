@@ -1,0 +1,164 @@
+/*
+ * A MoE layer's routed 4-bit experts with float32 activations (the default, exact path), in three threaded
+ * phases instead of three kernel calls and a handful of torch ops per expert:
+ *
+ *   A  g_e = x_e @ w1_e^T, u_e = x_e @ w3_e^T   every expert's two matrices, blocks of 64 output rows
+ *   B  h_e = silu(g_e) * u_e                    per expert, laid out for w2
+ *   C  y_e = h_e @ w2_e^T                       every expert's down matrix, blocks of 64 output rows
+ *   D  out[r] += (double)(y_e[r] * weight)      on the caller, experts in the given order
+ *
+ * x_e are the rows routed to expert e, laid out for the kernel (nibble_prepare) in groups of MAX_ROWS.
+ * Every product is nibble_gemm's alone one: a row's result is what a one-row kernel call gives it, so
+ * rows of independent requests stay exact and the matrices' bits are engine/quant.py kernel_matmul's.
+ */
+#include "nibble_moe.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "split.h"
+#include "swiglu.h"
+
+#define BLOCK_ROWS 64 /* output rows per block of phases A and C: nibble_gemm's buffer below */
+
+typedef struct {
+    int rows; /* rows of x routed to this expert */
+    int *row; /* [rows]: which rows */
+    float *weight; /* [rows]: their gate weights */
+    float *xs, *hs; /* x for w1/w3 and h for w2, nibble_prepare'd per group of MAX_ROWS rows */
+    float *gate, *up; /* [rows, inter]; gate then holds h */
+    float *y; /* [rows, dim] */
+} Term;
+
+typedef struct {
+    const NibbleMoE *moe;
+    Term *terms;
+    int blocks_per_matrix; /* phase A: per matrix; phase C: per expert */
+} Phase;
+
+static inline int blocks(int n) { return (n + BLOCK_ROWS - 1) / BLOCK_ROWS; }
+
+/* y [rows, out] (row stride `out`) rows [begin, end) = the prepared rows times m, MAX_ROWS rows per call. */
+static void product(const NibbleMatrix *m, const float *prepared, int rows, int begin, int end, int simd, float *y,
+                    int out) {
+    float tmp[MAX_ROWS * BLOCK_ROWS];
+    size_t group_floats = nibble_work_floats(m, MAX_ROWS);
+    int n = end - begin;
+    for (int first = 0; first < rows; first += MAX_ROWS) {
+        int g = rows - first < MAX_ROWS ? rows - first : MAX_ROWS;
+        nibble_gemm(m, prepared + (size_t)(first / MAX_ROWS) * group_floats, g, begin, end, simd, 1, tmp);
+        for (int r = 0; r < g; r++) memcpy(y + (size_t)(first + r) * out + begin, tmp + (size_t)r * n, n * sizeof(float));
+    }
+}
+
+/* x [rows, in] (row stride in) -> prepared, in groups of MAX_ROWS rows, each group's layout nibble_prepare's. */
+static void prepare_groups(const NibbleMatrix *m, const float *x, int rows, float *prepared) {
+    size_t group_floats = nibble_work_floats(m, MAX_ROWS);
+    for (int first = 0; first < rows; first += MAX_ROWS) {
+        int g = rows - first < MAX_ROWS ? rows - first : MAX_ROWS;
+        nibble_prepare(m, x + (size_t)first * m->in, g, prepared + (size_t)(first / MAX_ROWS) * group_floats);
+    }
+}
+
+/* Block b of phase A: expert b / (2 per), w1 or w3, 64 of its output rows. */
+static void gate_up_block(void *arg, int b) {
+    const Phase *p = arg;
+    int per = p->blocks_per_matrix, e = b / (2 * per), up = (b / per) % 2, begin = (b % per) * BLOCK_ROWS;
+    const Term *t = &p->terms[e];
+    if (t->rows == 0) return;
+    int inter = p->moe->inter, end = begin + BLOCK_ROWS < inter ? begin + BLOCK_ROWS : inter;
+    const NibbleExpert *ex = &p->moe->experts[e];
+    product(up ? &ex->w3 : &ex->w1, t->xs, t->rows, begin, end, p->moe->simd, up ? t->up : t->gate, inter);
+}
+
+/* Phase B for expert e: h = silu(gate) * up, prepared for w2. */
+static void swiglu_block(void *arg, int e) {
+    const Phase *p = arg;
+    const NibbleMoE *moe = p->moe;
+    Term *t = &p->terms[e];
+    swiglu_in_place(t->gate, t->up, (size_t)t->rows * moe->inter, moe->clamp, moe->limit);
+    prepare_groups(&moe->experts[e].w2, t->gate, t->rows, t->hs);
+}
+
+/* Block b of phase C: expert b / per, 64 output rows of its w2. */
+static void down_block(void *arg, int b) {
+    const Phase *p = arg;
+    int per = p->blocks_per_matrix, e = b / per, begin = (b % per) * BLOCK_ROWS;
+    const Term *t = &p->terms[e];
+    if (t->rows == 0) return;
+    int dim = p->moe->dim, end = begin + BLOCK_ROWS < dim ? begin + BLOCK_ROWS : dim;
+    product(&p->moe->experts[e].w2, t->hs, t->rows, begin, end, p->moe->simd, t->y, dim);
+}
+
+/* Floats of a prepared area for n rows of m: whole groups of MAX_ROWS, as prepare_groups lays them. */
+static size_t prepared_floats(const NibbleMatrix *m, int n) {
+    return (size_t)(n + MAX_ROWS - 1) / MAX_ROWS * nibble_work_floats(m, MAX_ROWS);
+}
+
+/* Bytes of one expert's work area for n rows. */
+static size_t term_bytes(const NibbleMoE *moe, const NibbleExpert *ex, int n) {
+    size_t floats = (size_t)n * (2 * (size_t)moe->inter + 2 * (size_t)moe->dim) + prepared_floats(&ex->w1, n) +
+                    prepared_floats(&ex->w2, n);
+    return (size_t)n * (sizeof(int) + sizeof(float)) + floats * sizeof(float) + 64;
+}
+
+/* Which rows each expert takes, their x prepared, and its part of the work area (one allocation, freed by the
+ * caller); the x rows are gathered into each term's y, which phase C overwrites. */
+static void *assign_rows(const NibbleMoE *moe, Term *terms) {
+    size_t total = 0;
+    for (int e = 0; e < moe->n_experts; e++) {
+        terms[e].rows = 0;
+        for (int i = 0; i < moe->rows * moe->topk; i++) terms[e].rows += moe->ids[i] == moe->expert_ids[e];
+        total += term_bytes(moe, &moe->experts[e], terms[e].rows);
+    }
+    char *area = malloc(total > 0 ? total : 1), *at = area;
+    if (area == NULL) return NULL;
+    for (int e = 0; e < moe->n_experts; e++) {
+        Term *t = &terms[e];
+        const NibbleExpert *ex = &moe->experts[e];
+        int n = t->rows;
+        t->row = (int *)at, at += (size_t)n * sizeof(int);
+        t->weight = (float *)at, at += (size_t)n * sizeof(float);
+        at += (64 - (uintptr_t)at % 64) % 64; /* what follows is read as vectors */
+        t->gate = (float *)at, at += (size_t)n * moe->inter * sizeof(float);
+        t->up = (float *)at, at += (size_t)n * moe->inter * sizeof(float);
+        t->y = (float *)at, at += (size_t)n * moe->dim * sizeof(float);
+        t->xs = (float *)at, at += prepared_floats(&ex->w1, n) * sizeof(float);
+        t->hs = (float *)at, at += prepared_floats(&ex->w2, n) * sizeof(float);
+        int i = 0;
+        for (int r = 0; r < moe->rows; r++)
+            for (int s = 0; s < moe->topk; s++)
+                if (moe->ids[(size_t)r * moe->topk + s] == moe->expert_ids[e]) {
+                    t->row[i] = r, t->weight[i] = moe->weights[(size_t)r * moe->topk + s];
+                    memcpy(t->y + (size_t)i * moe->dim, moe->x + (size_t)r * moe->dim, moe->dim * sizeof(float));
+                    i++;
+                }
+        prepare_groups(&ex->w1, t->y, n, t->xs); /* w1 and w3 read x alike: one layout for both */
+    }
+    return area;
+}
+
+int nibble_moe_run(const NibbleMoE *moe) {
+    if (moe->n_experts == 0) return 0;
+    Term *terms = calloc((size_t)moe->n_experts, sizeof(Term));
+    void *area = terms != NULL ? assign_rows(moe, terms) : NULL;
+    if (area == NULL) {
+        free(terms);
+        return -1;
+    }
+    Phase p = {moe, terms, blocks(moe->inter)};
+    split_run(gate_up_block, &p, moe->n_experts * 2 * p.blocks_per_matrix, moe->threads);
+    split_run(swiglu_block, &p, moe->n_experts, moe->threads);
+    p.blocks_per_matrix = blocks(moe->dim);
+    split_run(down_block, &p, moe->n_experts * p.blocks_per_matrix, moe->threads);
+    for (int e = 0; e < moe->n_experts; e++) {
+        const Term *t = &terms[e];
+        for (int i = 0; i < t->rows; i++) {
+            double *out = moe->out + (size_t)t->row[i] * moe->dim;
+            const float *y = t->y + (size_t)i * moe->dim;
+            for (int d = 0; d < moe->dim; d++) out[d] += (double)(y[d] * t->weight[i]);
+        }
+    }
+    free(area), free(terms);
+    return 0;
+}

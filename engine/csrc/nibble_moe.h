@@ -1,0 +1,34 @@
+/* A MoE layer's routed 4-bit experts with float32 activations (nibble_moe.c): the exact path's counterpart
+ * of q8_moe.h, every expert's gate and up matrices as one threaded job, SwiGLU, every down matrix as a
+ * second job, then the gate-weighted sum. */
+#ifndef COLIBRI_NIBBLE_MOE_H
+#define COLIBRI_NIBBLE_MOE_H
+
+#include <stdint.h>
+
+#include "nibble.h"
+
+/* One SwiGLU expert: gate w1 and up w3 [inter, dim], down w2 [dim, inter]. */
+typedef struct {
+    NibbleMatrix w1, w3, w2;
+} NibbleExpert;
+
+typedef struct {
+    const NibbleExpert *experts; /* in the order their terms are added */
+    const int64_t *expert_ids; /* [n_experts]: the id each expert has in `ids` */
+    int n_experts;
+    const float *x; /* [rows, dim] */
+    const int64_t *ids; /* [rows, topk]: each row's routed experts */
+    const float *weights; /* [rows, topk]: their gate weights */
+    int rows, topk, dim, inter;
+    int clamp; /* 1: DeepSeek-V4's swiglu limit (gate <= limit, |up| <= limit) */
+    float limit;
+    int simd, threads; /* simd 0: the scalar kernel (tests) */
+    double *out; /* [rows, dim]: out[r] += (double)(weight * expert(x[r])) for each listed expert r routed to */
+} NibbleMoE;
+
+/* Runs the layer; 0 when done, -1 when its work area could not be allocated (nothing was added). Every
+ * product is nibble_gemm's batch-invariant one (alone), so a row's terms are those of its one-row call. */
+int nibble_moe_run(const NibbleMoE *moe);
+
+#endif

@@ -1,0 +1,110 @@
+"""A MoE layer's routed 4-bit experts with float32 activations in one C call (engine/csrc/nibble_moe.c).
+
+The default (exact) decode path would otherwise cost three kernel calls and a few torch ops per expert:
+per layer, one call lays x out for the kernel once per expert, runs every expert's gate and up matrices as
+one threaded job, SwiGLU, every down matrix as a second job, and adds the gate-weighted terms into the
+float64 sum. Only for decode rows (one row, or rows inside ``rows_alone()``): each row's products are
+the kernel's one-row ones, bit for bit those of ``kernel_matmul(..., alone=True)``; SwiGLU is C's
+``expf`` form of silu (within float rounding of torch's). A prompt's rows keep the dequantise-once matmul.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from typing import TypeGuard
+
+import torch
+
+from engine.q8 import activations_are_int8
+from engine.q8_experts import parts_within
+from engine.quant import KERNEL_CODES, KERNEL_SCALES, QuantizedExpert, QuantizedMatrix
+from engine.rows import computing_alone, kernel_threads
+
+try:
+    from engine import _kernels
+except ImportError:  # pragma: no cover - machines without a compiler
+    _kernels = None  # type: ignore[assignment]  # no C extension built: callers check for None first
+
+# reflection: a build of the C extension older than nibble_moe.c lacks it; checked once (a decode step asks per layer)
+_BUILT = _kernels is not None and hasattr(_kernels, "nibble_moe")
+MAX_WORK_BYTES = 32 << 20  # one call's work area at most: a long batch's experts are split over calls
+
+
+def nibble_experts_handle(experts: Sequence[object], x: torch.Tensor) -> TypeGuard[Sequence[QuantizedExpert]]:
+    """Whether ``add_nibble_experts`` takes these experts with x: float32 activations on the CPU, a decode
+    row (one row, or rows inside rows_alone()), QuantizedExperts whose three matrices the 4-bit kernel
+    takes, all of one layout."""
+    if not experts or not _BUILT or activations_are_int8():
+        return False
+    if not (computing_alone() or x.shape[0] == 1):  # a prompt's rows: the dequantise-once matmul
+        return False
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[0] == 0:
+        return False
+    first = _plan(experts[0])
+    return first is not None and all((plan := _plan(e)) is not None and plan[0] == first[0] for e in experts[1:])
+
+
+def _plan(expert: object) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(layout, the six addresses of w1, its scales, w3, its scales, w2, its scales) of an expert the call
+    takes, else None; kept on the expert (``QuantizedExpert.nibble_plan``), built once per store slot."""
+    if not isinstance(expert, QuantizedExpert):
+        return None
+    if expert.nibble_plan is None:
+        layout = _layout(expert)
+        addresses = tuple(p for m in (expert.w1, expert.w3, expert.w2) for p in (m.q.data_ptr(), m.scales.data_ptr()))
+        object.__setattr__(expert, "nibble_plan", () if layout is None else (layout, addresses))  # frozen dataclass
+    return expert.nibble_plan or None
+
+
+def _layout(expert: QuantizedExpert) -> tuple[int, ...] | None:
+    """(dim, inter, code13, code2, scale kind, group13, group2) when the kernel takes all three matrices alike."""
+    w1, w3, w2 = expert.w1, expert.w3, expert.w2
+    if not all(_kernel_takes(m, w1.scales.dtype) for m in (w1, w3, w2)):
+        return None
+    if (w3.code, w3.group_size, w3.in_dim, w3.out_dim) != (w1.code, w1.group_size, w1.in_dim, w1.out_dim):
+        return None
+    if (w2.in_dim, w2.out_dim) != (w1.out_dim, w1.in_dim):
+        return None
+    codes = (KERNEL_CODES[w1.code], KERNEL_CODES[w2.code], KERNEL_SCALES[w1.scales.dtype])
+    return w1.in_dim, w1.out_dim, *codes, w1.group_size, w2.group_size
+
+
+def _kernel_takes(m: QuantizedMatrix, scale_dtype: torch.dtype) -> bool:
+    return (
+        m.code in KERNEL_CODES
+        and m.group_size >= 2
+        and m.group_size % 2 == 0
+        and m.scales.dtype == scale_dtype
+        and m.scales.dtype in KERNEL_SCALES
+        and m.q.device.type == "cpu"
+        and m.q.is_contiguous()
+        and m.scales.is_contiguous()
+    )
+
+
+def add_nibble_experts(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    expert_ids: Sequence[int],
+    experts: Sequence[QuantizedExpert],
+    limit: float | None = None,
+) -> None:
+    """out [N, dim] float64 += sum over the listed experts e of weight[r, e] * e(x[r]) for every row r
+    routed to e. x [N, dim] float32, ids [N, topk], weights [N, topk] float32; experts[i] is expert
+    expert_ids[i] (nibble_experts_handle must hold); ``limit``: the SwiGLU clamp (DeepSeek-V4)."""
+    x, weights = x.contiguous(), weights.float().contiguous()
+    ids = ids.to(torch.int64).contiguous()
+    layout = _plan(experts[0])[0]  # type: ignore[index]  # nibble_experts_handle held
+    dim, inter = layout[0], layout[1]
+    row_bytes = 4 * (3 * inter + 3 * dim) + 8  # gate, up, y, x, the laid-out x and h (float32); row, weight
+    for part in parts_within(ids, list(expert_ids), row_bytes, MAX_WORK_BYTES):
+        mats = array("Q", [p for i in part for p in _plan(experts[i])[1]])  # type: ignore[index]  # [n, 6]
+        part_ids = array("q", [expert_ids[i] for i in part])
+        _kernels.nibble_moe(
+            x.data_ptr(), x.shape[0], ids.data_ptr(), weights.data_ptr(), ids.shape[1],
+            part_ids.buffer_info()[0], len(part), mats.buffer_info()[0], layout,
+            limit is not None, float(limit or 0.0), out.data_ptr(), True, kernel_threads(),
+        )  # fmt: skip

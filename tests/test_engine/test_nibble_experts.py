@@ -1,0 +1,129 @@
+"""A decode step's routed 4-bit experts with float32 activations in one C call (engine/nibble_experts.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import engine.moe as moe
+import engine.nibble_experts as nibble_experts
+from colibri_stream.bench.kernels import KINDS, random_kind_matrix
+from engine.experts import ExpertWeights, ResidentExperts
+from engine.q8 import int8_activations
+from engine.quant import QuantizedExpert, int4_kernel_available, kernel_matmul
+from engine.rows import rows_alone
+
+needs_kernel = pytest.mark.skipif(not int4_kernel_available(), reason="engine._kernels was not built")
+DIM, INTER, N_EXPERTS, TOPK = 200, 90, 10, 3  # no multiple of 64: partial chunks, a lone last block row
+
+
+def make_experts(kind: str = "int4-f16-g64", seed: int = 0) -> ResidentExperts:
+    code, scales, group = KINDS[kind]
+    gen = torch.Generator().manual_seed(seed)
+
+    def matrix(out_dim: int, in_dim: int):
+        return random_kind_matrix(code, scales, group, out_dim, in_dim, gen)
+
+    experts = {e: QuantizedExpert(matrix(INTER, DIM), matrix(DIM, INTER), matrix(INTER, DIM)) for e in range(N_EXPERTS)}
+    return ResidentExperts({0: experts})
+
+
+def routing(rows: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, DIM, generator=gen)
+    ids = torch.stack([torch.randperm(N_EXPERTS, generator=gen)[:TOPK] for _ in range(rows)])
+    return x, torch.rand(rows, TOPK, generator=gen), ids
+
+
+def reference(x, weights, ids, experts: ResidentExperts, limit=None) -> torch.Tensor:
+    """The kernel's one-row products with torch's SwiGLU between them, each row alone, summed in float64."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for r in range(x.shape[0]):
+        for slot, e in enumerate(ids[r].tolist()):
+            ex = experts.acquire(0, [e])[e]
+            row = x[r : r + 1]
+            g, u = kernel_matmul(row, ex.w1, alone=True), kernel_matmul(row, ex.w3, alone=True)
+            if limit is not None:
+                g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+            y = kernel_matmul(torch.nn.functional.silu(g) * u, ex.w2, alone=True)
+            out[r] += (y[0] * weights[r, slot]).double()
+    return out
+
+
+def fused_calls(monkeypatch) -> list[int]:
+    """The experts each fused call was given, as calls happen."""
+    calls: list[int] = []
+    add = nibble_experts.add_nibble_experts
+    monkeypatch.setattr(moe, "add_nibble_experts", lambda *a, **k: calls.append(len(a[5])) or add(*a, **k))
+    return calls
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 5, 19])  # 19: three groups of the kernel's 8 rows, the last partial
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_one_call_computes_the_reference_and_each_row_as_alone(monkeypatch, rows, kind):
+    experts = make_experts(kind)
+    x, weights, ids = routing(rows)
+    calls = fused_calls(monkeypatch)
+    with rows_alone():
+        fused, _ = moe.routed_sum(x, weights, ids, experts, 0)
+        alone = torch.cat(
+            [moe.routed_sum(x[r : r + 1], weights[r : r + 1], ids[r : r + 1], experts, 0)[0] for r in range(rows)]
+        )
+    assert calls[0] == len(ids.unique()) and len(calls) == 1 + rows  # one call a layer, alone or batched
+    assert torch.equal(fused, alone)  # a row's bits do not depend on the rows beside it
+    expected = reference(x, weights, ids, experts)
+    torch.testing.assert_close(fused, expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
+
+
+@needs_kernel
+def test_the_swiglu_limit_clamps_as_the_per_expert_path_does(monkeypatch):
+    experts = make_experts()
+    x, weights, ids = routing(6, seed=3)
+    x = x * 40  # gate and up values beyond the limit
+    with rows_alone():
+        fused, _ = moe.routed_sum(x, weights, ids, experts, 0, limit=0.5)
+        unclamped, _ = moe.routed_sum(x, weights, ids, experts, 0)
+        monkeypatch.setattr(moe, "nibble_experts_handle", lambda *a: False)
+        plain, _ = moe.routed_sum(x, weights, ids, experts, 0, limit=0.5)
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6 * plain.abs().max().item())
+    torch.testing.assert_close(fused, reference(x, weights, ids, experts, limit=0.5), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(fused, unclamped, rtol=1e-2)
+
+
+@needs_kernel
+def test_a_batch_too_big_for_one_work_area_is_split_over_calls_with_the_same_sum(monkeypatch):
+    experts = make_experts()
+    x, weights, ids = routing(40, seed=5)
+    with rows_alone():
+        whole, _ = moe.routed_sum(x, weights, ids, experts, 0)
+        monkeypatch.setattr(nibble_experts, "MAX_WORK_BYTES", 8 * 4 * 3 * (INTER + DIM))  # ~8 rows per call
+        sizes = []
+        call = nibble_experts._kernels.nibble_moe
+        monkeypatch.setattr(nibble_experts._kernels, "nibble_moe", lambda *a: sizes.append(a[6]) or call(*a))
+        split, _ = moe.routed_sum(x, weights, ids, experts, 0)
+    assert len(sizes) > 2 and sum(sizes) == len(ids.unique())
+    assert torch.equal(whole, split)
+
+
+@needs_kernel
+def test_only_decode_rows_of_4bit_experts_with_float_activations_take_it(monkeypatch):
+    x, weights, ids = routing(6)
+    experts = make_experts()
+    calls = fused_calls(monkeypatch)
+    moe.routed_sum(x, weights, ids, experts, 0)  # a prompt's rows: the dequantise-once matmul
+    assert calls == []
+    moe.routed_sum(x[:1], weights[:1], ids[:1], experts, 0)  # one row: a decode step, alone or not
+    assert calls == [TOPK]
+    with rows_alone(), int8_activations():
+        moe.routed_sum(x, weights, ids, experts, 0)  # int8 activations: engine/q8_experts.py's call
+    gen = torch.Generator().manual_seed(1)
+    shapes = [(INTER, DIM), (DIM, INTER), (INTER, DIM)]
+    floats = ResidentExperts(
+        {0: {e: ExpertWeights(*(torch.randn(s, generator=gen) for s in shapes)) for e in range(N_EXPERTS)}}
+    )
+    with rows_alone():
+        moe.routed_sum(x, weights, ids, floats, 0)  # float experts: not the 4-bit kernel's
+        mixed = [experts.acquire(0, [0])[0], floats.acquire(0, [0])[0]]
+        assert not nibble_experts.nibble_experts_handle(mixed, x)
+    assert calls == [TOPK]
