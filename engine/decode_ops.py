@@ -1,13 +1,14 @@
-"""The small float ops of the int8-activations model in C (engine/csrc/decode_ops.c): RMSNorm, the MoE
-router, and absorbed MLA attention for one query.
+"""The small float ops of a decode step in C (engine/csrc/decode_ops.c): RMSNorm, the MoE router, and
+absorbed MLA attention for one query.
 
 Between its weight-bound kernels a decode step runs ~100 small torch ops per layer; on a 2-core machine,
 with the kernels streaming the caches out between them, they took as long as the expert matmuls (an
 rms_norm, the router's dozen ops, five bmm for one query; docs/benchmarks.md, "Figures behind the code").
 Here each is one call.
-C sums in another order than torch, so the results differ from the exact path by float rounding: only
-inside ``int8_activations()`` (engine/q8.py), a path already lossy in its activations, do the modules
-take these. ``active(x)`` says whether they apply to x.
+C sums in another order than torch, so the results differ from torch's by float rounding, as the 4-bit
+and bf16 kernels' sums already do. The modules take them for every row inside ``int8_activations()``
+(engine/q8.py; ``active(x)``) and, on the float32 path, for decode rows only (``small_ops_take``): a prompt's
+rows keep torch's ops, and a row decoded in a batch gets the bits it gets decoded alone.
 """
 
 from __future__ import annotations
