@@ -59,28 +59,15 @@ def _plan(expert: object) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
 
 def _layout(expert: QuantizedExpert) -> tuple[int, ...] | None:
     """(dim, inter, code13, code2, scale kind, group13, group2) when the kernel takes all three matrices alike."""
-    w1, w3, w2 = expert.w1, expert.w3, expert.w2
-    if not all(_kernel_takes(m, w1.scales.dtype) for m in (w1, w3, w2)):
-        return None
-    if (w3.code, w3.group_size, w3.in_dim, w3.out_dim) != (w1.code, w1.group_size, w1.in_dim, w1.out_dim):
-        return None
-    if (w2.in_dim, w2.out_dim) != (w1.out_dim, w1.in_dim):
+    w1, w2 = expert.w1, expert.w2
+    if not expert.fusable() or not all(_kernel_takes(m) for m in (w1, w2)):
         return None
     codes = (KERNEL_CODES[w1.code], KERNEL_CODES[w2.code], KERNEL_SCALES[w1.scales.dtype])
     return w1.in_dim, w1.out_dim, *codes, w1.group_size, w2.group_size
 
 
-def _kernel_takes(m: QuantizedMatrix, scale_dtype: torch.dtype) -> bool:
-    return (
-        m.code in KERNEL_CODES
-        and m.group_size >= 2
-        and m.group_size % 2 == 0
-        and m.scales.dtype == scale_dtype
-        and m.scales.dtype in KERNEL_SCALES
-        and m.q.device.type == "cpu"
-        and m.q.is_contiguous()
-        and m.scales.is_contiguous()
-    )
+def _kernel_takes(m: QuantizedMatrix) -> bool:
+    return m.code in KERNEL_CODES and m.group_size >= 2 and m.group_size % 2 == 0 and m.scales.dtype in KERNEL_SCALES
 
 
 def add_nibble_experts(

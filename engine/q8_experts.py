@@ -76,26 +76,14 @@ def _addresses(expert: QuantizedExpert) -> tuple[int, ...]:
 
 def _layout(expert: QuantizedExpert) -> tuple[object, ...] | None:
     """What one call needs alike in every expert: codes, groups, scale dtype, shape; None if it cannot."""
-    w1, w3, w2 = expert.w1, expert.w3, expert.w2
-    if not all(_kernel_takes(m, w1.scales.dtype) for m in (w1, w3, w2)):
-        return None
-    if (w3.code, w3.group_size, w3.in_dim, w3.out_dim) != (w1.code, w1.group_size, w1.in_dim, w1.out_dim):
-        return None
-    if (w2.in_dim, w2.out_dim) != (w1.out_dim, w1.in_dim):
+    w1, w2 = expert.w1, expert.w2
+    if not expert.fusable() or not all(_kernel_takes(m) for m in (w1, w2)):
         return None
     return w1.code, w2.code, w1.scales.dtype, w1.group_size, w2.group_size, w1.in_dim, w1.out_dim
 
 
-def _kernel_takes(m: QuantizedMatrix, scale_dtype: torch.dtype) -> bool:
-    return (
-        m.code in WEIGHT_KINDS
-        and m.group_size % BLOCK == 0
-        and m.scales.dtype == scale_dtype
-        and m.scales.dtype in KERNEL_SCALES
-        and m.q.device.type == "cpu"
-        and m.q.is_contiguous()
-        and m.scales.is_contiguous()
-    )
+def _kernel_takes(m: QuantizedMatrix) -> bool:
+    return m.code in WEIGHT_KINDS and m.group_size % BLOCK == 0 and m.scales.dtype in KERNEL_SCALES
 
 
 def add_experts(

@@ -270,6 +270,17 @@ class QuantizedExpert:
     def device(self) -> torch.device:
         return self.w1.q.device
 
+    def fusable(self) -> bool:
+        """Whether one fused C call can take this expert as its layout says: the three matrices contiguous on
+        the CPU with one scale dtype, up (w3) as gate (w1) in code, group and shape, down (w2) transposed."""
+        w1, w3, w2 = self.w1, self.w3, self.w2
+        return (
+            all(m.q.device.type == "cpu" and m.q.is_contiguous() and m.scales.is_contiguous() for m in (w1, w3, w2))
+            and w1.scales.dtype == w3.scales.dtype == w2.scales.dtype
+            and (w3.code, w3.group_size, w3.in_dim, w3.out_dim) == (w1.code, w1.group_size, w1.in_dim, w1.out_dim)
+            and (w2.in_dim, w2.out_dim) == (w1.out_dim, w1.in_dim)
+        )
+
     def tensors(self) -> list[torch.Tensor]:
         """Codes and scales of gate and up before down: the order a call reads them."""
         return [t for m in (self.w1, self.w3, self.w2) for t in (m.q, m.scales)]

@@ -17,7 +17,7 @@
 #include <string.h>
 
 #include "split.h"
-#include "swiglu.h"
+#include "moe_terms.h"
 
 #define BLOCK_ROWS 64 /* output rows per block of phases A and C: nibble_gemm's buffer below */
 
@@ -107,8 +107,7 @@ static size_t term_bytes(const NibbleMoE *moe, const NibbleExpert *ex, int n) {
 static void *assign_rows(const NibbleMoE *moe, Term *terms) {
     size_t total = 0;
     for (int e = 0; e < moe->n_experts; e++) {
-        terms[e].rows = 0;
-        for (int i = 0; i < moe->rows * moe->topk; i++) terms[e].rows += moe->ids[i] == moe->expert_ids[e];
+        terms[e].rows = rows_routed(moe->ids, moe->rows * moe->topk, moe->expert_ids[e]);
         total += term_bytes(moe, &moe->experts[e], terms[e].rows);
     }
     char *area = malloc(total > 0 ? total : 1), *at = area;
@@ -151,14 +150,8 @@ int nibble_moe_run(const NibbleMoE *moe) {
     split_run(swiglu_block, &p, moe->n_experts, moe->threads);
     p.blocks_per_matrix = blocks(moe->dim);
     split_run(down_block, &p, moe->n_experts * p.blocks_per_matrix, moe->threads);
-    for (int e = 0; e < moe->n_experts; e++) {
-        const Term *t = &terms[e];
-        for (int i = 0; i < t->rows; i++) {
-            double *out = moe->out + (size_t)t->row[i] * moe->dim;
-            const float *y = t->y + (size_t)i * moe->dim;
-            for (int d = 0; d < moe->dim; d++) out[d] += (double)(y[d] * t->weight[i]);
-        }
-    }
+    for (int e = 0; e < moe->n_experts; e++) /* in the given order */
+        add_terms(moe->out, moe->dim, terms[e].row, terms[e].weight, terms[e].rows, terms[e].y);
     free(area), free(terms);
     return 0;
 }

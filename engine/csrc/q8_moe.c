@@ -20,7 +20,7 @@
 
 #include "nibble.h"
 #include "split.h"
-#include "swiglu.h"
+#include "moe_terms.h"
 
 #define BLOCK_ROWS 64 /* output rows per block of phases A and C */
 
@@ -82,8 +82,7 @@ static size_t term_bytes(const Q8MoE *moe, int n) {
 static void *assign_rows(const Q8MoE *moe, Term *terms, const Q8Rows *x_all) {
     size_t total = 0;
     for (int e = 0; e < moe->n_experts; e++) {
-        terms[e].rows = 0;
-        for (int i = 0; i < moe->rows * moe->topk; i++) terms[e].rows += moe->ids[i] == moe->expert_ids[e];
+        terms[e].rows = rows_routed(moe->ids, moe->rows * moe->topk, moe->expert_ids[e]);
         total += term_bytes(moe, terms[e].rows);
     }
     char *area = malloc(total > 0 ? total : 1), *at = area;
@@ -145,14 +144,8 @@ int q8_moe_run(const Q8MoE *moe) {
     split_run(swiglu_block, &p, moe->n_experts, moe->threads);
     p.blocks_per_matrix = blocks(moe->dim);
     split_run(down_block, &p, moe->n_experts * p.blocks_per_matrix, moe->threads);
-    for (int e = 0; e < moe->n_experts; e++) {
-        const Term *t = &terms[e];
-        for (int i = 0; i < t->rows; i++) {
-            double *out = moe->out + (size_t)t->row[i] * moe->dim;
-            const float *y = t->y + (size_t)i * moe->dim;
-            for (int d = 0; d < moe->dim; d++) out[d] += (double)(y[d] * t->weight[i]);
-        }
-    }
+    for (int e = 0; e < moe->n_experts; e++) /* in the given order */
+        add_terms(moe->out, moe->dim, terms[e].row, terms[e].weight, terms[e].rows, terms[e].y);
     free(area), free(terms), free(x_all.work);
     return 0;
 }
