@@ -313,18 +313,21 @@ class RoutedSum:
         self._sums: dict[torch.device, torch.Tensor] = {}
 
     def add_batch(self, batch: Sequence[tuple[int, Expert]]) -> None:
-        """Add experts given as (id, expert), in order: in one C call where they all take it (int8
-        activations: engine/q8_experts.py; 4-bit experts in a decode step: engine/nibble_experts.py), else
-        one by one."""
+        """Add experts given as (id, expert): in one C call where they all take it (int8 activations,
+        engine/q8_experts.py); a decode step's 4-bit CPU experts in one C call (engine/nibble_experts.py)
+        whatever else the batch holds, so an expert's term does not depend on where the others are; the
+        rest one by one. The float64 sum does not depend on the order."""
         experts = [expert for _, expert in batch]
         x, weights = self._inputs[self.home]
-        ids = [i for i, _ in batch]
         if fused_experts_handle(experts, x):
-            add_experts(self._sum_on(self.home), x, self.ids, weights, ids, experts, self.limit)
+            add_experts(self._sum_on(self.home), x, self.ids, weights, [i for i, _ in batch], experts, self.limit)
             return
-        if nibble_experts_handle(experts, x):
-            add_nibble_experts(self._sum_on(self.home), x, self.ids, weights, ids, experts, self.limit)
-            return
+        in_c = [(i, e) for i, e in batch if nibble_experts_handle([e], x)]
+        chosen = [e for _, e in in_c]
+        if chosen and nibble_experts_handle(chosen, x):
+            ids = [i for i, _ in in_c]
+            add_nibble_experts(self._sum_on(self.home), x, self.ids, weights, ids, chosen, self.limit)
+            batch = [(i, e) for i, e in batch if i not in ids]
         for expert_id, expert in batch:
             self.add(expert, *self.rows_of[expert_id])
 

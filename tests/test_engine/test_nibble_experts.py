@@ -127,3 +127,27 @@ def test_only_decode_rows_of_4bit_experts_with_float_activations_take_it(monkeyp
         mixed = [experts.acquire(0, [0])[0], floats.acquire(0, [0])[0]]
         assert not nibble_experts.nibble_experts_handle(mixed, x)
     assert calls == [TOPK]
+
+
+@needs_kernel
+def test_a_batch_with_other_experts_still_computes_its_4bit_ones_in_one_call(monkeypatch):
+    """A layer whose experts are partly elsewhere (float weights here; VRAM slots on a GPU machine): the 4-bit
+    CPU experts still go through the one call, so their terms do not depend on where the others are."""
+    quantised = make_experts()._experts[0]
+    gen = torch.Generator().manual_seed(7)
+    shapes = [(INTER, DIM), (DIM, INTER), (INTER, DIM)]
+    floats = {e: ExpertWeights(*(torch.randn(s, generator=gen) * 0.05 for s in shapes)) for e in range(5, N_EXPERTS)}
+    mixed = ResidentExperts({0: {**{e: quantised[e] for e in range(5)}, **floats}})
+    x, weights, ids = routing(4, seed=2)
+    calls = fused_calls(monkeypatch)
+    with rows_alone():
+        got, _ = moe.routed_sum(x, weights, ids, mixed, 0)
+    assert calls == [len([e for e in ids.unique().tolist() if e < 5])]
+    expected = torch.zeros(x.shape, dtype=torch.float64)
+    for r in range(x.shape[0]):
+        for slot, e in enumerate(ids[r].tolist()):
+            if e >= 5:
+                expected[r] += (floats[e](x[r : r + 1])[0] * weights[r, slot]).double()
+    keep = ids < 5  # the 4-bit experts' terms: the reference with the others' weights at zero
+    expected += reference(x, weights * keep, ids.where(keep, 0), make_experts())
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
