@@ -71,7 +71,6 @@ def nibble_moe(
     clamp: bool,
     limit: float,
     out: int,
-    simd: bool,
     threads: int,
     /,
 ) -> None: ...

@@ -13,7 +13,7 @@ from engine import decode_ops
 from engine.args import ModelArgs
 from engine.experts import Expert, Experts, LocalExperts, RemoteExperts
 from engine.layers import MLP
-from engine.nibble_experts import add_nibble_experts, nibble_experts_handle
+from engine.nibble_experts import add_nibble_experts, in_one_call
 from engine.q8_experts import add_experts, fused_experts_handle
 from engine.rows import linear, per_row
 
@@ -322,11 +322,9 @@ class RoutedSum:
         if fused_experts_handle(experts, x):
             add_experts(self._sum_on(self.home), x, self.ids, weights, [i for i, _ in batch], experts, self.limit)
             return
-        in_c = [(i, e) for i, e in batch if nibble_experts_handle([e], x)]
-        chosen = [e for _, e in in_c]
-        if chosen and nibble_experts_handle(chosen, x):
+        if in_c := in_one_call(batch, x):
             ids = [i for i, _ in in_c]
-            add_nibble_experts(self._sum_on(self.home), x, self.ids, weights, ids, chosen, self.limit)
+            add_nibble_experts(self._sum_on(self.home), x, self.ids, weights, ids, [e for _, e in in_c], self.limit)
             batch = [(i, e) for i, e in batch if i not in ids]
         for expert_id, expert in batch:
             self.add(expert, *self.rows_of[expert_id])

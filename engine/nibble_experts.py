@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from typing import TypeGuard
 
 import torch
 
@@ -31,18 +30,20 @@ _BUILT = _kernels is not None and hasattr(_kernels, "nibble_moe")
 MAX_WORK_BYTES = 32 << 20  # one call's work area at most: a long batch's experts are split over calls
 
 
-def nibble_experts_handle(experts: Sequence[object], x: torch.Tensor) -> TypeGuard[Sequence[QuantizedExpert]]:
-    """Whether ``add_nibble_experts`` takes these experts with x: float32 activations on the CPU, a decode
-    row (one row, or rows inside rows_alone()), QuantizedExperts whose three matrices the 4-bit kernel
-    takes, all of one layout."""
-    if not experts or not _BUILT or activations_are_int8():
-        return False
+def in_one_call(batch: Sequence[tuple[int, object]], x: torch.Tensor) -> list[tuple[int, QuantizedExpert]]:
+    """The (id, expert) pairs of a batch that ``add_nibble_experts`` takes together with x: none unless x is
+    float32 on the CPU, a decode row (one row, or rows inside rows_alone()) and int8 activations are off;
+    then the QuantizedExperts whose three matrices the 4-bit kernel takes (none if their layouts differ)."""
+    if not batch or not _BUILT or activations_are_int8():
+        return []
     if not (computing_alone() or x.shape[0] == 1):  # a prompt's rows: the dequantise-once matmul
-        return False
+        return []
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[0] == 0:
-        return False
-    first = _plan(experts[0])
-    return first is not None and all((plan := _plan(e)) is not None and plan[0] == first[0] for e in experts[1:])
+        return []
+    planned = [(i, e, plan) for i, e in batch if isinstance(e, QuantizedExpert) and (plan := _plan(e)) is not None]
+    if any(plan[0] != planned[0][2][0] for _, _, plan in planned):
+        return []
+    return [(i, e) for i, e, _ in planned]
 
 
 def _plan(expert: object) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
@@ -81,10 +82,10 @@ def add_nibble_experts(
 ) -> None:
     """out [N, dim] float64 += sum over the listed experts e of weight[r, e] * e(x[r]) for every row r
     routed to e. x [N, dim] float32, ids [N, topk], weights [N, topk] float32; experts[i] is expert
-    expert_ids[i] (nibble_experts_handle must hold); ``limit``: the SwiGLU clamp (DeepSeek-V4)."""
+    expert_ids[i] (``in_one_call`` chose them); ``limit``: the SwiGLU clamp (DeepSeek-V4)."""
     x, weights = x.contiguous(), weights.float().contiguous()
     ids = ids.to(torch.int64).contiguous()
-    layout = _plan(experts[0])[0]  # type: ignore[index]  # nibble_experts_handle held
+    layout = _plan(experts[0])[0]  # type: ignore[index]  # in_one_call chose it
     dim, inter = layout[0], layout[1]
     row_bytes = 4 * (3 * inter + 3 * dim) + 8  # gate, up, y, x, the laid-out x and h (float32); row, weight
     for part in parts_within(ids, list(expert_ids), row_bytes, MAX_WORK_BYTES):
@@ -93,5 +94,5 @@ def add_nibble_experts(
         _kernels.nibble_moe(
             x.data_ptr(), x.shape[0], ids.data_ptr(), weights.data_ptr(), ids.shape[1],
             part_ids.buffer_info()[0], len(part), mats.buffer_info()[0], layout,
-            limit is not None, float(limit or 0.0), out.data_ptr(), True, kernel_threads(),
+            limit is not None, float(limit or 0.0), out.data_ptr(), kernel_threads(),
         )  # fmt: skip

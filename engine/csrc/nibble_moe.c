@@ -39,14 +39,13 @@ typedef struct {
 static inline int blocks(int n) { return (n + BLOCK_ROWS - 1) / BLOCK_ROWS; }
 
 /* y [rows, out] (row stride `out`) rows [begin, end) = the prepared rows times m, MAX_ROWS rows per call. */
-static void product(const NibbleMatrix *m, const float *prepared, int rows, int begin, int end, int simd, float *y,
-                    int out) {
+static void product(const NibbleMatrix *m, const float *prepared, int rows, int begin, int end, float *y, int out) {
     float tmp[MAX_ROWS * BLOCK_ROWS];
     size_t group_floats = nibble_work_floats(m, MAX_ROWS);
     int n = end - begin;
     for (int first = 0; first < rows; first += MAX_ROWS) {
         int g = rows - first < MAX_ROWS ? rows - first : MAX_ROWS;
-        nibble_gemm(m, prepared + (size_t)(first / MAX_ROWS) * group_floats, g, begin, end, simd, 1, tmp);
+        nibble_gemm(m, prepared + (size_t)(first / MAX_ROWS) * group_floats, g, begin, end, 1, 1, tmp);
         for (int r = 0; r < g; r++) memcpy(y + (size_t)(first + r) * out + begin, tmp + (size_t)r * n, n * sizeof(float));
     }
 }
@@ -68,7 +67,7 @@ static void gate_up_block(void *arg, int b) {
     if (t->rows == 0) return;
     int inter = p->moe->inter, end = begin + BLOCK_ROWS < inter ? begin + BLOCK_ROWS : inter;
     const NibbleExpert *ex = &p->moe->experts[e];
-    product(up ? &ex->w3 : &ex->w1, t->xs, t->rows, begin, end, p->moe->simd, up ? t->up : t->gate, inter);
+    product(up ? &ex->w3 : &ex->w1, t->xs, t->rows, begin, end, up ? t->up : t->gate, inter);
 }
 
 /* Phase B for expert e: h = silu(gate) * up, prepared for w2. */
@@ -87,7 +86,7 @@ static void down_block(void *arg, int b) {
     const Term *t = &p->terms[e];
     if (t->rows == 0) return;
     int dim = p->moe->dim, end = begin + BLOCK_ROWS < dim ? begin + BLOCK_ROWS : dim;
-    product(&p->moe->experts[e].w2, t->hs, t->rows, begin, end, p->moe->simd, t->y, dim);
+    product(&p->moe->experts[e].w2, t->hs, t->rows, begin, end, t->y, dim);
 }
 
 /* Floats of a prepared area for n rows of m: whole groups of MAX_ROWS, as prepare_groups lays them. */

@@ -23,7 +23,7 @@ typedef struct {
     int rows, topk, dim, inter;
     int clamp; /* 1: DeepSeek-V4's swiglu limit (gate <= limit, |up| <= limit) */
     float limit;
-    int simd, threads; /* simd 0: the scalar kernel (tests) */
+    int threads;
     double *out; /* [rows, dim]: out[r] += (double)(weight * expert(x[r])) for each listed expert r routed to */
 } NibbleMoE;
 

@@ -84,7 +84,7 @@ def test_the_swiglu_limit_clamps_as_the_per_expert_path_does(monkeypatch):
     with rows_alone():
         fused, _ = moe.routed_sum(x, weights, ids, experts, 0, limit=0.5)
         unclamped, _ = moe.routed_sum(x, weights, ids, experts, 0)
-        monkeypatch.setattr(moe, "nibble_experts_handle", lambda *a: False)
+        monkeypatch.setattr(moe, "in_one_call", lambda *a: [])
         plain, _ = moe.routed_sum(x, weights, ids, experts, 0, limit=0.5)
     torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6 * plain.abs().max().item())
     torch.testing.assert_close(fused, reference(x, weights, ids, experts, limit=0.5), rtol=1e-5, atol=1e-5)
@@ -124,8 +124,8 @@ def test_only_decode_rows_of_4bit_experts_with_float_activations_take_it(monkeyp
     )
     with rows_alone():
         moe.routed_sum(x, weights, ids, floats, 0)  # float experts: not the 4-bit kernel's
-        mixed = [experts.acquire(0, [0])[0], floats.acquire(0, [0])[0]]
-        assert not nibble_experts.nibble_experts_handle(mixed, x)
+        mixed = [(0, experts.acquire(0, [0])[0]), (1, floats.acquire(0, [0])[0])]
+        assert [i for i, _ in nibble_experts.in_one_call(mixed, x)] == [0]  # the float expert is not the kernel's
     assert calls == [TOPK]
 
 
