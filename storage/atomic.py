@@ -26,7 +26,7 @@ def replacing(path: str | Path, what: str, durable: bool = True) -> Iterator[Bin
     disk: DiskFullError / DiskWriteError naming ``what`` at ``path``, the temp file removed). ``durable``:
     fsynced with its directory (False for a cache, whose torn file is a checked miss after a power cut)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}{_TEMP_MARK}{os.getpid()}")
     try:
         with write_errors(path, what):
             with os.fdopen(_create_temp(tmp), "wb") as f:
@@ -40,6 +40,24 @@ def replacing(path: str | Path, what: str, durable: bool = True) -> Iterator[Bin
         raise
     if durable:
         fsync_dir(path.parent)
+
+
+_TEMP_MARK = ".tmp-"
+
+
+def is_dead_writers_temp(path: Path) -> bool:
+    """``path`` is a temp file of ``replacing`` whose process is gone (killed between the write and the
+    rename): nobody will rename or remove it, so the writer's next run may."""
+    name, mark, pid = path.name.rpartition(_TEMP_MARK)
+    if not (name.startswith(".") and mark and pid.isdigit()) or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass  # alive, another user's
+    return False
 
 
 def _create_temp(tmp: Path) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 import numpy as np
 import zarr
 
+from storage.atomic import is_dead_writers_temp
 from storage.checksum import crc32c
 from storage.container import ATTRS_KEY, DENSE_GROUP, EXPERTS_GROUP, FORMAT_NAME, FORMAT_VERSION, expert_array_name
 from storage.container import CONTENT_KEY as CONTENT_KEY  # defined beside the reader; re-exported
@@ -29,6 +31,8 @@ if TYPE_CHECKING:
 _NO_SKIP: ArrayConfigParams = {
     "write_empty_chunks": True
 }  # an all-zero chunk must still be a file: the hot path reads files
+# zarr's LocalStore writes each file as `<name>.<uuid4 hex>.partial`, then renames it
+_ZARR_TEMP = re.compile(r".+\.[0-9a-f]{32}\.partial")
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -45,11 +49,24 @@ def _writes(method: Callable[Concatenate[ContainerWriter, P], R]) -> Callable[Co
     return guarded
 
 
+def _remove_torn_writes(path: Path) -> None:
+    """Remove the temp files a writer killed between a write and its rename left in an unfinished
+    container (zarr's, ours): nothing renames them any more, and kept they would end up in the published
+    container, no longer byte-identical to an uninterrupted conversion. The unit they belonged to is
+    redone, since the journal names only units whose writes all finished."""
+    if not path.is_dir():
+        return
+    for file in path.rglob("*"):
+        if file.is_file() and (_ZARR_TEMP.fullmatch(file.name) or is_dead_writers_temp(file)):
+            file.unlink(missing_ok=True)
+
+
 class ContainerWriter:
     def __init__(self, path: str | Path, layout: ExpertRecordLayout, n_experts: int):
         self.path = Path(path)
         self.layout = layout
         self.n_experts = n_experts
+        _remove_torn_writes(self.path)
         self.root = zarr.open_group(self.path, mode="a", zarr_format=3)
 
     @_writes

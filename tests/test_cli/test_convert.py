@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +63,17 @@ def _convert_cli(src: Path, dst: Path, env: dict[str, str] | None = None) -> sub
     )
 
 
+def _plant_torn_writes(container: Path) -> None:
+    """What a SIGKILL between a write and its rename leaves: zarr's temp files (`<name>.<uuid hex>.partial`,
+    a chunk's and a metadata file's) and our journal's temp file of a process now dead."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    chunk = next(p for p in sorted(container.rglob("*")) if p.is_file() and "c" in p.relative_to(container).parts)
+    for path in (chunk, container / "zarr.json"):
+        path.with_suffix(f".{uuid.uuid4().hex}.partial").write_bytes(b"torn")
+    (container / f".{JOURNAL}.tmp-{dead.pid}").write_bytes(b"{")
+
+
 @pytest.mark.parametrize("crash_after", [0, 3])
 def test_kill_9_then_rerun_is_byte_identical_to_an_uninterrupted_conversion(tiny_checkpoints, tmp_path, crash_after):
     src = tiny_checkpoints["glm_moe_dsa"]
@@ -69,6 +81,7 @@ def test_kill_9_then_rerun_is_byte_identical_to_an_uninterrupted_conversion(tiny
     assert killed.returncode == -signal.SIGKILL
     journal = json.loads((tmp_path / "resumed" / JOURNAL).read_text())
     assert len(journal["done"]) == crash_after
+    _plant_torn_writes(tmp_path / "resumed")
     resumed = _convert_cli(src, tmp_path / "resumed")
     assert resumed.returncode == 0, resumed.stderr
     report = json.loads(resumed.stdout.strip().splitlines()[-1])
