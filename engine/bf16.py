@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.q8 import BF16_KIND, CMatrix, KernelMatrix
 from engine.rows import computing_alone, in_row_chunks, kernel_threads, linear
 
 try:
@@ -62,7 +63,7 @@ def bf16_matmul(x: torch.Tensor, weight: torch.Tensor, isa: str = "best", alone:
     return y
 
 
-class Bf16Linear(nn.Module):
+class Bf16Linear(nn.Module, KernelMatrix):
     """A bias-free Linear holding its weight [out, in] in bf16, computing in the activations' dtype."""
 
     def __init__(self, weight: torch.Tensor):
@@ -74,6 +75,14 @@ class Bf16Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]"""
         return bf16_linear(x, self.weight)
+
+    def c_matrix(self) -> CMatrix | None:
+        """(w, 0, BF16_KIND, 0, in, 0) for the fused C steps, which compute a float32 decode row as forward
+        does (the same kernel); None where forward would not take the kernel."""
+        w = self.weight
+        if not (bf16_kernel_available() and w.device.type == "cpu" and w.is_contiguous()):
+            return None
+        return (w.data_ptr(), 0, BF16_KIND, 0, w.shape[1], 0)
 
 
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

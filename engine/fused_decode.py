@@ -38,7 +38,7 @@ from engine.experts import Expert, Experts, LocalExperts, RemoteExperts
 from engine.layers import MLP, RMSNorm
 from engine.mla_decode import FusedMLA
 from engine.moe import Gate, HashGate, MoE
-from engine.q8 import ISA_BEST, c_matrix_of
+from engine.q8 import ISA_BEST, CMatrix, c_matrix_of
 from engine.q8_experts import expert_table
 from engine.rows import kernel_threads
 
@@ -47,8 +47,7 @@ try:
 except ImportError:  # pragma: no cover - machines without a compiler
     _kernels = None  # type: ignore[assignment]  # no C extension built: callers check for None first
 
-Matrix = tuple[int, int, int, int, int, int]  # a C matrix (engine/q8.py c_matrix_of)
-MLPSpec = tuple[Matrix, Matrix, Matrix, int]  # w1, w3, w2, inter
+MLPSpec = tuple[CMatrix, CMatrix, CMatrix, int]  # w1, w3, w2, inter
 Carry = tuple[int, int, int, int, int, int, int, int]  # decode_layers' carry: 4 addresses, their row strides
 
 

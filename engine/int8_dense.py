@@ -15,7 +15,7 @@ from typing import Self, cast
 import torch
 from torch import nn
 
-from engine.q8 import BLOCK, WEIGHT_KINDS, KernelMatrix, q8_kernel_handles, q8_matmul, quantize_rows
+from engine.q8 import BLOCK, WEIGHT_KINDS, CMatrix, KernelMatrix, q8_kernel_handles, q8_matmul, quantize_rows
 from engine.quant import KERNEL_SCALES, QuantizedMatrix
 from engine.rows import linear
 
@@ -40,14 +40,14 @@ class CodedLinear(nn.Module, KernelMatrix):
         self.register_buffer("q", q.contiguous())
         self.register_buffer("scales", scales.contiguous())
         self.group_size, self.code, self.in_dim = group_size, code, in_dim
-        self._c_matrix: tuple[int, int, int, int, int, int] | None = None
+        self._c_matrix: CMatrix | None = None
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
         self._c_matrix = None  # .to(), ...: new buffers
         # torch leaves Module._apply unannotated (it returns self)
         return cast(Self, super()._apply(fn, recurse))  # type: ignore[no-untyped-call]
 
-    def c_matrix(self) -> tuple[int, int, int, int, int, int] | None:
+    def c_matrix(self) -> CMatrix | None:
         """The codes as the fused C steps take a matrix, (w, scales, kind, scale kind, in, group), or None
         where the kernel cannot read them (engine/mla_decode.py, engine/q8.py q8_mlp)."""
         if self._c_matrix is None and self.group_size % BLOCK == 0 and self.scales.dtype in KERNEL_SCALES:

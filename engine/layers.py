@@ -75,7 +75,7 @@ class MLP(nn.Module):
         self.w3 = Linear(dim, inter_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if decode_ops.active(x):  # int8 activations: one C call where the weights are int8 records
+        if decode_ops.small_ops_take(x):  # one C call where the weights are int8 records or bf16
             out = q8_mlp(self.w1, self.w2, self.w3, x, self.limit)
             if out is not None:
                 return out

@@ -1,17 +1,19 @@
-"""One query's MLA attention in two C calls, for models run with int8 activations (engine/csrc/mla_decode.c).
+"""One query's MLA attention in two C calls (engine/csrc/mla_decode.c), on the int8 path and for the float32
+path's decode rows.
 
 A decode step's attention was ~25 torch ops and four kernel calls per layer (norm, two projections, two
 latent norms, the q projection, splits, rope, the cache append, attention, the output projection, the
 residual), each slow once the kernels had evicted the interpreter's caches: on the bench model that
 Python took longer per token than the weights it drove (docs/benchmarks.md, "Figures behind the code").
 Here it is ``mla_project`` (everything up to the cache's new row) and ``mla_output`` (attention, wo,
-residual); a DSA layer runs its indexer between them. The C steps are the int8 path's own (the same
-kernels, norms and attention, rope without fused multiply-adds), so the result has the same bits as that
-path's torch glue: only the number of calls changes.
+residual); a DSA layer runs its indexer between them. The C steps are the module path's own where
+decode_ops' C ops apply (the same kernels, norms and attention, rope without fused multiply-adds), so the
+result has the same bits as that path's torch glue: only the number of calls changes.
 
-Taken when: one query of one sequence, ``decode_ops.active`` (int8 activations on, float32 CPU), and the
-layer's projections held as int8 records (a `--dense int8` container) with wkv_b's records held for
-attention (``MLA.hold_kv_b_int8``). Anything else keeps the module path.
+Taken when: one query of one sequence, ``decode_ops.small_ops_take`` (int8 activations on, or a float32
+decode row, on the CPU), the layer's projections held as int8 records (a `--dense int8` container) or in
+bf16 (the default container; engine/bf16.py), and wkv_b as attention reads it: its records held
+(``MLA.hold_kv_b_int8``) or float32. Anything else keeps the module path.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from engine import decode_ops
 from engine.attention import MLA
 from engine.cache import LayerCache
 from engine.layers import RMSNorm
-from engine.q8 import ISA_BEST, c_matrix_of
+from engine.q8 import ISA_BEST, CMatrix, c_computes_as_modules, c_matrix_of
 from engine.rows import kernel_threads
 
 try:
@@ -38,9 +40,10 @@ def _norm(norm: RMSNorm | None) -> bool:
 class FusedMLA:
     """A layer's attention (its attn_norm included) described to C once, with the step's scratch rows."""
 
-    def __init__(self, attn_norm: RMSNorm, mla: MLA, weights: _kernels.MlaWeights):
+    def __init__(self, attn_norm: RMSNorm, mla: MLA, weights: _kernels.MlaWeights, matrices: list[CMatrix]):
         self.mla, self.attn_norm = mla, attn_norm
         self.weights = weights  # the capsule; attn_norm and mla keep the arrays it points to alive
+        self.matrices = matrices
         heads = mla.n_heads
         self.normed = torch.empty(attn_norm.weight.shape[0])
         self.q_latent = torch.empty(max(mla.q_lora_rank, 1))
@@ -52,7 +55,8 @@ class FusedMLA:
     def build(cls, attn_norm: RMSNorm, mla: MLA) -> FusedMLA | None:
         """None when the layer's weights are not all in the forms the C steps read."""
         # reflection: a build of the C extension older than mla_decode.c lacks mla_weights
-        if _kernels is None or not hasattr(_kernels, "mla_weights") or mla.kv_b_group <= 0:
+        kv_b = _kv_b(mla)
+        if _kernels is None or not hasattr(_kernels, "mla_weights") or kv_b is None:
             return None
         lora = mla.q_lora_rank > 0
         names = ("wq_a", "wkv_a", "wq_b", "wo") if lora else ("wq", "wkv_a", "wo")
@@ -69,12 +73,15 @@ class FusedMLA:
             mla.q_norm.weight.data_ptr() if lora else 0,
             mla.kv_norm.weight.data_ptr(),
         )
-        kv_b = (mla.kv_b_codes.data_ptr(), mla.kv_b_scales.data_ptr(), mla.kv_b_group)
         weights = _kernels.mla_weights(
             dims, floats, pointers, matrices["wq_a" if lora else "wq"], matrices["wkv_a"],
             matrices["wq_b"] if lora else None, matrices["wo"], kv_b,
         )  # fmt: skip
-        return cls(attn_norm, mla, weights)
+        return cls(attn_norm, mla, weights, list(matrices.values()))
+
+    def computes_as_modules(self) -> bool:
+        """Whether the C steps give the module path's bits now (int8 records need int8 activations on)."""
+        return c_computes_as_modules(self.matrices)
 
     def __call__(
         self,
@@ -114,15 +121,25 @@ class FusedMLA:
         return out, selection
 
 
+def _kv_b(mla: MLA) -> tuple[int, int, int] | None:
+    """wkv_b as attention reads it (its int8 records held for attention, else the float32 weight), or None."""
+    if mla.kv_b_group > 0:
+        return (mla.kv_b_codes.data_ptr(), mla.kv_b_scales.data_ptr(), mla.kv_b_group)
+    weight = mla.wkv_b.weight
+    if weight.dtype != torch.float32 or not weight.is_contiguous():
+        return None
+    return (weight.data_ptr(), 0, 0)
+
+
 def fused_attention_applies(x: torch.Tensor, cache: LayerCache, absorb: bool | None) -> bool:
     """Whether a Block's attention step may take the fused C path for x (then FusedMLA.build decides per
-    layer): one query of one sequence, absorbed attention allowed, the int8 path's C ops on, a float32
-    cache."""
+    layer): one query of one sequence, absorbed attention allowed, decode_ops' C ops on for it (the int8
+    path, or a float32 decode row), a float32 cache."""
     return (
         absorb is not False
         and x.shape[0] == 1
         and x.shape[1] == 1
-        and decode_ops.active(x)
+        and decode_ops.small_ops_take(x, one_row=True)
         and cache.latent.dtype == torch.float32
         and cache.latent.shape[0] == 1
     )

@@ -124,7 +124,7 @@ class Block(nn.Module):
             return None
         if self._fused is None:
             self._fused = FusedMLA.build(self.attn_norm, self.attn) or False
-        return self._fused or None
+        return self._fused if self._fused and self._fused.computes_as_modules() else None
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
         self._fused = None  # .to(), .float(), ...: new tensors

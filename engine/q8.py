@@ -10,7 +10,7 @@ does not depend on the other rows), so batching stays bit-exact here too.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -25,6 +25,7 @@ except ImportError:  # pragma: no cover - machines without a compiler
 
 BLOCK = 32  # columns of x per int8 scale
 WEIGHT_KINDS = {"int4": 0, "int8": 1}  # the kernel's weight kinds (q8.h)
+BF16_KIND = 2  # q8.h Q8_WEIGHTS_BF16: a bf16 dense matrix of the float32 path in the fused C steps
 ISA_SCALAR, ISA_AVX2, ISA_BEST = 0, 1, 2  # q8.h Q8_ISA_*: plain C, AVX2 maddubs, AVX-512 VNNI where there
 
 _enabled: ContextVar[bool] = ContextVar("int8_activations", default=False)
@@ -101,30 +102,43 @@ def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     return (q * (amax / 127.0)).view(rows, -1)[:, :in_dim]
 
 
-class KernelMatrix:
-    """A linear whose int8 or int4 records the fused C steps read as they are: engine/int8_dense.py's CodedLinear
-    (declared here because int8_dense imports this module)."""
+CMatrix = tuple[int, int, int, int, int, int]  # (w, scales, kind, scale kind, in, group) as the C steps take a matrix
 
-    def c_matrix(self) -> tuple[int, int, int, int, int, int] | None:
+
+class KernelMatrix:
+    """A linear whose weights the fused C steps read as they are: engine/int8_dense.py's CodedLinear (int8 or
+    int4 records), engine/bf16.py's Bf16Linear (declared here because both import this module)."""
+
+    def c_matrix(self) -> CMatrix | None:
         """(w, scales, kind, scale kind, in, group) as the C steps take a matrix; None where they cannot."""
         return None
 
 
-def c_matrix_of(linear: object) -> tuple[int, int, int, int, int, int] | None:
-    """A linear's codes as the fused C steps take a matrix, None for a module without int8 records."""
+def c_matrix_of(linear: object) -> CMatrix | None:
+    """A linear's weights as the fused C steps take a matrix, None for a module they cannot read."""
     return linear.c_matrix() if isinstance(linear, KernelMatrix) else None
+
+
+def c_computes_as_modules(matrices: Iterable[CMatrix]) -> bool:
+    """Whether the C steps compute these matrices (c_matrix_of) as their modules do now: bf16 weights always
+    (both take the bf16 kernel on float32 rows), int8 records only with int8 activations on (else the module
+    computes in float where C would quantise x)."""
+    return activations_are_int8() or all(m[2] == BF16_KIND for m in matrices)
 
 
 def q8_mlp(w1: object, w2: object, w3: object, x: torch.Tensor, limit: float | None = None) -> torch.Tensor | None:
     """w2(swiglu(w1 x, w3 x)) for x [..., dim] in one C call (gate and up as one threaded job, then down)
-    where the three are CodedLinear the kernel reads and int8 activations are on (a shared expert, a dense
-    layer's FFN); else None. The SwiGLU is q8_moe's (C's expf), not torch's: int8 path only."""
+    where the three are matrices the C steps read (c_matrix_of: int8 records, bf16 weights) (a shared
+    expert, a dense layer's FFN); else None. The SwiGLU is q8_moe's (C's expf), not torch's: the caller
+    takes it where decode_ops' C ops apply (the int8 path, a float32 decode row)."""
     cpu_float32 = x.dtype == torch.float32 and x.device.type == "cpu"
     # reflection: a build of the C extension older than q8_mlp lacks it
-    if not (activations_are_int8() and cpu_float32 and hasattr(_kernels, "q8_mlp")):
+    if not (cpu_float32 and hasattr(_kernels, "q8_mlp")):
         return None
     gate, up, down = (c_matrix_of(m) for m in (w1, w3, w2))
     if gate is None or up is None or down is None or x.numel() == 0:
+        return None
+    if not c_computes_as_modules((gate, up, down)):
         return None
     dim, inter = gate[4], down[4]
     flat = x.reshape(-1, dim).contiguous()

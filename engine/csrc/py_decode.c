@@ -19,13 +19,15 @@ static void free_weights(PyObject *capsule) { free(PyCapsule_GetPointer(capsule,
 
 static const void *ptr(unsigned long long address) { return (const void *)(uintptr_t)address; }
 
-/* A matrix from (w, scales, kind, scale_kind, in, group); 0 with a ValueError when unsupported. */
+/* A matrix from (w, scales, kind, scale_kind, in, group) (bf16: scales and group ignored); 0 with a
+ * ValueError when unsupported. */
 static int matrix(PyObject *spec, Q8Matrix *m, const char *name) {
     unsigned long long w, scales;
     int kind, scale_kind, in, group;
     if (!PyArg_ParseTuple(spec, "KKiiii", &w, &scales, &kind, &scale_kind, &in, &group)) return 0;
-    if (kind < 0 || kind >= N_Q8_WEIGHTS || scale_kind < 0 || scale_kind >= N_SCALE_KINDS || in < 1 || group < Q8_BLOCK ||
-        group % Q8_BLOCK) {
+    int coded = kind >= 0 && kind < N_Q8_WEIGHTS && scale_kind >= 0 && scale_kind < N_SCALE_KINDS && group >= Q8_BLOCK &&
+                group % Q8_BLOCK == 0;
+    if (in < 1 || !(coded || kind == Q8_WEIGHTS_BF16)) {
         PyErr_Format(PyExc_ValueError, "%s: kind=%d scale=%d in=%d group=%d", name, kind, scale_kind, in, group);
         return 0;
     }
@@ -35,8 +37,9 @@ static int matrix(PyObject *spec, Q8Matrix *m, const char *name) {
 }
 
 /* mla_weights((dim, heads, nope, rope, value, rank, q_rank, interleaved), (eps, latent_eps, softmax_scale),
- * (attn_norm, q_norm or 0, kv_norm), wq_a, wkv_a, wq_b or None, wo, (kv_b codes, kv_b scales, group)) -> capsule.
- * Each matrix is (w, scales, kind, scale_kind, in, group); kv_b's codes are int8, its scales float32. */
+ * (attn_norm, q_norm or 0, kv_norm), wq_a, wkv_a, wq_b or None, wo, (kv_b, kv_b scales, group)) -> capsule.
+ * Each matrix is (w, scales, kind, scale_kind, in, group); kv_b is int8 codes with float32 scales per
+ * group columns, or (group 0, scales 0) float32. */
 static PyObject *py_mla_weights(PyObject *self, PyObject *args) {
     MlaWeights w = {0};
     PyObject *dims, *floats, *norms, *wq_a, *wkv_a, *wq_b, *wo, *kv_b;
@@ -51,7 +54,7 @@ static PyObject *py_mla_weights(PyObject *self, PyObject *args) {
         !PyArg_ParseTuple(kv_b, "KKi", &kv_codes, &kv_scales, &w.kv_b.group))
         return NULL;
     if (w.dim < 1 || w.heads < 1 || w.nope < 1 || w.rope < 2 || w.rope % 2 || w.value < 1 || w.rank < 1 || w.q_rank < 0 ||
-        (w.q_rank > 0) != (q_norm != 0 && wq_b != Py_None) || w.kv_b.group < 1) {
+        (w.q_rank > 0) != (q_norm != 0 && wq_b != Py_None) || w.kv_b.group < 0 || (w.kv_b.group == 0) != (kv_scales == 0)) {
         PyErr_Format(PyExc_ValueError, "mla_weights: dim=%d heads=%d nope=%d rope=%d value=%d rank=%d q_rank=%d group=%d",
                      w.dim, w.heads, w.nope, w.rope, w.value, w.rank, w.q_rank, w.kv_b.group);
         return NULL;
@@ -60,7 +63,7 @@ static PyObject *py_mla_weights(PyObject *self, PyObject *args) {
         !matrix(wo, &w.wo, "mla_weights: wo") || (w.q_rank && !matrix(wq_b, &w.wq_b, "mla_weights: wq_b")))
         return NULL;
     w.attn_norm = ptr(attn_norm), w.q_norm = ptr(q_norm), w.kv_norm = ptr(kv_norm);
-    w.kv_b.w = ptr(kv_codes), w.kv_b.scales = ptr(kv_scales), w.kv_b.int8 = 1;
+    w.kv_b.w = ptr(kv_codes), w.kv_b.scales = ptr(kv_scales), w.kv_b.int8 = w.kv_b.group > 0;
     MlaWeights *held = malloc(sizeof w);
     if (held == NULL) return PyErr_NoMemory();
     *held = w;

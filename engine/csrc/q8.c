@@ -29,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "nibble.h"
 
 #if defined(__x86_64__)
@@ -225,7 +226,8 @@ AVX2 static void prepare_avx2(int kind, const float *x, int rows, int in, Q8Rows
 #endif
 
 void q8_prepare(int kind, const float *x, int rows, int in, int simd, Q8Rows *out) {
-    out->rows = rows, out->chunks = chunks_of(in), out->kind = kind;
+    out->rows = rows, out->chunks = chunks_of(in), out->kind = kind, out->floats = x;
+    if (kind == Q8_WEIGHTS_BF16) return;
 #if HAVE_X86
     if (simd && nibble_simd_available()) {
         prepare_avx2(kind, x, rows, in, out);
@@ -248,6 +250,10 @@ int q8_vnni_available(void) {
 }
 
 void q8_gemm(const Q8Matrix *m, const Q8Rows *x, int begin, int end, int isa, float *y, size_t ldy) {
+    if (m->kind == Q8_WEIGHTS_BF16) { /* Q8_ISA_* and bf16_isa's limits are the same ladder */
+        bf16_gemm_rows(m->w, x->floats, x->rows, m->in, begin, end, isa, 1, y, ldy);
+        return;
+    }
 #if HAVE_X86
     if (isa >= Q8_ISA_VNNI && q8_vnni_available()) {
         gemm_vnni(m, x, begin, end, y, ldy);

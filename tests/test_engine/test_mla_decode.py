@@ -1,6 +1,7 @@
-"""One query's MLA attention in two C calls (engine/mla_decode.py): with int8 activations a decode step's
-attention gives the bits of the module path it replaces, on every MLA family (DSA's indexer between the
-calls), at odd widths, alone or as one row of forward_rows, and a failed step leaves the cache as it was."""
+"""One query's MLA attention in two C calls (engine/mla_decode.py): with int8 activations, and on the float32
+path with bf16 projections (the default container), a decode step's attention gives the bits of the module
+path it replaces, on every MLA family (DSA's indexer between the calls), at odd widths, alone or as one row
+of forward_rows, and a failed step leaves the cache as it was."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 import engine.model
 from colibri_stream.runtime.loader import load_container
 from engine import decode_ops, fused_decode, mla_decode
+from engine.bf16 import Bf16Linear, bf16_kernel_available
 from engine.mla_decode import FusedMLA
 from engine.q8 import int8_activations
 
@@ -66,6 +68,23 @@ def test_int4_dense_matrices_give_the_module_paths_bits_too(make_container, fami
     assert calls == 5 * len(loaded.model.layers)
 
 
+@pytest.mark.skipif(not bf16_kernel_available(), reason="no SIMD path for the bf16 kernel: bf16 weights stay float32")
+@pytest.mark.parametrize("family", ["deepseek_v3", "kimi_k2", "deepseek_v32", "glm_moe_dsa"])
+def test_float_path_with_bf16_projections_gives_the_module_paths_bits(make_container, family, monkeypatch):
+    """The default container (bf16 dense, float32 activations): the C steps read the projections as bf16
+    (the kernel Bf16Linear calls) and wkv_b as float32."""
+    loaded = load_container(make_container(family, "int4", "bf16"))
+    assert isinstance(loaded.model.layers[1].attn.wkv_a, Bf16Linear)
+    assert _compare(loaded.model, loaded.experts, monkeypatch) == 5 * len(loaded.model.layers)
+    assert _compare(loaded.model, loaded.experts, monkeypatch, rows=True) == 5 * len(loaded.model.layers)
+
+
+@pytest.mark.skipif(not bf16_kernel_available(), reason="no SIMD path for the bf16 kernel: bf16 weights stay float32")
+def test_float_path_at_odd_widths_gives_the_module_paths_bits(odd_bf16_container, monkeypatch):
+    loaded = load_container(odd_bf16_container)
+    assert _compare(loaded.model, loaded.experts, monkeypatch) == 5 * len(loaded.model.layers)
+
+
 def test_one_row_of_forward_rows_takes_it_too(make_container, monkeypatch):
     loaded = load_container(make_container("deepseek_v32", "int4", "int8"), int8_activations=True)
     assert _compare(loaded.model, loaded.experts, monkeypatch, rows=True) == 5 * len(loaded.model.layers)
@@ -105,10 +124,10 @@ def test_a_failed_step_leaves_the_cache_as_it_was(make_container, monkeypatch):
     assert all(torch.equal(before[i]["latent"], after[i]["latent"]) for i in range(len(before)))
 
 
-def test_layers_without_int8_records_keep_the_module_path(make_container):
+def test_layers_without_int8_records_or_bf16_weights_keep_the_module_path(make_container):
     loaded = load_container(make_container("deepseek_v3", "int4", "f32"), int8_activations=True)
     block = loaded.model.layers[0]
-    assert FusedMLA.build(block.attn_norm, block.attn) is None
+    assert FusedMLA.build(block.attn_norm, block.attn) is None  # float32 projections
     x = torch.zeros(1, 1, loaded.args.dim)
     cache = loaded.model.new_cache().layers[0]
     with int8_activations():
@@ -116,12 +135,15 @@ def test_layers_without_int8_records_keep_the_module_path(make_container):
     assert block._fused is False  # decided once, at the first step it could apply to
 
 
-def test_prefill_and_float_activations_never_take_it(make_container):
+def test_only_decode_rows_with_the_c_ops_on_take_it(make_container):
     loaded = load_container(make_container("deepseek_v3", "int4", "int8"), int8_activations=True)
     block, dim = loaded.model.layers[0], loaded.args.dim
     cache = loaded.model.new_cache().layers[0]
     assert not mla_decode.fused_attention_applies(torch.zeros(1, 3, dim), cache, None)  # a prompt's positions
-    assert not mla_decode.fused_attention_applies(torch.zeros(1, 1, dim), cache, None)  # int8 activations off
+    assert mla_decode.fused_attention_applies(torch.zeros(1, 1, dim), cache, None)  # a float32 decode row
+    with decode_ops.torch_ops():
+        assert not mla_decode.fused_attention_applies(torch.zeros(1, 1, dim), cache, None)
+    assert not mla_decode.fused_attention_applies(torch.zeros(1, 1, dim, dtype=torch.float64), cache, None)
     with int8_activations():
         assert mla_decode.fused_attention_applies(torch.zeros(1, 1, dim), cache, None)
         assert not mla_decode.fused_attention_applies(torch.zeros(1, 1, dim), cache, False)  # expanded forced
