@@ -1,5 +1,5 @@
-"""A decode step through every layer in one C call (engine/csrc/decode_step.c), for int8-activation models
-whose routed experts are all resident.
+"""A decode step through every layer in one C call (engine/csrc/decode_step.c), for models whose routed experts
+are all resident, with int8 activations or on the float32 path (decode rows).
 
 Once the experts fit in RAM, a decode step of the module path spent about a third of its time in Python
 between the kernels (module calls, routing glue, the store's acquire and release, prefetch guesses and
@@ -9,11 +9,13 @@ the step is one call instead: per layer the fused MLA steps, the FFN norm, the r
 shared experts and the residuals, the same kernels in the same order as the module path, so the same
 bits. The experts it used are then counted as the acquires it skipped would have (``count_resident``).
 
-Taken when: int8 activations, one-sequence caches (any number of rows: several requests, or a verify
-step's rows on one cache; the FFN runs over all rows, each expert of their union once), every layer's
-attention fused (``FusedMLA``), every FFN a coded MLP or a
-score-routed MoE whose router runs in C and whose shared expert is coded, and a local expert source whose
-every MoE layer is resident. Anything else keeps the module path.
+Taken when: decode_ops' C ops apply (int8 activations, or float32 decode rows: the default container's
+exact path), one-sequence caches (any number of rows: several requests, or a verify step's rows on one
+cache; the FFN runs over all rows, each expert of their union once), every layer's attention fused
+(``FusedMLA``), every FFN an MLP the C steps read (int8 records with int8 activations, bf16 weights) or a
+score-routed MoE whose router runs in C and whose shared expert is such an MLP, and a local expert source
+whose every MoE layer is resident with experts one C call takes (q8_moe with int8 activations, nibble_moe
+on float32 x). Anything else keeps the module path.
 
 DSA models (DeepSeek-V3.2, GLM-5): a layer with its own indexer hands the step back once every row's
 projections are done (the C step returns where it stopped); the indexer runs here with the module path's
@@ -38,8 +40,9 @@ from engine.experts import Expert, Experts, LocalExperts, RemoteExperts
 from engine.layers import MLP, RMSNorm
 from engine.mla_decode import FusedMLA
 from engine.moe import Gate, HashGate, MoE
-from engine.q8 import ISA_BEST, CMatrix, c_matrix_of
-from engine.q8_experts import expert_table
+from engine.nibble_experts import expert_table as float_expert_table
+from engine.q8 import ISA_BEST, CMatrix, activations_are_int8, c_computes_as_modules, c_matrix_of
+from engine.q8_experts import expert_table as int8_expert_table
 from engine.rows import kernel_threads
 
 try:
@@ -82,11 +85,21 @@ class LayerParts:
 
 
 def _mlp_spec(mlp: MLP) -> MLPSpec | None:
-    """A SwiGLU MLP as layer_plan takes it; None when its weights are not all coded (or it is clamped)."""
+    """A SwiGLU MLP as layer_plan takes it; None when the C steps do not compute its weights as the module
+    does now (c_computes_as_modules), or it is clamped."""
     w1, w3, w2 = (c_matrix_of(m) for m in (mlp.w1, mlp.w3, mlp.w2))
-    if mlp.limit is not None or w1 is None or w3 is None or w2 is None:
+    if mlp.limit is not None or w1 is None or w3 is None or w2 is None or not c_computes_as_modules((w1, w3, w2)):
         return None
     return w1, w3, w2, w2[4]
+
+
+def expert_table(experts: Sequence[object]) -> tuple[tuple[int, ...], array[int]] | None:
+    """A layer's experts as decode_step.c takes them now: (layout (family, inter, kind13, kind2, scale kind,
+    group13, group2), the six addresses of each, flat), family 0 for q8_moe (int8 activations), 1 for
+    nibble_moe (float32 x); None when that call does not take them all, alike."""
+    family = 0 if activations_are_int8() else 1
+    described = (int8_expert_table if family == 0 else float_expert_table)(experts)
+    return None if described is None else ((family, *described[0]), described[1])
 
 
 def _router_spec(gate: Gate) -> tuple[int, int, int, int, int, int, int, bool, float, int] | None:
@@ -101,10 +114,12 @@ def _router_spec(gate: Gate) -> tuple[int, int, int, int, int, int, int, bool, f
 
 
 def layer_plan(parts: LayerParts, layout: tuple[int, ...] | None) -> _kernels.LayerPlanCapsule | None:
-    """The layer described to C (a capsule), or None where its FFN is not in forms the C step reads.
-    ``layout``: the routed experts' (engine/q8_experts.py expert_table), for a MoE layer."""
+    """The layer described to C (a capsule), or None where it is not in forms the C step reads as the module
+    path computes them now. ``layout``: the routed experts' (expert_table), for a MoE layer."""
     norm, ffn = parts.ffn_norm, parts.ffn
     if norm.weight.dtype != torch.float32 or not norm.weight.is_contiguous():
+        return None
+    if not parts.attention.computes_as_modules():
         return None
     head = (parts.attention.weights, norm.weight.data_ptr(), norm.eps)
     stops = parts.attention.mla.indexer is not None
@@ -128,6 +143,7 @@ class FusedDecode:
         self.moe_parts = [i for i, p in enumerate(parts) if isinstance(p.ffn, MoE)]
         self.topk = max([p.ffn.gate.topk for p in parts if isinstance(p.ffn, MoE)], default=1)
         self._sources: list[Sequence[Expert]] = []  # what resident() gave, by MoE part: the tables' origin
+        self._int8 = False  # whether the plans are for int8 activations (else the float32 path's)
         self._tables: list[array[int]] = []  # the C tables derived from them (kept alive: C reads them)
         self._plans: tuple[_kernels.LayerPlanCapsule, ...] | None = None
         self._table_addresses = [0] * len(parts)  # per layer: its expert table's, 0 on a dense layer
@@ -159,7 +175,8 @@ class FusedDecode:
             if source is None:
                 return False
             sources.append(source)
-        if self._plans is not None and all(a is b for a, b in zip(sources, self._sources, strict=True)):
+        built = self._plans is not None and self._int8 == activations_are_int8()
+        if built and all(a is b for a, b in zip(sources, self._sources, strict=True)):
             return True
         self._plans = None
         layouts, tables = set(), []
@@ -179,6 +196,7 @@ class FusedDecode:
                 return False
             plans.append(plan)
         self._sources, self._tables, self._plans = sources, tables, tuple(plans)
+        self._int8 = activations_are_int8()
         for part, table in zip(self.moe_parts, tables, strict=True):
             self._table_addresses[part] = table.buffer_info()[0]
         return True
@@ -308,7 +326,9 @@ class OneCall:
 
     def applies(self, x: torch.Tensor, caches: Sequence[Sequence[LayerCache]], experts: Experts) -> FusedDecode | None:
         """The C step for rows x [B, 1, dim] on these caches with these experts, or None: the module path."""
-        if not (decode_ops.active(x) and available()) or isinstance(experts, RemoteExperts) or not caches_taken(caches):
+        if not (decode_ops.small_ops_take(x) and available()) or isinstance(experts, RemoteExperts):
+            return None
+        if not caches_taken(caches):
             return None
         if self._built is None:
             parts = self.parts_for(x, caches[0])

@@ -46,6 +46,17 @@ def in_one_call(batch: Sequence[tuple[int, object]], x: torch.Tensor) -> list[tu
     return [(i, e) for i, e, _ in planned]
 
 
+def expert_table(experts: Sequence[object]) -> tuple[tuple[int, ...], array[int]] | None:
+    """A layer's experts as engine/csrc/decode_step.c reads them on the float32 path: (their common layout
+    (inter, code13, code2, scale kind, group13, group2), the six addresses of each, [n, 6] flat); None when
+    the call does not take them all, alike."""
+    plans = [_plan(e) for e in experts]
+    first = plans[0] if plans else None
+    if first is None or any(plan is None or plan[0] != first[0] for plan in plans):
+        return None
+    return first[0][1:], array("Q", [p for plan in plans for p in plan[1]])  # type: ignore[index]  # none is None
+
+
 def _plan(expert: object) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """(layout, the six addresses of w1, its scales, w3, its scales, w2, its scales) of an expert the call
     takes, else None; kept on the expert (``QuantizedExpert.nibble_plan``), built once per store slot."""

@@ -1,12 +1,12 @@
 /*
- * One decode step's layers for an int8-activation model whose routed experts are all resident
- * (engine/fused_decode.py), each layer as the module path runs it:
+ * One decode step's layers for a model whose routed experts are all resident, with int8 activations or
+ * on the float32 path (engine/fused_decode.py), each layer as the module path runs it:
  *
  *   attention  mla_project (attn_norm, projections, rope, the cache's new row), mla_output (attention,
  *              wo, residual): mla_decode.c
  *   FFN        h = ffn_norm(x); dense: x += mlp(h)
  *              MoE: route h; routed = sum of weight * expert(h) over the chosen experts in id order
- *              (q8_moe.c, float64); x += (float)routed + shared(h)
+ *              (q8_moe.c, or nibble_moe.c on float32 x; float64); x += (float)routed + shared(h)
  *
  * Why: between those kernels the module path ran ~0.4 ms of Python per layer (module calls, the
  * store's acquire and release, routing glue), a third of a token on the bench model once the experts
@@ -23,8 +23,10 @@ typedef struct {
     double *routed;         /* [rows, dim] */
     int64_t *ids, *sorted;  /* [rows, topk]: each row's experts; their union in id order */
     float *weights;         /* [rows, topk] */
-    Q8Expert *experts;      /* [rows * topk]: the union's matrices */
+    void *experts;          /* [rows * topk] Q8Expert or NibbleExpert: the union's matrices */
 } Scratch;
+
+#define EXPERT_BYTES (sizeof(Q8Expert) > sizeof(NibbleExpert) ? sizeof(Q8Expert) : sizeof(NibbleExpert))
 
 /* The largest of every layer's sizes, so one scratch serves all. */
 static void *scratch_for(const LayerPlan *const *plans, int n, int rows, Scratch *s) {
@@ -34,12 +36,12 @@ static void *scratch_for(const LayerPlan *const *plans, int n, int rows, Scratch
         if (plans[l]->moe && (size_t)plans[l]->router.topk > topk) topk = (size_t)plans[l]->router.topk;
     }
     size_t r = (size_t)rows, floats = 2 * r * dim + r * topk;
-    char *area = malloc(r * dim * sizeof(double) + r * topk * (2 * sizeof(int64_t) + sizeof(Q8Expert)) + floats * sizeof(float));
+    char *area = malloc(r * dim * sizeof(double) + r * topk * (2 * sizeof(int64_t) + EXPERT_BYTES) + floats * sizeof(float));
     if (area == NULL) return NULL;
     s->routed = (double *)area;
     s->ids = (int64_t *)(s->routed + r * dim), s->sorted = s->ids + r * topk;
-    s->experts = (Q8Expert *)(s->sorted + r * topk);
-    s->h = (float *)(s->experts + r * topk), s->mlp = s->h + r * dim, s->weights = s->mlp + r * dim;
+    s->experts = s->sorted + r * topk;
+    s->h = (float *)((char *)s->experts + r * topk * EXPERT_BYTES), s->mlp = s->h + r * dim, s->weights = s->mlp + r * dim;
     return area;
 }
 
@@ -62,9 +64,9 @@ static int output(const MlaWeights *w, const LayerStep *step, float *x, const De
     return mla_output(w, &o, isa, threads);
 }
 
-/* The union of the rows' experts in id order (how the module path adds them: engine/moe.py add_routed),
- * with their matrices from the layer's table; returns how many. */
-static int union_experts(const LayerPlan *plan, const uint64_t *table, int rows, Scratch *s) {
+/* The union of the rows' experts in id order (how the module path adds them: engine/moe.py add_routed);
+ * returns how many. */
+static int union_experts(const LayerPlan *plan, int rows, Scratch *s) {
     int n = 0;
     for (int i = 0; i < rows * plan->router.topk; i++) { /* insertion sort of the distinct ids: a few dozen */
         int64_t id = s->ids[i];
@@ -74,8 +76,24 @@ static int union_experts(const LayerPlan *plan, const uint64_t *table, int rows,
         memmove(s->sorted + j + 1, s->sorted + j, sizeof(int64_t) * (size_t)(n - j));
         s->sorted[j] = id, n++;
     }
-    for (int i = 0; i < n; i++) s->experts[i] = q8_expert_at(table + (size_t)s->sorted[i] * 6, &plan->routed);
     return n;
+}
+
+/* The union's n experts, their matrices from the layer's table, added into s->routed by the kernel of
+ * their kind. */
+static int routed_experts(const LayerPlan *plan, const uint64_t *table, int rows, int n, Scratch *s, int isa,
+                          int threads) {
+    int k = plan->router.topk, dim = plan->attn->dim;
+    if (plan->routed_floats) {
+        NibbleExpert *experts = s->experts;
+        for (int i = 0; i < n; i++) experts[i] = nibble_expert_at(table + (size_t)s->sorted[i] * 6, &plan->nibble);
+        NibbleMoE moe = {experts, s->sorted, n, s->h, s->ids, s->weights, rows, k, dim, plan->nibble.w2.in, 0, 0.f, threads, s->routed};
+        return nibble_moe_run(&moe);
+    }
+    Q8Expert *experts = s->experts;
+    for (int i = 0; i < n; i++) experts[i] = q8_expert_at(table + (size_t)s->sorted[i] * 6, &plan->routed);
+    Q8MoE moe = {experts, s->sorted, n, s->h, s->ids, s->weights, rows, k, dim, plan->routed.inter, 0, 0.f, isa, threads, s->routed};
+    return q8_moe_run(&moe);
 }
 
 /* The FFN of every row; `ids` gets the layer's union (-1 after it). */
@@ -89,13 +107,11 @@ static int ffn(const LayerPlan *plan, const uint64_t *table, int rows, float *x,
         for (size_t i = 0; i < all; i++) x[i] = x[i] + s->mlp[i];
         return 0;
     }
-    int k = plan->router.topk;
     if (route_rows(&plan->router, s->h, rows, s->ids, s->weights) != 0) return -1;
-    int n = union_experts(plan, table, rows, s);
+    int n = union_experts(plan, rows, s);
     for (int i = 0; i < n && i < topk_max; i++) ids[i] = s->sorted[i];
     memset(s->routed, 0, sizeof(double) * all);
-    Q8MoE moe = {s->experts, s->sorted, n, s->h, s->ids, s->weights, rows, k, dim, plan->routed.inter, 0, 0.f, isa, threads, s->routed};
-    if (q8_moe_run(&moe) != 0) return -1;
+    if (routed_experts(plan, table, rows, n, s, isa, threads) != 0) return -1;
     for (size_t i = 0; i < all; i++) x[i] = x[i] + ((float)s->routed[i] + (plan->has_mlp ? s->mlp[i] : 0.f));
     return 0;
 }

@@ -1,6 +1,7 @@
-/* A whole decode step's layers in one call, for int8-activation models whose routed experts are all
- * resident (decode_step.c): per layer the fused MLA steps, the FFN norm, the router, the routed experts
- * and the shared expert (or the dense MLP), and the residuals, with no Python between layers. */
+/* A whole decode step's layers in one call, for models whose routed experts are all resident, with int8
+ * activations or on the float32 path (decode_step.c): per layer the fused MLA steps, the FFN norm, the
+ * router, the routed experts and the shared expert (or the dense MLP), and the residuals, with no Python
+ * between layers. */
 #ifndef COLIBRI_DECODE_STEP_H
 #define COLIBRI_DECODE_STEP_H
 
@@ -9,6 +10,7 @@
 
 #include "decode_ops.h"
 #include "mla_decode.h"
+#include "nibble_moe.h"
 #include "q8_moe.h"
 
 /* What a layer's step reads, described once (engine/fused_decode.py). */
@@ -21,7 +23,10 @@ typedef struct {
     Q8Expert mlp;
     int mlp_inter;
     Router router;         /* moe only; router.topk is the layer's top-k */
-    Q8Layout routed;       /* moe only: the routed experts' layout */
+    int routed_floats;     /* moe only: 0 the routed experts run with int8 activations (q8_moe.c, `routed`), 1 on
+                            * float32 x (nibble_moe.c, `nibble`) */
+    Q8Layout routed;       /* their layout, int8 activations */
+    NibbleExpert nibble;   /* their layout, float32 x: the matrices' shapes and kinds (addresses unused) */
     int stops;             /* a DSA layer with its own indexer: the step returns after the rows' projections */
 } LayerPlan;
 
@@ -54,8 +59,8 @@ typedef struct {
  * Per layer every row's projections (each writes its cache row), then every row's attention (rows of one
  * sequence, a verify step, see the rows before them: written by then), then the FFN over all rows: each
  * routed expert of their union once for every row routed to it. ids [n, topk_max] gets each MoE layer's union in id order (-1 after it, and on dense
- * layers). The same kernels in the same order as the module path (engine/model.py forward_rows) with int8
- * activations, each row's bits its solo step's (the kernels are batch-invariant). A layer that `stops`
+ * layers). The same kernels in the same order as the module path (engine/model.py forward_rows), each row's
+ * bits its solo step's (the kernels are batch-invariant). A layer that `stops`
  * returns 1 after the rows' projections with `at` set there: the caller runs the indexer on `carry` and
  * calls again from `at` (steps, carry, x as it left them). 0 when done, or -1 without memory (x and the
  * caches then hold a partial step). */

@@ -248,13 +248,8 @@ static PyObject *py_nibble_moe(PyObject *self, PyObject *args) {
     NibbleExpert *experts = malloc(sizeof(NibbleExpert) * (size_t)(n_experts > 0 ? n_experts : 1));
     if (experts == NULL) return PyErr_NoMemory();
     const uint64_t *m = (const uint64_t *)(uintptr_t)mats;
-    for (int e = 0; e < n_experts; e++, m += 6) {
-        NibbleExpert ex = {w13, w13, w2};
-        ex.w1.q = (const uint8_t *)(uintptr_t)m[0], ex.w1.scales = (const void *)(uintptr_t)m[1];
-        ex.w3.q = (const uint8_t *)(uintptr_t)m[2], ex.w3.scales = (const void *)(uintptr_t)m[3];
-        ex.w2.q = (const uint8_t *)(uintptr_t)m[4], ex.w2.scales = (const void *)(uintptr_t)m[5];
-        experts[e] = ex;
-    }
+    NibbleExpert like = {w13, w13, w2};
+    for (int e = 0; e < n_experts; e++) experts[e] = nibble_expert_at(m + (size_t)e * 6, &like);
     NibbleMoE moe = {experts, (const int64_t *)(uintptr_t)expert_ids, n_experts, (const float *)(uintptr_t)x,
                      (const int64_t *)(uintptr_t)ids, (const float *)(uintptr_t)weights, rows, topk, dim, inter, clamp,
                      limit, threads, (double *)(uintptr_t)out};

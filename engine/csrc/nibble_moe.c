@@ -154,3 +154,11 @@ int nibble_moe_run(const NibbleMoE *moe) {
     free(area), free(terms);
     return 0;
 }
+
+NibbleExpert nibble_expert_at(const uint64_t m[6], const NibbleExpert *like) {
+    NibbleExpert e = *like;
+    e.w1.q = (const uint8_t *)(uintptr_t)m[0], e.w1.scales = (const void *)(uintptr_t)m[1];
+    e.w3.q = (const uint8_t *)(uintptr_t)m[2], e.w3.scales = (const void *)(uintptr_t)m[3];
+    e.w2.q = (const uint8_t *)(uintptr_t)m[4], e.w2.scales = (const void *)(uintptr_t)m[5];
+    return e;
+}

@@ -13,6 +13,10 @@ typedef struct {
     NibbleMatrix w1, w3, w2;
 } NibbleExpert;
 
+/* The expert whose six arrays are at m (w1, its scales, w3, its scales, w2, its scales), of the layout
+ * `like` (an expert whose matrices' shapes and kinds are those, its addresses unused). */
+NibbleExpert nibble_expert_at(const uint64_t m[6], const NibbleExpert *like);
+
 typedef struct {
     const NibbleExpert *experts; /* in the order their terms are added */
     const int64_t *expert_ids; /* [n_experts]: the id each expert has in `ids` */

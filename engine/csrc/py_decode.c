@@ -155,28 +155,50 @@ static int mlp(PyObject *spec, LayerPlan *plan) {
            matrix(w2, &plan->mlp.w2, "layer_plan: w2");
 }
 
+/* The routed experts' layout (family, inter, kind13, kind2, scale_kind, group13, group2) of a MoE
+ * layer_plan: family 0 int8 activations (kinds Q8_WEIGHTS_*), 1 float32 x (kinds nibble.h's CODE_*). */
+static int routed_layout(PyObject *layout, LayerPlan *plan, int dim) {
+    int inter, kind13, kind2, scale_kind, group13, group2;
+    if (!PyArg_ParseTuple(layout, "iiiiiii", &plan->routed_floats, &inter, &kind13, &kind2, &scale_kind, &group13, &group2))
+        return 0;
+    int valid;
+    if (plan->routed_floats) {
+        NibbleMatrix w13 = {NULL, NULL, kind13, scale_kind, dim, group13}, w2 = {NULL, NULL, kind2, scale_kind, inter, group2};
+        NibbleExpert like = {w13, w13, w2};
+        plan->nibble = like;
+        valid = plan->routed_floats == 1 && inter >= 1 && kind13 >= 0 && kind13 < N_CODES && kind2 >= 0 && kind2 < N_CODES &&
+                scale_kind >= 0 && scale_kind < N_SCALE_KINDS && group13 >= 2 && group13 % 2 == 0 && group2 >= 2 &&
+                group2 % 2 == 0;
+    } else {
+        Q8Layout l = {dim, inter, kind13, kind2, scale_kind, group13, group2};
+        plan->routed = l;
+        valid = q8_layout_valid(&l);
+    }
+    if (!valid)
+        PyErr_Format(PyExc_ValueError, "layer_plan: experts' family=%d inter=%d kinds=%d,%d scale=%d groups=%d,%d",
+                     plan->routed_floats, inter, kind13, kind2, scale_kind, group13, group2);
+    return valid;
+}
+
 /* The router and the routed experts' layout of a MoE layer_plan. */
 static int routed(PyObject *router, PyObject *layout, LayerPlan *plan, int dim) {
     Router *r = &plan->router;
-    Q8Layout *l = &plan->routed;
     unsigned long long weight, bias;
     if (!PyArg_ParseTuple(router, "KKiiiiipfi", &weight, &bias, &r->experts, &r->score, &r->groups, &r->topk_groups,
-                          &r->topk, &r->normalise, &r->scale, &r->ld) ||
-        !PyArg_ParseTuple(layout, "iiiiii", &l->inter, &l->kind13, &l->kind2, &l->scale_kind, &l->group13, &l->group2))
+                          &r->topk, &r->normalise, &r->scale, &r->ld))
         return 0;
-    r->weight = ptr(weight), r->bias = ptr(bias), r->dim = l->dim = dim;
-    if (r->ld < dim || !router_valid(r) || !q8_layout_valid(l)) {
-        PyErr_Format(PyExc_ValueError, "layer_plan: experts=%d groups=%d topk=%d inter=%d kinds=%d,%d groups=%d,%d",
-                     r->experts, r->groups, r->topk, l->inter, l->kind13, l->kind2, l->group13, l->group2);
+    r->weight = ptr(weight), r->bias = ptr(bias), r->dim = dim;
+    if (r->ld < dim || !router_valid(r)) {
+        PyErr_Format(PyExc_ValueError, "layer_plan: experts=%d groups=%d topk=%d", r->experts, r->groups, r->topk);
         return 0;
     }
-    return 1;
+    return routed_layout(layout, plan, dim);
 }
 
 /* layer_plan(mla_weights capsule, ffn_norm, ffn_eps, mlp or None, router or None, layout or None, stops) -> capsule.
  * mlp: (w1, w3, w2, inter), the dense MLP or the shared expert; router: (weight, bias or 0, experts, score,
- * groups, topk_groups, topk, normalise, scale, row stride); layout: the routed experts' (inter, kind13, kind2, scale_kind,
- * group13, group2). A MoE layer has a router and a layout; stops: a DSA layer with its own indexer, which
+ * groups, topk_groups, topk, normalise, scale, row stride); layout: the routed experts' (family, inter, kind13, kind2,
+ * scale_kind, group13, group2) (routed_layout). A MoE layer has a router and a layout; stops: a DSA layer with its own indexer, which
  * decode_layers hands back to the caller once every row's projections are done. The caller keeps the mla capsule alive. */
 static PyObject *py_layer_plan(PyObject *self, PyObject *args) {
     PyObject *attn, *mlp_spec, *router, *layout;

@@ -1,10 +1,11 @@
-"""A decode step in one C call (engine/fused_decode.py): with int8 activations and every expert resident it
-gives the module path's bits (logits, hidden states, cache) for one row and for a verify step's rows, at the
-fixtures' widths and at odd ones, with int8 and int4 dense records, in the tiered store and the resident
-one; several sequences in one step each get their solo bits and each expert of the union is used once; it
-counts the experts it used as the acquires it skipped would have; on DSA models the indexers run between
-the C step's layers with the same bits; it stays off where it does not apply (a budget below the experts,
-float activations), and a failed step leaves the caches as they were."""
+"""A decode step in one C call (engine/fused_decode.py): with every expert resident it gives the module path's
+bits (logits, hidden states, cache) for one row and for a verify step's rows, at the fixtures' widths and at
+odd ones, with int8 activations over int8 and int4 dense records and on the float32 path over bf16 ones (the
+default container), in the tiered store and the resident one; several sequences in one step each get their
+solo bits and each expert of the union is used once; it counts the experts it used as the acquires it
+skipped would have; on DSA models the indexers run between the C step's layers with the same bits; it stays
+off where it does not apply (a budget below the experts, float activations over int8 records, float32
+weights), and a failed step leaves the caches as they were."""
 
 from __future__ import annotations
 
@@ -73,6 +74,11 @@ def _resident_store(path):
     return StoreConfig(ram_bytes=Container(path).expert_bytes, preload=True)
 
 
+def _int8_activations(dense: str) -> bool:
+    """int8 activations over int8 / int4 dense records; a bf16 container runs the float32 path."""
+    return dense != "bf16"
+
+
 @pytest.mark.parametrize(
     ("family", "dense", "tiered"),
     [
@@ -81,11 +87,16 @@ def _resident_store(path):
         ("kimi_k2", "int4", True),
         ("deepseek_v32", "int8", True),
         ("glm_moe_dsa", "int4", False),
+        ("deepseek_v3", "bf16", True),
+        ("kimi_k2", "bf16", False),
+        ("deepseek_v32", "bf16", False),
+        ("glm_moe_dsa", "bf16", True),
     ],
 )
 def test_one_call_gives_the_module_paths_bits(make_container, counting, family, dense, tiered):
     path = make_container(family, "int4", dense)
-    loaded = load_container(path, store=_resident_store(path) if tiered else None, int8_activations=True)
+    store = _resident_store(path) if tiered else None
+    loaded = load_container(path, store=store, int8_activations=_int8_activations(dense))
     fused = _decode(loaded.model, loaded.experts, 5, verify=3)
     assert counting.calls == 5 + 1  # every decode step (the verify step's three rows in one), none of the prompt's
     with fused_decode.module_path():
@@ -94,8 +105,10 @@ def test_one_call_gives_the_module_paths_bits(make_container, counting, family, 
     _assert_same(fused, plain)
 
 
-def test_odd_widths_give_the_module_paths_bits(odd_container, counting):
-    loaded = load_container(odd_container, store=_resident_store(odd_container), int8_activations=True)
+@pytest.mark.parametrize("dense", ["int8", "bf16"])
+def test_odd_widths_give_the_module_paths_bits(odd_container, odd_bf16_container, counting, dense):
+    path = odd_container if dense == "int8" else odd_bf16_container
+    loaded = load_container(path, store=_resident_store(path), int8_activations=_int8_activations(dense))
     fused = _decode(loaded.model, loaded.experts, 6)
     with fused_decode.module_path():
         plain = _decode(loaded.model, loaded.experts, 6)
@@ -114,13 +127,16 @@ def test_a_dsa_context_growing_past_index_topk_gives_the_module_paths_bits(make_
     _assert_same(fused, plain)
 
 
-@pytest.mark.parametrize(("family", "dense"), [("kimi_k2", "int8"), ("kimi_k2", "int4"), ("glm_moe_dsa", "int8")])
+@pytest.mark.parametrize(
+    ("family", "dense"),
+    [("kimi_k2", "int8"), ("kimi_k2", "int4"), ("glm_moe_dsa", "int8"), ("kimi_k2", "bf16"), ("glm_moe_dsa", "bf16")],
+)
 def test_several_sequences_in_one_call_each_get_their_solo_bits(make_container, counting, family, dense):
     """Three conversations of different lengths, one of them twice in the step (a verify step beside two
     requests): each row's logits, hidden state and cache are what its solo module-path steps give, and each
     layer's experts are the union of the rows' once. On the DSA model one conversation is within the
     indexer's top-k and the others past it."""
-    loaded = load_container(make_container(family, "int4", dense), int8_activations=True)
+    loaded = load_container(make_container(family, "int4", dense), int8_activations=_int8_activations(dense))
     model, experts = loaded.model, loaded.experts
     prompts = [PROMPT, PROMPT[:4], [9, 8, 7, 6, 5, 4, 3]]
     caches, solo = [model.new_cache() for _ in prompts], [model.new_cache() for _ in prompts]
@@ -184,10 +200,20 @@ def test_it_stays_off_where_it_does_not_apply(make_container, counting):
     partial = load_container(path, store=StoreConfig(ram_bytes=container.expert_bytes // 2), int8_activations=True)
     assert all(partial.experts.resident(layer) is None for layer in container.moe_layers)
     _decode(partial.model, partial.experts, 3)
-    # float activations
+    # float activations over int8 records: the modules compute in float, C would quantise x
     exact = load_container(path, store=_resident_store(path))
     _decode(exact.model, exact.experts, 3)
+    # float32 weights (a lossless container): no C matrix of them
+    f32 = make_container("deepseek_v3", "int4", "f32")
+    lossless = load_container(f32, store=_resident_store(f32))
+    _decode(lossless.model, lossless.experts, 3)
+    # the float32 path's prompt rows
+    bf16 = make_container("deepseek_v3", "int4", "bf16")
+    default = load_container(bf16, store=_resident_store(bf16))
+    default.model(torch.tensor([PROMPT]), 0, default.model.new_cache(), default.experts)
     assert counting.calls == 0
+    _decode(default.model, default.experts, 1)
+    assert counting.calls == 1  # and its decode rows take it
 
 
 def test_the_tiered_store_promises_residency_only_once_every_expert_is_read(make_container):
