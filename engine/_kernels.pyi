@@ -125,7 +125,7 @@ def gemm(
     out: int,
     group: int,
     work: int,
-    force_scalar: bool,
+    isa_limit: int,
     threads: int = ...,
     code: int = ...,
     scale_kind: int = ...,

@@ -50,7 +50,7 @@ static void run_slice(const Slice *s) {
     float tmp[MAX_ROWS * 64];
     for (int o = 0; o < n; o += 64) {
         int m = n - o < 64 ? n - o : 64;
-        nibble_gemm(s->nibbles, s->xs, s->rows, s->begin + o, s->begin + o + m, s->isa_limit >= 1, s->alone, tmp);
+        nibble_gemm(s->nibbles, s->xs, s->rows, s->begin + o, s->begin + o + m, s->isa_limit, s->alone, tmp);
         for (int r = 0; r < s->rows; r++)
             memcpy(s->y + (size_t)r * s->out + s->begin + o, tmp + (size_t)r * m, (size_t)m * sizeof(float));
     }
@@ -89,13 +89,14 @@ static int nibble_matrix(NibbleMatrix *m, unsigned long long q, unsigned long lo
     return 1;
 }
 
-/* gemm(q_ptr, scales_ptr, x_ptr, y_ptr, rows, in, out, group, workspace_ptr, force_scalar, threads, code,
+/* gemm(q_ptr, scales_ptr, x_ptr, y_ptr, rows, in, out, group, workspace_ptr, isa_limit, threads, code,
  * scale_kind, alone): y[rows, out] = x[rows, in] @ dequant(q, scales)^T. All pointers are addresses of
- * contiguous buffers; the workspace holds work_floats(rows, in, group) floats. alone: batch-invariant. */
+ * contiguous buffers; the workspace holds work_floats(rows, in, group) floats. isa_limit: 2 the best
+ * available, 1 at most AVX2, 0 scalar (nibble_gemm's simd). alone: batch-invariant. */
 static PyObject *py_gemm(PyObject *self, PyObject *args) {
     unsigned long long q, scales, x, y, work;
-    int rows, in, out, group, force_scalar, threads = 1, code = CODE_INT4, scale_kind = SCALE_F16, alone = 0;
-    if (!PyArg_ParseTuple(args, "KKKKiiiiKp|iiip", &q, &scales, &x, &y, &rows, &in, &out, &group, &work, &force_scalar,
+    int rows, in, out, group, isa_limit, threads = 1, code = CODE_INT4, scale_kind = SCALE_F16, alone = 0;
+    if (!PyArg_ParseTuple(args, "KKKKiiiiKi|iiip", &q, &scales, &x, &y, &rows, &in, &out, &group, &work, &isa_limit,
                           &threads, &code, &scale_kind, &alone))
         return NULL;
     NibbleMatrix m;
@@ -106,7 +107,7 @@ static PyObject *py_gemm(PyObject *self, PyObject *args) {
     }
     float *xs = (float *)(uintptr_t)work;
     (void)nibble_simd_available(); /* detect the CPU once, before any helper thread looks */
-    Slice whole = {&m, NULL, NULL, NULL, xs, (float *)(uintptr_t)y, rows, in, out, 0, out, force_scalar ? 0 : 2, alone};
+    Slice whole = {&m, NULL, NULL, NULL, xs, (float *)(uintptr_t)y, rows, in, out, 0, out, isa_limit, alone};
     Py_BEGIN_ALLOW_THREADS
     nibble_prepare(&m, (const float *)(uintptr_t)x, rows, xs);
     run_split(&whole, threads);

@@ -36,8 +36,9 @@ size_t nibble_work_floats(const NibbleMatrix *m, int rows);
  * (nibble.c x_slot), zero past `in` (so padding and tail nibbles contribute nothing). */
 void nibble_prepare(const NibbleMatrix *m, const float *x, int rows, float *xs);
 
-/* y [rows, end - begin] = x @ dequant(m)[begin:end]^T from nibble_prepare's xs; simd 0 forces the
- * scalar path. alone 1: batch-invariant, each row's result bit-identical to a one-row call's (rows of
+/* y [rows, end - begin] = x @ dequant(m)[begin:end]^T from nibble_prepare's xs; simd caps the loops:
+ * 0 scalar, 1 AVX2, 2 the AVX2 loops built with AVX-512VL where the CPU has it (the same bits as 1,
+ * faster). alone 1: batch-invariant, each row's result bit-identical to a one-row call's (rows of
  * independent requests decoded together); 0: the fastest order for several rows of one prompt. */
 void nibble_gemm(const NibbleMatrix *m, const float *xs, int rows, int begin, int end, int simd, int alone, float *y);
 

@@ -45,7 +45,7 @@ static void product(const NibbleMatrix *m, const float *prepared, int rows, int 
     int n = end - begin;
     for (int first = 0; first < rows; first += MAX_ROWS) {
         int g = rows - first < MAX_ROWS ? rows - first : MAX_ROWS;
-        nibble_gemm(m, prepared + (size_t)(first / MAX_ROWS) * group_floats, g, begin, end, 1, 1, tmp);
+        nibble_gemm(m, prepared + (size_t)(first / MAX_ROWS) * group_floats, g, begin, end, 2, 1, tmp);
         for (int r = 0; r < g; r++) memcpy(y + (size_t)(first + r) * out + begin, tmp + (size_t)r * n, n * sizeof(float));
     }
 }

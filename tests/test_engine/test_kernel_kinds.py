@@ -179,3 +179,30 @@ def test_two_threads_split_a_ragged_fp4_matrix():
             )
     finally:
         torch.set_num_threads(previous)
+
+
+def _cpu_has_avx512vl() -> bool:
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return False
+    return {"avx512f", "avx512vl", "avx512bw"} <= set(flags)
+
+
+@needs_kernel
+@pytest.mark.skipif(not _cpu_has_avx512vl(), reason="no AVX-512VL: 'best' is the AVX2 build itself")
+@pytest.mark.parametrize("alone", [False, True])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_the_avx512vl_build_gives_the_avx2_builds_bits(matrices, kind, alone):
+    """The same loops compiled with AVX-512VL (32 vector registers): the same operations in the same order,
+    so the same bits, for every layout (group 64, 32, 16; and 24: a scale per weight vector), width and row
+    count; the scalar loops sum in another order (a check that the two builds really differ in path)."""
+    ms = [matrices[kind, w] for w in WIDTHS] + [random_matrix(kind, 200, group=24)]
+    gen = torch.Generator().manual_seed(5)
+    for m in ms:
+        for rows in range(1, 9):
+            x = torch.randn(rows, m.in_dim, generator=gen)
+            best = kernel_matmul(x, m, alone=alone)
+            assert torch.equal(best, kernel_matmul(x, m, alone=alone, isa="avx2"))
+    scalar = kernel_matmul(x, ms[-1], force_scalar=True)
+    assert not torch.equal(scalar, kernel_matmul(x, ms[-1], isa="avx2"))
