@@ -54,8 +54,8 @@ class FusedMLA:
     @classmethod
     def build(cls, attn_norm: RMSNorm, mla: MLA) -> FusedMLA | None:
         """None when the layer's weights are not all in the forms the C steps read."""
-        # reflection: a build of the C extension older than mla_decode.c lacks mla_weights
         kv_b = _kv_b(mla)
+        # reflection: a build of the C extension older than mla_decode.c lacks mla_weights
         if _kernels is None or not hasattr(_kernels, "mla_weights") or kv_b is None:
             return None
         lora = mla.q_lora_rank > 0
