@@ -156,7 +156,7 @@ def matched_container(row: dict) -> str:
 def section_ratios(section: dict, ours_exact: dict[int, dict]) -> dict:
     """Every ratio of a finished section (results.json's "llama_cpp"): decode and TTFT of our quality-matched
     rows (cold; the short prompt's TTFT warm too), ``exact_*`` of our default float path (``ours_exact``:
-    budget -> section 2's row), and the prefill rows'."""
+    budget -> section 2's row), against llama.cpp and against our int8 path, and the prefill rows'."""
     matched, rows = section["ours_matched"], section["rows"]
     by_file = {
         file: cold
@@ -175,5 +175,16 @@ def section_ratios(section: dict, ours_exact: dict[int, dict]) -> dict:
         llama_cpp_ratios(by_file, rows)
         | warm_ttft_ratios(warm, rows)
         | {f"exact_{k}": v for k, v in exact.items()}
+        | exact_over_int8(ours_exact, by_file.get("q4e_q8", {}))
         | prefill_section_ratios(prefill["ours"], prefill["rows"])
     )
+
+
+def exact_over_int8(exact: dict[int, dict], int8: dict[int, dict]) -> dict[str, float]:
+    """``exact_vs_int8_<pct>``: our default float path's decode tok/s over the int8 path's (the quality-matched
+    rows), cold, per budget both ran (issue #45 asks >= 0.5 at 100%)."""
+    return {
+        f"exact_vs_int8_{pct}": round(row["decode_tok_per_s"] / int8[pct]["decode_tok_per_s"], 2)
+        for pct, row in sorted(exact.items())
+        if pct in int8 and int8[pct]["decode_tok_per_s"] > 0
+    }

@@ -24,6 +24,7 @@ GOALS = {  # ratio -> (goal text, test)
     "vs_llama_cpp_100": (">= 1.0", lambda v: v >= 1.0),
     "vs_llama_cpp_25": (">= 10", lambda v: v >= 10),
     "ttft_vs_llama_cpp_100": (">= 1.0", lambda v: v >= 1.0),
+    "exact_vs_int8_100": (">= 0.5", lambda v: v >= 0.5),
     "loaded_vs_idle": (">= 0.5", lambda v: v >= 0.5),
     "mtp_governor_vs_plain_100": (">= 1.3", lambda v: v >= 1.3),
     "mtp_governor_vs_plain_25": (">= 1.0", lambda v: v >= 1.0),

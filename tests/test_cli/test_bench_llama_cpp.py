@@ -377,6 +377,7 @@ def test_the_headline_ratios_are_ours_quality_matched_and_the_exact_path_is_repo
         "exact_vs_llama_cpp_100": 0.5,
         "exact_vs_llama_cpp_q4_0_100": 0.25,
         "exact_ttft_vs_llama_cpp_100": 0.2,
+        "exact_vs_int8_100": 0.42,  # the exact path's 5 tok/s over the int8 path's 12 (cold rows)
         "prefill_vs_llama_cpp_q4_0_100": 1.25,  # a 1024-token prompt, both warm: llama.cpp 10 s, ours 8 s
     }
 
