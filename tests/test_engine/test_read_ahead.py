@@ -168,6 +168,15 @@ def test_decoding_with_read_ahead_gives_the_same_logits(stream_container, int8, 
     assert any(len(request) > 3 for request in read[1 :: n_layers + 1])  # dense weights and some experts' slots
 
 
+def _affinities() -> dict[int, set[int]]:
+    """Each thread of this process and its CPUs, skipping threads that end while they are listed."""
+    found = {}
+    for tid in map(int, os.listdir("/proc/self/task")):
+        with contextlib.suppress(ProcessLookupError):
+            found[tid] = os.sched_getaffinity(tid)
+    return found
+
+
 @needs_helper
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs CPU affinity")
 def test_a_helper_sharing_its_core_with_a_busy_process_skips_the_read_ahead():
@@ -175,10 +184,11 @@ def test_a_helper_sharing_its_core_with_a_busy_process_skips_the_read_ahead():
     its awake time it runs and drops the request when another busy thread has its core."""
     with kernel_threads_set(2):
         ahead.request_read_ahead([np.ones(4096, dtype=np.uint8)])  # the helper exists from here on
-        before_all = {tid: os.sched_getaffinity(tid) for tid in map(int, os.listdir("/proc/self/task"))}
+        before_all = _affinities()
         cpu = min(os.sched_getaffinity(0))
         for tid in before_all:
-            os.sched_setaffinity(tid, {cpu})
+            with contextlib.suppress(ProcessLookupError):  # a thread (another test's pool) that ended since
+                os.sched_setaffinity(tid, {cpu})
         spin = f"import os; os.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"
         busy = subprocess.Popen([sys.executable, "-c", spin])
         try:
