@@ -3,6 +3,7 @@
 count scales alike for both contenders and the expert count does not change).
 
     python tools/bench_llama_cpp.py --work /tmp/llb [--layers 12] [--experts 16] [--budgets 100] [--prefill 128]
+                                    [--with-decode]
 
 Needs `pip install 'colibri-stream[peers]'` and `colibri-stream bench --setup-peers` once. Prints the
 section's report (each llama.cpp file against ours computed as it is), the ratios and the limit line;
@@ -30,6 +31,9 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=16)
     parser.add_argument("--budgets", default="100", help="comma-separated RAM budgets in %% (the bench: 25,100)")
     parser.add_argument("--prefill", type=int, default=128, help="tokens of the long-prompt TTFT rows")
+    parser.add_argument(
+        "--with-decode", action="store_true", help="the decode section too: our default exact path's rows (exact_*)"
+    )
     args = parser.parse_args()
     shape = replace(StressShape(), num_hidden_layers=args.layers, n_routed_experts=args.experts)
     budgets = tuple(int(b) for b in args.budgets.split(","))
@@ -38,7 +42,7 @@ def main() -> None:
     )
     command = " ".join(sys.argv)
     results = run_bench(settings, args.work, args.out, command, lambda line: print(f"[bench] {line}", file=sys.stderr),
-                        sections=("llama_cpp",))  # fmt: skip
+                        sections=("decode", "llama_cpp") if args.with_decode else ("llama_cpp",))  # fmt: skip
     (args.out / "results.json").write_text(json.dumps(results, indent=2))
     print("\n".join(llama_cpp_lines(results)))
     print(f"\nratios: {results['ratios']}")
