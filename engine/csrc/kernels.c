@@ -78,13 +78,12 @@ static void run_split(const Slice *whole, int threads) {
 /* Fills m from gemm/dequant's common arguments; 0 with a ValueError naming what is unsupported. */
 static int nibble_matrix(NibbleMatrix *m, unsigned long long q, unsigned long long scales, int in, int out, int group,
                          int code, int scale_kind, const char *what) {
-    if (in < 1 || out < 1 || group < 2 || group % 2 || code < 0 || code >= N_CODES || scale_kind < 0 ||
-        scale_kind >= N_SCALE_KINDS) {
+    NibbleMatrix made = {(const uint8_t *)(uintptr_t)q, (const void *)(uintptr_t)scales, code, scale_kind, in, group};
+    if (out < 1 || !nibble_matrix_valid(&made)) {
         PyErr_Format(PyExc_ValueError, "%s: unsupported shape or kind in=%d out=%d group=%d code=%d scale=%d", what, in,
                      out, group, code, scale_kind);
         return 0;
     }
-    NibbleMatrix made = {(const uint8_t *)(uintptr_t)q, (const void *)(uintptr_t)scales, code, scale_kind, in, group};
     *m = made;
     return 1;
 }

@@ -21,6 +21,13 @@ typedef struct {
     int in, group; /* group even, so no byte holds two groups */
 } NibbleMatrix;
 
+/* 1 when the kernels take a matrix of this shape and kind (in >= 1, an even group >= 2, known code and
+ * scale kinds; its addresses are not looked at). */
+static inline int nibble_matrix_valid(const NibbleMatrix *m) {
+    return m->in >= 1 && m->group >= 2 && m->group % 2 == 0 && m->code >= 0 && m->code < N_CODES && m->scale_kind >= 0 &&
+           m->scale_kind < N_SCALE_KINDS;
+}
+
 static inline size_t nibble_row_bytes(const NibbleMatrix *m) { return ((size_t)m->in + 1) / 2; }
 static inline int nibble_groups(const NibbleMatrix *m) { return (int)(((size_t)m->in + m->group - 1) / m->group); }
 

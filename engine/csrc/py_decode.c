@@ -166,9 +166,7 @@ static int routed_layout(PyObject *layout, LayerPlan *plan, int dim) {
         NibbleMatrix w13 = {NULL, NULL, kind13, scale_kind, dim, group13}, w2 = {NULL, NULL, kind2, scale_kind, inter, group2};
         NibbleExpert like = {w13, w13, w2};
         plan->nibble = like;
-        valid = plan->routed_floats == 1 && inter >= 1 && kind13 >= 0 && kind13 < N_CODES && kind2 >= 0 && kind2 < N_CODES &&
-                scale_kind >= 0 && scale_kind < N_SCALE_KINDS && group13 >= 2 && group13 % 2 == 0 && group2 >= 2 &&
-                group2 % 2 == 0;
+        valid = plan->routed_floats == 1 && nibble_matrix_valid(&w13) && nibble_matrix_valid(&w2);
     } else {
         Q8Layout l = {dim, inter, kind13, kind2, scale_kind, group13, group2};
         plan->routed = l;
