@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.q8 import activations_are_int8
-from engine.q8_experts import parts_within
+from engine.q8_experts import common_table, parts_within
 from engine.quant import KERNEL_CODES, KERNEL_SCALES, QuantizedExpert, QuantizedMatrix
 from engine.rows import computing_alone, kernel_threads
 
@@ -50,11 +50,8 @@ def expert_table(experts: Sequence[object]) -> tuple[tuple[int, ...], array[int]
     """A layer's experts as engine/csrc/decode_step.c reads them on the float32 path: (their common layout
     (inter, code13, code2, scale kind, group13, group2), the six addresses of each, [n, 6] flat); None when
     the call does not take them all, alike."""
-    plans = [_plan(e) for e in experts]
-    first = plans[0] if plans else None
-    if first is None or any(plan is None or plan[0] != first[0] for plan in plans):
-        return None
-    return first[0][1:], array("Q", [p for plan in plans for p in plan[1]])  # type: ignore[index]  # none is None
+    table = common_table([_plan(e) for e in experts])
+    return None if table is None else (table[0][1:], table[1])  # the layout without dim (the plan's own)
 
 
 def _plan(expert: object) -> tuple[tuple[int, ...], tuple[int, ...]] | None:

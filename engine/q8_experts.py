@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from typing import TypeGuard, cast
+from typing import TypeGuard, TypeVar, cast
 
 import torch
 
@@ -43,18 +43,28 @@ def expert_table(experts: Sequence[object]) -> tuple[tuple[int, ...], array[int]
     """A layer's experts as engine/csrc/decode_step.c reads them: (their common layout (inter, kind13, kind2,
     scale kind, group13, group2), the six addresses of each, [n, 6] flat); None when q8_moe does not take
     them all, alike."""
-    plans = [_plan(e) for e in experts]
-    first = plans[0] if plans else None
-    if first is None or any(plan is None or plan[0] != first[0] for plan in plans):
+    table = common_table([_plan(e) for e in experts])
+    if table is None:
         return None
-    code13, code2, scale_dtype, group13, group2, _, inter = first[0]
+    code13, code2, scale_dtype, group13, group2, _, inter = table[0]
     kinds = (
         WEIGHT_KINDS[cast(str, code13)],
         WEIGHT_KINDS[cast(str, code2)],
         KERNEL_SCALES[cast(torch.dtype, scale_dtype)],
     )
-    layout = cast(tuple[int, ...], (inter, *kinds, group13, group2))
-    return layout, array("Q", [p for plan in plans for p in plan[1]])  # type: ignore[index]  # none is None
+    return cast(tuple[int, ...], (inter, *kinds, group13, group2)), table[1]
+
+
+L = TypeVar("L")
+
+
+def common_table(plans: Sequence[tuple[L, tuple[int, ...]] | None]) -> tuple[L, array[int]] | None:
+    """Experts' plans (layout, their six addresses) as one table: (the layout they all share, the addresses
+    of each, [n, 6] flat); None when one has no plan or another layout (or there are none)."""
+    first = plans[0] if plans else None
+    if first is None or any(plan is None or plan[0] != first[0] for plan in plans):
+        return None
+    return first[0], array("Q", [p for plan in plans for p in plan[1]])  # type: ignore[index]  # none is None
 
 
 def _plan(expert: object) -> tuple[tuple[object, ...], tuple[int, ...]] | None:
