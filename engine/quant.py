@@ -224,12 +224,10 @@ def _kernel_shape(m: QuantizedMatrix) -> tuple[int, int, int, int, int]:
 KERNEL_ISA = {"best": 2, "avx2": 1, "scalar": 0}  # nibble.h nibble_gemm's simd: the highest loops allowed
 
 
-def kernel_matmul(
-    x: torch.Tensor, m: QuantizedMatrix, force_scalar: bool = False, alone: bool = False, isa: str = "best"
-) -> torch.Tensor:
+def kernel_matmul(x: torch.Tensor, m: QuantizedMatrix, alone: bool = False, isa: str = "best") -> torch.Tensor:
     """x [rows <= MAX_ROWS, in] float32 @ dequant(m)^T -> [rows, out], reading the codes once (C kernel).
     ``alone``: each row's result bit-identical to a one-row call's (engine/rows.py). ``isa`` caps the loops
-    (tests reach each on any CPU; "best" and "avx2" give the same bits), ``force_scalar`` as "scalar"."""
+    (tests reach each on any CPU; "best" and "avx2" give the same bits, "scalar" sums in another order)."""
     rows, in_dim = x.shape
     if in_dim != m.in_dim:
         raise ValueError(f"x has {in_dim} columns, the quantised matrix {m.in_dim} inputs")
@@ -246,7 +244,7 @@ def kernel_matmul(
         m.out_dim,
         m.group_size,
         work.data_ptr(),
-        0 if force_scalar else KERNEL_ISA[isa],
+        KERNEL_ISA[isa],
         kernel_threads(),  # 2+: a persistent helper thread shares the output rows (kernels.c run_split)
         KERNEL_CODES[m.code],
         KERNEL_SCALES[m.scales.dtype],

@@ -137,7 +137,7 @@ def test_nibble_kernel_alone_gives_each_row_its_one_row_bits(kind, shape):
     for rows in (2, 3, 5, 8):
         assert torch.equal(kernel_matmul(x[:rows], m, alone=True), alone[:rows])
         assert torch.equal(
-            kernel_matmul(x[:rows], m, force_scalar=True, alone=True), kernel_matmul(x[:rows], m, force_scalar=True)
+            kernel_matmul(x[:rows], m, alone=True, isa="scalar"), kernel_matmul(x[:rows], m, isa="scalar")
         )
 
 

@@ -15,14 +15,14 @@ needs_kernel = pytest.mark.skipif(not int4_kernel_available(), reason="engine._k
 @needs_kernel
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("rows", [1, 2, 5, 8])
-@pytest.mark.parametrize("force_scalar", [False, True], ids=["simd", "scalar"])
-def test_kernel_equals_dequantise_then_matmul(group, rows, force_scalar):
+@pytest.mark.parametrize("isa", ["best", "scalar"], ids=["simd", "scalar"])
+def test_kernel_equals_dequantise_then_matmul(group, rows, isa):
     gen = torch.Generator().manual_seed(group * 10 + rows)
     w = torch.distributions.StudentT(4.0).sample((96, 256)) * 0.05
     m = quantized_matrix(w, 4, group)
     x = torch.randn(rows, 256, generator=gen)
     expected = F.linear(x, m.dequantize())
-    got = kernel_matmul(x, m, force_scalar=force_scalar)
+    got = kernel_matmul(x, m, isa=isa)
     assert got.shape == (rows, 96)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 

@@ -66,14 +66,14 @@ def test_c_dequantiser_is_bit_identical_for_every_kind(matrices, kind, width):
 
 @needs_kernel
 @pytest.mark.parametrize("rows", range(1, 9))
-@pytest.mark.parametrize("force_scalar", [False, True], ids=["simd", "scalar"])
+@pytest.mark.parametrize("isa", ["best", "scalar"], ids=["simd", "scalar"])
 @pytest.mark.parametrize("width", list(WIDTHS))
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_kernel_matmul_equals_linear_over_the_reference(matrices, kind, width, force_scalar, rows):
+def test_kernel_matmul_equals_linear_over_the_reference(matrices, kind, width, isa, rows):
     m = matrices[kind, width]
     x = torch.randn(rows, m.in_dim, generator=torch.Generator().manual_seed(rows))
     expected = F.linear(x, dequantize_torch(m))
-    got = kernel_matmul(x, m, force_scalar=force_scalar)
+    got = kernel_matmul(x, m, isa=isa)
     assert got.shape == (rows, m.out_dim)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
@@ -100,7 +100,7 @@ def test_kernel_matmul_any_group_and_column_blocks(kind, group, width, rows):
     expected = F.linear(x, dequantize_torch(m))
     tolerance = {"rtol": 1e-5, "atol": 1e-5 * expected.abs().max().item()}
     torch.testing.assert_close(kernel_matmul(x, m), expected, **tolerance)
-    torch.testing.assert_close(kernel_matmul(x, m, force_scalar=True), expected, **tolerance)
+    torch.testing.assert_close(kernel_matmul(x, m, isa="scalar"), expected, **tolerance)
 
 
 @needs_kernel
@@ -112,8 +112,8 @@ def test_padding_nibble_of_an_odd_row_contributes_nothing(kind):
     flipped = QuantizedMatrix(other, m.scales, m.code, m.group_size, m.in_dim)
     x = torch.randn(3, 119)
     assert torch.equal(flipped.dequantize(), m.dequantize())
-    for force_scalar in (False, True):
-        assert torch.equal(kernel_matmul(x, flipped, force_scalar), kernel_matmul(x, m, force_scalar))
+    for isa in ("best", "scalar"):
+        assert torch.equal(kernel_matmul(x, flipped, isa=isa), kernel_matmul(x, m, isa=isa))
 
 
 @needs_kernel
@@ -204,5 +204,5 @@ def test_the_avx512vl_build_gives_the_avx2_builds_bits(matrices, kind, alone):
             x = torch.randn(rows, m.in_dim, generator=gen)
             best = kernel_matmul(x, m, alone=alone)
             assert torch.equal(best, kernel_matmul(x, m, alone=alone, isa="avx2"))
-    scalar = kernel_matmul(x, ms[-1], force_scalar=True)
+    scalar = kernel_matmul(x, ms[-1], isa="scalar")
     assert not torch.equal(scalar, kernel_matmul(x, ms[-1], isa="avx2"))
