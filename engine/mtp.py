@@ -33,7 +33,7 @@ from engine.experts import Experts, LocalExperts
 from engine.fused_decode import OneCall
 from engine.layers import RMSNorm
 from engine.rope import rope_tables
-from engine.rows import Linear
+from engine.rows import Linear, rows_alone
 
 
 class MTP(nn.Module):
@@ -85,7 +85,8 @@ class MTP(nn.Module):
         seqlen = hidden.shape[1]
         x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
         rows = [[cache.layer]] * seqlen  # one list for every row: they are one sequence's
-        fused = None if self.one_call is None else self.one_call.applies(x, rows, experts)
+        with rows_alone():  # the C step computes each pair as its own decode step: the rows' solo bits
+            fused = None if self.one_call is None else self.one_call.applies(x, rows, experts)
         if fused is not None:  # each pair as its own decode step of the block, in one C call
             starts = [position - cache.offset + j for j in range(seqlen)]
             ropes = [rope_tables(self.args, position + j, 1, x.device) for j in range(seqlen)]

@@ -155,6 +155,14 @@ def mtp_container(mtp_checkpoints, tmp_path_factory):
     return dst
 
 
+@pytest.fixture(scope="module")
+def mtp_bf16_container(mtp_checkpoints, tmp_path_factory):
+    """bf16 dense records: the default container, whose resident decode steps run the float32 path in C."""
+    dst = tmp_path_factory.mktemp("mtp-bf16-container") / "glm"
+    Converter(mtp_checkpoints["glm_moe_dsa"], dst, ConvertOptions(experts="int4", dense="bf16"), progress=False).run()
+    return dst
+
+
 @pytest.mark.parametrize("activations", ["float32", "int8"])
 def test_streamed_under_a_small_budget_drafts_change_no_token(mtp_container, activations):
     resident = load(mtp_container, activations=activations)
@@ -168,13 +176,15 @@ def test_streamed_under_a_small_budget_drafts_change_no_token(mtp_container, act
     assert streamed.experts.snapshot().misses > 0  # the budget streamed: the MTP block's experts too
 
 
-def test_resident_experts_with_int8_activations_draft_in_the_one_call_step(mtp_container, monkeypatch):
-    """Every expert resident, int8 activations: the verify steps and the MTP block's drafts run as one C
-    call each (the block as its own one-layer step, its experts those of layer n_layers), a one-pair draft
-    is the module path's bit for bit, and the tokens are plain decoding's."""
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+def test_resident_experts_draft_in_the_one_call_step(mtp_container, mtp_bf16_container, monkeypatch, activations):
+    """Every expert resident, on the exact path (bf16 dense, float32 x) and with int8 activations: the
+    verify steps and the MTP block's drafts run as one C call each (the block as its own one-layer step,
+    its experts those of layer n_layers; several pairs as rows of one call), a one-pair draft is the
+    module path's bit for bit, and the tokens are plain decoding's."""
     from engine import fused_decode
 
-    loaded = load(mtp_container, activations="int8")
+    loaded = load(mtp_bf16_container if activations == "float32" else mtp_container, activations=activations)
     model, experts = loaded.model, loaded.experts
     plain, _ = generate_all(loaded, PROMPTS)
     steps: list[list[int]] = []
@@ -197,6 +207,10 @@ def test_resident_experts_with_int8_activations_draft_in_the_one_call_step(mtp_c
     assert steps[before:] == [[mtp_layer]] * 3  # the pair, then each draft re-applied
     with fused_decode.module_path():
         assert model.draft(hidden, [7], cache.length, model.new_draft_cache(), experts, 3) == fused
+    pairs = torch.randn(3, model.args.dim, generator=torch.Generator().manual_seed(6))
+    before = len(steps)
+    model.draft(pairs, [7, 8, 9], cache.length, model.new_draft_cache(), experts, 2)
+    assert steps[before:] == [[mtp_layer]] * 2  # three pairs in one call, then the draft re-applied
 
 
 def test_sampling_with_drafts_keeps_the_distribution(mtp_loaded):
