@@ -23,7 +23,7 @@ import math
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -65,9 +65,9 @@ from colibri_stream.checkpoint.demo_model import DEMO_PROMPT, demo_container_pat
 from colibri_stream.planning.geometry import geometry_from_container
 from colibri_stream.planning.placement import plan
 from engine.bf16 import KEEP_FLOAT32
-from storage.container import Container
+from storage.container import Container, DenseEntry
 from storage.errors import DiskFullError, free_bytes
-from storage.layout import QUANTISED_DENSE, stored_shape
+from storage.layout import stored_shape
 from storage.policy import POLICY_NAMES
 from storage.tiered import StoreConfig, minimum_slots, total_records
 
@@ -466,7 +466,7 @@ class Bench:
             matched = Container(path)
             m = plan(geometry_from_container(matched), StoreConfig(ram_bytes=0))
             touched[names[label]] = ours_touched(
-                coded_dense_bytes_per_token(matched),
+                coded_dense_bytes_per_token(matched.dense),
                 matched.layout.record_bytes,
                 shape.num_experts_per_tok,
                 len(matched.moe_layers),
@@ -558,18 +558,22 @@ def check_work_space(work: Path, needed: int) -> None:
         )
 
 
-def coded_dense_bytes_per_token(container: Container) -> int:
-    """Dense bytes a token reads with int8 activations: int8 and int4 records as stored (codes + float16
-    scales), except those kept float32 (engine.bf16.KEEP_FLOAT32, dequantised at load); other arrays as
-    stored; the embedding one row (float32, dequantised)."""
+def coded_dense_bytes_per_token(dense: Mapping[str, DenseEntry]) -> int:
+    """Dense bytes a token reads with int8 activations, of a container's ``dense`` entries: int8 and int4
+    records as stored (codes + float16 scales), except those kept float32 (engine.bf16.KEEP_FLOAT32,
+    dequantised at load); but an int8 wkv_b is read as the records MLA.hold_kv_b_int8 keeps for decode
+    (codes + float32 scales); other arrays as stored; the embedding one row (float32, dequantised)."""
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}
     total = 0
-    for name, entry in container.dense.items():
+    for name, entry in dense.items():
         elements = entry.shape[-1] if name == "embed.weight" else math.prod(entry.shape)
-        coded = entry.dtype in QUANTISED_DENSE
-        if coded and name != "embed.weight" and not name.removesuffix(".weight").endswith(KEEP_FLOAT32):
-            stored = math.prod(stored_shape(entry.shape, entry.dtype))
-            total += stored + 2 * math.prod(entry.scales.shape)  # type: ignore[union-attr]  # coded: has scales
+        module = name.removesuffix(".weight")
+        if entry.scales is None or name == "embed.weight":
+            total += (4 if entry.scales is not None else itemsize[entry.dtype]) * elements
+        elif not module.endswith(KEEP_FLOAT32):
+            total += math.prod(stored_shape(entry.shape, entry.dtype)) + 2 * math.prod(entry.scales.shape)
+        elif module.endswith(".attn.wkv_b") and entry.dtype == "int8":
+            total += elements + 4 * math.prod(entry.scales.shape)
         else:
-            total += (4 if coded else itemsize[entry.dtype]) * elements
+            total += 4 * elements
     return total
