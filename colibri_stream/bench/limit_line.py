@@ -11,6 +11,7 @@ its own formats (llama.cpp's dense part in Q8_0 or Q4_0, ours bf16 + int4 record
 from __future__ import annotations
 
 import re
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -38,20 +39,23 @@ class TouchedBytes:
         return asdict(self) | {"total": self.total}
 
 
-def memory_bandwidth(threads: int, total_bytes: int = GiB, repeats: int = 3) -> float:
-    """Bytes/s of reading a ``total_bytes`` array split over ``threads`` threads, best of ``repeats``: the
-    read bandwidth the contenders' threads can draw. A bitwise-or reduction over uint64 (numpy releases
-    the GIL) does one cheap integer op per 8 bytes, so the reads, not the arithmetic, set the pace (a
-    float sum measured ~30% less here)."""
+def memory_bandwidth(threads: int, total_bytes: int = GiB, repeats: int = 5) -> float:
+    """Bytes/s of reading a ``total_bytes`` array split over ``threads`` threads, the median of ``repeats``:
+    the read bandwidth the contenders' threads can draw. Not the best one: on the shared bench host some
+    tries read twice what the others do (62 GB/s against 34-36, while a cold gemv drew 28-32 throughout:
+    docs/benchmarks.md, "One full run of #45's rows"); a median drops a lone one, though a quiet stretch of
+    seconds still shows in all five. A bitwise-or
+    reduction over uint64 (numpy releases the GIL) does one cheap integer op per 8 bytes, so the reads,
+    not the arithmetic, set the pace (a float sum measured ~30% less here)."""
     data = np.ones(total_bytes // 8, dtype=np.uint64)
     parts = np.array_split(data, threads)
-    best = float("inf")
+    seconds = []
     with ThreadPoolExecutor(threads) as pool:
         for _ in range(repeats):
             start = time.perf_counter()
             list(pool.map(np.bitwise_or.reduce, parts))
-            best = min(best, time.perf_counter() - start)
-    return data.nbytes / best
+            seconds.append(time.perf_counter() - start)
+    return data.nbytes / statistics.median(seconds)
 
 
 def ours_touched(

@@ -37,6 +37,8 @@ from colibri_stream.planning.budget import StoreOptions, planned_context, store_
 from colibri_stream.planning.geometry import container_args, geometry_from_container
 from colibri_stream.planning.placement import bf16_held_weights, check_fits, plan
 from colibri_stream.planning.read_ahead import choose_read_ahead, last_level_cache_bytes
+from colibri_stream.runtime.huge_pages import hold_in_huge_pages
+from colibri_stream.runtime.memory import return_freed_heap_to_the_os
 from engine.args import ModelArgs
 from engine.attention import MLA
 from engine.bf16 import hold_in_bf16, linear_candidates
@@ -200,18 +202,21 @@ def load(
         loaded = load_checkpoint(path, COMPUTE_DTYPES[dtype], trace=trace)
         loaded.model.int8_activations = int8
         args = loaded.args
-        return _reading_ahead(loaded, 3 * args.dim * args.moe_inter_dim * COMPUTE_DTYPES[dtype].itemsize)
+        return _as_decode_reads_it(loaded, 3 * args.dim * args.moe_inter_dim * COMPUTE_DTYPES[dtype].itemsize)
     geometry = geometry_from_container(Container(path))
     config = store_config(store, geometry, dtype, int8)
     if cluster is None or cluster.local_workers:
         context = planned_context(store, geometry.args)
         check_fits(plan(geometry, config, dtype, sequences=store.kv_sequences, context=context, int8_activations=int8))
     loaded = load_container(path, COMPUTE_DTYPES[dtype], config, trace, int8_activations=int8, cluster=cluster)
-    return _reading_ahead(loaded, geometry.record_bytes)
+    return _as_decode_reads_it(loaded, geometry.record_bytes)
 
 
-def _reading_ahead(loaded: LoadedModel, expert_bytes: int) -> LoadedModel:
-    """Decode reads ahead into the CPU caches only where they hold what it reads (planning/read_ahead.py)."""
+def _as_decode_reads_it(loaded: LoadedModel, expert_bytes: int) -> LoadedModel:
+    """The dense part moved onto huge pages (runtime/huge_pages.py); decode reads ahead into the CPU caches
+    only where they hold what it reads (planning/read_ahead.py)."""
+    if hold_in_huge_pages(loaded.model):
+        return_freed_heap_to_the_os()  # the old tensors' small allocations
     choose_read_ahead(loaded.model, loaded.args.n_activated_experts, expert_bytes, last_level_cache_bytes())
     return loaded
 

@@ -30,6 +30,18 @@ def return_large_frees_to_the_os() -> bool:
     return bool(mallopt is not None and mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
 
 
+def return_freed_heap_to_the_os() -> bool:
+    """glibc's malloc_trim(0): give back the heap pages freed tensors below the mmap threshold left behind,
+    e.g. after the dense part moved into its huge-page arena (runtime/huge_pages.py; without it ~50 MB of
+    the int8 path's small tensors stayed in the process, docs/benchmarks.md "The dense part on huge
+    pages"). Returns False where libc has no malloc_trim (not glibc)."""
+    libc_name = ctypes.util.find_library("c")
+    if libc_name is None:
+        return False
+    trim = getattr(ctypes.CDLL(libc_name), "malloc_trim", None)  # reflection: only glibc has it
+    return bool(trim is not None and trim(0))
+
+
 def peak_rss_bytes() -> int:
     """This process image's peak resident set: VmHWM. Not ru_maxrss, which on Linux also keeps the peak
     of the image exec replaced: a child spawned by a 700 MB process reports 700 MB before doing anything
