@@ -15,12 +15,13 @@ a `convert` of the same files give byte-identical containers.
 from __future__ import annotations
 
 import os
+import re
 from collections import defaultdict
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from colibri_stream.convert.converter import Converter, ConvertOptions
@@ -99,7 +100,7 @@ class StreamingConversion:
         file = f"carry-{len(self.journal.converted):06d}.safetensors"
         target = state_dir(self.out) / file
         with write_errors(target, "the pull's carry file"):
-            save_file(tensors, target)
+            save_carry(tensors, target)
             fd = os.open(target, os.O_RDONLY)
             try:  # durable before the journal that names it
                 os.fsync(fd)
@@ -122,3 +123,16 @@ class StreamingConversion:
                 done[unit.key] = {"crc32c": [crcs[str(e)] for e in range(plan.args.n_routed_experts)]}
         fingerprint = {"source": self.source.identity(), "options": asdict(self.converter.options)}
         self.converter.publish(self.writer, {**fingerprint, "sha256": self.source.shard_sha256(), "done": done})
+
+
+def save_carry(tensors: dict[str, Any], target: Path) -> None:
+    """safetensors' save_file, its I/O failures raised as the OSError they are: it reports them as a
+    SafetensorError ("... No space left on device (os error 28)"), which write_errors does not see, so a
+    disk that filled while a carry file was written escaped as a raw error instead of DiskFullError."""
+    try:
+        save_file(tensors, target)
+    except SafetensorError as exc:
+        code = re.search(r"\(os error (\d+)\)", str(exc))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), str(exc)) from exc

@@ -22,6 +22,7 @@ from huggingface_hub import constants as hf_constants
 from colibri_stream import cli
 from colibri_stream.convert.converter import Converter, ConvertOptions
 from colibri_stream.convert.pull import Pull, PullOptions
+from colibri_stream.convert.pull_convert import save_carry
 from colibri_stream.convert.pull_hub import PullError
 from colibri_stream.convert.pull_space import DiskSpaceError, tree_bytes
 from colibri_stream.devtools.fake_hub import SCALED_CHUNK_CLI, FakeHub, FakeRepo, Faults
@@ -31,7 +32,7 @@ from colibri_stream.planning.budget import StoreOptions
 from colibri_stream.runtime.generate import generate
 from colibri_stream.runtime.loader import load_container
 from engine.args import ConfigError
-from storage.errors import DiskFullError
+from storage.errors import DiskFullError, write_errors
 
 REPO = "org/tiny-model"
 SHARD = "model-00005-of-00015.safetensors"
@@ -331,6 +332,17 @@ def test_convert_refuses_a_filesystem_too_small_for_the_container(checkpoint, ca
     assert not (mount / "m.cstream").exists()
     status = cli.main(["convert", str(checkpoint), str(mount / "m.cstream"), "--no-progress", "--no-space-check"])
     assert status == 1 and "no space left" in capsys.readouterr().err  # the estimate was right
+
+
+def test_a_carry_file_that_fills_the_disk_is_a_disk_full_error(tmpfs):
+    """safetensors reports a failed write as SafetensorError, not OSError: the full suite once filled its
+    tmpfs during a carry write and the pull stopped with that raw error instead of DiskFullError."""
+    import torch
+
+    target = tmpfs("64k") / "carry-000001.safetensors"
+    with pytest.raises(DiskFullError, match="no space left writing the pull's carry file"):
+        with write_errors(target, "the pull's carry file"):
+            save_carry({"w": torch.zeros(1 << 16)}, target)
 
 
 def test_a_full_disk_stops_in_one_line_and_the_same_command_continues(repo, reference, tmp_path, tmpfs):
