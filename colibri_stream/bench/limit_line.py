@@ -41,12 +41,11 @@ class TouchedBytes:
 
 def memory_bandwidth(threads: int, total_bytes: int = GiB, repeats: int = 5) -> float:
     """Bytes/s of reading a ``total_bytes`` array split over ``threads`` threads, the median of ``repeats``:
-    the read bandwidth the contenders' threads can draw. Not the best one: on the shared bench host some
-    tries read twice what the others do (62 GB/s against 34-36, while a cold gemv drew 28-32 throughout:
-    docs/benchmarks.md, "One full run of #45's rows"); a median drops a lone one, though a quiet stretch of
-    seconds still shows in all five. A bitwise-or
-    reduction over uint64 (numpy releases the GIL) does one cheap integer op per 8 bytes, so the reads,
-    not the arithmetic, set the pace (a float sum measured ~30% less here)."""
+    the read bandwidth the contenders' threads can draw. Not the best one: on a shared host some tries read
+    far more than a decode step can draw for its length (docs/benchmarks.md, "One full run of #45's rows");
+    a median drops a lone one, though a quiet stretch of seconds still moves it. A bitwise-or reduction
+    over uint64 (numpy releases the GIL) does one cheap integer op per 8 bytes, so the reads, not the
+    arithmetic, set the pace (a float sum measured ~30% less here)."""
     data = np.ones(total_bytes // 8, dtype=np.uint64)
     parts = np.array_split(data, threads)
     seconds = []

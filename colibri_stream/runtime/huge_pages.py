@@ -1,11 +1,11 @@
 """The resident dense part in one arena of transparent huge pages.
 
 A decode step reads every dense weight once: hundreds of MB spread over a thousand tensors, each allocated
-on its own, most on 4 KiB pages (the kernel grants transparent huge pages only to regions advised so, and
-torch's allocations are not). The routed experts' RAM slots already sit on 2 MiB pages (one large aligned
-block). On 4 KiB pages a plain 2-thread read of 1 GiB drew 27-30 GB/s on this project's bench host, on
-2 MiB pages 36 GB/s; the int8 path's decode of the 20-layer stress model went from 39.7-41.9 to 42.3-44.4
-tok/s with its dense part moved (docs/benchmarks.md, "The dense part on huge pages").
+on its own and so on 4 KiB pages where the kernel grants huge pages only to regions advised so (the
+routed experts' RAM slots, one large aligned block, already get them). On 4 KiB pages the hardware
+prefetchers stop at every page boundary and every page needs its own TLB entry; the same reads from 2 MiB
+pages are faster, and so is decode with the dense part moved (docs/benchmarks.md, "The dense part on huge
+pages").
 """
 
 from __future__ import annotations

@@ -23,23 +23,26 @@ def return_large_frees_to_the_os() -> bool:
     heap and stay mapped: hundreds of MB of USS retained during generation beyond the expert slots
     (docs/benchmarks.md, "Figures behind the code"). A fixed threshold keeps large temporaries in mmaps
     that go back at free. Returns False where libc has no mallopt (not glibc)."""
-    libc_name = ctypes.util.find_library("c")
-    if libc_name is None:
-        return False
-    mallopt = getattr(ctypes.CDLL(libc_name), "mallopt", None)  # reflection: only glibc has it
+    mallopt = glibc_function("mallopt")
     return bool(mallopt is not None and mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
 
 
 def return_freed_heap_to_the_os() -> bool:
-    """glibc's malloc_trim(0): give back the heap pages freed tensors below the mmap threshold left behind,
-    e.g. after the dense part moved into its huge-page arena (runtime/huge_pages.py; without it ~50 MB of
-    the int8 path's small tensors stayed in the process, docs/benchmarks.md "The dense part on huge
-    pages"). Returns False where libc has no malloc_trim (not glibc)."""
+    """glibc's malloc_trim(0): give back the heap pages that freed allocations below the mmap threshold
+    left behind, e.g. the old small tensors once the dense part moved into its huge-page arena
+    (runtime/huge_pages.py; docs/benchmarks.md, "The dense part on huge pages"). Returns False where libc
+    has no malloc_trim (not glibc)."""
+    trim = glibc_function("malloc_trim")
+    return bool(trim is not None and trim(0))
+
+
+def glibc_function(name: str) -> Callable[..., int] | None:
+    """The C library's function ``name``, or None where it has none (mallopt and malloc_trim are glibc's)."""
     libc_name = ctypes.util.find_library("c")
     if libc_name is None:
-        return False
-    trim = getattr(ctypes.CDLL(libc_name), "malloc_trim", None)  # reflection: only glibc has it
-    return bool(trim is not None and trim(0))
+        return None
+    function: Callable[..., int] | None = getattr(ctypes.CDLL(libc_name), name, None)  # reflection: glibc only
+    return function
 
 
 def peak_rss_bytes() -> int:
