@@ -31,7 +31,10 @@ def _movable(t: torch.Tensor) -> bool:
 def _arena(nbytes: int) -> torch.Tensor:
     """uint8 [nbytes] in a private anonymous mapping advised MADV_HUGEPAGE (pages faulted as it is written)."""
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(mmap.MADV_HUGEPAGE)
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # a kernel built without transparent huge pages refuses the advice: 4 KiB pages then
+        pass
     return torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive while any view of it lives
 
 
