@@ -105,9 +105,14 @@ def touched_from_facts(facts: dict) -> TouchedBytes:
     return TouchedBytes(t["dense"], t["experts"], t["kv"])
 
 
+def rows_of(rows: list[dict], kind: str, budget_pct: int) -> list[dict]:
+    """llama.cpp's rows of file ``kind`` at the budget, cold and warm."""
+    return [r for r in rows if r["file"] == kind and r["budget_pct"] == budget_pct]
+
+
 def best_row(rows: list[dict], kind: str, budget_pct: int) -> dict | None:
     """llama.cpp's fastest cold decode and lowest cold TTFT for ``kind`` at the budget (None if no row)."""
-    chosen = [r for r in rows if r["file"] == kind and r["budget_pct"] == budget_pct and r["cold"]]
+    chosen = [r for r in rows_of(rows, kind, budget_pct) if r["cold"]]
     if not chosen:
         return None
     fastest = max(chosen, key=lambda r: r["decode_tok_per_s"])
@@ -123,9 +128,7 @@ def fastest_decode(rows: list[dict], kind: str, budget_pct: int) -> float:
     whatever the page cache held before it. A cold row can be slowed by more than a cold page cache: under
     the 100% limit the repacked mode's copy of the weights beside the mapped file can push the file's pages
     out, and the row reads from disk while it decodes."""
-    return max(
-        (r["decode_tok_per_s"] for r in rows if r["file"] == kind and r["budget_pct"] == budget_pct), default=0.0
-    )
+    return max((r["decode_tok_per_s"] for r in rows_of(rows, kind, budget_pct)), default=0.0)
 
 
 def llama_cpp_ratios(ours_by_file: dict[str, dict[int, dict]], rows: list[dict]) -> dict:
@@ -154,7 +157,7 @@ def warm_ttft_ratios(ours_warm: dict[str, dict], rows: list[dict]) -> dict:
     ratios = {}
     for kind, name in (("q4e_q8", "ttft_warm_vs_llama_cpp_100"), ("q4_0", "ttft_warm_vs_llama_cpp_q4_0_100")):
         ours = ours_warm.get(kind) or ours_warm.get("q4e_q8")
-        theirs = [r["ttft_s"] for r in rows if r["file"] == kind and r["budget_pct"] == 100 and not r["cold"]]
+        theirs = [r["ttft_s"] for r in rows_of(rows, kind, 100) if not r["cold"]]
         if ours and theirs and ours["ttft_s"] > 0:
             ratios[name] = round(min(theirs) / ours["ttft_s"], 2)
     return ratios

@@ -64,6 +64,7 @@ from colibri_stream.bench.system import (
 from colibri_stream.checkpoint.demo_model import DEMO_PROMPT, demo_container_path, demo_model_dir
 from colibri_stream.planning.geometry import geometry_from_container
 from colibri_stream.planning.placement import plan
+from colibri_stream.runtime.loader import kv_b_codes_kept
 from engine.bf16 import KEEP_FLOAT32
 from storage.container import Container, DenseEntry
 from storage.errors import DiskFullError, free_bytes
@@ -572,7 +573,7 @@ def coded_dense_bytes_per_token(dense: Mapping[str, DenseEntry]) -> int:
             total += (4 if entry.scales is not None else itemsize[entry.dtype]) * elements
         elif not module.endswith(KEEP_FLOAT32):
             total += math.prod(stored_shape(entry.shape, entry.dtype)) + 2 * math.prod(entry.scales.shape)
-        elif module.endswith(".attn.wkv_b") and entry.dtype == "int8":
+        elif kv_b_codes_kept(name, entry.dtype):
             total += elements + 4 * math.prod(entry.scales.shape)
         else:
             total += 4 * elements

@@ -48,8 +48,8 @@ def hold_in_huge_pages(model: nn.Module) -> int:
     offsets: dict[tuple[int, torch.dtype, tuple[int, ...]], int] = {}
     end = 0
     for t in [*model.parameters(), *model.buffers()]:
-        if _movable(t) and _key(t) not in offsets:
-            offsets[_key(t)] = end
+        if _movable(t) and (key := _key(t)) not in offsets:
+            offsets[key] = end
             end += -(-t.numel() * t.element_size() // ALIGNMENT) * ALIGNMENT
     if end == 0:
         return 0

@@ -380,7 +380,7 @@ def _load_dense(
             if name in held_int8:
                 coded[name] = (q, scales, entry.group_size, entry.dtype, entry.shape[1])
                 continue
-            if int8_activations and entry.dtype == "int8" and name.endswith(".attn.wkv_b.weight"):  # for decode (MLA)
+            if int8_activations and kv_b_codes_kept(name, entry.dtype):
                 kv_b_codes[name.removesuffix(".wkv_b.weight")] = (q, scales, entry.group_size)
             matrix = QuantizedMatrix(q, scales, entry.dtype, entry.group_size, entry.shape[1])
             state[name] = matrix.dequantize(target)
@@ -400,6 +400,12 @@ def _load_dense(
     check_hash_tables(model, args, path)
     hold_in_bf16(model, held_bf16)
     return model.eval()
+
+
+def kv_b_codes_kept(name: str, dtype: str) -> bool:
+    """Whether dense array ``name`` of ``dtype`` is an int8 wkv_b whose records a model loaded with int8
+    activations keeps beside its float32 weight for decode attention (MLA.hold_kv_b_int8)."""
+    return dtype == "int8" and name.endswith(".attn.wkv_b.weight")
 
 
 def _read_experts(container: Container) -> dict[int, dict[int, Expert]]:
