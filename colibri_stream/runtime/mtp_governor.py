@@ -12,7 +12,10 @@ verified row is cheap: drafting wins. Streaming under a tight budget, each extra
 reads: the estimate falls below 1 and drafting stops (Colibrì measured MTP 32% slower there).
 
 The governor only chooses how fast the text comes, never which text: a verify step gives the tokens
-plain decoding gives. While drafting is off it probes at depth 1 after PROBE_EVERY steps, so a changed
+plain decoding gives. Drafting starts as a probe does: PROBE_EVERY plain steps first (the yardstick
+settled on many steps, not one), then depth 1 until a draft's cost is timed, since a trial of drafts that
+do not pay is the governor's whole loss (on the demo model two trial steps on priors cost 3-5% of a
+96-token run; docs/benchmarks.md). While drafting is off it probes at depth 1 after PROBE_EVERY steps, so a changed
 cache (warmed up, or a prompt that made it cold) is noticed; each probe that does not pay doubles the wait
 before the next (up to MAX_PROBE_EVERY), since under a tight budget a probe's extra experts are disk reads,
 and where even every draft accepted without a miss would not pay (``ceiling``: the draft and the extra
@@ -40,6 +43,10 @@ MARGIN = 1.05  # draft only where the expected gain clears measurement noise: "n
 # took 4.0 ms against 0.9 ms after, and as the yardstick it made drafting look 1.46x faster while it ran
 # at 0.45x (measured with --activations int8; docs/benchmarks.md).
 WARMUP_STEPS = 1
+# The store's counters over a step cost ~9 us to take (two snapshots and their difference), 1.5% of the demo
+# model's 0.6 ms step: a plain step takes them once in this many (the miss rate and a miss's wait move slowly
+# next to PROBE_EVERY), a drafting step always (what its rows add).
+COUNT_PLAIN_EVERY = 8
 
 
 @dataclass(frozen=True)
@@ -114,6 +121,9 @@ class Governor:
             return self.options.max_depth
         if self.plain_s.samples == 0 or self.since_plain >= PROBE_EVERY:
             return 0  # a plain step sets (or, while drafting, refreshes) the yardstick
+        if not self.draft_s.samples:  # no draft timed yet: drafting starts as a probe, at depth 1, and
+            # after the untimed first drafting step (WARMUP_STEPS) comes the timed one at once
+            return 1 if self.drafting_steps or self.since_draft >= self.probe_every else 0
         best = max(range(self.options.max_depth + 1), key=self.gain)
         if self.gain(best) < MARGIN:
             best = 0
@@ -126,6 +136,10 @@ class Governor:
         if best == 0 and self.since_draft >= self.probe_every:
             return 1  # a probe: the cache or the text may have changed since drafting stopped
         return best
+
+    def counts(self, depth: int) -> bool:
+        """Whether the step about to run at ``depth`` takes the store's counters (see COUNT_PLAIN_EVERY)."""
+        return depth > 0 or self.since_draft == 0 or self.steps % COUNT_PLAIN_EVERY == 0  # and a yardstick step
 
     def gain(self, depth: int) -> float:
         """Expected tokens per second at ``depth`` over plain decoding's (1.0 at depth 0)."""
@@ -160,7 +174,8 @@ class Governor:
             self.since_plain = 0
             if self.steps - self.drafting_steps > WARMUP_STEPS:  # this one counted in steps already
                 self.plain_s.add(step.seconds)
-                self.plain_wait_s.add(waited)
+                if step.store is not None:
+                    self.plain_wait_s.add(waited)
             return
         self.since_draft = 0
         self.since_plain += 1

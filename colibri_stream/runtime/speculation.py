@@ -103,8 +103,8 @@ class Speculation:
 
     def step(self, sequences: list[DraftedSequence], experts: Experts) -> list[tuple[int, int]]:
         """One decode step for ``sequences``; returns (drafted, accepted) per sequence."""
-        before = self.counters() if self.counters is not None else None
         depth = self.governor.depth()
+        before = self.counters() if self.counters is not None and self.governor.counts(depth) else None
         started = time.perf_counter()
         rows = [Row(sequence, self._drafts(sequence.state, experts, depth)) for sequence in sequences]
         drafted = time.perf_counter()

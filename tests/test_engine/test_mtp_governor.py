@@ -12,7 +12,14 @@ from colibri_stream.devtools.mtp_fixture import add_mtp_layer
 from colibri_stream.errors import ColibriError
 from colibri_stream.runtime.batching import ContinuousBatch, GenerationRequest
 from colibri_stream.runtime.loader import load_checkpoint
-from colibri_stream.runtime.mtp_governor import MAX_PROBE_EVERY, PROBE_EVERY, Governor, MTPOptions, StepCost
+from colibri_stream.runtime.mtp_governor import (
+    COUNT_PLAIN_EVERY,
+    MAX_PROBE_EVERY,
+    PROBE_EVERY,
+    Governor,
+    MTPOptions,
+    StepCost,
+)
 from colibri_stream.runtime.speculation import Speculation
 from storage.stats import StoreStats
 
@@ -55,11 +62,13 @@ def drive(
 def test_cached_experts_and_good_drafts_turn_drafting_on_and_deep():
     governor = Governor(MTPOptions("auto", 3))
     depths = drive(governor, 200, accept=0.8, row_s=0.002, miss_rate=0.0, miss_s=0.0)
+    # plain until the first probe (untimed) and the timed step after it, both at depth 1; then as measured
+    assert depths[: PROBE_EVERY + 2] == [0] * PROBE_EVERY + [1, 1]
     # drafting every step but one plain step in PROBE_EVERY (the yardstick kept current)
     assert sum(d == 0 for d in depths[-100:]) in (100 // (PROBE_EVERY + 1), -(-100 // (PROBE_EVERY + 1)))
     assert max(depths[-100:]) >= 2
     report = governor.report()
-    assert report["on_share"] > 0.9 and report["estimated_gain"] > 1.3  # 1.55 at a = 0.8; the smoothed a moves
+    assert report["on_share"] > 0.8 and report["estimated_gain"] > 1.3  # 1.55 at a = 0.8; the smoothed a moves
     assert 0.7 < report["acceptance_rate"] <= 0.85
 
 
@@ -80,7 +89,8 @@ def test_probes_that_do_not_pay_come_ever_more_rarely():
     depths = drive(governor, 2000, accept=0.8, row_s=0.002, miss_rate=0.5, miss_s=0.005)
     probes = [i for i, depth in enumerate(depths) if depth > 0]
     gaps = [b - a - 1 for a, b in zip(probes, probes[1:], strict=False)]  # plain steps between probes
-    assert gaps == [2 * PROBE_EVERY, 4 * PROBE_EVERY, 8 * PROBE_EVERY] + [MAX_PROBE_EVERY] * (len(gaps) - 3)
+    # the first probe's untimed step and its timed one, back to back; then ever longer waits
+    assert gaps == [0, 2 * PROBE_EVERY, 4 * PROBE_EVERY, 8 * PROBE_EVERY] + [MAX_PROBE_EVERY] * (len(gaps) - 4)
     assert len(probes) == 7  # 32 steps apart throughout: 61
 
 
@@ -90,7 +100,7 @@ def test_where_not_even_perfect_drafts_would_pay_it_probes_at_the_longest_wait()
     governor = Governor(MTPOptions("auto", 1))
     depths = drive(governor, 1200, accept=0.9, row_s=0.001, miss_rate=0.0, miss_s=0.0, draft_s=0.012, first_s=0.05)
     probes = [i for i, depth in enumerate(depths) if depth > 0]
-    assert probes[:2] == [2, 3]  # the untimed first drafting step, then the timed one
+    assert probes[:2] == [PROBE_EVERY, PROBE_EVERY + 1]  # the untimed first drafting step, then the timed one
     assert [b - a - 1 for a, b in zip(probes[1:], probes[2:], strict=False)] == [MAX_PROBE_EVERY] * (len(probes) - 2)
     assert governor.ceiling() < 1
 
@@ -111,7 +121,25 @@ def test_a_slow_first_step_does_not_become_the_yardstick():
     assert sum(d > 0 for d in depths[10:]) <= 190 // PROBE_EVERY + 1  # probes only
     assert governor.gain(1) < 1 and governor.report()["on_share"] < 0.1
     cheap = Governor(MTPOptions("auto", 1))  # and where drafts are cheap it still drafts
-    assert sum(drive(cheap, 100, accept=0.9, row_s=0.001, miss_rate=0.0, miss_s=0.0, first_s=0.05)[10:]) > 80
+    depths = drive(cheap, PROBE_EVERY + 100, accept=0.9, row_s=0.001, miss_rate=0.0, miss_s=0.0, first_s=0.05)
+    assert sum(depths[PROBE_EVERY + 10 :]) > 80
+
+
+def test_plain_steps_take_the_store_counters_now_and_then_and_drafting_steps_always():
+    """Two snapshots of the store and their difference cost ~9 us, 1.5% of the demo model's step: a plain step
+    takes them once in COUNT_PLAIN_EVERY, a drafting step and the plain one after it always; a step without
+    them leaves the miss and wait averages where they were (not pulled towards no wait)."""
+    governor = Governor(MTPOptions("auto", 1))
+    counted = []
+    for _ in range(40):  # every step: 4 of its 32 requests miss and wait 5 ms each
+        counted.append(governor.counts(0))
+        governor.observe(StepCost(0, (), PLAIN_S + 0.02, 0.0, store(32, 4, 0.02) if counted[-1] else None))
+    assert counted == [step % COUNT_PLAIN_EVERY == 0 for step in range(40)]
+    assert governor.plain_wait_s.value == pytest.approx(0.02) and governor.miss_rate.value == pytest.approx(0.125)
+    assert governor.plain_s.samples == 39 and governor.plain_wait_s.samples == 4  # the first step is not timed
+    assert governor.counts(1)  # a drafting step
+    governor.observe(StepCost(1, (1,), PLAIN_S, 0.001, store(64, 0, 0.0)))
+    assert governor.counts(0)  # the plain step right after one
 
 
 def test_forced_modes_and_options():
