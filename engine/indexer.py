@@ -90,7 +90,9 @@ class Indexer(nn.Module):
         seqlen, total = q.shape[1], keys.shape[1]
         scores = torch.einsum("bshd,btd->bsht", q, keys).mul_(self.head_dim**-0.5).relu_()
         index_scores = torch.einsum("bsh,bsht->bst", weights, scores)
-        query_pos = torch.arange(start_pos, start_pos + seqlen, device=q.device)[:, None]
-        future = torch.arange(total, device=q.device)[None, :] > query_pos  # [S, T]
-        index_scores = index_scores.masked_fill(future, float("-inf"))
+        if start_pos + 1 < total:  # a key after the first query's position: mask each query's future
+            # (a decode row sees exactly the keys up to its own position: nothing to mask, 3 ops saved)
+            query_pos = torch.arange(start_pos, start_pos + seqlen, device=q.device)[:, None]
+            future = torch.arange(total, device=q.device)[None, :] > query_pos  # [S, T]
+            index_scores = index_scores.masked_fill(future, float("-inf"))
         return stable_topk_indices(index_scores, self.topk)
