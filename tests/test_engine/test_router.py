@@ -132,3 +132,15 @@ def test_long_rows_take_the_same_indices_in_the_same_order_as_the_full_sort(kind
         scores = _long_scores(kind, 1 + trial % 3, total, g)
         for k in (1, 8, 2048, total // 2):
             assert torch.equal(stable_topk_indices(scores, k), _sorted_topk(scores, k)), (kind, trial, k)
+
+
+@pytest.mark.parametrize("kind", ["distinct", "few values", "masked", "nan", "relu"])
+def test_many_short_rows_in_one_call_take_the_sorts_indices_too(kind):
+    """A prompt's routers (rows of 256 experts) and its indexer's query blocks (rows of a few hundred
+    positions) count their scores together: past TOPK_FIRST_FROM of them topk finds the sets, and every row
+    must still get the sort's indices in its order."""
+    g = torch.Generator().manual_seed(7 + len(kind))
+    for rows, total, k in [(512, 256, 8), (64, 300, 128), (33, 257, 8), (16, 1000, 128), (41, 203, 4)]:
+        assert rows * total >= TOPK_FIRST_FROM and total > 2 * k  # the topk-first path
+        scores = _long_scores(kind, rows, total, g)
+        assert torch.equal(stable_topk_indices(scores, k), _sorted_topk(scores, k)), (kind, rows, total, k)
