@@ -35,9 +35,9 @@ def stable_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
 
     Agrees with ``torch.topk`` (as a set) whenever there is no tie at the boundary, and unlike it is
     deterministic across devices and input lengths when there is. The DSA indexer picks 2048 of every
-    cached position per token and layer: from TOPK_FIRST_FROM scores in the call ``torch.topk`` finds the set and
-    only those k are sorted, unless a tie straddles the k-th score or a NaN is among them, when the whole
-    row is sorted as below. Either way the same indices in the same order.
+    cached position per token and layer: from TOPK_FIRST_FROM scores in the call ``torch.topk`` finds the
+    set and only those k are sorted, unless a tie straddles the k-th score or a NaN is among them, when the
+    whole call is sorted as below. Either way the same indices in the same order.
     """
     if scores.numel() >= TOPK_FIRST_FROM and scores.shape[-1] > 2 * k:
         values, chosen = torch.topk(scores, k, dim=-1)  # the k largest; among ties, any of them

@@ -15,8 +15,8 @@ The governor only chooses how fast the text comes, never which text: a verify st
 plain decoding gives. Drafting starts as a probe does: PROBE_EVERY plain steps first (the yardstick
 settled on many steps, not one), then depth 1 until a draft's cost is timed, since a trial of drafts that
 do not pay is the governor's whole loss (on the demo model two trial steps on priors cost 3-5% of a
-96-token run; docs/benchmarks.md). While drafting is off it probes at depth 1 after PROBE_EVERY steps, so a changed
-cache (warmed up, or a prompt that made it cold) is noticed; each probe that does not pay doubles the wait
+96-token run; docs/benchmarks.md). While drafting is off it probes at depth 1 after PROBE_EVERY steps, so
+a changed cache (warmed up, or a prompt that made it cold) is noticed; each probe that does not pay doubles the wait
 before the next (up to MAX_PROBE_EVERY), since under a tight budget a probe's extra experts are disk reads,
 and where even every draft accepted without a miss would not pay (``ceiling``: the draft and the extra
 rows cost more than the tokens they add) the wait goes straight to MAX_PROBE_EVERY; while drafting, one
@@ -138,8 +138,9 @@ class Governor:
         return best
 
     def counts(self, depth: int) -> bool:
-        """Whether the step about to run at ``depth`` takes the store's counters (see COUNT_PLAIN_EVERY)."""
-        return depth > 0 or self.since_draft == 0 or self.steps % COUNT_PLAIN_EVERY == 0  # and a yardstick step
+        """Whether the step about to run at ``depth`` takes the store's counters: a drafting step, the plain
+        step after one (the yardstick while drafting), else one plain step in COUNT_PLAIN_EVERY."""
+        return depth > 0 or self.since_draft == 0 or self.steps % COUNT_PLAIN_EVERY == 0
 
     def gain(self, depth: int) -> float:
         """Expected tokens per second at ``depth`` over plain decoding's (1.0 at depth 0)."""
