@@ -7,8 +7,6 @@ qk_rope_head_dim dims of each indexer head are roped. Scoring runs in float32.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,12 +16,7 @@ from engine.cache import LayerCache
 from engine.layers import query_blocks
 from engine.moe import stable_topk_indices
 from engine.rope import apply_rope
-from engine.rows import Linear, torch_on_kernel_threads
-
-# Scores of at least this many multiply-adds run on the kernel threads, not the forward pass's one torch
-# thread: on 2 cores 1.17x at 8.4M (64 heads x 128 x 1024 keys, one query), 1.4-1.55x for one query over
-# 4k-30k keys, 1.8-1.9x for a prompt's query blocks; below, a wake-up costs what it saves (1.11x at 2.5M).
-PARALLEL_SCORE_MACS = 1 << 23
+from engine.rows import Linear
 
 
 class Indexer(nn.Module):
@@ -84,15 +77,13 @@ class Indexer(nn.Module):
         # weights_proj stays float32 even in bf16 models (the reference keeps it in fp32).
         weights = F.linear(x.float(), self.weights_proj.weight.float()) * self.n_heads**-0.5  # [B, S, H]
         score_bytes = bsz * self.n_heads * total * 4  # one query's float32 head scores
-        large = bsz * seqlen * self.n_heads * total * self.head_dim >= PARALLEL_SCORE_MACS
-        with torch_on_kernel_threads() if large else nullcontext():
-            return torch.cat(
-                [
-                    self._select(q[:, block].float(), keys, weights[:, block], start_pos + block.start)
-                    for block in query_blocks(seqlen, score_bytes)
-                ],
-                dim=1,
-            )
+        return torch.cat(
+            [
+                self._select(q[:, block].float(), keys, weights[:, block], start_pos + block.start)
+                for block in query_blocks(seqlen, score_bytes)
+            ],
+            dim=1,
+        )
 
     def _select(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, start_pos: int) -> torch.Tensor:
         """One block of queries q [B, S, H, D] (positions start_pos..) vs keys [B, T, D] -> [B, S, K]."""

@@ -83,22 +83,6 @@ class Linear(nn.Linear):
         __call__ = forward
 
 
-@contextmanager
-def torch_on_kernel_threads() -> Iterator[None]:
-    """Inside a forward pass (torch_on_one_thread), torch's ops on the kernel threads again: for the few ops
-    large enough that a thread's wake-up is nothing beside them (the DSA indexer's scores over a long context:
-    docs/kernels.md, "Threads"). The same bits (measured there, held by tests/test_engine/test_indexer_threads.py):
-    torch splits these products by output, not by sum."""
-    threads, held = kernel_threads(), torch.get_num_threads()
-    if threads != held:
-        torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        if threads != held:
-            torch.set_num_threads(held)
-
-
 def kernel_threads() -> int:
     """Threads the C kernels split their output rows over: torch's count, as torch_on_one_thread() found it."""
     threads = _kernel_threads.get()
