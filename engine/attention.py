@@ -32,7 +32,7 @@ from engine.prefill_attention import absorbed_blocks, absorbed_is_cheaper, expan
 from engine.quant import scale_values
 from engine.read_ahead import ReadsOtherFormInDecode
 from engine.rope import apply_rope, softmax_scale
-from engine.rows import Linear
+from engine.rows import Linear, products_on_threads
 
 ABSORB_MAX_NEW_POSITIONS = 4  # auto mode: absorbed attention for decode-sized steps
 
@@ -240,14 +240,18 @@ class MLA(nn.Module, ReadsOtherFormInDecode):
     ) -> torch.Tensor:
         """Queries start_pos.. of one block against all T expanded keys -> [B, S_block, H, v]."""
         bsz, seqlen, total = q_nope.shape[0], q_nope.shape[1], k_nope.shape[1]
-        scores = torch.einsum("bshn,bthn->bsht", q_nope, k_nope) + torch.einsum("bshr,btr->bsht", q_rope, rope_keys)
+        work = bsz * seqlen * self.n_heads * total * (self.nope_dim + self.rope_dim)
+        with products_on_threads(work):
+            nope = torch.einsum("bshn,bthn->bsht", q_nope, k_nope)
+            scores = nope + torch.einsum("bshr,btr->bsht", q_rope, rope_keys)
         visible = _causal(start_pos, seqlen, total, q_nope.device)[None]  # [1, S, T]
         if selection is not None:
             chosen = torch.zeros(bsz, seqlen, total, dtype=torch.bool, device=q_nope.device)
             visible = visible & chosen.scatter_(-1, selection, True)
         scores = scores.mul(self.softmax_scale).masked_fill(~visible[:, :, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1, dtype=torch.float32).to(q_nope.dtype)
-        return torch.einsum("bsht,bthv->bshv", probs, v)
+        probs = scores.softmax(dim=-1, dtype=torch.float32).to(q_nope.dtype)  # exp: on one thread
+        with products_on_threads(work):
+            return torch.einsum("bsht,bthv->bshv", probs, v)
 
     def _absorbed(
         self,
@@ -262,7 +266,8 @@ class MLA(nn.Module, ReadsOtherFormInDecode):
         if bsz == seqlen == 1:  # decode, alone or in rows
             return self._absorbed_one(q_nope, q_rope, latents, rope_keys, selection)
         w_k, w_v = self._kv_b()
-        q_latent = torch.einsum("bshn,hnc->bshc", q_nope, w_k)
+        with products_on_threads(bsz * seqlen * self.n_heads * self.nope_dim * self.kv_lora_rank):
+            q_latent = torch.einsum("bshn,hnc->bshc", q_nope, w_k)
         positions = torch.arange(total, device=q_nope.device).expand(bsz, seqlen, total)
         if selection is not None:  # attend only to the K gathered positions
             positions = selection
@@ -270,15 +275,18 @@ class MLA(nn.Module, ReadsOtherFormInDecode):
             rope_keys = _gather_positions(rope_keys, selection)  # [B, S, K, r]
         else:
             latents, rope_keys = latents[:, None], rope_keys[:, None]  # broadcast over S
-        scores = torch.einsum("bshc,bstc->bsht", q_latent, latents.expand(-1, seqlen, -1, -1)) + torch.einsum(
-            "bshr,bstr->bsht", q_rope, rope_keys.expand(-1, seqlen, -1, -1)
-        )
+        work = bsz * seqlen * self.n_heads * positions.shape[-1] * (self.kv_lora_rank + self.rope_dim)
+        with products_on_threads(work):
+            scores = torch.einsum("bshc,bstc->bsht", q_latent, latents.expand(-1, seqlen, -1, -1)) + torch.einsum(
+                "bshr,bstr->bsht", q_rope, rope_keys.expand(-1, seqlen, -1, -1)
+            )
         query_pos = torch.arange(start_pos, start_pos + seqlen, device=q_nope.device)[None, :, None]
         visible = positions <= query_pos  # [B, S, K or T]
         scores = scores.mul(self.softmax_scale).masked_fill(~visible[:, :, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1, dtype=torch.float32).to(q_nope.dtype)
-        mixed = torch.einsum("bsht,bstc->bshc", probs, latents.expand(-1, seqlen, -1, -1))
-        return torch.einsum("bshc,hvc->bshv", mixed, w_v)
+        probs = scores.softmax(dim=-1, dtype=torch.float32).to(q_nope.dtype)  # exp: on one thread
+        with products_on_threads(work):
+            mixed = torch.einsum("bsht,bstc->bshc", probs, latents.expand(-1, seqlen, -1, -1))
+            return torch.einsum("bshc,hvc->bshv", mixed, w_v)
 
     def _absorbed_one(
         self,

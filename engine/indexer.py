@@ -16,7 +16,7 @@ from engine.cache import LayerCache
 from engine.layers import query_blocks
 from engine.moe import stable_topk_indices
 from engine.rope import apply_rope
-from engine.rows import Linear
+from engine.rows import Linear, products_on_threads
 
 
 class Indexer(nn.Module):
@@ -77,13 +77,15 @@ class Indexer(nn.Module):
         # weights_proj stays float32 even in bf16 models (the reference keeps it in fp32).
         weights = F.linear(x.float(), self.weights_proj.weight.float()) * self.n_heads**-0.5  # [B, S, H]
         score_bytes = bsz * self.n_heads * total * 4  # one query's float32 head scores
-        return torch.cat(
-            [
-                self._select(q[:, block].float(), keys, weights[:, block], start_pos + block.start)
-                for block in query_blocks(seqlen, score_bytes)
-            ],
-            dim=1,
-        )
+        # the scores over a long context on the kernel threads, the top-k too (no transcendental function)
+        with products_on_threads(bsz * seqlen * self.n_heads * total * self.head_dim):
+            return torch.cat(
+                [
+                    self._select(q[:, block].float(), keys, weights[:, block], start_pos + block.start)
+                    for block in query_blocks(seqlen, score_bytes)
+                ],
+                dim=1,
+            )
 
     def _select(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, start_pos: int) -> torch.Tensor:
         """One block of queries q [B, S, H, D] (positions start_pos..) vs keys [B, T, D] -> [B, S, K]."""

@@ -27,6 +27,8 @@ from collections.abc import Callable
 
 import torch
 
+from engine.rows import products_on_threads
+
 # A key block's scores [S, H, Tk] float32 take at most this (Tk at least MIN_KEY_BLOCK positions).
 KEY_BLOCK_BYTES = 8 << 20
 MIN_KEY_BLOCK = 32
@@ -125,10 +127,15 @@ def expanded_blocks(
         kv = expand(latents[keys]).view(block, heads, -1)  # [Tk, H, n + v]
         key = torch.cat([kv[..., :nope_dim], rope_keys[keys, None].expand(block, heads, rope_dim)], dim=-1)
         value = kv[..., nope_dim:].transpose(0, 1)  # [H, Tk, v], a view
-        scores = torch.baddbmm(bias.to(dtype), query, key.permute(1, 2, 0), alpha=scale)  # [H, S, Tk]
+        work = heads * seqlen * block * (nope_dim + rope_dim)  # the scores' multiply-adds (the values' ~ as many)
+        with products_on_threads(work):
+            scores = torch.baddbmm(bias.to(dtype), query, key.permute(1, 2, 0), alpha=scale)  # [H, S, Tk]
         if softmax is None:
             softmax = OnlineSoftmax((heads, seqlen), value.shape[-1], q_nope.device)
-        softmax.accumulate(torch.bmm(softmax.weigh(scores.float(), dtype), value).float())
+        weights = softmax.weigh(scores.float(), dtype)  # exp: on one thread (products_on_threads)
+        with products_on_threads(work):
+            mixed = torch.bmm(weights, value)
+        softmax.accumulate(mixed.float())
     if softmax is None:
         raise ValueError("no query sees any cached position")
     return softmax.result(dtype).transpose(0, 1)  # [S, H, v]
@@ -149,7 +156,8 @@ def absorbed_blocks(
     seqlen, heads, _ = q_nope.shape
     rank, dtype = latents.shape[-1], q_nope.dtype
     w_k, w_v = kv_b
-    q_latent = torch.bmm(q_nope.transpose(0, 1), w_k)  # [H, S, c]
+    with products_on_threads(heads * seqlen * q_nope.shape[-1] * rank):
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_k)  # [H, S, c]
     query = torch.cat([q_latent, q_rope.transpose(0, 1)], dim=-1).mul_(scale).view(heads * seqlen, -1)
     chosen = None if selection is None else chosen_mask(selection, latents.shape[0])
     softmax = OnlineSoftmax((heads, seqlen), rank, q_nope.device)
@@ -159,8 +167,12 @@ def absorbed_blocks(
             continue
         block_latents = latents[keys]
         key = torch.cat([block_latents, rope_keys[keys]], dim=-1)  # [Tk, c + r], shared by the heads
-        scores = torch.mm(query, key.t()).view(heads, seqlen, -1).add_(bias.to(dtype))  # [H, S, Tk]
-        weights = softmax.weigh(scores.float(), dtype).view(heads * seqlen, -1)
-        softmax.accumulate(torch.mm(weights, block_latents).view(heads, seqlen, rank).float())
-    mixed = softmax.result(dtype)  # [H, S, c]
-    return torch.bmm(mixed, w_v.transpose(1, 2)).transpose(0, 1)  # [S, H, v]
+        work = heads * seqlen * key.shape[0] * key.shape[1]
+        with products_on_threads(work):
+            scores = torch.mm(query, key.t()).view(heads, seqlen, -1).add_(bias.to(dtype))  # [H, S, Tk]
+        weights = softmax.weigh(scores.float(), dtype).view(heads * seqlen, -1)  # exp: on one thread
+        with products_on_threads(work):
+            mixed = torch.mm(weights, block_latents)
+        softmax.accumulate(mixed.view(heads, seqlen, rank).float())
+    with products_on_threads(heads * seqlen * rank * w_v.shape[1]):
+        return torch.bmm(softmax.result(dtype), w_v.transpose(1, 2)).transpose(0, 1)  # [H, S, c] -> [S, H, v]

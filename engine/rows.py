@@ -11,13 +11,18 @@ same whether a request is decoded alone or beside others, bit for bit. Outside i
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, overload
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+try:
+    from engine import _kernels
+except ImportError:  # pragma: no cover - machines without a compiler
+    _kernels = None  # type: ignore[assignment]  # no C extension built: no helper thread to ask
 
 _alone: ContextVar[bool] = ContextVar("rows_alone", default=False)
 _kernel_threads: ContextVar[int | None] = ContextVar("kernel_threads", default=None)
@@ -81,6 +86,47 @@ class Linear(nn.Linear):
 
     if TYPE_CHECKING:  # torch types every Module call as Any: this one's is forward's
         __call__ = forward
+
+
+# A product of at least this many multiply-adds runs on the kernel threads inside a forward pass: on 2 cores
+# 1.17x at 8.4M (the DSA indexer, one query over 1024 keys), 1.4-1.9x above; 1.11x at 2.5M (docs/kernels.md).
+PARALLEL_PRODUCT_MACS = 1 << 23
+# How old a verdict of the kernels' helper thread on its core may be (it measures while it polls between
+# kernel calls; a prompt's longest torch stretch between two calls is ~1 s on DeepSeek-V3 geometry).
+SHARE_VERDICT_NS = 2_000_000_000
+
+
+def products_on_threads(macs: int) -> AbstractContextManager[None]:
+    """torch_on_kernel_threads() around a product (matmul, einsum) of ``macs`` multiply-adds, from
+    PARALLEL_PRODUCT_MACS; else nothing. Not while the kernels' helper thread finds its core shared with
+    another busy thread: a torch product waits for its slowest thread (beside a busy loop the demo's prompts
+    took 1.7-1.8x as long with them on 2 threads), where the C kernels' split does not. Only products: an
+    elementwise transcendental (exp) gives a thread range's last few elements the scalar function, whose
+    bits may differ from the vector one's, so its bits would follow the split."""
+    if macs < PARALLEL_PRODUCT_MACS or kernel_threads() < 2 or cores_shared():
+        return nullcontext()
+    return torch_on_kernel_threads()
+
+
+def cores_shared() -> bool:
+    """The kernels' helper thread's recent verdict (engine/csrc/split.c watch_share); False without one."""
+    return _kernels is not None and bool(_kernels.cores_shared(SHARE_VERDICT_NS))
+
+
+@contextmanager
+def torch_on_kernel_threads() -> Iterator[None]:
+    """Inside a forward pass (torch_on_one_thread), torch's ops on the kernel threads again: for the few ops
+    large enough that a thread's wake-up is nothing beside them (products over a long context: docs/kernels.md,
+    "Threads"). A product keeps its bits (measured there, held by tests/test_engine/test_torch_threads.py):
+    torch splits it by output, not by sum."""
+    threads, held = kernel_threads(), torch.get_num_threads()
+    if threads != held:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        if threads != held:
+            torch.set_num_threads(held)
 
 
 def kernel_threads() -> int:

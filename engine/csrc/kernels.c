@@ -293,6 +293,15 @@ static PyObject *py_bytes_read_ahead(PyObject *self, PyObject *unused) {
     return PyLong_FromUnsignedLongLong(read_ahead_bytes_read());
 }
 
+/* cores_shared(max_age_ns): the helper thread's last verdict on its core, True/False, None if none that recent. */
+static PyObject *py_cores_shared(PyObject *self, PyObject *args) {
+    long max_age;
+    if (!PyArg_ParseTuple(args, "l", &max_age)) return NULL;
+    int verdict = split_cores_shared(max_age);
+    if (verdict < 0) Py_RETURN_NONE;
+    return PyBool_FromLong(verdict);
+}
+
 /* rms_norm(x_ptr, rows, dim, w_ptr, eps, out_ptr): float32 [rows, dim] (decode_ops.c). */
 static PyObject *py_rms_norm(PyObject *self, PyObject *args) {
     unsigned long long x, w, out;
@@ -367,6 +376,7 @@ static PyMethodDef methods[] = {
     {"route", py_route, METH_VARARGS, "a MoE router's expert ids and weights for rows of x, float32."},
     {"attend_one", py_attend_one, METH_VARARGS, "absorbed MLA attention of one query over the compressed cache."},
     {"bytes_read_ahead", py_bytes_read_ahead, METH_NOARGS, "bytes the helper thread has read ahead into the caches, ever."},
+    {"cores_shared", py_cores_shared, METH_VARARGS, "the helper thread's last verdict on its core (None: none that recent)."},
     {"read_ahead", py_read_ahead, METH_VARARGS, "read these (address, bytes) ranges into the caches on the idle helper thread."},
     {"nibble_moe", py_nibble_moe, METH_VARARGS, "a MoE layer's routed 4-bit SwiGLU experts, float32 x, added to out."},
     {"q8_moe", py_q8_moe, METH_VARARGS, "a MoE layer's routed SwiGLU experts with int8 activations, added to out."},

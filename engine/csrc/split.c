@@ -195,6 +195,11 @@ void split_run(split_block_fn fn, void *job, int n_blocks, int threads) {
     pthread_mutex_unlock(&call_lock);
 }
 
+int split_cores_shared(long max_age_ns) {
+    if (helper_state != 1 || now_ns() - __atomic_load_n(&measured_at, __ATOMIC_RELAXED) > max_age_ns) return -1;
+    return shared();
+}
+
 void split_after_fork(void) {
     read_ahead_after_fork();
     helper_state = 0;

@@ -17,6 +17,10 @@ void split_run(split_block_fn fn, void *job, int n_blocks, int threads);
  * replacing what was asked before (read_ahead.c); returns at once. 0, or -1 without memory. */
 int split_read_ahead(const void *const *starts, const size_t *lengths, int n, int threads);
 
+/* The helper's last verdict on its core (split.c watch_share): 1 shared with another busy thread, 0 not,
+ * -1 none measured within max_age_ns (no helper, or idle that long). */
+int split_cores_shared(long max_age_ns);
+
 /* A forked child has no helper thread (only the forking thread survives): call in the child. */
 void split_after_fork(void);
 

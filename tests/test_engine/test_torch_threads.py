@@ -1,0 +1,164 @@
+"""Products over a long context run on the kernel threads (engine/rows.py products_on_threads: the DSA
+indexer's scores, prefill attention's scores and weighted values) inside a forward pass whose other torch ops
+keep one thread, with the bits of one thread: no selection, logit or cached value depends on how many
+threads computed it."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+import engine.rows as rows_module
+from colibri_stream.checkpoint.demo_model import demo_model_dir
+from engine.args import ModelArgs
+from engine.cache import LayerCache
+from engine.indexer import Indexer
+from engine.prefill_attention import absorbed_blocks, expanded_blocks, key_block
+from engine.rope import rope_tables
+from engine.rows import torch_on_one_thread
+
+pytestmark = pytest.mark.skipif(torch.get_num_threads() < 2, reason="needs 2 torch threads")
+
+
+@pytest.fixture(autouse=True)
+def cores_free(monkeypatch):
+    """The kernels' helper thread's verdict taken as "not shared": a loaded test machine must not turn the
+    path these tests compare off (its own test is below)."""
+    monkeypatch.setattr(rows_module, "cores_shared", lambda: False)
+
+
+def select(indexer: Indexer, args: ModelArgs, x: torch.Tensor, q_latent: torch.Tensor, cache: LayerCache, start: int):
+    """``forward`` of the S new positions x [1, S, dim] at start.. in a forward pass (torch on one thread),
+    and the torch thread counts the scores ran on."""
+    seen = []
+    einsum = torch.einsum
+
+    def counting(*operands):
+        seen.append(torch.get_num_threads())
+        return einsum(*operands)
+
+    cache.append(
+        torch.zeros(1, x.shape[1], args.kv_lora_rank), torch.zeros(1, x.shape[1], args.qk_rope_head_dim)
+    )  # the latents of these positions (the indexer reads only its keys)
+    rope = rope_tables(args, start, x.shape[1], x.device)
+    with torch.inference_mode(), torch_on_one_thread(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "einsum", counting)
+        chosen = indexer(x, q_latent, start, rope, cache)
+    return chosen, seen
+
+
+@pytest.mark.parametrize("new_positions", [1, 24])  # a decode row, a prompt's block
+def test_long_context_scores_run_on_the_kernel_threads_with_one_threads_bits(new_positions, monkeypatch):
+    args = ModelArgs.from_hf_config(json.loads((demo_model_dir() / "config.json").read_text()))
+    torch.manual_seed(0)
+    indexer = Indexer(args)
+    for parameter in indexer.parameters():
+        parameter.data.normal_(0, 0.5)
+    context = 16_400  # 16 heads x 32 dims x 16.4k keys: 8.4M multiply-adds a query, the threshold
+    assert args.index_n_heads * args.index_head_dim * context >= rows_module.PARALLEL_PRODUCT_MACS
+    prompt = torch.randn(1, context, args.dim)
+    x, q_latent = torch.randn(1, new_positions, args.dim), torch.randn(1, new_positions, args.q_lora_rank)
+    results = {}
+    for threshold in (rows_module.PARALLEL_PRODUCT_MACS, 1 << 62):  # then: never parallel
+        monkeypatch.setattr(rows_module, "PARALLEL_PRODUCT_MACS", threshold)
+        cache = LayerCache.empty(args, 0, 1, torch.float32, torch.device("cpu"))
+        with torch.inference_mode():  # the context's keys: the indexer's own, appended as a prompt would
+            cache.append(torch.zeros(1, context, args.kv_lora_rank), torch.zeros(1, context, args.qk_rope_head_dim))
+            cache.append_index_key(indexer.keys(prompt, *rope_tables(args, 0, context, prompt.device)))
+        results[threshold] = select(indexer, args, x, q_latent, cache, context)
+    (parallel, parallel_threads), (alone, alone_threads) = results.values()
+    assert parallel_threads and set(parallel_threads) == {torch.get_num_threads()}
+    assert set(alone_threads) == {1}
+    assert parallel.shape == (1, new_positions, args.index_topk) and torch.equal(parallel, alone)
+
+
+def threads_entered(monkeypatch) -> list[int]:
+    """The torch thread counts that torch_on_kernel_threads set, as it is entered (a spy)."""
+    entered: list[int] = []
+    original = rows_module.torch_on_kernel_threads
+
+    def spy():
+        entered.append(rows_module.kernel_threads())
+        return original()
+
+    monkeypatch.setattr(rows_module, "torch_on_kernel_threads", spy)
+    return entered
+
+
+@pytest.mark.parametrize("form", ["expanded", "absorbed"])
+def test_prefill_attention_over_key_blocks_keeps_one_threads_bits(form, monkeypatch):
+    """S = 37 queries against T = 1300 cached positions in key blocks of 1132 (a ragged last block of 168:
+    the exp of the online softmax meets a tail), 16 heads, a causal mask with DSA's chosen positions."""
+    torch.manual_seed(1)
+    seqlen, heads, nope, rope, v, rank, total = 37, 16, 64, 32, 64, 256, 1300
+    assert key_block(seqlen, heads) == 3542 and total % 32  # one 8 MiB block: force several below
+    monkeypatch.setattr("engine.prefill_attention.KEY_BLOCK_BYTES", seqlen * heads * 4 * 1132)
+    q_nope, q_rope = torch.randn(seqlen, heads, nope), torch.randn(seqlen, heads, rope)
+    latents, rope_keys = torch.randn(total, rank), torch.randn(total, rope)
+    selection = torch.stack([torch.randperm(total - seqlen + s + 1)[:300] for s in range(seqlen)])
+    wkv_b = torch.nn.Linear(rank, heads * (nope + v), bias=False)
+    kv_b = wkv_b.weight.view(heads, nope + v, rank)
+    results = []
+    for threshold in (rows_module.PARALLEL_PRODUCT_MACS, 1 << 62):
+        monkeypatch.setattr(rows_module, "PARALLEL_PRODUCT_MACS", threshold)
+        entered = threads_entered(monkeypatch)
+        with torch.inference_mode(), torch_on_one_thread():
+            args = (q_nope, q_rope, latents, rope_keys, total - seqlen, selection)
+            if form == "expanded":
+                out = expanded_blocks(*args, wkv_b, 0.1)
+            else:
+                out = absorbed_blocks(*args, (kv_b[:, :nope], kv_b[:, nope:]), 0.1)
+        results.append((out, entered))
+    (parallel, parallel_threads), (alone, alone_threads) = results
+    assert parallel_threads and set(parallel_threads) == {torch.get_num_threads()} and not alone_threads
+    assert torch.equal(parallel, alone)
+
+
+def test_a_prompt_in_chunks_keeps_one_threads_bits_in_every_family(loaded, family, monkeypatch):
+    """Every product of a chunked prompt on the kernel threads (threshold 0) against none: the same logits
+    and the same cache, bit for bit (MLA's whole-cache and key-block paths, absorbed and expanded, DSA; the
+    MLA caches' rows compared, DeepSeek-V4's windowed cache by its logits)."""
+    prompt = torch.tensor([[(7 * i + 3) % loaded.args.vocab_size for i in range(45)]])
+    results = []
+    for threshold in (0, 1 << 62):
+        monkeypatch.setattr(rows_module, "PARALLEL_PRODUCT_MACS", threshold)
+        monkeypatch.setattr("engine.prefill_attention.KEY_BLOCK_BYTES", 4096)  # several key blocks
+        cache = loaded.model.new_cache()
+        logits = loaded.model.forward_prompt(prompt, 0, cache, loaded.experts, 16)
+        results.append((logits, [] if family == "deepseek_v4" else cache.log_rows(0, cache.length)))
+    (parallel, parallel_rows), (alone, alone_rows) = results
+    assert torch.equal(parallel, alone)
+    assert all(torch.equal(a, b) for a, b in zip(parallel_rows, alone_rows, strict=True))
+
+
+def test_a_shared_core_keeps_products_on_one_thread(monkeypatch):
+    """Beside another busy process a torch product waits for its slowest thread (the demo's prompts took
+    1.7-1.8x as long on 2 threads): where the kernels' helper thread finds its core shared, none goes."""
+    entered = threads_entered(monkeypatch)
+    monkeypatch.setattr(rows_module, "cores_shared", lambda: True)
+    with rows_module.products_on_threads(1 << 40):
+        pass
+    monkeypatch.setattr(rows_module, "cores_shared", lambda: False)
+    with rows_module.products_on_threads(1 << 40):
+        pass
+    with rows_module.products_on_threads(rows_module.PARALLEL_PRODUCT_MACS - 1):
+        pass
+    assert entered == [torch.get_num_threads()]
+
+
+def test_the_helper_thread_gives_a_verdict_on_its_core_after_a_kernel_call(monkeypatch):
+    """engine/csrc/split.c: the helper measures its share of the core while it polls after a job; the verdict
+    is a bool while recent, None once older than asked (or before any)."""
+    from engine import _kernels
+    from engine.quant import kernel_matmul, quantized_matrix
+
+    monkeypatch.undo()  # the real verdict
+    kernel_matmul(torch.randn(4, 512), quantized_matrix(torch.randn(512, 512), 4, 32))  # a job for the helper
+    deadline = time.monotonic() + 2.0
+    while _kernels.cores_shared(10**9) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert isinstance(_kernels.cores_shared(10**9), bool)
+    assert _kernels.cores_shared(0) is None
