@@ -91,9 +91,10 @@ class Linear(nn.Linear):
 # A product of at least this many multiply-adds runs on the kernel threads inside a forward pass: on 2 cores
 # 1.17x at 8.4M (the DSA indexer, one query over 1024 keys), 1.4-1.9x above; 1.11x at 2.5M (docs/kernels.md).
 PARALLEL_PRODUCT_MACS = 1 << 23
-# How old a verdict of the kernels' helper thread on its core may be (it measures while it polls between
-# kernel calls; a prompt's longest torch stretch between two calls is ~1 s on DeepSeek-V3 geometry).
-SHARE_VERDICT_NS = 2_000_000_000
+# How old a verdict of the kernels' helper thread on its core may be. It measures while it polls between
+# kernel calls, and a layer's attention over a long cache runs seconds of torch without one (DeepSeek-V3,
+# 300 new positions over 8192: 12-19 s a layer), so the last verdict holds through such a stretch.
+SHARE_VERDICT_NS = 60_000_000_000
 
 
 def products_on_threads(macs: int) -> AbstractContextManager[None]:
