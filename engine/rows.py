@@ -23,6 +23,8 @@ try:
     from engine import _kernels
 except ImportError:  # pragma: no cover - machines without a compiler
     _kernels = None  # type: ignore[assignment]  # no C extension built: no helper thread to ask
+# reflection: a build of the C extension older than split_cores_shared lacks it; checked once
+_VERDICT_BUILT = _kernels is not None and hasattr(_kernels, "cores_shared")
 
 _alone: ContextVar[bool] = ContextVar("rows_alone", default=False)
 _kernel_threads: ContextVar[int | None] = ContextVar("kernel_threads", default=None)
@@ -111,7 +113,7 @@ def products_on_threads(macs: int) -> AbstractContextManager[None]:
 
 def cores_shared() -> bool:
     """The kernels' helper thread's recent verdict (engine/csrc/split.c watch_share); False without one."""
-    return _kernels is not None and bool(_kernels.cores_shared(SHARE_VERDICT_NS))
+    return _VERDICT_BUILT and bool(_kernels.cores_shared(SHARE_VERDICT_NS))
 
 
 @contextmanager
