@@ -73,6 +73,7 @@ def nibble_moe(
     limit: float,
     out: int,
     threads: int,
+    alone: bool,
     /,
 ) -> None: ...
 def q8_moe(

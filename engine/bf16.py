@@ -2,11 +2,11 @@
 bytes read per token, with float32 activations as before.
 
 bf16 -> float32 is exact (the 16 bits become the high half of the float), so ``Bf16Linear`` computes
-what a Linear over the upcast weight computes, to float rounding. A few rows (decode) go through the
-C kernel (engine/csrc/kernels.c), which reads each weight once at 2 bytes; more rows (prefill) upcast a
-block of output rows at a time for torch's matmul, so no float32 copy of a large matrix (an LM head)
-is ever whole. For a few rows the kernel is several times faster than torch's float32 GEMV over the
-upcast weights (docs/kernels.md, "bf16 dense weights, float32 compute").
+what a Linear over the upcast weight computes, to float rounding. A few rows (decode, a short prompt 8
+rows at a time) go through the C kernel (engine/csrc/kernels.c), which reads each weight once at 2 bytes;
+more rows (a longer prompt) upcast a block of output rows at a time for torch's matmul, so no float32 copy
+of a large matrix (an LM head) is ever whole. For a few rows the kernel is several times faster than
+torch's float32 GEMV over the upcast weights (docs/kernels.md, "bf16 dense weights, float32 compute").
 """
 
 from __future__ import annotations
@@ -26,6 +26,10 @@ except ImportError:  # pragma: no cover - machines without a compiler
 # attention views wkv_b per head; the indexer's weights_proj is float32 by the reference's rule.
 KEEP_FLOAT32 = ("attn.wkv_b", "indexer.weights_proj")
 UPCAST_BLOCK_BYTES = 64 << 20  # float32 weight rows upcast at once on the matmul path
+# A prompt's rows up to this many go through the kernel MAX_ROWS at a time, reading the weight once per 8 rows:
+# below it that beats upcasting the weight for sgemm (2 threads, 32 rows: 1.9-2.1x on DeepSeek-V3's q_a, q_b,
+# wo-sized and the demo's matrices; at 64 rows 1.0-1.95x, at 128 0.8-1.6x); the bits depend on the row count.
+PROMPT_KERNEL_ROWS = 32
 
 
 def bf16_kernel_available() -> bool:
@@ -86,8 +90,9 @@ class Bf16Linear(nn.Module, KernelMatrix):
 
 
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., in] @ weight^T for a contiguous bf16 weight [out, in], in the activations' dtype: few float32
-    rows through the C kernel, else the weight upcast a block of rows at a time."""
+    """x [..., in] @ weight^T for a contiguous bf16 weight [out, in], in the activations' dtype: up to
+    PROMPT_KERNEL_ROWS float32 rows through the C kernel (any number inside rows_alone()), else the weight
+    upcast a block of rows at a time."""
     flat = x.reshape(-1, x.shape[-1])
     alone = computing_alone()  # rows of independent requests: any number through the kernel, as alone
     if (
@@ -95,7 +100,7 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         and x.dtype == torch.float32
         and x.device.type == "cpu"
         and 0 < flat.shape[0]
-        and (alone or flat.shape[0] <= _kernels.MAX_ROWS)
+        and (alone or flat.shape[0] <= PROMPT_KERNEL_ROWS)
     ):
         out = in_row_chunks(flat, _kernels.MAX_ROWS, lambda rows: bf16_matmul(rows, weight, alone=alone))
     else:

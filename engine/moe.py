@@ -317,20 +317,25 @@ class RoutedSum:
 
     def add_batch(self, batch: Sequence[tuple[int, Expert]]) -> None:
         """Add experts given as (id, expert): in one C call where they all take it (int8 activations,
-        engine/q8_experts.py); a decode step's 4-bit CPU experts in one C call (engine/nibble_experts.py)
-        whatever else the batch holds, so an expert's term does not depend on where the others are; the
-        rest one by one. The float64 sum does not depend on the order."""
+        engine/q8_experts.py); the 4-bit CPU experts of a decode step, or of a prompt those routed few enough
+        rows, in one C call (engine/nibble_experts.py) whatever else the batch holds, so an expert's term does
+        not depend on where the others are; the rest one by one. The float64 sum does not depend on the order."""
         experts = [expert for _, expert in batch]
         x, weights = self._inputs[self.home]
         if fused_experts_handle(experts, x):
             add_experts(self._sum_on(self.home), x, self.ids, weights, [i for i, _ in batch], experts, self.limit)
             return
-        if in_c := in_one_call(batch, x):
+        if in_c := in_one_call(batch, x, self.rows_routed):
             ids = [i for i, _ in in_c]
             add_nibble_experts(self._sum_on(self.home), x, self.ids, weights, ids, [e for _, e in in_c], self.limit)
             batch = [(i, e) for i, e in batch if i not in ids]
         for expert_id, expert in batch:
             self.add(expert, *self.rows_of[expert_id])
+
+    def rows_routed(self, expert_id: int) -> int:
+        """How many rows of x routed to the expert."""
+        rows, _ = self.rows_of[expert_id]
+        return 1 if rows is None else rows.numel()
 
     def _sum_on(self, device: torch.device) -> torch.Tensor:
         if device not in self._sums:

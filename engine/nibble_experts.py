@@ -1,23 +1,25 @@
 """A MoE layer's routed 4-bit experts with float32 activations in one C call (engine/csrc/nibble_moe.c).
 
-The default (exact) decode path would otherwise cost three kernel calls and a few torch ops per expert:
-per layer, one call lays x out for the kernel once per expert, runs every expert's gate and up matrices as
-one threaded job, SwiGLU, every down matrix as a second job, and adds the gate-weighted terms into the
-float64 sum. Only for decode rows (one row, or rows inside ``rows_alone()``): each row's products are
-the kernel's one-row ones, bit for bit those of ``kernel_matmul(..., alone=True)``; SwiGLU is C's
-``expf`` form of silu (within float rounding of torch's). A prompt's rows keep the dequantise-once matmul.
+The default (exact) path would otherwise cost three kernel calls and a few torch ops per expert: per layer,
+one call lays x out for the kernel once per expert, runs every expert's gate and up matrices as one
+threaded job, SwiGLU, every down matrix as a second job, and adds the gate-weighted terms into the float64
+sum. Decode rows (one row, or rows inside ``rows_alone()``): each row's products are the kernel's one-row
+ones, bit for bit those of ``kernel_matmul(..., alone=True)``. A prompt's rows: the experts routed up to
+PROMPT_KERNEL_ROWS rows, their products those engine/quant.py's matmul gives them (the kernel, MAX_ROWS rows
+a call); an expert with more rows keeps the dequantise-once matmul. Either way SwiGLU is C's ``expf`` form
+of silu (within float rounding of torch's), so which experts a call takes depends on the routing alone.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from engine.q8 import activations_are_int8
 from engine.q8_experts import common_table, parts_within
-from engine.quant import KERNEL_CODES, KERNEL_SCALES, QuantizedExpert, QuantizedMatrix
+from engine.quant import KERNEL_CODES, KERNEL_SCALES, PROMPT_KERNEL_ROWS, QuantizedExpert, QuantizedMatrix
 from engine.rows import computing_alone, kernel_threads
 
 try:
@@ -30,20 +32,28 @@ _BUILT = _kernels is not None and hasattr(_kernels, "nibble_moe")
 MAX_WORK_BYTES = 32 << 20  # one call's work area at most: a long batch's experts are split over calls
 
 
-def in_one_call(batch: Sequence[tuple[int, object]], x: torch.Tensor) -> list[tuple[int, QuantizedExpert]]:
+def in_one_call(
+    batch: Sequence[tuple[int, object]], x: torch.Tensor, rows_routed: Callable[[int], int]
+) -> list[tuple[int, QuantizedExpert]]:
     """The (id, expert) pairs of a batch that ``add_nibble_experts`` takes together with x: none unless x is
-    float32 on the CPU, a decode row (one row, or rows inside rows_alone()) and int8 activations are off;
-    then the QuantizedExperts whose three matrices the 4-bit kernel takes (none if their layouts differ)."""
+    float32 on the CPU and int8 activations are off; then the QuantizedExperts whose three matrices the 4-bit
+    kernel takes (none if their layouts differ), of a prompt's rows only those ``rows_routed`` (expert id ->
+    rows routed to it) puts within PROMPT_KERNEL_ROWS."""
     if not batch or not _BUILT or activations_are_int8():
-        return []
-    if not (computing_alone() or x.shape[0] == 1):  # a prompt's rows: the dequantise-once matmul
         return []
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[0] == 0:
         return []
+    if not decode_rows(x):
+        batch = [(i, e) for i, e in batch if rows_routed(i) <= PROMPT_KERNEL_ROWS]
     planned = [(i, e, plan) for i, e in batch if isinstance(e, QuantizedExpert) and (plan := _plan(e)) is not None]
     if any(plan[0] != planned[0][2][0] for _, _, plan in planned):
         return []
     return [(i, e) for i, e, _ in planned]
+
+
+def decode_rows(x: torch.Tensor) -> bool:
+    """Whether x's rows are decode rows, each computed as alone: one row, or any inside rows_alone()."""
+    return computing_alone() or x.shape[0] == 1
 
 
 def expert_table(experts: Sequence[object]) -> tuple[tuple[int, ...], array[int]] | None:
@@ -102,5 +112,5 @@ def add_nibble_experts(
         _kernels.nibble_moe(
             x.data_ptr(), x.shape[0], ids.data_ptr(), weights.data_ptr(), ids.shape[1],
             part_ids.buffer_info()[0], len(part), mats.buffer_info()[0], layout,
-            limit is not None, float(limit or 0.0), out.data_ptr(), kernel_threads(),
+            limit is not None, float(limit or 0.0), out.data_ptr(), kernel_threads(), decode_rows(x),
         )  # fmt: skip

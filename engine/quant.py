@@ -47,6 +47,11 @@ FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # The C kernels' names for codes and scale dtypes (engine/csrc/nibble.h); int8 stays on torch.
 KERNEL_CODES = {"int4": 0, "fp4": 1}
 KERNEL_SCALES = {torch.float16: 0, torch.bfloat16: 1, E8M0: 2}
+# A prompt's rows up to this many go through the kernel MAX_ROWS at a time: below it, unpacking the codes once
+# per 8 rows beats dequantising the matrix to float32 once and one sgemm (DeepSeek-V3's 2048 x 7168 expert
+# matrix, 2 threads: 8 rows 2.4 vs 46 ms, 32 rows 10 vs 54 ms, 128 rows 33-49 vs 63-84 ms); the bits depend on
+# the row count alone. (A tiny matrix dequantises in microseconds: there the kernel calls' Python costs more.)
+PROMPT_KERNEL_ROWS = 128
 
 
 def n_groups(in_dim: int, group_size: int) -> int:
@@ -153,11 +158,11 @@ class QuantizedMatrix:
         return dequantize_torch(self, dtype)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, in] @ W^T. Few float32 rows on the CPU go through the C kernel, reading the codes once;
-        everything else (prefill-sized batches, bf16 activations, other devices) dequantises once
-        and uses a dense matmul. Inside rows_alone() (independent requests) the kernel takes any number
-        of rows, MAX_ROWS per call, each row computed as alone. Inside int8_activations() (engine/q8.py)
-        any number of rows go through the integer kernel, each computed as alone."""
+        """x [N, in] @ W^T. Up to PROMPT_KERNEL_ROWS float32 rows on the CPU go through the C kernel, MAX_ROWS
+        rows a call, each call reading the codes once; everything else (longer prompts, bf16 activations,
+        other devices) dequantises once and uses a dense matmul. Inside rows_alone() (independent requests)
+        the kernel takes any number of rows, MAX_ROWS per call, each row computed as alone. Inside
+        int8_activations() (engine/q8.py) any number of rows go through the integer kernel, each as alone."""
         if activations_are_int8() and _q8_handles(self, x):
             return q8_matmul(x, self.q, self.scales, self.code, self.group_size, KERNEL_SCALES[self.scales.dtype])
         if x.dtype == torch.bfloat16 and x.device.type == "cpu":
@@ -167,10 +172,8 @@ class QuantizedMatrix:
             return self.matmul(x.float()).to(torch.bfloat16)
         alone = computing_alone()
         if _kernel_handles(self) and x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[0] > 0:
-            if alone:
-                return in_row_chunks(x, _kernels.MAX_ROWS, lambda rows: kernel_matmul(rows, self, alone=True))
-            if x.shape[0] <= _kernels.MAX_ROWS:
-                return kernel_matmul(x, self)
+            if alone or x.shape[0] <= PROMPT_KERNEL_ROWS:
+                return in_row_chunks(x, _kernels.MAX_ROWS, lambda rows: kernel_matmul(rows, self, alone=alone))
         return linear(x, self.dequantize(x.dtype))
 
 

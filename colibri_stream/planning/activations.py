@@ -58,7 +58,7 @@ def ffn_bytes(args: ModelArgs, d: int, chunk: int) -> int:
 
 
 def bf16_upcast_bytes(chunk: int, weight_shapes: Iterable[tuple[int, ...]]) -> int:
-    """A float32 model holding bf16 weights (engine/bf16.py Bf16Linear, more than MAX_ROWS rows): one
+    """A float32 model holding bf16 weights (engine/bf16.py Bf16Linear, more than PROMPT_KERNEL_ROWS rows): one
     block of output rows upcast to float32 (at most UPCAST_BLOCK_BYTES) and the per-block outputs
     [C, out] float32 before their cat. 0 when no weight is held in bf16."""
     shapes = list(weight_shapes)

@@ -87,7 +87,7 @@ static int routed_experts(const LayerPlan *plan, const uint64_t *table, int rows
     if (plan->routed_floats) {
         NibbleExpert *experts = s->experts;
         for (int i = 0; i < n; i++) experts[i] = nibble_expert_at(table + (size_t)s->sorted[i] * 6, &plan->nibble);
-        NibbleMoE moe = {experts, s->sorted, n, s->h, s->ids, s->weights, rows, k, dim, plan->nibble.w2.in, 0, 0.f, threads, s->routed};
+        NibbleMoE moe = {experts, s->sorted, n, s->h, s->ids, s->weights, rows, k, dim, plan->nibble.w2.in, 0, 0.f, threads, 1, s->routed};
         return nibble_moe_run(&moe);
     }
     Q8Expert *experts = s->experts;

@@ -226,15 +226,15 @@ static PyObject *py_q8_moe(PyObject *self, PyObject *args) {
 }
 
 /* nibble_moe(x_ptr, rows, ids_ptr, weights_ptr, topk, expert_ids_ptr, n_experts, mats_ptr, (dim, inter, code13,
- * code2, scale_kind, group13, group2), clamp, limit, out_ptr, threads): a MoE layer's routed 4-bit experts
- * with float32 activations (nibble_moe.c), the arrays as q8_moe's. */
+ * code2, scale_kind, group13, group2), clamp, limit, out_ptr, threads, alone): a MoE layer's routed 4-bit
+ * experts with float32 activations (nibble_moe.c), the arrays as q8_moe's; alone: decode rows' products. */
 static PyObject *py_nibble_moe(PyObject *self, PyObject *args) {
     unsigned long long x, ids, weights, expert_ids, mats, out;
-    int rows, topk, n_experts, clamp, threads, dim, inter, code13, code2, scale_kind, group13, group2;
+    int rows, topk, n_experts, clamp, threads, alone, dim, inter, code13, code2, scale_kind, group13, group2;
     float limit;
     PyObject *layout;
-    if (!PyArg_ParseTuple(args, "KiKKiKiKO!pfKi", &x, &rows, &ids, &weights, &topk, &expert_ids, &n_experts, &mats,
-                          &PyTuple_Type, &layout, &clamp, &limit, &out, &threads) ||
+    if (!PyArg_ParseTuple(args, "KiKKiKiKO!pfKip", &x, &rows, &ids, &weights, &topk, &expert_ids, &n_experts, &mats,
+                          &PyTuple_Type, &layout, &clamp, &limit, &out, &threads, &alone) ||
         !PyArg_ParseTuple(layout, "iiiiiii", &dim, &inter, &code13, &code2, &scale_kind, &group13, &group2))
         return NULL;
     NibbleMatrix w13, w2;
@@ -252,7 +252,7 @@ static PyObject *py_nibble_moe(PyObject *self, PyObject *args) {
     for (int e = 0; e < n_experts; e++) experts[e] = nibble_expert_at(m + (size_t)e * 6, &like);
     NibbleMoE moe = {experts, (const int64_t *)(uintptr_t)expert_ids, n_experts, (const float *)(uintptr_t)x,
                      (const int64_t *)(uintptr_t)ids, (const float *)(uintptr_t)weights, rows, topk, dim, inter, clamp,
-                     limit, threads, (double *)(uintptr_t)out};
+                     limit, threads, alone, (double *)(uintptr_t)out};
     int status;
     (void)nibble_simd_available(); /* detect the CPU once, before any helper thread looks */
     Py_BEGIN_ALLOW_THREADS

@@ -8,8 +8,9 @@
  *   D  out[r] += (double)(y_e[r] * weight)      on the caller, experts in the given order
  *
  * x_e are the rows routed to expert e, laid out for the kernel (nibble_prepare) in groups of MAX_ROWS.
- * Every product is nibble_gemm's alone one: a row's result is what a one-row kernel call gives it, so
- * rows of independent requests stay exact and the matrices' bits are engine/quant.py kernel_matmul's.
+ * Decode rows (alone): every product is nibble_gemm's alone one, what a one-row kernel call gives the row,
+ * so rows of independent requests stay exact. A prompt's rows: each group through the multi-row loops,
+ * the bits engine/quant.py's matmul gives the expert's rows (kernel_matmul, MAX_ROWS rows a call).
  */
 #include "nibble_moe.h"
 
@@ -39,13 +40,14 @@ typedef struct {
 static inline int blocks(int n) { return (n + BLOCK_ROWS - 1) / BLOCK_ROWS; }
 
 /* y [rows, out] (row stride `out`) rows [begin, end) = the prepared rows times m, MAX_ROWS rows per call. */
-static void product(const NibbleMatrix *m, const float *prepared, int rows, int begin, int end, float *y, int out) {
+static void product(const NibbleMatrix *m, const float *prepared, int rows, int begin, int end, float *y, int out,
+                    int alone) {
     float tmp[MAX_ROWS * BLOCK_ROWS];
     size_t group_floats = nibble_work_floats(m, MAX_ROWS);
     int n = end - begin;
     for (int first = 0; first < rows; first += MAX_ROWS) {
         int g = rows - first < MAX_ROWS ? rows - first : MAX_ROWS;
-        nibble_gemm(m, prepared + (size_t)(first / MAX_ROWS) * group_floats, g, begin, end, 2, 1, tmp);
+        nibble_gemm(m, prepared + (size_t)(first / MAX_ROWS) * group_floats, g, begin, end, 2, alone, tmp);
         for (int r = 0; r < g; r++) memcpy(y + (size_t)(first + r) * out + begin, tmp + (size_t)r * n, n * sizeof(float));
     }
 }
@@ -67,7 +69,7 @@ static void gate_up_block(void *arg, int b) {
     if (t->rows == 0) return;
     int inter = p->moe->inter, end = begin + BLOCK_ROWS < inter ? begin + BLOCK_ROWS : inter;
     const NibbleExpert *ex = &p->moe->experts[e];
-    product(up ? &ex->w3 : &ex->w1, t->xs, t->rows, begin, end, up ? t->up : t->gate, inter);
+    product(up ? &ex->w3 : &ex->w1, t->xs, t->rows, begin, end, up ? t->up : t->gate, inter, p->moe->alone);
 }
 
 /* Phase B for expert e: h = silu(gate) * up, prepared for w2. */
@@ -86,7 +88,7 @@ static void down_block(void *arg, int b) {
     const Term *t = &p->terms[e];
     if (t->rows == 0) return;
     int dim = p->moe->dim, end = begin + BLOCK_ROWS < dim ? begin + BLOCK_ROWS : dim;
-    product(&p->moe->experts[e].w2, t->hs, t->rows, begin, end, t->y, dim);
+    product(&p->moe->experts[e].w2, t->hs, t->rows, begin, end, t->y, dim, p->moe->alone);
 }
 
 /* Floats of a prepared area for n rows of m: whole groups of MAX_ROWS, as prepare_groups lays them. */

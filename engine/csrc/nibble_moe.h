@@ -28,11 +28,14 @@ typedef struct {
     int clamp; /* 1: DeepSeek-V4's swiglu limit (gate <= limit, |up| <= limit) */
     float limit;
     int threads;
+    int alone; /* 1: every product nibble_gemm's batch-invariant one (decode rows); 0: a prompt's rows, each
+                  expert's in groups of MAX_ROWS through the multi-row loops, as engine/quant.py's matmul */
     double *out; /* [rows, dim]: out[r] += (double)(weight * expert(x[r])) for each listed expert r routed to */
 } NibbleMoE;
 
-/* Runs the layer; 0 when done, -1 when its work area could not be allocated (nothing was added). Every
- * product is nibble_gemm's batch-invariant one (alone), so a row's terms are those of its one-row call. */
+/* Runs the layer; 0 when done, -1 when its work area could not be allocated (nothing was added). With
+ * alone, a row's terms are those of its one-row call; without, those of kernel calls on its expert's rows
+ * in ascending order, MAX_ROWS at a time. */
 int nibble_moe_run(const NibbleMoE *moe);
 
 #endif

@@ -7,6 +7,7 @@ import torch
 
 import engine.moe as moe
 import engine.nibble_experts as nibble_experts
+import engine.quant as quant
 from colibri_stream.bench.kernels import KINDS, random_kind_matrix
 from engine.experts import ExpertWeights, ResidentExperts
 from engine.q8 import int8_activations
@@ -107,12 +108,10 @@ def test_a_batch_too_big_for_one_work_area_is_split_over_calls_with_the_same_sum
 
 
 @needs_kernel
-def test_only_decode_rows_of_4bit_experts_with_float_activations_take_it(monkeypatch):
+def test_only_4bit_experts_with_float_activations_take_it(monkeypatch):
     x, weights, ids = routing(6)
     experts = make_experts()
     calls = fused_calls(monkeypatch)
-    moe.routed_sum(x, weights, ids, experts, 0)  # a prompt's rows: the dequantise-once matmul
-    assert calls == []
     moe.routed_sum(x[:1], weights[:1], ids[:1], experts, 0)  # one row: a decode step, alone or not
     assert calls == [TOPK]
     with rows_alone(), int8_activations():
@@ -125,8 +124,61 @@ def test_only_decode_rows_of_4bit_experts_with_float_activations_take_it(monkeyp
     with rows_alone():
         moe.routed_sum(x, weights, ids, floats, 0)  # float experts: not the 4-bit kernel's
         mixed = [(0, experts.acquire(0, [0])[0]), (1, floats.acquire(0, [0])[0])]
-        assert [i for i, _ in nibble_experts.in_one_call(mixed, x)] == [0]  # the float expert is not the kernel's
+        assert [i for i, _ in nibble_experts.in_one_call(mixed, x, lambda e: 1)] == [0]  # the float one is not
     assert calls == [TOPK]
+
+
+def prompt_reference(x, weights, ids, experts: ResidentExperts) -> torch.Tensor:
+    """Each expert on the rows routed to it, in ascending order, through the matrices' own matmul (the kernel
+    MAX_ROWS rows a call up to PROMPT_KERNEL_ROWS rows), torch's SwiGLU between them, summed in float64."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for e in ids.unique().tolist():
+        rows, slots = torch.where(ids == e)
+        out.index_add_(0, rows, (experts.acquire(0, [e])[e](x[rows]) * weights[rows, slots, None]).double())
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [2, 13, 40])  # 40 x 3 slots over 10 experts: some with more than 8 rows
+def test_a_prompts_experts_go_in_one_call_with_the_products_of_their_own_matmul(monkeypatch, rows):
+    experts = make_experts()
+    x, weights, ids = routing(rows, seed=rows)
+    calls = fused_calls(monkeypatch)
+    fused, _ = moe.routed_sum(x, weights, ids, experts, 0)
+    assert calls == [len(ids.unique())]
+    expected = prompt_reference(x, weights, ids, experts)
+    torch.testing.assert_close(fused, expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
+    with rows_alone():  # the same rows each computed as alone: products summed in another order
+        alone, _ = moe.routed_sum(x, weights, ids, experts, 0)
+    assert not torch.equal(fused, alone)
+
+
+@needs_kernel
+def test_a_prompts_expert_routed_more_rows_than_the_kernel_takes_keeps_the_dequantised_matmul(monkeypatch):
+    experts = make_experts()
+    x, weights, ids = routing(40, seed=4)
+    counts = {e: int((ids == e).sum()) for e in ids.unique().tolist()}
+    limit = sorted(counts.values())[len(counts) // 2]  # about half the experts are routed more rows
+    monkeypatch.setattr(nibble_experts, "PROMPT_KERNEL_ROWS", limit)
+    monkeypatch.setattr(quant, "PROMPT_KERNEL_ROWS", limit)
+    taken: list[list[int]] = []
+    call = nibble_experts.add_nibble_experts
+    monkeypatch.setattr(moe, "add_nibble_experts", lambda *a, **k: taken.append(list(a[4])) or call(*a, **k))
+    fused, _ = moe.routed_sum(x, weights, ids, experts, 0)
+    assert taken == [sorted(e for e, n in counts.items() if n <= limit)] and len(taken[0]) < len(counts)
+    expected = prompt_reference(x, weights, ids, experts)
+    torch.testing.assert_close(fused, expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
+
+
+@needs_kernel
+def test_a_prompts_rows_up_to_the_kernels_limit_take_the_kernel_8_rows_a_call_and_more_the_dequantised_matmul():
+    matrix = make_experts().acquire(0, [0])[0].w1
+    x = torch.randn(quant.PROMPT_KERNEL_ROWS + 1, DIM, generator=torch.Generator().manual_seed(9))
+    within = x[: quant.PROMPT_KERNEL_ROWS]
+    by_kernel = torch.cat([kernel_matmul(rows, matrix) for rows in within.split(8)])
+    assert torch.equal(matrix.matmul(within), by_kernel)
+    assert torch.equal(matrix.matmul(x), torch.nn.functional.linear(x, matrix.dequantize()))
+    assert not torch.equal(matrix.matmul(x)[:8], by_kernel[:8])  # the two give other bits
 
 
 @needs_kernel
