@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from engine.q8 import BF16_KIND, CMatrix, KernelMatrix
-from engine.rows import computing_alone, in_row_chunks, kernel_threads, linear
+from engine.rows import computing_alone, kernel_threads, linear
 
 try:
     from engine import _kernels
@@ -47,9 +47,9 @@ class TakesBf16Weight:
 
 
 def bf16_matmul(x: torch.Tensor, weight: torch.Tensor, isa: str = "best", alone: bool = False) -> torch.Tensor:
-    """x [rows <= MAX_ROWS, in] float32 @ weight^T for weight bf16 [out, in] -> [rows, out] float32 (C kernel).
-    ``isa`` caps the path (tests reach each one on any CPU); ``alone``: each row as a one-row call
-    computes it (engine/rows.py)."""
+    """x [rows, in] float32 @ weight^T for weight bf16 [out, in] -> [rows, out] float32 (C kernel, MAX_ROWS rows
+    at a time: the bits of one call per MAX_ROWS rows). ``isa`` caps the path (tests reach each one on any
+    CPU); ``alone``: each row as a one-row call computes it (engine/rows.py)."""
     rows, in_dim = x.shape
     x = x.contiguous()
     y = torch.empty((rows, weight.shape[0]), dtype=torch.float32)
@@ -102,7 +102,7 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         and 0 < flat.shape[0]
         and (alone or flat.shape[0] <= PROMPT_KERNEL_ROWS)
     ):
-        out = in_row_chunks(flat, _kernels.MAX_ROWS, lambda rows: bf16_matmul(rows, weight, alone=alone))
+        out = bf16_matmul(flat, weight, alone=alone)
     else:
         step = max(1, UPCAST_BLOCK_BYTES // (4 * weight.shape[1]))
         out = torch.cat([linear(flat, block.to(x.dtype)) for block in weight.split(step)], dim=-1)

@@ -142,12 +142,13 @@ static PyObject *py_dequant(PyObject *self, PyObject *args) {
 
 /* bf16_gemm(w_ptr, x_ptr, y_ptr, rows, in, out, isa_limit, threads, alone): y[rows, out] = x[rows, in] @ w^T
  * for w bf16 [out, in]; contiguous buffers. isa_limit: 2 best available, 1 at most AVX2, 0 scalar.
- * alone: batch-invariant (each row as a one-row call computes it). */
+ * alone: batch-invariant (each row as a one-row call computes it). Any number of rows, MAX_ROWS at a time:
+ * the bits of one call per MAX_ROWS rows. */
 static PyObject *py_bf16_gemm(PyObject *self, PyObject *args) {
     unsigned long long w, x, y;
     int rows, in, out, isa_limit, threads = 1, alone = 0;
     if (!PyArg_ParseTuple(args, "KKKiiii|ip", &w, &x, &y, &rows, &in, &out, &isa_limit, &threads, &alone)) return NULL;
-    if (rows < 1 || rows > MAX_ROWS || in < 1 || out < 1) {
+    if (rows < 1 || in < 1 || out < 1) {
         PyErr_Format(PyExc_ValueError, "bf16 gemm: unsupported shape rows=%d in=%d out=%d", rows, in, out);
         return NULL;
     }

@@ -30,9 +30,24 @@ def test_kernel_equals_float32_matmul_of_the_upcast_weight(in_dim, out_dim, rows
 
 
 @needs_kernel
-def test_kernel_rejects_more_rows_than_it_blocks():
+@pytest.mark.parametrize("alone", [False, True])
+def test_kernel_takes_any_rows_with_the_bits_of_one_call_per_8_rows(alone):
+    w = _weight(1030, 200, 3)  # the helper thread takes part of the outputs, a lone last block row
+    x = torch.randn(21, 200, generator=torch.Generator().manual_seed(4))
+    by_8 = torch.cat([bf16_matmul(rows, w, alone=alone) for rows in x.split(8)])
+    assert torch.equal(bf16_matmul(x, w, alone=alone), by_8)
+    assert torch.equal(bf16_matmul(x[8:], w, alone=alone)[:8], by_8[8:16])  # a row's bits: its group of 8
     with pytest.raises(ValueError, match="unsupported shape"):
-        bf16_matmul(torch.randn(9, 64), _weight(8, 64, 0))
+        bf16._kernels.bf16_gemm(w.data_ptr(), x.data_ptr(), 0, 0, 200, 1030, 2)
+
+
+@needs_kernel
+def test_a_prompts_rows_take_the_kernel_up_to_its_limit_and_the_upcast_matmul_beyond(monkeypatch):
+    w = _weight(64, 96, 5)
+    x = torch.randn(bf16.PROMPT_KERNEL_ROWS + 1, 96, generator=torch.Generator().manual_seed(6))
+    within = x[: bf16.PROMPT_KERNEL_ROWS]
+    assert torch.equal(Bf16Linear(w)(within), bf16_matmul(within, w))
+    assert torch.equal(Bf16Linear(w)(x), F.linear(x, w.float()))
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 128), (2, 5, 128), (1, 40, 128)], ids=["decode", "few-rows", "prefill"])
