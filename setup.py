@@ -28,7 +28,7 @@ class OptionalBuildExt(build_ext):
 # engine/csrc/<name>.c, each with its .h but kernels and py_decode (the Python entry points)
 C_FILES = (
     "kernels", "bf16", "nibble", "nibble_moe", "q8", "split", "read_ahead", "q8_moe", "decode_ops", "mla_decode",
-    "decode_step", "py_decode",
+    "decode_step", "index_select", "py_decode",
 )  # fmt: skip
 
 setup(

@@ -58,6 +58,19 @@ def attend_one(
 ) -> None: ...
 def bytes_read_ahead() -> int: ...
 def cores_shared(max_age_ns: int) -> bool | None: ...
+def index_select(
+    q: int,
+    weights: int,
+    keys: int,
+    heads: int,
+    dim: int,
+    total: int,
+    topk: int,
+    scale: float,
+    chosen: int,
+    threads: int,
+    /,
+) -> None: ...
 def read_ahead(ranges: Sequence[tuple[int, int]], threads: int, /) -> None: ...
 def nibble_moe(
     x: int,

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import decode_ops
 from engine.args import ModelArgs
 from engine.cache import LayerCache
 from engine.layers import query_blocks
@@ -88,8 +89,11 @@ class Indexer(nn.Module):
             )
 
     def _select(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, start_pos: int) -> torch.Tensor:
-        """One block of queries q [B, S, H, D] (positions start_pos..) vs keys [B, T, D] -> [B, S, K]."""
+        """One block of queries q [B, S, H, D] (positions start_pos..) vs keys [B, T, D] -> [B, S, K]. A decode
+        row (one query seeing every key) in one C call (engine/decode_ops.py index_select)."""
         seqlen, total = q.shape[1], keys.shape[1]
+        if start_pos + seqlen >= total and decode_ops.index_select_takes(q, keys):
+            return decode_ops.index_select(q, keys, weights, self.head_dim**-0.5, self.topk)
         scores = torch.einsum("bshd,btd->bsht", q, keys).mul_(self.head_dim**-0.5).relu_()
         index_scores = torch.einsum("bsh,bsht->bst", weights, scores)
         if start_pos + 1 < total:  # a key after the first query's position: mask each query's future

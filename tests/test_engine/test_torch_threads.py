@@ -13,6 +13,7 @@ import torch
 
 import engine.rows as rows_module
 from colibri_stream.checkpoint.demo_model import demo_model_dir
+from engine import decode_ops
 from engine.args import ModelArgs
 from engine.cache import LayerCache
 from engine.indexer import Indexer
@@ -44,7 +45,8 @@ def select(indexer: Indexer, args: ModelArgs, x: torch.Tensor, q_latent: torch.T
         torch.zeros(1, x.shape[1], args.kv_lora_rank), torch.zeros(1, x.shape[1], args.qk_rope_head_dim)
     )  # the latents of these positions (the indexer reads only its keys)
     rope = rope_tables(args, start, x.shape[1], x.device)
-    with torch.inference_mode(), torch_on_one_thread(), pytest.MonkeyPatch.context() as patch:
+    # torch_ops: a decode row's choice is otherwise one C call (engine/decode_ops.py index_select)
+    with torch.inference_mode(), torch_on_one_thread(), decode_ops.torch_ops(), pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch, "einsum", counting)
         chosen = indexer(x, q_latent, start, rope, cache)
     return chosen, seen
