@@ -1,5 +1,5 @@
 """The small float ops of a decode step in C (engine/csrc/decode_ops.c): RMSNorm, the MoE router, and
-absorbed MLA attention for one query; and the DSA indexer's choice for one (engine/csrc/index_select.c).
+absorbed MLA attention for one query; and the DSA indexer's choice (engine/csrc/index_select.c).
 
 Between its weight-bound kernels a decode step runs ~100 small torch ops per layer; on a 2-core machine,
 with the kernels streaming the caches out between them, they took as long as the expert matmuls (an
@@ -159,30 +159,31 @@ _SELECTS = _kernels is not None and hasattr(_kernels, "index_select")
 
 
 def index_select_takes(q: torch.Tensor, keys: torch.Tensor) -> bool:
-    """Whether ``index_select`` takes a block of the DSA indexer's queries q [B, S, H, D] over keys [B, T, D]:
-    one query row that sees every key (a decode row: nothing to mask), float32 on the CPU. Any such row,
-    alone or in a batch, on the module path or in the one-call step, so its choice is the same everywhere;
-    a prompt's rows keep torch's ops."""
+    """Whether ``index_select`` takes the DSA indexer's queries q [B, S, H, D] over keys [B, T, D]: float32 on
+    the CPU. Every row, prompt or decode, alone or in a batch, on the module path or in the one-call step,
+    so a position's choice is the same everywhere."""
     return (
         _SELECTS
         and not _off.get()
-        and q.shape[1] == 1
         and q.dtype == keys.dtype == torch.float32
         and q.device.type == keys.device.type == "cpu"
     )
 
 
-def index_select(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, scale: float, topk: int) -> torch.Tensor:
-    """The DSA indexer's choice for decode rows: q [B, 1, H, D] (roped), keys [B, T, D], weights [B, 1, H] ->
-    int64 [B, 1, topk], the positions of each row's topk highest sum_h weights[h] * relu(scale * q[h] . k[t]),
-    highest first, ties to the lower position (engine/moe.py stable_topk_indices' order). topk <= T."""
-    rows, _, heads, dim = q.shape
-    total = keys.shape[1]
+def index_select(
+    q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, start: int, scale: float, topk: int
+) -> torch.Tensor:
+    """The DSA indexer's choice for query rows at positions start.. : q [B, S, H, D] (roped), keys [B, T, D],
+    weights [B, S, H] -> int64 [B, S, topk]: per row the positions <= its own of its topk highest
+    sum_h weights[h] * relu(scale * q[h] . k[t]), highest first, ties to the lower position (engine/moe.py
+    stable_topk_indices' order); a row that sees fewer, all of them and then the positions after its own
+    (what the -inf of a causal mask gives). topk <= T."""
+    batch, rows, heads, dim = q.shape
     q, keys, weights = q.contiguous(), keys.contiguous(), weights.float().contiguous()
-    chosen = torch.empty((rows, 1, topk), dtype=torch.int64)
-    for row in range(rows):
+    chosen = torch.empty((batch, rows, topk), dtype=torch.int64)
+    for b in range(batch):
         _kernels.index_select(
-            q[row].data_ptr(), weights[row].data_ptr(), keys[row].data_ptr(), heads, dim, total, topk, scale,
-            chosen[row].data_ptr(), kernel_threads(),
+            q[b].data_ptr(), weights[b].data_ptr(), keys[b].data_ptr(), rows, heads, dim, start + 1, topk, scale,
+            chosen[b].data_ptr(), kernel_threads(),
         )  # fmt: skip
     return chosen

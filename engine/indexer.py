@@ -2,7 +2,8 @@
 
 score[s, t] = sum_h w[s, h] * ReLU(q[s, h] . k[t] / sqrt(d)),  w = weights_proj(x) / sqrt(H)
 with k = RoPE(LayerNorm(wk x)) cached per layer and q = RoPE(wq_b(q latent)). Only the first
-qk_rope_head_dim dims of each indexer head are roped. Scoring runs in float32.
+qk_rope_head_dim dims of each indexer head are roped. Scoring runs in float32: on the CPU the scores
+and their top-k are one C call (engine/decode_ops.py index_select), elsewhere torch's ops.
 """
 
 from __future__ import annotations
@@ -89,11 +90,11 @@ class Indexer(nn.Module):
             )
 
     def _select(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, start_pos: int) -> torch.Tensor:
-        """One block of queries q [B, S, H, D] (positions start_pos..) vs keys [B, T, D] -> [B, S, K]. A decode
-        row (one query seeing every key) in one C call (engine/decode_ops.py index_select)."""
+        """One block of queries q [B, S, H, D] (positions start_pos..) vs keys [B, T, D] -> [B, S, K]; on the
+        CPU in one C call (engine/decode_ops.py index_select)."""
         seqlen, total = q.shape[1], keys.shape[1]
-        if start_pos + seqlen >= total and decode_ops.index_select_takes(q, keys):
-            return decode_ops.index_select(q, keys, weights, self.head_dim**-0.5, self.topk)
+        if decode_ops.index_select_takes(q, keys):
+            return decode_ops.index_select(q, keys, weights, start_pos, self.head_dim**-0.5, self.topk)
         scores = torch.einsum("bshd,btd->bsht", q, keys).mul_(self.head_dim**-0.5).relu_()
         index_scores = torch.einsum("bsh,bsht->bst", weights, scores)
         if start_pos + 1 < total:  # a key after the first query's position: mask each query's future

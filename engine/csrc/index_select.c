@@ -1,11 +1,13 @@
 /*
- * The DSA indexer's choice for one decode row: a decode row sees every cached key (nothing to mask), so its
- * choice is the top-k of one row of scores. torch spent ~12 small ops a row and layer on it (the demo:
- * ~85 us a call over 300 keys, most of it dispatch); here the scores are one pass over the keys, split
- * over the kernels' threads, and the top-k a selection over order-keyed integers.
+ * The DSA indexer's choice: each query row's top-k of its scores over the keys it sees (its own position and
+ * those before: a causal mask becomes a shorter row). torch spent ~12 ops a block on it (the demo: ~85 us a
+ * decode row over 300 keys, most of it dispatch; a long prompt's blocks, einsums and a top-k over masked
+ * rows); here the scores are one pass over each row's keys, split over the kernels' threads in blocks of
+ * (row, 256 keys), and each row's top-k a selection over order-keyed integers.
  *
  * Float32 as C sums it (8 heads at a time, one 8-wide accumulator each, their weighted ReLUs summed 8 wide):
- * not torch's einsum bits. Every decode row takes it, on the module path and in the one-call step alike (engine/indexer.py).
+ * not torch's einsum bits. Every row takes it, prompt and decode, on the module path and in the one-call
+ * step alike (engine/indexer.py).
  */
 #include "index_select.h"
 
@@ -28,7 +30,9 @@ enum { KEYS_PER_BLOCK = 256 }; /* the threads' share: 256 keys of 128 floats are
 
 typedef struct {
     const IndexSelect *job;
-    float *scores; /* [total] */
+    int blocks_per_row; /* key blocks of the row that sees the most */
+    float *scores;      /* [rows, seen + rows - 1]: row r's first seen + r */
+    uint64_t *ranks;    /* the same shape: rank_key of each score */
 } ScoreJob;
 
 static float relu(float v) { return v < 0.f ? 0.f : v; } /* NaN stays NaN, as torch's relu */
@@ -96,22 +100,31 @@ static float score_plain(const IndexSelect *j, const float *key) {
     return score;
 }
 
+static int seen_by(const IndexSelect *j, int row) { return j->seen + row; }
+
+static size_t row_stride(const IndexSelect *j) { return (size_t)j->seen + (size_t)j->rows - 1; }
+
+/* Block b: row b / blocks_per_row, its keys [256 * (b % blocks_per_row), +256) it sees. */
 static void score_block(void *arg, int b) {
     const ScoreJob *s = arg;
     const IndexSelect *j = s->job;
-    int end = (b + 1) * KEYS_PER_BLOCK < j->total ? (b + 1) * KEYS_PER_BLOCK : j->total;
+    int row = b / s->blocks_per_row, begin = b % s->blocks_per_row * KEYS_PER_BLOCK, seen = seen_by(j, row);
+    int end = begin + KEYS_PER_BLOCK < seen ? begin + KEYS_PER_BLOCK : seen;
+    IndexSelect one = *j; /* the row's query heads and weights */
+    one.q = j->q + (size_t)row * j->heads * j->dim, one.weights = j->weights + (size_t)row * j->heads;
+    float *scores = s->scores + (size_t)row * row_stride(j);
 #if HAVE_X86
     int vector = nibble_simd_available();
 #endif
-    for (int t = b * KEYS_PER_BLOCK; t < end; t++) {
+    for (int t = begin; t < end; t++) {
         const float *key = j->keys + (size_t)t * j->dim;
 #if HAVE_X86
         if (vector) {
-            s->scores[t] = score_avx2(j, key);
+            scores[t] = score_avx2(&one, key);
             continue;
         }
 #endif
-        s->scores[t] = score_plain(j, key);
+        scores[t] = score_plain(&one, key);
     }
 }
 
@@ -157,19 +170,32 @@ static int descending(const void *a, const void *b) {
     return x < y ? 1 : x > y ? -1 : 0;
 }
 
+/* Row `row`'s choice from its scores: the topk highest ranked (or all it sees, then the positions after). */
+static void choose_row(void *arg, int row) {
+    const ScoreJob *s = arg;
+    const IndexSelect *j = s->job;
+    int seen = seen_by(j, row), ranked = seen < j->topk ? seen : j->topk;
+    const float *scores = s->scores + (size_t)row * row_stride(j);
+    uint64_t *ranks = s->ranks + (size_t)row * row_stride(j);
+    int64_t *chosen = j->chosen + (size_t)row * j->topk;
+    for (int t = 0; t < seen; t++) ranks[t] = rank_key(scores[t], t);
+    if (ranked < seen) select_largest(ranks, seen, ranked);
+    qsort(ranks, (size_t)ranked, sizeof *ranks, descending);
+    for (int i = 0; i < ranked; i++) chosen[i] = (int64_t)(uint32_t)~(uint32_t)ranks[i];
+    for (int i = ranked; i < j->topk; i++) chosen[i] = seen + (i - ranked); /* the masked positions, in order */
+}
+
 int index_select(const IndexSelect *j, int threads) {
-    float *scores = malloc(sizeof(float) * (size_t)j->total);
-    uint64_t *keys = malloc(sizeof(uint64_t) * (size_t)j->total);
-    if (scores == NULL || keys == NULL) {
-        free(scores), free(keys);
+    size_t cells = (size_t)j->rows * row_stride(j);
+    float *scores = malloc(sizeof(float) * cells);
+    uint64_t *ranks = malloc(sizeof(uint64_t) * cells);
+    if (scores == NULL || ranks == NULL) {
+        free(scores), free(ranks);
         return -1;
     }
-    ScoreJob s = {j, scores};
-    split_run(score_block, &s, (j->total + KEYS_PER_BLOCK - 1) / KEYS_PER_BLOCK, threads);
-    for (int t = 0; t < j->total; t++) keys[t] = rank_key(scores[t], t);
-    if (j->topk < j->total) select_largest(keys, j->total, j->topk);
-    qsort(keys, (size_t)j->topk, sizeof *keys, descending);
-    for (int i = 0; i < j->topk; i++) j->chosen[i] = (int64_t)(uint32_t)~(uint32_t)keys[i];
-    free(scores), free(keys);
+    ScoreJob s = {j, (int)((row_stride(j) + KEYS_PER_BLOCK - 1) / KEYS_PER_BLOCK), scores, ranks};
+    split_run(score_block, &s, j->rows * s.blocks_per_row, threads);
+    split_run(choose_row, &s, j->rows, threads);
+    free(scores), free(ranks);
     return 0;
 }

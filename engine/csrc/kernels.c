@@ -373,22 +373,23 @@ static PyObject *py_attend_one(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* index_select(q_ptr, weights_ptr, keys_ptr, heads, dim, total, topk, scale, chosen_ptr, threads): the DSA
- * indexer's choice for one decode row (index_select.c); q float32 [heads, dim], weights [heads], keys
- * [total, dim], chosen int64 [topk]. */
+/* index_select(q_ptr, weights_ptr, keys_ptr, rows, heads, dim, seen, topk, scale, chosen_ptr, threads): the DSA
+ * indexer's choice for consecutive query rows (index_select.c), row r seeing keys [0, seen + r); q float32
+ * [rows, heads, dim], weights [rows, heads], keys [seen + rows - 1, dim], chosen int64 [rows, topk]. */
 static PyObject *py_index_select(PyObject *self, PyObject *args) {
     unsigned long long q, weights, keys, chosen;
-    int heads, dim, total, topk, threads;
+    int rows, heads, dim, seen, topk, threads;
     float scale;
-    if (!PyArg_ParseTuple(args, "KKKiiiifKi", &q, &weights, &keys, &heads, &dim, &total, &topk, &scale, &chosen,
+    if (!PyArg_ParseTuple(args, "KKKiiiiifKi", &q, &weights, &keys, &rows, &heads, &dim, &seen, &topk, &scale, &chosen,
                           &threads))
         return NULL;
-    if (heads < 1 || dim < 1 || topk < 1 || total < topk) {
-        PyErr_Format(PyExc_ValueError, "index_select: heads=%d dim=%d total=%d topk=%d", heads, dim, total, topk);
+    if (rows < 1 || heads < 1 || dim < 1 || seen < 1 || topk < 1) {
+        PyErr_Format(PyExc_ValueError, "index_select: rows=%d heads=%d dim=%d seen=%d topk=%d", rows, heads, dim, seen,
+                     topk);
         return NULL;
     }
     IndexSelect job = {(const float *)(uintptr_t)q, (const float *)(uintptr_t)weights, (const float *)(uintptr_t)keys,
-                       heads, dim, total, topk, scale, (int64_t *)(uintptr_t)chosen};
+                       rows, heads, dim, seen, topk, scale, (int64_t *)(uintptr_t)chosen};
     int rc;
     (void)nibble_simd_available(); /* detect the CPU once, before any helper thread looks */
     Py_BEGIN_ALLOW_THREADS
@@ -402,7 +403,7 @@ static PyMethodDef methods[] = {
     {"rms_norm", py_rms_norm, METH_VARARGS, "out = w * x / sqrt(mean(x^2) + eps) per row, float32."},
     {"route", py_route, METH_VARARGS, "a MoE router's expert ids and weights for rows of x, float32."},
     {"attend_one", py_attend_one, METH_VARARGS, "absorbed MLA attention of one query over the compressed cache."},
-    {"index_select", py_index_select, METH_VARARGS, "the DSA indexer's top-k positions for one decode row."},
+    {"index_select", py_index_select, METH_VARARGS, "the DSA indexer's top-k positions for query rows."},
     {"bytes_read_ahead", py_bytes_read_ahead, METH_NOARGS, "bytes the helper thread has read ahead into the caches, ever."},
     {"cores_shared", py_cores_shared, METH_VARARGS, "the helper thread's last verdict on its core (None: none that recent)."},
     {"read_ahead", py_read_ahead, METH_VARARGS, "read these (address, bytes) ranges into the caches on the idle helper thread."},
