@@ -79,27 +79,27 @@ class Indexer(nn.Module):
         # weights_proj stays float32 even in bf16 models (the reference keeps it in fp32).
         weights = F.linear(x.float(), self.weights_proj.weight.float()) * self.n_heads**-0.5  # [B, S, H]
         score_bytes = bsz * self.n_heads * total * 4  # one query's float32 head scores
-        # the scores over a long context on the kernel threads, the top-k too (no transcendental function)
-        with products_on_threads(bsz * seqlen * self.n_heads * total * self.head_dim):
-            return torch.cat(
-                [
-                    self._select(q[:, block].float(), keys, weights[:, block], start_pos + block.start)
-                    for block in query_blocks(seqlen, score_bytes)
-                ],
-                dim=1,
-            )
+        return torch.cat(
+            [
+                self._select(q[:, block].float(), keys, weights[:, block], start_pos + block.start)
+                for block in query_blocks(seqlen, score_bytes)
+            ],
+            dim=1,
+        )
 
     def _select(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, start_pos: int) -> torch.Tensor:
         """One block of queries q [B, S, H, D] (positions start_pos..) vs keys [B, T, D] -> [B, S, K]; on the
         CPU in one C call (engine/decode_ops.py index_select)."""
-        seqlen, total = q.shape[1], keys.shape[1]
         if decode_ops.index_select_takes(q, keys):
             return decode_ops.index_select(q, keys, weights, start_pos, self.head_dim**-0.5, self.topk)
-        scores = torch.einsum("bshd,btd->bsht", q, keys).mul_(self.head_dim**-0.5).relu_()
-        index_scores = torch.einsum("bsh,bsht->bst", weights, scores)
-        if start_pos + 1 < total:  # a key after the first query's position: mask each query's future
-            # (a decode row sees exactly the keys up to its own position: nothing to mask, 3 ops saved)
-            query_pos = torch.arange(start_pos, start_pos + seqlen, device=q.device)[:, None]
-            future = torch.arange(total, device=q.device)[None, :] > query_pos  # [S, T]
-            index_scores = index_scores.masked_fill(future, float("-inf"))
-        return stable_topk_indices(index_scores, self.topk)
+        seqlen, total = q.shape[1], keys.shape[1]
+        # the scores over a long context on the kernel threads, the top-k too (no transcendental function)
+        with products_on_threads(q.shape[0] * seqlen * self.n_heads * total * self.head_dim):
+            scores = torch.einsum("bshd,btd->bsht", q, keys).mul_(self.head_dim**-0.5).relu_()
+            index_scores = torch.einsum("bsh,bsht->bst", weights, scores)
+            if start_pos + 1 < total:  # a key after the first query's position: mask each query's future
+                # (a decode row sees exactly the keys up to its own position: nothing to mask, 3 ops saved)
+                query_pos = torch.arange(start_pos, start_pos + seqlen, device=q.device)[:, None]
+                future = torch.arange(total, device=q.device)[None, :] > query_pos  # [S, T]
+                index_scores = index_scores.masked_fill(future, float("-inf"))
+            return stable_topk_indices(index_scores, self.topk)
