@@ -252,7 +252,7 @@ class FusedDecode:
                 ids.data_ptr(), width, carry, (at, projected), ISA_BEST, kernel_threads(),
             )  # fmt: skip
             if at is not None:  # a DSA layer's projections of every row: its indexer, then on from there
-                for row, selection in enumerate(self._select(at, starts, (cos, sin), ropes, caches)):
+                for row, selection in enumerate(self._select(at, starts, (cos, sin), caches)):
                     if selection is not None:
                         selections.append(selection)
                         self._share(steps, at, row, rows, selection)
@@ -263,26 +263,30 @@ class FusedDecode:
 
     def _select(
         self, layer: int, starts: list[int], angles: tuple[torch.Tensor, torch.Tensor],
-        ropes: list[tuple[torch.Tensor, torch.Tensor]], caches: Sequence[Sequence[LayerCache]],
+        caches: Sequence[Sequence[LayerCache]],
     ) -> list[torch.Tensor | None]:  # fmt: skip
         """The indexer of ``layer`` for every row (its projections in the carry) -> each row's chosen positions
-        (int64 [K]), or None: all of them. The module path's ops (engine/mla_decode.py), but the keys of all
-        rows in one pass (each position alone, so each row's bits: ``Indexer.keys``); then per row, in order,
-        its key appended and its choice."""
+        (int64 [K]), or None: all of them. The module path's ops (engine/mla_decode.py), but the keys, query
+        heads and weights of all rows in one pass (each position alone, so each row's bits: ``Indexer.keys``,
+        ``Indexer.queries``); then per row, in order, its key appended and its choice."""
         attention = self.parts[layer].attention
         indexer = attention.mla.indexer
         assert indexer is not None  # only such layers stop
         rows, dim, q_rank = len(starts), attention.normed.numel(), attention.mla.q_lora_rank
-        normed = self.normed[:rows, :dim]
-        keys = indexer.keys(normed[None], *angles)[0]  # [rows, D]: the rows as one sequence of positions
+        normed = self.normed[None, :rows, :dim]  # [1, rows, dim]: the rows as one sequence of positions
+        keys = indexer.keys(normed, *angles)[0].float()  # [rows, D]
+        choosing = [start + 1 > indexer.topk for start in starts]  # rows seeing more keys than it keeps
+        if any(choosing):  # DSA models have a q LoRA (wq_b reads it)
+            q, weights = (part[0] for part in indexer.queries(normed, self.q_latent[None, :rows, :q_rank], angles))
         chosen: list[torch.Tensor | None] = []
-        for row, (start, rope, layers) in enumerate(zip(starts, ropes, caches, strict=True)):
-            q_latent = self.q_latent[row, :q_rank].view(1, 1, -1)  # DSA models have a q LoRA (wq_b reads it)
+        for row, (start, layers) in enumerate(zip(starts, caches, strict=True)):
             with layers[layer].as_seen_at(start):  # the step counted all its rows at the start
-                selection = indexer.select(
-                    normed[row].view(1, 1, -1), q_latent, keys[row].view(1, 1, -1), start, rope, layers[layer]
-                )
-            chosen.append(None if selection is None else selection.reshape(-1).to(torch.int64).contiguous())
+                cached = layers[layer].append_index_key(keys[None, row : row + 1])  # [1, start + 1, D]
+                if not choosing[row]:
+                    chosen.append(None)
+                    continue
+                selection = indexer.choose(q[None, row : row + 1], weights[None, row : row + 1], cached, start)
+            chosen.append(selection.reshape(-1).to(torch.int64).contiguous())
         return chosen
 
     def _share(self, steps: array[int], layer: int, row: int, rows: int, selection: torch.Tensor) -> None:

@@ -9,7 +9,6 @@ and their top-k are one C call (engine/decode_ops.py index_select), elsewhere to
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine import decode_ops
@@ -18,7 +17,7 @@ from engine.cache import LayerCache
 from engine.layers import query_blocks
 from engine.moe import stable_topk_indices
 from engine.rope import apply_rope
-from engine.rows import Linear, products_on_threads
+from engine.rows import Linear, linear, products_on_threads
 
 
 class Indexer(nn.Module):
@@ -70,18 +69,32 @@ class Indexer(nn.Module):
         cache: LayerCache,
     ) -> torch.Tensor | None:
         """``forward`` past the keys: k [B, S, D] (``keys``) appended to ``cache``, then the selection."""
-        bsz, seqlen, _ = x.shape
         keys = cache.append_index_key(k.float())  # [B, T, D]
-        total = keys.shape[1]
-        if total <= self.topk:  # every position stays: the queries are not needed
+        if keys.shape[1] <= self.topk:  # every position stays: the queries are not needed
             return None
+        return self.choose(*self.queries(x, q_latent, rope), keys, start_pos)
+
+    def queries(
+        self, x: torch.Tensor, q_latent: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, S, dim], q_latent [B, S, q_lora] at the angles of ``rope`` -> (the query heads [B, S, H, D],
+        their weights [B, S, H]), float32. Each position alone, as ``keys``: inside rows_alone() a row's
+        bits are its own whatever rows come with it (the one-call decode step passes a step's rows as one
+        sequence)."""
+        bsz, seqlen, _ = x.shape
         q = self._rope(self.wq_b(q_latent).view(bsz, seqlen, self.n_heads, self.head_dim), *rope)
         # weights_proj stays float32 even in bf16 models (the reference keeps it in fp32).
-        weights = F.linear(x.float(), self.weights_proj.weight.float()) * self.n_heads**-0.5  # [B, S, H]
+        weights = linear(x.float(), self.weights_proj.weight.float()) * self.n_heads**-0.5
+        return q.float(), weights
+
+    def choose(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """The queries q [B, S, H, D] and weights [B, S, H] (``queries``) of positions start_pos.. against the
+        keys [B, T, D] they see -> the chosen positions [B, S, K]."""
+        bsz, seqlen, total = q.shape[0], q.shape[1], keys.shape[1]
         score_bytes = bsz * self.n_heads * total * 4  # one query's float32 head scores
         return torch.cat(
             [
-                self._select(q[:, block].float(), keys, weights[:, block], start_pos + block.start)
+                self._select(q[:, block], keys, weights[:, block], start_pos + block.start)
                 for block in query_blocks(seqlen, score_bytes)
             ],
             dim=1,
