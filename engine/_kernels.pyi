@@ -58,6 +58,22 @@ def attend_one(
 ) -> None: ...
 def bytes_read_ahead() -> int: ...
 def cores_shared(max_age_ns: int) -> bool | None: ...
+def index_finish(
+    x: int,
+    rows: int,
+    heads: int,
+    dim: int,
+    ln_weight: int,
+    ln_bias: int,
+    eps: float,
+    rope: int,
+    interleaved: bool,
+    cos: int,
+    sin: int,
+    period: int,
+    out: int,
+    /,
+) -> None: ...
 def index_select(
     q: int,
     weights: int,

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 
 import torch
+from torch import nn
 
 from engine.q8 import activations_are_int8
 from engine.rows import computing_alone, kernel_threads
@@ -155,6 +156,34 @@ def attend_one(
 
 
 # reflection: a build of the C extension older than index_select lacks it; checked once
+_FINISHES = _kernels is not None and hasattr(_kernels, "index_finish")
+
+
+def index_finish_takes(x: torch.Tensor, one_row: bool = False) -> bool:
+    """Whether ``index_finish`` takes the indexer's projected rows x: decode rows, as ``small_ops_take``."""
+    return _FINISHES and small_ops_take(x, one_row)
+
+
+def index_finish(
+    x: torch.Tensor, heads: int, norm: nn.LayerNorm | None, rope: int, interleaved: bool,
+    cos: torch.Tensor, sin: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """The DSA indexer's projected rows x [B, S, heads * D] (S positions at angles cos/sin [S, rope / 2]) ->
+    [B, S, heads, D] float32: with ``norm`` (the key's LayerNorm, float32) each row normed first; then each
+    head's first ``rope`` values rotated as engine/rope.py apply_rope, the rest as they are."""
+    batch, seqlen = x.shape[0], x.shape[1]
+    x = x.contiguous()
+    out = torch.empty((batch, seqlen, heads, x.shape[-1] // heads), dtype=torch.float32)
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    weight, bias = (0, 0) if norm is None else (norm.weight.data_ptr(), norm.bias.data_ptr())
+    eps = 0.0 if norm is None else norm.eps
+    _kernels.index_finish(
+        x.data_ptr(), batch * seqlen, heads, out.shape[-1], weight, bias, eps, rope, interleaved, cos.data_ptr(),
+        sin.data_ptr(), seqlen, out.data_ptr(),
+    )  # fmt: skip
+    return out
+
+
 _SELECTS = _kernels is not None and hasattr(_kernels, "index_select")
 
 

@@ -57,7 +57,13 @@ class Indexer(nn.Module):
         """x [B, S, dim] at the angles cos/sin [S, rope / 2] -> their indexer keys [B, S, D]. Each position
         alone (a batch-invariant projection, a norm and a rotation per position): the one-call decode step
         computes a step's rows, of several sequences, as one sequence of S positions."""
-        return self._rope(self.k_norm(self.wk(x)), cos, sin)
+        k = self.wk(x)
+        if decode_ops.index_finish_takes(k) and self._norm_is_float32():  # decode rows: one call
+            return decode_ops.index_finish(k, 1, self.k_norm, self.rope_dim, self.interleaved, cos, sin)[..., 0, :]
+        return self._rope(self.k_norm(k), cos, sin)
+
+    def _norm_is_float32(self) -> bool:
+        return self.k_norm.weight.dtype == self.k_norm.bias.dtype == torch.float32
 
     def select(
         self,
@@ -82,7 +88,11 @@ class Indexer(nn.Module):
         bits are its own whatever rows come with it (the one-call decode step passes a step's rows as one
         sequence)."""
         bsz, seqlen, _ = x.shape
-        q = self._rope(self.wq_b(q_latent).view(bsz, seqlen, self.n_heads, self.head_dim), *rope)
+        projected = self.wq_b(q_latent)
+        if decode_ops.index_finish_takes(projected):  # decode rows: one call
+            q = decode_ops.index_finish(projected, self.n_heads, None, self.rope_dim, self.interleaved, *rope)
+        else:
+            q = self._rope(projected.view(bsz, seqlen, self.n_heads, self.head_dim), *rope)
         # weights_proj stays float32 even in bf16 models (the reference keeps it in fp32).
         weights = linear(x.float(), self.weights_proj.weight.float()) * self.n_heads**-0.5
         return q.float(), weights

@@ -1,12 +1,13 @@
 /*
- * The small float ops of a decode step for the int8-activations model (engine/decode_ops.py).
+ * The small float ops of a decode step (engine/decode_ops.py).
  *
  * Between its weight-bound kernels a decode step runs ~100 small torch ops per layer (norms, the
  * router's score / bias / group mask / sort / gather, five bmm for one query's attention), each slow
  * once the kernels have streamed the caches out: on a 2-core box they cost as much as the expert
  * matmuls (docs/benchmarks.md, "Figures behind the code"). Here each is one call over float32 arrays.
  * The sums run in another order than torch's, so the results differ from the exact path by float
- * rounding: only the int8 path (already lossy in its activations) uses them.
+ * rounding: the int8 path (already lossy in its activations) takes them for every row, the exact path for
+ * decode rows only (each row as its own step computes it, alone or in a batch).
  */
 #include "decode_ops.h"
 
@@ -162,6 +163,48 @@ void rms_norm_rows(const float *x, int rows, int dim, const float *w, float eps,
         float *o = out + (size_t)r * dim;
         float inv = 1.f / sqrtf(dot(xr, xr, dim) / (float)dim + eps);
         for (int k = 0; k < dim; k++) o[k] = w[k] * (xr[k] * inv);
+    }
+}
+
+/* ---------------------------------------------------------------- the DSA indexer's key and queries */
+
+/* LayerNorm of x [dim] into out, summed in double: the mean, then the variance around it (biased). */
+static void layer_norm(const float *x, int dim, const float *w, const float *b, float eps, float *out) {
+    double sum = 0., squares = 0.;
+    for (int k = 0; k < dim; k++) sum += x[k];
+    double mean = sum / dim;
+    for (int k = 0; k < dim; k++) squares += (x[k] - mean) * (x[k] - mean);
+    float inv = (float)(1. / sqrt(squares / dim + eps));
+    for (int k = 0; k < dim; k++) out[k] = ((x[k] - (float)mean) * inv) * w[k] + b[k];
+}
+
+/* The first `rope` values of v [dim] rotated in place by cos/sin [rope / 2] (see IndexFinish). */
+static void rotate(float *v, int rope, int interleaved, const float *cos, const float *sin) {
+    float x1[rope / 2 + 1], x2[rope / 2 + 1];
+    for (int i = 0; i < rope / 2; i++) {
+        x1[i] = interleaved ? v[2 * i] : v[i];
+        x2[i] = interleaved ? v[2 * i + 1] : v[rope / 2 + i];
+    }
+    for (int i = 0; i < rope / 2; i++) {
+        float a = x1[i] * cos[i], b = x2[i] * sin[i], c = x2[i] * cos[i], d = x1[i] * sin[i];
+        v[i] = a - b; /* each product rounded on its own, as torch's separate ops round them */
+        v[rope / 2 + i] = c + d;
+    }
+}
+
+void index_finish_rows(const IndexFinish *how, const float *x, int rows, int heads, int dim, float *out) {
+    int half = how->rope / 2;
+    for (int r = 0; r < rows; r++) {
+        const float *cos = how->cos + (size_t)(r % how->period) * half, *sin = how->sin + (size_t)(r % how->period) * half;
+        for (int h = 0; h < heads; h++) {
+            const float *v = x + ((size_t)r * heads + h) * dim;
+            float *o = out + ((size_t)r * heads + h) * dim;
+            if (how->ln_weight)
+                layer_norm(v, dim, how->ln_weight, how->ln_bias, how->eps, o);
+            else
+                memcpy(o, v, sizeof(float) * dim);
+            rotate(o, how->rope, how->interleaved, cos, sin);
+        }
     }
 }
 

@@ -1,6 +1,7 @@
-/* The small float ops of a decode step, in C for the int8-activations model (decode_ops.c): RMSNorm,
- * the router, and absorbed MLA attention for one query. Float32 throughout, rounding as C sums it
- * (not as torch does): never on the exact path. */
+/* The small float ops of a decode step in C (decode_ops.c): RMSNorm, the router, absorbed MLA attention for
+ * one query, the DSA indexer's key and query heads after their projection. Float32 throughout, rounding as
+ * C sums it (not as torch does): every row of the int8 path, decode rows of the exact path
+ * (engine/decode_ops.py small_ops_take). */
 #ifndef COLIBRI_DECODE_OPS_H
 #define COLIBRI_DECODE_OPS_H
 
@@ -8,6 +9,20 @@
 
 /* out[r] = w * x[r] / sqrt(mean(x[r]^2) + eps) for rows r of x [rows, dim]. */
 void rms_norm_rows(const float *x, int rows, int dim, const float *w, float eps, float *out);
+
+/* The DSA indexer's vectors after their projection, rows [rows, heads, dim] of positions (row r at angles
+ * cos/sin [r % period, rope / 2]): with ln_weight, each row's LayerNorm (ln_weight, ln_bias, eps: the key);
+ * then each head's first `rope` values rotated, engine/rope.py apply_rope's output (half-split: x1 * cos -
+ * x2 * sin, then x2 * cos + x1 * sin, x1/x2 the even/odd values if interleaved, else the halves), the rest
+ * as they are. out may not alias x. */
+typedef struct {
+    const float *ln_weight, *ln_bias; /* [dim], or NULL: no norm */
+    float eps;
+    int rope, interleaved, period;
+    const float *cos, *sin; /* [period, rope / 2] */
+} IndexFinish;
+
+void index_finish_rows(const IndexFinish *how, const float *x, int rows, int heads, int dim, float *out);
 
 enum { SCORE_SIGMOID = 0, SCORE_SOFTMAX = 1, SCORE_SQRTSOFTPLUS = 2 };
 

@@ -320,6 +320,28 @@ static PyObject *py_rms_norm(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* index_finish(x_ptr, rows, heads, dim, ln_weight_ptr or 0, ln_bias_ptr, eps, rope, interleaved, cos_ptr, sin_ptr,
+ * period, out_ptr): the DSA indexer's key (with its LayerNorm) or query heads after their projection, float32
+ * [rows, heads, dim], roped at angles [period, rope / 2] (decode_ops.c). */
+static PyObject *py_index_finish(PyObject *self, PyObject *args) {
+    unsigned long long x, ln_weight, ln_bias, cos, sin, out;
+    int rows, heads, dim, rope, interleaved, period;
+    float eps;
+    if (!PyArg_ParseTuple(args, "KiiiKKfiiKKiK", &x, &rows, &heads, &dim, &ln_weight, &ln_bias, &eps, &rope,
+                          &interleaved, &cos, &sin, &period, &out))
+        return NULL;
+    if (rows < 0 || heads < 1 || dim < 1 || rope < 0 || rope > dim || rope % 2 || period < 1 || (ln_weight && !ln_bias)) {
+        PyErr_Format(PyExc_ValueError, "index_finish: rows=%d heads=%d dim=%d rope=%d period=%d", rows, heads, dim,
+                     rope, period);
+        return NULL;
+    }
+    IndexFinish how = {(const float *)(uintptr_t)ln_weight, (const float *)(uintptr_t)ln_bias, eps, rope,
+                       interleaved, period, (const float *)(uintptr_t)cos, (const float *)(uintptr_t)sin};
+    /* microseconds: the GIL kept (a release lets a waiting thread in for up to the switch interval) */
+    index_finish_rows(&how, (const float *)(uintptr_t)x, rows, heads, dim, (float *)(uintptr_t)out);
+    Py_RETURN_NONE;
+}
+
 /* route(x_ptr, rows, weight_ptr, bias_ptr or 0, experts, dim, score, groups, topk_groups, topk, normalise,
  * scale, ids_ptr, weights_ptr): the router of rows of x float32 [rows, dim] (decode_ops.c); ids int64 and
  * weights float32 [rows, topk]. */
@@ -403,6 +425,7 @@ static PyMethodDef methods[] = {
     {"rms_norm", py_rms_norm, METH_VARARGS, "out = w * x / sqrt(mean(x^2) + eps) per row, float32."},
     {"route", py_route, METH_VARARGS, "a MoE router's expert ids and weights for rows of x, float32."},
     {"attend_one", py_attend_one, METH_VARARGS, "absorbed MLA attention of one query over the compressed cache."},
+    {"index_finish", py_index_finish, METH_VARARGS, "the DSA indexer's key or query heads normed and roped, float32."},
     {"index_select", py_index_select, METH_VARARGS, "the DSA indexer's top-k positions for query rows."},
     {"bytes_read_ahead", py_bytes_read_ahead, METH_NOARGS, "bytes the helper thread has read ahead into the caches, ever."},
     {"cores_shared", py_cores_shared, METH_VARARGS, "the helper thread's last verdict on its core (None: none that recent)."},

@@ -1,4 +1,5 @@
-"""The DSA indexer's choice in one C call (engine/decode_ops.py index_select): decode rows and a prompt's."""
+"""The DSA indexer in C (engine/decode_ops.py): its choice in one call (index_select), decode rows and a
+prompt's; a decode row's key and query heads normed and roped in one call (index_finish)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from engine.args import ModelArgs
 from engine.cache import LayerCache
 from engine.indexer import Indexer
 from engine.moe import stable_topk_indices
-from engine.rope import rope_tables
+from engine.rope import apply_rope, rope_at, rope_tables
+from engine.rows import rows_alone
 
 needs_kernel = pytest.mark.skipif(not decode_ops._SELECTS, reason="engine._kernels was not built")
+needs_finish = pytest.mark.skipif(not decode_ops._FINISHES, reason="engine._kernels was not built")
 
 
 def reference_choice(q, keys, weights, start: int, scale: float, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,3 +102,59 @@ def test_a_prompts_rows_and_a_decode_row_take_the_one_call_and_choose_what_torch
         assert got.shape == expected.shape and got.shape[-1] == args.index_topk
         same = [set(a.tolist()) == set(b.tolist()) for a, b in zip(got[0], expected[0], strict=True)]
         assert sum(same) >= 0.99 * len(same)  # the same choice but where C's sums break a near tie otherwise
+
+
+def torch_finish(x, heads: int, norm, rope: int, interleaved: bool, cos, sin) -> torch.Tensor:
+    """The torch path's key / query ops: the LayerNorm (keys), then apply_rope on each head's first values."""
+    x = x.view(*x.shape[:2], heads, -1)
+    x = norm(x) if norm is not None else x
+    rotated = apply_rope(x[..., :rope], cos, sin, interleaved)
+    return torch.cat([rotated, x[..., rope:]], dim=-1)
+
+
+@needs_finish
+@pytest.mark.parametrize(
+    ("heads", "dim", "rope", "interleaved", "normed", "rows", "start"),
+    [
+        (1, 128, 64, False, True, 1, 299),  # a decode row's key (GLM-5 / V3.2 geometry)
+        (64, 128, 64, True, False, 1, 4095),  # its query heads, interleaved pairs
+        (1, 37, 10, True, True, 5, 17),  # odd width: the rows of a one-call step at consecutive positions
+        (3, 22, 22, False, False, 4, 0),  # the whole head roped
+        (2, 9, 0, False, True, 3, 5),  # nothing roped: the norm alone
+    ],
+)
+def test_the_key_and_query_heads_are_normed_and_roped_as_torch_does(heads, dim, rope, interleaved, normed, rows, start):
+    torch.manual_seed(heads * dim + rows)
+    x = torch.randn(1, rows, heads * dim) * 3 + 0.5
+    norm = torch.nn.LayerNorm(dim, eps=1e-6) if normed else None
+    if norm is not None:
+        norm.weight.data.normal_(1, 0.3), norm.bias.data.normal_(0, 0.3)
+    args = ModelArgs.from_hf_config(json.loads((demo_model_dir() / "config.json").read_text()))
+    cos, sin = rope_at(args.rope, max(rope, 2), torch.arange(start, start + rows))
+    cos, sin = cos[:, : rope // 2], sin[:, : rope // 2]
+    with torch.inference_mode():
+        got = decode_ops.index_finish(x, heads, norm, rope, interleaved, cos, sin)
+        expected = torch_finish(x, heads, norm, rope, interleaved, cos, sin)
+    assert got.shape == (1, rows, heads, dim) and got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    if not normed:  # the rotation alone: each product rounded as torch's separate ops round it
+        assert torch.equal(got, expected)
+
+
+@needs_finish
+def test_decode_rows_take_the_one_call_and_a_prompt_keeps_torch(monkeypatch):
+    args = ModelArgs.from_hf_config(json.loads((demo_model_dir() / "config.json").read_text()))
+    indexer = Indexer(args)
+    calls: list[int] = []
+    finish = decode_ops.index_finish
+    monkeypatch.setattr(decode_ops, "index_finish", lambda x, heads, *a: calls.append(heads) or finish(x, heads, *a))
+    prompt, latent = torch.randn(1, 6, args.dim), torch.randn(1, 6, args.q_lora_rank)
+    with torch.inference_mode():
+        indexer.keys(prompt, *rope_tables(args, 0, 6, prompt.device))
+        indexer.queries(prompt, latent, rope_tables(args, 0, 6, prompt.device))
+        assert calls == []
+        indexer.keys(prompt[:, :1], *rope_tables(args, 6, 1, prompt.device))
+        indexer.queries(prompt[:, :1], latent[:, :1], rope_tables(args, 6, 1, prompt.device))
+        with rows_alone():  # a one-call step's rows as one sequence
+            indexer.keys(prompt, *rope_tables(args, 0, 6, prompt.device))
+    assert calls == [1, args.index_n_heads, 1]
