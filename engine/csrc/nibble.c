@@ -210,6 +210,8 @@ static int simd_level(void) {
 
 int nibble_simd_available(void) { return simd_level() >= 1; }
 
+int nibble_simd_wide(void) { return simd_level() >= 2; }
+
 void nibble_gemm(const NibbleMatrix *m, const float *xs, int rows, int begin, int end, int simd, int alone, float *y) {
 #if HAVE_X86
     int layout = scale_layout(m);

@@ -59,4 +59,7 @@ float nibble_scale(int scale_kind, const void *scales, size_t i);
 /* Whether the CPU has the AVX2 path (AVX2, FMA, F16C). */
 int nibble_simd_available(void);
 
+/* 1 when the CPU also has AVX-512VL (with F and BW): AVX2 loops may use its 32 vector registers. */
+int nibble_simd_wide(void);
+
 #endif

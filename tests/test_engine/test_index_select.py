@@ -158,3 +158,19 @@ def test_decode_rows_take_the_one_call_and_a_prompt_keeps_torch(monkeypatch):
         with rows_alone():  # a one-call step's rows as one sequence
             indexer.keys(prompt, *rope_tables(args, 0, 6, prompt.device))
     assert calls == [1, args.index_n_heads, 1]
+
+
+@needs_kernel
+@pytest.mark.parametrize("seed", range(4))
+def test_a_keys_score_does_not_depend_on_where_it_falls_in_a_block(seed):
+    """A block of 256 keys is scored three keys at a time where the CPU has AVX-512VL, the last key alone:
+    copies of the last key at positions 0, 1 and 2 (each place of a triple) score equal to it, bit for bit,
+    so the four rank together in position order (equal scores: the lower position first)."""
+    torch.manual_seed(seed)
+    heads, dim, total = 19, 40, 256
+    keys = torch.randn(1, total, dim)
+    keys[0, :3] = keys[0, total - 1]
+    q, weights = torch.randn(1, 1, heads, dim), torch.randn(1, 1, heads)
+    order = decode_ops.index_select(q, keys, weights, total - 1, dim**-0.5, total)[0, 0].tolist()
+    at = order.index(0)
+    assert order[at : at + 4] == [0, 1, 2, total - 1]
