@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from colibri_stream.bench.batch_rows import batch_table
 from colibri_stream.bench.mtp_rows import mtp_table
 from colibri_stream.bench.report_peers import (
     limit_line_lines,
@@ -28,6 +29,7 @@ GOALS = {  # ratio -> (goal text, test)
     "loaded_vs_idle": (">= 0.5", lambda v: v >= 0.5),
     "mtp_governor_vs_plain_100": (">= 1.3", lambda v: v >= 1.3),
     "mtp_governor_vs_plain_25": (">= 1.0", lambda v: v >= 1.0),
+    "batch_4_clients": (">= 1.6", lambda v: v >= 1.6),
 }
 MB = 1e6
 
@@ -77,6 +79,12 @@ def markdown(results: dict) -> str:
         mtp = results["mtp"]
         lines += ["", f"## 8. MTP drafts on the demo model ({mtp['tokens']} tokens, depth {mtp['depth']})", ""]
         lines += mtp_table(mtp) + ["", f"Same tokens in every mode: {mtp['same_tokens']}."]
+    if "batch" in results:
+        batch = results["batch"]
+        tokens, prompt = batch["settings"]["max_tokens"], batch["settings"]["prompt_tokens"]
+        title = f"## 9. Serving the demo model: concurrent clients vs one after another ({prompt}-token prompts, "
+        lines += ["", title + f"{tokens} tokens each)", ""]
+        lines += batch_table(batch)
     if "limit_line" in results:
         lines += ["", "## The limit line (100%: everything in RAM)", ""] + limit_line_lines(results["limit_line"])
     return "\n".join(lines) + "\n"

@@ -9,7 +9,9 @@ Sections (see docs/benchmarks.md for how to read the output):
   5. sessions  resuming a ~2k-token conversation from its KV log vs re-prefilling it;
   6. llama_cpp the same checkpoint converted by llama.cpp (all-Q4_0 and quality-matched GGUF), mmapped,
                at the ratio budget and 100%, cold and warm (needs the `peers` extra: skipped and said otherwise);
-  7. load      our decode beside a competing CPU-bound process vs idle (`loaded_vs_idle`).
+  7. load      our decode beside a competing CPU-bound process vs idle (`loaded_vs_idle`);
+  8. mtp       the demo model's MTP drafts: plain vs the governor vs forced on, at 100% and 25%;
+  9. batch     the demo model served to 1/4/8 concurrent clients vs the same requests one after another.
 Then the limit line: memory bandwidth / bytes each contender touches per token, at 100%.
 `sections` picks a subset (caching replays decode's trace, so it needs decode).
 The model is generated (DeepSeek-V3 proportions, random weights) and converted once into the work
@@ -27,6 +29,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from colibri_stream.bench.batch_rows import BatchSettings, batch_section
 from colibri_stream.bench.cache import gap_to_belady_pp, trace_section
 from colibri_stream.bench.contenders import OurConfig, RunInputs, run_ours, run_peer_contender
 from colibri_stream.bench.disk import disk_section
@@ -77,7 +80,7 @@ RATIO_BUDGET = 25  # the budget (% of int4 expert bytes) at which the headline r
 INT8_MATCHED = MATCHED_CONTAINERS["q4e_q8"]  # ours quality-matched to llama.cpp's Q4_0-experts + Q8_0 file
 INT4_MATCHED = MATCHED_CONTAINERS["q4_0"]  # ours as its all-Q4_0 file: int4 dense records too (convert --dense int4)
 BUSY_MACHINE = 0.25  # others' share of the CPU during a llama.cpp row above which the bench warns
-SECTIONS = ("disk", "decode", "peer", "caching", "sessions", "llama_cpp", "load", "mtp")
+SECTIONS = ("disk", "decode", "peer", "caching", "sessions", "llama_cpp", "load", "mtp", "batch")
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,7 @@ class BenchSettings:
     demo_tokens: int = 128
     llama_cpp_budgets_pct: tuple[int, ...] = (RATIO_BUDGET, 100)
     prefill_tokens: int = 1024  # the llama.cpp section's long-prompt TTFT rows (bench/prefill_rows.py)
+    batch: BatchSettings = BatchSettings()  # the batch section's client counts, tokens and rounds
 
 
 FULL = BenchSettings(shape=StressShape(), prompt_tokens=32, new_tokens=32)
@@ -112,6 +116,7 @@ QUICK_SETTINGS = BenchSettings(
     sweep_points=6,
     timeout_s=300.0,
     demo_tokens=48,
+    batch=BatchSettings(clients=(1, 4), max_tokens=16, rounds=1),
     # --quick checks every invariant at fewer points: the ratio budget and all-in-RAM for the side
     # contenders, prefetch off for LRU only (the full run keeps every point)
     side_budgets_pct=(RATIO_BUDGET, 100),
@@ -418,12 +423,18 @@ class Bench:
         self.results["load"] = loaded_vs_idle(run)
 
     def mtp(self) -> None:
-        self.log("8/8 mtp: the demo model's MTP drafts, plain vs governor vs forced, at 100% and 25%")
+        self.log("8/9 mtp: the demo model's MTP drafts, plain vs governor vs forced, at 100% and 25%")
         model_dir = demo_model_dir()
         demo = convert(model_dir, demo_container_path(model_dir, self.work / "demo"))  # cheap once converted
         tokens = self.settings.demo_tokens * 2
         limit = Container(demo).expert_bytes + self.settings.overhead_bytes
         self.results["mtp"] = mtp_section(demo, DEMO_PROMPT, tokens, self.work / "kv", limit, self.settings.timeout_s)
+
+    def batch(self) -> None:
+        self.log("9/9 batch: the demo model served to concurrent clients vs one after another, 100% RAM")
+        model_dir = demo_model_dir()
+        demo = convert(model_dir, demo_container_path(model_dir, self.work / "demo"))  # cheap once converted
+        self.results["batch"] = batch_section(demo, self.work / "kv-batch", self.settings.batch)
 
     # --------------------------------------------------------------------------------- summary
     def ratios(self) -> dict:
@@ -446,6 +457,8 @@ class Bench:
             ratios["loaded_vs_idle"] = results["load"]["loaded_vs_idle"]
         if "mtp" in results:
             ratios |= {f"mtp_{name}": value for name, value in results["mtp"]["ratios"].items()}
+        if "batch" in results:
+            ratios |= results["batch"]["ratios"]
         return ratios
 
     def limit_line_summary(self) -> dict:

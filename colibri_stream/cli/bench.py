@@ -24,6 +24,7 @@ examples:
   colibri-stream bench --kernels --json        # 4-bit expert FFN per record kind vs memcpy (+ CUDA on a GPU)
   colibri-stream bench --setup-peers           # once, after pip install 'colibri-stream[peers]': llama.cpp's converter
   colibri-stream bench --sections decode,llama_cpp,load   # only these sections
+  colibri-stream bench --sections batch        # 1/4/8 concurrent clients of `serve` vs one after another
 The full run generates a ~15 GB bf16 model and its int4 and bf16 containers (~20 GB) in --work once.
 Run as root on an idle machine: contenders are confined by a memory cgroup (page cache counted) and
 the page cache is dropped before cold runs; without root both are skipped with a warning.
