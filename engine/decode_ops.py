@@ -155,7 +155,7 @@ def attend_one(
     return out
 
 
-# reflection: a build of the C extension older than index_select lacks it; checked once
+# reflection: a build of the C extension older than index_finish lacks it; checked once
 _FINISHES = _kernels is not None and hasattr(_kernels, "index_finish")
 
 
@@ -184,6 +184,7 @@ def index_finish(
     return out
 
 
+# reflection: a build of the C extension older than index_select lacks it; checked once
 _SELECTS = _kernels is not None and hasattr(_kernels, "index_select")
 
 
