@@ -7,9 +7,10 @@ takes the same rows on the demo model).
                                 [--dense int8|int4 --activations int8]
 
 The model is converted once into --work (the demo model, or the generated DeepSeek-V3-shaped stress
-model of colibri_stream/bench/stress_model.py with --stress-layers layers) and served in-process by the
-real HTTP server; colibri_stream/bench/batch_rows.py says how each row is measured (rounds of sequential,
-concurrent, concurrent, sequential; the median round's ratio) and checks that batching changes no answer.
+model of colibri_stream/bench/stress_model.py with --stress-layers layers) and served by `colibri-stream
+serve` in a child process; colibri_stream/bench/batch_rows.py says how each row is measured (rounds of
+sequential, concurrent, concurrent, sequential; the median round's ratio) and checks that batching changes
+no answer.
 """
 
 from __future__ import annotations

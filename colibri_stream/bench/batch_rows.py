@@ -1,32 +1,34 @@
 """The bench's batch rows: aggregate tok/s of `serve` for N concurrent clients against the same N requests
 sent one after another, side by side in one server (tools/bench_serve.py runs them alone).
 
-The real HTTP server runs in a thread of this process (colibri_stream/serve/in_process.py) with --slots =
-the largest client count. For each N, N distinct prompts (greedy, ``max_tokens`` each) run in the order
-sequential, concurrent, concurrent, sequential, and that round's rates are the means of its two runs of
-each kind: measured once each, sequential always first, the second run of even one client read 1.14-1.21x
-the first (a process still warming up), which flattered every ratio. A round of the demo model's 4 clients
-takes ~0.1 s per run, so one round moved by +-10% from run to run on a shared host: ``rounds`` rounds are
-measured and each N's ratio is their median (the rates beside it are that round's). The 1-client row is the
-noise floor. Greedy answers of every concurrent run must equal the sequential run's (batching changes no
-token).
+`colibri-stream serve` runs as a child process (--slots and --max-queue = the largest client count, the
+prefix cache off: the same prompts are sent again and each run must compute them); the clients are threads
+of this process, as an agent's requests come from other processes. For each N, N distinct prompts (greedy,
+``max_tokens`` each) run in the order sequential, concurrent, concurrent, sequential, and that round's rates
+are the means of its two runs of each kind: measured once each, sequential always first, the second run of
+even one client read 1.14-1.21x the first (a process still warming up), which flattered every ratio. A round
+of the demo model's 4 clients takes ~0.1 s per run, so one round moved by +-10% from run to run on a shared
+host: ``rounds`` rounds are measured and each N's ratio is their median (the rates beside it are that
+round's). The 1-client row is the noise floor. Greedy answers of every concurrent run must equal the
+sequential run's (batching changes no token).
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import statistics
+import subprocess
 import time
+import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from colibri_stream.planning.budget import StoreOptions
-from colibri_stream.runtime.turn import RuntimeOptions, load_runtime
-from colibri_stream.serve.app import Server
-from colibri_stream.serve.in_process import start_server
-from storage.prefix_store import PrefixConfig
+from colibri_stream.bench.system import ContenderFailed, cli_argv
 
 MODEL_ID = "bench"
 
@@ -94,37 +96,63 @@ def clients_row(port: int, prompts: list[list[int]], max_tokens: int, rounds: in
 
 
 def batch_section(container: Path, kv_dir: Path, settings: BatchSettings = BatchSettings()) -> dict:
-    """Every client count's row, served by one in-process server on ``container`` (prefix cache off: the
-    same prompts are sent again and each run must compute them)."""
-    options = RuntimeOptions(
-        activations=settings.activations,
-        store=StoreOptions(ram=settings.ram, kv_sequences=2 * max(settings.clients)),
-        kv_dir=kv_dir,
-        model_id=MODEL_ID,
-        prefix=PrefixConfig(enabled=False),
-    )
-    runtime = load_runtime(container, options)
+    """Every client count's row, sent to one `serve` child process on ``container``."""
+    vocab = json.loads((container / "config.json").read_text())["vocab_size"]
     slots = max(settings.clients)
-    running = start_server(Server(runtime, slots=slots, max_queue=slots))
-    try:
+    with served(container, kv_dir, settings, kv_dir.parent / "batch-serve.log") as port:
         # warm-up, one full request alone and one burst of the most clients: after a 4-token request the
         # first measured run (1 client) read 0.82-0.88x the same run repeated
-        warm = prompts_for(slots + 1, settings.prompt_tokens + 1, runtime.vocab_size)
-        measure(running.port, warm[:1], settings.max_tokens, concurrent=False)
-        measure(running.port, warm[1:], settings.max_tokens, concurrent=True)
+        warm = prompts_for(slots + 1, settings.prompt_tokens + 1, vocab)
+        measure(port, warm[:1], settings.max_tokens, concurrent=False)
+        measure(port, warm[1:], settings.max_tokens, concurrent=True)
         rows = [
-            clients_row(
-                running.port,
-                prompts_for(n, settings.prompt_tokens, runtime.vocab_size),
-                settings.max_tokens,
-                settings.rounds,
-            )  # fmt: skip
+            clients_row(port, prompts_for(n, settings.prompt_tokens, vocab), settings.max_tokens, settings.rounds)
             for n in settings.clients
         ]
-    finally:
-        running.stop()
     ratios = {f"batch_{row['clients']}_clients": row["ratio"] for row in rows if row["clients"] > 1}
     return {"settings": asdict(settings), "rows": rows, "ratios": ratios}
+
+
+@contextmanager
+def served(
+    container: Path, kv_dir: Path, settings: BatchSettings, log: Path, timeout_s: float = 300.0
+) -> Iterator[int]:
+    """`colibri-stream serve` on ``container`` at a free local port, until the block ends -> the port. Its
+    output goes to ``log``, whose end a failure to start shows."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    slots = str(max(settings.clients))
+    argv = cli_argv("serve", str(container), "--port", str(port), "--slots", slots, "--max-queue", slots)
+    argv += ["--ram", settings.ram, "--activations", settings.activations, "--kv-dir", str(kv_dir)]
+    argv += ["--no-prefix-cache", "--model-name", MODEL_ID]
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("wb") as out:
+        server = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        _wait_until_listening(server, port, log, timeout_s)
+        yield port
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def _wait_until_listening(server: subprocess.Popen, port: int, log: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            tail = log.read_text(errors="replace")[-2000:]
+            raise ContenderFailed(f"colibri-stream serve exited {server.returncode} before listening:\n{tail}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5):
+                return
+        except (urllib.error.URLError, ConnectionError):
+            time.sleep(0.2)
+    raise ContenderFailed(f"colibri-stream serve did not listen on port {port} within {timeout_s:.0f} s (log: {log})")
 
 
 def batch_table(section: dict) -> list[str]:

@@ -56,7 +56,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--sections",
         type=_sections,
         default=None,
-        help="comma-separated subset of disk,decode,peer,caching,sessions,llama_cpp,load,mtp (default: all; "
+        help="comma-separated subset of disk,decode,peer,caching,sessions,llama_cpp,load,mtp,batch (default: all; "
         "caching needs decode)",
     )
     peers = parser.add_argument_group("llama.cpp contender (pip install 'colibri-stream[peers]')")
