@@ -195,7 +195,8 @@ static void rotate(float *v, int rope, int interleaved, const float *cos, const 
 void index_finish_rows(const IndexFinish *how, const float *x, int rows, int heads, int dim, float *out) {
     int half = how->rope / 2;
     for (int r = 0; r < rows; r++) {
-        const float *cos = how->cos + (size_t)(r % how->period) * half, *sin = how->sin + (size_t)(r % how->period) * half;
+        size_t at = (size_t)(r % how->period) * half; /* row r's position among the period's angles */
+        const float *cos = how->cos + at, *sin = how->sin + at;
         for (int h = 0; h < heads; h++) {
             const float *v = x + ((size_t)r * heads + h) * dim;
             float *o = out + ((size_t)r * heads + h) * dim;

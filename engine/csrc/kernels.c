@@ -330,7 +330,8 @@ static PyObject *py_index_finish(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "KiiiKKfiiKKiK", &x, &rows, &heads, &dim, &ln_weight, &ln_bias, &eps, &rope,
                           &interleaved, &cos, &sin, &period, &out))
         return NULL;
-    if (rows < 0 || heads < 1 || dim < 1 || rope < 0 || rope > dim || rope % 2 || period < 1 || (ln_weight && !ln_bias)) {
+    int bad_rope = rope < 0 || rope > dim || rope % 2;
+    if (rows < 0 || heads < 1 || dim < 1 || bad_rope || period < 1 || (ln_weight && !ln_bias)) {
         PyErr_Format(PyExc_ValueError, "index_finish: rows=%d heads=%d dim=%d rope=%d period=%d", rows, heads, dim,
                      rope, period);
         return NULL;
