@@ -1,5 +1,5 @@
 """The real HTTP server in a thread of this process on a free port of 127.0.0.1: what the serving
-benchmarks (tools/bench_serve.py, tools/bench_agent.py) measure, requests over a real socket."""
+benchmark tools/bench_agent.py measures, requests over a real socket (the batch rows run `serve` itself)."""
 
 from __future__ import annotations
 
