@@ -37,7 +37,12 @@ setup(
             "engine._kernels",
             sources=[f"engine/csrc/{name}.c" for name in C_FILES],
             depends=[f"engine/csrc/{name}.h" for name in C_FILES if name not in ("kernels", "py_decode")]
-            + ["engine/csrc/q8_body.h", "engine/csrc/moe_terms.h"],
+            + [
+                "engine/csrc/q8_body.h",
+                "engine/csrc/nibble_body.h",
+                "engine/csrc/index_score_body.h",
+                "engine/csrc/moe_terms.h",
+            ],
             extra_compile_args=["-O3"],
         )
     ],

@@ -40,98 +40,23 @@ typedef struct {
 static float relu(float v) { return v < 0.f ? 0.f : v; } /* NaN stays NaN, as torch's relu */
 
 #if HAVE_X86
-AVX2 static float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+/* The scoring loops once per instruction set (index_score_body.h): AVX2, and the same AVX2 code compiled with
+ * AVX-512VL, whose 32 registers hold three keys' accumulators (same operations, same order: same bits). */
+#define IS_TARGET AVX2
+#define IS_INLINE AVX2 __attribute__((always_inline)) static inline
+#define IS_NAME(name) name##_avx2
+#include "index_score_body.h"
+#undef IS_TARGET
+#undef IS_INLINE
+#undef IS_NAME
 
-/* [sum of v[0]], ..., [sum of v[7]] as one vector. */
-AVX2 static __m256 sums8(const __m256 v[8]) {
-    __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-    __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-}
-
-/* score += each head's weighted ReLU from head h on, one by one (the heads past a multiple of 8). */
-AVX2 static float heads_after(const IndexSelect *j, const float *key, int h, float score) {
-    int dim = j->dim, whole = dim / 8 * 8;
-    for (; h < j->heads; h++) {
-        const float *q = j->q + (size_t)h * dim;
-        __m256 acc = _mm256_setzero_ps();
-        for (int k = 0; k < whole; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + k), _mm256_loadu_ps(key + k), acc);
-        float dot = hsum8(acc);
-        for (int k = whole; k < dim; k++) dot += q[k] * key[k];
-        score += j->weights[h] * relu(dot * j->scale);
-    }
-    return score;
-}
-
-/* Heads 8 at a time, one accumulator each over the key's floats (its tail through a masked load), their
- * eight sums at once; the heads past a multiple of 8 one by one. */
-AVX2 static float score_avx2(const IndexSelect *j, const float *key) {
-    static const int lanes[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
-    int dim = j->dim, whole = dim / 8 * 8;
-    __m256i tail = _mm256_loadu_si256((const __m256i *)(lanes + 8 - dim % 8));
-    __m256 total = _mm256_setzero_ps(), zero = _mm256_setzero_ps(), scale = _mm256_set1_ps(j->scale);
-    int h = 0;
-    for (; h + 8 <= j->heads; h += 8) {
-        const float *q = j->q + (size_t)h * dim;
-        __m256 acc[8];
-        for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
-        for (int k = 0; k < whole; k += 8) {
-            __m256 kv = _mm256_loadu_ps(key + k);
-            for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (size_t)i * dim + k), kv, acc[i]);
-        }
-        if (whole < dim) {
-            __m256 kv = _mm256_maskload_ps(key + whole, tail);
-            for (int i = 0; i < 8; i++)
-                acc[i] = _mm256_fmadd_ps(_mm256_maskload_ps(q + (size_t)i * dim + whole, tail), kv, acc[i]);
-        }
-        __m256 relu = _mm256_max_ps(zero, _mm256_mul_ps(sums8(acc), scale)); /* a NaN stays NaN */
-        total = _mm256_fmadd_ps(_mm256_loadu_ps(j->weights + h), relu, total);
-    }
-    return heads_after(j, key, h, hsum8(total));
-}
-
-/* score_avx2 for keys[0 .. 3) (rows dim floats apart) at once: AVX2 code given AVX-512VL's 32 registers, so
- * 24 accumulators (8 heads x 3 keys) share each load of a head's query values (2.2 FMAs a load, not 0.9).
- * Each key's products and their order, its sums and its tail are score_avx2's: the same bits. */
-AVX512VL static void score3_avx512vl(const IndexSelect *j, const float *keys, float out[3]) {
-    static const int lanes[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
-    int dim = j->dim, whole = dim / 8 * 8;
-    __m256i tail = _mm256_loadu_si256((const __m256i *)(lanes + 8 - dim % 8));
-    __m256 total[3], zero = _mm256_setzero_ps(), scale = _mm256_set1_ps(j->scale);
-    for (int t = 0; t < 3; t++) total[t] = _mm256_setzero_ps();
-    int h = 0;
-    for (; h + 8 <= j->heads; h += 8) {
-        const float *q = j->q + (size_t)h * dim;
-        __m256 acc[3][8];
-        for (int t = 0; t < 3; t++)
-            for (int i = 0; i < 8; i++) acc[t][i] = _mm256_setzero_ps();
-        for (int k = 0; k < whole; k += 8) {
-            __m256 k0 = _mm256_loadu_ps(keys + k), k1 = _mm256_loadu_ps(keys + dim + k);
-            __m256 k2 = _mm256_loadu_ps(keys + 2 * (size_t)dim + k);
-            for (int i = 0; i < 8; i++) {
-                __m256 qv = _mm256_loadu_ps(q + (size_t)i * dim + k);
-                acc[0][i] = _mm256_fmadd_ps(qv, k0, acc[0][i]);
-                acc[1][i] = _mm256_fmadd_ps(qv, k1, acc[1][i]);
-                acc[2][i] = _mm256_fmadd_ps(qv, k2, acc[2][i]);
-            }
-        }
-        for (int t = 0; t < 3; t++) {
-            if (whole < dim) {
-                __m256 kv = _mm256_maskload_ps(keys + (size_t)t * dim + whole, tail);
-                for (int i = 0; i < 8; i++)
-                    acc[t][i] = _mm256_fmadd_ps(_mm256_maskload_ps(q + (size_t)i * dim + whole, tail), kv, acc[t][i]);
-            }
-            __m256 relu = _mm256_max_ps(zero, _mm256_mul_ps(sums8(acc[t]), scale));
-            total[t] = _mm256_fmadd_ps(_mm256_loadu_ps(j->weights + h), relu, total[t]);
-        }
-    }
-    for (int t = 0; t < 3; t++) out[t] = heads_after(j, keys + (size_t)t * dim, h, hsum8(total[t]));
-}
+#define IS_TARGET AVX512VL
+#define IS_INLINE AVX512VL __attribute__((always_inline)) static inline
+#define IS_NAME(name) name##_avx512vl
+#include "index_score_body.h"
+#undef IS_TARGET
+#undef IS_INLINE
+#undef IS_NAME
 #endif
 
 static float score_plain(const IndexSelect *j, const float *key) {
@@ -159,20 +84,17 @@ static void score_block(void *arg, int b) {
     one.q = j->q + (size_t)row * j->heads * j->dim, one.weights = j->weights + (size_t)row * j->heads;
     float *scores = s->scores + (size_t)row * row_stride(j);
 #if HAVE_X86
-    int vector = nibble_simd_available();
-    if (nibble_simd_wide())
+    if (nibble_simd_wide()) {
         for (; begin + 3 <= end; begin += 3) score3_avx512vl(&one, j->keys + (size_t)begin * j->dim, scores + begin);
-#endif
-    for (int t = begin; t < end; t++) {
-        const float *key = j->keys + (size_t)t * j->dim;
-#if HAVE_X86
-        if (vector) {
-            scores[t] = score_avx2(&one, key);
-            continue;
-        }
-#endif
-        scores[t] = score_plain(&one, key);
+        for (; begin < end; begin++) score1_avx512vl(&one, j->keys + (size_t)begin * j->dim, scores + begin);
+        return;
     }
+    if (nibble_simd_available()) {
+        for (; begin < end; begin++) score1_avx2(&one, j->keys + (size_t)begin * j->dim, scores + begin);
+        return;
+    }
+#endif
+    for (int t = begin; t < end; t++) scores[t] = score_plain(&one, j->keys + (size_t)t * j->dim);
 }
 
 /* A score and its position as one integer whose order is the choice's: higher score first (any NaN above
