@@ -275,7 +275,7 @@ class FusedDecode:
         rows, dim, q_rank = len(starts), attention.normed.numel(), attention.mla.q_lora_rank
         normed = self.normed[None, :rows, :dim]  # [1, rows, dim]: the rows as one sequence of positions
         keys = indexer.keys(normed, *angles)[0].float()  # [rows, D]
-        choosing = [start + 1 > indexer.topk for start in starts]  # rows seeing more keys than it keeps
+        choosing = [indexer.chooses(start + 1) for start in starts]  # a row sees its own key and those before
         if any(choosing):  # DSA models have a q LoRA (wq_b reads it)
             q, weights = (part[0] for part in indexer.queries(normed, self.q_latent[None, :rows, :q_rank], angles))
         chosen: list[torch.Tensor | None] = []

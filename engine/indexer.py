@@ -76,9 +76,14 @@ class Indexer(nn.Module):
     ) -> torch.Tensor | None:
         """``forward`` past the keys: k [B, S, D] (``keys``) appended to ``cache``, then the selection."""
         keys = cache.append_index_key(k.float())  # [B, T, D]
-        if keys.shape[1] <= self.topk:  # every position stays: the queries are not needed
+        if not self.chooses(keys.shape[1]):
             return None
         return self.choose(*self.queries(x, q_latent, rope), keys, start_pos)
+
+    def chooses(self, seen: int) -> bool:
+        """Whether a query that sees ``seen`` keys chooses among them: within index_topk every position
+        stays, and its queries are not needed."""
+        return seen > self.topk
 
     def queries(
         self, x: torch.Tensor, q_latent: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
