@@ -21,6 +21,11 @@ needs_kernel = pytest.mark.skipif(not decode_ops._SELECTS, reason="engine._kerne
 needs_finish = pytest.mark.skipif(not decode_ops._FINISHES, reason="engine._kernels was not built")
 
 
+def demo_args() -> ModelArgs:
+    """The demo model's geometry (a GLM-5 layout: 16 indexer heads of 32, top-k 128)."""
+    return ModelArgs.from_hf_config(json.loads((demo_model_dir() / "config.json").read_text()))
+
+
 def reference_choice(q, keys, weights, start: int, scale: float, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The indexer's masked scores [B, S, T] in float64 (sum_h weights[h] * relu(scale * q[h] . k[t]), -inf
     after each row's position) and their stable top-k, as the torch path takes it."""
@@ -72,7 +77,7 @@ def test_ties_nans_and_zeros_are_ordered_as_stable_topk_orders_them():
 
 @needs_kernel
 def test_a_prompts_rows_and_a_decode_row_take_the_one_call_and_choose_what_torch_chooses(monkeypatch):
-    args = ModelArgs.from_hf_config(json.loads((demo_model_dir() / "config.json").read_text()))
+    args = demo_args()
     torch.manual_seed(1)
     indexer = Indexer(args)
     for parameter in indexer.parameters():
@@ -129,7 +134,7 @@ def test_the_key_and_query_heads_are_normed_and_roped_as_torch_does(heads, dim, 
     norm = torch.nn.LayerNorm(dim, eps=1e-6) if normed else None
     if norm is not None:
         norm.weight.data.normal_(1, 0.3), norm.bias.data.normal_(0, 0.3)
-    args = ModelArgs.from_hf_config(json.loads((demo_model_dir() / "config.json").read_text()))
+    args = demo_args()
     cos, sin = rope_at(args.rope, max(rope, 2), torch.arange(start, start + rows))
     cos, sin = cos[:, : rope // 2], sin[:, : rope // 2]
     with torch.inference_mode():
@@ -143,7 +148,7 @@ def test_the_key_and_query_heads_are_normed_and_roped_as_torch_does(heads, dim, 
 
 @needs_finish
 def test_decode_rows_take_the_one_call_and_a_prompt_keeps_torch(monkeypatch):
-    args = ModelArgs.from_hf_config(json.loads((demo_model_dir() / "config.json").read_text()))
+    args = demo_args()
     indexer = Indexer(args)
     calls: list[int] = []
     finish = decode_ops.index_finish
