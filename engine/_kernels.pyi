@@ -166,7 +166,18 @@ def gemm(
 ) -> None: ...
 def work_floats(rows: int, in_: int, group: int, /) -> int: ...
 def bf16_gemm(
-    w: int, x: int, y: int, rows: int, in_: int, out: int, isa_limit: int, threads: int = ..., alone: bool = ..., /
+    w: int,
+    x: int,
+    y: int,
+    rows: int,
+    in_: int,
+    out: int,
+    isa_limit: int,
+    threads: int = ...,
+    alone: bool = ...,
+    segments: int = ...,
+    n_segments: int = ...,
+    /,
 ) -> None: ...
 def q8_mlp(
     w1: Matrix,

@@ -32,7 +32,7 @@ from engine.prefill_attention import absorbed_blocks, absorbed_is_cheaper, expan
 from engine.quant import scale_values
 from engine.read_ahead import ReadsOtherFormInDecode
 from engine.rope import apply_rope, softmax_scale
-from engine.rows import Linear, products_on_threads
+from engine.rows import Linear, one_segment, products_on_threads
 
 ABSORB_MAX_NEW_POSITIONS = 4  # auto mode: absorbed attention for decode-sized steps
 
@@ -115,14 +115,50 @@ class MLA(nn.Module, ReadsOtherFormInDecode):
         if x.shape[0] == 1:  # decode alone: no per-row slices, no cat
             out, selection = self._attend(x, projected, starts[0], ropes[0], caches[0], selections[0], None)
             return self.wo(out.flatten(2)), [selection]
-        outs, chosen = [], []
-        for b, (start, rope, cache, selection) in enumerate(zip(starts, ropes, caches, selections, strict=True)):
-            # row b of each of _project's four (the first may be None)
-            row = cast(_Projected, tuple(None if t is None else t[b : b + 1] for t in projected))
-            out, selection = self._attend(x[b : b + 1], row, start, rope, cache, selection, None)
+        out, chosen = self._attend_each(x, projected, 0, [1] * x.shape[0], starts, ropes, caches, selections)
+        return self.wo(out.flatten(2)), chosen
+
+    def forward_segments(
+        self,
+        x: torch.Tensor,
+        sizes: list[int],
+        starts: list[int],
+        ropes: list[tuple[torch.Tensor, torch.Tensor]],
+        caches: list[LayerCache],
+        selections: list[torch.Tensor | None],
+    ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """Prompt chunks of several sequences one after another, inside rows_in_segments(sizes): x [1, N, dim]
+        -> (out [1, N, dim], selections); chunk i is sizes[i] positions from starts[i] of caches[i], and gets
+        the bits ``forward`` gives it alone. The projections run over all rows at once (segment-aware ops);
+        each chunk attends over its own cache."""
+        projected = self._project(x)
+        with one_segment():  # a chunk's attention: its own rows only
+            out, chosen = self._attend_each(x, projected, 1, sizes, starts, ropes, caches, selections)
+        return self.wo(out.flatten(2)), chosen
+
+    def _attend_each(
+        self,
+        x: torch.Tensor,
+        projected: _Projected,
+        dim: int,
+        sizes: list[int],
+        starts: list[int],
+        ropes: list[tuple[torch.Tensor, torch.Tensor]],
+        caches: list[LayerCache],
+        selections: list[torch.Tensor | None],
+    ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """``_attend`` for each sequence's part of x and ``projected`` (sizes[i] consecutive entries of ``dim``:
+        the batch's rows, or a sequence's positions) -> (the parts' attention outputs, cat along ``dim``,
+        their selections)."""
+        outs, chosen, first = [], [], 0
+        for size, start, rope, cache, selection in zip(sizes, starts, ropes, caches, selections, strict=True):
+            # this part of each of _project's four (the first may be None)
+            part = cast(_Projected, tuple(None if t is None else t.narrow(dim, first, size) for t in projected))
+            out, selection = self._attend(x.narrow(dim, first, size), part, start, rope, cache, selection, None)
             outs.append(out)
             chosen.append(selection)
-        return self.wo(torch.cat(outs).flatten(2)), chosen
+            first += size
+        return torch.cat(outs, dim=dim), chosen
 
     def _project(self, x: torch.Tensor) -> _Projected:
         """x [B, S, dim] -> (q latent [B, S, q_lora] or None, q [B, S, H, n + r], latent [B, S, c],

@@ -11,11 +11,15 @@ torch's float32 GEMV over the upcast weights (docs/kernels.md, "bf16 dense weigh
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Sequence
+from functools import partial
+
 import torch
 from torch import nn
 
 from engine.q8 import BF16_KIND, CMatrix, KernelMatrix
-from engine.rows import computing_alone, kernel_threads, linear
+from engine.rows import by_segment, computing_alone, kernel_threads, linear, row_segments
 
 try:
     from engine import _kernels
@@ -46,13 +50,17 @@ class TakesBf16Weight:
     output projection): its ``weight`` may be kept in bf16 in a float32 model (bf16_candidates)."""
 
 
-def bf16_matmul(x: torch.Tensor, weight: torch.Tensor, isa: str = "best", alone: bool = False) -> torch.Tensor:
+def bf16_matmul(
+    x: torch.Tensor, weight: torch.Tensor, isa: str = "best", alone: bool = False, segments: Sequence[int] = ()
+) -> torch.Tensor:
     """x [rows, in] float32 @ weight^T for weight bf16 [out, in] -> [rows, out] float32 (C kernel, MAX_ROWS rows
     at a time: the bits of one call per MAX_ROWS rows). ``isa`` caps the path (tests reach each one on any
-    CPU); ``alone``: each row as a one-row call computes it (engine/rows.py)."""
+    CPU); ``alone``: each row as a one-row call computes it (engine/rows.py); ``segments``: x's rows in runs
+    of these lengths, each the bits of its own call (rows_in_segments)."""
     rows, in_dim = x.shape
     x = x.contiguous()
     y = torch.empty((rows, weight.shape[0]), dtype=torch.float32)
+    runs = array("i", segments)
     _kernels.bf16_gemm(
         weight.data_ptr(),
         x.data_ptr(),
@@ -63,6 +71,8 @@ def bf16_matmul(x: torch.Tensor, weight: torch.Tensor, isa: str = "best", alone:
         ISA[isa],
         kernel_threads(),
         alone,
+        runs.buffer_info()[0] if runs else 0,
+        len(runs),
     )
     return y
 
@@ -92,16 +102,17 @@ class Bf16Linear(nn.Module, KernelMatrix):
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., in] @ weight^T for a contiguous bf16 weight [out, in], in the activations' dtype: up to
     PROMPT_KERNEL_ROWS float32 rows through the C kernel (any number inside rows_alone()), else the weight
-    upcast a block of rows at a time."""
+    upcast a block of rows at a time. Inside rows_in_segments() each segment as its own call: segments the
+    kernel takes in one call with their own row groups, else one by one."""
     flat = x.reshape(-1, x.shape[-1])
     alone = computing_alone()  # rows of independent requests: any number through the kernel, as alone
-    if (
-        bf16_kernel_available()
-        and x.dtype == torch.float32
-        and x.device.type == "cpu"
-        and 0 < flat.shape[0]
-        and (alone or flat.shape[0] <= PROMPT_KERNEL_ROWS)
-    ):
+    segments = row_segments(flat.shape[0]) if flat.shape[0] else None
+    takes = bf16_kernel_available() and x.dtype == torch.float32 and x.device.type == "cpu" and 0 < flat.shape[0]
+    if segments is not None:
+        if not takes or max(segments) > PROMPT_KERNEL_ROWS:
+            return by_segment(partial(bf16_linear, weight=weight), x)
+        out = bf16_matmul(flat, weight, segments=segments)
+    elif takes and (alone or flat.shape[0] <= PROMPT_KERNEL_ROWS):
         out = bf16_matmul(flat, weight, alone=alone)
     else:
         step = max(1, UPCAST_BLOCK_BYTES // (4 * weight.shape[1]))

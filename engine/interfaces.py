@@ -117,6 +117,15 @@ class Model(nn.Module, ABC, Generic[CacheT]):
         ]
         return logits[-1] if last_only else torch.cat(logits, dim=1)
 
+    def forward_prompts(self, chunks: list[torch.Tensor], caches: list[CacheT], experts: Experts) -> list[torch.Tensor]:
+        """Prompt chunks of several sequences, chunks[i] [1, S_i] at the end of caches[i] -> each one's float32
+        logits of its last position [1, 1, vocab]: what ``forward(..., last_only=True)`` gives each alone, and
+        the same caches. Here one after another; a family may compute them in one pass."""
+        return [
+            self.forward(chunk, cache.length, cache, experts, last_only=True)
+            for chunk, cache in zip(chunks, caches, strict=True)
+        ]
+
     @abstractmethod
     def forward_rows(self, tokens: list[int], caches: list[CacheT], experts: Experts) -> torch.Tensor:
         """Decode one token for each of B independent sequences (tokens[b] at the end of caches[b]) in one

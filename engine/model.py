@@ -19,7 +19,7 @@ from torch import nn
 from engine.args import ModelArgs
 from engine.attention import MLA
 from engine.cache import DraftCache, KVCache, LayerCache
-from engine.experts import Experts, LocalExperts
+from engine.experts import Experts, LocalExperts, RemoteExperts
 from engine.fused_decode import LayerParts, OneCall
 from engine.interfaces import Cache, Model
 from engine.layers import MLP, RMSNorm, embedding
@@ -29,7 +29,7 @@ from engine.mtp import MTP, draft_with
 from engine.q8 import int8_activations
 from engine.read_ahead import module_arrays, read_ahead_available, request_read_ahead
 from engine.rope import rope_tables
-from engine.rows import Linear, rows_alone, torch_on_one_thread
+from engine.rows import Linear, rows_alone, rows_in_segments, torch_on_one_thread
 
 # Lookahead prefetch only for decode-sized steps: a prompt's rows together route to nearly every
 # expert of the next layer, which that layer's own acquire reads (once each) anyway.
@@ -96,6 +96,25 @@ class Block(nn.Module):
             return [self._ffn(x, experts, None) for x in xs]
         outs = self.ffn.forward_window([self.ffn_norm(x) for x in xs], experts)
         return [x + out for x, out in zip(xs, outs, strict=True)]
+
+    def forward_segments(
+        self,
+        x: torch.Tensor,
+        sizes: list[int],
+        starts: list[int],
+        ropes: list[tuple[torch.Tensor, torch.Tensor]],
+        caches: list[LayerCache],
+        experts: LocalExperts,
+        selections: list[torch.Tensor | None],
+    ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """Inside rows_in_segments(sizes): prompt chunks of several sequences one after another, x [1, N, dim]
+        -> (x [1, N, dim], selections), each chunk the bits ``forward`` gives it alone (MLA.forward_segments,
+        MoE.forward_segments): the weights are read once for all of them."""
+        attn_out, selections = self.attn.forward_segments(self.attn_norm(x), sizes, starts, ropes, caches, selections)
+        x = x + attn_out
+        h = self.ffn_norm(x)
+        out = self.ffn.forward_segments(h[0], experts)[None] if isinstance(self.ffn, MoE) else self.ffn(h)
+        return x + out, selections
 
     def forward_rows(
         self,
@@ -290,6 +309,31 @@ class Transformer(Model[KVCache]):
             if last_only:
                 return self.head(self.norm(xs[-1][:, -1:])).float()
             return torch.cat([self.head(self.norm(x)).float() for x in xs], dim=1)
+
+    @torch.inference_mode()
+    def forward_prompts(
+        self, chunks: list[torch.Tensor], caches: list[KVCache], experts: Experts
+    ) -> list[torch.Tensor]:
+        """``Model.forward_prompts`` in one pass: the chunks' rows go through every weight together, each chunk
+        with the bits of its own forward (engine/rows.py rows_in_segments; Block.forward_segments); its last
+        position's logits as a one-row forward computes them (rows_alone). One-position chunks (a decode-shaped
+        step of its own) and experts held by workers: chunk by chunk."""
+        if len(chunks) < 2 or isinstance(experts, RemoteExperts) or min(c.shape[1] for c in chunks) < 2:
+            return super().forward_prompts(chunks, caches, experts)
+        sizes = [chunk.shape[1] for chunk in chunks]
+        starts = [cache.length for cache in caches]
+        x = self.embed(torch.cat(chunks, dim=1))  # [1, N, dim]
+        ropes = [rope_tables(self.args, start, size, x.device) for start, size in zip(starts, sizes, strict=True)]
+        selections: list[torch.Tensor | None] = [None] * len(chunks)
+        with int8_activations(self.int8_activations), torch_on_one_thread():
+            with rows_in_segments(sizes):
+                for i, layer in enumerate(cast("list[Block]", self.layers)):
+                    layer_caches = [cache.layers[i] for cache in caches]
+                    x, selections = layer.forward_segments(x, sizes, starts, ropes, layer_caches, experts, selections)
+            last = torch.tensor(sizes).cumsum(0) - 1
+            with rows_alone():  # [chunks, 1, dim]: each as the one-row head of its own forward
+                logits = self.head(self.norm(x[0, last, None])).float()
+        return list(logits[:, None])
 
     @torch.inference_mode()
     def forward_rows(self, tokens: list[int], caches: list[KVCache], experts: Experts) -> torch.Tensor:

@@ -15,7 +15,7 @@ from engine.experts import Expert, Experts, LocalExperts, RemoteExperts
 from engine.layers import MLP
 from engine.nibble_experts import add_nibble_experts, in_one_call
 from engine.q8_experts import add_experts, fused_experts_handle
-from engine.rows import linear, per_row
+from engine.rows import linear, one_segment, per_row, row_segments, rows_in_segments
 
 T = TypeVar("T")
 
@@ -198,13 +198,28 @@ class MoE(nn.Module):
         (a hash-routed one needs each chunk's tokens)."""
         if isinstance(experts, RemoteExperts) or len(xs) == 1:
             return [self.forward(x, experts) for x in xs]
-        flat = [x.reshape(-1, x.shape[-1]) for x in xs]
-        sums = []
-        for x in flat:
-            weights, ids = self.gate(x)
-            sums.append(RoutedSum(x, weights, ids, self.limit))
-        shared = add_routed(sums, experts, self.layer_id, lambda: [self._shared(x) for x in flat])
-        return [(s.total().to(x.dtype) + side).view(x.shape) for s, x, side in zip(sums, xs, shared, strict=True)]
+        sizes = [x.numel() // x.shape[-1] for x in xs]
+        with rows_in_segments(sizes):
+            out = self.forward_segments(torch.cat([x.reshape(-1, x.shape[-1]) for x in xs]), experts)
+        return [part.view(x.shape) for part, x in zip(out.split(sizes), xs, strict=True)]
+
+    def forward_segments(self, x: torch.Tensor, experts: LocalExperts) -> torch.Tensor:
+        """Inside rows_in_segments(): x [N, dim], the rows of several segments, each the bits ``forward`` gives
+        it alone -> [N, dim]. The router and the shared expert run over all rows at once (segment-aware ops);
+        each segment's routed sum is its own (an expert's rows are its segment's, in its kernel groups), every
+        expert of their union acquired once (``add_routed``). Score-routed layers only."""
+        sizes = row_segments(x.shape[0]) or (x.shape[0],)
+        weights, ids = self.gate(x)
+        parts = zip(x.split(sizes), weights.split(sizes), ids.split(sizes), strict=True)
+        sums = [RoutedSum(rows, w, i, self.limit) for rows, w, i in parts]
+
+        def shared() -> torch.Tensor:  # while the first experts load, over all rows again
+            with rows_in_segments(sizes):
+                return self._shared(x)
+
+        with one_segment():  # each sum's products over its own segment's rows
+            side = add_routed(sums, experts, self.layer_id, shared)
+        return torch.cat([s.total() for s in sums]).to(x.dtype) + side
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         return self.shared_experts(x) if self.shared_experts is not None else torch.zeros_like(x)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from engine.layers import swiglu
 from engine.q8 import activations_are_int8, q8_kernel_handles, q8_matmul
-from engine.rows import computing_alone, in_row_chunks, kernel_threads, linear
+from engine.rows import by_segment, computing_alone, in_row_chunks, kernel_threads, linear, row_segments
 
 try:  # the C kernels (engine/csrc/nibble.c, kernels.c), built at install time when a compiler is there
     from engine import _kernels
@@ -162,7 +162,10 @@ class QuantizedMatrix:
         rows a call, each call reading the codes once; everything else (longer prompts, bf16 activations,
         other devices) dequantises once and uses a dense matmul. Inside rows_alone() (independent requests)
         the kernel takes any number of rows, MAX_ROWS per call, each row computed as alone. Inside
-        int8_activations() (engine/q8.py) any number of rows go through the integer kernel, each as alone."""
+        int8_activations() (engine/q8.py) any number of rows go through the integer kernel, each as alone.
+        Inside rows_in_segments() segment by segment, each by these rules."""
+        if x.shape[0] and row_segments(x.shape[0]) is not None:
+            return by_segment(self.matmul, x)
         if activations_are_int8() and _q8_handles(self, x):
             return q8_matmul(x, self.q, self.scales, self.code, self.group_size, KERNEL_SCALES[self.scales.dtype])
         if x.dtype == torch.bfloat16 and x.device.type == "cpu":

@@ -10,9 +10,10 @@ same whether a request is decoded alone or beside others, bit for bit. Outside i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
+from functools import partial
 from typing import TYPE_CHECKING, Any, overload
 
 import torch
@@ -27,6 +28,7 @@ except ImportError:  # pragma: no cover - machines without a compiler
 _VERDICT_BUILT = _kernels is not None and hasattr(_kernels, "cores_shared")
 
 _alone: ContextVar[bool] = ContextVar("rows_alone", default=False)
+_segments: ContextVar[tuple[int, ...] | None] = ContextVar("rows_in_segments", default=None)
 _kernel_threads: ContextVar[int | None] = ContextVar("kernel_threads", default=None)
 
 
@@ -44,8 +46,59 @@ def computing_alone() -> bool:
     return _alone.get()
 
 
+@contextmanager
+def rows_in_segments(sizes: Sequence[int]) -> Iterator[None]:
+    """Compute the rows of every op inside (flattened to [rows, last dim]) as runs of these lengths, each as
+    its own call computes it: several requests' prompt chunks in one forward (engine/model.py
+    forward_prompts), each chunk the bits of its own forward. Row-wise ops (norms, elementwise arithmetic)
+    run over all rows at once; where a row's bits depend on the rows beside it (BLAS picks kernels by shape,
+    the C kernels go MAX_ROWS rows at a time, torch's vectorised transcendental functions give a row's last
+    elements the scalar function) the op runs per segment (``by_segment``) or, the bf16 kernel, with each
+    segment's own row groups. Work on one segment's rows alone goes inside ``one_segment()``."""
+    token = _segments.set(tuple(sizes))
+    try:
+        yield
+    finally:
+        _segments.reset(token)
+
+
+@contextmanager
+def one_segment() -> Iterator[None]:
+    """Inside rows_in_segments(), ops over one segment's rows only (its attention over its own cache)."""
+    token = _segments.set(None)
+    try:
+        yield
+    finally:
+        _segments.reset(token)
+
+
+def row_segments(rows: int) -> tuple[int, ...] | None:
+    """The segments (rows_in_segments) an op over ``rows`` rows splits into; None outside, or with one."""
+    sizes = _segments.get()
+    if sizes is None or len(sizes) == 1 or computing_alone():
+        return None
+    if sum(sizes) != rows:
+        raise ValueError(f"an op over {rows} rows inside rows_in_segments{sizes} (they add up to {sum(sizes)})")
+    return sizes
+
+
+def by_segment(fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
+    """fn(*xs) for a row-wise fn of tensors [..., k_i] with the same rows (all dims but the last) giving
+    [..., k]; segment by segment inside rows_in_segments() (each as its own call computes it), else one call."""
+    sizes = row_segments(xs[0].numel() // max(xs[0].shape[-1], 1)) if xs[0].numel() else None
+    if sizes is None:
+        return fn(*xs)
+    with one_segment():
+        parts = zip(*(x.reshape(-1, x.shape[-1]).split(sizes) for x in xs), strict=True)
+        out = torch.cat([fn(*part) for part in parts])
+    return out.view(*xs[0].shape[:-1], out.shape[-1])
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., in] @ weight^T; row by row inside rows_alone() (each as its own one-row matmul)."""
+    """x [..., in] @ weight^T; row by row inside rows_alone() (each as its own one-row matmul), segment by
+    segment inside rows_in_segments()."""
+    if row_segments(x.numel() // x.shape[-1]) is not None:
+        return by_segment(partial(F.linear, weight=weight), x)
     if not computing_alone() or x.numel() <= x.shape[-1]:
         return F.linear(x, weight)
     flat = x.reshape(-1, x.shape[-1])
@@ -61,8 +114,11 @@ def per_row(fn: Callable[..., Any], *xs: torch.Tensor) -> Any:
     """fn(*xs) for a row-wise fn over tensors of N rows (first dim), giving a tensor or a tuple of them;
     row by row inside rows_alone(): torch's vectorised transcendental functions give a value in a
     [N, k] block other bits than in a [1, k] row on some CPUs (seen on an AMD EPYC: sigmoid 1.5e-8
-    apart, a routing weight 6e-8)."""
-    if not computing_alone() or xs[0].shape[0] == 1:
+    apart, a routing weight 6e-8). Segment by segment inside rows_in_segments() (``by_segment``: rows are
+    all dims but the last; a tensor-valued fn)."""
+    if not computing_alone():
+        return by_segment(fn, *xs) if _segments.get() is not None else fn(*xs)
+    if xs[0].shape[0] == 1:
         return fn(*xs)
     results = [fn(*rows) for rows in zip(*(x.split(1) for x in xs), strict=True)]
     if isinstance(results[0], tuple):

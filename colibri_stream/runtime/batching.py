@@ -205,8 +205,12 @@ class ContinuousBatch:
             if generation.pending:  # a client gone while its prompt waits or is read
                 generation.poll_cancel()
         reading = self._readers()
+        together = [g for g in reading if g.request.prompt_logprobs is None] if len(reading) > 1 else []
+        if len(together) > 1:
+            self._guarded(together, self._prefill_together)
         for generation in reading:
-            self._guarded([generation], self._prefill_chunk)
+            if generation not in together:
+                self._guarded([generation], self._prefill_chunk)
         feeding = [g for g in self.active if g.next_token is not None and not g.done and g not in reading]
         if feeding:
             self._guarded(feeding, self._decode)
@@ -247,10 +251,28 @@ class ContinuousBatch:
         if top_n is not None:  # logits [1, len(chunk), vocab]: row i predicts prompt token start + i + 1
             targets = generation.request.prompt_ids[start + 1 : start + 1 + len(chunk)]
             generation.result.prompt_logprobs += token_logprobs(logits[0, : len(targets)], targets, top_n)
+        self._chunk_read(generation, logits[0, -1])
+
+    def _prefill_together(self, generations: list[Generation]) -> None:
+        """Several generations' next prompt chunks (one chunk each: others are in the batch) in one forward
+        (``Model.forward_prompts``), each with the bits of its own."""
+        chunks = []
+        for generation in generations:
+            chunk = generation.pending[: self.prefill_chunk]
+            generation.pending = generation.pending[self.prefill_chunk :]
+            chunks.append(torch.tensor([chunk], dtype=torch.long, device=self.model.device))
+        logits = self.model.forward_prompts(chunks, [g.cache for g in generations], self.experts)
+        for generation, last in zip(generations, logits, strict=True):
+            self._chunk_read(generation, last[0, -1])
+
+    @staticmethod
+    def _chunk_read(generation: Generation, last: torch.Tensor) -> None:
+        """After a prompt chunk whose last position's logits are ``last`` [vocab]: the first token once the
+        prompt is read (or the end of a prompt-only request), else the request's per-chunk hook."""
         if not generation.pending and generation.request.max_new_tokens <= 0:
             generation.end_at_prompt()
         elif not generation.pending:
-            generation.take(logits[0, -1])
+            generation.take(last)
         elif generation.request.on_prompt_chunk is not None:
             generation.request.on_prompt_chunk()
 

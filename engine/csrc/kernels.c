@@ -30,12 +30,22 @@ typedef struct {
     int rows, in, out, begin, end;
     int isa_limit; /* the highest path allowed: 0 scalar, 1 AVX2, 2 AVX-512 (bf16, q8 VNNI); tests lower it */
     int alone; /* batch-invariant: each row of x computed exactly as alone (rows of independent requests) */
+    const int *segments; /* bf16, or NULL: x's rows in runs of these lengths (n_segments), each computed as its
+                            own call computes it (several requests' prompt chunks in one forward) */
+    int n_segments;
 } Slice;
 
 /* Output rows [begin, end) into y's columns (y is [rows, out]). */
 static void run_bf16_slice(const Slice *s) {
-    bf16_gemm_rows(s->w16, s->xs, s->rows, s->in, s->begin, s->end, s->isa_limit, s->alone, s->y + s->begin,
-                   (size_t)s->out);
+    if (s->segments == NULL) {
+        bf16_gemm_rows(s->w16, s->xs, s->rows, s->in, s->begin, s->end, s->isa_limit, s->alone, s->y + s->begin,
+                       (size_t)s->out);
+        return;
+    }
+    size_t first = 0; /* each segment's rows MAX_ROWS at a time from its own first row, as its own call goes */
+    for (int i = 0; i < s->n_segments; first += (size_t)s->segments[i++])
+        bf16_gemm_rows(s->w16, s->xs + first * s->in, s->segments[i], s->in, s->begin, s->end, s->isa_limit, s->alone,
+                       s->y + first * s->out + s->begin, (size_t)s->out);
 }
 
 static void run_slice(const Slice *s) {
@@ -141,21 +151,31 @@ static PyObject *py_dequant(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* bf16_gemm(w_ptr, x_ptr, y_ptr, rows, in, out, isa_limit, threads, alone): y[rows, out] = x[rows, in] @ w^T
- * for w bf16 [out, in]; contiguous buffers. isa_limit: 2 best available, 1 at most AVX2, 0 scalar.
- * alone: batch-invariant (each row as a one-row call computes it). Any number of rows, MAX_ROWS at a time:
- * the bits of one call per MAX_ROWS rows. */
+/* bf16_gemm(w_ptr, x_ptr, y_ptr, rows, in, out, isa_limit, threads, alone, segments_ptr, n_segments):
+ * y[rows, out] = x[rows, in] @ w^T for w bf16 [out, in]; contiguous buffers. isa_limit: 2 best available, 1 at
+ * most AVX2, 0 scalar. alone: batch-invariant (each row as a one-row call computes it). Any number of rows,
+ * MAX_ROWS at a time: the bits of one call per MAX_ROWS rows. segments (int32 [n_segments], summing to rows;
+ * 0: none): x's rows in runs, each with the bits of its own call. */
 static PyObject *py_bf16_gemm(PyObject *self, PyObject *args) {
-    unsigned long long w, x, y;
-    int rows, in, out, isa_limit, threads = 1, alone = 0;
-    if (!PyArg_ParseTuple(args, "KKKiiii|ip", &w, &x, &y, &rows, &in, &out, &isa_limit, &threads, &alone)) return NULL;
+    unsigned long long w, x, y, segments = 0;
+    int rows, in, out, isa_limit, threads = 1, alone = 0, n_segments = 0;
+    if (!PyArg_ParseTuple(args, "KKKiiii|ipKi", &w, &x, &y, &rows, &in, &out, &isa_limit, &threads, &alone, &segments,
+                          &n_segments))
+        return NULL;
     if (rows < 1 || in < 1 || out < 1) {
         PyErr_Format(PyExc_ValueError, "bf16 gemm: unsupported shape rows=%d in=%d out=%d", rows, in, out);
         return NULL;
     }
+    const int *runs = n_segments > 0 ? (const int *)(uintptr_t)segments : NULL;
+    long long covered = 0;
+    for (int i = 0; runs != NULL && i < n_segments; i++) covered += runs[i] >= 1 ? runs[i] : -(long long)rows - 1;
+    if (runs != NULL && covered != rows) {
+        PyErr_Format(PyExc_ValueError, "bf16 gemm: %d segments of at least one row must cover rows=%d", n_segments, rows);
+        return NULL;
+    }
     (void)bf16_isa(in, 2); /* detect the CPU once, before any helper thread looks */
     Slice whole = {NULL, NULL, NULL, (const uint16_t *)(uintptr_t)w, (const float *)(uintptr_t)x, (float *)(uintptr_t)y,
-                   rows, in, out, 0, out, isa_limit, alone};
+                   rows, in, out, 0, out, isa_limit, alone, runs, n_segments};
     Py_BEGIN_ALLOW_THREADS
     run_split(&whole, threads);
     Py_END_ALLOW_THREADS
