@@ -38,15 +38,9 @@ def prefixed_caches(model, experts, chunks):
 
 
 def cache_rows(cache) -> list[torch.Tensor]:
-    """Every tensor a cache holds for its positions so far (layer by layer)."""
-    rows = []
-    for layer in cache.layers:
-        # reflection: the families' layer caches differ (MLA latents, V4's compressed windows)
-        for name in ("latent", "rope_key", "index_key"):
-            tensor = getattr(layer, name, None)
-            if tensor is not None:
-                rows.append(tensor[:, : layer.length].clone())
-    return rows
+    """What a cache's positions so far add to a session's log (MLA: every row; DeepSeek-V4, whose cache
+    frees rows as it goes: the compressed entries)."""
+    return [rows.clone() for rows in cache.log_entries(0, cache.length)]
 
 
 def assert_each_as_alone(model, experts, chunks):
