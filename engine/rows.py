@@ -117,7 +117,7 @@ def per_row(fn: Callable[..., Any], *xs: torch.Tensor) -> Any:
     apart, a routing weight 6e-8). Segment by segment inside rows_in_segments() (``by_segment``: rows are
     all dims but the last; a tensor-valued fn)."""
     if not computing_alone():
-        return by_segment(fn, *xs) if _segments.get() is not None else fn(*xs)
+        return by_segment(fn, *xs)
     if xs[0].shape[0] == 1:
         return fn(*xs)
     results = [fn(*rows) for rows in zip(*(x.split(1) for x in xs), strict=True)]
