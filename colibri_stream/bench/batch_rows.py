@@ -16,6 +16,7 @@ sequential run's (batching changes no token).
 from __future__ import annotations
 
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -99,6 +100,7 @@ def batch_section(container: Path, kv_dir: Path, settings: BatchSettings = Batch
     """Every client count's row, sent to one `serve` child process on ``container``."""
     vocab = json.loads((container / "config.json").read_text())["vocab_size"]
     slots = max(settings.clients)
+    os.sync()  # the bench's models were just written: their write-back would run beside the rounds
     with served(container, kv_dir, settings, kv_dir.parent / "batch-serve.log") as port:
         # warm-up, one full request alone and one burst of the most clients: after a 4-token request the
         # first measured run (1 client) read 0.82-0.88x the same run repeated
