@@ -104,6 +104,8 @@ def nibble_moe(
     out: int,
     threads: int,
     alone: bool,
+    segments: int = ...,
+    n_segments: int = ...,
     /,
 ) -> None: ...
 def q8_moe(

@@ -13,7 +13,7 @@ from engine import decode_ops
 from engine.args import ModelArgs
 from engine.experts import Expert, Experts, LocalExperts, RemoteExperts
 from engine.layers import MLP
-from engine.nibble_experts import add_nibble_experts, in_one_call
+from engine.nibble_experts import add_nibble_experts, in_one_call, takes_rows
 from engine.q8_experts import add_experts, fused_experts_handle
 from engine.rows import linear, one_segment, per_row, row_segments, rows_in_segments
 
@@ -210,16 +210,15 @@ class MoE(nn.Module):
         expert of their union acquired once (``add_routed``). Score-routed layers only."""
         sizes = row_segments(x.shape[0]) or (x.shape[0],)
         weights, ids = self.gate(x)
-        parts = zip(x.split(sizes), weights.split(sizes), ids.split(sizes), strict=True)
-        sums = [RoutedSum(rows, w, i, self.limit) for rows, w, i in parts]
+        routed = RoutedSum(x, weights, ids, self.limit, sizes)
 
         def shared() -> torch.Tensor:  # while the first experts load, over all rows again
             with rows_in_segments(sizes):
                 return self._shared(x)
 
-        with one_segment():  # each sum's products over its own segment's rows
-            side = add_routed(sums, experts, self.layer_id, shared)
-        return torch.cat([s.total() for s in sums]).to(x.dtype) + side
+        with one_segment():  # the sum's products segment by segment (RoutedSum's segments)
+            side = add_routed([routed], experts, self.layer_id, shared)
+        return routed.total().to(x.dtype) + side
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         return self.shared_experts(x) if self.shared_experts is not None else torch.zeros_like(x)
@@ -296,6 +295,11 @@ def _rows_routed_to(ids: torch.Tensor) -> dict[int, tuple[torch.Tensor | None, t
     return {expert: torch.where(ids == expert) for expert in ids.unique().tolist()}  # type: ignore[misc]
 
 
+def _count(rows: torch.Tensor | None) -> int:
+    """Rows in a routing's rows (None: the one row of a decode step)."""
+    return 1 if rows is None else rows.numel()
+
+
 def chunks(expert_ids: list[int], size: int | None) -> list[list[int]]:
     """expert_ids in consecutive chunks of at most ``size`` (None: no limit, one chunk)."""
     if size is not None and size < 1:
@@ -322,11 +326,22 @@ class RoutedSum:
     index_add_ in expert order.
     """
 
-    def __init__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, limit: float | None = None):
+    def __init__(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        limit: float | None = None,
+        segments: Sequence[int] = (),
+    ):
         self.home = x.device
         self.limit = limit  # the swiglu clamp of DeepSeek-V4's experts
         self.ids = ids  # [N, topk]
         self.rows_of = _rows_routed_to(ids)  # expert id -> (rows, slots) routed to it
+        # x's rows in runs (several prompt chunks, engine/rows.py rows_in_segments): each term of a chunk's rows
+        # as that chunk's own sum computes it; () or one run: x is one
+        self.segments = tuple(segments) if len(segments) > 1 else ()
+        self._ends = torch.tensor(self.segments[:-1], device=x.device).cumsum(0) if self.segments else None
         self._inputs = {x.device: (x, weights)}  # device -> (x [N, dim], weights [N, topk]) there
         self._sums: dict[torch.device, torch.Tensor] = {}
 
@@ -334,23 +349,55 @@ class RoutedSum:
         """Add experts given as (id, expert): in one C call where they all take it (int8 activations,
         engine/q8_experts.py); the 4-bit CPU experts of a decode step, or of a prompt those routed few enough
         rows, in one C call (engine/nibble_experts.py) whatever else the batch holds, so an expert's term does
-        not depend on where the others are; the rest one by one. The float64 sum does not depend on the order."""
+        not depend on where the others are; the rest one by one. With segments, an expert's rows of each segment
+        go where that segment's own sum sends them. The float64 sum does not depend on the order."""
         experts = [expert for _, expert in batch]
         x, weights = self._inputs[self.home]
         if fused_experts_handle(experts, x):
             add_experts(self._sum_on(self.home), x, self.ids, weights, [i for i, _ in batch], experts, self.limit)
             return
-        if in_c := in_one_call(batch, x, self.rows_routed):
-            ids = [i for i, _ in in_c]
-            add_nibble_experts(self._sum_on(self.home), x, self.ids, weights, ids, [e for _, e in in_c], self.limit)
-            batch = [(i, e) for i, e in batch if i not in ids]
-        for expert_id, expert in batch:
-            self.add(expert, *self.rows_of[expert_id])
+        in_c = {i: e for i, e in in_one_call(batch, x, self.rows_routed)}
+        left = [(i, e, part) for i, e in batch for part in self._by_segment(*self.rows_of[i])]
+        if in_c:  # an expert's segments with more rows than the call takes are left out of it (ids -1)
+            left = [(i, e, part) for i, e, part in left if i not in in_c or not takes_rows(x, _count(part[0]))]
+            over = [part for i, _, part in left if i in in_c]
+            ids = self._without(over) if over else self.ids
+            quantized = list(in_c.values())
+            add_nibble_experts(
+                self._sum_on(self.home), x, ids, weights, list(in_c), quantized, self.limit, self.segments
+            )
+        for _, expert, (rows, slot) in left:
+            self.add(expert, rows, slot)
 
     def rows_routed(self, expert_id: int) -> int:
-        """How many rows of x routed to the expert."""
+        """How many rows of x routed to the expert (with segments: the fewest of any segment it is routed in,
+        so that the one C call takes it where some segment's own sum would)."""
         rows, _ = self.rows_of[expert_id]
-        return 1 if rows is None else rows.numel()
+        return min(_count(part) for part, _ in self._by_segment(rows, 0))
+
+    def _without(self, parts: list[tuple[torch.Tensor | None, torch.Tensor | int]]) -> torch.Tensor:
+        """ids with the listed routings (rows, slots) taken out (-1: routed to no expert)."""
+        ids = self.ids.clone()
+        for rows, slot in parts:
+            if rows is None:
+                ids[0, slot] = -1
+            else:
+                ids[rows, slot] = -1
+        return ids
+
+    def _by_segment(
+        self, rows: torch.Tensor | None, slot: torch.Tensor | int
+    ) -> list[tuple[torch.Tensor | None, torch.Tensor | int]]:
+        """(rows, slots) routed to an expert, cut where the segments meet (rows ascend): one part per segment
+        that has any, or the whole."""
+        if rows is None or self._ends is None:
+            return [(rows, slot)]
+        cuts = torch.searchsorted(rows, self._ends.to(rows.device)).tolist()
+        parts: list[tuple[torch.Tensor | None, torch.Tensor | int]] = []
+        for start, end in zip([0, *cuts], [*cuts, rows.numel()], strict=True):
+            if end > start:
+                parts.append((rows[start:end], slot if isinstance(slot, int) else slot[start:end]))
+        return parts
 
     def _sum_on(self, device: torch.device) -> torch.Tensor:
         if device not in self._sums:

@@ -43,12 +43,17 @@ def in_one_call(
         return []
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[0] == 0:
         return []
-    if not decode_rows(x):
-        batch = [(i, e) for i, e in batch if rows_routed(i) <= PROMPT_KERNEL_ROWS]
+    batch = [(i, e) for i, e in batch if takes_rows(x, rows_routed(i))]
     planned = [(i, e, plan) for i, e in batch if isinstance(e, QuantizedExpert) and (plan := _plan(e)) is not None]
     if any(plan[0] != planned[0][2][0] for _, _, plan in planned):
         return []
     return [(i, e) for i, e, _ in planned]
+
+
+def takes_rows(x: torch.Tensor, rows: int) -> bool:
+    """Whether the call takes an expert routed ``rows`` rows of x: any number of decode rows, a prompt's up to
+    PROMPT_KERNEL_ROWS (past it the dequantise-once matmul is faster)."""
+    return decode_rows(x) or rows <= PROMPT_KERNEL_ROWS
 
 
 def decode_rows(x: torch.Tensor) -> bool:
@@ -97,15 +102,18 @@ def add_nibble_experts(
     expert_ids: Sequence[int],
     experts: Sequence[QuantizedExpert],
     limit: float | None = None,
+    segments: Sequence[int] = (),
 ) -> None:
     """out [N, dim] float64 += sum over the listed experts e of weight[r, e] * e(x[r]) for every row r
     routed to e. x [N, dim] float32, ids [N, topk], weights [N, topk] float32; experts[i] is expert
-    expert_ids[i] (``in_one_call`` chose them); ``limit``: the SwiGLU clamp (DeepSeek-V4)."""
+    expert_ids[i] (``in_one_call`` chose them); ``limit``: the SwiGLU clamp (DeepSeek-V4); ``segments``: x's
+    rows in runs (several prompt chunks), each run's terms those of its own call, each expert read once."""
     x, weights = x.contiguous(), weights.float().contiguous()
     ids = ids.to(torch.int64).contiguous()
     layout = _plan(experts[0])[0]  # type: ignore[index]  # in_one_call chose it
     dim, inter = layout[0], layout[1]
     row_bytes = 4 * (3 * inter + 3 * dim) + 8  # gate, up, y, x, the laid-out x and h (float32); row, weight
+    runs = array("i", segments)
     for part in parts_within(ids, list(expert_ids), row_bytes, MAX_WORK_BYTES):
         mats = array("Q", [p for i in part for p in _plan(experts[i])[1]])  # type: ignore[index]  # [n, 6]
         part_ids = array("q", [expert_ids[i] for i in part])
@@ -113,4 +121,5 @@ def add_nibble_experts(
             x.data_ptr(), x.shape[0], ids.data_ptr(), weights.data_ptr(), ids.shape[1],
             part_ids.buffer_info()[0], len(part), mats.buffer_info()[0], layout,
             limit is not None, float(limit or 0.0), out.data_ptr(), kernel_threads(), decode_rows(x),
+            runs.buffer_info()[0] if runs else 0, len(runs),
         )  # fmt: skip

@@ -151,6 +151,17 @@ static PyObject *py_dequant(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* Whether n_segments runs of at least one row (segments, int32) cover `rows` rows; else a ValueError. */
+static int segments_cover(const int *segments, int n_segments, int rows, const char *what) {
+    long long covered = 0;
+    for (int i = 0; i < n_segments; i++) covered += segments[i] >= 1 ? segments[i] : -(long long)rows - 1;
+    if (n_segments > 0 && covered != rows) {
+        PyErr_Format(PyExc_ValueError, "%s: %d segments of at least one row must cover rows=%d", what, n_segments, rows);
+        return 0;
+    }
+    return 1;
+}
+
 /* bf16_gemm(w_ptr, x_ptr, y_ptr, rows, in, out, isa_limit, threads, alone, segments_ptr, n_segments):
  * y[rows, out] = x[rows, in] @ w^T for w bf16 [out, in]; contiguous buffers. isa_limit: 2 best available, 1 at
  * most AVX2, 0 scalar. alone: batch-invariant (each row as a one-row call computes it). Any number of rows,
@@ -167,12 +178,7 @@ static PyObject *py_bf16_gemm(PyObject *self, PyObject *args) {
         return NULL;
     }
     const int *runs = n_segments > 0 ? (const int *)(uintptr_t)segments : NULL;
-    long long covered = 0;
-    for (int i = 0; runs != NULL && i < n_segments; i++) covered += runs[i] >= 1 ? runs[i] : -(long long)rows - 1;
-    if (runs != NULL && covered != rows) {
-        PyErr_Format(PyExc_ValueError, "bf16 gemm: %d segments of at least one row must cover rows=%d", n_segments, rows);
-        return NULL;
-    }
+    if (!segments_cover(runs, n_segments, rows, "bf16 gemm")) return NULL;
     (void)bf16_isa(in, 2); /* detect the CPU once, before any helper thread looks */
     Slice whole = {NULL, NULL, NULL, (const uint16_t *)(uintptr_t)w, (const float *)(uintptr_t)x, (float *)(uintptr_t)y,
                    rows, in, out, 0, out, isa_limit, alone, runs, n_segments};
@@ -248,17 +254,21 @@ static PyObject *py_q8_moe(PyObject *self, PyObject *args) {
 }
 
 /* nibble_moe(x_ptr, rows, ids_ptr, weights_ptr, topk, expert_ids_ptr, n_experts, mats_ptr, (dim, inter, code13,
- * code2, scale_kind, group13, group2), clamp, limit, out_ptr, threads, alone): a MoE layer's routed 4-bit
- * experts with float32 activations (nibble_moe.c), the arrays as q8_moe's; alone: decode rows' products. */
+ * code2, scale_kind, group13, group2), clamp, limit, out_ptr, threads, alone, segments_ptr, n_segments): a MoE
+ * layer's routed 4-bit experts with float32 activations (nibble_moe.c), the arrays as q8_moe's; alone: decode
+ * rows' products; segments (int32 [n_segments] covering rows; 0: none): several prompt chunks' rows. */
 static PyObject *py_nibble_moe(PyObject *self, PyObject *args) {
-    unsigned long long x, ids, weights, expert_ids, mats, out;
+    unsigned long long x, ids, weights, expert_ids, mats, out, segments = 0;
     int rows, topk, n_experts, clamp, threads, alone, dim, inter, code13, code2, scale_kind, group13, group2;
+    int n_segments = 0;
     float limit;
     PyObject *layout;
-    if (!PyArg_ParseTuple(args, "KiKKiKiKO!pfKip", &x, &rows, &ids, &weights, &topk, &expert_ids, &n_experts, &mats,
-                          &PyTuple_Type, &layout, &clamp, &limit, &out, &threads, &alone) ||
+    if (!PyArg_ParseTuple(args, "KiKKiKiKO!pfKip|Ki", &x, &rows, &ids, &weights, &topk, &expert_ids, &n_experts, &mats,
+                          &PyTuple_Type, &layout, &clamp, &limit, &out, &threads, &alone, &segments, &n_segments) ||
         !PyArg_ParseTuple(layout, "iiiiiii", &dim, &inter, &code13, &code2, &scale_kind, &group13, &group2))
         return NULL;
+    const int *runs = n_segments > 0 ? (const int *)(uintptr_t)segments : NULL;
+    if (!segments_cover(runs, n_segments, rows, "nibble moe")) return NULL;
     NibbleMatrix w13, w2;
     if (!nibble_matrix(&w13, 0, 0, dim, inter, group13, code13, scale_kind, "nibble moe: w1/w3") ||
         !nibble_matrix(&w2, 0, 0, inter, dim, group2, code2, scale_kind, "nibble moe: w2"))
@@ -274,7 +284,7 @@ static PyObject *py_nibble_moe(PyObject *self, PyObject *args) {
     for (int e = 0; e < n_experts; e++) experts[e] = nibble_expert_at(m + (size_t)e * 6, &like);
     NibbleMoE moe = {experts, (const int64_t *)(uintptr_t)expert_ids, n_experts, (const float *)(uintptr_t)x,
                      (const int64_t *)(uintptr_t)ids, (const float *)(uintptr_t)weights, rows, topk, dim, inter, clamp,
-                     limit, threads, alone, (double *)(uintptr_t)out};
+                     limit, threads, alone, (double *)(uintptr_t)out, runs, runs != NULL ? n_segments : 0};
     int status;
     (void)nibble_simd_available(); /* detect the CPU once, before any helper thread looks */
     Py_BEGIN_ALLOW_THREADS

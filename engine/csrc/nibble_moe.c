@@ -10,7 +10,9 @@
  * x_e are the rows routed to expert e, laid out for the kernel (nibble_prepare) in groups of MAX_ROWS.
  * Decode rows (alone): every product is nibble_gemm's alone one, what a one-row kernel call gives the row,
  * so rows of independent requests stay exact. A prompt's rows: each group through the multi-row loops,
- * the bits engine/quant.py's matmul gives the expert's rows (kernel_matmul, MAX_ROWS rows a call).
+ * the bits engine/quant.py's matmul gives the expert's rows (kernel_matmul, MAX_ROWS rows a call). Several
+ * prompt chunks (segments): an expert's rows of each chunk grouped from that chunk's first, as the chunk's
+ * own call groups them, while the expert's weights are read once for all of them.
  */
 #include "nibble_moe.h"
 
@@ -24,6 +26,8 @@
 
 typedef struct {
     int rows; /* rows of x routed to this expert */
+    int groups; /* the kernel calls they go through */
+    int *group; /* [groups]: rows in each (MAX_ROWS at most), in row order */
     int *row; /* [rows]: which rows */
     float *weight; /* [rows]: their gate weights */
     float *xs, *hs; /* x for w1/w3 and h for w2, nibble_prepare'd per group of MAX_ROWS rows */
@@ -39,26 +43,24 @@ typedef struct {
 
 static inline int blocks(int n) { return (n + BLOCK_ROWS - 1) / BLOCK_ROWS; }
 
-/* y [rows, out] (row stride `out`) rows [begin, end) = the prepared rows times m, MAX_ROWS rows per call. */
-static void product(const NibbleMatrix *m, const float *prepared, int rows, int begin, int end, float *y, int out,
+/* y [rows, out] (row stride `out`) rows [begin, end) = the prepared rows times m, one call per group. */
+static void product(const NibbleMatrix *m, const float *prepared, const Term *t, int begin, int end, float *y, int out,
                     int alone) {
     float tmp[MAX_ROWS * BLOCK_ROWS];
     size_t group_floats = nibble_work_floats(m, MAX_ROWS);
     int n = end - begin;
-    for (int first = 0; first < rows; first += MAX_ROWS) {
-        int g = rows - first < MAX_ROWS ? rows - first : MAX_ROWS;
-        nibble_gemm(m, prepared + (size_t)(first / MAX_ROWS) * group_floats, g, begin, end, 2, alone, tmp);
+    for (int i = 0, first = 0; i < t->groups; first += t->group[i++]) {
+        int g = t->group[i];
+        nibble_gemm(m, prepared + (size_t)i * group_floats, g, begin, end, 2, alone, tmp);
         for (int r = 0; r < g; r++) memcpy(y + (size_t)(first + r) * out + begin, tmp + (size_t)r * n, n * sizeof(float));
     }
 }
 
-/* x [rows, in] (row stride in) -> prepared, in groups of MAX_ROWS rows, each group's layout nibble_prepare's. */
-static void prepare_groups(const NibbleMatrix *m, const float *x, int rows, float *prepared) {
+/* x [rows, in] (row stride in) -> prepared, group by group, each group's layout nibble_prepare's. */
+static void prepare_groups(const NibbleMatrix *m, const float *x, const Term *t, float *prepared) {
     size_t group_floats = nibble_work_floats(m, MAX_ROWS);
-    for (int first = 0; first < rows; first += MAX_ROWS) {
-        int g = rows - first < MAX_ROWS ? rows - first : MAX_ROWS;
-        nibble_prepare(m, x + (size_t)first * m->in, g, prepared + (size_t)(first / MAX_ROWS) * group_floats);
-    }
+    for (int i = 0, first = 0; i < t->groups; first += t->group[i++])
+        nibble_prepare(m, x + (size_t)first * m->in, t->group[i], prepared + (size_t)i * group_floats);
 }
 
 /* Block b of phase A: expert b / (2 per), w1 or w3, 64 of its output rows. */
@@ -69,7 +71,7 @@ static void gate_up_block(void *arg, int b) {
     if (t->rows == 0) return;
     int inter = p->moe->inter, end = begin + BLOCK_ROWS < inter ? begin + BLOCK_ROWS : inter;
     const NibbleExpert *ex = &p->moe->experts[e];
-    product(up ? &ex->w3 : &ex->w1, t->xs, t->rows, begin, end, up ? t->up : t->gate, inter, p->moe->alone);
+    product(up ? &ex->w3 : &ex->w1, t->xs, t, begin, end, up ? t->up : t->gate, inter, p->moe->alone);
 }
 
 /* Phase B for expert e: h = silu(gate) * up, prepared for w2. */
@@ -78,7 +80,7 @@ static void swiglu_block(void *arg, int e) {
     const NibbleMoE *moe = p->moe;
     Term *t = &p->terms[e];
     swiglu_in_place(t->gate, t->up, (size_t)t->rows * moe->inter, moe->clamp, moe->limit);
-    prepare_groups(&moe->experts[e].w2, t->gate, t->rows, t->hs);
+    prepare_groups(&moe->experts[e].w2, t->gate, t, t->hs);
 }
 
 /* Block b of phase C: expert b / per, 64 output rows of its w2. */
@@ -88,19 +90,37 @@ static void down_block(void *arg, int b) {
     const Term *t = &p->terms[e];
     if (t->rows == 0) return;
     int dim = p->moe->dim, end = begin + BLOCK_ROWS < dim ? begin + BLOCK_ROWS : dim;
-    product(&p->moe->experts[e].w2, t->hs, t->rows, begin, end, t->y, dim, p->moe->alone);
+    product(&p->moe->experts[e].w2, t->hs, t, begin, end, t->y, dim, p->moe->alone);
 }
 
-/* Floats of a prepared area for n rows of m: whole groups of MAX_ROWS, as prepare_groups lays them. */
-static size_t prepared_floats(const NibbleMatrix *m, int n) {
-    return (size_t)(n + MAX_ROWS - 1) / MAX_ROWS * nibble_work_floats(m, MAX_ROWS);
+/* Floats of a prepared area of m for `groups` groups, as prepare_groups lays them. */
+static size_t prepared_floats(const NibbleMatrix *m, int groups) { return (size_t)groups * nibble_work_floats(m, MAX_ROWS); }
+
+/* Bytes of one expert's work area for n rows in `groups` groups. */
+static size_t term_bytes(const NibbleMoE *moe, const NibbleExpert *ex, int n, int groups) {
+    size_t floats = (size_t)n * (2 * (size_t)moe->inter + 2 * (size_t)moe->dim) + prepared_floats(&ex->w1, groups) +
+                    prepared_floats(&ex->w2, groups);
+    return (size_t)n * (sizeof(int) + sizeof(float)) + (size_t)groups * sizeof(int) + floats * sizeof(float) + 64;
 }
 
-/* Bytes of one expert's work area for n rows. */
-static size_t term_bytes(const NibbleMoE *moe, const NibbleExpert *ex, int n) {
-    size_t floats = (size_t)n * (2 * (size_t)moe->inter + 2 * (size_t)moe->dim) + prepared_floats(&ex->w1, n) +
-                    prepared_floats(&ex->w2, n);
-    return (size_t)n * (sizeof(int) + sizeof(float)) + floats * sizeof(float) + 64;
+/* The rows routed to expert `id` in ascending order and their groups: MAX_ROWS at a time, a new group at the
+ * first row of each segment (moe->segments; none: one run of every row). Counts them into t->rows and
+ * t->groups; fills t->row, t->weight and t->group where they are set. */
+static void route_rows(const NibbleMoE *moe, int64_t id, Term *t) {
+    int n = 0, groups = 0, in_group = 0, segment = 0;
+    int segment_end = moe->n_segments > 0 ? moe->segments[0] : moe->rows;
+    for (int r = 0; r < moe->rows; r++) {
+        while (r == segment_end && segment + 1 < moe->n_segments) segment_end += moe->segments[++segment], in_group = 0;
+        for (int s = 0; s < moe->topk; s++) {
+            if (moe->ids[(size_t)r * moe->topk + s] != id) continue;
+            if (in_group == 0 || in_group == MAX_ROWS) groups++, in_group = 0;
+            if (t->group != NULL) t->group[groups - 1] = ++in_group;
+            else in_group++;
+            if (t->row != NULL) t->row[n] = r, t->weight[n] = moe->weights[(size_t)r * moe->topk + s];
+            n++;
+        }
+    }
+    t->rows = n, t->groups = groups;
 }
 
 /* Which rows each expert takes, their x prepared, and its part of the work area (one allocation, freed by the
@@ -108,8 +128,8 @@ static size_t term_bytes(const NibbleMoE *moe, const NibbleExpert *ex, int n) {
 static void *assign_rows(const NibbleMoE *moe, Term *terms) {
     size_t total = 0;
     for (int e = 0; e < moe->n_experts; e++) {
-        terms[e].rows = rows_routed(moe->ids, moe->rows * moe->topk, moe->expert_ids[e]);
-        total += term_bytes(moe, &moe->experts[e], terms[e].rows);
+        route_rows(moe, moe->expert_ids[e], &terms[e]);
+        total += term_bytes(moe, &moe->experts[e], terms[e].rows, terms[e].groups);
     }
     char *area = malloc(total > 0 ? total : 1), *at = area;
     if (area == NULL) return NULL;
@@ -119,21 +139,17 @@ static void *assign_rows(const NibbleMoE *moe, Term *terms) {
         int n = t->rows;
         t->row = (int *)at, at += (size_t)n * sizeof(int);
         t->weight = (float *)at, at += (size_t)n * sizeof(float);
+        t->group = (int *)at, at += (size_t)t->groups * sizeof(int);
         at += (64 - (uintptr_t)at % 64) % 64; /* what follows is read as vectors */
         t->gate = (float *)at, at += (size_t)n * moe->inter * sizeof(float);
         t->up = (float *)at, at += (size_t)n * moe->inter * sizeof(float);
         t->y = (float *)at, at += (size_t)n * moe->dim * sizeof(float);
-        t->xs = (float *)at, at += prepared_floats(&ex->w1, n) * sizeof(float);
-        t->hs = (float *)at, at += prepared_floats(&ex->w2, n) * sizeof(float);
-        int i = 0;
-        for (int r = 0; r < moe->rows; r++)
-            for (int s = 0; s < moe->topk; s++)
-                if (moe->ids[(size_t)r * moe->topk + s] == moe->expert_ids[e]) {
-                    t->row[i] = r, t->weight[i] = moe->weights[(size_t)r * moe->topk + s];
-                    memcpy(t->y + (size_t)i * moe->dim, moe->x + (size_t)r * moe->dim, moe->dim * sizeof(float));
-                    i++;
-                }
-        prepare_groups(&ex->w1, t->y, n, t->xs); /* w1 and w3 read x alike: one layout for both */
+        t->xs = (float *)at, at += prepared_floats(&ex->w1, t->groups) * sizeof(float);
+        t->hs = (float *)at, at += prepared_floats(&ex->w2, t->groups) * sizeof(float);
+        route_rows(moe, moe->expert_ids[e], t);
+        for (int i = 0; i < n; i++)
+            memcpy(t->y + (size_t)i * moe->dim, moe->x + (size_t)t->row[i] * moe->dim, moe->dim * sizeof(float));
+        prepare_groups(&ex->w1, t->y, t, t->xs); /* w1 and w3 read x alike: one layout for both */
     }
     return area;
 }

@@ -31,11 +31,14 @@ typedef struct {
     int alone; /* 1: every product nibble_gemm's batch-invariant one (decode rows); 0: a prompt's rows, each
                   expert's in groups of MAX_ROWS through the multi-row loops, as engine/quant.py's matmul */
     double *out; /* [rows, dim]: out[r] += (double)(weight * expert(x[r])) for each listed expert r routed to */
+    const int *segments; /* without alone, or NULL: x's rows in runs of these lengths (n_segments), several prompt
+                            chunks, an expert's rows of each grouped as that chunk's own call groups them */
+    int n_segments;
 } NibbleMoE;
 
 /* Runs the layer; 0 when done, -1 when its work area could not be allocated (nothing was added). With
  * alone, a row's terms are those of its one-row call; without, those of kernel calls on its expert's rows
- * in ascending order, MAX_ROWS at a time. */
+ * in ascending order, MAX_ROWS at a time (with segments: from the first of each segment's). */
 int nibble_moe_run(const NibbleMoE *moe);
 
 #endif

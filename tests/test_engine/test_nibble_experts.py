@@ -203,3 +203,61 @@ def test_a_batch_with_other_experts_still_computes_its_4bit_ones_in_one_call(mon
     keep = ids < 5  # the 4-bit experts' terms: the reference with the others' weights at zero
     expected += reference(x, weights * keep, ids.where(keep, 0), make_experts())
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
+
+
+def segment_sums(x, weights, ids, experts, sizes) -> torch.Tensor:
+    """Each segment's routed sum on its own rows, as its own prompt chunk's forward computes it."""
+    parts = zip(x.split(sizes), weights.split(sizes), ids.split(sizes), strict=True)
+    return torch.cat([moe.routed_sum(*part, experts, 0)[0] for part in parts])
+
+
+def segmented_sum(x, weights, ids, experts, sizes) -> torch.Tensor:
+    routed = moe.RoutedSum(x, weights, ids, segments=sizes)
+    moe.add_routed([routed], experts, 0)
+    return routed.total()
+
+
+@needs_kernel
+@pytest.mark.parametrize("sizes", [[13, 5, 22], [3, 1, 9, 27]])  # boundaries inside an expert's groups of 8
+def test_several_segments_go_in_one_call_each_with_its_own_sums_bits(monkeypatch, sizes):
+    experts = make_experts()
+    x, weights, ids = routing(sum(sizes), seed=len(sizes))
+    calls = fused_calls(monkeypatch)
+    got = segmented_sum(x, weights, ids, experts, sizes)
+    assert calls == [len(ids.unique())]  # every expert once, for all the segments
+    assert torch.equal(got, segment_sums(x, weights, ids, experts, sizes))
+    whole, _ = moe.routed_sum(x, weights, ids, experts, 0)
+    assert not torch.equal(got, whole)  # one segment's groups of 8 run into the next: other bits
+
+
+@needs_kernel
+def test_an_expert_past_the_kernels_rows_in_one_segment_takes_the_dequantised_matmul_there_only(monkeypatch):
+    """The limit on rows per expert is each segment's (what its own sum sees): an expert routed more rows in
+    one segment goes to the dequantised matmul for that segment's rows, and to the one call for the others
+    (whose SwiGLU is C's: the two paths differ in bits, so the wrong one fails the comparison)."""
+    experts = make_experts()
+    sizes = [30, 6]
+    x, weights, ids = routing(sum(sizes), seed=11)
+    first = {e: int((ids[: sizes[0]] == e).sum()) for e in range(N_EXPERTS)}
+    limit = sorted(first.values())[N_EXPERTS // 2]  # about half the experts are over it in segment 1
+    assert max(int((ids[sizes[0] :] == e).sum()) for e in range(N_EXPERTS)) <= limit  # none in segment 2
+    monkeypatch.setattr(nibble_experts, "PROMPT_KERNEL_ROWS", limit)
+    monkeypatch.setattr(quant, "PROMPT_KERNEL_ROWS", limit)
+    taken: list[list[int]] = []
+    call = nibble_experts.add_nibble_experts
+    monkeypatch.setattr(moe, "add_nibble_experts", lambda *a, **k: taken.append(list(a[4])) or call(*a, **k))
+    got = segmented_sum(x, weights, ids, experts, sizes)
+    over = {e for e, n in first.items() if n > limit}
+    assert over and taken == [sorted(ids.unique().tolist())]  # segment 2 has every expert within the limit
+    assert torch.equal(got, segment_sums(x, weights, ids, experts, sizes))
+
+
+@needs_kernel
+def test_segments_that_do_not_cover_the_rows_are_refused():
+    experts = make_experts()
+    x, weights, ids = routing(10)
+    expert = experts.acquire(0, [0])[0]
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    with pytest.raises(ValueError, match="segments"):
+        nibble_experts.add_nibble_experts(out, x, ids, weights, [0], [expert], segments=[4, 5])
+    assert not out.any()  # nothing added
