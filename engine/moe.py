@@ -295,6 +295,19 @@ def _rows_routed_to(ids: torch.Tensor) -> dict[int, tuple[torch.Tensor | None, t
     return {expert: torch.where(ids == expert) for expert in ids.unique().tolist()}  # type: ignore[misc]
 
 
+# Rows of x routed to an expert and their top-k places: (rows, slots), or (None, slot) for one row (a decode step)
+_Routing = tuple[torch.Tensor | None, torch.Tensor | int]
+
+
+def _rows_per_segment(ids: torch.Tensor, segments: Sequence[int]) -> list[list[int]]:
+    """ids [N, topk] of N rows in runs of ``segments`` -> [expert id][segment]: rows routed to it there."""
+    n = len(segments)
+    segment_of = torch.repeat_interleave(torch.arange(n, device=ids.device), torch.tensor(segments, device=ids.device))
+    width = int(ids.max()) + 1
+    counts = torch.bincount((segment_of[:, None] * width + ids).flatten(), minlength=n * width)
+    return counts.view(n, width).t().tolist()
+
+
 def _count(rows: torch.Tensor | None) -> int:
     """Rows in a routing's rows (None: the one row of a decode step)."""
     return 1 if rows is None else rows.numel()
@@ -341,7 +354,7 @@ class RoutedSum:
         # x's rows in runs (several prompt chunks, engine/rows.py rows_in_segments): each term of a chunk's rows
         # as that chunk's own sum computes it; () or one run: x is one
         self.segments = tuple(segments) if len(segments) > 1 else ()
-        self._ends = torch.tensor(self.segments[:-1], device=x.device).cumsum(0) if self.segments else None
+        self._per_segment = _rows_per_segment(ids, self.segments) if self.segments else None
         self._inputs = {x.device: (x, weights)}  # device -> (x [N, dim], weights [N, topk]) there
         self._sums: dict[torch.device, torch.Tensor] = {}
 
@@ -356,26 +369,45 @@ class RoutedSum:
         if fused_experts_handle(experts, x):
             add_experts(self._sum_on(self.home), x, self.ids, weights, [i for i, _ in batch], experts, self.limit)
             return
-        in_c = {i: e for i, e in in_one_call(batch, x, self.rows_routed)}
-        left = [(i, e, part) for i, e in batch for part in self._by_segment(*self.rows_of[i])]
+        in_c = dict(in_one_call(batch, x, self.rows_routed))
+        outside = {i: self._outside_call(i, i in in_c, x) for i, _ in batch}
         if in_c:  # an expert's segments with more rows than the call takes are left out of it (ids -1)
-            left = [(i, e, part) for i, e, part in left if i not in in_c or not takes_rows(x, _count(part[0]))]
-            over = [part for i, _, part in left if i in in_c]
+            over = [part for i in in_c for part in outside[i]]
             ids = self._without(over) if over else self.ids
             quantized = list(in_c.values())
             add_nibble_experts(
                 self._sum_on(self.home), x, ids, weights, list(in_c), quantized, self.limit, self.segments
             )
-        for _, expert, (rows, slot) in left:
-            self.add(expert, rows, slot)
+        for expert_id, expert in batch:
+            for rows, slot in outside[expert_id]:
+                self.add(expert, rows, slot)
 
     def rows_routed(self, expert_id: int) -> int:
         """How many rows of x routed to the expert (with segments: the fewest of any segment it is routed in,
         so that the one C call takes it where some segment's own sum would)."""
-        rows, _ = self.rows_of[expert_id]
-        return min(_count(part) for part, _ in self._by_segment(rows, 0))
+        if self._per_segment is None:
+            return _count(self.rows_of[expert_id][0])
+        return min(n for n in self._per_segment[expert_id] if n)
 
-    def _without(self, parts: list[tuple[torch.Tensor | None, torch.Tensor | int]]) -> torch.Tensor:
+    def _outside_call(self, expert_id: int, in_call: bool, x: torch.Tensor) -> list[_Routing]:
+        """The expert's (rows, slots) that ``add`` computes: all of them where the one C call does not take it;
+        where it does, its segments with more rows than the call takes (none without segments)."""
+        if not in_call:
+            return self._parts_of(expert_id)
+        if self._per_segment is None or all(takes_rows(x, n) for n in self._per_segment[expert_id]):
+            return []
+        return [part for part in self._parts_of(expert_id) if not takes_rows(x, _count(part[0]))]
+
+    def _parts_of(self, expert_id: int) -> list[_Routing]:
+        """The (rows, slots) routed to an expert, one part per segment that has any (rows ascend), or the whole."""
+        rows, slot = self.rows_of[expert_id]
+        if self._per_segment is None or rows is None:
+            return [(rows, slot)]
+        sizes = self._per_segment[expert_id]
+        slots = cast(torch.Tensor, slot).split(sizes)  # a tensor wherever rows is (_rows_routed_to)
+        return [(r, s) for r, s, n in zip(rows.split(sizes), slots, sizes, strict=True) if n]
+
+    def _without(self, parts: list[_Routing]) -> torch.Tensor:
         """ids with the listed routings (rows, slots) taken out (-1: routed to no expert)."""
         ids = self.ids.clone()
         for rows, slot in parts:
@@ -384,20 +416,6 @@ class RoutedSum:
             else:
                 ids[rows, slot] = -1
         return ids
-
-    def _by_segment(
-        self, rows: torch.Tensor | None, slot: torch.Tensor | int
-    ) -> list[tuple[torch.Tensor | None, torch.Tensor | int]]:
-        """(rows, slots) routed to an expert, cut where the segments meet (rows ascend): one part per segment
-        that has any, or the whole."""
-        if rows is None or self._ends is None:
-            return [(rows, slot)]
-        cuts = torch.searchsorted(rows, self._ends.to(rows.device)).tolist()
-        parts: list[tuple[torch.Tensor | None, torch.Tensor | int]] = []
-        for start, end in zip([0, *cuts], [*cuts, rows.numel()], strict=True):
-            if end > start:
-                parts.append((rows[start:end], slot if isinstance(slot, int) else slot[start:end]))
-        return parts
 
     def _sum_on(self, device: torch.device) -> torch.Tensor:
         if device not in self._sums:
