@@ -206,8 +206,9 @@ class MoE(nn.Module):
     def forward_segments(self, x: torch.Tensor, experts: LocalExperts) -> torch.Tensor:
         """Inside rows_in_segments(): x [N, dim], the rows of several segments, each the bits ``forward`` gives
         it alone -> [N, dim]. The router and the shared expert run over all rows at once (segment-aware ops);
-        each segment's routed sum is its own (an expert's rows are its segment's, in its kernel groups), every
-        expert of their union acquired once (``add_routed``). Score-routed layers only."""
+        one routed sum knows the segments (``RoutedSum``: an expert's rows of each segment computed as that
+        segment's own sum computes them, in one call that reads the expert once), every expert of their union
+        acquired once (``add_routed``). Score-routed layers only."""
         sizes = row_segments(x.shape[0]) or (x.shape[0],)
         weights, ids = self.gate(x)
         routed = RoutedSum(x, weights, ids, self.limit, sizes)
