@@ -205,8 +205,9 @@ class ContinuousBatch:
             if generation.pending:  # a client gone while its prompt waits or is read
                 generation.poll_cancel()
         reading = self._readers()
-        together = [g for g in reading if g.request.prompt_logprobs is None] if len(reading) > 1 else []
-        if len(together) > 1:
+        together = [g for g in reading if g.request.prompt_logprobs is None]  # logprobs need every position's logits
+        together = together if len(together) > 1 else []
+        if together:
             self._guarded(together, self._prefill_together)
         for generation in reading:
             if generation not in together:

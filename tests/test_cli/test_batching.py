@@ -150,3 +150,17 @@ def test_short_prompts_share_a_step_and_a_long_one_waits_its_turn(tiny):
         batch.step()
     for generation in [*short, later]:
         assert generation.result.ids == solo(tiny.model, tiny.experts, generation.request)
+
+
+def test_a_prompt_beside_one_that_asks_for_its_logprobs_is_read_in_the_same_step(tiny):
+    """Prompts asking for their logprobs are read on their own (every position's logits); the one prompt left
+    beside such a reader has no partner to share a forward with, and is still read that step."""
+    batch = ContinuousBatch(tiny.model, tiny.experts, CHUNK)
+    logprobs = batch.add(GenerationRequest([1, 2, 3], 2, prompt_logprobs=1))
+    plain = batch.add(GenerationRequest([4, 5, 6], 2))
+    batch.step()
+    assert logprobs.pending == [] and plain.pending == []
+    assert len(logprobs.result.ids) == len(plain.result.ids) == 1
+    while batch:
+        batch.step()
+    assert plain.result.ids == solo(tiny.model, tiny.experts, plain.request)
