@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from functools import partial
-from typing import TYPE_CHECKING, Any, overload
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import torch
 import torch.nn.functional as F
@@ -27,27 +27,33 @@ except ImportError:  # pragma: no cover - machines without a compiler
 # reflection: a build of the C extension older than split_cores_shared lacks it; checked once
 _VERDICT_BUILT = _kernels is not None and hasattr(_kernels, "cores_shared")
 
+T = TypeVar("T")
+
 _alone: ContextVar[bool] = ContextVar("rows_alone", default=False)
 _segments: ContextVar[tuple[int, ...] | None] = ContextVar("rows_in_segments", default=None)
 _kernel_threads: ContextVar[int | None] = ContextVar("kernel_threads", default=None)
 
 
 @contextmanager
-def rows_alone() -> Iterator[None]:
-    """Compute every row of the matmuls inside as a one-row call would (see the module docstring)."""
-    token = _alone.set(True)
+def _holding(var: ContextVar[T], value: T) -> Iterator[None]:
+    """``var`` set to ``value`` inside, back to what it was after."""
+    token = var.set(value)
     try:
         yield
     finally:
-        _alone.reset(token)
+        var.reset(token)
+
+
+def rows_alone() -> AbstractContextManager[None]:
+    """Compute every row of the matmuls inside as a one-row call would (see the module docstring)."""
+    return _holding(_alone, True)
 
 
 def computing_alone() -> bool:
     return _alone.get()
 
 
-@contextmanager
-def rows_in_segments(sizes: Sequence[int]) -> Iterator[None]:
+def rows_in_segments(sizes: Sequence[int]) -> AbstractContextManager[None]:
     """Compute the rows of every op inside (flattened to [rows, last dim]) as runs of these lengths, each as
     its own call computes it: several requests' prompt chunks in one forward (engine/model.py
     forward_prompts), each chunk the bits of its own forward. Row-wise ops (norms, elementwise arithmetic)
@@ -55,21 +61,12 @@ def rows_in_segments(sizes: Sequence[int]) -> Iterator[None]:
     the C kernels go MAX_ROWS rows at a time, torch's vectorised transcendental functions give a row's last
     elements the scalar function) the op runs per segment (``by_segment``) or, the bf16 kernel, with each
     segment's own row groups. Work on one segment's rows alone goes inside ``one_segment()``."""
-    token = _segments.set(tuple(sizes))
-    try:
-        yield
-    finally:
-        _segments.reset(token)
+    return _holding(_segments, tuple(sizes))
 
 
-@contextmanager
-def one_segment() -> Iterator[None]:
+def one_segment() -> AbstractContextManager[None]:
     """Inside rows_in_segments(), ops over one segment's rows only (its attention over its own cache)."""
-    token = _segments.set(None)
-    try:
-        yield
-    finally:
-        _segments.reset(token)
+    return _holding(_segments, None)
 
 
 def row_segments(rows: int) -> tuple[int, ...] | None:
