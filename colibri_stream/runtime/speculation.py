@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -106,6 +106,10 @@ class Speculation:
         depth = self.governor.depth()
         before = self.counters() if self.counters is not None and self.governor.counts(depth) else None
         started = time.perf_counter()
+        if depth == 0:  # most steps where drafting does not pay: each bookkeeping microsecond is ~0.2% of one
+            self._plain(sequences, experts)
+            self._observe(StepCost(0, (), time.perf_counter() - started, 0.0, None), before)
+            return [(0, 0)] * len(sequences)
         rows = [Row(sequence, self._drafts(sequence.state, experts, depth)) for sequence in sequences]
         drafted = time.perf_counter()
         tokens = [token for row in rows for token in row.tokens]
@@ -116,12 +120,26 @@ class Speculation:
             end = offset + len(row.tokens)
             counts.append(self._accept(row, logits[offset:end], hidden[offset:end]))
             offset = end
-        taken = time.perf_counter()
-        store = self.counters().minus(before) if self.counters is not None and before is not None else None
         accepted = tuple(a for d, a in counts if d)
-        cost = StepCost(depth if accepted else 0, accepted, taken - drafted, drafted - started, store)
-        self.governor.observe(cost)
+        verified = time.perf_counter() - drafted
+        self._observe(StepCost(depth if accepted else 0, accepted, verified, drafted - started, None), before)
         return counts
+
+    def _plain(self, sequences: list[DraftedSequence], experts: Experts) -> None:
+        """A step without drafts, as ``_accept`` takes a row with none (one token each), without its loop."""
+        starts = [sequence.cache.length for sequence in sequences]
+        tokens = [sequence.next_token for sequence in sequences]
+        logits, hidden = self.drafter.forward_rows_hidden(tokens, [s.cache for s in sequences], experts)
+        for sequence, start, row_logits, row_hidden in zip(sequences, starts, logits, hidden, strict=True):
+            token = sequence.choose(row_logits, None)
+            if sequence.take(row_logits, token):
+                sequence.state.keep(start, row_hidden, token)
+
+    def _observe(self, cost: StepCost, before: StoreStats | None) -> None:
+        """The governor learns the step's cost; with the store's counters over it where they were taken."""
+        if self.counters is not None and before is not None:
+            cost = replace(cost, store=self.counters().minus(before))
+        self.governor.observe(cost)
 
     def _drafts(self, state: DraftState, experts: Experts, depth: int) -> list[int]:
         if depth == 0 or not state.hidden:

@@ -18,7 +18,7 @@ from colibri_stream.runtime.batching import ContinuousBatch, GenerationRequest
 from colibri_stream.runtime.loader import load, load_checkpoint
 from colibri_stream.runtime.mtp_governor import MTPOptions
 from colibri_stream.runtime.sampling import SamplingParams
-from colibri_stream.runtime.speculation import Speculation
+from colibri_stream.runtime.speculation import CATCH_UP_PAIRS, Speculation
 
 # DeepSeek-V3/R1, V3.2, GLM-5 ship one MTP layer, DeepSeek-V4 its mtp.0 module
 MTP_FAMILIES = ["deepseek_v3", "deepseek_v32", "glm_moe_dsa", "deepseek_v4"]
@@ -146,6 +146,36 @@ def test_drafted_batches_give_each_request_its_solo_tokens(mtp_loaded):
     speculation = Speculation(mtp_loaded.drafter, MTPOptions("on", 2))
     together, _ = generate_all(mtp_loaded, PROMPTS, speculation)
     assert together == solo
+
+
+def test_plain_steps_keep_each_position_s_pair_for_the_next_draft(mtp_loaded, monkeypatch):
+    """Steps the governor runs plain keep (h_i, t_{i+1}) of each new position, the latest CATCH_UP_PAIRS of
+    them, as a drafting step's rows would: the hidden state the step computed, at its own position."""
+    returned = []
+    forward = mtp_loaded.model.forward_rows_hidden
+
+    def recording(tokens, caches, experts):
+        logits, hidden = forward(tokens, caches, experts)
+        returned.append(hidden.clone())
+        return logits, hidden
+
+    monkeypatch.setattr(mtp_loaded.model, "forward_rows_hidden", recording)
+    speculation = Speculation(mtp_loaded.drafter, MTPOptions("auto", 1))
+    batch = ContinuousBatch(mtp_loaded.model, mtp_loaded.experts, speculation=speculation)
+    prompts = PROMPTS[:2]
+    gens = [batch.add(GenerationRequest(p, 20)) for p in prompts]
+    batch.step()  # both prompts
+    steps = CATCH_UP_PAIRS + 3  # below PROBE_EVERY: the governor's first steps are plain
+    for _ in range(steps):
+        batch.step()
+    assert speculation.governor.drafting_steps == 0 and len(returned) == steps
+    for row, (prompt, g) in enumerate(zip(prompts, gens, strict=True)):
+        state = g.drafting
+        assert state.first == len(prompt) + steps - CATCH_UP_PAIRS
+        assert state.first + len(state.hidden) == g.cache.length  # up to the newest position fed
+        assert state.tokens == g.result.ids[steps - CATCH_UP_PAIRS + 1 : steps + 1]
+        for kept, step_hidden in zip(state.hidden, returned[-CATCH_UP_PAIRS:], strict=True):
+            assert torch.equal(kept, step_hidden[row])
 
 
 @pytest.fixture(scope="module")

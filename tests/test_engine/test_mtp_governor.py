@@ -4,6 +4,7 @@ off, and the stats it reports; then the same choices in real runs (a random MTP 
 
 from __future__ import annotations
 
+import random
 import shutil
 
 import pytest
@@ -14,6 +15,7 @@ from colibri_stream.runtime.batching import ContinuousBatch, GenerationRequest
 from colibri_stream.runtime.loader import load_checkpoint
 from colibri_stream.runtime.mtp_governor import (
     COUNT_PLAIN_EVERY,
+    MARGIN,
     MAX_PROBE_EVERY,
     PROBE_EVERY,
     Governor,
@@ -140,6 +142,35 @@ def test_plain_steps_take_the_store_counters_now_and_then_and_drafting_steps_alw
     assert governor.counts(1)  # a drafting step
     governor.observe(StepCost(1, (1,), PLAIN_S, 0.001, store(64, 0, 0.0)))
     assert governor.counts(0)  # the plain step right after one
+
+
+def test_the_depth_chosen_is_the_lowest_of_the_highest_gain_if_it_clears_the_margin():
+    """The per-step choice (one pass over the depths) against its definition over ``gain``, on states where
+    drafting pays at some depth or at none: the states come from driving the governor, then its averages
+    are set at random, zeros and certainties included."""
+    rng = random.Random(7)
+    cases = 0
+    for _ in range(300):
+        governor = Governor(MTPOptions("auto", rng.randint(1, 4)))
+        drive(governor, PROBE_EVERY + 3, accept=rng.random(), row_s=rng.uniform(0, 0.01), miss_rate=0.0, miss_s=0.0)
+        governor.acceptance.value = rng.choice([0.0, 1.0, rng.random()])
+        governor.row_s.value = rng.choice([0.0, rng.uniform(0, 0.02)])
+        governor.draft_s.value = rng.choice([0.0, rng.uniform(0, 0.01)])
+        governor.miss_rate.value, governor.miss_s.value = rng.random(), rng.uniform(0, 0.01)
+        governor.extra_requests.value = rng.choice([0.0, 32.0])
+        depths = range(governor.options.max_depth + 1)
+        best = max(depths, key=governor.gain)
+        expected = best if governor.gain(best) >= MARGIN else 0
+        governor.since_draft, governor.since_plain = 1, 1  # neither a probe nor a yardstick step is due
+        assert governor.depth() == expected
+        cases += expected > 0
+    assert 30 < cases < 270  # both choices were exercised
+    governor = Governor(MTPOptions("auto", 2))  # drafts always accepted, rows free: the deepest pays most
+    drive(governor, PROBE_EVERY + 3, accept=0.5, row_s=0.0, miss_rate=0.0, miss_s=0.0)
+    governor.since_draft, governor.since_plain = 1, 1
+    governor.extra_requests.value, governor.draft_s.value, governor.row_s.value = 0.0, 0.0, 0.0
+    governor.acceptance.value = 1.0  # gains 1, 2, 3
+    assert governor.depth() == 2
 
 
 def test_forced_modes_and_options():
