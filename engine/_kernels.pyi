@@ -14,8 +14,8 @@ Q8_VNNI: int
 
 # mla_weights' result: a capsule holding a layer's MLA weights for mla_project and mla_output
 MlaWeights = NewType("MlaWeights", object)
-# one matrix for q8_mlp and mla_weights: (w, scales, kind, scale_kind, in, group)
-Matrix = tuple[int, int, int, int, int, int]
+# one matrix for q8_mlp and mla_weights: (w, scales, kind, scale_kind, in, group, interleaved)
+Matrix = tuple[int, int, int, int, int, int, int]
 
 def rms_norm(x: int, rows: int, dim: int, w: int, eps: float, out: int, /) -> None: ...
 def route(
@@ -144,6 +144,7 @@ def q8_gemm(
     threads: int,
     kind: int,
     scale_kind: int,
+    interleaved: bool = ...,
     /,
 ) -> None: ...
 def dequant(

@@ -91,12 +91,12 @@ class Bf16Linear(nn.Module, KernelMatrix):
         return bf16_linear(x, self.weight)
 
     def c_matrix(self) -> CMatrix | None:
-        """(w, 0, BF16_KIND, 0, in, 0) for the fused C steps, which compute a float32 decode row as forward
+        """(w, 0, BF16_KIND, 0, in, 0, 0) for the fused C steps, which compute a float32 decode row as forward
         does (the same kernel); None where forward would not take the kernel."""
         w = self.weight
         if not (bf16_kernel_available() and w.device.type == "cpu" and w.is_contiguous()):
             return None
-        return (w.data_ptr(), 0, BF16_KIND, 0, w.shape[1], 0)
+        return (w.data_ptr(), 0, BF16_KIND, 0, w.shape[1], 0, 0)
 
 
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,18 @@ from typing import Self, cast
 import torch
 from torch import nn
 
-from engine.q8 import BLOCK, WEIGHT_KINDS, CMatrix, KernelMatrix, q8_kernel_handles, q8_matmul, quantize_rows
+from engine.q8 import (
+    BLOCK,
+    WEIGHT_KINDS,
+    CMatrix,
+    KernelMatrix,
+    deinterleave,
+    interleavable,
+    interleave,
+    q8_kernel_handles,
+    q8_matmul,
+    quantize_rows,
+)
 from engine.quant import KERNEL_SCALES, QuantizedMatrix
 from engine.rows import linear
 
@@ -24,7 +35,8 @@ CODE_DTYPES = {"int8": torch.int8, "int4": torch.uint8}  # int4: two codes a byt
 
 class CodedLinear(nn.Module, KernelMatrix):
     """A bias-free Linear over ``code`` codes q (int8 [out, in]; int4 [out, ceil(in / 2)] bytes) and scales
-    [out, ceil(in / group_size)]; ``in_dim`` the weight's width."""
+    [out, ceil(in / group_size)]; ``in_dim`` the weight's width. After ``interleave`` q holds codes and scales
+    in the kernel's interleaved layout (engine/q8.py) and scales is empty (its dtype kept)."""
 
     q: torch.Tensor  # buffers (register_buffer): declared for the type checker
     scales: torch.Tensor
@@ -39,8 +51,24 @@ class CodedLinear(nn.Module, KernelMatrix):
             raise TypeError(f"CodedLinear needs {code} codes [out, {packed}], got {q.dtype} {list(q.shape)}")
         self.register_buffer("q", q.contiguous())
         self.register_buffer("scales", scales.contiguous())
-        self.group_size, self.code, self.in_dim = group_size, code, in_dim
+        self.group_size, self.code, self.in_dim, self.out_dim = group_size, code, in_dim, q.shape[0]
+        self.interleaved = False
         self._c_matrix: CMatrix | None = None
+
+    def interleave(self) -> bool:
+        """Hold the codes in the kernel's interleaved layout where the kernel reads them and the shape allows:
+        the same products, read as one stream per 4 rows (engine/csrc/q8.h). Returns whether it did."""
+        takes = (
+            self.q.device.type == "cpu"
+            and self.scales.dtype in KERNEL_SCALES
+            and q8_kernel_handles(self.code, self.group_size, torch.empty(1, 1))
+        )
+        if self.interleaved or not (takes and interleavable(self.code, self.in_dim, self.out_dim, self.group_size)):
+            return False
+        self.q = interleave(self.q, self.scales, self.code, self.group_size)
+        self.scales = self.scales.new_empty(0)
+        self.interleaved, self._c_matrix = True, None
+        return True
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
         self._c_matrix = None  # .to(), ...: new buffers
@@ -53,11 +81,16 @@ class CodedLinear(nn.Module, KernelMatrix):
         if self._c_matrix is None and self.group_size % BLOCK == 0 and self.scales.dtype in KERNEL_SCALES:
             q, scales = self.q, self.scales
             kind, scale_kind = WEIGHT_KINDS[self.code], KERNEL_SCALES[scales.dtype]
-            self._c_matrix = (q.data_ptr(), scales.data_ptr(), kind, scale_kind, self.in_dim, self.group_size)
+            matrix = (q.data_ptr(), scales.data_ptr(), kind, scale_kind, self.in_dim, self.group_size, self.interleaved)
+            self._c_matrix = cast(CMatrix, matrix)
         return self._c_matrix
 
     @property
     def matrix(self) -> QuantizedMatrix:
+        """The weights row-major (from the interleaved layout a copy: the paths that dequantise)."""
+        if self.interleaved:
+            q, scales = deinterleave(self.q, self.code, self.scales.dtype, self.group_size)
+            return QuantizedMatrix(q, scales, self.code, self.group_size, self.in_dim)
         return QuantizedMatrix(self.q, self.scales, self.code, self.group_size, self.in_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -66,10 +99,11 @@ class CodedLinear(nn.Module, KernelMatrix):
         flat = x.reshape(-1, x.shape[-1]).float()
         if q8_kernel_handles(self.code, self.group_size, flat) and self.scales.dtype in KERNEL_SCALES:
             scale_kind = KERNEL_SCALES[self.scales.dtype]
-            out = q8_matmul(flat, self.q, self.scales, self.code, self.group_size, scale_kind)
+            out_dim = self.out_dim if self.interleaved else None
+            out = q8_matmul(flat, self.q, self.scales, self.code, self.group_size, scale_kind, out_dim=out_dim)
         else:
             out = linear(quantize_rows(flat), self.matrix.dequantize(torch.float32))
-        return out.view(*x.shape[:-1], self.q.shape[0])
+        return out.view(*x.shape[:-1], self.out_dim)
 
 
 def hold_codes(model: nn.Module, weights: dict[str, tuple[torch.Tensor, torch.Tensor, int, str, int]]) -> int:
@@ -84,3 +118,9 @@ def hold_codes(model: nn.Module, weights: dict[str, tuple[torch.Tensor, torch.Te
         setattr(model.get_submodule(parent_name) if parent_name else model, child, CodedLinear(*held))
         swapped += 1
     return swapped
+
+
+def interleave_codes(model: nn.Module) -> int:
+    """Every CodedLinear of ``model`` in the kernel's interleaved layout where it applies (CodedLinear.interleave),
+    once its weights are loaded. Returns how many."""
+    return sum(module.interleave() for module in model.modules() if isinstance(module, CodedLinear))

@@ -24,6 +24,8 @@ except ImportError:  # pragma: no cover - machines without a compiler
     _kernels = None  # type: ignore[assignment]  # no C extension built: callers check for None first
 
 BLOCK = 32  # columns of x per int8 scale
+CHUNK = 64  # columns per step of the kernels (q8.h Q8_CHUNK)
+SPAN = 512  # columns per span of the interleaved layout (q8.h Q8_SPAN)
 WEIGHT_KINDS = {"int4": 0, "int8": 1}  # the kernel's weight kinds (q8.h)
 BF16_KIND = 2  # q8.h Q8_WEIGHTS_BF16: a bf16 dense matrix of the float32 path in the fused C steps
 ISA_SCALAR, ISA_AVX2, ISA_BEST = 0, 1, 2  # q8.h Q8_ISA_*: plain C, AVX2 maddubs, AVX-512 VNNI where there
@@ -66,13 +68,16 @@ def q8_matmul(
     group_size: int,
     scale_kind: int,
     isa: int = ISA_BEST,
+    out_dim: int | None = None,
 ) -> torch.Tensor:
     """int8(x) [rows, in] @ dequant(w, scales)^T -> [rows, out] float32. ``w``: int4 nibbles uint8
-    [out, ceil(in / 2)] or int8 [out, in]; ``scale_kind``: the kernel's code for the scales' dtype;
-    ``isa``: the best instruction set the kernel may use (every level gives the same bytes; tests lower it)."""
+    [out, ceil(in / 2)] or int8 [out, in], or ``interleave``'s bytes of them (``out_dim`` given, ``scales``
+    unused); ``scale_kind``: the kernel's code for the scales' dtype; ``isa``: the best instruction set the
+    kernel may use (every level gives the same bytes; tests lower it)."""
     rows, in_dim = x.shape
     x = x.contiguous()
-    y = torch.empty((rows, w.shape[0]), dtype=torch.float32)
+    out = w.shape[0] if out_dim is None else out_dim
+    y = torch.empty((rows, out), dtype=torch.float32)
     _kernels.q8_gemm(
         w.data_ptr(),
         scales.data_ptr(),
@@ -80,14 +85,54 @@ def q8_matmul(
         y.data_ptr(),
         rows,
         in_dim,
-        w.shape[0],
+        out,
         group_size,
         isa,
         kernel_threads(),
         WEIGHT_KINDS[code],
         scale_kind,
+        out_dim is not None,
     )
     return y
+
+
+def interleavable(code: str, in_dim: int, out_dim: int, group_size: int) -> bool:
+    """Whether ``interleave`` takes a matrix of this shape (q8.h q8_interleavable): whole spans and 4-row
+    blocks, groups of whole chunks that tile a span. Real models' widths are; odd test shapes are not."""
+    return (
+        code in WEIGHT_KINDS
+        and in_dim >= SPAN
+        and in_dim % SPAN == 0
+        and out_dim >= 4
+        and out_dim % 4 == 0
+        and group_size % CHUNK == 0
+        and SPAN % group_size == 0
+    )
+
+
+def interleave(q: torch.Tensor, scales: torch.Tensor, code: str, group_size: int) -> torch.Tensor:
+    """The codes q ([out, in / 2] int4 bytes or [out, in] int8) and scales [out, in / group] of an
+    ``interleavable`` matrix in the kernel's interleaved layout (q8.h): per block of 4 rows and span of SPAN
+    columns, the span's chunks row by row, then the 4 rows' scales. uint8 [out / 4, spans, span bytes]."""
+    out_dim, row_bytes = q.shape
+    step = CHUNK // 2 if code == "int4" else CHUNK
+    spans = row_bytes // (SPAN // CHUNK * step)
+    codes = q.view(torch.uint8).view(out_dim // 4, 4, spans, SPAN // CHUNK, step).permute(0, 2, 3, 1, 4)
+    scale_bytes = scales.contiguous().view(torch.uint8).view(out_dim // 4, 4, spans, -1).permute(0, 2, 1, 3)
+    return torch.cat([codes.reshape(out_dim // 4, spans, -1), scale_bytes.reshape(out_dim // 4, spans, -1)], dim=2)
+
+
+def deinterleave(
+    packed: torch.Tensor, code: str, scale_dtype: torch.dtype, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``interleave``'s inverse: (q, scales) in the row-major layout, for the paths that dequantise."""
+    blocks, spans, _ = packed.shape
+    step = CHUNK // 2 if code == "int4" else CHUNK
+    code_bytes = SPAN // CHUNK * 4 * step
+    codes = packed[:, :, :code_bytes].reshape(blocks, spans, SPAN // CHUNK, 4, step).permute(0, 3, 1, 2, 4)
+    q = codes.reshape(blocks * 4, -1).view(torch.int8 if code == "int8" else torch.uint8)
+    scale_bytes = packed[:, :, code_bytes:].reshape(blocks, spans, 4, -1).permute(0, 2, 1, 3).reshape(blocks * 4, -1)
+    return q, scale_bytes.contiguous().view(scale_dtype)
 
 
 def quantize_rows(x: torch.Tensor) -> torch.Tensor:
@@ -102,7 +147,8 @@ def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     return (q * (amax / 127.0)).view(rows, -1)[:, :in_dim]
 
 
-CMatrix = tuple[int, int, int, int, int, int]  # (w, scales, kind, scale kind, in, group) as the C steps take a matrix
+# (w, scales, kind, scale kind, in, group, interleaved) as the C steps take a matrix
+CMatrix = tuple[int, int, int, int, int, int, int]
 
 
 class KernelMatrix:
@@ -110,7 +156,8 @@ class KernelMatrix:
     int4 records), engine/bf16.py's Bf16Linear (declared here because both import this module)."""
 
     def c_matrix(self) -> CMatrix | None:
-        """(w, scales, kind, scale kind, in, group) as the C steps take a matrix; None where they cannot."""
+        """(w, scales, kind, scale kind, in, group, interleaved) as the C steps take a matrix; None where they
+        cannot."""
         return None
 
 

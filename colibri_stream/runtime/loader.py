@@ -44,7 +44,7 @@ from engine.attention import MLA
 from engine.bf16 import hold_in_bf16, linear_candidates
 from engine.experts import Expert, ExpertWeights
 from engine.families import meta_transformer
-from engine.int8_dense import hold_codes
+from engine.int8_dense import hold_codes, interleave_codes
 from engine.interfaces import Drafter, Model
 from engine.model import Transformer
 from engine.quant import QuantizedMatrix
@@ -393,6 +393,7 @@ def _load_dense(
         module = name.removesuffix(".weight")
         state[f"{module}.q"], state[f"{module}.scales"] = q, scales
     model.load_state_dict(state, strict=True, assign=True)
+    interleave_codes(model)
     for attention, (q, scales, group_size) in kv_b_codes.items():
         attention_module = model.get_submodule(attention)
         if isinstance(attention_module, MLA):  # (DeepSeek-V4's attention has no wkv_b)

@@ -188,23 +188,25 @@ static PyObject *py_bf16_gemm(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* q8_gemm(w_ptr, scales_ptr, x_ptr, y_ptr, rows, in, out, group, isa, threads, kind, scale_kind):
+/* q8_gemm(w_ptr, scales_ptr, x_ptr, y_ptr, rows, in, out, group, isa, threads, kind, scale_kind[, interleaved]):
  * y[rows, out] = quantise_int8(x[rows, in]) @ dequant(w, scales)^T (q8.c); kind 0 int4 nibbles, 1 int8;
- * group a multiple of 32; isa: the best instruction set to use (q8.h Q8_ISA_*, each the same bytes). Each
- * row is computed as alone (batch-invariant). */
+ * group a multiple of 32; isa: the best instruction set to use (q8.h Q8_ISA_*, each the same bytes);
+ * interleaved 1: w is in q8.h's interleaved layout (scales_ptr unused). Each row is computed as alone
+ * (batch-invariant). */
 static PyObject *py_q8_gemm(PyObject *self, PyObject *args) {
     unsigned long long w, scales, x, y;
-    int rows, in, out, group, isa, threads, kind, scale_kind;
-    if (!PyArg_ParseTuple(args, "KKKKiiiiiiii", &w, &scales, &x, &y, &rows, &in, &out, &group, &isa, &threads,
-                          &kind, &scale_kind))
+    int rows, in, out, group, isa, threads, kind, scale_kind, interleaved = 0;
+    if (!PyArg_ParseTuple(args, "KKKKiiiiiiii|p", &w, &scales, &x, &y, &rows, &in, &out, &group, &isa, &threads,
+                          &kind, &scale_kind, &interleaved))
         return NULL;
     if (rows < 1 || in < 1 || out < 1 || group < Q8_BLOCK || group % Q8_BLOCK || kind < 0 || kind >= N_Q8_WEIGHTS ||
-        scale_kind < 0 || scale_kind >= N_SCALE_KINDS) {
-        PyErr_Format(PyExc_ValueError, "q8 gemm: unsupported shape or kind rows=%d in=%d out=%d group=%d kind=%d scale=%d",
-                     rows, in, out, group, kind, scale_kind);
+        scale_kind < 0 || scale_kind >= N_SCALE_KINDS || (interleaved && !q8_interleavable(kind, scale_kind, in, out, group))) {
+        PyErr_Format(PyExc_ValueError,
+                     "q8 gemm: unsupported shape or kind rows=%d in=%d out=%d group=%d kind=%d scale=%d interleaved=%d", rows,
+                     in, out, group, kind, scale_kind, interleaved);
         return NULL;
     }
-    Q8Matrix m = {(const void *)(uintptr_t)w, (const void *)(uintptr_t)scales, kind, scale_kind, in, group};
+    Q8Matrix m = {(const void *)(uintptr_t)w, (const void *)(uintptr_t)scales, kind, scale_kind, in, group, interleaved};
     Q8Rows xq = {malloc(q8_work_bytes(rows, in)), 0, 0, kind};
     if (xq.work == NULL) return PyErr_NoMemory();
     (void)q8_vnni_available(); /* detect the CPU once, before any helper thread looks */

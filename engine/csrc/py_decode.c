@@ -23,15 +23,17 @@ static const void *ptr(unsigned long long address) { return (const void *)(uintp
  * ValueError when unsupported. */
 static int matrix(PyObject *spec, Q8Matrix *m, const char *name) {
     unsigned long long w, scales;
-    int kind, scale_kind, in, group;
-    if (!PyArg_ParseTuple(spec, "KKiiii", &w, &scales, &kind, &scale_kind, &in, &group)) return 0;
+    int kind, scale_kind, in, group, interleaved;
+    if (!PyArg_ParseTuple(spec, "KKiiiip", &w, &scales, &kind, &scale_kind, &in, &group, &interleaved)) return 0;
     int coded = kind >= 0 && kind < N_Q8_WEIGHTS && scale_kind >= 0 && scale_kind < N_SCALE_KINDS && group >= Q8_BLOCK &&
                 group % Q8_BLOCK == 0;
-    if (in < 1 || !(coded || kind == Q8_WEIGHTS_BF16)) {
-        PyErr_Format(PyExc_ValueError, "%s: kind=%d scale=%d in=%d group=%d", name, kind, scale_kind, in, group);
+    /* an interleaved matrix's row count is its packer's (whole 4-row blocks); the rest is checked here */
+    if (in < 1 || !(coded || kind == Q8_WEIGHTS_BF16) || (interleaved && !q8_interleavable(kind, scale_kind, in, 4, group))) {
+        PyErr_Format(PyExc_ValueError, "%s: kind=%d scale=%d in=%d group=%d interleaved=%d", name, kind, scale_kind, in,
+                     group, interleaved);
         return 0;
     }
-    Q8Matrix made = {ptr(w), ptr(scales), kind, scale_kind, in, group};
+    Q8Matrix made = {ptr(w), ptr(scales), kind, scale_kind, in, group, interleaved};
     *m = made;
     return 1;
 }

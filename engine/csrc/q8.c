@@ -88,15 +88,50 @@ static void prepare_scalar(int kind, const float *x, int rows, int in, Q8Rows *o
     }
 }
 
+static inline size_t chunk_step_bytes(int kind) { return kind == Q8_WEIGHTS_INT4 ? 32 : 64; }
+
+size_t q8_span_bytes(int kind, int scale_kind, int group) {
+    size_t scale_bytes = scale_kind == SCALE_E8M0 ? 1 : 2;
+    return Q8_SPAN / Q8_CHUNK * 4 * chunk_step_bytes(kind) + 4 * (size_t)(Q8_SPAN / group) * scale_bytes;
+}
+
+int q8_interleavable(int kind, int scale_kind, int in, int out, int group) {
+    return (kind == Q8_WEIGHTS_INT4 || kind == Q8_WEIGHTS_INT8) && scale_kind >= 0 && scale_kind < N_SCALE_KINDS &&
+           in >= Q8_SPAN && in % Q8_SPAN == 0 && out >= 4 && out % 4 == 0 && group >= Q8_CHUNK && group % Q8_CHUNK == 0 &&
+           Q8_SPAN % group == 0;
+}
+
+/* Span s (columns s Q8_SPAN ..) of row o's 4-row block in an interleaved matrix. */
+static inline const uint8_t *span_at(const Q8Matrix *m, int o, int s) {
+    size_t spans = (size_t)(m->in / Q8_SPAN);
+    return (const uint8_t *)m->w + ((size_t)(o / 4) * spans + (size_t)s) * q8_span_bytes(m->kind, m->scale_kind, m->group);
+}
+
 /* Weight row o's value at column k (before its group's scale). */
 static inline int weight_at(const Q8Matrix *m, int o, int k) {
+    if (m->interleaved) {
+        int j = k % Q8_CHUNK, c8 = k % Q8_SPAN / Q8_CHUNK;
+        const uint8_t *chunk = span_at(m, o, k / Q8_SPAN) + (size_t)(4 * c8 + o % 4) * chunk_step_bytes(m->kind);
+        if (m->kind == Q8_WEIGHTS_INT8) return ((const int8_t *)chunk)[j];
+        return ((chunk[j / 2] >> (4 * (j % 2))) & 0x0F) - 8;
+    }
     if (m->kind == Q8_WEIGHTS_INT8) return ((const int8_t *)m->w)[(size_t)o * m->in + k];
     const uint8_t *row = (const uint8_t *)m->w + (size_t)o * ((m->in + 1) / 2);
     return ((row[k / 2] >> (4 * (k % 2))) & 0x0F) - 8;
 }
 
-static void gemm_scalar(const Q8Matrix *m, const Q8Rows *x, int begin, int end, float *y, size_t ldy) {
+/* Weight row o's scale of group g. */
+static inline float scale_of(const Q8Matrix *m, int o, int g) {
+    if (m->interleaved) {
+        int per = Q8_SPAN / m->group;
+        const uint8_t *scales = span_at(m, o, g / per) + Q8_SPAN / Q8_CHUNK * 4 * chunk_step_bytes(m->kind);
+        return nibble_scale(m->scale_kind, scales, (size_t)(o % 4) * per + g % per);
+    }
     int groups = (m->in + m->group - 1) / m->group;
+    return nibble_scale(m->scale_kind, m->scales, (size_t)o * groups + g);
+}
+
+static void gemm_scalar(const Q8Matrix *m, const Q8Rows *x, int begin, int end, float *y, size_t ldy) {
     for (int o = begin; o < end; o++)
         for (int r = 0; r < x->rows; r++) {
             float total = 0.f;
@@ -107,7 +142,7 @@ static void gemm_scalar(const Q8Matrix *m, const Q8Rows *x, int begin, int end, 
                     for (int k = first; k < first + Q8_BLOCK && k < m->in; k++)
                         dot += weight_at(m, o, k) * ((const int8_t *)s)[x_position(x->kind, k - c * Q8_CHUNK)];
                     if (first < m->in) {
-                        float scale = nibble_scale(m->scale_kind, m->scales, (size_t)o * groups + first / m->group);
+                        float scale = scale_of(m, o, first / m->group);
                         total += (float)dot * (((const float *)(s + SLOT_SCALES))[4 * b] * scale);
                     }
                 }

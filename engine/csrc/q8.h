@@ -25,7 +25,19 @@ typedef struct {
     const void *scales;
     int kind, scale_kind;
     int in, group; /* group % Q8_BLOCK == 0 */
+    int interleaved; /* 1: w holds codes and scales in the interleaved layout below (scales unused) */
 } Q8Matrix;
+
+/* The interleaved layout (int4 and int8 weights): output rows in blocks of 4 and each block's columns in
+ * spans of Q8_SPAN; a span is its 8 chunks' codes, chunk by chunk and within a chunk row by row (chunk c8 of
+ * row p at (4 c8 + p) step bytes; step 32 int4, 64 int8, the bytes a row-major chunk has), then the 4 rows'
+ * scales of its Q8_SPAN / group groups (row p's first at p Q8_SPAN / group), of the matrix's scale kind. A
+ * 4-row block is then one forward stream, which the hardware prefetchers follow; the row-major layout's
+ * four rows 1 stride apart they do not (docs/kernels.md, "The interleaved layout"). Same products, same
+ * order: the same bytes as the row-major matrix. Where q8_interleavable says so. */
+#define Q8_SPAN 512
+int q8_interleavable(int kind, int scale_kind, int in, int out, int group);
+size_t q8_span_bytes(int kind, int scale_kind, int group);
 
 /* x quantised: per row and chunk of 64 columns, 64 int8 (int4 weights: the even columns, then the odd
  * ones, which is how a chunk's 32 packed bytes unpack; int8 weights: in order), then 8 floats of block

@@ -153,8 +153,95 @@ Q8_INLINE void Q8_NAME(gemm_kind)(int kind, int one_scale, const Q8Matrix *m, co
 }
 #undef ROWS_BLOCK
 
+/* The scales of one span's 4 rows (interleaved layout, q8.h) per chunk: sc[p][c8], the scale of row p's
+ * group holding the span's chunk c8. */
+Q8_INLINE void Q8_NAME(span_scales)(const Q8Matrix *m, const uint8_t *scales, float sc[4][8]) {
+    int per = Q8_SPAN / m->group;
+    if (m->scale_kind == SCALE_F16 && per == 8) {
+#pragma GCC unroll 4
+        for (int p = 0; p < 4; p++) _mm256_storeu_ps(sc[p], _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)scales + p)));
+        return;
+    }
+    for (int p = 0; p < 4; p++)
+        for (int c8 = 0; c8 < 8; c8++) sc[p][c8] = nibble_scale(m->scale_kind, scales, (size_t)p * per + (size_t)c8 * Q8_CHUNK / m->group);
+}
+
+/* One 4-row block of an interleaved matrix times RB rows of x from r0 -> out[p][r]: each (row, x row) pair
+ * summed as rows_block sums it (chunk by chunk, the chunk's product scaled by d times the group's scale). */
+Q8_INLINE void Q8_NAME(interleaved_block)(int kind, int RB, const Q8Matrix *m, const Q8Rows *x, int block, int r0,
+                                          float out[4][Q8_RB]) {
+    size_t step = kind == Q8_WEIGHTS_INT4 ? 32 : 64, span_bytes = q8_span_bytes(kind, m->scale_kind, m->group);
+    int spans = m->in / Q8_SPAN;
+    const uint8_t *first = (const uint8_t *)m->w + (size_t)block * (size_t)spans * span_bytes;
+    const uint8_t *s[Q8_RB];
+#pragma GCC unroll 4
+    for (int r = 0; r < Q8_RB; r++) s[r] = slot(x, r0 + (r < RB ? r : RB - 1), 0);
+    __m256 acc[4][Q8_RB];
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; p++)
+#pragma GCC unroll 4
+        for (int r = 0; r < RB; r++) acc[p][r] = _mm256_setzero_ps();
+    for (int sp = 0; sp < spans; sp++) {
+        const uint8_t *span = first + (size_t)sp * span_bytes;
+        float sc[4][8];
+        Q8_NAME(span_scales)(m, span + Q8_SPAN / Q8_CHUNK * 4 * step, sc);
+        for (int c8 = 0; c8 < Q8_SPAN / Q8_CHUNK; c8++) {
+            size_t c = (size_t)sp * (Q8_SPAN / Q8_CHUNK) + (size_t)c8;
+            __m256 d[Q8_RB];
+#pragma GCC unroll 4
+            for (int r = 0; r < RB; r++) d[r] = _mm256_loadu_ps((const float *)(s[r] + c * SLOT_BYTES + SLOT_SCALES));
+#pragma GCC unroll 4
+            for (int p = 0; p < 4; p++) {
+                __m256i w[2];
+                Q8_NAME(chunk_weights)(kind, span + (size_t)(4 * c8 + p) * step, w);
+                __m256 sv = _mm256_broadcast_ss(&sc[p][c8]);
+#pragma GCC unroll 4
+                for (int r = 0; r < RB; r++) {
+                    __m256 dot = _mm256_cvtepi32_ps(Q8_NAME(chunk_dot)(kind, w, s[r] + c * SLOT_BYTES));
+                    acc[p][r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d[r], sv), acc[p][r]);
+                }
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; p++)
+#pragma GCC unroll 4
+        for (int r = 0; r < RB; r++) out[p][r] = hsum(acc[p][r]);
+}
+
+/* Output rows [begin, end) of an interleaved matrix: the 4-row blocks holding them, every row of a block
+ * computed (its codes are one stream), those in range stored. */
+Q8_INLINE void Q8_NAME(interleaved_gemm)(const Q8Matrix *m, const Q8Rows *x, int begin, int end, float *y, size_t ldy) {
+    for (int block = begin / 4; block * 4 < end; block++)
+        for (int r0 = 0; r0 < x->rows; r0 += Q8_RB) {
+            int rb = x->rows - r0 < Q8_RB ? x->rows - r0 : Q8_RB;
+            float out[4][Q8_RB];
+            switch ((m->kind == Q8_WEIGHTS_INT4 ? 0 : 8) + rb) { /* constant kind and RB: registers, as rows_block */
+            case 1: Q8_NAME(interleaved_block)(Q8_WEIGHTS_INT4, 1, m, x, block, r0, out); break;
+            case 2: Q8_NAME(interleaved_block)(Q8_WEIGHTS_INT4, 2, m, x, block, r0, out); break;
+            case 9: Q8_NAME(interleaved_block)(Q8_WEIGHTS_INT8, 1, m, x, block, r0, out); break;
+            case 10: Q8_NAME(interleaved_block)(Q8_WEIGHTS_INT8, 2, m, x, block, r0, out); break;
+#if Q8_RB == 4
+            case 3: Q8_NAME(interleaved_block)(Q8_WEIGHTS_INT4, 3, m, x, block, r0, out); break;
+            case 4: Q8_NAME(interleaved_block)(Q8_WEIGHTS_INT4, 4, m, x, block, r0, out); break;
+            case 11: Q8_NAME(interleaved_block)(Q8_WEIGHTS_INT8, 3, m, x, block, r0, out); break;
+            case 12: Q8_NAME(interleaved_block)(Q8_WEIGHTS_INT8, 4, m, x, block, r0, out); break;
+#endif
+            }
+            for (int p = 0; p < 4; p++) {
+                int o = 4 * block + p;
+                if (o < begin || o >= end) continue;
+                for (int r = 0; r < rb; r++) y[(size_t)(r0 + r) * ldy + (o - begin)] = out[p][r];
+            }
+        }
+}
+
 /* Four output rows at a time; rows of x Q8_RB at a time (the accumulators stay in registers). */
 Q8_TARGET static void Q8_NAME(gemm)(const Q8Matrix *m, const Q8Rows *x, int begin, int end, float *y, size_t ldy) {
+    if (m->interleaved) {
+        Q8_NAME(interleaved_gemm)(m, x, begin, end, y, ldy);
+        return;
+    }
     int groups = (m->in + m->group - 1) / m->group, blocks = 2 * x->chunks;
     float *buffer = malloc(sizeof(float) * 4 * (size_t)(groups + 1) + sizeof(int) * (size_t)blocks);
     if (buffer == NULL) {
