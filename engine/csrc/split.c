@@ -1,7 +1,13 @@
 /*
  * One persistent helper thread shares each call's blocks with the caller. Both take blocks from one
- * atomic ticket (job generation, block count, next block) by compare-and-swap, so the helper can
- * never take a block of a finished job: a ticket of another generation fails its swap.
+ * atomic ticket (job generation, block count, the next block of each half) by compare-and-swap, so the
+ * helper can never take a block of a finished job: a ticket of another generation fails its swap.
+ *
+ * The caller takes the first half's blocks in order, the helper the second half's, and whichever is done
+ * first goes on with the other's, from where the other is: each thread reads one contiguous range of a
+ * matrix, one stream the hardware prefetchers follow (blocks taken by turns restart every thread's stream
+ * at every block: docs/kernels.md, "The interleaved layout"), and a helper that never starts still costs
+ * the caller nothing but the blocks it then takes itself.
  *
  * Wake-ups cost more than a small call's work (a condition variable's wake-up beside an expert
  * matrix's time: docs/benchmarks.md, "Figures behind the code"), so after a job the helper spins for a
@@ -26,15 +32,23 @@
 
 #define SPIN_NS 300000L /* how long an idle helper polls before it sleeps */
 
-/* ticket bits: generation 24 | blocks 20 | next block 20 */
-#define FIELD_BITS 20
+/* ticket bits: generation 10 | blocks 18 | next block of the first half 18 | of the second half 18. A
+ * generation that wraps is harmless: a helper that slept through 1023 jobs skips one (the caller takes
+ * its blocks), and a swap of a whole ticket equal to the current one takes the current job's block. */
+#define FIELD_BITS 18
 #define FIELD_MASK ((1ull << FIELD_BITS) - 1)
-static inline uint64_t ticket_of(uint64_t gen, uint64_t n, uint64_t next) {
-    return (gen << (2 * FIELD_BITS)) | (n << FIELD_BITS) | next;
+#define GENERATION_MASK ((1ull << (64 - 3 * FIELD_BITS)) - 1)
+static inline uint64_t ticket_of(uint64_t gen, uint64_t n, uint64_t front, uint64_t back) {
+    return (gen << (3 * FIELD_BITS)) | (n << (2 * FIELD_BITS)) | (front << FIELD_BITS) | back;
 }
-static inline uint64_t generation(uint64_t t) { return t >> (2 * FIELD_BITS); }
-static inline int blocks_of(uint64_t t) { return (int)((t >> FIELD_BITS) & FIELD_MASK); }
-static inline int next_of(uint64_t t) { return (int)(t & FIELD_MASK); }
+static inline uint64_t generation(uint64_t t) { return t >> (3 * FIELD_BITS); }
+static inline int blocks_of(uint64_t t) { return (int)((t >> (2 * FIELD_BITS)) & FIELD_MASK); }
+static inline int front_of(uint64_t t) { return (int)((t >> FIELD_BITS) & FIELD_MASK); }
+static inline int back_of(uint64_t t) { return (int)(t & FIELD_MASK); }
+static inline int middle_of(int n) { return (n + 1) / 2; } /* the first block of the second half */
+static inline int blocks_left(uint64_t t) {
+    return front_of(t) < middle_of(blocks_of(t)) || back_of(t) < blocks_of(t);
+}
 
 static pthread_mutex_t call_lock = PTHREAD_MUTEX_INITIALIZER; /* one job at a time */
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;           /* guards the helper's sleep */
@@ -46,11 +60,16 @@ static int helper_inside = 0;   /* the helper is running a block */
 static int helper_sleeping = 0; /* the helper waits on work_ready */
 static int helper_state = 0;    /* 0 not started, 1 running, -1 could not start */
 
-/* Takes the next block of generation gen; -1 when none is left (or the job is another one). */
-static int take_block(uint64_t gen) {
+/* Takes the next block of generation gen, from the caller's half first (helper 0) or the helper's (1), then
+ * from the other's; -1 when none is left (or the job is another one). */
+static int take_block(uint64_t gen, int helper) {
     uint64_t t = __atomic_load_n(&ticket, __ATOMIC_SEQ_CST);
-    while (generation(t) == gen && next_of(t) < blocks_of(t)) {
-        if (__atomic_compare_exchange_n(&ticket, &t, t + 1, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) return next_of(t);
+    while (generation(t) == gen && blocks_left(t)) {
+        int n = blocks_of(t), own_front = front_of(t) < middle_of(n), own_back = back_of(t) < n;
+        int from_back = helper ? own_back : !own_front;
+        int block = from_back ? back_of(t) : front_of(t);
+        uint64_t taken = from_back ? t + 1 : t + (1ull << FIELD_BITS);
+        if (__atomic_compare_exchange_n(&ticket, &t, taken, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) return block;
     }
     return -1;
 }
@@ -63,7 +82,7 @@ static int64_t now_ns(void) {
 
 static int has_work(uint64_t seen) {
     uint64_t t = __atomic_load_n(&ticket, __ATOMIC_SEQ_CST);
-    return generation(t) != seen && next_of(t) < blocks_of(t);
+    return generation(t) != seen && blocks_left(t);
 }
 
 static int64_t thread_cpu_ns(void) {
@@ -130,7 +149,7 @@ static void *helper_main(void *unused) {
         seen = wait_for_job(seen);
         for (;;) {
             __atomic_store_n(&helper_inside, 1, __ATOMIC_SEQ_CST); /* before the swap: the caller waits for it */
-            int block = take_block(seen);
+            int block = take_block(seen, 1);
             if (block < 0) break;
             job_fn(job_arg, block);
             __atomic_store_n(&helper_inside, 0, __ATOMIC_SEQ_CST);
@@ -184,10 +203,10 @@ void split_run(split_block_fn fn, void *job, int n_blocks, int threads) {
         return;
     }
     job_fn = fn, job_arg = job;
-    uint64_t gen = (generation(__atomic_load_n(&ticket, __ATOMIC_SEQ_CST)) + 1) & ((1ull << 24) - 1);
-    __atomic_store_n(&ticket, ticket_of(gen, (uint64_t)n_blocks, 0), __ATOMIC_SEQ_CST);
+    uint64_t gen = generation(__atomic_load_n(&ticket, __ATOMIC_SEQ_CST)) % GENERATION_MASK + 1; /* 1..: 0 is no job's */
+    __atomic_store_n(&ticket, ticket_of(gen, (uint64_t)n_blocks, 0, (uint64_t)middle_of(n_blocks)), __ATOMIC_SEQ_CST);
     wake_helper();
-    for (int block; (block = take_block(gen)) >= 0;) fn(job, block);
+    for (int block; (block = take_block(gen, 0)) >= 0;) fn(job, block);
     for (int polls = 0; __atomic_load_n(&helper_inside, __ATOMIC_SEQ_CST); polls++) {
         if (polls % 64 == 63) sched_yield(); /* the helper may be descheduled inside its block */
         PAUSE();
