@@ -81,8 +81,8 @@ class CodedLinear(nn.Module, KernelMatrix):
         if self._c_matrix is None and self.group_size % BLOCK == 0 and self.scales.dtype in KERNEL_SCALES:
             q, scales = self.q, self.scales
             kind, scale_kind = WEIGHT_KINDS[self.code], KERNEL_SCALES[scales.dtype]
-            matrix = (q.data_ptr(), scales.data_ptr(), kind, scale_kind, self.in_dim, self.group_size, self.interleaved)
-            self._c_matrix = cast(CMatrix, matrix)
+            shape = (self.in_dim, self.group_size, int(self.interleaved))
+            self._c_matrix = (q.data_ptr(), scales.data_ptr(), kind, scale_kind, *shape)
         return self._c_matrix
 
     @property

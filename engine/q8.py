@@ -96,6 +96,11 @@ def q8_matmul(
     return y
 
 
+def chunk_bytes(code: str) -> int:
+    """Bytes of one row's chunk of CHUNK columns: int4 codes two a byte, int8 one."""
+    return CHUNK // 2 if code == "int4" else CHUNK
+
+
 def interleavable(code: str, in_dim: int, out_dim: int, group_size: int) -> bool:
     """Whether ``interleave`` takes a matrix of this shape (q8.h q8_interleavable): whole spans and 4-row
     blocks, groups of whole chunks that tile a span. Real models' widths are; odd test shapes are not."""
@@ -115,7 +120,7 @@ def interleave(q: torch.Tensor, scales: torch.Tensor, code: str, group_size: int
     ``interleavable`` matrix in the kernel's interleaved layout (q8.h): per block of 4 rows and span of SPAN
     columns, the span's chunks row by row, then the 4 rows' scales. uint8 [out / 4, spans, span bytes]."""
     out_dim, row_bytes = q.shape
-    step = CHUNK // 2 if code == "int4" else CHUNK
+    step = chunk_bytes(code)
     spans = row_bytes // (SPAN // CHUNK * step)
     codes = q.view(torch.uint8).view(out_dim // 4, 4, spans, SPAN // CHUNK, step).permute(0, 2, 3, 1, 4)
     scale_bytes = scales.contiguous().view(torch.uint8).view(out_dim // 4, 4, spans, -1).permute(0, 2, 1, 3)
@@ -127,7 +132,7 @@ def deinterleave(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``interleave``'s inverse: (q, scales) in the row-major layout, for the paths that dequantise."""
     blocks, spans, _ = packed.shape
-    step = CHUNK // 2 if code == "int4" else CHUNK
+    step = chunk_bytes(code)
     code_bytes = SPAN // CHUNK * 4 * step
     codes = packed[:, :, :code_bytes].reshape(blocks, spans, SPAN // CHUNK, 4, step).permute(0, 3, 1, 2, 4)
     q = codes.reshape(blocks * 4, -1).view(torch.int8 if code == "int8" else torch.uint8)

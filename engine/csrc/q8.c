@@ -90,9 +90,12 @@ static void prepare_scalar(int kind, const float *x, int rows, int in, Q8Rows *o
 
 static inline size_t chunk_step_bytes(int kind) { return kind == Q8_WEIGHTS_INT4 ? 32 : 64; }
 
+/* Bytes of a span's codes (interleaved layout, q8.h): its scales follow them. */
+static inline size_t span_code_bytes(int kind) { return Q8_SPAN / Q8_CHUNK * 4 * chunk_step_bytes(kind); }
+
 size_t q8_span_bytes(int kind, int scale_kind, int group) {
     size_t scale_bytes = scale_kind == SCALE_E8M0 ? 1 : 2;
-    return Q8_SPAN / Q8_CHUNK * 4 * chunk_step_bytes(kind) + 4 * (size_t)(Q8_SPAN / group) * scale_bytes;
+    return span_code_bytes(kind) + 4 * (size_t)(Q8_SPAN / group) * scale_bytes;
 }
 
 int q8_interleavable(int kind, int scale_kind, int in, int out, int group) {
@@ -124,7 +127,7 @@ static inline int weight_at(const Q8Matrix *m, int o, int k) {
 static inline float scale_of(const Q8Matrix *m, int o, int g) {
     if (m->interleaved) {
         int per = Q8_SPAN / m->group;
-        const uint8_t *scales = span_at(m, o, g / per) + Q8_SPAN / Q8_CHUNK * 4 * chunk_step_bytes(m->kind);
+        const uint8_t *scales = span_at(m, o, g / per) + span_code_bytes(m->kind);
         return nibble_scale(m->scale_kind, scales, (size_t)(o % 4) * per + g % per);
     }
     int groups = (m->in + m->group - 1) / m->group;

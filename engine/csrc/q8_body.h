@@ -76,7 +76,7 @@ Q8_INLINE void Q8_NAME(chunk_step)(int kind, int one_scale, int P, int RB, const
 Q8_INLINE void Q8_NAME(rows_block)(int kind, int one_scale, int P, int RB, const Q8Matrix *m, const Q8Rows *x, int o, int r0, int end,
                             float *const scales[4], const int *gi, float *y, size_t ldy, int begin) {
     size_t row_bytes = kind == Q8_WEIGHTS_INT4 ? (size_t)(m->in + 1) / 2 : (size_t)m->in;
-    size_t step = kind == Q8_WEIGHTS_INT4 ? 32 : 64;
+    size_t step = chunk_step_bytes(kind);
     int full = (int)(row_bytes / step);
     const uint8_t *rows[4];
     const float *sc[4] = {scales[0], scales[1], scales[2], scales[3]};
@@ -170,7 +170,7 @@ Q8_INLINE void Q8_NAME(span_scales)(const Q8Matrix *m, const uint8_t *scales, fl
  * summed as rows_block sums it (chunk by chunk, the chunk's product scaled by d times the group's scale). */
 Q8_INLINE void Q8_NAME(interleaved_block)(int kind, int RB, const Q8Matrix *m, const Q8Rows *x, int block, int r0,
                                           float out[4][Q8_RB]) {
-    size_t step = kind == Q8_WEIGHTS_INT4 ? 32 : 64, span_bytes = q8_span_bytes(kind, m->scale_kind, m->group);
+    size_t step = chunk_step_bytes(kind), span_bytes = q8_span_bytes(kind, m->scale_kind, m->group);
     int spans = m->in / Q8_SPAN;
     const uint8_t *first = (const uint8_t *)m->w + (size_t)block * (size_t)spans * span_bytes;
     const uint8_t *s[Q8_RB];
@@ -184,7 +184,7 @@ Q8_INLINE void Q8_NAME(interleaved_block)(int kind, int RB, const Q8Matrix *m, c
     for (int sp = 0; sp < spans; sp++) {
         const uint8_t *span = first + (size_t)sp * span_bytes;
         float sc[4][8];
-        Q8_NAME(span_scales)(m, span + Q8_SPAN / Q8_CHUNK * 4 * step, sc);
+        Q8_NAME(span_scales)(m, span + span_code_bytes(kind), sc);
         for (int c8 = 0; c8 < Q8_SPAN / Q8_CHUNK; c8++) {
             size_t c = (size_t)sp * (Q8_SPAN / Q8_CHUNK) + (size_t)c8;
             __m256 d[Q8_RB];
