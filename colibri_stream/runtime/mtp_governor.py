@@ -145,9 +145,7 @@ class Governor:
         over the depths (the governor asks every step, and a plain step of a small model is ~0.5 ms)."""
         if self.plain_s.value <= 0:
             return 0
-        plain = self.plain_s.value
-        row = self.row_s.value if self.row_s.samples else PRIOR_ROW_SHARE * plain
-        per_depth = row + self.extra_requests.value * self.miss_rate.value * self.miss_s.value + self.draft_s.value
+        plain, per_depth = self.plain_s.value, self._depth_cost_s(self._miss_wait_s())
         best, best_gain, tokens, chance = 0, MARGIN, 1.0, 1.0
         for depth in range(1, self.options.max_depth + 1):
             chance *= self.acceptance.value
@@ -161,8 +159,7 @@ class Governor:
         """Expected tokens per second at ``depth`` over plain decoding's (1.0 at depth 0)."""
         if depth == 0 or self.plain_s.value <= 0:
             return 1.0
-        misses = self.extra_requests.value * self.miss_rate.value
-        return self._gain(depth, self.acceptance.value, misses * self.miss_s.value)
+        return self._gain(depth, self.acceptance.value, self._miss_wait_s())
 
     def ceiling(self) -> float:
         """The best gain drafting could give here with every draft accepted and no extra miss: below 1, the
@@ -176,9 +173,18 @@ class Governor:
         """Tokens per second at ``depth`` over plain decoding's, at this acceptance and this much extra waiting
         for reads per extra row."""
         tokens = sum(acceptance**i for i in range(depth + 1))
-        row = self.row_s.value if self.row_s.samples else PRIOR_ROW_SHARE * self.plain_s.value
-        cost = self.plain_s.value + depth * (row + miss_wait_s + self.draft_s.value)
+        cost = self.plain_s.value + depth * self._depth_cost_s(miss_wait_s)
         return tokens * self.plain_s.value / cost
+
+    def _miss_wait_s(self) -> float:
+        """The expected extra wait for reads one more row adds: its extra expert requests that miss, each a wait."""
+        return self.extra_requests.value * self.miss_rate.value * self.miss_s.value
+
+    def _depth_cost_s(self, miss_wait_s: float) -> float:
+        """What one more depth adds to a step: a row's compute (a prior share of a plain step until measured),
+        ``miss_wait_s`` and a draft."""
+        row = self.row_s.value if self.row_s.samples else PRIOR_ROW_SHARE * self.plain_s.value
+        return row + miss_wait_s + self.draft_s.value
 
     def observe(self, step: StepCost) -> None:
         self.steps += 1
