@@ -124,6 +124,7 @@ def q8_moe(
     scale_kind: int,
     group13: int,
     group2: int,
+    interleaved: bool,
     clamp: bool,
     limit: float,
     out: int,

@@ -95,7 +95,7 @@ def _mlp_spec(mlp: MLP) -> MLPSpec | None:
 
 def expert_table(experts: Sequence[object]) -> tuple[tuple[int, ...], array[int]] | None:
     """A layer's experts as decode_step.c takes them now: (layout (family, inter, kind13, kind2, scale kind,
-    group13, group2), the six addresses of each, flat), family 0 for q8_moe (int8 activations), 1 for
+    group13, group2, interleaved), the six addresses of each, flat), family 0 for q8_moe (int8 activations), 1 for
     nibble_moe (float32 x); None when that call does not take them all, alike."""
     family = 0 if activations_are_int8() else 1
     described = (int8_expert_table if family == 0 else float_expert_table)(experts)

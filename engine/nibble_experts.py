@@ -63,10 +63,10 @@ def decode_rows(x: torch.Tensor) -> bool:
 
 def expert_table(experts: Sequence[object]) -> tuple[tuple[int, ...], array[int]] | None:
     """A layer's experts as engine/csrc/decode_step.c reads them on the float32 path: (their common layout
-    (inter, code13, code2, scale kind, group13, group2), the six addresses of each, [n, 6] flat); None when
-    the call does not take them all, alike."""
+    (inter, code13, code2, scale kind, group13, group2, interleaved 0), the six addresses of each, [n, 6] flat);
+    None when the call does not take them all, alike."""
     table = common_table([_plan(e) for e in experts])
-    return None if table is None else (table[0][1:], table[1])  # the layout without dim (the plan's own)
+    return None if table is None else ((*table[0][1:], 0), table[1])  # the layout without dim (the plan's own)
 
 
 def _plan(expert: object) -> tuple[tuple[int, ...], tuple[int, ...]] | None:

@@ -115,16 +115,28 @@ def interleavable(code: str, in_dim: int, out_dim: int, group_size: int) -> bool
     )
 
 
-def interleave(q: torch.Tensor, scales: torch.Tensor, code: str, group_size: int) -> torch.Tensor:
+def interleave(
+    q: torch.Tensor, scales: torch.Tensor, code: str, group_size: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """The codes q ([out, in / 2] int4 bytes or [out, in] int8) and scales [out, in / group] of an
     ``interleavable`` matrix in the kernel's interleaved layout (q8.h): per block of 4 rows and span of SPAN
-    columns, the span's chunks row by row, then the 4 rows' scales. uint8 [out / 4, spans, span bytes]."""
+    columns, the span's chunks row by row, then the 4 rows' scales. uint8 [out / 4, spans, span bytes], in
+    ``out`` (uint8 memory of that many bytes, apart from q and scales) where given."""
     out_dim, row_bytes = q.shape
     step = chunk_bytes(code)
     spans = row_bytes // (SPAN // CHUNK * step)
-    codes = q.view(torch.uint8).view(out_dim // 4, 4, spans, SPAN // CHUNK, step).permute(0, 2, 3, 1, 4)
-    scale_bytes = scales.contiguous().view(torch.uint8).view(out_dim // 4, 4, spans, -1).permute(0, 2, 1, 3)
-    return torch.cat([codes.reshape(out_dim // 4, spans, -1), scale_bytes.reshape(out_dim // 4, spans, -1)], dim=2)
+    code_bytes = SPAN // CHUNK * 4 * step
+    blocks = out_dim // 4
+    packed = torch.empty((blocks, spans, code_bytes + scales.nbytes // (blocks * spans)), dtype=torch.uint8)
+    packed = packed if out is None else out.view(packed.shape)
+    # chunks copied as 8-byte words where both sides are aligned (real models' are): 5x faster than as bytes
+    aligned = q.data_ptr() % 8 == 0 and packed.data_ptr() % 8 == 0 and packed.shape[2] % 8 == 0
+    unit = torch.int64 if aligned else torch.uint8
+    codes = q.view(torch.uint8).view(unit).view(blocks, 4, spans, SPAN // CHUNK, -1).permute(0, 2, 3, 1, 4)
+    packed[:, :, :code_bytes].view(unit).view(blocks, spans, SPAN // CHUNK, 4, -1).copy_(codes)
+    scale_bytes = scales.contiguous().view(torch.uint8).view(blocks, 4, spans, -1).permute(0, 2, 1, 3)
+    packed[:, :, code_bytes:].view(blocks, spans, 4, -1).copy_(scale_bytes)
+    return packed
 
 
 def deinterleave(

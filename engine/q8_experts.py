@@ -4,7 +4,8 @@ Inside ``int8_activations()`` a decode step's experts would otherwise cost three
 few torch ops each (quantise x three times, wake the kernel's helper thread three times, SwiGLU,
 weight, add): per layer, one call quantises x once, runs every expert's gate and up matrices as one
 threaded job, SwiGLU, every down matrix as a second job, and adds the gate-weighted terms into the
-float64 sum. Each row is computed as alone (batch-invariant), as the q8 kernels are.
+float64 sum. Each row is computed as alone (batch-invariant), as the q8 kernels are. Experts held in the
+kernel's interleaved layout (engine/interleaved_expert.py) are read as such.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import TypeGuard, TypeVar, cast
 
 import torch
 
+from engine.interleaved_expert import InterleavedExpert
 from engine.q8 import BLOCK, ISA_BEST, WEIGHT_KINDS, activations_are_int8
 from engine.quant import KERNEL_SCALES, QuantizedExpert, QuantizedMatrix
 from engine.rows import kernel_threads
@@ -27,9 +29,12 @@ except ImportError:  # pragma: no cover - machines without a compiler
 MAX_WORK_BYTES = 32 << 20  # one call's work area at most: a prefill's experts are split over calls
 
 
-def fused_experts_handle(experts: Sequence[object], x: torch.Tensor) -> TypeGuard[Sequence[QuantizedExpert]]:
+CallExpert = QuantizedExpert | InterleavedExpert  # what the call takes
+
+
+def fused_experts_handle(experts: Sequence[object], x: torch.Tensor) -> TypeGuard[Sequence[CallExpert]]:
     """Whether ``add_experts`` takes these experts with x: int8 activations on, float32 x on the CPU,
-    QuantizedExperts whose matrices the q8 kernel takes, all of one layout."""
+    QuantizedExperts whose matrices the q8 kernel takes or InterleavedExperts, all of one layout."""
     # reflection: a build of the C extension older than q8_moe.c lacks it
     if not experts or not activations_are_int8() or not hasattr(_kernels, "q8_moe"):
         return False
@@ -41,18 +46,24 @@ def fused_experts_handle(experts: Sequence[object], x: torch.Tensor) -> TypeGuar
 
 def expert_table(experts: Sequence[object]) -> tuple[tuple[int, ...], array[int]] | None:
     """A layer's experts as engine/csrc/decode_step.c reads them: (their common layout (inter, kind13, kind2,
-    scale kind, group13, group2), the six addresses of each, [n, 6] flat); None when q8_moe does not take
-    them all, alike."""
+    scale kind, group13, group2, interleaved), the six addresses of each, [n, 6] flat); None when q8_moe does
+    not take them all, alike."""
     table = common_table([_plan(e) for e in experts])
     if table is None:
         return None
-    code13, code2, scale_dtype, group13, group2, _, inter = table[0]
+    dim, inter, *call_layout = _call_layout(table[0])
+    return (inter, *call_layout), table[1]
+
+
+def _call_layout(layout: tuple[object, ...]) -> tuple[int, ...]:
+    """A plan's layout as q8_moe takes it: (dim, inter, kind13, kind2, scale kind, group13, group2, interleaved)."""
+    code13, code2, scale_dtype, group13, group2, dim, inter, interleaved = layout
     kinds = (
         WEIGHT_KINDS[cast(str, code13)],
         WEIGHT_KINDS[cast(str, code2)],
         KERNEL_SCALES[cast(torch.dtype, scale_dtype)],
     )
-    return cast(tuple[int, ...], (inter, *kinds, group13, group2)), table[1]
+    return cast(tuple[int, ...], (dim, inter, *kinds, group13, group2, int(cast(bool, interleaved))))
 
 
 L = TypeVar("L")
@@ -69,8 +80,13 @@ def common_table(plans: Sequence[tuple[L, tuple[int, ...]] | None]) -> tuple[L, 
 
 def _plan(expert: object) -> tuple[tuple[object, ...], tuple[int, ...]] | None:
     """(layout, the six addresses of w1, its scales, w3, its scales, w2, its scales) of an expert the call
-    takes, else None; kept on the expert (``QuantizedExpert.q8_plan``), which its store builds once per
-    slot: a decode step would otherwise re-check 18 matrices per layer."""
+    takes, else None; kept on the expert (``q8_plan``), which its store builds once per slot: a decode step
+    would otherwise re-check 18 matrices per layer. An interleaved matrix's scales are in its codes' bytes:
+    its address stands for both."""
+    if isinstance(expert, InterleavedExpert):
+        if expert.q8_plan is None:
+            object.__setattr__(expert, "q8_plan", _interleaved_plan(expert))  # a frozen dataclass: set after init
+        return expert.q8_plan or None
     if not isinstance(expert, QuantizedExpert):
         return None
     if expert.q8_plan is None:
@@ -80,16 +96,23 @@ def _plan(expert: object) -> tuple[tuple[object, ...], tuple[int, ...]] | None:
     return expert.q8_plan or None
 
 
+def _interleaved_plan(expert: InterleavedExpert) -> tuple[tuple[object, ...], tuple[int, ...]]:
+    w1, w2 = expert.w1, expert.w2
+    layout = (w1.code, w2.code, w1.scale_dtype, w1.group_size, w2.group_size, w1.in_dim, w1.out_dim, True)
+    return layout, tuple(p for t in expert.tensors() for p in (t.data_ptr(), t.data_ptr()))
+
+
 def _addresses(expert: QuantizedExpert) -> tuple[int, ...]:
     return tuple(p for m in (expert.w1, expert.w3, expert.w2) for p in (m.q.data_ptr(), m.scales.data_ptr()))
 
 
 def _layout(expert: QuantizedExpert) -> tuple[object, ...] | None:
-    """What one call needs alike in every expert: codes, groups, scale dtype, shape; None if it cannot."""
+    """What one call needs alike in every expert: codes, groups, scale dtype, shape, row-major; None if it
+    cannot."""
     w1, w2 = expert.w1, expert.w2
     if not expert.fusable() or not all(_kernel_takes(m) for m in (w1, w2)):
         return None
-    return w1.code, w2.code, w1.scales.dtype, w1.group_size, w2.group_size, w1.in_dim, w1.out_dim
+    return w1.code, w2.code, w1.scales.dtype, w1.group_size, w2.group_size, w1.in_dim, w1.out_dim, False
 
 
 def _kernel_takes(m: QuantizedMatrix) -> bool:
@@ -102,7 +125,7 @@ def add_experts(
     ids: torch.Tensor,
     weights: torch.Tensor,
     expert_ids: Sequence[int],
-    experts: Sequence[QuantizedExpert],
+    experts: Sequence[CallExpert],
     limit: float | None = None,
 ) -> None:
     """out [N, dim] float64 += sum over the listed experts e of weight[r, e] * e(x[r]) for every row r
@@ -110,25 +133,22 @@ def add_experts(
     expert_ids[i] (fused_experts_handle must hold); ``limit``: the SwiGLU clamp (DeepSeek-V4)."""
     x, weights = x.contiguous(), weights.float().contiguous()
     ids = ids.to(torch.int64).contiguous()
-    for part in _parts(ids, list(expert_ids), experts[0]):
-        chosen = [experts[i] for i in part]
-        # [n, 6] addresses; fused_experts_handle held, so every expert has a plan
-        mats = array("Q", [p for e in chosen for p in _plan(e)[1]])  # type: ignore[index]
+    plans = [_plan(e) for e in experts]  # fused_experts_handle held: every expert has one, of one layout
+    dim, inter, kind13, kind2, scale_kind, group13, group2, interleaved = _call_layout(plans[0][0])  # type: ignore[index]
+    for part in _parts(ids, list(expert_ids), dim, inter):
+        mats = array("Q", [p for i in part for p in plans[i][1]])  # type: ignore[index]  # [n, 6] addresses
         part_ids = array("q", [expert_ids[i] for i in part])
-        w1, w2 = chosen[0].w1, chosen[0].w2
         _kernels.q8_moe(
-            x.data_ptr(), x.shape[0], w1.in_dim, w1.out_dim,
+            x.data_ptr(), x.shape[0], dim, inter,
             ids.data_ptr(), weights.data_ptr(), ids.shape[1],
-            part_ids.buffer_info()[0], len(chosen), mats.buffer_info()[0],
-            WEIGHT_KINDS[w1.code], WEIGHT_KINDS[w2.code], KERNEL_SCALES[w1.scales.dtype],
-            w1.group_size, w2.group_size,
+            part_ids.buffer_info()[0], len(part), mats.buffer_info()[0],
+            kind13, kind2, scale_kind, group13, group2, bool(interleaved),
             limit is not None, float(limit or 0.0),
             out.data_ptr(), ISA_BEST, kernel_threads(),
         )  # fmt: skip
 
 
-def _parts(ids: torch.Tensor, expert_ids: list[int], expert: QuantizedExpert) -> list[list[int]]:
-    dim, inter = expert.w1.in_dim, expert.w1.out_dim
+def _parts(ids: torch.Tensor, expert_ids: list[int], dim: int, inter: int) -> list[list[int]]:
     row_bytes = 4 * (2 * inter + dim) + 2 * (dim + inter) + 16  # gate, up, y float32; x, h int8 + scales
     return parts_within(ids, expert_ids, row_bytes, MAX_WORK_BYTES)
 

@@ -127,11 +127,15 @@ class TieredExpertStore:
         materialize: Materialize,
         history: UsageHistory | None = None,
         trace: TraceWriter | None = None,
+        settle: Materialize | None = None,
     ):
         self.container = container
         self.config = config
         check_expert_files(container)
         self.materialize = materialize
+        # what a RAM slot becomes once ``resident`` hands it out: such a slot keeps its record for the rest of the
+        # run, so the engine may rearrange its bytes in place for its kernels (None: ``materialize``'s views)
+        self.settle = settle
         self.record_bytes = container.layout.record_bytes
         self.history = history if history is not None else UsageHistory(container.n_experts)
         self.stats = StoreStats()
@@ -155,6 +159,7 @@ class TieredExpertStore:
         self.vram = self._make_vram_tier()
         self._predicted: dict[int, set[int]] = {}  # prefetch guesses per layer, for recall
         self._slot_experts: dict[tuple[bool, int], Any] = {}  # (VRAM?, slot) -> materialize(slot), built once
+        self._settled: set[int] = set()  # RAM slots whose bytes ``settle`` rearranged
         self._resident: dict[int, tuple[Any, ...]] = {}  # layer -> resident()'s answer
         self._guess: tuple[int, set[int] | None] = (-1, None)  # the guess the layer being acquired is scored on
         self.trace = trace  # every acquire, streamed to a file (--trace); never accumulated here
@@ -342,6 +347,9 @@ class TieredExpertStore:
 
     def _start_read(self, key: tuple[int, int], entry: Entry, demand: bool = True) -> None:
         slot = self.ram_slot(entry.slot)
+        if entry.slot in self._settled:  # a record read over settled bytes (not while resident() holds): views anew
+            self._settled.discard(entry.slot)
+            self._slot_experts.pop((False, entry.slot), None)
         if self._spread is not None:
             entry.loading = self._spread.submit(key, slot, demand)
             return
@@ -385,7 +393,8 @@ class TieredExpertStore:
     def resident(self, layer: int) -> tuple[Any, ...] | None:
         """Every expert of ``layer`` by id, when the RAM slots hold every record, all read, and there is no
         VRAM tier: nothing is evicted then (every key has its slot, so nothing is allocated again) and no
-        slot is rewritten. Built once per layer, the same tuple after. None otherwise."""
+        slot is rewritten. Built once per layer, the same tuple after (``settle``'s experts, where given).
+        None otherwise."""
         if self.vram is not None or len(self.ram.entries) < total_records(self.container):
             return None
         held = self._resident.get(layer)
@@ -395,8 +404,18 @@ class TieredExpertStore:
                 return None
             for expert, entry in enumerate(entries):
                 self._land((layer, expert), entry)  # observed complete (a failed read raises here, as expert() does)
-            held = self._resident[layer] = tuple(self._materialized(entry, False) for entry in entries)
+            held = self._resident[layer] = tuple(self._settled_expert(entry) for entry in entries)
         return held
+
+    def _settled_expert(self, entry: Entry) -> Any:
+        """A resident slot's expert: ``settle``'s (which may rearrange the slot's bytes: every later use of the
+        slot gets this one), else the slot's materialised one."""
+        if self.settle is None:
+            return self._materialized(entry, False)
+        if entry.slot not in self._settled:
+            self._slot_experts[(False, entry.slot)] = self.settle(self.ram_slot(entry.slot))
+            self._settled.add(entry.slot)
+        return self._slot_experts[(False, entry.slot)]
 
     def count_resident(self, used: Mapping[int, Sequence[int]]) -> None:
         """A step's experts used from ``resident`` without acquire, counted as ``acquire`` counts RAM hits:

@@ -1,13 +1,14 @@
-"""The dense codes row-major vs in the q8 kernel's interleaved layout (engine/csrc/q8.h), int8 activations,
-experts resident: the same model loaded twice in one process, alternating rounds so machine noise hits
-both alike.
+"""The dense codes (or the routed experts) row-major vs in the q8 kernel's interleaved layout
+(engine/csrc/q8.h), int8 activations, experts resident: the same model loaded twice in one process,
+alternating rounds so machine noise hits both alike.
 
-python tools/bench_interleave.py CONTAINER [--threads 1,2] [--rounds 5] [--tokens 64]
+python tools/bench_interleave.py CONTAINER [--part dense|experts] [--threads 1,2] [--rounds 5] [--tokens 64]
 
 CONTAINER: one converted with `--dense int8` or `--dense int4` (e.g. from `tools/make_stress_model.py`).
-Per thread count it prints the kernel alone (every interleaved matrix of the model once per sweep, one row
-of x, GB/s of codes and scales) and decode tok/s (the median round), and whether the greedy ids agree
-(they must: the same products in the same order).
+Per thread count it prints the kernel alone (dense: every interleaved matrix of the model once per sweep,
+one row of x, GB/s of codes and scales) and decode tok/s (the median round), and whether the greedy ids
+agree (they must: the same products in the same order). ``--part experts``: both models' dense codes
+interleaved, the experts row-major in one (engine/interleaved_expert.py).
 """
 
 from __future__ import annotations
@@ -15,10 +16,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
 
+import colibri_stream.experts.codec as codec
 import colibri_stream.runtime.loader as loader
 import engine.int8_dense as int8_dense
 from colibri_stream.runtime.generate import generate
@@ -26,17 +30,26 @@ from colibri_stream.runtime.loader import LoadedModel, load_container
 from engine.int8_dense import CodedLinear
 from engine.q8 import deinterleave, q8_matmul
 from engine.quant import KERNEL_SCALES
+from storage.layout import ExpertRecordLayout
 
 LAYOUTS = ("row-major", "interleaved")
 
 
-def load_both(container: Path) -> dict[str, LoadedModel]:
-    held = int8_dense.interleave_codes
-    try:
-        loader.interleave_codes = lambda model: 0  # type: ignore[attr-defined]  # the loader's name for it
+def row_major_settler(layout: ExpertRecordLayout) -> Callable[[object], object]:
+    """What the loader's Settler would be if it left every record row-major."""
+    return partial(codec.expert_from_record, layout)
+
+
+def load_both(container: Path, part: str) -> dict[str, LoadedModel]:
+    held_dense, held_experts = int8_dense.interleave_codes, codec.Settler
+    try:  # the loader's names for them
+        if part == "dense":
+            loader.interleave_codes = lambda model: 0  # type: ignore[attr-defined]
+        else:
+            loader.Settler = row_major_settler  # type: ignore[attr-defined,assignment]
         row_major = load_container(container, int8_activations=True)
     finally:
-        loader.interleave_codes = held  # type: ignore[attr-defined]
+        loader.interleave_codes, loader.Settler = held_dense, held_experts  # type: ignore[attr-defined]
     return {"row-major": row_major, "interleaved": load_container(container, int8_activations=True)}
 
 
@@ -82,11 +95,12 @@ def decode_rounds(models: dict[str, LoadedModel], prompt: list[int], tokens: int
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("container", type=Path)
+    parser.add_argument("--part", choices=("dense", "experts"), default="dense", help="what one model holds row-major")
     parser.add_argument("--threads", default="1,2", help="comma-separated kernel thread counts")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=64)
     args = parser.parse_args()
-    models = load_both(args.container)
+    models = load_both(args.container, args.part)
     interleaved = sum(m.interleaved for m in models["interleaved"].model.modules() if isinstance(m, CodedLinear))
     print(f"{interleaved} dense matrices interleaved")
     prompt = [10 + (31 * j) % 1000 for j in range(32)]
@@ -94,7 +108,8 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|")
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
-        kernel = kernel_sweeps(models["interleaved"].model, 3 * args.rounds)
+        nothing = {layout: float("nan") for layout in LAYOUTS}
+        kernel = kernel_sweeps(models["interleaved"].model, 3 * args.rounds) if args.part == "dense" else nothing
         decode = decode_rounds(models, prompt, args.tokens, args.rounds)
         ratio = decode["interleaved"] / decode["row-major"]
         print(

@@ -8,6 +8,7 @@ import torch
 
 from colibri_stream.checkpoint.dtypes import TORCH_DTYPES, bf16_bits
 from engine.experts import Expert, ExpertWeights
+from engine.interleaved_expert import interleave_into, interleaves
 from engine.quant import QuantizedExpert, QuantizedMatrix, quantize
 from storage.layout import ExpertRecordLayout
 
@@ -34,6 +35,33 @@ def expert_from_record(layout: ExpertRecordLayout, record: np.ndarray | torch.Te
             )
         )
     return ExpertWeights(*(views[m] for m in MATRICES))
+
+
+def settled_expert(
+    layout: ExpertRecordLayout, record: np.ndarray | torch.Tensor, scratch: torch.Tensor | None = None
+) -> Expert:
+    """The expert of a record that stays in this memory for the rest of the run, for a model with int8
+    activations: its bytes rearranged in place into the q8 kernel's interleaved layout where its matrices
+    allow (engine/interleaved_expert.py; same products, read as one stream per 4 rows), else
+    ``expert_from_record``'s views. The memory then no longer holds the container's bytes. ``scratch``:
+    uint8 memory of ``layout.record_bytes`` or more to reuse (``Settler``)."""
+    expert = expert_from_record(layout, record)
+    if not isinstance(expert, QuantizedExpert) or not interleaves(expert):
+        return expert
+    data = torch.from_numpy(record) if isinstance(record, np.ndarray) else record
+    return interleave_into(expert, data.view(-1), scratch)
+
+
+class Settler:
+    """``settled_expert`` for one container's records, one scratch buffer reused for every record (the
+    store's ``settle``, called from one thread)."""
+
+    def __init__(self, layout: ExpertRecordLayout):
+        self.layout = layout
+        self.scratch = torch.empty(layout.record_bytes + 6 * 64, dtype=torch.uint8)  # six arrays, 64-aligned
+
+    def __call__(self, record: np.ndarray | torch.Tensor) -> Expert:
+        return settled_expert(self.layout, record, self.scratch)
 
 
 def record_from_expert(layout: ExpertRecordLayout, weights: dict[str, torch.Tensor]) -> np.ndarray:

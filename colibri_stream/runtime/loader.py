@@ -9,6 +9,7 @@ import sys
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from colibri_stream.checkpoint.fingerprint import container_fingerprint
 from colibri_stream.checkpoint.wrapped_configs import text_model_config
 from colibri_stream.errors import CheckpointError, ColibriError
 from colibri_stream.experts.cluster.group import ClusterOptions, connect
-from colibri_stream.experts.codec import expert_from_record
+from colibri_stream.experts.codec import Settler, expert_from_record
 from colibri_stream.experts.store import ExpertStore, ResidentStore
 from colibri_stream.planning.budget import StoreOptions, planned_context, store_config
 from colibri_stream.planning.geometry import container_args, geometry_from_container
@@ -318,7 +319,8 @@ def load_container(
 ) -> LoadedModel:
     """Dense part resident; experts all resident (``store`` None), streamed by a TieredExpertStore, or
     held by workers (``cluster``: ``store`` is then their budget together, split between local workers).
-    ``int8_activations``: the model quantises its matmul inputs, and int8 dense records stay int8."""
+    ``int8_activations``: the model quantises its matmul inputs, int8 dense records stay int8, and experts
+    that stay resident are held in the kernel's interleaved layout (codec.settled_expert)."""
     container = Container(path)
     args = container_args(container)
     model = _load_dense(container, args, dtype, int8_activations)
@@ -327,26 +329,41 @@ def load_container(
     if cluster is not None:
         experts = connect(container, cluster, store or StoreConfig(ram_bytes=container.expert_bytes), trace)
     elif store is None:
-        experts = ResidentStore(_read_experts(container), trace)
+        experts = ResidentStore(_read_experts(container, int8_activations), trace)
     else:
         history = None
         if store.history_path is not None:
             history = UsageHistory.load(store.history_path, container.n_experts, container_fingerprint(container))
         materialize = lambda record: expert_from_record(container.layout, record)  # noqa: E731
-        experts = TieredExpertStore(container, store, materialize, history, trace)
+        settle = Settler(container.layout) if int8_activations else None
+        experts = TieredExpertStore(container, store, materialize, history, trace, settle)
         _preload(experts)
     return LoadedModel(Path(path), container.model_config, args, model, experts)
 
 
 def _preload(store: TieredExpertStore) -> None:
     """Every expert into RAM now when the budget holds them all (``StoreConfig.preload``), with a progress
-    bar on a terminal: a big model's experts take minutes to read, which the first prompt then skips."""
+    bar on a terminal: a big model's experts take minutes to read, which the first prompt then skips. Each
+    layer's resident experts are built (and settled: the store's ``settle``) as soon as its records are in,
+    while the reader threads go on with the next layers', not in the first token."""
     if not store.preloads():
         return
     total = total_records(store.container) * store.record_bytes
+    layers, per_layer = store.container.moe_layers, store.container.n_experts
+    landed = 0
+
+    def landed_one(done: int) -> None:  # records land in file order: layer by layer
+        nonlocal landed
+        bar.update(done * store.record_bytes)
+        landed += done
+        if landed % per_layer == 0 and landed // per_layer <= len(layers):
+            store.resident(layers[landed // per_layer - 1])
+
     with tqdm(total=total, desc="reading experts", unit="B", unit_scale=True, disable=not sys.stderr.isatty()) as bar:
         try:
-            store.preload(lambda done: bar.update(done * store.record_bytes))
+            store.preload(landed_one)
+            for layer in layers:  # any left (records read before the preload): built now
+                store.resident(layer)
         except BaseException:
             store.close()
             raise
@@ -409,8 +426,10 @@ def kv_b_codes_kept(name: str, dtype: str) -> bool:
     return dtype == "int8" and name.endswith(".attn.wkv_b.weight")
 
 
-def _read_experts(container: Container) -> dict[int, dict[int, Expert]]:
+def _read_experts(container: Container, settle: bool = False) -> dict[int, dict[int, Expert]]:
+    """Every expert read into memory; ``settle``: held as codec.Settler holds them (int8 activations)."""
     reader = ExpertReader(container, direct=False)
+    build = Settler(container.layout) if settle else partial(expert_from_record, container.layout)
     size = container.layout.record_bytes
     experts: dict[int, dict[int, Expert]] = {}
     for layer in container.moe_layers:
@@ -420,5 +439,5 @@ def _read_experts(container: Container) -> dict[int, dict[int, Expert]]:
         for expert in range(container.n_experts):
             record = block[expert * size : (expert + 1) * size]
             reader.read_into(layer, expert, record)
-            experts[layer][expert] = expert_from_record(container.layout, record)
+            experts[layer][expert] = build(record)
     return experts

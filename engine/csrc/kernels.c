@@ -220,22 +220,24 @@ static PyObject *py_q8_gemm(PyObject *self, PyObject *args) {
 }
 
 /* q8_moe(x_ptr, rows, dim, inter, ids_ptr, weights_ptr, topk, expert_ids_ptr, n_experts, mats_ptr, kind13,
- * kind2, scale_kind, group13, group2, clamp, limit, out_ptr, isa, threads): a MoE layer's
+ * kind2, scale_kind, group13, group2, interleaved, clamp, limit, out_ptr, isa, threads): a MoE layer's
  * routed experts with int8 activations (q8_moe.c). x float32 [rows, dim], ids int64 and weights float32
  * [rows, topk], expert_ids int64 [n_experts], mats int64 [n_experts, 6] (addresses of w1, its scales,
- * w3, its scales, w2, its scales), out float64 [rows, dim] (added to). */
+ * w3, its scales, w2, its scales; interleaved: the three matrices in q8.h's interleaved layout, the scale
+ * addresses unused), out float64 [rows, dim] (added to). */
 static PyObject *py_q8_moe(PyObject *self, PyObject *args) {
     unsigned long long x, ids, weights, expert_ids, mats, out;
-    int rows, dim, inter, topk, n_experts, kind13, kind2, scale_kind, group13, group2, clamp, isa, threads;
+    int rows, dim, inter, topk, n_experts, kind13, kind2, scale_kind, group13, group2, interleaved, clamp, isa, threads;
     float limit;
-    if (!PyArg_ParseTuple(args, "KiiiKKiKiKiiiiipfKii", &x, &rows, &dim, &inter, &ids, &weights, &topk, &expert_ids,
-                          &n_experts, &mats, &kind13, &kind2, &scale_kind, &group13, &group2, &clamp, &limit, &out,
-                          &isa, &threads))
+    if (!PyArg_ParseTuple(args, "KiiiKKiKiKiiiiippfKii", &x, &rows, &dim, &inter, &ids, &weights, &topk, &expert_ids,
+                          &n_experts, &mats, &kind13, &kind2, &scale_kind, &group13, &group2, &interleaved, &clamp,
+                          &limit, &out, &isa, &threads))
         return NULL;
-    Q8Layout layout = {dim, inter, kind13, kind2, scale_kind, group13, group2};
+    Q8Layout layout = {dim, inter, kind13, kind2, scale_kind, group13, group2, interleaved};
     if (rows < 1 || topk < 1 || n_experts < 0 || !q8_layout_valid(&layout)) {
         PyErr_Format(PyExc_ValueError, "q8 moe: unsupported shape or kind rows=%d dim=%d inter=%d topk=%d kinds=%d,%d "
-                     "scale=%d groups=%d,%d", rows, dim, inter, topk, kind13, kind2, scale_kind, group13, group2);
+                     "scale=%d groups=%d,%d interleaved=%d", rows, dim, inter, topk, kind13, kind2, scale_kind, group13,
+                     group2, interleaved);
         return NULL;
     }
     Q8Expert *experts = malloc(sizeof(Q8Expert) * (size_t)(n_experts > 0 ? n_experts : 1));

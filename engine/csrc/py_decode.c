@@ -157,26 +157,28 @@ static int mlp(PyObject *spec, LayerPlan *plan) {
            matrix(w2, &plan->mlp.w2, "layer_plan: w2");
 }
 
-/* The routed experts' layout (family, inter, kind13, kind2, scale_kind, group13, group2) of a MoE
- * layer_plan: family 0 int8 activations (kinds Q8_WEIGHTS_*), 1 float32 x (kinds nibble.h's CODE_*). */
+/* The routed experts' layout (family, inter, kind13, kind2, scale_kind, group13, group2, interleaved) of a MoE
+ * layer_plan: family 0 int8 activations (kinds Q8_WEIGHTS_*; interleaved: q8.h's layout), 1 float32 x (kinds
+ * nibble.h's CODE_*, interleaved 0). */
 static int routed_layout(PyObject *layout, LayerPlan *plan, int dim) {
-    int inter, kind13, kind2, scale_kind, group13, group2;
-    if (!PyArg_ParseTuple(layout, "iiiiiii", &plan->routed_floats, &inter, &kind13, &kind2, &scale_kind, &group13, &group2))
+    int inter, kind13, kind2, scale_kind, group13, group2, interleaved;
+    if (!PyArg_ParseTuple(layout, "iiiiiiii", &plan->routed_floats, &inter, &kind13, &kind2, &scale_kind, &group13,
+                          &group2, &interleaved))
         return 0;
     int valid;
     if (plan->routed_floats) {
         NibbleMatrix w13 = {NULL, NULL, kind13, scale_kind, dim, group13}, w2 = {NULL, NULL, kind2, scale_kind, inter, group2};
         NibbleExpert like = {w13, w13, w2};
         plan->nibble = like;
-        valid = plan->routed_floats == 1 && nibble_matrix_valid(&w13) && nibble_matrix_valid(&w2);
+        valid = plan->routed_floats == 1 && interleaved == 0 && nibble_matrix_valid(&w13) && nibble_matrix_valid(&w2);
     } else {
-        Q8Layout l = {dim, inter, kind13, kind2, scale_kind, group13, group2};
+        Q8Layout l = {dim, inter, kind13, kind2, scale_kind, group13, group2, interleaved};
         plan->routed = l;
         valid = q8_layout_valid(&l);
     }
     if (!valid)
-        PyErr_Format(PyExc_ValueError, "layer_plan: experts' family=%d inter=%d kinds=%d,%d scale=%d groups=%d,%d",
-                     plan->routed_floats, inter, kind13, kind2, scale_kind, group13, group2);
+        PyErr_Format(PyExc_ValueError, "layer_plan: experts' family=%d inter=%d kinds=%d,%d scale=%d groups=%d,%d "
+                     "interleaved=%d", plan->routed_floats, inter, kind13, kind2, scale_kind, group13, group2, interleaved);
     return valid;
 }
 
@@ -198,7 +200,7 @@ static int routed(PyObject *router, PyObject *layout, LayerPlan *plan, int dim) 
 /* layer_plan(mla_weights capsule, ffn_norm, ffn_eps, mlp or None, router or None, layout or None, stops) -> capsule.
  * mlp: (w1, w3, w2, inter), the dense MLP or the shared expert; router: (weight, bias or 0, experts, score,
  * groups, topk_groups, topk, normalise, scale, row stride); layout: the routed experts' (family, inter, kind13, kind2,
- * scale_kind, group13, group2) (routed_layout). A MoE layer has a router and a layout; stops: a DSA layer with its own indexer, which
+ * scale_kind, group13, group2, interleaved) (routed_layout). A MoE layer has a router and a layout; stops: a DSA layer with its own indexer, which
  * decode_layers hands back to the caller once every row's projections are done. The caller keeps the mla capsule alive. */
 static PyObject *py_layer_plan(PyObject *self, PyObject *args) {
     PyObject *attn, *mlp_spec, *router, *layout;

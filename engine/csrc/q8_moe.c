@@ -112,16 +112,19 @@ static void *assign_rows(const Q8MoE *moe, Term *terms, const Q8Rows *x_all) {
 }
 
 int q8_layout_valid(const Q8Layout *l) {
-    return l->dim >= 1 && l->inter >= 1 && l->kind13 >= 0 && l->kind13 < N_Q8_WEIGHTS && l->kind2 >= 0 &&
-           l->kind2 < N_Q8_WEIGHTS && l->scale_kind >= 0 && l->scale_kind < N_SCALE_KINDS && l->group13 >= Q8_BLOCK &&
-           l->group13 % Q8_BLOCK == 0 && l->group2 >= Q8_BLOCK && l->group2 % Q8_BLOCK == 0;
+    int valid = l->dim >= 1 && l->inter >= 1 && l->kind13 >= 0 && l->kind13 < N_Q8_WEIGHTS && l->kind2 >= 0 &&
+                l->kind2 < N_Q8_WEIGHTS && l->scale_kind >= 0 && l->scale_kind < N_SCALE_KINDS &&
+                l->group13 >= Q8_BLOCK && l->group13 % Q8_BLOCK == 0 && l->group2 >= Q8_BLOCK && l->group2 % Q8_BLOCK == 0;
+    if (!valid || !l->interleaved) return valid && l->interleaved == 0;
+    return l->interleaved == 1 && q8_interleavable(l->kind13, l->scale_kind, l->dim, l->inter, l->group13) &&
+           q8_interleavable(l->kind2, l->scale_kind, l->inter, l->dim, l->group2);
 }
 
 Q8Expert q8_expert_at(const uint64_t m[6], const Q8Layout *l) {
     Q8Expert e = {
-        {(const void *)(uintptr_t)m[0], (const void *)(uintptr_t)m[1], l->kind13, l->scale_kind, l->dim, l->group13},
-        {(const void *)(uintptr_t)m[2], (const void *)(uintptr_t)m[3], l->kind13, l->scale_kind, l->dim, l->group13},
-        {(const void *)(uintptr_t)m[4], (const void *)(uintptr_t)m[5], l->kind2, l->scale_kind, l->inter, l->group2},
+        {(const void *)(uintptr_t)m[0], (const void *)(uintptr_t)m[1], l->kind13, l->scale_kind, l->dim, l->group13, l->interleaved},
+        {(const void *)(uintptr_t)m[2], (const void *)(uintptr_t)m[3], l->kind13, l->scale_kind, l->dim, l->group13, l->interleaved},
+        {(const void *)(uintptr_t)m[4], (const void *)(uintptr_t)m[5], l->kind2, l->scale_kind, l->inter, l->group2, l->interleaved},
     };
     return e;
 }

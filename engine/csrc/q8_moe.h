@@ -12,12 +12,14 @@ typedef struct {
     Q8Matrix w1, w3, w2;
 } Q8Expert;
 
-/* What a layer's routed experts share: width, code kinds (w1/w3, w2), scale kind, group sizes. */
+/* What a layer's routed experts share: width, code kinds (w1/w3, w2), scale kind, group sizes, and whether
+ * their three matrices are in q8.h's interleaved layout (each matrix's codes and scales at its codes'
+ * address; the scale addresses are unused). */
 typedef struct {
-    int dim, inter, kind13, kind2, scale_kind, group13, group2;
+    int dim, inter, kind13, kind2, scale_kind, group13, group2, interleaved;
 } Q8Layout;
 
-/* 1 when the q8 kernels take experts of this layout. */
+/* 1 when the q8 kernels take experts of this layout (interleaved: when both shapes are q8_interleavable). */
 int q8_layout_valid(const Q8Layout *layout);
 
 /* The expert whose six arrays are at m (w1, its scales, w3, its scales, w2, its scales). */

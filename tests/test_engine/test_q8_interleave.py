@@ -1,23 +1,29 @@
 """The q8 kernel's interleaved layout (engine/csrc/q8.h): a matrix's codes and scales regrouped per 4 rows and
 span of 512 columns, so a 4-row block is one forward stream. The same products in the same order, so the
 same bytes as the row-major matrix: checked per instruction set, row count, weight and scale kind; the
-loader holds a model's dense codes so where the shape allows, and decoding gives the same tokens."""
+loader holds a model's dense codes so where the shape allows, and its resident experts too (streamed ones
+stay row-major), and decoding gives the same tokens."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
 import torch
 
+import colibri_stream.experts.codec as codec
 import colibri_stream.runtime.loader as loader
 from colibri_stream.convert.converter import Converter, ConvertOptions
 from colibri_stream.devtools import fixtures
 from colibri_stream.runtime.generate import generate
 from colibri_stream.runtime.loader import load_container
 from engine.int8_dense import CodedLinear
+from engine.interleaved_expert import InterleavedExpert
 from engine.q8 import ISA_AVX2, ISA_BEST, ISA_SCALAR, deinterleave, interleavable, interleave, q8_matmul
-from engine.quant import KERNEL_SCALES
+from engine.quant import KERNEL_SCALES, QuantizedExpert
+from storage.container import Container
+from storage.tiered import StoreConfig
 
 pytest.importorskip("engine._kernels")
 
@@ -138,3 +144,33 @@ def test_a_loaded_model_decodes_the_same_tokens_interleaved(wide_containers, den
     logits_a = held.model(ids, 0, cache_a, held.experts)
     logits_b = row_major.model(ids, 0, cache_b, row_major.experts)
     assert torch.equal(logits_a, logits_b)  # the prompt's rows too (several rows of x per call)
+
+
+def same_tokens_and_logits(a: loader.LoadedModel, b: loader.LoadedModel) -> list[int]:
+    prompt = fixtures.make_prompt(a.args.vocab_size, 23)
+    ids = [generate(m.model, prompt, 12, m.experts).ids for m in (a, b)]
+    assert ids[0] == ids[1]
+    logits = [m.model(torch.tensor([prompt]), 0, m.model.new_cache(), m.experts) for m in (a, b)]
+    assert torch.equal(logits[0], logits[1])  # the prompt's rows: several rows per expert call
+    return ids[0]
+
+
+@pytest.mark.parametrize("store", [None, StoreConfig(ram_bytes=1 << 30)], ids=["resident", "store-at-100%"])
+def test_resident_experts_are_interleaved_and_decode_the_same_tokens(wide_containers, store, monkeypatch):
+    path = wide_containers["int8"]
+    held = load_container(path, int8_activations=True, store=store)
+    monkeypatch.setattr(loader, "Settler", lambda layout: functools.partial(codec.expert_from_record, layout))
+    row_major = load_container(path, int8_activations=True, store=store)
+    for layer in (1, 2):
+        assert {type(e) for e in held.experts.resident(layer) or ()} == {InterleavedExpert}
+        assert {type(e) for e in row_major.experts.resident(layer) or ()} == {QuantizedExpert}
+    same_tokens_and_logits(held, row_major)
+
+
+def test_streamed_experts_stay_row_major_and_decode_the_tokens_of_interleaved_ones(wide_containers):
+    path = wide_containers["int8"]
+    record_bytes = Container(path).layout.record_bytes
+    streamed = load_container(path, int8_activations=True, store=StoreConfig(ram_bytes=10 * record_bytes))
+    assert streamed.experts.resident(1) is None  # 10 of 16 records: slots are reused, so none is settled
+    resident = load_container(path, int8_activations=True)
+    assert same_tokens_and_logits(streamed, resident)

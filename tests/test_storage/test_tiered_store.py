@@ -453,3 +453,35 @@ def test_a_slot_keeps_its_views_and_they_show_whichever_record_it_holds(stream_c
         store.close()
     assert container.n_experts > store.ram.n_slots  # slots were reused...
     assert all(len(objects) == 1 for objects in built.values())  # ...each with its one expert object
+
+
+def test_settle_builds_each_resident_slot_once_and_every_use_gets_its_expert(stream_container):
+    """``settle`` (the engine's rearrangement of a slot that keeps its record) runs once per slot when
+    ``resident`` first hands a layer out, and ``expert`` then gives the same object; without every record
+    in RAM nothing is settled."""
+    from colibri_stream.experts.codec import expert_from_record
+    from storage.tiered import TieredExpertStore
+
+    container = Container(stream_container)
+    settled: list[int] = []
+
+    def settle(record):
+        settled.append(record.ctypes.data)
+        return ("settled", expert_from_record(container.layout, record))
+
+    materialize = lambda record: expert_from_record(container.layout, record)  # noqa: E731
+    store = TieredExpertStore(container, StoreConfig(ram_bytes=container.expert_bytes), materialize, settle=settle)
+    layer = container.moe_layers[0]
+    acquired = store.acquire(layer, [0, 1])
+    before = acquired[0]
+    store.release(layer, [0, 1])
+    assert store.resident(layer) is None and not settled  # not every record is in RAM yet
+    store.preload()
+    held = store.resident(layer)
+    assert held is not None and len(settled) == container.n_experts == len(set(settled))
+    assert all(e[0] == "settled" for e in held) and held[0] is not before
+    assert store.resident(layer) is held and len(settled) == container.n_experts  # built once
+    acquired = store.acquire(layer, [0, 3])
+    assert acquired[0] is held[0] and acquired[3] is held[3]
+    store.release(layer, [0, 3])
+    store.close()
