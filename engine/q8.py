@@ -127,8 +127,8 @@ def interleave(
     spans = row_bytes // (SPAN // CHUNK * step)
     code_bytes = SPAN // CHUNK * 4 * step
     blocks = out_dim // 4
-    packed = torch.empty((blocks, spans, code_bytes + scales.nbytes // (blocks * spans)), dtype=torch.uint8)
-    packed = packed if out is None else out.view(packed.shape)
+    shape = (blocks, spans, code_bytes + scales.nbytes // (blocks * spans))
+    packed = torch.empty(shape, dtype=torch.uint8) if out is None else out.view(shape)
     # chunks copied as 8-byte words where both sides are aligned (real models' are): 5x faster than as bytes
     aligned = q.data_ptr() % 8 == 0 and packed.data_ptr() % 8 == 0 and packed.shape[2] % 8 == 0
     unit = torch.int64 if aligned else torch.uint8
