@@ -83,17 +83,17 @@ def _plan(expert: object) -> tuple[tuple[object, ...], tuple[int, ...]] | None:
     takes, else None; kept on the expert (``q8_plan``), which its store builds once per slot: a decode step
     would otherwise re-check 18 matrices per layer. An interleaved matrix's scales are in its codes' bytes:
     its address stands for both."""
-    if isinstance(expert, InterleavedExpert):
-        if expert.q8_plan is None:
-            object.__setattr__(expert, "q8_plan", _interleaved_plan(expert))  # a frozen dataclass: set after init
-        return expert.q8_plan or None
-    if not isinstance(expert, QuantizedExpert):
+    if not isinstance(expert, (InterleavedExpert, QuantizedExpert)):
         return None
     if expert.q8_plan is None:
-        layout = _layout(expert)
-        plan = () if layout is None else (layout, _addresses(expert))
+        plan = _interleaved_plan(expert) if isinstance(expert, InterleavedExpert) else _row_major_plan(expert)
         object.__setattr__(expert, "q8_plan", plan)  # a frozen dataclass: its one field set after init
     return expert.q8_plan or None
+
+
+def _row_major_plan(expert: QuantizedExpert) -> tuple[()] | tuple[tuple[object, ...], tuple[int, ...]]:
+    layout = _layout(expert)
+    return () if layout is None else (layout, _addresses(expert))
 
 
 def _interleaved_plan(expert: InterleavedExpert) -> tuple[tuple[object, ...], tuple[int, ...]]:

@@ -115,7 +115,8 @@ int q8_layout_valid(const Q8Layout *l) {
     int valid = l->dim >= 1 && l->inter >= 1 && l->kind13 >= 0 && l->kind13 < N_Q8_WEIGHTS && l->kind2 >= 0 &&
                 l->kind2 < N_Q8_WEIGHTS && l->scale_kind >= 0 && l->scale_kind < N_SCALE_KINDS &&
                 l->group13 >= Q8_BLOCK && l->group13 % Q8_BLOCK == 0 && l->group2 >= Q8_BLOCK && l->group2 % Q8_BLOCK == 0;
-    if (!valid || !l->interleaved) return valid && l->interleaved == 0;
+    if (!valid) return 0;
+    if (l->interleaved == 0) return 1;
     return l->interleaved == 1 && q8_interleavable(l->kind13, l->scale_kind, l->dim, l->inter, l->group13) &&
            q8_interleavable(l->kind2, l->scale_kind, l->inter, l->dim, l->group2);
 }

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from colibri_stream.experts.codec import Settler, record_from_quantized, settled_expert
+from colibri_stream.experts.codec import Settler, expert_from_record, record_from_quantized, settled_expert
 from engine import _kernels
 from engine.interleaved_expert import InterleavedExpert, interleave_into, interleaves, scratch_bytes
 from engine.q8 import int8_activations
@@ -72,8 +72,6 @@ def test_a_settler_reuses_its_scratch_and_gives_the_same_bytes():
 
 
 def layout_expert(layout: ExpertRecordLayout, record: np.ndarray) -> QuantizedExpert:
-    from colibri_stream.experts.codec import expert_from_record
-
     expert = expert_from_record(layout, record)
     assert isinstance(expert, QuantizedExpert)
     return expert

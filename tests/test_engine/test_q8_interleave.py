@@ -135,15 +135,7 @@ def test_a_loaded_model_decodes_the_same_tokens_interleaved(wide_containers, den
     monkeypatch.setattr(loader, "interleave_codes", lambda model: 0)
     row_major = load_container(wide_containers[dense], int8_activations=True)
     assert not any(m.interleaved for m in row_major.model.modules() if isinstance(m, CodedLinear))
-    prompt = fixtures.make_prompt(held.args.vocab_size, 23)
-    a = generate(held.model, prompt, 12, held.experts)
-    b = generate(row_major.model, prompt, 12, row_major.experts)
-    assert a.ids == b.ids
-    cache_a, cache_b = held.model.new_cache(), row_major.model.new_cache()
-    ids = torch.tensor([prompt])
-    logits_a = held.model(ids, 0, cache_a, held.experts)
-    logits_b = row_major.model(ids, 0, cache_b, row_major.experts)
-    assert torch.equal(logits_a, logits_b)  # the prompt's rows too (several rows of x per call)
+    same_tokens_and_logits(held, row_major)
 
 
 def same_tokens_and_logits(a: loader.LoadedModel, b: loader.LoadedModel) -> list[int]:
