@@ -96,18 +96,38 @@ static int routed_experts(const LayerPlan *plan, const uint64_t *table, int rows
     return q8_moe_run(&moe);
 }
 
+/* The rows' routing (route_rows), run beside the shared expert's first job: it reads only the normed rows. */
+typedef struct {
+    const Router *router;
+    const float *h;
+    int rows;
+    int64_t *ids;
+    float *weights;
+    int rc;
+} Routing;
+
+static void route_beside(void *arg) {
+    Routing *r = arg;
+    r->rc = route_rows(r->router, r->h, r->rows, r->ids, r->weights);
+}
+
 /* The FFN of every row; `ids` gets the layer's union (-1 after it). */
 static int ffn(const LayerPlan *plan, const uint64_t *table, int rows, float *x, int64_t *ids, int topk_max, Scratch *s,
                int isa, int threads) {
     int dim = plan->attn->dim;
     size_t all = (size_t)rows * dim;
     rms_norm_rows(x, rows, dim, plan->ffn_norm, plan->ffn_eps, s->h);
-    if (plan->has_mlp && q8_mlp(&plan->mlp, s->h, rows, dim, plan->mlp_inter, 0, 0.f, isa, threads, s->mlp) != 0) return -1;
+    Routing routing = {&plan->router, s->h, rows, s->ids, s->weights, 0};
+    SplitSide side = {route_beside, &routing};
+    const SplitSide *beside = plan->moe ? &side : NULL; /* routing reads only h: it overlaps the job */
+    if (plan->has_mlp && q8_mlp(&plan->mlp, s->h, rows, dim, plan->mlp_inter, 0, 0.f, isa, threads, beside, s->mlp) != 0)
+        return -1;
     if (!plan->moe) {
         for (size_t i = 0; i < all; i++) x[i] = x[i] + s->mlp[i];
         return 0;
     }
-    if (route_rows(&plan->router, s->h, rows, s->ids, s->weights) != 0) return -1;
+    if (!plan->has_mlp) route_beside(&routing);
+    if (routing.rc != 0) return -1;
     int n = union_experts(plan, rows, s);
     for (int i = 0; i < n && i < topk_max; i++) ids[i] = s->sorted[i];
     memset(s->routed, 0, sizeof(double) * all);

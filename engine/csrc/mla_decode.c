@@ -47,14 +47,14 @@ int mla_project(const MlaWeights *w, const MlaProject *p, int isa, int threads) 
     Q8Rows xc = {work + 2 * xa_bytes, 0, 0, 0};
 
     rms_norm_rows(p->x, 1, w->dim, w->attn_norm, w->eps, p->normed);
-    q8_gemm_pair(&w->wq_a, qa_out, qa, &w->wkv_a, kv_out, kv, p->normed, 1, w->dim, work, isa, threads);
+    q8_gemm_pair(&w->wq_a, qa_out, qa, &w->wkv_a, kv_out, kv, p->normed, 1, w->dim, work, isa, threads, NULL);
 
     rms_norm_rows(kv, 1, w->rank, w->kv_norm, w->latent_eps, p->latent);
     if (w->q_rank) {
         rms_norm_rows(qa, 1, w->q_rank, w->q_norm, w->latent_eps, p->q_latent);
         q8_prepare(w->wq_b.kind, p->q_latent, 1, w->q_rank, isa, &xc);
         Q8Product second = {&w->wq_b, &xc, q_out, q};
-        q8_gemm_many(&second, 1, isa, threads);
+        q8_gemm_many(&second, 1, isa, threads, NULL);
     } else {
         q = qa;
     }
@@ -82,7 +82,7 @@ int mla_output(const MlaWeights *w, const MlaOutput *o, int isa, int threads) {
     Q8Rows xq = {(uint8_t *)(projected + w->dim), 0, 0, 0};
     q8_prepare(w->wo.kind, heads, 1, (int)attended, isa, &xq);
     Q8Product product = {&w->wo, &xq, w->dim, projected};
-    q8_gemm_many(&product, 1, isa, threads);
+    q8_gemm_many(&product, 1, isa, threads, NULL);
     for (int d = 0; d < w->dim; d++) o->out[d] = o->x[d] + projected[d];
     free(area);
     return 0;

@@ -138,7 +138,7 @@ static PyObject *py_q8_mlp(PyObject *self, PyObject *args) {
     }
     (void)q8_vnni_available(); /* detect the CPU once, before any helper thread looks */
     Py_BEGIN_ALLOW_THREADS
-    rc = q8_mlp(&e, ptr(x), rows, dim, inter, clamp, limit, isa, threads, (float *)(uintptr_t)out);
+    rc = q8_mlp(&e, ptr(x), rows, dim, inter, clamp, limit, isa, threads, NULL, (float *)(uintptr_t)out);
     Py_END_ALLOW_THREADS
     if (rc) return PyErr_NoMemory();
     Py_RETURN_NONE;

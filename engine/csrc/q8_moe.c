@@ -171,14 +171,14 @@ static void many_block(void *arg, int b) {
     q8_gemm(p->m, p->x, begin, end, job->isa, p->y + begin, (size_t)p->out);
 }
 
-void q8_gemm_many(const Q8Product *products, int n, int isa, int threads) {
+void q8_gemm_many(const Q8Product *products, int n, int isa, int threads, const SplitSide *side) {
     Many job = {products, n, isa, {0}};
     for (int i = 0; i < n; i++) job.first[i + 1] = job.first[i] + blocks(products[i].out);
-    split_run(many_block, &job, job.first[n], threads);
+    split_run_beside(many_block, &job, job.first[n], threads, side);
 }
 
 void q8_gemm_pair(const Q8Matrix *a, int out_a, float *ya, const Q8Matrix *b, int out_b, float *yb, const float *x,
-                  int rows, int in, uint8_t *work, int isa, int threads) {
+                  int rows, int in, uint8_t *work, int isa, int threads, const SplitSide *side) {
     Q8Rows xa = {work, 0, 0, 0}, xb = {work + q8_work_bytes(rows, in), 0, 0, 0};
     q8_prepare(a->kind, x, rows, in, isa, &xa);
     const Q8Rows *for_b = &xa;
@@ -187,13 +187,13 @@ void q8_gemm_pair(const Q8Matrix *a, int out_a, float *ya, const Q8Matrix *b, in
         for_b = &xb;
     }
     Q8Product pair[2] = {{a, &xa, out_a, ya}, {b, for_b, out_b, yb}};
-    q8_gemm_many(pair, 2, isa, threads);
+    q8_gemm_many(pair, 2, isa, threads, side);
 }
 
 /* ---------------------------------------------------------------- one SwiGLU MLP */
 
 int q8_mlp(const Q8Expert *e, const float *x, int rows, int dim, int inter, int clamp, float limit, int isa,
-           int threads, float *y) {
+           int threads, const SplitSide *side, float *y) {
     size_t x_bytes = q8_work_bytes(rows, dim), h_bytes = q8_work_bytes(rows, inter);
     size_t hidden = (size_t)rows * inter;
     char *area = malloc(2 * hidden * sizeof(float) + 2 * x_bytes + h_bytes);
@@ -201,11 +201,11 @@ int q8_mlp(const Q8Expert *e, const float *x, int rows, int dim, int inter, int 
     float *gate = (float *)area, *up = gate + hidden;
     uint8_t *work = (uint8_t *)(up + hidden);
     Q8Rows h = {work + 2 * x_bytes, 0, 0, 0};
-    q8_gemm_pair(&e->w1, inter, gate, &e->w3, inter, up, x, rows, dim, work, isa, threads);
+    q8_gemm_pair(&e->w1, inter, gate, &e->w3, inter, up, x, rows, dim, work, isa, threads, side);
     swiglu_in_place(gate, up, hidden, clamp, limit);
     q8_prepare(e->w2.kind, gate, rows, inter, isa, &h);
     Q8Product down = {&e->w2, &h, dim, y};
-    q8_gemm_many(&down, 1, isa, threads);
+    q8_gemm_many(&down, 1, isa, threads, NULL);
     free(area);
     return 0;
 }

@@ -6,6 +6,7 @@
 #include <stdint.h>
 
 #include "q8.h"
+#include "split.h"
 
 /* One SwiGLU expert: gate w1 and up w3 [inter, dim], down w2 [dim, inter]; w1 and w3 of one kind. */
 typedef struct {
@@ -53,18 +54,19 @@ typedef struct {
 #define Q8_MAX_PRODUCTS 8
 
 /* Several products (at most Q8_MAX_PRODUCTS), their output rows in blocks of 64, as one threaded job:
- * matrices that read the same input (a layer's q and kv projections) share one wake-up and one split. */
-void q8_gemm_many(const Q8Product *products, int n, int isa, int threads);
+ * matrices that read the same input (a layer's q and kv projections) share one wake-up and one split.
+ * side (or NULL): the caller's work beside the job (split_run_beside). */
+void q8_gemm_many(const Q8Product *products, int n, int isa, int threads, const SplitSide *side);
 
 /* ya = a x and yb = b x for x [rows, in] (a.in == b.in), as one q8_gemm_many job: x is quantised once,
  * or once per weight layout when the two differ. work: q8_work_bytes(rows, in) * 2 bytes. */
 void q8_gemm_pair(const Q8Matrix *a, int out_a, float *ya, const Q8Matrix *b, int out_b, float *yb, const float *x,
-                  int rows, int in, uint8_t *work, int isa, int threads);
+                  int rows, int in, uint8_t *work, int isa, int threads, const SplitSide *side);
 
 /* y [rows, dim] = w2(silu(w1 x) * w3 x) for x [rows, dim] (a shared expert, a dense layer's FFN): the
- * gate and up matrices as one threaded job, the down matrix as a second; clamped as q8_moe with a
- * limit. 0, or -1 without memory (nothing written). */
+ * gate and up matrices as one threaded job (side, or NULL, beside it: split_run_beside), the down matrix
+ * as a second; clamped as q8_moe with a limit. 0, or -1 without memory (nothing written, side not run). */
 int q8_mlp(const Q8Expert *e, const float *x, int rows, int dim, int inter, int clamp, float limit, int isa,
-           int threads, float *y);
+           int threads, const SplitSide *side, float *y);
 
 #endif

@@ -194,11 +194,19 @@ int split_read_ahead(const void *const *starts, const size_t *lengths, int n, in
     return status;
 }
 
-void split_run(split_block_fn fn, void *job, int n_blocks, int threads) {
-    if (n_blocks <= 0) return;
+static void run_side(const SplitSide *side) {
+    if (side != NULL) side->fn(side->arg);
+}
+
+void split_run_beside(split_block_fn fn, void *job, int n_blocks, int threads, const SplitSide *side) {
+    if (n_blocks <= 0) {
+        run_side(side);
+        return;
+    }
     pthread_mutex_lock(&call_lock);
     if (threads < 2 || n_blocks < 2 || (uint64_t)n_blocks > FIELD_MASK || !ensure_helper()) {
         pthread_mutex_unlock(&call_lock);
+        run_side(side);
         for (int b = 0; b < n_blocks; b++) fn(job, b);
         return;
     }
@@ -206,12 +214,17 @@ void split_run(split_block_fn fn, void *job, int n_blocks, int threads) {
     uint64_t gen = generation(__atomic_load_n(&ticket, __ATOMIC_SEQ_CST)) % GENERATION_MASK + 1; /* 1..: 0 is no job's */
     __atomic_store_n(&ticket, ticket_of(gen, (uint64_t)n_blocks, 0, (uint64_t)middle_of(n_blocks)), __ATOMIC_SEQ_CST);
     wake_helper();
+    run_side(side); /* meanwhile the helper takes its half's blocks, then the caller's */
     for (int block; (block = take_block(gen, 0)) >= 0;) fn(job, block);
     for (int polls = 0; __atomic_load_n(&helper_inside, __ATOMIC_SEQ_CST); polls++) {
         if (polls % 64 == 63) sched_yield(); /* the helper may be descheduled inside its block */
         PAUSE();
     }
     pthread_mutex_unlock(&call_lock);
+}
+
+void split_run(split_block_fn fn, void *job, int n_blocks, int threads) {
+    split_run_beside(fn, job, n_blocks, threads, NULL);
 }
 
 int split_cores_shared(long max_age_ns) {

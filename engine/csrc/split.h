@@ -13,6 +13,17 @@ typedef void (*split_block_fn)(void *job, int block);
  * helper has not, so a descheduled helper (a busy machine) costs nothing but its own blocks. */
 void split_run(split_block_fn fn, void *job, int n_blocks, int threads);
 
+/* Work of the caller's that does not depend on a job (e.g. a layer's routing beside its shared expert). */
+typedef struct {
+    void (*fn)(void *arg);
+    void *arg;
+} SplitSide;
+
+/* split_run, but the caller first runs side (when not NULL) while the helper starts on the blocks: the
+ * side's time overlaps the job's reads instead of adding to them. The blocks and their outputs are
+ * split_run's; side must not call split_run. */
+void split_run_beside(split_block_fn fn, void *job, int n_blocks, int threads, const SplitSide *side);
+
 /* Has the helper (threads >= 2) read these ranges into the caches while it has no block to run,
  * replacing what was asked before (read_ahead.c); returns at once. 0, or -1 without memory. */
 int split_read_ahead(const void *const *starts, const size_t *lengths, int n, int threads);

@@ -127,6 +127,24 @@ def test_a_dsa_context_growing_past_index_topk_gives_the_module_paths_bits(make_
     _assert_same(fused, plain)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_routing_beside_the_shared_expert_gives_the_module_paths_bits(make_container, counting, threads):
+    """The C step routes a layer while its shared expert's gate and up run (split_run_beside): on one kernel
+    thread the routing runs before the blocks, on two beside the helper's; both give the module path's bits."""
+    loaded = load_container(make_container("deepseek_v3", "int4", "int8"), int8_activations=True)
+    assert loaded.model.args.n_shared_experts > 0
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        fused = _decode(loaded.model, loaded.experts, 4, verify=2)
+        with fused_decode.module_path():
+            plain = _decode(loaded.model, loaded.experts, 4, verify=2)
+    finally:
+        torch.set_num_threads(before)
+    assert counting.calls == 5
+    _assert_same(fused, plain)
+
+
 @pytest.mark.parametrize(
     ("family", "dense"),
     [("kimi_k2", "int8"), ("kimi_k2", "int4"), ("glm_moe_dsa", "int8"), ("kimi_k2", "bf16"), ("glm_moe_dsa", "bf16")],
