@@ -15,6 +15,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from colibri_stream.bench.alternated_rows import alternated_ratios
 from colibri_stream.bench.contenders import RunInputs
 from colibri_stream.bench.limit_line import TouchedBytes, gguf_touched, llama_cpp_kv_bytes
 from colibri_stream.bench.llama_cpp import MATCHED_CONTAINERS
@@ -131,6 +132,13 @@ def fastest_decode(rows: list[dict], kind: str, budget_pct: int) -> float:
     return max((r["decode_tok_per_s"] for r in rows_of(rows, kind, budget_pct)), default=0.0)
 
 
+def fastest_warm_mode(rows: list[dict], kind: str, budget_pct: int) -> bool | None:
+    """Whether llama.cpp's fastest warm row of ``kind`` at the budget ran repacked (None: no warm row ran). On
+    some hosts the repacked mode aborts (a backend assertion) and memory-mapped is its best."""
+    warm = [r for r in rows_of(rows, kind, budget_pct) if not r["cold"]]
+    return bool(max(warm, key=lambda r: r["decode_tok_per_s"])["repack"]) if warm else None
+
+
 def llama_cpp_ratios(ours_by_file: dict[str, dict[int, dict]], rows: list[dict]) -> dict:
     """Ours (cold, LRU, prefetch) over llama.cpp's best cold row per budget, each file against our row for it
     (``ours_by_file``: file kind -> budget -> row; a kind without rows of its own takes q4e_q8's), and at 100%
@@ -171,7 +179,8 @@ def matched_container(row: dict) -> str:
 def section_ratios(section: dict, ours_exact: dict[int, dict]) -> dict:
     """Every ratio of a finished section (results.json's "llama_cpp"): decode and TTFT of our quality-matched
     rows (cold; the short prompt's TTFT warm too), ``exact_*`` of our default float path (``ours_exact``:
-    budget -> section 2's row), against llama.cpp and against our int8 path, and the prefill rows'."""
+    budget -> section 2's row), against llama.cpp and against our int8 path, the prefill rows' and the
+    alternated rounds' (``vs_*_alternated_100``)."""
     matched, rows = section["ours_matched"], section["rows"]
     by_file = {
         file: cold
@@ -192,6 +201,7 @@ def section_ratios(section: dict, ours_exact: dict[int, dict]) -> dict:
         | {f"exact_{k}": v for k, v in exact.items()}
         | exact_over_int8(ours_exact, by_file.get("q4e_q8", {}))
         | prefill_section_ratios(prefill["ours"], prefill["rows"])
+        | alternated_ratios(section.get("alternated", []))  # results of older runs lack them
     )
 
 

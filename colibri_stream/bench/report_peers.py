@@ -80,6 +80,7 @@ def llama_cpp_lines(results: dict) -> list[str]:
         ]
         lines += table(["run", "tok/s", "TTFT s", "expert MB read/token"], matched)
     lines += prefill_lines(section.get("prefill"))
+    lines += alternated_lines(section.get("alternated", []))
     failed = [f"- failed: {f['name']}: {f['error']}" for f in section.get("failed", [])]
     lines += [""] + failed if failed else []
     return lines + [
@@ -88,6 +89,20 @@ def llama_cpp_lines(results: dict) -> list[str]:
         "during the row (llama.cpp's OpenMP threads spin-wait by default, which a competing process punishes). "
         "Token ids are compared with ours at the same budget and page-cache "
         "state; random weights leave near-ties that a different quantization of the dense part can flip.",
+    ]
+
+
+def alternated_lines(rows: list[dict]) -> list[str]:
+    """The 100% decode pairs in alternating rounds (bench/alternated_rows.py): each round's rows in order."""
+    if not rows:
+        return []  # results of older runs lack them
+    body = [[r["name"], r["pair"], f"{r['decode_tok_per_s']:.2f}", f"{r['ttft_s']:.3f}"] for r in rows]
+    lines = ["", "At 100%, warm, ours then llama.cpp's fastest mode of the file in alternating rounds:", ""]
+    lines += table(["run", "pair", "tok/s", "TTFT s"], body)
+    return lines + [
+        "",
+        "`vs_*_alternated_100`: the median of our rounds over the median of llama.cpp's (one slow minute of "
+        "either does not decide it, as it can decide the single rows above).",
     ]
 
 

@@ -27,8 +27,10 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
+from colibri_stream.bench.alternated_rows import ALTERNATED_BUDGET, alternated_rows
 from colibri_stream.bench.batch_rows import BatchSettings, batch_section
 from colibri_stream.bench.cache import gap_to_belady_pp, trace_section
 from colibri_stream.bench.contenders import OurConfig, RunInputs, run_ours, run_peer_contender
@@ -42,6 +44,7 @@ from colibri_stream.bench.llama_cpp import (
     skip_reason,
 )
 from colibri_stream.bench.llama_cpp_section import (
+    fastest_warm_mode,
     gguf_facts,
     llama_cpp_grid,
     matched_container,
@@ -101,6 +104,8 @@ class BenchSettings:
     demo_tokens: int = 128
     llama_cpp_budgets_pct: tuple[int, ...] = (RATIO_BUDGET, 100)
     prefill_tokens: int = 1024  # the llama.cpp section's long-prompt TTFT rows (bench/prefill_rows.py)
+    alternation_rounds: int = 3  # the section's 100% decode pairs again, alternating (bench/alternated_rows.py)
+    alternation_tokens: int = 128
     batch: BatchSettings = BatchSettings()  # the batch section's client counts, tokens and rounds
 
 
@@ -116,6 +121,8 @@ QUICK_SETTINGS = BenchSettings(
     sweep_points=6,
     timeout_s=300.0,
     demo_tokens=48,
+    alternation_rounds=2,
+    alternation_tokens=24,
     batch=BatchSettings(clients=(1, 4), max_tokens=16, rounds=1),
     # --quick checks every invariant at fewer points: the ratio budget and all-in-RAM for the side
     # contenders, prefetch off for LRU only (the full run keeps every point)
@@ -340,6 +347,7 @@ class Bench:
             for kind in FILE_KINDS:
                 self._llama_cpp_rows(files[kind], kind, pct, rows, failed)
             self.prefill_rows(pct, files, prefill, failed)
+        alternated = self.alternated_rows(files, rows, failed)
         busy = [r["name"] for r in rows if (r["other_cpu_share"] or 0) > BUSY_MACHINE]
         if busy:
             self.results["warnings"].append(
@@ -354,6 +362,7 @@ class Bench:
             "rows": rows,
             "failed": failed,
             "prefill": {"ours": prefill[0], "rows": prefill[1]},
+            "alternated": alternated,
         }
 
     def llama_cpp_files(self) -> dict[str, Path]:
@@ -400,6 +409,30 @@ class Bench:
                 into[1].extend(llama_cpp_prefill_rows(pct, n, theirs))
             except ContenderFailed as exc:  # e.g. killed at its memory limit: a result, not a crash
                 failed.append({"name": f"prefill {n} llama.cpp {kind} {pct}%", "error": str(exc)})
+
+    def alternated_rows(self, files: dict[str, Path], grid: list[dict], failed: list[dict]) -> list[dict]:
+        """Ours (quality-matched, warm) and llama.cpp's fastest warm mode of each file in the ``grid``'s rows at
+        100% (repacked where it runs), round after round."""
+        if ALTERNATED_BUDGET not in self.settings.llama_cpp_budgets_pct:
+            return []
+        rows: list[dict] = []
+        for kind in FILE_KINDS:
+            repack = fastest_warm_mode(grid, kind, ALTERNATED_BUDGET)
+            try:
+                rows += [] if repack is None else self._alternated_pair(kind, files[kind], repack)
+            except ContenderFailed as exc:  # e.g. killed at its memory limit: a result, not a crash
+                failed.append({"name": f"alternated {kind} {ALTERNATED_BUDGET}%", "error": str(exc)})
+        return rows
+
+    def _alternated_pair(self, kind: str, gguf: Path, repack: bool) -> list[dict]:
+        pct, settings = ALTERNATED_BUDGET, self.settings
+        inputs = RunInputs(self.inputs().ids, settings.alternation_tokens, settings.timeout_s)
+        config = OurConfig(pct, container=MATCHED_CONTAINERS[kind], activations="int8", cold=False)
+        mode = "repacked" if repack else "mmap"
+        self.log(f"6/7 {config.name} and llama.cpp {kind} {mode}, {settings.alternation_rounds} rounds")
+        ours = partial(run_ours, self.matched[config.container], config, self.ram_bytes(pct), inputs, self.limit(pct))
+        theirs = partial(run_llama_cpp_contender, gguf, kind, pct, repack, False, inputs, self.limit(pct), self.threads)
+        return alternated_rows(kind, settings.alternation_rounds, ours, theirs)
 
     def _matched_rows(self, pct: int) -> list[dict]:
         """Ours as llama.cpp computes, at one budget, cold then warm: int4 experts, int8 activations and int8

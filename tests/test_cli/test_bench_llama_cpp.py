@@ -16,11 +16,18 @@ import pytest
 
 from colibri_stream import cli
 from colibri_stream.bench import llama_cpp, system
+from colibri_stream.bench.alternated_rows import alternated_ratios, alternated_rows
 from colibri_stream.bench.limit_line import TouchedBytes, gguf_touched, limit_line, llama_cpp_kv_bytes, ours_touched
-from colibri_stream.bench.llama_cpp_section import best_row, llama_cpp_grid, llama_cpp_ratios, warm_ttft_ratios
+from colibri_stream.bench.llama_cpp_section import (
+    best_row,
+    fastest_warm_mode,
+    llama_cpp_grid,
+    llama_cpp_ratios,
+    warm_ttft_ratios,
+)
 from colibri_stream.bench.load import loaded_vs_idle
 from colibri_stream.bench.prefill_rows import as_prefill_row, long_decode_ratios, prefill_ratios
-from colibri_stream.bench.report_peers import llama_cpp_lines, machine_lines, prefill_lines
+from colibri_stream.bench.report_peers import alternated_lines, llama_cpp_lines, machine_lines, prefill_lines
 from colibri_stream.bench.system import ContenderFailed, ProcessRun, steal_share
 
 
@@ -136,6 +143,45 @@ def test_prefill_ratios_take_warm_rows_at_100_and_cold_rows_below():
     rows = [as_prefill_row(r, 1024) for r in ours[:2]]
     report = "\n".join(prefill_lines({"ours": rows, "rows": []}))
     assert "1024-token prompt" in report and "| 4.00 | 256.0 | 10.00 |" in report  # 1024 tokens / 4.0 s
+
+
+def test_alternated_rounds_run_ours_then_theirs_and_the_ratio_is_of_the_medians():
+    order: list[str] = []
+
+    def contender(who: str, rates: list[float]):
+        def run() -> dict:
+            order.append(who)
+            return {"contender": who, "name": f"{who} 100% warm", "decode_tok_per_s": rates.pop(0), "ttft_s": 0.1}
+
+        return run
+
+    # llama.cpp's second q4e_q8 round is a slow minute (10): the medians leave it out, a single pair would not
+    rows = alternated_rows("q4e_q8", 3, contender("colibri-stream", [48, 40, 44]), contender("llama.cpp", [40, 10, 36]))
+    rows += alternated_rows("q4_0", 1, contender("colibri-stream", [50]), contender("llama.cpp", [40]))
+    assert order == ["colibri-stream", "llama.cpp"] * 4
+    assert [(r["pair"], r["round"]) for r in rows[:2]] == [("q4e_q8", 1), ("q4e_q8", 1)]
+    assert rows[3]["name"] == "round 2: llama.cpp 100% warm" and rows[3]["decode_tok_per_s"] == 10
+    assert alternated_ratios(rows) == {
+        "vs_llama_cpp_alternated_100": 1.22,  # median 44 over median 36
+        "vs_llama_cpp_q4_0_alternated_100": 1.25,
+    }
+    assert alternated_ratios(rows[:6:2]) == {}  # ours alone: no ratio
+    report = "\n".join(alternated_lines(rows))
+    assert "| round 2: llama.cpp 100% warm | q4e_q8 | 10.00 | 0.100 |" in report
+    assert alternated_lines([]) == []
+
+
+def test_the_alternated_rounds_take_llama_cpps_fastest_warm_mode_that_ran():
+    rows = [
+        _row("q4e_q8", 100, 30.0, 0.5, cold=False),
+        _row("q4e_q8", 100, 40.0, 0.5, cold=False, repack=True),
+        _row("q4e_q8", 100, 90.0, 0.5, cold=True, repack=False),  # cold rows do not choose
+        _row("q4_0", 100, 25.0, 0.5, cold=False),  # its repacked mode aborted on this host: no row
+        _row("q4_0", 25, 50.0, 0.5, cold=False, repack=True),  # another budget
+    ]
+    assert fastest_warm_mode(rows, "q4e_q8", 100) is True
+    assert fastest_warm_mode(rows, "q4_0", 100) is False
+    assert fastest_warm_mode(rows[:3], "q4_0", 100) is None
 
 
 def test_the_grid_repacks_only_where_everything_fits_and_runs_warm_after_cold():
