@@ -169,7 +169,7 @@ Q8_INLINE void Q8_NAME(span_scales)(const Q8Matrix *m, const uint8_t *scales, fl
 /* One 4-row block of an interleaved matrix times RB rows of x from r0 -> out[p][r]: each (row, x row) pair
  * summed as rows_block sums it (chunk by chunk, the chunk's product scaled by d times the group's scale). */
 Q8_INLINE void Q8_NAME(interleaved_block)(int kind, int RB, const Q8Matrix *m, const Q8Rows *x, int block, int r0,
-                                          float out[4][Q8_RB]) {
+                                          size_t ahead, float out[4][Q8_RB]) {
     size_t step = chunk_step_bytes(kind), span_bytes = q8_span_bytes(kind, m->scale_kind, m->group);
     int spans = m->in / Q8_SPAN;
     const uint8_t *first = (const uint8_t *)m->w + (size_t)block * (size_t)spans * span_bytes;
@@ -183,6 +183,10 @@ Q8_INLINE void Q8_NAME(interleaved_block)(int kind, int RB, const Q8Matrix *m, c
         for (int r = 0; r < RB; r++) acc[p][r] = _mm256_setzero_ps();
     for (int sp = 0; sp < spans; sp++) {
         const uint8_t *span = first + (size_t)sp * span_bytes;
+        /* the stream `ahead` bytes on into L2, a span at a time: the hardware prefetchers of some hosts do
+         * not run far enough ahead of one stream from DRAM (docs/kernels.md, "The interleaved layout") */
+        if (ahead)
+            for (size_t at = 0; at < span_bytes; at += 64) _mm_prefetch((const char *)(span + ahead + at), _MM_HINT_T2);
         float sc[4][8];
         Q8_NAME(span_scales)(m, span + span_code_bytes(kind), sc);
         for (int c8 = 0; c8 < Q8_SPAN / Q8_CHUNK; c8++) {
@@ -212,20 +216,28 @@ Q8_INLINE void Q8_NAME(interleaved_block)(int kind, int RB, const Q8Matrix *m, c
 /* Output rows [begin, end) of an interleaved matrix: the 4-row blocks holding them, every row of a block
  * computed (its codes are one stream), those in range stored. */
 Q8_INLINE void Q8_NAME(interleaved_gemm)(const Q8Matrix *m, const Q8Rows *x, int begin, int end, float *y, size_t ldy) {
+    size_t block_bytes = (size_t)(m->in / Q8_SPAN) * q8_span_bytes(m->kind, m->scale_kind, m->group);
+    if (x->rows <= 2) { /* the first two blocks at once, as prefetch_start */
+        const char *first = (const char *)m->w + (size_t)(begin / 4) * block_bytes;
+        size_t bytes = (size_t)((end + 3) / 4 - begin / 4 < 2 ? 1 : 2) * block_bytes;
+        for (size_t at = 0; at < bytes; at += 64) _mm_prefetch(first + at, _MM_HINT_T2);
+    }
     for (int block = begin / 4; block * 4 < end; block++)
         for (int r0 = 0; r0 < x->rows; r0 += Q8_RB) {
             int rb = x->rows - r0 < Q8_RB ? x->rows - r0 : Q8_RB;
+            /* two blocks on, on the first pass over the block and not past this caller's last one */
+            size_t ahead = r0 == 0 && (block + 3) * 4 <= end ? 2 * block_bytes : 0;
             float out[4][Q8_RB];
             switch ((m->kind == Q8_WEIGHTS_INT4 ? 0 : 8) + rb) { /* constant kind and RB: registers, as rows_block */
-            case 1: Q8_NAME(interleaved_block)(Q8_WEIGHTS_INT4, 1, m, x, block, r0, out); break;
-            case 2: Q8_NAME(interleaved_block)(Q8_WEIGHTS_INT4, 2, m, x, block, r0, out); break;
-            case 9: Q8_NAME(interleaved_block)(Q8_WEIGHTS_INT8, 1, m, x, block, r0, out); break;
-            case 10: Q8_NAME(interleaved_block)(Q8_WEIGHTS_INT8, 2, m, x, block, r0, out); break;
+            case 1: Q8_NAME(interleaved_block)(Q8_WEIGHTS_INT4, 1, m, x, block, r0, ahead, out); break;
+            case 2: Q8_NAME(interleaved_block)(Q8_WEIGHTS_INT4, 2, m, x, block, r0, ahead, out); break;
+            case 9: Q8_NAME(interleaved_block)(Q8_WEIGHTS_INT8, 1, m, x, block, r0, ahead, out); break;
+            case 10: Q8_NAME(interleaved_block)(Q8_WEIGHTS_INT8, 2, m, x, block, r0, ahead, out); break;
 #if Q8_RB == 4
-            case 3: Q8_NAME(interleaved_block)(Q8_WEIGHTS_INT4, 3, m, x, block, r0, out); break;
-            case 4: Q8_NAME(interleaved_block)(Q8_WEIGHTS_INT4, 4, m, x, block, r0, out); break;
-            case 11: Q8_NAME(interleaved_block)(Q8_WEIGHTS_INT8, 3, m, x, block, r0, out); break;
-            case 12: Q8_NAME(interleaved_block)(Q8_WEIGHTS_INT8, 4, m, x, block, r0, out); break;
+            case 3: Q8_NAME(interleaved_block)(Q8_WEIGHTS_INT4, 3, m, x, block, r0, ahead, out); break;
+            case 4: Q8_NAME(interleaved_block)(Q8_WEIGHTS_INT4, 4, m, x, block, r0, ahead, out); break;
+            case 11: Q8_NAME(interleaved_block)(Q8_WEIGHTS_INT8, 3, m, x, block, r0, ahead, out); break;
+            case 12: Q8_NAME(interleaved_block)(Q8_WEIGHTS_INT8, 4, m, x, block, r0, ahead, out); break;
 #endif
             }
             for (int p = 0; p < 4; p++) {
