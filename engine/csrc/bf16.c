@@ -47,11 +47,20 @@ __attribute__((target("avx512f"))) static inline __m512 load_bf16x16(const uint1
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
+/* The weight row `ahead` (or NULL) into L2, the 128 bytes matching columns [i, i + 64): spread over the
+ * loop rather than in a burst. Some hosts' hardware prefetchers do not run far enough ahead of the rows'
+ * one stream from DRAM (docs/kernels.md, "The interleaved stream prefetched"). */
+static inline void prefetch_ahead(const uint16_t *ahead, int i) {
+    if (ahead) _mm_prefetch((const char *)(ahead + i), _MM_HINT_T2), _mm_prefetch((const char *)(ahead + i + 32), _MM_HINT_T2);
+}
+
 /* in a multiple of 64. One row: four accumulators so FMA latency does not serialise the loop; a few
  * rows: each loaded weight vector is reused for every row. */
-__attribute__((target("avx512f"))) static float dot1_avx512(const uint16_t *row, const float *x, int in) {
+__attribute__((target("avx512f"))) static float dot1_avx512(const uint16_t *row, const float *x, int in,
+                                                            const uint16_t *ahead) {
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
     for (int i = 0; i < in; i += 64) {
+        prefetch_ahead(ahead, i);
         a0 = _mm512_fmadd_ps(load_bf16x16(row + i), _mm512_loadu_ps(x + i), a0);
         a1 = _mm512_fmadd_ps(load_bf16x16(row + i + 16), _mm512_loadu_ps(x + i + 16), a1);
         a2 = _mm512_fmadd_ps(load_bf16x16(row + i + 32), _mm512_loadu_ps(x + i + 32), a2);
@@ -63,31 +72,36 @@ __attribute__((target("avx512f"))) static float dot1_avx512(const uint16_t *row,
 /* Two rows, each accumulated exactly as dot1_avx512 accumulates one (batch-invariant), sharing the
  * weight loads and conversions. */
 __attribute__((target("avx512f"))) static void dot2_avx512(const uint16_t *row, const float *x0, const float *x1,
-                                                           int in, float *y0, float *y1) {
+                                                           int in, const uint16_t *ahead, float *y0, float *y1) {
     __m512 a[2][4];
     for (int r = 0; r < 2; r++)
         for (int l = 0; l < 4; l++) a[r][l] = _mm512_setzero_ps();
-    for (int i = 0; i < in; i += 64)
+    for (int i = 0; i < in; i += 64) {
+        prefetch_ahead(ahead, i);
         for (int l = 0; l < 4; l++) {
             __m512 wv = load_bf16x16(row + i + 16 * l);
             a[0][l] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x0 + i + 16 * l), a[0][l]);
             a[1][l] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x1 + i + 16 * l), a[1][l]);
         }
+    }
     *y0 = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0][0], a[0][1]), _mm512_add_ps(a[0][2], a[0][3])));
     *y1 = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[1][0], a[1][1]), _mm512_add_ps(a[1][2], a[1][3])));
 }
 
-/* alone: every row through the one-row computation (batch-invariant), two rows per weight pass. */
+/* alone: every row through the one-row computation (batch-invariant), two rows per weight pass. The row
+ * AHEAD_ROWS on is prefetched on the first pass over a row while it is one of the caller's `readable`. */
+#define AHEAD_ROWS 2
 __attribute__((target("avx512f"))) static void bf16_gemm_avx512(const uint16_t *w, const float *x, int rows, int in,
-                                                                 int out, int alone, float *y) {
+                                                                 int out, int readable, int alone, float *y) {
     for (int o = 0; o < out; o++) {
         const uint16_t *row = w + (size_t)o * in;
         if (rows == 1 || alone) {
+            const uint16_t *ahead = o + AHEAD_ROWS < readable ? row + (size_t)AHEAD_ROWS * in : NULL;
             int r = 0;
-            for (; r + 1 < rows; r += 2)
-                dot2_avx512(row, x + (size_t)r * in, x + (size_t)(r + 1) * in, in, y + (size_t)r * out + o,
+            for (; r + 1 < rows; r += 2, ahead = NULL)
+                dot2_avx512(row, x + (size_t)r * in, x + (size_t)(r + 1) * in, in, ahead, y + (size_t)r * out + o,
                             y + (size_t)(r + 1) * out + o);
-            if (r < rows) y[(size_t)r * out + o] = dot1_avx512(row, x + (size_t)r * in, in);
+            if (r < rows) y[(size_t)r * out + o] = dot1_avx512(row, x + (size_t)r * in, in, ahead);
             continue;
         }
         __m512 acc[MAX_ROWS];
@@ -163,7 +177,7 @@ static void gemm_rows(const uint16_t *w, const float *x, int rows, int in, int b
         const uint16_t *wb = w + (size_t)o * in;
 #if HAVE_X86
         if (isa == 2)
-            bf16_gemm_avx512(wb, x, rows, in, m, alone, tmp);
+            bf16_gemm_avx512(wb, x, rows, in, m, end - o, alone, tmp);
         else if (isa == 1)
             bf16_gemm_avx2(wb, x, rows, in, m, alone, tmp);
         else
