@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+from colibri_stream.bench.system import ContenderFailed
+
 FULL_BUDGET = 100
 PREFILL_NEW_TOKENS = 32  # the first token is the prefill's; the others decode at the prompt's context
 RATIO_PREFIXES = {"q4e_q8": "llama_cpp", "q4_0": "llama_cpp_q4_0"}  # llama.cpp file kind -> ratio name
@@ -79,9 +81,16 @@ def our_prefill_rows(prompt_tokens: int, run: Callable[[bool], dict]) -> list[di
     return [as_prefill_row(run(cold), prompt_tokens) for cold in (True, False)]
 
 
-def llama_cpp_prefill_rows(pct: int, prompt_tokens: int, run: Callable[[bool, bool], dict]) -> list[dict]:
-    """One llama.cpp file's modes at ``pct``, each cold then warm (repacked too at 100%: ``run(repack, cold)``)."""
+def llama_cpp_prefill_rows(
+    pct: int, prompt_tokens: int, run: Callable[[bool, bool], dict], name: str, failed: list[dict]
+) -> list[dict]:
+    """One llama.cpp file's modes at ``pct``, each cold then warm (repacked too at 100%: ``run(repack, cold)``).
+    A mode that fails goes into ``failed`` (``name`` and its mode) and the other mode's rows stay: on some
+    hosts llama.cpp's repacked mode aborts, and memory-mapped is then its best."""
     rows = []
     for repack in (False, True) if pct >= FULL_BUDGET else (False,):
-        rows += [as_prefill_row(run(repack, cold), prompt_tokens) for cold in (True, False)]
+        try:
+            rows += [as_prefill_row(run(repack, cold), prompt_tokens) for cold in (True, False)]
+        except ContenderFailed as exc:  # e.g. killed at its memory limit: a result, not a crash
+            failed.append({"name": f"{name} {'repacked' if repack else 'mmap'}", "error": str(exc)})
     return rows

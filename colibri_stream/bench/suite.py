@@ -405,10 +405,7 @@ class Bench:
                 limit = self.limit(pct)
                 return run_llama_cpp_contender(files[kind], kind, pct, repack, cold, inputs, limit, self.threads)
 
-            try:
-                into[1].extend(llama_cpp_prefill_rows(pct, n, theirs))
-            except ContenderFailed as exc:  # e.g. killed at its memory limit: a result, not a crash
-                failed.append({"name": f"prefill {n} llama.cpp {kind} {pct}%", "error": str(exc)})
+            into[1].extend(llama_cpp_prefill_rows(pct, n, theirs, f"prefill {n} llama.cpp {kind} {pct}%", failed))
 
     def alternated_rows(self, files: dict[str, Path], grid: list[dict], failed: list[dict]) -> list[dict]:
         """Ours (quality-matched, warm) and llama.cpp's fastest warm mode of each file in the ``grid``'s rows at

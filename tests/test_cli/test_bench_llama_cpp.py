@@ -26,7 +26,7 @@ from colibri_stream.bench.llama_cpp_section import (
     warm_ttft_ratios,
 )
 from colibri_stream.bench.load import loaded_vs_idle
-from colibri_stream.bench.prefill_rows import as_prefill_row, long_decode_ratios, prefill_ratios
+from colibri_stream.bench.prefill_rows import as_prefill_row, llama_cpp_prefill_rows, long_decode_ratios, prefill_ratios
 from colibri_stream.bench.report_peers import alternated_lines, llama_cpp_lines, machine_lines, prefill_lines
 from colibri_stream.bench.system import ContenderFailed, ProcessRun, steal_share
 
@@ -182,6 +182,22 @@ def test_the_alternated_rounds_take_llama_cpps_fastest_warm_mode_that_ran():
     assert fastest_warm_mode(rows, "q4e_q8", 100) is True
     assert fastest_warm_mode(rows, "q4_0", 100) is False
     assert fastest_warm_mode(rows[:3], "q4_0", 100) is None
+
+
+def test_a_prefill_mode_that_aborts_keeps_the_other_modes_rows():
+    def run(repack: bool, cold: bool) -> dict:
+        if repack:  # llama.cpp's repacked mode aborts on some hosts (a backend assertion)
+            raise ContenderFailed("exited -6: GGML_ASSERT(*cur_backend_id != -1) failed")
+        return _row("q4e_q8", 100, 20.0, 2.0 if cold else 1.5, cold=cold)
+
+    failed: list[dict] = []
+    rows = llama_cpp_prefill_rows(100, 1024, run, "prefill 1024 llama.cpp q4e_q8 100%", failed)
+    assert [(r["repack"], r["cold"], r["ttft_s"]) for r in rows] == [(False, True, 2.0), (False, False, 1.5)]
+    assert [f["name"] for f in failed] == ["prefill 1024 llama.cpp q4e_q8 100% repacked"]
+    assert "GGML_ASSERT" in failed[0]["error"]
+    assert prefill_ratios([_row("", 100, 0.0, 1.0, cold=False)], rows, {"q4e_q8": "llama_cpp"}) == {
+        "prefill_vs_llama_cpp_100": 1.5  # the memory-mapped warm row counts
+    }
 
 
 def test_the_grid_repacks_only_where_everything_fits_and_runs_warm_after_cold():
