@@ -155,6 +155,12 @@ static void gemm_scalar(const Q8Matrix *m, const Q8Rows *x, int begin, int end, 
 }
 
 #if HAVE_X86
+/* [start, start + bytes) into L2, a line at a time (the kernels' software prefetch: q8_body.h). Inlined: a call
+ * inside the kernels' loops would spill their accumulators (measured: the interleaved kernel at half speed). */
+__attribute__((always_inline)) static inline void prefetch_l2(const void *start, size_t bytes) {
+    for (size_t at = 0; at < bytes; at += 64) _mm_prefetch((const char *)start + at, _MM_HINT_T2);
+}
+
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 #define AVX2_INLINE AVX2 __attribute__((always_inline)) static inline
 

@@ -115,7 +115,7 @@ Q8_INLINE void Q8_NAME(prefetch_start)(int kind, const Q8Matrix *m, int begin, i
     size_t row_bytes = kind == Q8_WEIGHTS_INT4 ? (size_t)(m->in + 1) / 2 : (size_t)m->in;
     int rows = end - begin < 8 ? end - begin : 8;
     const char *first = (const char *)m->w + (size_t)begin * row_bytes;
-    for (size_t at = 0; at < (size_t)rows * row_bytes; at += 64) _mm_prefetch(first + at, _MM_HINT_T2);
+    prefetch_l2(first, (size_t)rows * row_bytes);
 }
 
 #define ROWS_BLOCK(P, RB) Q8_NAME(rows_block)(kind, one_scale, P, RB, m, x, o, r0, end, scales, gi, y, ldy, begin)
@@ -185,8 +185,7 @@ Q8_INLINE void Q8_NAME(interleaved_block)(int kind, int RB, const Q8Matrix *m, c
         const uint8_t *span = first + (size_t)sp * span_bytes;
         /* the stream `ahead` bytes on into L2, a span at a time: the hardware prefetchers of some hosts do
          * not run far enough ahead of one stream from DRAM (docs/kernels.md, "The interleaved layout") */
-        if (ahead)
-            for (size_t at = 0; at < span_bytes; at += 64) _mm_prefetch((const char *)(span + ahead + at), _MM_HINT_T2);
+        if (ahead) prefetch_l2(span + ahead, span_bytes);
         float sc[4][8];
         Q8_NAME(span_scales)(m, span + span_code_bytes(kind), sc);
         for (int c8 = 0; c8 < Q8_SPAN / Q8_CHUNK; c8++) {
@@ -218,9 +217,8 @@ Q8_INLINE void Q8_NAME(interleaved_block)(int kind, int RB, const Q8Matrix *m, c
 Q8_INLINE void Q8_NAME(interleaved_gemm)(const Q8Matrix *m, const Q8Rows *x, int begin, int end, float *y, size_t ldy) {
     size_t block_bytes = (size_t)(m->in / Q8_SPAN) * q8_span_bytes(m->kind, m->scale_kind, m->group);
     if (x->rows <= 2) { /* the first two blocks at once, as prefetch_start */
-        const char *first = (const char *)m->w + (size_t)(begin / 4) * block_bytes;
-        size_t bytes = (size_t)((end + 3) / 4 - begin / 4 < 2 ? 1 : 2) * block_bytes;
-        for (size_t at = 0; at < bytes; at += 64) _mm_prefetch(first + at, _MM_HINT_T2);
+        int blocks = (end + 3) / 4 - begin / 4 < 2 ? 1 : 2;
+        prefetch_l2((const char *)m->w + (size_t)(begin / 4) * block_bytes, (size_t)blocks * block_bytes);
     }
     for (int block = begin / 4; block * 4 < end; block++)
         for (int r0 = 0; r0 < x->rows; r0 += Q8_RB) {
