@@ -49,8 +49,9 @@ __attribute__((target("avx512f"))) static inline __m512 load_bf16x16(const uint1
 
 /* The weight row `ahead` (or NULL) into L2, the 128 bytes matching columns [i, i + 64): spread over the
  * loop rather than in a burst. Some hosts' hardware prefetchers do not run far enough ahead of the rows'
- * one stream from DRAM (docs/kernels.md, "The interleaved stream prefetched"). */
-static inline void prefetch_ahead(const uint16_t *ahead, int i) {
+ * one stream from DRAM (docs/kernels.md, "The interleaved stream prefetched"). Inlined: a call inside the
+ * loops would spill their accumulators. */
+__attribute__((always_inline)) static inline void prefetch_ahead(const uint16_t *ahead, int i) {
     if (ahead) _mm_prefetch((const char *)(ahead + i), _MM_HINT_T2), _mm_prefetch((const char *)(ahead + i + 32), _MM_HINT_T2);
 }
 
