@@ -8,12 +8,17 @@
  * 4-bit weight (0.5 byte); this reads each weight byte once and agrees with dequantise-then-matmul to
  * float rounding (not bit for bit: the summation order differs).
  *
- * A row is read in chunks of 32 bytes (64 columns). Every nibble value (int4 n - 8, fp4 e2m1) is exact
- * in bfloat16, so two 16-entry byte tables (the value's bf16 low and high byte) and two in-lane unpacks
- * turn a chunk into 8 vectors of float32 bits: no int -> float conversion, no sign fix-up, the int4
- * offset already in (no per-group sums of x). The unpacks leave the columns in a fixed permutation
- * (x_slot), which nibble_prepare gives x too; a chunk meets 1, 2 or 4 group scales at known lanes, so
- * each weight vector is scaled (one multiply) and then serves every row (one FMA per row).
+ * A row is read in chunks of 64 bytes (128 columns): 16 dwords of 8 nibbles, dword d holding columns
+ * 8d..8d+7. Shifting the chunk right by 4s puts every dword's nibble s (column 8d + s) in its low 4 bits,
+ * and one 16-entry permute (AVX-512's vpermps; AVX2: two 8-entry ones and a blend on bit 3) maps those
+ * to the code's float values, so 8 shifts and 8 lookups make a chunk's 128 weights: weight vector s
+ * holds columns 8d + s, the order nibble_prepare gives x (x_slot). A lane's 8 columns sit in one group
+ * (group % 8 == 0), so a chunk's products are summed per lane first and scaled once, by a vector of
+ * the lanes' group scales.
+ *
+ * Why not the bf16-byte tables of the first kernel (two byte shuffles and three unpacks per 8 weights):
+ * on the Intel host every shuffle takes port 5, which held the kernel to ~5 GB/s a core, compute-bound
+ * where the memory gives 13; this takes one shuffle per 16 weights.
  *
  * x is prepared zero-padded to whole chunks, so an odd row's padding nibble and a tail chunk's zero
  * bytes contribute nothing; a row's last, partial chunk is copied to a zeroed buffer first: nothing
@@ -71,12 +76,12 @@ static inline float scale_at(const NibbleMatrix *m, size_t i) {
     }
 }
 
-/* Where row r's column k sits in the prepared x, [chunks][rows][64] (a chunk's x for every row
- * together): in chunk k / 64, byte b = (k % 64) / 2's nibble h = k % 2 lands in weight vector
- * 4h + (b % 16) / 4, lane b % 4 + 4 (b / 16) (chunk_fma's order). */
+/* Where row r's column k sits in the prepared x, [chunks][rows][128] (a chunk's x for every row
+ * together): in chunk k / 128, column j = k % 128 is nibble s = j % 8 of dword d = j / 8, so weight
+ * vector s's lane d (chunk_rows' order). */
 static inline size_t x_slot(size_t k, int r, int rows) {
-    size_t b = (k % CHUNK_COLS) / 2, vector = 4 * (k % 2) + (b % 16) / 4, lane = b % 4 + 4 * (b / 16);
-    return ((k / CHUNK_COLS) * (size_t)rows + (size_t)r) * CHUNK_COLS + 8 * vector + lane;
+    size_t j = k % CHUNK_COLS;
+    return ((k / CHUNK_COLS) * (size_t)rows + (size_t)r) * CHUNK_COLS + 16 * (j % 8) + j / 8;
 }
 
 size_t nibble_work_floats(const NibbleMatrix *m, int rows) { return (size_t)rows * nibble_chunks(m) * CHUNK_COLS; }
@@ -112,79 +117,180 @@ static void gemm_scalar(const NibbleMatrix *m, const float *xs, int rows, int be
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 #define AVX2_INLINE AVX2 __attribute__((always_inline)) static inline
 
+/* How many output rows ahead a pass asks for the codes (row_block's ahead). */
+#ifndef AHEAD_ROWS
+#define AHEAD_ROWS 2
+#endif
+
 /* Floats of x (all rows) per column block: 16 KiB, half of L1, the rest for the streaming weights. */
 #define BLOCK_FLOATS 4096
-
-/* How a chunk's 64 columns meet the group scales; the kernel is instantiated per layout. Lanes 0-3
- * of every weight vector come from the chunk's first 32 columns, lanes 4-7 from its last 32. */
-enum {
-    ONE_GROUP,   /* group a multiple of 64, or one group per row: one scale per chunk */
-    TWO_GROUPS,  /* group 32: lanes 0-3 and 4-7 have a scale each */
-    FOUR_GROUPS, /* group 16: and vectors q 0-1 and 2-3 differ */
-    EIGHTS,      /* any other group % 8 == 0: a scale per vector q and lane half */
-    N_LAYOUTS
-};
-
-/* The layout the AVX2 path uses, or -1 (the scalar path: a group that is no multiple of 8). */
-static int scale_layout(const NibbleMatrix *m) {
-    if (m->group % CHUNK_COLS == 0 || nibble_groups(m) == 1) return ONE_GROUP;
-    if (m->group == 32) return TWO_GROUPS;
-    if (m->group == 16) return FOUR_GROUPS;
-    return m->group % 8 == 0 ? EIGHTS : -1;
-}
 
 /* Chunks per column block for R rows: x of one row is read once per output row, so it may take L1
  * (the codes stream past); more rows share the block. */
 #define block_chunks(R) ((R) == 1 ? 2 * BLOCK_FLOATS / CHUNK_COLS : BLOCK_FLOATS / (CHUNK_COLS * (R)))
 
-/* The largest column block in chunks, and its groups (group >= 8 on the AVX2 path), plus one. */
+/* The largest column block in chunks, and its groups (group >= 8 on the SIMD path), plus one. */
 #define MAX_BLOCK_CHUNKS block_chunks(1)
 #define MAX_BLOCK_GROUPS (MAX_BLOCK_CHUNKS * CHUNK_COLS / 8 + 1)
 
-/* For each chunk of the column block starting at chunk c0: the block-local group of its 8 column
- * octets, at [4 * half + q] for columns 32 half + 8 q (weight vector q's lanes 4 half..4 half+3). */
-static void block_groups(const NibbleMatrix *m, size_t c0, size_t c1, uint16_t slots[][8]) {
+/* Whether every lane of a chunk has the chunk's first group (groups of whole chunks, or one group a
+ * row): one broadcast scale instead of a permute. */
+static int broadcast_scales(const NibbleMatrix *m) { return m->group % CHUNK_COLS == 0 || nibble_groups(m) == 1; }
+
+/* Whether the SIMD loops take the matrix: a lane's 8 columns in one group. */
+static int simd_shape(const NibbleMatrix *m) { return broadcast_scales(m) || m->group % 8 == 0; }
+
+/* A chunk's lanes' group scales, as indexes into the block's scales (row_scales): lane d (columns
+ * 8d..8d+7) has scales[base + lane[d]]; the 8-lane sets read lanes 8-15 as scales[base_hi + hi[d]]. */
+typedef struct {
+    int32_t lane[16], hi[8];
+    int base, base_hi;
+} ChunkScales;
+
+static void block_scales(const NibbleMatrix *m, size_t c0, size_t c1, ChunkScales *cs) {
     size_t first = c0 * CHUNK_COLS / m->group;
-    for (size_t c = c0; c < c1; c++)
-        for (int i = 0; i < 8; i++) slots[c - c0][i] = (uint16_t)((c * CHUNK_COLS + 32 * (i / 4) + 8 * (i % 4)) / m->group - first);
+    for (size_t c = c0; c < c1; c++) {
+        ChunkScales *s = cs + (c - c0);
+        size_t start = c * CHUNK_COLS / m->group, within = c * CHUNK_COLS % m->group; /* column 0's place in its group */
+        int32_t lane = 0;
+        for (int d = 0; d < 16; d++, within += 8) { /* group % 8 == 0 (or broadcast_scales: lanes unused) */
+            if (within >= (size_t)m->group) within -= (size_t)m->group, lane++;
+            s->lane[d] = lane;
+        }
+        s->base = (int)(start - first);
+        s->base_hi = s->base + s->lane[8];
+        for (int d = 0; d < 8; d++) s->hi[d] = s->lane[8 + d] - s->lane[8];
+    }
 }
 
-/* Accumulators per (output, row): enough independent FMA chains (P outputs x RS rows x ACCS) to
- * cover the FMA latency (4 cycles, 2 a cycle), few enough to stay in the 16 registers. */
-#define ACCS(P, RS) ((P) * (RS) >= 8 ? 1 : (P) * (RS) >= 4 ? 2 : (P) * (RS) == 2 ? 2 : 4)
+/* Row o's scales of groups first.. as float32 (0 past the row's last group: a tail chunk's padding
+ * columns, where x is 0, and the lanes a chunk_lanes load reads beyond its groups; no scale past the
+ * row is read). */
+AVX2 static void row_scales(const NibbleMatrix *m, int o, size_t first, size_t count, float *out) {
+    size_t groups = (size_t)nibble_groups(m), s0 = (size_t)o * groups + first, have = first + count < groups ? count : groups - first;
+    size_t i = 0;
+    const uint16_t *halves = (const uint16_t *)m->scales + s0;
+    switch (m->scale_kind) {
+    case SCALE_F16:
+        for (; i + 8 <= have; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(halves + i))));
+        for (; i < have; i++) out[i] = _cvtsh_ss(halves[i]);
+        break;
+    case SCALE_BF16:
+        for (; i + 8 <= have; i += 8) {
+            __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(halves + i)));
+            _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+        }
+        for (; i < have; i++) out[i] = from_bits((uint32_t)halves[i] << 16);
+        break;
+    default:
+        for (; i < have; i++) out[i] = e8m0_to_float(((const uint8_t *)m->scales)[s0 + i]);
+    }
+    for (i = have; i < count; i++) out[i] = 0.f;
+}
 
-/* Whether a chunk's products are summed before its scales are applied (one FMA per accumulator
- * instead of a multiply per weight vector): where the chunk has one scale vector (group 32 or >= 64)
- * and the extra chunk accumulators fit the registers (one row of x). */
-#define SCALE_AFTER(layout, P, RS) (((layout) == ONE_GROUP || (layout) == TWO_GROUPS) && (P) * (RS) <= 2)
-
-/* Where one output row's pass over a column block reads and writes. */
+/* The 16-lane set (AVX-512F/VL/BW): a chunk is one zmm of codes; weights are one vpermps of the
+ * shifted codes into the code's 16 values. */
+#define AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw")))
+#define AVX512_INLINE AVX512 __attribute__((always_inline)) static inline
 typedef struct {
-    const uint8_t *q; /* the row's codes */
-    const float *scales; /* the block's group scales (row_scales) */
-    float *y; /* y[0][o]: rows of y are n apart */
-} OutRow;
+    __m512 values;
+} Table16;
+AVX512_INLINE Table16 value_table_avx512(int code) { return (Table16){_mm512_loadu_ps(VALUES[code])}; }
+AVX512_INLINE __m512i load_codes_avx512(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
+AVX512_INLINE __m512 weights_avx512(__m512i v, int s, const Table16 *t) {
+    return _mm512_permutexvar_ps(s ? _mm512_srli_epi32(v, 4 * s) : v, t->values);
+}
+AVX512_INLINE __m512 load_x_avx512(const float *p) { return _mm512_loadu_ps(p); }
+AVX512_INLINE __m512 fma_avx512(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
+AVX512_INLINE __m512 zero_avx512(void) { return _mm512_setzero_ps(); }
+AVX512_INLINE __m512 add_avx512(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
+AVX512_INLINE __m512 broadcast_avx512(const float *p) { return _mm512_set1_ps(*p); }
+AVX512_INLINE __m512 chunk_lanes_avx512(const float *scales, const ChunkScales *cs, int h) {
+    (void)h;
+    return _mm512_permutexvar_ps(_mm512_loadu_si512((const void *)cs->lane), _mm512_loadu_ps(scales + cs->base));
+}
+AVX512_INLINE float hsum8_avx512(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+/* Lanes 0-7 + lanes 8-15, then hsum8: the 8-lane sets' order. */
+AVX512_INLINE float total_avx512(__m512 acc[1][8], int r) {
+    __m256 low = _mm512_castps512_ps256(acc[0][r]), high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[0][r]), 1));
+    return hsum8_avx512(_mm256_add_ps(low, high));
+}
+#define NB_TARGET AVX512
+#define NB_INLINE AVX512_INLINE
+#define NB_NAME(name) name##_avx512
+#define NB_VEC __m512
+#define NB_CODES __m512i
+#define NB_TABLE Table16
+#define NB_HALVES 1
+#define NB_MAX_RS 8
+#include "nibble_body.h"
+#undef NB_TARGET
+#undef NB_INLINE
+#undef NB_NAME
+#undef NB_VEC
+#undef NB_CODES
+#undef NB_TABLE
+#undef NB_HALVES
+#undef NB_MAX_RS
 
-/* Rows of x per unpacking of a block's weights in the batch-invariant loops (rows_alone). */
-#define ALONE_ROWS 2
-
-/* The SIMD loops once per instruction set: AVX2, and AVX2 code compiled with AVX-512VL (same bits). */
+/* The 8-lane set (AVX2): a chunk is two ymm of codes, lanes 0-7 then 8-15, each a chain of its own (the
+ * 16 registers hold two rows' accumulators); a weight is two 8-entry vpermps, the code's values 0-7
+ * and 8-15, blended on the nibble's bit 3. */
+typedef struct {
+    __m256 low, high;
+    int int4; /* int4 values are made by arithmetic, without the permutes */
+} Table8;
+AVX2_INLINE Table8 value_table_avx2(int code) {
+    return (Table8){_mm256_loadu_ps(VALUES[code]), _mm256_loadu_ps(VALUES[code] + 8), code == CODE_INT4};
+}
+AVX2_INLINE __m256i load_codes_avx2(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+AVX2_INLINE __m256 weights_avx2(__m256i v, int s, const Table8 *t) {
+    __m256i index = s ? _mm256_srli_epi32(v, 4 * s) : v;
+    if (t->int4) { /* n - 8 as (2^23 + n) - (2^23 + 8): the float bits of 2^23 with n in the mantissa, exact */
+        __m256i biased = _mm256_or_si256(_mm256_and_si256(index, _mm256_set1_epi32(0x0F)), _mm256_set1_epi32(0x4B000000));
+        return _mm256_sub_ps(_mm256_castsi256_ps(biased), _mm256_set1_ps(8388616.f));
+    }
+    __m256 low = _mm256_permutevar8x32_ps(t->low, index), high = _mm256_permutevar8x32_ps(t->high, index);
+    return _mm256_blendv_ps(low, high, _mm256_castsi256_ps(_mm256_slli_epi32(index, 28)));
+}
+AVX2_INLINE __m256 load_x_avx2(const float *p) { return _mm256_loadu_ps(p); }
+AVX2_INLINE __m256 fma_avx2(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
+AVX2_INLINE __m256 zero_avx2(void) { return _mm256_setzero_ps(); }
+AVX2_INLINE __m256 add_avx2(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
+AVX2_INLINE __m256 broadcast_avx2(const float *p) { return _mm256_broadcast_ss(p); }
+AVX2_INLINE __m256 chunk_lanes_avx2(const float *scales, const ChunkScales *cs, int h) {
+    const int32_t *index = h ? cs->hi : cs->lane;
+    return _mm256_permutevar8x32_ps(_mm256_loadu_ps(scales + (h ? cs->base_hi : cs->base)), _mm256_loadu_si256((const __m256i *)index));
+}
+AVX2_INLINE float hsum8_avx2(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+AVX2_INLINE float total_avx2(__m256 acc[2][2], int r) { return hsum8_avx2(_mm256_add_ps(acc[0][r], acc[1][r])); }
 #define NB_TARGET AVX2
 #define NB_INLINE AVX2_INLINE
 #define NB_NAME(name) name##_avx2
+#define NB_VEC __m256
+#define NB_CODES __m256i
+#define NB_TABLE Table8
+#define NB_HALVES 2
+#define NB_MAX_RS 2
 #include "nibble_body.h"
 #undef NB_TARGET
 #undef NB_INLINE
 #undef NB_NAME
-
-#define AVX512VL __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw")))
-#define NB_TARGET AVX512VL
-#define NB_INLINE AVX512VL __attribute__((always_inline)) static inline
-#define NB_NAME(name) name##_avx512vl
-#include "nibble_body.h"
-#undef NB_TARGET
-#undef NB_INLINE
-#undef NB_NAME
+#undef NB_VEC
+#undef NB_CODES
+#undef NB_TABLE
+#undef NB_HALVES
+#undef NB_MAX_RS
 #endif
 
 float nibble_scale(int scale_kind, const void *scales, size_t i) {
@@ -192,7 +298,7 @@ float nibble_scale(int scale_kind, const void *scales, size_t i) {
     return scale_at(&m, i);
 }
 
-/* 0 none, 1 AVX2 (with FMA and F16C), 2 AVX2 and AVX-512VL: the loops this CPU runs at best. */
+/* 0 none, 1 AVX2 (with FMA and F16C), 2 AVX2 and AVX-512 (F, VL, BW): the loops this CPU runs at best. */
 static int simd_level(void) {
 #if HAVE_X86
     static int level = -1;
@@ -214,12 +320,11 @@ int nibble_simd_wide(void) { return simd_level() >= 2; }
 
 void nibble_gemm(const NibbleMatrix *m, const float *xs, int rows, int begin, int end, int simd, int alone, float *y) {
 #if HAVE_X86
-    int layout = scale_layout(m);
-    if (simd && layout >= 0 && rows >= 1 && rows <= MAX_ROWS && nibble_simd_available()) {
+    if (simd && simd_shape(m) && rows >= 1 && rows <= MAX_ROWS && nibble_simd_available()) {
         if (simd >= 2 && simd_level() >= 2)
-            gemm_simd_avx512vl(m, layout, alone, xs, rows, begin, end, y);
+            gemm_simd_avx512(m, alone, xs, rows, begin, end, y);
         else
-            gemm_simd_avx2(m, layout, alone, xs, rows, begin, end, y);
+            gemm_simd_avx2(m, alone, xs, rows, begin, end, y);
         return;
     }
 #endif

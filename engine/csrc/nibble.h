@@ -31,9 +31,9 @@ static inline int nibble_matrix_valid(const NibbleMatrix *m) {
 static inline size_t nibble_row_bytes(const NibbleMatrix *m) { return ((size_t)m->in + 1) / 2; }
 static inline int nibble_groups(const NibbleMatrix *m) { return (int)(((size_t)m->in + m->group - 1) / m->group); }
 
-/* x is laid out per chunk of 32 packed bytes (64 columns), in the order the kernel unpacks them. */
-#define CHUNK_BYTES 32
-#define CHUNK_COLS 64
+/* x is laid out per chunk of 64 packed bytes (128 columns), in the order the kernel unpacks them. */
+#define CHUNK_BYTES 64
+#define CHUNK_COLS 128
 static inline size_t nibble_chunks(const NibbleMatrix *m) { return (nibble_row_bytes(m) + CHUNK_BYTES - 1) / CHUNK_BYTES; }
 
 /* Floats of workspace nibble_prepare needs for `rows` rows. */
@@ -44,7 +44,7 @@ size_t nibble_work_floats(const NibbleMatrix *m, int rows);
 void nibble_prepare(const NibbleMatrix *m, const float *x, int rows, float *xs);
 
 /* y [rows, end - begin] = x @ dequant(m)[begin:end]^T from nibble_prepare's xs; simd caps the loops:
- * 0 scalar, 1 AVX2, 2 the AVX2 loops built with AVX-512VL where the CPU has it (the same bits as 1,
+ * 0 scalar, 1 AVX2, 2 the AVX-512 loops where the CPU has them (the same bits as 1,
  * faster). alone 1: batch-invariant, each row's result bit-identical to a one-row call's (rows of
  * independent requests decoded together); 0: the fastest order for several rows of one prompt. */
 void nibble_gemm(const NibbleMatrix *m, const float *xs, int rows, int begin, int end, int simd, int alone, float *y);
@@ -59,7 +59,7 @@ float nibble_scale(int scale_kind, const void *scales, size_t i);
 /* Whether the CPU has the AVX2 path (AVX2, FMA, F16C). */
 int nibble_simd_available(void);
 
-/* 1 when the CPU also has AVX-512VL (with F and BW): AVX2 loops may use its 32 vector registers. */
+/* 1 when the CPU also has AVX-512 (F, VL and BW): the 16-lane loops. */
 int nibble_simd_wide(void);
 
 #endif

@@ -81,8 +81,8 @@ def test_kernel_matmul_equals_linear_over_the_reference(matrices, kind, width, i
 # Group sizes by how a 64-column chunk meets its scales (engine/csrc/nibble.c scale_layout): 128 spans
 # two chunks, 48 and 8 change scale inside a chunk at other places than 16 / 32 do, 6 is no multiple
 # of 8 (the scalar path even when SIMD is asked for), 120 at width 119 is one group per row.
-GROUPS = [128, 48, 8, 6, 120]
-# 119: odd, one chunk and a tail; 2113: odd, past the column block of 2+ rows (1024 columns);
+GROUPS = [256, 128, 48, 8, 6, 120]  # 256 and 128: one scale per 128-column chunk (broadcast)
+# 119: odd, one chunk and a tail; 2113: odd, past the column block of 2+ rows (2048 columns or fewer);
 # 8259: past the single row's block (8192 columns)
 WIDE = [119, 2113, 8259]
 
@@ -193,11 +193,13 @@ def _cpu_has_avx512vl() -> bool:
 @pytest.mark.skipif(not _cpu_has_avx512vl(), reason="no AVX-512VL: 'best' is the AVX2 build itself")
 @pytest.mark.parametrize("alone", [False, True])
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_the_avx512vl_build_gives_the_avx2_builds_bits(matrices, kind, alone):
-    """The same loops compiled with AVX-512VL (32 vector registers): the same operations in the same order,
-    so the same bits, for every layout (group 64, 32, 16; and 24: a scale per weight vector), width and row
-    count; the scalar loops sum in another order (a check that the two builds really differ in path)."""
-    ms = [matrices[kind, w] for w in WIDTHS] + [random_matrix(kind, 200, group=24)]
+def test_the_avx512_loops_give_the_avx2_loops_bits(matrices, kind, alone):
+    """The 16-lane AVX-512 loops and the AVX2 loops (two 8-lane halves) do the same float operations per
+    lane in the same order, so they give the same bits, for every scale layout (group 64, 32, 16, 24:
+    lanes of two or more groups in a chunk; 256: one scale a chunk), width and row count; the scalar
+    loops sum in another order (a check that the two builds really differ in path)."""
+    ms = [matrices[kind, w] for w in WIDTHS]
+    ms += [random_matrix(kind, 200, group=24), random_matrix(kind, 600, group=256)]
     gen = torch.Generator().manual_seed(5)
     for m in ms:
         for rows in range(1, 9):
