@@ -59,6 +59,7 @@ static void *job_arg;
 static int helper_inside = 0;   /* the helper is running a block */
 static int helper_sleeping = 0; /* the helper waits on work_ready */
 static int helper_state = 0;    /* 0 not started, 1 running, -1 could not start */
+static pthread_t helper_id;
 
 /* Takes the next block of generation gen, from the caller's half first (helper 0) or the helper's (1), then
  * from the other's; -1 when none is left (or the job is another one). */
@@ -161,11 +162,10 @@ static void *helper_main(void *unused) {
 
 static int ensure_helper(void) {
     if (helper_state == 0) {
-        pthread_t id;
         pthread_attr_t attr;
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        helper_state = pthread_create(&id, &attr, helper_main, NULL) == 0 ? 1 : -1;
+        helper_state = pthread_create(&helper_id, &attr, helper_main, NULL) == 0 ? 1 : -1;
         pthread_attr_destroy(&attr);
     }
     return helper_state == 1;
@@ -194,6 +194,30 @@ int split_read_ahead(const void *const *starts, const size_t *lengths, int n, in
     return status;
 }
 
+/* A join that waited SOLO_WAIT_NS for the helper's block means the helper was descheduled inside it: another
+ * busy process shares the cores, and every job then stalls until the scheduler gives the helper a slice
+ * back (beside a busy loop two threads ran 0.44x of idle, one thread alone 0.5x: docs/kernels.md, "Threads
+ * beside a busy process"). Calls then run on the caller alone for SOLO_NS, then two threads are tried again. */
+#define SOLO_WAIT_NS 500000L
+#define SOLO_NS 50000000L
+static int64_t solo_until = 0;
+
+static int solo(int64_t now) { return now < __atomic_load_n(&solo_until, __ATOMIC_RELAXED); }
+
+/* Waits for the block the helper is inside, if any; a long wait starts a solo period. */
+static void join_helper(void) {
+    int64_t since = 0;
+    for (int polls = 0; __atomic_load_n(&helper_inside, __ATOMIC_SEQ_CST); polls++) {
+        if (polls == 0) since = now_ns();
+        if (polls % 64 == 63) sched_yield(); /* the helper may be descheduled inside its block */
+        PAUSE();
+    }
+    if (since != 0) {
+        int64_t now = now_ns();
+        if (now - since > SOLO_WAIT_NS) __atomic_store_n(&solo_until, now + SOLO_NS, __ATOMIC_RELAXED);
+    }
+}
+
 static void run_side(const SplitSide *side) {
     if (side != NULL) side->fn(side->arg);
 }
@@ -204,7 +228,7 @@ void split_run_beside(split_block_fn fn, void *job, int n_blocks, int threads, c
         return;
     }
     pthread_mutex_lock(&call_lock);
-    if (threads < 2 || n_blocks < 2 || (uint64_t)n_blocks > FIELD_MASK || !ensure_helper()) {
+    if (threads < 2 || n_blocks < 2 || (uint64_t)n_blocks > FIELD_MASK || solo(now_ns()) || !ensure_helper()) {
         pthread_mutex_unlock(&call_lock);
         run_side(side);
         for (int b = 0; b < n_blocks; b++) fn(job, b);
@@ -216,10 +240,7 @@ void split_run_beside(split_block_fn fn, void *job, int n_blocks, int threads, c
     wake_helper();
     run_side(side); /* meanwhile the helper takes its half's blocks, then the caller's */
     for (int block; (block = take_block(gen, 0)) >= 0;) fn(job, block);
-    for (int polls = 0; __atomic_load_n(&helper_inside, __ATOMIC_SEQ_CST); polls++) {
-        if (polls % 64 == 63) sched_yield(); /* the helper may be descheduled inside its block */
-        PAUSE();
-    }
+    join_helper();
     pthread_mutex_unlock(&call_lock);
 }
 
@@ -228,6 +249,7 @@ void split_run(split_block_fn fn, void *job, int n_blocks, int threads) {
 }
 
 int split_cores_shared(long max_age_ns) {
+    if (solo(now_ns())) return 1;
     if (helper_state != 1 || now_ns() - __atomic_load_n(&measured_at, __ATOMIC_RELAXED) > max_age_ns) return -1;
     return shared();
 }
@@ -236,7 +258,36 @@ void split_after_fork(void) {
     read_ahead_after_fork();
     helper_state = 0;
     helper_inside = helper_sleeping = 0;
+    solo_until = 0;
     pthread_mutex_init(&call_lock, NULL);
     pthread_mutex_init(&mu, NULL);
     pthread_cond_init(&work_ready, NULL);
+}
+
+/* The probe's job: block 0 is the caller's, block 1 the helper's (middle_of(2) = 1). The caller's waits until
+ * the helper is inside block 1 (unless solo, or a second passes: no helper), so the join waits out the
+ * helper's sleep. */
+typedef struct {
+    long helper_sleep_ns;
+    int helper_started, helper_blocks;
+} Probe;
+
+static void probe_block(void *arg, int block) {
+    Probe *p = arg;
+    if (pthread_equal(pthread_self(), helper_id)) {
+        __atomic_add_fetch(&p->helper_blocks, 1, __ATOMIC_SEQ_CST);
+        __atomic_store_n(&p->helper_started, 1, __ATOMIC_SEQ_CST);
+        struct timespec pause = {0, p->helper_sleep_ns};
+        nanosleep(&pause, NULL);
+    } else if (block == 0) { /* solo: no helper comes */
+        for (int64_t until = now_ns() + 1000000000L; !__atomic_load_n(&p->helper_started, __ATOMIC_SEQ_CST) && now_ns() < until;)
+            if (solo(now_ns())) break;
+    }
+}
+
+int split_probe(long helper_sleep_ns, int fresh) {
+    if (fresh) __atomic_store_n(&solo_until, 0, __ATOMIC_RELAXED);
+    Probe probe = {helper_sleep_ns, 0, 0};
+    split_run(probe_block, &probe, 2, 2);
+    return probe.helper_blocks;
 }

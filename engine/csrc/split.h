@@ -10,7 +10,9 @@ typedef void (*split_block_fn)(void *job, int block);
 
 /* fn(job, b) for every b in [0, n_blocks), on the caller and (threads >= 2) the helper; returns when
  * all are done. The caller never waits for a helper that has not started: it takes every block the
- * helper has not, so a descheduled helper (a busy machine) costs nothing but its own blocks. */
+ * helper has not, so a descheduled helper (a busy machine) costs nothing but its own blocks. A helper
+ * descheduled inside a block does stall the caller; after one such wait (a busy machine) calls run on
+ * the caller alone for a while (split.c SOLO_NS). */
 void split_run(split_block_fn fn, void *job, int n_blocks, int threads);
 
 /* Work of the caller's that does not depend on a job (e.g. a layer's routing beside its shared expert). */
@@ -28,11 +30,16 @@ void split_run_beside(split_block_fn fn, void *job, int n_blocks, int threads, c
  * replacing what was asked before (read_ahead.c); returns at once. 0, or -1 without memory. */
 int split_read_ahead(const void *const *starts, const size_t *lengths, int n, int threads);
 
-/* The helper's last verdict on its core (split.c watch_share): 1 shared with another busy thread, 0 not,
- * -1 none measured within max_age_ns (no helper, or idle that long). */
+/* The helper's last verdict on its core (split.c watch_share): 1 shared with another busy thread (or a solo
+ * period runs: a join waited long for a descheduled helper), 0 not, -1 none measured within max_age_ns (no
+ * helper, or idle that long). */
 int split_cores_shared(long max_age_ns);
 
 /* A forked child has no helper thread (only the forking thread survives): call in the child. */
 void split_after_fork(void);
+
+/* A check of the solo rule (tests): a two-block job whose helper block sleeps helper_sleep_ns, after ending
+ * any solo period where fresh; returns how many blocks the helper ran (0: the job ran on the caller alone). */
+int split_probe(long helper_sleep_ns, int fresh);
 
 #endif
