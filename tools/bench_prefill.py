@@ -20,6 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from colibri_stream.bench.llama_cpp import skip_reason
+from colibri_stream.bench.llama_cpp_race import LlamaCppRace
 from colibri_stream.bench.prefill_rows import prefill_section_ratios
 from colibri_stream.bench.suite import FULL, Bench
 from colibri_stream.bench.system import cgroup_available, machine_facts
@@ -45,12 +46,13 @@ def main() -> None:
     if not cgroup_available():
         log("warning: no cgroup-v1 memory controller: rows below 100% run without their memory limit")
     bench.prepare_models()
-    files = bench.llama_cpp_files()
+    race = LlamaCppRace(bench)
+    files = race.prepare()
     ours: list[dict] = []
     theirs: list[dict] = []
     failed: list[dict] = []
     for pct in (int(p) for p in args.budgets.split(",")):
-        bench.prefill_rows(pct, files, (ours, theirs), failed)
+        race.prefill_rows(pct, files, (ours, theirs), failed)
     for row in ours + theirs:
         speed = f"{row['ttft_s']:8.2f} s  {row['prefill_tok_per_s']} tok/s, then {row['decode_tok_per_s']:.2f} tok/s"
         print(f"{row['name']:<60} cold={row['cold']!s:<5} {speed}")

@@ -27,38 +27,28 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
-from functools import partial
 from pathlib import Path
 
-from colibri_stream.bench.alternated_rows import ALTERNATED_BUDGET, alternated_rows
 from colibri_stream.bench.batch_rows import BatchSettings, batch_section
 from colibri_stream.bench.cache import gap_to_belady_pp, trace_section
 from colibri_stream.bench.contenders import OurConfig, RunInputs, run_ours, run_peer_contender
 from colibri_stream.bench.disk import disk_section
 from colibri_stream.bench.limit_line import limit_line, memory_bandwidth, ours_touched
 from colibri_stream.bench.llama_cpp import (
-    FILE_KINDS,
-    MATCHED_CONTAINERS,
     default_llama_cpp_dir,
-    prepare_gguf_files,
     skip_reason,
 )
+from colibri_stream.bench.llama_cpp_race import INT4_MATCHED, INT8_MATCHED, LlamaCppRace
 from colibri_stream.bench.llama_cpp_section import (
-    fastest_warm_mode,
-    gguf_facts,
-    llama_cpp_grid,
     matched_container,
-    run_llama_cpp_contender,
     section_ratios,
     touched_from_facts,
 )
 from colibri_stream.bench.load import loaded_vs_idle
 from colibri_stream.bench.mtp_rows import mtp_section
-from colibri_stream.bench.prefill_rows import PREFILL_NEW_TOKENS, llama_cpp_prefill_rows, our_prefill_rows
 from colibri_stream.bench.sessions import random_prompt_ids, sessions_section
 from colibri_stream.bench.stress_model import QUICK, StressShape, checkpoint_bytes, write_stress_checkpoint
 from colibri_stream.bench.system import (
-    ContenderFailed,
     MemoryLimit,
     cgroup_available,
     cli_argv,
@@ -80,9 +70,6 @@ from storage.tiered import StoreConfig, minimum_slots, total_records
 
 GiB = 1 << 30
 RATIO_BUDGET = 25  # the budget (% of int4 expert bytes) at which the headline ratios (and sessions) are taken
-INT8_MATCHED = MATCHED_CONTAINERS["q4e_q8"]  # ours quality-matched to llama.cpp's Q4_0-experts + Q8_0 file
-INT4_MATCHED = MATCHED_CONTAINERS["q4_0"]  # ours as its all-Q4_0 file: int4 dense records too (convert --dense int4)
-BUSY_MACHINE = 0.25  # others' share of the CPU during a llama.cpp row above which the bench warns
 SECTIONS = ("disk", "decode", "peer", "caching", "sessions", "llama_cpp", "load", "mtp", "batch")
 
 
@@ -151,7 +138,7 @@ class Bench:
                 shutil.rmtree(self.work / f"{stale}.cstream", ignore_errors=True)
             write_stress_checkpoint(self.hf, shape, progress=sys.stderr.isatty())
             marker.write_text(json.dumps(asdict(shape)))
-        self.int4 = self._convert("int4")
+        self.int4 = self.convert_container("int4")
         self.container = Container(self.int4)
         self.record_bytes = self.container.layout.record_bytes
         self.expert_bytes = self.container.expert_bytes
@@ -169,7 +156,7 @@ class Bench:
             "experts_per_layer": self.container.n_experts,
         }
 
-    def _convert(self, experts: str, dense: str = "bf16") -> Path:
+    def convert_container(self, experts: str, dense: str = "bf16") -> Path:
         dst = self.work / f"{experts}{'' if dense == 'bf16' else '-' + dense + 'dense'}.cstream"
         self.log(f"container {dst.name}")
         return convert(self.hf, dst, experts, progress=sys.stderr.isatty(), dense=dense)
@@ -199,7 +186,7 @@ class Bench:
 
     def _convert_bf16(self) -> None:
         """The bf16 container: only decode's side rows use it (another ~4x the int4 bytes to write)."""
-        self.bf16 = self._convert("bf16")
+        self.bf16 = self.convert_container("bf16")
         self.results["model"]["bf16_record_bytes"] = Container(self.bf16).layout.record_bytes
 
     def decode(self) -> None:
@@ -240,7 +227,7 @@ class Bench:
         return self.results["model"]["bf16_record_bytes"]
 
     def _path(self, config: OurConfig) -> Path:
-        return self.bf16 if config.container == "bf16" else self.int4  # the matched rows: _matched_rows
+        return self.bf16 if config.container == "bf16" else self.int4  # the matched rows: LlamaCppRace's
 
     def decode_grid(self) -> list[OurConfig]:
         grid = []
@@ -334,114 +321,7 @@ class Bench:
             self.results["llama_cpp"] = {"skipped": reason}
             return
         self.log("6/7 llama.cpp: the same checkpoint as GGUF (converted once, cached in --work)")
-        files = self.llama_cpp_files()
-        context = self.settings.prompt_tokens
-        matched: list[dict] = []
-        rows: list[dict] = []
-        failed: list[dict] = []
-        # budget by budget, ours then llama.cpp's rows: the ratios compare rows minutes apart, not the whole
-        # section apart (this machine's memory speed was seen to move by 1.5x within the hour)
-        prefill: tuple[list[dict], list[dict]] = ([], [])
-        for pct in self.settings.llama_cpp_budgets_pct:
-            matched += self._matched_rows(pct)
-            for kind in FILE_KINDS:
-                self._llama_cpp_rows(files[kind], kind, pct, rows, failed)
-            self.prefill_rows(pct, files, prefill, failed)
-        alternated = self.alternated_rows(files, rows, failed)
-        busy = [r["name"] for r in rows if (r["other_cpu_share"] or 0) > BUSY_MACHINE]
-        if busy:
-            self.results["warnings"].append(
-                f"other processes used over {BUSY_MACHINE:.0%} of the CPU during {len(busy)} of {len(rows)} llama.cpp "
-                'rows (see "others\' CPU"): its spinning OpenMP threads make it collapse on a busy machine, so '
-                "those ratios measure the machine, not the runtimes; rerun on an idle machine"
-            )
-        self.results["llama_cpp"] = {
-            "threads": self.threads,
-            "ours_matched": matched,
-            "files": {kind: {"path": str(path)} | gguf_facts(path, context) for kind, path in files.items()},
-            "rows": rows,
-            "failed": failed,
-            "prefill": {"ours": prefill[0], "rows": prefill[1]},
-            "alternated": alternated,
-        }
-
-    def llama_cpp_files(self) -> dict[str, Path]:
-        """llama.cpp's files of the bench model and our quality-matched container (each made once in --work)."""
-        files = prepare_gguf_files(self.hf, self.work, self.llama_cpp_dir, self.threads, self.log, sys.stderr.isatty())
-        self.int4_int8dense = self._convert("int4", dense="int8")
-        self.matched = {INT8_MATCHED: self.int4_int8dense, INT4_MATCHED: self._convert("int4", dense="int4")}
-        return files
-
-    def _llama_cpp_rows(self, gguf: Path, kind: str, pct: int, rows: list[dict], failed: list[dict]) -> None:
-        """One file's rows at one budget (mmap, and at 100% repacked; cold, then warm) into ``rows``."""
-        for _, repack, cold in llama_cpp_grid((pct,)):
-            name = f"llama.cpp {kind} {pct}% {'repacked' if repack else 'mmap'} {'cold' if cold else 'warm'}"
-            self.log(f"6/7 {name}")
-            try:
-                rows.append(
-                    run_llama_cpp_contender(gguf, kind, pct, repack, cold, self.inputs(), self.limit(pct), self.threads)
-                )
-            except ContenderFailed as exc:  # e.g. killed at its memory limit: a result, not a crash
-                failed.append({"name": name, "error": str(exc)})
-                self.results["warnings"].append(f"{name} failed: {exc}")
-
-    def prefill_rows(
-        self, pct: int, files: dict[str, Path], into: tuple[list[dict], list[dict]], failed: list[dict]
-    ) -> None:
-        """A long prompt's first token, ours (the int8 path) and each llama.cpp file's, at one budget."""
-        n = self.settings.prefill_tokens
-        prompt = random_prompt_ids(self.settings.shape.vocab_size, n, 11)
-        inputs = RunInputs(prompt, PREFILL_NEW_TOKENS, self.settings.timeout_s)
-        self.log(f"6/7 prefill: a {n}-token prompt at {pct}%")
-
-        def ours(cold: bool) -> dict:
-            config = OurConfig(pct, container=INT8_MATCHED, activations="int8", cold=cold)
-            return run_ours(self.int4_int8dense, config, self.ram_bytes(pct), inputs, self.limit(pct))
-
-        into[0].extend(our_prefill_rows(n, ours))
-        for kind in FILE_KINDS:
-
-            def theirs(repack: bool, cold: bool, kind: str = kind) -> dict:
-                limit = self.limit(pct)
-                return run_llama_cpp_contender(files[kind], kind, pct, repack, cold, inputs, limit, self.threads)
-
-            into[1].extend(llama_cpp_prefill_rows(pct, n, theirs, f"prefill {n} llama.cpp {kind} {pct}%", failed))
-
-    def alternated_rows(self, files: dict[str, Path], grid: list[dict], failed: list[dict]) -> list[dict]:
-        """Ours (quality-matched, warm) and llama.cpp's fastest warm mode of each file in the ``grid``'s rows at
-        100% (repacked where it runs), round after round."""
-        if ALTERNATED_BUDGET not in self.settings.llama_cpp_budgets_pct:
-            return []
-        rows: list[dict] = []
-        for kind in FILE_KINDS:
-            repack = fastest_warm_mode(grid, kind, ALTERNATED_BUDGET)
-            try:
-                rows += [] if repack is None else self._alternated_pair(kind, files[kind], repack)
-            except ContenderFailed as exc:  # e.g. killed at its memory limit: a result, not a crash
-                failed.append({"name": f"alternated {kind} {ALTERNATED_BUDGET}%", "error": str(exc)})
-        return rows
-
-    def _alternated_pair(self, kind: str, gguf: Path, repack: bool) -> list[dict]:
-        pct, settings = ALTERNATED_BUDGET, self.settings
-        inputs = RunInputs(self.inputs().ids, settings.alternation_tokens, settings.timeout_s)
-        config = OurConfig(pct, container=MATCHED_CONTAINERS[kind], activations="int8", cold=False)
-        mode = "repacked" if repack else "mmap"
-        self.log(f"6/7 {config.name} and llama.cpp {kind} {mode}, {settings.alternation_rounds} rounds")
-        ours = partial(run_ours, self.matched[config.container], config, self.ram_bytes(pct), inputs, self.limit(pct))
-        theirs = partial(run_llama_cpp_contender, gguf, kind, pct, repack, False, inputs, self.limit(pct), self.threads)
-        return alternated_rows(kind, settings.alternation_rounds, ours, theirs)
-
-    def _matched_rows(self, pct: int) -> list[dict]:
-        """Ours as llama.cpp computes, at one budget, cold then warm: int4 experts, int8 activations and int8
-        dense records (its Q4_0-experts + Q8_0 file with Q8 activations), then int4 dense records (its
-        all-Q4_0 file)."""
-        rows = []
-        for container, path in self.matched.items():
-            for cold in (True, False):
-                config = OurConfig(pct, container=container, activations="int8", cold=cold)
-                self.log(f"6/7 {config.name}")
-                rows.append(run_ours(path, config, self.ram_bytes(pct), self.inputs(), self.limit(pct)))
-        return rows
+        self.results["llama_cpp"] = LlamaCppRace(self).run()
 
     def load(self) -> None:
         self.log("7/7 load: our decode at 100% (warm) idle, beside a busy loop, idle again")
