@@ -338,13 +338,14 @@ static PyObject *py_cores_shared(PyObject *self, PyObject *args) {
     return PyBool_FromLong(verdict);
 }
 
-/* split_probe(helper_sleep_ns, fresh): split.c's solo rule checked (tests): blocks the helper ran of a two-block job. */
+/* split_probe(helper_ns, helper_sleeps, fresh): split.c's solo rule checked (tests): blocks the helper ran of a
+ * two-block job. */
 static PyObject *py_split_probe(PyObject *self, PyObject *args) {
-    long sleep_ns;
-    int fresh, helper_blocks;
-    if (!PyArg_ParseTuple(args, "lp", &sleep_ns, &fresh)) return NULL;
+    long helper_ns;
+    int sleeps, fresh, helper_blocks;
+    if (!PyArg_ParseTuple(args, "lpp", &helper_ns, &sleeps, &fresh)) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    helper_blocks = split_probe(sleep_ns, fresh);
+    helper_blocks = split_probe(helper_ns, sleeps, fresh);
     Py_END_ALLOW_THREADS
     return PyLong_FromLong(helper_blocks);
 }
@@ -475,7 +476,7 @@ static PyMethodDef methods[] = {
     {"index_select", py_index_select, METH_VARARGS, "the DSA indexer's top-k positions for query rows."},
     {"bytes_read_ahead", py_bytes_read_ahead, METH_NOARGS, "bytes the helper thread has read ahead into the caches, ever."},
     {"cores_shared", py_cores_shared, METH_VARARGS, "the helper thread's last verdict on its core (None: none that recent)."},
-    {"split_probe", py_split_probe, METH_VARARGS, "blocks the helper ran of a two-block job whose helper block sleeps (tests)."},
+    {"split_probe", py_split_probe, METH_VARARGS, "blocks the helper ran of a two-block job whose helper block sleeps or spins (tests)."},
     {"read_ahead", py_read_ahead, METH_VARARGS, "read these (address, bytes) ranges into the caches on the idle helper thread."},
     {"nibble_moe", py_nibble_moe, METH_VARARGS, "a MoE layer's routed 4-bit SwiGLU experts, float32 x, added to out."},
     {"q8_moe", py_q8_moe, METH_VARARGS, "a MoE layer's routed SwiGLU experts with int8 activations, added to out."},

@@ -60,6 +60,8 @@ static int helper_inside = 0;   /* the helper is running a block */
 static int helper_sleeping = 0; /* the helper waits on work_ready */
 static int helper_state = 0;    /* 0 not started, 1 running, -1 could not start */
 static pthread_t helper_id;
+static clockid_t helper_clock; /* the helper's CPU-time clock (join_helper) */
+static int helper_clock_ok = 0;
 
 /* Takes the next block of generation gen, from the caller's half first (helper 0) or the helper's (1), then
  * from the other's; -1 when none is left (or the job is another one). */
@@ -167,6 +169,7 @@ static int ensure_helper(void) {
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
         helper_state = pthread_create(&helper_id, &attr, helper_main, NULL) == 0 ? 1 : -1;
         pthread_attr_destroy(&attr);
+        helper_clock_ok = helper_state == 1 && pthread_getcpuclockid(helper_id, &helper_clock) == 0;
     }
     return helper_state == 1;
 }
@@ -194,27 +197,44 @@ int split_read_ahead(const void *const *starts, const size_t *lengths, int n, in
     return status;
 }
 
-/* A join that waited SOLO_WAIT_NS for the helper's block means the helper was descheduled inside it: another
- * busy process shares the cores, and every job then stalls until the scheduler gives the helper a slice
- * back (beside a busy loop two threads ran 0.44x of idle, one thread alone 0.5x: docs/kernels.md, "Threads
- * beside a busy process"). Calls then run on the caller alone for SOLO_NS, then two threads are tried again. */
+/* A join that waited SOLO_WAIT_NS for the helper's block, while the two threads together ran less than 1.5
+ * cores' worth of that wait, means another busy process shares the cores: the scheduler took the helper off
+ * inside its block, or gave the caller's yielded core to the other process, and every job stalls on it
+ * (beside a busy loop two threads ran 0.44x of idle, one thread alone 0.5x: docs/kernels.md, "Threads beside
+ * a busy process"). A long block on an idle machine (attention over a long context) keeps both threads
+ * running, so it does not count. Calls then run on the caller alone for SOLO_NS, then two threads are tried
+ * again. The CPU clocks are system calls, so they are read only in a wait past WATCH_AFTER_NS. */
+#define WATCH_AFTER_NS 50000L
 #define SOLO_WAIT_NS 500000L
 #define SOLO_NS 50000000L
 static int64_t solo_until = 0;
 
 static int solo(int64_t now) { return now < __atomic_load_n(&solo_until, __ATOMIC_RELAXED); }
 
-/* Waits for the block the helper is inside, if any; a long wait starts a solo period. */
+static int64_t cpu_ns(clockid_t clock) {
+    struct timespec ts;
+    clock_gettime(clock, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* Both threads' CPU time so far. */
+static int64_t both_cpu_ns(void) { return cpu_ns(CLOCK_THREAD_CPUTIME_ID) + cpu_ns(helper_clock); }
+
+/* Waits for the block the helper is inside, if any; a long wait on shared cores starts a solo period. */
 static void join_helper(void) {
-    int64_t since = 0;
+    int64_t since = 0, watched = 0, cpu0 = 0;
     for (int polls = 0; __atomic_load_n(&helper_inside, __ATOMIC_SEQ_CST); polls++) {
         if (polls == 0) since = now_ns();
-        if (polls % 64 == 63) sched_yield(); /* the helper may be descheduled inside its block */
+        if (polls % 64 == 63) {
+            if (watched == 0 && helper_clock_ok && now_ns() - since > WATCH_AFTER_NS) watched = now_ns(), cpu0 = both_cpu_ns();
+            sched_yield(); /* the helper may be descheduled inside its block */
+        }
         PAUSE();
     }
-    if (since != 0) {
-        int64_t now = now_ns();
-        if (now - since > SOLO_WAIT_NS) __atomic_store_n(&solo_until, now + SOLO_NS, __ATOMIC_RELAXED);
+    if (watched != 0) {
+        int64_t now = now_ns(), window = now - watched;
+        if (now - since > SOLO_WAIT_NS && 10 * (both_cpu_ns() - cpu0) < 18 * window)
+            __atomic_store_n(&solo_until, now + SOLO_NS, __ATOMIC_RELAXED);
     }
 }
 
@@ -258,7 +278,7 @@ void split_after_fork(void) {
     read_ahead_after_fork();
     helper_state = 0;
     helper_inside = helper_sleeping = 0;
-    solo_until = 0;
+    solo_until = 0, helper_clock_ok = 0;
     pthread_mutex_init(&call_lock, NULL);
     pthread_mutex_init(&mu, NULL);
     pthread_cond_init(&work_ready, NULL);
@@ -266,10 +286,10 @@ void split_after_fork(void) {
 
 /* The probe's job: block 0 is the caller's, block 1 the helper's (middle_of(2) = 1). The caller's waits until
  * the helper is inside block 1 (unless solo, or a second passes: no helper), so the join waits out the
- * helper's sleep. */
+ * helper's block: helper_ns asleep (descheduled, as far as the join can tell) or spinning (running). */
 typedef struct {
-    long helper_sleep_ns;
-    int helper_started, helper_blocks;
+    long helper_ns;
+    int helper_sleeps, helper_started, helper_blocks;
 } Probe;
 
 static void probe_block(void *arg, int block) {
@@ -277,17 +297,21 @@ static void probe_block(void *arg, int block) {
     if (pthread_equal(pthread_self(), helper_id)) {
         __atomic_add_fetch(&p->helper_blocks, 1, __ATOMIC_SEQ_CST);
         __atomic_store_n(&p->helper_started, 1, __ATOMIC_SEQ_CST);
-        struct timespec pause = {0, p->helper_sleep_ns};
-        nanosleep(&pause, NULL);
+        if (p->helper_sleeps) {
+            struct timespec pause = {p->helper_ns / 1000000000L, p->helper_ns % 1000000000L};
+            nanosleep(&pause, NULL);
+        } else {
+            for (int64_t until = now_ns() + p->helper_ns; now_ns() < until;) PAUSE();
+        }
     } else if (block == 0) { /* solo: no helper comes */
         for (int64_t until = now_ns() + 1000000000L; !__atomic_load_n(&p->helper_started, __ATOMIC_SEQ_CST) && now_ns() < until;)
             if (solo(now_ns())) break;
     }
 }
 
-int split_probe(long helper_sleep_ns, int fresh) {
+int split_probe(long helper_ns, int helper_sleeps, int fresh) {
     if (fresh) __atomic_store_n(&solo_until, 0, __ATOMIC_RELAXED);
-    Probe probe = {helper_sleep_ns, 0, 0};
+    Probe probe = {helper_ns, helper_sleeps, 0, 0};
     split_run(probe_block, &probe, 2, 2);
     return probe.helper_blocks;
 }

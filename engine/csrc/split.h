@@ -38,8 +38,9 @@ int split_cores_shared(long max_age_ns);
 /* A forked child has no helper thread (only the forking thread survives): call in the child. */
 void split_after_fork(void);
 
-/* A check of the solo rule (tests): a two-block job whose helper block sleeps helper_sleep_ns, after ending
- * any solo period where fresh; returns how many blocks the helper ran (0: the job ran on the caller alone). */
-int split_probe(long helper_sleep_ns, int fresh);
+/* A check of the solo rule (tests): a two-block job whose helper block lasts helper_ns, asleep where
+ * helper_sleeps (descheduled, as far as the caller can tell) or spinning, after ending any solo period where
+ * fresh; returns how many blocks the helper ran (0: the job ran on the caller alone). */
+int split_probe(long helper_ns, int helper_sleeps, int fresh);
 
 #endif
