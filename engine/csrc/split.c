@@ -77,22 +77,21 @@ static int take_block(uint64_t gen, int helper) {
     return -1;
 }
 
-static int64_t now_ns(void) {
+/* A clock's time in ns: CLOCK_MONOTONIC (now_ns), this thread's CPU time, or the helper's (helper_clock). */
+static int64_t clock_ns(clockid_t clock) {
     struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
+    clock_gettime(clock, &ts);
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
+
+static int64_t now_ns(void) { return clock_ns(CLOCK_MONOTONIC); }
 
 static int has_work(uint64_t seen) {
     uint64_t t = __atomic_load_n(&ticket, __ATOMIC_SEQ_CST);
     return generation(t) != seen && blocks_left(t);
 }
 
-static int64_t thread_cpu_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
+static int64_t thread_cpu_ns(void) { return clock_ns(CLOCK_THREAD_CPUTIME_ID); }
 
 /* Whether the helper shares its core with another busy thread: over its last awake window of
  * SHARE_WINDOW_NS it ran less than SHARE_MIN of the time (each poll yields the core, so a competitor
@@ -197,7 +196,7 @@ int split_read_ahead(const void *const *starts, const size_t *lengths, int n, in
     return status;
 }
 
-/* A join that waited SOLO_WAIT_NS for the helper's block, while the two threads together ran less than 1.5
+/* A join that waited SOLO_WAIT_NS for the helper's block, while the two threads together ran less than 1.8
  * cores' worth of that wait, means another busy process shares the cores: the scheduler took the helper off
  * inside its block, or gave the caller's yielded core to the other process, and every job stalls on it
  * (beside a busy loop two threads ran 0.44x of idle, one thread alone 0.5x: docs/kernels.md, "Threads beside
@@ -211,14 +210,8 @@ static int64_t solo_until = 0;
 
 static int solo(int64_t now) { return now < __atomic_load_n(&solo_until, __ATOMIC_RELAXED); }
 
-static int64_t cpu_ns(clockid_t clock) {
-    struct timespec ts;
-    clock_gettime(clock, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
 /* Both threads' CPU time so far. */
-static int64_t both_cpu_ns(void) { return cpu_ns(CLOCK_THREAD_CPUTIME_ID) + cpu_ns(helper_clock); }
+static int64_t both_cpu_ns(void) { return thread_cpu_ns() + clock_ns(helper_clock); }
 
 /* Waits for the block the helper is inside, if any; a long wait on shared cores starts a solo period. */
 static void join_helper(void) {
