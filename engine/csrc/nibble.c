@@ -118,9 +118,7 @@ static void gemm_scalar(const NibbleMatrix *m, const float *xs, int rows, int be
 #define AVX2_INLINE AVX2 __attribute__((always_inline)) static inline
 
 /* How many output rows ahead a pass asks for the codes (row_block's ahead). */
-#ifndef AHEAD_ROWS
 #define AHEAD_ROWS 2
-#endif
 
 /* Floats of x (all rows) per column block: 16 KiB, half of L1, the rest for the streaming weights. */
 #define BLOCK_FLOATS 4096
@@ -188,6 +186,14 @@ AVX2 static void row_scales(const NibbleMatrix *m, int o, size_t first, size_t c
     for (i = have; i < count; i++) out[i] = 0.f;
 }
 
+/* The 8 lanes' sum, halves then pairs: both sets' last step (the AVX-512 set inlines it too). */
+AVX2_INLINE float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
 /* The 16-lane set (AVX-512F/VL/BW): a chunk is one zmm of codes; weights are one vpermps of the
  * shifted codes into the code's 16 values. */
 #define AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw")))
@@ -209,16 +215,10 @@ AVX512_INLINE __m512 chunk_lanes_avx512(const float *scales, const ChunkScales *
     (void)h;
     return _mm512_permutexvar_ps(_mm512_loadu_si512((const void *)cs->lane), _mm512_loadu_ps(scales + cs->base));
 }
-AVX512_INLINE float hsum8_avx512(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 /* Lanes 0-7 + lanes 8-15, then hsum8: the 8-lane sets' order. */
 AVX512_INLINE float total_avx512(__m512 acc[1][8], int r) {
     __m256 low = _mm512_castps512_ps256(acc[0][r]), high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[0][r]), 1));
-    return hsum8_avx512(_mm256_add_ps(low, high));
+    return hsum8(_mm256_add_ps(low, high));
 }
 #define NB_TARGET AVX512
 #define NB_INLINE AVX512_INLINE
@@ -267,13 +267,7 @@ AVX2_INLINE __m256 chunk_lanes_avx2(const float *scales, const ChunkScales *cs, 
     const int32_t *index = h ? cs->hi : cs->lane;
     return _mm256_permutevar8x32_ps(_mm256_loadu_ps(scales + (h ? cs->base_hi : cs->base)), _mm256_loadu_si256((const __m256i *)index));
 }
-AVX2_INLINE float hsum8_avx2(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-AVX2_INLINE float total_avx2(__m256 acc[2][2], int r) { return hsum8_avx2(_mm256_add_ps(acc[0][r], acc[1][r])); }
+AVX2_INLINE float total_avx2(__m256 acc[2][2], int r) { return hsum8(_mm256_add_ps(acc[0][r], acc[1][r])); }
 #define NB_TARGET AVX2
 #define NB_INLINE AVX2_INLINE
 #define NB_NAME(name) name##_avx2

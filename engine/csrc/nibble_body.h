@@ -1,14 +1,15 @@
 /* The 4-bit kernel's SIMD loops (nibble.c), included once per instruction set with NB_TARGET / NB_INLINE
  * (function attributes), NB_NAME (the set's suffix), NB_VEC / NB_CODES / NB_TABLE (types), NB_HALVES
  * (lane groups per chunk: 1 of 16 lanes, or 2 of 8), NB_MAX_RS (rows of x per pass, the accumulators'
- * register budget) and the per-set primitives load_codes, weights, load_x, fma, zero, chunk_lanes,
- * broadcast and total defined.
+ * register budget) and the per-set primitives value_table, load_codes, weights, load_x, fma, add, zero,
+ * chunk_lanes, broadcast and total defined.
  *
  * Every lane does the same float operations in the same order in every set: a chunk's 8 products per
- * lane (two FMA chains from 0, even and odd s, then added), then one FMA by the lane's group scale into the row's accumulator, and the
- * 16 lanes summed as lanes 0-7 + lanes 8-15, then hsum8. So the sets give the same bits, and a row's
- * result does not depend on which rows share its pass (rows_alone holds by construction; only the column
- * block, which the y sums follow, may depend on the row count, where alone is 0). */
+ * lane (two FMA chains from 0, even and odd s, then added), then one FMA by the lane's group scale into
+ * the row's accumulator, and the 16 lanes summed as lanes 0-7 + lanes 8-15, then hsum8. So the sets give
+ * the same bits, and a row's result does not depend on which rows share its pass (rows_alone holds by
+ * construction; only the column block, which the y sums follow, may depend on the row count, where alone
+ * is 0). */
 
 /* acc[h][r] += chunk products of lane group h for RS rows of x (xc: the first row's chunk, rows
  * CHUNK_COLS floats apart); codes: the chunk's 64 bytes, scales: the block's (row_scales). */
