@@ -16,11 +16,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import psutil
-
 from colibri_stream.cli.help import help_options
 from colibri_stream.cli.options import add_dtype_argument, add_store_arguments, store_options
 from colibri_stream.planning.budget import StoreOptions
+from colibri_stream.planning.machine_memory import memory_here
 from storage.buffers import PAGE
 from storage.container import o_direct_refusal
 
@@ -84,9 +83,10 @@ def machine_checks() -> Iterator[Check]:
         yield Check(OK, "cuda", "; ".join(names))
     else:
         yield Check(OK, "cuda", "not available: CPU only (no VRAM tier)")
-    memory = psutil.virtual_memory()
-    status = OK if memory.available >= 4 * GIB else WARN
-    yield Check(status, "ram", f"{_gib(memory.available)} available of {_gib(memory.total)}")
+    memory = memory_here()
+    status = OK if memory.available_bytes >= 4 * GIB else WARN
+    limited = "" if memory.cap is None else f" (memory cgroup limit, {memory.cap.source})"
+    yield Check(status, "ram", f"{_gib(memory.available_bytes)} available of {_gib(memory.total_bytes)}{limited}")
 
 
 def disk_check(name: str, path: Path) -> Check:
@@ -152,7 +152,7 @@ def checkpoint_checks(path: Path) -> Iterator[Check]:
     model_args = ModelArgs.from_hf_config(read_config(path))
     size = sum(f.stat().st_size for f in shard_files(path))
     yield Check(OK, "checkpoint", f"{model_args.n_layers} layers, {_gib(size)} of safetensors (loaded resident)")
-    available = psutil.virtual_memory().available
+    available = memory_here().available_bytes
     status = OK if size <= available else FAIL
     advice = "" if status == OK else ": convert it and stream the experts (the budget check says how it would fit)"
     yield Check(status, "resident", f"{_gib(size)} resident vs {_gib(available)} available{advice}")

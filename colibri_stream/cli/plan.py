@@ -40,8 +40,9 @@ GLM-5 config ships (num_nextn_predict_layers; a checkpoint: the one its shards h
 dense and expert bytes unless --no-mtp, and one line says what it adds. KV and prefill activations are
 sized for --context tokens (default: the budget file's [kv] context, else the model's
 max_position_embeddings, the most it may be).
-Without --ram or --budget the RAM tier is `--ram auto`: what is available (MemAvailable) after dense
-weights, KV and activations at that context, less 10%.
+Without --ram or --budget the RAM tier is `--ram auto`: what is available (MemAvailable, or the
+memory cgroup's headroom where lower: a container's --memory limit) after dense weights, KV and
+activations at that context, less 10%. A budget beyond a cgroup's limit is refused naming the limit.
 
 The last line is the verdict: "fits" (every expert cached), "fits with N% of experts cached", or
 "does not fit: <why, with the numbers>". Expected decode tok/s, from this machine's measured memory

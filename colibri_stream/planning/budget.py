@@ -15,7 +15,8 @@ default, and those of the store settings are ``StoreConfig``'s (storage/tiered.p
 Any other table or key (a misspelling, or a setting a budget does not hold: the session directory and
 record dtype are --kv-dir and --kv-dtype) is refused. Errors are one line naming the file and the key.
 
-``auto`` sizes the RAM tier from what psutil says is available (MemAvailable), leaving room for the
+``auto`` sizes the RAM tier from what is available (MemAvailable, or the headroom of the memory cgroup the
+process runs in where that is lower: planning/machine_memory.py), leaving room for the
 dense weights, the KV cache at the planned context (--context, else [kv] context, else the model's
 max_position_embeddings) and a safety margin (shaved only down to the store's floor). A budget file's
 RAM size is capped at that same figure: a file written for a bigger machine still runs here. When even
@@ -32,11 +33,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-import psutil
 import torch
 
 from colibri_stream.errors import BudgetError
 from colibri_stream.planning.geometry import ModelGeometry
+from colibri_stream.planning.machine_memory import memory_here
 from colibri_stream.planning.placement import floor_bytes, plan
 from engine.args import ModelArgs
 from storage.errors import FormatError
@@ -98,10 +99,10 @@ def parse_size(value: str | int, expert_bytes: int, key: str = "size", auto_byte
 def auto_ram_bytes(
     dense_bytes: int, kv_bytes: int, floor: int = 0, available: int | None = None, activation_bytes: int = 0
 ) -> int:
-    """RAM for expert slots: available memory (MemAvailable unless given) minus dense weights, KV and the
+    """RAM for expert slots: available memory (``memory_here()`` unless given) minus dense weights, KV and the
     prefill activations, less a safety margin; the margin never takes it below ``floor`` bytes when those
     fit (when they do not, the plan refuses)."""
-    available = psutil.virtual_memory().available if available is None else available
+    available = memory_here().available_bytes if available is None else available
     left = available - dense_bytes - kv_bytes - activation_bytes
     return max(0, int(left * (1 - SAFETY_MARGIN)), min(floor, left))
 

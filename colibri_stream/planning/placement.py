@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-import psutil
 import torch
 
 from colibri_stream.checkpoint.dtypes import COMPUTE_DTYPES, FLOAT32_PARAMETERS
@@ -28,6 +27,7 @@ from colibri_stream.planning.activations import PREFILL_CHUNK_TOKENS, prefill_ac
 from colibri_stream.planning.bandwidth import Bandwidth
 from colibri_stream.planning.geometry import MTP_PREFIX, DenseArray, ModelGeometry
 from colibri_stream.planning.kv_bytes import cache_bytes_per_token, held_rows_bytes
+from colibri_stream.planning.machine_memory import memory_here
 from engine.args import ModelArgs
 from engine.bf16 import bf16_candidates, bf16_kernel_available, linear_candidates
 from engine.families import meta_transformer
@@ -67,6 +67,7 @@ class Placement:
     expected_peak_rss_bytes: int
     machine_ram_bytes: int
     available_ram_bytes: int
+    memory_limited_by: str | None  # the memory cgroup limit that capped the two above, if one did
     # The multi-token-prediction modules (speculative decoding's drafter), counted in dense_bytes and
     # expert_bytes above; mtp_left_out: those the model ships that are not held (--no-mtp, or not in the
     # checkpoint)
@@ -78,15 +79,17 @@ class Placement:
 
 @dataclass(frozen=True)
 class Machine:
-    """RAM of the machine planned for: this one (psutil) unless given (tools/plan_table.py)."""
+    """RAM of the machine planned for: this one unless given (tools/plan_table.py). Here, the memory
+    cgroup's limit and headroom where they are lower than the machine's (planning/machine_memory.py)."""
 
     total_bytes: int
-    available_bytes: int  # MemAvailable
+    available_bytes: int  # MemAvailable, or the cgroup's headroom
+    limited_by: str | None = None  # the cgroup limit's file, where it set the numbers
 
     @classmethod
     def here(cls) -> Machine:
-        memory = psutil.virtual_memory()
-        return cls(memory.total, memory.available)
+        memory = memory_here()
+        return cls(memory.total_bytes, memory.available_bytes, None if memory.cap is None else memory.cap.source)
 
 
 @dataclass(frozen=True)
@@ -210,6 +213,7 @@ def plan(
         expected_peak_rss_bytes=RUNTIME_BASELINE_BYTES + dense + ram_slots * record + kv_max + activations,
         machine_ram_bytes=machine.total_bytes,
         available_ram_bytes=machine.available_bytes,
+        memory_limited_by=machine.limited_by,
         mtp_layers=args.n_mtp_layers,
         mtp_dense_bytes=mtp_dense,
         mtp_expert_bytes=geometry.mtp_records * record,
@@ -238,11 +242,14 @@ def refusal(placement: Placement) -> str | None:
             f"the minimum is {p.minimum_ram_slots} (one token's routed experts: {_gib(floor_bytes(p))})"
         )
     if p.ram_budget_bytes + p.dense_bytes > p.machine_ram_bytes:
-        return (
-            f"RAM budget {_gib(p.ram_budget_bytes)} + dense weights {_gib(p.dense_bytes)} exceed "
-            f"this machine's {_gib(p.machine_ram_bytes)}"
-        )
+        return f"RAM budget {_gib(p.ram_budget_bytes)} + dense weights {_gib(p.dense_bytes)} exceed {_machine(p)}"
     return None
+
+
+def _machine(p: Placement) -> str:
+    if p.memory_limited_by is None:
+        return f"this machine's {_gib(p.machine_ram_bytes)}"
+    return f"the memory limit of {_gib(p.machine_ram_bytes)} ({p.memory_limited_by})"
 
 
 def verdict(placement: Placement) -> Verdict:
@@ -321,7 +328,7 @@ def describe(placement: Placement, speed: Speed | None = None) -> str:
         f"experts cached               {p.cached_fraction:.1%}",
         f"policy / prefetch            {p.policy} / {'on' if p.prefetch else 'off'}",
         f"disk per token at 0% hits    {p.bytes_per_token_at_zero_hits / 2**20:.1f} MiB",
-        f"expected peak RSS            {_gib(p.expected_peak_rss_bytes)} (machine: {_gib(p.machine_ram_bytes)}, "
+        f"expected peak RSS            {_gib(p.expected_peak_rss_bytes)} ({_machine(p)}, "
         f"available {_gib(p.available_ram_bytes)})",
     ]
     if speed is not None:

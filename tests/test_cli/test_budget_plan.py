@@ -11,6 +11,7 @@ import pytest
 from colibri_stream import cli
 from colibri_stream.cli import options
 from colibri_stream.errors import BudgetError
+from colibri_stream.planning import machine_memory
 from colibri_stream.planning.activations import PREFILL_CHUNK_TOKENS
 from colibri_stream.planning.budget import (
     BUDGET_KEYS,
@@ -223,6 +224,7 @@ def test_auto_ram_leaves_room_for_dense_kv_activations_and_a_margin(stream_conta
         total = 16 * GIB
 
     monkeypatch.setattr(psutil, "virtual_memory", lambda: Memory)
+    monkeypatch.setattr(machine_memory, "cgroup_cap", lambda: None)  # whatever group the tests run in
     assert cli.main(["plan", str(stream_container), "--ram", "auto", "--json"]) == 0
     placement = json.loads(capsys.readouterr().out)
     others = placement["dense_bytes"] + placement["kv_bytes_at_max_context"] + placement["activation_bytes"]
