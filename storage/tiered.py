@@ -501,7 +501,12 @@ class TieredExpertStore:
         )
 
     def report(self) -> dict[str, Any]:
-        report = {**self.snapshot().as_dict(), "store": "tiered", "direct_io": self._reader.direct}
+        report = {
+            **self.snapshot().as_dict(),
+            "store": "tiered",
+            "direct_io": self._reader.direct,
+            "ram_slots": self.ram.n_slots,
+        }
         if self._spread is not None:
             report["direct_io"] = self._spread.direct
             report["devices"] = [device.as_dict() for device in self.device_stats()]

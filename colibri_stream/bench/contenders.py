@@ -27,12 +27,15 @@ class OurConfig:
     # which container: int4 (ours, bf16 dense), int4-int8dense (dense int8 records) or bf16 (4x the bytes)
     container: str = "int4"
     activations: str = "float32"  # int8: --activations int8 (with int4-int8dense: llama.cpp's Q4_0 + Q8_0 match)
+    # --ram auto (the default) instead of budget_pct's bytes: the slots whatever the memory limit leaves
+    auto_ram: bool = False
 
     @property
     def name(self) -> str:
         fetch = "prefetch" if self.prefetch else "no-prefetch"
         act = " int8-act" if self.activations == "int8" else ""
-        return f"{self.container}{act} {self.budget_pct}% {self.policy} {fetch} {'cold' if self.cold else 'warm'}"
+        ram = " ram-auto" if self.auto_ram else ""
+        return f"{self.container}{act} {self.budget_pct}%{ram} {self.policy} {fetch} {'cold' if self.cold else 'warm'}"
 
 
 @dataclass(frozen=True)
@@ -52,7 +55,8 @@ def our_argv(container: Path, config: OurConfig, ram_bytes: int, inputs: RunInpu
         str(inputs.new_tokens),
         "--no-prefix-cache",
     )
-    argv += ["--ram", f"{ram_bytes}B", "--policy", config.policy, "--activations", config.activations, "--json", *extra]
+    ram = "auto" if config.auto_ram else f"{ram_bytes}B"
+    argv += ["--ram", ram, "--policy", config.policy, "--activations", config.activations, "--json", *extra]
     return argv + ["--prefetch" if config.prefetch else "--no-prefetch"]  # said either way: the row is named by it
 
 
@@ -79,7 +83,8 @@ def our_row(config: OurConfig, ram_bytes: int, done: ProcessRun, dropped: bool) 
         "contender": "colibri-stream",
         "name": config.name,
         **asdict(config),
-        "ram_bytes": ram_bytes,
+        "ram_bytes": None if config.auto_ram else ram_bytes,
+        "ram_slots": stats.get("ram_slots"),  # what --ram (auto or a size) gave the store
         "ids": out["ids"],
         "ttft_s": stats["ttft_s"],
         "decode_tok_per_s": stats["decode_tok_per_s"],

@@ -87,8 +87,10 @@ class LlamaCppRace:
         # budget by budget, ours then llama.cpp's rows: the ratios compare rows minutes apart, not the whole
         # section apart (this machine's memory speed was seen to move by 1.5x within the hour)
         prefill: tuple[list[dict], list[dict]] = ([], [])
+        same_limit: list[dict] = []
         for pct in host.settings.llama_cpp_budgets_pct:
             matched += self._matched_rows(pct)
+            same_limit += self._same_limit_rows(pct)
             for kind in FILE_KINDS:
                 self._file_rows(files[kind], kind, pct, rows, failed)
             self.prefill_rows(pct, files, prefill, failed)
@@ -103,6 +105,7 @@ class LlamaCppRace:
         return {
             "threads": host.threads,
             "ours_matched": matched,
+            "ours_same_limit": same_limit,
             "files": {kind: {"path": str(path)} | gguf_facts(path, context) for kind, path in files.items()},
             "rows": rows,
             "failed": failed,
@@ -193,4 +196,18 @@ class LlamaCppRace:
                 config = OurConfig(pct, container=container, activations="int8", cold=cold)
                 host.log(f"6/7 {config.name}")
                 rows.append(run_ours(path, config, host.ram_bytes(pct), host.inputs(), host.limit(pct)))
+        return rows
+
+    def _same_limit_rows(self, pct: int) -> list[dict]:
+        """Below 100%: ours quality-matched, cold, with `--ram auto` (what `run` does without --ram) in the
+        budget's memory limit. The rows above give our store ``pct`` of the expert bytes and leave the rest
+        of the limit unused; llama.cpp's page cache takes the whole limit. Here ours takes what the limit
+        leaves after its dense part, KV and activations (planning/machine_memory.py reads the limit)."""
+        if pct >= 100:
+            return []
+        host, rows = self.host, []
+        for container, path in self.matched.items():
+            config = OurConfig(pct, container=container, activations="int8", cold=True, auto_ram=True)
+            host.log(f"6/7 {config.name}")
+            rows.append(run_ours(path, config, host.ram_bytes(pct), host.inputs(), host.limit(pct)))
         return rows

@@ -202,7 +202,22 @@ def section_ratios(section: dict, ours_exact: dict[int, dict]) -> dict:
         | exact_over_int8(ours_exact, by_file.get("q4e_q8", {}))
         | prefill_section_ratios(prefill["ours"], prefill["rows"])
         | alternated_ratios(section.get("alternated", []))  # results of older runs lack them
+        | same_limit_ratios(section.get("ours_same_limit", []), rows)
     )
+
+
+def same_limit_ratios(same_limit: list[dict], rows: list[dict]) -> dict[str, float]:
+    """``vs_llama_cpp[_q4_0]_same_limit_<pct>``: ours with `--ram auto` in the budget's memory limit
+    (LlamaCppRace._same_limit_rows) over llama.cpp's best cold row of the file it is matched to."""
+    ratios = {}
+    for kind, prefix in (("q4e_q8", "vs_llama_cpp"), ("q4_0", "vs_llama_cpp_q4_0")):
+        for ours in same_limit:
+            best = best_row(rows, kind, ours["budget_pct"])
+            if matched_container(ours) == MATCHED_CONTAINERS[kind] and best and best["decode_tok_per_s"] > 0:
+                ratios[f"{prefix}_same_limit_{ours['budget_pct']}"] = round(
+                    ours["decode_tok_per_s"] / best["decode_tok_per_s"], 2
+                )
+    return ratios
 
 
 def exact_over_int8(exact: dict[int, dict], int8: dict[int, dict]) -> dict[str, float]:

@@ -79,6 +79,7 @@ def llama_cpp_lines(results: dict) -> list[str]:
             "",
         ]
         lines += table(["run", "tok/s", "TTFT s", "expert MB read/token"], matched)
+    lines += same_limit_lines(section.get("ours_same_limit", []))
     lines += prefill_lines(section.get("prefill"))
     lines += alternated_lines(section.get("alternated", []))
     failed = [f"- failed: {f['name']}: {f['error']}" for f in section.get("failed", [])]
@@ -89,6 +90,25 @@ def llama_cpp_lines(results: dict) -> list[str]:
         "during the row (llama.cpp's OpenMP threads spin-wait by default, which a competing process punishes). "
         "Token ids are compared with ours at the same budget and page-cache "
         "state; random weights leave near-ties that a different quantization of the dense part can flip.",
+    ]
+
+
+def same_limit_lines(rows: list[dict]) -> list[str]:
+    """Ours with `--ram auto` in the budget's memory limit (bench/llama_cpp_race.py, ``_same_limit_rows``)."""
+    if not rows:
+        return []  # results of older runs lack them
+    body = [
+        [r["name"], str(r["ram_slots"]), f"{r['hit_rate']:.3f}", f"{r['decode_tok_per_s']:.2f}"]
+        + [f"{r['bytes_per_token'] / MB:,.1f}", f"{r['peak_group_bytes'] / MB:,.1f}" if r["peak_group_bytes"] else "-"]
+        for r in rows
+    ]
+    lines = ["", "Ours with `--ram auto` (what `run` does without `--ram`) in the same memory limit:", ""]
+    lines += table(["run", "RAM slots", "hit rate", "tok/s", "expert MB read/token", "peak MB"], body)
+    return lines + [
+        "",
+        "The rows above give our store the budget's share of the expert bytes and leave the rest of the limit "
+        "unused, while llama.cpp's page cache fills it; here our store sizes itself from the limit "
+        "(`vs_*_same_limit_<pct>`).",
     ]
 
 

@@ -23,6 +23,7 @@ from colibri_stream.bench.llama_cpp_section import (
     fastest_warm_mode,
     llama_cpp_grid,
     llama_cpp_ratios,
+    same_limit_ratios,
     warm_ttft_ratios,
 )
 from colibri_stream.bench.load import loaded_vs_idle
@@ -93,6 +94,29 @@ def test_ratios_take_llama_cpps_best_cold_row_of_each_file():
     assert ratios["vs_llama_cpp_q4_0_100"] == 1.2 and "vs_llama_cpp_q4_0_25" not in ratios
     assert ratios["vs_llama_cpp_100"] == 0.25 and ratios["ttft_vs_llama_cpp_100"] == 0.2  # q4e_q8's stay ours'
     assert llama_cpp_ratios({"q4e_q8": {10: ours[25]}}, rows) == {}  # no llama.cpp row at that budget: no ratio
+
+
+def test_same_limit_ratios_put_our_ram_auto_rows_over_llama_cpps_best_cold_row_of_the_matched_file():
+    """Our `--ram auto` rows in a budget's memory limit: each over the best cold row of the llama.cpp file it is
+    matched to, at the same budget; the report shows the slots auto chose."""
+    from colibri_stream.bench.contenders import OurConfig
+    from colibri_stream.bench.suite import INT4_MATCHED, INT8_MATCHED
+
+    rows = [_row("q4e_q8", 25, 0.5, 4.0), _row("q4e_q8", 25, 0.4, 3.0), _row("q4e_q8", 25, 9.0, 1.0, cold=False)]
+    rows += [_row("q4_0", 25, 0.6, 4.0), _row("q4e_q8", 100, 10.0, 1.0)]
+    ours = []
+    for container, tok_s in ((INT8_MATCHED, 6.0), (INT4_MATCHED, 6.6)):
+        config = OurConfig(25, container=container, activations="int8", auto_ram=True)
+        assert "ram-auto" in config.name
+        ours.append({"name": config.name, "container": container, "budget_pct": 25, "decode_tok_per_s": tok_s})
+        ours[-1] |= {"ram_slots": 410, "hit_rate": 0.84, "bytes_per_token": 2.3e8, "peak_group_bytes": 2.7e9}
+    assert same_limit_ratios(ours, rows) == {
+        "vs_llama_cpp_same_limit_25": 12.0,
+        "vs_llama_cpp_q4_0_same_limit_25": 11.0,
+    }
+    assert same_limit_ratios(ours, rows[-1:]) == {}  # no llama.cpp row at the budget: no ratio
+    lines = llama_cpp_lines({"llama_cpp": {"files": {}, "rows": [], "ours_same_limit": ours, "threads": 2}})
+    assert any("| 410 |" in line and "6.00" in line for line in lines)
 
 
 def test_warm_ttft_ratios_take_llama_cpps_lowest_warm_ttft_of_each_file_at_100():

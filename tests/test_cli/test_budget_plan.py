@@ -23,7 +23,7 @@ from colibri_stream.planning.budget import (
 )
 from colibri_stream.planning.placement import RUNTIME_BASELINE_BYTES
 from storage.container import Container
-from storage.tiered import StoreConfig
+from storage.tiered import StoreConfig, slots_for
 
 GIB = 2**30
 
@@ -184,7 +184,8 @@ def test_plan_reports_the_placement_before_loading(stream_container, capsys):
     assert placement["expected_peak_rss_bytes"] == expected
 
 
-def test_plan_and_run_refuse_impossible_budgets_with_numbers(stream_container, capsys):
+def test_plan_and_run_refuse_impossible_budgets_with_numbers(stream_container, capsys, monkeypatch):
+    monkeypatch.setattr(machine_memory, "cgroup_cap", lambda: None)  # the machine's RAM, in any group
     record = Container(stream_container).layout.record_bytes
     assert cli.main(["plan", str(stream_container), "--ram", str(3 * record)]) == 1
     assert "holds 3 expert records; the minimum is 4 (one token's routed experts" in capsys.readouterr().err
@@ -199,6 +200,8 @@ def test_run_json_reports_measured_streaming_stats(stream_container, tmp_path, c
     argv = ["run", str(stream_container), "--ids", "5,9,17,33", "--max-new-tokens", "6", "--budget", str(budget)]
     assert cli.main([*argv, "--trace", str(trace), "--json"]) == 0
     stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["stats"]
+    container = Container(stream_container)
+    assert stats["ram_slots"] == slots_for(parse_size("30%", container.expert_bytes), container.layout.record_bytes)
     assert stats["hits"]["ram"] + stats["hits"]["vram"] + stats["misses"] == stats["expert_requests"]
     assert stats["expert_bytes_read"] == stats["reads"] * Container(stream_container).layout.record_bytes
     assert stats["io_service_s"] > 0 and stats["io_wait_s"] >= 0
