@@ -19,6 +19,9 @@ import psutil
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_CGROUP = Path("/proc/self/cgroup")
 UNLIMITED_FROM = 1 << 62  # cgroup v1 writes "no limit" as a page-rounded 2^63 - 1
+# a level's limit, usage and reclaimable page cache (a key of its memory.stat), per cgroup version
+V1_NAMES = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+V2_NAMES = ("memory.max", "memory.current", "inactive_file")
 
 
 @dataclass(frozen=True)
@@ -82,7 +85,7 @@ def _up_from(mount: Path, relative: str) -> list[Path]:
 
 def _level_cap(level: tuple[Path, bool]) -> MemoryCap | None:
     group, v2 = level
-    names = ("memory.max", "memory.current", "inactive_file") if v2 else _V1_NAMES
+    names = V2_NAMES if v2 else V1_NAMES
     limit_file = group / names[0]
     limit = _read_int(limit_file)
     usage = _read_int(group / names[1])
@@ -90,9 +93,6 @@ def _level_cap(level: tuple[Path, bool]) -> MemoryCap | None:
         return None
     reclaimable = _stat(group / "memory.stat").get(names[2], 0)
     return MemoryCap(limit, max(0, limit - usage + reclaimable), str(limit_file))
-
-
-_V1_NAMES = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
 
 
 def _read_int(path: Path) -> int | None:
