@@ -190,13 +190,12 @@ class LlamaCppRace:
         """Ours as llama.cpp computes, at one budget, cold then warm: int4 experts, int8 activations and int8
         dense records (its Q4_0-experts + Q8_0 file with Q8 activations), then int4 dense records (its
         all-Q4_0 file)."""
-        host, rows = self.host, []
-        for container, path in self.matched.items():
-            for cold in (True, False):
-                config = OurConfig(pct, container=container, activations="int8", cold=cold)
-                host.log(f"6/7 {config.name}")
-                rows.append(run_ours(path, config, host.ram_bytes(pct), host.inputs(), host.limit(pct)))
-        return rows
+        configs = [
+            OurConfig(pct, container=container, activations="int8", cold=cold)
+            for container in self.matched
+            for cold in (True, False)
+        ]
+        return self._our_rows(configs)
 
     def _same_limit_rows(self, pct: int) -> list[dict]:
         """Below 100%: ours quality-matched, cold, with `--ram auto` (what `run` does without --ram) in the
@@ -205,9 +204,16 @@ class LlamaCppRace:
         leaves after its dense part, KV and activations (planning/machine_memory.py reads the limit)."""
         if pct >= 100:
             return []
+        return self._our_rows(
+            [OurConfig(pct, container=container, activations="int8", auto_ram=True) for container in self.matched]
+        )
+
+    def _our_rows(self, configs: list[OurConfig]) -> list[dict]:
+        """Each config's run of its matched container, with the bench's prompt in its budget's limit."""
         host, rows = self.host, []
-        for container, path in self.matched.items():
-            config = OurConfig(pct, container=container, activations="int8", cold=True, auto_ram=True)
+        for config in configs:
             host.log(f"6/7 {config.name}")
+            pct = config.budget_pct
+            path = self.matched[config.container]
             rows.append(run_ours(path, config, host.ram_bytes(pct), host.inputs(), host.limit(pct)))
         return rows

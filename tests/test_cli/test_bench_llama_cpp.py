@@ -520,3 +520,41 @@ def test_a_sigkill_at_the_limit_is_the_limits_doing_and_a_traceback_gives_its_la
     traceback = 'Traceback (most recent call last):\n  File "x.py", line 1\nValueError: no such file\nbye\n'
     message = _failed_run(1, traceback, hit_limit=False)
     assert message.endswith("ValueError: no such file") and "memory limit" not in message
+
+
+def test_the_race_runs_ours_matched_cold_then_warm_and_ram_auto_only_below_100(monkeypatch, tmp_path):
+    """LlamaCppRace's own rows: each matched container cold then warm at every budget, and below 100% once more
+    with `--ram auto`, each in its budget's limit with its container's path."""
+    from colibri_stream.bench import llama_cpp_race
+    from colibri_stream.bench.llama_cpp_race import INT4_MATCHED, INT8_MATCHED, LlamaCppRace
+
+    class Host:
+        log = staticmethod(lambda line: None)
+
+        def ram_bytes(self, pct):
+            return pct
+
+        def limit(self, pct):
+            return f"limit {pct}"
+
+        def inputs(self):
+            return "inputs"
+
+    ran = []
+    monkeypatch.setattr(
+        llama_cpp_race, "run_ours", lambda path, config, ram, inputs, limit: ran.append((path.name, config, ram, limit))
+    )
+    race = LlamaCppRace(Host())  # type: ignore[arg-type]
+    race.matched = {INT8_MATCHED: tmp_path / INT8_MATCHED, INT4_MATCHED: tmp_path / INT4_MATCHED}
+    race._matched_rows(25)
+    assert race._same_limit_rows(100) == [] and len(ran) == 4
+    race._same_limit_rows(25)
+    got = [(path, c.container, c.cold, c.auto_ram, ram, limit) for path, c, ram, limit in ran]
+    assert got == [
+        (INT8_MATCHED, INT8_MATCHED, True, False, 25, "limit 25"),
+        (INT8_MATCHED, INT8_MATCHED, False, False, 25, "limit 25"),
+        (INT4_MATCHED, INT4_MATCHED, True, False, 25, "limit 25"),
+        (INT4_MATCHED, INT4_MATCHED, False, False, 25, "limit 25"),
+        (INT8_MATCHED, INT8_MATCHED, True, True, 25, "limit 25"),
+        (INT4_MATCHED, INT4_MATCHED, True, True, 25, "limit 25"),
+    ]
