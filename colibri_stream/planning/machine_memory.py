@@ -62,14 +62,13 @@ def cgroup_cap(proc_cgroup: Path = PROC_CGROUP, root: Path = CGROUP_ROOT) -> Mem
 def _levels(lines: list[str], root: Path) -> list[tuple[Path, bool]]:
     """(directory, is v2) from the process's group up to the mount root: v1's memory controller where
     mounted, else the unified (v2) hierarchy."""
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) == 3 and "memory" in parts[1].split(","):
-            return [(d, False) for d in _up_from(root / "memory", parts[2])]
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) == 3 and parts[0] == "0" and parts[1] == "":
-            return [(d, True) for d in _up_from(root, parts[2])]
+    entries = [parts for parts in (line.split(":", 2) for line in lines) if len(parts) == 3]
+    for _, controllers, path in entries:
+        if "memory" in controllers.split(","):
+            return [(d, False) for d in _up_from(root / "memory", path)]
+    for hierarchy, controllers, path in entries:
+        if hierarchy == "0" and controllers == "":
+            return [(d, True) for d in _up_from(root, path)]
     return []
 
 
