@@ -350,6 +350,9 @@ static PyObject *py_split_probe(PyObject *self, PyObject *args) {
     return PyLong_FromLong(helper_blocks);
 }
 
+/* split_solo_ns(): the length of split.c's last solo period (tests). */
+static PyObject *py_split_solo_ns(PyObject *self, PyObject *unused) { return PyLong_FromLong(split_solo_ns()); }
+
 /* rms_norm(x_ptr, rows, dim, w_ptr, eps, out_ptr): float32 [rows, dim] (decode_ops.c). */
 static PyObject *py_rms_norm(PyObject *self, PyObject *args) {
     unsigned long long x, w, out;
@@ -477,6 +480,7 @@ static PyMethodDef methods[] = {
     {"bytes_read_ahead", py_bytes_read_ahead, METH_NOARGS, "bytes the helper thread has read ahead into the caches, ever."},
     {"cores_shared", py_cores_shared, METH_VARARGS, "the helper thread's last verdict on its core (None: none that recent)."},
     {"split_probe", py_split_probe, METH_VARARGS, "blocks the helper ran of a two-block job whose helper block sleeps or spins (tests)."},
+    {"split_solo_ns", py_split_solo_ns, METH_NOARGS, "the length of the last solo period in ns (tests)."},
     {"read_ahead", py_read_ahead, METH_VARARGS, "read these (address, bytes) ranges into the caches on the idle helper thread."},
     {"nibble_moe", py_nibble_moe, METH_VARARGS, "a MoE layer's routed 4-bit SwiGLU experts, float32 x, added to out."},
     {"q8_moe", py_q8_moe, METH_VARARGS, "a MoE layer's routed SwiGLU experts with int8 activations, added to out."},

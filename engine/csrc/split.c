@@ -161,6 +161,8 @@ static void *helper_main(void *unused) {
     return NULL;
 }
 
+static int solo(int64_t now);
+
 static int ensure_helper(void) {
     if (helper_state == 0) {
         pthread_attr_t attr;
@@ -184,7 +186,7 @@ static void wake_helper(void) {
 
 int split_read_ahead(const void *const *starts, const size_t *lengths, int n, int threads) {
     if (n == 0) return read_ahead_request(starts, lengths, 0); /* a clear needs no helper */
-    if (threads < 2) return 0;                              /* no idle core to read ahead on */
+    if (threads < 2 || solo(now_ns())) return 0;            /* no idle core to read ahead on */
     pthread_mutex_lock(&call_lock);
     int helper = ensure_helper();
     pthread_mutex_unlock(&call_lock);
@@ -196,39 +198,70 @@ int split_read_ahead(const void *const *starts, const size_t *lengths, int n, in
     return status;
 }
 
-/* A join that waited SOLO_WAIT_NS for the helper's block, while the two threads together ran less than 1.8
- * cores' worth of that wait, means another busy process shares the cores: the scheduler took the helper off
- * inside its block, or gave the caller's yielded core to the other process, and every job stalls on it
- * (beside a busy loop two threads ran 0.44x of idle, one thread alone 0.5x: docs/kernels.md, "Threads beside
- * a busy process"). A long block on an idle machine (attention over a long context) keeps both threads
- * running, so it does not count. Calls then run on the caller alone for SOLO_NS, then two threads are tried
- * again. The CPU clocks are system calls, so they are read only in a wait past WATCH_AFTER_NS. */
+/* Another busy process on the cores stalls every job at its join: the scheduler takes the helper off inside its
+ * block for a slice of milliseconds, or gives the caller's core to the other process when the caller yields it
+ * in the wait (beside a busy loop two threads ran 0.44x of idle, one thread alone 0.5x: docs/kernels.md,
+ * "Threads beside a busy process"). Two signs of it, each a solo period: calls run on the caller alone, which
+ * the scheduler then gives a whole core, and read-ahead stops (it would take a shared core's time):
+ *  - a yield in the wait that returned after YIELD_LOST_NS, twice within STRIKES_NS: another thread ran on the
+ *    caller's core for a slice (the common case: the caller, not the helper, lost its core; measured 1284 of
+ *    1307 long waits beside a busy loop ended before the CPU clocks below were read). Once could be a hiccup
+ *    of an idle machine (an interrupt, the hypervisor taking the virtual core);
+ *  - a wait past SOLO_WAIT_NS while the two threads together ran less than 1.8 cores' worth of it (their CPU
+ *    clocks, system calls, read only in a wait past WATCH_AFTER_NS): the helper was off. A long block on an
+ *    idle machine (attention over a long context) keeps both threads running, so it does not count.
+ * A period lasts SOLO_NS; one that starts again within SOLO_NS of the last one's end lasts twice the last, up to
+ * SOLO_MAX_NS, so a steady competitor costs a two-thread trial every second or so, not every 50 ms (each trial
+ * stalls for a slice or more). */
 #define WATCH_AFTER_NS 50000L
 #define SOLO_WAIT_NS 500000L
+#define YIELD_LOST_NS 500000L
+#define STRIKES_NS 20000000L
 #define SOLO_NS 50000000L
+#define SOLO_MAX_NS 1600000000L
 static int64_t solo_until = 0;
+static int64_t solo_length = SOLO_NS; /* the last period's */
+static int64_t core_lost_at = -STRIKES_NS; /* the last yield that lost the caller's core */
 
 static int solo(int64_t now) { return now < __atomic_load_n(&solo_until, __ATOMIC_RELAXED); }
+
+static void start_solo(int64_t now) {
+    int again = now - __atomic_load_n(&solo_until, __ATOMIC_RELAXED) < SOLO_NS;
+    solo_length = again ? (solo_length * 2 < SOLO_MAX_NS ? solo_length * 2 : SOLO_MAX_NS) : SOLO_NS;
+    __atomic_store_n(&solo_until, now + solo_length, __ATOMIC_RELAXED);
+}
 
 /* Both threads' CPU time so far. */
 static int64_t both_cpu_ns(void) { return thread_cpu_ns() + clock_ns(helper_clock); }
 
-/* Waits for the block the helper is inside, if any; a long wait on shared cores starts a solo period. */
+/* Yields the caller's core; whether another thread then ran on it for YIELD_LOST_NS or more. */
+static int yield_lost_core(void) {
+    int64_t before = now_ns();
+    sched_yield();
+    return now_ns() - before >= YIELD_LOST_NS;
+}
+
+/* Waits for the block the helper is inside, if any; a wait that shows shared cores starts a solo period. */
 static void join_helper(void) {
     int64_t since = 0, watched = 0, cpu0 = 0;
+    int lost_core = 0;
     for (int polls = 0; __atomic_load_n(&helper_inside, __ATOMIC_SEQ_CST); polls++) {
         if (polls == 0) since = now_ns();
         if (polls % 64 == 63) {
             if (watched == 0 && helper_clock_ok && now_ns() - since > WATCH_AFTER_NS) watched = now_ns(), cpu0 = both_cpu_ns();
-            sched_yield(); /* the helper may be descheduled inside its block */
+            lost_core |= yield_lost_core(); /* the helper may be descheduled inside its block */
         }
         PAUSE();
     }
+    int helper_off = 0;
     if (watched != 0) {
         int64_t now = now_ns(), window = now - watched;
-        if (now - since > SOLO_WAIT_NS && 10 * (both_cpu_ns() - cpu0) < 18 * window)
-            __atomic_store_n(&solo_until, now + SOLO_NS, __ATOMIC_RELAXED);
+        helper_off = now - since > SOLO_WAIT_NS && 10 * (both_cpu_ns() - cpu0) < 18 * window;
     }
+    int64_t now = now_ns();
+    int lost_twice = lost_core && now - core_lost_at < STRIKES_NS;
+    if (lost_core) core_lost_at = now;
+    if (lost_twice || helper_off) start_solo(now);
 }
 
 static void run_side(const SplitSide *side) {
@@ -267,22 +300,27 @@ int split_cores_shared(long max_age_ns) {
     return shared();
 }
 
+long split_solo_ns(void) { return (long)solo_length; }
+
 void split_after_fork(void) {
     read_ahead_after_fork();
     helper_state = 0;
     helper_inside = helper_sleeping = 0;
-    solo_until = 0, helper_clock_ok = 0;
+    solo_until = 0, solo_length = SOLO_NS, core_lost_at = -STRIKES_NS, helper_clock_ok = 0;
     pthread_mutex_init(&call_lock, NULL);
     pthread_mutex_init(&mu, NULL);
     pthread_cond_init(&work_ready, NULL);
 }
 
 /* The probe's job: block 0 is the caller's, block 1 the helper's (middle_of(2) = 1). The caller's waits until
- * the helper is inside block 1 (unless solo, or a second passes: no helper), so the join waits out the
- * helper's block: helper_ns asleep (descheduled, as far as the join can tell) or spinning (running). */
+ * the helper is inside block 1 (unless the job runs solo, or a second passes: no helper), so the join waits out
+ * the helper's block: helper_ns asleep (descheduled, as far as the join can tell) or spinning (running). A solo
+ * job leaves the ticket's generation as it was; asking solo() again instead would wait a second for nothing
+ * when the period ends between split_run's check and the block's. */
 typedef struct {
     long helper_ns;
     int helper_sleeps, helper_started, helper_blocks;
+    uint64_t generation_before;
 } Probe;
 
 static void probe_block(void *arg, int block) {
@@ -296,15 +334,15 @@ static void probe_block(void *arg, int block) {
         } else {
             for (int64_t until = now_ns() + p->helper_ns; now_ns() < until;) PAUSE();
         }
-    } else if (block == 0) { /* solo: no helper comes */
+    } else if (block == 0 && generation(__atomic_load_n(&ticket, __ATOMIC_SEQ_CST)) != p->generation_before) {
         for (int64_t until = now_ns() + 1000000000L; !__atomic_load_n(&p->helper_started, __ATOMIC_SEQ_CST) && now_ns() < until;)
-            if (solo(now_ns())) break;
+            PAUSE();
     }
 }
 
 int split_probe(long helper_ns, int helper_sleeps, int fresh) {
     if (fresh) __atomic_store_n(&solo_until, 0, __ATOMIC_RELAXED);
-    Probe probe = {helper_ns, helper_sleeps, 0, 0};
+    Probe probe = {helper_ns, helper_sleeps, 0, 0, generation(__atomic_load_n(&ticket, __ATOMIC_SEQ_CST))};
     split_run(probe_block, &probe, 2, 2);
     return probe.helper_blocks;
 }

@@ -11,8 +11,9 @@ typedef void (*split_block_fn)(void *job, int block);
 /* fn(job, b) for every b in [0, n_blocks), on the caller and (threads >= 2) the helper; returns when
  * all are done. The caller never waits for a helper that has not started: it takes every block the
  * helper has not, so a descheduled helper (a busy machine) costs nothing but its own blocks. A helper
- * descheduled inside a block does stall the caller; after one such wait (a busy machine) calls run on
- * the caller alone for a while (split.c SOLO_NS). */
+ * descheduled inside a block does stall the caller; after one such wait, or a yield in it that lost the
+ * caller's core (a busy machine), calls run on the caller alone for a while (split.c SOLO_NS, longer when
+ * it happens again at once). */
 void split_run(split_block_fn fn, void *job, int n_blocks, int threads);
 
 /* Work of the caller's that does not depend on a job (e.g. a layer's routing beside its shared expert). */
@@ -34,6 +35,9 @@ int split_read_ahead(const void *const *starts, const size_t *lengths, int n, in
  * period runs: a join waited long for a descheduled helper), 0 not, -1 none measured within max_age_ns (no
  * helper, or idle that long). */
 int split_cores_shared(long max_age_ns);
+
+/* The length of the last solo period (split.c start_solo), in ns (tests). */
+long split_solo_ns(void);
 
 /* A forked child has no helper thread (only the forking thread survives): call in the child. */
 void split_after_fork(void);
