@@ -253,12 +253,9 @@ static void join_helper(void) {
         }
         PAUSE();
     }
-    int helper_off = 0;
-    if (watched != 0) {
-        int64_t now = now_ns(), window = now - watched;
-        helper_off = now - since > SOLO_WAIT_NS && 10 * (both_cpu_ns() - cpu0) < 18 * window;
-    }
+    if (!lost_core && watched == 0) return; /* no wait long enough to tell anything: no clock to read */
     int64_t now = now_ns();
+    int helper_off = watched != 0 && now - since > SOLO_WAIT_NS && 10 * (both_cpu_ns() - cpu0) < 18 * (now - watched);
     int lost_twice = lost_core && now - core_lost_at < STRIKES_NS;
     if (lost_core) core_lost_at = now;
     if (lost_twice || helper_off) start_solo(now);
