@@ -10,8 +10,8 @@ or pinned by the learned hot store) and asks the policy for a victim among those
   scores halve every ``half_life`` accesses, so an expert used often a while ago can lose to one used
   a few times just now; ties go to the least recently used. It resists the scans LRU suffers from
   (a prefill touching every expert once pushes out the hot set).
-- ``FrequentPolicy``: the VRAM tier's. Fewest uses goes first, ties to the most recently used, and
-  the counts outlive eviction. See its docstring.
+- ``FrequentPolicy``: the RAM tier's default (``frequent``) and the VRAM tier's. Fewest uses goes
+  first, ties to the most recently used, and the counts outlive eviction. See its docstring.
 """
 
 from __future__ import annotations
@@ -93,7 +93,10 @@ class FrequentPolicy:
     """The most-used experts stay; the others take turns in the least-used slots.
 
     Made for the VRAM tier, which stages every expert it computes: where a token's experts outnumber the
-    slots, LRU evicts each one before its next use (a cycle longer than the tier: no hit, ever). Here the
+    slots, LRU evicts each one before its next use (a cycle longer than the tier: no hit, ever). The RAM
+    tier meets the same cycle at every budget below the experts: a layer's experts come back once per
+    token, after every other layer's, so recency says little and how often an expert is routed says
+    more (replayed traces: ``RAM_HALF_LIFE_TOKENS``). Here the
     victim is the key with the fewest uses, ties going to the most recently used, so the keys already in
     stay and a stream of newcomers churns through the same few slots. Counts outlive eviction (an expert
     that keeps coming back earns a slot) and halve every ``half_life`` uses, so the set follows a router
@@ -151,7 +154,25 @@ class FrequentPolicy:
 POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "lru": LRUPolicy,
     "hybrid": HybridPolicy,
-    "frequent": FrequentPolicy,  # the VRAM tier's
+    "frequent": FrequentPolicy,  # the VRAM tier's (its default half-life)
 }
-# What a user may choose (--policy, [cache] policy): "pinned" is LRU plus the learned hot store.
-POLICY_NAMES = ("lru", "hybrid", "pinned")
+# What a user may choose (--policy, [cache] policy), the default first: "pinned" is LRU plus the learned
+# hot store.
+POLICY_NAMES = ("frequent", "lru", "hybrid", "pinned")
+DEFAULT_POLICY = POLICY_NAMES[0]
+
+# The RAM tier's ``frequent`` counts halve every this many tokens' worth of routed uses (MoE layers x
+# top-k): long enough to tell a hot expert from a cold one, short enough to follow a conversation that
+# moves on. Decode traces of 300 tokens replayed (storage/simulate.py), half-lives of 16 / 32 / 64 / 256
+# tokens: the bench's stress model (random router) at 25% of its experts hit 36.4 / 38.4 / 39.5 / 39.7%
+# (LRU 28.2%); the trained demo model at 12 of its 96 records 67.7 / 67.7 / 67.3 / 66.5% (LRU 49.0%), at 24
+# 91.2 / 91.3 / 91.1 / 90.7% (LRU 86.7%).
+RAM_HALF_LIFE_TOKENS = 32
+
+
+def ram_policy(name: str, uses_per_token: int) -> EvictionPolicy:
+    """The RAM tier's eviction policy for a user's choice (``POLICY_NAMES``); ``pinned`` is LRU over the
+    slots its pins leave. ``uses_per_token``: routed experts a token asks for (MoE layers x top-k)."""
+    if name == "frequent":
+        return FrequentPolicy(RAM_HALF_LIFE_TOKENS * max(1, uses_per_token))
+    return POLICIES["hybrid" if name == "hybrid" else "lru"]()

@@ -13,7 +13,7 @@ from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
-from storage.policy import POLICIES
+from storage.policy import ram_policy
 from storage.tier import SlotTier
 from storage.trace import read_acquires as stream_acquires
 
@@ -24,10 +24,12 @@ def replay(
     policy: str,
     hot: frozenset[Hashable] = frozenset(),
     count_from: int = 0,
+    uses_per_token: int = 1,
 ) -> int:
-    """Hits of ``policy`` (lru | hybrid) over ``trace`` with ``capacity`` slots; ``hot`` keys never leave.
-    Requests before ``count_from`` warm the cache without being counted (e.g. the prompt's)."""
-    tier = SlotTier("sim", capacity, POLICIES[policy](), hot=hot)
+    """Hits of ``policy`` (frequent | lru | hybrid) over ``trace`` with ``capacity`` slots; ``hot`` keys
+    never leave. Requests before ``count_from`` warm the cache without being counted (e.g. the prompt's).
+    ``uses_per_token`` (MoE layers x top-k) sets ``frequent``'s half-life as the live store's."""
+    tier = SlotTier("sim", capacity, ram_policy(policy, uses_per_token), hot=hot)
     hits = 0
     for now, key in enumerate(trace):
         if tier.lookup(key) is not None:
@@ -82,16 +84,18 @@ def compare_policies(
     room: int,
     count_from: int = 0,
     learned_from: Sequence[Hashable] | None = None,
+    uses_per_token: int = 1,
 ) -> list[dict[str, Any]]:
-    """Hit rates of LRU, the hybrid, learned pins and Belady, per capacity, over the requests from
-    ``count_from`` on. Pins are the most frequent keys of ``learned_from`` (another run's trace, as the
-    live store learns from earlier runs; default: this trace itself, an optimistic history), leaving
-    ``room`` unpinned slots."""
+    """Hit rates of the frequency policy, LRU, the hybrid, learned pins and Belady, per capacity, over the
+    requests from ``count_from`` on. Pins are the most frequent keys of ``learned_from`` (another run's
+    trace, as the live store learns from earlier runs; default: this trace itself, an optimistic
+    history), leaving ``room`` unpinned slots. ``uses_per_token``: as ``replay``'s."""
     frequency = Counter(trace if learned_from is None else learned_from)
     rows = []
     for capacity in capacities:
         hot = frozenset(key for key, _ in frequency.most_common(max(0, capacity - room)))
         hits = {
+            "frequent": replay(trace, capacity, "frequent", count_from=count_from, uses_per_token=uses_per_token),
             "lru": replay(trace, capacity, "lru", count_from=count_from),
             "hybrid": replay(trace, capacity, "hybrid", count_from=count_from),
             "pinned": replay(trace, capacity, "lru", hot=hot, count_from=count_from),

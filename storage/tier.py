@@ -3,7 +3,8 @@
 Slots are preallocated once; an expert occupies one slot. ``allocate`` returns None when the tier is
 full of experts that may not leave (in use by the current step, still being read, or pinned by the
 learned hot store) — "full" is an answer, not an exception. Which evictable expert leaves is the
-policy's choice.
+policy's choice. A prefetch guess whose layer the router has not reached yet is ``awaited``: only a
+demand read may take its slot, and only when nothing else may leave.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ class Entry:
     pins: int = 0  # users in the current step; a pinned entry is never evicted
     loading: Future[None] | None = None  # in-flight read into the slot (None once observed complete)
     prefetched: bool = False  # brought in by a prefetch guess and not yet used
+    # a guess whose layer the router has not reached: under a frequency policy a guess has few uses so
+    # far and would otherwise be the next victim, before the use it was read for
+    awaited: bool = False
 
     @property
     def reading(self) -> bool:
@@ -56,14 +60,21 @@ class SlotTier:
         return entry
 
     def evictable(self, key: Key) -> bool:
+        return self._may_leave(key) and not self.entries[key].awaited
+
+    def _may_leave(self, key: Key) -> bool:
         return key not in self.hot and not self.entries[key].busy
 
-    def allocate(self, key: Key) -> Entry | None:
-        """A slot for ``key`` (evicting if needed), or None if the tier is full of busy or hot experts."""
+    def allocate(self, key: Key, demand: bool = True) -> Entry | None:
+        """A slot for ``key`` (evicting if needed), or None if the tier is full of busy or hot experts. A
+        ``demand`` allocation (a step needs the expert) may evict an awaited guess when nothing else may
+        leave; a prefetch never does."""
         if key in self.entries:
             raise KeyError(f"{key} already has a slot in the {self.name} tier")
         if not self._free:
             victim = self.policy.victim(self.evictable)
+            if victim is None and demand:
+                victim = self.policy.victim(self._may_leave)
             if victim is None:
                 return None
             self.remove(victim)

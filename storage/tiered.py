@@ -31,7 +31,7 @@ from storage.container import Container, ExpertReader, o_direct_refusal
 from storage.device_copy import DeviceCopies
 from storage.errors import BudgetError, CorruptDataError
 from storage.history import UsageHistory
-from storage.policy import POLICIES, POLICY_NAMES, FrequentPolicy, LRUPolicy
+from storage.policy import DEFAULT_POLICY, POLICY_NAMES, FrequentPolicy, ram_policy
 from storage.read_queue import ReadQueue, ReadScheduler
 from storage.spread_reads import SpreadReads
 from storage.stats import DeviceStats, Key, RoutingCounts, StoreStats, TierView
@@ -58,7 +58,8 @@ class StoreConfig:
     ram_bytes: int  # RAM for expert slots (the library's Budget says it as a size, a % or auto)
     vram_bytes: int = 0  # VRAM for expert slots; 0: no VRAM tier
     vram_device: str = "cuda"  # "cpu" stands in for a GPU so the tier logic runs anywhere
-    policy: str = "lru"  # eviction: lru | hybrid | pinned (lru + learned hot store), storage.policy
+    # eviction: frequent | lru | hybrid | pinned (lru + learned hot store), storage.policy
+    policy: str = DEFAULT_POLICY
     prefetch: bool = True  # read the experts the router guesses for the next layers while this one computes
     # O_DIRECT reads (where the filesystem allows): the RAM slots are the cache; buffered reads would
     # keep the same bytes twice and, under a memory limit, pay page-cache reclaim on every miss
@@ -177,7 +178,8 @@ class TieredExpertStore:
         hot: list[tuple[int, int]] = []
         if self.config.policy == "pinned":  # pin the most-routed experts beyond the unpinned room
             hot = self.history.hottest(n_slots - pinned_room(self.container, n_slots))
-        policy = POLICIES["hybrid"]() if self.config.policy == "hybrid" else LRUPolicy()
+        uses_per_token = len(self.container.moe_layers) * self.container.experts_per_token
+        policy = ram_policy(self.config.policy, uses_per_token)
         self._ram_block = self._host_block(n_slots, prefault=not self.preloads(n_slots))
         return SlotTier("ram", n_slots, policy, hot=frozenset(hot))
 
@@ -245,10 +247,10 @@ class TieredExpertStore:
             key = (layer, expert)
             if self._held(key):
                 continue
-            entry = self.ram.allocate(key)
+            entry = self.ram.allocate(key, demand=False)
             if entry is None:
-                return  # full of experts in use: a guess never displaces them
-            entry.prefetched = True
+                return  # full of experts in use or awaited: a guess never displaces them
+            entry.prefetched = entry.awaited = True
             self._start_read(key, entry, demand=False)
             self._count(prefetch_issued=1)
 
@@ -312,7 +314,7 @@ class TieredExpertStore:
             if entry.reading:
                 self._reads.promote(entry.loading)  # type: ignore[arg-type]  # reading: loading is set
             if entry.prefetched:
-                entry.prefetched = False
+                entry.prefetched = entry.awaited = False
                 counts["prefetch_useful"] = counts.get("prefetch_useful", 0) + 1
         else:
             entry = self._allocate_ram(key)
@@ -322,10 +324,14 @@ class TieredExpertStore:
 
     def _drop_guesses(self, layer: int, experts: set[int]) -> None:
         """Cancel the prefetches of these experts whose reads have not started: on a busy disk a wrong
-        guess would take the place of a needed read. Their slots are freed; started reads land."""
+        guess would take the place of a needed read. Their slots are freed; started reads land and are
+        no longer awaited (the router has passed them by: they leave as any other expert would)."""
         for expert in experts:
             entry = self.ram.entries.get((layer, expert))
-            if entry is None or not entry.prefetched or entry.pins or not entry.reading:
+            if entry is None or not entry.prefetched:
+                continue
+            entry.awaited = False
+            if entry.pins or not entry.reading:
                 continue
             if self._reads.cancel(entry.loading):  # type: ignore[arg-type]  # reading: loading is set
                 entry.prefetched = False  # not read: not a wasted read either

@@ -1,7 +1,8 @@
 """Section 4 of the bench: each eviction policy against Belady's MIN on recorded routing traces.
 
 Placement never changes tokens, so one run's trace is every policy's request sequence: replaying it
-offline at each capacity gives LRU, the hybrid, learned pins and the offline optimum side by side.
+offline at each capacity gives the frequency policy (the default), LRU, the hybrid, learned pins and the
+offline optimum side by side.
 Capacities are the slot counts the live store would have at each RAM budget, plus a sweep for the
 curve; the pinned policy leaves one layer of unpinned room, as the live store does. Hits are counted
 over the decode steps only: the prompt's acquires (one per MoE layer, or several consecutive chunks of
@@ -56,11 +57,14 @@ def trace_section(
     prompt_requests = sum(len(experts) for _, experts in acquires[: prompt_acquires(acquires, moe_layers)])
     learned = read_trace(learned_from) if learned_from else None
     at_budget = {label: min(total_records, ram // record_bytes) for label, ram in budgets.items()}
-    rows = compare_policies(trace, sorted(set(at_budget.values())), n_experts, prompt_requests, learned)
+    # a decode step asks each MoE layer for top-k experts: the live store's frequency half-life
+    uses_per_token = moe_layers * len(acquires[-1][1]) if acquires else 1
+    capacities = sorted(set(at_budget.values()))
+    rows = compare_policies(trace, capacities, n_experts, prompt_requests, learned, uses_per_token)
     by_capacity = {row["capacity"]: row for row in rows}
     budget_rows = [{"budget": label, **by_capacity[capacity]} for label, capacity in at_budget.items()]
     sweep_capacities = capacity_sweep(n_experts, total_records, sweep_points)
-    sweep = compare_policies(trace, sweep_capacities, n_experts, prompt_requests, learned)
+    sweep = compare_policies(trace, sweep_capacities, n_experts, prompt_requests, learned, uses_per_token)
     return {
         "trace": str(trace_path),
         "requests": len(trace),

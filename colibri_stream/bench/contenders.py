@@ -16,12 +16,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from colibri_stream.bench.system import MemoryLimit, ProcessRun, cli_argv, drop_page_cache
+from storage.policy import DEFAULT_POLICY
 
 
 @dataclass(frozen=True)
 class OurConfig:
     budget_pct: int  # RAM for expert slots, % of the int4 container's routed-expert bytes
-    policy: str = "lru"
+    policy: str = DEFAULT_POLICY  # what `run` does without --policy
     prefetch: bool = True
     cold: bool = True  # page cache dropped before the process starts
     # which container: int4 (ours, bf16 dense), int4-int8dense (dense int8 records) or bf16 (4x the bytes)

@@ -140,9 +140,10 @@ def fastest_warm_mode(rows: list[dict], kind: str, budget_pct: int) -> bool | No
 
 
 def llama_cpp_ratios(ours_by_file: dict[str, dict[int, dict]], rows: list[dict]) -> dict:
-    """Ours (cold, LRU, prefetch) over llama.cpp's best cold row per budget, each file against our row for it
-    (``ours_by_file``: file kind -> budget -> row; a kind without rows of its own takes q4e_q8's), and at 100%
-    (``*_fastest_100``) over llama.cpp's fastest row, cold or warm; TTFT: llama.cpp's q4e_q8 / ours."""
+    """Ours (cold, the default policy, prefetch) over llama.cpp's best cold row per budget, each file against
+    our row for it (``ours_by_file``: file kind -> budget -> row; a kind without rows of its own takes
+    q4e_q8's), and at 100% (``*_fastest_100``) over llama.cpp's fastest row, cold or warm; TTFT: llama.cpp's
+    q4e_q8 / ours."""
     ratios = {}
     for kind, prefix in (("q4e_q8", "vs_llama_cpp"), ("q4_0", "vs_llama_cpp_q4_0")):
         for pct, ours in (ours_by_file.get(kind) or ours_by_file.get("q4e_q8", {})).items():

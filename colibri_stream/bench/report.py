@@ -15,7 +15,7 @@ from colibri_stream.bench.report_peers import (
     plot_llama_cpp,
 )
 from colibri_stream.bench.report_peers import table as _table
-from storage.policy import POLICY_NAMES
+from storage.policy import DEFAULT_POLICY, POLICY_NAMES
 
 GOALS = {  # ratio -> (goal text, test)
     "vs_accelerate": (">= 30x", lambda v: v >= 30),
@@ -142,9 +142,8 @@ def _caching_table(caching: dict) -> list[str]:
         for row in section["at_budgets"]:
             best = max(row[p] for p in POLICY_NAMES)
             gap = round(100 * (row["belady"] - best), 2)
-            rows.append([trace, row["budget"], row["capacity"], row["lru"], row["hybrid"], row["pinned"]])
-            rows[-1] += [row["belady"], gap]
-    header = ["trace", "budget", "slots", "LRU", "hybrid", "pinned", "Belady", "gap pp"]
+            rows.append([trace, row["budget"], row["capacity"], *(row[p] for p in POLICY_NAMES), row["belady"], gap])
+    header = ["trace", "budget", "slots", "frequent", "LRU", "hybrid", "pinned", "Belady", "gap pp"]
     return _table(header, rows)
 
 
@@ -191,8 +190,8 @@ def _series(rows: list[dict], **match) -> tuple[list[int], list[dict]]:
 def _plot_speed(plt, results: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     curves = {
-        "colibri-stream int4 (LRU, prefetch, cold)": _series(
-            results["decode"], container="int4", policy="lru", prefetch=True, cold=True
+        f"colibri-stream int4 ({DEFAULT_POLICY}, prefetch, cold)": _series(
+            results["decode"], container="int4", policy=DEFAULT_POLICY, prefetch=True, cold=True
         ),
         "colibri-stream bf16 container (same store)": _series(results["decode"], container="bf16"),
         "transformers + accelerate offload": _series(results.get("peer", [])),
@@ -212,7 +211,7 @@ def _plot_hits(plt, caching: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(caching), figsize=(6 * len(caching), 4.5), squeeze=False)
     for ax, (trace, section) in zip(axes[0], caching.items(), strict=True):
         x = [100 * row["capacity"] / section["total_records"] for row in section["sweep"]]
-        for policy, style in (("lru", "o-"), ("hybrid", "s-"), ("pinned", "^-"), ("belady", "k--")):
+        for policy, style in (("frequent", "D-"), ("lru", "o-"), ("hybrid", "s-"), ("pinned", "^-"), ("belady", "k--")):
             ax.plot(x, [100 * row[policy] for row in section["sweep"]], style, label=policy)
         ax.set(xlabel="cache capacity (% of expert records)", ylabel="hit rate %", title=f"{trace} trace")
         ax.grid(True, alpha=0.3)
@@ -225,7 +224,9 @@ def _plot_hits(plt, caching: dict, path: Path) -> None:
 def _plot_bytes(plt, results: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     groups = {
-        "colibri-stream int4": _series(results["decode"], container="int4", policy="lru", prefetch=True, cold=True),
+        "colibri-stream int4": _series(
+            results["decode"], container="int4", policy=DEFAULT_POLICY, prefetch=True, cold=True
+        ),
         "colibri-stream bf16": _series(results["decode"], container="bf16"),
         "accelerate": _series(results.get("peer", [])),
     }

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from colibri_stream.bench.llama_cpp import MATCHED_CONTAINERS
+from storage.policy import DEFAULT_POLICY
 
 MB = 1e6
 
@@ -46,7 +47,7 @@ def llama_cpp_lines(results: dict) -> list[str]:
     ours = {r["name"]: r for r in section.get("ours_matched", [])}
     body = []
     for r in section["rows"]:  # against ours computed as that file is (MATCHED_CONTAINERS)
-        state = f"int8-act {r['budget_pct']}% lru prefetch {'cold' if r['cold'] else 'warm'}"
+        state = f"int8-act {r['budget_pct']}% {DEFAULT_POLICY} prefetch {'cold' if r['cold'] else 'warm'}"
         mine = ours.get(f"{MATCHED_CONTAINERS[r['file']]} {state}") or ours.get(f"int4-int8dense {state}")
         ratio = f"{mine['decode_tok_per_s'] / r['decode_tok_per_s']:.2f}x" if mine and r["decode_tok_per_s"] else "-"
         body.append(
@@ -188,12 +189,12 @@ def limit_line_lines(limit: dict) -> list[str]:
 
 
 def plot_llama_cpp(plt, results: dict, path: Path) -> None:
-    """Decode tok/s per budget: ours (int4, LRU, prefetch) and llama.cpp's best row per file, cold and warm,
-    with each contender's limit line at 100%."""
+    """Decode tok/s per budget: ours (int4, the default policy, prefetch) and llama.cpp's best row per file,
+    cold and warm, with each contender's limit line at 100%."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     series: dict[str, dict[tuple[int, bool], float]] = {}
     for r in results.get("decode", []) + results["llama_cpp"].get("ours_matched", []):
-        if r["container"] in ("int4", *MATCHED_CONTAINERS.values()) and r["policy"] == "lru" and r["prefetch"]:
+        if r["container"] in ("int4", *MATCHED_CONTAINERS.values()) and r["policy"] == DEFAULT_POLICY and r["prefetch"]:
             dense = {"int4-int8dense": " + int8 dense/act", "int4-int4dense": " + int4 dense, int8 act"}
             label = "colibri-stream int4" + dense.get(r["container"], "")
             series.setdefault(label, {})[(r["budget_pct"], r["cold"])] = r["decode_tok_per_s"]

@@ -65,7 +65,7 @@ from engine.bf16 import KEEP_FLOAT32
 from storage.container import Container, DenseEntry
 from storage.errors import DiskFullError, free_bytes
 from storage.layout import stored_shape
-from storage.policy import POLICY_NAMES
+from storage.policy import DEFAULT_POLICY, POLICY_NAMES
 from storage.tiered import StoreConfig, minimum_slots, total_records
 
 GiB = 1 << 30
@@ -112,9 +112,9 @@ QUICK_SETTINGS = BenchSettings(
     alternation_tokens=24,
     batch=BatchSettings(clients=(1, 4), max_tokens=16, rounds=1),
     # --quick checks every invariant at fewer points: the ratio budget and all-in-RAM for the side
-    # contenders, prefetch off for LRU only (the full run keeps every point)
+    # contenders, prefetch off for the default policy only (the full run keeps every point)
     side_budgets_pct=(RATIO_BUDGET, 100),
-    no_prefetch_policies=("lru",),
+    no_prefetch_policies=(DEFAULT_POLICY,),
 )
 
 
@@ -235,7 +235,7 @@ class Bench:
             grid.append(OurConfig(pct))
             if pct in (RATIO_BUDGET, 100):  # again at once: the page cache as the cold run left it
                 grid.append(OurConfig(pct, cold=False))
-        grid += [OurConfig(RATIO_BUDGET, policy) for policy in ("hybrid", "pinned")]
+        grid += [OurConfig(RATIO_BUDGET, policy) for policy in POLICY_NAMES if policy != DEFAULT_POLICY]
         grid += [OurConfig(RATIO_BUDGET, policy, prefetch=False) for policy in self.settings.no_prefetch_policies]
         grid += [OurConfig(pct, container="bf16") for pct in self.side_budgets]
         return grid

@@ -170,7 +170,12 @@ def add_store_arguments(parser: argparse.ArgumentParser, ram_default: str | int 
         help=f"VRAM for expert slots, same forms as --ram; 0: no VRAM tier (default {_shown(DEFAULTS.vram)})",
     )
     group.add_argument("--vram-device", default=None, help="device of the VRAM tier (default cuda; cpu stands in)")
-    group.add_argument("--policy", choices=POLICY_NAMES, help=f"eviction policy (default {DEFAULTS.policy})")
+    group.add_argument(
+        "--policy",
+        choices=POLICY_NAMES,
+        help="which RAM expert leaves when a read needs its slot: frequent (fewest recent routings), lru, hybrid, "
+        f"or pinned (lru plus the --history's hottest experts held for good) (default {DEFAULTS.policy})",
+    )
     group.add_argument(
         "--prefetch",
         action=argparse.BooleanOptionalAction,

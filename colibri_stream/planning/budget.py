@@ -6,7 +6,7 @@ default, and those of the store settings are ``StoreConfig``'s (storage/tiered.p
 
     [memory]  ram = "8GiB" | "25%" | "auto"    vram = 0 | "12GiB" | "50%"
     [io]      direct = true | false             threads = N (1..MAX_IO_THREADS, storage.tiered)
-    [cache]   policy = "lru" | "hybrid" | "pinned"    prefetch = true | false    prefetch_layers = N (>= 1)
+    [cache]   policy = "frequent" | "lru" | "hybrid" | "pinned"    prefetch = true | false    prefetch_layers = N (>= 1)
               preload = true | false    history = "usage.json"
     [prefix]  ram = "512MiB"    disk = "8GiB"    enabled = true | false   (the shared prefix cache)
     [kv]      context = N (positions the KV cache and activations are sized for; default and at most

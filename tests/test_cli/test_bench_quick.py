@@ -46,8 +46,8 @@ def test_quick_grid_has_every_budget_policy_prefetch_and_container():
     grid = bench.decode_grid()
     assert {c.budget_pct for c in grid if c.container == "int4"} == {10, 25, 50, 100}
     assert {(c.budget_pct, c.cold) for c in grid if not c.cold} == {(25, False), (100, False)}
-    assert {c.policy for c in grid} == {"lru", "hybrid", "pinned"}
-    assert [c.policy for c in grid if not c.prefetch] == ["lru"]
+    assert {c.policy for c in grid} == {"frequent", "lru", "hybrid", "pinned"}
+    assert [c.policy for c in grid if not c.prefetch] == ["frequent"]
     assert bench.side_budgets == (25, 100)  # the bf16 container's rows and the peer's
     assert [c.budget_pct for c in grid if c.container == "bf16"] == [25, 100]
     # the end-to-end run below samples each of these kinds of row
@@ -84,13 +84,13 @@ def test_quick_bench_reports_every_section_and_ratio(bench, capsys, monkeypatch)
     assert len(int4_ids) == 1 and len(json.loads(int4_ids.pop())) == 12
     budgets = {row["budget_pct"] for row in decode if row["container"] == "int4"}
     assert budgets == {10, 25, 100}
-    assert {row["policy"] for row in decode} == {"lru", "hybrid", "pinned"}
+    assert {row["policy"] for row in decode} == {"frequent", "lru", "hybrid", "pinned"}
     assert any(not row["prefetch"] for row in decode) and any(not row["cold"] for row in decode)
     assert {row["container"] for row in decode} == {"int4", "bf16"}
     assert {row["budget_pct"] for row in decode if row["container"] == "bf16"} == {25}
-    cold_lru = {r["budget_pct"]: r for r in decode if r["name"].startswith("int4") and r["name"].endswith("fetch cold")}
-    assert cold_lru[100]["hit_rate"] >= cold_lru[10]["hit_rate"]
-    assert cold_lru[100]["bytes_per_token"] <= cold_lru[10]["bytes_per_token"]
+    cold = {r["budget_pct"]: r for r in decode if r["name"].startswith("int4") and r["name"].endswith("fetch cold")}
+    assert cold[100]["hit_rate"] >= cold[10]["hit_rate"]
+    assert cold[100]["bytes_per_token"] <= cold[10]["bytes_per_token"]
 
     peer = results["peer"]
     assert [row["budget_pct"] for row in peer] == [25]  # the ratio budget
@@ -98,7 +98,7 @@ def test_quick_bench_reports_every_section_and_ratio(bench, capsys, monkeypatch)
 
     for section in results["caching"].values():
         for row in section["at_budgets"] + section["sweep"]:
-            assert row["belady"] >= max(row["lru"], row["hybrid"], row["pinned"])
+            assert row["belady"] >= max(row["frequent"], row["lru"], row["hybrid"], row["pinned"])
         assert section["sweep"][-1]["capacity"] == section["total_records"]
 
     sessions = results["sessions"]

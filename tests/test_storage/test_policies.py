@@ -35,10 +35,11 @@ def test_hybrid_forgets_old_popularity():
 
 
 def test_a_cycle_longer_than_the_tier_defeats_lru_but_frequent_keeps_all_but_one_slot():
-    """A token's experts outnumbering the VRAM slots: every key comes back once per cycle."""
+    """A token's experts outnumbering the slots: every key comes back once per cycle (a token)."""
     cycle = list(range(10)) * 20
     assert replay(cycle, 4, "lru") == 0
-    assert replay(cycle, 4, "frequent") == 19 * 3  # after the first pass 3 keys stay, one slot churns
+    # after the first pass 3 keys stay, one slot churns (10 uses a token: a half-life past the trace)
+    assert replay(cycle, 4, "frequent", uses_per_token=10) == 19 * 3
     assert belady_hits(cycle, 4) == 64  # the optimum rotates which keys stay: 57 is 89% of it
 
 
@@ -132,3 +133,34 @@ def test_count_from_warms_the_cache_without_counting():
     assert replay(trace, 2, "lru") == 2 and belady_hits(trace, 2) == 3  # Belady keeps 1 over 2 at step 4
     assert replay(trace, 2, "lru", count_from=3) == 1  # only step 3 (2) hits among steps 3-5
     assert belady_hits(trace, 2, count_from=3) == 2  # steps 3 (2) and 5 (1)
+
+
+def _tier_with(policy, uses: dict[int, int], capacity: int) -> SlotTier:
+    """A full tier whose keys were each looked up ``uses[key]`` times after their insert."""
+    tier = SlotTier("t", capacity, policy)
+    for key, n in uses.items():
+        tier.allocate(key)
+        for _ in range(n):
+            tier.lookup(key)
+    return tier
+
+
+def test_an_awaited_guess_outlives_keys_used_more_often():
+    """A prefetch guess has few uses so far: under the frequency policy it would be the next victim,
+    before the use it was read for. Awaited, the least-used of the others leaves instead."""
+    tier = _tier_with(FrequentPolicy(), {1: 5, 2: 3, 3: 0}, capacity=3)
+    tier.entries[3].awaited = True
+    assert tier.allocate(4, demand=False) is not None
+    assert set(tier.entries) == {1, 3, 4}
+    tier.lookup(4)
+    tier.entries[3].awaited = False  # the router passed it by: the least used, it goes first again
+    assert tier.allocate(5) is not None and 3 not in tier.entries
+
+
+def test_only_a_demand_read_takes_an_awaited_guess_slot():
+    tier = _tier_with(FrequentPolicy(), {1: 0, 2: 0}, capacity=2)
+    tier.entries[1].awaited = tier.entries[2].awaited = True
+    assert tier.allocate(3, demand=False) is None  # a guess never displaces a guess
+    assert set(tier.entries) == {1, 2}
+    assert tier.allocate(3) is not None  # a step needs 3: one guess gives way
+    assert len(tier.entries) == 2 and 3 in tier.entries

@@ -16,6 +16,7 @@ from colibri_stream.runtime.loader import load_container
 from storage.container import Container
 from storage.errors import BudgetError, CorruptDataError
 from storage.history import UsageHistory
+from storage.policy import POLICY_NAMES
 from storage.tiered import StoreConfig, minimum_slots
 
 PROMPT = [5, 9, 17, 33, 65, 129, 257, 300, 11, 23]
@@ -48,9 +49,7 @@ def _budget(container: Container, name: str) -> int:
 
 # 16 VRAM slots hold fewer than a token's 28 experts (7 MoE layers x top-4): every expert is staged
 # through the tier, and only a policy that resists that cycle keeps some for a hit (LRU kept none)
-GRID = list(
-    itertools.product(["min", "20%", "50%", "100%"], ["lru", "hybrid", "pinned"], [True, False], [False, True], [0, 16])
-)
+GRID = list(itertools.product(["min", "20%", "50%", "100%"], POLICY_NAMES, [True, False], [False, True], [0, 16]))
 
 
 @pytest.mark.parametrize("budget, policy, prefetch, direct, vram_slots", GRID)
@@ -106,7 +105,8 @@ def _prompt_acquires_per_layer(acquires, moe_layers) -> dict[int, int]:
     return {layer: sum(1 for lay, _ in acquires[:end] if lay == layer) for layer in moe_layers}
 
 
-FAMILY_STORES = [("lru", 0), ("hybrid", 0), ("lru", 3)]  # (policy, VRAM slots on the stand-in device)
+# (policy, VRAM slots on the stand-in device)
+FAMILY_STORES = [("frequent", 0), ("lru", 0), ("hybrid", 0), ("frequent", 3)]
 
 
 @pytest.mark.parametrize("policy, vram_slots", FAMILY_STORES)
@@ -377,6 +377,21 @@ def test_a_guess_whose_read_started_is_kept_and_counted_as_read(held_store):
     assert (layer, 5) in store.ram
     stats = store.report()
     assert stats["prefetch"]["cancelled"] == 0 and stats["reads"] == 2
+
+
+def test_a_guess_is_awaited_until_the_router_reaches_its_layer(held_store):
+    store, layer, held = held_store
+    held.gate.set()
+    store.prefetch(layer, [1, 2, 3])
+    assert all(store.ram.entries[(layer, e)].awaited for e in (1, 2, 3))
+    for expert in (1, 2, 3):
+        store.ram.entries[(layer, expert)].loading.result(timeout=10)  # read: no longer cancellable
+    store.prefetch(layer, [1, 2])  # a nearer guess leaves 3 out: no longer awaited (its read ran)
+    assert (layer, 3) in store.ram and not store.ram.entries[(layer, 3)].awaited
+    acquired = store.acquire(layer, [1, 4])  # 1 used, 2 passed by
+    acquired[1], acquired[4]  # noqa: B018
+    store.release(layer, [1, 4])
+    assert not any(store.ram.entries[(layer, e)].awaited for e in (1, 2, 4))
 
 
 @pytest.mark.parametrize("depth", [1, 2, 3])
