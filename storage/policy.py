@@ -151,11 +151,6 @@ class FrequentPolicy:
                 heapq.heappush(self._heap, entry)
 
 
-POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
-    "lru": LRUPolicy,
-    "hybrid": HybridPolicy,
-    "frequent": FrequentPolicy,  # the VRAM tier's (its default half-life)
-}
 # What a user may choose (--policy, [cache] policy), the default first: "pinned" is LRU plus the learned
 # hot store.
 POLICY_NAMES = ("frequent", "lru", "hybrid", "pinned")
@@ -175,4 +170,6 @@ def ram_policy(name: str, uses_per_token: int) -> EvictionPolicy:
     slots its pins leave. ``uses_per_token``: routed experts a token asks for (MoE layers x top-k)."""
     if name == "frequent":
         return FrequentPolicy(RAM_HALF_LIFE_TOKENS * max(1, uses_per_token))
-    return POLICIES["hybrid" if name == "hybrid" else "lru"]()
+    if name == "hybrid":
+        return HybridPolicy()
+    return LRUPolicy()
