@@ -143,7 +143,7 @@ def _caching_table(caching: dict) -> list[str]:
             best = max(row[p] for p in POLICY_NAMES)
             gap = round(100 * (row["belady"] - best), 2)
             rows.append([trace, row["budget"], row["capacity"], *(row[p] for p in POLICY_NAMES), row["belady"], gap])
-    header = ["trace", "budget", "slots", "frequent", "LRU", "hybrid", "pinned", "Belady", "gap pp"]
+    header = ["trace", "budget", "slots", *(p.upper() if p == "lru" else p for p in POLICY_NAMES), "Belady", "gap pp"]
     return _table(header, rows)
 
 
