@@ -33,12 +33,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import psutil
 import torch
 
 from colibri_stream.errors import BudgetError
 from colibri_stream.planning.geometry import ModelGeometry
 from colibri_stream.planning.machine_memory import memory_here
-from colibri_stream.planning.placement import floor_bytes, plan
+from colibri_stream.planning.placement import RUNTIME_BASELINE_BYTES, floor_bytes, plan
 from engine.args import ModelArgs
 from storage.errors import FormatError
 from storage.policy import POLICY_NAMES
@@ -97,14 +98,29 @@ def parse_size(value: str | int, expert_bytes: int, key: str = "size", auto_byte
 
 
 def auto_ram_bytes(
-    dense_bytes: int, kv_bytes: int, floor: int = 0, available: int | None = None, activation_bytes: int = 0
+    dense_bytes: int,
+    kv_bytes: int,
+    floor: int = 0,
+    available: int | None = None,
+    activation_bytes: int = 0,
+    runtime_bytes: int | None = None,
 ) -> int:
-    """RAM for expert slots: available memory (``memory_here()`` unless given) minus dense weights, KV and the
-    prefill activations, less a safety margin; the margin never takes it below ``floor`` bytes when those
-    fit (when they do not, the plan refuses)."""
+    """RAM for expert slots: available memory (``memory_here()`` unless given) minus dense weights, KV, the
+    prefill activations and the runtime's own memory this process has yet to take (``runtime_to_come()``
+    unless given), less a safety margin; the margin never takes it below ``floor`` bytes when those fit
+    (when they do not, the plan refuses). So the plan's expected peak RSS (the runtime baseline, those parts
+    and the slots) stays within what this process can reach: its RSS now plus what is available."""
     available = memory_here().available_bytes if available is None else available
-    left = available - dense_bytes - kv_bytes - activation_bytes
+    runtime_bytes = runtime_to_come() if runtime_bytes is None else runtime_bytes
+    left = available - dense_bytes - kv_bytes - activation_bytes - runtime_bytes
     return max(0, int(left * (1 - SAFETY_MARGIN)), min(floor, left))
+
+
+def runtime_to_come() -> int:
+    """The part of the runtime baseline (placement.RUNTIME_BASELINE_BYTES: torch, code pages, pools after a
+    first step) this process has not taken yet: `plan` runs before torch has run anything, and in a tight
+    memory group the difference is more than the safety margin leaves (2.62 GiB planned in 2.57)."""
+    return max(0, RUNTIME_BASELINE_BYTES - psutil.Process().memory_info().rss)
 
 
 _STORE = StoreConfig(ram_bytes=0)  # the store's defaults: a budget's store settings start from them

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import fields
+from types import SimpleNamespace
 
 import pytest
 
@@ -228,11 +229,40 @@ def test_auto_ram_leaves_room_for_dense_kv_activations_and_a_margin(stream_conta
 
     monkeypatch.setattr(psutil, "virtual_memory", lambda: Memory)
     monkeypatch.setattr(machine_memory, "cgroup_cap", lambda: None)  # whatever group the tests run in
+    _process_at(monkeypatch, RUNTIME_BASELINE_BYTES)  # the runtime's memory all taken already
     assert cli.main(["plan", str(stream_container), "--ram", "auto", "--json"]) == 0
     placement = json.loads(capsys.readouterr().out)
     others = placement["dense_bytes"] + placement["kv_bytes_at_max_context"] + placement["activation_bytes"]
     expected = int((10 * GIB - others) * 0.9)
     assert placement["ram_budget_bytes"] == expected
+
+
+def test_auto_ram_keeps_the_expected_peak_within_what_the_process_can_reach(stream_container, capsys, monkeypatch):
+    """`plan` runs before torch has run anything: a process at 50 MiB will still take the rest of the runtime
+    baseline. Before, auto left that to the 10% margin, and in a tight group the plan's own expected peak
+    came out above the limit it had planned for (2.62 GiB in 2.57)."""
+    import psutil
+
+    class Memory:
+        available = 1 * GIB
+        total = 2 * GIB
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Memory)
+    _process_at(monkeypatch, 50 * 2**20)
+    monkeypatch.setattr(machine_memory, "cgroup_cap", lambda: None)
+    assert cli.main(["plan", str(stream_container), "--ram", "auto", "--json"]) == 0
+    placement = json.loads(capsys.readouterr().out)
+    others = placement["dense_bytes"] + placement["kv_bytes_at_max_context"] + placement["activation_bytes"]
+    to_come = RUNTIME_BASELINE_BYTES - 50 * 2**20
+    assert placement["ram_budget_bytes"] == int((1 * GIB - others - to_come) * 0.9)
+    assert placement["expected_peak_rss_bytes"] <= 50 * 2**20 + 1 * GIB
+
+
+def _process_at(monkeypatch, rss: int) -> None:
+    """psutil sees this process at ``rss`` bytes resident."""
+    import psutil
+
+    monkeypatch.setattr(psutil, "Process", lambda: SimpleNamespace(memory_info=lambda: SimpleNamespace(rss=rss)))
 
 
 @pytest.mark.parametrize(
