@@ -11,6 +11,7 @@ MAX_ROWS: int
 NIBBLE_ABI: int
 BF16_SIMD: int
 Q8_VNNI: int
+SIMD_LEVEL: int
 
 # mla_weights' result: a capsule holding a layer's MLA weights for mla_project and mla_output
 MlaWeights = NewType("MlaWeights", object)

@@ -20,6 +20,7 @@ from colibri_stream.cli.help import help_options
 from colibri_stream.cli.options import add_dtype_argument, add_store_arguments, store_options
 from colibri_stream.planning.budget import StoreOptions
 from colibri_stream.planning.machine_memory import memory_here
+from engine.isa import kernel_isa
 from storage.buffers import PAGE
 from storage.container import o_direct_refusal
 
@@ -75,6 +76,7 @@ def machine_checks() -> Iterator[Check]:
     import torch
 
     yield Check(OK, "torch", f"{torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs")
+    yield Check(OK, "kernels", kernel_isa())
     if torch.cuda.is_available():
         names = [
             f"{torch.cuda.get_device_name(i)} {_gib(torch.cuda.get_device_properties(i).total_memory)}"

@@ -155,8 +155,8 @@ int bf16_isa(int in, int limit) {
     static int avx512 = -1, avx2 = -1;
     if (avx512 < 0) {
         __builtin_cpu_init();
-        avx512 = __builtin_cpu_supports("avx512f");
-        avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+        avx512 = __builtin_cpu_supports("avx512f") && isa_cap() >= 2;
+        avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && isa_cap() >= 1;
     }
     if (limit >= 2 && avx512 && in % 64 == 0) return 2;
     if (limit >= 1 && avx2 && in % 32 == 0) return 1;

@@ -507,5 +507,7 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     if (m) PyModule_AddIntConstant(m, "BF16_SIMD", bf16_isa(64, 2));
     /* 1: the int8-activation kernels multiply with AVX-512 VNNI's dpbusd (else AVX2 maddubs, or C) */
     if (m) PyModule_AddIntConstant(m, "Q8_VNNI", q8_vnni_available());
+    /* the loops the quantised kernels take (2 AVX-512, 1 AVX2, 0 plain C), COLIBRI_STREAM_ISA's cap applied */
+    if (m) PyModule_AddIntConstant(m, "SIMD_LEVEL", nibble_simd_available() + nibble_simd_wide());
     return m;
 }

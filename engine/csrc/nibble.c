@@ -28,6 +28,7 @@
 #include "nibble.h"
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__x86_64__)
@@ -292,7 +293,16 @@ float nibble_scale(int scale_kind, const void *scales, size_t i) {
     return scale_at(&m, i);
 }
 
-/* 0 none, 1 AVX2 (with FMA and F16C), 2 AVX2 and AVX-512 (F, VL, BW): the loops this CPU runs at best. */
+int isa_cap(void) {
+    static int cap = -1;
+    if (cap < 0) {
+        const char *value = getenv("COLIBRI_STREAM_ISA");
+        cap = value != NULL && strcmp(value, "avx2") == 0 ? 1 : 2;
+    }
+    return cap;
+}
+
+/* 0 none, 1 AVX2 (with FMA and F16C), 2 AVX2 and AVX-512 (F, VL, BW): the loops this CPU runs at best, capped. */
 static int simd_level(void) {
 #if HAVE_X86
     static int level = -1;
@@ -300,7 +310,8 @@ static int simd_level(void) {
         __builtin_cpu_init();
         int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
         int vl = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw");
-        level = avx2 ? 1 + vl : 0;
+        int found = avx2 ? 1 + vl : 0;
+        level = found < isa_cap() ? found : isa_cap();
     }
     return level;
 #else

@@ -56,10 +56,15 @@ void nibble_dequant(const NibbleMatrix *m, int out, float *w);
 /* Scale i of a scales array of kind scale_kind (SCALE_*), as float32. */
 float nibble_scale(int scale_kind, const void *scales, size_t i);
 
-/* Whether the CPU has the AVX2 path (AVX2, FMA, F16C). */
+/* The highest loops any kernel may take (2 AVX-512, 1 AVX2): COLIBRI_STREAM_ISA ("avx2"; unset or "best":
+ * no cap), read once. It measures a host without AVX-512 on one with it; engine/isa.py refuses other
+ * values before the extension loads. */
+int isa_cap(void);
+
+/* Whether the CPU has the AVX2 path (AVX2, FMA, F16C) and the cap allows it. */
 int nibble_simd_available(void);
 
-/* 1 when the CPU also has AVX-512 (F, VL and BW): the 16-lane loops. */
+/* 1 when the CPU also has AVX-512 (F, VL and BW) and the cap allows it: the 16-lane loops. */
 int nibble_simd_wide(void);
 
 #endif

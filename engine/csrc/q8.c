@@ -286,7 +286,7 @@ int q8_vnni_available(void) {
 #if HAVE_X86
     static int known = -1;
     if (known < 0)
-        known = nibble_simd_available() && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+        known = nibble_simd_wide() && __builtin_cpu_supports("avx512vnni");
     return known;
 #else
     return 0;

@@ -15,7 +15,7 @@ def doctor(capsys, *argv: str) -> tuple[int, str]:
 
 def test_machine_checks_without_a_model(capsys):
     code, out = doctor(capsys)
-    for name in ("python", "torch", "cuda", "ram", "disk"):
+    for name in ("python", "torch", "kernels", "cuda", "ram", "disk"):
         assert any(line.split()[1:2] == [name] for line in out.splitlines()), (name, out)
     assert out.splitlines()[-1].startswith("verdict: ")
     assert code == (1 if "NOT READY" in out else 0)

@@ -1,0 +1,51 @@
+"""COLIBRI_STREAM_ISA=avx2: on a CPU with AVX-512 the kernels take their AVX2 loops (what a host without
+AVX-512 runs, measured on this one) and give the same tokens; a misspelt value is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from colibri_stream.bench.system import cli_argv
+from engine import _kernels
+from engine.isa import ISA_ENV, check_isa_env
+
+
+def test_a_misspelt_cap_is_refused_naming_the_variable():
+    with pytest.raises(ValueError, match="COLIBRI_STREAM_ISA='avx512': expected one of best, avx2"):
+        check_isa_env({ISA_ENV: "avx512"})
+    check_isa_env({})
+    check_isa_env({ISA_ENV: "avx2"})
+    done = subprocess.run([sys.executable, "-c", "import engine"], env=_env("AVX2"), capture_output=True, text=True)
+    assert done.returncode != 0 and "COLIBRI_STREAM_ISA='AVX2'" in done.stderr
+
+
+def _env(isa: str | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != ISA_ENV}
+    return env if isa is None else {**env, ISA_ENV: isa}
+
+
+def _constants(isa: str | None) -> tuple[int, ...]:
+    code = "from engine import _kernels as k; print(k.SIMD_LEVEL, k.Q8_VNNI, k.BF16_SIMD)"
+    done = subprocess.run([sys.executable, "-c", code], env=_env(isa), capture_output=True, text=True, check=True)
+    return tuple(int(word) for word in done.stdout.split())
+
+
+@pytest.mark.skipif(_kernels.SIMD_LEVEL < 2, reason="no AVX-512 here: the best loops are the AVX2 ones already")
+@pytest.mark.parametrize("dense, activations", [("int8", "int8"), ("bf16", "float32")])
+def test_the_cap_takes_the_avx2_loops_with_the_same_tokens(make_container, tmp_path, dense, activations):
+    assert _constants(None)[0] == 2 and _constants("best")[0] == 2
+    assert _constants("avx2") == (1, 0, 1)  # AVX2 loops, no VNNI, the bf16 kernel's AVX2 loops
+    container = make_container("deepseek_v3", "int4", dense)
+    ids = {}
+    for isa in (None, "avx2"):
+        argv = cli_argv("run", str(container), "--ids", "5,9,17,33,2", "--max-new-tokens", "8", "--json")
+        argv += ["--activations", activations, "--kv-dir", str(tmp_path / f"kv-{isa}"), "--no-prefix-cache"]
+        done = subprocess.run(argv, env=_env(isa), capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        ids[isa] = json.loads(done.stdout.strip().splitlines()[-1])["ids"]
+    assert len(ids[None]) == 8 and ids["avx2"] == ids[None]
