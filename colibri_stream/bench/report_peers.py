@@ -24,6 +24,8 @@ def machine_lines(machine: dict) -> list[str]:
     )
     if "isa" in machine:  # results of older runs lack it
         line += f" ISA: {', '.join(machine['isa']) or 'none of the listed SIMD extensions'}."
+    if "kernels" in machine:
+        line += f" Our kernels: {machine['kernels']}."
     if "memory_bandwidth_Bps" in machine:  # results of older runs lack these
         steal, end = machine.get("cpu_steal_share"), machine.get("memory_bandwidth_Bps_at_end")
         line += (

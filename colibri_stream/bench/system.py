@@ -25,6 +25,7 @@ from pathlib import Path
 import psutil
 
 from colibri_stream.errors import ColibriError
+from engine.isa import kernel_isa
 
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 ASSERTION = re.compile(r"assert", re.IGNORECASE)  # an abort's own message (llama.cpp: GGML_ASSERT(...) failed)
@@ -238,6 +239,7 @@ def machine_facts(path: Path) -> dict:
     return {
         "cpu": cpu,
         "isa": isa_of(cpuinfo),
+        "kernels": kernel_isa(),  # the loops ours takes: the CPU's best, or COLIBRI_STREAM_ISA's cap
         "cores": os.cpu_count(),
         "ram_bytes": psutil.virtual_memory().total,
         "disk_free_bytes": shutil.disk_usage(path).free,

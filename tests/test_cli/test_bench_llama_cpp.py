@@ -318,6 +318,10 @@ def test_machine_facts_name_the_hosts_simd_extensions():
     machine |= {"torch": "2", "torch_threads": 2}
     assert "ISA" not in machine_lines(machine)[0]  # an older run's results
     assert machine_lines(machine | {"isa": ["avx2", "fma"]})[0].endswith(" ISA: avx2, fma.")
+    capped = machine | {"isa": ["avx2", "avx512f"], "kernels": "AVX2 (capped by COLIBRI_STREAM_ISA=avx2)"}
+    assert machine_lines(capped)[0].endswith(
+        " ISA: avx2, avx512f. Our kernels: AVX2 (capped by COLIBRI_STREAM_ISA=avx2)."
+    )
 
 
 def test_skip_reason_says_what_to_run(tmp_path, monkeypatch):
