@@ -12,6 +12,7 @@ NIBBLE_ABI: int
 BF16_SIMD: int
 Q8_VNNI: int
 SIMD_LEVEL: int
+ISA_CAP: int
 
 # mla_weights' result: a capsule holding a layer's MLA weights for mla_project and mla_output
 MlaWeights = NewType("MlaWeights", object)

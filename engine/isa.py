@@ -26,9 +26,8 @@ def check_isa_env(environ: Mapping[str, str] = os.environ) -> None:
 def kernel_isa() -> str:
     """The loops the kernels take here, in words (`doctor`)."""
     try:
-        from engine._kernels import Q8_VNNI, SIMD_LEVEL
+        from engine._kernels import ISA_CAP, Q8_VNNI, SIMD_LEVEL
     except ImportError:  # pragma: no cover - machines without a compiler
         return "no C extension: torch ops only"
     words = LEVEL_NAMES[SIMD_LEVEL] + (" VNNI" if Q8_VNNI else "")
-    capped = os.environ.get(ISA_ENV, "best") != "best"
-    return f"{words} (capped by {ISA_ENV}={os.environ[ISA_ENV]})" if capped else words
+    return f"{words} (capped by {ISA_ENV}=avx2)" if ISA_CAP < 2 else words  # the cap the extension read

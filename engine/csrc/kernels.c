@@ -509,5 +509,7 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     if (m) PyModule_AddIntConstant(m, "Q8_VNNI", q8_vnni_available());
     /* the loops the quantised kernels take (2 AVX-512, 1 AVX2, 0 plain C), COLIBRI_STREAM_ISA's cap applied */
     if (m) PyModule_AddIntConstant(m, "SIMD_LEVEL", nibble_simd_available() + nibble_simd_wide());
+    /* 1 where COLIBRI_STREAM_ISA=avx2 held the kernels to their AVX2 loops when the extension loaded, else 2 */
+    if (m) PyModule_AddIntConstant(m, "ISA_CAP", isa_cap());
     return m;
 }
