@@ -1,7 +1,7 @@
 """The bench's MTP rows alone: the demo model's trained MTP drafts, plain vs governor vs forced on, at
 100% and 25% RAM, one fresh process each (colibri_stream/bench/mtp_rows.py), and the table.
 
-    python tools/bench_mtp.py --work /tmp/mtp-bench [--tokens 96] [--depth 2] [--int8] [--json out.json]
+    python tools/bench_mtp.py --work /tmp/mtp-bench [--tokens 256] [--depth 2] [--int8] [--json out.json]
 
 --int8: the int8 path (a `--dense int8` container run with `--activations int8`), where a resident step is
 one C call and the MTP block's drafts are too (engine/fused_decode.py); without it the default exact path.
@@ -24,7 +24,7 @@ GiB = 1 << 30
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, required=True, help="where the demo container and KV files go")
-    parser.add_argument("--tokens", type=int, default=96, help="tokens generated per run")
+    parser.add_argument("--tokens", type=int, default=256, help="tokens generated per run (the full bench's count)")
     parser.add_argument("--depth", type=int, default=2, help="--mtp-depth of the drafting runs")
     parser.add_argument("--prompt", default=DEMO_PROMPT)
     parser.add_argument("--repeats", type=int, default=3, help="runs per row (the median is kept)")
