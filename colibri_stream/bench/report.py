@@ -211,7 +211,8 @@ def _plot_hits(plt, caching: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(caching), figsize=(6 * len(caching), 4.5), squeeze=False)
     for ax, (trace, section) in zip(axes[0], caching.items(), strict=True):
         x = [100 * row["capacity"] / section["total_records"] for row in section["sweep"]]
-        for policy, style in (("frequent", "D-"), ("lru", "o-"), ("hybrid", "s-"), ("pinned", "^-"), ("belady", "k--")):
+        styles = (*zip(POLICY_NAMES, ("D-", "o-", "s-", "^-"), strict=True), ("belady", "k--"))
+        for policy, style in styles:
             ax.plot(x, [100 * row[policy] for row in section["sweep"]], style, label=policy)
         ax.set(xlabel="cache capacity (% of expert records)", ylabel="hit rate %", title=f"{trace} trace")
         ax.grid(True, alpha=0.3)
