@@ -1,6 +1,6 @@
 """Only the C extension lives here; all metadata is in pyproject.toml.
 
-engine._kernels (the int4/fp4, q8 and bf16 matmuls, the fused MLA decode steps and the read-ahead
+engine.kernels._kernels (the int4/fp4, q8 and bf16 matmuls, the fused MLA decode steps and the read-ahead
 thread) is optional at run time: if it cannot be built, the engine falls back to torch (slower, same
 results within float rounding).
 """
@@ -16,13 +16,13 @@ class OptionalBuildExt(build_ext):
         try:
             super().run()
         except Exception as exc:  # noqa: BLE001 - any build failure means "use the torch fallback"
-            print(f"warning: engine._kernels was not built ({exc}); using the slower torch path")
+            print(f"warning: engine.kernels._kernels was not built ({exc}); using the slower torch path")
 
     def build_extension(self, ext):
         try:
             super().build_extension(ext)
         except Exception as exc:  # noqa: BLE001
-            print(f"warning: engine._kernels was not built ({exc}); using the slower torch path")
+            print(f"warning: engine.kernels._kernels was not built ({exc}); using the slower torch path")
 
 
 # engine/csrc/<name>.c, each with its .h but kernels and py_decode (the Python entry points)
@@ -34,7 +34,7 @@ C_FILES = (
 setup(
     ext_modules=[
         Extension(
-            "engine._kernels",
+            "engine.kernels._kernels",
             sources=[f"engine/csrc/{name}.c" for name in C_FILES],
             depends=[f"engine/csrc/{name}.h" for name in C_FILES if name not in ("kernels", "py_decode")]
             + [

@@ -11,8 +11,8 @@ anything else is a bug and gets a traceback (exit status 3).
       RequestError               a prompt or sampling request that cannot be served
     storage.errors.StorageError  containers, KV logs, usage histories (FormatError, CorruptDataError,
                                  IncompatibleStateError, BudgetError)
-    engine.args.ConfigError      a config.json whose semantics the engine does not implement
-    engine.weights.WeightNameError  tensors that do not map onto the engine's weights
+    engine.config.args.ConfigError      a config.json whose semantics the engine does not implement
+    engine.config.weights.WeightNameError  tensors that do not map onto the engine's weights
 
 engine and storage cannot import this module (they never import the library), so their bases are
 listed here instead of derived from ColibriError; ``USER_ERRORS`` is the tuple to catch.
@@ -20,8 +20,8 @@ listed here instead of derived from ColibriError; ``USER_ERRORS`` is the tuple t
 
 from __future__ import annotations
 
-from engine.args import ConfigError
-from engine.weights import WeightNameError
+from engine.config.args import ConfigError
+from engine.config.weights import WeightNameError
 from storage import errors as storage_errors
 
 

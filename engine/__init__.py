@@ -1,3 +1,3 @@
-from engine.isa import check_isa_env
+from engine.kernels.isa import check_isa_env
 
 check_isa_env()  # before engine/_kernels loads and reads the cap

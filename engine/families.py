@@ -1,10 +1,10 @@
 """Model families, chosen once per config: ``family_of(args)`` is the one place that asks which.
 
-A family is its model and cache (engine/interfaces.py: what generation, sessions and serving drive)
+A family is its model and cache (engine/core/interfaces.py: what generation, sessions and serving drive)
 plus the facts about them that code outside the forward pass needs:
     model()                          -> the forward pass, parameters uninitialised
     swiglu_limit                     -> the routed experts' clamp (None: none), for a cluster worker's sums
-    log_record(), log_row_widths()   -> a position's KV log record: storage.kvlog's geometry (its format
+    log_record(), log_row_widths()   -> a position's KV log record: storage.kv.log's geometry (its format
                                         version and fields) and the widths of its rows, in record order
     cache_from_log(rows, dtype)      -> the cache holding the positions of those logged rows
     session_log_record()             -> a session log's record: the per-position record (MLA) or the lean
@@ -18,9 +18,9 @@ some) and ``V4Family`` (DeepSeek-V4: compressed sparse attention and hyper-conne
 
 Activation shapes drop the batch dim (B = 1): C new positions attend to T cached ones; d is the compute
 dtype's bytes, f32 scores are 4. Score tensors are cut into query blocks of at most SCORE_BLOCK_BYTES
-(engine.layers.query_blocks), so a block holds q_blk = min(C, SCORE_BLOCK_BYTES // (heads * T * 4))
+(engine.core.layers.query_blocks), so a block holds q_blk = min(C, SCORE_BLOCK_BYTES // (heads * T * 4))
 queries (at least one); MLA prefill over a longer cache cuts the cached positions into key blocks
-instead (engine/prefill_attention.py key_block).
+instead (engine/mla/prefill.py key_block).
 """
 
 from __future__ import annotations
@@ -31,15 +31,15 @@ from typing import Any, Protocol
 
 import torch
 
-from engine.args import ModelArgs
-from engine.cache import KVCache
-from engine.interfaces import Cache, Model
-from engine.layers import SCORE_BLOCK_BYTES
-from engine.model import Transformer
-from engine.prefill_attention import absorbed_is_cheaper, key_block
-from engine.v4_args import V4Args
-from engine.v4_cache import V4Cache, entry_series, layer_row_widths, window_series
-from engine.v4_model import V4Transformer
+from engine.config.args import ModelArgs
+from engine.config.v4_args import V4Args
+from engine.core.cache import KVCache
+from engine.core.interfaces import Cache, Model
+from engine.core.layers import SCORE_BLOCK_BYTES
+from engine.mla.model import Transformer
+from engine.mla.prefill import absorbed_is_cheaper, key_block
+from engine.v4.cache import V4Cache, entry_series, layer_row_widths, window_series
+from engine.v4.model import V4Transformer
 
 F32 = 4
 INT64 = 8
@@ -62,7 +62,7 @@ class Family(Protocol):
     def model(self) -> Model[Any]: ...
 
     def log_record(self) -> tuple[int, dict[str, Any]]:
-        """A position's KV log record: storage.kvlog's format version for it and its geometry's fields."""
+        """A position's KV log record: storage.kv.log's format version for it and its geometry's fields."""
         ...
 
     def log_row_widths(self) -> list[int]:
@@ -75,7 +75,7 @@ class Family(Protocol):
         ...
 
     def session_log_record(self) -> tuple[int, dict[str, Any]]:
-        """A session log's record (storage.kvgeometry's format version and fields): ``log_record`` where
+        """A session log's record (storage.kv.geometry's format version and fields): ``log_record`` where
         the cache holds its rows; DeepSeek-V4's lean log where it holds entries (Cache.log_entries,
         Cache.log_window)."""
         ...
@@ -135,7 +135,7 @@ def meta_transformer(args: ModelArgs) -> Model[Any]:
 
 
 def block_queries(chunk: int, heads: int, context: int) -> int:
-    """Queries per score block: engine.layers.query_blocks with one query's float32 scores [heads, T]."""
+    """Queries per score block: engine.core.layers.query_blocks with one query's float32 scores [heads, T]."""
     return min(chunk, max(1, SCORE_BLOCK_BYTES // (heads * context * F32)))
 
 
@@ -145,7 +145,7 @@ def stream_bytes(args: ModelArgs, d: int, chunk: int) -> int:
 
 
 class MLAFamily:
-    """MLA attention (engine/model.py); the DSA indexer on the layers that run one."""
+    """MLA attention (engine/mla/model.py); the DSA indexer on the layers that run one."""
 
     swiglu_limit = None
     naive_kv_kind = "uncompressed per-head K and V per layer (MHA)"
@@ -158,7 +158,7 @@ class MLAFamily:
         return Transformer(self.args)
 
     def log_record(self) -> tuple[int, dict[str, Any]]:
-        """Format 2 (storage.kvlog KVGeometry): per layer latent + roped key, then per DSA full layer
+        """Format 2 (storage.kv.log KVGeometry): per layer latent + roped key, then per DSA full layer
         the indexer key."""
         args = self.args
         fields = {"n_layers": args.n_layers, "kv_lora_rank": args.kv_lora_rank, "index_layers": self.index_layers}
@@ -210,14 +210,14 @@ class MLAFamily:
         return stream_bytes(self.args, d, chunk)
 
     def prompt_window_bytes(self, d: int, window: int) -> int:
-        """engine/model.py forward_prompt: every chunk's residual [W, dim], at an FFN also its normed input,
+        """engine/mla/model.py forward_prompt: every chunk's residual [W, dim], at an FFN also its normed input,
         its output and its float64 routed sum."""
         return window * self.args.dim * (3 * d + 8)
 
     def attention_bytes(self, d: int, chunk: int, context: int) -> int:
-        """engine/attention.py MLA.forward's peak for ``chunk`` new positions (and a decode step) against
+        """engine/mla/attention.py MLA.forward's peak for ``chunk`` new positions (and a decode step) against
         ``context`` cached ones: the whole-cache expanded path while the cache fits one key block
-        (engine/prefill_attention.py key_block), else the key-blocked form MLA picks (absorbed_is_cheaper)."""
+        (engine/mla/prefill.py key_block), else the key-blocked form MLA picks (absorbed_is_cheaper)."""
         args, h = self.args, self.args.n_heads
         per_position = (
             args.q_lora_rank  # q latent [C, q_lora]
@@ -285,7 +285,7 @@ class MLAFamily:
         return query + keys + self._block_common_bytes(d, c, context, rank)
 
     def indexer_bytes(self, d: int, chunk: int, context: int) -> int:
-        """The DSA lightning indexer (engine/indexer.py), Hi heads of D, on layers with their own indexer."""
+        """The DSA lightning indexer (engine/mla/indexer.py), Hi heads of D, on layers with their own indexer."""
         args = self.args
         if not args.has_dsa:
             return 0
@@ -299,10 +299,10 @@ class MLAFamily:
 
 
 class V4Family:
-    """DeepSeek-V4 (engine/v4_model.py): its full record (``log_record``, a prefix block's) holds every row
+    """DeepSeek-V4 (engine/v4/model.py): its full record (``log_record``, a prefix block's) holds every row
     its cache keeps per position; its session log is lean (``session_log_record``: the compressed entries
     per position, snapshots of the window state). In memory it keeps the compressed entries (its rows are
-    released once logged, or when nothing logs them: engine/position_rows.py)."""
+    released once logged, or when nothing logs them: engine/v4/position_rows.py)."""
 
     naive_kv_kind = "one uncompressed K=V head per layer (MQA)"
 
@@ -320,7 +320,7 @@ class V4Family:
         return [layer_row_widths(self.v4, layer) for layer in range(self.args.n_layers)]
 
     def log_record(self) -> tuple[int, dict[str, Any]]:
-        """Format 3 (storage.kvlog RowsGeometry): per layer, that layer's rows (layer_row_widths)."""
+        """Format 3 (storage.kv.log RowsGeometry): per layer, that layer's rows (layer_row_widths)."""
         return 3, {"layer_rows": tuple(tuple(rows.values()) for rows in self._layer_rows())}
 
     def log_row_widths(self) -> list[int]:
@@ -335,8 +335,8 @@ class V4Family:
         return V4Cache.from_rows(self.args, layers)
 
     def session_log_record(self) -> tuple[int, dict[str, Any]]:
-        """Format 4 (storage.kvgeometry LeanGeometry): every layer's entry_series and window_series, layer
-        after layer (engine/v4_cache.py); the snapshot interval follows from their sizes."""
+        """Format 4 (storage.kv.geometry LeanGeometry): every layer's entry_series and window_series, layer
+        after layer (engine/v4/cache.py); the snapshot interval follows from their sizes."""
         layers = range(self.args.n_layers)
         entries = tuple(series for layer in layers for series in entry_series(self.v4, layer))
         return 4, {"entries": entries, "windows": tuple(s for layer in layers for s in window_series(self.v4, layer))}
@@ -394,10 +394,10 @@ class V4Family:
         return stream_bytes(self.args, d, chunk) + 2 * self.v4.hc_mult * chunk * self.args.dim * d
 
     def prompt_window_bytes(self, d: int, window: int) -> int:
-        return 0  # chunk by chunk: the cache frees rows between chunks (engine/interfaces.py prompt_in_windows)
+        return 0  # chunk by chunk: the cache frees rows between chunks (engine/core/interfaces.py prompt_in_windows)
 
     def attention_bytes(self, d: int, chunk: int, context: int) -> int:
-        """engine/v4_attention.py on its widest layer: the sliding window's rows plus every closed entry
+        """engine/v4/attention.py on its widest layer: the sliding window's rows plus every closed entry
         (an HCA layer attends to all T / m' of them; a CSA layer masks all T / m). D head_dim, g o_groups,
         K = C + n - 1 + E keys per query."""
         args, v4, c, h = self.args, self.v4, chunk, self.args.n_heads
@@ -417,7 +417,7 @@ class V4Family:
         return d * c * per_position + scores
 
     def indexer_bytes(self, d: int, chunk: int, context: int) -> int:
-        """The CSA lightning indexer (engine/v4_attention.py Indexer), query-blocked like DSA's."""
+        """The CSA lightning indexer (engine/v4/attention.py Indexer), query-blocked like DSA's."""
         v4, c = self.v4, chunk
         if not any(v4.is_csa(i) for i in range(self.args.n_layers)):
             return 0

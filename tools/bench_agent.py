@@ -28,7 +28,7 @@ from colibri_stream.planning.budget import StoreOptions
 from colibri_stream.runtime.turn import RuntimeOptions, load_runtime
 from colibri_stream.serve.app import Server
 from colibri_stream.serve.in_process import start_server
-from storage.prefix_store import PrefixConfig
+from storage.kv.prefix_store import PrefixConfig
 
 MODEL_ID = "bench-agent"
 

@@ -4,7 +4,7 @@ python tools/bench_attend.py [--heads 16 128] [--totals 256 2048 8192] [--rounds
 
 The cache is DeepSeek's shape (latent 512, rope 64, nope 128, value 128; int8 wkv_b in groups of 64);
 each row times ``decode_ops.attend_one`` (what a decode step of the int8 path runs per layer) and the
-exact path's five batched matmuls and softmax (engine/attention.py ``_absorbed_one``) on the same
+exact path's five batched matmuls and softmax (engine/mla/attention.py ``_absorbed_one``) on the same
 inputs, both on torch's thread count, best of ``--rounds``, in one run: the ratio is side by side.
 """
 
@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine import decode_ops
+from engine.kernels import decode_ops
 
 NOPE, ROPE, VALUE, RANK, GROUP = 128, 64, 128, 512, 64
 
@@ -36,7 +36,7 @@ def best_seconds(call: Callable[[], object], rounds: int, work: int) -> float:
 
 
 def torch_attend(q_nope, q_rope, latents, rope_keys, w_k, w_v, scale):
-    """engine/attention.py's _absorbed_one without a selection: [H, n] ... -> [H, v]"""
+    """engine/mla/attention.py's _absorbed_one without a selection: [H, n] ... -> [H, v]"""
     heads = q_nope.shape[0]
     q_latent = torch.bmm(q_nope.unsqueeze(1), w_k)  # [H, 1, c]
     scores = torch.bmm(q_latent.view(1, heads, RANK), latents.T[None]) + torch.bmm(q_rope[None], rope_keys.T[None])

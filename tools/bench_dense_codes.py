@@ -17,9 +17,9 @@ from pathlib import Path
 from colibri_stream.convert.converter import Converter, ConvertOptions
 from colibri_stream.runtime.generate import generate
 from colibri_stream.runtime.loader import LoadedModel, load_container
-from engine.int8_dense import CodedLinear
-from storage.container import Container
-from storage.tiered import StoreConfig
+from engine.kernels.int8_dense import CodedLinear
+from storage.container.reader import Container
+from storage.tiers.tiered import StoreConfig
 
 FORMATS = ("int8", "int4")
 

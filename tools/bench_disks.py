@@ -6,7 +6,7 @@ whole, spread over both, and whole plus a mirrored hot set. Run as root.
 
 What it measures (the table at the end; --json FILE keeps every number):
   raw      random expert-record reads through the store's own read path (ExpertReader + ReadQueue for a
-           whole container, storage.spread_reads for a spread one), ``--raw-reads`` records, O_DIRECT,
+           whole container, storage.tiers.spread_reads for a spread one), ``--raw-reads`` records, O_DIRECT,
            ``--threads`` readers per device: MB/s
   decode   decode tok/s of the same prompt at ``--ram`` and at 100% (every layout must give the same
            tokens), and the bytes each device read per decoded token
@@ -79,10 +79,10 @@ def throttled_devices(workdir: Path, size: int, rates: tuple[int, int], keep: bo
 # ------------------------------------------------------------------------------------------- runs
 def raw_reads(path: Path, n: int, threads: int, seed: int = 0) -> dict[str, Any]:
     """``n`` random records read at once through the store's read path; MB/s over the wall time."""
-    from storage.buffers import aligned_empty
-    from storage.container import Container, ExpertReader
-    from storage.read_queue import ReadQueue
-    from storage.spread_reads import SpreadReads
+    from storage.container.reader import Container, ExpertReader
+    from storage.files.buffers import aligned_empty
+    from storage.tiers.read_queue import ReadQueue
+    from storage.tiers.spread_reads import SpreadReads
 
     container = Container(path)
     rng = random.Random(seed)
@@ -115,8 +115,8 @@ def decode(path: Path, ram: str, tokens: int, threads: int, history: Path | None
     from colibri_stream.planning.budget import parse_size
     from colibri_stream.runtime.generate import generate
     from colibri_stream.runtime.loader import load_container
-    from storage.container import Container
-    from storage.tiered import StoreConfig
+    from storage.container.reader import Container
+    from storage.tiers.tiered import StoreConfig
 
     container = Container(path)
     ram_bytes = parse_size(ram, container.expert_bytes, "--ram")
@@ -164,8 +164,8 @@ def decode(path: Path, ram: str, tokens: int, threads: int, history: Path | None
 
 def parts_bytes(path: Path) -> tuple[int, list[float]]:
     """Expert bytes stored over every device (mirror copies count twice), and the parts' weights."""
-    from storage.container import Container
-    from storage.spread import current_parts
+    from storage.container.reader import Container
+    from storage.container.spread import current_parts
 
     container = Container(path)
     parts = current_parts(container)

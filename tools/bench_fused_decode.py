@@ -1,4 +1,4 @@
-"""Decode with every layer in one C call vs the module path (engine/fused_decode.py), int8 activations,
+"""Decode with every layer in one C call vs the module path (engine/mla/fused_decode.py), int8 activations,
 experts preloaded (100% RAM), loaded as `run` loads it (the machine's read-ahead choice included), one
 model in one process, alternating rounds so machine noise hits both alike.
 
@@ -25,7 +25,7 @@ import torch
 from colibri_stream.planning.budget import StoreOptions
 from colibri_stream.runtime.generate import generate
 from colibri_stream.runtime.loader import LoadedModel, load
-from engine.fused_decode import module_path
+from engine.mla.fused_decode import module_path
 
 PROMPT = [1, 17, 42, 7, 99, 5, 3, 250]
 PATHS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {

@@ -8,7 +8,7 @@ CONTAINER: one converted with `--dense int8` or `--dense int4` (e.g. from `tools
 Per thread count it prints the kernel alone (dense: every interleaved matrix of the model once per sweep,
 one row of x, GB/s of codes and scales) and decode tok/s (the median round), and whether the greedy ids
 agree (they must: the same products in the same order). ``--part experts``: both models' dense codes
-interleaved, the experts row-major in one (engine/interleaved_expert.py).
+interleaved, the experts row-major in one (engine/kernels/interleaved_expert.py).
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ import torch
 
 import colibri_stream.experts.codec as codec
 import colibri_stream.runtime.loader as loader
-import engine.int8_dense as int8_dense
+import engine.kernels.int8_dense as int8_dense
 from colibri_stream.runtime.generate import generate
 from colibri_stream.runtime.loader import LoadedModel, load_container
-from engine.int8_dense import CodedLinear
-from engine.q8 import deinterleave, q8_matmul
-from engine.quant import KERNEL_SCALES
-from storage.layout import ExpertRecordLayout
+from engine.kernels.int8_dense import CodedLinear
+from engine.kernels.q8 import deinterleave, q8_matmul
+from engine.kernels.quant import KERNEL_SCALES
+from storage.container.layout import ExpertRecordLayout
 
 LAYOUTS = ("row-major", "interleaved")
 

@@ -18,8 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 import aiofiles
 
 from colibri_stream.bench.system import drop_page_cache
-from storage.buffers import aligned_empty
-from storage.container import Container, ExpertReader
+from storage.container.reader import Container, ExpertReader
+from storage.files.buffers import aligned_empty
 
 
 def timed(fn) -> float:

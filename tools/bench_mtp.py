@@ -4,7 +4,7 @@
     python tools/bench_mtp.py --work /tmp/mtp-bench [--tokens 256] [--depth 2] [--int8] [--json out.json]
 
 --int8: the int8 path (a `--dense int8` container run with `--activations int8`), where a resident step is
-one C call and the MTP block's drafts are too (engine/fused_decode.py); without it the default exact path.
+one C call and the MTP block's drafts are too (engine/mla/fused_decode.py); without it the default exact path.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 from colibri_stream.bench.mtp_rows import mtp_section, mtp_table
 from colibri_stream.bench.system import convert
 from colibri_stream.checkpoint.demo_model import DEMO_PROMPT, demo_container_path, demo_model_dir
-from storage.container import Container
+from storage.container.reader import Container
 
 GiB = 1 << 30
 

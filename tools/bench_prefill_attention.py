@@ -1,4 +1,4 @@
-"""One MLA layer's prefill attention, whole-cache against key-blocked (engine/prefill_attention.py): time
+"""One MLA layer's prefill attention, whole-cache against key-blocked (engine/mla/prefill.py): time
 and peak memory of S new positions against T cached, with the planner's estimate beside the peak.
 
     python tools/bench_prefill_attention.py                       # demo, stress and DeepSeek-V3 geometries
@@ -8,7 +8,7 @@ Each measurement runs in a fresh process (spawn): random weights and cache, one 
 the best of --reps forwards; the peak is the rise of the process's maximum RSS over one forward made
 before any other (torch's large temporaries come from mmaps that go back when freed). "whole" forces the
 whole-cache path (a key block longer than any cache), "blocked" is what MLA picks. The peak also holds
-the cache's growth (engine/cache.py doubles its buffers: the new latents and rope keys while the old are
+the cache's growth (engine/core/cache.py doubles its buffers: the new latents and rope keys while the old are
 copied), which the planner counts as KV, not here.
 """
 
@@ -26,7 +26,7 @@ import torch
 
 from colibri_stream.bench.stress_model import StressShape, config_for
 from colibri_stream.runtime.memory import return_large_frees_to_the_os
-from engine.args import ModelArgs
+from engine.config.args import ModelArgs
 from engine.families import family_of
 
 DEMO = Path(__file__).resolve().parents[1] / "colibri_stream" / "demo_model" / "config.json"
@@ -52,10 +52,10 @@ def model_config(name: str) -> dict[str, Any]:
 def measure(name: str, seqlen: int, total: int, path: str, reps: int, dtype: str) -> tuple[float, float, int]:
     """(best seconds, best CPU seconds of the process, peak bytes) of one layer's attention, in this process.
     CPU time is the steadier figure on a shared machine (other processes stretch wall time, not it)."""
-    import engine.prefill_attention as prefill_attention
-    from engine.attention import MLA
-    from engine.cache import KVCache
-    from engine.rope import rope_tables
+    import engine.mla.prefill as prefill_attention
+    from engine.core.cache import KVCache
+    from engine.core.rope import rope_tables
+    from engine.mla.attention import MLA
 
     return_large_frees_to_the_os()
     if path == "whole":

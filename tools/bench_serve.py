@@ -27,7 +27,7 @@ from colibri_stream.checkpoint.demo_model import demo_model_dir
 from colibri_stream.convert.converter import Converter, ConvertOptions
 from colibri_stream.devtools.fixtures import write_tiny_tokenizer
 from colibri_stream.planning.geometry import DEFAULT_DENSE
-from storage.container import is_container
+from storage.container.reader import is_container
 
 
 def container_for(

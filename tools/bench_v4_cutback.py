@@ -1,4 +1,4 @@
-"""What an edited DeepSeek-V4 conversation costs with the lean session log (storage/kvsnap.py): the turn
+"""What an edited DeepSeek-V4 conversation costs with the lean session log (storage/kv/snap.py): the turn
 restores the last snapshot at or before the edit and re-prefills the rest. Measured on the tiny V4
 fixture (or a checkpoint given with --checkpoint), estimated for V4-Flash from its snapshot interval.
 
@@ -24,7 +24,7 @@ from colibri_stream.planning.kv_bytes import cache_bytes_per_token, session_geom
 from colibri_stream.runtime.generate import generate
 from colibri_stream.runtime.loader import load_checkpoint
 from colibri_stream.runtime.sessions import Session
-from engine.args import ModelArgs
+from engine.config.args import ModelArgs
 
 # DeepSeek-V4-Flash's dims (tests/test_cli/test_v4_sessions.py FLASH holds the whole config).
 FLASH_CONFIG = Path(__file__).resolve().parents[1] / "tests" / "test_cli" / "test_v4_sessions.py"

@@ -233,7 +233,7 @@ def by_hand(container: str, flags: list[str], worker_flags: list[list[str]], kv_
 
 def shares(args: argparse.Namespace) -> dict:
     from colibri_stream.planning.budget import parse_size
-    from storage.container import Container
+    from storage.container.reader import Container
 
     read_bps = parse_size(args.slow_read, 0, "--slow-read")
     n_experts = Container(args.container).n_experts

@@ -23,8 +23,8 @@ from colibri_stream.bench.stress_model import StressShape, write_stress_checkpoi
 from colibri_stream.convert.converter import Converter, ConvertOptions
 from colibri_stream.runtime.generate import generate
 from colibri_stream.runtime.loader import load_container
-from storage.container import Container
-from storage.tiered import StoreConfig
+from storage.container.reader import Container
+from storage.tiers.tiered import StoreConfig
 
 
 def decode(container: Path, vram_slots: int, prompt: list[int], tokens: int) -> dict:

@@ -34,7 +34,7 @@ from colibri_stream.runtime.loader import load
 from colibri_stream.runtime.mtp_governor import MTPOptions
 from colibri_stream.runtime.speculation import Speculation
 from colibri_stream.text.chat_format import load_tokenizer
-from engine import _kernels
+from engine.kernels import _kernels
 
 GOAL = 1.3
 

@@ -5,7 +5,7 @@
 Variants: our int4 at group 64 (the default) and 32; the experts quantised by compressed-tensors'
 own compressor (pack-quantized int4 g32, as Kimi-K2-Thinking ships; MXFP4) and copied into records as
 shipped. Dense weights bf16 (convert's default), except the int8 / int4 rows: dense int8 or int4 records
-(`convert --dense`) and/or int8 activations (engine/q8.py); the float row runs the checkpoint directory
+(`convert --dense`) and/or int8 activations (engine/kernels/q8.py); the float row runs the checkpoint directory
 itself in float32. Same 64 windows x 256 held-out tokens as colibri_stream/demo_model/README.md.
 """
 
@@ -19,7 +19,7 @@ from colibri_stream.convert.converter import Converter, ConvertOptions
 from colibri_stream.devtools.quantized_fixtures import build_quantized_checkpoint
 from colibri_stream.devtools.train_demo import engine_perplexity, heldout_windows
 from colibri_stream.runtime.loader import load_checkpoint, load_container
-from storage.container import Container
+from storage.container.reader import Container
 
 DEMO = demo_model_dir()
 

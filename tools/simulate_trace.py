@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from storage.simulate import compare_policies, read_trace
+from storage.tiers.simulate import compare_policies, read_trace
 
 
 def main() -> None:

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from storage.policy import POLICY_NAMES
-from storage.simulate import compare_policies, read_acquires, read_trace
+from storage.tiers.policy import POLICY_NAMES
+from storage.tiers.simulate import compare_policies, read_acquires, read_trace
 
 
 def capacity_sweep(n_experts: int, total_records: int, points: int) -> list[int]:

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from colibri_stream.bench.system import MemoryLimit, ProcessRun, cli_argv, drop_page_cache
-from storage.policy import DEFAULT_POLICY
+from storage.tiers.policy import DEFAULT_POLICY
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 - h2d: pinned host -> VRAM copy GB/s of expert records (what promotes a RAM hit into VRAM);
 - gpu_ffn: GB/s of int4 expert bytes through the FFN on the GPU (dequantise + float32 matmul, one row);
 - overlap: copy-then-compute of a working set of experts with the copies on the compute stream vs on
-  the store's side stream (storage.device_copy.DeviceCopies); ``ratios.side_stream_speedup`` > 1 means
+  the store's side stream (storage.tiers.device_copy.DeviceCopies); ``ratios.side_stream_speedup`` > 1 means
   the copies hide behind compute.
 """
 
@@ -15,8 +15,8 @@ from dataclasses import replace
 import torch
 
 from colibri_stream.bench.kernels import expert_bytes, make_experts
-from engine.quant import QuantizedExpert
-from storage.device_copy import DeviceCopies
+from engine.kernels.quant import QuantizedExpert
+from storage.tiers.device_copy import DeviceCopies
 
 
 def _best_cuda_seconds(fn: Callable[[], None], repeats: int) -> float:

@@ -18,9 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from colibri_stream.bench.system import drop_page_cache
-from storage.buffers import aligned_empty
-from storage.container import Container
-from storage.tiered import StoreConfig, TieredExpertStore
+from storage.container.reader import Container
+from storage.files.buffers import aligned_empty
+from storage.tiers.tiered import StoreConfig, TieredExpertStore
 
 BLOCK = 8 << 20
 HUGE_PAGE = 2 << 20

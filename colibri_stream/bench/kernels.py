@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.quant import (
+from engine.kernels.quant import (
     E8M0,
     QuantizedExpert,
     QuantizedMatrix,

@@ -15,7 +15,7 @@ from colibri_stream.bench.report_peers import (
     plot_llama_cpp,
 )
 from colibri_stream.bench.report_peers import table as _table
-from storage.policy import DEFAULT_POLICY, POLICY_NAMES
+from storage.tiers.policy import DEFAULT_POLICY, POLICY_NAMES
 
 GOALS = {  # ratio -> (goal text, test)
     "vs_accelerate": (">= 30x", lambda v: v >= 30),

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from colibri_stream.bench.llama_cpp import MATCHED_CONTAINERS
-from storage.policy import DEFAULT_POLICY
+from storage.tiers.policy import DEFAULT_POLICY
 
 MB = 1e6
 

@@ -61,12 +61,12 @@ from colibri_stream.checkpoint.demo_model import DEMO_PROMPT, demo_container_pat
 from colibri_stream.planning.geometry import geometry_from_container
 from colibri_stream.planning.placement import plan
 from colibri_stream.runtime.loader import kv_b_codes_kept
-from engine.bf16 import KEEP_FLOAT32
-from storage.container import Container, DenseEntry
+from engine.kernels.bf16 import KEEP_FLOAT32
+from storage.container.layout import stored_shape
+from storage.container.reader import Container, DenseEntry
 from storage.errors import DiskFullError, free_bytes
-from storage.layout import stored_shape
-from storage.policy import DEFAULT_POLICY, POLICY_NAMES
-from storage.tiered import StoreConfig, minimum_slots, total_records
+from storage.tiers.policy import DEFAULT_POLICY, POLICY_NAMES
+from storage.tiers.tiered import StoreConfig, minimum_slots, total_records
 
 GiB = 1 << 30
 RATIO_BUDGET = 25  # the budget (% of int4 expert bytes) at which the headline ratios (and sessions) are taken
@@ -484,7 +484,7 @@ def check_work_space(work: Path, needed: int) -> None:
 
 def coded_dense_bytes_per_token(dense: Mapping[str, DenseEntry]) -> int:
     """Dense bytes a token reads with int8 activations, of a container's ``dense`` entries: int8 and int4
-    records as stored (codes + float16 scales), except those kept float32 (engine.bf16.KEEP_FLOAT32,
+    records as stored (codes + float16 scales), except those kept float32 (engine.kernels.bf16.KEEP_FLOAT32,
     dequantised at load); but an int8 wkv_b is read as the records MLA.hold_kv_b_int8 keeps for decode
     (codes + float32 scales); other arrays as stored; the embedding one row (float32, dequantised)."""
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}

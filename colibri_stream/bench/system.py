@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 
 from colibri_stream.errors import ColibriError
-from engine.isa import kernel_isa
+from engine.kernels.isa import kernel_isa
 
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 ASSERTION = re.compile(r"assert", re.IGNORECASE)  # an abort's own message (llama.cpp: GGML_ASSERT(...) failed)

@@ -1,7 +1,7 @@
 """The one table of dtypes by name, and bfloat16's bits as numpy (which has no bfloat16).
 
 Names are the tags stored in containers and KV logs ("float32", "bfloat16", ...); byte sizes come from
-storage's table (storage.layout.DTYPES), so a name means the same bytes everywhere.
+storage's table (storage.container.layout.DTYPES), so a name means the same bytes everywhere.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from storage.layout import DTYPES as STORED_DTYPES
+from storage.container.layout import DTYPES as STORED_DTYPES
 
 # What a model computes in (--dtype); float32 is the token-exact path.
 COMPUTE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -35,7 +35,7 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
-    "e8m0": torch.uint8,  # power-of-two scale exponents (engine.quant.scale_values)
+    "e8m0": torch.uint8,  # power-of-two scale exponents (engine.kernels.quant.scale_values)
 }
 
 

@@ -20,7 +20,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from colibri_stream.errors import CheckpointError
-from engine.config_checks import brief
+from engine.config.checks import brief
 
 INDEX_FILE = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit

@@ -9,7 +9,7 @@ The weights are covered, not just their shapes: DeepSeek-V3 and R1 share every s
 and a session of one continued by the other would resume silently into wrong tokens. Both kinds of
 model say what their weights are without reading them whole:
 - a container stores a content hash made at convert time from the checksum of every stored byte
-  (``storage.container_write.content_sha256``);
+  (``storage.container.write.content_sha256``);
 - an HF directory is hashed from each shard's safetensors header, the first, middle and last
   ``SPAN_BYTES`` of every tensor's data (a tensor of up to three spans is read whole), and one span
   every ``GRID_STRIDE`` bytes of the shard: bounded reads (about 1/1000 of the weights plus three pages
@@ -34,10 +34,10 @@ from pathlib import Path
 from typing import Any
 
 from colibri_stream.paths import user_cache_dir
-from storage.atomic import atomic_write_json
-from storage.container import Container, is_container
-from storage.container_write import CONTENT_KEY, content_sha256
-from storage.safe_read import open_regular, read_bounded
+from storage.container.reader import Container, is_container
+from storage.container.write import CONTENT_KEY, content_sha256
+from storage.files.atomic import atomic_write_json
+from storage.files.safe_read import open_regular, read_bounded
 
 SPAN_BYTES = 4096  # a page: reading one costs what reading 64 bytes of it would
 GRID_STRIDE = 4 << 20  # one span per this many bytes of a shard, whatever the tensors

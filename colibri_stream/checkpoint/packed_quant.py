@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from colibri_stream.errors import CheckpointError
-from engine.config_checks import brief
+from engine.config.checks import brief
 
 METHOD = "compressed-tensors"
 PACK = "pack-quantized"
@@ -47,7 +47,7 @@ class PackedFormat:
 
     @property
     def code(self) -> str:
-        """engine.quant's element code."""
+        """engine.kernels.quant's element code."""
         return "int4" if self.format == PACK else "fp4"
 
     def passthrough(self, scale_dtype: str = "BF16") -> str | None:

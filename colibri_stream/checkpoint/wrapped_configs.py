@@ -3,7 +3,7 @@
 Kimi-K2.5 ships ``model_type: kimi_k25`` with the DeepSeek-V3 text model's fields under ``text_config``
 (model_type deepseek_v3 or kimi_k2), a ``vision_config`` and, at the top level, the checkpoint-wide
 ``quantization_config`` and ``tie_word_embeddings`` (transformers' Kimi_K25ForConditionalGeneration
-ties by the top-level flag). This runtime runs the text model; engine/weights.py matches its
+ties by the top-level flag). This runtime runs the text model; engine/config/weights.py matches its
 prefixed tensor names and sorts the vision tower's tensors as skipped.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from colibri_stream.errors import CheckpointError
-from engine.config_checks import brief
+from engine.config.checks import brief
 
 # wrapper model_type -> the key holding the text model's config
 WRAPPERS = {"kimi_k25": "text_config"}

@@ -15,7 +15,7 @@ import torch
 from colibri_stream.bench.kernels import measure
 from colibri_stream.cli.help import help_options
 from colibri_stream.paths import user_cache_dir
-from storage.safe_read import check_output_dir
+from storage.files.safe_read import check_output_dir
 
 BENCH_EPILOG = """\
 examples:

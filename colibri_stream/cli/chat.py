@@ -28,7 +28,7 @@ from colibri_stream.runtime.sessions import SESSION_SUFFIX, TRANSCRIPT_SUFFIX, c
 from colibri_stream.runtime.transcript import load_transcript, remove_transcript
 from colibri_stream.runtime.turn import Runtime, TurnOptions, TurnResult, load_runtime, run_turn
 from colibri_stream.text.chat_format import IncrementalDecoder
-from storage.atomic import atomic_write_json
+from storage.files.atomic import atomic_write_json
 
 EPILOG = """\
 examples:

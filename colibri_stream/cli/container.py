@@ -21,7 +21,7 @@ from colibri_stream.convert.pull_space import (
     tree_bytes,
 )
 from colibri_stream.planning.geometry import container_problems, model_geometry
-from storage.safe_read import check_output_dir
+from storage.files.safe_read import check_output_dir
 
 CONVERT_EPILOG = """\
 examples:

@@ -1,7 +1,7 @@
 """`colibri-stream container spread|gather|mirror|parts`: one container over several disks.
 
-The work is storage's (storage/spread.py, storage/mirror.py, storage/parts.py); this module turns flags
-into a layout, measures the devices' weights when none are given (storage/device_probe.py), and prints.
+The work is storage's (storage/container/reader/: spread.py, mirror.py, parts.py); this module turns flags
+into a layout, measures the devices' weights when none are given (storage/container/probe.py), and prints.
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from typing import Any
 
 from colibri_stream.checkpoint.fingerprint import container_fingerprint
 from colibri_stream.cli.help import help_options
-from storage.container import Container
-from storage.device_probe import probe_directory
+from storage.container.mirror import MARGIN, MirrorPlan, copy_problems, mirror_layout, plan_mirror
+from storage.container.parts import HOME, PartError, Parts
+from storage.container.probe import probe_directory
+from storage.container.reader import Container
+from storage.container.spread import Layout, apply_layout, current_parts, describe, gather_layout, spread_layout
 from storage.errors import StorageError
-from storage.history import UsageHistory
-from storage.mirror import MARGIN, MirrorPlan, copy_problems, mirror_layout, plan_mirror
-from storage.parts import HOME, PartError, Parts
-from storage.spread import Layout, apply_layout, current_parts, describe, gather_layout, spread_layout
+from storage.tiers.history import UsageHistory
 
 EPILOG = """\
 examples:

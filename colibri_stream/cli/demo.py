@@ -21,7 +21,7 @@ from colibri_stream.cli.options import add_store_arguments, store_options
 from colibri_stream.convert.converter import Converter, ConvertOptions
 from colibri_stream.errors import ColibriError
 from colibri_stream.runtime.turn import RuntimeOptions, TurnOptions, load_runtime, run_turn
-from storage.container import is_container
+from storage.container.reader import is_container
 
 DEMO_SESSION = "demo"
 DEFAULT_RAM = "40%"  # of the routed experts' bytes: less than the model, so experts stream

@@ -20,9 +20,9 @@ from colibri_stream.cli.help import help_options
 from colibri_stream.cli.options import add_dtype_argument, add_store_arguments, store_options
 from colibri_stream.planning.budget import StoreOptions
 from colibri_stream.planning.machine_memory import memory_here
-from engine.isa import kernel_isa
-from storage.buffers import PAGE
-from storage.container import o_direct_refusal
+from engine.kernels.isa import kernel_isa
+from storage.container.reader import o_direct_refusal
+from storage.files.buffers import PAGE
 
 EPILOG = """\
 examples:
@@ -131,8 +131,8 @@ def plan_check(path: Path, store: StoreOptions, dtype: str) -> Check:
 
 
 def container_checks(path: Path, full: bool) -> Iterator[Check]:
-    from storage.container import Container
-    from storage.verify import verify_container
+    from storage.container.reader import Container
+    from storage.container.verify import verify_container
 
     container = Container(path)
     if full:
@@ -149,7 +149,7 @@ def container_checks(path: Path, full: bool) -> Iterator[Check]:
 def checkpoint_checks(path: Path) -> Iterator[Check]:
     from colibri_stream.checkpoint.files import shard_files
     from colibri_stream.runtime.loader import read_config
-    from engine.args import ModelArgs
+    from engine.config.args import ModelArgs
 
     model_args = ModelArgs.from_hf_config(read_config(path))
     size = sum(f.stat().st_size for f in shard_files(path))
@@ -164,7 +164,7 @@ def model_checks(path: Path, full: bool, store: StoreOptions, dtype: str) -> Ite
     from colibri_stream.checkpoint.fingerprint import model_fingerprint
     from colibri_stream.runtime.sessions import default_kv_dir
     from colibri_stream.text.chat_format import load_chat_format
-    from storage.container import is_container
+    from storage.container.reader import is_container
 
     if not path.exists():
         yield Check(FAIL, "model", f"{path}: not a directory or a config.json")

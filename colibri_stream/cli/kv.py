@@ -24,8 +24,8 @@ from colibri_stream.runtime.sessions import (
     session_path,
 )
 from colibri_stream.runtime.transcript import remove_transcript
-from engine.args import ModelArgs
-from storage.kvlog import remove_log
+from engine.config.args import ModelArgs
+from storage.kv.log import remove_log
 
 KV_EPILOG = """\
 examples:

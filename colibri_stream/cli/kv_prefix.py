@@ -14,11 +14,11 @@ from colibri_stream.runtime.kv_packs import export_pack, import_pack, template_d
 from colibri_stream.runtime.prefix_cache import PREFIX_DIR, PrefixCache
 from colibri_stream.runtime.sessions import default_kv_dir, session_state
 from colibri_stream.text.chat_format import PromptEncoder, load_chat_format, load_tokenizer
-from engine.args import ModelArgs
-from storage.kv_pack import PACK_SUFFIX
-from storage.kvlog import RECORD_DTYPES
-from storage.prefix_blocks import describe_blocks
-from storage.prefix_store import PrefixConfig, PrefixStore
+from engine.config.args import ModelArgs
+from storage.kv.log import RECORD_DTYPES
+from storage.kv.pack import PACK_SUFFIX
+from storage.kv.prefix_blocks import describe_blocks
+from storage.kv.prefix_store import PrefixConfig, PrefixStore
 
 ACTIONS = {
     "prefix": "show the shared prefix cache: blocks, tokens and bytes per state",

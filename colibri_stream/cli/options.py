@@ -25,9 +25,9 @@ from colibri_stream.runtime.generate import SamplingParams
 from colibri_stream.runtime.mtp_governor import MODES, MTPOptions
 from colibri_stream.runtime.session_lock import SessionWait
 from colibri_stream.runtime.turn import RuntimeOptions
-from storage.kvlog import RECORD_DTYPES
-from storage.policy import POLICY_NAMES
-from storage.tiered import MAX_IO_THREADS
+from storage.kv.log import RECORD_DTYPES
+from storage.tiers.policy import POLICY_NAMES
+from storage.tiers.tiered import MAX_IO_THREADS
 
 
 def parse_ids(text: str) -> list[int]:
@@ -63,7 +63,7 @@ def positive_int(text: str) -> int:
 
 
 def io_threads(text: str) -> int:
-    """--io-threads: 1 .. MAX_IO_THREADS (storage.tiered, where the bound is stated)."""
+    """--io-threads: 1 .. MAX_IO_THREADS (storage.tiers.tiered, where the bound is stated)."""
     value = positive_int(text)
     if value > MAX_IO_THREADS:
         raise argparse.ArgumentTypeError(f"expected at most {MAX_IO_THREADS} disk reader threads, got {text!r}")

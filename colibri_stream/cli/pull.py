@@ -15,7 +15,7 @@ from colibri_stream.cli.plan import PLAN_RAM
 from colibri_stream.convert.converter import ConvertOptions
 from colibri_stream.convert.pull import Pull, PullOptions
 from colibri_stream.convert.pull_space import SKIP_FLAG
-from storage.safe_read import check_output_dir
+from storage.files.safe_read import check_output_dir
 
 EXIT_INTERRUPTED = 130
 

@@ -23,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 from colibri_stream.checkpoint.files import TensorInfo, short_name
 from colibri_stream.checkpoint.packed_quant import MXFP4, PACK, PACKED, SCALE, SHAPE, PackedFormat
 from colibri_stream.errors import CheckpointError
-from engine.quant import QuantizedMatrix, n_groups, packed_width
+from engine.kernels.quant import QuantizedMatrix, n_groups, packed_width
 
 SUFFIXES = (PACKED, SCALE, SHAPE)
 

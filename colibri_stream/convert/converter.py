@@ -30,14 +30,14 @@ from colibri_stream.errors import CheckpointError
 from colibri_stream.experts.codec import record_from_expert, record_from_quantized
 from colibri_stream.planning.geometry import ContainerTarget
 from colibri_stream.runtime.loader import check_dense_names
-from engine.args import ModelArgs
-from engine.quant import quantize
-from engine.weights import sort_names
-from storage.atomic import atomic_write_json
-from storage.container import Container, read_json
-from storage.container_write import ContainerWriter
+from engine.config.args import ModelArgs
+from engine.config.weights import sort_names
+from engine.kernels.quant import quantize
+from storage.container.layout import ExpertRecordLayout
+from storage.container.reader import Container, read_json
+from storage.container.write import ContainerWriter
 from storage.errors import IncompatibleStateError, StorageError, write_errors
-from storage.layout import ExpertRecordLayout
+from storage.files.atomic import atomic_write_json
 
 JOURNAL = "convert-journal.json"
 # Fault injection for the kill/resume tests: SIGKILL this process midway through unit N+1.

@@ -37,10 +37,10 @@ from colibri_stream.convert.v4_native import renamed_table
 from colibri_stream.errors import CheckpointError
 from colibri_stream.planning.geometry import dequantised_config
 from colibri_stream.runtime.loader import check_tensors, read_config, tensor_table
-from engine.args import ModelArgs
-from engine.config_checks import brief
-from engine.quant import QuantizedMatrix, dequantize_torch, scale_values
-from engine.weights import sort_names
+from engine.config.args import ModelArgs
+from engine.config.checks import brief
+from engine.config.weights import sort_names
+from engine.kernels.quant import QuantizedMatrix, dequantize_torch, scale_values
 
 COPIED_FILES = (
     "config.json",

@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from colibri_stream.convert.converter import Converter, ConvertOptions
 from colibri_stream.convert.pull_source import HubSource, Item, items
 from colibri_stream.convert.pull_state import PullJournal, save, state_dir
-from storage.container_write import ContainerWriter
+from storage.container.write import ContainerWriter
 from storage.errors import write_errors
 
 

@@ -19,9 +19,9 @@ import numpy as np
 
 from colibri_stream.errors import ColibriError
 from colibri_stream.planning.geometry import ModelGeometry
-from storage.container import Container, is_container
+from storage.container.layout import DENSE_ARRAY_DTYPES, QUANTISED_DENSE, stored_shape
+from storage.container.reader import Container, is_container
 from storage.errors import StorageError, free_bytes
-from storage.layout import DENSE_ARRAY_DTYPES, QUANTISED_DENSE, stored_shape
 
 METADATA_MARGIN = 0.005  # zarr.json files and partly filled blocks: measured 0.1-0.3% on DeepSeek-V3's layout
 BLOCK = 4096

@@ -5,7 +5,7 @@ a network error or a full disk.
 pull leaves exactly the files `convert` writes. The journal pins the repo, the commit and the options (the
 shard headers, fetched once by Range requests, sit beside it), and lists the shards converted so far with every
 result the container's attributes need (dense entries, per-record crc32c, which expert arrays exist).
-It is replaced atomically (storage/atomic.py) after each shard's writes and before that shard is
+It is replaced atomically (storage/files/atomic.py) after each shard's writes and before that shard is
 deleted, so at any instant either the shard is still on disk or its results are in the journal.
 
 The carry: tensors a converted shard held for records it could not finish (an expert whose up_proj is in
@@ -20,9 +20,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from storage.atomic import atomic_write_json
-from storage.container import read_json
+from storage.container.reader import read_json
 from storage.errors import IncompatibleStateError
+from storage.files.atomic import atomic_write_json
 
 STATE_DIR = ".pull"
 JOURNAL = "journal.json"

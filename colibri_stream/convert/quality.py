@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.quant import quantized_matrix
+from engine.kernels.quant import quantized_matrix
 
 
 def relative_error(w: torch.Tensor, bits: int, group_size: int) -> float:

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from colibri_stream.planning.activations import PREFILL_CHUNK_TOKENS
-from engine.experts import Experts
-from engine.interfaces import Cache, Model
+from engine.core.interfaces import Cache, Model
+from engine.core.sources import Experts
 
 
 def prefill(

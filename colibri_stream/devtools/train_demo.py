@@ -264,7 +264,7 @@ def expert_counts(loaded, windows: Sequence[torch.Tensor]) -> torch.Tensor:
     The hook replays each MoE layer's gate on that layer's input: hooking the gate itself would also
     count the router-guided prefetch guesses, which are not routing decisions. An MTP module's block
     (``mtp.*``) drafts rather than routes the model's tokens, and never runs here: it is not counted."""
-    from engine.moe import MoE
+    from engine.core.moe import MoE
 
     layers = [m for name, m in loaded.model.named_modules() if isinstance(m, MoE) and not name.startswith("mtp.")]
     counts = torch.zeros(len(layers), loaded.args.n_routed_experts, dtype=torch.long)

@@ -1,6 +1,6 @@
 """Train the demo model's multi-token-prediction (MTP) layer, the main model frozen.
 
-DeepSeek-V3 report §2.2, as engine/mtp.py runs it: at position i, with h_i the main model's hidden state
+DeepSeek-V3 report §2.2, as engine/mla/mtp.py runs it: at position i, with h_i the main model's hidden state
 before the final norm (the last decoder layer's output) and t_{i+1} the next token,
 
     x = eh_proj([enorm(embed(t_{i+1})) ; hnorm(h_i)]);  x = block_N(x) at RoPE position i, causal over

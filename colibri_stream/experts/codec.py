@@ -7,10 +7,10 @@ import numpy as np
 import torch
 
 from colibri_stream.checkpoint.dtypes import TORCH_DTYPES, bf16_bits
-from engine.experts import Expert, ExpertWeights
-from engine.interleaved_expert import interleave_into, interleaves
-from engine.quant import QuantizedExpert, QuantizedMatrix, quantize
-from storage.layout import ExpertRecordLayout
+from engine.core.sources import Expert, ExpertWeights
+from engine.kernels.interleaved_expert import interleave_into, interleaves
+from engine.kernels.quant import QuantizedExpert, QuantizedMatrix, quantize
+from storage.container.layout import ExpertRecordLayout
 
 MATRICES = ("w1", "w2", "w3")
 
@@ -42,7 +42,7 @@ def settled_expert(
 ) -> Expert:
     """The expert of a record that stays in this memory for the rest of the run, for a model with int8
     activations: its bytes rearranged in place into the q8 kernel's interleaved layout where its matrices
-    allow (engine/interleaved_expert.py; same products, read as one stream per 4 rows), else
+    allow (engine/kernels/interleaved_expert.py; same products, read as one stream per 4 rows), else
     ``expert_from_record``'s views. The memory then no longer holds the container's bytes. ``scratch``:
     uint8 memory of ``layout.record_bytes`` or more to reuse (``Settler``)."""
     expert = expert_from_record(layout, record)

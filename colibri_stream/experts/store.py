@@ -1,6 +1,6 @@
 """The ExpertStore: what the library asks of whoever holds the routed experts.
 
-The engine needs only an expert source (engine/experts.py): a local one (acquire / release /
+The engine needs only an expert source (engine/core/sources.py): a local one (acquire / release /
 prefetch) or a remote one (start_routed_sum). A run also measures and persists (``StoreReports``):
 ``snapshot`` (the counters now, StoreStats), ``report`` (them as the stats schema's expert keys),
 ``routed`` (requests per (layer, expert) since start, RoutingCounts), ``tiers`` (what each tier holds
@@ -17,9 +17,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Protocol, runtime_checkable
 
-from engine.experts import Expert, HeldExperts, LocalExperts, RemoteExperts, ResidentExperts
-from storage.stats import RoutingCounts, StoreStats, TierView
-from storage.trace import TraceWriter
+from engine.core.sources import Expert, HeldExperts, LocalExperts, RemoteExperts, ResidentExperts
+from storage.tiers.stats import RoutingCounts, StoreStats, TierView
+from storage.tiers.trace import TraceWriter
 
 
 class StoreReports(Protocol):
@@ -84,7 +84,7 @@ class ResidentStore(ResidentExperts):
         return chosen
 
     def count_resident(self, used: Mapping[int, Sequence[int]]) -> None:
-        """A step's experts used without acquire (engine/fused_decode.py), counted as ``acquire`` counts them."""
+        """A step's experts used without acquire (engine/mla/fused_decode.py), counted as ``acquire`` counts them."""
         for layer, expert_ids in used.items():
             self._count(layer, expert_ids)
 

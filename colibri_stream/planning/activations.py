@@ -5,13 +5,13 @@ That step is the last prefill chunk of a prompt that fills the context: C = PREF
 positions attending to T cached ones, T the context planned for (--context, else the model's
 max_position_embeddings; budget.planned_context). A decode step is a chunk of one, and the family's
 attention term counts it too. MLA prefill over a cache longer than one key block attends block by block
-(engine/prefill_attention.py), so its term stops growing with heads x T.
+(engine/mla/prefill.py), so its term stops growing with heads x T.
 Shapes below drop the batch dim (B = 1); d is the compute dtype's bytes (4 float32, 2 bfloat16),
 f = 4 (float32: softmax, router scores).
 
 Layers run one after another and free their temporaries, so the peak is the residual stream plus the
 largest of three phases (attention, indexer, FFN), plus the float32 upcast block of a bf16 weight
-when the model holds some (engine/bf16.py). The residual stream, attention and indexer terms are the
+when the model holds some (engine/kernels/bf16.py). The residual stream, attention and indexer terms are the
 model family's (engine/families.py: MLA and DSA, or DeepSeek-V4's); the FFN's are common. Checked
 against a long prompt's measured peak on the demo container (docs/benchmarks.md, "Figures behind the
 code"): the formula comes within a few MiB, and the rest, small allocations the heap keeps, is within
@@ -24,16 +24,16 @@ from collections.abc import Iterable
 
 import torch
 
-from engine.args import ModelArgs
-from engine.bf16 import UPCAST_BLOCK_BYTES
+from engine.config.args import ModelArgs
 from engine.families import family_of
+from engine.kernels.bf16 import UPCAST_BLOCK_BYTES
 
 # Prefill runs the prompt this many positions at a time, appending each chunk to the cache: activation
 # memory then depends on the chunk and the context, never on the prompt's length, and placement counts
 # it (prefill_activation_bytes below). A fixed number, never derived from a budget or from what else is
 # running, so the positions each forward sees (and the tokens) are the same under any budget or batch.
 PREFILL_CHUNK_TOKENS = 256
-# A prompt alone in the batch is read this many chunks at a time, layer by layer (engine/model.py
+# A prompt alone in the batch is read this many chunks at a time, layer by layer (engine/mla/model.py
 # forward_prompt: the same bits, each expert read once per layer per window instead of once per chunk);
 # the window's residual stream and routed sums are held across a layer (prompt_window_bytes).
 PREFILL_WINDOW_CHUNKS = 16
@@ -43,7 +43,7 @@ F64 = 8
 
 
 def ffn_bytes(args: ModelArgs, d: int, chunk: int) -> int:
-    """Dense MLP or MoE (engine/layers.py MLP, engine/moe.py MoE, RoutedSum, engine/quant.py)."""
+    """Dense MLP or MoE (engine/core/layers.py MLP, engine/core/moe.py MoE, RoutedSum, engine/kernels/quant.py)."""
     c = chunk
     dense = 3 * c * args.inter_dim * d  # silu(w1 x) and w3 x [C, inter], their product
     shared = 3 * c * args.n_shared_experts * args.moe_inter_dim * d
@@ -58,7 +58,7 @@ def ffn_bytes(args: ModelArgs, d: int, chunk: int) -> int:
 
 
 def bf16_upcast_bytes(chunk: int, weight_shapes: Iterable[tuple[int, ...]]) -> int:
-    """A float32 model holding bf16 weights (engine/bf16.py Bf16Linear, more than PROMPT_KERNEL_ROWS rows): one
+    """A float32 model holding bf16 weights (engine/kernels/bf16.py Bf16Linear, more than PROMPT_KERNEL_ROWS rows): one
     block of output rows upcast to float32 (at most UPCAST_BLOCK_BYTES) and the per-block outputs
     [C, out] float32 before their cat. 0 when no weight is held in bf16."""
     shapes = list(weight_shapes)

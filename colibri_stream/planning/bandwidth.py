@@ -5,7 +5,7 @@
     disk:   a 256 MiB temporary file written beside the model, then read back with O_DIRECT where the
             filesystem allows (else buffered after fsync + fadvise DONTNEED); bytes / s
     spread: per part directory of a spread container, random record-sized O_DIRECT reads
-            (storage.device_probe), combined by each device's share of the reads
+            (storage.container.probe), combined by each device's share of the reads
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from storage.buffers import aligned_empty
-from storage.container import Container, is_container
-from storage.device_probe import open_for_reads, probe_directory, probe_file
+from storage.container.probe import open_for_reads, probe_directory, probe_file
+from storage.container.reader import Container, is_container
+from storage.files.buffers import aligned_empty
 
 PROBE_BYTES = 256 * 2**20
 CHUNK_BYTES = 8 * 2**20
@@ -108,7 +108,7 @@ class DeviceShare:
 
 def device_shares(path: str | Path) -> list[DeviceShare]:
     """Per part directory of a spread container at ``path``; [] for anything else. Each device's speed
-    is measured with random record-sized O_DIRECT reads (storage.device_probe), once per filesystem."""
+    is measured with random record-sized O_DIRECT reads (storage.container.probe), once per filesystem."""
     path = Path(path)
     if not is_container(path):
         return []

@@ -2,10 +2,10 @@
 `auto`, TOML budget files, and the store options a command's flags give (``StoreOptions``).
 
 A budget file holds these keys and no others (``BUDGET_KEYS``); a key it leaves out keeps ``Budget``'s
-default, and those of the store settings are ``StoreConfig``'s (storage/tiered.py), stated once:
+default, and those of the store settings are ``StoreConfig``'s (storage/tiers/tiered.py), stated once:
 
     [memory]  ram = "8GiB" | "25%" | "auto"    vram = 0 | "12GiB" | "50%"
-    [io]      direct = true | false             threads = N (1..MAX_IO_THREADS, storage.tiered)
+    [io]      direct = true | false             threads = N (1..MAX_IO_THREADS, storage.tiers.tiered)
     [cache]   policy = "frequent" | "lru" | "hybrid" | "pinned"    prefetch = true | false    prefetch_layers = N (>= 1)
               preload = true | false    history = "usage.json"
     [prefix]  ram = "512MiB"    disk = "8GiB"    enabled = true | false   (the shared prefix cache)
@@ -40,12 +40,12 @@ from colibri_stream.errors import BudgetError
 from colibri_stream.planning.geometry import ModelGeometry
 from colibri_stream.planning.machine_memory import memory_here
 from colibri_stream.planning.placement import RUNTIME_BASELINE_BYTES, floor_bytes, plan
-from engine.args import ModelArgs
+from engine.config.args import ModelArgs
 from storage.errors import FormatError
-from storage.policy import POLICY_NAMES
-from storage.prefix_store import PrefixConfig
-from storage.safe_read import decode_utf8, read_bounded
-from storage.tiered import MAX_IO_THREADS, StoreConfig
+from storage.files.safe_read import decode_utf8, read_bounded
+from storage.kv.prefix_store import PrefixConfig
+from storage.tiers.policy import POLICY_NAMES
+from storage.tiers.tiered import MAX_IO_THREADS, StoreConfig
 
 _UNITS = {
     "": 1,

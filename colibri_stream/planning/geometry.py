@@ -4,7 +4,7 @@ from a config.json plus the options a conversion would use (`plan` before the do
 Both paths end in one ``ModelGeometry`` (dense arrays with their stored dtypes, the expert record
 layout, MoE layers x experts, the RAM-slot floor), so `plan` computes a container and a checkpoint
 the same way. Nothing here reads a tensor: the config path takes dense shapes from the meta-device
-model, the record size from storage.layout.
+model, the record size from storage.container.layout.
 """
 
 from __future__ import annotations
@@ -20,15 +20,15 @@ from colibri_stream.checkpoint.files import read_header, read_json_object, shard
 from colibri_stream.checkpoint.packed_quant import PackedFormat, packed_format
 from colibri_stream.checkpoint.wrapped_configs import text_model_config
 from colibri_stream.errors import USER_ERRORS, CheckpointError, ColibriError
-from engine.args import ConfigError, ModelArgs, shipped_mtp_layers
-from engine.config_checks import brief
+from engine.config.args import ConfigError, ModelArgs, shipped_mtp_layers
+from engine.config.checks import brief
+from engine.config.weights import check_complete, sort_names
 from engine.families import meta_transformer
-from engine.weights import check_complete, sort_names
-from storage.container import Container, is_container
+from storage.container.layout import QUANTISED_DENSE, SCHEMES, ExpertRecordLayout, stored_shape
+from storage.container.reader import Container, is_container
+from storage.container.verify import verify_container
 from storage.errors import FormatError
-from storage.layout import QUANTISED_DENSE, SCHEMES, ExpertRecordLayout, stored_shape
-from storage.tiered import minimum_slots
-from storage.verify import verify_container
+from storage.tiers.tiered import minimum_slots
 
 # What `convert` writes unless told otherwise (its ConvertOptions take these defaults).
 AUTO = "auto"  # --experts auto: a quantised source's routed experts as shipped, int4 otherwise
@@ -41,7 +41,7 @@ DEFAULT_EXPERTS = AUTO
 REQUANTISED_EXPERTS = "int4"  # what auto means for a float (or FP8) source
 DEFAULT_GROUP_SIZE = 64
 DEFAULT_DENSE = "bf16"
-MTP_PREFIX = "mtp."  # the engine parameters of the multi-token-prediction modules (engine/mtp.py)
+MTP_PREFIX = "mtp."  # the engine parameters of the multi-token-prediction modules (engine/mla/mtp.py)
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class ContainerTarget:
     experts: str = DEFAULT_EXPERTS
     group_size: int | None = None
     dense: str = DEFAULT_DENSE
-    mtp: bool = True  # keep the multi-token-prediction modules the checkpoint ships (engine/mtp.py)
+    mtp: bool = True  # keep the multi-token-prediction modules the checkpoint ships (engine/mla/mtp.py)
 
     def __post_init__(self) -> None:
         if self.experts not in EXPERT_SCHEMES:
@@ -101,7 +101,7 @@ class ContainerTarget:
 class DenseArray:
     name: str  # engine parameter name
     shape: tuple[int, ...]
-    dtype: str  # stored dtype tag (storage.layout.DTYPES)
+    dtype: str  # stored dtype tag (storage.container.layout.DTYPES)
     group_size: int | None = None  # int8 / int4 codes: columns per float16 scale
 
     @property
@@ -155,7 +155,7 @@ class ModelGeometry:
 
 
 def config_floor(args: ModelArgs) -> int:
-    """The RAM-slot floor of a model not converted yet: the store's rule (storage.tiered.minimum_slots,
+    """The RAM-slot floor of a model not converted yet: the store's rule (storage.tiers.tiered.minimum_slots,
     which containers use) computed from the config: the top-k records one token routes to per layer."""
     return args.n_activated_experts
 
@@ -180,7 +180,7 @@ def planned_mtp_layers(
     config: Mapping[str, Any], args: ModelArgs, target: ContainerTarget, tensor_names: Iterable[str] | None
 ) -> int:
     """The MTP modules a conversion keeps: none with --no-mtp; else those the checkpoint's tensors hold
-    (convert's rule, engine.weights.sort_names), or before the download (``tensor_names`` None) those its
+    (convert's rule, engine.config.weights.sort_names), or before the download (``tensor_names`` None) those its
     config ships."""
     if not target.mtp:
         return 0
@@ -231,7 +231,7 @@ def container_args(container: Container) -> ModelArgs:
 
 
 def container_problems(path: str | Path) -> list[str]:
-    """`verify`: the container's structure and checksums (storage.verify), and the model it describes."""
+    """`verify`: the container's structure and checksums (storage.container.verify), and the model it describes."""
 
     def model_problems(container: Container) -> list[str]:
         try:

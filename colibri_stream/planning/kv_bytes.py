@@ -1,19 +1,19 @@
-"""KV bytes per token, the one place the library asks for them: the log's record (storage.kvlog's
+"""KV bytes per token, the one place the library asks for them: the log's record (storage.kv.log's
 geometries), the in-memory cache (plan), what compressed attention keeps per token, and a naive
 uncompressed K/V cache (the comparison `kv info` prints). Each is the model family's (engine/families.py):
 
 MLA models (V3, V3.2, GLM-5) log per layer the latent and roped key, per DSA full layer the indexer key.
 DeepSeek-V4's record (``kv_geometry``: what a prefix block stores) holds per layer every row its cache
-keeps per position; its session log (``session_geometry``, storage/kvsnap.py) is lean: per position the
+keeps per position; its session log (``session_geometry``, storage/kv/snap.py) is lean: per position the
 entries of the windows it closes, and snapshots of the window state, at most 2x the in-memory state.
 """
 
 from __future__ import annotations
 
 from colibri_stream.checkpoint.dtypes import dtype_bytes
-from engine.args import ModelArgs
+from engine.config.args import ModelArgs
 from engine.families import family_of
-from storage.kvgeometry import RECORD_GEOMETRY_OF_VERSION, AnyGeometry, Geometry, make_geometry
+from storage.kv.geometry import RECORD_GEOMETRY_OF_VERSION, AnyGeometry, Geometry, make_geometry
 
 
 def kv_geometry(args: ModelArgs, dtype: str = "float32") -> Geometry:

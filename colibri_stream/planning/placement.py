@@ -9,7 +9,7 @@ Expected decode speed (``expected_speed``), from this machine's measured bandwid
     bytes touched per token = dense weights a decode step reads (all but the embedding table)
                               + top-k expert records per MoE layer
 Compute, the KV cache and the VRAM tier are left out: the range bounds a memory-bound decode. A model's
-MTP modules (engine/mtp.py) are held, in the dense and expert bytes, but a plain decode step does not
+MTP modules (engine/mla/mtp.py) are held, in the dense and expert bytes, but a plain decode step does not
 run them (drafting is opt-in): they are not in the bytes per token.
 """
 
@@ -28,11 +28,11 @@ from colibri_stream.planning.bandwidth import Bandwidth
 from colibri_stream.planning.geometry import MTP_PREFIX, DenseArray, ModelGeometry
 from colibri_stream.planning.kv_bytes import cache_bytes_per_token, held_rows_bytes
 from colibri_stream.planning.machine_memory import memory_here
-from engine.args import ModelArgs
-from engine.bf16 import bf16_candidates, bf16_kernel_available, linear_candidates
+from engine.config.args import ModelArgs
 from engine.families import meta_transformer
-from storage.container import Container
-from storage.tiered import StoreConfig, slots_for
+from engine.kernels.bf16 import bf16_candidates, bf16_kernel_available, linear_candidates
+from storage.container.reader import Container
+from storage.tiers.tiered import StoreConfig, slots_for
 
 # Measured here: the process after importing torch and running a first step (code pages, pools).
 RUNTIME_BASELINE_BYTES = 330 * 2**20
@@ -116,7 +116,7 @@ def bf16_held_weights(container: Container, args: ModelArgs, dtype: torch.dtype)
 
 
 def held_in_bf16(dense: tuple[DenseArray, ...], args: ModelArgs, dtype: torch.dtype) -> set[str]:
-    """bf16-stored arrays that are candidates of engine.bf16 (bias-free Linears used only through
+    """bf16-stored arrays that are candidates of engine.kernels.bf16 (bias-free Linears used only through
     forward), when the model computes in float32 and the C kernel exists; else none."""
     if dtype != torch.float32 or not bf16_kernel_available():
         return set()

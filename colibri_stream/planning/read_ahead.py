@@ -1,5 +1,5 @@
 """Whether a loaded model reads ahead during decode: the kernels' idle helper thread reading the next
-layer's weights and guessed experts into the CPU caches while Python runs (engine/read_ahead.py).
+layer's weights and guessed experts into the CPU caches while Python runs (engine/kernels/read_ahead.py).
 
 It pays only where those bytes stay in the last-level cache until the kernels read them, beside the
 current layer's. On the stress model (int8 activations, experts in RAM, 2 threads), where one request
@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from engine.interfaces import Model
+from engine.core.interfaces import Model
 
 CACHE_SHARE = 4
 CPU_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")

@@ -32,8 +32,8 @@ from colibri_stream.errors import RequestError
 from colibri_stream.planning.activations import PREFILL_CHUNK_TOKENS, PREFILL_WINDOW_CHUNKS
 from colibri_stream.runtime.sampling import SamplingParams, TokenLogprob, sample, sample_against, token_logprobs
 from colibri_stream.runtime.speculation import DraftedSequence, DraftState, Speculation
-from engine.experts import Experts
-from engine.interfaces import Cache, Model
+from engine.core.interfaces import Cache, Model
+from engine.core.sources import Experts
 
 
 @dataclass

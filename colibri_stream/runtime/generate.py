@@ -18,8 +18,8 @@ from colibri_stream.runtime.batching import (
     GenerationStats,
 )
 from colibri_stream.runtime.sampling import GREEDY_BELOW, SamplingParams, sample
-from engine.experts import Experts
-from engine.interfaces import Cache, Model
+from engine.core.interfaces import Cache, Model
+from engine.core.sources import Experts
 
 __all__ = [
     "GREEDY_BELOW",

@@ -1,4 +1,4 @@
-"""KV packs (storage/kv_pack.py) to and from a model's prefix cache: `kv export` writes the cached blocks
+"""KV packs (storage/kv/pack.py) to and from a model's prefix cache: `kv export` writes the cached blocks
 of a token sequence (a session's conversation, a preamble) to one file; `kv import` checks it was made
 by this model with this chat template and adds its blocks to the prefix cache, so a request starting
 with that preamble computes only what follows it.
@@ -14,10 +14,10 @@ from pathlib import Path
 from colibri_stream.errors import SessionError
 from colibri_stream.planning.kv_bytes import kv_geometry
 from colibri_stream.runtime.prefix_cache import BLOCK_TOKENS, PrefixCache
-from engine.args import ModelArgs
-from storage.kv_pack import PackHeader, pack_tokens, read_pack_header, read_pack_records, write_pack
-from storage.prefix_blocks import Block
-from storage.prefix_store import PrefixConfig
+from engine.config.args import ModelArgs
+from storage.kv.pack import PackHeader, pack_tokens, read_pack_header, read_pack_records, write_pack
+from storage.kv.prefix_blocks import Block
+from storage.kv.prefix_store import PrefixConfig
 
 
 def template_digest(template: str, bos: str, eos: str) -> str:

@@ -40,23 +40,23 @@ from colibri_stream.planning.placement import bf16_held_weights, check_fits, pla
 from colibri_stream.planning.read_ahead import choose_read_ahead, last_level_cache_bytes
 from colibri_stream.runtime.huge_pages import hold_in_huge_pages
 from colibri_stream.runtime.memory import return_freed_heap_to_the_os
-from engine.args import ModelArgs
-from engine.attention import MLA
-from engine.bf16 import hold_in_bf16, linear_candidates
-from engine.experts import Expert, ExpertWeights
+from engine.config.args import ModelArgs
+from engine.config.weights import SortedNames, check_complete, layer_of, sort_names
+from engine.core.interfaces import Drafter, Model
+from engine.core.sources import Expert, ExpertWeights
 from engine.families import meta_transformer
-from engine.int8_dense import hold_codes, interleave_codes
-from engine.interfaces import Drafter, Model
-from engine.model import Transformer
-from engine.quant import QuantizedMatrix
-from engine.v4_model import V4Transformer
-from engine.weights import SortedNames, check_complete, layer_of, sort_names
-from storage.buffers import aligned_empty
-from storage.container import Container, ExpertReader, is_container
+from engine.kernels.bf16 import hold_in_bf16, linear_candidates
+from engine.kernels.int8_dense import hold_codes, interleave_codes
+from engine.kernels.quant import QuantizedMatrix
+from engine.mla.attention import MLA
+from engine.mla.model import Transformer
+from engine.v4.model import V4Transformer
+from storage.container.reader import Container, ExpertReader, is_container
 from storage.errors import FormatError
-from storage.history import UsageHistory
-from storage.tiered import StoreConfig, TieredExpertStore, total_records
-from storage.trace import TraceWriter
+from storage.files.buffers import aligned_empty
+from storage.tiers.history import UsageHistory
+from storage.tiers.tiered import StoreConfig, TieredExpertStore, total_records
+from storage.tiers.trace import TraceWriter
 
 
 @dataclass
@@ -69,7 +69,7 @@ class LoadedModel:
 
     @property
     def drafter(self) -> Drafter | None:
-        """The model as a drafter, where it has MTP modules loaded (engine/mtp.py, engine/v4_mtp.py)."""
+        """The model as a drafter, where it has MTP modules loaded (engine/mla/mtp.py, engine/v4/mtp.py)."""
         model = self.model
         return model if isinstance(model, (Transformer, V4Transformer)) and model.drafts else None
 
@@ -190,7 +190,7 @@ def load(
 ) -> LoadedModel:
     """What `run`, `chat`, `serve` and `demo` load: a container streams its experts under the budget
     ``store`` describes (refused with the numbers when it cannot fit); an HF directory is resident.
-    ``activations`` "int8": the kernel matmuls quantise their inputs (engine/q8.py; lossy, opt-in).
+    ``activations`` "int8": the kernel matmuls quantise their inputs (engine/kernels/q8.py; lossy, opt-in).
     ``cluster``: the routed experts live in worker processes (colibri_stream/cluster); with local
     workers the budget is theirs together, so it is checked as for one process."""
     store = store or StoreOptions()
@@ -372,9 +372,9 @@ def _preload(store: TieredExpertStore) -> None:
 def _load_dense(
     container: Container, args: ModelArgs, dtype: torch.dtype, int8_activations: bool = False
 ) -> Model[Any]:
-    """The resident model. bf16 Linear weights of a float32 model stay bf16 on the CPU (engine/bf16.py:
+    """The resident model. bf16 Linear weights of a float32 model stay bf16 on the CPU (engine/kernels/bf16.py:
     exact, half the memory and bytes per token); int8 and int4 Linear weights stay coded with int8
-    activations (engine/int8_dense.py) and are dequantised otherwise; everything else is cast to ``dtype``."""
+    activations (engine/kernels/int8_dense.py) and are dequantised otherwise; everything else is cast to ``dtype``."""
     path = str(container.path)
     model = meta_transformer(args)
     expected = dict(model.state_dict())
@@ -391,7 +391,7 @@ def _load_dense(
             )
         target = compute_dtype_of(name, dtype)
         if entry.dtype in ("int8", "int4"):
-            assert entry.group_size is not None  # a coded array has its group size (storage.container checks)
+            assert entry.group_size is not None  # a coded array has its group size (storage.container.reader checks)
             q = torch.from_numpy(container.read_dense(name))
             scales = torch.from_numpy(container.read_dense_scales(name))
             if name in held_int8:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from colibri_stream.errors import ColibriError
-from storage.stats import StoreStats
+from storage.tiers.stats import StoreStats
 
 MODES = ("auto", "on", "off")
 PROBE_EVERY = 32  # plain steps between depth-1 probes while drafting is off (at first)

@@ -1,11 +1,11 @@
 """The prefix cache: the KV of token prefixes, shared by every request and every session of one model,
-in RAM and in the KV directory (storage/prefix_store.py), across restarts.
+in RAM and in the KV directory (storage/kv/prefix_store.py), across restarts.
 
 A prompt is cut into blocks of ``BLOCK_TOKENS`` positions. Block k's key is a hash chain over the
 namespace (model fingerprint, record geometry, and the state the values depend on: compute dtype and
 activation path) and every token up to the block's end, so a key names one whole prefix of one model
 computed one way: a block of another model, dtype or activation path has another key, and its header
-is checked on top (storage/prefix_blocks.py). A turn restores the longest run of blocks the prompt
+is checked on top (storage/kv/prefix_blocks.py). A turn restores the longest run of blocks the prompt
 starts with (at least one position is left to compute: it gives the first token's logits), and after
 it the positions it computed are remembered as whole blocks. The records are the session log's
 (runtime/sessions.py cache_payloads / cache_from_payloads), so a restored prefix computes what a
@@ -29,11 +29,11 @@ import torch
 
 from colibri_stream.planning.kv_bytes import kv_geometry
 from colibri_stream.runtime.sessions import Session, TurnStart, cache_from_payloads, cache_payloads
-from engine.args import ModelArgs
-from engine.interfaces import Cache
-from engine.position_rows import RowsReleased
-from storage.prefix_blocks import Block, Namespace
-from storage.prefix_store import PrefixConfig, PrefixStore, PrefixUsage
+from engine.config.args import ModelArgs
+from engine.core.interfaces import Cache
+from engine.v4.position_rows import RowsReleased
+from storage.kv.prefix_blocks import Block, Namespace
+from storage.kv.prefix_store import PrefixConfig, PrefixStore, PrefixUsage
 
 # Positions per block: the most a request recomputes past its last cached block. Small enough that a
 # new message costs little, large enough that a 30k-token prompt is a few hundred files.
@@ -174,7 +174,7 @@ def prompt_chunk_hook(
     prefix: PrefixCache | None, session: Session | None, cache: Cache, prompt_ids: Sequence[int]
 ) -> Callable[[], object] | None:
     """What runs after each prompt chunk but the last, for a cache that frees rows once they are kept
-    elsewhere (DeepSeek-V4's, engine/position_rows.py): the chunk's whole blocks are remembered and its
+    elsewhere (DeepSeek-V4's, engine/v4/position_rows.py): the chunk's whole blocks are remembered and its
     positions logged, so the cache releases their rows instead of holding a long prompt's rows to the end
     of the turn. None for other caches (or with nothing to keep the rows)."""
     if not cache.frees_logged_rows or (session is None and prefix is None):

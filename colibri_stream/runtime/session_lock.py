@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from colibri_stream.errors import SessionError, SessionInUseError
-from storage import lockfile
 from storage.errors import FormatError
+from storage.files import lockfile
 
 LOCK_SUFFIX = ".lock"
 _FIRST_PAUSE_S, _LAST_PAUSE_S = 0.02, 0.5  # between tries while waiting: quick at first, then gentle

@@ -1,9 +1,9 @@
 """A session's log as the session drives it: restore the cache at a position, append what a cache adds.
 
 Two kinds, chosen once by the family's session record (engine/families.py Family.session_log_record):
-    RecordLog  one fixed-size record per position (storage/kvlog.py; MLA models, format 2): every position
+    RecordLog  one fixed-size record per position (storage/kv/log.py; MLA models, format 2): every position
                is a restore point, the cache is rebuilt from the records' rows;
-    LeanLog    DeepSeek-V4's lean log (storage/kvsnap.py, format 4): the entries per position and snapshots
+    LeanLog    DeepSeek-V4's lean log (storage/kv/snap.py, format 4): the entries per position and snapshots
                of the window state; the restore points are the snapshots (every ``snapshot_every``
                positions and the log's end), and the caller re-prefills from there.
 """
@@ -16,12 +16,12 @@ import numpy as np
 import torch
 
 from colibri_stream.checkpoint.dtypes import bf16_bits, dtype_bytes, from_stored
-from engine.args import ModelArgs
+from engine.config.args import ModelArgs
+from engine.core.interfaces import Cache
 from engine.families import family_of
-from engine.interfaces import Cache
-from storage.kvgeometry import AnyGeometry, Geometry, LeanGeometry
-from storage.kvlog import KVLog
-from storage.kvsnap import LeanLog
+from storage.kv.geometry import AnyGeometry, Geometry, LeanGeometry
+from storage.kv.log import KVLog
+from storage.kv.snap import LeanLog
 
 
 def _as_bytes(t: torch.Tensor, dtype: str) -> np.ndarray:
@@ -90,7 +90,7 @@ class SessionLog(Protocol):
 
 
 class RecordLog:
-    """A log of one record per position (storage/kvlog.py KVLog)."""
+    """A log of one record per position (storage/kv/log.py KVLog)."""
 
     def __init__(self, log: KVLog, args: ModelArgs):
         self.file, self.args = log, args
@@ -128,7 +128,7 @@ class RecordLog:
 
 
 class LeanSessionLog:
-    """DeepSeek-V4's lean log (storage/kvsnap.py LeanLog): Cache.log_entries per position, Cache.log_window
+    """DeepSeek-V4's lean log (storage/kv/snap.py LeanLog): Cache.log_entries per position, Cache.log_window
     at the snapshots; restored with Family.cache_from_snapshot."""
 
     def __init__(self, log: LeanLog, args: ModelArgs):

@@ -9,7 +9,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from colibri_stream.runtime.sessions import Session, as_logged
-from engine.interfaces import Cache
+from engine.core.interfaces import Cache
 
 
 @dataclass

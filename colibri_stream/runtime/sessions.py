@@ -3,7 +3,7 @@
 The log's kind is the model family's (runtime/session_logs.py): MLA models log per position the rows
 their cache holds (the latent, roped key and indexer keys; format 2); DeepSeek-V4 logs per position the
 compressed entries of the windows it closes, and snapshots of its fixed-size window state every
-``snapshot_every`` positions and at the log's end (format 4, storage/kvsnap.py).
+``snapshot_every`` positions and at the log's end (format 4, storage/kv/snap.py).
 
 A turn restores the longest stored prefix of the new prompt that the log can restore (all of it for
 MLA; for V4 up to the last snapshot at or before it: the log's end after a restart, so zero
@@ -39,15 +39,15 @@ from colibri_stream.runtime.session_lock import SessionLease
 from colibri_stream.runtime.session_logs import SessionLog, open_log
 from colibri_stream.runtime.session_logs import cache_from_payloads as cache_from_payloads
 from colibri_stream.runtime.session_logs import cache_payloads as cache_payloads
-from engine.args import ModelArgs
+from engine.config.args import ModelArgs
+from engine.core.interfaces import Cache
 from engine.families import family_of
-from engine.interfaces import Cache
-from engine.position_rows import RowsReleased
+from engine.v4.position_rows import RowsReleased
 from storage.errors import CorruptDataError, FormatError
-from storage.kvgeometry import AnyGeometry, LeanGeometry
-from storage.kvlog import HEADER_BYTES, NotALogError, StateMismatchError, read_header_state
-from storage.kvsnap import count_positions
-from storage.safe_read import NotRegularFileError, file_kind
+from storage.files.safe_read import NotRegularFileError, file_kind
+from storage.kv.geometry import AnyGeometry, LeanGeometry
+from storage.kv.log import HEADER_BYTES, NotALogError, StateMismatchError, read_header_state
+from storage.kv.snap import count_positions
 
 SESSION_SUFFIX = ".kvlog"
 # Session names become file names: a conservative alphabet, no leading dot, no separators. Matched

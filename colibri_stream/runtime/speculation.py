@@ -8,7 +8,7 @@ Per sequence in the step (x_n its next token, fed now):
                          row j+1 is valid only while y_{j+1} == d_{j+1}
     cache             trimmed to the valid rows; the pairs (h_{n+j}, y_{j+1}) kept for the next draft
 
-Each row is computed as that position's own decode step would compute it (rows_alone; engine/model.py),
+Each row is computed as that position's own decode step would compute it (rows_alone; engine/mla/model.py),
 so greedy tokens are those of plain decoding under every budget, policy and batch; sampled ones follow
 the same distribution (runtime/sampling.py sample_against). How deep to draft is the governor's
 (runtime/mtp_governor.py).
@@ -24,10 +24,10 @@ from typing import Any
 import torch
 
 from colibri_stream.runtime.mtp_governor import Governor, MTPOptions, StepCost
-from engine.cache import DraftCache
-from engine.experts import Experts
-from engine.interfaces import Cache, Drafter
-from storage.stats import StoreStats
+from engine.core.cache import DraftCache
+from engine.core.interfaces import Cache, Drafter
+from engine.core.sources import Experts
+from storage.tiers.stats import StoreStats
 
 # The pairs kept for a sequence's next draft: after a pause in drafting only the latest are fed to the
 # MTP module (its attention then restarts there), so a long plain stretch costs one short catch-up.

@@ -18,7 +18,7 @@ from typing import Any
 
 from colibri_stream.errors import SessionError
 from storage.errors import FormatError
-from storage.safe_read import file_kind, read_json
+from storage.files.safe_read import file_kind, read_json
 
 # The text of a conversation that fits the longest context (1M tokens, a few bytes each), with room for
 # JSON escapes; a larger file is not one `chat` wrote.

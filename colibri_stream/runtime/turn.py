@@ -47,17 +47,17 @@ from colibri_stream.runtime.session_pool import SessionPool
 from colibri_stream.runtime.sessions import Session, TurnStart, default_kv_dir, session_state
 from colibri_stream.runtime.speculation import Speculation
 from colibri_stream.text.chat_format import ChatFormat, PromptEncoder, load_chat_format, load_tokenizer
-from engine.interfaces import Cache, Model
-from engine.read_ahead import stop_read_ahead
-from storage.prefix_store import PrefixConfig
-from storage.safe_read import check_output_dir
-from storage.stats import StoreStats
+from engine.core.interfaces import Cache, Model
+from engine.kernels.read_ahead import stop_read_ahead
+from storage.files.safe_read import check_output_dir
+from storage.kv.prefix_store import PrefixConfig
+from storage.tiers.stats import StoreStats
 
 
 @dataclass(frozen=True)
 class RuntimeOptions:
     dtype: str = "float32"  # compute dtype: float32 (token-exact) or bfloat16
-    activations: str = "float32"  # int8: quantised matmul inputs (engine/q8.py; lossy, opt-in)
+    activations: str = "float32"  # int8: quantised matmul inputs (engine/kernels/q8.py; lossy, opt-in)
     store: StoreOptions = field(default_factory=StoreOptions)
     kv_dir: str | Path | None = None  # default: the user cache, per model fingerprint
     kv_dtype: str = "float32"  # KV log record dtype

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from storage.stats import StoreStats, TierView
+from storage.tiers.stats import StoreStats, TierView
 
 WINDOW_S = 5.0  # rates cover about this much recent time
 MAX_SAMPLES = 256  # bounds memory however often clients poll

@@ -27,7 +27,7 @@ from colibri_stream.text.dsml import DsmlEncoding
 from colibri_stream.text.template_sandbox import BoundedSandbox, end_render, start_render
 from colibri_stream.text.tool_calls import DSML, TOOL_MARKERS, ToolFormat, tool_format_for
 from storage.errors import FormatError
-from storage.safe_read import decode_utf8, read_bounded, read_json
+from storage.files.safe_read import decode_utf8, read_bounded, read_json
 
 # The rendered prompt's size. The tokenizer holds hundreds of bytes per token while it encodes
 # (docs/benchmarks.md, "Figures behind the code") and aborts the process when an allocation fails, and a

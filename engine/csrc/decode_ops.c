@@ -1,5 +1,5 @@
 /*
- * The small float ops of a decode step (engine/decode_ops.py).
+ * The small float ops of a decode step (engine/kernels/decode_ops.py).
  *
  * Between its weight-bound kernels a decode step runs ~100 small torch ops per layer (norms, the
  * router's score / bias / group mask / sort / gather, five bmm for one query's attention), each slow

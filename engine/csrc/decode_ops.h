@@ -1,7 +1,7 @@
 /* The small float ops of a decode step in C (decode_ops.c): RMSNorm, the router, absorbed MLA attention for
  * one query, the DSA indexer's key and query heads after their projection. Float32 throughout, rounding as
  * C sums it (not as torch does): every row of the int8 path, decode rows of the exact path
- * (engine/decode_ops.py small_ops_take). */
+ * (engine/kernels/decode_ops.py small_ops_take). */
 #ifndef COLIBRI_DECODE_OPS_H
 #define COLIBRI_DECODE_OPS_H
 
@@ -12,7 +12,7 @@ void rms_norm_rows(const float *x, int rows, int dim, const float *w, float eps,
 
 /* The DSA indexer's vectors after their projection, rows [rows, heads, dim] of positions (row r at angles
  * cos/sin [r % period, rope / 2]): with ln_weight, each row's LayerNorm (ln_weight, ln_bias, eps: the key);
- * then each head's first `rope` values rotated, engine/rope.py apply_rope's output (half-split: x1 * cos -
+ * then each head's first `rope` values rotated, engine/core/rope.py apply_rope's output (half-split: x1 * cos -
  * x2 * sin, then x2 * cos + x1 * sin, x1/x2 the even/odd values if interleaved, else the halves), the rest
  * as they are. out may not alias x. */
 typedef struct {

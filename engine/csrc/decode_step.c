@@ -1,6 +1,6 @@
 /*
  * One decode step's layers for a model whose routed experts are all resident, with int8 activations or
- * on the float32 path (engine/fused_decode.py), each layer as the module path runs it:
+ * on the float32 path (engine/mla/fused_decode.py), each layer as the module path runs it:
  *
  *   attention  mla_project (attn_norm, projections, rope, the cache's new row), mla_output (attention,
  *              wo, residual): mla_decode.c
@@ -64,7 +64,7 @@ static int output(const MlaWeights *w, const LayerStep *step, float *x, const De
     return mla_output(w, &o, isa, threads);
 }
 
-/* The union of the rows' experts in id order (how the module path adds them: engine/moe.py add_routed);
+/* The union of the rows' experts in id order (how the module path adds them: engine/core/moe.py add_routed);
  * returns how many. */
 static int union_experts(const LayerPlan *plan, int rows, Scratch *s) {
     int n = 0;

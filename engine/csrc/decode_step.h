@@ -13,7 +13,7 @@
 #include "nibble_moe.h"
 #include "q8_moe.h"
 
-/* What a layer's step reads, described once (engine/fused_decode.py). */
+/* What a layer's step reads, described once (engine/mla/fused_decode.py). */
 typedef struct {
     const MlaWeights *attn;
     const float *ffn_norm; /* [dim] */
@@ -59,7 +59,7 @@ typedef struct {
  * Per layer every row's projections (each writes its cache row), then every row's attention (rows of one
  * sequence, a verify step, see the rows before them: written by then), then the FFN over all rows: each
  * routed expert of their union once for every row routed to it. ids [n, topk_max] gets each MoE layer's union in id order (-1 after it, and on dense
- * layers). The same kernels in the same order as the module path (engine/model.py forward_rows), each row's
+ * layers). The same kernels in the same order as the module path (engine/mla/model.py forward_rows), each row's
  * bits its solo step's (the kernels are batch-invariant). A layer that `stops`
  * returns 1 after the rows' projections with `at` set there: the caller runs the indexer on `carry` and
  * calls again from `at` (steps, carry, x as it left them). 0 when done, or -1 without memory (x and the

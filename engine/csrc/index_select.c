@@ -8,7 +8,7 @@
  * Float32 as C sums it (8 heads at a time, one 8-wide accumulator each, their weighted ReLUs summed 8 wide):
  * not torch's einsum bits. Where the CPU has AVX-512VL the same AVX2 code takes three keys at a time in its
  * 32 registers (each query load feeds three FMAs), each key's bits unchanged. Every row takes it, prompt and
- * decode, on the module path and in the one-call step alike (engine/indexer.py).
+ * decode, on the module path and in the one-call step alike (engine/mla/indexer.py).
  */
 #include "index_select.h"
 

@@ -16,7 +16,7 @@ typedef struct {
 
 /* score[t] = sum_h weights[h] * relu(scale * q[h] . keys[t]) for each row over the keys it sees, split over
  * `threads`; then the positions of its topk highest, highest first, a NaN above every number and among
- * equal scores the lower position first (engine/moe.py stable_topk_indices' order). A row that sees fewer
+ * equal scores the lower position first (engine/core/moe.py stable_topk_indices' order). A row that sees fewer
  * than topk keys takes them all, ranked, then the positions after its own in order (what a causal mask of
  * -inf gives the stable sort: fillers the attention's own mask removes). 0, or -1 without memory. */
 int index_select(const IndexSelect *job, int threads);

@@ -1,5 +1,5 @@
 /*
- * The C extension engine._kernels: the Python entry points and the thread split for the 4-bit
+ * The C extension engine.kernels._kernels: the Python entry points and the thread split for the 4-bit
  * group-quantised kernels (nibble.c: every record kind, int4 / fp4 codes, float16 / bfloat16 / e8m0
  * scales, ragged groups), and for bf16 weights times float32 rows (bf16.c).
  */
@@ -501,8 +501,8 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     pthread_atfork(NULL, NULL, split_after_fork);
     if (m && PyModule_AddFunctions(m, py_decode_methods) != 0) Py_CLEAR(m);
     if (m) PyModule_AddIntConstant(m, "MAX_ROWS", MAX_ROWS);
-    /* 2: gemm/dequant take (code, scale kind) and any width (ragged groups); quant.py checks it */
-    if (m) PyModule_AddIntConstant(m, "NIBBLE_ABI", 2);
+    /* the entry points and signatures of this build (engine/kernels/native.py checks it): raise both together */
+    if (m) PyModule_AddIntConstant(m, "ABI_VERSION", 3);
     /* 2 AVX-512, 1 AVX2, 0 none: without SIMD the bf16 path would be slower than float32 matmul. */
     if (m) PyModule_AddIntConstant(m, "BF16_SIMD", bf16_isa(64, 2));
     /* 1: the int8-activation kernels multiply with AVX-512 VNNI's dpbusd (else AVX2 maddubs, or C) */

@@ -1,5 +1,5 @@
 /*
- * One query's MLA attention for a layer of an int8-activation model (engine/mla_decode.py), the torch
+ * One query's MLA attention for a layer of an int8-activation model (engine/mla/decode.py), the torch
  * forward's steps in the same order:
  *
  *   project   h = attn_norm(x); [q_a | kv] = [wq_a | wkv_a] h  (one quantised h, one threaded job)
@@ -20,7 +20,7 @@
 #include "q8_moe.h"
 
 /* Rotate one rope vector in[r] by the position's angles into out[r] (halves: x1 * cos - x2 * sin, then
- * x2 * cos + x1 * sin), as engine/rope.py apply_rope: each product rounded on its own (no fused
+ * x2 * cos + x1 * sin), as engine/core/rope.py apply_rope: each product rounded on its own (no fused
  * multiply-add), so the cache row has torch's bits. */
 __attribute__((optimize("fp-contract=off"))) static void rotate(const float *in, float *out, int r, const float *cos, const float *sin, int interleaved) {
     int half = r / 2;

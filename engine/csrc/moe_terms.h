@@ -28,7 +28,7 @@ static inline void swiglu_in_place(float *gate, const float *up, size_t n, int c
 }
 
 /* out[row[i]] += (double)(y[i] * weight[i]) for an expert's n rows (y [n, dim]): the float32 product, added in
- * float64, as engine/moe.py's RoutedSum adds it. */
+ * float64, as engine/core/moe.py's RoutedSum adds it. */
 static inline void add_terms(double *out, int dim, const int *row, const float *weight, int n, const float *y) {
     for (int i = 0; i < n; i++) {
         double *into = out + (size_t)row[i] * dim;

@@ -38,7 +38,7 @@
 #define HAVE_X86 0
 #endif
 
-/* Element values as engine/quant.py's code_values gives them (int4: n - 8); all exact in bfloat16. */
+/* Element values as engine/kernels/quant.py's code_values gives them (int4: n - 8); all exact in bfloat16. */
 static const float VALUES[N_CODES][16] = {
     {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7},
     {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f},

@@ -8,7 +8,7 @@
 
 #define MAX_ROWS 8
 
-/* What a nibble means (engine/quant.py code_values) and how a group's scale is stored (scale_values). */
+/* What a nibble means (engine/kernels/quant.py code_values) and how a group's scale is stored (scale_values). */
 enum { CODE_INT4 = 0, CODE_FP4 = 1, N_CODES };
 enum { SCALE_F16 = 0, SCALE_BF16 = 1, SCALE_E8M0 = 2, N_SCALE_KINDS };
 
@@ -49,7 +49,7 @@ void nibble_prepare(const NibbleMatrix *m, const float *x, int rows, float *xs);
  * independent requests decoded together); 0: the fastest order for several rows of one prompt. */
 void nibble_gemm(const NibbleMatrix *m, const float *xs, int rows, int begin, int end, int simd, int alone, float *y);
 
-/* w float32 [out, in] = value(nibble) * scale, the same float operations as engine/quant.py's torch
+/* w float32 [out, in] = value(nibble) * scale, the same float operations as engine/kernels/quant.py's torch
  * reference (bit-identical). */
 void nibble_dequant(const NibbleMatrix *m, int out, float *w);
 
@@ -57,7 +57,7 @@ void nibble_dequant(const NibbleMatrix *m, int out, float *w);
 float nibble_scale(int scale_kind, const void *scales, size_t i);
 
 /* The highest loops any kernel may take (2 AVX-512, 1 AVX2): COLIBRI_STREAM_ISA ("avx2"; unset or "best":
- * no cap), read once. It measures a host without AVX-512 on one with it; engine/isa.py refuses other
+ * no cap), read once. It measures a host without AVX-512 on one with it; engine/kernels/isa.py refuses other
  * values before the extension loads. */
 int isa_cap(void);
 

@@ -10,7 +10,7 @@
  * x_e are the rows routed to expert e, laid out for the kernel (nibble_prepare) in groups of MAX_ROWS.
  * Decode rows (alone): every product is nibble_gemm's alone one, what a one-row kernel call gives the row,
  * so rows of independent requests stay exact. A prompt's rows: each group through the multi-row loops,
- * the bits engine/quant.py's matmul gives the expert's rows (kernel_matmul, MAX_ROWS rows a call). Several
+ * the bits engine/kernels/quant.py's matmul gives the expert's rows (kernel_matmul, MAX_ROWS rows a call). Several
  * prompt chunks (segments): an expert's rows of each chunk grouped from that chunk's first, as the chunk's
  * own call groups them, while the expert's weights are read once for all of them.
  */

@@ -29,7 +29,7 @@ typedef struct {
     float limit;
     int threads;
     int alone; /* 1: every product nibble_gemm's batch-invariant one (decode rows); 0: a prompt's rows, each
-                  expert's in groups of MAX_ROWS through the multi-row loops, as engine/quant.py's matmul */
+                  expert's in groups of MAX_ROWS through the multi-row loops, as engine/kernels/quant.py's matmul */
     double *out; /* [rows, dim]: out[r] += (double)(weight * expert(x[r])) for each listed expert r routed to */
     const int *segments; /* without alone, or NULL: x's rows in runs of these lengths (n_segments), several prompt
                             chunks, an expert's rows of each grouped as that chunk's own call groups them */

@@ -1,5 +1,5 @@
 /*
- * Python entry points of the fused decode steps (mla_decode.c, q8_moe.c's q8_mlp), added to engine._kernels by kernels.c. A
+ * Python entry points of the fused decode steps (mla_decode.c, q8_moe.c's q8_mlp), added to engine.kernels._kernels by kernels.c. A
  * layer's weights are described once (mla_weights: a capsule owning the C struct, its arrays kept
  * alive by the Python object that holds it); each step then passes only the per-token pointers.
  */

@@ -10,7 +10,7 @@
  * x_e are the rows routed to expert e; x is quantised once for all rows and each expert's rows are
  * copied from it. Every row is computed the same way whatever the other rows are (the q8 kernels are
  * batch-invariant and B and D work per element), so rows of independent requests stay exact. The
- * term added is the float32 product y * weight, as engine/moe.py's RoutedSum adds it.
+ * term added is the float32 product y * weight, as engine/core/moe.py's RoutedSum adds it.
  */
 #include "q8_moe.h"
 

@@ -1,5 +1,5 @@
-"""Every capability the engine uses of an expert source, a cache or a model is declared (engine/experts.py,
-engine/interfaces.py, engine/families.py), every implementation offers all of it, and nothing probes
+"""Every capability the engine uses of an expert source, a cache or a model is declared (engine/core/sources.py,
+engine/core/interfaces.py, engine/families.py), every implementation offers all of it, and nothing probes
 for an undeclared one with getattr/hasattr (reflection left for other reasons says why)."""
 
 from __future__ import annotations
@@ -13,15 +13,23 @@ import pytest
 
 from colibri_stream.experts.cluster.coordinator import DistributedExperts
 from colibri_stream.experts.store import LocalExpertStore, RemoteExpertStore, ResidentStore, StoreReports
-from engine.cache import KVCache
-from engine.experts import Acquired, Expert, ExpertWeights, HeldExperts, LocalExperts, RemoteExperts, ResidentExperts
+from engine.core.cache import KVCache
+from engine.core.interfaces import Cache, Model
+from engine.core.sources import (
+    Acquired,
+    Expert,
+    ExpertWeights,
+    HeldExperts,
+    LocalExperts,
+    RemoteExperts,
+    ResidentExperts,
+)
 from engine.families import Family, MLAFamily, V4Family
-from engine.interfaces import Cache, Model
-from engine.model import Transformer
-from engine.quant import QuantizedExpert
-from engine.v4_cache import V4Cache
-from engine.v4_model import V4Transformer
-from storage.tiered import AcquiredExperts, TieredExpertStore
+from engine.kernels.quant import QuantizedExpert
+from engine.mla.model import Transformer
+from engine.v4.cache import V4Cache
+from engine.v4.model import V4Transformer
+from storage.tiers.tiered import AcquiredExperts, TieredExpertStore
 
 ROOT = Path(__file__).resolve().parents[2]
 APPS = ("devtools", "bench")  # colibri_stream/<app>: applications, not the library's contracts

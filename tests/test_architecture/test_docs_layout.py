@@ -1,6 +1,7 @@
-"""docs/architecture.md's layout describes the tree as it stands: every file it names exists, and every
-package folder of the three packages is named there (so a moved or added folder fails here until the
-page says where it went)."""
+"""docs/architecture.md's layout describes the tree as it stands, by whole paths: every file it names
+exists where the page puts it, every package folder has its line, and every module of the library, the
+engine and the store is named in its folder (a moved, added or renamed module fails here until the page
+says where it went)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("colibri_stream", "engine", "storage")
-FILE_NAME = re.compile(r"(?<![\w.])([A-Za-z_][\w/]*\.(?:py|c|h))\b")
-FOLDER_NAME = re.compile(r"(?<![\w.])([A-Za-z_]\w*)/")
+DESCRIBED_WHOLE = (
+    "engine",
+    "storage",
+    *(f"colibri_stream/{f}" for f in ("checkpoint", "text", "planning", "experts", "runtime")),
+)
+NAME_COLUMN = 26  # an entry's names start before this column; its description (and continuation lines) at it
+ENTRY = re.compile(r"[A-Za-z_][\w./]*")
 
 
 def _layout_block() -> str:
@@ -19,42 +25,76 @@ def _layout_block() -> str:
     return section.split("```", 2)[1]
 
 
+def _expand(name: str) -> list[str]:
+    """``csrc/nibble.c/.h`` names two files; anything else one path (a folder ends in /)."""
+    if name.endswith("/.h"):
+        stem = name[: -len("/.h")]
+        return [stem, stem.rsplit(".", 1)[0] + ".h"]
+    return [name]
+
+
+def layout_paths(block: str) -> tuple[set[str], set[str]]:
+    """(files, folders) the block names, as whole paths from the repository root: each entry sits in the
+    folder of the nearest line above it with less indentation that names a folder."""
+    files: set[str] = set()
+    folders: set[str] = set()
+    parents: list[tuple[int, str]] = []  # (indent, folder path)
+    for line in block.splitlines():
+        indent = len(line) - len(line.lstrip(" "))
+        if not line.strip() or indent >= NAME_COLUMN:
+            continue
+        names = line[:NAME_COLUMN].split() if indent < NAME_COLUMN else []
+        names = [n for n in names if ENTRY.fullmatch(n) and ("." in n or n.endswith("/"))]
+        while parents and parents[-1][0] >= indent:
+            parents.pop()
+        base = parents[-1][1] if parents else ""
+        for name in names:
+            if name.endswith("/"):
+                folders.add(base + name.rstrip("/"))
+            else:
+                files.update(base + path for path in _expand(name))
+        if len(names) == 1 and names[0].endswith("/"):
+            parents.append((indent, base + names[0]))
+    return files, folders
+
+
 def _package_folders() -> set[str]:
-    folders = set()
-    for package in PACKAGES:
-        for path in (ROOT / package).rglob("*.py"):
-            folders.update(part for part in path.relative_to(ROOT).parent.parts)
-    return folders - {"__pycache__"}
+    return {
+        path.parent.relative_to(ROOT).as_posix()
+        for package in PACKAGES
+        for path in (ROOT / package).rglob("*.py")
+        if "__pycache__" not in path.parts
+    }
 
 
-def test_every_file_the_layout_names_exists():
-    block = _layout_block()
-    names = set(FILE_NAME.findall(block))
-    assert len(names) > 50, "the layout block was not found or lists almost nothing"
-    tree = {path.relative_to(ROOT).as_posix() for package in PACKAGES for path in (ROOT / package).rglob("*.*")}
-    missing = sorted(name for name in names if not any(p == name or p.endswith("/" + name) for p in tree))
-    assert not missing, f"docs/architecture.md names files that do not exist: {missing}"
+def test_every_file_the_layout_names_exists_at_that_path():
+    files, _ = layout_paths(_layout_block())
+    assert len(files) > 150, "the layout block was not found or lists almost nothing"
+    missing = sorted(path for path in files if not (ROOT / path).is_file())
+    assert not missing, f"docs/architecture.md names files that do not exist there: {missing}"
 
 
 def test_every_package_folder_is_named_in_the_layout():
-    named = set(FOLDER_NAME.findall(_layout_block()))
-    unnamed = sorted(_package_folders() - named)
+    _, folders = layout_paths(_layout_block())
+    unnamed = sorted(_package_folders() - folders)
     assert not unnamed, f"package folders missing from docs/architecture.md's layout: {unnamed}"
 
 
-def test_every_library_module_is_named_in_the_layout():
-    """The library's modules (not the applications', which the page describes per folder) each have a line."""
-    block = _layout_block()
-    library = [
-        path
-        for folder in ("checkpoint", "text", "planning", "experts", "runtime")
-        for path in (ROOT / "colibri_stream" / folder).rglob("*.py")
-        if path.name != "__init__.py"
-    ]
-    unnamed = sorted(path.name for path in library if not re.search(rf"(?<![\w.]){re.escape(path.name)}\b", block))
-    assert not unnamed, f"library modules missing from docs/architecture.md's layout: {unnamed}"
+def test_every_module_of_the_library_engine_and_store_is_named_at_its_path():
+    """The applications' folders are described per folder; everything below them module by module."""
+    files, _ = layout_paths(_layout_block())
+    modules = {
+        path.relative_to(ROOT).as_posix()
+        for folder in DESCRIBED_WHOLE
+        for path in (ROOT / folder).rglob("*.py")
+        if path.name != "__init__.py" or path.parent == ROOT / "engine"
+    }
+    unnamed = sorted(modules - files)
+    assert not unnamed, f"modules missing from docs/architecture.md's layout: {unnamed}"
 
 
-def test_the_checks_would_catch_a_stale_page(tmp_path):
-    stale = "```\ncolibri_stream/\n  gone_module.py   was moved\n```"
-    assert FILE_NAME.findall(stale) == ["gone_module.py"] and "colibri_stream" in FOLDER_NAME.findall(stale)
+def test_the_checks_would_catch_a_stale_or_misplaced_page():
+    block = "engine/                   x\n  kernels/                y\n    q8.py                 z\n  gone.py                 w\n"
+    files, folders = layout_paths(block)
+    assert files == {"engine/kernels/q8.py", "engine/gone.py"} and folders == {"engine", "engine/kernels"}
+    assert layout_paths("storage/\n  csrc/a.c/.h            x\n")[0] == {"storage/csrc/a.c", "storage/csrc/a.h"}

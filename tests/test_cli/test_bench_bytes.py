@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from colibri_stream.bench.suite import coded_dense_bytes_per_token
 from colibri_stream.runtime.loader import load
-from engine.attention import MLA
-from storage.container import Container
+from engine.mla.attention import MLA
+from storage.container.reader import Container
 
 
 def test_an_int8_wkv_b_counts_as_the_records_decode_attention_reads(make_container):

@@ -23,8 +23,8 @@ from colibri_stream.planning.budget import (
     worker_store_config,
 )
 from colibri_stream.planning.placement import RUNTIME_BASELINE_BYTES
-from storage.container import Container
-from storage.tiered import StoreConfig, slots_for
+from storage.container.reader import Container
+from storage.tiers.tiered import StoreConfig, slots_for
 
 GIB = 2**30
 

@@ -174,7 +174,7 @@ def test_int8_and_int4_records_dequantise_close_to_the_source(make_container, ti
 
 def test_int8_dense_weights_load_close_to_float_and_are_verified(make_container, tiny_checkpoints, tmp_path, capsys):
     from colibri_stream import cli
-    from storage.container import Container
+    from storage.container.reader import Container
 
     f32 = load_container(make_container("deepseek_v32", experts="f32", dense="f32"))
     dst = tmp_path / "int8-dense"

@@ -18,11 +18,11 @@ from colibri_stream.devtools import fixtures
 from colibri_stream.planning.geometry import geometry_from_container
 from colibri_stream.runtime.generate import generate
 from colibri_stream.runtime.loader import load_container
-from engine.int8_dense import CodedLinear
-from engine.q8 import quantize_rows
-from engine.quant import quantized_matrix
-from storage.container import Container
-from storage.verify import verify_container
+from engine.kernels.int8_dense import CodedLinear
+from engine.kernels.q8 import quantize_rows
+from engine.kernels.quant import quantized_matrix
+from storage.container.reader import Container
+from storage.container.verify import verify_container
 
 # hidden 120 and a shared-expert width of 41 (odd: its rows end in a padding nibble); group 64 divides neither
 ODD = dict(hidden_size=120, moe_intermediate_size=41, intermediate_size=90)
@@ -115,7 +115,7 @@ def test_plan_counts_the_codes_the_int8_path_holds(int4_dense, capsys):
     holds, not their dequantised size (which a float run holds, and plan says without the flag)."""
     from colibri_stream import cli
     from colibri_stream.planning.placement import plan
-    from storage.tiered import StoreConfig
+    from storage.tiers.tiered import StoreConfig
 
     geometry = geometry_from_container(Container(int4_dense))
     fast, exact = (plan(geometry, StoreConfig(ram_bytes=1 << 30), int8_activations=i) for i in (True, False))

@@ -23,8 +23,8 @@ from colibri_stream.devtools.fake_hub import FakeHub, FakeRepo
 from colibri_stream.devtools.mtp_fixture import add_mtp_layer
 from colibri_stream.runtime.generate import generate
 from colibri_stream.runtime.loader import load, load_checkpoint
-from engine.args import ModelArgs
-from storage.container import Container
+from engine.config.args import ModelArgs
+from storage.container.reader import Container
 from storage.errors import IncompatibleStateError
 
 GIB = 2**30

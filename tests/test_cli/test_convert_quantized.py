@@ -22,8 +22,8 @@ from colibri_stream.errors import USER_ERRORS, CheckpointError, ColibriError
 from colibri_stream.experts.codec import record_views
 from colibri_stream.runtime.generate import generate
 from colibri_stream.runtime.loader import load_container
-from engine.quant import QuantizedExpert, packed_width
-from storage.container import Container
+from engine.kernels.quant import QuantizedExpert, packed_width
+from storage.container.reader import Container
 
 PROMPT_LEN, NEW_TOKENS, LOGIT_TOL = 20, 16, 1e-4
 PACK, MX = "pack-quantized", "mxfp4-pack-quantized"
@@ -211,7 +211,7 @@ def test_a_config_quantising_activations_is_refused(built, tmp_path):
 
 def test_running_a_quantised_directory_directly_says_to_convert_it(built):
     from colibri_stream.runtime.loader import load_checkpoint
-    from engine.config_checks import ConfigError
+    from engine.config.checks import ConfigError
 
     with pytest.raises(ConfigError, match="compressed-tensors.*read by `colibri-stream convert`, not loaded directly"):
         load_checkpoint(built("pack")[0])

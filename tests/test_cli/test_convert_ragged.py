@@ -14,8 +14,8 @@ from colibri_stream.convert.converter import Converter, ConvertOptions
 from colibri_stream.devtools import fixtures
 from colibri_stream.runtime.generate import generate
 from colibri_stream.runtime.loader import load_container
-from engine.quant import quantized_matrix
-from storage.verify import verify_container
+from engine.kernels.quant import quantized_matrix
+from storage.container.verify import verify_container
 
 NEW_TOKENS = 16
 # The shape: hidden 120, expert width 40 (the default group 64 divides neither), and an odd one.

@@ -15,7 +15,7 @@ from colibri_stream.devtools.v4_native_fixture import build_v4_native_checkpoint
 from colibri_stream.errors import CheckpointError
 from colibri_stream.runtime.generate import generate
 from colibri_stream.runtime.loader import load_container
-from storage.container import Container, ExpertReader
+from storage.container.reader import Container, ExpertReader
 
 LOGIT_TOL = 1e-4
 

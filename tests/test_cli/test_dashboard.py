@@ -32,9 +32,9 @@ from colibri_stream.serve.app import Server, create_app
 from colibri_stream.serve.auth import ApiKeys
 from colibri_stream.serve.dashboard import STATIC, Dashboard
 from colibri_stream.serve.live_stats import RateWindow
-from storage.container import Container
-from storage.history import UsageHistory
-from storage.stats import StoreStats
+from storage.container.reader import Container
+from storage.tiers.history import UsageHistory
+from storage.tiers.stats import StoreStats
 
 FAMILY = "deepseek_v3"
 MODEL = "tiny"

@@ -19,7 +19,7 @@ import pytest
 from colibri_stream.devtools import fixtures
 from colibri_stream.runtime.turn import RuntimeOptions, load_runtime
 from colibri_stream.serve.app import Server
-from storage.kvlog import HEADER_BYTES, read_header
+from storage.kv.log import HEADER_BYTES, read_header
 from tests.test_hostile.test_server_abuse import FAMILY, MODEL, call, completion, scenario
 
 PROMPT = fixtures.make_prompt(512, 13)

@@ -105,9 +105,9 @@ def test_full_disk_refuses_cleanly_and_catches_a_lost_turn(case_dir, capsys, mon
         pytest.skip(f"no tmpfs to fill: {exc}")
     status, err = _scenario(scenarios.full_disk, case_dir, FULL, capsys)
     assert status == 1 and "no space left" in err and len(err.strip().splitlines()) == 1, err  # turn 2, typed
-    import storage.kvlog
+    import storage.kv.log
 
-    monkeypatch.setattr(storage.kvlog, "_cut_back", lambda fd, size: os.ftruncate(fd, 4096))  # drops every record
+    monkeypatch.setattr(storage.kv.log, "_cut_back", lambda fd, size: os.ftruncate(fd, 4096))  # drops every record
     status, err = _scenario(scenarios.full_disk, case_dir, FULL, capsys)
     assert status == SCENARIO_BAD_EXIT and f"BAD {BAD_LOST}: the acknowledged turn's prompt resumed with" in err, err
     assert not [line for line in os.popen("mount").read().splitlines() if str(case_dir) in line]  # unmounted

@@ -154,7 +154,7 @@ def test_run_and_serve_report_one_stats_schema(serving, make_container, tmp_path
 def test_both_stores_implement_the_expert_store_protocol(make_container, tiny_checkpoints, tmp_path):
     from colibri_stream.experts.store import ExpertStore, ResidentStore
     from colibri_stream.runtime.loader import load, load_checkpoint
-    from storage.tiered import TieredExpertStore
+    from storage.tiers.tiered import TieredExpertStore
 
     resident = load_checkpoint(tiny_checkpoints[FAMILY]).experts
     streamed = load(make_container(FAMILY), store=StoreOptions(ram="60%")).experts

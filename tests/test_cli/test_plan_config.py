@@ -16,8 +16,8 @@ from colibri_stream.errors import BudgetError
 from colibri_stream.planning.bandwidth import Bandwidth
 from colibri_stream.planning.geometry import ContainerTarget, model_geometry
 from colibri_stream.planning.placement import check_fits, expected_speed, plan, verdict
-from storage.container import Container
-from storage.tiered import StoreConfig, minimum_slots
+from storage.container.reader import Container
+from storage.tiers.tiered import StoreConfig, minimum_slots
 
 GIB = 2**30
 
@@ -65,7 +65,7 @@ DEEPSEEK_V3 = {
     },
 }
 
-# Hand-computed. One int4 g64 record (storage/layout.py): gate/up/down nibbles, then float16 group scales.
+# Hand-computed. One int4 g64 record (storage/container/layout.py): gate/up/down nibbles, then float16 group scales.
 NIBBLES = 2048 * 7168 // 2  # each of w1 [2048, 7168], w3 [2048, 7168], w2 [7168, 2048]: 7,340,032 B
 SCALES = 2048 * (7168 // 64) * 2  # w1, w3: [2048, 112] float16 = 458,752 B; w2 [7168, 32] is the same
 RECORD = 3 * NIBBLES + 3 * SCALES  # 23,396,352 B: every field 64-aligned already, a multiple of 4 KiB

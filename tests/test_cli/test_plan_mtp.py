@@ -15,7 +15,7 @@ import pytest
 from colibri_stream import cli
 from colibri_stream.checkpoint.dtypes import FLOAT32_PARAMETERS
 from colibri_stream.planning.geometry import ContainerTarget, dequantised_config, model_geometry
-from engine.args import ModelArgs
+from engine.config.args import ModelArgs
 from engine.families import meta_transformer
 from tests.test_cli.test_plan_config import DEEPSEEK_V3 as V3_CONFIG
 

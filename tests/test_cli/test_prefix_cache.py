@@ -13,7 +13,7 @@ from colibri_stream.devtools import fixtures
 from colibri_stream.planning.budget import StoreOptions
 from colibri_stream.runtime.prefix_cache import BLOCK_TOKENS, PREFIX_DIR
 from colibri_stream.runtime.turn import RuntimeOptions, TurnOptions, load_runtime, run_turn
-from storage.prefix_store import PrefixConfig
+from storage.kv.prefix_store import PrefixConfig
 
 # 203 positions: three whole blocks and an odd tail; past the DSA index_topk (8) and V4's windows
 PROMPT = fixtures.make_prompt(512, 203, seed=3)
@@ -207,7 +207,7 @@ def test_auto_ram_leaves_the_prefix_caches_ram_tier_room(make_container, monkeyp
 
     from colibri_stream.planning.budget import store_config
     from colibri_stream.planning.geometry import geometry_from_container
-    from storage.container import Container
+    from storage.container.reader import Container
 
     class Memory:
         available = 4 << 30

@@ -31,7 +31,7 @@ from colibri_stream.errors import BudgetError
 from colibri_stream.planning.budget import StoreOptions
 from colibri_stream.runtime.generate import generate
 from colibri_stream.runtime.loader import load_container
-from engine.args import ConfigError
+from engine.config.args import ConfigError
 from storage.errors import DiskFullError, write_errors
 
 REPO = "org/tiny-model"

@@ -145,7 +145,7 @@ def test_glm5_geometry_compression():
     """Real GLM-5 shapes (transformers' defaults): 576 floats per token per layer against 64 heads x 512."""
     from transformers import GlmMoeDsaConfig
 
-    from engine.args import ModelArgs
+    from engine.config.args import ModelArgs
 
     args = ModelArgs.from_hf_config({**GlmMoeDsaConfig().to_dict(), "model_type": "glm_moe_dsa"})
     naive = naive_kv_bytes_per_token(args, "float32")
@@ -173,7 +173,7 @@ def test_bfloat16_records_restore_close_to_float32(tiny_checkpoints, tmp_path):
 
 
 def test_kv_sync_every_n_tokens_appends_during_the_turn(tiny_checkpoints, tmp_path, monkeypatch, capsys):
-    from storage.kvlog import KVLog
+    from storage.kv.log import KVLog
 
     appends: list[int] = []
     original = KVLog.append

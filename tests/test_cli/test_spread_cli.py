@@ -11,9 +11,9 @@ import pytest
 from colibri_stream.cli import main
 from colibri_stream.runtime.generate import generate
 from colibri_stream.runtime.loader import load_container
-from storage.container import Container
-from storage.parts import PARTS_FILE
-from storage.tiered import StoreConfig
+from storage.container.parts import PARTS_FILE
+from storage.container.reader import Container
+from storage.tiers.tiered import StoreConfig
 
 
 @pytest.fixture

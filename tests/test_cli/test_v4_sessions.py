@@ -1,4 +1,4 @@
-"""DeepSeek-V4 sessions: its lean KV log (storage/kvsnap.py) holds per position the compressed entries and
+"""DeepSeek-V4 sessions: its lean KV log (storage/kv/snap.py) holds per position the compressed entries and
 snapshots of the window state, so a warm restart in a new process continues with nothing re-prefilled, a
 damaged log or an edited conversation restores the last whole snapshot before the damage or the edit and
 re-prefills fewer than ``snapshot_every`` positions, and a log held in memory continues exactly as one
@@ -28,9 +28,9 @@ from colibri_stream.runtime.generate import generate
 from colibri_stream.runtime.loader import load_checkpoint
 from colibri_stream.runtime.session_pool import SessionPool
 from colibri_stream.runtime.sessions import Session, session_info
-from engine.args import ModelArgs
-from storage.kvlog import HEADER_BYTES, KVLog, read_header_state
-from storage.kvsnap import LeanLog
+from engine.config.args import ModelArgs
+from storage.kv.log import HEADER_BYTES, KVLog, read_header_state
+from storage.kv.snap import LeanLog
 
 # 20 > index_topk (4) x CSA rate (2): the indexer selects. With 8 new tokens the log holds 27 positions:
 # the restart lands inside an open HCA window (8) and an open CSA window (2).
@@ -352,7 +352,7 @@ import os, signal, torch
 from colibri_stream.runtime.loader import load_checkpoint
 from colibri_stream.runtime.generate import generate
 from colibri_stream.runtime.sessions import Session
-from storage import kvsnap
+from storage.kv import snap as kvsnap
 loaded = load_checkpoint({str(tiny_v4_checkpoint)!r})
 prompt = {LONG_PROMPT!r}
 session = Session({str(tmp_path)!r}, "chat", "fp", loaded.args)

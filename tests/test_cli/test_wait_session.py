@@ -23,7 +23,7 @@ from colibri_stream.runtime import session_lock
 from colibri_stream.runtime.session_lock import SessionLease, SessionWait
 from colibri_stream.runtime.turn import RuntimeOptions, load_runtime
 from colibri_stream.serve.app import Server
-from storage.kvlog import KVLog, read_header_state
+from storage.kv.log import KVLog, read_header_state
 from tests.test_hostile.test_server_abuse import MODEL, call, completion, scenario
 from tests.test_hostile.test_session_writers import COMMAND, FOOTER, chat_argv, say, start_chat, transcript
 

@@ -13,7 +13,7 @@ from colibri_stream.convert.converter import Converter, ConvertOptions
 from colibri_stream.devtools import fixtures
 from colibri_stream.runtime.generate import generate
 from colibri_stream.runtime.loader import load_checkpoint, load_container, read_config
-from engine.weights import sort_names
+from engine.config.weights import sort_names
 
 NEW_TOKENS = 16
 

@@ -345,8 +345,8 @@ def test_replicas_serve_a_lost_workers_experts_without_the_coordinator(make_cont
     from colibri_stream.experts.cluster.group import ClusterOptions
     from colibri_stream.planning.budget import StoreOptions
     from colibri_stream.runtime.turn import RuntimeOptions, TurnOptions, load_runtime, run_turn
-    from storage.container import Container
-    from storage.history import UsageHistory
+    from storage.container.reader import Container
+    from storage.tiers.history import UsageHistory
 
     path = make_container("deepseek_v3", "int4")
     container = Container(path)

@@ -14,8 +14,8 @@ from colibri_stream.experts.cluster.members import LOST, REJOINED, Member
 from colibri_stream.experts.cluster.replicas import COORDINATOR, NONE, Holders, assign, with_replicas
 from colibri_stream.experts.cluster.transport import Link, Reply
 from colibri_stream.experts.cluster.wire import Hello, Op, WorkerError
-from storage.history import UsageHistory
-from storage.stats import StoreStats
+from storage.tiers.history import UsageHistory
+from storage.tiers.stats import StoreStats
 
 
 def test_the_hottest_experts_of_each_layer_get_a_second_holder():

@@ -14,8 +14,8 @@ from colibri_stream.experts.cluster import wire
 from colibri_stream.experts.cluster.group import ClusterOptions, local_worker_flags
 from colibri_stream.experts.cluster.shares import deal, measured_owners, read_expert_map, share_weights
 from colibri_stream.experts.cluster.wire import Hello, Op
-from storage.stats import StoreStats
-from storage.tiered import StoreConfig
+from storage.tiers.stats import StoreStats
+from storage.tiers.tiered import StoreConfig
 
 RECORD = 1000
 
@@ -112,7 +112,7 @@ def test_replicas_without_a_usage_history_are_refused_before_any_worker_starts(m
     import psutil
 
     from colibri_stream.experts.cluster.group import connect
-    from storage.container import Container
+    from storage.container.reader import Container
 
     container = Container(make_container("deepseek_v3", "int4"))
     with pytest.raises(ColibriError, match="--replicas 2 .* give --history FILE"):

@@ -13,9 +13,9 @@ import torch
 from colibri_stream.bench.kernels import KINDS, make_experts, random_kind_matrix
 from colibri_stream.runtime.generate import generate
 from colibri_stream.runtime.loader import load_container
-from engine.quant import QuantizedExpert
-from storage.container import Container
-from storage.tiered import StoreConfig, minimum_slots
+from engine.kernels.quant import QuantizedExpert
+from storage.container.reader import Container
+from storage.tiers.tiered import StoreConfig, minimum_slots
 
 pytestmark = pytest.mark.gpu
 
@@ -102,7 +102,7 @@ def test_cuda_vram_logits_equal_the_cpu_path(stream_container, resident):
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("rows", [1, 5])
 def test_every_record_kind_on_cuda_equals_the_cpu_kernel(kind, rows):
-    """The VRAM path dequantises on the GPU (engine.quant.dequantize_torch): every code and scale kind, a
+    """The VRAM path dequantises on the GPU (engine.kernels.quant.dequantize_torch): every code and scale kind, a
     ragged odd width (119) included, equals the CPU kernel."""
     cpu = random_kind_matrix(*KINDS[kind], 64, 119, torch.Generator().manual_seed(rows))
     gpu = replace(cpu, q=cpu.q.cuda(), scales=cpu.scales.cuda())

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.args import ConfigError, ModelArgs
-from engine.rope import cos_sin_scale, softmax_scale
+from engine.config.args import ConfigError, ModelArgs
+from engine.core.rope import cos_sin_scale, softmax_scale
 
 
 def _config(tiny_checkpoints, family):

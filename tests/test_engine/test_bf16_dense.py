@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import bf16
-from engine.bf16 import Bf16Linear, bf16_kernel_available, bf16_matmul
+from engine.kernels import bf16
+from engine.kernels.bf16 import Bf16Linear, bf16_kernel_available, bf16_matmul
 
-needs_kernel = pytest.mark.skipif(not bf16_kernel_available(), reason="engine._kernels was not built")
+needs_kernel = pytest.mark.skipif(not bf16_kernel_available(), reason="engine.kernels._kernels was not built")
 
 
 def _weight(out_dim: int, in_dim: int, seed: int) -> torch.Tensor:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from colibri_stream.devtools import fixtures
-from engine.cache import KVCache
+from engine.core.cache import KVCache
 
 
 def _forward(loaded, ids, start, cache):
@@ -56,7 +56,7 @@ def test_trim_then_new_suffix_equals_fresh_run(loaded):
 
 
 def test_prefill_acquires_each_routed_expert_once_per_layer_and_nothing_else(loaded, monkeypatch):
-    from engine.moe import Gate
+    from engine.core.moe import Gate
 
     routed: dict[int, set[int]] = {}
     original = Gate.forward
@@ -101,8 +101,8 @@ class _ElsewhereExpert:
 
 def test_experts_on_another_device_give_the_same_layer_output(loaded, monkeypatch):
     """The MoE layer with every other expert "elsewhere": one partial sum per device, same output."""
-    from engine.experts import ResidentExperts
-    from engine.moe import MoE, RoutedSum
+    from engine.core.moe import MoE, RoutedSum
+    from engine.core.sources import ResidentExperts
 
     layer = next(
         i for i, block in enumerate(loaded.model.layers) if isinstance(block.ffn, MoE) and not block.ffn.hashed
@@ -159,7 +159,7 @@ class _Chunking:
 
 
 def test_chunks_keep_the_order_and_cover_every_id_once():
-    from engine.moe import chunks
+    from engine.core.moe import chunks
 
     ids = [3, 0, 7, 1, 5]
     assert chunks(ids, None) == chunks(ids, 5) == chunks(ids, 9) == [ids]
@@ -173,7 +173,7 @@ def test_chunks_keep_the_order_and_cover_every_id_once():
 def test_chunked_moe_is_bit_identical_to_one_acquire(loaded, limit):
     """Any chunk size (here 1 .. top-k) gives the same floats, in the layer and through a whole prefill
     and decode: one RoutedSum adds the experts in the same order whatever the chunking."""
-    from engine.moe import MoE
+    from engine.core.moe import MoE
 
     assert loaded.args.n_activated_experts == 4
     layer = next(

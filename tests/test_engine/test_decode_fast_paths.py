@@ -7,15 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engine.model
-from engine import decode_ops
-from engine.args import ModelArgs
-from engine.attention import MLA
-from engine.experts import ExpertWeights, ResidentExperts
-from engine.layers import RMSNorm
-from engine.model import Transformer
-from engine.moe import MoE
-from engine.rows import rows_alone
+import engine.mla.model
+from engine.config.args import ModelArgs
+from engine.core.layers import RMSNorm
+from engine.core.moe import MoE
+from engine.core.sources import ExpertWeights, ResidentExperts
+from engine.kernels import decode_ops
+from engine.kernels.rows import rows_alone
+from engine.mla.attention import MLA
+from engine.mla.model import Transformer
 
 CONFIG = dict(
     model_type="deepseek_v3",
@@ -131,7 +131,7 @@ def resident_experts(args: ModelArgs, seed: int) -> ResidentExperts:
 def test_one_row_moe_is_that_row_of_a_batch_bit_for_bit(args):
     """One row takes the in-place sum, several rows index_add_: the same products added in the same
     (expert id) order, so a row's output is the same either way."""
-    from engine.rows import rows_alone
+    from engine.kernels.rows import rows_alone
 
     moe, experts = randomised(MoE(args, 1), 4), resident_experts(args, 5)
     x = torch.randn(5, 1, args.dim, generator=torch.Generator().manual_seed(6))
@@ -160,7 +160,7 @@ def test_prefetch_hints_are_the_next_routers_sorted_ids_and_skip_no_op_providers
     predict = MoE.predict
     monkeypatch.setattr(MoE, "predict", lambda self, x: predicted.append(self.layer_id) or predict(self, x))
     # the read-ahead into the CPU caches wants the guess for any provider (tests/test_engine/test_read_ahead.py)
-    monkeypatch.setattr(engine.model, "read_ahead_available", lambda: False)
+    monkeypatch.setattr(engine.mla.model, "read_ahead_available", lambda: False)
     cache = model.new_cache()
     plain = model.forward_rows([3], [cache], experts)
     assert predicted == []  # ResidentExperts ignores prefetch: no router run for it
@@ -175,7 +175,7 @@ def test_prefetch_hints_are_the_next_routers_sorted_ids_and_skip_no_op_providers
 
 def test_a_deeper_prefetch_also_guesses_the_layers_after_the_next_nearest_first(args, monkeypatch):
     model = randomised(Transformer(args), 7)
-    monkeypatch.setattr(engine.model, "read_ahead_available", lambda: False)
+    monkeypatch.setattr(engine.mla.model, "read_ahead_available", lambda: False)
     near, deep = RecordingPrefetch(resident_experts(args, 8)), RecordingPrefetch(resident_experts(args, 8))
     deep.prefetch_layers = 3  # past the last MoE layer: only the layers there are
     near_logits = model.forward_rows([3], [model.new_cache()], near)
@@ -186,7 +186,7 @@ def test_a_deeper_prefetch_also_guesses_the_layers_after_the_next_nearest_first(
     assert deep.hints[0] == near.hints[0] and deep.hints[2] == near.hints[1]  # the nearer guess is the same
 
 
-@pytest.mark.skipif(not decode_ops.available(), reason="engine._kernels was not built")
+@pytest.mark.skipif(not decode_ops.available(), reason="engine.kernels._kernels was not built")
 def test_float_decode_rows_take_the_c_ops_and_a_prompts_rows_keep_torchs(monkeypatch):
     """RMSNorm (as the router and one query's attention): one C call for a decode row, one or batched
     (rows_alone), with the same bits either way; a prompt's rows, and torch_ops(), keep torch's op."""

@@ -1,4 +1,4 @@
-"""The int8 path's small ops in C (engine/decode_ops.py): each computes its torch reference's function to
+"""The int8 path's small ops in C (engine/kernels/decode_ops.py): each computes its torch reference's function to
 float rounding, on odd widths, ties, groups, DSA positions and int8 wkv_b records; the modules take them
 only with int8 activations, and an int8 model's tokens stay those of the same model on torch's ops."""
 
@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from colibri_stream.runtime.loader import load_container
-from engine import decode_ops
-from engine.moe import stable_topk_indices
-from engine.q8 import int8_activations
-from engine.rows import rows_alone
+from engine.core.layers import stable_topk_indices
+from engine.kernels import decode_ops
+from engine.kernels.q8 import int8_activations
+from engine.kernels.rows import rows_alone
 
 pytestmark = pytest.mark.skipif(not decode_ops.available(), reason="the C kernels are not built")
 
@@ -28,7 +28,7 @@ def test_rms_norm_matches_torch_on_odd_widths_and_several_rows():
 
 
 def reference_route(x, weight, bias, score, groups, topk_groups, topk, normalise, scale):
-    """engine/moe.py's Gate, op by op."""
+    """engine/core/moe.py's Gate, op by op."""
     logits = x @ weight.T
     scores = {
         "sigmoid": torch.sigmoid,

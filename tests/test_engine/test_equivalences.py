@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from colibri_stream.devtools import fixtures
-from engine.model import Transformer
-from engine.rope import rope_tables
+from engine.core.rope import rope_tables
+from engine.mla.model import Transformer
 
 DSA_FAMILIES = ("deepseek_v32", "glm_moe_dsa")
 
@@ -37,18 +37,18 @@ def test_absorbed_equals_expanded(loaded):
 
 def test_query_blocked_scores_equal_one_block(loaded, monkeypatch):
     """Prefill attention and DSA scoring cut into blocks of 1 and 3 queries give the same logits."""
-    import engine.layers
+    import engine.core.layers
 
     ids = _ids(loaded)
     whole = _logits(loaded, ids)
     per_query = loaded.args.n_heads * len(ids) * 4
     for block_queries in (1, 3):
-        monkeypatch.setattr(engine.layers, "SCORE_BLOCK_BYTES", block_queries * per_query)
+        monkeypatch.setattr(engine.core.layers, "SCORE_BLOCK_BYTES", block_queries * per_query)
         assert (_logits(loaded, ids) - whole).abs().max().item() <= 1e-5
 
 
 def test_query_blocks_cover_every_position_once():
-    from engine.layers import SCORE_BLOCK_BYTES, query_blocks
+    from engine.core.layers import SCORE_BLOCK_BYTES, query_blocks
 
     blocks = list(query_blocks(10, SCORE_BLOCK_BYTES // 3))
     assert [(b.start, b.stop) for b in blocks] == [(0, 3), (3, 6), (6, 9), (9, 10)]
@@ -85,7 +85,7 @@ def test_chunked_prefill_equals_one_forward(loaded, chunk):
 
 
 def test_auto_mode_picks_absorbed_for_decode_and_expanded_for_prefill(loaded, monkeypatch):
-    from engine.attention import MLA
+    from engine.mla.attention import MLA
 
     if loaded.args.v4 is not None:
         pytest.skip("MLA's two attention paths; DeepSeek-V4's one K=V head has no absorbed form")

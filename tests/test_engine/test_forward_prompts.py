@@ -1,4 +1,4 @@
-"""Several sequences' prompt chunks in one forward (Model.forward_prompts, engine/rows.py rows_in_segments):
+"""Several sequences' prompt chunks in one forward (Model.forward_prompts, engine/kernels/rows.py rows_in_segments):
 each chunk's logits and cache rows are bit for bit those of its own forward, on every family, through every
 kernel kind and under a RAM budget where the store misses; the pass acquires each expert once per layer; and
 the segment-aware ops split exactly where a row's bits depend on its neighbours."""
@@ -15,8 +15,8 @@ from colibri_stream.planning.budget import StoreOptions
 from colibri_stream.runtime.batching import ContinuousBatch, GenerationRequest
 from colibri_stream.runtime.generate import generate
 from colibri_stream.runtime.loader import load
-from engine.bf16 import PROMPT_KERNEL_ROWS, bf16_kernel_available, bf16_linear, bf16_matmul
-from engine.rows import by_segment, linear, one_segment, per_row, row_segments, rows_alone, rows_in_segments
+from engine.kernels.bf16 import PROMPT_KERNEL_ROWS, bf16_kernel_available, bf16_linear, bf16_matmul
+from engine.kernels.rows import by_segment, linear, one_segment, per_row, row_segments, rows_alone, rows_in_segments
 from tests.test_engine.test_forward_rows import CountingExperts
 
 # (cached prefix, chunk): odd lengths; a chunk past the DSA fixtures' index_topk (8) after a prefix; one past

@@ -11,9 +11,9 @@ from colibri_stream.bench.kernels import KINDS, random_kind_matrix
 from colibri_stream.devtools.steps import decode_one_token, prefill
 from colibri_stream.planning.budget import StoreOptions
 from colibri_stream.runtime.loader import load
-from engine.bf16 import ISA, bf16_kernel_available, bf16_matmul
-from engine.quant import int4_kernel_available, kernel_matmul
-from engine.rows import computing_alone, linear, rows_alone
+from engine.kernels.bf16 import ISA, bf16_kernel_available, bf16_matmul
+from engine.kernels.quant import int4_kernel_available, kernel_matmul
+from engine.kernels.rows import computing_alone, linear, rows_alone
 
 # Odd lengths, one past the DSA fixtures' index_topk (8: the indexer selects), one of a single token.
 PROMPTS = [[1, 5, 9, 3, 7, 2, 11, 4, 6, 8, 10, 12, 13], [4, 4, 2], list(range(3, 40)), [7], [9, 9, 9, 9, 9]]

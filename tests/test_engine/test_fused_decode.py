@@ -1,4 +1,4 @@
-"""A decode step in one C call (engine/fused_decode.py): with every expert resident it gives the module path's
+"""A decode step in one C call (engine/mla/fused_decode.py): with every expert resident it gives the module path's
 bits (logits, hidden states, cache) for one row and for a verify step's rows, at the fixtures' widths and at
 odd ones, with int8 activations over int8 and int4 dense records and on the float32 path over bf16 ones (the
 default container), in the tiered store and the resident one; several sequences in one step each get their
@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from colibri_stream.runtime.loader import load_container
-from engine import decode_ops, fused_decode
-from engine.cache import KVCache
-from storage.container import Container
-from storage.tiered import StoreConfig
+from engine.core.cache import KVCache
+from engine.kernels import decode_ops
+from engine.mla import fused_decode
+from storage.container.reader import Container
+from storage.tiers.tiered import StoreConfig
 
 pytestmark = pytest.mark.skipif(not fused_decode.available(), reason="the C kernels are not built")
 

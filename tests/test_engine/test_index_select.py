@@ -1,4 +1,4 @@
-"""The DSA indexer in C (engine/decode_ops.py): its choice in one call (index_select), decode rows and a
+"""The DSA indexer in C (engine/kernels/decode_ops.py): its choice in one call (index_select), decode rows and a
 prompt's; a decode row's key and query heads normed and roped in one call (index_finish)."""
 
 from __future__ import annotations
@@ -9,16 +9,15 @@ import pytest
 import torch
 
 from colibri_stream.checkpoint.demo_model import demo_model_dir
-from engine import decode_ops
-from engine.args import ModelArgs
-from engine.cache import LayerCache
-from engine.indexer import Indexer
-from engine.moe import stable_topk_indices
-from engine.rope import apply_rope, rope_at, rope_tables
-from engine.rows import rows_alone
+from engine.config.args import ModelArgs
+from engine.core.cache import LayerCache
+from engine.core.layers import stable_topk_indices
+from engine.core.rope import apply_rope, rope_at, rope_tables
+from engine.kernels import decode_ops, native
+from engine.kernels.rows import rows_alone
+from engine.mla.indexer import Indexer
 
-needs_kernel = pytest.mark.skipif(not decode_ops._SELECTS, reason="engine._kernels was not built")
-needs_finish = pytest.mark.skipif(not decode_ops._FINISHES, reason="engine._kernels was not built")
+needs_kernel = needs_finish = pytest.mark.skipif(not native.BUILT, reason="engine.kernels._kernels was not built")
 
 
 def demo_args() -> ModelArgs:

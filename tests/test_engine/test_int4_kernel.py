@@ -6,10 +6,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import quant
-from engine.quant import QuantizedExpert, dequantize_torch, int4_kernel_available, kernel_matmul, quantized_matrix
+from engine.kernels import quant
+from engine.kernels.quant import (
+    QuantizedExpert,
+    dequantize_torch,
+    int4_kernel_available,
+    kernel_matmul,
+    quantized_matrix,
+)
 
-needs_kernel = pytest.mark.skipif(not int4_kernel_available(), reason="engine._kernels was not built")
+needs_kernel = pytest.mark.skipif(not int4_kernel_available(), reason="engine.kernels._kernels was not built")
 
 
 @needs_kernel

@@ -1,6 +1,6 @@
-"""Routed experts held in the q8 kernel's interleaved layout (engine/interleaved_expert.py): a record's bytes
+"""Routed experts held in the q8 kernel's interleaved layout (engine/kernels/interleaved_expert.py): a record's bytes
 rearranged in place, the row-major matrices recoverable byte for byte, and every product of the one C call
-per layer (engine/q8_experts.py) bit-equal to the row-major experts' for any rows, codes, scales and clamp."""
+per layer (engine/kernels/q8_experts.py) bit-equal to the row-major experts' for any rows, codes, scales and clamp."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from colibri_stream.experts.codec import Settler, expert_from_record, record_from_quantized, settled_expert
-from engine import _kernels
-from engine.interleaved_expert import InterleavedExpert, interleave_into, interleaves, scratch_bytes
-from engine.q8 import int8_activations
-from engine.q8_experts import add_experts, fused_experts_handle
-from engine.quant import QuantizedExpert, QuantizedMatrix
-from storage.layout import ExpertRecordLayout
+from engine.kernels import _kernels
+from engine.kernels.interleaved_expert import InterleavedExpert, interleave_into, interleaves, scratch_bytes
+from engine.kernels.q8 import int8_activations
+from engine.kernels.q8_experts import add_experts, fused_experts_handle
+from engine.kernels.quant import QuantizedExpert, QuantizedMatrix
+from storage.container.layout import ExpertRecordLayout
 
-pytest.importorskip("engine._kernels")
+pytest.importorskip("engine.kernels._kernels")
 
 DIM, INTER = 1024, 512  # w1/w3 [512, 1024], w2 [1024, 512]: both interleave
 

@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from colibri_stream.bench.system import cli_argv
-from engine import _kernels
-from engine.isa import ISA_ENV, check_isa_env
+from engine.kernels import _kernels
+from engine.kernels.isa import ISA_ENV, check_isa_env
 
 
 def test_a_misspelt_cap_is_refused_naming_the_variable():

@@ -12,10 +12,17 @@ import torch
 import torch.nn.functional as F
 
 from colibri_stream.bench.kernels import random_kind_matrix
-from engine import quant
-from engine.quant import E8M0, QuantizedMatrix, _kernel_handles, dequantize_torch, int4_kernel_available, kernel_matmul
+from engine.kernels import quant
+from engine.kernels.quant import (
+    E8M0,
+    QuantizedMatrix,
+    _kernel_handles,
+    dequantize_torch,
+    int4_kernel_available,
+    kernel_matmul,
+)
 
-needs_kernel = pytest.mark.skipif(not int4_kernel_available(), reason="engine._kernels was not built")
+needs_kernel = pytest.mark.skipif(not int4_kernel_available(), reason="engine.kernels._kernels was not built")
 
 # (code, scale dtype, group): our int4, compressed-tensors pack-quantized, MXFP4, and fp4 with float16
 KINDS = {

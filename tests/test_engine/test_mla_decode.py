@@ -1,4 +1,4 @@
-"""One query's MLA attention in two C calls (engine/mla_decode.py): with int8 activations, and on the float32
+"""One query's MLA attention in two C calls (engine/mla/decode.py): with int8 activations, and on the float32
 path with bf16 projections (the default container), a decode step's attention gives the bits of the module
 path it replaces, on every MLA family (DSA's indexer between the calls), at odd widths, alone or as one row
 of forward_rows, and a failed step leaves the cache as it was."""
@@ -8,12 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engine.model
+import engine.mla.model
 from colibri_stream.runtime.loader import load_container
-from engine import decode_ops, fused_decode, mla_decode
-from engine.bf16 import Bf16Linear, bf16_kernel_available
-from engine.mla_decode import FusedMLA
-from engine.q8 import int8_activations
+from engine.kernels import decode_ops
+from engine.kernels.bf16 import Bf16Linear, bf16_kernel_available
+from engine.kernels.q8 import int8_activations
+from engine.mla import decode as mla_decode
+from engine.mla import fused_decode
+from engine.mla.decode import FusedMLA
 
 pytestmark = pytest.mark.skipif(not decode_ops.available(), reason="the C kernels are not built")
 
@@ -43,7 +45,7 @@ def _compare(model, experts, monkeypatch, rows: bool = False) -> int:
     with fused_decode.module_path():
         fused = _greedy(model, experts, 5, rows)
     with fused_decode.module_path(), monkeypatch.context() as off:
-        off.setattr(engine.model, "fused_attention_applies", lambda *a: False)
+        off.setattr(engine.mla.model, "fused_attention_applies", lambda *a: False)
         plain = _greedy(model, experts, 5, rows)
     assert fused[0] == plain[0]
     assert all(torch.equal(a, b) for a, b in zip(fused[1], plain[1], strict=True))

@@ -212,7 +212,7 @@ def test_resident_experts_draft_in_the_one_call_step(mtp_container, mtp_bf16_con
     verify steps and the MTP block's drafts run as one C call each (the block as its own one-layer step,
     its experts those of layer n_layers; several pairs as rows of one call), a one-pair draft is the
     module path's bit for bit, and the tokens are plain decoding's."""
-    from engine import fused_decode
+    from engine.mla import fused_decode
 
     loaded = load(mtp_bf16_container if activations == "float32" else mtp_container, activations=activations)
     model, experts = loaded.model, loaded.experts

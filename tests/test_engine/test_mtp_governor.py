@@ -23,7 +23,7 @@ from colibri_stream.runtime.mtp_governor import (
     StepCost,
 )
 from colibri_stream.runtime.speculation import Speculation
-from storage.stats import StoreStats
+from storage.tiers.stats import StoreStats
 
 PLAIN_S = 0.010  # a plain step: 10 ms
 

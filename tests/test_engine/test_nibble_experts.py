@@ -1,20 +1,20 @@
-"""A decode step's routed 4-bit experts with float32 activations in one C call (engine/nibble_experts.py)."""
+"""A decode step's routed 4-bit experts with float32 activations in one C call (engine/kernels/nibble_experts.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import engine.moe as moe
-import engine.nibble_experts as nibble_experts
-import engine.quant as quant
+import engine.core.moe as moe
+import engine.kernels.nibble_experts as nibble_experts
+import engine.kernels.quant as quant
 from colibri_stream.bench.kernels import KINDS, random_kind_matrix
-from engine.experts import ExpertWeights, ResidentExperts
-from engine.q8 import int8_activations
-from engine.quant import QuantizedExpert, int4_kernel_available, kernel_matmul
-from engine.rows import rows_alone
+from engine.core.sources import ExpertWeights, ResidentExperts
+from engine.kernels.q8 import int8_activations
+from engine.kernels.quant import QuantizedExpert, int4_kernel_available, kernel_matmul
+from engine.kernels.rows import rows_alone
 
-needs_kernel = pytest.mark.skipif(not int4_kernel_available(), reason="engine._kernels was not built")
+needs_kernel = pytest.mark.skipif(not int4_kernel_available(), reason="engine.kernels._kernels was not built")
 DIM, INTER, N_EXPERTS, TOPK = 200, 90, 10, 3  # no multiple of 64: partial chunks, a lone last block row
 
 
@@ -115,7 +115,7 @@ def test_only_4bit_experts_with_float_activations_take_it(monkeypatch):
     moe.routed_sum(x[:1], weights[:1], ids[:1], experts, 0)  # one row: a decode step, alone or not
     assert calls == [TOPK]
     with rows_alone(), int8_activations():
-        moe.routed_sum(x, weights, ids, experts, 0)  # int8 activations: engine/q8_experts.py's call
+        moe.routed_sum(x, weights, ids, experts, 0)  # int8 activations: engine/kernels/q8_experts.py's call
     gen = torch.Generator().manual_seed(1)
     shapes = [(INTER, DIM), (DIM, INTER), (INTER, DIM)]
     floats = ResidentExperts(

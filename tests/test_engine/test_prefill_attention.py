@@ -1,4 +1,4 @@
-"""Prefill attention in key blocks (engine/prefill_attention.py) against the whole-cache expanded path
+"""Prefill attention in key blocks (engine/mla/prefill.py) against the whole-cache expanded path
 and against transformers: odd widths, contexts that are no multiple of the block, DSA selections of
 fewer positions than the context and of all of them, float32 and bfloat16."""
 
@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engine.prefill_attention as prefill_attention
+import engine.mla.prefill as prefill_attention
 from colibri_stream.devtools import fixtures
 from colibri_stream.runtime.generate import generate
-from engine.args import ModelArgs
-from engine.attention import MLA
-from engine.cache import KVCache
-from engine.prefill_attention import absorbed_is_cheaper, key_block
-from engine.rope import rope_tables
+from engine.config.args import ModelArgs
+from engine.core.cache import KVCache
+from engine.core.rope import rope_tables
+from engine.mla.attention import MLA
+from engine.mla.prefill import absorbed_is_cheaper, key_block
 
 BLOCK = 7  # positions per key block in these tests: no context below is a multiple of it
 PATHS = {"auto": None, "expanded": False, "absorbed": True}
@@ -149,7 +149,7 @@ def test_auto_takes_the_absorbed_form_for_short_chunks_and_expanded_for_long_one
     used: list[str] = []
     for name in ("absorbed_blocks", "expanded_blocks"):
         original = getattr(prefill_attention, name)
-        monkeypatch.setattr("engine.attention." + name, lambda *a, _n=name, _f=original: used.append(_n) or _f(*a))
+        monkeypatch.setattr("engine.mla.attention." + name, lambda *a, _n=name, _f=original: used.append(_n) or _f(*a))
     picked = []
     for seqlen in (short, long):
         x = torch.randn(1, 20 + seqlen, args.dim, generator=torch.Generator().manual_seed(seqlen))

@@ -10,8 +10,8 @@ import torch
 from colibri_stream.devtools.fixtures import make_prompt
 from colibri_stream.runtime.generate import generate
 from colibri_stream.runtime.loader import load_container
-from storage.container import Container
-from storage.tiered import StoreConfig
+from storage.container.reader import Container
+from storage.tiers.tiered import StoreConfig
 
 CHUNK = 7  # 45 positions: six chunks of 7 and one of 3
 

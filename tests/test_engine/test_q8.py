@@ -1,4 +1,4 @@
-"""int8 activations (engine/q8.py, engine/csrc/q8.c): the integer kernel computes exactly the function its
+"""int8 activations (engine/kernels/q8.py, engine/csrc/q8.c): the integer kernel computes exactly the function its
 torch reference defines (x quantised per block of 32 columns, times the dequantised records), on the
 widths and groups real checkpoints have and the ragged ones nobody planned for; each row is computed as
 alone; the models that ask for it hold int8 dense records and route every int4/int8 matmul through it."""
@@ -10,8 +10,8 @@ import torch
 
 from colibri_stream.errors import ColibriError
 from colibri_stream.runtime.loader import load, load_container
-from engine.int8_dense import CodedLinear
-from engine.q8 import (
+from engine.kernels.int8_dense import CodedLinear
+from engine.kernels.q8 import (
     ISA_AVX2,
     ISA_BEST,
     ISA_SCALAR,
@@ -21,7 +21,7 @@ from engine.q8 import (
     q8_matmul,
     quantize_rows,
 )
-from engine.quant import KERNEL_SCALES, QuantizedMatrix, int4_kernel_available, kernel_matmul, quantized_matrix
+from engine.kernels.quant import KERNEL_SCALES, QuantizedMatrix, int4_kernel_available, kernel_matmul, quantized_matrix
 
 needs_kernel = pytest.mark.skipif(not int4_kernel_available(), reason="the C kernels are not built")
 
@@ -94,7 +94,7 @@ def test_int8_linear_kernel_equals_its_torch_fallback(monkeypatch):
     layer = CodedLinear(m.q, m.scales, 64)
     x = torch.randn(2, 5, 136, generator=gen)
     fast = layer(x)
-    monkeypatch.setattr("engine.int8_dense.q8_kernel_handles", lambda *a: False)
+    monkeypatch.setattr("engine.kernels.int8_dense.q8_kernel_handles", lambda *a: False)
     slow = layer(x)
     assert fast.shape == (2, 5, 70)
     assert (fast - slow).abs().max() <= 2e-6 * slow.abs().max()

@@ -1,17 +1,17 @@
-"""A MoE layer's routed experts with int8 activations in one C call (engine/q8_experts.py)."""
+"""A MoE layer's routed experts with int8 activations in one C call (engine/kernels/q8_experts.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import engine.moe as moe
-import engine.q8_experts as q8_experts
-from engine.experts import ExpertWeights, ResidentExperts
-from engine.q8 import int8_activations, quantize_rows
-from engine.quant import SCALE_DTYPE, QuantizedExpert, QuantizedMatrix, int4_kernel_available, quantized_matrix
+import engine.core.moe as moe
+import engine.kernels.q8_experts as q8_experts
+from engine.core.sources import ExpertWeights, ResidentExperts
+from engine.kernels.q8 import int8_activations, quantize_rows
+from engine.kernels.quant import SCALE_DTYPE, QuantizedExpert, QuantizedMatrix, int4_kernel_available, quantized_matrix
 
-needs_kernel = pytest.mark.skipif(not int4_kernel_available(), reason="engine._kernels was not built")
+needs_kernel = pytest.mark.skipif(not int4_kernel_available(), reason="engine.kernels._kernels was not built")
 DIM, INTER, N_EXPERTS, TOPK = 200, 96, 10, 3  # widths that are no multiple of 64: partial chunks
 
 

@@ -18,14 +18,14 @@ from colibri_stream.convert.converter import Converter, ConvertOptions
 from colibri_stream.devtools import fixtures
 from colibri_stream.runtime.generate import generate
 from colibri_stream.runtime.loader import load_container
-from engine.int8_dense import CodedLinear
-from engine.interleaved_expert import InterleavedExpert
-from engine.q8 import ISA_AVX2, ISA_BEST, ISA_SCALAR, deinterleave, interleavable, interleave, q8_matmul
-from engine.quant import KERNEL_SCALES, QuantizedExpert
-from storage.container import Container
-from storage.tiered import StoreConfig
+from engine.kernels.int8_dense import CodedLinear
+from engine.kernels.interleaved_expert import InterleavedExpert
+from engine.kernels.q8 import ISA_AVX2, ISA_BEST, ISA_SCALAR, deinterleave, interleavable, interleave, q8_matmul
+from engine.kernels.quant import KERNEL_SCALES, QuantizedExpert
+from storage.container.reader import Container
+from storage.tiers.tiered import StoreConfig
 
-pytest.importorskip("engine._kernels")
+pytest.importorskip("engine.kernels._kernels")
 
 SCALE_DTYPES = [torch.float16, torch.bfloat16, torch.uint8]  # uint8: e8m0 exponents
 

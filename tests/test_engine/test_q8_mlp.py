@@ -1,4 +1,4 @@
-"""One SwiGLU MLP in one C call (engine/q8.py q8_mlp): what a shared expert or a dense layer's FFN computes
+"""One SwiGLU MLP in one C call (engine/kernels/q8.py q8_mlp): what a shared expert or a dense layer's FFN computes
 on the int8 path, at odd widths, row by row as alone, clamped as V4's; and on the float32 path's decode rows
 with bf16 weights (the bf16 kernel's products, C's SwiGLU)."""
 
@@ -8,16 +8,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import engine.q8
-from engine import decode_ops
-from engine.bf16 import Bf16Linear, bf16_kernel_available
-from engine.int8_dense import CodedLinear
-from engine.layers import MLP
-from engine.q8 import int8_activations, q8_mlp
-from engine.quant import int4_kernel_available, quantized_matrix
-from engine.rows import rows_alone
+import engine.kernels.q8
+from engine.core.layers import MLP
+from engine.kernels import decode_ops
+from engine.kernels.bf16 import Bf16Linear, bf16_kernel_available
+from engine.kernels.int8_dense import CodedLinear
+from engine.kernels.q8 import int8_activations, q8_mlp
+from engine.kernels.quant import int4_kernel_available, quantized_matrix
+from engine.kernels.rows import rows_alone
 
-needs_kernel = pytest.mark.skipif(not int4_kernel_available(), reason="engine._kernels was not built")
+needs_kernel = pytest.mark.skipif(not int4_kernel_available(), reason="engine.kernels._kernels was not built")
 
 
 def int8_linear(out_dim: int, in_dim: int, group: int, gen: torch.Generator) -> CodedLinear:
@@ -107,8 +107,8 @@ def test_a_float_decode_row_of_bf16_weights_takes_one_call_with_the_bf16_kernels
     mlp = bf16_mlp(dim, inter, limit)
     x = torch.randn(1, 1, dim, generator=torch.Generator().manual_seed(dim)) * (20 if limit else 2)
     calls = []
-    real = engine.q8._kernels.q8_mlp
-    monkeypatch.setattr(engine.q8._kernels, "q8_mlp", lambda *a: calls.append(a) or real(*a))
+    real = engine.kernels.q8._kernels.q8_mlp
+    monkeypatch.setattr(engine.kernels.q8._kernels, "q8_mlp", lambda *a: calls.append(a) or real(*a))
     fused = mlp(x)
     assert len(calls) == 1
     gate, up = mlp.w1(x), mlp.w3(x)

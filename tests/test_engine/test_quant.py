@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from colibri_stream.convert.quality import mean_kl, relative_error, top1_agreement
-from engine.quant import QuantizedMatrix, quantize, quantized_matrix
+from engine.kernels.quant import QuantizedMatrix, quantize, quantized_matrix
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -1,5 +1,6 @@
-"""Read-ahead into the CPU caches (engine/read_ahead.py, engine/csrc/read_ahead.c): the kernels' idle helper thread
-reads what it is asked, a new request replaces the old one, and decoding with it gives the same bits."""
+"""Read-ahead into the CPU caches (engine/kernels/read_ahead.py, engine/csrc/read_ahead.c): the kernels'
+idle helper thread reads what it is asked, a new request replaces the old one, and decoding with it gives
+the same bits."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ import pytest
 import torch
 from torch import nn
 
-import engine.model
-from engine import read_ahead as ahead
-from engine.experts import ExpertWeights, ResidentExperts
+import engine.mla.model
+from engine.core.sources import ExpertWeights, ResidentExperts
+from engine.kernels import read_ahead as ahead
 
 needs_helper = pytest.mark.skipif(
     ahead._kernels is None or not hasattr(ahead._kernels, "read_ahead"), reason="the C kernels are not built"
@@ -26,7 +27,7 @@ needs_helper = pytest.mark.skipif(
 
 @contextmanager
 def kernel_threads_set(threads: int):
-    """Kernel threads outside a forward pass are torch's (engine.rows.kernel_threads)."""
+    """Kernel threads outside a forward pass are torch's (engine.kernels.rows.kernel_threads)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -48,7 +49,7 @@ _READ_EVERY_BYTE = """
 import time
 import numpy as np
 import torch
-from engine import read_ahead as ahead
+from engine.kernels import read_ahead as ahead
 
 torch.set_num_threads(2)
 # numpy, not torch: torch fills large tensors on an OpenMP team whose idle threads then spin for a
@@ -135,13 +136,13 @@ def test_resident_experts_give_their_memory_gate_and_up_before_down():
 @pytest.mark.parametrize("int8", [False, True], ids=["float", "int8-act"])
 def test_decoding_with_read_ahead_gives_the_same_logits(stream_container, int8, monkeypatch):
     from colibri_stream.runtime.loader import load_container
-    from storage.container import Container
-    from storage.tiered import StoreConfig
+    from storage.container.reader import Container
+    from storage.tiers.tiered import StoreConfig
 
     def logits(read_ahead: bool, calls: list) -> list[torch.Tensor]:
-        monkeypatch.setattr(engine.model, "read_ahead_available", lambda: read_ahead)
+        monkeypatch.setattr(engine.mla.model, "read_ahead_available", lambda: read_ahead)
         monkeypatch.setattr(
-            engine.model,
+            engine.mla.model,
             "request_read_ahead",
             lambda arrays: calls.append(list(arrays)) or ahead.request_read_ahead(arrays),
         )

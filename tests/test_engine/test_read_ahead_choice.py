@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-import engine.model
+import engine.mla.model
 from colibri_stream.planning import read_ahead
 from colibri_stream.planning.budget import StoreOptions
 from colibri_stream.planning.read_ahead import CACHE_SHARE, choose_read_ahead, last_level_cache_bytes
@@ -38,7 +38,7 @@ def test_a_request_counts_the_largest_layer_and_its_guessed_experts(stream_conta
     try:
         model = loaded.model
         dense = [sum(t.nbytes for t in model._weights_of(i)) for i in range(len(model.layers) + 1)]
-        moe = [isinstance(layer.ffn, engine.model.MoE) for layer in model.layers] + [False]
+        moe = [isinstance(layer.ffn, engine.mla.model.MoE) for layer in model.layers] + [False]
         expected = max(d + (4 * 1000 if m else 0) for d, m in zip(dense, moe, strict=True))
         assert model.read_ahead_bytes(4, 1000) == expected
         assert model.read_ahead_bytes(4, 10**6) > max(dense)  # the experts count on a MoE layer
@@ -63,9 +63,9 @@ def test_a_model_loaded_on_a_small_cache_never_asks_for_read_ahead(stream_contai
 
     monkeypatch.setattr(read_ahead, "last_level_cache_bytes", lambda: 1024)  # far below any request
     monkeypatch.setattr(loader, "last_level_cache_bytes", lambda: 1024)
-    monkeypatch.setattr(engine.model, "read_ahead_available", lambda: True)  # as with 2 kernel threads
+    monkeypatch.setattr(engine.mla.model, "read_ahead_available", lambda: True)  # as with 2 kernel threads
     requests = []
-    monkeypatch.setattr(engine.model, "request_read_ahead", lambda arrays: requests.append(arrays))
+    monkeypatch.setattr(engine.mla.model, "request_read_ahead", lambda arrays: requests.append(arrays))
     loaded = loader.load(stream_container, store=StoreOptions(ram="100%"))
     try:
         assert loaded.model.read_ahead is False

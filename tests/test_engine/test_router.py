@@ -7,8 +7,9 @@ import dataclasses
 import pytest
 import torch
 
-from engine.args import ModelArgs
-from engine.moe import TOPK_FIRST_FROM, Gate, stable_topk_indices
+from engine.config.args import ModelArgs
+from engine.core.layers import TOPK_FIRST_FROM, stable_topk_indices
+from engine.core.moe import Gate
 
 BASE = dict(
     model_type="deepseek_v3",

@@ -1,4 +1,4 @@
-"""Products over a long context run on the kernel threads (engine/rows.py products_on_threads: the DSA
+"""Products over a long context run on the kernel threads (engine/kernels/rows.py products_on_threads: the DSA
 indexer's scores, prefill attention's scores and weighted values) inside a forward pass whose other torch ops
 keep one thread, with the bits of one thread: no selection, logit or cached value depends on how many
 threads computed it."""
@@ -11,15 +11,15 @@ import time
 import pytest
 import torch
 
-import engine.rows as rows_module
+import engine.kernels.rows as rows_module
 from colibri_stream.checkpoint.demo_model import demo_model_dir
-from engine import decode_ops
-from engine.args import ModelArgs
-from engine.cache import LayerCache
-from engine.indexer import Indexer
-from engine.prefill_attention import absorbed_blocks, expanded_blocks, key_block
-from engine.rope import rope_tables
-from engine.rows import torch_on_one_thread
+from engine.config.args import ModelArgs
+from engine.core.cache import LayerCache
+from engine.core.rope import rope_tables
+from engine.kernels import decode_ops
+from engine.kernels.rows import torch_on_one_thread
+from engine.mla.indexer import Indexer
+from engine.mla.prefill import absorbed_blocks, expanded_blocks, key_block
 
 pytestmark = pytest.mark.skipif(torch.get_num_threads() < 2, reason="needs 2 torch threads")
 
@@ -45,7 +45,7 @@ def select(indexer: Indexer, args: ModelArgs, x: torch.Tensor, q_latent: torch.T
         torch.zeros(1, x.shape[1], args.kv_lora_rank), torch.zeros(1, x.shape[1], args.qk_rope_head_dim)
     )  # the latents of these positions (the indexer reads only its keys)
     rope = rope_tables(args, start, x.shape[1], x.device)
-    # torch_ops: a decode row's choice is otherwise one C call (engine/decode_ops.py index_select)
+    # torch_ops: a decode row's choice is otherwise one C call (engine/kernels/decode_ops.py index_select)
     with torch.inference_mode(), torch_on_one_thread(), decode_ops.torch_ops(), pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch, "einsum", counting)
         chosen = indexer(x, q_latent, start, rope, cache)
@@ -97,7 +97,7 @@ def test_prefill_attention_over_key_blocks_keeps_one_threads_bits(form, monkeypa
     torch.manual_seed(1)
     seqlen, heads, nope, rope, v, rank, total = 37, 16, 64, 32, 64, 256, 1300
     assert key_block(seqlen, heads) == 3542 and total % 32  # one 8 MiB block: force several below
-    monkeypatch.setattr("engine.prefill_attention.KEY_BLOCK_BYTES", seqlen * heads * 4 * 1132)
+    monkeypatch.setattr("engine.mla.prefill.KEY_BLOCK_BYTES", seqlen * heads * 4 * 1132)
     q_nope, q_rope = torch.randn(seqlen, heads, nope), torch.randn(seqlen, heads, rope)
     latents, rope_keys = torch.randn(total, rank), torch.randn(total, rope)
     selection = torch.stack([torch.randperm(total - seqlen + s + 1)[:300] for s in range(seqlen)])
@@ -127,7 +127,7 @@ def test_a_prompt_in_chunks_keeps_one_threads_bits_in_every_family(loaded, famil
     results = []
     for threshold in (0, 1 << 62):
         monkeypatch.setattr(rows_module, "PARALLEL_PRODUCT_MACS", threshold)
-        monkeypatch.setattr("engine.prefill_attention.KEY_BLOCK_BYTES", 4096)  # several key blocks
+        monkeypatch.setattr("engine.mla.prefill.KEY_BLOCK_BYTES", 4096)  # several key blocks
         cache = loaded.model.new_cache()
         logits = loaded.model.forward_prompt(prompt, 0, cache, loaded.experts, 16)
         results.append((logits, [] if family == "deepseek_v4" else cache.log_rows(0, cache.length)))
@@ -154,8 +154,8 @@ def test_a_shared_core_keeps_products_on_one_thread(monkeypatch):
 def test_the_helper_thread_gives_a_verdict_on_its_core_after_a_kernel_call(monkeypatch):
     """engine/csrc/split.c: the helper measures its share of the core while it polls after a job; the verdict
     is a bool while recent, None once older than asked (or before any)."""
-    from engine import _kernels
-    from engine.quant import kernel_matmul, quantized_matrix
+    from engine.kernels import _kernels
+    from engine.kernels.quant import kernel_matmul, quantized_matrix
 
     monkeypatch.undo()  # the real verdict
     kernel_matmul(torch.randn(4, 512), quantized_matrix(torch.randn(512, 512), 4, 32))  # a job for the helper

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from colibri_stream.devtools import fixtures
-from engine.args import ConfigError, ModelArgs
-from engine.v4_args import CSA, HCA, SLIDING
+from engine.config.args import ConfigError, ModelArgs
+from engine.config.v4_args import CSA, HCA, SLIDING
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import torch
 from colibri_stream.devtools import fixtures
 from colibri_stream.runtime.generate import generate
 from colibri_stream.runtime.loader import load_checkpoint
-from engine.experts import ResidentExperts
+from engine.core.sources import ResidentExperts
 
 PROMPT_LEN = 20  # CSA selects from position 10 on: index_topk 4 x rate 2 < 20 / 2 entries
 NEW_TOKENS = 32
@@ -167,7 +167,7 @@ def test_hash_routed_layers_prefetch_exactly_the_experts_they_use(v4):
 def test_a_cache_rebuilt_from_its_rows_or_trimmed_continues_as_the_original(v4):
     """What a KV log holds (every position's rows) is the whole state: rebuilt from them, or cut back
     to an earlier length, a cache continues exactly as an uninterrupted one."""
-    from engine.v4_cache import V4Cache
+    from engine.v4.cache import V4Cache
 
     _, loaded = v4
     model, experts = loaded.model, loaded.experts
@@ -188,7 +188,7 @@ def test_without_a_log_only_the_windows_rows_stay_and_trimming_before_them_is_re
     """No log needs the rows: after a call a layer holds the sliding window's K=V rows and the open
     compressor windows' projections, not one row per position; what follows is still exact (the
     oracle tests above run this way) and a cut back before the held rows says why it cannot."""
-    from engine.position_rows import RowsReleased
+    from engine.v4.position_rows import RowsReleased
 
     _, loaded = v4
     model, v4_args = loaded.model, loaded.args.v4

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from colibri_stream.runtime.loader import CheckpointError, load_checkpoint
-from engine.weights import WeightNameError, engine_name, routed_expert_key, sort_names
+from engine.config.weights import WeightNameError, engine_name, routed_expert_key, sort_names
 
 
 def _copy_with(tmp_path, source, edit):
@@ -56,7 +56,7 @@ def test_missing_routed_expert_is_refused(tmp_path, tiny_checkpoints):
 
 
 def test_a_broken_multi_token_prediction_layer_is_refused_naming_the_tensor(tmp_path, tiny_checkpoints):
-    """DeepSeek-V3 ships an MTP layer as model.layers.<num_hidden_layers>: it is loaded (engine/mtp.py), so a
+    """DeepSeek-V3 ships an MTP layer as model.layers.<num_hidden_layers>: it is loaded (engine/mla/mtp.py), so a
     wrong one is an error naming the tensor; ``sort_names(mtp=False)`` (convert --no-mtp) leaves it out."""
     source = tiny_checkpoints["deepseek_v3"]
 

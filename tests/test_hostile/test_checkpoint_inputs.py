@@ -24,7 +24,7 @@ from colibri_stream.checkpoint.files import TensorInfo, add_shard
 from colibri_stream.convert.hf_source import HFSource
 from colibri_stream.errors import USER_ERRORS, CheckpointError
 from colibri_stream.runtime.loader import load_checkpoint, load_container
-from engine.args import ConfigError
+from engine.config.args import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 SHARD = "model.safetensors"

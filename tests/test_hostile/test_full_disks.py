@@ -23,9 +23,9 @@ from colibri_stream import cli
 from colibri_stream.runtime.turn import RuntimeOptions, load_runtime
 from colibri_stream.serve.app import Server
 from storage.errors import DiskFullError
-from storage.history import UsageHistory
-from storage.kvlog import HEADER_BYTES, KVGeometry, KVLog, read_header
-from storage.trace import TraceWriter
+from storage.kv.log import HEADER_BYTES, KVGeometry, KVLog, read_header
+from storage.tiers.history import UsageHistory
+from storage.tiers.trace import TraceWriter
 from tests.test_hostile.test_server_abuse import FAMILY, MODEL, call, completion, scenario
 
 GEOMETRY = KVGeometry(
@@ -102,7 +102,7 @@ def test_a_full_disk_keeps_the_last_history_and_only_warns(tmpfs, caplog):
     with pytest.raises(DiskFullError, match=str(path)):
         history.save(path)
     assert sorted(p.name for p in disk.iterdir()) == ["filler", "history.json"]  # no temp file left
-    with caplog.at_level(logging.WARNING, logger="storage.history"):
+    with caplog.at_level(logging.WARNING, logger="storage.tiers.history"):
         assert history.save_or_warn(path) is False
         assert history.save_or_warn(path) is False
     assert len(caplog.records) == 1 and "usage history not updated" in caplog.text  # warned once
@@ -116,7 +116,7 @@ def test_a_full_trace_disk_stops_tracing_with_one_warning(tmpfs, caplog):
     disk = tmpfs("256k")
     trace = TraceWriter(disk / "trace.jsonl", buffer_lines=16)
     fill(disk)
-    with caplog.at_level(logging.WARNING, logger="storage.trace"):
+    with caplog.at_level(logging.WARNING, logger="storage.tiers.trace"):
         for _ in range(10_000):  # far more than the disk holds
             trace.write(3, [1, 2, 3, 4, 5, 6, 7, 8])
         trace.flush()

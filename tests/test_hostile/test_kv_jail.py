@@ -13,10 +13,10 @@ import pytest
 from colibri_stream import cli
 from colibri_stream.errors import SessionError
 from colibri_stream.runtime.transcript import load_transcript
-from storage.atomic import atomic_write_json
 from storage.errors import FormatError
-from storage.kvlog import MAGIC, KVGeometry, KVLog, NotALogError, read_header_state, remove_log
-from storage.safe_read import NotRegularFileError
+from storage.files.atomic import atomic_write_json
+from storage.files.safe_read import NotRegularFileError
+from storage.kv.log import MAGIC, KVGeometry, KVLog, NotALogError, read_header_state, remove_log
 
 GEOMETRY = KVGeometry(2, 4, 2, (0,), 3, "float32")
 SECRET = b"someone else's file: not a KV log\n" * 200

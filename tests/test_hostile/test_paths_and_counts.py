@@ -27,10 +27,10 @@ from colibri_stream.experts.cluster.wire import WorkerError
 from colibri_stream.planning.budget import load_budget_file
 from colibri_stream.runtime.transcript import load_transcript
 from storage.errors import BudgetError  # the library's BudgetError derives from it
-from storage.history import UsageHistory
-from storage.safe_read import NotRegularFileError, OutputPathError
-from storage.tiered import MAX_IO_THREADS, StoreConfig
-from storage.trace import TraceWriter
+from storage.files.safe_read import NotRegularFileError, OutputPathError
+from storage.tiers.history import UsageHistory
+from storage.tiers.tiered import MAX_IO_THREADS, StoreConfig
+from storage.tiers.trace import TraceWriter
 
 
 @pytest.fixture

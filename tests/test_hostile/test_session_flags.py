@@ -21,8 +21,8 @@ import pytest
 from colibri_stream import cli
 from colibri_stream.errors import SessionError
 from colibri_stream.runtime.sessions import Session
-from engine.args import ModelArgs
-from storage.kvlog import read_header_state
+from engine.config.args import ModelArgs
+from storage.kv.log import read_header_state
 
 FIRST = list(range(2, 12))
 SECOND = [*FIRST, 40, 41, 42]  # FIRST's prompt and more: the whole of FIRST is a stored prefix

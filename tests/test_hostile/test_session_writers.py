@@ -30,7 +30,7 @@ from colibri_stream.runtime.session_lock import SessionLease
 from colibri_stream.runtime.session_pool import SessionPool
 from colibri_stream.runtime.sessions import Session
 from colibri_stream.serve.model_thread import api_error
-from engine.args import ModelArgs
+from engine.config.args import ModelArgs
 
 FOOTER = re.compile(r"\[\d+ tok at .*reused (\d+) tok\]")
 COMMAND = [sys.executable, "-m", "colibri_stream"]

@@ -19,13 +19,13 @@ from colibri_stream.planning.kv_bytes import kv_geometry
 from colibri_stream.runtime.loader import model_config
 from colibri_stream.runtime.sessions import Session, session_info
 from colibri_stream.text.chat_format import ChatFormat, load_chat_format
-from engine.args import ModelArgs
+from engine.config.args import ModelArgs
 from storage.errors import FormatError
-from storage.history import UsageHistory
-from storage.kvlog import KVLog
-from storage.safe_read import NotRegularFileError
-from storage.simulate import read_trace
-from storage.trace import TraceWriter
+from storage.files.safe_read import NotRegularFileError
+from storage.kv.log import KVLog
+from storage.tiers.history import UsageHistory
+from storage.tiers.simulate import read_trace
+from storage.tiers.trace import TraceWriter
 
 DEEP_JSON = "[" * 100_000 + "]" * 100_000
 FOUR_GIB = 4 << 30

@@ -19,12 +19,12 @@ from colibri_stream.checkpoint.fingerprint import container_weights_sha256, mode
 from colibri_stream.devtools import fixtures
 from colibri_stream.errors import SessionError
 from colibri_stream.runtime.sessions import Session, check_session_name
-from engine.args import ModelArgs
-from storage import kvlog
-from storage.container import Container
-from storage.container_write import CONTENT_KEY, content_sha256
+from engine.config.args import ModelArgs
+from storage.container.reader import Container
+from storage.container.write import CONTENT_KEY, content_sha256
 from storage.errors import FormatError
-from storage.kvlog import HEADER_BYTES
+from storage.kv import log as kvlog
+from storage.kv.log import HEADER_BYTES
 
 IDS_A = list(range(1, 11))
 IDS_B = list(range(1, 12))  # A's prompt plus one token: a full prefix match if the log were reused
@@ -209,7 +209,7 @@ _OPEN_HUGE_LOG = textwrap.dedent(
     import json, os, sys
     import numpy as np
     from colibri_stream.runtime.memory import peak_rss_bytes
-    from storage.kvlog import KVGeometry, KVLog
+    from storage.kv.log import KVGeometry, KVLog
     geometry = KVGeometry(2, 4, 2, (0,), 3, "float32")
     path = sys.argv[1]
     with KVLog(path, "fp", geometry) as log:

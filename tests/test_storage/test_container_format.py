@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import zarr
 
-from storage.buffers import aligned_empty, is_aligned
-from storage.container import Container, ExpertReader, expert_array_name
+from storage.container.layout import RECORD_ALIGN, ExpertRecordLayout
+from storage.container.reader import Container, ExpertReader, expert_array_name
 from storage.errors import FormatError
-from storage.layout import RECORD_ALIGN, ExpertRecordLayout
+from storage.files.buffers import aligned_empty, is_aligned
 
 
 def test_stock_zarr_opens_attributes_dense_arrays_and_expert_chunks(make_container):

@@ -16,10 +16,10 @@ import time
 import numpy as np
 import pytest
 
-from storage import kvlog
-from storage.checksum import crc32c
 from storage.errors import CorruptDataError, FormatError, IncompatibleStateError
-from storage.kvlog import (
+from storage.files.checksum import crc32c
+from storage.kv import log as kvlog
+from storage.kv.log import (
     HEADER_BYTES,
     FaultHook,
     KVGeometry,

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from storage.errors import IncompatibleStateError
-from storage.kvgeometry import LeanGeometry, RowsGeometry
-from storage.kvlog import HEADER_BYTES, KVLog, StateMismatchError
-from storage.kvsnap import LeanLog, count_positions
+from storage.kv.geometry import LeanGeometry, RowsGeometry
+from storage.kv.log import HEADER_BYTES, KVLog, StateMismatchError
+from storage.kv.snap import LeanLog, count_positions
 from tests.test_storage.test_kvlog import kill_at
 
 # Odd widths: an entry series closing every 2 positions and one every 4; a sliding window of 3 rows, an

@@ -19,8 +19,8 @@ import torch
 from colibri_stream.runtime.loader import load_container
 from colibri_stream.runtime.generate import generate
 from colibri_stream.runtime.memory import PeakSampler, return_large_frees_to_the_os, uss_bytes
-from storage.container import Container
-from storage.tiered import StoreConfig
+from storage.container.reader import Container
+from storage.tiers.tiered import StoreConfig
 
 return_large_frees_to_the_os()
 torch.set_num_threads(1)
@@ -54,7 +54,7 @@ def test_peak_uss_stays_within_budget_plus_dense_plus_kv(tmp_path, stream_contai
     source = write_stress_checkpoint(tmp_path / "hf", shape, progress=False)
     container = tmp_path / "c"
     Converter(source, container, ConvertOptions(experts="int4", dense="f32"), progress=False).run()
-    from storage.container import Container
+    from storage.container.reader import Container
 
     expert_bytes = Container(container).expert_bytes
     budget = expert_bytes // 4

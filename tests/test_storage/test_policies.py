@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from storage.policy import FrequentPolicy, HybridPolicy, LRUPolicy
-from storage.simulate import belady_hits, replay
-from storage.tier import SlotTier
+from storage.tiers.policy import FrequentPolicy, HybridPolicy, LRUPolicy
+from storage.tiers.simulate import belady_hits, replay
+from storage.tiers.tier import SlotTier
 
 
 def _resident_after(policy, requests, capacity=4, hot=frozenset()):

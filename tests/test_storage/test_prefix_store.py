@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from storage.errors import FormatError
-from storage.kvlog import KVGeometry
-from storage.prefix_blocks import Block, Namespace, read_block
-from storage.prefix_store import PrefixStore
+from storage.kv.log import KVGeometry
+from storage.kv.prefix_blocks import Block, Namespace, read_block
+from storage.kv.prefix_store import PrefixStore
 
 # odd widths: 3 layers x (kv_lora 7 + rope 5) + one index layer of 3
 GEOMETRY = KVGeometry(

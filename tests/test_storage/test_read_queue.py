@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from storage.read_queue import ReadQueue
+from storage.tiers.read_queue import ReadQueue
 
 
 class Recorder:

@@ -14,15 +14,15 @@ import pytest
 from colibri_stream.checkpoint.fingerprint import container_fingerprint, model_fingerprint
 from colibri_stream.runtime.generate import generate
 from colibri_stream.runtime.loader import load_container
-from storage.buffers import aligned_empty
-from storage.container import Container, ExpertReader, expert_chunk_relpath
+from storage.container.mirror import copy_problems, mirror_layout, plan_mirror
+from storage.container.parts import PART_MARKER, PARTS_FILE, PartError
+from storage.container.reader import Container, ExpertReader, expert_chunk_relpath
+from storage.container.spread import JOURNAL, apply_layout, current_parts, gather_layout, spread_layout
+from storage.container.verify import verify_container
 from storage.errors import CorruptDataError
-from storage.history import UsageHistory
-from storage.mirror import copy_problems, mirror_layout, plan_mirror
-from storage.parts import PART_MARKER, PARTS_FILE, PartError
-from storage.spread import JOURNAL, apply_layout, current_parts, gather_layout, spread_layout
-from storage.tiered import StoreConfig
-from storage.verify import verify_container
+from storage.files.buffers import aligned_empty
+from storage.tiers.history import UsageHistory
+from storage.tiers.tiered import StoreConfig
 
 PROMPT = [5, 9, 17, 33, 65, 129, 257, 300, 11, 23]
 NEW_TOKENS = 10
@@ -208,8 +208,8 @@ def test_a_changed_record_on_one_device_names_device_and_record(copy, tmp_path):
 KILLER = """
 import os, signal, sys
 from pathlib import Path
-from storage.container import Container
-from storage.spread import apply_layout, spread_layout
+from storage.container.reader import Container
+from storage.container.spread import apply_layout, spread_layout
 path, part, after = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
 done = [0]
 def progress(n):
@@ -241,12 +241,12 @@ def test_a_killed_spread_resumes_to_verified_identical_records(copy, tmp_path, r
 
 def test_an_unreadable_part_is_one_line_naming_it(copy, tmp_path, monkeypatch):
     """The same check as above where the test runs as root (which reads any mode): access() says no."""
-    import storage.parts
+    import storage.container.parts
 
     part = tmp_path / "ssd2"
     _spread(copy, [part], [1.0])
     real = os.access
-    monkeypatch.setattr(storage.parts.os, "access", lambda p, mode: Path(p) != part and real(p, mode))
+    monkeypatch.setattr(storage.container.parts.os, "access", lambda p, mode: Path(p) != part and real(p, mode))
     problems = verify_container(copy)
     assert problems == [f"part directory {part} is unreadable (permission denied)"]
 

@@ -13,11 +13,11 @@ import pytest
 from colibri_stream.devtools.fixtures import FAMILIES, make_prompt
 from colibri_stream.runtime.generate import generate
 from colibri_stream.runtime.loader import load_container
-from storage.container import Container
+from storage.container.reader import Container
 from storage.errors import BudgetError, CorruptDataError
-from storage.history import UsageHistory
-from storage.policy import POLICY_NAMES
-from storage.tiered import StoreConfig, minimum_slots
+from storage.tiers.history import UsageHistory
+from storage.tiers.policy import POLICY_NAMES
+from storage.tiers.tiered import StoreConfig, minimum_slots
 
 PROMPT = [5, 9, 17, 33, 65, 129, 257, 300, 11, 23]
 NEW_TOKENS = 12
@@ -272,7 +272,7 @@ def test_a_corrupted_record_read_while_streaming_is_a_typed_error(stream_contain
 def test_o_direct_is_the_default_and_falls_back_where_the_filesystem_refuses(
     stream_container, reference_ids, monkeypatch
 ):
-    import storage.tiered
+    import storage.tiers.tiered
 
     container = Container(stream_container)
     config = StoreConfig(ram_bytes=_budget(container, "min"))
@@ -281,7 +281,7 @@ def test_o_direct_is_the_default_and_falls_back_where_the_filesystem_refuses(
     assert loaded.experts.report()["direct_io"]  # this filesystem takes O_DIRECT (the 96-way grid reads with it)
     loaded.experts.close()
 
-    monkeypatch.setattr(storage.tiered, "o_direct_refusal", lambda path: "O_DIRECT unsupported (test)")
+    monkeypatch.setattr(storage.tiers.tiered, "o_direct_refusal", lambda path: "O_DIRECT unsupported (test)")
     loaded = load_container(stream_container, store=config)
     assert generate(loaded.model, PROMPT, NEW_TOKENS, loaded.experts).ids == reference_ids
     assert loaded.experts.report()["direct_io"] is False
@@ -475,7 +475,7 @@ def test_settle_builds_each_resident_slot_once_and_every_use_gets_its_expert(str
     ``resident`` first hands a layer out, and ``expert`` then gives the same object; without every record
     in RAM nothing is settled."""
     from colibri_stream.experts.codec import expert_from_record
-    from storage.tiered import TieredExpertStore
+    from storage.tiers.tiered import TieredExpertStore
 
     container = Container(stream_container)
     settled: list[int] = []

@@ -7,8 +7,8 @@ import subprocess
 import sys
 import uuid
 
-from storage.container_write import ContainerWriter
-from storage.layout import ExpertRecordLayout
+from storage.container.layout import ExpertRecordLayout
+from storage.container.write import ContainerWriter
 
 
 def test_a_reopened_container_loses_dead_writers_temp_files_and_keeps_the_rest(tmp_path):
@@ -21,7 +21,7 @@ def test_a_reopened_container_loses_dead_writers_temp_files_and_keeps_the_rest(t
         torn = [
             tmp_path / f"zarr.{uuid.uuid4().hex}.partial",  # zarr's temp of zarr.json
             chunks / f"0.{uuid.uuid4().hex}.partial",  # zarr's temp of chunk 0
-            tmp_path / f".convert-journal.json.tmp-{dead.pid}",  # storage.atomic's, its process gone
+            tmp_path / f".convert-journal.json.tmp-{dead.pid}",  # storage.files.atomic's, its process gone
         ]
         kept = [
             chunks / "0",
@@ -29,7 +29,7 @@ def test_a_reopened_container_loses_dead_writers_temp_files_and_keeps_the_rest(t
             tmp_path / f".convert-journal.json.tmp-{os.getpid()}",  # ours
             tmp_path / "notes.partial",  # not zarr's name
             tmp_path / f"zarr.{uuid.uuid4().hex[:31]}.partial",
-            tmp_path / f"journal.tmp-{dead.pid}",  # not a hidden temp of storage.atomic
+            tmp_path / f"journal.tmp-{dead.pid}",  # not a hidden temp of storage.files.atomic
         ]
         for path in torn + kept:
             path.write_bytes(b"x")

@@ -22,10 +22,10 @@ from colibri_stream.runtime.loader import load_checkpoint, load_container
 from colibri_stream.runtime.mtp_governor import MTPOptions
 from colibri_stream.runtime.sampling import SamplingParams
 from colibri_stream.runtime.speculation import Speculation
-from engine.bf16 import bf16_kernel_available
-from storage.container import Container
-from storage.tiered import StoreConfig
-from storage.verify import verify_container
+from engine.kernels.bf16 import bf16_kernel_available
+from storage.container.reader import Container
+from storage.container.verify import verify_container
+from storage.tiers.tiered import StoreConfig
 
 NEW_TOKENS = 24
 

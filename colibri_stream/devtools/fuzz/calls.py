@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from storage.simulate import compare_policies, read_trace
+from storage.tiers.simulate import compare_policies, read_trace
 
 
 def replay_trace(path: str) -> None:

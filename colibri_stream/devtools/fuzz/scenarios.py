@@ -279,7 +279,7 @@ def _check_transcript_and_log(answered: dict[str, list[str]]) -> None:
     if users not in orders:
         raise _bad(BAD_LOST, f"transcript has {users}; the processes acknowledged {answered} after 'hello'")
     from colibri_stream.runtime.turn import RuntimeOptions, load_runtime
-    from storage.kvlog import KVLog, read_header_state
+    from storage.kv.log import KVLog, read_header_state
 
     runtime = load_runtime("ckpt", RuntimeOptions(kv_dir="kv"))
     try:

@@ -5,7 +5,7 @@ The coordinator keeps the dense part, the KV state and the routers. Per MoE laye
 that computes one of the routed experts one request (the rows, their expert ids and gate weights, the
 experts it is to compute, plus the next layer's prefetch guess for that worker), computes the shared
 expert while the workers read and compute, and adds their float64 partial sums: the same exact terms a
-single process adds (engine/moe.py RoutedSum), so the tokens are the same whatever the number of workers.
+single process adds (engine/core/moe.py RoutedSum), so the tokens are the same whatever the number of workers.
 
 A worker that closes its link, stalls past ``timeout_s`` or reports an error is lost, alone (one socket
 per worker, transport.py): its part of the request in flight is computed again by the coordinator from
@@ -37,12 +37,12 @@ from colibri_stream.experts.cluster.replicas import COORDINATOR, Holders, assign
 from colibri_stream.experts.cluster.transport import Link, Reply
 from colibri_stream.experts.cluster.wire import Hello, Op, WorkerError
 from colibri_stream.experts.store import RemoteExpertStore
-from engine.q8 import activations_are_int8
-from engine.rows import computing_alone
-from storage.container import Container
-from storage.history import UsageHistory
-from storage.stats import RoutingCounts, StoreStats, TierView
-from storage.trace import TraceWriter
+from engine.kernels.q8 import activations_are_int8
+from engine.kernels.rows import computing_alone
+from storage.container.reader import Container
+from storage.tiers.history import UsageHistory
+from storage.tiers.stats import RoutingCounts, StoreStats, TierView
+from storage.tiers.trace import TraceWriter
 
 logger = logging.getLogger(__name__)
 

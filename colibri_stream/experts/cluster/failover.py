@@ -16,11 +16,11 @@ from dataclasses import replace
 import torch
 
 from colibri_stream.experts.codec import expert_from_record
-from engine.moe import routed_sum
-from engine.rows import torch_on_one_thread
-from storage.container import Container
-from storage.stats import StoreStats
-from storage.tiered import StoreConfig, TieredExpertStore, minimum_slots
+from engine.core.moe import routed_sum
+from engine.kernels.rows import torch_on_one_thread
+from storage.container.reader import Container
+from storage.tiers.stats import StoreStats
+from storage.tiers.tiered import StoreConfig, TieredExpertStore, minimum_slots
 
 
 class Fallback:

@@ -26,10 +26,10 @@ from colibri_stream.experts.cluster.transport import Link
 from colibri_stream.experts.cluster.wire import Hello, WorkerError
 from colibri_stream.planning.geometry import container_args
 from engine.families import family_of
-from storage.container import Container
-from storage.history import UsageHistory
-from storage.tiered import StoreConfig
-from storage.trace import TraceWriter
+from storage.container.reader import Container
+from storage.tiers.history import UsageHistory
+from storage.tiers.tiered import StoreConfig
+from storage.tiers.trace import TraceWriter
 
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_CONNECT_TIMEOUT_S = 600.0

@@ -14,7 +14,7 @@ from typing import Any
 
 from colibri_stream.experts.cluster.transport import Link
 from colibri_stream.experts.cluster.wire import Hello, Op, WorkerError
-from storage.stats import StoreStats
+from storage.tiers.stats import StoreStats
 
 SERVING, LOST, REJOINED = "serving", "lost", "rejoined"
 

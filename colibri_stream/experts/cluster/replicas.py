@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from colibri_stream.errors import ColibriError
-from storage.history import UsageHistory
+from storage.tiers.history import UsageHistory
 
 COORDINATOR = 0  # the coordinator's own rank: experts it computes itself after their holders were lost
 NONE = -1  # no second holder

@@ -20,7 +20,7 @@ import torch
 
 from colibri_stream.errors import ColibriError
 from colibri_stream.experts.cluster.wire import Hello
-from storage.safe_read import decode_utf8, read_bounded
+from storage.files.safe_read import decode_utf8, read_bounded
 
 MAX_MAP_BYTES = 16 << 20
 

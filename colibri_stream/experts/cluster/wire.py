@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from colibri_stream.errors import ColibriError
-from storage.stats import StoreStats
+from storage.tiers.stats import StoreStats
 
 PROTOCOL_VERSION = 2
 VALUES = 10

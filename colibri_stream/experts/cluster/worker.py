@@ -33,14 +33,14 @@ from colibri_stream.experts.codec import expert_from_record
 from colibri_stream.planning.bandwidth import disk_bandwidth
 from colibri_stream.planning.budget import StoreOptions, worker_store_config
 from colibri_stream.planning.geometry import container_args, geometry_from_container
+from engine.core.moe import routed_sum
 from engine.families import family_of
-from engine.moe import routed_sum
-from engine.q8 import int8_activations
-from engine.rows import rows_alone, torch_on_one_thread
-from storage.container import Container
-from storage.history import UsageHistory
-from storage.tiered import StoreConfig, TieredExpertStore
-from storage.trace import TraceWriter
+from engine.kernels.q8 import int8_activations
+from engine.kernels.rows import rows_alone, torch_on_one_thread
+from storage.container.reader import Container
+from storage.tiers.history import UsageHistory
+from storage.tiers.tiered import StoreConfig, TieredExpertStore
+from storage.tiers.trace import TraceWriter
 
 COORDINATOR = "the coordinator"
 # what a request's failure is told to the coordinator as (it serves around this worker): I/O errors and

@@ -1,0 +1,138 @@
+"""A MoE layer's routed experts with int8 activations in one C call (engine/csrc/q8_moe.c).
+
+Inside ``int8_activations()`` a decode step's experts would otherwise cost three kernel calls and a
+few torch ops each (quantise x three times, wake the kernel's helper thread three times, SwiGLU,
+weight, add): per layer, one call quantises x once, runs every expert's gate and up matrices as one
+threaded job, SwiGLU, every down matrix as a second job, and adds the gate-weighted terms into the
+float64 sum. Each row is computed as alone (batch-invariant), as the q8 kernels are. Experts held in the
+kernel's interleaved layout (engine/kernels/interleaved_expert.py) are read as such.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from typing import TypeGuard, cast
+
+import torch
+
+from engine.kernels.expert_calls import common_table, parts_within
+from engine.kernels.interleaved_expert import InterleavedExpert
+from engine.kernels.native import _kernels
+from engine.kernels.q8 import BLOCK, ISA_BEST, WEIGHT_KINDS, activations_are_int8
+from engine.kernels.quant import KERNEL_SCALES, QuantizedExpert, QuantizedMatrix
+from engine.kernels.rows import kernel_threads
+
+MAX_WORK_BYTES = 32 << 20  # one call's work area at most: a prefill's experts are split over calls
+
+
+CallExpert = QuantizedExpert | InterleavedExpert  # what the call takes
+
+
+def fused_experts_handle(experts: Sequence[object], x: torch.Tensor) -> TypeGuard[Sequence[CallExpert]]:
+    """Whether ``add_experts`` takes these experts with x: int8 activations on, float32 x on the CPU,
+    QuantizedExperts whose matrices the q8 kernel takes or InterleavedExperts, all of one layout."""
+    # reflection: a build of the C extension older than q8_moe.c lacks it
+    if not experts or not activations_are_int8() or _kernels is None:
+        return False
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[0] == 0:
+        return False
+    first = _plan(experts[0])
+    return first is not None and all((plan := _plan(e)) is not None and plan[0] == first[0] for e in experts[1:])
+
+
+def expert_table(experts: Sequence[object]) -> tuple[tuple[int, ...], array[int]] | None:
+    """A layer's experts as engine/csrc/decode_step.c reads them: (their common layout (inter, kind13, kind2,
+    scale kind, group13, group2, interleaved), the six addresses of each, [n, 6] flat); None when q8_moe does
+    not take them all, alike."""
+    table = common_table([_plan(e) for e in experts])
+    if table is None:
+        return None
+    dim, inter, *call_layout = _call_layout(table[0])
+    return (inter, *call_layout), table[1]
+
+
+def _call_layout(layout: tuple[object, ...]) -> tuple[int, ...]:
+    """A plan's layout as q8_moe takes it: (dim, inter, kind13, kind2, scale kind, group13, group2, interleaved)."""
+    code13, code2, scale_dtype, group13, group2, dim, inter, interleaved = layout
+    kinds = (
+        WEIGHT_KINDS[cast(str, code13)],
+        WEIGHT_KINDS[cast(str, code2)],
+        KERNEL_SCALES[cast(torch.dtype, scale_dtype)],
+    )
+    return cast(tuple[int, ...], (dim, inter, *kinds, group13, group2, int(cast(bool, interleaved))))
+
+
+def _plan(expert: object) -> tuple[tuple[object, ...], tuple[int, ...]] | None:
+    """(layout, the six addresses of w1, its scales, w3, its scales, w2, its scales) of an expert the call
+    takes, else None; kept on the expert (``q8_plan``), which its store builds once per slot: a decode step
+    would otherwise re-check 18 matrices per layer. An interleaved matrix's scales are in its codes' bytes:
+    its address stands for both."""
+    if not isinstance(expert, (InterleavedExpert, QuantizedExpert)):
+        return None
+    if expert.q8_plan is None:
+        plan = _interleaved_plan(expert) if isinstance(expert, InterleavedExpert) else _row_major_plan(expert)
+        object.__setattr__(expert, "q8_plan", plan)  # a frozen dataclass: its one field set after init
+    return expert.q8_plan or None
+
+
+def _row_major_plan(expert: QuantizedExpert) -> tuple[()] | tuple[tuple[object, ...], tuple[int, ...]]:
+    layout = _layout(expert)
+    return () if layout is None else (layout, _addresses(expert))
+
+
+def _interleaved_plan(expert: InterleavedExpert) -> tuple[tuple[object, ...], tuple[int, ...]]:
+    w1, w2 = expert.w1, expert.w2
+    layout = (w1.code, w2.code, w1.scale_dtype, w1.group_size, w2.group_size, w1.in_dim, w1.out_dim, True)
+    return layout, tuple(p for t in expert.tensors() for p in (t.data_ptr(), t.data_ptr()))
+
+
+def _addresses(expert: QuantizedExpert) -> tuple[int, ...]:
+    return tuple(p for m in (expert.w1, expert.w3, expert.w2) for p in (m.q.data_ptr(), m.scales.data_ptr()))
+
+
+def _layout(expert: QuantizedExpert) -> tuple[object, ...] | None:
+    """What one call needs alike in every expert: codes, groups, scale dtype, shape, row-major; None if it
+    cannot."""
+    w1, w2 = expert.w1, expert.w2
+    if not expert.fusable() or not all(_kernel_takes(m) for m in (w1, w2)):
+        return None
+    return w1.code, w2.code, w1.scales.dtype, w1.group_size, w2.group_size, w1.in_dim, w1.out_dim, False
+
+
+def _kernel_takes(m: QuantizedMatrix) -> bool:
+    return m.code in WEIGHT_KINDS and m.group_size % BLOCK == 0 and m.scales.dtype in KERNEL_SCALES
+
+
+def add_experts(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    expert_ids: Sequence[int],
+    experts: Sequence[CallExpert],
+    limit: float | None = None,
+) -> None:
+    """out [N, dim] float64 += sum over the listed experts e of weight[r, e] * e(x[r]) for every row r
+    routed to e. x [N, dim] float32, ids [N, topk], weights [N, topk] float32; experts[i] is expert
+    expert_ids[i] (fused_experts_handle must hold); ``limit``: the SwiGLU clamp (DeepSeek-V4)."""
+    x, weights = x.contiguous(), weights.float().contiguous()
+    ids = ids.to(torch.int64).contiguous()
+    plans = [_plan(e) for e in experts]  # fused_experts_handle held: every expert has one, of one layout
+    dim, inter, kind13, kind2, scale_kind, group13, group2, interleaved = _call_layout(plans[0][0])  # type: ignore[index]
+    for part in _parts(ids, list(expert_ids), dim, inter):
+        mats = array("Q", [p for i in part for p in plans[i][1]])  # type: ignore[index]  # [n, 6] addresses
+        part_ids = array("q", [expert_ids[i] for i in part])
+        _kernels.q8_moe(
+            x.data_ptr(), x.shape[0], dim, inter,
+            ids.data_ptr(), weights.data_ptr(), ids.shape[1],
+            part_ids.buffer_info()[0], len(part), mats.buffer_info()[0],
+            kind13, kind2, scale_kind, group13, group2, bool(interleaved),
+            limit is not None, float(limit or 0.0),
+            out.data_ptr(), ISA_BEST, kernel_threads(),
+        )  # fmt: skip
+
+
+def _parts(ids: torch.Tensor, expert_ids: list[int], dim: int, inter: int) -> list[list[int]]:
+    row_bytes = 4 * (2 * inter + dim) + 2 * (dim + inter) + 16  # gate, up, y float32; x, h int8 + scales
+    return parts_within(ids, expert_ids, row_bytes, MAX_WORK_BYTES)

@@ -1,0 +1,208 @@
+"""Batch invariance: rows of independent requests, computed together, each exactly as if alone.
+
+Decoding several conversations in one forward reads every weight once for all of them, but a matmul
+over B rows need not give a row the bits it gets over 1 row (BLAS picks other kernels and summation
+orders by shape). Inside ``rows_alone()`` every matmul of the engine keeps each row's arithmetic that
+of a one-row call: the C kernels take their batch-invariant path (each row through the one-row
+accumulation, the weights still streamed once), torch matmuls run row by row. Greedy text is then the
+same whether a request is decoded alone or beside others, bit for bit. Outside it nothing changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextvars import ContextVar
+from functools import partial
+from typing import TYPE_CHECKING, Any, TypeVar, overload
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.kernels.native import BUILT, _kernels
+
+T = TypeVar("T")
+
+_alone: ContextVar[bool] = ContextVar("rows_alone", default=False)
+_segments: ContextVar[tuple[int, ...] | None] = ContextVar("rows_in_segments", default=None)
+_kernel_threads: ContextVar[int | None] = ContextVar("kernel_threads", default=None)
+
+
+@contextmanager
+def _holding(var: ContextVar[T], value: T) -> Iterator[None]:
+    """``var`` set to ``value`` inside, back to what it was after."""
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
+def rows_alone() -> AbstractContextManager[None]:
+    """Compute every row of the matmuls inside as a one-row call would (see the module docstring)."""
+    return _holding(_alone, True)
+
+
+def computing_alone() -> bool:
+    return _alone.get()
+
+
+def rows_in_segments(sizes: Sequence[int]) -> AbstractContextManager[None]:
+    """Compute the rows of every op inside (flattened to [rows, last dim]) as runs of these lengths, each as
+    its own call computes it: several requests' prompt chunks in one forward (engine/mla/model.py
+    forward_prompts), each chunk the bits of its own forward. Row-wise ops (norms, elementwise arithmetic)
+    run over all rows at once; where a row's bits depend on the rows beside it (BLAS picks kernels by shape,
+    the C kernels go MAX_ROWS rows at a time, torch's vectorised transcendental functions give a row's last
+    elements the scalar function) the op runs per segment (``by_segment``) or, the bf16 kernel, with each
+    segment's own row groups. Work on one segment's rows alone goes inside ``one_segment()``."""
+    return _holding(_segments, tuple(sizes))
+
+
+def one_segment() -> AbstractContextManager[None]:
+    """Inside rows_in_segments(), ops over one segment's rows only (its attention over its own cache)."""
+    return _holding(_segments, None)
+
+
+def row_segments(rows: int) -> tuple[int, ...] | None:
+    """The segments (rows_in_segments) an op over ``rows`` rows splits into; None outside, or with one."""
+    sizes = _segments.get()
+    if sizes is None or len(sizes) == 1 or computing_alone():
+        return None
+    if sum(sizes) != rows:
+        raise ValueError(f"an op over {rows} rows inside rows_in_segments{sizes} (they add up to {sum(sizes)})")
+    return sizes
+
+
+def by_segment(fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
+    """fn(*xs) for a row-wise fn of tensors [..., k_i] with the same rows (all dims but the last) giving
+    [..., k]; segment by segment inside rows_in_segments() (each as its own call computes it), else one call."""
+    sizes = row_segments(xs[0].numel() // max(xs[0].shape[-1], 1)) if xs[0].numel() else None
+    if sizes is None:
+        return fn(*xs)
+    with one_segment():
+        parts = zip(*(x.reshape(-1, x.shape[-1]).split(sizes) for x in xs), strict=True)
+        out = torch.cat([fn(*part) for part in parts])
+    return out.view(*xs[0].shape[:-1], out.shape[-1])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., in] @ weight^T; row by row inside rows_alone() (each as its own one-row matmul), segment by
+    segment inside rows_in_segments()."""
+    if row_segments(x.numel() // x.shape[-1]) is not None:
+        return by_segment(partial(F.linear, weight=weight), x)
+    if not computing_alone() or x.numel() <= x.shape[-1]:
+        return F.linear(x, weight)
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.cat([F.linear(flat[r : r + 1], weight) for r in range(flat.shape[0])])
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+@overload
+def per_row(fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor: ...
+@overload
+def per_row(fn: Callable[..., tuple[torch.Tensor, ...]], *xs: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
+def per_row(fn: Callable[..., Any], *xs: torch.Tensor) -> Any:
+    """fn(*xs) for a row-wise fn over tensors of N rows (first dim), giving a tensor or a tuple of them;
+    row by row inside rows_alone(): torch's vectorised transcendental functions give a value in a
+    [N, k] block other bits than in a [1, k] row on some CPUs (seen on an AMD EPYC: sigmoid 1.5e-8
+    apart, a routing weight 6e-8). Segment by segment inside rows_in_segments() (``by_segment``: rows are
+    all dims but the last; a tensor-valued fn)."""
+    if not computing_alone():
+        return by_segment(fn, *xs)
+    if xs[0].shape[0] == 1:
+        return fn(*xs)
+    results = [fn(*rows) for rows in zip(*(x.split(1) for x in xs), strict=True)]
+    if isinstance(results[0], tuple):
+        return tuple(torch.cat(parts) for parts in zip(*results, strict=True))
+    return torch.cat(results)
+
+
+def in_row_chunks(x: torch.Tensor, size: int, matmul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """matmul over x [N, in] at most ``size`` rows per call (a kernel's row limit), concatenated; one call,
+    and no copy, when x fits."""
+    if x.shape[0] <= size:
+        return matmul(x)
+    return torch.cat([matmul(rows) for rows in x.split(size)])
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters, same checkpoint names) that honours rows_alone()."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is not None:
+            return super().forward(x)
+        return linear(x, self.weight)
+
+    if TYPE_CHECKING:  # torch types every Module call as Any: this one's is forward's
+        __call__ = forward
+
+
+# A product of at least this many multiply-adds runs on the kernel threads inside a forward pass: on 2 cores
+# 1.17x at 8.4M (the DSA indexer, one query over 1024 keys), 1.4-1.9x above; 1.11x at 2.5M (docs/kernels.md).
+PARALLEL_PRODUCT_MACS = 1 << 23
+# How old a verdict of the kernels' helper thread on its core may be. It measures while it polls between
+# kernel calls, and a layer's attention over a long cache runs seconds of torch without one (DeepSeek-V3,
+# 300 new positions over 8192: 12-19 s a layer), so the last verdict holds through such a stretch.
+SHARE_VERDICT_NS = 60_000_000_000
+
+
+def products_on_threads(macs: int) -> AbstractContextManager[None]:
+    """torch_on_kernel_threads() around a product (matmul, einsum) of ``macs`` multiply-adds, from
+    PARALLEL_PRODUCT_MACS; else nothing. Not while the kernels' helper thread finds its core shared with
+    another busy thread: a torch product waits for its slowest thread (beside a busy loop the demo's prompts
+    took 1.7-1.8x as long with them on 2 threads), where the C kernels' split does not. Only products: an
+    elementwise transcendental (exp) gives a thread range's last few elements the scalar function, whose
+    bits may differ from the vector one's, so its bits would follow the split."""
+    if macs < PARALLEL_PRODUCT_MACS or kernel_threads() < 2 or cores_shared():
+        return nullcontext()
+    return torch_on_kernel_threads()
+
+
+def cores_shared() -> bool:
+    """The kernels' helper thread's recent verdict (engine/csrc/split.c watch_share); False without one."""
+    return BUILT and bool(_kernels.cores_shared(SHARE_VERDICT_NS))
+
+
+@contextmanager
+def torch_on_kernel_threads() -> Iterator[None]:
+    """Inside a forward pass (torch_on_one_thread), torch's ops on the kernel threads again: for the few ops
+    large enough that a thread's wake-up is nothing beside them (products over a long context: docs/kernels.md,
+    "Threads"). A product keeps its bits (measured there, held by tests/test_engine/test_torch_threads.py):
+    torch splits it by output, not by sum."""
+    threads, held = kernel_threads(), torch.get_num_threads()
+    if threads != held:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        if threads != held:
+            torch.set_num_threads(held)
+
+
+def kernel_threads() -> int:
+    """Threads the C kernels split their output rows over: torch's count, as torch_on_one_thread() found it."""
+    threads = _kernel_threads.get()
+    return torch.get_num_threads() if threads is None else threads
+
+
+@contextmanager
+def torch_on_one_thread() -> Iterator[None]:
+    """A forward pass: torch's own ops run on one thread, the C kernels on all of torch's threads.
+
+    A decode step is hundreds of tiny torch ops (norms, router, attention over one query) between the
+    weight-bound kernels; spreading a 2048-float op over threads costs more in wake-ups than it saves.
+    Worse, on a busy machine every parallel op waits for its descheduled second thread: beside another
+    process a short prefill took many times longer with 2 torch threads than with 1 (docs/kernels.md,
+    "Threads").
+    The kernels keep every thread, and their split does not wait for a thread that is not running."""
+    threads = torch.get_num_threads()
+    token = _kernel_threads.set(threads)
+    if threads > 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if threads > 1:
+            torch.set_num_threads(threads)
+        _kernel_threads.reset(token)

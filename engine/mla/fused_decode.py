@@ -1,0 +1,336 @@
+"""A decode step through every layer in one C call (engine/csrc/decode_step.c), for models whose routed experts
+are all resident, with int8 activations or on the float32 path (decode rows).
+
+Once the experts fit in RAM, a decode step of the module path spent about a third of its time in Python
+between the kernels (module calls, routing glue, the store's acquire and release, prefetch guesses and
+read-ahead requests; docs/benchmarks.md, "One call per decode step"). Where every layer's weights are in
+the forms the C steps read and the expert source holds every expert for good (``LocalExperts.resident``),
+the step is one call instead: per layer the fused MLA steps, the FFN norm, the router, the routed and
+shared experts and the residuals, the same kernels in the same order as the module path, so the same
+bits. The experts it used are then counted as the acquires it skipped would have (``count_resident``).
+
+Taken when: decode_ops' C ops apply (int8 activations, or float32 decode rows: the default container's
+exact path), one-sequence caches (any number of rows: several requests, or a verify step's rows on one
+cache; the FFN runs over all rows, each expert of their union once), every layer's attention fused
+(``FusedMLA``), every FFN an MLP the C steps read (int8 records with int8 activations, bf16 weights) or a
+score-routed MoE whose router runs in C and whose shared expert is such an MLP, and a local expert source
+whose every MoE layer is resident with experts one C call takes (q8_moe with int8 activations, nibble_moe
+on float32 x). Anything else keeps the module path.
+
+DSA models (DeepSeek-V3.2, GLM-5): a layer with its own indexer hands the step back once every row's
+projections are done (the C step returns where it stopped); the indexer runs here with the module path's
+ops on each row's attention norm output and q latent, each row's selection goes into its step for that layer
+and the "shared" layers after it, and the C step resumes. Between two indexers no Python runs.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from engine.core.cache import LayerCache
+from engine.core.layers import MLP, RMSNorm
+from engine.core.moe import Gate, HashGate, MoE
+from engine.core.sources import Expert, Experts, LocalExperts, RemoteExperts
+from engine.kernels import decode_ops
+from engine.kernels.native import BUILT, _kernels
+from engine.kernels.nibble_experts import expert_table as float_expert_table
+from engine.kernels.q8 import ISA_BEST, CMatrix, activations_are_int8, c_computes_as_modules, c_matrix_of
+from engine.kernels.q8_experts import expert_table as int8_expert_table
+from engine.kernels.rows import kernel_threads
+from engine.mla.decode import FusedMLA
+
+MLPSpec = tuple[CMatrix, CMatrix, CMatrix, int]  # w1, w3, w2, inter
+Carry = tuple[int, int, int, int, int, int, int, int]  # decode_layers' carry: 4 addresses, their row strides
+
+
+STEP = 6  # uint64 per layer and row in decode_layers' steps (table, latents, rope keys, total, positions, count)
+
+_off: ContextVar[bool] = ContextVar("fused_decode_off", default=False)
+
+
+@contextmanager
+def module_path() -> Iterator[None]:
+    """Inside, decode steps keep the module path (the comparison of tests and benchmarks): same bits, slower."""
+    token = _off.set(True)
+    try:
+        yield
+    finally:
+        _off.reset(token)
+
+
+def available() -> bool:
+    return BUILT and decode_ops.available() and not _off.get()
+
+
+@dataclass(frozen=True)
+class LayerParts:
+    """What one layer's C step reads: its fused attention, FFN norm and FFN."""
+
+    attention: FusedMLA
+    ffn_norm: RMSNorm
+    ffn: MoE | MLP
+
+
+def _mlp_spec(mlp: MLP) -> MLPSpec | None:
+    """A SwiGLU MLP as layer_plan takes it; None when the C steps do not compute its weights as the module
+    does now (c_computes_as_modules), or it is clamped."""
+    w1, w3, w2 = (c_matrix_of(m) for m in (mlp.w1, mlp.w3, mlp.w2))
+    if mlp.limit is not None or w1 is None or w3 is None or w2 is None or not c_computes_as_modules((w1, w3, w2)):
+        return None
+    return w1, w3, w2, w2[4]
+
+
+def expert_table(experts: Sequence[object]) -> tuple[tuple[int, ...], array[int]] | None:
+    """A layer's experts as decode_step.c takes them now: (layout (family, inter, kind13, kind2, scale kind,
+    group13, group2, interleaved), the six addresses of each, flat), family 0 for q8_moe (int8 activations), 1 for
+    nibble_moe (float32 x); None when that call does not take them all, alike."""
+    family = 0 if activations_are_int8() else 1
+    described = (int8_expert_table if family == 0 else float_expert_table)(experts)
+    return None if described is None else ((family, *described[0]), described[1])
+
+
+def _router_spec(gate: Gate) -> tuple[int, int, int, int, int, int, int, bool, float, int] | None:
+    routes = decode_ops.routes(gate.score_name, gate.weight, gate.n_groups, gate.topk_groups)
+    if isinstance(gate, HashGate) or not routes or gate.bias.dtype != torch.float32:
+        return None
+    kind = decode_ops.SCORE_KINDS[gate.score_name]
+    return (
+        gate.weight.data_ptr(), gate.bias.data_ptr(), gate.weight.shape[0], kind, gate.n_groups,
+        gate.topk_groups, gate.topk, gate.norm_topk_prob, gate.route_scale, gate.weight.stride(0),
+    )  # fmt: skip
+
+
+def layer_plan(parts: LayerParts, layout: tuple[int, ...] | None) -> _kernels.LayerPlanCapsule | None:
+    """The layer described to C (a capsule), or None where it is not in forms the C step reads as the module
+    path computes them now. ``layout``: the routed experts' (expert_table), for a MoE layer."""
+    norm, ffn = parts.ffn_norm, parts.ffn
+    if norm.weight.dtype != torch.float32 or not norm.weight.is_contiguous():
+        return None
+    if not parts.attention.computes_as_modules():
+        return None
+    head = (parts.attention.weights, norm.weight.data_ptr(), norm.eps)
+    stops = parts.attention.mla.indexer is not None
+    if not isinstance(ffn, MoE):  # a dense layer: its MLP
+        mlp = _mlp_spec(ffn)
+        return None if mlp is None else _kernels.layer_plan(*head, mlp, None, None, stops)
+    router = _router_spec(ffn.gate)
+    shared = None if ffn.shared_experts is None else _mlp_spec(ffn.shared_experts)
+    if router is None or layout is None or ffn.limit is not None or (ffn.shared_experts is not None and shared is None):
+        return None
+    return _kernels.layer_plan(*head, shared, router, layout, stops)
+
+
+class FusedDecode:
+    """A model's layers (or an MTP module's block) described to C once, with the expert tables of the source
+    they were built for. ``layer_ids``: each part's layer in the expert source."""
+
+    def __init__(self, parts: Sequence[LayerParts], layer_ids: Sequence[int]):
+        self.parts = parts  # keeps every array the plans point to alive
+        self.layer_ids = list(layer_ids)
+        self.moe_parts = [i for i, p in enumerate(parts) if isinstance(p.ffn, MoE)]
+        self.topk = max([p.ffn.gate.topk for p in parts if isinstance(p.ffn, MoE)], default=1)
+        self._sources: list[Sequence[Expert]] = []  # what resident() gave, by MoE part: the tables' origin
+        self._int8 = False  # whether the plans are for int8 activations (else the float32 path's)
+        self._tables: list[array[int]] = []  # the C tables derived from them (kept alive: C reads them)
+        self._plans: tuple[_kernels.LayerPlanCapsule, ...] | None = None
+        self._table_addresses = [0] * len(parts)  # per layer: its expert table's, 0 on a dense layer
+        # per row, what its attention carries across a stop (decode_step.h DecodeCarry): the widest layer's
+        attention = [p.attention for p in parts]
+        self._widths = (
+            max(a.normed.numel() for a in attention),
+            max(a.q_latent.numel() for a in attention),
+            max(a.q_nope.numel() for a in attention),
+            max(a.q_rope.numel() for a in attention),
+        )
+        self._carry_rows = 0
+        self.normed = self.q_latent = self.q_nope = self.q_rope = torch.empty(0)
+
+    def _carry(self, rows: int) -> Carry:
+        """The carry's addresses and row strides for ``rows`` rows (grown when a step has more)."""
+        if rows > self._carry_rows:
+            self.normed, self.q_latent, self.q_nope, self.q_rope = (torch.empty(rows, w) for w in self._widths)
+            self._carry_rows = rows
+        addresses = (self.normed.data_ptr(), self.q_latent.data_ptr(), self.q_nope.data_ptr(), self.q_rope.data_ptr())
+        return addresses + self._widths
+
+    def ready_for(self, experts: LocalExperts) -> bool:
+        """Whether every MoE layer's experts are resident in ``experts`` and the plans are built for them;
+        rebuilt when the source gives other experts than last time. False: the module path."""
+        sources = []
+        for part in self.moe_parts:
+            source = experts.resident(self.layer_ids[part])
+            if source is None:
+                return False
+            sources.append(source)
+        built = self._plans is not None and self._int8 == activations_are_int8()
+        if built and all(a is b for a, b in zip(sources, self._sources, strict=True)):
+            return True
+        self._plans = None
+        layouts, tables = set(), []
+        for source in sources:
+            described = expert_table(source)
+            if described is None:
+                return False
+            layouts.add(described[0])
+            tables.append(described[1])
+        if len(layouts) > 1:
+            return False
+        layout = layouts.pop() if layouts else None
+        plans = []
+        for parts in self.parts:
+            plan = layer_plan(parts, layout)
+            if plan is None:
+                return False
+            plans.append(plan)
+        self._sources, self._tables, self._plans = sources, tables, tuple(plans)
+        self._int8 = activations_are_int8()
+        for part, table in zip(self.moe_parts, tables, strict=True):
+            self._table_addresses[part] = table.buffer_info()[0]
+        return True
+
+    def step(
+        self, x: torch.Tensor, starts: list[int], ropes: list[tuple[torch.Tensor, torch.Tensor]],
+        caches: Sequence[Sequence[LayerCache]], experts: LocalExperts,
+    ) -> torch.Tensor:  # fmt: skip
+        """Rows x [B, dim] (their tokens' embeddings), row b at position starts[b] of its layers' caches
+        caches[b] (rows of one sequence at consecutive positions, a verify step, pass the same list) -> the
+        hidden states [B, dim] after the last layer; each position is appended to its caches (``ready_for``
+        must hold)."""
+        appended: dict[int, tuple[Sequence[LayerCache], int]] = {}  # id(caches[b]) -> (them, length before)
+        try:
+            for layers, start in zip(caches, starts, strict=True):
+                if layers[0].length != start:
+                    raise ValueError(f"cache holds {layers[0].length} positions but start_pos is {start}")
+                appended.setdefault(id(layers), (layers, start))
+                for layer in layers:
+                    layer.next_row()
+            return self._run(x, starts, ropes, caches, experts)
+        except BaseException:
+            for layers, length in appended.values():
+                for layer in layers:
+                    layer.trim(length)
+            raise
+
+    def _run(
+        self, x: torch.Tensor, starts: list[int], ropes: list[tuple[torch.Tensor, torch.Tensor]],
+        caches: Sequence[Sequence[LayerCache]], experts: LocalExperts,
+    ) -> torch.Tensor:  # fmt: skip
+        rows = len(starts)
+        x = x.clone(memory_format=torch.contiguous_format)  # written in place by the C step
+        cos = torch.cat([cos for cos, _ in ropes])  # [B, rope / 2]
+        sin = torch.cat([sin for _, sin in ropes])
+        steps = array("Q", [
+            value
+            for i, table in enumerate(self._table_addresses)
+            for layers, start in zip(caches, starts, strict=True)
+            for value in (table, layers[i].latent.data_ptr(), layers[i].rope_key.data_ptr(), start + 1)
+            + (0, 0)  # DSA's chosen positions and their count: none yet (_share)
+        ])  # fmt: skip
+        width = rows * self.topk  # room for a layer's union of experts
+        ids = torch.empty((len(self.parts), width), dtype=torch.int64)
+        assert self._plans is not None  # ready_for held
+        selections: list[torch.Tensor] = []  # kept alive while C reads them
+        carry = self._carry(rows)
+        at: int | None = 0
+        projected = False
+        while at is not None:
+            at = _kernels.decode_layers(
+                self._plans, steps.buffer_info()[0], rows, x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                ids.data_ptr(), width, carry, (at, projected), ISA_BEST, kernel_threads(),
+            )  # fmt: skip
+            if at is not None:  # a DSA layer's projections of every row: its indexer, then on from there
+                for row, selection in enumerate(self._select(at, starts, (cos, sin), caches)):
+                    if selection is not None:
+                        selections.append(selection)
+                        self._share(steps, at, row, rows, selection)
+                projected = True
+        chosen = ids.tolist()
+        experts.count_resident({self.layer_ids[i]: [e for e in chosen[i] if e >= 0] for i in self.moe_parts})
+        return x
+
+    def _select(
+        self, layer: int, starts: list[int], angles: tuple[torch.Tensor, torch.Tensor],
+        caches: Sequence[Sequence[LayerCache]],
+    ) -> list[torch.Tensor | None]:  # fmt: skip
+        """The indexer of ``layer`` for every row (its projections in the carry) -> each row's chosen positions
+        (int64 [K]), or None: all of them. The module path's ops (engine/mla/decode.py), but the keys, query
+        heads and weights of all rows in one pass (each position alone, so each row's bits: ``Indexer.keys``,
+        ``Indexer.queries``); then per row, in order, its key appended and its choice."""
+        attention = self.parts[layer].attention
+        indexer = attention.mla.indexer
+        assert indexer is not None  # only such layers stop
+        rows, dim, q_rank = len(starts), attention.normed.numel(), attention.mla.q_lora_rank
+        normed = self.normed[None, :rows, :dim]  # [1, rows, dim]: the rows as one sequence of positions
+        keys = indexer.keys(normed, *angles)[0].float()  # [rows, D]
+        choosing = [indexer.chooses(start + 1) for start in starts]  # a row sees its own key and those before
+        if any(choosing):  # DSA models have a q LoRA (wq_b reads it)
+            q, weights = (part[0] for part in indexer.queries(normed, self.q_latent[None, :rows, :q_rank], angles))
+        chosen: list[torch.Tensor | None] = []
+        for row, (start, layers) in enumerate(zip(starts, caches, strict=True)):
+            with layers[layer].as_seen_at(start):  # the step counted all its rows at the start
+                cached = layers[layer].append_index_key(keys[None, row : row + 1])  # [1, start + 1, D]
+                if not choosing[row]:
+                    chosen.append(None)
+                    continue
+                selection = indexer.choose(q[None, row : row + 1], weights[None, row : row + 1], cached, start)
+            chosen.append(selection.reshape(-1).to(torch.int64).contiguous())
+        return chosen
+
+    def _share(self, steps: array[int], layer: int, row: int, rows: int, selection: torch.Tensor) -> None:
+        """The row's steps at ``layer`` and the layers after it up to the next indexer attend to ``selection``
+        (DSA "shared" layers reuse the last full layer's choice)."""
+        for i in range(layer, len(self.parts)):
+            if i > layer and self.parts[i].attention.mla.indexer is not None:
+                break
+            at = (i * rows + row) * STEP
+            steps[at + 4], steps[at + 5] = selection.data_ptr(), selection.numel()
+
+
+def caches_taken(caches: Sequence[Sequence[LayerCache]]) -> bool:
+    """Whether the C step writes these rows' caches (each row's layers): each one sequence's, float32,
+    contiguous (rows may share them: a verify step)."""
+    return all(
+        layer.latent.dtype == torch.float32
+        and layer.latent.shape[0] == 1
+        and layer.latent.is_contiguous()
+        and layer.rope_key.is_contiguous()
+        for layers in caches
+        for layer in layers
+    )
+
+
+class OneCall:
+    """Where blocks' decode steps may run as one C call: ``parts_for(x, layers)`` describes them (None: not
+    every layer is in forms the C step reads), built the first time a step could take it."""
+
+    def __init__(
+        self,
+        parts_for: Callable[[torch.Tensor, Sequence[LayerCache]], list[LayerParts] | None],
+        layer_ids: Sequence[int],
+    ):
+        self.parts_for, self.layer_ids = parts_for, layer_ids
+        self._built: FusedDecode | Literal[False] | None = None  # None: not built yet, False: n/a
+
+    def forget(self) -> None:
+        """The blocks' tensors changed (.to(), .float(), ...): describe them again."""
+        self._built = None
+
+    def applies(self, x: torch.Tensor, caches: Sequence[Sequence[LayerCache]], experts: Experts) -> FusedDecode | None:
+        """The C step for rows x [B, 1, dim] on these caches with these experts, or None: the module path."""
+        if not (decode_ops.small_ops_take(x) and available()) or isinstance(experts, RemoteExperts):
+            return None
+        if not caches_taken(caches):
+            return None
+        if self._built is None:
+            parts = self.parts_for(x, caches[0])
+            self._built = False if parts is None else FusedDecode(parts, self.layer_ids)
+        if self._built is False or not self._built.ready_for(experts):  # local: checked above
+            return None
+        return self._built

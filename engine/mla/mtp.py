@@ -1,0 +1,99 @@
+"""Multi-token prediction: the MTP module DeepSeek-V3/R1 and GLM-5 ship after their last block, as a drafter.
+
+DeepSeek-V3 report §2.2: at position i the module joins the main model's hidden state h_i (before the
+final norm) with the embedding of token i+1,
+
+    x = eh_proj([enorm(embed(t_{i+1})) ; hnorm(h_i)])    [S, 2 dim] -> [S, dim]
+    x = block(x)                                          a decoder block (MLA + MoE) with its own cache
+    logits = head(norm(x))                                predicts t_{i+2}; embed and head are the main model's
+
+so after the main model has produced token n (from h_{n-1}), the module drafts token n+1; applied again
+to its own output and that draft, token n+2, and so on. A draft only proposes: the main model verifies
+every drafted token (``Transformer.forward_rows`` over the sequence's new positions, each computed as its
+own decode step), so drafts change how many tokens a step yields, never which.
+
+``DraftCache`` (engine/core/cache.py) is the module's attention state of one sequence. It holds positions from
+``offset`` on: the module sees the pairs (h_i, t_{i+1}) of the positions decoded since drafting began (a
+gap, when drafting paused, starts it afresh), not the prompt's, whose hidden states a prefill does not
+keep.
+Positions past the last real pair are the draft chain's own and are forgotten at the next draft.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Self, cast
+
+import torch
+from torch import nn
+
+from engine.config.args import ModelArgs
+from engine.core.cache import DraftCache, LayerCache
+from engine.core.layers import RMSNorm
+from engine.core.rope import rope_tables
+from engine.core.sources import Experts, LocalExperts
+from engine.kernels.rows import Linear, rows_alone
+from engine.mla.fused_decode import OneCall
+
+
+class MTP(nn.Module):
+    """One MTP module: its two input norms, the joining projection, its block (layer id ``layer_id`` for
+    the expert source) and its output norm."""
+
+    def __init__(self, args: ModelArgs, layer_id: int, block: nn.Module):
+        """``block``: an engine/mla/model.py Block of layer ``layer_id`` (built there: model.py imports this file)."""
+        super().__init__()
+        self.args = args
+        self.layer_id = layer_id
+        self.enorm = RMSNorm(args.dim, args.rms_norm_eps)
+        self.hnorm = RMSNorm(args.dim, args.rms_norm_eps)
+        self.eh_proj = Linear(2 * args.dim, args.dim, bias=False)
+        self.block = block
+        self.norm = RMSNorm(args.dim, args.rms_norm_eps)
+        self.one_call: OneCall | None = None  # the block's decode step in one C call (model.py sets it)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
+        if self.one_call is not None:
+            self.one_call.forget()  # .to(), .float(), ...: new tensors
+        # torch leaves Module._apply unannotated (it returns self)
+        return cast(Self, super()._apply(fn, recurse))  # type: ignore[no-untyped-call]
+
+    def new_cache(self, dtype: torch.dtype, device: torch.device) -> DraftCache[LayerCache]:
+        return DraftCache(lambda: LayerCache.empty(self.args, self.layer_id, 1, dtype, device))
+
+    def start_draft(self, position: int, cache: DraftCache[LayerCache]) -> None:
+        """A draft's first pair goes at ``position`` (what was held from it on is forgotten)."""
+        cache.continue_at(position)
+
+    def collapse(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[.., dim] -> the normalised input of the shared head."""
+        return self.norm(hidden)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        embedded: torch.Tensor,
+        ids: torch.Tensor,
+        position: int,
+        cache: DraftCache[LayerCache],
+        experts: Experts,
+    ) -> torch.Tensor:
+        """hidden, embedded [1, S, dim] (h_i and embed(t_{i+1}) of ids [1, S], positions i = position..) ->
+        the module's hidden states [1, S, dim] (before ``norm``); the S positions are appended to ``cache``.
+        (``ids``: the common signature of MTP modules; V4's block routes by them.)"""
+        cache.continue_at(position)
+        seqlen = hidden.shape[1]
+        x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
+        rows = [[cache.layer]] * seqlen  # one list for every row: they are one sequence's
+        with rows_alone():  # the C step computes each pair as its own decode step: the rows' solo bits
+            fused = None if self.one_call is None else self.one_call.applies(x, rows, experts)
+        if fused is not None:  # each pair as its own decode step of the block, in one C call
+            starts = [position - cache.offset + j for j in range(seqlen)]
+            ropes = [rope_tables(self.args, position + j, 1, x.device) for j in range(seqlen)]
+            local = cast(LocalExperts, experts)  # applies() holds only for local experts
+            return fused.step(x[0], starts, ropes, rows, local)[None]
+        rope = rope_tables(self.args, position, seqlen, x.device)
+        out: tuple[torch.Tensor, torch.Tensor | None] = self.block(
+            x, position - cache.offset, rope, cache.layer, experts, None, None
+        )
+        return out[0]
