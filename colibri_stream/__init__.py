@@ -6,7 +6,7 @@ from importlib.metadata import PackageNotFoundError, version
 # OpenMP threads that finish a parallel region spin for the next one by default. With one other
 # CPU-bound process on the machine a spinning thread holds the core its partner needs, and each of the
 # hundreds of small parallel regions per token waits for a descheduled thread: decode fell to about half
-# its idle rate, and passive waiting kept it near idle without slowing an idle machine (docs/benchmarks.md,
+# its idle rate, and passive waiting kept it near idle without slowing an idle machine (docs/benchmarks-log.md,
 # "Decode beside another CPU-bound process"). It has to be set before torch loads the OpenMP runtime; a
 # value the user set is kept.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

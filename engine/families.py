@@ -239,7 +239,7 @@ class MLAFamily:
         args, c, t, h = self.args, chunk, context, self.args.n_heads
         outputs = d * c * 2 * h * args.v_head_dim  # block outputs [C, H, v], their cat, wo's input
         # wkv_b over every cached latent: kv [T, H, n + v] (the einsums read its k_nope / v views in place,
-        # as a measured peak confirms: docs/benchmarks.md, "Figures behind the code"). It grows with T, not
+        # as a measured peak confirms: docs/benchmarks-log.md, "Figures behind the code"). It grows with T, not
         # C, which is why a cache longer than one key block takes the key-blocked forms below.
         expanded = d * t * h * (args.qk_nope_head_dim + args.v_head_dim)
         # one query block's scores [q_blk, H, T]: float32 holds 3 at once (the two einsums and their sum,

@@ -3,7 +3,7 @@ then llama.cpp's fastest warm mode of the matching file in the section's rows (r
 round after round, and the ratio of their medians.
 
 Why: on this kind of host one row's decode rate moves by up to 2x within minutes (the memory's speed
-switches between regimes; docs/benchmarks.md, "Resident experts interleaved: the ceiling is the memory").
+switches between regimes; docs/benchmarks-log.md, "Resident experts interleaved: the ceiling is the memory").
 The section's grid runs our rows, then llama.cpp's, minutes apart, so its single-row ratios
 (``vs_llama_cpp_100``) can rest on one contender's slow minutes. Here each round puts both in the same
 minute, and the medians drop one slow round of either. Longer decodes than the grid's rows (``tokens``)

@@ -42,7 +42,7 @@ class TouchedBytes:
 def memory_bandwidth(threads: int, total_bytes: int = GiB, repeats: int = 5) -> float:
     """Bytes/s of reading a ``total_bytes`` array split over ``threads`` threads, the median of ``repeats``:
     the read bandwidth the contenders' threads can draw. Not the best one: on a shared host some tries read
-    far more than a decode step can draw for its length (docs/benchmarks.md, "One full run of #45's rows");
+    far more than a decode step can draw for its length (docs/benchmarks-log.md, "One full run of #45's rows");
     a median drops a lone one, though a quiet stretch of seconds still moves it. A bitwise-or reduction
     over uint64 (numpy releases the GIL) does one cheap integer op per 8 bytes, so the reads, not the
     arithmetic, set the pace (a float sum measured ~30% less here)."""

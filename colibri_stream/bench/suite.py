@@ -1,6 +1,6 @@
 """`colibri-stream bench`: every contender side by side, in one run, under one memory limit.
 
-Sections (see docs/benchmarks.md for how to read the output):
+Sections (docs/benchmarks-log.md, "How the bench measures", says how to read the output):
   1. disk      raw O_DIRECT sequential and expert-sized random reads vs our cold reads;
   2. decode    our tok/s, TTFT, hit rate, bytes/token and I/O-wait share per RAM budget, policy,
                prefetch on/off, cold and warm page cache; the same store on a bf16 container;

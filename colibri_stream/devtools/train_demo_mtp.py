@@ -26,7 +26,7 @@ naming both and ``num_nextn_predict_layers: 1`` in config.json; training.json ge
 i + 1) instead of the data's t_{i+2}: what a draft is accepted on is the main model's choice, not the text's.
 Tried once (2026-12-06, same data, steps and rates, one thread, 7 minutes): held-out agreement with the main
 argmax 54.9% -> 68.9%, greedy acceptance at depth 1 over 128 tokens of six code prompts 0.748 -> 0.838 (the
-bench's prompt 0.636 -> 0.575); the shipped layer is the plain recipe's (docs/benchmarks.md, issue #40).
+bench's prompt 0.636 -> 0.575); the shipped layer is the plain recipe's (docs/benchmarks-log.md, issue #40).
 
     python -m colibri_stream.devtools.train_demo_mtp [DST] [--steps N] [--threads T] [--max-minutes M] [--distill]
 """

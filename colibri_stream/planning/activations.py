@@ -13,7 +13,7 @@ Layers run one after another and free their temporaries, so the peak is the resi
 largest of three phases (attention, indexer, FFN), plus the float32 upcast block of a bf16 weight
 when the model holds some (engine/kernels/bf16.py). The residual stream, attention and indexer terms are the
 model family's (engine/families.py: MLA and DSA, or DeepSeek-V4's); the FFN's are common. Checked
-against a long prompt's measured peak on the demo container (docs/benchmarks.md, "Figures behind the
+against a long prompt's measured peak on the demo container (docs/benchmarks-log.md, "Figures behind the
 code"): the formula comes within a few MiB, and the rest, small allocations the heap keeps, is within
 RUNTIME_BASELINE_BYTES's slack at short prompts.
 """

@@ -4,7 +4,7 @@ A decode step reads every dense weight once: hundreds of MB spread over a thousa
 on its own and so on 4 KiB pages where the kernel grants huge pages only to regions advised so (the
 routed experts' RAM slots, one large aligned block, already get them). On 4 KiB pages the hardware
 prefetchers stop at every page boundary and every page needs its own TLB entry; the same reads from 2 MiB
-pages are faster, and so is decode with the dense part moved (docs/benchmarks.md, "The dense part on huge
+pages are faster, and so is decode with the dense part moved (docs/benchmarks-log.md, "The dense part on huge
 pages").
 """
 

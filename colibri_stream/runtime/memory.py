@@ -22,7 +22,7 @@ def return_large_frees_to_the_os() -> bool:
     By default glibc raises the threshold to the size of each freed mmapped block (up to 32 MiB), so
     after the first few dequantised expert matrices (MBs each) are freed, later ones come from the
     heap and stay mapped: hundreds of MB of USS retained during generation beyond the expert slots
-    (docs/benchmarks.md, "Figures behind the code"). A fixed threshold keeps large temporaries in mmaps
+    (docs/benchmarks-log.md, "Figures behind the code"). A fixed threshold keeps large temporaries in mmaps
     that go back at free. Returns False where libc has no mallopt (not glibc)."""
     mallopt = glibc_function("mallopt")
     return bool(mallopt is not None and mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
@@ -31,7 +31,7 @@ def return_large_frees_to_the_os() -> bool:
 def return_freed_heap_to_the_os() -> bool:
     """glibc's malloc_trim(0): give back the heap pages that freed allocations below the mmap threshold
     left behind, e.g. the old small tensors once the dense part moved into its huge-page arena
-    (runtime/huge_pages.py; docs/benchmarks.md, "The dense part on huge pages"). Returns False where libc
+    (runtime/huge_pages.py; docs/benchmarks-log.md, "The dense part on huge pages"). Returns False where libc
     has no malloc_trim (not glibc)."""
     trim = glibc_function("malloc_trim")
     return bool(trim is not None and trim(0))
@@ -75,7 +75,7 @@ _PRIVATE = (b"Private_Clean:", b"Private_Dirty:", b"Private_Hugetlb:")
 def uss_bytes() -> int:
     """Memory only this process holds (USS). From smaps_rollup where the kernel has it: psutil parses the
     whole of /proc/self/smaps in Python, mostly holding the GIL the model's thread needs (the kernel's
-    walk of the pages remains either way; docs/benchmarks.md, "Figures behind the code")."""
+    walk of the pages remains either way; docs/benchmarks-log.md, "Figures behind the code")."""
     try:
         lines = ROLLUP.read_bytes().splitlines()
     except OSError:
@@ -92,7 +92,7 @@ def anon_rss_bytes() -> int:
 
 
 # USS is sampled this often during a turn: each sample costs the kernel a walk of the process's pages
-# (milliseconds with a model loaded: docs/benchmarks.md, "Figures behind the code"), so sampling much
+# (milliseconds with a model loaded: docs/benchmarks-log.md, "Figures behind the code"), so sampling much
 # more often would take a noticeable share of a core from decode.
 USS_INTERVAL_S = 0.25
 

@@ -15,7 +15,7 @@ The governor only chooses how fast the text comes, never which text: a verify st
 plain decoding gives. Drafting starts as a probe does: PROBE_EVERY plain steps first (the yardstick
 settled on many steps, not one), then depth 1 until a draft's cost is timed, since a trial of drafts that
 do not pay is the governor's whole loss (on the demo model two trial steps on priors cost 3-5% of a
-96-token run; docs/benchmarks.md). While drafting is off it probes at depth 1 after PROBE_EVERY steps, so
+96-token run; docs/benchmarks-log.md). While drafting is off it probes at depth 1 after PROBE_EVERY steps, so
 a changed cache (warmed up, or a prompt that made it cold) is noticed; each probe that does not pay doubles the wait
 before the next (up to MAX_PROBE_EVERY), since under a tight budget a probe's extra experts are disk reads,
 and where even every draft accepted without a miss would not pay (``ceiling``: the draft and the extra
@@ -41,7 +41,7 @@ MARGIN = 1.05  # draft only where the expected gain clears measurement noise: "n
 # The first plain step and the first drafting step of a run are not timed: they build what every later step
 # reuses (the C step's layer plans, first-touch pages of the caches). On the demo model the first plain step
 # took 4.0 ms against 0.9 ms after, and as the yardstick it made drafting look 1.46x faster while it ran
-# at 0.45x (measured with --activations int8; docs/benchmarks.md).
+# at 0.45x (measured with --activations int8; docs/benchmarks-log.md).
 WARMUP_STEPS = 1
 # The store's counters over a step cost ~9 us to take (two snapshots and their difference), 1.5% of the demo
 # model's 0.6 ms step: a plain step takes them once in this many (the miss rate and a miss's wait move slowly

@@ -30,7 +30,7 @@ from storage.errors import FormatError
 from storage.files.safe_read import decode_utf8, read_bounded, read_json
 
 # The rendered prompt's size. The tokenizer holds hundreds of bytes per token while it encodes
-# (docs/benchmarks.md, "Figures behind the code") and aborts the process when an allocation fails, and a
+# (docs/benchmarks-log.md, "Figures behind the code") and aborts the process when an allocation fails, and a
 # token covers at least one byte, so the prompt is capped before encoding: 4 MiB, the largest request
 # body (template_sandbox bounds the work of making it).
 MAX_RENDERED_BYTES = 4 * 2**20

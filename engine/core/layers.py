@@ -18,7 +18,7 @@ from engine.kernels.rows import Linear
 def embedding(vocab_size: int, dim: int) -> nn.Embedding:
     """The token embedding table, not initialised: its values always come from a checkpoint (or a test's
     own fill). nn.Embedding's normal_ init, on the meta device the loaders first build the model on,
-    imports torch._dynamo, seconds of every model load for values thrown away (docs/benchmarks.md,
+    imports torch._dynamo, seconds of every model load for values thrown away (docs/benchmarks-log.md,
     "Figures behind the code")."""
     return nn.Embedding(vocab_size, dim, _weight=torch.empty(vocab_size, dim))
 
@@ -30,7 +30,7 @@ class RMSNorm(nn.Module):
     and layer, and the same bits (it runs the same pow/mean/add/rsqrt/mul sequence in C++). Other
     dtypes keep the reference's order: torch's would multiply the weight in the input dtype, not
     promote it as ``weight * x`` does. With int8 activations a C loop (engine/kernels/decode_ops.py): torch's
-    composite of eager ops was slow there, between kernels that evict the caches (docs/benchmarks.md,
+    composite of eager ops was slow there, between kernels that evict the caches (docs/benchmarks-log.md,
     "Figures behind the code").
     """
 

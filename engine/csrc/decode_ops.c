@@ -4,7 +4,7 @@
  * Between its weight-bound kernels a decode step runs ~100 small torch ops per layer (norms, the
  * router's score / bias / group mask / sort / gather, five bmm for one query's attention), each slow
  * once the kernels have streamed the caches out: on a 2-core box they cost as much as the expert
- * matmuls (docs/benchmarks.md, "Figures behind the code"). Here each is one call over float32 arrays.
+ * matmuls (docs/benchmarks-log.md, "Figures behind the code"). Here each is one call over float32 arrays.
  * The sums run in another order than torch's, so the results differ from the exact path by float
  * rounding: the int8 path (already lossy in its activations) takes them for every row, the exact path for
  * decode rows only (each row as its own step computes it, alone or in a batch).

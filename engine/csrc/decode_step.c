@@ -10,7 +10,7 @@
  *
  * Why: between those kernels the module path ran ~0.4 ms of Python per layer (module calls, the
  * store's acquire and release, routing glue), a third of a token on the bench model once the experts
- * were resident (docs/benchmarks.md, "One call per decode step"). The kernels, their order and the
+ * were resident (docs/benchmarks-log.md, "One call per decode step"). The kernels, their order and the
  * float32 residual adds are the module path's, so the bits are the same.
  */
 #include "decode_step.h"

@@ -9,7 +9,7 @@
  *
  * Why in C: a decode step ran ~25 torch ops and four kernel calls per layer here, each slow with the
  * interpreter's caches evicted by the kernels in between: on the bench model that Python took longer
- * per token than the weights it drove (docs/benchmarks.md, "Figures behind the code"). The float
+ * per token than the weights it drove (docs/benchmarks-log.md, "Figures behind the code"). The float
  * rounding is C's (sums in other orders than torch): int8 path only.
  */
 #include "mla_decode.h"

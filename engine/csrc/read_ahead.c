@@ -61,7 +61,7 @@ static uint8_t touch(const uint8_t *p, size_t n) {
 int read_ahead_step(void) {
     if (!read_ahead_pending()) return 0;
     /* The helper calls this back to back, and a mutex is not fair: re-taking it at once after each
-     * step, the helper kept the caller's read_ahead_request waiting (docs/benchmarks.md, "Figures behind the
+     * step, the helper kept the caller's read_ahead_request waiting (docs/benchmarks-log.md, "Figures behind the
      * code"). While a request waits, a step reads nothing and says "more to do". */
     if (__atomic_load_n(&requesting, __ATOMIC_SEQ_CST)) return 1;
     pthread_mutex_lock(&lock);

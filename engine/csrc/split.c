@@ -10,7 +10,7 @@
  * the caller nothing but the blocks it then takes itself.
  *
  * Wake-ups cost more than a small call's work (a condition variable's wake-up beside an expert
- * matrix's time: docs/benchmarks.md, "Figures behind the code"), so after a job the helper spins for a
+ * matrix's time: docs/benchmarks-log.md, "Figures behind the code"), so after a job the helper spins for a
  * while (SPIN_NS, yielding the CPU between polls) before it sleeps: during a forward pass the next call
  * comes sooner than that and finds it awake. The caller, once no block is left, waits only for a block
  * the helper is inside.

@@ -3,7 +3,7 @@ absorbed MLA attention for one query; and the DSA indexer's choice (engine/csrc/
 
 Between its weight-bound kernels a decode step runs ~100 small torch ops per layer; on a 2-core machine,
 with the kernels streaming the caches out between them, they took as long as the expert matmuls (an
-rms_norm, the router's dozen ops, five bmm for one query; docs/benchmarks.md, "Figures behind the code").
+rms_norm, the router's dozen ops, five bmm for one query; docs/benchmarks-log.md, "Figures behind the code").
 Here each is one call.
 C sums in another order than torch, so the results differ from torch's by float rounding, as the 4-bit
 and bf16 kernels' sums already do. The modules take them for every row inside ``int8_activations()``

@@ -2,7 +2,7 @@
 
 The cap lets one host measure what a host without AVX-512 gets: every quantised and bf16 kernel has AVX2
 loops beside its AVX-512 ones (tests hold them to the same bits), and with the cap the extension takes
-those (torch's own ops follow ATEN_CPU_CAPABILITY=avx2; docs/benchmarks.md). The C side reads the variable
+those (torch's own ops follow ATEN_CPU_CAPABILITY=avx2; docs/benchmarks-log.md). The C side reads the variable
 once, when the extension loads (engine/csrc/nibble.c isa_cap); ``check_isa_env`` runs first, from
 engine/__init__.py, so a misspelt value is refused rather than read as no cap.
 """

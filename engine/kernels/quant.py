@@ -163,7 +163,7 @@ class QuantizedMatrix:
         if x.dtype == torch.bfloat16 and x.device.type == "cpu":
             # bf16 rows in float32 through the kernel or sgemm: torch's bf16 matmul on the CPU (oneDNN)
             # keeps a primitive per shape, and every expert sees new row counts, so a long bf16 prefill's
-            # memory grew chunk after chunk (docs/benchmarks.md, "Figures behind the code")
+            # memory grew chunk after chunk (docs/benchmarks-log.md, "Figures behind the code")
             return self.matmul(x.float()).to(torch.bfloat16)
         alone = computing_alone()
         if _kernel_handles(self) and x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[0] > 0:

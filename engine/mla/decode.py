@@ -4,7 +4,7 @@ path's decode rows.
 A decode step's attention was ~25 torch ops and four kernel calls per layer (norm, two projections, two
 latent norms, the q projection, splits, rope, the cache append, attention, the output projection, the
 residual), each slow once the kernels had evicted the interpreter's caches: on the bench model that
-Python took longer per token than the weights it drove (docs/benchmarks.md, "Figures behind the code").
+Python took longer per token than the weights it drove (docs/benchmarks-log.md, "Figures behind the code").
 Here it is ``mla_project`` (everything up to the cache's new row) and ``mla_output`` (attention, wo,
 residual); a DSA layer runs its indexer between them. The C steps are the module path's own where
 decode_ops' C ops apply (the same kernels, norms and attention, rope without fused multiply-adds), so the

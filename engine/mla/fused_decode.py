@@ -3,7 +3,7 @@ are all resident, with int8 activations or on the float32 path (decode rows).
 
 Once the experts fit in RAM, a decode step of the module path spent about a third of its time in Python
 between the kernels (module calls, routing glue, the store's acquire and release, prefetch guesses and
-read-ahead requests; docs/benchmarks.md, "One call per decode step"). Where every layer's weights are in
+read-ahead requests; docs/benchmarks-log.md, "One call per decode step"). Where every layer's weights are in
 the forms the C steps read and the expert source holds every expert for good (``LocalExperts.resident``),
 the step is one call instead: per layer the fused MLA steps, the FFN norm, the router, the routed and
 shared experts and the residuals, the same kernels in the same order as the module path, so the same

@@ -215,7 +215,7 @@ class Transformer(Model[KVCache]):
         """A hook given the current post-attention hidden state before the current layer's FFN: layer
         ``layer``'s router picks the experts to prefetch while that FFN runs, and so do the routers of the
         MoE layers after it up to the source's ``prefetch_layers``: a guess two layers ahead is less often
-        right (docs/benchmarks.md, "Figures behind the code") but its read has a whole layer more to land,
+        right (docs/benchmarks-log.md, "Figures behind the code") but its read has a whole layer more to land,
         and the next layer guesses again. With ``read_ahead`` it also has the kernels' idle
         helper thread read layer ``layer``'s dense weights, then the guessed experts the source holds,
         into the CPU caches (engine/kernels/read_ahead.py); past the last layer, the output head. None when there is

@@ -7,7 +7,7 @@
     DST/config.json, tokenizer*, ... copied from the source checkpoint
 
 Stock ``zarr.open`` reads all of it. The hot path does not: a zarr chunk read costs several times one
-``pread`` of the same bytes (docs/benchmarks.md, "Figures behind the code"), so ``ExpertReader`` opens
+``pread`` of the same bytes (docs/benchmarks-log.md, "Figures behind the code"), so ``ExpertReader`` opens
 the chunk file itself and reads the record in one call, optionally with O_DIRECT (records are 4 KiB
 multiples at offset 0).
 """

@@ -1,5 +1,5 @@
 """Aligned host buffers: np.empty/bytearray start 16 bytes off a 64-byte boundary, which made reads
-much slower (docs/benchmarks.md, "Figures behind the code"), and O_DIRECT needs 4 KiB alignment of the
+much slower (docs/benchmarks-log.md, "Figures behind the code"), and O_DIRECT needs 4 KiB alignment of the
 destination."""
 
 from __future__ import annotations

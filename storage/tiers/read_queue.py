@@ -3,7 +3,7 @@ served before queued prefetch reads.
 
 Why: the model asks for layer L+1's guessed experts just before layer L's own experts, so in a plain
 FIFO pool layer L's misses queued behind up to a layer's worth of guesses, with the disk already
-saturated by them (docs/benchmarks.md, "Figures behind the code"). A guess is only worth reading before
+saturated by them (docs/benchmarks-log.md, "Figures behind the code"). A guess is only worth reading before
 a need when nothing needed is waiting.
 
 Verbs:

@@ -43,7 +43,7 @@ HUGE_PAGE = 2 << 20  # slot block alignment: lets the kernel back it with transp
 # slot bytes (numpy uint8 or torch uint8 tensor) -> expert: views of the slot, copying nothing. Built once
 # per slot and kept for every record the slot holds (a read changes the bytes, not the views): at a low
 # budget a decode step re-reads dozens of records, and building their typed views anew each time cost a
-# noticeable share of a token (docs/benchmarks.md, "Figures behind the code").
+# noticeable share of a token (docs/benchmarks-log.md, "Figures behind the code").
 Materialize = Callable[[Any], Any]
 # Disk reader threads a store may start (StoreConfig.threads; budget io.threads, --io-threads): an NVMe
 # queue is kept busy by a few dozen reads in flight; thousands of threads only cost memory and start-up.
@@ -63,7 +63,7 @@ class StoreConfig:
     prefetch: bool = True  # read the experts the router guesses for the next layers while this one computes
     # O_DIRECT reads (where the filesystem allows): the RAM slots are the cache; buffered reads would
     # keep the same bytes twice and, under a memory limit, pay page-cache reclaim on every miss
-    # (docs/benchmarks.md).
+    # (docs/benchmarks-log.md).
     direct: bool = True
     threads: int = 4  # disk reader threads (per device of a spread container): parallel reads keep an NVMe queue busy
     # how many MoE layers ahead the model guesses and prefetches (engine.mla.model's guesses): 2 gives a
@@ -195,7 +195,7 @@ class TieredExpertStore:
         block = aligned_empty(n_slots * self.record_bytes, HUGE_PAGE)
         if prefault:
             # Fault the budget in now, once: a first-touch fault inside every O_DIRECT read made cold reads
-            # slower than the raw disk (docs/benchmarks.md, "Figures behind the code"); the memory is the
+            # slower than the raw disk (docs/benchmarks-log.md, "Figures behind the code"); the memory is the
             # budget the user granted.
             block.fill(0)
         return block
@@ -229,7 +229,7 @@ class TieredExpertStore:
     def wants_prefetch(self, layer: int) -> bool:
         """Whether a guess for ``layer`` could start a read: not when prefetch is off or every expert of
         the layer is already held (a budget that fits them all, once warm), so the model skips the
-        guess's router run, a cost per layer and token (docs/benchmarks.md, "Figures behind the code")."""
+        guess's router run, a cost per layer and token (docs/benchmarks-log.md, "Figures behind the code")."""
         if not self.config.prefetch or len(self.ram.entries) >= total_records(self.container):
             return False  # (the second: every expert in RAM, without looking at each)
         return not all(self._held((layer, expert)) for expert in range(self.container.n_experts))

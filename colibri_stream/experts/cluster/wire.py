@@ -1,7 +1,8 @@
 """What coordinator and workers say to each other: length-prefixed frames over one TCP socket per worker
 (colibri_stream/experts/cluster/transport.py). One socket per worker, not one gloo group for all: a
 timed-out gloo receive closes every pair of its group, so one lost worker cut the coordinator off from
-the others; a socket's failure is its own (docs/benchmarks.md "Workers: the transport").
+the others; a socket's failure is its own (docs/benchmarks-log.md, "Workers: failover, rejoin, measured
+shares and the transport").
 
 Every frame is a fixed head, int64 [HEAD] = (op, payload bytes, then up to VALUES values), and a payload
 of that many bytes: tensors' bytes back to back, 8-byte types first so every view starts aligned.
