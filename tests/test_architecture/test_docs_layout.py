@@ -94,7 +94,14 @@ def test_every_module_of_the_library_engine_and_store_is_named_at_its_path():
 
 
 def test_the_checks_would_catch_a_stale_or_misplaced_page():
-    block = "engine/                   x\n  kernels/                y\n    q8.py                 z\n  gone.py                 w\n"
+    block = "\n".join(
+        [
+            "engine/                   x",
+            "  kernels/                y",
+            "    q8.py                 z",
+            "  gone.py                 w",
+        ]
+    )
     files, folders = layout_paths(block)
     assert files == {"engine/kernels/q8.py", "engine/gone.py"} and folders == {"engine", "engine/kernels"}
     assert layout_paths("storage/\n  csrc/a.c/.h            x\n")[0] == {"storage/csrc/a.c", "storage/csrc/a.h"}
