@@ -4,6 +4,7 @@ source with ast: every import statement counts, including those inside functions
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -19,11 +20,16 @@ def _modules(package: str) -> dict[str, Path]:
     return {_module_name(path): path for path in (ROOT / package).rglob("*.py")}
 
 
+@functools.cache
+def _known_modules() -> frozenset[str]:
+    return frozenset(name for package in ("colibri_stream", "engine", "storage") for name in _modules(package))
+
+
 def _imports(path: Path) -> set[str]:
     """Absolute module names imported by one file; ``from pkg import name`` counts pkg.name when that
     is a module of ours, else pkg."""
     names: set[str] = set()
-    known = _modules("colibri_stream")
+    known = _known_modules()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
@@ -128,6 +134,73 @@ def test_no_import_cycles():
 
     for module in sorted(graph):
         visit(module, ())
+
+
+# The rooms of engine/ and storage/, lowest first: a room imports its own modules and lower groups' only
+# (rooms in one group never import each other). The package's top-level modules sit above every room.
+ROOMS = {
+    "engine": (("config", "kernels"), ("core",), ("mla", "v4")),
+    "storage": (("errors",), ("files",), ("container",), ("tiers", "kv")),
+}
+MOST_TOP_LEVEL_ENTRIES = 10
+
+
+def _room(module: str) -> str | None:
+    """engine.mla.model -> mla; None for the package itself and its top-level modules (engine.families)."""
+    parts = module.split(".")
+    rooms = {room for group in ROOMS[parts[0]] for room in group}
+    return parts[1] if len(parts) >= 2 and parts[1] in rooms else None
+
+
+def _room_violations(package: str) -> list[tuple[str, str]]:
+    rank = {room: level for level, group in enumerate(ROOMS[package]) for room in group}
+    found = []
+    for module, path in _modules(package).items():
+        mine = _room(module)
+        if mine is None:
+            continue
+        for name in _imports(path):
+            if name.split(".")[0] != package:
+                continue
+            theirs = _room(name)
+            if theirs is None and name != package:
+                found.append((module, name))  # a room importing the package's top-level modules
+            elif theirs is not None and theirs != mine and rank[theirs] >= rank[mine]:
+                found.append((module, name))
+    return found
+
+
+def test_engine_and_storage_rooms_import_only_lower_rooms():
+    for package, groups in ROOMS.items():
+        rooms = {room for group in groups for room in group}
+        present = {m.split(".")[1] for m in _modules(package) if m.count(".") >= 2 or m.endswith(".errors")}
+        assert present == rooms, (package, present ^ rooms)  # a new room is placed in ROOMS first
+        assert not _room_violations(package), (package, _room_violations(package))
+
+
+def test_engine_and_storage_have_few_top_level_entries():
+    for package in ROOMS:
+        entries = [p.name for p in (ROOT / package).iterdir() if p.name != "__pycache__" and not p.name.endswith(".so")]
+        assert len(entries) <= MOST_TOP_LEVEL_ENTRIES, (package, sorted(entries))
+
+
+def test_only_the_kernels_front_door_asks_what_the_extension_offers():
+    """engine/kernels/native.py imports the extension and checks its ABI version; every other module asks
+    ``_kernels is not None``, never hasattr/getattr of one function (a build is whole or absent)."""
+    front = ROOT / "engine" / "kernels" / "native.py"
+    for path in (ROOT / "engine").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if path != front and isinstance(node, ast.ImportFrom) and node.module == "engine.kernels":
+                assert all(alias.name != "_kernels" for alias in node.names), path
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("hasattr", "getattr")
+            ):
+                target = node.args[0] if node.args else None
+                asks_the_build = isinstance(target, ast.Name) and target.id == "_kernels"
+                assert path == front or not asks_the_build, path
 
 
 def test_the_rules_would_catch_a_violation(tmp_path):
