@@ -20,8 +20,8 @@ from contextvars import ContextVar
 import torch
 from torch import nn
 
+from engine.kernels.modes import activations_are_int8
 from engine.kernels.native import BUILT, _kernels
-from engine.kernels.q8 import activations_are_int8
 from engine.kernels.rows import computing_alone, kernel_threads
 
 SCORE_KINDS = {"sigmoid": 0, "softmax": 1, "sqrtsoftplus": 2}  # decode_ops.h SCORE_*

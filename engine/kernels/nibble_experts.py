@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from engine.kernels.expert_calls import common_table, parts_within
+from engine.kernels.modes import activations_are_int8
 from engine.kernels.native import BUILT, _kernels
-from engine.kernels.q8 import activations_are_int8
 from engine.kernels.quant import KERNEL_CODES, KERNEL_SCALES, PROMPT_KERNEL_ROWS, QuantizedExpert, QuantizedMatrix
 from engine.kernels.rows import computing_alone, kernel_threads
 

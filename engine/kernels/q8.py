@@ -10,12 +10,11 @@ does not depend on the other rows), so batching stays bit-exact here too.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Iterable
 
 import torch
 
+from engine.kernels.modes import activations_are_int8
 from engine.kernels.native import _kernels
 from engine.kernels.rows import kernel_threads
 
@@ -25,22 +24,6 @@ SPAN = 512  # columns per span of the interleaved layout (q8.h Q8_SPAN)
 WEIGHT_KINDS = {"int4": 0, "int8": 1}  # the kernel's weight kinds (q8.h)
 BF16_KIND = 2  # q8.h Q8_WEIGHTS_BF16: a bf16 dense matrix of the float32 path in the fused C steps
 ISA_SCALAR, ISA_AVX2, ISA_BEST = 0, 1, 2  # q8.h Q8_ISA_*: plain C, AVX2 maddubs, AVX-512 VNNI where there
-
-_enabled: ContextVar[bool] = ContextVar("int8_activations", default=False)
-
-
-@contextmanager
-def int8_activations(enabled: bool = True) -> Iterator[None]:
-    """Quantise the activations of the kernel matmuls inside to int8 (see the module docstring)."""
-    token = _enabled.set(enabled)
-    try:
-        yield
-    finally:
-        _enabled.reset(token)
-
-
-def activations_are_int8() -> bool:
-    return _enabled.get()
 
 
 def q8_kernel_handles(code: str, group_size: int, x: torch.Tensor) -> bool:

@@ -18,8 +18,9 @@ import torch
 
 from engine.kernels.expert_calls import common_table, parts_within
 from engine.kernels.interleaved_expert import InterleavedExpert
+from engine.kernels.modes import activations_are_int8
 from engine.kernels.native import _kernels
-from engine.kernels.q8 import BLOCK, ISA_BEST, WEIGHT_KINDS, activations_are_int8
+from engine.kernels.q8 import BLOCK, ISA_BEST, WEIGHT_KINDS
 from engine.kernels.quant import KERNEL_SCALES, QuantizedExpert, QuantizedMatrix
 from engine.kernels.rows import kernel_threads
 

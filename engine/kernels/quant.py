@@ -27,8 +27,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.activation import swiglu
+from engine.kernels.modes import activations_are_int8
 from engine.kernels.native import _kernels
-from engine.kernels.q8 import activations_are_int8, q8_kernel_handles, q8_matmul
+from engine.kernels.q8 import q8_kernel_handles, q8_matmul
 from engine.kernels.rows import by_segment, computing_alone, in_row_chunks, kernel_threads, linear, row_segments
 
 QMAX = {4: 7, 8: 127}

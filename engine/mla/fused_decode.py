@@ -39,9 +39,10 @@ from engine.core.layers import MLP, RMSNorm
 from engine.core.moe import Gate, HashGate, MoE
 from engine.core.sources import Expert, Experts, LocalExperts, RemoteExperts
 from engine.kernels import decode_ops
+from engine.kernels.modes import activations_are_int8
 from engine.kernels.native import BUILT, _kernels
 from engine.kernels.nibble_experts import expert_table as float_expert_table
-from engine.kernels.q8 import ISA_BEST, CMatrix, activations_are_int8, c_computes_as_modules, c_matrix_of
+from engine.kernels.q8 import ISA_BEST, CMatrix, c_computes_as_modules, c_matrix_of
 from engine.kernels.q8_experts import expert_table as int8_expert_table
 from engine.kernels.rows import kernel_threads
 from engine.mla.decode import FusedMLA

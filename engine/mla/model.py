@@ -24,7 +24,7 @@ from engine.core.layers import MLP, RMSNorm, embedding
 from engine.core.moe import GUESS_MAX_NEW_POSITIONS, MoE
 from engine.core.rope import rope_tables
 from engine.core.sources import Experts, LocalExperts, RemoteExperts
-from engine.kernels.q8 import int8_activations
+from engine.kernels.modes import int8_activations
 from engine.kernels.read_ahead import module_arrays, read_ahead_available, request_read_ahead
 from engine.kernels.rows import Linear, rows_alone, rows_in_segments, torch_on_one_thread
 from engine.mla.attention import MLA

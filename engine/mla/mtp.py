@@ -21,8 +21,8 @@ Positions past the last real pair are the draft chain's own and are forgotten at
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Self, cast
+from collections.abc import Callable, Sequence
+from typing import Protocol, Self, cast
 
 import torch
 from torch import nn
@@ -33,7 +33,26 @@ from engine.core.layers import RMSNorm
 from engine.core.rope import rope_tables
 from engine.core.sources import Experts, LocalExperts
 from engine.kernels.rows import Linear, rows_alone
-from engine.mla.fused_decode import OneCall
+
+
+class FusedRows(Protocol):
+    """Decode steps of the block's rows in one C call (engine/mla/fused_decode.py FusedDecode)."""
+
+    def step(
+        self, x: torch.Tensor, starts: list[int], ropes: list[tuple[torch.Tensor, torch.Tensor]],
+        caches: Sequence[Sequence[LayerCache]], experts: LocalExperts,
+    ) -> torch.Tensor: ...  # fmt: skip
+
+
+class BlockStep(Protocol):
+    """Where the block's decode steps may run as one C call (engine/mla/fused_decode.py OneCall, which the
+    model builds: this module stays below the fused step)."""
+
+    def forget(self) -> None: ...
+
+    def applies(
+        self, x: torch.Tensor, caches: Sequence[Sequence[LayerCache]], experts: Experts
+    ) -> FusedRows | None: ...
 
 
 class MTP(nn.Module):
@@ -50,7 +69,7 @@ class MTP(nn.Module):
         self.eh_proj = Linear(2 * args.dim, args.dim, bias=False)
         self.block = block
         self.norm = RMSNorm(args.dim, args.rms_norm_eps)
-        self.one_call: OneCall | None = None  # the block's decode step in one C call (model.py sets it)
+        self.one_call: BlockStep | None = None  # the block's decode step in one C call (model.py sets it)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
         if self.one_call is not None:

@@ -26,7 +26,7 @@ from engine.core.interfaces import Model, row_positions
 from engine.core.layers import RMSNorm, embedding
 from engine.core.moe import GUESS_MAX_NEW_POSITIONS, MoE
 from engine.core.sources import Experts
-from engine.kernels.q8 import int8_activations
+from engine.kernels.modes import int8_activations
 from engine.kernels.rows import Linear, per_row, rows_alone, torch_on_one_thread
 from engine.v4.attention import V4Attention
 from engine.v4.cache import V4Cache, V4DraftLayer, V4LayerCache

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from colibri_stream.runtime.loader import load_container
 from engine.core.layers import stable_topk_indices
 from engine.kernels import decode_ops
-from engine.kernels.q8 import int8_activations
+from engine.kernels.modes import int8_activations
 from engine.kernels.rows import rows_alone
 
 pytestmark = pytest.mark.skipif(not decode_ops.available(), reason="the C kernels are not built")

@@ -11,7 +11,7 @@ import torch
 from colibri_stream.experts.codec import Settler, expert_from_record, record_from_quantized, settled_expert
 from engine.kernels import _kernels
 from engine.kernels.interleaved_expert import InterleavedExpert, interleave_into, interleaves, scratch_bytes
-from engine.kernels.q8 import int8_activations
+from engine.kernels.modes import int8_activations
 from engine.kernels.q8_experts import add_experts, fused_experts_handle
 from engine.kernels.quant import QuantizedExpert, QuantizedMatrix
 from storage.container.layout import ExpertRecordLayout

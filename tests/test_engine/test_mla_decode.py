@@ -12,7 +12,7 @@ import engine.mla.model
 from colibri_stream.runtime.loader import load_container
 from engine.kernels import decode_ops
 from engine.kernels.bf16 import Bf16Linear, bf16_kernel_available
-from engine.kernels.q8 import int8_activations
+from engine.kernels.modes import int8_activations
 from engine.mla import decode as mla_decode
 from engine.mla import fused_decode
 from engine.mla.decode import FusedMLA

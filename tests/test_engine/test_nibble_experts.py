@@ -10,7 +10,7 @@ import engine.kernels.nibble_experts as nibble_experts
 import engine.kernels.quant as quant
 from colibri_stream.bench.kernels import KINDS, random_kind_matrix
 from engine.core.sources import ExpertWeights, ResidentExperts
-from engine.kernels.q8 import int8_activations
+from engine.kernels.modes import int8_activations
 from engine.kernels.quant import QuantizedExpert, int4_kernel_available, kernel_matmul
 from engine.kernels.rows import rows_alone
 

@@ -11,16 +11,8 @@ import torch
 from colibri_stream.errors import ColibriError
 from colibri_stream.runtime.loader import load, load_container
 from engine.kernels.int8_dense import CodedLinear
-from engine.kernels.q8 import (
-    ISA_AVX2,
-    ISA_BEST,
-    ISA_SCALAR,
-    activations_are_int8,
-    int8_activations,
-    q8_kernel_handles,
-    q8_matmul,
-    quantize_rows,
-)
+from engine.kernels.modes import activations_are_int8, int8_activations
+from engine.kernels.q8 import ISA_AVX2, ISA_BEST, ISA_SCALAR, q8_kernel_handles, q8_matmul, quantize_rows
 from engine.kernels.quant import KERNEL_SCALES, QuantizedMatrix, int4_kernel_available, kernel_matmul, quantized_matrix
 
 needs_kernel = pytest.mark.skipif(not int4_kernel_available(), reason="the C kernels are not built")

@@ -8,7 +8,8 @@ import torch
 import engine.core.moe as moe
 import engine.kernels.q8_experts as q8_experts
 from engine.core.sources import ExpertWeights, ResidentExperts
-from engine.kernels.q8 import int8_activations, quantize_rows
+from engine.kernels.modes import int8_activations
+from engine.kernels.q8 import quantize_rows
 from engine.kernels.quant import SCALE_DTYPE, QuantizedExpert, QuantizedMatrix, int4_kernel_available, quantized_matrix
 
 needs_kernel = pytest.mark.skipif(not int4_kernel_available(), reason="engine.kernels._kernels was not built")

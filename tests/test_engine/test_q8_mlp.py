@@ -13,7 +13,8 @@ from engine.core.layers import MLP
 from engine.kernels import decode_ops
 from engine.kernels.bf16 import Bf16Linear, bf16_kernel_available
 from engine.kernels.int8_dense import CodedLinear
-from engine.kernels.q8 import int8_activations, q8_mlp
+from engine.kernels.modes import int8_activations
+from engine.kernels.q8 import q8_mlp
 from engine.kernels.quant import int4_kernel_available, quantized_matrix
 from engine.kernels.rows import rows_alone
 

@@ -37,7 +37,7 @@ from colibri_stream.experts.cluster.replicas import COORDINATOR, Holders, assign
 from colibri_stream.experts.cluster.transport import Link, Reply
 from colibri_stream.experts.cluster.wire import Hello, Op, WorkerError
 from colibri_stream.experts.store import RemoteExpertStore
-from engine.kernels.q8 import activations_are_int8
+from engine.kernels.modes import activations_are_int8
 from engine.kernels.rows import computing_alone
 from storage.container.reader import Container
 from storage.tiers.history import UsageHistory

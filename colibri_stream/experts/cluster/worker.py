@@ -35,7 +35,7 @@ from colibri_stream.planning.budget import StoreOptions, worker_store_config
 from colibri_stream.planning.geometry import container_args, geometry_from_container
 from engine.core.moe import routed_sum
 from engine.families import family_of
-from engine.kernels.q8 import int8_activations
+from engine.kernels.modes import int8_activations
 from engine.kernels.rows import rows_alone, torch_on_one_thread
 from storage.container.reader import Container
 from storage.tiers.history import UsageHistory
