@@ -203,6 +203,29 @@ def test_only_the_kernels_front_door_asks_what_the_extension_offers():
                 assert path == front or not asks_the_build, path
 
 
+MOST_ENGINE_FLOORS = 10  # 17 before the rooms: a new floor is a chain to shorten, not a number to raise
+
+
+def longest_import_chain(package: str) -> list[str]:
+    """The longest chain of imports between the package's modules (a folder's __init__ holds no code here,
+    so it is not a floor of its own)."""
+    modules = {m: p for m, p in _modules(package).items() if p.name != "__init__.py"}
+    graph = {m: {n for n in _imports(p) if n in modules and n != m} for m, p in modules.items()}
+    chains: dict[str, list[str]] = {}
+
+    def chain(module: str) -> list[str]:
+        if module not in chains:
+            chains[module] = [module, *max((chain(n) for n in graph[module]), key=len, default=[])]
+        return chains[module]
+
+    return max((chain(m) for m in graph), key=len)
+
+
+def test_the_engines_import_chains_stay_short():
+    floors = longest_import_chain("engine")
+    assert len(floors) <= MOST_ENGINE_FLOORS, " -> ".join(floors)
+
+
 def test_the_rules_would_catch_a_violation(tmp_path):
     """The checker itself: a cycle and a forbidden import written to a file are found."""
     path = tmp_path / "x.py"
