@@ -1,12 +1,8 @@
-"""bf16 weights computed in float32: a bf16 checkpoint's dense part at half the memory and half the
-bytes read per token, with float32 activations as before.
+"""bf16 weights computed in float32: half the memory and bytes read per token, float32 activations.
 
-bf16 -> float32 is exact (the 16 bits become the high half of the float), so ``Bf16Linear`` computes
-what a Linear over the upcast weight computes, to float rounding. A few rows (decode, a short prompt 8
-rows at a time) go through the C kernel (engine/csrc/kernels.c), which reads each weight once at 2 bytes;
-more rows (a longer prompt) upcast a block of output rows at a time for torch's matmul, so no float32 copy
-of a large matrix (an LM head) is ever whole. For a few rows the kernel is several times faster than
-torch's float32 GEMV over the upcast weights (docs/kernels.md, "bf16 dense weights, float32 compute").
+bf16 -> float32 is exact, so ``Bf16Linear`` computes what a Linear over the upcast weight computes, to float
+rounding. Many rows upcast a block of output rows at a time, so no float32 copy of a large matrix (an LM
+head) is ever whole (docs/kernels.md, "bf16 dense weights, float32 compute").
 """
 
 from __future__ import annotations
@@ -26,15 +22,13 @@ from engine.kernels.rows import by_segment, computing_alone, kernel_threads, lin
 # attention views wkv_b per head; the indexer's weights_proj is float32 by the reference's rule.
 KEEP_FLOAT32 = ("attn.wkv_b", "indexer.weights_proj")
 UPCAST_BLOCK_BYTES = 64 << 20  # float32 weight rows upcast at once on the matmul path
-# A prompt's rows up to this many go through the kernel MAX_ROWS at a time, reading the weight once per 8 rows:
-# below it that beats upcasting the weight for sgemm (2 threads, 32 rows: 1.9-2.1x on DeepSeek-V3's q_a, q_b,
-# wo-sized and the demo's matrices; at 64 rows 1.0-1.95x, at 128 0.8-1.6x); the bits depend on the row count.
+# Up to this many rows the kernel (MAX_ROWS a call) beats upcasting for sgemm (docs/kernels.md, "A short
+# prompt's rows through the kernels"); the bits depend on the row count.
 PROMPT_KERNEL_ROWS = 32
 
 
 def bf16_kernel_available() -> bool:
-    """The kernel is built and this CPU has a SIMD path for it (its scalar loop is slower than keeping
-    the weights in float32, so without SIMD the model keeps them float32)."""
+    """The kernel is built with a SIMD path here (its scalar loop is slower than float32 weights)."""
     return _kernels is not None and _kernels.BF16_SIMD > 0
 
 
@@ -42,17 +36,15 @@ ISA = {"best": 2, "avx2": 1, "scalar": 0}  # the highest SIMD path the kernel ma
 
 
 class TakesBf16Weight:
-    """A module, not an nn.Linear, that computes from a bf16-held weight itself (DeepSeek-V4's grouped
-    output projection): its ``weight`` may be kept in bf16 in a float32 model (bf16_candidates)."""
+    """A non-Linear module that computes from a bf16 ``weight`` itself (DeepSeek-V4's grouped output projection)."""
 
 
 def bf16_matmul(
     x: torch.Tensor, weight: torch.Tensor, isa: str = "best", alone: bool = False, segments: Sequence[int] = ()
 ) -> torch.Tensor:
-    """x [rows, in] float32 @ weight^T for weight bf16 [out, in] -> [rows, out] float32 (C kernel, MAX_ROWS rows
-    at a time: the bits of one call per MAX_ROWS rows). ``isa`` caps the path (tests reach each one on any
-    CPU); ``alone``: each row as a one-row call computes it (engine/kernels/rows.py); ``segments``: x's rows in runs
-    of these lengths, each the bits of its own call (rows_in_segments)."""
+    """x [rows, in] float32 @ weight^T, weight bf16 [out, in] -> [rows, out] float32 (C kernel, MAX_ROWS rows a
+    call). ``isa`` caps the SIMD path (for tests); ``alone``: each row as a one-row call; ``segments``: runs of
+    rows, each the bits of its own call."""
     rows, in_dim = x.shape
     x = x.contiguous()
     y = torch.empty((rows, weight.shape[0]), dtype=torch.float32)
@@ -87,8 +79,7 @@ class Bf16Linear(nn.Module, KernelMatrix):
         return bf16_linear(x, self.weight)
 
     def c_matrix(self) -> CMatrix | None:
-        """(w, 0, BF16_KIND, 0, in, 0, 0) for the fused C steps, which compute a float32 decode row as forward
-        does (the same kernel); None where forward would not take the kernel."""
+        """(w, 0, BF16_KIND, 0, in, 0, 0) for the fused C steps; None where forward would not take the kernel."""
         w = self.weight
         if not (bf16_kernel_available() and w.device.type == "cpu" and w.is_contiguous()):
             return None
@@ -96,12 +87,9 @@ class Bf16Linear(nn.Module, KernelMatrix):
 
 
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., in] @ weight^T for a contiguous bf16 weight [out, in], in the activations' dtype: up to
-    PROMPT_KERNEL_ROWS float32 rows through the C kernel (any number inside rows_alone()), else the weight
-    upcast a block of rows at a time. Inside rows_in_segments() each segment as its own call: segments the
-    kernel takes in one call with their own row groups, else one by one."""
+    """x [..., in] @ weight^T for a contiguous bf16 weight [out, in], in the activations' dtype."""
     flat = x.reshape(-1, x.shape[-1])
-    alone = computing_alone()  # rows of independent requests: any number through the kernel, as alone
+    alone = computing_alone()
     segments = row_segments(flat.shape[0]) if flat.shape[0] else None
     takes = bf16_kernel_available() and x.dtype == torch.float32 and x.device.type == "cpu" and 0 < flat.shape[0]
     if segments is not None:
@@ -126,15 +114,13 @@ def linear_candidates(model: nn.Module) -> set[str]:
 
 
 def bf16_candidates(model: nn.Module) -> set[str]:
-    """Names of the weights a float32 model may keep in bf16: linear_candidates, swapped for Bf16Linear by
-    hold_in_bf16, and the weights of modules that compute from a bf16 weight themselves (TakesBf16Weight)."""
+    """Names of the weights a float32 model may keep in bf16: linear_candidates and TakesBf16Weight modules'."""
     own = {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, TakesBf16Weight)}
     return linear_candidates(model) | own
 
 
 def hold_in_bf16(model: nn.Module, bf16_weights: set[str]) -> int:
-    """Swap each nn.Linear whose ``<name>.weight`` is in ``bf16_weights`` (and already a bf16 tensor) for
-    a Bf16Linear over that tensor, except KEEP_FLOAT32. Returns how many were swapped."""
+    """Swap each bf16 nn.Linear named in ``bf16_weights`` (not KEEP_FLOAT32) for a Bf16Linear; returns the count."""
     swapped, eligible = 0, bf16_weights & linear_candidates(model)
     for name, module in list(model.named_modules()):
         if f"{name}.weight" not in eligible or module.weight.dtype != torch.bfloat16:

@@ -1,14 +1,9 @@
 """The small float ops of a decode step in C (engine/csrc/decode_ops.c): RMSNorm, the MoE router, and
 absorbed MLA attention for one query; and the DSA indexer's choice (engine/csrc/index_select.c).
 
-Between its weight-bound kernels a decode step runs ~100 small torch ops per layer; on a 2-core machine,
-with the kernels streaming the caches out between them, they took as long as the expert matmuls (an
-rms_norm, the router's dozen ops, five bmm for one query; docs/benchmarks-log.md, "Figures behind the code").
-Here each is one call.
-C sums in another order than torch, so the results differ from torch's by float rounding, as the 4-bit
-and bf16 kernels' sums already do. The modules take them for every row inside ``int8_activations()``
-(engine/kernels/q8.py; ``active(x)``) and, on the float32 path, for decode rows only (``small_ops_take``): a prompt's
-rows keep torch's ops, and a row decoded in a batch gets the bits it gets decoded alone.
+A decode step's ~100 small torch ops per layer cost as much as its expert matmuls (docs/benchmarks-log.md,
+"Figures behind the code"); here each is one call. C sums in another order than torch, so results differ by
+float rounding: the float32 path takes them for decode rows only, so a prompt's rows keep torch's bits.
 """
 
 from __future__ import annotations
@@ -50,11 +45,8 @@ def active(x: torch.Tensor) -> bool:
 
 
 def small_ops_take(x: torch.Tensor, one_row: bool = False) -> bool:
-    """Whether RMSNorm, the router and one query's attention take x here: the int8 path's (``active``), or a
-    decode row of the float32 path (x one row (``one_row``: the caller knows), or rows inside rows_alone():
-    each as its own decode step computes it, so a row decoded in a batch keeps its bits; the C order is one
-    more float rounding of the kind the 4-bit and bf16 kernels already make there). A prompt's rows keep
-    torch's ops."""
+    """Whether the small ops take x here: the int8 path (``active``), or float32 decode rows (one row, or
+    rows inside rows_alone(), so a row decoded in a batch keeps its bits). A prompt's rows keep torch's."""
     if active(x):
         return True
     decode_row = one_row or computing_alone() or x.numel() == x.shape[-1]
@@ -71,8 +63,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def routes(score: str, weight: torch.Tensor, groups: int, topk_groups: int) -> bool:
-    """Whether ``route`` takes a router of this kind (float32 CPU weight [experts, dim], its rows contiguous
-    (a row stride padded for alignment is fine), groups that split the experts evenly into at least two each)."""
+    """Whether ``route`` takes this router: float32 CPU weight [experts, dim] with contiguous rows (padded stride
+    fine), groups that split the experts evenly, at least two each."""
     experts = weight.shape[0]
     return (
         score in SCORE_KINDS
@@ -173,9 +165,8 @@ def index_finish(
 
 
 def index_select_takes(q: torch.Tensor, keys: torch.Tensor) -> bool:
-    """Whether ``index_select`` takes the DSA indexer's queries q [B, S, H, D] over keys [B, T, D]: float32 on
-    the CPU. Every row, prompt or decode, alone or in a batch, on the module path or in the one-call step,
-    so a position's choice is the same everywhere."""
+    """Whether ``index_select`` takes q [B, S, H, D] over keys [B, T, D]: float32 on the CPU, every row
+    (prompt or decode, any batch), so a position's choice is the same everywhere."""
     return (
         BUILT
         and not _off.get()
@@ -187,11 +178,10 @@ def index_select_takes(q: torch.Tensor, keys: torch.Tensor) -> bool:
 def index_select(
     q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, start: int, scale: float, topk: int
 ) -> torch.Tensor:
-    """The DSA indexer's choice for query rows at positions start.. : q [B, S, H, D] (roped), keys [B, T, D],
-    weights [B, S, H] -> int64 [B, S, topk]: per row the positions <= its own of its topk highest
-    sum_h weights[h] * relu(scale * q[h] . k[t]), highest first, ties to the lower position (engine/core/moe.py
-    stable_topk_indices' order); a row that sees fewer, all of them and then the positions after its own
-    (what the -inf of a causal mask gives). topk <= T."""
+    """The DSA indexer's choice for query rows at positions start..: q [B, S, H, D] (roped), keys [B, T, D],
+    weights [B, S, H] -> int64 [B, S, topk]: per row the topk positions <= its own by
+    sum_h weights[h] * relu(scale * q[h] . k[t]), highest first, ties to the lower position; a row that sees
+    fewer takes all, then the positions after its own (as a causal mask's -inf gives). topk <= T."""
     batch, rows, heads, dim = q.shape
     q, keys, weights = q.contiguous(), keys.contiguous(), weights.float().contiguous()
     chosen = torch.empty((batch, rows, topk), dtype=torch.int64)

@@ -13,8 +13,7 @@ L = TypeVar("L")
 
 
 def common_table(plans: Sequence[tuple[L, tuple[int, ...]] | None]) -> tuple[L, array[int]] | None:
-    """Experts' plans (layout, their six addresses) as one table: (the layout they all share, the addresses
-    of each, [n, 6] flat); None when one has no plan or another layout (or there are none)."""
+    """Plans (layout, six addresses) -> (the shared layout, addresses [n, 6] flat); None unless all share one."""
     first = plans[0] if plans else None
     if first is None or any(plan is None or plan[0] != first[0] for plan in plans):
         return None
@@ -22,8 +21,7 @@ def common_table(plans: Sequence[tuple[L, tuple[int, ...]] | None]) -> tuple[L, 
 
 
 def parts_within(ids: torch.Tensor, expert_ids: list[int], row_bytes: int, most: int) -> list[list[int]]:
-    """Indices into expert_ids in consecutive parts whose routed rows, at ``row_bytes`` of work area each, fit
-    ``most`` bytes (a decode step's experts are one part)."""
+    """Indices into expert_ids in consecutive parts whose routed rows at ``row_bytes`` each fit ``most`` bytes."""
     if ids.shape[0] * ids.shape[1] * row_bytes <= most:
         return [list(range(len(expert_ids)))]
     counts = torch.bincount(ids.flatten().clamp(min=0)).tolist()

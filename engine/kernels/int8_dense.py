@@ -1,10 +1,7 @@
 """Dense weights held as the container's int8 or int4 records, for models run with int8 activations.
 
-A container converted with `--dense int8` stores each 2-D dense weight as int8 [out, in] with one
-float16 scale per group of columns; `--dense int4` most of them as int4 codes two a byte [out,
-ceil(in / 2)] (checkpoint/dtypes.py says which stay int8). The exact float path dequantises them at load
-(the oracle's model); with int8 activations (engine/kernels/q8.py) they stay coded and the integer kernel reads
-them: half (int8) or a quarter (int4) of the bytes of bf16 per token, as llama.cpp's Q8_0 / Q4_0 tensors.
+The exact float path dequantises them at load; with int8 activations they stay coded and the integer kernel
+reads them, half (int8) or a quarter (int4) of bf16's bytes per token.
 """
 
 from __future__ import annotations
@@ -34,11 +31,10 @@ CODE_DTYPES = {"int8": torch.int8, "int4": torch.uint8}  # int4: two codes a byt
 
 
 class CodedLinear(nn.Module, KernelMatrix):
-    """A bias-free Linear over ``code`` codes q (int8 [out, in]; int4 [out, ceil(in / 2)] bytes) and scales
-    [out, ceil(in / group_size)]; ``in_dim`` the weight's width. After ``interleave`` q holds codes and scales
-    in the kernel's interleaved layout (engine/kernels/q8.py) and scales is empty (its dtype kept)."""
+    """A bias-free Linear over codes q (int8 [out, in]; int4 [out, ceil(in / 2)]) and scales
+    [out, ceil(in / group_size)]. After ``interleave`` q holds both and scales is empty (its dtype kept)."""
 
-    q: torch.Tensor  # buffers (register_buffer): declared for the type checker
+    q: torch.Tensor  # buffers, declared for the type checker
     scales: torch.Tensor
 
     def __init__(
@@ -56,8 +52,7 @@ class CodedLinear(nn.Module, KernelMatrix):
         self._c_matrix: CMatrix | None = None
 
     def interleave(self) -> bool:
-        """Hold the codes in the kernel's interleaved layout where the kernel reads them and the shape allows:
-        the same products, read as one stream per 4 rows (engine/csrc/q8.h). Returns whether it did."""
+        """Hold the codes in the kernel's interleaved layout where it applies; returns whether it did."""
         takes = (
             self.q.device.type == "cpu"
             and self.scales.dtype in KERNEL_SCALES
@@ -76,8 +71,7 @@ class CodedLinear(nn.Module, KernelMatrix):
         return cast(Self, super()._apply(fn, recurse))  # type: ignore[no-untyped-call]
 
     def c_matrix(self) -> CMatrix | None:
-        """The codes as the fused C steps take a matrix, (w, scales, kind, scale kind, in, group), or None
-        where the kernel cannot read them (engine/mla/decode.py, engine/kernels/q8.py q8_mlp)."""
+        """The codes as the fused C steps take a matrix (CMatrix), or None where the kernel cannot read them."""
         if self._c_matrix is None and self.group_size % BLOCK == 0 and self.scales.dtype in KERNEL_SCALES:
             q, scales = self.q, self.scales
             kind, scale_kind = WEIGHT_KINDS[self.code], KERNEL_SCALES[scales.dtype]
@@ -87,15 +81,14 @@ class CodedLinear(nn.Module, KernelMatrix):
 
     @property
     def matrix(self) -> QuantizedMatrix:
-        """The weights row-major (from the interleaved layout a copy: the paths that dequantise)."""
+        """The weights row-major (a copy when interleaved)."""
         if self.interleaved:
             q, scales = deinterleave(self.q, self.code, self.scales.dtype, self.group_size)
             return QuantizedMatrix(q, scales, self.code, self.group_size, self.in_dim)
         return QuantizedMatrix(self.q, self.scales, self.code, self.group_size, self.in_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in] -> [..., out] float32: int8 activations times the coded weights. Without the
-        kernel the same function in torch (quantised x times the dequantised weights), slower."""
+        """x [..., in] -> [..., out] float32: int8 activations times the coded weights (torch without the kernel)."""
         flat = x.reshape(-1, x.shape[-1]).float()
         if q8_kernel_handles(self.code, self.group_size, flat) and self.scales.dtype in KERNEL_SCALES:
             scale_kind = KERNEL_SCALES[self.scales.dtype]
@@ -107,8 +100,8 @@ class CodedLinear(nn.Module, KernelMatrix):
 
 
 def hold_codes(model: nn.Module, weights: dict[str, tuple[torch.Tensor, torch.Tensor, int, str, int]]) -> int:
-    """Swap each nn.Linear named ``<name>`` with ``<name>.weight`` in ``weights`` ((q, scales, group, code,
-    in_dim)) for a CodedLinear over them. Returns how many were swapped."""
+    """Swap each bias-free nn.Linear whose weight is in ``weights`` ((q, scales, group, code, in_dim)) for a
+    CodedLinear; returns the count."""
     swapped = 0
     for name, module in list(model.named_modules()):
         held = weights.get(f"{name}.weight")
@@ -121,6 +114,5 @@ def hold_codes(model: nn.Module, weights: dict[str, tuple[torch.Tensor, torch.Te
 
 
 def interleave_codes(model: nn.Module) -> int:
-    """Every CodedLinear of ``model`` in the kernel's interleaved layout where it applies (CodedLinear.interleave),
-    once its weights are loaded. Returns how many."""
+    """Interleave every CodedLinear of a loaded ``model`` where it applies; returns how many."""
     return sum(module.interleave() for module in model.modules() if isinstance(module, CodedLinear))

@@ -1,10 +1,7 @@
 """Which SIMD loops the C kernels take: the CPU's best, or AVX2 where COLIBRI_STREAM_ISA=avx2 caps them.
 
-The cap lets one host measure what a host without AVX-512 gets: every quantised and bf16 kernel has AVX2
-loops beside its AVX-512 ones (tests hold them to the same bits), and with the cap the extension takes
-those (torch's own ops follow ATEN_CPU_CAPABILITY=avx2; docs/benchmarks-log.md). The C side reads the variable
-once, when the extension loads (engine/csrc/nibble.c isa_cap); ``check_isa_env`` runs first, from
-engine/__init__.py, so a misspelt value is refused rather than read as no cap.
+The cap lets one host measure a host without AVX-512. C reads the variable once, at load;
+``check_isa_env`` runs first (engine/__init__.py) so a misspelt value is refused, not read as no cap.
 """
 
 from __future__ import annotations
@@ -30,4 +27,4 @@ def kernel_isa() -> str:
     except ImportError:  # pragma: no cover - machines without a compiler
         return "no C extension: torch ops only"
     words = LEVEL_NAMES[SIMD_LEVEL] + (" VNNI" if Q8_VNNI else "")
-    return f"{words} (capped by {ISA_ENV}=avx2)" if ISA_CAP < 2 else words  # the cap the extension read
+    return f"{words} (capped by {ISA_ENV}=avx2)" if ISA_CAP < 2 else words

@@ -1,7 +1,5 @@
-"""The int8-activation mode: inside ``int8_activations()`` the kernel matmuls quantise x to int8 per block
-of 32 columns (engine/kernels/q8.py says how). A ContextVar, so it holds for a block of code and the
-threads it runs, never a global set by import; its own module, so the small C ops (decode_ops.py) ask it
-without importing the q8 matmuls."""
+"""The int8-activation mode (engine/kernels/q8.py): a ContextVar, scoped to a block of code, in its own
+module so decode_ops asks it without importing the q8 matmuls."""
 
 from __future__ import annotations
 
@@ -14,7 +12,7 @@ _enabled: ContextVar[bool] = ContextVar("int8_activations", default=False)
 
 @contextmanager
 def int8_activations(enabled: bool = True) -> Iterator[None]:
-    """Quantise the activations of the kernel matmuls inside to int8 (see the module docstring)."""
+    """Quantise the activations of the kernel matmuls inside to int8."""
     token = _enabled.set(enabled)
     try:
         yield

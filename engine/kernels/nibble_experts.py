@@ -1,13 +1,9 @@
 """A MoE layer's routed 4-bit experts with float32 activations in one C call (engine/csrc/nibble_moe.c).
 
-The default (exact) path would otherwise cost three kernel calls and a few torch ops per expert: per layer,
-one call lays x out for the kernel once per expert, runs every expert's gate and up matrices as one
-threaded job, SwiGLU, every down matrix as a second job, and adds the gate-weighted terms into the float64
-sum. Decode rows (one row, or rows inside ``rows_alone()``): each row's products are the kernel's one-row
-ones, bit for bit those of ``kernel_matmul(..., alone=True)``. A prompt's rows: the experts routed up to
-PROMPT_KERNEL_ROWS rows, their products those engine/kernels/quant.py's matmul gives them (the kernel, MAX_ROWS rows
-a call); an expert with more rows keeps the dequantise-once matmul. Either way SwiGLU is C's ``expf`` form
-of silu (within float rounding of torch's), so which experts a call takes depends on the routing alone.
+Instead of three kernel calls and a few torch ops per expert: gate and up of every expert as one threaded job,
+SwiGLU, every down as a second, gate-weighted terms added into the float64 sum. Each product's bits are those
+``QuantizedMatrix.matmul`` gives (decode rows as alone). SwiGLU is C's ``expf`` silu, so which experts a call
+takes must depend on the routing alone.
 """
 
 from __future__ import annotations
@@ -29,10 +25,8 @@ MAX_WORK_BYTES = 32 << 20  # one call's work area at most: a long batch's expert
 def in_one_call(
     batch: Sequence[tuple[int, object]], x: torch.Tensor, rows_routed: Callable[[int], int]
 ) -> list[tuple[int, QuantizedExpert]]:
-    """The (id, expert) pairs of a batch that ``add_nibble_experts`` takes together with x: none unless x is
-    float32 on the CPU and int8 activations are off; then the QuantizedExperts whose three matrices the 4-bit
-    kernel takes (none if their layouts differ), of a prompt's rows only those ``rows_routed`` (expert id ->
-    rows routed to it) puts within PROMPT_KERNEL_ROWS."""
+    """The (id, expert) pairs ``add_nibble_experts`` takes with x (float32 CPU, int8 activations off): experts
+    of one common layout, for a prompt only those ``rows_routed(id)`` keeps within PROMPT_KERNEL_ROWS."""
     if not batch or not BUILT or activations_are_int8():
         return []
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[0] == 0:
@@ -45,8 +39,7 @@ def in_one_call(
 
 
 def takes_rows(x: torch.Tensor, rows: int) -> bool:
-    """Whether the call takes an expert routed ``rows`` rows of x: any number of decode rows, a prompt's up to
-    PROMPT_KERNEL_ROWS (past it the dequantise-once matmul is faster)."""
+    """Whether the call takes an expert routed ``rows`` rows of x (past PROMPT_KERNEL_ROWS dequantising wins)."""
     return decode_rows(x) or rows <= PROMPT_KERNEL_ROWS
 
 
@@ -56,16 +49,15 @@ def decode_rows(x: torch.Tensor) -> bool:
 
 
 def expert_table(experts: Sequence[object]) -> tuple[tuple[int, ...], array[int]] | None:
-    """A layer's experts as engine/csrc/decode_step.c reads them on the float32 path: (their common layout
-    (inter, code13, code2, scale kind, group13, group2, interleaved 0), the six addresses of each, [n, 6] flat);
-    None when the call does not take them all, alike."""
+    """A layer's experts for engine/csrc/decode_step.c's float32 path: ((inter, code13, code2, scale kind,
+    group13, group2, 0), addresses [n, 6] flat); None unless the call takes them all alike."""
     table = common_table([_plan(e) for e in experts])
     return None if table is None else ((*table[0][1:], 0), table[1])  # the layout without dim (the plan's own)
 
 
 def _plan(expert: object) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """(layout, the six addresses of w1, its scales, w3, its scales, w2, its scales) of an expert the call
-    takes, else None; kept on the expert (``QuantizedExpert.nibble_plan``), built once per store slot."""
+    """(layout, addresses of w1, scales, w3, scales, w2, scales) of an expert the call takes, else None;
+    cached on the expert."""
     if not isinstance(expert, QuantizedExpert):
         return None
     if expert.nibble_plan is None:
@@ -98,10 +90,9 @@ def add_nibble_experts(
     limit: float | None = None,
     segments: Sequence[int] = (),
 ) -> None:
-    """out [N, dim] float64 += sum over the listed experts e of weight[r, e] * e(x[r]) for every row r
-    routed to e. x [N, dim] float32, ids [N, topk], weights [N, topk] float32; experts[i] is expert
-    expert_ids[i] (``in_one_call`` chose them); ``limit``: the SwiGLU clamp (DeepSeek-V4); ``segments``: x's
-    rows in runs (several prompt chunks), each run's terms those of its own call, each expert read once."""
+    """out [N, dim] float64 += sum over the listed experts e of weight[r, e] * e(x[r]) for every row r routed
+    to e. x [N, dim] float32, ids and weights [N, topk]; experts[i] is expert_ids[i]; ``limit``: the SwiGLU
+    clamp; ``segments``: runs of rows, each the bits of its own call."""
     x, weights = x.contiguous(), weights.float().contiguous()
     ids = ids.to(torch.int64).contiguous()
     layout = _plan(experts[0])[0]  # type: ignore[index]  # in_one_call chose it

@@ -1,11 +1,8 @@
-"""int8 activations: the matmuls of a model run with ``int8_activations()`` quantise x per block of 32
-columns (scale absmax / 127, ties to even) and multiply with integer dot products (engine/csrc/q8.c),
-as llama.cpp does with its Q8 activations. Lossy in x only, so it is an option the caller asks for,
-never the default: the exact float path stays what the oracle suites check. The weights are the
-container's records as stored (int4 experts, int8 dense); other weights keep their float kernels.
+"""int8 activations (``int8_activations()``): x quantised per block of 32 columns (absmax / 127, ties to
+even), integer dot products against the stored int4/int8 records (engine/csrc/q8.c), as llama.cpp's Q8.
 
-Inside the context every row is computed as alone by construction (the kernel's per-row accumulation
-does not depend on the other rows), so batching stays bit-exact here too.
+Lossy in x, so opt-in: the exact float path is what the oracle suites check. Each row's accumulation is
+independent of the other rows, so batching stays bit-exact.
 """
 
 from __future__ import annotations
@@ -49,9 +46,8 @@ def q8_matmul(
     out_dim: int | None = None,
 ) -> torch.Tensor:
     """int8(x) [rows, in] @ dequant(w, scales)^T -> [rows, out] float32. ``w``: int4 nibbles uint8
-    [out, ceil(in / 2)] or int8 [out, in], or ``interleave``'s bytes of them (``out_dim`` given, ``scales``
-    unused); ``scale_kind``: the kernel's code for the scales' dtype; ``isa``: the best instruction set the
-    kernel may use (every level gives the same bytes; tests lower it)."""
+    [out, ceil(in / 2)], int8 [out, in], or ``interleave``'s bytes (``out_dim`` given, ``scales`` unused).
+    ``isa`` caps the instruction set (every level gives the same bytes)."""
     rows, in_dim = x.shape
     x = x.contiguous()
     out = w.shape[0] if out_dim is None else out_dim
@@ -80,8 +76,8 @@ def chunk_bytes(code: str) -> int:
 
 
 def interleavable(code: str, in_dim: int, out_dim: int, group_size: int) -> bool:
-    """Whether ``interleave`` takes a matrix of this shape (q8.h q8_interleavable): whole spans and 4-row
-    blocks, groups of whole chunks that tile a span. Real models' widths are; odd test shapes are not."""
+    """Whether ``interleave`` takes this shape (q8.h q8_interleavable): whole spans, 4-row blocks, groups
+    of whole chunks that tile a span."""
     return (
         code in WEIGHT_KINDS
         and in_dim >= SPAN
@@ -96,10 +92,9 @@ def interleavable(code: str, in_dim: int, out_dim: int, group_size: int) -> bool
 def interleave(
     q: torch.Tensor, scales: torch.Tensor, code: str, group_size: int, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The codes q ([out, in / 2] int4 bytes or [out, in] int8) and scales [out, in / group] of an
-    ``interleavable`` matrix in the kernel's interleaved layout (q8.h): per block of 4 rows and span of SPAN
-    columns, the span's chunks row by row, then the 4 rows' scales. uint8 [out / 4, spans, span bytes], in
-    ``out`` (uint8 memory of that many bytes, apart from q and scales) where given."""
+    """q ([out, in / 2] int4 bytes or [out, in] int8) and scales [out, in / group] in the kernel's
+    interleaved layout (q8.h): per 4-row block and SPAN-column span, the chunks row by row, then the 4 rows'
+    scales. uint8 [out / 4, spans, span bytes], written into ``out`` where given."""
     out_dim, row_bytes = q.shape
     step = chunk_bytes(code)
     spans = row_bytes // (SPAN // CHUNK * step)
@@ -107,7 +102,7 @@ def interleave(
     blocks = out_dim // 4
     shape = (blocks, spans, code_bytes + scales.nbytes // (blocks * spans))
     packed = torch.empty(shape, dtype=torch.uint8) if out is None else out.view(shape)
-    # chunks copied as 8-byte words where both sides are aligned (real models' are): 5x faster than as bytes
+    # copy as 8-byte words where both sides are aligned: far faster than as bytes
     aligned = q.data_ptr() % 8 == 0 and packed.data_ptr() % 8 == 0 and packed.shape[2] % 8 == 0
     unit = torch.int64 if aligned else torch.uint8
     codes = q.view(torch.uint8).view(unit).view(blocks, 4, spans, SPAN // CHUNK, -1).permute(0, 2, 3, 1, 4)
@@ -131,8 +126,7 @@ def deinterleave(
 
 
 def quantize_rows(x: torch.Tensor) -> torch.Tensor:
-    """The reference of the kernel's activation quantisation: x [rows, in] float32 -> the dequantised
-    int8 values [rows, in] float32 (what the integer dot products multiply, times the block scales)."""
+    """Reference of the kernel's activation quantisation: x [rows, in] float32 -> dequantised int8 [rows, in]."""
     rows, in_dim = x.shape
     blocks = -(-in_dim // BLOCK)
     padded = torch.nn.functional.pad(x.float(), (0, blocks * BLOCK - in_dim)).view(rows, blocks, BLOCK)
@@ -147,12 +141,11 @@ CMatrix = tuple[int, int, int, int, int, int, int]
 
 
 class KernelMatrix:
-    """A linear whose weights the fused C steps read as they are: engine/kernels/int8_dense.py's CodedLinear (int8 or
-    int4 records), engine/kernels/bf16.py's Bf16Linear (declared here because both import this module)."""
+    """A linear whose weights the fused C steps read as they are (CodedLinear, Bf16Linear); declared here
+    because both import this module."""
 
     def c_matrix(self) -> CMatrix | None:
-        """(w, scales, kind, scale kind, in, group, interleaved) as the C steps take a matrix; None where they
-        cannot."""
+        """The matrix as the C steps take it (CMatrix); None where they cannot."""
         return None
 
 
@@ -162,17 +155,14 @@ def c_matrix_of(linear: object) -> CMatrix | None:
 
 
 def c_computes_as_modules(matrices: Iterable[CMatrix]) -> bool:
-    """Whether the C steps compute these matrices (c_matrix_of) as their modules do now: bf16 weights always
-    (both take the bf16 kernel on float32 rows), int8 records only with int8 activations on (else the module
-    computes in float where C would quantise x)."""
+    """Whether the C steps compute these matrices as their modules do now: bf16 always, int8 records only
+    with int8 activations on (else the module computes in float where C would quantise x)."""
     return activations_are_int8() or all(m[2] == BF16_KIND for m in matrices)
 
 
 def q8_mlp(w1: object, w2: object, w3: object, x: torch.Tensor, limit: float | None = None) -> torch.Tensor | None:
-    """w2(swiglu(w1 x, w3 x)) for x [..., dim] in one C call (gate and up as one threaded job, then down)
-    where the three are matrices the C steps read (c_matrix_of: int8 records, bf16 weights) (a shared
-    expert, a dense layer's FFN); else None. The SwiGLU is q8_moe's (C's expf), not torch's: the caller
-    takes it where decode_ops' C ops apply (the int8 path, a float32 decode row)."""
+    """w2(swiglu(w1 x, w3 x)) for x [..., dim] in one C call where the C steps read all three matrices,
+    else None. The SwiGLU uses C's expf, not torch's: call it only where decode_ops' C ops apply."""
     cpu_float32 = x.dtype == torch.float32 and x.device.type == "cpu"
     # reflection: a build of the C extension older than q8_mlp lacks it
     if not (cpu_float32 and _kernels is not None):

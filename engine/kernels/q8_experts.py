@@ -1,11 +1,8 @@
 """A MoE layer's routed experts with int8 activations in one C call (engine/csrc/q8_moe.c).
 
-Inside ``int8_activations()`` a decode step's experts would otherwise cost three kernel calls and a
-few torch ops each (quantise x three times, wake the kernel's helper thread three times, SwiGLU,
-weight, add): per layer, one call quantises x once, runs every expert's gate and up matrices as one
-threaded job, SwiGLU, every down matrix as a second job, and adds the gate-weighted terms into the
-float64 sum. Each row is computed as alone (batch-invariant), as the q8 kernels are. Experts held in the
-kernel's interleaved layout (engine/kernels/interleaved_expert.py) are read as such.
+Instead of three kernel calls and a few torch ops per expert: x quantised once, gate and up of every expert
+as one threaded job, SwiGLU, every down as a second, gate-weighted terms added into the float64 sum. Each row
+is computed as alone, as the q8 kernels do.
 """
 
 from __future__ import annotations
@@ -31,8 +28,7 @@ CallExpert = QuantizedExpert | InterleavedExpert  # what the call takes
 
 
 def fused_experts_handle(experts: Sequence[object], x: torch.Tensor) -> TypeGuard[Sequence[CallExpert]]:
-    """Whether ``add_experts`` takes these experts with x: int8 activations on, float32 x on the CPU,
-    QuantizedExperts whose matrices the q8 kernel takes or InterleavedExperts, all of one layout."""
+    """Whether ``add_experts`` takes these experts with x: int8 activations on, float32 CPU x, one layout."""
     # reflection: a build of the C extension older than q8_moe.c lacks it
     if not experts or not activations_are_int8() or _kernels is None:
         return False
@@ -43,9 +39,8 @@ def fused_experts_handle(experts: Sequence[object], x: torch.Tensor) -> TypeGuar
 
 
 def expert_table(experts: Sequence[object]) -> tuple[tuple[int, ...], array[int]] | None:
-    """A layer's experts as engine/csrc/decode_step.c reads them: (their common layout (inter, kind13, kind2,
-    scale kind, group13, group2, interleaved), the six addresses of each, [n, 6] flat); None when q8_moe does
-    not take them all, alike."""
+    """A layer's experts for engine/csrc/decode_step.c: ((inter, kind13, kind2, scale kind, group13, group2,
+    interleaved), addresses [n, 6] flat); None unless q8_moe takes them all alike."""
     table = common_table([_plan(e) for e in experts])
     if table is None:
         return None
@@ -65,15 +60,14 @@ def _call_layout(layout: tuple[object, ...]) -> tuple[int, ...]:
 
 
 def _plan(expert: object) -> tuple[tuple[object, ...], tuple[int, ...]] | None:
-    """(layout, the six addresses of w1, its scales, w3, its scales, w2, its scales) of an expert the call
-    takes, else None; kept on the expert (``q8_plan``), which its store builds once per slot: a decode step
-    would otherwise re-check 18 matrices per layer. An interleaved matrix's scales are in its codes' bytes:
-    its address stands for both."""
+    """(layout, addresses of w1, scales, w3, scales, w2, scales) of an expert the call takes, else None;
+    cached on the expert so a decode step does not re-check 18 matrices per layer. An interleaved matrix's
+    address stands for its scales too."""
     if not isinstance(expert, (InterleavedExpert, QuantizedExpert)):
         return None
     if expert.q8_plan is None:
         plan = _interleaved_plan(expert) if isinstance(expert, InterleavedExpert) else _row_major_plan(expert)
-        object.__setattr__(expert, "q8_plan", plan)  # a frozen dataclass: its one field set after init
+        object.__setattr__(expert, "q8_plan", plan)  # frozen dataclass
     return expert.q8_plan or None
 
 
@@ -93,8 +87,7 @@ def _addresses(expert: QuantizedExpert) -> tuple[int, ...]:
 
 
 def _layout(expert: QuantizedExpert) -> tuple[object, ...] | None:
-    """What one call needs alike in every expert: codes, groups, scale dtype, shape, row-major; None if it
-    cannot."""
+    """What one call needs alike in every expert (codes, groups, scale dtype, shape); None if it cannot."""
     w1, w2 = expert.w1, expert.w2
     if not expert.fusable() or not all(_kernel_takes(m) for m in (w1, w2)):
         return None
@@ -114,12 +107,12 @@ def add_experts(
     experts: Sequence[CallExpert],
     limit: float | None = None,
 ) -> None:
-    """out [N, dim] float64 += sum over the listed experts e of weight[r, e] * e(x[r]) for every row r
-    routed to e. x [N, dim] float32, ids [N, topk], weights [N, topk] float32; experts[i] is expert
-    expert_ids[i] (fused_experts_handle must hold); ``limit``: the SwiGLU clamp (DeepSeek-V4)."""
+    """out [N, dim] float64 += sum over the listed experts e of weight[r, e] * e(x[r]) for every row r routed
+    to e. x [N, dim] float32, ids and weights [N, topk]; experts[i] is expert_ids[i]; fused_experts_handle
+    must hold; ``limit``: the SwiGLU clamp."""
     x, weights = x.contiguous(), weights.float().contiguous()
     ids = ids.to(torch.int64).contiguous()
-    plans = [_plan(e) for e in experts]  # fused_experts_handle held: every expert has one, of one layout
+    plans = [_plan(e) for e in experts]
     dim, inter, kind13, kind2, scale_kind, group13, group2, interleaved = _call_layout(plans[0][0])  # type: ignore[index]
     for part in _parts(ids, list(expert_ids), dim, inter):
         mats = array("Q", [p for i in part for p in plans[i][1]])  # type: ignore[index]  # [n, 6] addresses

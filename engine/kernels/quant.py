@@ -1,22 +1,14 @@
 """Group-wise quantised matrices (pure functions) and the quantised routed expert.
 
-A weight [out, in] is cut into groups of ``group_size`` consecutive input columns; each group has one
-scale, and the last group of a row may be partial (in = 120 at group 64: one group of 64 and one of
-56, whose scale comes from its own 56 elements). Groups start on even columns (the group size is
-even for the nibble codes), so no byte holds two groups.
+A weight [out, in] has one scale per ``group_size`` consecutive input columns; a row's last group may be
+partial (its scale from its own elements). Nibble group sizes are even, so no byte holds two groups.
 
-Codes (what one stored element means, before its group's scale):
-  int4  a nibble n: the integer n - 8 (our own quantiser uses -7..7; pack-quantized sources use -8..7)
-  fp4   a nibble: e2m1 (bit 3 sign, bits 0-2 index 0, 0.5, 1, 1.5, 2, 3, 4, 6), as in MXFP4 and in
-        DeepSeek-V4's FP4 experts
-  int8  an int8
-Nibbles sit two per byte along the input dimension, the even column in the low nibble; a row of an
-odd width ends with a padding nibble (code 8 / +0.0, never read as a weight). Row r starts at byte
-r * ceil(in / 2).
+Codes: int4 nibble n -> n - 8 (ours -7..7, pack-quantized -8..7); fp4 nibble -> e2m1 (bit 3 sign, bits 0-2
+index 0, 0.5, 1, 1.5, 2, 3, 4, 6: MXFP4, V4's experts); int8. Nibbles two per byte, even column low; an odd
+row ends with a padding nibble (8 / +0.0); row r starts at byte r * ceil(in / 2).
 
-Scales (one per group): float16 (our int4 and int8: 10 mantissa bits put the scale's rounding far below
-int4's step), bfloat16 (compressed-tensors pack-quantized, copied as shipped), or e8m0 (uint8 biased
-exponent e: 2^(e - 127), MXFP4's and V4's power-of-two scales).
+Scales: float16 (ours: its rounding is far below int4's step), bfloat16 (pack-quantized, as shipped), or e8m0
+(uint8 exponent e -> 2^(e - 127), MXFP4's and V4's).
 """
 
 from __future__ import annotations
@@ -40,10 +32,8 @@ FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # The C kernels' names for codes and scale dtypes (engine/csrc/nibble.h); int8 stays on torch.
 KERNEL_CODES = {"int4": 0, "fp4": 1}
 KERNEL_SCALES = {torch.float16: 0, torch.bfloat16: 1, E8M0: 2}
-# A prompt's rows up to this many go through the kernel MAX_ROWS at a time: below it, unpacking the codes once
-# per 8 rows beats dequantising the matrix to float32 once and one sgemm (DeepSeek-V3's 2048 x 7168 expert
-# matrix, 2 threads: 8 rows 2.4 vs 46 ms, 32 rows 10 vs 54 ms, 128 rows 33-49 vs 63-84 ms); the bits depend on
-# the row count alone. (A tiny matrix dequantises in microseconds: there the kernel calls' Python costs more.)
+# Up to this many rows, unpacking the codes once per MAX_ROWS beats dequantising once for sgemm
+# (docs/kernels.md, "A short prompt's rows through the kernels"); the bits depend on the row count alone.
 PROMPT_KERNEL_ROWS = 128
 
 
@@ -100,8 +90,7 @@ def quantize(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor,
 
 
 def scale_values(scales: torch.Tensor) -> torch.Tensor:
-    """Stored scales -> float32 (e8m0 bytes: 2^(e - 127), 0xFF is NaN as in the MX spec; torch's
-    float8_e8m0fnu holds the same bytes)."""
+    """Stored scales -> float32 (e8m0: 2^(e - 127), 0xFF NaN as in the MX spec)."""
     if scales.dtype == torch.float8_e8m0fnu:
         scales = scales.view(E8M0)
     if scales.dtype != E8M0:
@@ -142,8 +131,7 @@ class QuantizedMatrix:
         return self.q.shape[0]
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """-> [out, in] in ``dtype`` (computed in float32, then cast); the C kernel's dequantiser on the
-        CPU where it handles the matrix (bit-identical: the same float operations), torch elsewhere."""
+        """-> [out, in] in ``dtype`` (computed in float32, then cast); C and torch give the same bits."""
         if _kernel_handles(self):
             w = torch.empty((self.out_dim, self.in_dim), dtype=torch.float32)
             _kernels.dequant(self.q.data_ptr(), self.scales.data_ptr(), w.data_ptr(), *_kernel_shape(self))
@@ -151,20 +139,15 @@ class QuantizedMatrix:
         return dequantize_torch(self, dtype)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, in] @ W^T. Up to PROMPT_KERNEL_ROWS float32 rows on the CPU go through the C kernel, MAX_ROWS
-        rows a call, each call reading the codes once; everything else (longer prompts, bf16 activations,
-        other devices) dequantises once and uses a dense matmul. Inside rows_alone() (independent requests)
-        the kernel takes any number of rows, MAX_ROWS per call, each row computed as alone. Inside
-        int8_activations() (engine/kernels/q8.py) any number of rows go through the integer kernel, each as alone.
-        Inside rows_in_segments() segment by segment, each by these rules."""
+        """x [N, in] @ W^T: up to PROMPT_KERNEL_ROWS float32 CPU rows (any number inside rows_alone() or
+        int8_activations()) through a C kernel, else dequantise once and a dense matmul."""
         if x.shape[0] and row_segments(x.shape[0]) is not None:
             return by_segment(self.matmul, x)
         if activations_are_int8() and _q8_handles(self, x):
             return q8_matmul(x, self.q, self.scales, self.code, self.group_size, KERNEL_SCALES[self.scales.dtype])
         if x.dtype == torch.bfloat16 and x.device.type == "cpu":
-            # bf16 rows in float32 through the kernel or sgemm: torch's bf16 matmul on the CPU (oneDNN)
-            # keeps a primitive per shape, and every expert sees new row counts, so a long bf16 prefill's
-            # memory grew chunk after chunk (docs/benchmarks-log.md, "Figures behind the code")
+            # not torch's bf16 matmul: oneDNN keeps a primitive per shape, and expert row counts vary, so
+            # memory grows (docs/benchmarks-log.md, "Figures behind the code")
             return self.matmul(x.float()).to(torch.bfloat16)
         alone = computing_alone()
         if _kernel_handles(self) and x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[0] > 0:
@@ -180,8 +163,7 @@ def quantized_matrix(w: torch.Tensor, bits: int, group_size: int) -> QuantizedMa
 
 
 def dequantize_torch(m: QuantizedMatrix, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The reference dequantisation in torch (any device). Keeps temporaries small (about 2x the float32
-    result): experts are dequantised per call, so these bytes come and go per token."""
+    """The reference dequantisation in torch (any device); temporaries ~2x the result, as it runs per token."""
     groups = m.scales.shape[1]
     w = _pad_columns(code_values(m.q, m.code, m.in_dim), groups * m.group_size)
     w.view(m.out_dim, groups, m.group_size).mul_(scale_values(m.scales)[..., None])
@@ -224,9 +206,8 @@ KERNEL_ISA = {"best": 2, "avx2": 1, "scalar": 0}  # nibble.h nibble_gemm's simd:
 
 
 def kernel_matmul(x: torch.Tensor, m: QuantizedMatrix, alone: bool = False, isa: str = "best") -> torch.Tensor:
-    """x [rows <= MAX_ROWS, in] float32 @ dequant(m)^T -> [rows, out], reading the codes once (C kernel).
-    ``alone``: each row's result bit-identical to a one-row call's (engine/kernels/rows.py). ``isa`` caps the loops
-    (tests reach each on any CPU; "best" and "avx2" give the same bits, "scalar" sums in another order)."""
+    """x [rows <= MAX_ROWS, in] float32 @ dequant(m)^T -> [rows, out] (C kernel). ``alone``: each row as a
+    one-row call. ``isa`` caps the loops ("scalar" sums in another order than the SIMD ones)."""
     rows, in_dim = x.shape
     if in_dim != m.in_dim:
         raise ValueError(f"x has {in_dim} columns, the quantised matrix {m.in_dim} inputs")
@@ -244,7 +225,7 @@ def kernel_matmul(x: torch.Tensor, m: QuantizedMatrix, alone: bool = False, isa:
         m.group_size,
         work.data_ptr(),
         KERNEL_ISA[isa],
-        kernel_threads(),  # 2+: a persistent helper thread shares the output rows (kernels.c run_split)
+        kernel_threads(),
         KERNEL_CODES[m.code],
         KERNEL_SCALES[m.scales.dtype],
         alone,
@@ -259,12 +240,12 @@ class QuantizedExpert:
     w1: QuantizedMatrix
     w2: QuantizedMatrix
     w3: QuantizedMatrix
-    # engine/kernels/q8_experts.py's plan for the fused q8 call, worked out at the first call (None: not yet, (): the
-    # call does not take it); kept here because a store builds its experts once per slot, not once per read
+    # q8_experts' plan for the fused call (None: not yet, (): not fusable); kept here because a store builds
+    # its experts once per slot, not once per read
     q8_plan: tuple[()] | tuple[tuple[object, ...], tuple[int, ...]] | None = field(
         default=None, init=False, repr=False, compare=False
     )
-    # engine/kernels/nibble_experts.py's, for the fused float32 call: the same six addresses, its own layout
+    # nibble_experts' plan for the fused float32 call
     nibble_plan: tuple[()] | tuple[tuple[int, ...], tuple[int, ...]] | None = field(
         default=None, init=False, repr=False, compare=False
     )
@@ -274,8 +255,7 @@ class QuantizedExpert:
         return self.w1.q.device
 
     def fusable(self) -> bool:
-        """Whether one fused C call can take this expert as its layout says: the three matrices contiguous on
-        the CPU with one scale dtype, up (w3) as gate (w1) in code, group and shape, down (w2) transposed."""
+        """Whether one fused C call takes it: contiguous CPU matrices, one scale dtype, w3 as w1, w2 transposed."""
         w1, w3, w2 = self.w1, self.w3, self.w2
         return (
             all(m.q.device.type == "cpu" and m.q.is_contiguous() and m.scales.is_contiguous() for m in (w1, w3, w2))

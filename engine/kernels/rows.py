@@ -1,11 +1,8 @@
 """Batch invariance: rows of independent requests, computed together, each exactly as if alone.
 
-Decoding several conversations in one forward reads every weight once for all of them, but a matmul
-over B rows need not give a row the bits it gets over 1 row (BLAS picks other kernels and summation
-orders by shape). Inside ``rows_alone()`` every matmul of the engine keeps each row's arithmetic that
-of a one-row call: the C kernels take their batch-invariant path (each row through the one-row
-accumulation, the weights still streamed once), torch matmuls run row by row. Greedy text is then the
-same whether a request is decoded alone or beside others, bit for bit. Outside it nothing changes.
+A matmul over B rows need not give a row the bits it gets over 1 row (BLAS picks kernels and summation
+orders by shape). Inside ``rows_alone()`` every matmul keeps each row's arithmetic that of a one-row call,
+so greedy text is the same whether a request is decoded alone or beside others.
 """
 
 from __future__ import annotations
@@ -50,12 +47,8 @@ def computing_alone() -> bool:
 
 def rows_in_segments(sizes: Sequence[int]) -> AbstractContextManager[None]:
     """Compute the rows of every op inside (flattened to [rows, last dim]) as runs of these lengths, each as
-    its own call computes it: several requests' prompt chunks in one forward (engine/mla/model.py
-    forward_prompts), each chunk the bits of its own forward. Row-wise ops (norms, elementwise arithmetic)
-    run over all rows at once; where a row's bits depend on the rows beside it (BLAS picks kernels by shape,
-    the C kernels go MAX_ROWS rows at a time, torch's vectorised transcendental functions give a row's last
-    elements the scalar function) the op runs per segment (``by_segment``) or, the bf16 kernel, with each
-    segment's own row groups. Work on one segment's rows alone goes inside ``one_segment()``."""
+    its own call computes it (several requests' prompt chunks in one forward). Ops whose row bits depend on
+    neighbouring rows (BLAS by shape, MAX_ROWS groups, vectorised transcendentals) run per segment."""
     return _holding(_segments, tuple(sizes))
 
 
@@ -104,10 +97,9 @@ def per_row(fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
 def per_row(fn: Callable[..., tuple[torch.Tensor, ...]], *xs: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
 def per_row(fn: Callable[..., Any], *xs: torch.Tensor) -> Any:
     """fn(*xs) for a row-wise fn over tensors of N rows (first dim), giving a tensor or a tuple of them;
-    row by row inside rows_alone(): torch's vectorised transcendental functions give a value in a
-    [N, k] block other bits than in a [1, k] row on some CPUs (seen on an AMD EPYC: sigmoid 1.5e-8
-    apart, a routing weight 6e-8). Segment by segment inside rows_in_segments() (``by_segment``: rows are
-    all dims but the last; a tensor-valued fn)."""
+    row by row inside rows_alone(): vectorised transcendentals give an [N, k] block other bits than a
+    [1, k] row on some CPUs (docs/kernels.md, "Figures behind engine comments"). Segment by segment inside
+    rows_in_segments()."""
     if not computing_alone():
         return by_segment(fn, *xs)
     if xs[0].shape[0] == 1:
@@ -138,22 +130,17 @@ class Linear(nn.Linear):
         __call__ = forward
 
 
-# A product of at least this many multiply-adds runs on the kernel threads inside a forward pass: on 2 cores
-# 1.17x at 8.4M (the DSA indexer, one query over 1024 keys), 1.4-1.9x above; 1.11x at 2.5M (docs/kernels.md).
+# Below this many multiply-adds a thread's wake-up outweighs the split (docs/kernels.md, "Threads").
 PARALLEL_PRODUCT_MACS = 1 << 23
-# How old a verdict of the kernels' helper thread on its core may be. It measures while it polls between
-# kernel calls, and a layer's attention over a long cache runs seconds of torch without one (DeepSeek-V3,
-# 300 new positions over 8192: 12-19 s a layer), so the last verdict holds through such a stretch.
+# How old the helper thread's core-sharing verdict may be: it measures only between kernel calls, and a
+# long-cache attention layer runs seconds of torch without one (docs/kernels.md, "Figures behind engine comments").
 SHARE_VERDICT_NS = 60_000_000_000
 
 
 def products_on_threads(macs: int) -> AbstractContextManager[None]:
-    """torch_on_kernel_threads() around a product (matmul, einsum) of ``macs`` multiply-adds, from
-    PARALLEL_PRODUCT_MACS; else nothing. Not while the kernels' helper thread finds its core shared with
-    another busy thread: a torch product waits for its slowest thread (beside a busy loop the demo's prompts
-    took 1.7-1.8x as long with them on 2 threads), where the C kernels' split does not. Only products: an
-    elementwise transcendental (exp) gives a thread range's last few elements the scalar function, whose
-    bits may differ from the vector one's, so its bits would follow the split."""
+    """torch_on_kernel_threads() around a product of ``macs`` multiply-adds from PARALLEL_PRODUCT_MACS up,
+    else nothing. Not while the core is shared: a torch product waits for its slowest thread. Only
+    products: an elementwise transcendental's bits would follow the split (a range's tail runs scalar)."""
     if macs < PARALLEL_PRODUCT_MACS or kernel_threads() < 2 or cores_shared():
         return nullcontext()
     return torch_on_kernel_threads()
@@ -166,10 +153,8 @@ def cores_shared() -> bool:
 
 @contextmanager
 def torch_on_kernel_threads() -> Iterator[None]:
-    """Inside a forward pass (torch_on_one_thread), torch's ops on the kernel threads again: for the few ops
-    large enough that a thread's wake-up is nothing beside them (products over a long context: docs/kernels.md,
-    "Threads"). A product keeps its bits (measured there, held by tests/test_engine/test_torch_threads.py):
-    torch splits it by output, not by sum."""
+    """Inside torch_on_one_thread(), torch's ops on the kernel threads again, for ops large enough to pay
+    for the wake-up. A product keeps its bits: torch splits it by output, not by sum."""
     threads, held = kernel_threads(), torch.get_num_threads()
     if threads != held:
         torch.set_num_threads(threads)
@@ -190,12 +175,9 @@ def kernel_threads() -> int:
 def torch_on_one_thread() -> Iterator[None]:
     """A forward pass: torch's own ops run on one thread, the C kernels on all of torch's threads.
 
-    A decode step is hundreds of tiny torch ops (norms, router, attention over one query) between the
-    weight-bound kernels; spreading a 2048-float op over threads costs more in wake-ups than it saves.
-    Worse, on a busy machine every parallel op waits for its descheduled second thread: beside another
-    process a short prefill took many times longer with 2 torch threads than with 1 (docs/kernels.md,
-    "Threads").
-    The kernels keep every thread, and their split does not wait for a thread that is not running."""
+    A decode step is hundreds of tiny torch ops whose wake-ups cost more than they save, and on a busy
+    machine every parallel op waits for a descheduled thread (docs/kernels.md, "Threads"). The kernels'
+    split does not wait for a thread that is not running."""
     threads = torch.get_num_threads()
     token = _kernel_threads.set(threads)
     if threads > 1:
