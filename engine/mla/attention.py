@@ -4,16 +4,12 @@ Shapes: B batch, S new positions, T = start_pos + S cached positions, H heads, c
 r qk_rope_head_dim, n qk_nope_head_dim, v v_head_dim, K positions selected by the DSA indexer.
 
 Two mathematically equal ways to attend:
-- non-absorbed (prefill): wkv_b expands every cached latent into per-head k_nope [T, H, n] and v
-  [T, H, v]; cost grows with T*H*(n+v), fine once per prompt.
-- absorbed (decode): the k half of wkv_b is folded into the query (q_nope [H, n] -> [H, c]) and
-  scores are taken against the cached latents directly; the v half is applied after the weighted
-  sum of latents. With DSA the K selected latents are gathered, never masked from all T.
+- expanded (prefill): wkv_b expands every cached latent into k_nope [T, H, n] and v [T, H, v].
+- absorbed (decode): wkv_b's k half folded into the query ([H, n] -> [H, c]), scores against the cached
+  latents, the v half applied after the weighted sum. With DSA the K chosen latents are gathered, not masked.
 
-Once the cache is longer than one key block (engine/mla/prefill.py: scores [S, H, T] float32 above
-KEY_BLOCK_BYTES), several new positions attend one key block at a time with an online softmax, in
-whichever of the two forms costs fewer multiply-adds for S (absorb=None) or the one forced, so their
-memory is bounded by S x H x the key block, never by H x T.
+Past one key block of cache, several new positions go through engine/mla/prefill.py, so memory is bounded
+by S x H x the key block, never by H x T.
 """
 
 from __future__ import annotations
@@ -41,7 +37,7 @@ _Projected = tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor
 
 
 class MLA(nn.Module, ReadsOtherFormInDecode):
-    kv_b_codes: torch.Tensor  # buffers of hold_kv_b_int8 (register_buffer): declared for the type checker
+    kv_b_codes: torch.Tensor  # buffers of hold_kv_b_int8, declared for the type checker
     kv_b_scales: torch.Tensor
 
     def __init__(self, args: ModelArgs, layer_id: int):
@@ -69,16 +65,14 @@ class MLA(nn.Module, ReadsOtherFormInDecode):
         self.kv_b_group = 0  # > 0: wkv_b's int8 records are held too (hold_kv_b_int8)
 
     def hold_kv_b_int8(self, q: torch.Tensor, scales: torch.Tensor, group_size: int) -> None:
-        """Keep wkv_b's int8 records (codes int8 [H * (n + v), c], scales [H * (n + v), ceil(c / group)])
-        beside its float weight: with int8 activations one query's absorbed attention reads them (a
-        quarter of the float32 bytes, the same values); prefill's expanded path keeps the float weight."""
+        """Keep wkv_b's int8 records (codes [H * (n + v), c], scales [H * (n + v), ceil(c / group)]) beside
+        its float weight, for one query's absorbed attention (a quarter of the bytes); prefill reads the float."""
         self.register_buffer("kv_b_codes", q.contiguous(), persistent=False)
         self.register_buffer("kv_b_scales", scale_values(scales).contiguous(), persistent=False)
         self.kv_b_group = group_size
 
     def decode_unread(self) -> list[torch.Tensor]:
-        """Weights one query's attention does not read (engine/kernels/read_ahead.py reads ahead the others): the float
-        wkv_b while its int8 records are held."""
+        """Weights one query's attention does not read: the float wkv_b while its int8 records are held."""
         return [self.wkv_b.weight] if self.kv_b_group > 0 else []
 
     def forward(
@@ -108,8 +102,7 @@ class MLA(nn.Module, ReadsOtherFormInDecode):
     ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """One new position of each of B independent sequences: x [B, 1, dim] -> (out [B, 1, dim], selections).
 
-        Row b is at position starts[b] of its own cache (caches[b], ropes[b], selections[b]). The
-        projections run over all rows at once; each sequence attends over its own cache.
+        Row b is at position starts[b] of caches[b]; projections run over all rows at once.
         """
         projected = self._project(x)
         if x.shape[0] == 1:  # decode alone: no per-row slices, no cat
@@ -127,12 +120,11 @@ class MLA(nn.Module, ReadsOtherFormInDecode):
         caches: list[LayerCache],
         selections: list[torch.Tensor | None],
     ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-        """Prompt chunks of several sequences one after another, inside rows_in_segments(sizes): x [1, N, dim]
-        -> (out [1, N, dim], selections); chunk i is sizes[i] positions from starts[i] of caches[i], and gets
-        the bits ``forward`` gives it alone. The projections run over all rows at once (segment-aware ops);
-        each chunk attends over its own cache."""
+        """Prompt chunks of several sequences inside rows_in_segments(sizes): x [1, N, dim] -> (out [1, N, dim],
+        selections); chunk i is sizes[i] positions from starts[i] of caches[i], with the bits ``forward`` gives
+        it alone."""
         projected = self._project(x)
-        with one_segment():  # a chunk's attention: its own rows only
+        with one_segment():
             out, chosen = self._attend_each(x, projected, 1, sizes, starts, ropes, caches, selections)
         return self.wo(out.flatten(2)), chosen
 
@@ -147,12 +139,10 @@ class MLA(nn.Module, ReadsOtherFormInDecode):
         caches: list[LayerCache],
         selections: list[torch.Tensor | None],
     ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-        """``_attend`` for each sequence's part of x and ``projected`` (sizes[i] consecutive entries of ``dim``:
-        the batch's rows, or a sequence's positions) -> (the parts' attention outputs, cat along ``dim``,
-        their selections)."""
+        """``_attend`` per sequence on sizes[i] consecutive entries of ``dim`` -> (outputs cat along ``dim``,
+        selections)."""
         outs, chosen, first = [], [], 0
         for size, start, rope, cache, selection in zip(sizes, starts, ropes, caches, selections, strict=True):
-            # this part of each of _project's four (the first may be None)
             part = cast(_Projected, tuple(None if t is None else t.narrow(dim, first, size) for t in projected))
             out, selection = self._attend(x.narrow(dim, first, size), part, start, rope, cache, selection, None)
             outs.append(out)
@@ -162,7 +152,7 @@ class MLA(nn.Module, ReadsOtherFormInDecode):
 
     def _project(self, x: torch.Tensor) -> _Projected:
         """x [B, S, dim] -> (q latent [B, S, q_lora] or None, q [B, S, H, n + r], latent [B, S, c],
-        rope key [B, S, r] not yet roped): every weight-bound step before attention."""
+        rope key [B, S, r] not yet roped)."""
         bsz, seqlen, _ = x.shape
         q_latent = self.q_norm(self.wq_a(x)) if self.q_lora_rank else None
         q = (self.wq_b(q_latent) if q_latent is not None else self.wq(x)).view(bsz, seqlen, self.n_heads, -1)
@@ -185,14 +175,13 @@ class MLA(nn.Module, ReadsOtherFormInDecode):
         if cache.length != start_pos:
             raise ValueError(f"cache holds {cache.length} positions but start_pos is {start_pos}")
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        # The shared rope key rotates with the heads' rope queries as one more head: one elementwise
-        # rotation instead of two, the same floats.
+        # the rope key rotated as one more head: one rotation instead of two, the same floats
         roped = apply_rope(torch.cat([q_rope, k_rope[:, :, None]], dim=2), *rope, interleaved=self.rope_interleave)
         q_rope, k_rope = roped[:, :, : self.n_heads], roped[:, :, self.n_heads]
         latents, rope_keys = cache.append(latent, k_rope)  # [B, T, c], [B, T, r]
         if self.indexer is not None:
             selection = self.indexer(x, q_latent, start_pos, rope, cache)
-        if seqlen > 1 and latents.shape[1] > key_block(seqlen, self.n_heads):  # a long cache: key blocks
+        if seqlen > 1 and latents.shape[1] > key_block(seqlen, self.n_heads):
             if absorb is None:
                 dims = (self.kv_lora_rank, self.nope_dim, self.rope_dim, self.v_dim)
                 absorb = absorbed_is_cheaper(seqlen, self.n_heads, *dims)
@@ -212,8 +201,7 @@ class MLA(nn.Module, ReadsOtherFormInDecode):
         selection: torch.Tensor | None,
         absorb: bool,
     ) -> torch.Tensor:
-        """S > 1 new positions against a cache of several key blocks -> [B, S, H, v], each sequence of
-        the batch on its own (engine/mla/prefill.py)."""
+        """S > 1 new positions against a cache of several key blocks -> [B, S, H, v], per sequence."""
         outs = []
         for b in range(q_nope.shape[0]):
             row = (
@@ -305,7 +293,7 @@ class MLA(nn.Module, ReadsOtherFormInDecode):
         with products_on_threads(bsz * seqlen * self.n_heads * self.nope_dim * self.kv_lora_rank):
             q_latent = torch.einsum("bshn,hnc->bshc", q_nope, w_k)
         positions = torch.arange(total, device=q_nope.device).expand(bsz, seqlen, total)
-        if selection is not None:  # attend only to the K gathered positions
+        if selection is not None:
             positions = selection
             latents = _gather_positions(latents, selection)  # [B, S, K, c]
             rope_keys = _gather_positions(rope_keys, selection)  # [B, S, K, r]
@@ -332,14 +320,12 @@ class MLA(nn.Module, ReadsOtherFormInDecode):
         rope_keys: torch.Tensor,
         selection: torch.Tensor | None,
     ) -> torch.Tensor:
-        """_absorbed for one query (B = S = 1; q_nope [1, 1, H, n], q_rope [1, 1, H, r]) -> [1, 1, H, v].
+        """_absorbed for one query (q_nope [1, 1, H, n], q_rope [1, 1, H, r]) -> [1, 1, H, v].
 
-        The same batched matmuls einsum runs there, called directly, and no causal mask: the query is
-        the newest position, so every cached position (and every index the selection may gather, all
-        below T) is visible and the mask would change nothing.
+        No causal mask: the query is the newest position, so every cached (or selected) position is visible.
         """
         heads, rank = self.n_heads, self.kv_lora_rank
-        if decode_ops.small_ops_take(q_nope, one_row=True) and self.wkv_b.weight.dtype == torch.float32:  # one C call
+        if decode_ops.small_ops_take(q_nope, one_row=True) and self.wkv_b.weight.dtype == torch.float32:
             positions = None if selection is None else selection.reshape(-1)
             held = self.kv_b_group > 0
             out = decode_ops.attend_one(
@@ -348,7 +334,7 @@ class MLA(nn.Module, ReadsOtherFormInDecode):
                 self.kv_b_group, self.softmax_scale,
             )  # fmt: skip
             return out.view(1, 1, heads, self.v_dim)
-        if selection is not None:  # the K selected positions only: [1, K, c], [1, K, r]
+        if selection is not None:  # [1, K, c], [1, K, r]
             latents = _gather_positions(latents, selection)[:, 0]
             rope_keys = _gather_positions(rope_keys, selection)[:, 0]
         w_k, w_v = self._kv_b()

@@ -1,19 +1,10 @@
 """One query's MLA attention in two C calls (engine/csrc/mla_decode.c), on the int8 path and for the float32
 path's decode rows.
 
-A decode step's attention was ~25 torch ops and four kernel calls per layer (norm, two projections, two
-latent norms, the q projection, splits, rope, the cache append, attention, the output projection, the
-residual), each slow once the kernels had evicted the interpreter's caches: on the bench model that
-Python took longer per token than the weights it drove (docs/benchmarks-log.md, "Figures behind the code").
-Here it is ``mla_project`` (everything up to the cache's new row) and ``mla_output`` (attention, wo,
-residual); a DSA layer runs its indexer between them. The C steps are the module path's own where
-decode_ops' C ops apply (the same kernels, norms and attention, rope without fused multiply-adds), so the
-result has the same bits as that path's torch glue: only the number of calls changes.
-
-Taken when: one query of one sequence, ``decode_ops.small_ops_take`` (int8 activations on, or a float32
-decode row, on the CPU), the layer's projections held as int8 records (a `--dense int8` container) or in
-bf16 (the default container; engine/kernels/bf16.py), and wkv_b as attention reads it: its records held
-(``MLA.hold_kv_b_int8``) or float32. Anything else keeps the module path.
+The ~25 torch ops per layer cost more than the weights they drove (docs/benchmarks-log.md, "Figures behind
+the code"). ``mla_project`` runs everything up to the cache's new row, ``mla_output`` attention, wo and the
+residual; a DSA layer's indexer runs between them. Same kernels and ops as the module path where decode_ops'
+C ops apply, so the bits are the same; projections must be int8 records or bf16, wkv_b int8 or float32.
 """
 
 from __future__ import annotations
@@ -38,7 +29,7 @@ class FusedMLA:
 
     def __init__(self, attn_norm: RMSNorm, mla: MLA, weights: _kernels.MlaWeights, matrices: list[CMatrix]):
         self.mla, self.attn_norm = mla, attn_norm
-        self.weights = weights  # the capsule; attn_norm and mla keep the arrays it points to alive
+        self.weights = weights  # a capsule: attn_norm and mla keep the arrays it points to alive
         self.matrices = matrices
         heads = mla.n_heads
         self.normed = torch.empty(attn_norm.weight.shape[0])
@@ -87,8 +78,7 @@ class FusedMLA:
         cache: LayerCache,
         selection: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x [1, 1, dim] at start_pos -> (x + attention [1, 1, dim], DSA selection), as Block's
-        ``x + attn(attn_norm(x))``; the position is appended to ``cache``."""
+        """x [1, 1, dim] at start_pos -> (x + attn(attn_norm(x)) [1, 1, dim], DSA selection); appends to ``cache``."""
         if cache.length != start_pos:
             raise ValueError(f"cache holds {cache.length} positions but start_pos is {start_pos}")
         x = x.contiguous()
@@ -118,7 +108,7 @@ class FusedMLA:
 
 
 def _kv_b(mla: MLA) -> tuple[int, int, int] | None:
-    """wkv_b as attention reads it (its int8 records held for attention, else the float32 weight), or None."""
+    """wkv_b as attention reads it (int8 records if held, else the float32 weight), or None."""
     if mla.kv_b_group > 0:
         return (mla.kv_b_codes.data_ptr(), mla.kv_b_scales.data_ptr(), mla.kv_b_group)
     weight = mla.wkv_b.weight
@@ -128,9 +118,7 @@ def _kv_b(mla: MLA) -> tuple[int, int, int] | None:
 
 
 def fused_attention_applies(x: torch.Tensor, cache: LayerCache, absorb: bool | None) -> bool:
-    """Whether a Block's attention step may take the fused C path for x (then FusedMLA.build decides per
-    layer): one query of one sequence, absorbed attention allowed, decode_ops' C ops on for it (the int8
-    path, or a float32 decode row), a float32 cache."""
+    """Whether a Block's attention may take the fused C path for x (FusedMLA.build then decides per layer)."""
     return (
         absorb is not False
         and x.shape[0] == 1

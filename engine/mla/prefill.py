@@ -3,22 +3,14 @@
 Shapes as in engine/mla/attention.py: S new positions (queries at start_pos..), T cached positions, H heads,
 c kv_lora_rank, r qk_rope_head_dim, n qk_nope_head_dim, v v_head_dim; Tk the positions of a key block.
 
-The expanded path (MLA._expanded) builds k_nope and v of every cached position for every head,
-[T, H, n + v], before its first score: 20 GiB per layer for DeepSeek-V3 at its full context. Here the
-cached positions are taken one key block at a time and the softmax is carried across blocks online (a
-running max and sum per query and head; the output so far rescaled when the max grows), in one of two
-forms, both exact:
+Expanding every cached position for every head ([T, H, n + v]) is tens of GiB per layer at full context, so
+keys go one block at a time with an online softmax, in one of two exact forms:
 
 - expanded: each block's latents through wkv_b ([Tk, H, n + v]), scores per head against them;
-- absorbed: nothing expanded; the k half of wkv_b is folded into the queries (q_nope [S, H, n] ->
-  [S, H, c]), scores are taken against the latents themselves (one matmul for all heads, as decode
-  does) and the v half is applied once to the weighted sum of latents at the end.
+- absorbed: wkv_b's k half folded into the queries ([S, H, n] -> [S, H, c]), one score matmul for all heads
+  against the latents, its v half applied once at the end. Cheaper for short chunks (``absorbed_is_cheaper``).
 
-Per (query, cached position) the expanded form costs H (n + v) c / S multiply-adds to expand plus
-H (n + r + v) to attend, the absorbed one H (2c + r) (``absorbed_is_cheaper``): absorbed wins for short
-chunks (a session's next turn, a prompt's tail), expanded for full ones on the DeepSeek geometries.
-Either holds one block's scores [S, H, Tk] float32 (at most KEY_BLOCK_BYTES) and its keys and values,
-whatever T is. DSA (K chosen positions per query) masks the others: a [S, T] bool mask, never per head.
+DSA masks the unchosen positions with one [S, T] bool mask, never per head.
 """
 
 from __future__ import annotations
@@ -44,15 +36,14 @@ def key_block(seqlen: int, heads: int) -> int:
 
 def absorbed_is_cheaper(seqlen: int, heads: int, rank: int, nope_dim: int, rope_dim: int, v_dim: int) -> bool:
     """Multiply-adds per (query, cached position): absorbed H (2c + r) against expanded H (n + v) c / S +
-    H (n + r + v) (the module doc)."""
+    H (n + r + v)."""
     expanded = (nope_dim + v_dim) * rank / seqlen + nope_dim + rope_dim + v_dim
     return 2 * rank + rope_dim < expanded
 
 
 class OnlineSoftmax:
-    """softmax(scores) @ values accumulated one key block at a time, in float32, for rows of queries
-    (H x S here): the running max, the sum of exp(score - max) and the weighted values so far. Per
-    block: ``weigh`` the scores, multiply the weights by the block's values, ``accumulate`` that."""
+    """softmax(scores) @ values accumulated one key block at a time in float32 over rows (H x S). Per block:
+    ``weigh`` the scores, multiply the weights by the block's values, ``accumulate`` that."""
 
     def __init__(self, rows: tuple[int, ...], v_dim: int, device: torch.device):
         self.best = torch.full(rows, float("-inf"), device=device)
@@ -127,12 +118,12 @@ def expanded_blocks(
         kv = expand(latents[keys]).view(block, heads, -1)  # [Tk, H, n + v]
         key = torch.cat([kv[..., :nope_dim], rope_keys[keys, None].expand(block, heads, rope_dim)], dim=-1)
         value = kv[..., nope_dim:].transpose(0, 1)  # [H, Tk, v], a view
-        work = heads * seqlen * block * (nope_dim + rope_dim)  # the scores' multiply-adds (the values' ~ as many)
+        work = heads * seqlen * block * (nope_dim + rope_dim)
         with products_on_threads(work):
             scores = torch.baddbmm(bias.to(dtype), query, key.permute(1, 2, 0), alpha=scale)  # [H, S, Tk]
         if softmax is None:
             softmax = OnlineSoftmax((heads, seqlen), value.shape[-1], q_nope.device)
-        weights = softmax.weigh(scores.float(), dtype)  # exp: on one thread (products_on_threads)
+        weights = softmax.weigh(scores.float(), dtype)  # exp on one thread: its bits follow a split
         with products_on_threads(work):
             mixed = torch.bmm(weights, value)
         softmax.accumulate(mixed.float())
