@@ -134,8 +134,8 @@ class V4Attention(nn.Module):
         entries: torch.Tensor,
         picked: torch.Tensor,
     ) -> torch.Tensor:
-        """A few queries q [B, S, H, D]: the sliding keys plus, per query, only the k entries its indexer
-        picked ([B, S, k], -1: none), gathered: O(k) per token where masking all E would be O(E)."""
+        """A few queries q [B, S, H, D]: the sliding keys plus the k entries picked per query ([B, S, k], -1:
+        none), gathered: O(k) per token where masking all E would be O(E)."""
         keys, seen = self._window(recent, first_recent, positions, slice(0, q.shape[1]))
         index = picked.clamp(min=0)[..., None].expand(-1, -1, -1, entries.shape[-1])
         chosen = entries[:, None].expand(-1, q.shape[1], -1, -1).gather(2, index)  # [B, S, k, D]
@@ -164,9 +164,8 @@ def picked_mask(picked: torch.Tensor, n_entries: int) -> torch.Tensor:
 
 
 class GroupedLinear(nn.Module, TakesBf16Weight):
-    """wo_a: weight [g * o_lora, H * D / g], a block of o_lora rows per group of heads. Not an nn.Linear,
-    so the loader never swaps it for a kernel that would take all groups' inputs at once; a float32 model
-    may hold it in bf16 (TakesBf16Weight, engine/kernels/bf16.py), each group's rows then go through the bf16 kernel."""
+    """wo_a: weight [g * o_lora, H * D / g], o_lora rows per group of heads. Not an nn.Linear, so the loader
+    never swaps it for a kernel that would take all groups' inputs at once."""
 
     def __init__(self, in_per_group: int, out_per_group: int, groups: int):
         super().__init__()
@@ -176,7 +175,7 @@ class GroupedLinear(nn.Module, TakesBf16Weight):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, S, H * D] -> [B, S, g * o_lora]: group i's slice of x through group i's rows."""
         grouped = x.unflatten(-1, (self.groups, -1))  # [B, S, g, H*D/g]
-        if self.weight.dtype != x.dtype:  # a bf16-held weight: a contiguous block of rows per group
+        if self.weight.dtype != x.dtype:  # bf16-held
             blocks = self.weight.chunk(self.groups)
             return torch.cat([bf16_linear(grouped[..., g, :], blocks[g]) for g in range(self.groups)], dim=-1)
         weight = self.weight.view(self.groups, -1, grouped.shape[-1])  # [g, o_lora, H*D/g]
@@ -219,9 +218,9 @@ class Indexer(nn.Module):
         if keys.shape[1] == 0:
             return torch.empty((bsz, seqlen, 0), dtype=torch.long, device=x.device)
         q = rotate_tail(self.wq_b(q_latent).view(bsz, seqlen, self.n_heads, self.head_dim), cos, sin)
-        # weights_proj stays float32 in bf16 models (colibri_stream.checkpoint.dtypes.FLOAT32_PARAMETERS)
+        # float32 even in bf16 models (checkpoint.dtypes.FLOAT32_PARAMETERS)
         weights = linear(x.float(), self.weights_proj.weight.float()) * self.n_heads**-0.5  # [B, S, H_i]
-        score_bytes = bsz * self.n_heads * keys.shape[1] * 4  # one query's float32 head scores
+        score_bytes = bsz * self.n_heads * keys.shape[1] * 4  # one query's head scores
         return torch.cat(
             [
                 self._choose(q[:, block], keys, weights[:, block], closed[block])

@@ -2,20 +2,13 @@
 
 Shapes: B batch, S new positions, w entry width, m = rate, c = 2 if overlapping else 1.
 
-Each position projects to a value row kv [c * w] and a gate row [c * w] (plus a learned bias ``ape``
-per place in the window). A closed window of m rows gives one entry:
+Each position projects to kv [c * w] and gate [c * w] (plus ``ape`` per place in the window). A closed
+window of m rows gives entry = RMSNorm(sum_j softmax_j(gate_j) * kv_j), roped at the window's first position.
+Overlapping compressors (CSA's and its indexer's): a row's second half (Cb) feeds its own window, its first
+half (Ca) the next one's, so an entry spans 2m positions with stride m.
 
-    entry = RMSNorm(sum_j softmax_j(gate_j) * kv_j),  roped at the window's first position
-
-Overlapping compressors (CSA's, and its indexer's) keep two series: the second half of each row (Cb)
-feeds its own window's entry, the first half (Ca) the *next* window's, so an entry spans 2m positions
-with stride m.
-
-The state keeps the positions' projections (all of them until released: what a prefix block stores,
-from which the state is rebuilt and can be cut back anywhere) and the entries of the windows closed so
-far; a new call compresses the windows its positions close, so a prompt fed in pieces gives the entries
-of the prompt fed at once, and a state restored from projections alone catches up on its next call. A
-session's lean log stores the entries and, at a few positions, the open window's rows (``window_start``).
+The state keeps the projections (until released) and the closed windows' entries; a call compresses the
+windows its positions close, so a prompt fed in pieces gives the entries of the prompt fed at once.
 """
 
 from __future__ import annotations
@@ -37,9 +30,9 @@ from engine.v4.position_rows import PositionRows, RowsReleased
 class CompressorState:
     """One compressor's memory for a batch of B sequences of equal length T."""
 
-    kv: PositionRows  # [B, *, c * w]: the value projections of the positions still held
-    gate: PositionRows  # [B, *, c * w]: their gate projections, without ape
-    entries: torch.Tensor  # [B, E, w]: the entries of the first E closed windows
+    kv: PositionRows  # [B, *, c * w]
+    gate: PositionRows  # [B, *, c * w], without ape
+    entries: torch.Tensor  # [B, E, w]: the first E closed windows
 
     @classmethod
     def empty(cls, batch: int, width: int, overlap: bool, dtype: torch.dtype, device: torch.device) -> CompressorState:
@@ -62,14 +55,12 @@ class CompressorState:
         self.gate.append(gate)
 
     def needed_from(self, rate: int) -> int:
-        """The first position whose rows the next compression reads: the first open window's, or for an
-        overlapping compressor (2 series per row) the window before it."""
+        """The first position the next compression reads: the open window's (overlapping: the one before)."""
         overlap = self.kv.buffer.shape[-1] == 2 * self.entries.shape[-1]
         return max(0, (self.entries.shape[1] - overlap) * rate)
 
     def window_start(self, position: int, rate: int) -> int:
-        """The first position whose rows the state at ``position`` holds: its open window's, or for an
-        overlapping compressor the window before it (``needed_from`` once the entries caught up)."""
+        """The first position the state at ``position`` holds: its open window's (overlapping: the one before)."""
         overlap = self.kv.buffer.shape[-1] == 2 * self.entries.shape[-1]
         return max(0, (position // rate - overlap) * rate)
 

@@ -1,9 +1,8 @@
 """Manifold-constrained hyper-connections (DeepSeek-V4): n residual streams instead of one.
 
-Shapes: B batch, S positions, n = hc_mult streams, D = dim. The residual is [B, S, n, D]. Before a
-block (attention or FFN) one small projection of the normalised, flattened streams gives three weights:
-``pre`` [n] collapses the streams into the block's input, ``post`` [n] spreads the block's output back
-over the streams, ``comb`` [n, n] (Sinkhorn-normalised towards doubly stochastic) mixes the old streams:
+Shapes: B batch, S positions, n = hc_mult streams, D = dim; the residual is [B, S, n, D]. Before a block
+a projection of the normed streams gives ``pre`` [n] (collapse into the block's input), ``post`` [n] (spread
+its output back) and ``comb`` [n, n] (Sinkhorn towards doubly stochastic; mixes the old streams):
 
     streams' = post[k] * block(sum_j pre[j] * streams[j]) + sum_j comb[j, k] * streams[j]
 

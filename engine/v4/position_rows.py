@@ -1,10 +1,8 @@
 """Per-position rows of which only a recent part is kept: DeepSeek-V4's K=V rows and compressor projections.
 
-Attention needs only the sliding window's rows and the open compressor windows'. So the rows of
-positions before ``base`` can be released once a log no longer needs them (a session's lean log stores
-the compressed entries per position and snapshots the window state; or when nothing logs them), and the
-state then costs the compressed entries per position. What was released cannot be trimmed back to:
-``RowsReleased`` says so, and the caller restores from the log.
+Attention needs only the sliding window's rows and the open compressor windows', so older rows may be
+released once no log needs them. A trim back into released rows raises ``RowsReleased``; the caller
+restores from the log.
 """
 
 from __future__ import annotations
