@@ -16,22 +16,16 @@ from engine.kernels.rows import Linear
 
 
 def embedding(vocab_size: int, dim: int) -> nn.Embedding:
-    """The token embedding table, not initialised: its values always come from a checkpoint (or a test's
-    own fill). nn.Embedding's normal_ init, on the meta device the loaders first build the model on,
-    imports torch._dynamo, seconds of every model load for values thrown away (docs/benchmarks-log.md,
-    "Figures behind the code")."""
+    """The token embedding table, not initialised: nn.Embedding's init on the meta device imports
+    torch._dynamo, seconds per load for values a checkpoint overwrites (docs/benchmarks-log.md)."""
     return nn.Embedding(vocab_size, dim, _weight=torch.empty(vocab_size, dim))
 
 
 class RMSNorm(nn.Module):
     """Normalises in float32, then scales in the input dtype (as the reference does).
 
-    All-float32 inputs go through torch's own rms_norm: one call instead of ~8 eager ops per token
-    and layer, and the same bits (it runs the same pow/mean/add/rsqrt/mul sequence in C++). Other
-    dtypes keep the reference's order: torch's would multiply the weight in the input dtype, not
-    promote it as ``weight * x`` does. With int8 activations a C loop (engine/kernels/decode_ops.py): torch's
-    composite of eager ops was slow there, between kernels that evict the caches (docs/benchmarks-log.md,
-    "Figures behind the code").
+    All-float32 inputs take torch's rms_norm: one call, the same bits. Other dtypes keep the reference's
+    order, since torch's would multiply the weight in the input dtype rather than promote it.
     """
 
     def __init__(self, dim: int, eps: float = 1e-6):
@@ -64,7 +58,7 @@ class MLP(nn.Module):
         self.w3 = Linear(dim, inter_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if decode_ops.small_ops_take(x):  # one C call where the weights are int8 records or bf16
+        if decode_ops.small_ops_take(x):
             out = q8_mlp(self.w1, self.w2, self.w3, x, self.limit)
             if out is not None:
                 return out
@@ -74,15 +68,8 @@ class MLP(nn.Module):
         __call__ = forward
 
 
-# A long prefill's [S, H, T] score tensors grow with S*T (2000 tokens x 16 heads: 256 MB each, several
-# alive at once); cutting S into blocks keeps that memory flat. Softmax, masking and top-k are per
-# query, so the blocks are independent and the result is the same.
-# One row of 8192 scores: a stable sort 0.40-0.42 ms, topk then a sort of the chosen 0.06-0.16 ms (k 8 to
-# 2048); 32768: 2.5 ms against 0.13-0.62. At 4096 and below the sort is as fast or faster (its ~0.06 ms
-# against topk's few calls), so a short row alone (a decode step's router, its indexer below 8192 positions)
-# sorts. Many rows in one call (a prompt's routers, its indexer's query blocks) share those few calls: 512
-# routers' rows of 256 experts, k 8: 5.1 ms sorted, 1.5 with topk first; 64 indexer rows of 2000, k 128: 7.0
-# against 2.1; 64 rows of 4096, k 2048: 16.0 against 15.9. So the count is of scores in the call.
+# From this many scores in one call, topk then a sort of the chosen beats one stable sort; below it the
+# sort's single call wins (docs/kernels.md, "Figures behind engine comments").
 TOPK_FIRST_FROM = 8192
 
 
@@ -90,11 +77,8 @@ def stable_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest entries of the last dim, largest first; among equal scores the lower index
     wins (and comes first).
 
-    Agrees with ``torch.topk`` (as a set) whenever there is no tie at the boundary, and unlike it is
-    deterministic across devices and input lengths when there is. The DSA indexer picks 2048 of every
-    cached position per token and layer: from TOPK_FIRST_FROM scores in the call ``torch.topk`` finds the
-    set and only those k are sorted, unless a tie straddles the k-th score or a NaN is among them, when the
-    whole call is sorted as below. Either way the same indices in the same order.
+    Agrees with ``torch.topk`` (as a set) when no tie straddles the boundary, and unlike it is deterministic
+    across devices and lengths when one does. Both branches give the same indices in the same order.
     """
     if scores.numel() >= TOPK_FIRST_FROM and scores.shape[-1] > 2 * k:
         values, chosen = torch.topk(scores, k, dim=-1)  # the k largest; among ties, any of them
@@ -107,6 +91,8 @@ def stable_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
+# A long prefill's [S, H, T] scores grow with S * T; blocks of queries keep that memory flat, and since
+# softmax, masking and top-k are per query the result is the same.
 SCORE_BLOCK_BYTES = 64 << 20
 
 

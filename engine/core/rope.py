@@ -1,10 +1,8 @@
 """Rotary position embedding for the qk_rope part of MLA and for the DSA indexer, with YaRN.
 
-Checkpoints store the rope dimensions of q and k either interleaved in pairs (x0, x1), (x2, x3), ...
-(MLA in every family here, GLM-5's indexer) or half-split (x0..x_{d/2}) paired with (x_{d/2}..x_d)
-(DeepSeek-V3.2's indexer). Either way the rotated result is written half-split ("de-interleaved"):
-queries and keys get the same permutation, so their dot products are those of the true rotation,
-and the roped keys we cache have the layout transformers caches.
+Checkpoints store q and k's rope dims interleaved in pairs (MLA, GLM-5's indexer) or half-split
+(DeepSeek-V3.2's indexer). The result is always written half-split: queries and keys get the same
+permutation, so their dot products are unchanged, and cached keys have transformers' layout.
 """
 
 from __future__ import annotations
@@ -71,8 +69,8 @@ def softmax_scale(args: ModelArgs) -> float:
 def rope_tables(
     args: ModelArgs, start_pos: int, length: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin), each [length, qk_rope_head_dim // 2] float32, for positions start_pos .. +length. Never
-    written to by callers: one position's tables are kept (``_one_position``)."""
+    """(cos, sin), each [length, qk_rope_head_dim // 2] float32, for positions start_pos .. +length. Callers
+    must not write to them: one position's tables are shared."""
     if length == 1:
         return _one_position(args.rope, args.qk_rope_head_dim, start_pos, device)
     return rope_at(args.rope, args.qk_rope_head_dim, torch.arange(start_pos, start_pos + length, device=device))
@@ -80,9 +78,8 @@ def rope_tables(
 
 @lru_cache(maxsize=1 << 15)
 def _one_position(rope: RopeArgs, dim: int, position: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A decode row's tables, computed once per position: the same ops as any one-position call (so the same
-    bits), not ~8 small ops (~50 us) for every row of every step. Built outside inference mode, as
-    ``_cached_inverse_frequencies``, so the shared tensors serve any caller."""
+    """A decode row's tables, once per position (the same bits as computing them). Built outside inference
+    mode so the shared tensors serve any caller."""
     with torch.inference_mode(False):
         return rope_at(rope, dim, torch.arange(position, position + 1, device=device))
 
@@ -100,8 +97,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
 @lru_cache(maxsize=16)
 def _cached_inverse_frequencies(rope: RopeArgs, dim: int) -> torch.Tensor:
-    """inverse_frequencies once per configuration, not ~20 small ops per decoded token. Built outside
-    inference mode so the shared tensor serves any caller; never written to."""
+    """inverse_frequencies once per configuration; built outside inference mode to serve any caller."""
     with torch.inference_mode(False):
         return inverse_frequencies(rope, dim)
 
@@ -116,9 +112,8 @@ def rope_at(rope: RopeArgs, dim: int, positions: torch.Tensor) -> tuple[torch.Te
 
 
 def rotate_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """DeepSeek-V4's rope: the last 2 * cos.shape[-1] channels of x [B, P, ..., d] rotate in interleaved
-    pairs by the angles of cos/sin [P, r // 2]; unlike ``apply_rope`` the layout stays interleaved, as V4
-    reads its keys as values too. The leading channels pass unchanged."""
+    """DeepSeek-V4's rope: the last r channels of x [B, P, ..., d] rotate in interleaved pairs by cos/sin
+    [P, r // 2]; the layout stays interleaved (V4 reads its keys as values too)."""
     rope_dim = 2 * cos.shape[-1]
     shape = (1, x.shape[1]) + (1,) * (x.dim() - 3) + (cos.shape[-1],)
     cos, sin = cos.view(shape), sin.view(shape)
