@@ -1,9 +1,7 @@
 """Typed, range-checked reads of config.json values, and the relations between them.
 
-A config is hostile input: a value of the wrong type, NaN, 0 or 10^7 must be refused with the key, the
-value and what was expected, before anything is sized from it (a per-layer table of 10^7 layers is
-allocated long before a tensor is missing). The bounds are far above every real model (DeepSeek-V3:
-61 layers, 256 experts, hidden 7168; GLM-5: 78 layers) and only stop sizes nothing could hold.
+A config is hostile input: a bad value is refused with its key before anything is sized from it. The
+bounds are far above every real model and only stop sizes nothing could hold.
 """
 
 from __future__ import annotations
@@ -23,8 +21,7 @@ class ConfigError(ValueError):
 
 
 def brief(value: Any, limit: int = 80) -> str:
-    """``repr(value)`` cut to ``limit`` characters: an error line names a hostile value without echoing
-    all of a 1 MiB string."""
+    """``repr(value)`` cut to ``limit`` characters, so an error never echoes a huge hostile value."""
     try:
         text = repr(value)
     except RecursionError:  # a list nested nearly as deep as the JSON reader allows

@@ -1,15 +1,10 @@
 """The one HF -> engine weight-name table, and the strict "every tensor consumed" check.
 
-Names are pure string logic here (no file I/O): the loader in colibri_stream reads tensors, asks
-``engine_name`` where each goes, and ``check_complete`` refuses a checkpoint with tensors left over
-or parameters missing. Routed experts are recognised separately (``routed_expert_key``) because they
-live with the expert source (engine/core/sources.py), not in the Transformer module.
+Pure string logic, no file I/O. Routed experts are recognised separately (``routed_expert_key``): they live
+with the expert source, not in the Transformer module.
 
-Multimodal wrappers (Kimi-K2.5: ``model_type`` kimi_k25 around a DeepSeek-V3 text model) ship the
-text model under a prefix (``language_model.model.layers.N...``, ``language_model.lm_head.weight``;
-transformers' own classes say ``model.language_model.``) beside a vision tower and projector. The text
-names are matched as if unprefixed; the vision tensors of such a checkpoint are sorted as skipped
-(this runtime is text-only), never silently in a checkpoint without a wrapped text model.
+Multimodal wrappers (Kimi-K2.5) ship the text model under a prefix beside a vision tower; text names match
+as if unprefixed, and vision tensors are skipped only when a wrapped text model is present.
 """
 
 from __future__ import annotations
@@ -58,9 +53,7 @@ HF_TO_ENGINE: tuple[tuple[str, str], ...] = (
 )
 _COMPILED = tuple((re.compile(pattern), target) for pattern, target in HF_TO_ENGINE)
 
-# DeepSeek-V4: DeepSeek's own names, which the hub checkpoint holds and transformers' save_pretrained
-# writes back (there under "model."; the table sees names with that prefix removed). The engine's names
-# are the same but for a few spellings.
+# DeepSeek-V4: DeepSeek's own names (transformers' save_pretrained adds "model.", removed before matching).
 V4_TO_ENGINE: tuple[tuple[str, str], ...] = (
     (r"(?:embed|embed_tokens)\.weight", "embed.weight"),
     (r"(?:head|lm_head)\.weight", "head.weight"),
@@ -119,29 +112,27 @@ def layer_of(hf_name: str) -> int | None:
 
 
 def is_extra_layer(hf_name: str, n_layers: int) -> bool:
-    """Multi-token-prediction layers: model.layers.N with N >= num_hidden_layers, as DeepSeek-V3/R1 and
-    GLM-5 ship them (engine/mla/mtp.py runs them); mtp.I... in DeepSeek-V4 (engine/v4/mtp.py)."""
+    """Multi-token-prediction layers: model.layers.N with N >= num_hidden_layers (DeepSeek-V3/R1, GLM-5),
+    mtp.I... (DeepSeek-V4)."""
     if hf_name.startswith(_V4_MTP):
         return True
     layer = layer_of(hf_name)
     return layer is not None and layer >= n_layers
 
 
-# An MTP layer's own tensors (the rest of model.layers.N is a decoder block like any other):
-# (name after "model.layers.N.", engine name after "mtp.I.")
+# An MTP layer's own tensors (the rest is a decoder block): name after "model.layers.N." -> after "mtp.I."
 _MTP_OWN = {
     "enorm.weight": "enorm.weight",
     "hnorm.weight": "hnorm.weight",
     "eh_proj.weight": "eh_proj.weight",
     "shared_head.norm.weight": "norm.weight",
 }
-# Copies of the main model's embedding and output head that DeepSeek-V3 ships in each MTP layer (the
-# modules are trained sharing them, DeepSeek-V3 report §2.2): not stored twice, the main ones are used.
+# Copies of the main embedding and head in each MTP layer: trained shared (DeepSeek-V3 report §2.2), so
+# not stored twice.
 MTP_SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
 
 
-# DeepSeek-V4's MTP module mtp.I: its own tensors (name after "mtp.I.", engine name after "mtp.I."); the
-# rest is a V4 block (the table's names with layers.{n_layers + I} for mtp.I), its experts those of that layer
+# DeepSeek-V4's mtp.I: its own tensors; the rest is a V4 block named as layers.{n_layers + I}
 _V4_MTP_OWN = {
     "enorm.weight": "enorm.weight",
     "hnorm.weight": "hnorm.weight",
@@ -155,8 +146,7 @@ _V4_MTP_NAME = re.compile(r"(?:model\.)?mtp\.(\d+)\.(.+)")
 
 
 def v4_mtp_layer(hf_name: str, n_layers: int) -> tuple[int, str] | None:
-    """(the layer id of its block, the name as that block's: layers.{n_layers + I}.X) of DeepSeek-V4's
-    mtp.I.X, else None."""
+    """DeepSeek-V4's mtp.I.X -> (n_layers + I, "layers.{n_layers + I}.X"), else None."""
     match = _V4_MTP_NAME.fullmatch(hf_name)
     if match is None:
         return None
@@ -165,9 +155,8 @@ def v4_mtp_layer(hf_name: str, n_layers: int) -> tuple[int, str] | None:
 
 
 def mtp_engine_name(hf_name: str, n_layers: int) -> str | None:
-    """The engine parameter of an MTP layer's dense tensor (model.layers.N.X, N >= n_layers -> mtp.{N -
-    n_layers}.X for its own norms and projection, mtp.I.block.X for its decoder block; DeepSeek-V4's
-    mtp.I.X likewise), else None."""
+    """The engine parameter of an MTP layer's dense tensor (mtp.I.X for its own, mtp.I.block.X for its
+    decoder block's), else None."""
     plain = text_name(hf_name)
     if (v4 := v4_mtp_layer(plain, n_layers)) is not None:
         index, rest = v4[0] - n_layers, v4[1].removeprefix(f"layers.{v4[0]}.")
@@ -199,8 +188,7 @@ def routed_expert_key(hf_name: str) -> tuple[int, int, str] | None:
 
 
 def mtp_routed_key(hf_name: str, n_layers: int) -> tuple[int, int, str] | None:
-    """routed_expert_key of an MTP layer's expert tensor, DeepSeek-V4's mtp.I.ffn.experts.J.wK as layer
-    n_layers + I's."""
+    """routed_expert_key of an MTP layer's expert tensor (DeepSeek-V4's mtp.I as layer n_layers + I)."""
     v4 = v4_mtp_layer(text_name(hf_name), n_layers)
     return routed_expert_key(hf_name if v4 is None else v4[1])
 
@@ -244,10 +232,8 @@ class SortedNames:
 
 
 def sort_names(hf_names: Iterable[str], n_layers: int, mtp: bool = True) -> SortedNames:
-    """Every tensor name classified once: routed expert, dense parameter, skipped (a wrapped model's vision
-    tensors), unmapped. MTP layers (DeepSeek-V3/GLM-5's model.layers.N, N >= n_layers; DeepSeek-V4's mtp.I)
-    sort as dense (mtp.I...) and routed tensors of their block's layer, or are left out with ``mtp`` False;
-    ``mtp_layers`` counts the layers present."""
+    """Every tensor name classified once: routed, dense, skipped, unmapped; MTP layers' tensors sort as dense
+    and routed, or are left out with ``mtp`` False."""
     sorted_names = SortedNames()
     hf_names = list(hf_names)
     wrapped = is_wrapped(hf_names)
