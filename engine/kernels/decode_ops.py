@@ -27,7 +27,7 @@ _off: ContextVar[bool] = ContextVar("decode_ops_off", default=False)
 
 @contextmanager
 def torch_ops() -> Iterator[None]:
-    """Inside, the int8 path keeps torch's ops (the comparison of tests and benchmarks)."""
+    """Inside, the int8 path keeps torch's ops (for tests and benchmarks to compare)."""
     token = _off.set(True)
     try:
         yield

@@ -19,8 +19,8 @@ BLOCK = 32  # columns of x per int8 scale
 CHUNK = 64  # columns per step of the kernels (q8.h Q8_CHUNK)
 SPAN = 512  # columns per span of the interleaved layout (q8.h Q8_SPAN)
 WEIGHT_KINDS = {"int4": 0, "int8": 1}  # the kernel's weight kinds (q8.h)
-BF16_KIND = 2  # q8.h Q8_WEIGHTS_BF16: a bf16 dense matrix of the float32 path in the fused C steps
-ISA_SCALAR, ISA_AVX2, ISA_BEST = 0, 1, 2  # q8.h Q8_ISA_*: plain C, AVX2 maddubs, AVX-512 VNNI where there
+BF16_KIND = 2  # q8.h Q8_WEIGHTS_BF16: the float32 path's bf16 matrices in the fused C steps
+ISA_SCALAR, ISA_AVX2, ISA_BEST = 0, 1, 2  # q8.h Q8_ISA_*
 
 
 def q8_kernel_handles(code: str, group_size: int, x: torch.Tensor) -> bool:
@@ -155,8 +155,8 @@ def c_matrix_of(linear: object) -> CMatrix | None:
 
 
 def c_computes_as_modules(matrices: Iterable[CMatrix]) -> bool:
-    """Whether the C steps compute these matrices as their modules do now: bf16 always, int8 records only
-    with int8 activations on (else the module computes in float where C would quantise x)."""
+    """Whether the C steps compute these matrices as their modules do now: int8 records only with int8
+    activations on (else the module computes in float where C would quantise x)."""
     return activations_are_int8() or all(m[2] == BF16_KIND for m in matrices)
 
 
@@ -164,7 +164,6 @@ def q8_mlp(w1: object, w2: object, w3: object, x: torch.Tensor, limit: float | N
     """w2(swiglu(w1 x, w3 x)) for x [..., dim] in one C call where the C steps read all three matrices,
     else None. The SwiGLU uses C's expf, not torch's: call it only where decode_ops' C ops apply."""
     cpu_float32 = x.dtype == torch.float32 and x.device.type == "cpu"
-    # reflection: a build of the C extension older than q8_mlp lacks it
     if not (cpu_float32 and _kernels is not None):
         return None
     gate, up, down = (c_matrix_of(m) for m in (w1, w3, w2))

@@ -29,7 +29,6 @@ CallExpert = QuantizedExpert | InterleavedExpert  # what the call takes
 
 def fused_experts_handle(experts: Sequence[object], x: torch.Tensor) -> TypeGuard[Sequence[CallExpert]]:
     """Whether ``add_experts`` takes these experts with x: int8 activations on, float32 CPU x, one layout."""
-    # reflection: a build of the C extension older than q8_moe.c lacks it
     if not experts or not activations_are_int8() or _kernels is None:
         return False
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[0] == 0:

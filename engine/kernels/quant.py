@@ -48,7 +48,7 @@ def packed_width(in_dim: int) -> int:
 
 
 def check_group_size(code: str, group_size: int) -> None:
-    """Refuse only group sizes no layout can hold; every input width works with every other one."""
+    """Refuse only group sizes no layout can hold."""
     if type(group_size) is not int or group_size < 1:
         raise ValueError(f"group size {group_size!r:.40} is not a positive integer")
     if code in NIBBLE_CODES and group_size % 2:
@@ -118,7 +118,7 @@ def code_values(q: torch.Tensor, code: str, in_dim: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class QuantizedMatrix:
-    """A group-quantised [out, in] weight: codes ``q``, one scale per group (see the module doc)."""
+    """A group-quantised [out, in] weight: codes ``q``, one scale per group."""
 
     q: torch.Tensor  # int4/fp4: uint8 [out, ceil(in / 2)]; int8: int8 [out, in]
     scales: torch.Tensor  # float16 | bfloat16 | uint8 (e8m0) [out, ceil(in / group_size)]
@@ -175,7 +175,7 @@ def int4_kernel_available() -> bool:
 
 
 def _kernel_handles(m: QuantizedMatrix) -> bool:
-    """Whether the C kernel takes this matrix: 4-bit codes (int4, fp4) with any scale kind, any width."""
+    """Whether the C kernel takes this matrix (4-bit codes, contiguous, on the CPU)."""
     return (
         _kernels is not None
         and m.code in KERNEL_CODES
@@ -187,7 +187,7 @@ def _kernel_handles(m: QuantizedMatrix) -> bool:
 
 
 def _q8_handles(m: QuantizedMatrix, x: torch.Tensor) -> bool:
-    """Whether the int8-activation kernel takes this matrix (int4 or int8 codes, groups of 32k) and x."""
+    """Whether the int8-activation kernel takes this matrix and x."""
     return (
         m.q.device.type == "cpu"
         and m.q.is_contiguous()
@@ -202,7 +202,7 @@ def _kernel_shape(m: QuantizedMatrix) -> tuple[int, int, int, int, int]:
     return m.out_dim, m.in_dim, m.group_size, KERNEL_CODES[m.code], KERNEL_SCALES[m.scales.dtype]
 
 
-KERNEL_ISA = {"best": 2, "avx2": 1, "scalar": 0}  # nibble.h nibble_gemm's simd: the highest loops allowed
+KERNEL_ISA = {"best": 2, "avx2": 1, "scalar": 0}  # nibble.h nibble_gemm's simd cap
 
 
 def kernel_matmul(x: torch.Tensor, m: QuantizedMatrix, alone: bool = False, isa: str = "best") -> torch.Tensor:
@@ -265,9 +265,9 @@ class QuantizedExpert:
         )
 
     def tensors(self) -> list[torch.Tensor]:
-        """Codes and scales of gate and up before down: the order a call reads them."""
+        """Codes and scales in the order a call reads them: gate, up, down."""
         return [t for m in (self.w1, self.w3, self.w2) for t in (m.q, m.scales)]
 
     def __call__(self, x: torch.Tensor, limit: float | None = None) -> torch.Tensor:
-        """x [N, dim] -> [N, dim]: the SwiGLU FFN (clamped at ``limit`` if set), one quantised matrix at a time."""
+        """x [N, dim] -> [N, dim]: the SwiGLU FFN, clamped at ``limit`` if set."""
         return self.w2.matmul(swiglu(self.w1.matmul(x), self.w3.matmul(x), limit))

@@ -37,7 +37,7 @@ def _holding(var: ContextVar[T], value: T) -> Iterator[None]:
 
 
 def rows_alone() -> AbstractContextManager[None]:
-    """Compute every row of the matmuls inside as a one-row call would (see the module docstring)."""
+    """Compute every row of the matmuls inside as a one-row call would."""
     return _holding(_alone, True)
 
 
@@ -46,19 +46,18 @@ def computing_alone() -> bool:
 
 
 def rows_in_segments(sizes: Sequence[int]) -> AbstractContextManager[None]:
-    """Compute the rows of every op inside (flattened to [rows, last dim]) as runs of these lengths, each as
-    its own call computes it (several requests' prompt chunks in one forward). Ops whose row bits depend on
-    neighbouring rows (BLAS by shape, MAX_ROWS groups, vectorised transcendentals) run per segment."""
+    """Compute the rows of every op inside ([rows, last dim]) as runs of these lengths, each with the bits
+    of its own call (several requests' prompt chunks in one forward)."""
     return _holding(_segments, tuple(sizes))
 
 
 def one_segment() -> AbstractContextManager[None]:
-    """Inside rows_in_segments(), ops over one segment's rows only (its attention over its own cache)."""
+    """Inside rows_in_segments(), ops over one segment's rows only."""
     return _holding(_segments, None)
 
 
 def row_segments(rows: int) -> tuple[int, ...] | None:
-    """The segments (rows_in_segments) an op over ``rows`` rows splits into; None outside, or with one."""
+    """The segments an op over ``rows`` rows splits into; None outside rows_in_segments() or with one."""
     sizes = _segments.get()
     if sizes is None or len(sizes) == 1 or computing_alone():
         return None
@@ -68,8 +67,7 @@ def row_segments(rows: int) -> tuple[int, ...] | None:
 
 
 def by_segment(fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
-    """fn(*xs) for a row-wise fn of tensors [..., k_i] with the same rows (all dims but the last) giving
-    [..., k]; segment by segment inside rows_in_segments() (each as its own call computes it), else one call."""
+    """fn(*xs) for a row-wise fn of tensors [..., k_i] -> [..., k]; per segment inside rows_in_segments()."""
     sizes = row_segments(xs[0].numel() // max(xs[0].shape[-1], 1)) if xs[0].numel() else None
     if sizes is None:
         return fn(*xs)
@@ -80,8 +78,7 @@ def by_segment(fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tens
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., in] @ weight^T; row by row inside rows_alone() (each as its own one-row matmul), segment by
-    segment inside rows_in_segments()."""
+    """x [..., in] @ weight^T; row by row inside rows_alone(), per segment inside rows_in_segments()."""
     if row_segments(x.numel() // x.shape[-1]) is not None:
         return by_segment(partial(F.linear, weight=weight), x)
     if not computing_alone() or x.numel() <= x.shape[-1]:
@@ -96,10 +93,9 @@ def per_row(fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
 @overload
 def per_row(fn: Callable[..., tuple[torch.Tensor, ...]], *xs: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
 def per_row(fn: Callable[..., Any], *xs: torch.Tensor) -> Any:
-    """fn(*xs) for a row-wise fn over tensors of N rows (first dim), giving a tensor or a tuple of them;
-    row by row inside rows_alone(): vectorised transcendentals give an [N, k] block other bits than a
-    [1, k] row on some CPUs (docs/kernels.md, "Figures behind engine comments"). Segment by segment inside
-    rows_in_segments()."""
+    """fn(*xs) for a row-wise fn over tensors of N rows -> a tensor or tuple; row by row inside rows_alone():
+    vectorised transcendentals give an [N, k] block other bits than a [1, k] row on some CPUs
+    (docs/kernels.md, "Figures behind engine comments")."""
     if not computing_alone():
         return by_segment(fn, *xs)
     if xs[0].shape[0] == 1:
@@ -111,8 +107,7 @@ def per_row(fn: Callable[..., Any], *xs: torch.Tensor) -> Any:
 
 
 def in_row_chunks(x: torch.Tensor, size: int, matmul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """matmul over x [N, in] at most ``size`` rows per call (a kernel's row limit), concatenated; one call,
-    and no copy, when x fits."""
+    """matmul over x [N, in] at most ``size`` rows per call, concatenated."""
     if x.shape[0] <= size:
         return matmul(x)
     return torch.cat([matmul(rows) for rows in x.split(size)])
@@ -138,23 +133,22 @@ SHARE_VERDICT_NS = 60_000_000_000
 
 
 def products_on_threads(macs: int) -> AbstractContextManager[None]:
-    """torch_on_kernel_threads() around a product of ``macs`` multiply-adds from PARALLEL_PRODUCT_MACS up,
-    else nothing. Not while the core is shared: a torch product waits for its slowest thread. Only
-    products: an elementwise transcendental's bits would follow the split (a range's tail runs scalar)."""
+    """torch_on_kernel_threads() around a large product, unless the core is shared (a torch product waits
+    for its slowest thread). Products only: a transcendental's bits would follow the split."""
     if macs < PARALLEL_PRODUCT_MACS or kernel_threads() < 2 or cores_shared():
         return nullcontext()
     return torch_on_kernel_threads()
 
 
 def cores_shared() -> bool:
-    """The kernels' helper thread's recent verdict (engine/csrc/split.c watch_share); False without one."""
+    """The helper thread's recent verdict (engine/csrc/split.c watch_share); False without one."""
     return BUILT and bool(_kernels.cores_shared(SHARE_VERDICT_NS))
 
 
 @contextmanager
 def torch_on_kernel_threads() -> Iterator[None]:
-    """Inside torch_on_one_thread(), torch's ops on the kernel threads again, for ops large enough to pay
-    for the wake-up. A product keeps its bits: torch splits it by output, not by sum."""
+    """Inside torch_on_one_thread(), torch's ops on the kernel threads again. A product keeps its bits:
+    torch splits it by output, not by sum."""
     threads, held = kernel_threads(), torch.get_num_threads()
     if threads != held:
         torch.set_num_threads(threads)
@@ -166,7 +160,7 @@ def torch_on_kernel_threads() -> Iterator[None]:
 
 
 def kernel_threads() -> int:
-    """Threads the C kernels split their output rows over: torch's count, as torch_on_one_thread() found it."""
+    """Threads the C kernels split their output rows over (torch's count before torch_on_one_thread())."""
     threads = _kernel_threads.get()
     return torch.get_num_threads() if threads is None else threads
 

@@ -42,7 +42,6 @@ class FusedMLA:
     def build(cls, attn_norm: RMSNorm, mla: MLA) -> FusedMLA | None:
         """None when the layer's weights are not all in the forms the C steps read."""
         kv_b = _kv_b(mla)
-        # reflection: a build of the C extension older than mla_decode.c lacks mla_weights
         if _kernels is None or kv_b is None:
             return None
         lora = mla.q_lora_rank > 0
