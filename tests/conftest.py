@@ -1,16 +1,29 @@
-"""Session-wide fixtures: the tiny reference checkpoints every correctness test compares against."""
+"""Session-wide fixtures: the tiny reference checkpoints every correctness test compares against; and the
+API tests' live server (a real uvicorn server on loopback, one per module)."""
 
 from __future__ import annotations
 
 import os
+import socket
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
 from colibri_stream.devtools import fixtures
 from colibri_stream.devtools.fuzz.disks import DiskUnavailable, LoopDisk, Tmpfs
+
+if TYPE_CHECKING:
+    import uvicorn
+
+    from colibri_stream.runtime.turn import Runtime
+    from colibri_stream.serve.app import Server
+
+START_WAIT_S = 120  # the test machine may be busy
 
 
 def pytest_collection_modifyitems(config, items):
@@ -141,3 +154,50 @@ def tmpfs(tmp_path) -> Iterator[Callable[[str], Path]]:
     finally:
         for disk in reversed(mounted):
             disk.close()
+
+
+class LiveServer:
+    def __init__(self, server: Server, port: int, http_server: uvicorn.Server, thread: threading.Thread):
+        self.server, self.port = server, port
+        self.base = f"http://127.0.0.1:{port}"
+        self.http_server, self.thread = http_server, thread
+
+    def stop(self) -> None:
+        """Shut down as Ctrl-C does (the worker ends, its sessions are closed)."""
+        self.http_server.should_exit = True
+        self.thread.join(timeout=30)
+        assert not self.thread.is_alive(), "the server did not stop"
+
+
+@pytest.fixture(scope="module")
+def live_server() -> Iterator[Callable[..., LiveServer]]:
+    """The API tests' server: (runtime, **Server options) -> a LiveServer, a real uvicorn server on
+    loopback around a Server, started in a thread; all stop at the module's end (every wait bounded)."""
+    import uvicorn
+
+    from colibri_stream.serve.app import Server, create_app
+
+    running: list[tuple[uvicorn.Server, threading.Thread]] = []
+
+    def start(runtime: Runtime, **options) -> LiveServer:
+        server = Server(runtime, **options)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        config = uvicorn.Config(create_app(server), host="127.0.0.1", port=port, log_level="error")
+        http_server = uvicorn.Server(config)
+        thread = threading.Thread(target=http_server.run, daemon=True)
+        thread.start()
+        running.append((http_server, thread))
+        deadline = time.monotonic() + START_WAIT_S
+        while not http_server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.05)
+        return LiveServer(server, port, http_server, thread)
+
+    yield start
+    for http_server, _ in running:
+        http_server.should_exit = True
+    for _, thread in running:
+        thread.join(timeout=30)
+        assert not thread.is_alive(), "a server did not stop"

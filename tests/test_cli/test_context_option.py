@@ -1,6 +1,6 @@
-"""--context N on run, chat and serve (plan's is tests/test_cli/test_plan_config.py): a turn may fill N
-positions, prompt and answer; a longer prompt is refused in one line, an answer is cut to the room N
-leaves, and an N beyond the model's max_position_embeddings (512 for the tiny fixtures) is refused."""
+"""--context N on run, chat and serve (plan's is tests/test_colibri_stream/planning/test_plan_config.py):
+a turn may fill N positions, prompt and answer; a longer prompt is refused in one line, an answer is cut to
+the room N leaves, and an N beyond the model's max_position_embeddings (512 for the tiny fixtures) is refused."""
 
 from __future__ import annotations
 

@@ -159,7 +159,7 @@ def test_prefetch_hints_are_the_next_routers_sorted_ids_and_skip_no_op_providers
     predicted: list[int] = []
     predict = MoE.predict
     monkeypatch.setattr(MoE, "predict", lambda self, x: predicted.append(self.layer_id) or predict(self, x))
-    # the read-ahead into the CPU caches wants the guess for any provider (tests/test_engine/test_read_ahead.py)
+    # the read-ahead into the CPU caches wants the guess for any provider (tests/test_engine/kernels/test_read_ahead.py)
     monkeypatch.setattr(engine.mla.model, "read_ahead_available", lambda: False)
     cache = model.new_cache()
     plain = model.forward_rows([3], [cache], experts)

@@ -63,7 +63,7 @@ EXACT = {
 MADE_WITH = {"--kv-sync-every", "--history", "--no-preload", "--direct", "--local-workers", "--no-prefix-cache"}
 DRAWS_OTHER_TOKENS = {"--temperature", "--top-p"}  # compared with a fresh run under the flag, the rest with the default
 # What is not changed between the two runs here, and why: what the turn is, which session, or the wiring
-# of a cluster across machines (tests/test_cluster checks its tokens against one process).
+# of a cluster across machines (tests/test_colibri_stream/experts/cluster checks its tokens against one process).
 NOT_RUNTIME = {
     "--help": "no run",
     "-h": "no run",
@@ -82,11 +82,11 @@ NOT_RUNTIME = {
     "--vram-device": "with --vram above",
     "--prefetch": "--no-prefetch above",
     "--preload": "--no-preload above",
-    "--world-size": "a multi-machine cluster (tests/test_cluster)",
-    "--master-addr": "a multi-machine cluster (tests/test_cluster)",
-    "--master-port": "a multi-machine cluster (tests/test_cluster)",
-    "--expert-map": "which worker computes an expert (tests/test_cluster)",
-    "--replicas": "which worker computes an expert (tests/test_cluster)",
+    "--world-size": "a multi-machine cluster (tests/test_colibri_stream/experts/cluster)",
+    "--master-addr": "a multi-machine cluster (tests/test_colibri_stream/experts/cluster)",
+    "--master-port": "a multi-machine cluster (tests/test_colibri_stream/experts/cluster)",
+    "--expert-map": "which worker computes an expert (tests/test_colibri_stream/experts/cluster)",
+    "--replicas": "which worker computes an expert (tests/test_colibri_stream/experts/cluster)",
 }
 
 

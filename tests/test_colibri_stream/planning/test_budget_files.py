@@ -9,7 +9,7 @@ import pytest
 
 from colibri_stream.planning.budget import BUDGET_KEYS, load_budget_file, parse_size
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 BUDGETS = ROOT / "budgets"
 GIB = 2**30
 

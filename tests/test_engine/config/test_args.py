@@ -83,7 +83,7 @@ def test_real_model_configs_pass_validation():
     for config_class in (DeepseekV3Config, DeepseekV32Config, GlmMoeDsaConfig):
         config = {**config_class().to_dict(), "model_type": config_class.model_type}
         assert ModelArgs.from_hf_config(config).n_layers in (61, 78)
-    demo = json.loads((Path(__file__).resolve().parents[2] / "colibri_stream/demo_model/config.json").read_text())
+    demo = json.loads((Path(__file__).resolve().parents[3] / "colibri_stream/demo_model/config.json").read_text())
     assert ModelArgs.from_hf_config(demo).n_routed_experts == 32
 
 

@@ -9,7 +9,7 @@ from colibri_stream.experts.cluster.group import ClusterOptions
 from colibri_stream.planning.budget import StoreOptions
 from colibri_stream.runtime.turn import RuntimeOptions, load_runtime
 from colibri_stream.serve.app import Server
-from tests.test_cli.test_dashboard import MODEL, complete, serving, stats
+from tests.test_colibri_stream.serve.test_dashboard import MODEL, complete, serving, stats
 
 PROMPTS = ("The quick brown fox", "Several machines as one")
 

@@ -15,7 +15,7 @@ from storage.errors import IncompatibleStateError
 from storage.kv.geometry import LeanGeometry, RowsGeometry
 from storage.kv.log import HEADER_BYTES, KVLog, StateMismatchError
 from storage.kv.snap import LeanLog, count_positions
-from tests.test_storage.test_kvlog import kill_at
+from tests.test_storage.kv.test_kvlog import kill_at
 
 # Odd widths: an entry series closing every 2 positions and one every 4; a sliding window of 3 rows, an
 # overlapping compressor (rate 2, keep 1) and a plain one (rate 4).

@@ -17,7 +17,7 @@ from colibri_stream.checkpoint.dtypes import FLOAT32_PARAMETERS
 from colibri_stream.planning.geometry import ContainerTarget, dequantised_config, model_geometry
 from engine.config.args import ModelArgs
 from engine.families import meta_transformer
-from tests.test_cli.test_plan_config import DEEPSEEK_V3 as V3_CONFIG
+from tests.test_colibri_stream.planning.test_plan_config import DEEPSEEK_V3 as V3_CONFIG
 
 GIB = 2**30
 BANDWIDTH = ["--memory-bandwidth", "40GB", "--disk-bandwidth", "2GB"]
@@ -56,7 +56,7 @@ GLM_5: dict[str, Any] = {
     "rms_norm_eps": 1e-05,
 }
 
-# DeepSeek-V3, hand-computed (as tests/test_cli/test_plan_config.py): one int4 g64 record, and the MTP
+# DeepSeek-V3, hand-computed (as test_plan_config.py beside this file): one int4 g64 record, and the MTP
 # module's parameters: its block (attention + 2 norms, router weight + bias, one shared expert), the joining
 # projection eh_proj [7168, 2 x 7168] and its 3 norms (enorm, hnorm, norm).
 RECORD = 3 * 2048 * 7168 // 2 + 3 * 2048 * (7168 // 64) * 2

@@ -42,7 +42,7 @@ RAM = "40%"
 WAIT_S = 120  # upper bound on any wait: the test machine may be busy
 CHROMIUM = "/usr/bin/chromium"
 APT_INSTALL = ["apt-get", "install", "-y", "--no-install-recommends", "chromium"]
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 # ------------------------------------------------------------------------------------ a server

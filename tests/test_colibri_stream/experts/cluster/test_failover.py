@@ -28,7 +28,13 @@ import pytest
 
 from colibri_stream import cli
 from colibri_stream.experts.cluster.local import free_port
-from tests.test_cluster.test_worker_faults import colibri, gone, hand_started, in_process, workers_of
+from tests.test_colibri_stream.experts.cluster.test_worker_faults import (
+    colibri,
+    gone,
+    hand_started,
+    in_process,
+    workers_of,
+)
 
 TIMEOUT_S = 2
 PROMPT = "5,9,2,7"
@@ -285,8 +291,8 @@ def test_serve_answers_through_a_lost_worker_and_takes_it_back(make_container, t
     """Two requests in flight (two slots, batched) when a worker is lost: both finish with one process's
     text (no 5xx); the worker started again rejoins between steps and serves the next request."""
     from colibri_stream.serve.app import Server
-    from tests.test_cli.test_dashboard import MODEL, request, serving
-    from tests.test_cluster.test_worker_serve import PROMPTS, cluster_runtime
+    from tests.test_colibri_stream.experts.cluster.test_worker_serve import PROMPTS, cluster_runtime
+    from tests.test_colibri_stream.serve.test_dashboard import MODEL, request, serving
 
     container = make_container("deepseek_v3", "int4")
 

@@ -33,7 +33,7 @@ from colibri_stream.text.tool_calls import (
     tool_format_for,
     tools_from_functions,
 )
-from tests.test_cli.test_tool_calls import DEEPSEEK_V31, anthropic_client, openai_client, script
+from tests.test_colibri_stream.text.test_tool_calls import DEEPSEEK_V31, anthropic_client, openai_client, script
 
 MODEL = "tiny"
 DSML_FAMILIES = ["deepseek_v32", "deepseek_v4"]
