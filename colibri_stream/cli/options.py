@@ -22,7 +22,7 @@ from colibri_stream.planning.geometry import (
     REQUANTISED_EXPERTS,
     ContainerTarget,
 )
-from colibri_stream.planning.settings import SETTINGS, TABLES, Budget, Kind, Setting, binary_size
+from colibri_stream.planning.settings import SETTINGS, TABLES, Budget, Kind, Setting, Value
 from colibri_stream.runtime.generate import SamplingParams
 from colibri_stream.runtime.mtp_governor import MODES, MTPOptions
 from colibri_stream.runtime.session_lock import SessionWait
@@ -130,8 +130,8 @@ def _flag_type(setting: Setting) -> Callable[[str], object]:
     return read
 
 
-def _help(setting: Setting, default: object) -> str:
-    """The row's help and its default, %-escaped for argparse."""
+def _help(setting: Setting, default: Value) -> str:
+    """The row's help and the default ``DEFAULTS`` gives it, %-escaped for argparse."""
     if setting.kind is Kind.COUNT and setting.high is not None:
         text = f"{setting.help}, {setting.low}..{setting.high}"
     else:
@@ -139,18 +139,18 @@ def _help(setting: Setting, default: object) -> str:
     if setting.shown:
         text += f" (default: {setting.shown})"
     elif default is not None:
-        text += f" (default {default})"
+        text += f" (default {setting.show(default)})"
     return text.replace("%", "%%")
 
 
 def add_setting_arguments(
-    group: argparse.ArgumentParser | argparse._ArgumentGroup, kind: str, ram_default: str | int | None = None
+    group: argparse.ArgumentParser | argparse._ArgumentGroup, which: str, ram_default: str | int | None = None
 ) -> None:
-    """The flags of the settings table's rows of ``group`` kind (planning/settings.py): every flag defaults to
+    """The flags of the settings table's rows in group ``which`` (planning/settings.py): every flag defaults to
     None, "the budget file's, else the table's"; the help shows ``DEFAULTS``, never a literal. ``ram_default``:
     what a command that sizes RAM its own way without --ram or --budget says (plan, demo)."""
     for setting in SETTINGS:
-        if setting.group != kind:
+        if setting.group != which:
             continue
         default = ram_default if setting.name == "ram" and ram_default is not None else DEFAULTS[setting.name]
         if setting.kind is Kind.SWITCH and setting.off_flag:  # --direct / --buffered: either, or the budget's
@@ -166,12 +166,11 @@ def add_setting_arguments(
         elif setting.kind is Kind.SWITCH:
             group.add_argument(
                 setting.flag, dest=setting.name, action=argparse.BooleanOptionalAction,
-                help=_help(setting, "on" if default else "off"),
+                help=_help(setting, default),
             )  # fmt: skip
         else:
-            shown = binary_size(default) if setting.kind is Kind.BLOCKS and isinstance(default, int) else default
             group.add_argument(
-                setting.flag, dest=setting.name, metavar=setting.metavar, help=_help(setting, shown),
+                setting.flag, dest=setting.name, metavar=setting.metavar, help=_help(setting, default),
                 choices=setting.choices or None, type=str if setting.choices else _flag_type(setting),
             )  # fmt: skip
 

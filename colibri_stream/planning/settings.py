@@ -104,15 +104,17 @@ class Setting:
         if self.kind is Kind.BLOCKS and isinstance(value, str | int):
             prefix_size(value, where)
 
+    def show(self, value: Value) -> str:
+        """A value as a user would write it: 8GiB, on, frequent ('' for None)."""
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        if self.kind is Kind.BLOCKS and isinstance(value, int):
+            return binary_size(value)
+        return "" if value is None else str(value)
+
     def shown_default(self) -> str:
-        """The default as a user would write it: 8GiB, on, frequent; the words where it is not a value."""
-        if self.shown:
-            return self.shown
-        if isinstance(self.default, bool):
-            return "on" if self.default else "off"
-        if self.kind is Kind.BLOCKS and isinstance(self.default, int):
-            return binary_size(self.default)
-        return "" if self.default is None else str(self.default)
+        """The default as a user would write it; the words where it is not a value (the device)."""
+        return self.shown or self.show(self.default)
 
     def range_text(self) -> str:
         if self.choices:
