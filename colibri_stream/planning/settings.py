@@ -83,6 +83,8 @@ class Setting:
     def __post_init__(self) -> None:
         if self.owner is None:
             return
+        if (self.default, self.low, self.high, self.choices) != (None, None, None, ()):
+            raise ValueError(f"setting {self.name}: its default and range are {self.owner.__name__}'s, not restated")
         spec = {f.name: f for f in fields(self.owner)}[self.target]  # a misspelt target fails at import
         set_ = object.__setattr__  # the row is frozen: what it reads from its owner is set once, here
         if spec.default is not MISSING:

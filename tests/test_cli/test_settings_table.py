@@ -20,7 +20,7 @@ from storage.prefix_store import PrefixConfig
 from storage.tiered import StoreConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-SAMPLES = {Kind.SWITCH: False, Kind.SIZE: "3GiB", Kind.BLOCKS: "64MiB", Kind.PATH: "h.json", Kind.TEXT: "cpu"}
+SAMPLES = {Kind.SIZE: "3GiB", Kind.BLOCKS: "64MiB", Kind.PATH: "h.json", Kind.TEXT: "cpu"}
 
 
 def _sample(setting: Setting) -> object:
@@ -29,13 +29,19 @@ def _sample(setting: Setting) -> object:
         return (setting.low or 0) + 2
     if setting.kind is Kind.CHOICE:
         return next(c for c in setting.choices if c != setting.default)
+    if setting.kind is Kind.SWITCH:
+        return not setting.default
     return SAMPLES[setting.kind]
 
 
 def test_the_docs_settings_table_is_the_generated_one():
     text = (ROOT / "docs" / "planning.md").read_text()
     shown = text.split("<!-- settings table: generated, do not edit by hand -->\n", 1)[1]
-    assert shown.split("\n<!-- end of settings table -->", 1)[0] == markdown_table()
+    generated = markdown_table()
+    assert shown.split("\n<!-- end of settings table -->", 1)[0] == generated, (
+        "docs/planning.md's settings table is not the table's: paste in the output of\n"
+        "python -c 'from colibri_stream.planning.settings import markdown_table; print(markdown_table())'"
+    )
 
 
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: s.name)
@@ -44,7 +50,7 @@ def test_every_row_has_a_flag_the_commands_read(setting):
     context), with the value given."""
     value = _sample(setting)
     if setting.kind is Kind.SWITCH:
-        flag = [setting.off_flag or f"--no-{setting.flag[2:]}"]
+        flag = [setting.flag if value else setting.off_flag or f"--no-{setting.flag[2:]}"]
     else:
         flag = [setting.flag, str(value)]
     args = cli.build_parser().parse_args(["run", "MODEL", "--ids", "1", *flag])
@@ -57,7 +63,7 @@ def test_every_row_with_a_key_is_read_from_a_budget_file_and_checked(setting, tm
     table, key = setting.key.split(".")
     value = _sample(setting)
     path = tmp_path / "b.toml"
-    path.write_text(f"[{table}]\n{key} = {value!r}\n".replace("False", "false"))
+    path.write_text(f"[{table}]\n{key} = {value!r}\n".replace("False", "false").replace("True", "true"))
     assert load_budget_file(path)[setting.name] == value
     assert BUDGET_KEYS[setting.key] == (setting.name, setting.kind.types)
     wrong = 1.5  # a TOML float is no setting's type
@@ -93,19 +99,16 @@ def test_defaults_build_the_configs_own_defaults():
 def test_a_local_workers_flags_give_it_the_coordinators_store(tmp_path):
     """Every store setting reaches a local worker (the flags are generated from the rows): the worker's
     StoreConfig is the coordinator's, with its share of RAM and VRAM and its own history file."""
-    store = StoreConfig(
-        ram_bytes=9000, vram_bytes=3000, vram_device="cpu", policy="hybrid", prefetch=False, direct=False,
-        threads=7, prefetch_layers=3, preload=False, history_path=tmp_path / "h.json",
-    )  # fmt: skip
+    values = {s.target: _sample(s) for s in SETTINGS if s.owner is StoreConfig}
+    values |= {"vram_bytes": 3000, "history_path": tmp_path / "h.json"}  # bytes and a Path, as the store holds them
+    store = StoreConfig(ram_bytes=9000, **values)
     assert all(getattr(store, f.name) != f.default for f in fields(StoreConfig) if f.default is not MISSING)
     flags = local_worker_flags(store, 3, 1)
     coordinator = ["--rank", "1", "--world-size", "4", "--master-addr", "127.0.0.1", "--master-port", "1"]
     args = cli.build_parser().parse_args(["worker", "MODEL", *coordinator, *flags])
     worker = worker_store_config(cli.options.store_options(args), expert_bytes=9000)
-    assert worker == StoreConfig(
-        ram_bytes=3000, vram_bytes=1000, vram_device="cpu", policy="hybrid", prefetch=False, direct=False,
-        threads=7, prefetch_layers=3, preload=False, history_path=Path(f"{tmp_path / 'h.json'}.worker1"),
-    )  # fmt: skip
+    shares = {"ram_bytes": 3000, "vram_bytes": 1000, "history_path": Path(f"{tmp_path / 'h.json'}.worker1")}
+    assert worker == StoreConfig(**values | shares)
 
 
 def test_serve_with_a_budget_file_reads_it_once_and_plans_once(make_container, tmp_path, monkeypatch, capsys):
