@@ -6,7 +6,8 @@ docs/planning.md (``markdown_table``; a test holds the two equal) and a local wo
 
 A store setting's default and range are those of its StoreConfig field (storage/tiered.py: storage is used
 without this package, and a StoreConfig built there is checked the same); its row names the field and reads
-them, and so for the prefix cache's PrefixConfig. A new store setting is its StoreConfig field and one row.
+them, and so for the prefix cache's PrefixConfig. A new store setting is its StoreConfig field and one row
+(tests then ask for the docs table regenerated and the key in the README's budget example).
 """
 
 from __future__ import annotations
