@@ -13,7 +13,7 @@ import platform
 import shutil
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from colibri_stream.cli.help import help_options
@@ -110,14 +110,12 @@ def o_direct_check(path: Path) -> Check:
 
 def plan_check(path: Path, store: StoreOptions, dtype: str) -> Check:
     """`plan`'s verdict line, as a check: a container as it is, a checkpoint or config.json as converted."""
-    from colibri_stream.planning.budget import store_config
+    from colibri_stream.planning.budget import store_plan
     from colibri_stream.planning.geometry import model_geometry
-    from colibri_stream.planning.placement import plan, verdict
+    from colibri_stream.planning.placement import verdict
 
     geometry = model_geometry(path)
-    if store.ram is None and store.budget is None:
-        store = replace(store, ram="auto")
-    placement = plan(geometry, store_config(store, geometry, dtype), dtype)
+    placement = store_plan(store.with_ram("auto"), geometry, dtype)[1]
     result = verdict(placement)
     if not result.fits:
         return Check(FAIL, "budget", result.line)

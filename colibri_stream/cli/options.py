@@ -6,12 +6,13 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Callable
 
 from colibri_stream.checkpoint.dtypes import COMPUTE_DTYPES
 from colibri_stream.errors import BudgetError, RequestError
 from colibri_stream.experts.cluster.group import DEFAULT_TIMEOUT_S, ClusterOptions
 from colibri_stream.experts.cluster.local import LOCALHOST, MAX_LOCAL_WORKERS, check_local_workers
-from colibri_stream.planning.budget import TABLES, Budget, StoreOptions, parse_size, prefix_config, prefix_size
+from colibri_stream.planning.budget import StoreOptions, prefix_config
 from colibri_stream.planning.geometry import (
     DEFAULT_DENSE,
     DEFAULT_EXPERTS,
@@ -21,13 +22,12 @@ from colibri_stream.planning.geometry import (
     REQUANTISED_EXPERTS,
     ContainerTarget,
 )
+from colibri_stream.planning.settings import SETTINGS, TABLES, Budget, Kind, Setting, Value
 from colibri_stream.runtime.generate import SamplingParams
 from colibri_stream.runtime.mtp_governor import MODES, MTPOptions
 from colibri_stream.runtime.session_lock import SessionWait
 from colibri_stream.runtime.turn import RuntimeOptions
 from storage.kv.log import RECORD_DTYPES
-from storage.tiers.policy import POLICY_NAMES
-from storage.tiers.tiered import MAX_IO_THREADS
 
 
 def parse_ids(text: str) -> list[int]:
@@ -60,24 +60,6 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
-
-
-def io_threads(text: str) -> int:
-    """--io-threads: 1 .. MAX_IO_THREADS (storage.tiers.tiered, where the bound is stated)."""
-    value = positive_int(text)
-    if value > MAX_IO_THREADS:
-        raise argparse.ArgumentTypeError(f"expected at most {MAX_IO_THREADS} disk reader threads, got {text!r}")
-    return value
-
-
-def parse_size_flag(text: str) -> str:
-    """--ram/--vram checked for form when the flags are read (a percentage needs the model, so the
-    value itself is computed at load): 8GiB, 512MB, 25%, auto."""
-    try:
-        parse_size(text, 0, "size", auto_bytes=0)
-    except BudgetError as exc:
-        raise argparse.ArgumentTypeError(str(exc).removeprefix("size: ")) from None
-    return text
 
 
 def add_target_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -125,125 +107,94 @@ def target_options(args: argparse.Namespace) -> ContainerTarget:
     return ContainerTarget(experts=args.experts, group_size=args.group_size, dense=args.dense, mtp=not args.no_mtp)
 
 
-DEFAULTS = Budget()  # what the store flags default to without a budget file
+DEFAULTS = Budget()  # whose values the flags' help shows as defaults: the settings table's
 
 
-def _shown(value: object) -> str:
-    return str(value).replace("%", "%%")  # argparse %-formats help text
+def _flag_type(setting: Setting) -> Callable[[str], object]:
+    """The argparse type of a setting's flag: its form checked as the flags are read (a percentage needs
+    the model, so a size is computed at load), its range as a budget file's is."""
+
+    def read(text: str) -> object:
+        if setting.kind is Kind.COUNT:
+            value = positive_int(text) if setting.low == 1 else int(text)
+            if setting.high is not None and value > setting.high:
+                raise argparse.ArgumentTypeError(f"expected at most {setting.high} {setting.unit}, got {text!r}")
+            return value
+        try:
+            setting.check(text, setting.flag)
+        except BudgetError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{setting.flag}: ")) from None
+        return text
+
+    read.__name__ = setting.flag  # argparse names the type in its errors: "invalid --ram value"
+    return read
 
 
-def _binary_size(value: str | int) -> str:
-    """8589934592 -> "8GiB" (a default shown in help the way a user would write it)."""
-    if isinstance(value, str):
-        return value
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if value >= scale and value % scale == 0:
-            return f"{value // scale}{unit}"
-    return str(value)
+def _help(setting: Setting, default: Value) -> str:
+    """The row's help and the default ``DEFAULTS`` gives it, %-escaped for argparse."""
+    if setting.kind is Kind.COUNT and setting.high is not None:
+        text = f"{setting.help}, {setting.low}..{setting.high}"
+    else:
+        text = setting.help
+    if setting.shown:
+        text += f" (default: {setting.shown})"
+    elif default is not None:
+        text += f" (default {setting.show(default)})"
+    return text.replace("%", "%%")
 
 
-def _on(flag: bool) -> str:
-    return "on" if flag else "off"
-
-
-def _if_default(flag: bool) -> str:
-    return " (the default)" if flag else ""
+def add_setting_arguments(
+    group: argparse.ArgumentParser | argparse._ArgumentGroup, which: str, ram_default: str | int | None = None
+) -> None:
+    """The flags of the settings table's rows in group ``which`` (planning/settings.py): every flag defaults to
+    None, "the budget file's, else the table's"; the help shows ``DEFAULTS``, never a literal. ``ram_default``:
+    what a command that sizes RAM its own way without --ram or --budget says (plan, demo)."""
+    for setting in SETTINGS:
+        if setting.group != which:
+            continue
+        default = ram_default if setting.name == "ram" and ram_default is not None else DEFAULTS[setting.name]
+        if setting.kind is Kind.SWITCH and setting.off_flag:  # --direct / --buffered: either, or the budget's
+            pair = group.add_mutually_exclusive_group()
+            pair.add_argument(
+                setting.flag, dest=setting.name, action="store_const", const=True,
+                help=f"{setting.help}{' (the default)' if default else ''}",
+            )  # fmt: skip
+            pair.add_argument(
+                setting.off_flag, dest=setting.name, action="store_const", const=False,
+                help=f"{setting.off_help}{'' if default else ' (the default)'}",
+            )  # fmt: skip
+        elif setting.kind is Kind.SWITCH:
+            group.add_argument(
+                setting.flag, dest=setting.name, action=argparse.BooleanOptionalAction,
+                help=_help(setting, default),
+            )  # fmt: skip
+        else:
+            group.add_argument(
+                setting.flag, dest=setting.name, metavar=setting.metavar, help=_help(setting, default),
+                choices=setting.choices or None, type=str if setting.choices else _flag_type(setting),
+            )  # fmt: skip
 
 
 def add_store_arguments(parser: argparse.ArgumentParser, ram_default: str | int | None = None) -> None:
-    """Flags sizing and tuning the tiered expert store (containers only); they override --budget. Every
-    flag defaults to None, "the budget file's, else ``Budget``'s": the defaults in the help are read from
-    ``Budget`` (whose store settings are ``StoreConfig``'s), never written here. ``ram_default``: what
-    the help says of a command that sizes RAM its own way without --ram or --budget (plan, demo)."""
-    ram_default = DEFAULTS.ram if ram_default is None else ram_default
+    """Flags sizing and tuning the tiered expert store (containers only); they override --budget."""
     group = parser.add_argument_group("expert streaming (containers)")
     tables = ", ".join(f"[{table}]" for table in TABLES)
     group.add_argument("--budget", help=f"TOML budget file ({tables}; an unknown key is an error)")
-    group.add_argument(
-        "--ram",
-        type=parse_size_flag,
-        help=f"RAM for expert slots: 8GiB, 512MB, 25%% (of expert bytes) or auto (default {_shown(ram_default)})",
-    )
-    group.add_argument(
-        "--vram",
-        type=parse_size_flag,
-        help=f"VRAM for expert slots, same forms as --ram; 0: no VRAM tier (default {_shown(DEFAULTS.vram)})",
-    )
-    group.add_argument("--vram-device", default=None, help="device of the VRAM tier (default cuda; cpu stands in)")
-    group.add_argument(
-        "--policy",
-        choices=POLICY_NAMES,
-        help="which RAM expert leaves when a read needs its slot: frequent (fewest recent routings), lru, hybrid, "
-        f"or pinned (lru plus the --history's hottest experts held for good) (default {DEFAULTS.policy})",
-    )
-    group.add_argument(
-        "--prefetch",
-        action=argparse.BooleanOptionalAction,
-        help=f"router-guided prefetch (default {_on(DEFAULTS.prefetch)})",
-    )
-    group.add_argument(
-        "--prefetch-layers",
-        type=positive_int,
-        metavar="N",
-        help=f"MoE layers ahead whose experts decode guesses and prefetches (default {DEFAULTS.prefetch_layers}: the "
-        "next layer's guess is the best, a later one's read has longer to land)",
-    )
-    group.add_argument(
-        "--preload",
-        action=argparse.BooleanOptionalAction,
-        help="when --ram holds every expert, read them all at load rather than as prompts need them "
-        f"(default {_on(DEFAULTS.preload)})",
-    )
-    io = group.add_mutually_exclusive_group()
-    io.add_argument(
-        "--direct",
-        action="store_true",
-        help=f"read experts with O_DIRECT where the filesystem allows{_if_default(DEFAULTS.direct)}",
-    )
-    io.add_argument(
-        "--buffered",
-        action="store_true",
-        help=f"read experts through the page cache{_if_default(not DEFAULTS.direct)}",
-    )
-    group.add_argument(
-        "--io-threads",
-        type=io_threads,
-        help=f"disk reader threads (per device of a spread container), 1..{MAX_IO_THREADS} "
-        f"(default {DEFAULTS.threads})",
-    )
-    group.add_argument("--history", help="usage-history file (learned hot store), updated after every turn")
+    add_setting_arguments(group, "store", ram_default)
     group.add_argument("--trace", help="write the routing trace (one JSON line per MoE acquire) to this file")
 
 
 def add_context_argument(parser: argparse.ArgumentParser) -> None:
     """--context N: the positions a run is sized and checked for (plan, run, chat, serve)."""
-    parser.add_argument(
-        "--context",
-        type=positive_int,
-        metavar="N",
-        help="tokens of context (prompt + answer) the KV cache and activations are sized for; a longer prompt "
-        "is refused, answers are cut to fit (default: the budget file's [kv] context, else the model's "
-        "max_position_embeddings, which is also the most N may be)",
-    )
+    add_setting_arguments(parser, "context")
 
 
-def store_options(args: argparse.Namespace, context: int | None = None) -> StoreOptions:
-    """The store flags; ``context`` is --context of the commands that take it (add_context_argument)."""
-    return StoreOptions(
-        budget=args.budget,
-        ram=args.ram,
-        vram=args.vram,
-        vram_device=args.vram_device,
-        policy=args.policy,
-        prefetch=args.prefetch,
-        direct=True if args.direct else False if args.buffered else None,
-        io_threads=args.io_threads,
-        prefetch_layers=args.prefetch_layers,
-        preload=args.preload,
-        history=args.history,
-        trace=args.trace,
-        context=context,
-    )
+def store_options(args: argparse.Namespace) -> StoreOptions:
+    """The settings the command's flags give (those it has; None: not given) and its budget file, read
+    here, once, for the whole command."""
+    flags = vars(args)  # a command has some groups of settings: a flag it lacks was not given
+    given = {s.name: flags.get(s.name) for s in SETTINGS}
+    return StoreOptions(budget=args.budget, given=given, trace=args.trace)
 
 
 def add_dtype_argument(parser: argparse.ArgumentParser, default: str = "float32") -> None:
@@ -334,51 +285,25 @@ def add_mtp_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def prefix_size_flag(text: str) -> str:
-    """--prefix-ram/--prefix-disk checked for form when the flags are read."""
-    try:
-        prefix_size(text, "size")
-    except BudgetError as exc:
-        raise argparse.ArgumentTypeError(str(exc).removeprefix("size: ")) from None
-    return text
-
-
 def add_prefix_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "prefix cache (the KV of earlier prompts, shared by every request and session, kept across restarts)"
     )
-    group.add_argument(
-        "--prefix-ram",
-        type=prefix_size_flag,
-        metavar="SIZE",
-        help=f"RAM for recently used prefix blocks; 0: none (default {_binary_size(DEFAULTS.prefix_ram)})",
-    )
-    group.add_argument(
-        "--prefix-disk",
-        type=prefix_size_flag,
-        metavar="SIZE",
-        help=f"prefix blocks kept in the KV directory, least recently used dropped first; 0: none "
-        f"(default {_binary_size(DEFAULTS.prefix_disk)})",
-    )
-    group.add_argument(
-        "--prefix-cache",
-        action=argparse.BooleanOptionalAction,
-        help="restore the longest cached prefix of each prompt and remember what each turn computes "
-        f"(default {_on(DEFAULTS.prefix_enabled)}; --no-prefix-cache computes every prompt whole)",
-    )
+    add_setting_arguments(group, "prefix")
 
 
 def runtime_options(args: argparse.Namespace, text: bool = True, model_id: str | None = None) -> RuntimeOptions:
+    store = store_options(args)
     return RuntimeOptions(
         dtype=args.dtype,
         activations=args.activations,
-        store=store_options(args, args.context),
+        store=store,
         kv_dir=args.kv_dir,
         kv_dtype=args.kv_dtype,
         model_id=model_id,
         text=text,
         cluster=cluster_options(args),
-        prefix=prefix_config(args.budget, args.prefix_ram, args.prefix_disk, args.prefix_cache),
+        prefix=prefix_config(store),
         mtp=MTPOptions(args.mtp, args.mtp_depth),
     )
 

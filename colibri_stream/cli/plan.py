@@ -19,9 +19,9 @@ from colibri_stream.cli.options import (
     target_options,
 )
 from colibri_stream.planning.bandwidth import Bandwidth, DeviceShare, combined_disk_bandwidth, device_shares, measure
-from colibri_stream.planning.budget import parse_size, planned_context, store_config
+from colibri_stream.planning.budget import parse_size, store_plan
 from colibri_stream.planning.geometry import model_geometry
-from colibri_stream.planning.placement import check_fits, describe, expected_speed, plan, verdict
+from colibri_stream.planning.placement import check_fits, describe, expected_speed, verdict
 
 PLAN_RAM = "auto"  # without --ram or --budget: what this machine has available for expert slots
 PLAN_EPILOG = """\
@@ -97,13 +97,8 @@ def bandwidth(args: argparse.Namespace, devices: list[DeviceShare] | None = None
 
 def run_plan(args: argparse.Namespace) -> int:
     geometry = model_geometry(Path(args.path), target_options(args))
-    options = store_options(args, args.context)
-    if options.ram is None and options.budget is None:
-        options = dataclasses.replace(options, ram=PLAN_RAM)
-    context = planned_context(options, geometry.args)
-    int8 = args.activations == "int8"
-    config = store_config(options, geometry, args.dtype, int8)
-    placement = plan(geometry, config, args.dtype, context=context, int8_activations=int8)
+    options = store_options(args).with_ram(PLAN_RAM)
+    placement = store_plan(options, geometry, args.dtype, args.activations == "int8")[1]
     devices = device_shares(args.path)
     speed = expected_speed(placement, bandwidth(args, devices))
     per_device = [

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -67,9 +66,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def run_pull(args: argparse.Namespace) -> int:
     out = Path(args.out or f"{args.repo_id.rsplit('/', 1)[-1]}.cstream")
     check_output_dir(out, "the destination container")
-    store = store_options(args)
-    if store.ram is None and store.budget is None:
-        store = dataclasses.replace(store, ram=PLAN_RAM)  # as `plan`: what this machine has
+    store = store_options(args).with_ram(PLAN_RAM)  # as `plan`: what this machine has
     options = PullOptions(
         repo_id=args.repo_id,
         out=out,

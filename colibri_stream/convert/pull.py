@@ -38,9 +38,9 @@ from colibri_stream.convert.pull_state import (
     stray_carries,
 )
 from colibri_stream.errors import BudgetError
-from colibri_stream.planning.budget import StoreOptions, planned_context, store_config
+from colibri_stream.planning.budget import StoreOptions, store_plan
 from colibri_stream.planning.geometry import ModelGeometry, geometry_from_config, read_json_config
-from colibri_stream.planning.placement import plan, verdict
+from colibri_stream.planning.placement import verdict
 from storage.errors import IncompatibleStateError
 
 Report = Callable[[dict[str, Any]], None]
@@ -150,8 +150,7 @@ class Pull:
     def _plan(self, geometry: ModelGeometry, snapshot: RepoSnapshot, shards: list[str], estimate: int) -> bool:
         """Report the verdict; False when the pull stops here (--plan-only)."""
         o = self.options
-        context = planned_context(o.store, geometry.args)
-        placement = plan(geometry, store_config(o.store, geometry, o.dtype), o.dtype, context=context)
+        placement = store_plan(o.store, geometry, o.dtype)[1]
         result = verdict(placement)
         sizes = sorted((snapshot.files[s].size for s in shards), reverse=True)
         self.report(

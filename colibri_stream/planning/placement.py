@@ -16,7 +16,7 @@ run them (drafting is opt-in): they are not in the bytes per token.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -172,8 +172,6 @@ def plan(
     embedding_row = args.dim * dtype_bytes_of(dtype) if EMBEDDING in resident else 0
     per_token = dense - mtp_dense - resident.get(EMBEDDING, 0) + embedding_row
     kv_token = cache_bytes_per_token(args, dtype)
-    ram_slots = min(slots_for(config.ram_bytes, record), geometry.total_records)
-    vram_slots = min(slots_for(config.vram_bytes, record), geometry.total_records)
     machine = machine or Machine.here()
     context = args.max_position_embeddings if context is None else context
     kv_max = (kv_token * context + held_rows_bytes(args, dtype)) * sequences
@@ -186,7 +184,7 @@ def plan(
         # the head sees one row per chunk (prefill keeps only the last position): the C kernel, no upcast
         [a.shape for a in geometry.dense if a.name in held - {"head.weight"}],
     )
-    return Placement(
+    unplaced = Placement(
         model=geometry.description,
         dense_bytes=dense,
         dense_bytes_per_token=per_token,
@@ -201,16 +199,16 @@ def plan(
         moe_layers=geometry.n_moe_layers,
         experts_per_layer=geometry.experts_per_layer,
         experts_per_token=args.n_activated_experts,
-        ram_budget_bytes=config.ram_bytes,
-        ram_slots=ram_slots,
+        ram_budget_bytes=0,  # the store's part: with_store
+        ram_slots=0,
         minimum_ram_slots=geometry.minimum_slots,
-        vram_budget_bytes=config.vram_bytes,
-        vram_slots=vram_slots,
-        cached_fraction=min(1.0, (ram_slots + vram_slots) / geometry.total_records),
-        policy=config.policy,
-        prefetch=config.prefetch,
+        vram_budget_bytes=0,
+        vram_slots=0,
+        cached_fraction=0.0,
+        policy="",
+        prefetch=False,
         bytes_per_token_at_zero_hits=geometry.active_records_per_token * record,
-        expected_peak_rss_bytes=RUNTIME_BASELINE_BYTES + dense + ram_slots * record + kv_max + activations,
+        expected_peak_rss_bytes=0,
         machine_ram_bytes=machine.total_bytes,
         available_ram_bytes=machine.available_bytes,
         memory_limited_by=machine.limited_by,
@@ -218,6 +216,30 @@ def plan(
         mtp_dense_bytes=mtp_dense,
         mtp_expert_bytes=geometry.mtp_records * record,
         mtp_left_out=geometry.mtp_left_out,
+    )
+    return with_store(unplaced, config, geometry.total_records)
+
+
+def with_store(placement: Placement, config: StoreConfig, total_records: int) -> Placement:
+    """``placement`` with ``config``'s tiers: the store's part of a plan, cheap where the rest is not (it
+    builds the model on the meta device), so a command sizes `auto` RAM from one plan and places it after."""
+    p, record = placement, placement.expert_record_bytes
+    ram_slots = min(slots_for(config.ram_bytes, record), total_records)
+    vram_slots = min(slots_for(config.vram_bytes, record), total_records)
+    return replace(
+        p,
+        ram_budget_bytes=config.ram_bytes,
+        ram_slots=ram_slots,
+        vram_budget_bytes=config.vram_bytes,
+        vram_slots=vram_slots,
+        cached_fraction=min(1.0, (ram_slots + vram_slots) / total_records),
+        policy=config.policy,
+        prefetch=config.prefetch,
+        expected_peak_rss_bytes=RUNTIME_BASELINE_BYTES
+        + p.dense_bytes
+        + ram_slots * record
+        + p.kv_bytes_at_max_context
+        + p.activation_bytes,
     )
 
 

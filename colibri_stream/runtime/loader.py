@@ -34,9 +34,9 @@ from colibri_stream.errors import CheckpointError, ColibriError
 from colibri_stream.experts.cluster.group import ClusterOptions, connect
 from colibri_stream.experts.codec import Settler, expert_from_record
 from colibri_stream.experts.store import ExpertStore, ResidentStore
-from colibri_stream.planning.budget import StoreOptions, planned_context, store_config
+from colibri_stream.planning.budget import StoreOptions, store_plan
 from colibri_stream.planning.geometry import container_args, geometry_from_container
-from colibri_stream.planning.placement import bf16_held_weights, check_fits, plan
+from colibri_stream.planning.placement import bf16_held_weights, check_fits
 from colibri_stream.planning.read_ahead import choose_read_ahead, last_level_cache_bytes
 from colibri_stream.runtime.huge_pages import hold_in_huge_pages
 from colibri_stream.runtime.memory import return_freed_heap_to_the_os
@@ -205,10 +205,9 @@ def load(
         args = loaded.args
         return _as_decode_reads_it(loaded, 3 * args.dim * args.moe_inter_dim * COMPUTE_DTYPES[dtype].itemsize)
     geometry = geometry_from_container(Container(path))
-    config = store_config(store, geometry, dtype, int8)
+    config, placement = store_plan(store, geometry, dtype, int8)
     if cluster is None or cluster.local_workers:
-        context = planned_context(store, geometry.args)
-        check_fits(plan(geometry, config, dtype, sequences=store.kv_sequences, context=context, int8_activations=int8))
+        check_fits(placement)
     loaded = load_container(path, COMPUTE_DTYPES[dtype], config, trace, int8_activations=int8, cluster=cluster)
     return _as_decode_reads_it(loaded, geometry.record_bytes)
 

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import Field, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -43,32 +43,45 @@ HUGE_PAGE = 2 << 20  # slot block alignment: lets the kernel back it with transp
 # slot bytes (numpy uint8 or torch uint8 tensor) -> expert: views of the slot, copying nothing. Built once
 # per slot and kept for every record the slot holds (a read changes the bytes, not the views): at a low
 # budget a decode step re-reads dozens of records, and building their typed views anew each time cost a
-# noticeable share of a token (docs/benchmarks-log.md, "Figures behind the code").
+# noticeable share of a token (docs/benchmarks.md, "Figures behind the code").
 Materialize = Callable[[Any], Any]
 # Disk reader threads a store may start (StoreConfig.threads; budget io.threads, --io-threads): an NVMe
 # queue is kept busy by a few dozen reads in flight; thousands of threads only cost memory and start-up.
 MAX_IO_THREADS = 256
 
 
+# StoreConfig field metadata: the range or choices a value must be in. Declared here, beside each field's
+# default, and nowhere else: the library's settings table (colibri_stream/planning/settings.py) reads both to
+# check budget files and flags, naming the key or flag; ``__post_init__`` checks a StoreConfig built directly.
+RANGE = "range"  # (low, high): low <= value, and value <= high unless high is None
+CHOICES = "choices"  # the values allowed
+
+
+def default_vram_device() -> str:
+    """The VRAM tier's device: cuda where a GPU is, else cpu standing in so the tier logic runs anywhere."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 @dataclass(frozen=True)
 class StoreConfig:
-    """How the tiered store is sized and run. These field defaults are the only ones: the library's
-    ``Budget`` (budget files) and the command-line flags take theirs from here."""
+    """How the tiered store is sized and run. These field defaults and ranges are the only ones: the
+    library's settings table (budget files, flags, the docs) takes them from here."""
 
     ram_bytes: int  # RAM for expert slots (the library's Budget says it as a size, a % or auto)
     vram_bytes: int = 0  # VRAM for expert slots; 0: no VRAM tier
-    vram_device: str = "cuda"  # "cpu" stands in for a GPU so the tier logic runs anywhere
+    vram_device: str = field(default_factory=default_vram_device)
     # eviction: frequent | lru | hybrid | pinned (lru + learned hot store), storage.tiers.policy
-    policy: str = DEFAULT_POLICY
+    policy: str = field(default=DEFAULT_POLICY, metadata={CHOICES: POLICY_NAMES})
     prefetch: bool = True  # read the experts the router guesses for the next layers while this one computes
     # O_DIRECT reads (where the filesystem allows): the RAM slots are the cache; buffered reads would
     # keep the same bytes twice and, under a memory limit, pay page-cache reclaim on every miss
-    # (docs/benchmarks-log.md).
+    # (docs/benchmarks.md).
     direct: bool = True
-    threads: int = 4  # disk reader threads (per device of a spread container): parallel reads keep an NVMe queue busy
+    # disk reader threads (per device of a spread container): parallel reads keep an NVMe queue busy
+    threads: int = field(default=4, metadata={RANGE: (1, MAX_IO_THREADS)})
     # how many MoE layers ahead the model guesses and prefetches (engine.mla.model's guesses): 2 gives a
     # read a layer more to land while the disk would otherwise idle between layers' misses
-    prefetch_layers: int = 2
+    prefetch_layers: int = field(default=2, metadata={RANGE: (1, None)})
     # when the RAM slots hold every expert: read them all at load (``preload``), in file order, so no
     # prompt waits for a read; the reads fault the slot memory in, instead of a separate pre-fault pass.
     # Code that counts on-demand reads at such a budget (tests, disk benchmarks) turns it off.
@@ -76,12 +89,21 @@ class StoreConfig:
     history_path: Path | None = None  # usage-history file (learned hot store), saved after every turn
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICY_NAMES:
-            raise BudgetError(f"cache policy must be one of {POLICY_NAMES}, got {self.policy!r}")
-        if not 1 <= self.threads <= MAX_IO_THREADS:
-            raise BudgetError(f"io threads must be 1..{MAX_IO_THREADS}, got {self.threads}")
-        if self.prefetch_layers < 1:
-            raise BudgetError(f"prefetch layers must be >= 1, got {self.prefetch_layers}")
+        for spec in fields(self):
+            problem = out_of_bounds(spec, vars(self)[spec.name])
+            if problem is not None:
+                raise BudgetError(f"store {spec.name} {problem}")
+
+
+def out_of_bounds(spec: Field[Any], value: object) -> str | None:
+    """Why ``value`` is outside the field's RANGE or CHOICES ("must be 1..256, got 0"); None where it is in."""
+    if CHOICES in spec.metadata and value not in spec.metadata[CHOICES]:
+        return f"must be one of {', '.join(spec.metadata[CHOICES])}, got {value!r}"
+    if RANGE in spec.metadata and isinstance(value, int):
+        low, high = spec.metadata[RANGE]
+        if value < low or (high is not None and value > high):
+            return f"must be {low}..{high}, got {value}" if high is not None else f"must be >= {low}, got {value}"
+    return None
 
 
 def slots_for(budget_bytes: int, record_bytes: int) -> int:
@@ -195,7 +217,7 @@ class TieredExpertStore:
         block = aligned_empty(n_slots * self.record_bytes, HUGE_PAGE)
         if prefault:
             # Fault the budget in now, once: a first-touch fault inside every O_DIRECT read made cold reads
-            # slower than the raw disk (docs/benchmarks-log.md, "Figures behind the code"); the memory is the
+            # slower than the raw disk (docs/benchmarks.md, "Figures behind the code"); the memory is the
             # budget the user granted.
             block.fill(0)
         return block
@@ -229,7 +251,7 @@ class TieredExpertStore:
     def wants_prefetch(self, layer: int) -> bool:
         """Whether a guess for ``layer`` could start a read: not when prefetch is off or every expert of
         the layer is already held (a budget that fits them all, once warm), so the model skips the
-        guess's router run, a cost per layer and token (docs/benchmarks-log.md, "Figures behind the code")."""
+        guess's router run, a cost per layer and token (docs/benchmarks.md, "Figures behind the code")."""
         if not self.config.prefetch or len(self.ram.entries) >= total_records(self.container):
             return False  # (the second: every expert in RAM, without looking at each)
         return not all(self._held((layer, expert)) for expert in range(self.container.n_experts))

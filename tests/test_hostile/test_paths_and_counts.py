@@ -193,7 +193,7 @@ def test_io_threads_are_bounded_in_the_budget_file_the_flag_and_the_store(tmp_pa
     assert exit_status.value.code == 2
     assert f"at most {MAX_IO_THREADS} disk reader threads" in capsys.readouterr().err
     budget.write_text(f"[io]\nthreads = {MAX_IO_THREADS}\n")
-    assert load_budget_file(budget).threads == MAX_IO_THREADS
+    assert load_budget_file(budget)["threads"] == MAX_IO_THREADS
 
 
 def test_local_workers_are_bounded_before_the_model_loads(tmp_path, capsys):

@@ -74,7 +74,7 @@ def test_a_plain_budget_file_still_loads(tmp_path):
     path = tmp_path / "budget.toml"
     path.write_text('[memory]\nram = "8GiB"\n[io]\nthreads = 2\n')
     budget = load_budget_file(path)
-    assert (budget.ram, budget.threads) == ("8GiB", 2)
+    assert (budget["ram"], budget["threads"]) == ("8GiB", 2)
 
 
 # ----------------------------------------------------------------------------------------- history

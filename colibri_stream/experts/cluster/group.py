@@ -25,6 +25,7 @@ from colibri_stream.experts.cluster.shares import measured_owners, read_expert_m
 from colibri_stream.experts.cluster.transport import Link
 from colibri_stream.experts.cluster.wire import Hello, WorkerError
 from colibri_stream.planning.geometry import container_args
+from colibri_stream.planning.settings import store_flags
 from engine.families import family_of
 from storage.container.reader import Container
 from storage.tiers.history import UsageHistory
@@ -112,19 +113,13 @@ def connect(
 
 
 def local_worker_flags(store: StoreConfig, count: int, rank: int) -> list[str]:
-    """A local worker's store flags: 1/count of the coordinator's RAM and VRAM budgets, its policy, I/O,
-    prefetch and preload settings, and its own usage-history file beside the coordinator's (``.workerR``)."""
-    flags = ["--ram", str(store.ram_bytes // count), "--policy", store.policy, "--io-threads", str(store.threads)]
-    flags += ["--direct" if store.direct else "--buffered"]
-    if store.vram_bytes:
-        flags += ["--vram", str(store.vram_bytes // count), "--vram-device", store.vram_device]
-    if not store.prefetch:
-        flags.append("--no-prefetch")
-    if not store.preload:
-        flags.append("--no-preload")
-    if store.history_path is not None:
-        flags += ["--history", f"{store.history_path}.worker{rank}"]
-    return flags
+    """A local worker's store flags: 1/count of the coordinator's RAM and VRAM budgets, every other store
+    setting as the coordinator's (settings.store_flags), and its own usage-history file beside the
+    coordinator's (``.workerR``)."""
+    vram = store.vram_bytes // count if store.vram_bytes else None  # None: no VRAM tier, no VRAM flags
+    history = None if store.history_path is None else f"{store.history_path}.worker{rank}"
+    shares = {"ram": store.ram_bytes // count, "vram": vram, "history": history}
+    return store_flags(store, shares | ({} if vram else {"vram_device": None}))
 
 
 def _nothing() -> None:

@@ -29,12 +29,12 @@ def test_every_budget_file_is_covered():
 def test_budget_file_loads_and_fits_its_machine(name):
     budget = load_budget_file(BUDGETS / name)
     ram_total, vram_total, dense, kv, layer, experts = MACHINES[name]
-    ram = parse_size(budget.ram, int(experts * GIB), "ram") / GIB
-    vram = parse_size(budget.vram, int(experts * GIB), "vram") / GIB
+    ram = parse_size(budget["ram"], int(experts * GIB), "ram") / GIB
+    vram = parse_size(budget["vram"], int(experts * GIB), "vram") / GIB
     assert layer <= ram  # at least one layer's experts: the store's minimum
     assert ram + dense + kv <= 0.85 * ram_total  # room left for the OS and the runtime
     assert vram <= 0.9 * vram_total
-    assert budget.policy in ("lru", "hybrid", "pinned") and budget.threads >= 1
+    assert budget["policy"] in ("lru", "hybrid", "pinned") and budget["threads"] >= 1
     assert budget.source.endswith(name)
     text = (BUDGETS / name).read_text()
     assert "colibri-stream plan" in text and "#" in text  # commented, with the command to check it

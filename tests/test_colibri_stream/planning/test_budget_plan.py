@@ -23,6 +23,7 @@ from colibri_stream.planning.budget import (
     worker_store_config,
 )
 from colibri_stream.planning.placement import RUNTIME_BASELINE_BYTES
+from colibri_stream.planning.settings import SETTINGS
 from storage.container.reader import Container
 from storage.tiers.tiered import StoreConfig, slots_for
 
@@ -50,9 +51,14 @@ def test_budget_file_reads_every_section(tmp_path):
         '[cache]\npolicy = "hybrid"\nprefetch = false\nprefetch_layers = 3\npreload = false\nhistory = "h.json"\n'
     )
     budget = load_budget_file(path)
-    assert (budget.ram, budget.vram, budget.direct, budget.threads) == ("25%", "2GiB", False, 2)
-    assert (budget.policy, budget.prefetch, budget.prefetch_layers, budget.history) == ("hybrid", False, 3, "h.json")
-    assert budget.preload is False and budget.source == str(path)
+    assert (budget["ram"], budget["vram"], budget["direct"], budget["threads"]) == ("25%", "2GiB", False, 2)
+    assert (budget["policy"], budget["prefetch"], budget["prefetch_layers"], budget["history"]) == (
+        "hybrid",
+        False,
+        3,
+        "h.json",
+    )
+    assert budget["preload"] is False and budget.source == str(path)
 
 
 @pytest.mark.parametrize(
@@ -91,10 +97,9 @@ def test_budget_file_errors_are_one_line_naming_the_file_and_the_key(tmp_path, c
     assert message.startswith(f"{path}: ") and culprit in message and "\n" not in message
 
 
-def test_every_budget_key_sets_a_field_and_every_field_has_a_key():
-    assert sorted(field for field, _ in BUDGET_KEYS.values()) == sorted(
-        f.name for f in fields(Budget) if f.name != "source"
-    )
+def test_every_budget_key_sets_a_setting_and_every_setting_of_a_budget_has_a_key():
+    assert sorted(name for name, _ in BUDGET_KEYS.values()) == sorted(s.name for s in SETTINGS if s.key is not None)
+    assert [s.key for s in SETTINGS if s.key is None] == [None]  # --vram-device only: this machine's device
 
 
 def test_the_budget_takes_the_store_settings_defaults_from_store_config():
@@ -104,9 +109,9 @@ def test_the_budget_takes_the_store_settings_defaults_from_store_config():
     budget = Budget()
     same = {"vram": "vram_bytes", "direct": "direct", "threads": "threads", "policy": "policy"}
     same |= {"prefetch": "prefetch", "prefetch_layers": "prefetch_layers", "preload": "preload"}
-    assert {mine: getattr(budget, mine) for mine in same} == {mine: store[theirs] for mine, theirs in same.items()}
-    config = worker_store_config(StoreOptions(ram="1000", vram_device="cuda"), expert_bytes=1000)
-    assert config == StoreConfig(ram_bytes=1000)
+    assert {mine: budget[mine] for mine in same} == {mine: store[theirs] for mine, theirs in same.items()}
+    config = worker_store_config(StoreOptions(ram="1000"), expert_bytes=1000)
+    assert config == StoreConfig(ram_bytes=1000)  # the VRAM device too: one default, cuda where available
 
 
 def test_flags_win_over_the_budget_file_either_way(tmp_path):
@@ -118,7 +123,7 @@ def test_flags_win_over_the_budget_file_either_way(tmp_path):
     assert (from_file.direct, from_file.threads, from_file.prefetch, from_file.preload) == (False, 3, False, False)
     assert from_file.prefetch_layers == 4
     flags = StoreOptions(
-        budget=path, ram="1000", direct=True, io_threads=1, prefetch=True, preload=True, prefetch_layers=1
+        budget=path, ram="1000", direct=True, threads=1, prefetch=True, preload=True, prefetch_layers=1
     )
     config = worker_store_config(flags, expert_bytes=1000)
     assert (config.direct, config.threads, config.prefetch, config.preload, config.prefetch_layers) == (
@@ -143,20 +148,23 @@ def _store_help(monkeypatch, defaults: Budget, **kwargs) -> str:
     "defaults",
     [
         Budget(),
-        Budget(ram="7%", vram="3GiB", policy="hybrid", prefetch=False, prefetch_layers=5, preload=False, threads=9),
+        Budget(
+            {"ram": "7%", "vram": "3GiB", "policy": "hybrid", "prefetch": False, "prefetch_layers": 5}
+            | {"preload": False, "threads": 9}
+        ),
     ],
 )
 def test_store_flag_help_shows_the_budget_defaults_not_literals(monkeypatch, defaults):
     text = _store_help(monkeypatch, defaults)
     on = {True: "on", False: "off"}
     for flag, shown in [
-        ("--ram", defaults.ram),
-        ("--vram", defaults.vram),
-        ("--policy", defaults.policy),
-        ("--prefetch", on[defaults.prefetch]),
-        ("--prefetch-layers", defaults.prefetch_layers),
-        ("--preload", on[defaults.preload]),
-        ("--io-threads", defaults.threads),
+        ("--ram", defaults["ram"]),
+        ("--vram", defaults["vram"]),
+        ("--policy", defaults["policy"]),
+        ("--prefetch", on[defaults["prefetch"]]),
+        ("--prefetch-layers", defaults["prefetch_layers"]),
+        ("--preload", on[defaults["preload"]]),
+        ("--io-threads", defaults["threads"]),
     ]:
         line = next(line for line in text.splitlines() if line.split() and line.split()[0].rstrip(",") == flag)
         assert f"(default {shown}" in line, line
@@ -165,7 +173,9 @@ def test_store_flag_help_shows_the_budget_defaults_not_literals(monkeypatch, def
 
 def test_direct_help_says_which_io_is_the_default(monkeypatch):
     lines = {
-        line.split()[0]: line for line in _store_help(monkeypatch, Budget(direct=False)).splitlines() if "--" in line
+        line.split()[0]: line
+        for line in _store_help(monkeypatch, Budget({"direct": False})).splitlines()
+        if "--" in line
     }
     assert "(the default)" in lines["--buffered"] and "(the default)" not in lines["--direct"]
 

@@ -179,17 +179,18 @@ def test_kv_packs_ship_a_preamble_to_another_directory_and_refuse_what_is_not_th
 
 def test_budget_files_and_flags_size_the_prefix_cache_and_bad_values_name_the_key(tmp_path, capsys):
     from colibri_stream.errors import BudgetError
-    from colibri_stream.planning.budget import prefix_config
+    from colibri_stream.planning.budget import StoreOptions, prefix_config
 
     budget = tmp_path / "budget.toml"
     budget.write_text('[prefix]\nram = "64MiB"\ndisk = 0\n')
-    assert prefix_config(budget) == PrefixConfig(ram_bytes=64 << 20, disk_bytes=0, enabled=True)
-    assert prefix_config(budget, ram="1GiB", enabled=False) == PrefixConfig(1 << 30, 0, False)  # flags win
-    assert prefix_config(None) == PrefixConfig()
+    assert prefix_config(StoreOptions(budget)) == PrefixConfig(ram_bytes=64 << 20, disk_bytes=0, enabled=True)
+    flags = StoreOptions(budget, prefix_ram="1GiB", prefix_enabled=False)
+    assert prefix_config(flags) == PrefixConfig(1 << 30, 0, False)  # flags win
+    assert prefix_config(StoreOptions()) == PrefixConfig()
     for text, named in (('[prefix]\nram = "25%"\n', "prefix.ram"), ("[prefix]\ndisk = true\n", "prefix.disk")):
         budget.write_text(text)
         with pytest.raises(BudgetError, match=named):
-            prefix_config(budget)
+            prefix_config(StoreOptions(budget))
     with pytest.raises(SystemExit):
         cli.main(["run", "model", "--ids", "1", "--prefix-disk", "auto"])
     assert "--prefix-disk" in capsys.readouterr().err
