@@ -166,7 +166,7 @@ def restore_prefix(
     if session is not None:
         session.reset()
     cache = prefix.restore(hit, dtype)
-    cache.release_logged(0)  # nothing of it is logged yet: the rows stay until the log (or we) take them
+    cache.log_view().release(0)  # nothing of it is logged yet: the rows stay until the log (or we) take them
     return TurnStart(cache, hit.tokens, hit.load_s + (start.kv_load_s if start is not None else 0.0)), hit
 
 
@@ -177,15 +177,15 @@ def prompt_chunk_hook(
     elsewhere (DeepSeek-V4's, engine/v4/position_rows.py): the chunk's whole blocks are remembered and its
     positions logged, so the cache releases their rows instead of holding a long prompt's rows to the end
     of the turn. None for other caches (or with nothing to keep the rows)."""
-    if not cache.frees_logged_rows or (session is None and prefix is None):
+    if not cache.log_view().frees_rows or (session is None and prefix is None):
         return None
     if session is None:
         assert prefix is not None
-        cache.release_logged(0)  # keep every row until its block is remembered
+        cache.log_view().release(0)  # keep every row until its block is remembered
 
         def remember_then_release() -> None:
             prefix.remember(cache, prompt_ids)
-            cache.release_logged(cache.length // BLOCK_TOKENS * BLOCK_TOKENS)
+            cache.log_view().release(cache.length // BLOCK_TOKENS * BLOCK_TOKENS)
 
         return remember_then_release
 

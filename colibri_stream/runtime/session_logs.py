@@ -39,8 +39,8 @@ def _from_bytes(b: np.ndarray, dtype: str, width: int) -> torch.Tensor:
 
 
 def cache_payloads(cache: Cache, start: int, end: int, geometry: Geometry) -> np.ndarray:
-    """Positions start..end of batch row 0 as record payloads [n, payload_bytes] uint8 (Cache.log_rows)."""
-    return np.concatenate([_as_bytes(rows, geometry.dtype) for rows in cache.log_rows(start, end)], axis=1)
+    """Positions start..end of batch row 0 as record payloads [n, payload_bytes] uint8 (CacheLog.rows)."""
+    return np.concatenate([_as_bytes(rows, geometry.dtype) for rows in cache.log_view().rows(start, end)], axis=1)
 
 
 def cache_from_payloads(payloads: np.ndarray, geometry: Geometry, args: ModelArgs, dtype: torch.dtype) -> Cache:
@@ -128,7 +128,7 @@ class RecordLog:
 
 
 class LeanSessionLog:
-    """DeepSeek-V4's lean log (storage/kv/snap.py LeanLog): Cache.log_entries per position, Cache.log_window
+    """DeepSeek-V4's lean log (storage/kv/snap.py LeanLog): CacheLog.entries per position, CacheLog.window
     at the snapshots; restored with Family.cache_from_snapshot."""
 
     def __init__(self, log: LeanLog, args: ModelArgs):
@@ -162,10 +162,10 @@ class LeanSessionLog:
     def append_from(self, cache: Cache, token_ids: list[int], bookmark: int | None = None) -> None:
         start, end, dtype = self.file.length, min(cache.length, len(token_ids)), self.file.geometry.dtype
         tokens = np.asarray(token_ids[start:end], dtype=np.uint32)
-        entries = [_as_bytes(rows, dtype) for rows in cache.log_entries(start, end)]
+        entries = [_as_bytes(rows, dtype) for rows in cache.log_view().entries(start, end)]
         due = self.file.snapshots_due(end)
         marked = [bookmark] if bookmark is not None and start < bookmark < end and bookmark not in due else []
-        windows = {at: [_as_bytes(rows, dtype) for rows in cache.log_window(at)] for at in [*due, *marked]}
+        windows = {at: [_as_bytes(rows, dtype) for rows in cache.log_view().window(at)] for at in [*due, *marked]}
         self.file.append(tokens, entries, windows, bookmark)
 
     def close(self) -> None:

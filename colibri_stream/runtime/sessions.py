@@ -239,7 +239,7 @@ class Session:
     def _keep_unlogged_rows(self, cache: Cache) -> None:
         """The cache may free what the log holds (DeepSeek-V4's rows: what stays per position is its
         compressed entries; a bf16 log's rounding is applied to what stays, as_logged)."""
-        cache.release_logged(self.log.length)
+        cache.log_view().release(self.log.length)
 
     def close(self) -> None:
         self.log.close()
@@ -261,7 +261,7 @@ def as_logged(cache: Cache, record_dtype: str) -> None:
     if record_dtype != "bfloat16":
         return
     with torch.inference_mode():  # the cache's buffers were made by the forward pass, in inference mode
-        cache.round_as_logged(torch.bfloat16)
+        cache.log_view().round_to(torch.bfloat16)
 
 
 def session_info(path: Path, args: ModelArgs) -> dict[str, Any]:
