@@ -11,7 +11,7 @@ forward call), ``trim`` cuts it back. Once logged (or with no log) the rows atte
 released (engine/v4/position_rows.py), and what stays per position is the compressed entries: D / m per
 compressed layer (engine/families.py V4Family), plus the sliding window's and the open windows' rows.
 
-A session's lean log (storage/kv/snap.py) stores exactly that split: per position the entries of the
+A session's lean log (storage/kv/lean_log.py) stores exactly that split: per position the entries of the
 windows it closes (``V4CacheLog.entries``, series ``entry_series``) and, at a few positions, the window state
 (``V4CacheLog.window``, series ``window_series``); ``from_snapshot`` rebuilds the state at such a position.
 """
