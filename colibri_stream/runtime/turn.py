@@ -33,11 +33,14 @@ from colibri_stream.experts.cluster.group import ClusterOptions
 from colibri_stream.experts.store import ExpertStore
 from colibri_stream.planning.budget import StoreOptions, planned_context
 from colibri_stream.runtime.batching import ContinuousBatch, GenerationRequest, GenerationResult, GenerationStats
-from colibri_stream.runtime.kv.front import KVState, Persistence
-from colibri_stream.runtime.kv.pool import SessionPool
-from colibri_stream.runtime.kv.prefix_cache import PrefixCache
-from colibri_stream.runtime.kv.records import RestoredPrefix
-from colibri_stream.runtime.kv.sessions import default_kv_dir
+from colibri_stream.runtime.kv.front import (
+    KVState,
+    Persistence,
+    PrefixCache,
+    RestoredPrefix,
+    SessionPool,
+    default_kv_dir,
+)
 from colibri_stream.runtime.loader import LoadedModel, load
 from colibri_stream.runtime.memory import PeakWatch, SharedPeakSampler, disk_read_bytes, peak_rss_bytes
 from colibri_stream.runtime.mtp_governor import MTPOptions

@@ -23,10 +23,14 @@ from pathlib import Path
 
 import torch
 
-from colibri_stream.runtime.kv.pool import HeldSession, SessionPool
-from colibri_stream.runtime.kv.prefix_cache import BLOCK_TOKENS, PrefixCache
-from colibri_stream.runtime.kv.records import RestoredPrefix
+# ``X as X``: names a caller of the door needs, re-exported so the turn imports this module only
+from colibri_stream.runtime.kv.pool import HeldSession
+from colibri_stream.runtime.kv.pool import SessionPool as SessionPool
+from colibri_stream.runtime.kv.prefix_cache import BLOCK_TOKENS
+from colibri_stream.runtime.kv.prefix_cache import PrefixCache as PrefixCache
+from colibri_stream.runtime.kv.records import RestoredPrefix as RestoredPrefix
 from colibri_stream.runtime.kv.sessions import DEFAULT_ACTIVATIONS, Session, session_state
+from colibri_stream.runtime.kv.sessions import default_kv_dir as default_kv_dir
 from engine.config.args import ModelArgs
 from engine.core.interfaces import Cache
 from storage.kv.prefix_store import PrefixConfig
