@@ -18,7 +18,7 @@ Only this room asks both sources; the session's log and the prefix cache never s
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -113,7 +113,6 @@ class KVState:
     session: Session | None
     held: HeldSession | None = None
     reuse_prefix: bool = True
-    restored: RestoredPrefix | None = field(default=None, init=False)
 
     @property
     def prefix(self) -> PrefixCache | None:
@@ -124,10 +123,6 @@ class KVState:
         a held session's memory; else the session's log, or the prefix cache's run of blocks when that holds
         more of the prompt (the log is then started over: at the end of the turn, or of each prompt chunk,
         it is written from the restored cache, and what it held is in the prefix cache's blocks)."""
-        self.restored = self._restore(prompt_ids)
-        return self.restored
-
-    def _restore(self, prompt_ids: list[int]) -> RestoredPrefix:
         if self.held is not None:
             return self.held.session.continue_turn(self.held.cache, self.held.ids, prompt_ids)
         logged = self.session.start_turn(prompt_ids, self.door.dtype) if self.session is not None else None
