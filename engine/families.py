@@ -66,7 +66,7 @@ class Family(Protocol):
         ...
 
     def log_row_widths(self) -> list[int]:
-        """The widths (values) of a record's rows, in record order (Cache.log_rows)."""
+        """The widths (values) of a record's rows, in record order (CacheLog.rows)."""
         ...
 
     def cache_from_log(self, rows: list[torch.Tensor], dtype: torch.dtype) -> Cache:
@@ -76,15 +76,15 @@ class Family(Protocol):
 
     def session_log_record(self) -> tuple[int, dict[str, Any]]:
         """A session log's record (storage.kv.geometry's format version and fields): ``log_record`` where
-        the cache holds its rows; DeepSeek-V4's lean log where it holds entries (Cache.log_entries,
-        Cache.log_window)."""
+        the cache holds its rows; DeepSeek-V4's lean log where it holds entries (CacheLog.entries,
+        CacheLog.window)."""
         ...
 
     def cache_from_snapshot(
         self, entries: list[torch.Tensor], window: list[torch.Tensor], position: int, dtype: torch.dtype
     ) -> Cache:
         """The one-sequence cache at ``position`` from a session log's series (float32 [n, width] each, in
-        Cache.log_entries / Cache.log_window order): the entries of positions 0..position-1 and the
+        CacheLog.entries / CacheLog.window order): the entries of positions 0..position-1 and the
         window state at ``position``."""
         ...
 

@@ -1,4 +1,4 @@
-"""What an edited DeepSeek-V4 conversation costs with the lean session log (storage/kv/snap.py): the turn
+"""What an edited DeepSeek-V4 conversation costs with the lean session log (storage/kv/lean_log.py): the turn
 restores the last snapshot at or before the edit and re-prefills the rest. Measured on the tiny V4
 fixture (or a checkpoint given with --checkpoint), estimated for V4-Flash from its snapshot interval.
 
@@ -22,8 +22,8 @@ import torch
 from colibri_stream.devtools import fixtures
 from colibri_stream.planning.kv_bytes import cache_bytes_per_token, session_geometry
 from colibri_stream.runtime.generate import generate
+from colibri_stream.runtime.kv.sessions import Session
 from colibri_stream.runtime.loader import load_checkpoint
-from colibri_stream.runtime.sessions import Session
 from engine.config.args import ModelArgs
 
 # DeepSeek-V4-Flash's dims (tests/test_colibri_stream/runtime/test_v4_sessions.py FLASH holds the whole config).

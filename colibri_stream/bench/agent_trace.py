@@ -19,8 +19,8 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from colibri_stream.runtime.prefix_cache import BLOCK_TOKENS
-from colibri_stream.runtime.sessions import common_prefix
+from colibri_stream.runtime.kv.prefix_cache import BLOCK_TOKENS
+from colibri_stream.runtime.kv.sessions import common_prefix
 from colibri_stream.runtime.turn import Runtime
 
 # Text the preamble and messages are cut from: real prose and code, the same on every machine with this

@@ -23,9 +23,9 @@ from colibri_stream.cli.options import (
     sampling,
     session_wait,
 )
-from colibri_stream.runtime.session_lock import SessionLease
-from colibri_stream.runtime.sessions import SESSION_SUFFIX, TRANSCRIPT_SUFFIX, check_session_name, session_info
-from colibri_stream.runtime.transcript import load_transcript, remove_transcript
+from colibri_stream.runtime.kv.lock import SessionLease
+from colibri_stream.runtime.kv.sessions import SESSION_SUFFIX, TRANSCRIPT_SUFFIX, check_session_name, session_info
+from colibri_stream.runtime.kv.transcript import load_transcript, remove_transcript
 from colibri_stream.runtime.turn import Runtime, TurnOptions, TurnResult, load_runtime, run_turn
 from colibri_stream.text.chat_format import IncrementalDecoder
 from storage.files.atomic import atomic_write_json

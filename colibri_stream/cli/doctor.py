@@ -160,7 +160,7 @@ def checkpoint_checks(path: Path) -> Iterator[Check]:
 
 def model_checks(path: Path, full: bool, store: StoreOptions, dtype: str) -> Iterator[Check]:
     from colibri_stream.checkpoint.fingerprint import model_fingerprint
-    from colibri_stream.runtime.sessions import default_kv_dir
+    from colibri_stream.runtime.kv.sessions import default_kv_dir
     from colibri_stream.text.chat_format import load_chat_format
     from storage.container.reader import is_container
 

@@ -13,9 +13,8 @@ from colibri_stream.cli.kv_prefix import ACTIONS as PREFIX_ACTIONS
 from colibri_stream.cli.kv_prefix import add_actions as add_prefix_actions
 from colibri_stream.cli.kv_prefix import run_prefix_action
 from colibri_stream.errors import SessionError
-from colibri_stream.runtime.loader import model_config
-from colibri_stream.runtime.session_lock import SessionLease
-from colibri_stream.runtime.sessions import (
+from colibri_stream.runtime.kv.lock import SessionLease
+from colibri_stream.runtime.kv.sessions import (
     SESSION_SUFFIX,
     TRANSCRIPT_SUFFIX,
     check_session_name,
@@ -23,7 +22,8 @@ from colibri_stream.runtime.sessions import (
     session_info,
     session_path,
 )
-from colibri_stream.runtime.transcript import remove_transcript
+from colibri_stream.runtime.kv.transcript import remove_transcript
+from colibri_stream.runtime.loader import model_config
 from engine.config.args import ModelArgs
 from storage.kv.log import remove_log
 

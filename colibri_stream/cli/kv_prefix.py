@@ -10,9 +10,9 @@ from pathlib import Path
 from colibri_stream.checkpoint.fingerprint import model_fingerprint
 from colibri_stream.cli.options import parse_ids
 from colibri_stream.errors import RequestError
-from colibri_stream.runtime.kv_packs import export_pack, import_pack, template_digest
-from colibri_stream.runtime.prefix_cache import PREFIX_DIR, PrefixCache
-from colibri_stream.runtime.sessions import default_kv_dir, session_state
+from colibri_stream.runtime.kv.packs import export_pack, import_pack, template_digest
+from colibri_stream.runtime.kv.prefix_cache import PREFIX_DIR, PrefixCache
+from colibri_stream.runtime.kv.sessions import default_kv_dir, session_state
 from colibri_stream.text.chat_format import PromptEncoder, load_chat_format, load_tokenizer
 from engine.config.args import ModelArgs
 from storage.kv.log import RECORD_DTYPES

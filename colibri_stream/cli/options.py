@@ -24,8 +24,8 @@ from colibri_stream.planning.geometry import (
 )
 from colibri_stream.planning.settings import SETTINGS, TABLES, Budget, Kind, Setting, Value
 from colibri_stream.runtime.generate import SamplingParams
+from colibri_stream.runtime.kv.lock import SessionWait
 from colibri_stream.runtime.mtp_governor import MODES, MTPOptions
-from colibri_stream.runtime.session_lock import SessionWait
 from colibri_stream.runtime.turn import RuntimeOptions
 from storage.kv.log import RECORD_DTYPES
 

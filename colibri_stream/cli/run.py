@@ -15,8 +15,8 @@ from colibri_stream.cli.options import (
     sampling,
     session_wait,
 )
-from colibri_stream.runtime.session_lock import SessionLease
-from colibri_stream.runtime.sessions import check_session_name
+from colibri_stream.runtime.kv.lock import SessionLease
+from colibri_stream.runtime.kv.sessions import check_session_name
 from colibri_stream.runtime.turn import TurnOptions, load_runtime, run_turn
 
 RUN_EPILOG = """\

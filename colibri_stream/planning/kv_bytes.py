@@ -4,7 +4,7 @@ uncompressed K/V cache (the comparison `kv info` prints). Each is the model fami
 
 MLA models (V3, V3.2, GLM-5) log per layer the latent and roped key, per DSA full layer the indexer key.
 DeepSeek-V4's record (``kv_geometry``: what a prefix block stores) holds per layer every row its cache
-keeps per position; its session log (``session_geometry``, storage/kv/snap.py) is lean: per position the
+keeps per position; its session log (``session_geometry``, storage/kv/lean_log.py) is lean: per position the
 entries of the windows it closes, and snapshots of the window state, at most 2x the in-memory state.
 """
 

@@ -1,11 +1,12 @@
 """One model with its text side (``Runtime``), and the one turn every command runs (``run_turn``):
 `run`, `demo`, `chat` and `serve` all generate through it and report the same stats schema.
 
-A turn with a session opens the session's KV log (restoring the longest stored prefix of the prompt),
-generates, appends the new positions and closes the log again, so the log's lock is held only while
-the turn runs and a session is never open twice in one process; the session's own lock
-(session_lock.py) keeps other processes out for as long as the caller holds it (a chat: its whole
-run). After every turn the store persists its usage history and flushes its routing trace.
+A turn's KV goes through one door (runtime/kv/front.py): ``KVState.restore`` gives the cache holding the
+longest reusable prefix of the prompt (the session's, else the shared prefix cache's), ``commit`` persists
+the turn's positions. A session's log is open, and its lock held, only while the turn runs, so a session
+is never open twice in one process; the session's own lock (runtime/kv/lock.py) keeps other processes out
+for as long as the caller holds it (a chat: its whole run). After every turn the store persists its
+usage history and flushes its routing trace.
 
 The stats schema (README "Stats"): generation (prefill_tokens, decode_tokens, prefill_s, decode_s,
 ttft_s, decode_tok_per_s, wall_s), session (reused_tokens, kv_load_s), experts over the turn
@@ -32,22 +33,21 @@ from colibri_stream.experts.cluster.group import ClusterOptions
 from colibri_stream.experts.store import ExpertStore
 from colibri_stream.planning.budget import StoreOptions, planned_context
 from colibri_stream.runtime.batching import ContinuousBatch, GenerationRequest, GenerationResult, GenerationStats
+from colibri_stream.runtime.kv.front import (
+    KVState,
+    Persistence,
+    PrefixCache,
+    RestoredPrefix,
+    SessionPool,
+    default_kv_dir,
+)
 from colibri_stream.runtime.loader import LoadedModel, load
 from colibri_stream.runtime.memory import PeakWatch, SharedPeakSampler, disk_read_bytes, peak_rss_bytes
 from colibri_stream.runtime.mtp_governor import MTPOptions
-from colibri_stream.runtime.prefix_cache import (
-    PrefixCache,
-    PrefixHit,
-    prompt_chunk_hook,
-    prompt_sources,
-    restore_prefix,
-)
 from colibri_stream.runtime.sampling import SamplingParams
-from colibri_stream.runtime.session_pool import SessionPool
-from colibri_stream.runtime.sessions import Session, TurnStart, default_kv_dir, session_state
 from colibri_stream.runtime.speculation import Speculation
 from colibri_stream.text.chat_format import ChatFormat, PromptEncoder, load_chat_format, load_tokenizer
-from engine.core.interfaces import Cache, Model
+from engine.core.interfaces import Cache
 from engine.kernels.read_ahead import stop_read_ahead
 from storage.files.safe_read import check_output_dir
 from storage.kv.prefix_store import PrefixConfig
@@ -64,7 +64,7 @@ class RuntimeOptions:
     model_id: str | None = None  # the name clients send (default: the directory's name)
     text: bool = True  # load tokenizer.json and the chat template (False: token ids only)
     cluster: ClusterOptions = field(default_factory=ClusterOptions)  # routed experts held by worker processes
-    prefix: PrefixConfig = field(default_factory=PrefixConfig)  # the shared prefix cache (prefix_cache.py)
+    prefix: PrefixConfig = field(default_factory=PrefixConfig)  # the shared prefix cache (runtime/kv/prefix_cache.py)
     mtp: MTPOptions = field(default_factory=MTPOptions)  # drafting with the model's MTP module, if it has one
 
 
@@ -75,13 +75,22 @@ class Runtime:
     loaded: LoadedModel
     tokenizer: Tokenizer | None
     chat: ChatFormat | None
-    kv_dir: Path
-    fingerprint: str
-    kv_dtype: str = "float32"
+    kv: Persistence  # its sessions' logs and the prefix cache shared by every turn
     model_id: str = "model"
-    prefix: PrefixCache | None = None  # the KV of earlier prompts' prefixes, shared by every turn
     context: int | None = None  # positions a turn may fill (budget.planned_context; None: the model's)
     speculation: Speculation | None = None  # decode drafts with the model's MTP module (runtime/speculation.py)
+
+    @property
+    def kv_dir(self) -> Path:
+        return self.kv.kv_dir
+
+    @property
+    def fingerprint(self) -> str:
+        return self.kv.fingerprint
+
+    @property
+    def prefix(self) -> PrefixCache | None:
+        return self.kv.prefix
 
     @property
     def context_size(self) -> int:
@@ -140,12 +149,14 @@ def load_runtime(path: str | Path, options: RuntimeOptions | None = None) -> Run
     kv_dir = Path(options.kv_dir) if options.kv_dir else default_kv_dir(fingerprint)
     check_output_dir(kv_dir, "the session directory")
     model_id = options.model_id or Path(path).resolve().name
-    prefix = open_prefix_cache(loaded, kv_dir, fingerprint, options) if options.prefix.enabled else None
+    model = loaded.model
+    activations = "int8" if model.int8_activations else "float32"  # what stored values depend on, with the dtype
+    kv = Persistence.of(
+        kv_dir, fingerprint, loaded.args, model.new_cache, model.dtype, options.kv_dtype, activations, options.prefix
+    )
     context = planned_context(options.store, loaded.args)  # refused beyond max_position_embeddings
     speculation = speculation_for(loaded, options.mtp)
-    return Runtime(
-        loaded, tokenizer, chat, kv_dir, fingerprint, options.kv_dtype, model_id, prefix, context, speculation
-    )
+    return Runtime(loaded, tokenizer, chat, kv, model_id, context, speculation)
 
 
 def speculation_for(loaded: LoadedModel, options: MTPOptions) -> Speculation | None:
@@ -157,18 +168,6 @@ def speculation_for(loaded: LoadedModel, options: MTPOptions) -> Speculation | N
             raise ColibriError(f"{loaded.path}: --mtp on, but the model has no multi-token-prediction module loaded")
         return None
     return None if options.mode == "off" else Speculation(drafter, options, loaded.experts.snapshot)
-
-
-def open_prefix_cache(loaded: LoadedModel, kv_dir: Path, fingerprint: str, options: RuntimeOptions) -> PrefixCache:
-    """The model's prefix cache for this runtime's state: blocks computed in another dtype or on another
-    activation path are other blocks (prefix_cache.py)."""
-    state = session_state(*value_state(loaded.model))
-    return PrefixCache.open(kv_dir, fingerprint, loaded.args, options.kv_dtype, state, options.prefix)
-
-
-def value_state(model: Model[Cache]) -> tuple[str, str]:
-    """(compute dtype, activation path): what the stored KV values depend on beyond the model."""
-    return str(model.dtype).removeprefix("torch."), "int8" if model.int8_activations else "float32"
 
 
 @dataclass(frozen=True)
@@ -219,14 +218,14 @@ USS_SAMPLER = SharedPeakSampler()  # every turn's peak USS, one sampling thread 
 
 @dataclass
 class OpenTurn:
-    """A turn between ``begin_turn`` and ``finish_turn``/``abort_turn``: its session (locked), the cache
-    holding the restored prefix, the store's counters at its start and its generation request."""
+    """A turn between ``begin_turn`` and ``finish_turn``/``abort_turn``: its KV state (the session, locked),
+    the restored prefix (its cache is the request's), the store's counters at its start and its generation
+    request."""
 
     runtime: Runtime
     prompt_ids: list[int]
-    session: Session | None
-    start: TurnStart | None
-    prefix_hit: PrefixHit | None  # the blocks of the shared prefix cache it started from, if any
+    kv: KVState  # its session (locked), if any
+    restored: RestoredPrefix
     recorder: PhaseRecorder
     request: GenerationRequest
     uss: PeakWatch
@@ -236,108 +235,53 @@ class OpenTurn:
 def begin_turn(
     runtime: Runtime, prompt_ids: list[int], options: TurnOptions, pool: SessionPool | None = None
 ) -> OpenTurn:
-    """Check the prompt, open (or take from ``pool``) the session and restore the longest stored prefix;
+    """Check the prompt, open (or take from ``pool``) the session and restore the longest reusable prefix;
     the returned turn's ``request`` is ready for a ContinuousBatch."""
     check_prompt(runtime, prompt_ids)
-    model, store = runtime.loaded.model, runtime.loaded.experts
-    session, start, hit = open_turn_session(runtime, prompt_ids, options, pool)
+    # prompt logprobs: every position of a turn without a session is computed
+    reuse = options.session is not None or options.prompt_logprobs is None
+    kv = runtime.kv.open(options.session, options.reset, pool, reuse_prefix=reuse)
     try:
-        cache = start.cache if start is not None else model.new_cache()
-        on_prompt_chunk = prompt_chunk_hook(runtime.prefix, session, cache, prompt_ids)
-        recorder = PhaseRecorder(store)
+        restored = kv.restore(prompt_ids)
+        cache = restored.cache
+        recorder = PhaseRecorder(runtime.loaded.experts)
         request = GenerationRequest(
             prompt_ids,
             fit_to_context(runtime, len(prompt_ids), options.max_new_tokens),
             options.sampling,
             options.stop_ids,
             cache,
-            recorder.wrap(with_periodic_sync(options, session, cache, prompt_ids)),
+            recorder.wrap(with_periodic_sync(options, kv, cache, prompt_ids)),
             options.should_stop,
-            on_prompt_chunk,
+            kv.prompt_chunk_hook(cache, prompt_ids),
             logprobs=options.logprobs,
             prompt_logprobs=options.prompt_logprobs,
         )
     except BaseException:
-        if session is not None:
-            session.close()
+        kv.abort()
         raise
-    return OpenTurn(runtime, prompt_ids, session, start, hit, recorder, request, USS_SAMPLER.watch())
-
-
-def open_turn_session(
-    runtime: Runtime, prompt_ids: list[int], options: TurnOptions, pool: SessionPool | None
-) -> tuple[Session | None, TurnStart | None, PrefixHit | None]:
-    """The turn's session and restored prefix: from the pool (its KV still in memory: nothing read),
-    opened from its log, or from the shared prefix cache when that holds more of the prompt than the
-    log (prefix_cache.restore_prefix). None for what the turn has not."""
-    model = runtime.loaded.model
-    if options.session is None:
-        reusable = runtime.prefix if options.prompt_logprobs is None else None  # prompt logprobs: compute all
-        return None, *restore_prefix(reusable, prompt_ids, model.dtype, None, None)
-    held = pool.take(options.session) if pool is not None else None
-    if held is not None:
-        if options.reset:
-            held.session.reset()
-            held.cache.trim(0)
-            held.ids.clear()
-        return held.session, held.session.continue_turn(held.cache, held.ids, prompt_ids), None
-    compute_dtype, activations = value_state(model)  # recorded: another one is refused
-    session = Session(
-        runtime.kv_dir,
-        options.session,
-        runtime.fingerprint,
-        runtime.loaded.args,
-        runtime.kv_dtype,
-        compute_dtype=compute_dtype,
-        reset=options.reset,  # starts over whatever the log held, a damaged header included
-        activations=activations,
-    )
-    try:
-        start = session.start_turn(prompt_ids, model.dtype)
-        return session, *restore_prefix(runtime.prefix, prompt_ids, model.dtype, session, start)
-    except BaseException:
-        session.close()
-        raise
+    return OpenTurn(runtime, prompt_ids, kv, restored, recorder, request, USS_SAMPLER.watch())
 
 
 def finish_turn(turn: OpenTurn, result: GenerationResult, pool: SessionPool | None = None) -> TurnResult:
-    """Append the turn's new positions to its session's log (fsynced), keep the session in ``pool`` (or
-    close it) and report the stats schema."""
+    """Commit the turn's positions (blocks to the prefix cache, the session's log appended and fsynced, the
+    session kept in its pool or closed) and report the stats schema."""
     wall = time.perf_counter() - turn.started
     turn.uss.stop()
     try:
-        if turn.runtime.prefix is not None:  # before the session's log takes the rows a cache then frees
-            turn.runtime.prefix.remember(turn.request.cache, turn.prompt_ids + result.ids)  # type: ignore[arg-type]
-        if turn.session is not None:
-            # begin_turn gives every request its cache
-            keep_session(turn.session, turn.request.cache, turn.prompt_ids + result.ids, pool)  # type: ignore[arg-type]
+        turn.kv.commit(turn.restored.cache, turn.prompt_ids + result.ids, pool)
     finally:
         turn.runtime.loaded.experts.end_turn()  # a failed turn's routings and trace are kept too
-    stats = turn_stats(result, turn.start, turn.prefix_hit, wall, turn.recorder.report(), turn.uss.peak)
+    stats = turn_stats(result, turn.restored, wall, turn.recorder.report(), turn.uss.peak)
     if turn.runtime.speculation is not None:
         stats["mtp"] = mtp_stats(result.stats, turn.runtime.speculation)
     return TurnResult(result.ids, finish_reason(result), len(turn.prompt_ids), stats)
 
 
-def keep_session(session: Session, cache: Cache, ids: list[int], pool: SessionPool | None) -> None:
-    """Append the positions the log lacks (fsynced), then keep the session open with its KV in ``pool``
-    for the next turn, or close it."""
-    try:
-        session.end_turn(cache, ids)
-    except BaseException:
-        session.close()
-        raise
-    if pool is not None:
-        pool.put(session, cache, ids[: cache.length])
-    else:
-        session.close()
-
-
 def abort_turn(turn: OpenTurn) -> None:
     """A turn whose generation failed: nothing of it is persisted (its cache may be half-appended)."""
     turn.uss.stop()
-    if turn.session is not None:
-        turn.session.close()
+    turn.kv.abort()
     turn.runtime.loaded.experts.end_turn()
 
 
@@ -363,21 +307,15 @@ def finish_reason(result: GenerationResult) -> str:
 
 
 def turn_stats(
-    result: GenerationResult,
-    turn: TurnStart | None,
-    hit: PrefixHit | None,
-    wall: float,
-    experts: dict[str, Any],
-    peak_uss: int,
+    result: GenerationResult, restored: RestoredPrefix, wall: float, experts: dict[str, Any], peak_uss: int
 ) -> dict[str, Any]:
     """The stats schema, key by key as documented above and in the README."""
-    reused = turn.reused_tokens if turn is not None else 0
     return {
         **result.stats.as_dict(),
         "wall_s": round(wall, 6),
-        "reused_tokens": reused,
-        "prompt_sources": prompt_sources(reused, hit, result.stats.prefill_tokens),
-        "kv_load_s": round(turn.kv_load_s, 6) if turn is not None else 0.0,
+        "reused_tokens": restored.reused_tokens,
+        "prompt_sources": restored.sources(result.stats.prefill_tokens),
+        "kv_load_s": round(restored.kv_load_s, 6),
         **experts,
         "peak_rss_bytes": peak_rss_bytes(),
         "peak_uss_bytes": peak_uss,
@@ -430,10 +368,10 @@ class PhaseRecorder:
 
 
 def with_periodic_sync(
-    options: TurnOptions, session: Session | None, cache: Cache, prompt_ids: list[int]
+    options: TurnOptions, kv: KVState, cache: Cache, prompt_ids: list[int]
 ) -> Callable[[int], None] | None:
     """The per-token callback: the caller's, and every ``sync_every`` tokens the session persisted so far."""
-    if session is None or options.sync_every <= 0:
+    if kv.session is None or options.sync_every <= 0:
         return options.on_token
     generated: list[int] = []
 
@@ -442,6 +380,6 @@ def with_periodic_sync(
         if options.on_token is not None:
             options.on_token(token)
         if len(generated) % options.sync_every == 0:
-            session.end_turn(cache, prompt_ids + generated)  # positions computed so far; fsynced
+            kv.sync(cache, prompt_ids + generated)  # positions computed so far; fsynced
 
     return on_token

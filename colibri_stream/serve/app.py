@@ -31,9 +31,9 @@ from starlette.exceptions import HTTPException
 
 from colibri_stream.errors import ChatTemplateError, ColibriError, SessionError
 from colibri_stream.runtime.generate import SamplingParams
+from colibri_stream.runtime.kv.lock import REFUSE, SessionLease, SessionWait
+from colibri_stream.runtime.kv.sessions import check_session_name
 from colibri_stream.runtime.sampling import TokenLogprob
-from colibri_stream.runtime.session_lock import REFUSE, SessionLease, SessionWait
-from colibri_stream.runtime.sessions import check_session_name
 from colibri_stream.runtime.turn import Runtime, TurnResult
 from colibri_stream.serve.answers import answer_events, collect, tool_parser
 from colibri_stream.serve.anthropic_api import add_anthropic_routes

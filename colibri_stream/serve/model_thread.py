@@ -20,8 +20,8 @@ from typing import Any
 from colibri_stream.errors import ColibriError
 from colibri_stream.experts.cluster.wire import WorkerError
 from colibri_stream.runtime.batching import ContinuousBatch, Generation, GenerationResult
+from colibri_stream.runtime.kv.pool import SessionPool
 from colibri_stream.runtime.sampling import SamplingParams
-from colibri_stream.runtime.session_pool import SessionPool
 from colibri_stream.runtime.turn import OpenTurn, Runtime, TurnOptions, abort_turn, begin_turn, finish_turn
 from colibri_stream.serve.schemas import ApiError
 from colibri_stream.text.chat_format import IncrementalDecoder

@@ -125,7 +125,6 @@ class KVCache:
     indexer keys."""
 
     layers: list[LayerCache] = field(default_factory=list)
-    frees_logged_rows: ClassVar[bool] = False  # all it holds is what attention reads
 
     @classmethod
     def empty(
@@ -149,27 +148,8 @@ class KVCache:
         for layer in self.layers:
             layer.trim(length)
 
-    def log_rows(self, start: int, end: int) -> list[torch.Tensor]:
-        """Positions start..end of batch row 0 in record order, [end - start, width] each."""
-        rows = [t[0, start:end] for layer in self.layers for t in (layer.latent, layer.rope_key)]
-        return rows + [layer.index_key[0, start:end] for layer in self.layers if layer.index_key is not None]
-
-    def log_entries(self, start: int, end: int) -> list[torch.Tensor]:
-        """A session's log holds each position's record: its rows."""
-        return self.log_rows(start, end)
-
-    def log_window(self, position: int) -> list[torch.Tensor]:
-        """Nothing beyond the positions' rows."""
-        return []
-
-    def release_logged(self, logged: int) -> None:
-        """Nothing to free: every row held is one attention reads."""
-
-    def round_as_logged(self, dtype: torch.dtype) -> None:
-        for layer in self.layers:
-            for t in (layer.latent, layer.rope_key, layer.index_key):
-                if t is not None and t.dtype != dtype:
-                    t[:, : layer.length] = t[:, : layer.length].to(dtype).to(t.dtype)
+    def log_view(self) -> KVCacheLog:
+        return KVCacheLog(self)
 
     def state(self) -> list[dict[str, torch.Tensor]]:
         return [layer.state() for layer in self.layers]
@@ -180,6 +160,36 @@ class KVCache:
         if len({layer.length for layer in cache.layers}) > 1:
             raise ValueError("layers disagree on the number of cached positions")
         return cache
+
+
+@dataclass(frozen=True)
+class KVCacheLog:
+    """A KVCache as a log reads it (engine/core/interfaces.py CacheLog): a session's log and a prefix block
+    hold the same record per position, its rows; nothing is freed, every row held is one attention reads."""
+
+    cache: KVCache
+    frees_rows: ClassVar[bool] = False
+
+    def rows(self, start: int, end: int) -> list[torch.Tensor]:
+        """Positions start..end of batch row 0 in record order, [end - start, width] each."""
+        layers = self.cache.layers
+        rows = [t[0, start:end] for layer in layers for t in (layer.latent, layer.rope_key)]
+        return rows + [layer.index_key[0, start:end] for layer in layers if layer.index_key is not None]
+
+    def entries(self, start: int, end: int) -> list[torch.Tensor]:
+        return self.rows(start, end)
+
+    def window(self, position: int) -> list[torch.Tensor]:
+        return []
+
+    def release(self, logged: int) -> None:
+        pass
+
+    def round_to(self, dtype: torch.dtype) -> None:
+        for layer in self.cache.layers:
+            for t in (layer.latent, layer.rope_key, layer.index_key):
+                if t is not None and t.dtype != dtype:
+                    t[:, : layer.length] = t[:, : layer.length].to(dtype).to(t.dtype)
 
 
 class DraftLayer(Protocol):

@@ -19,16 +19,45 @@ from engine.core.cache import DraftCache
 from engine.core.sources import Experts
 
 
+class CacheLog(Protocol):
+    """A cache as a log reads and frees it (``Cache.log_view``; engine/core/cache.py KVCacheLog,
+    engine/v4/cache.py V4CacheLog). Per position the cache holds rows a prefix block stores (``rows``, in
+    the family's record order; rebuilt by Family.cache_from_log) and what a session's log appends
+    (``entries``, plus ``window`` at its snapshots: Family.session_log_record)."""
+
+    # whether the cache frees rows once a log holds them (``release``): a session then logs a long prompt
+    # chunk by chunk, so its rows need not all be held to the end of the turn
+    frees_rows: ClassVar[bool]
+
+    def rows(self, start: int, end: int) -> list[torch.Tensor]:
+        """Positions start..end of batch row 0 as a record holds them: [end - start, width] per row."""
+        ...
+
+    def entries(self, start: int, end: int) -> list[torch.Tensor]:
+        """What positions start..end of batch row 0 add to a session's log: [n, width] per series. MLA: its
+        rows; DeepSeek-V4: the compressed entries of the windows those positions close."""
+        ...
+
+    def window(self, position: int) -> list[torch.Tensor]:
+        """The fixed-size state at ``position`` a session's log snapshots beside the entries: [n, width] per
+        series. MLA: none; DeepSeek-V4: the sliding window's and the open compressor windows' rows
+        (RowsReleased if freed: a session asks for them before its log moves past them)."""
+        ...
+
+    def release(self, logged: int) -> None:
+        """The first ``logged`` positions are in a log as held here (0: none): rows kept only for a log
+        may be freed before there."""
+        ...
+
+    def round_to(self, dtype: torch.dtype) -> None:
+        """Round the held positions in place to what a log of ``dtype`` records holds, so a turn that
+        continues from memory computes what one restored from the log would."""
+        ...
+
+
 class Cache(Protocol):
     """A batch of sequences' attention state, ``length`` positions long (engine/core/cache.py KVCache for MLA
-    models, engine/v4/cache.py V4Cache for DeepSeek-V4).
-
-    Per position it holds rows a session's KV log stores (``log_rows``, in the family's record order);
-    the family rebuilds a cache from them (Family.cache_from_log)."""
-
-    # whether the cache frees rows once a log holds them (``release_logged``): a session then logs a long
-    # prompt chunk by chunk, so its rows need not all be held to the end of the turn
-    frees_logged_rows: ClassVar[bool]
+    models, engine/v4/cache.py V4Cache for DeepSeek-V4). What a log asks of it is apart: ``log_view``."""
 
     @property
     def length(self) -> int: ...
@@ -41,30 +70,8 @@ class Cache(Protocol):
         needs were freed)."""
         ...
 
-    def log_rows(self, start: int, end: int) -> list[torch.Tensor]:
-        """Positions start..end of batch row 0 as the log records them: [end - start, width] per row."""
-        ...
-
-    def log_entries(self, start: int, end: int) -> list[torch.Tensor]:
-        """What positions start..end of batch row 0 add to a session's log (Family.session_log_record):
-        [n, width] per series. MLA: its rows (``log_rows``); DeepSeek-V4: the compressed entries of the
-        windows those positions close."""
-        ...
-
-    def log_window(self, position: int) -> list[torch.Tensor]:
-        """The fixed-size state at ``position`` a session's log snapshots beside the entries: [n, width] per
-        series. MLA: none; DeepSeek-V4: the sliding window's and the open compressor windows' rows
-        (RowsReleased if freed: a session asks for them before its log moves past them)."""
-        ...
-
-    def release_logged(self, logged: int) -> None:
-        """The first ``logged`` positions are in a log as held here (0: none): rows kept only for a log
-        may be freed before there."""
-        ...
-
-    def round_as_logged(self, dtype: torch.dtype) -> None:
-        """Round the held positions in place to what a log of ``dtype`` records holds, so a turn that
-        continues from memory computes what one restored from the log would."""
+    def log_view(self) -> CacheLog:
+        """This cache as a log reads and frees it (a view: it holds no state of its own)."""
         ...
 
 

@@ -5,15 +5,15 @@
   windows closed so far (engine/v4/compressor.py).
 - ``indexer`` (CSA layers): the same for the lightning indexer's own compressor.
 
-Per position the rows are what a prefix block stores (``log_rows``, widths ``layer_row_widths``), and all
+Per position the rows are what a prefix block stores (``V4CacheLog.rows``, widths ``layer_row_widths``), and all
 the state is a function of them: ``from_rows`` rebuilds it (the entries are recompressed on the next
 forward call), ``trim`` cuts it back. Once logged (or with no log) the rows attention no longer needs are
 released (engine/v4/position_rows.py), and what stays per position is the compressed entries: D / m per
 compressed layer (engine/families.py V4Family), plus the sliding window's and the open windows' rows.
 
-A session's lean log (storage/kv/snap.py) stores exactly that split: per position the entries of the
-windows it closes (``log_entries``, series ``entry_series``) and, at a few positions, the window state
-(``log_window``, series ``window_series``); ``from_snapshot`` rebuilds the state at such a position.
+A session's lean log (storage/kv/lean_log.py) stores exactly that split: per position the entries of the
+windows it closes (``V4CacheLog.entries``, series ``entry_series``) and, at a few positions, the window state
+(``V4CacheLog.window``, series ``window_series``); ``from_snapshot`` rebuilds the state at such a position.
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ class V4Cache:
     """All layers' state; ``length`` positions have been fed to every layer.
 
     ``keep_rows_from``: the first position a log has not recorded yet: its rows and the window state at
-    it or any later position stay (``log_rows``, ``log_window``); None: no log, keep only what attention
+    it or any later position stay (``V4CacheLog.rows``, ``.window``); None: no log, keep only what attention
     needs. ``release`` frees the rest. A position's full record (a prefix block's): every layer's rows
     (``rows``), layer after layer, each layer's in ROW_ORDER."""
 
@@ -199,7 +199,6 @@ class V4Cache:
     rates: list[tuple[int, int]] = field(default_factory=list)  # per layer (compressor, indexer) window
     window: int = 1
     keep_rows_from: int | None = None
-    frees_logged_rows: ClassVar[bool] = True
 
     @classmethod
     def empty(
@@ -248,40 +247,8 @@ class V4Cache:
         for layer, rates in zip(self.layers, self.rates, strict=True):
             layer.release_before(keep, self.window, rates)
 
-    def log_rows(self, start: int, end: int) -> list[torch.Tensor]:
-        """Every layer's rows in record order (ROW_ORDER), positions start..end of batch row 0."""
-        rows = []
-        for layer in self.layers:
-            held = layer.rows()
-            rows += [held[name].between(start, end)[0] for name in ROW_ORDER if name in held]
-        return rows
-
-    def release_logged(self, logged: int) -> None:
-        """Keep what a log lacks (from ``logged`` on: rows, window states) and release the rest: what
-        stays per position is the compressed entries."""
-        self.keep_rows_from = logged
-        self.release()
-
-    def round_as_logged(self, dtype: torch.dtype) -> None:
-        """Held rows and entries rounded in place: what a cache restored from a lean log of ``dtype``
-        records holds (the log stores the entries, not the rows they were compressed from)."""
-        if self.dtype != dtype:
-            for layer in self.layers:
-                layer.round_held(dtype)
-
-    def log_entries(self, start: int, end: int) -> list[torch.Tensor]:
-        """Every layer's entry_series: the entries [n, width] of the windows positions start..end-1 close."""
-        return [
-            e
-            for layer, rates in zip(self.layers, self.rates, strict=True)
-            for e in layer.closed_entries(start, end, rates)
-        ]
-
-    def log_window(self, position: int) -> list[torch.Tensor]:
-        """Every layer's window_series: the rows [n, width] the state at ``position`` holds (RowsReleased if
-        they were freed: a session's end_turn asks before its log's length moves on)."""
-        layers = zip(self.layers, self.rates, strict=True)
-        return [rows for layer, rates in layers for rows in layer.window(position, self.window, rates)]
+    def log_view(self) -> V4CacheLog:
+        return V4CacheLog(self)
 
     @classmethod
     def from_snapshot(
@@ -297,6 +264,47 @@ class V4Cache:
             own_window = [next(window_it) for _ in window_series(v4, layer)]
             layers.append(V4LayerCache.from_snapshot(own_entries, own_window, position))
         return cls(layers, rates, v4.sliding_window)
+
+
+@dataclass(frozen=True)
+class V4CacheLog:
+    """A V4Cache as a log reads and frees it (engine/core/interfaces.py CacheLog): a prefix block's record is
+    every layer's rows; the lean log's, the entries per position and the window state at its snapshots."""
+
+    cache: V4Cache
+    frees_rows: ClassVar[bool] = True
+
+    def rows(self, start: int, end: int) -> list[torch.Tensor]:
+        """Every layer's rows in record order (ROW_ORDER), positions start..end of batch row 0."""
+        rows = []
+        for layer in self.cache.layers:
+            held = layer.rows()
+            rows += [held[name].between(start, end)[0] for name in ROW_ORDER if name in held]
+        return rows
+
+    def entries(self, start: int, end: int) -> list[torch.Tensor]:
+        """Every layer's entry_series: the entries [n, width] of the windows positions start..end-1 close."""
+        layers = zip(self.cache.layers, self.cache.rates, strict=True)
+        return [e for layer, rates in layers for e in layer.closed_entries(start, end, rates)]
+
+    def window(self, position: int) -> list[torch.Tensor]:
+        """Every layer's window_series: the rows [n, width] the state at ``position`` holds (RowsReleased if
+        they were freed: a session's end_turn asks before its log's length moves on)."""
+        layers = zip(self.cache.layers, self.cache.rates, strict=True)
+        return [rows for layer, rates in layers for rows in layer.window(position, self.cache.window, rates)]
+
+    def release(self, logged: int) -> None:
+        """Keep what a log lacks (from ``logged`` on: rows, window states) and release the rest: what
+        stays per position is the compressed entries."""
+        self.cache.keep_rows_from = logged
+        self.cache.release()
+
+    def round_to(self, dtype: torch.dtype) -> None:
+        """Held rows and entries rounded in place: what a cache restored from a lean log of ``dtype``
+        records holds (the log stores the entries, not the rows they were compressed from)."""
+        if self.cache.dtype != dtype:
+            for layer in self.cache.layers:
+                layer.round_held(dtype)
 
 
 def _rates(args: ModelArgs) -> list[tuple[int, int]]:

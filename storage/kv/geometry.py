@@ -4,7 +4,7 @@
                     then per DSA full layer the indexer key (storage/kv/log.py);
     3 RowsGeometry  per-layer rows, one fixed-size record per position (storage/kv/log.py; DeepSeek-V4's
                     full rows: what a prefix-cache block stores, no longer a session's log);
-    4 LeanGeometry  DeepSeek-V4's lean session log (storage/kv/snap.py): per position its token and the
+    4 LeanGeometry  DeepSeek-V4's lean session log (storage/kv/lean_log.py): per position its token and the
                     compressed entries of the windows it closes, plus snapshots of the fixed-size window
                     state every ``snapshot_every`` positions and at the log's end.
 
@@ -28,7 +28,7 @@ from storage.errors import FormatError
 
 _TOKEN = struct.Struct("<I")
 _CRC = struct.Struct("<I")
-# A format-4 frame's header: tag, reserved zero, first position, positions it covers (storage/kv/snap.py).
+# A format-4 frame's header: tag, reserved zero, first position, positions it covers (storage/kv/lean_log.py).
 FRAME_HEADER = struct.Struct("<4sIQQ")
 FRAME_OVERHEAD = FRAME_HEADER.size + _CRC.size
 # Record dtypes (float32 is exact; bfloat16 halves the file); sizes from the one table, storage.container.layout.DTYPES.
@@ -118,7 +118,7 @@ class RowsGeometry(_RecordSizes):
 
 @dataclass(frozen=True)
 class LeanGeometry:
-    """A lean log's series (storage/kv/snap.py):
+    """A lean log's series (storage/kv/lean_log.py):
 
     ``entries``: per entry series (width, period): one row of ``width`` values each time a window of
         ``period`` positions closes (position p closes one when (p + 1) % period == 0); a positions frame

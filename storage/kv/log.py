@@ -12,7 +12,7 @@ The payload's geometry comes in two kinds, told apart by the header's format ver
     3 (RowsGeometry, DeepSeek-V4's full rows): per layer, that layer's rows in order (``layer_rows``).
 A log is written in the version its geometry needs, so an MLA log stays version 2: byte for byte what
 builds before version 3 wrote, and what they still read. Version 4 (DeepSeek-V4's lean session log) is
-not a log of records: storage/kv/snap.py writes it, sharing this file's header, lock and open rules
+not a log of records: storage/kv/lean_log.py writes it, sharing this file's header, lock and open rules
 (LockedLog).
 
 The position is folded into each record's checksum, so a record copied or shifted to another place
@@ -266,7 +266,7 @@ FaultHook = Callable[[str], None]
 
 class LockedLog(ABC):
     """A log file opened exclusively, its header checked (or written): what KVLog and the lean log
-    (storage/kv/snap.py) share. ``length`` is its count of valid positions.
+    (storage/kv/lean_log.py) share. ``length`` is its count of valid positions.
 
     ``state`` names what the stored values depend on besides the model and geometry (the app's choice,
     e.g. {"compute_dtype": "bfloat16"}); a log written under another state is refused. ``fresh``
@@ -284,7 +284,7 @@ class LockedLog(ABC):
         state: dict[str, str] | None = None,
         fresh: bool = False,
     ):
-        if not isinstance(geometry, self.GEOMETRIES):  # a lean geometry is storage/kv/snap.py's
+        if not isinstance(geometry, self.GEOMETRIES):  # a lean geometry is storage/kv/lean_log.py's
             raise TypeError(f"{type(self).__name__} does not write {type(geometry).__name__} logs")
         self.path = Path(path)
         self.fingerprint = fingerprint

@@ -116,6 +116,25 @@ def test_a_lower_layer_never_imports_a_higher_one():
         assert not _importers_of(f"colibri_stream.{layer}", base), ("base", layer)
 
 
+def test_the_library_reaches_kv_persistence_through_its_front_door():
+    """Outside colibri_stream/runtime/kv/ the library (the turn) imports its front.py only; the commands and
+    the server may name its parts (`kv ls`, session names and locks, chat's transcript)."""
+    outside = {m: p for m, p in _library().items() if not m.startswith("colibri_stream.runtime.kv")}
+    for module, path in outside.items():
+        inside = {n for n in _imports(path) if n.startswith("colibri_stream.runtime.kv")}
+        assert inside <= {"colibri_stream.runtime.kv.front"}, (module, inside)
+    assert "colibri_stream.runtime.kv.front" in _imports(outside["colibri_stream.runtime.turn"])
+
+
+def test_the_session_log_and_the_prefix_cache_never_import_each_other():
+    kv = {m: p for m, p in _modules("colibri_stream").items() if m.startswith("colibri_stream.runtime.kv.")}
+    log_side = {"colibri_stream.runtime.kv.sessions", "colibri_stream.runtime.kv.logs"}
+    prefix_side = {"colibri_stream.runtime.kv.prefix_cache", "colibri_stream.runtime.kv.packs"}
+    for mine, theirs in ((log_side, prefix_side), (prefix_side, log_side)):
+        for module in mine:
+            assert not _imports(kv[module]) & theirs, module
+
+
 def test_no_import_cycles():
     graph = {}
     for package in ("colibri_stream", "engine", "storage"):

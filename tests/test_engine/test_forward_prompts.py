@@ -40,7 +40,7 @@ def prefixed_caches(model, experts, chunks):
 def cache_rows(cache) -> list[torch.Tensor]:
     """What a cache's positions so far add to a session's log (MLA: every row; DeepSeek-V4, whose cache
     frees rows as it goes: the compressed entries)."""
-    return [rows.clone() for rows in cache.log_entries(0, cache.length)]
+    return [rows.clone() for rows in cache.log_view().entries(0, cache.length)]
 
 
 def assert_each_as_alone(model, experts, chunks):

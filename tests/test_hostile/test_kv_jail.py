@@ -12,7 +12,7 @@ import pytest
 
 from colibri_stream import cli
 from colibri_stream.errors import SessionError
-from colibri_stream.runtime.transcript import load_transcript
+from colibri_stream.runtime.kv.transcript import load_transcript
 from storage.errors import FormatError
 from storage.files.atomic import atomic_write_json
 from storage.files.safe_read import NotRegularFileError

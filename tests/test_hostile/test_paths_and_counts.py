@@ -25,7 +25,7 @@ from colibri_stream.errors import SessionError
 from colibri_stream.experts.cluster import local
 from colibri_stream.experts.cluster.wire import WorkerError
 from colibri_stream.planning.budget import load_budget_file
-from colibri_stream.runtime.transcript import load_transcript
+from colibri_stream.runtime.kv.transcript import load_transcript
 from storage.errors import BudgetError  # the library's BudgetError derives from it
 from storage.files.safe_read import NotRegularFileError, OutputPathError
 from storage.tiers.history import UsageHistory

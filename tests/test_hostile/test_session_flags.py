@@ -20,7 +20,7 @@ import pytest
 
 from colibri_stream import cli
 from colibri_stream.errors import SessionError
-from colibri_stream.runtime.sessions import Session
+from colibri_stream.runtime.kv.sessions import Session
 from engine.config.args import ModelArgs
 from storage.kv.log import read_header_state
 

@@ -25,10 +25,10 @@ import torch
 from colibri_stream import cli
 from colibri_stream.checkpoint.fingerprint import model_fingerprint
 from colibri_stream.errors import SessionInUseError
+from colibri_stream.runtime.kv.lock import SessionLease
+from colibri_stream.runtime.kv.pool import SessionPool
+from colibri_stream.runtime.kv.sessions import Session
 from colibri_stream.runtime.loader import model_config
-from colibri_stream.runtime.session_lock import SessionLease
-from colibri_stream.runtime.session_pool import SessionPool
-from colibri_stream.runtime.sessions import Session
 from colibri_stream.serve.model_thread import api_error
 from engine.config.args import ModelArgs
 
@@ -146,7 +146,7 @@ def test_the_lease_is_shared_within_a_process_and_answered_409_by_the_server(tmp
     outer = SessionLease(tmp_path, "s")
     inner = SessionLease(tmp_path, "s")  # a chat's turn opening the session it holds
     inner.release()
-    take = f"from colibri_stream.runtime.session_lock import SessionLease; SessionLease({str(tmp_path)!r}, 's')"
+    take = f"from colibri_stream.runtime.kv.lock import SessionLease; SessionLease({str(tmp_path)!r}, 's')"
     holder = subprocess.run([sys.executable, "-c", take], capture_output=True, text=True, timeout=120)
     assert holder.returncode != 0 and f"in use by pid {os.getpid()}" in holder.stderr  # still held by outer
     outer.release()

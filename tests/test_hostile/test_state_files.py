@@ -16,8 +16,8 @@ from colibri_stream import cli
 from colibri_stream.errors import BudgetError, ChatTemplateError, SessionError, TokenizerError
 from colibri_stream.planning.budget import load_budget_file
 from colibri_stream.planning.kv_bytes import kv_geometry
+from colibri_stream.runtime.kv.sessions import Session, session_info
 from colibri_stream.runtime.loader import model_config
-from colibri_stream.runtime.sessions import Session, session_info
 from colibri_stream.text.chat_format import ChatFormat, load_chat_format
 from engine.config.args import ModelArgs
 from storage.errors import FormatError

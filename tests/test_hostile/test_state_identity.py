@@ -18,7 +18,7 @@ from colibri_stream.checkpoint import fingerprint
 from colibri_stream.checkpoint.fingerprint import container_weights_sha256, model_fingerprint
 from colibri_stream.devtools import fixtures
 from colibri_stream.errors import SessionError
-from colibri_stream.runtime.sessions import Session, check_session_name
+from colibri_stream.runtime.kv.sessions import Session, check_session_name
 from engine.config.args import ModelArgs
 from storage.container.reader import Container
 from storage.container.write import CONTENT_KEY, content_sha256

@@ -45,7 +45,7 @@ STATE = {
 def test_state_change_passes_a_value_neutral_change_and_catches_a_wrong_resume(case_dir, capsys, monkeypatch):
     status, err = _scenario(scenarios.state_change, case_dir, STATE, capsys)
     assert status == 0, err  # a budget changes where experts are read from, never a token
-    from colibri_stream.runtime import session_logs
+    from colibri_stream.runtime.kv import logs as session_logs
 
     real = session_logs.cache_from_payloads
     monkeypatch.setattr(  # the planted bug: a resume that restores other values than were logged
@@ -74,7 +74,7 @@ def test_state_change_compares_a_reset_turn_with_a_fresh_one(case_dir, capsys):
 def test_state_change_catches_a_prefix_block_restored_under_other_flags(case_dir, capsys, monkeypatch):
     """A long turn 1 leaves a prefix-cache block; a reset turn 2 under other activations must compute it
     anew. The planted bug: blocks namespaced without the state (compute dtype, activation path)."""
-    from colibri_stream.runtime import prefix_cache
+    from colibri_stream.runtime.kv import prefix_cache
 
     change = {
         "first": {"--dtype": "bfloat16"},

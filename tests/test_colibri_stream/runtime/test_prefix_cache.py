@@ -11,7 +11,7 @@ import pytest
 from colibri_stream import cli
 from colibri_stream.devtools import fixtures
 from colibri_stream.planning.budget import StoreOptions
-from colibri_stream.runtime.prefix_cache import BLOCK_TOKENS, PREFIX_DIR
+from colibri_stream.runtime.kv.prefix_cache import BLOCK_TOKENS, PREFIX_DIR
 from colibri_stream.runtime.turn import RuntimeOptions, TurnOptions, load_runtime, run_turn
 from storage.kv.prefix_store import PrefixConfig
 

@@ -9,9 +9,9 @@ import torch
 
 from colibri_stream.devtools import fixtures
 from colibri_stream.runtime.generate import generate
+from colibri_stream.runtime.kv.pool import SessionPool
+from colibri_stream.runtime.kv.sessions import Session
 from colibri_stream.runtime.loader import load_checkpoint
-from colibri_stream.runtime.session_pool import SessionPool
-from colibri_stream.runtime.sessions import Session
 from storage.errors import IncompatibleStateError
 
 PROMPT = fixtures.make_prompt(512, 20)

@@ -157,7 +157,7 @@ def test_glm5_geometry_compression():
 
 def test_bfloat16_records_restore_close_to_float32(tiny_checkpoints, tmp_path):
     """bf16 halves the file; restored states differ by bf16 rounding (tokens may drift; see the note)."""
-    from colibri_stream.runtime.sessions import cache_from_payloads, cache_payloads
+    from colibri_stream.runtime.kv.records import cache_from_payloads, cache_payloads
 
     loaded = load_checkpoint(tiny_checkpoints["deepseek_v32"])
     cache = loaded.model.new_cache()

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 sessions: its lean KV log (storage/kv/snap.py) holds per position the compressed entries and
+"""DeepSeek-V4 sessions: its lean KV log (storage/kv/lean_log.py) holds per position the compressed entries and
 snapshots of the window state, so a warm restart in a new process continues with nothing re-prefilled, a
 damaged log or an edited conversation restores the last whole snapshot before the damage or the edit and
 re-prefills fewer than ``snapshot_every`` positions, and a log held in memory continues exactly as one
@@ -25,12 +25,12 @@ from colibri_stream.planning.kv_bytes import (
     session_geometry,
 )
 from colibri_stream.runtime.generate import generate
+from colibri_stream.runtime.kv.pool import SessionPool
+from colibri_stream.runtime.kv.sessions import Session, session_info
 from colibri_stream.runtime.loader import load_checkpoint
-from colibri_stream.runtime.session_pool import SessionPool
-from colibri_stream.runtime.sessions import Session, session_info
 from engine.config.args import ModelArgs
+from storage.kv.lean_log import LeanLog
 from storage.kv.log import HEADER_BYTES, KVLog, read_header_state
-from storage.kv.snap import LeanLog
 
 # 20 > index_topk (4) x CSA rate (2): the indexer selects. With 8 new tokens the log holds 27 positions:
 # the restart lands inside an open HCA window (8) and an open CSA window (2).
@@ -303,8 +303,8 @@ def test_a_long_prompt_in_a_session_is_logged_chunk_by_chunk_and_its_rows_releas
     from colibri_stream.checkpoint.fingerprint import model_fingerprint
     from colibri_stream.runtime.batching import ContinuousBatch, GenerationRequest
     from colibri_stream.runtime.generate import generate
+    from colibri_stream.runtime.kv.front import prompt_chunk_hook
     from colibri_stream.runtime.loader import load_checkpoint
-    from colibri_stream.runtime.prefix_cache import prompt_chunk_hook
 
     loaded = load_checkpoint(tiny_v4_checkpoint)
     prompt = fixtures.make_prompt(loaded.args.vocab_size, 70, seed=11)
@@ -351,8 +351,8 @@ def test_kill_9_during_a_v4_append_resumes_from_the_last_whole_snapshot(v4, tiny
 import os, signal, torch
 from colibri_stream.runtime.loader import load_checkpoint
 from colibri_stream.runtime.generate import generate
-from colibri_stream.runtime.sessions import Session
-from storage.kv import snap as kvsnap
+from colibri_stream.runtime.kv.sessions import Session
+from storage.kv import lean_log as kvsnap
 loaded = load_checkpoint({str(tiny_v4_checkpoint)!r})
 prompt = {LONG_PROMPT!r}
 session = Session({str(tmp_path)!r}, "chat", "fp", loaded.args)

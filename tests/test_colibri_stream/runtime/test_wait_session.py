@@ -19,8 +19,8 @@ import pytest
 
 from colibri_stream.checkpoint.fingerprint import model_fingerprint
 from colibri_stream.errors import SessionInUseError
-from colibri_stream.runtime import session_lock
-from colibri_stream.runtime.session_lock import SessionLease, SessionWait
+from colibri_stream.runtime.kv import lock as session_lock
+from colibri_stream.runtime.kv.lock import SessionLease, SessionWait
 from colibri_stream.runtime.turn import RuntimeOptions, load_runtime
 from colibri_stream.serve.app import Server
 from storage.kv.log import KVLog, read_header_state
@@ -106,7 +106,7 @@ def test_a_wait_that_runs_out_is_refused_in_one_line_naming_the_holder(model, tm
 
 def _hold_in_child(kv_dir, name: str, seconds: float) -> subprocess.Popen[str]:
     code = (
-        "import sys, time\nfrom colibri_stream.runtime.session_lock import SessionLease\n"
+        "import sys, time\nfrom colibri_stream.runtime.kv.lock import SessionLease\n"
         f"lease = SessionLease({str(kv_dir)!r}, {name!r})\nprint('held', flush=True)\ntime.sleep({seconds})\n"
     )
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

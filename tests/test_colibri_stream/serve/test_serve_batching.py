@@ -17,7 +17,7 @@ from colibri_stream.convert.converter import Converter, ConvertOptions
 from colibri_stream.planning.activations import PREFILL_CHUNK_TOKENS
 from colibri_stream.planning.budget import StoreOptions
 from colibri_stream.runtime.batching import ContinuousBatch
-from colibri_stream.runtime.sessions import Session
+from colibri_stream.runtime.kv.sessions import Session
 from colibri_stream.runtime.turn import RuntimeOptions, load_runtime
 
 MODEL = "demo"

@@ -21,8 +21,8 @@ import pytest
 import uvicorn
 
 from colibri_stream.runtime.generate import generate
+from colibri_stream.runtime.kv.sessions import Session
 from colibri_stream.runtime.loader import load_checkpoint
-from colibri_stream.runtime.sessions import Session
 from colibri_stream.runtime.turn import RuntimeOptions, load_runtime
 from colibri_stream.serve.app import Server, create_app
 from colibri_stream.text.chat_format import load_chat_format, load_tokenizer

@@ -130,7 +130,7 @@ def test_a_prompt_in_chunks_keeps_one_threads_bits_in_every_family(loaded, famil
         monkeypatch.setattr("engine.mla.prefill.KEY_BLOCK_BYTES", 4096)  # several key blocks
         cache = loaded.model.new_cache()
         logits = loaded.model.forward_prompt(prompt, 0, cache, loaded.experts, 16)
-        results.append((logits, [] if family == "deepseek_v4" else cache.log_rows(0, cache.length)))
+        results.append((logits, [] if family == "deepseek_v4" else cache.log_view().rows(0, cache.length)))
     (parallel, parallel_rows), (alone, alone_rows) = results
     assert torch.equal(parallel, alone)
     assert all(torch.equal(a, b) for a, b in zip(parallel_rows, alone_rows, strict=True))

@@ -14,8 +14,8 @@ import pytest
 
 from storage.errors import CorruptDataError, DiskWriteError
 from storage.kv.geometry import LeanGeometry
+from storage.kv.lean_log import LeanLog
 from storage.kv.log import HEADER_BYTES, KVGeometry, KVLog
-from storage.kv.snap import LeanLog
 
 GEOMETRY = KVGeometry(
     n_layers=2, kv_lora_rank=48, qk_rope_head_dim=16, index_layers=(1,), index_head_dim=24, dtype="float32"

@@ -13,8 +13,8 @@ import pytest
 
 from storage.errors import IncompatibleStateError
 from storage.kv.geometry import LeanGeometry, RowsGeometry
+from storage.kv.lean_log import LeanLog, count_positions
 from storage.kv.log import HEADER_BYTES, KVLog, StateMismatchError
-from storage.kv.snap import LeanLog, count_positions
 from tests.test_storage.kv.test_kvlog import kill_at
 
 # Odd widths: an entry series closing every 2 positions and one every 4; a sliding window of 3 rows, an

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from colibri_stream.errors import SessionError
 from colibri_stream.planning.kv_bytes import kv_geometry
-from colibri_stream.runtime.prefix_cache import BLOCK_TOKENS, PrefixCache
+from colibri_stream.runtime.kv.prefix_cache import BLOCK_TOKENS, PrefixCache
 from engine.config.args import ModelArgs
 from storage.kv.pack import PackHeader, pack_tokens, read_pack_header, read_pack_records, write_pack
 from storage.kv.prefix_blocks import Block

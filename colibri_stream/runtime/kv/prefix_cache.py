@@ -8,8 +8,8 @@ computed one way: a block of another model, dtype or activation path has another
 is checked on top (storage/kv/prefix_blocks.py). A turn restores the longest run of blocks the prompt
 starts with (at least one position is left to compute: it gives the first token's logits), and after
 it the positions it computed are remembered as whole blocks. The records are the session log's
-(runtime/sessions.py cache_payloads / cache_from_payloads), so a restored prefix computes what a
-restored session would.
+(records.py cache_payloads / cache_from_payloads), so a restored prefix computes what a restored session
+would. It never sees a session: the front door (front.py) chooses between the two.
 
 An agent's stateless requests each resend the whole conversation: the next request starts with the
 last one's prompt and answer, so all of it but the new message (and the block it ends in) is restored.
@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from colibri_stream.planning.kv_bytes import kv_geometry
-from colibri_stream.runtime.sessions import Session, TurnStart, cache_from_payloads, cache_payloads
+from colibri_stream.runtime.kv.records import cache_from_payloads, cache_payloads
 from engine.config.args import ModelArgs
 from engine.core.interfaces import Cache
 from engine.v4.position_rows import RowsReleased
@@ -146,59 +146,3 @@ def _namespace_digest(namespace: Namespace) -> bytes:
         "block_tokens": BLOCK_TOKENS,
     }
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).digest()
-
-
-def restore_prefix(
-    prefix: PrefixCache | None,
-    prompt_ids: Sequence[int],
-    dtype: torch.dtype,
-    session: Session | None,
-    start: TurnStart | None,
-) -> tuple[TurnStart | None, PrefixHit | None]:
-    """The turn's start: ``start`` (what the session's log restored, if any), or the prefix cache's longest
-    run of blocks when that holds more of the prompt. A session's log is then started over: at the end
-    of the turn (or of each prompt chunk) it is written from the restored cache, so it holds what the
-    cache holds, and what it held is in the prefix cache's blocks."""
-    reused = start.reused_tokens if start is not None else 0
-    hit = prefix.lookup(prompt_ids, more_than=reused) if prefix is not None else None
-    if prefix is None or hit is None:
-        return start, None
-    if session is not None:
-        session.reset()
-    cache = prefix.restore(hit, dtype)
-    cache.release_logged(0)  # nothing of it is logged yet: the rows stay until the log (or we) take them
-    return TurnStart(cache, hit.tokens, hit.load_s + (start.kv_load_s if start is not None else 0.0)), hit
-
-
-def prompt_chunk_hook(
-    prefix: PrefixCache | None, session: Session | None, cache: Cache, prompt_ids: Sequence[int]
-) -> Callable[[], object] | None:
-    """What runs after each prompt chunk but the last, for a cache that frees rows once they are kept
-    elsewhere (DeepSeek-V4's, engine/v4/position_rows.py): the chunk's whole blocks are remembered and its
-    positions logged, so the cache releases their rows instead of holding a long prompt's rows to the end
-    of the turn. None for other caches (or with nothing to keep the rows)."""
-    if not cache.frees_logged_rows or (session is None and prefix is None):
-        return None
-    if session is None:
-        assert prefix is not None
-        cache.release_logged(0)  # keep every row until its block is remembered
-
-        def remember_then_release() -> None:
-            prefix.remember(cache, prompt_ids)
-            cache.release_logged(cache.length // BLOCK_TOKENS * BLOCK_TOKENS)
-
-        return remember_then_release
-
-    def remember_then_log() -> None:
-        if prefix is not None:
-            prefix.remember(cache, prompt_ids)
-        session.end_turn(cache, list(prompt_ids))
-
-    return remember_then_log
-
-
-def prompt_sources(reused: int, hit: PrefixHit | None, computed: int) -> dict[str, int]:
-    """Where a turn's prompt positions came from: the session (its log or the server's memory), the prefix
-    cache's RAM or disk tier, or computed (the prompt's prefill)."""
-    ram, disk = (hit.ram_tokens, hit.disk_tokens) if hit is not None else (0, 0)
-    return {"session": reused - ram - disk, "prefix_ram": ram, "prefix_disk": disk, "computed": computed}

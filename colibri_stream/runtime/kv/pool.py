@@ -8,7 +8,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from colibri_stream.runtime.sessions import Session, as_logged
+import torch
+
+from colibri_stream.runtime.kv.sessions import Session
 from engine.core.interfaces import Cache
 
 
@@ -51,3 +53,12 @@ class SessionPool:
         while self._held:
             _, held = self._held.popitem()
             held.session.close()
+
+
+def as_logged(cache: Cache, record_dtype: str) -> None:
+    """Round the cache's valid positions in place to what its log holds (bf16 records), so a turn that
+    continues from memory computes what one restored from the log would."""
+    if record_dtype != "bfloat16":
+        return
+    with torch.inference_mode():  # the cache's buffers were made by the forward pass, in inference mode
+        cache.log_view().round_to(torch.bfloat16)

@@ -3,7 +3,7 @@
 Two kinds, chosen once by the family's session record (engine/families.py Family.session_log_record):
     RecordLog  one fixed-size record per position (storage/kv/log.py; MLA models, format 2): every position
                is a restore point, the cache is rebuilt from the records' rows;
-    LeanLog    DeepSeek-V4's lean log (storage/kv/snap.py, format 4): the entries per position and snapshots
+    LeanLog    DeepSeek-V4's lean log (storage/kv/lean_log.py, format 4): the entries per position and snapshots
                of the window state; the restore points are the snapshots (every ``snapshot_every``
                positions and the log's end), and the caller re-prefills from there.
 """
@@ -15,42 +15,13 @@ from typing import Protocol, Self
 import numpy as np
 import torch
 
-from colibri_stream.checkpoint.dtypes import bf16_bits, dtype_bytes, from_stored
+from colibri_stream.runtime.kv.records import as_bytes, cache_from_payloads, cache_payloads, from_bytes
 from engine.config.args import ModelArgs
 from engine.core.interfaces import Cache
 from engine.families import family_of
-from storage.kv.geometry import AnyGeometry, Geometry, LeanGeometry
+from storage.kv.geometry import AnyGeometry, LeanGeometry
+from storage.kv.lean_log import LeanLog
 from storage.kv.log import KVLog
-from storage.kv.snap import LeanLog
-
-
-def _as_bytes(t: torch.Tensor, dtype: str) -> np.ndarray:
-    """[n, d] tensor -> [n, d * itemsize] uint8 in the record dtype."""
-    if dtype == "bfloat16":
-        return bf16_bits(t).view(np.uint8)
-    return t.to(torch.float32).contiguous().numpy().view(np.uint8)
-
-
-def _from_bytes(b: np.ndarray, dtype: str, width: int) -> torch.Tensor:
-    """[n, width * itemsize] uint8 -> float32 [n, width]."""
-    raw = np.ascontiguousarray(b)
-    values = from_stored(raw.view(np.uint16), dtype) if dtype == "bfloat16" else torch.from_numpy(raw.view(np.float32))
-    return values.view(-1, width).float()
-
-
-def cache_payloads(cache: Cache, start: int, end: int, geometry: Geometry) -> np.ndarray:
-    """Positions start..end of batch row 0 as record payloads [n, payload_bytes] uint8 (Cache.log_rows)."""
-    return np.concatenate([_as_bytes(rows, geometry.dtype) for rows in cache.log_rows(start, end)], axis=1)
-
-
-def cache_from_payloads(payloads: np.ndarray, geometry: Geometry, args: ModelArgs, dtype: torch.dtype) -> Cache:
-    """The cache holding the positions whose record payloads [n, payload_bytes] are ``payloads``."""
-    family = family_of(args)
-    item, offset, rows = dtype_bytes(geometry.dtype), 0, []
-    for width in family.log_row_widths():
-        rows.append(_from_bytes(payloads[:, offset : offset + width * item], geometry.dtype, width)[None])
-        offset += width * item
-    return family.cache_from_log(rows, dtype)
 
 
 class SessionLog(Protocol):
@@ -128,7 +99,7 @@ class RecordLog:
 
 
 class LeanSessionLog:
-    """DeepSeek-V4's lean log (storage/kv/snap.py LeanLog): Cache.log_entries per position, Cache.log_window
+    """DeepSeek-V4's lean log (storage/kv/lean_log.py LeanLog): CacheLog.entries per position, CacheLog.window
     at the snapshots; restored with Family.cache_from_snapshot."""
 
     def __init__(self, log: LeanLog, args: ModelArgs):
@@ -150,11 +121,11 @@ class LeanSessionLog:
     def restore(self, position: int, dtype: torch.dtype) -> Cache:
         geometry = self.file.geometry
         entries = [
-            _from_bytes(rows, geometry.dtype, width)
+            from_bytes(rows, geometry.dtype, width)
             for rows, (width, _) in zip(self.file.read_entries(position), geometry.entries, strict=True)
         ]
         window = [
-            _from_bytes(rows, geometry.dtype, width)
+            from_bytes(rows, geometry.dtype, width)
             for rows, (width, _, _) in zip(self.file.read_snapshot(position), geometry.windows, strict=True)
         ]
         return family_of(self.args).cache_from_snapshot(entries, window, position, dtype)
@@ -162,10 +133,10 @@ class LeanSessionLog:
     def append_from(self, cache: Cache, token_ids: list[int], bookmark: int | None = None) -> None:
         start, end, dtype = self.file.length, min(cache.length, len(token_ids)), self.file.geometry.dtype
         tokens = np.asarray(token_ids[start:end], dtype=np.uint32)
-        entries = [_as_bytes(rows, dtype) for rows in cache.log_entries(start, end)]
+        entries = [as_bytes(rows, dtype) for rows in cache.log_view().entries(start, end)]
         due = self.file.snapshots_due(end)
         marked = [bookmark] if bookmark is not None and start < bookmark < end and bookmark not in due else []
-        windows = {at: [_as_bytes(rows, dtype) for rows in cache.log_window(at)] for at in [*due, *marked]}
+        windows = {at: [as_bytes(rows, dtype) for rows in cache.log_view().window(at)] for at in [*due, *marked]}
         self.file.append(tokens, entries, windows, bookmark)
 
     def close(self) -> None:

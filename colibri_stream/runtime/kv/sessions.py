@@ -1,9 +1,9 @@
 """Conversation sessions: the engine's compressed KV cache persisted in a per-session KV log.
 
-The log's kind is the model family's (runtime/session_logs.py): MLA models log per position the rows
+The log's kind is the model family's (runtime/kv/logs.py): MLA models log per position the rows
 their cache holds (the latent, roped key and indexer keys; format 2); DeepSeek-V4 logs per position the
 compressed entries of the windows it closes, and snapshots of its fixed-size window state every
-``snapshot_every`` positions and at the log's end (format 4, storage/kv/snap.py).
+``snapshot_every`` positions and at the log's end (format 4, storage/kv/lean_log.py).
 
 A turn restores the longest stored prefix of the new prompt that the log can restore (all of it for
 MLA; for V4 up to the last snapshot at or before it: the log's end after a restart, so zero
@@ -20,7 +20,6 @@ from __future__ import annotations
 import re
 import stat
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +34,9 @@ from colibri_stream.planning.kv_bytes import (
     naive_kv_kind,
     session_geometry,
 )
-from colibri_stream.runtime.session_lock import SessionLease
-from colibri_stream.runtime.session_logs import SessionLog, open_log
-from colibri_stream.runtime.session_logs import cache_from_payloads as cache_from_payloads
-from colibri_stream.runtime.session_logs import cache_payloads as cache_payloads
+from colibri_stream.runtime.kv.lock import SessionLease
+from colibri_stream.runtime.kv.logs import SessionLog, open_log
+from colibri_stream.runtime.kv.records import RestoredPrefix
 from engine.config.args import ModelArgs
 from engine.core.interfaces import Cache
 from engine.families import family_of
@@ -46,8 +44,8 @@ from engine.v4.position_rows import RowsReleased
 from storage.errors import CorruptDataError, FormatError
 from storage.files.safe_read import NotRegularFileError, file_kind
 from storage.kv.geometry import AnyGeometry, LeanGeometry
+from storage.kv.lean_log import count_positions
 from storage.kv.log import HEADER_BYTES, NotALogError, StateMismatchError, read_header_state
-from storage.kv.snap import count_positions
 
 SESSION_SUFFIX = ".kvlog"
 # Session names become file names: a conservative alphabet, no leading dot, no separators. Matched
@@ -75,13 +73,6 @@ def session_path(kv_dir: str | Path, name: str, suffix: str = SESSION_SUFFIX) ->
 
 def default_kv_dir(fingerprint: str) -> Path:
     return user_cache_dir("kv", fingerprint[:16])
-
-
-@dataclass
-class TurnStart:
-    cache: Cache
-    reused_tokens: int
-    kv_load_s: float
 
 
 # What a state mismatch means, in the words of the flags that set it.
@@ -162,7 +153,7 @@ def open_session_log(
 
 
 class Session:
-    """One named conversation of one model; while the Session is open its lock (session_lock.py: no
+    """One named conversation of one model; while the Session is open its lock (lock.py: no
     other process may use the session) and its log's are held.
 
     The log's header records what the values depend on (``session_state``: the compute dtype and the
@@ -197,7 +188,7 @@ class Session:
     def reset(self) -> None:
         self.log.truncate(0)
 
-    def start_turn(self, prompt_ids: list[int], dtype: torch.dtype) -> TurnStart:
+    def start_turn(self, prompt_ids: list[int], dtype: torch.dtype) -> RestoredPrefix:
         """The cache holding the longest stored prefix of ``prompt_ids`` the log can restore (at least one
         token left to run; a lean log's last snapshot at or before it). Only that prefix is read."""
         start = time.perf_counter()
@@ -207,9 +198,9 @@ class Session:
             self.log.truncate(reused)  # diverged (or nothing new): forget the rest
         cache = self.log.restore(reused, dtype)
         self._keep_unlogged_rows(cache)
-        return TurnStart(cache, reused, time.perf_counter() - start)
+        return RestoredPrefix(cache, reused, time.perf_counter() - start)
 
-    def continue_turn(self, cache: Cache, ids: list[int], prompt_ids: list[int]) -> TurnStart:
+    def continue_turn(self, cache: Cache, ids: list[int], prompt_ids: list[int]) -> RestoredPrefix:
         """``start_turn`` for a cache still in memory from this session's last turn (``ids``: the tokens
         of its positions, the log's): the common prefix is kept, nothing is read from the log."""
         start = time.perf_counter()
@@ -226,7 +217,7 @@ class Session:
         if self.log.length < reused:  # the log restores an earlier state: log the rest again from memory
             self.end_turn(cache, ids)
         self._keep_unlogged_rows(cache)
-        return TurnStart(cache, reused, time.perf_counter() - start)
+        return RestoredPrefix(cache, reused, time.perf_counter() - start)
 
     def end_turn(self, cache: Cache, token_ids: list[int]) -> int:
         """Append positions the log lacks (token_ids[i] is the token at position i); fsync. Returns count."""
@@ -239,7 +230,7 @@ class Session:
     def _keep_unlogged_rows(self, cache: Cache) -> None:
         """The cache may free what the log holds (DeepSeek-V4's rows: what stays per position is its
         compressed entries; a bf16 log's rounding is applied to what stays, as_logged)."""
-        cache.release_logged(self.log.length)
+        cache.log_view().release(self.log.length)
 
     def close(self) -> None:
         self.log.close()
@@ -253,15 +244,6 @@ def common_prefix(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
-
-
-def as_logged(cache: Cache, record_dtype: str) -> None:
-    """Round the cache's valid positions in place to what its log holds (bf16 records), so a turn that
-    continues from memory computes what one restored from the log would."""
-    if record_dtype != "bfloat16":
-        return
-    with torch.inference_mode():  # the cache's buffers were made by the forward pass, in inference mode
-        cache.round_as_logged(torch.bfloat16)
 
 
 def session_info(path: Path, args: ModelArgs) -> dict[str, Any]:
