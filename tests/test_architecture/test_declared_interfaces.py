@@ -15,6 +15,7 @@ import pytest
 
 from colibri_stream.experts.cluster.coordinator import DistributedExperts
 from colibri_stream.experts.store import LocalExpertStore, RemoteExpertStore, ResidentStore, StoreReports
+from colibri_stream.planning.family_memory import FamilyMemory, MLAMemory, V4Memory
 from engine.core.cache import KVCache
 from engine.core.interfaces import Cache, Model
 from engine.core.sources import (
@@ -32,7 +33,7 @@ from engine.core.sources import (
     ResidentSet,
     is_remote,
 )
-from engine.families import Family, MLAFamily, V4Family
+from engine.families import Family, KVLogFormat, MLAFamily, MLALog, V4Family, V4Log
 from engine.kernels.quant import QuantizedExpert
 from engine.mla.model import Transformer
 from engine.v4.cache import V4Cache
@@ -87,6 +88,10 @@ CONFORMING = [
     (Cache, V4Cache),
     (Family, MLAFamily),
     (Family, V4Family),
+    (KVLogFormat, MLALog),
+    (KVLogFormat, V4Log),
+    (FamilyMemory, MLAMemory),
+    (FamilyMemory, V4Memory),
 ]
 
 
@@ -131,6 +136,13 @@ def test_the_source_protocols_are_narrow():
     assert set(_members(Offers)) == {"max_acquire", "resident", "read_ahead"}
 
 
+def test_a_family_is_its_construction_its_log_format_and_its_geometry():
+    """The memory estimates are planning's (colibri_stream/planning/family_memory.py), from the geometry."""
+    assert set(_members(Family)) == {"args", "swiglu_limit", "model", "kv_log", "geometry"}
+    log = {"log_record", "log_row_widths", "cache_from_log", "session_log_record", "cache_from_snapshot"}
+    assert set(_members(KVLogFormat)) == log
+
+
 def test_a_type_checker_holds_the_implementations_to_the_protocols():
     """The ``_conformance`` block below, checked by mypy (this file is outside pyproject's mypy files)."""
     result = subprocess.run(
@@ -171,6 +183,8 @@ if TYPE_CHECKING:  # what a type checker holds the implementations to (nothing r
         families: tuple[MLAFamily, V4Family],
         models: tuple[Transformer, V4Transformer],
         engine_sources: tuple[ResidentExperts, Offered, StoreOffers],
+        logs: tuple[MLALog, V4Log],
+        memories: tuple[MLAMemory, V4Memory],
     ) -> tuple[object, ...]:
         local: list[LocalExpertStore] = [stores[0], stores[1]]
         sources: list[ExpertSource] = [engine_sources[0], stores[0], stores[1]]
@@ -183,5 +197,7 @@ if TYPE_CHECKING:  # what a type checker holds the implementations to (nothing r
         cache: list[Cache] = list(caches)
         family: list[Family] = list(families)
         model: list[Model[Any]] = list(models)
+        log: list[KVLogFormat] = [*logs, families[0].kv_log, families[1].kv_log]
+        memory_models: list[FamilyMemory] = list(memories)
         held = (local, sources, remote, remote_sources, sums, resident, memory, offers, cache, family, model)
-        return held
+        return (*held, log, memory_models)
