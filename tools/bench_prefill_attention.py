@@ -25,9 +25,9 @@ from typing import Any
 import torch
 
 from colibri_stream.bench.stress_model import StressShape, config_for
+from colibri_stream.planning.family_memory import family_memory
 from colibri_stream.runtime.memory import return_large_frees_to_the_os
 from engine.config.args import ModelArgs
-from engine.families import family_of
 
 DEMO = Path(__file__).resolve().parents[1] / "colibri_stream" / "demo_model" / "config.json"
 V3_ATTENTION = {
@@ -107,7 +107,7 @@ def main() -> None:
     print("| model | S | T | path | ms | CPU ms | peak MiB | planned MiB |")
     print("|---|---|---|---|---|---|---|---|")
     for name in args.models.split(","):
-        family = family_of(ModelArgs.from_hf_config(model_config(name)))
+        family = family_memory(ModelArgs.from_hf_config(model_config(name)))
         for shape in args.shapes.split(","):
             seqlen, total = (int(v) for v in shape.split("x"))
             for path in ("whole", "blocked"):

@@ -1,7 +1,7 @@
 """The ExpertStore: what the library asks of whoever holds the routed experts.
 
 The engine needs only an expert source (engine/core/sources.py): a local one (acquire / release /
-prefetch) or a remote one (start_routed_sum). A run also measures and persists (``StoreReports``):
+prefetch / lookahead) or a remote one (its routed_sum). A run also measures and persists (``StoreReports``):
 ``snapshot`` (the counters now, StoreStats), ``report`` (them as the stats schema's expert keys),
 ``routed`` (requests per (layer, expert) since start, RoutingCounts), ``tiers`` (what each tier holds
 now, for the dashboard), ``end_turn`` (persist the usage history, flush the trace) and ``close``. Local
@@ -12,12 +12,11 @@ experts/cluster's DistributedExperts (experts in worker processes).
 
 from __future__ import annotations
 
-from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Protocol, runtime_checkable
 
-from engine.core.sources import Expert, HeldExperts, LocalExperts, RemoteExperts, ResidentExperts
+from engine.core.sources import Expert, ExpertSource, HeldExperts, RemoteExperts, ResidentExperts
 from storage.tiers.stats import RoutingCounts, StoreStats, TierView
 from storage.tiers.trace import TraceWriter
 
@@ -37,29 +36,13 @@ class StoreReports(Protocol):
 
 
 @runtime_checkable
-class LocalExpertStore(LocalExperts, StoreReports, Protocol):
+class LocalExpertStore(ExpertSource, StoreReports, Protocol):
     """A local expert source that reports (TieredExpertStore satisfies it structurally, ResidentStore)."""
 
 
-class RemoteExpertStore(RemoteExperts):
+@runtime_checkable
+class RemoteExpertStore(RemoteExperts, StoreReports, Protocol):
     """A remote expert source that reports (DistributedExperts)."""
-
-    routed: RoutingCounts
-
-    @abstractmethod
-    def snapshot(self) -> StoreStats: ...
-
-    @abstractmethod
-    def tiers(self) -> list[TierView]: ...
-
-    @abstractmethod
-    def report(self) -> dict[str, Any]: ...
-
-    @abstractmethod
-    def end_turn(self) -> None: ...
-
-    @abstractmethod
-    def close(self) -> None: ...
 
 
 ExpertStore = LocalExpertStore | RemoteExpertStore

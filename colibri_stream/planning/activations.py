@@ -24,8 +24,8 @@ from collections.abc import Iterable
 
 import torch
 
+from colibri_stream.planning.family_memory import family_memory
 from engine.config.args import ModelArgs
-from engine.families import family_of
 from engine.kernels.bf16 import UPCAST_BLOCK_BYTES
 
 # Prefill runs the prompt this many positions at a time, appending each chunk to the cache: activation
@@ -79,7 +79,7 @@ def prefill_activation_bytes(
     window of PREFILL_WINDOW_CHUNKS chunks read layer by layer where the family does."""
     d = torch.empty((), dtype=dtype).element_size()
     c = min(chunk, context)
-    family = family_of(args)
+    family = family_memory(args)
     phases = max(family.attention_bytes(d, c, context), family.indexer_bytes(d, c, context), ffn_bytes(args, d, c))
     window = family.prompt_window_bytes(d, min(chunk * PREFILL_WINDOW_CHUNKS, context))
     return family.residual_bytes(d, c) + window + phases + bf16_upcast_bytes(c, bf16_weight_shapes)

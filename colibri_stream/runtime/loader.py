@@ -48,9 +48,6 @@ from engine.families import meta_transformer
 from engine.kernels.bf16 import hold_in_bf16, linear_candidates
 from engine.kernels.int8_dense import hold_codes, interleave_codes
 from engine.kernels.quant import QuantizedMatrix
-from engine.mla.attention import MLA
-from engine.mla.model import Transformer
-from engine.v4.model import V4Transformer
 from storage.container.reader import Container, ExpertReader, is_container
 from storage.errors import FormatError
 from storage.files.buffers import aligned_empty
@@ -70,8 +67,7 @@ class LoadedModel:
     @property
     def drafter(self) -> Drafter | None:
         """The model as a drafter, where it has MTP modules loaded (engine/mla/mtp.py, engine/v4/mtp.py)."""
-        model = self.model
-        return model if isinstance(model, (Transformer, V4Transformer)) and model.drafts else None
+        return self.model.drafter()
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
@@ -410,10 +406,7 @@ def _load_dense(
         state[f"{module}.q"], state[f"{module}.scales"] = q, scales
     model.load_state_dict(state, strict=True, assign=True)
     interleave_codes(model)
-    for attention, (q, scales, group_size) in kv_b_codes.items():
-        attention_module = model.get_submodule(attention)
-        if isinstance(attention_module, MLA):  # (DeepSeek-V4's attention has no wkv_b)
-            attention_module.hold_kv_b_int8(q, scales, group_size)
+    model.hold_kv_b_int8(kv_b_codes)
     check_hash_tables(model, args, path)
     hold_in_bf16(model, held_bf16)
     return model.eval()

@@ -8,7 +8,7 @@ families beyond them (the log record's layout, memory estimates, the swiglu clam
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
@@ -142,6 +142,16 @@ class Model(nn.Module, ABC, Generic[CacheT]):
     @abstractmethod
     def read_ahead_bytes(self, experts_per_token: int, expert_bytes: int) -> int | None:
         """The most bytes one read-ahead request names (kernels/read_ahead.py); None: this model never reads ahead."""
+
+    def drafter(self) -> Drafter | None:
+        """The model as a drafter, where it has multi-token-prediction modules loaded; None: it does not draft."""
+        return None
+
+    def hold_kv_b_int8(self, codes: Mapping[str, tuple[torch.Tensor, torch.Tensor, int]]) -> None:
+        """Keep the int8 records (codes [out, in], scales, group size) of the attention modules named in
+        ``codes`` beside their float wkv_b, for decode attention. A family without wkv_b gets none."""
+        if codes:
+            raise ValueError(f"{type(self).__name__} has no wkv_b to hold int8 records of: {sorted(codes)}")
 
 
 class Drafter(Protocol):

@@ -11,7 +11,7 @@ from torch import nn
 
 from engine.config.args import ModelArgs
 from engine.core.layers import MLP, stable_topk_indices
-from engine.core.sources import Expert, Experts, LocalExperts, RemoteExperts
+from engine.core.sources import Expert, Experts, ExpertSource, is_remote
 from engine.kernels import decode_ops
 from engine.kernels.nibble_experts import add_nibble_experts, in_one_call, takes_rows
 from engine.kernels.q8_experts import add_experts, fused_experts_handle
@@ -158,8 +158,9 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, ids = self.gate(x, tokens)
-        if isinstance(experts, RemoteExperts):
-            pending = experts.start_routed_sum(self.layer_id, x, weights, ids)  # requests sent; workers compute...
+        if is_remote(experts):
+            remote = experts.routed_sum()
+            pending = remote.start_routed_sum(self.layer_id, x, weights, ids)  # requests sent; workers compute...
             shared = self._shared(x)  # ...meanwhile
             routed = pending()
         else:
@@ -171,14 +172,14 @@ class MoE(nn.Module):
         gives it alone; the routed experts of all of them are acquired once (``add_routed``), so a prompt
         read layer by layer reads each expert once per layer, not once per chunk. Score-routed layers only
         (a hash-routed one needs each chunk's tokens)."""
-        if isinstance(experts, RemoteExperts) or len(xs) == 1:
+        if is_remote(experts) or len(xs) == 1:
             return [self.forward(x, experts) for x in xs]
         sizes = [x.numel() // x.shape[-1] for x in xs]
         with rows_in_segments(sizes):
             out = self.forward_segments(torch.cat([x.reshape(-1, x.shape[-1]) for x in xs]), experts)
         return [part.view(x.shape) for part, x in zip(out.split(sizes), xs, strict=True)]
 
-    def forward_segments(self, x: torch.Tensor, experts: LocalExperts) -> torch.Tensor:
+    def forward_segments(self, x: torch.Tensor, experts: ExpertSource) -> torch.Tensor:
         """Inside rows_in_segments(): x [N, dim], the rows of several segments, each the bits ``forward`` gives
         it alone -> [N, dim]. The router and the shared expert run over all rows at once (segment-aware ops);
         one routed sum knows the segments (``RoutedSum``: an expert's rows of each segment computed as that
@@ -204,7 +205,7 @@ def routed_sum(
     x: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
-    experts: LocalExperts,
+    experts: ExpertSource,
     layer: int,
     limit: float | None = None,
     meanwhile: Callable[[], T] = lambda: None,  # type: ignore[assignment,return-value]  # T is None when not given
@@ -223,7 +224,7 @@ def routed_sum(
 
 def add_routed(
     sums: Sequence[RoutedSum],
-    experts: LocalExperts,
+    experts: ExpertSource,
     layer: int,
     meanwhile: Callable[[], T] = lambda: None,  # type: ignore[assignment,return-value]  # T is None when not given
     owned: Callable[[int], bool] | None = None,
@@ -232,7 +233,7 @@ def add_routed(
     ``routed_sum``) -> ``meanwhile()``. Each sum gets the same terms as alone, in arrival order."""
     wanted = sorted({e for routed in sums for e in routed.rows_of if owned is None or owned(e)})
     side = None
-    for i, chunk in enumerate(chunks(wanted, experts.max_acquire())):
+    for i, chunk in enumerate(chunks(wanted, experts.offers().max_acquire)):
         acquired = experts.acquire(layer, chunk)  # misses start loading now...
         try:
             if i == 0:  # ...meanwhile

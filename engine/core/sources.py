@@ -1,53 +1,53 @@
 """How the MoE layer gets routed experts: the expert sources the engine declares.
 
 The engine never owns routed experts. A MoE layer gets them from an expert source, one of two kinds:
-``LocalExperts`` hands over the experts themselves and the layer computes with them (storage streams
+an ``ExpertSource`` hands over the experts themselves and the layer computes with them (storage streams
 them from disk into RAM/VRAM tiers: the tiered store satisfies the protocol structurally; tests and
-small models use ``ResidentExperts``), while ``RemoteExperts`` computes the routed sum elsewhere (the
-experts sharded over worker processes) and returns it. Both take the model's prefetch guesses.
+small models use ``ResidentExperts``), while a ``RemoteExperts`` computes the routed sum elsewhere (the
+experts sharded over worker processes) and returns it. ``is_remote`` tells them apart by the declared
+``routed_sum``. Both take the model's prefetch guesses.
 
-What every source offers (``ExpertSource``):
-    prefetch(layer, ids)   -> a non-blocking prefetch hint for a coming layer (the next layer's router
-                              applied to the current hidden state); it may be ignored, never changes tokens
-    wants_prefetch(layer)  -> whether a guess for that layer could do anything: when not, the model skips
-                              the guess's router run
-    prefetch_layers       -> how many MoE layers ahead the model guesses (the nearest first)
-    memory_of(layer, ids)  -> the arrays of those ids held in this process's CPU memory now, without
-                              pinning or waiting: what the kernels' idle helper thread reads into the CPU
-                              caches ahead of use (engine/kernels/read_ahead.py); none when nothing is held here
-A local source (``LocalExperts``) also:
+The four verbs of an ``ExpertSource``:
     acquire(layer, ids)    -> start bringing every id in and return at once (``Acquired``): indexing it
                               waits for that expert only, so the shared expert (computed right after
                               acquire) overlaps the loads; ``ready(id)`` says whether indexing would wait,
                               so the MoE layer computes the experts already in memory before it waits. The
                               ids stay pinned until release
     release(layer, ids)    -> unpin: the source may evict them again
-    max_acquire()          -> how many experts of one layer may be pinned at once (None: no limit); the MoE
-                              layer acquires a step's distinct experts in chunks of at most that many,
-                              each released before the next is acquired
-    resident(layer)        -> every expert of the layer by id, when the source holds them all in memory and
-                              never evicts, moves or rewrites them while it lives (a budget that fits them
-                              all, all read), else None: a decode step may then run every layer in one C
-                              call with no acquire (engine/mla/fused_decode.py)
-    count_resident(used)   -> count such a step's experts (layer -> ids) as the acquires it skipped would
-                              have: requests, hits, routing counts, usage history, trace
-A remote source (``RemoteExperts``) instead:
-    start_routed_sum(layer, x, weights, ids) -> send the layer's rows to where the experts are; the
-                              returned function waits for the float64 routed sum
+    prefetch(layer, ids)   -> a non-blocking hint for a coming layer (the next layer's router applied to the
+                              current hidden state); it may be ignored, never changes tokens
+    lookahead(layers)      -> of the coming MoE layers (nearest first), those a guess made now is for: as
+                              far ahead as the source looks, less those a guess would change nothing for
+                              (the model skips their router runs)
+What a source may offer beside them (``offers()``: ``Offers``, each None when not):
+    max_acquire            -> how many experts of one layer may be pinned at once; the MoE layer acquires a
+                              step's distinct experts in chunks of at most that many, each released before
+                              the next is acquired
+    resident (ResidentSet) -> every expert of a layer while none can leave memory: a decode step may then
+                              run every layer in one C call with no acquire (engine/mla/fused_decode.py),
+                              and count what it used as the skipped acquires would have
+    read_ahead (ReadAheadMemory) -> the arrays of some experts held in this process's memory now: what the
+                              kernels' idle helper thread reads into the CPU caches ahead of use
+                              (engine/kernels/read_ahead.py)
+A ``RemoteExperts`` has prefetch, lookahead and offers too, and instead of acquire/release its
+``routed_sum()`` (a ``RemoteSum``): start_routed_sum(layer, x, weights, ids) sends the layer's rows to
+where the experts are; the returned function waits for the float64 routed sum.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 
 from engine.kernels.activation import swiglu
 from engine.kernels.rows import linear
+
+if TYPE_CHECKING:  # typing_extensions: a type checker's dependency, not the runtime's (TypeIs: Python 3.13)
+    from typing_extensions import TypeIs
 
 
 @dataclass(frozen=True)
@@ -105,29 +105,31 @@ class Acquired(Protocol):
         ...
 
 
-class ExpertSource(Protocol):
-    """What the model asks of any expert source: prefetch guesses and the memory to read ahead."""
+class Offers(Protocol):
+    """The optional speed paths of a source (see the module doc); None: not offered (now). A store
+    answers with its own frozen dataclass of these fields (storage does not import the engine)."""
 
     @property
-    def prefetch_layers(self) -> int: ...
+    def max_acquire(self) -> int | None: ...
 
-    def wants_prefetch(self, layer: int) -> bool: ...
+    @property
+    def resident(self) -> ResidentSet | None: ...
 
-    def prefetch(self, layer: int, expert_ids: Sequence[int]) -> None: ...
+    @property
+    def read_ahead(self) -> ReadAheadMemory | None: ...
 
-    def memory_of(self, layer: int, expert_ids: Sequence[int]) -> Sequence[torch.Tensor | np.ndarray]: ...
+
+@dataclass(frozen=True)
+class Offered:
+    """``Offers`` as a value (the engine's and the library's sources)."""
+
+    max_acquire: int | None = None
+    resident: ResidentSet | None = None
+    read_ahead: ReadAheadMemory | None = None
 
 
-class LocalExperts(ExpertSource, Protocol):
-    """A source that hands the MoE layer the experts themselves (see the module doc)."""
-
-    def acquire(self, layer: int, expert_ids: Sequence[int]) -> Acquired: ...
-
-    def release(self, layer: int, expert_ids: Sequence[int]) -> None: ...
-
-    def max_acquire(self) -> int | None:
-        """How many experts of one layer may be pinned at once; None: no limit."""
-        ...
+class ResidentSet(Protocol):
+    """A source's experts that never leave memory (the fused decode step's experts)."""
 
     def resident(self, layer: int) -> Sequence[Expert] | None:
         """Every routed expert of ``layer`` (index = id) while none can leave memory, else None; the same
@@ -135,39 +137,66 @@ class LocalExperts(ExpertSource, Protocol):
         ...
 
     def count_resident(self, used: Mapping[int, Sequence[int]]) -> None:
-        """Count a step's experts taken from ``resident`` (layer -> ids) as the skipped acquires would have."""
+        """Count a step's experts taken from ``resident`` (layer -> ids) as the skipped acquires would have:
+        requests, hits, routing counts, usage history, trace."""
         ...
 
 
-class RemoteExperts(ABC):
-    """A source that computes a layer's routed sum where the experts are, e.g. worker processes.
+class ReadAheadMemory(Protocol):
+    """The experts a source holds in this process's CPU memory (what a read-ahead may touch)."""
 
-    Subclassed by name (the library's DistributedExperts), so the MoE layer tells the two kinds apart
-    with a plain isinstance; local stores satisfy ``LocalExperts`` structurally (storage does not
-    import the engine)."""
+    def memory_of(self, layer: int, expert_ids: Sequence[int]) -> Sequence[torch.Tensor | np.ndarray]:
+        """The arrays of those of ``expert_ids`` held now, without pinning or waiting."""
+        ...
 
-    @property
-    @abstractmethod
-    def prefetch_layers(self) -> int: ...
 
-    @abstractmethod
-    def wants_prefetch(self, layer: int) -> bool: ...
+class Prefetching(Protocol):
+    """What the model asks of every source: prefetch guesses, and the speed paths it offers."""
 
-    @abstractmethod
     def prefetch(self, layer: int, expert_ids: Sequence[int]) -> None: ...
 
-    @abstractmethod
-    def memory_of(self, layer: int, expert_ids: Sequence[int]) -> Sequence[torch.Tensor | np.ndarray]: ...
+    def lookahead(self, layers: Sequence[int]) -> Sequence[int]:
+        """Of the coming ``layers`` (nearest first), those a prefetch guess made now is for."""
+        ...
 
-    @abstractmethod
+    def offers(self) -> Offers: ...
+
+
+class ExpertSource(Prefetching, Protocol):
+    """A source that hands the MoE layer the experts themselves (see the module doc)."""
+
+    def acquire(self, layer: int, expert_ids: Sequence[int]) -> Acquired: ...
+
+    def release(self, layer: int, expert_ids: Sequence[int]) -> None: ...
+
+    def routed_sum(self) -> None:
+        """None: the MoE layer sums this source's experts itself."""
+        ...
+
+
+class RemoteSum(Protocol):
+    """A routed sum computed where the experts are."""
+
     def start_routed_sum(
         self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     ) -> Callable[[], torch.Tensor]:
         """Send the layer's rows x [N, dim], gate weights [N, topk] float32 and expert ids [N, topk]; the
         returned function waits for the routed sum, float64 [N, dim] on x's device."""
+        ...
 
 
-Experts = LocalExperts | RemoteExperts  # what a model's forward takes
+class RemoteExperts(Prefetching, Protocol):
+    """A source that computes a layer's routed sum where the experts are, e.g. worker processes."""
+
+    def routed_sum(self) -> RemoteSum: ...
+
+
+Experts = ExpertSource | RemoteExperts  # what a model's forward takes
+
+
+def is_remote(experts: Experts) -> TypeIs[RemoteExperts]:
+    """Whether the source sums its experts elsewhere: only a remote one declares a routed sum."""
+    return experts.routed_sum() is not None
 
 
 class HeldExperts(Mapping[int, Expert]):
@@ -192,23 +221,9 @@ class HeldExperts(Mapping[int, Expert]):
 class ResidentExperts:
     """Every routed expert held in memory (small models, tests)."""
 
-    prefetch_layers = 1  # a guess further ahead finds nothing more to do here than the next layer's
-
     def __init__(self, experts: Mapping[int, Mapping[int, Expert]]):
         self._experts = experts  # layer -> expert id -> weights
         self._by_id: dict[int, tuple[Expert, ...] | None] = {}  # resident()'s answers, built once per layer
-
-    def prefetch(self, layer: int, expert_ids: Sequence[int]) -> None:
-        pass
-
-    def wants_prefetch(self, layer: int) -> bool:
-        """Whether a prefetch guess could do anything: not for this no-op prefetch (every expert is in
-        memory), so the model skips the router run; a subclass that overrides prefetch gets its guesses."""
-        return type(self).prefetch is not ResidentExperts.prefetch
-
-    def memory_of(self, layer: int, expert_ids: Sequence[int]) -> list[torch.Tensor]:
-        held = self._experts.get(layer, {})
-        return [tensor for e in expert_ids if e in held for tensor in held[e].tensors()]
 
     def acquire(self, layer: int, expert_ids: Sequence[int]) -> HeldExperts:
         try:
@@ -219,8 +234,24 @@ class ResidentExperts:
     def release(self, layer: int, expert_ids: Sequence[int]) -> None:
         pass
 
-    def max_acquire(self) -> int | None:
+    def prefetch(self, layer: int, expert_ids: Sequence[int]) -> None:
+        pass
+
+    def lookahead(self, layers: Sequence[int]) -> Sequence[int]:
+        """None of them for this no-op prefetch (every expert is in memory), so the model skips the router
+        run; the next one for a subclass that overrides prefetch (a guess further ahead finds nothing more
+        to do here than the next layer's)."""
+        return layers[:1] if type(self).prefetch is not ResidentExperts.prefetch else ()
+
+    def routed_sum(self) -> None:
         return None
+
+    def offers(self) -> Offered:
+        return Offered(resident=self, read_ahead=self)
+
+    def memory_of(self, layer: int, expert_ids: Sequence[int]) -> list[torch.Tensor]:
+        held = self._experts.get(layer, {})
+        return [tensor for e in expert_ids if e in held for tensor in held[e].tensors()]
 
     def resident(self, layer: int) -> tuple[Expert, ...] | None:
         """The layer's experts by id, when they are numbered 0..n-1 (None for a layer without them)."""

@@ -4,7 +4,7 @@ are all resident, with int8 activations or on the float32 path (decode rows).
 Once the experts fit in RAM, a decode step of the module path spent about a third of its time in Python
 between the kernels (module calls, routing glue, the store's acquire and release, prefetch guesses and
 read-ahead requests; docs/benchmarks-log.md, "One call per decode step"). Where every layer's weights are in
-the forms the C steps read and the expert source holds every expert for good (``LocalExperts.resident``),
+the forms the C steps read and the expert source holds every expert for good (its ``ResidentSet``),
 the step is one call instead: per layer the fused MLA steps, the FFN norm, the router, the routed and
 shared experts and the residuals, the same kernels in the same order as the module path, so the same
 bits. The experts it used are then counted as the acquires it skipped would have (``count_resident``).
@@ -37,7 +37,7 @@ import torch
 from engine.core.cache import LayerCache
 from engine.core.layers import MLP, RMSNorm
 from engine.core.moe import Gate, HashGate, MoE
-from engine.core.sources import Expert, Experts, LocalExperts, RemoteExperts
+from engine.core.sources import Expert, Experts, ResidentSet
 from engine.kernels import decode_ops
 from engine.kernels.modes import activations_are_int8
 from engine.kernels.native import BUILT, _kernels
@@ -141,6 +141,7 @@ class FusedDecode:
         self._int8 = False  # whether the plans are for int8 activations (else the float32 path's)
         self._tables: list[array[int]] = []  # the C tables derived from them (kept alive: C reads them)
         self._plans: tuple[_kernels.LayerPlanCapsule, ...] | None = None
+        self._counter: ResidentSet | None = None  # the source of the experts a step uses: it counts them
         self._table_addresses = [0] * len(parts)  # per layer: its expert table's, 0 on a dense layer
         # per row, what its attention carries across a stop (decode_step.h DecodeCarry): the widest layer's
         attention = [p.attention for p in parts]
@@ -161,9 +162,10 @@ class FusedDecode:
         addresses = (self.normed.data_ptr(), self.q_latent.data_ptr(), self.q_nope.data_ptr(), self.q_rope.data_ptr())
         return addresses + self._widths
 
-    def ready_for(self, experts: LocalExperts) -> bool:
+    def ready_for(self, experts: ResidentSet) -> bool:
         """Whether every MoE layer's experts are resident in ``experts`` and the plans are built for them;
-        rebuilt when the source gives other experts than last time. False: the module path."""
+        rebuilt when the source gives other experts than last time. False: the module path. A step counts
+        its experts with the last ``experts`` that held."""
         sources = []
         for part in self.moe_parts:
             source = experts.resident(self.layer_ids[part])
@@ -171,6 +173,7 @@ class FusedDecode:
                 return False
             sources.append(source)
         built = self._plans is not None and self._int8 == activations_are_int8()
+        self._counter = experts
         if built and all(a is b for a, b in zip(sources, self._sources, strict=True)):
             return True
         self._plans = None
@@ -198,7 +201,7 @@ class FusedDecode:
 
     def step(
         self, x: torch.Tensor, starts: list[int], ropes: list[tuple[torch.Tensor, torch.Tensor]],
-        caches: Sequence[Sequence[LayerCache]], experts: LocalExperts,
+        caches: Sequence[Sequence[LayerCache]],
     ) -> torch.Tensor:  # fmt: skip
         """Rows x [B, dim] (their tokens' embeddings), row b at position starts[b] of its layers' caches
         caches[b] (rows of one sequence at consecutive positions, a verify step, pass the same list) -> the
@@ -212,7 +215,7 @@ class FusedDecode:
                 appended.setdefault(id(layers), (layers, start))
                 for layer in layers:
                     layer.next_row()
-            return self._run(x, starts, ropes, caches, experts)
+            return self._run(x, starts, ropes, caches)
         except BaseException:
             for layers, length in appended.values():
                 for layer in layers:
@@ -221,7 +224,7 @@ class FusedDecode:
 
     def _run(
         self, x: torch.Tensor, starts: list[int], ropes: list[tuple[torch.Tensor, torch.Tensor]],
-        caches: Sequence[Sequence[LayerCache]], experts: LocalExperts,
+        caches: Sequence[Sequence[LayerCache]],
     ) -> torch.Tensor:  # fmt: skip
         rows = len(starts)
         x = x.clone(memory_format=torch.contiguous_format)  # written in place by the C step
@@ -253,7 +256,8 @@ class FusedDecode:
                         self._share(steps, at, row, rows, selection)
                 projected = True
         chosen = ids.tolist()
-        experts.count_resident({self.layer_ids[i]: [e for e in chosen[i] if e >= 0] for i in self.moe_parts})
+        assert self._counter is not None  # ready_for held
+        self._counter.count_resident({self.layer_ids[i]: [e for e in chosen[i] if e >= 0] for i in self.moe_parts})
         return x
 
     def _select(
@@ -325,13 +329,14 @@ class OneCall:
 
     def applies(self, x: torch.Tensor, caches: Sequence[Sequence[LayerCache]], experts: Experts) -> FusedDecode | None:
         """The C step for rows x [B, 1, dim] on these caches with these experts, or None: the module path."""
-        if not (decode_ops.small_ops_take(x) and available()) or isinstance(experts, RemoteExperts):
+        if not (decode_ops.small_ops_take(x) and available()):
             return None
-        if not caches_taken(caches):
+        resident = experts.offers().resident  # None: a source whose experts may move, or remote ones
+        if resident is None or not caches_taken(caches):
             return None
         if self._built is None:
             parts = self.parts_for(x, caches[0])
             self._built = False if parts is None else FusedDecode(parts, self.layer_ids)
-        if self._built is False or not self._built.ready_for(experts):  # local: checked above
+        if self._built is False or not self._built.ready_for(resident):
             return None
         return self._built

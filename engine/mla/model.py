@@ -9,7 +9,7 @@ Routed experts are not parameters of this module: every MoE layer asks the exper
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from typing import Literal, Self, cast
 
@@ -23,7 +23,7 @@ from engine.core.interfaces import Model, row_positions
 from engine.core.layers import MLP, RMSNorm, embedding
 from engine.core.moe import GUESS_MAX_NEW_POSITIONS, MoE
 from engine.core.rope import rope_tables
-from engine.core.sources import Experts, LocalExperts, RemoteExperts
+from engine.core.sources import Experts, ExpertSource, is_remote
 from engine.kernels.modes import int8_activations
 from engine.kernels.read_ahead import module_arrays, read_ahead_available, request_read_ahead
 from engine.kernels.rows import Linear, rows_alone, rows_in_segments, torch_on_one_thread
@@ -101,7 +101,7 @@ class Block(nn.Module):
         starts: list[int],
         ropes: list[tuple[torch.Tensor, torch.Tensor]],
         caches: list[LayerCache],
-        experts: LocalExperts,
+        experts: ExpertSource,
         selections: list[torch.Tensor | None],
     ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """Inside rows_in_segments(sizes): prompt chunks of several sequences one after another, x [1, N, dim]
@@ -214,7 +214,7 @@ class Transformer(Model[KVCache]):
     ) -> Callable[[torch.Tensor], None] | None:
         """A hook given the current post-attention hidden state before the current layer's FFN: layer
         ``layer``'s router picks the experts to prefetch while that FFN runs, and so do the routers of the
-        MoE layers after it up to the source's ``prefetch_layers``: a guess two layers ahead is less often
+        MoE layers after it the source looks ahead to (``lookahead``): a guess two layers ahead is less often
         right (docs/benchmarks-log.md, "Figures behind the code") but its read has a whole layer more to land,
         and the next layer guesses again. With ``read_ahead`` it also has the kernels' idle
         helper thread read layer ``layer``'s dense weights, then the guessed experts the source holds,
@@ -222,21 +222,21 @@ class Transformer(Model[KVCache]):
         nothing to do."""
         if layer >= len(self.layers) or not isinstance(self.layers[layer].ffn, MoE):
             return (lambda x: request_read_ahead(self._weights_of(layer))) if read_ahead else None
-        depth = experts.prefetch_layers
-        targets = [t for t in range(layer, min(layer + depth, len(self.layers))) if isinstance(self.layers[t].ffn, MoE)]
+        coming = range(layer, len(self.layers))
+        memory = experts.offers().read_ahead
 
         def guess_ahead(x: torch.Tensor) -> None:
-            for target in targets:
-                prefetch = experts.wants_prefetch(target)  # a source may know the guess would change nothing
-                reading_ahead = read_ahead and target == layer  # the caches hold one layer's weights, not two
-                if not (prefetch or reading_ahead):
+            wanted = experts.lookahead(coming)  # a source may know a guess would change nothing
+            for target in sorted({*wanted, layer} if read_ahead else wanted):  # the caches hold one layer's weights
+                if not isinstance(self.layers[target].ffn, MoE):
                     continue
                 block = cast(Block, self.layers[target])  # nn.ModuleList types its items as Module
-                guess = cast(MoE, block.ffn).predict(block.ffn_norm(x))  # targets are MoE layers
-                if prefetch:
+                guess = cast(MoE, block.ffn).predict(block.ffn_norm(x))
+                if target in wanted:
                     experts.prefetch(target, guess)
-                if reading_ahead:
-                    request_read_ahead([*self._weights_of(layer), *experts.memory_of(layer, guess)])
+                if read_ahead and target == layer:
+                    held = memory.memory_of(layer, guess) if memory is not None else ()
+                    request_read_ahead([*self._weights_of(layer), *held])
 
         return guess_ahead
 
@@ -315,7 +315,7 @@ class Transformer(Model[KVCache]):
         with the bits of its own forward (engine/kernels/rows.py rows_in_segments; Block.forward_segments); its last
         position's logits as a one-row forward computes them (rows_alone). One-position chunks (a decode-shaped
         step of its own) and experts held by workers: chunk by chunk."""
-        if len(chunks) < 2 or isinstance(experts, RemoteExperts) or min(c.shape[1] for c in chunks) < 2:
+        if len(chunks) < 2 or is_remote(experts) or min(c.shape[1] for c in chunks) < 2:
             return super().forward_prompts(chunks, caches, experts)
         sizes = [chunk.shape[1] for chunk in chunks]
         starts = [cache.length for cache in caches]
@@ -361,7 +361,7 @@ class Transformer(Model[KVCache]):
             layers = [cache.layers for cache in caches]
             fused = self._one_call.applies(x, layers, experts)
             if fused is not None:  # the whole step in one C call
-                x = fused.step(x[:, 0], starts, ropes, layers, cast(LocalExperts, experts))  # not remote: checked
+                x = fused.step(x[:, 0], starts, ropes, layers)
                 return self.head(self.norm(x)).float(), x
             read_ahead = self._start_read_ahead(x)
             for i, layer in enumerate(cast("list[Block]", self.layers)):  # a ModuleList of Blocks
@@ -373,9 +373,13 @@ class Transformer(Model[KVCache]):
     def _layer_parts(self, x: torch.Tensor, caches: Sequence[LayerCache]) -> list[LayerParts] | None:
         return _block_parts(self.layers, x, caches)  # the layers now: the loader swaps modules before a forward
 
-    @property
-    def drafts(self) -> bool:
-        return len(self.mtp) > 0
+    def drafter(self) -> Self | None:
+        """Itself, with its MTP modules loaded."""
+        return self if len(self.mtp) > 0 else None
+
+    def hold_kv_b_int8(self, codes: Mapping[str, tuple[torch.Tensor, torch.Tensor, int]]) -> None:
+        for name, (q, scales, group_size) in codes.items():
+            cast(MLA, self.get_submodule(name)).hold_kv_b_int8(q, scales, group_size)  # names of MLA modules
 
     def new_draft_cache(self) -> DraftCache[LayerCache]:
         return cast(MTP, self.mtp[0]).new_cache(self.dtype, self.device)

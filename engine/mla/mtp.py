@@ -31,7 +31,7 @@ from engine.config.args import ModelArgs
 from engine.core.cache import DraftCache, LayerCache
 from engine.core.layers import RMSNorm
 from engine.core.rope import rope_tables
-from engine.core.sources import Experts, LocalExperts
+from engine.core.sources import Experts
 from engine.kernels.rows import Linear, rows_alone
 
 
@@ -40,7 +40,7 @@ class FusedRows(Protocol):
 
     def step(
         self, x: torch.Tensor, starts: list[int], ropes: list[tuple[torch.Tensor, torch.Tensor]],
-        caches: Sequence[Sequence[LayerCache]], experts: LocalExperts,
+        caches: Sequence[Sequence[LayerCache]],
     ) -> torch.Tensor: ...  # fmt: skip
 
 
@@ -109,8 +109,7 @@ class MTP(nn.Module):
         if fused is not None:  # each pair as its own decode step of the block, in one C call
             starts = [position - cache.offset + j for j in range(seqlen)]
             ropes = [rope_tables(self.args, position + j, 1, x.device) for j in range(seqlen)]
-            local = cast(LocalExperts, experts)  # applies() holds only for local experts
-            return fused.step(x[0], starts, ropes, rows, local)[None]
+            return fused.step(x[0], starts, ropes, rows)[None]
         rope = rope_tables(self.args, position, seqlen, x.device)
         out: tuple[torch.Tensor, torch.Tensor | None] = self.block(
             x, position - cache.offset, rope, cache.layer, experts, None, None

@@ -9,7 +9,8 @@ Per position the rows are what a prefix block stores (``V4CacheLog.rows``, width
 the state is a function of them: ``from_rows`` rebuilds it (the entries are recompressed on the next
 forward call), ``trim`` cuts it back. Once logged (or with no log) the rows attention no longer needs are
 released (engine/v4/position_rows.py), and what stays per position is the compressed entries: D / m per
-compressed layer (engine/families.py V4Family), plus the sliding window's and the open windows' rows.
+compressed layer (colibri_stream/planning/family_memory.py V4Memory counts them), plus the sliding
+window's and the open windows' rows.
 
 A session's lean log (storage/kv/lean_log.py) stores exactly that split: per position the entries of the
 windows it closes (``V4CacheLog.entries``, series ``entry_series``) and, at a few positions, the window state

@@ -14,7 +14,7 @@ serving drive either; routed experts come from the expert source as for V3.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import cast
+from typing import Self, cast
 
 import torch
 from torch import nn
@@ -136,7 +136,7 @@ class V4Transformer(Model[V4Cache]):
         block = cast(V4Block, self.layers[layer])  # nn.ModuleList types its items as Module
 
         def guess_ahead(streams: torch.Tensor) -> None:
-            if experts.wants_prefetch(layer):
+            if experts.lookahead((layer,)):  # a source may know the guess would change nothing
                 guess_input = None if block.ffn.hashed else block.router_input(streams)
                 experts.prefetch(layer, block.ffn.predict(guess_input, tokens))
 
@@ -200,9 +200,9 @@ class V4Transformer(Model[V4Cache]):
             collapsed = per_row(self.hc_head, streams)
             return self.head(self.norm(collapsed)).float()[:, -1], streams[:, -1]
 
-    @property
-    def drafts(self) -> bool:
-        return len(self.mtp) > 0
+    def drafter(self) -> Self | None:
+        """Itself, with its MTP modules loaded."""
+        return self if len(self.mtp) > 0 else None
 
     def new_draft_cache(self) -> DraftCache[V4DraftLayer]:
         return cast(V4MTP, self.mtp[0]).new_cache(self.dtype, self.device)

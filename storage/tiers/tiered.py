@@ -1,6 +1,6 @@
 """The tiered expert store: disk -> RAM slots -> VRAM slots, driven by the router.
 
-It satisfies the engine's LocalExperts protocol (engine/core/sources.py) structurally:
+It satisfies the engine's ExpertSource protocol (engine/core/sources.py) structurally:
     acquire(layer, ids)  -> starts every missing read at once and returns at once; each expert is
                             waited for only when the MoE first touches it (``ready`` says whether it
                             would wait), so the shared expert and already-resident experts compute
@@ -8,7 +8,9 @@ It satisfies the engine's LocalExperts protocol (engine/core/sources.py) structu
     release(layer, ids)  -> unpins them
     prefetch(layer, ids) -> reads predicted experts of the next layer into free or
                             evictable RAM slots; never blocks, never evicts anything in use
-    wants_prefetch, prefetch_layers, max_acquire, memory_of: see each below
+    lookahead(layers)    -> the coming layers a guess is for: see below
+    offers()             -> its speed paths: max_acquire, resident + count_resident (no VRAM tier),
+                            memory_of; see each below
 Experts are materialised by a caller-supplied function over the slot bytes (storage knows bytes,
 not maths). Reads run on a thread pool: one ``pread`` per expert straight into its slot.
 """
@@ -142,6 +144,15 @@ def pinned_room(container: Container, n_slots: int) -> int:
     return min(container.n_experts, n_slots)
 
 
+@dataclass(frozen=True)
+class StoreOffers:
+    """The store's speed paths, as the engine's ``Offers`` declares them (engine/core/sources.py)."""
+
+    max_acquire: int
+    resident: TieredExpertStore | None  # None with a VRAM tier: it moves experts
+    read_ahead: TieredExpertStore
+
+
 class TieredExpertStore:
     def __init__(
         self,
@@ -243,18 +254,27 @@ class TieredExpertStore:
         acquire's are never evicted (an in-flight prefetch is waited for), so a chunk this size always fits."""
         return self.ram.n_slots - len(self.ram.hot)
 
-    @property
-    def prefetch_layers(self) -> int:
-        """How many MoE layers ahead the model sends guesses (the nearest first)."""
-        return self.config.prefetch_layers
+    def lookahead(self, layers: Sequence[int]) -> list[int]:
+        """Of the coming layers (nearest first), those within ``prefetch_layers`` of the first a guess
+        could start a read for (``_wants``)."""
+        return [layer for layer in layers[: self.config.prefetch_layers] if self._wants(layer)]
 
-    def wants_prefetch(self, layer: int) -> bool:
+    def _wants(self, layer: int) -> bool:
         """Whether a guess for ``layer`` could start a read: not when prefetch is off or every expert of
         the layer is already held (a budget that fits them all, once warm), so the model skips the
         guess's router run, a cost per layer and token (docs/benchmarks.md, "Figures behind the code")."""
         if not self.config.prefetch or len(self.ram.entries) >= total_records(self.container):
             return False  # (the second: every expert in RAM, without looking at each)
         return not all(self._held((layer, expert)) for expert in range(self.container.n_experts))
+
+    def routed_sum(self) -> None:
+        """None: the engine sums these experts itself (acquire / release)."""
+        return None
+
+    def offers(self) -> StoreOffers:
+        """Chunked acquires, its RAM slots to read ahead, and, without a VRAM tier (which moves experts),
+        the resident path."""
+        return StoreOffers(self.max_acquire(), None if self.vram is not None else self, self)
 
     def _held(self, key: tuple[int, int]) -> bool:
         """In a RAM or VRAM slot (loaded or being loaded)."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import inspect
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -13,23 +15,30 @@ import pytest
 
 from colibri_stream.experts.cluster.coordinator import DistributedExperts
 from colibri_stream.experts.store import LocalExpertStore, RemoteExpertStore, ResidentStore, StoreReports
+from colibri_stream.planning.family_memory import FamilyMemory, MLAMemory, V4Memory
 from engine.core.cache import KVCache
 from engine.core.interfaces import Cache, Model
 from engine.core.sources import (
     Acquired,
     Expert,
+    ExpertSource,
     ExpertWeights,
     HeldExperts,
-    LocalExperts,
+    Offered,
+    Offers,
+    ReadAheadMemory,
     RemoteExperts,
+    RemoteSum,
     ResidentExperts,
+    ResidentSet,
+    is_remote,
 )
-from engine.families import Family, MLAFamily, V4Family
+from engine.families import Family, KVLogFormat, MLAFamily, MLALog, V4Family, V4Log
 from engine.kernels.quant import QuantizedExpert
 from engine.mla.model import Transformer
 from engine.v4.cache import V4Cache
 from engine.v4.model import V4Transformer
-from storage.tiers.tiered import AcquiredExperts, TieredExpertStore
+from storage.tiers.tiered import AcquiredExperts, StoreOffers, TieredExpertStore
 
 ROOT = Path(__file__).resolve().parents[2]
 APPS = ("devtools", "bench")  # colibri_stream/<app>: applications, not the library's contracts
@@ -56,12 +65,21 @@ def _parameters(function: Any) -> list[str]:
 
 
 CONFORMING = [
-    (LocalExperts, ResidentExperts),
-    (LocalExperts, ResidentStore),
-    (LocalExperts, TieredExpertStore),
+    (ExpertSource, ResidentExperts),
+    (ExpertSource, ResidentStore),
+    (ExpertSource, TieredExpertStore),
     (LocalExpertStore, ResidentStore),
     (LocalExpertStore, TieredExpertStore),
+    (RemoteExperts, DistributedExperts),
+    (RemoteSum, DistributedExperts),
+    (RemoteExpertStore, DistributedExperts),
     (StoreReports, DistributedExperts),
+    (ResidentSet, ResidentExperts),
+    (ResidentSet, TieredExpertStore),
+    (ReadAheadMemory, ResidentExperts),
+    (ReadAheadMemory, TieredExpertStore),
+    (Offers, Offered),
+    (Offers, StoreOffers),
     (Acquired, HeldExperts),
     (Acquired, AcquiredExperts),
     (Expert, ExpertWeights),
@@ -70,6 +88,10 @@ CONFORMING = [
     (Cache, V4Cache),
     (Family, MLAFamily),
     (Family, V4Family),
+    (KVLogFormat, MLALog),
+    (KVLogFormat, V4Log),
+    (FamilyMemory, MLAMemory),
+    (FamilyMemory, V4Memory),
 ]
 
 
@@ -99,11 +121,35 @@ def test_nominal_implementations_leave_nothing_abstract(implementation):
 
 
 def test_the_remote_source_offers_only_what_it_has():
-    """The distributed source computes routed sums; it does not pretend to hand experts over."""
-    assert issubclass(DistributedExperts, RemoteExpertStore) and issubclass(DistributedExperts, RemoteExperts)
+    """The distributed source computes routed sums; it does not pretend to hand experts over. The MoE
+    layer tells the kinds apart by the declared ``routed_sum``, not by a nominal base."""
     assert not any(hasattr(DistributedExperts, name) for name in ("acquire", "release", "max_acquire"))
-    assert not isinstance(ResidentStore({}), RemoteExperts)
+    assert DistributedExperts.__bases__ == (object,)
+    assert not is_remote(ResidentStore({}))
     assert issubclass(Transformer, Model) and issubclass(V4Transformer, Model)
+
+
+def test_the_source_protocols_are_narrow():
+    """Four verbs, the routed-sum kind and one accessor for the speed paths (optional objects)."""
+    assert set(_members(ExpertSource)) == {"acquire", "release", "prefetch", "lookahead", "routed_sum", "offers"}
+    assert set(_members(RemoteExperts)) == {"prefetch", "lookahead", "routed_sum", "offers"}
+    assert set(_members(Offers)) == {"max_acquire", "resident", "read_ahead"}
+
+
+def test_a_family_is_its_construction_its_log_format_and_its_geometry():
+    """The memory estimates are planning's (colibri_stream/planning/family_memory.py), from the geometry."""
+    assert set(_members(Family)) == {"args", "swiglu_limit", "model", "kv_log", "geometry"}
+    log = {"log_record", "log_row_widths", "cache_from_log", "session_log_record", "cache_from_snapshot"}
+    assert set(_members(KVLogFormat)) == log
+
+
+def test_a_type_checker_holds_the_implementations_to_the_protocols():
+    """The ``_conformance`` block below, checked by mypy (this file is outside pyproject's mypy files)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy", "--follow-imports=silent", str(Path(__file__).relative_to(ROOT))],
+        cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def _library_files() -> list[Path]:
@@ -136,10 +182,22 @@ if TYPE_CHECKING:  # what a type checker holds the implementations to (nothing r
         caches: tuple[KVCache, V4Cache],
         families: tuple[MLAFamily, V4Family],
         models: tuple[Transformer, V4Transformer],
-    ) -> None:
+        engine_sources: tuple[ResidentExperts, Offered, StoreOffers],
+        logs: tuple[MLALog, V4Log],
+        memories: tuple[MLAMemory, V4Memory],
+    ) -> tuple[object, ...]:
         local: list[LocalExpertStore] = [stores[0], stores[1]]
+        sources: list[ExpertSource] = [engine_sources[0], stores[0], stores[1]]
         remote: list[RemoteExpertStore] = [stores[2]]
+        remote_sources: list[RemoteExperts] = [stores[2]]
+        sums: list[RemoteSum] = [stores[2]]
+        resident: list[ResidentSet] = [engine_sources[0], stores[1]]
+        memory: list[ReadAheadMemory] = [engine_sources[0], stores[1]]
+        offers: list[Offers] = [engine_sources[1], engine_sources[2], stores[1].offers(), stores[2].offers()]
         cache: list[Cache] = list(caches)
         family: list[Family] = list(families)
         model: list[Model[Any]] = list(models)
-        del local, remote, cache, family, model
+        log: list[KVLogFormat] = [*logs, families[0].kv_log, families[1].kv_log]
+        memory_models: list[FamilyMemory] = list(memories)
+        held = (local, sources, remote, remote_sources, sums, resident, memory, offers, cache, family, model)
+        return (*held, log, memory_models)

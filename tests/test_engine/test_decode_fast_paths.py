@@ -147,9 +147,13 @@ class RecordingPrefetch(ResidentExperts):
     def __init__(self, experts):
         super().__init__(experts._experts)
         self.hints: list[tuple[int, list[int]]] = []
+        self.depth = 1  # layers looked ahead
 
     def prefetch(self, layer, expert_ids):
         self.hints.append((layer, list(expert_ids)))
+
+    def lookahead(self, layers):
+        return layers[: self.depth]
 
 
 def test_prefetch_hints_are_the_next_routers_sorted_ids_and_skip_no_op_providers(args, monkeypatch):
@@ -177,7 +181,7 @@ def test_a_deeper_prefetch_also_guesses_the_layers_after_the_next_nearest_first(
     model = randomised(Transformer(args), 7)
     monkeypatch.setattr(engine.mla.model, "read_ahead_available", lambda: False)
     near, deep = RecordingPrefetch(resident_experts(args, 8)), RecordingPrefetch(resident_experts(args, 8))
-    deep.prefetch_layers = 3  # past the last MoE layer: only the layers there are
+    deep.depth = 3  # past the last MoE layer: only the layers there are
     near_logits = model.forward_rows([3], [model.new_cache()], near)
     deep_logits = model.forward_rows([3], [model.new_cache()], deep)
     assert torch.equal(near_logits, deep_logits)

@@ -36,7 +36,7 @@ from colibri_stream.experts.cluster.rendezvous import Listener
 from colibri_stream.experts.cluster.replicas import COORDINATOR, Holders, assign
 from colibri_stream.experts.cluster.transport import Link, Reply
 from colibri_stream.experts.cluster.wire import Hello, Op, WorkerError
-from colibri_stream.experts.store import RemoteExpertStore
+from engine.core.sources import Offered
 from engine.kernels.modes import activations_are_int8
 from engine.kernels.rows import computing_alone
 from storage.container.reader import Container
@@ -84,10 +84,8 @@ class Sent:
     reply: Reply
 
 
-class DistributedExperts(RemoteExpertStore):
+class DistributedExperts:
     """The routed sums of joined workers (``group.connect`` forms the cluster and hands out the shares)."""
-
-    prefetch_layers = 1  # a guess travels with the next request: one layer ahead
 
     def __init__(
         self,
@@ -128,6 +126,10 @@ class DistributedExperts(RemoteExpertStore):
         listener.on_join = self._rejoin_handshake
 
     # ------------------------------------------------------------------------------ the MoE layer
+    def routed_sum(self) -> DistributedExperts:
+        """This source sums its experts where they are (``start_routed_sum``)."""
+        return self
+
     def start_routed_sum(
         self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     ) -> Callable[[], torch.Tensor]:
@@ -266,12 +268,13 @@ class DistributedExperts(RemoteExpertStore):
             self.fallback.prefetch(layer, by_rank.pop(COORDINATOR, []))
             self._ahead.update((rank, (layer, mine)) for rank, mine in by_rank.items())
 
-    def wants_prefetch(self, layer: int) -> bool:
-        return self.prefetch_enabled
+    def lookahead(self, layers: Sequence[int]) -> Sequence[int]:
+        """The next layer: a guess travels with the next request."""
+        return layers[:1] if self.prefetch_enabled else ()
 
-    def memory_of(self, layer: int, expert_ids: Sequence[int]) -> list[torch.Tensor]:
-        """None of them: the experts are in the workers' memory, not this process's."""
-        return []
+    def offers(self) -> Offered:
+        """No speed path: the experts are in the workers' memory, not this process's."""
+        return Offered()
 
     # ------------------------------------------------------------------------- loss and rejoin
     def _lose(self, rank: int, error: WorkerError) -> None:

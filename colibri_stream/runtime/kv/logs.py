@@ -1,6 +1,6 @@
 """A session's log as the session drives it: restore the cache at a position, append what a cache adds.
 
-Two kinds, chosen once by the family's session record (engine/families.py Family.session_log_record):
+Two kinds, chosen once by the family's session record (engine/families.py Family.kv_log.session_log_record):
     RecordLog  one fixed-size record per position (storage/kv/log.py; MLA models, format 2): every position
                is a restore point, the cache is rebuilt from the records' rows;
     LeanLog    DeepSeek-V4's lean log (storage/kv/lean_log.py, format 4): the entries per position and snapshots
@@ -100,7 +100,7 @@ class RecordLog:
 
 class LeanSessionLog:
     """DeepSeek-V4's lean log (storage/kv/lean_log.py LeanLog): CacheLog.entries per position, CacheLog.window
-    at the snapshots; restored with Family.cache_from_snapshot."""
+    at the snapshots; restored with Family.kv_log.cache_from_snapshot."""
 
     def __init__(self, log: LeanLog, args: ModelArgs):
         self.file, self.args = log, args
@@ -128,7 +128,7 @@ class LeanSessionLog:
             from_bytes(rows, geometry.dtype, width)
             for rows, (width, _, _) in zip(self.file.read_snapshot(position), geometry.windows, strict=True)
         ]
-        return family_of(self.args).cache_from_snapshot(entries, window, position, dtype)
+        return family_of(self.args).kv_log.cache_from_snapshot(entries, window, position, dtype)
 
     def append_from(self, cache: Cache, token_ids: list[int], bookmark: int | None = None) -> None:
         start, end, dtype = self.file.length, min(cache.length, len(token_ids)), self.file.geometry.dtype

@@ -61,9 +61,9 @@ def cache_payloads(cache: Cache, start: int, end: int, geometry: Geometry) -> np
 
 def cache_from_payloads(payloads: np.ndarray, geometry: Geometry, args: ModelArgs, dtype: torch.dtype) -> Cache:
     """The cache holding the positions whose record payloads [n, payload_bytes] are ``payloads``."""
-    family = family_of(args)
+    log = family_of(args).kv_log
     item, offset, rows = dtype_bytes(geometry.dtype), 0, []
-    for width in family.log_row_widths():
+    for width in log.log_row_widths():
         rows.append(from_bytes(payloads[:, offset : offset + width * item], geometry.dtype, width)[None])
         offset += width * item
-    return family.cache_from_log(rows, dtype)
+    return log.cache_from_log(rows, dtype)

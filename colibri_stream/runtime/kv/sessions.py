@@ -28,6 +28,7 @@ import torch
 from colibri_stream.checkpoint.dtypes import dtype_bytes
 from colibri_stream.errors import SessionError
 from colibri_stream.paths import user_cache_dir
+from colibri_stream.planning.family_memory import family_memory
 from colibri_stream.planning.kv_bytes import (
     cache_bytes_per_token,
     naive_kv_bytes_per_token,
@@ -39,7 +40,6 @@ from colibri_stream.runtime.kv.logs import SessionLog, open_log
 from colibri_stream.runtime.kv.records import RestoredPrefix
 from engine.config.args import ModelArgs
 from engine.core.interfaces import Cache
-from engine.families import family_of
 from engine.v4.position_rows import RowsReleased
 from storage.errors import CorruptDataError, FormatError
 from storage.files.safe_read import NotRegularFileError, file_kind
@@ -284,7 +284,7 @@ def session_info(path: Path, args: ModelArgs) -> dict[str, Any]:
         "naive_kv_bytes_per_token": naive,
         "compression_vs_naive": round(naive / per_token, 2),
     }
-    compressed = family_of(args).compressed_kv_bytes_per_token(dtype_bytes(geometry.dtype))
+    compressed = family_memory(args).compressed_kv_bytes_per_token(dtype_bytes(geometry.dtype))
     if compressed is None:  # no compressed attention: the log's record is what the cache holds
         return info
     return {**info, **_compressed_info(args, state.get("compute_dtype"), compressed, naive)}

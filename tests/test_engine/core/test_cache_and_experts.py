@@ -7,6 +7,7 @@ import torch
 
 from colibri_stream.devtools import fixtures
 from engine.core.cache import KVCache
+from engine.core.sources import Offered
 
 
 def _forward(loaded, ids, start, cache):
@@ -131,19 +132,17 @@ class _Chunking:
         self.acquires: list[tuple[int, tuple[int, ...]]] = []
         self.pinned: tuple[int, ...] = ()
 
-    prefetch_layers = 1
-
-    def max_acquire(self):
-        return self.limit
+    def offers(self):
+        return Offered(max_acquire=self.limit, read_ahead=self.experts)
 
     def prefetch(self, layer, expert_ids):
         pass
 
-    def wants_prefetch(self, layer):
-        return False
+    def lookahead(self, layers):
+        return ()
 
-    def memory_of(self, layer, expert_ids):
-        return self.experts.memory_of(layer, expert_ids)
+    def routed_sum(self):
+        return None
 
     def acquire(self, layer, expert_ids):
         assert not self.pinned, "a chunk was acquired before the previous one was released"
