@@ -158,6 +158,12 @@ SETTINGS: tuple[Setting, ...] = (
         "a later one's read has longer to land",
     ),
     Setting(
+        "half_life", "cache.half_life", "--half-life", Kind.COUNT, owner=StoreConfig, target="half_life",
+        unit="tokens", metavar="N",
+        help="the frequent policy's routing counts halve every N tokens' worth of routed uses: shorter follows a "
+        "conversation that moves on sooner, longer keeps experts hot across it",
+    ),
+    Setting(
         "preload", "cache.preload", "--preload", Kind.SWITCH, owner=StoreConfig, target="preload",
         help="when --ram holds every expert, read them all at load rather than as prompts need them",
     ),

@@ -165,11 +165,11 @@ DEFAULT_POLICY = POLICY_NAMES[0]
 RAM_HALF_LIFE_TOKENS = 32
 
 
-def ram_policy(name: str, uses_per_token: int) -> EvictionPolicy:
+def ram_policy(name: str, uses_per_token: int, half_life_tokens: int = RAM_HALF_LIFE_TOKENS) -> EvictionPolicy:
     """The RAM tier's eviction policy for a user's choice (``POLICY_NAMES``); ``pinned`` is LRU over the
     slots its pins leave. ``uses_per_token``: routed experts a token asks for (MoE layers x top-k)."""
     if name == "frequent":
-        return FrequentPolicy(RAM_HALF_LIFE_TOKENS * max(1, uses_per_token))
+        return FrequentPolicy(half_life_tokens * max(1, uses_per_token))
     if name == "hybrid":
         return HybridPolicy()
     return LRUPolicy()

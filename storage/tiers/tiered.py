@@ -33,7 +33,7 @@ from storage.errors import BudgetError, CorruptDataError
 from storage.files.buffers import aligned_empty
 from storage.tiers.device_copy import DeviceCopies
 from storage.tiers.history import UsageHistory
-from storage.tiers.policy import DEFAULT_POLICY, POLICY_NAMES, FrequentPolicy, ram_policy
+from storage.tiers.policy import DEFAULT_POLICY, POLICY_NAMES, RAM_HALF_LIFE_TOKENS, FrequentPolicy, ram_policy
 from storage.tiers.read_queue import ReadQueue, ReadScheduler
 from storage.tiers.spread_reads import SpreadReads
 from storage.tiers.stats import DeviceStats, Key, RoutingCounts, StoreStats, TierView
@@ -88,6 +88,8 @@ class StoreConfig:
     # prompt waits for a read; the reads fault the slot memory in, instead of a separate pre-fault pass.
     # Code that counts on-demand reads at such a budget (tests, disk benchmarks) turns it off.
     preload: bool = True
+    # the frequent policy's counts halve every this many tokens' worth of routed uses (storage.tiers.policy)
+    half_life: int = field(default=RAM_HALF_LIFE_TOKENS, metadata={RANGE: (1, None)})
     history_path: Path | None = None  # usage-history file (learned hot store), saved after every turn
 
     def __post_init__(self) -> None:
@@ -212,7 +214,7 @@ class TieredExpertStore:
         if self.config.policy == "pinned":  # pin the most-routed experts beyond the unpinned room
             hot = self.history.hottest(n_slots - pinned_room(self.container, n_slots))
         uses_per_token = len(self.container.moe_layers) * self.container.experts_per_token
-        policy = ram_policy(self.config.policy, uses_per_token)
+        policy = ram_policy(self.config.policy, uses_per_token, self.config.half_life)
         self._ram_block = self._host_block(n_slots, prefault=not self.preloads(n_slots))
         return SlotTier("ram", n_slots, policy, hot=frozenset(hot))
 

@@ -137,3 +137,27 @@ def test_serve_with_a_budget_file_reads_it_once_and_plans_once(make_container, t
     argv = ["serve", str(container), "--budget", str(budget), "--kv-dir", str(tmp_path / "kv"), "--port", "1"]
     assert cli.main(argv) == 0, capsys.readouterr().err
     assert reads == [budget] and len(plans) == 1
+
+
+def test_a_budget_files_half_life_reaches_the_ram_policy(make_container, tmp_path):
+    """cache.half_life (one row and its StoreConfig field): the file's value is the frequent policy's, per
+    routed use, and the flag wins over the file."""
+    from colibri_stream.planning.budget import store_config
+    from colibri_stream.planning.geometry import geometry_from_container
+    from storage.container.reader import Container
+    from storage.tiers.policy import FrequentPolicy
+    from storage.tiers.tiered import TieredExpertStore
+
+    container = Container(make_container("deepseek_v3"))
+    budget = tmp_path / "b.toml"
+    budget.write_text('[cache]\npolicy = "frequent"\nhalf_life = 5\n')
+    geometry = geometry_from_container(container)
+    assert store_config(StoreOptions(budget), geometry).half_life == 5
+    assert store_config(StoreOptions(budget, half_life=7), geometry).half_life == 7
+    store = TieredExpertStore(container, store_config(StoreOptions(budget), geometry), lambda record: record)
+    try:
+        policy = store.ram.policy
+        uses_per_token = len(container.moe_layers) * container.experts_per_token
+        assert isinstance(policy, FrequentPolicy) and policy.half_life == 5 * uses_per_token
+    finally:
+        store.close()
