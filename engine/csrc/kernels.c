@@ -353,6 +353,24 @@ static PyObject *py_split_probe(PyObject *self, PyObject *args) {
 /* split_solo_ns(): the length of split.c's last solo period (tests). */
 static PyObject *py_split_solo_ns(PyObject *self, PyObject *unused) { return PyLong_FromLong(split_solo_ns()); }
 
+/* split_give_load(helper_share, yield_lost, solo_ns): split.c's load signals given, not measured (tests). */
+static PyObject *py_split_give_load(PyObject *self, PyObject *args) {
+    double share;
+    int yield_lost;
+    long solo_ns;
+    if (!PyArg_ParseTuple(args, "dil", &share, &yield_lost, &solo_ns)) return NULL;
+    split_give_load(share, yield_lost, solo_ns);
+    Py_RETURN_NONE;
+}
+
+/* split_end_solo(ago_ns): split.c's solo period ended ago_ns ago (tests). */
+static PyObject *py_split_end_solo(PyObject *self, PyObject *args) {
+    long ago_ns;
+    if (!PyArg_ParseTuple(args, "l", &ago_ns)) return NULL;
+    split_end_solo(ago_ns);
+    Py_RETURN_NONE;
+}
+
 /* rms_norm(x_ptr, rows, dim, w_ptr, eps, out_ptr): float32 [rows, dim] (decode_ops.c). */
 static PyObject *py_rms_norm(PyObject *self, PyObject *args) {
     unsigned long long x, w, out;
@@ -481,6 +499,8 @@ static PyMethodDef methods[] = {
     {"cores_shared", py_cores_shared, METH_VARARGS, "the helper thread's last verdict on its core (None: none that recent)."},
     {"split_probe", py_split_probe, METH_VARARGS, "blocks the helper ran of a two-block job whose helper block sleeps or spins (tests)."},
     {"split_solo_ns", py_split_solo_ns, METH_NOARGS, "the length of the last solo period in ns (tests)."},
+    {"split_give_load", py_split_give_load, METH_VARARGS, "the thread split's load signals given, not measured (tests)."},
+    {"split_end_solo", py_split_end_solo, METH_VARARGS, "the thread split's solo period ended ago_ns ago (tests)."},
     {"read_ahead", py_read_ahead, METH_VARARGS, "read these (address, bytes) ranges into the caches on the idle helper thread."},
     {"nibble_moe", py_nibble_moe, METH_VARARGS, "a MoE layer's routed 4-bit SwiGLU experts, float32 x, added to out."},
     {"q8_moe", py_q8_moe, METH_VARARGS, "a MoE layer's routed SwiGLU experts with int8 activations, added to out."},
@@ -502,7 +522,7 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     if (m && PyModule_AddFunctions(m, py_decode_methods) != 0) Py_CLEAR(m);
     if (m) PyModule_AddIntConstant(m, "MAX_ROWS", MAX_ROWS);
     /* the entry points and signatures of this build (engine/kernels/native.py checks it): raise both together */
-    if (m) PyModule_AddIntConstant(m, "ABI_VERSION", 3);
+    if (m) PyModule_AddIntConstant(m, "ABI_VERSION", 4);
     /* 2 AVX-512, 1 AVX2, 0 none: without SIMD the bf16 path would be slower than float32 matmul. */
     if (m) PyModule_AddIntConstant(m, "BF16_SIMD", bf16_isa(64, 2));
     /* 1: the int8-activation kernels multiply with AVX-512 VNNI's dpbusd (else AVX2 maddubs, or C) */

@@ -63,6 +63,15 @@ static pthread_t helper_id;
 static clockid_t helper_clock; /* the helper's CPU-time clock (join_helper) */
 static int helper_clock_ok = 0;
 
+/* Tests (split_give_load): the load signals below given instead of measured, so that a verdict does not
+ * depend on how busy the test machine is. given_share >= 0: the share of wall time the helper runs (per
+ * mille; the caller then runs all of it) in place of their CPU clocks; given_yield_lost >= 0: whether a yield
+ * in a join lost the caller's core; given_solo_ns > 0: a solo period's first length (the longest 32 times it)
+ * and the time within which two lost yields are a verdict (STRIKES_NS). */
+static int given_share = -1; /* per mille */
+static int given_yield_lost = -1;
+static int64_t given_solo_ns = 0;
+
 /* Takes the next block of generation gen, from the caller's half first (helper 0) or the helper's (1), then
  * from the other's; -1 when none is left (or the job is another one). */
 static int take_block(uint64_t gen, int helper) {
@@ -110,8 +119,10 @@ static int shared(void) { return __atomic_load_n(&core_shared, __ATOMIC_SEQ_CST)
 static void watch_share(int64_t wall, int64_t *wall0, int64_t *cpu0) {
     if (wall - *wall0 < SHARE_WINDOW_NS) return;
     int64_t cpu = thread_cpu_ns();
+    int given = __atomic_load_n(&given_share, __ATOMIC_RELAXED); /* per mille, or -1: measured */
+    int verdict = given >= 0 ? given < SHARE_MIN * 1000 : (double)(cpu - *cpu0) < SHARE_MIN * (double)(wall - *wall0);
     __atomic_store_n(&measured_at, wall, __ATOMIC_RELAXED);
-    __atomic_store_n(&core_shared, (double)(cpu - *cpu0) < SHARE_MIN * (double)(wall - *wall0), __ATOMIC_SEQ_CST);
+    __atomic_store_n(&core_shared, verdict, __ATOMIC_SEQ_CST);
     *wall0 = wall, *cpu0 = cpu;
 }
 
@@ -220,14 +231,18 @@ int split_read_ahead(const void *const *starts, const size_t *lengths, int n, in
 #define SOLO_NS 50000000L
 #define SOLO_MAX_NS 1600000000L
 static int64_t solo_until = 0;
+#define NO_SOLO_YET (-(1LL << 62)) /* a solo_until long enough ago for any period's length (split_give_load) */
 static int64_t solo_length = SOLO_NS; /* the last period's */
 static int64_t core_lost_at = -STRIKES_NS; /* the last yield that lost the caller's core */
+static int join_watched = 0; /* a join has read the CPU clocks (split_probe's helper block waits for it) */
 
 static int solo(int64_t now) { return now < __atomic_load_n(&solo_until, __ATOMIC_RELAXED); }
 
 static void start_solo(int64_t now) {
-    int again = now - __atomic_load_n(&solo_until, __ATOMIC_RELAXED) < SOLO_NS;
-    solo_length = again ? (solo_length * 2 < SOLO_MAX_NS ? solo_length * 2 : SOLO_MAX_NS) : SOLO_NS;
+    int64_t first = given_solo_ns > 0 ? given_solo_ns : SOLO_NS;
+    int64_t longest = given_solo_ns > 0 ? 32 * given_solo_ns : SOLO_MAX_NS;
+    int again = now - __atomic_load_n(&solo_until, __ATOMIC_RELAXED) < first;
+    solo_length = again ? (solo_length * 2 < longest ? solo_length * 2 : longest) : first;
     __atomic_store_n(&solo_until, now + solo_length, __ATOMIC_RELAXED);
 }
 
@@ -238,7 +253,8 @@ static int64_t both_cpu_ns(void) { return thread_cpu_ns() + clock_ns(helper_cloc
 static int yield_lost_core(void) {
     int64_t before = now_ns();
     sched_yield();
-    return now_ns() - before >= YIELD_LOST_NS;
+    int given = __atomic_load_n(&given_yield_lost, __ATOMIC_RELAXED);
+    return given >= 0 ? given : now_ns() - before >= YIELD_LOST_NS;
 }
 
 /* Waits for the block the helper is inside, if any; a wait that shows shared cores starts a solo period. */
@@ -248,15 +264,20 @@ static void join_helper(void) {
     for (int polls = 0; __atomic_load_n(&helper_inside, __ATOMIC_SEQ_CST); polls++) {
         if (polls == 0) since = now_ns();
         if (polls % 64 == 63) {
-            if (watched == 0 && helper_clock_ok && now_ns() - since > WATCH_AFTER_NS) watched = now_ns(), cpu0 = both_cpu_ns();
+            if (watched == 0 && helper_clock_ok && now_ns() - since > WATCH_AFTER_NS) {
+                watched = now_ns(), cpu0 = both_cpu_ns();
+                __atomic_store_n(&join_watched, 1, __ATOMIC_SEQ_CST);
+            }
             lost_core |= yield_lost_core(); /* the helper may be descheduled inside its block */
         }
         PAUSE();
     }
     if (!lost_core && watched == 0) return; /* no wait long enough to tell anything: no clock to read */
     int64_t now = now_ns();
-    int helper_off = watched != 0 && now - since > SOLO_WAIT_NS && 10 * (both_cpu_ns() - cpu0) < 18 * (now - watched);
-    int lost_twice = lost_core && now - core_lost_at < STRIKES_NS;
+    int given = __atomic_load_n(&given_share, __ATOMIC_RELAXED); /* the caller then runs all the time */
+    int ran_little = given >= 0 ? 1000 + given < 1800 : 10 * (both_cpu_ns() - cpu0) < 18 * (now - watched);
+    int helper_off = watched != 0 && now - since > SOLO_WAIT_NS && ran_little;
+    int lost_twice = lost_core && now - core_lost_at < (given_solo_ns > 0 ? given_solo_ns : STRIKES_NS);
     if (lost_core) core_lost_at = now;
     if (lost_twice || helper_off) start_solo(now);
 }
@@ -299,6 +320,19 @@ int split_cores_shared(long max_age_ns) {
 
 long split_solo_ns(void) { return (long)solo_length; }
 
+void split_give_load(double helper_share, int yield_lost, long solo_ns) {
+    __atomic_store_n(&given_share, helper_share >= 0 ? (int)(helper_share * 1000 + 0.5) : -1, __ATOMIC_RELAXED);
+    __atomic_store_n(&given_yield_lost, yield_lost, __ATOMIC_RELAXED);
+    given_solo_ns = solo_ns;
+    /* what was measured before is not about these signals */
+    __atomic_store_n(&solo_until, NO_SOLO_YET, __ATOMIC_RELAXED);
+    solo_length = solo_ns > 0 ? solo_ns : SOLO_NS, core_lost_at = NO_SOLO_YET;
+    __atomic_store_n(&core_shared, 0, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&measured_at, 0, __ATOMIC_RELAXED);
+}
+
+void split_end_solo(long ago_ns) { __atomic_store_n(&solo_until, now_ns() - ago_ns, __ATOMIC_RELAXED); }
+
 void split_after_fork(void) {
     read_ahead_after_fork();
     helper_state = 0;
@@ -310,10 +344,13 @@ void split_after_fork(void) {
 }
 
 /* The probe's job: block 0 is the caller's, block 1 the helper's (middle_of(2) = 1). The caller's waits until
- * the helper is inside block 1 (unless the job runs solo, or a second passes: no helper), so the join waits out
- * the helper's block: helper_ns asleep (descheduled, as far as the join can tell) or spinning (running). A solo
- * job leaves the ticket's generation as it was; asking solo() again instead would wait a second for nothing
- * when the period ends between split_run's check and the block's. */
+ * the helper is inside block 1 (unless the job runs solo, or ten seconds pass: no helper). Where helper_ns is
+ * past SOLO_WAIT_NS (a check of the CPU-clock rule; a shorter block holds the join for its yields) the helper's
+ * block waits until the caller's join has read the CPU clocks, then lasts helper_ns more, asleep
+ * (descheduled, as far as the join can tell) or spinning (running): the join then waits out helper_ns past its
+ * clocks however late the scheduler let the caller get there. A solo job leaves the ticket's generation as it
+ * was; asking solo() again instead would wait for nothing when the period ends between split_run's check and
+ * the block's. */
 typedef struct {
     long helper_ns;
     int helper_sleeps, helper_started, helper_blocks;
@@ -325,6 +362,9 @@ static void probe_block(void *arg, int block) {
     if (pthread_equal(pthread_self(), helper_id)) {
         __atomic_add_fetch(&p->helper_blocks, 1, __ATOMIC_SEQ_CST);
         __atomic_store_n(&p->helper_started, 1, __ATOMIC_SEQ_CST);
+        for (int64_t until = now_ns() + 10000000000L; p->helper_ns > SOLO_WAIT_NS && helper_clock_ok &&
+                                                     !__atomic_load_n(&join_watched, __ATOMIC_SEQ_CST) && now_ns() < until;)
+            PAUSE();
         if (p->helper_sleeps) {
             struct timespec pause = {p->helper_ns / 1000000000L, p->helper_ns % 1000000000L};
             nanosleep(&pause, NULL);
@@ -332,13 +372,14 @@ static void probe_block(void *arg, int block) {
             for (int64_t until = now_ns() + p->helper_ns; now_ns() < until;) PAUSE();
         }
     } else if (block == 0 && generation(__atomic_load_n(&ticket, __ATOMIC_SEQ_CST)) != p->generation_before) {
-        for (int64_t until = now_ns() + 1000000000L; !__atomic_load_n(&p->helper_started, __ATOMIC_SEQ_CST) && now_ns() < until;)
+        for (int64_t until = now_ns() + 10000000000L; !__atomic_load_n(&p->helper_started, __ATOMIC_SEQ_CST) && now_ns() < until;)
             PAUSE();
     }
 }
 
 int split_probe(long helper_ns, int helper_sleeps, int fresh) {
-    if (fresh) __atomic_store_n(&solo_until, 0, __ATOMIC_RELAXED);
+    if (fresh) __atomic_store_n(&solo_until, NO_SOLO_YET, __ATOMIC_RELAXED);
+    __atomic_store_n(&join_watched, 0, __ATOMIC_SEQ_CST);
     Probe probe = {helper_ns, helper_sleeps, 0, 0, generation(__atomic_load_n(&ticket, __ATOMIC_SEQ_CST))};
     split_run(probe_block, &probe, 2, 2);
     return probe.helper_blocks;

@@ -39,6 +39,16 @@ int split_cores_shared(long max_age_ns);
 /* The length of the last solo period (split.c start_solo), in ns (tests). */
 long split_solo_ns(void);
 
+/* Tests: the load signals split.c reads given instead of measured, so that its verdicts do not depend on the
+ * test machine's load. helper_share >= 0: the helper runs that fraction of the wall time and the caller all
+ * of it (watch_share's and join_helper's CPU clocks); yield_lost >= 0: whether a yield in a join lost the
+ * caller's core; solo_ns > 0: a solo period's first length. A negative value (or 0 for solo_ns) measures
+ * again. Either way the verdicts measured so far are dropped (no solo period, no verdict on the core). */
+void split_give_load(double helper_share, int yield_lost, long solo_ns);
+
+/* Tests: the solo period ended ago_ns ago (a negative ago_ns: it ends that far ahead). */
+void split_end_solo(long ago_ns);
+
 /* A forked child has no helper thread (only the forking thread survives): call in the child. */
 void split_after_fork(void);
 
