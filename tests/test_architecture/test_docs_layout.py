@@ -1,7 +1,6 @@
 """docs/architecture.md's layout describes the tree as it stands, by whole paths: every file it names
-exists where the page puts it, every package folder has its line, and every module of the library, the
-engine and the store is named in its folder (a moved, added or renamed module fails here until the page
-says where it went)."""
+exists where the page puts it, and every package folder and every module has its line (a moved, added or
+renamed module fails here until the page says where it went)."""
 
 from __future__ import annotations
 
@@ -34,8 +33,9 @@ def _expand(name: str) -> list[str]:
 
 
 def layout_paths(block: str) -> tuple[set[str], set[str]]:
-    """(files, folders) the block names, as whole paths from the repository root: each entry sits in the
-    folder of the nearest line above it with less indentation that names a folder."""
+    """(files, folders) the block names, as whole paths from the repository root: an entry line starts
+    (before the description column) with one or more names, and sits in the folder of the nearest line
+    above it with less indentation that names a folder."""
     files: set[str] = set()
     folders: set[str] = set()
     parents: list[tuple[int, str]] = []  # (indent, folder path)
@@ -43,8 +43,11 @@ def layout_paths(block: str) -> tuple[set[str], set[str]]:
         indent = len(line) - len(line.lstrip(" "))
         if not line.strip() or indent >= NAME_COLUMN:
             continue
-        names = line[:NAME_COLUMN].split() if indent < NAME_COLUMN else []
-        names = [n for n in names if ENTRY.fullmatch(n) and ("." in n or n.endswith("/"))]
+        names = []
+        for token in line.split():
+            if not (ENTRY.fullmatch(token) and (token.endswith((".py", ".c", ".h", ".pyi", "/")))):
+                break
+            names.append(token)
         while parents and parents[-1][0] >= indent:
             parents.pop()
         base = parents[-1][1] if parents else ""
@@ -80,14 +83,13 @@ def test_every_package_folder_is_named_in_the_layout():
     assert not unnamed, f"package folders missing from docs/architecture.md's layout: {unnamed}"
 
 
-def test_every_module_of_the_library_engine_and_store_is_named_at_its_path():
-    """The applications' folders are described per folder; everything below them module by module."""
+def test_every_module_is_named_at_its_path():
     files, _ = layout_paths(_layout_block())
     modules = {
         path.relative_to(ROOT).as_posix()
-        for folder in DESCRIBED_WHOLE
-        for path in (ROOT / folder).rglob("*.py")
-        if path.name != "__init__.py" or path.parent == ROOT / "engine"
+        for package in PACKAGES
+        for path in (ROOT / package).rglob("*.py")
+        if path.name != "__init__.py" and "__pycache__" not in path.parts
     }
     unnamed = sorted(modules - files)
     assert not unnamed, f"modules missing from docs/architecture.md's layout: {unnamed}"
