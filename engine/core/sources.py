@@ -1,37 +1,9 @@
-"""How the MoE layer gets routed experts: the expert sources the engine declares.
+"""Expert sources: where a MoE layer gets its routed experts (the engine never owns them).
 
-The engine never owns routed experts. A MoE layer gets them from an expert source, one of two kinds:
-an ``ExpertSource`` hands over the experts themselves and the layer computes with them (storage streams
-them from disk into RAM/VRAM tiers: the tiered store satisfies the protocol structurally; tests and
-small models use ``ResidentExperts``), while a ``RemoteExperts`` computes the routed sum elsewhere (the
-experts sharded over worker processes) and returns it. ``is_remote`` tells them apart by the declared
-``routed_sum``. Both take the model's prefetch guesses.
-
-The four verbs of an ``ExpertSource``:
-    acquire(layer, ids)    -> start bringing every id in and return at once (``Acquired``): indexing it
-                              waits for that expert only, so the shared expert (computed right after
-                              acquire) overlaps the loads; ``ready(id)`` says whether indexing would wait,
-                              so the MoE layer computes the experts already in memory before it waits. The
-                              ids stay pinned until release
-    release(layer, ids)    -> unpin: the source may evict them again
-    prefetch(layer, ids)   -> a non-blocking hint for a coming layer (the next layer's router applied to the
-                              current hidden state); it may be ignored, never changes tokens
-    lookahead(layers)      -> of the coming MoE layers (nearest first), those a guess made now is for: as
-                              far ahead as the source looks, less those a guess would change nothing for
-                              (the model skips their router runs)
-What a source may offer beside them (``offers()``: ``Offers``, each None when not):
-    max_acquire            -> how many experts of one layer may be pinned at once; the MoE layer acquires a
-                              step's distinct experts in chunks of at most that many, each released before
-                              the next is acquired
-    resident (ResidentSet) -> every expert of a layer while none can leave memory: a decode step may then
-                              run every layer in one C call with no acquire (engine/mla/fused_decode.py),
-                              and count what it used as the skipped acquires would have
-    read_ahead (ReadAheadMemory) -> the arrays of some experts held in this process's memory now: what the
-                              kernels' idle helper thread reads into the CPU caches ahead of use
-                              (engine/kernels/read_ahead.py)
-A ``RemoteExperts`` has prefetch, lookahead and offers too, and instead of acquire/release its
-``routed_sum()`` (a ``RemoteSum``): start_routed_sum(layer, x, weights, ids) sends the layer's rows to
-where the experts are; the returned function waits for the float64 routed sum.
+An ``ExpertSource`` hands over the experts and the layer computes with them (the tiered store satisfies it
+structurally; ``ResidentExperts`` for tests and small models). A ``RemoteExperts`` computes the routed sum
+where the experts are (worker processes) and returns it. Both take the model's prefetch guesses and may
+offer speed paths (``Offers``).
 """
 
 from __future__ import annotations
@@ -54,9 +26,8 @@ if TYPE_CHECKING:  # typing_extensions: a type checker's dependency, not the run
 class ExpertWeights:
     """One routed expert in float: w1 (gate) and w3 (up) [inter, dim], w2 (down) [dim, inter].
 
-    Weights stored in another float dtype than the activations (bf16 records, f32 compute) are cast
-    per call, not once: a cast copy kept with the expert would double or triple the memory of every
-    cached slot, beyond the budget the slots were sized for."""
+    Weights in another dtype than the activations are cast per call: a kept cast copy would double or
+    triple every cached slot's memory, beyond the budget the slots were sized for."""
 
     w1: torch.Tensor
     w2: torch.Tensor
@@ -71,7 +42,7 @@ class ExpertWeights:
         return [self.w1, self.w3, self.w2]
 
     def __call__(self, x: torch.Tensor, limit: float | None = None) -> torch.Tensor:
-        """x [N, dim] -> [N, dim]; ``limit``: the swiglu clamp (engine.core.layers.swiglu), None for none"""
+        """x [N, dim] -> [N, dim]; ``limit``: the swiglu clamp, None for none"""
         w1, w2, w3 = (w if w.dtype == x.dtype else w.to(x.dtype) for w in (self.w1, self.w2, self.w3))
         return linear(swiglu(linear(x, w1), linear(x, w3), limit), w2)
 
@@ -81,20 +52,20 @@ class Expert(Protocol):
 
     @property
     def device(self) -> torch.device:
-        """Where its weights live (e.g. a VRAM slot): the MoE layer computes it there (see RoutedSum)."""
+        """Where its weights live (e.g. a VRAM slot): the MoE layer computes it there."""
         ...
 
     def tensors(self) -> list[torch.Tensor]:
-        """Its weight arrays in the order a call reads them (what a read-ahead may touch)."""
+        """Its weight arrays in read order (what a read-ahead may touch)."""
         ...
 
     def __call__(self, x: torch.Tensor, limit: float | None = None) -> torch.Tensor:
-        """x [N, dim] -> [N, dim] on the expert's device (``limit``: the swiglu clamp, V4 only)."""
+        """x [N, dim] -> [N, dim] on the expert's device (``limit``: swiglu clamp, V4 only)."""
         ...
 
 
 class Acquired(Protocol):
-    """The experts of one acquire, by id."""
+    """The experts of one acquire, by id; indexing waits for that expert only."""
 
     def __getitem__(self, expert: int) -> Expert:
         """The expert, waiting for its read if it is still loading."""
@@ -106,17 +77,23 @@ class Acquired(Protocol):
 
 
 class Offers(Protocol):
-    """The optional speed paths of a source (see the module doc); None: not offered (now). A store
-    answers with its own frozen dataclass of these fields (storage does not import the engine)."""
+    """A source's optional speed paths, each None when not offered (now). A store answers with its own
+    dataclass of these fields (storage does not import the engine)."""
 
     @property
-    def max_acquire(self) -> int | None: ...
+    def max_acquire(self) -> int | None:
+        """Most experts of a layer pinned at once: the MoE layer acquires in chunks of this many."""
+        ...
 
     @property
-    def resident(self) -> ResidentSet | None: ...
+    def resident(self) -> ResidentSet | None:
+        """Set while no expert can leave memory: decode then runs every layer in one C call."""
+        ...
 
     @property
-    def read_ahead(self) -> ReadAheadMemory | None: ...
+    def read_ahead(self) -> ReadAheadMemory | None:
+        """Expert arrays the kernels' idle helper thread may read into the CPU caches ahead of use."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -133,12 +110,11 @@ class ResidentSet(Protocol):
 
     def resident(self, layer: int) -> Sequence[Expert] | None:
         """Every routed expert of ``layer`` (index = id) while none can leave memory, else None; the same
-        object from call to call while that holds, so a caller may keep what it derives from it."""
+        object while that holds, so a caller may cache what it derives from it."""
         ...
 
     def count_resident(self, used: Mapping[int, Sequence[int]]) -> None:
-        """Count a step's experts taken from ``resident`` (layer -> ids) as the skipped acquires would have:
-        requests, hits, routing counts, usage history, trace."""
+        """Count a step's experts taken from ``resident`` (layer -> ids) as the skipped acquires would have."""
         ...
 
 
@@ -153,21 +129,28 @@ class ReadAheadMemory(Protocol):
 class Prefetching(Protocol):
     """What the model asks of every source: prefetch guesses, and the speed paths it offers."""
 
-    def prefetch(self, layer: int, expert_ids: Sequence[int]) -> None: ...
+    def prefetch(self, layer: int, expert_ids: Sequence[int]) -> None:
+        """A non-blocking hint for a coming layer; may be ignored, never changes tokens."""
+        ...
 
     def lookahead(self, layers: Sequence[int]) -> Sequence[int]:
-        """Of the coming ``layers`` (nearest first), those a prefetch guess made now is for."""
+        """Of the coming ``layers`` (nearest first), those a guess made now is for (the model skips the others'
+        router runs)."""
         ...
 
     def offers(self) -> Offers: ...
 
 
 class ExpertSource(Prefetching, Protocol):
-    """A source that hands the MoE layer the experts themselves (see the module doc)."""
+    """A source that hands the MoE layer the experts themselves."""
 
-    def acquire(self, layer: int, expert_ids: Sequence[int]) -> Acquired: ...
+    def acquire(self, layer: int, expert_ids: Sequence[int]) -> Acquired:
+        """Start loading, return at once (the shared expert overlaps the loads); pinned until release."""
+        ...
 
-    def release(self, layer: int, expert_ids: Sequence[int]) -> None: ...
+    def release(self, layer: int, expert_ids: Sequence[int]) -> None:
+        """Unpin: the source may evict them again."""
+        ...
 
     def routed_sum(self) -> None:
         """None: the MoE layer sums this source's experts itself."""
@@ -238,9 +221,8 @@ class ResidentExperts:
         pass
 
     def lookahead(self, layers: Sequence[int]) -> Sequence[int]:
-        """None of them for this no-op prefetch (every expert is in memory), so the model skips the router
-        run; the next one for a subclass that overrides prefetch (a guess further ahead finds nothing more
-        to do here than the next layer's)."""
+        """None for this no-op prefetch, so the model skips the router run; the next one for a subclass that
+        overrides prefetch (further ahead would do no more here)."""
         return layers[:1] if type(self).prefetch is not ResidentExperts.prefetch else ()
 
     def routed_sum(self) -> None:
@@ -254,7 +236,7 @@ class ResidentExperts:
         return [tensor for e in expert_ids if e in held for tensor in held[e].tensors()]
 
     def resident(self, layer: int) -> tuple[Expert, ...] | None:
-        """The layer's experts by id, when they are numbered 0..n-1 (None for a layer without them)."""
+        """The layer's experts by id, when numbered 0..n-1, else None."""
         if layer not in self._by_id:
             held = self._experts.get(layer, {})
             whole = len(held) > 0 and all(e in held for e in range(len(held)))
