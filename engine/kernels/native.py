@@ -1,21 +1,19 @@
-"""The C extension (engine/csrc/, built as engine.kernels._kernels), imported once for every wrapper.
+"""The C extension (engine/csrc/ as engine.kernels._kernels), imported once for every wrapper.
 
-A build is whole or absent: its ``ABI_VERSION`` names one set of entry points and signatures
-(engine/kernels/_kernels.pyi), so a wrapper asks ``_kernels is not None``, never whether one function
-exists. A build whose version differs (a stale .so beside newer sources) counts as absent: the torch
-paths run, with the same results within float rounding, and a warning says why.
+A build is whole or absent: wrappers ask ``_kernels is not None``, never for one function. A build of
+another ``ABI_VERSION`` (a stale .so) counts as absent, with a warning; the torch paths then run.
 """
 
 from __future__ import annotations
 
 import warnings
 
-ABI_VERSION = 4  # kernels.c's ABI_VERSION: raise both together when an entry point or signature changes
+ABI_VERSION = 4  # raise with kernels.c's when an entry point or signature changes
 
-try:  # built at install time where a compiler is there
+try:
     from engine.kernels import _kernels
 except ImportError:  # pragma: no cover - exercised on machines without a compiler
-    _kernels = None  # type: ignore[assignment]  # no C extension: every wrapper checks for None first
+    _kernels = None  # type: ignore[assignment]
 else:
     _found = _kernels.ABI_VERSION if hasattr(_kernels, "ABI_VERSION") else 0  # reflection: stale builds lack it
     if _found != ABI_VERSION:  # pragma: no cover - a stale build

@@ -1,15 +1,7 @@
-"""Read-ahead into the CPU caches: the next layer's weights, read by the kernels' idle helper thread.
-
-A decode step alternates weight-bound kernel calls with Python that touches almost no memory (norms,
-rope, routing, small torch ops). One core streams a matrix from DRAM at half the speed or less that the
-same kernel reads weights already in L3 (docs/kernels.md, "Read-ahead into the caches"). So where L3
-holds a request several times over (colibri_stream/planning/read_ahead.py decides per machine), while the
-caller runs the Python between two kernel calls, the helper thread (engine/csrc/split.c, read_ahead.c),
-otherwise idle, reads the weights the next layer will use: its dense part, then the routed experts the
-prefetch guess names and the expert source already holds in memory. The kernels then find them in the
-caches. The same bytes come from DRAM, off the critical path; no value changes.
-
-Only with 2+ kernel threads (with one there is no idle core) and only for CPU tensors.
+"""Read-ahead into the CPU caches: while the caller runs the Python between two kernel calls, the kernels'
+idle helper thread reads the next layer's weights (dense, then the guessed experts held in memory), so the
+kernels find them in L3. One core streams DRAM at half the L3 speed or less (docs/kernels.md, "Read-ahead
+into the caches"). No value changes. Needs 2+ kernel threads (an idle core) and CPU tensors.
 """
 
 from __future__ import annotations
@@ -31,22 +23,19 @@ _held: list[object] = []  # what the helper may be reading: kept alive until the
 
 
 def read_ahead_available() -> bool:
-    # reflection: a build of the C extension older than read_ahead.c lacks it
     return _kernels is not None and kernel_threads() >= 2
 
 
 class ReadsOtherFormInDecode:
-    """A module whose decode step reads some of its weights in another form (e.g. MLA's wkv_b as int8
-    records): ``decode_unread`` names those the read-ahead leaves out."""
+    """A module whose decode reads some weights in another form (MLA's int8 wkv_b): ``decode_unread`` names them."""
 
     def decode_unread(self) -> list[torch.Tensor]:
         return []
 
 
 def module_arrays(module: nn.Module) -> list[torch.Tensor]:
-    """A module's CPU parameters and buffers of MIN_BYTES or more, in registration order (for a Block:
-    attention, then the FFN: the order a forward reads them), less those a submodule's decode step does
-    not read (``ReadsOtherFormInDecode``)."""
+    """A module's CPU parameters and buffers of MIN_BYTES or more in registration order (a forward's read
+    order), less those its decode does not read."""
     unread = {id(t) for sub in module.modules() if isinstance(sub, ReadsOtherFormInDecode) for t in sub.decode_unread()}
     arrays = []
     for sub in module.modules():
@@ -65,8 +54,7 @@ def _address_and_bytes(array: torch.Tensor | np.ndarray) -> tuple[int, int]:
 
 
 def request_read_ahead(arrays: Sequence[torch.Tensor | np.ndarray]) -> None:
-    """Have the helper thread read these contiguous arrays, in order, into the caches, instead of
-    whatever it was asked before. Returns at once. Non-contiguous arrays are skipped."""
+    """Replace the helper's request with these contiguous arrays (others skipped); returns at once."""
     if not read_ahead_available():
         return
     arrays = [a for a in arrays if _contiguous(a)]
@@ -76,8 +64,7 @@ def request_read_ahead(arrays: Sequence[torch.Tensor | np.ndarray]) -> None:
 
 
 def stop_read_ahead() -> None:
-    """Drop the pending request and the arrays held for it: a closed model's weights (or a store's RAM
-    block, through its slots) can then be freed."""
+    """Drop the pending request and its arrays, so a closed model's weights (or a store's RAM) can be freed."""
     if _kernels is not None:
         with _lock:
             _kernels.read_ahead([], 2)
