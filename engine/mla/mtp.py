@@ -1,22 +1,12 @@
-"""Multi-token prediction: the MTP module DeepSeek-V3/R1 and GLM-5 ship after their last block, as a drafter.
+"""Multi-token prediction (DeepSeek-V3 report §2.2): the MTP module after the last block, as a drafter.
 
-DeepSeek-V3 report §2.2: at position i the module joins the main model's hidden state h_i (before the
-final norm) with the embedding of token i+1,
-
-    x = eh_proj([enorm(embed(t_{i+1})) ; hnorm(h_i)])    [S, 2 dim] -> [S, dim]
-    x = block(x)                                          a decoder block (MLA + MoE) with its own cache
+    x = eh_proj([enorm(embed(t_{i+1})) ; hnorm(h_i)])    [S, 2 dim] -> [S, dim]; h_i before the final norm
+    x = block(x)                                          MLA + MoE, with its own cache
     logits = head(norm(x))                                predicts t_{i+2}; embed and head are the main model's
 
-so after the main model has produced token n (from h_{n-1}), the module drafts token n+1; applied again
-to its own output and that draft, token n+2, and so on. A draft only proposes: the main model verifies
-every drafted token (``Transformer.forward_rows`` over the sequence's new positions, each computed as its
-own decode step), so drafts change how many tokens a step yields, never which.
-
-``DraftCache`` (engine/core/cache.py) is the module's attention state of one sequence. It holds positions from
-``offset`` on: the module sees the pairs (h_i, t_{i+1}) of the positions decoded since drafting began (a
-gap, when drafting paused, starts it afresh), not the prompt's, whose hidden states a prefill does not
-keep.
-Positions past the last real pair are the draft chain's own and are forgotten at the next draft.
+The main model verifies every draft, so drafts change how many tokens a step yields, never which. The
+``DraftCache`` holds positions decoded since drafting began (a prefill keeps no hidden states); positions
+past the last real pair are the draft chain's and are forgotten at the next draft.
 """
 
 from __future__ import annotations
@@ -36,7 +26,7 @@ from engine.kernels.rows import Linear, rows_alone
 
 
 class FusedRows(Protocol):
-    """Decode steps of the block's rows in one C call (engine/mla/fused_decode.py FusedDecode)."""
+    """Decode steps of the block's rows in one C call (fused_decode.FusedDecode)."""
 
     def step(
         self, x: torch.Tensor, starts: list[int], ropes: list[tuple[torch.Tensor, torch.Tensor]],
@@ -45,8 +35,8 @@ class FusedRows(Protocol):
 
 
 class BlockStep(Protocol):
-    """Where the block's decode steps may run as one C call (engine/mla/fused_decode.py OneCall, which the
-    model builds: this module stays below the fused step)."""
+    """Where the block's decode steps may run as one C call (fused_decode.OneCall; the model builds it, so this
+    module stays below the fused step)."""
 
     def forget(self) -> None: ...
 
@@ -56,11 +46,10 @@ class BlockStep(Protocol):
 
 
 class MTP(nn.Module):
-    """One MTP module: its two input norms, the joining projection, its block (layer id ``layer_id`` for
-    the expert source) and its output norm."""
+    """One MTP module; ``layer_id`` names its block's experts to the expert source."""
 
     def __init__(self, args: ModelArgs, layer_id: int, block: nn.Module):
-        """``block``: an engine/mla/model.py Block of layer ``layer_id`` (built there: model.py imports this file)."""
+        """``block``: a model.py Block (built there: model.py imports this file)."""
         super().__init__()
         self.args = args
         self.layer_id = layer_id
@@ -69,7 +58,7 @@ class MTP(nn.Module):
         self.eh_proj = Linear(2 * args.dim, args.dim, bias=False)
         self.block = block
         self.norm = RMSNorm(args.dim, args.rms_norm_eps)
-        self.one_call: BlockStep | None = None  # the block's decode step in one C call (model.py sets it)
+        self.one_call: BlockStep | None = None  # set by model.py
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
         if self.one_call is not None:
@@ -97,16 +86,15 @@ class MTP(nn.Module):
         cache: DraftCache[LayerCache],
         experts: Experts,
     ) -> torch.Tensor:
-        """hidden, embedded [1, S, dim] (h_i and embed(t_{i+1}) of ids [1, S], positions i = position..) ->
-        the module's hidden states [1, S, dim] (before ``norm``); the S positions are appended to ``cache``.
-        (``ids``: the common signature of MTP modules; V4's block routes by them.)"""
+        """hidden, embedded [1, S, dim] (h_i, embed(t_{i+1}), i = position..) -> [1, S, dim] before ``norm``,
+        appended to ``cache``. ``ids`` [1, S]: unused here (V4's block routes by them)."""
         cache.continue_at(position)
         seqlen = hidden.shape[1]
         x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
-        rows = [[cache.layer]] * seqlen  # one list for every row: they are one sequence's
-        with rows_alone():  # the C step computes each pair as its own decode step: the rows' solo bits
+        rows = [[cache.layer]] * seqlen
+        with rows_alone():  # the C step's solo bits
             fused = None if self.one_call is None else self.one_call.applies(x, rows, experts)
-        if fused is not None:  # each pair as its own decode step of the block, in one C call
+        if fused is not None:
             starts = [position - cache.offset + j for j in range(seqlen)]
             ropes = [rope_tables(self.args, position + j, 1, x.device) for j in range(seqlen)]
             return fused.step(x[0], starts, ropes, rows)[None]

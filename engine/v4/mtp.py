@@ -1,15 +1,11 @@
-"""DeepSeek-V4's multi-token-prediction module (``mtp.I``), as a drafter: engine/mla/mtp.py's for V4's streams.
+"""DeepSeek-V4's multi-token-prediction module (``mtp.I``) as a drafter: engine/mla/mtp.py's, on V4's streams.
 
-At position i it joins the main model's hyper-connection streams h_i [n, dim] (before the head's collapse)
-with the embedding of token i+1, each normalised, projected and added stream by stream:
-
-    x = e_proj(enorm(embed(t_{i+1})))[None] + h_proj(hnorm(h_i))   [n, dim]
+    x = e_proj(enorm(embed(t_{i+1})))[None] + h_proj(hnorm(h_i))   [n, dim]; h_i: streams before collapse
     x = block(x)                       a V4 block (layer n_layers + I) with its own cache
-    logits = head(norm(hc_head(x)))    its own collapse of the streams; embed and head: the main model's
+    logits = head(norm(hc_head(x)))    its own collapse; embed and head: the main model's
 
-as DeepSeek's reference MTPBlock does. Drafts are only proposals (the main model verifies each), so the
-module's attention runs at positions counted from where its cache starts (``DraftCache.offset``): rope and
-the compressors' windows see those positions shifted, which changes a draft's quality, never a token.
+Its positions count from ``DraftCache.offset``, shifting rope and compressor windows: that changes a
+draft's quality, never a token (the main model verifies each).
 """
 
 from __future__ import annotations
@@ -27,13 +23,12 @@ from engine.v4.hyper import HyperHead
 
 
 class V4MTP(nn.Module):
-    """One MTP module: its input norms and projections, its block (built by engine/v4/model.py, which imports
-    this file) of layer ``layer_id`` for the expert source, its stream collapse and output norm."""
+    """One MTP module; ``block`` is built by engine/v4/model.py (which imports this file)."""
 
     def __init__(self, args: ModelArgs, layer_id: int, block: nn.Module):
         super().__init__()
         v4 = args.v4
-        assert v4 is not None  # a V4 module is built from deepseek_v4 args (engine/families.py)
+        assert v4 is not None
         self.args = args
         self.layer_id = layer_id
         self.enorm = RMSNorm(args.dim, args.rms_norm_eps)
@@ -58,16 +53,15 @@ class V4MTP(nn.Module):
         cache: DraftCache[V4DraftLayer],
         experts: Experts,
     ) -> torch.Tensor:
-        """streams [1, S, n, dim] and embedded [1, S, dim] (h_i and embed(t_{i+1}) of ids [1, S], positions
-        i = position..) -> the module's streams [1, S, n, dim]; the S positions are appended to ``cache``."""
+        """streams [1, S, n, dim], embedded [1, S, dim] (h_i, embed(t_{i+1}) of ids [1, S], i = position..) ->
+        streams [1, S, n, dim], appended to ``cache``."""
         cache.continue_at(position)
         x = self.e_proj(self.enorm(embedded)).unsqueeze(2) + self.h_proj(self.hnorm(streams))
         out: torch.Tensor = self.block(x, ids, position - cache.offset, cache.layer.cache, experts)
         return out
 
     def start_draft(self, position: int, cache: DraftCache[V4DraftLayer]) -> None:
-        """A draft's first pair goes at ``position``: what its state before it held is freed (this draft's
-        chain and every later draft are trimmed back no further than it)."""
+        """A draft's first pair goes at ``position``; state before it is freed (no later trim goes back past it)."""
         cache.continue_at(position)
         cache.layer.release_before(position - cache.offset)
 
