@@ -1,15 +1,7 @@
 """Model families, chosen once per config: ``family_of(args)`` is the one place that asks which.
 
-A family is its model and cache (engine/core/interfaces.py: what generation, sessions and serving drive)
-plus the facts about them that code outside the forward pass needs:
-    model()          -> the forward pass, parameters uninitialised
-    swiglu_limit     -> the routed experts' clamp (None: none), for a cluster worker's sums
-    kv_log           -> the KV-log format (``KVLogFormat``): a position's record, its rows' widths, a
-                        session log's record, and the caches rebuilt from them
-    geometry         -> the facts colibri_stream/planning's memory estimates read (MLAGeometry, V4Geometry)
-
-Two families: ``MLAFamily`` (DeepSeek-V3/R1, Kimi-K2, V3.2 and GLM-5: MLA attention, the DSA indexer on
-some) and ``V4Family`` (DeepSeek-V4: compressed sparse attention and hyper-connections).
+``MLAFamily``: DeepSeek-V3/R1, Kimi-K2, V3.2 and GLM-5 (MLA attention, the DSA indexer on some).
+``V4Family``: DeepSeek-V4 (compressed sparse attention, hyper-connections).
 """
 
 from __future__ import annotations
@@ -30,39 +22,35 @@ from engine.v4.model import V4Transformer
 
 
 class KVLogFormat(Protocol):
-    """How a family's caches are logged: what storage.kv's logs and a session's log hold per position."""
+    """What storage.kv's logs and a session's log hold per position."""
 
     def log_record(self) -> tuple[int, dict[str, Any]]:
-        """A position's KV log record: storage.kv.log's format version for it and its geometry's fields."""
+        """A position's record: (storage.kv.log format version, geometry fields)."""
         ...
 
     def log_row_widths(self) -> list[int]:
-        """The widths (values) of a record's rows, in record order (CacheLog.rows)."""
+        """A record's row widths (values), in record order."""
         ...
 
     def cache_from_log(self, rows: list[torch.Tensor], dtype: torch.dtype) -> Cache:
-        """The one-sequence cache of the logged positions whose rows are ``rows`` (float32 [1, n, width]
-        each, in record order), computing in ``dtype``."""
+        """The one-sequence cache of logged ``rows`` (float32 [1, n, width] each, record order) in ``dtype``."""
         ...
 
     def session_log_record(self) -> tuple[int, dict[str, Any]]:
-        """A session log's record (storage.kv.geometry's format version and fields): ``log_record`` where
-        the cache holds its rows; DeepSeek-V4's lean log where it holds entries (CacheLog.entries,
-        CacheLog.window)."""
+        """A session log's record: ``log_record``, or V4's lean one of entries and window snapshots."""
         ...
 
     def cache_from_snapshot(
         self, entries: list[torch.Tensor], window: list[torch.Tensor], position: int, dtype: torch.dtype
     ) -> Cache:
-        """The one-sequence cache at ``position`` from a session log's series (float32 [n, width] each, in
-        CacheLog.entries / CacheLog.window order): the entries of positions 0..position-1 and the
-        window state at ``position``."""
+        """The one-sequence cache at ``position`` from a session log's series (float32 [n, width] each): the
+        entries of positions 0..position-1 and the window state at ``position``."""
         ...
 
 
 @dataclass(frozen=True)
 class MLAGeometry:
-    """What planning's estimates read of an MLA model (colibri_stream/planning/family_memory.py)."""
+    """What planning's memory estimates read of an MLA model."""
 
     args: ModelArgs
     index_layers: tuple[int, ...]  # the layers that run their own DSA indexer (and cache its keys)
@@ -70,7 +58,7 @@ class MLAGeometry:
 
 @dataclass(frozen=True)
 class V4Geometry:
-    """What planning's estimates read of a DeepSeek-V4 model (colibri_stream/planning/family_memory.py)."""
+    """What planning's memory estimates read of a DeepSeek-V4 model."""
 
     args: ModelArgs
     v4: V4Args
@@ -81,12 +69,14 @@ Geometry = MLAGeometry | V4Geometry
 
 
 class Family(Protocol):
-    """What differs between model families outside their forward pass (see the module doc)."""
+    """What differs between model families outside their forward pass."""
 
     args: ModelArgs
 
     @property
-    def swiglu_limit(self) -> float | None: ...
+    def swiglu_limit(self) -> float | None:
+        """The routed experts' clamp (None: none), for a cluster worker's sums."""
+        ...
 
     @property
     def kv_log(self) -> KVLogFormat: ...
@@ -94,7 +84,9 @@ class Family(Protocol):
     @property
     def geometry(self) -> Geometry: ...
 
-    def model(self) -> Model[Any]: ...
+    def model(self) -> Model[Any]:
+        """The forward pass, parameters uninitialised."""
+        ...
 
 
 def family_of(args: ModelArgs) -> Family:
@@ -103,14 +95,13 @@ def family_of(args: ModelArgs) -> Family:
 
 
 def meta_transformer(args: ModelArgs) -> Model[Any]:
-    """The model's modules and parameter shapes without memory (on torch's meta device): what loaders
-    check names and shapes against before any tensor is read."""
+    """The model on torch's meta device: what loaders check names and shapes against before reading."""
     with torch.device("meta"):
         return family_of(args).model()
 
 
 class MLAFamily:
-    """MLA attention (engine/mla/model.py); the DSA indexer on the layers that run one."""
+    """MLA attention; the DSA indexer on the layers that run one."""
 
     swiglu_limit = None
 
@@ -125,7 +116,7 @@ class MLAFamily:
 
 
 class MLALog:
-    """The KV-log format of MLA models: per layer latent + roped key, per DSA full layer the indexer key."""
+    """The KV-log format of MLA models."""
 
     def __init__(self, args: ModelArgs, index_layers: tuple[int, ...]):
         self.args, self.index_layers = args, index_layers
@@ -153,7 +144,7 @@ class MLALog:
         return KVCache.from_state(state)
 
     def session_log_record(self) -> tuple[int, dict[str, Any]]:
-        """The per-position record: a session's log is format 2, as before the lean format."""
+        """The per-position record (format 2)."""
         return self.log_record()
 
     def cache_from_snapshot(
@@ -164,7 +155,7 @@ class MLALog:
 
 
 class V4Family:
-    """DeepSeek-V4 (engine/v4/model.py)."""
+    """DeepSeek-V4."""
 
     def __init__(self, args: ModelArgs, v4: V4Args):
         self.args, self.v4 = args, v4
@@ -180,9 +171,7 @@ class V4Family:
 
 
 class V4Log:
-    """DeepSeek-V4's KV-log format: its full record (``log_record``, a prefix block's) holds every row its
-    cache keeps per position; its session log is lean (``session_log_record``: the compressed entries
-    per position, snapshots of the window state)."""
+    """DeepSeek-V4's KV-log format: a prefix block's record holds every cached row; the session log is lean."""
 
     def __init__(self, args: ModelArgs, v4: V4Args):
         self.args, self.v4 = args, v4
@@ -206,8 +195,8 @@ class V4Log:
         return V4Cache.from_rows(self.args, layers)
 
     def session_log_record(self) -> tuple[int, dict[str, Any]]:
-        """Format 4 (storage.kv.geometry LeanGeometry): every layer's entry_series and window_series, layer
-        after layer (engine/v4/cache.py); the snapshot interval follows from their sizes."""
+        """Format 4 (storage.kv.geometry LeanGeometry): each layer's entry_series and window_series; the
+        snapshot interval follows from their sizes."""
         layers = range(self.args.n_layers)
         entries = tuple(series for layer in layers for series in entry_series(self.v4, layer))
         return 4, {"entries": entries, "windows": tuple(s for layer in layers for s in window_series(self.v4, layer))}
