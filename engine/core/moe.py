@@ -1,4 +1,4 @@
-"""The router (Gate) and the MoE layer that applies routed experts from an expert source (engine/core/sources.py)."""
+"""The router (Gate) and the MoE layer, whose routed experts come from an expert source."""
 
 from __future__ import annotations
 
@@ -20,8 +20,7 @@ from engine.kernels.rows import linear, one_segment, per_row, row_segments, rows
 T = TypeVar("T")
 
 
-# Lookahead prefetch only for decode-sized steps: a prompt's rows together route to nearly every
-# expert of the next layer, which that layer's own acquire reads (once each) anyway.
+# Prefetch guesses only for decode-sized steps: a prompt's rows route to nearly every expert anyway.
 GUESS_MAX_NEW_POSITIONS = 4
 
 
@@ -35,14 +34,12 @@ SCORES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 class Gate(nn.Module):
     """Router with DeepSeek's auxiliary-loss-free correction bias and group-limited top-k.
 
-    Scores are the sigmoid of the logits (DeepSeek-V3) or another ``SCORES`` function (V4's
-    scoring_func). The bias steers *which* experts are chosen, never their weights: weights come from
-    the unbiased scores, optionally normalised over the chosen experts, then scaled by ``route_scale``.
-    Groups are ranked by the sum of their two best biased scores; only the best ``n_limited_groups``
-    groups may be chosen from. With int8 activations the whole choice is one C call (engine/kernels/decode_ops.py).
+    The bias steers *which* experts are chosen, never their weights (those come from the unbiased
+    scores). Groups rank by the sum of their two best biased scores; only the best ``n_limited_groups``
+    may be chosen from.
     """
 
-    by_score = True  # the experts are chosen by score (not HashGate's table): decode_ops.route may choose
+    by_score = True  # chosen by score (not HashGate's table): decode_ops.route may choose
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -67,7 +64,7 @@ class Gate(nn.Module):
         return weights * self.route_scale, ids
 
     def route(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """x [N, dim] -> expert ids [N, topk]: the choice alone, without the weights (a prefetch guess)."""
+        """x [N, dim] -> expert ids [N, topk], without weights (a prefetch guess)."""
         if self._routes_in_c(x):
             return self._route_in_c(x)[1]
         return self._scores_and_ids(x, tokens)[1]
@@ -106,15 +103,15 @@ class Gate(nn.Module):
 
 
 class HashGate(Gate):
-    """DeepSeek-V4's first layers: the token id picks the experts (a frozen table ``tid2eid`` [vocab,
-    topk]); the router's scores still weight them. Known from the ids alone, so prefetch is exact."""
+    """DeepSeek-V4's first layers: the token id picks the experts (``tid2eid`` [vocab, topk]), the scores
+    weight them; prefetch is exact."""
 
     by_score = False
-    tid2eid: torch.Tensor  # a buffer (register_buffer): declared for the type checker
+    tid2eid: torch.Tensor  # a buffer, declared for the type checker
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)
-        del self.bias  # no correction bias: nothing is chosen by score
+        del self.bias
         self.register_buffer("tid2eid", torch.zeros(args.vocab_size, args.n_activated_experts, dtype=torch.long))
 
     def _scores_and_ids(self, x: torch.Tensor, tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,23 +141,20 @@ class MoE(nn.Module):
         return isinstance(self.gate, HashGate)
 
     def predict(self, x: torch.Tensor | None, tokens: torch.Tensor | None = None) -> list[int]:
-        """The experts this layer's router would pick for x [B, S, dim] (normalised), as a prefetch
-        guess; exact on a hash-routed layer (from ``tokens`` [B, S] alone)."""
-        # x is None only on a hash-routed layer, whose gate takes it (HashGate.route)
+        """The experts the router would pick for normalised x [B, S, dim] (a prefetch guess); x is None
+        only on a hash-routed layer, where ``tokens`` [B, S] make it exact."""
         rows = self.gate.route(None if x is None else x.reshape(-1, x.shape[-1]), tokens).tolist()  # type: ignore[arg-type]
         return sorted({expert for row in rows for expert in row})
 
     def forward(self, x: torch.Tensor, experts: Experts, tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """x [B, S, dim] -> [B, S, dim]. The routed sum comes from ``routed_sum`` over a local source's
-        experts, or from a remote source that computes it where its experts are (``start_routed_sum``:
-        experts sharded over worker processes); either way the shared expert runs while the experts load.
-        ``tokens`` [B, S]: the input ids, for hash-routed layers."""
+        """x [B, S, dim] -> [B, S, dim]; the shared expert runs while the routed experts load (or a remote
+        source computes their sum). ``tokens`` [B, S]: for hash-routed layers."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, ids = self.gate(x, tokens)
         if is_remote(experts):
             remote = experts.routed_sum()
-            pending = remote.start_routed_sum(self.layer_id, x, weights, ids)  # requests sent; workers compute...
+            pending = remote.start_routed_sum(self.layer_id, x, weights, ids)  # workers compute...
             shared = self._shared(x)  # ...meanwhile
             routed = pending()
         else:
@@ -168,10 +162,8 @@ class MoE(nn.Module):
         return (routed.to(x.dtype) + shared).view(shape)
 
     def forward_window(self, xs: list[torch.Tensor], experts: Experts) -> list[torch.Tensor]:
-        """Several prompt chunks of one layer, x_i [B, S_i, dim] -> their outputs, each the bits ``forward``
-        gives it alone; the routed experts of all of them are acquired once (``add_routed``), so a prompt
-        read layer by layer reads each expert once per layer, not once per chunk. Score-routed layers only
-        (a hash-routed one needs each chunk's tokens)."""
+        """Prompt chunks x_i [B, S_i, dim] -> outputs, each bit-equal to ``forward`` alone, with each expert
+        acquired once for all chunks. Score-routed layers only (hash routing needs each chunk's tokens)."""
         if is_remote(experts) or len(xs) == 1:
             return [self.forward(x, experts) for x in xs]
         sizes = [x.numel() // x.shape[-1] for x in xs]
@@ -180,20 +172,17 @@ class MoE(nn.Module):
         return [part.view(x.shape) for part, x in zip(out.split(sizes), xs, strict=True)]
 
     def forward_segments(self, x: torch.Tensor, experts: ExpertSource) -> torch.Tensor:
-        """Inside rows_in_segments(): x [N, dim], the rows of several segments, each the bits ``forward`` gives
-        it alone -> [N, dim]. The router and the shared expert run over all rows at once (segment-aware ops);
-        one routed sum knows the segments (``RoutedSum``: an expert's rows of each segment computed as that
-        segment's own sum computes them, in one call that reads the expert once), every expert of their union
-        acquired once (``add_routed``). Score-routed layers only."""
+        """Inside rows_in_segments(): x [N, dim], several segments' rows -> [N, dim], each segment bit-equal to
+        ``forward`` alone; router, shared expert and each expert's read run once over all. Score-routed only."""
         sizes = row_segments(x.shape[0]) or (x.shape[0],)
         weights, ids = self.gate(x)
         routed = RoutedSum(x, weights, ids, self.limit, sizes)
 
-        def shared() -> torch.Tensor:  # while the first experts load, over all rows again
+        def shared() -> torch.Tensor:  # while the first experts load
             with rows_in_segments(sizes):
                 return self._shared(x)
 
-        with one_segment():  # the sum's products segment by segment (RoutedSum's segments)
+        with one_segment():  # RoutedSum splits its products by segment itself
             side = add_routed([routed], experts, self.layer_id, shared)
         return routed.total().to(x.dtype) + side
 
@@ -211,13 +200,11 @@ def routed_sum(
     meanwhile: Callable[[], T] = lambda: None,  # type: ignore[assignment,return-value]  # T is None when not given
     owned: Callable[[int], bool] | None = None,
 ) -> tuple[torch.Tensor, T]:
-    """sum over routed experts of gate weight x expert(x rows) -> (float64 [N, dim], ``meanwhile()``).
+    """x [N, dim], weights [N, topk] float32, ids [N, topk] -> (float64 routed sum [N, dim], ``meanwhile()``).
 
-    x [N, dim], weights [N, topk] float32, ids [N, topk]. Batch-union: each distinct expert is acquired
-    once for all rows, in chunks of at most what the source can pin at once (one chunk when it has no
-    limit); ``meanwhile`` runs right after the first acquire, while its misses load. ``owned``: only the
-    experts it accepts are summed (a worker's share; the others are another process's)."""
-    routed = RoutedSum(x, weights, ids, limit)  # one sum over every chunk, in unique-id order
+    Each distinct expert is acquired once for all rows, in chunks of ``max_acquire``; ``meanwhile`` runs
+    while the first chunk's misses load. ``owned``: sum only the experts it accepts (a worker's share)."""
+    routed = RoutedSum(x, weights, ids, limit)
     side = add_routed([routed], experts, layer, meanwhile, owned)
     return routed.total(), side
 
@@ -229,12 +216,11 @@ def add_routed(
     meanwhile: Callable[[], T] = lambda: None,  # type: ignore[assignment,return-value]  # T is None when not given
     owned: Callable[[int], bool] | None = None,
 ) -> T:
-    """Add to each sum its routed experts, each expert of the union acquired once for all the sums (see
-    ``routed_sum``) -> ``meanwhile()``. Each sum gets the same terms as alone, in arrival order."""
+    """Add each sum's routed experts, each of the union acquired once (see ``routed_sum``) -> ``meanwhile()``."""
     wanted = sorted({e for routed in sums for e in routed.rows_of if owned is None or owned(e)})
     side = None
     for i, chunk in enumerate(chunks(wanted, experts.offers().max_acquire)):
-        acquired = experts.acquire(layer, chunk)  # misses start loading now...
+        acquired = experts.acquire(layer, chunk)  # misses start loading...
         try:
             if i == 0:  # ...meanwhile
                 side = meanwhile()
@@ -250,9 +236,8 @@ def add_routed(
 
 
 def _in_arrival_order(expert_ids: list[int], ready: Callable[[int], bool]) -> Iterator[list[int]]:
-    """expert_ids in batches to compute: every expert already in memory first, then, when none is, the
-    lowest id still loading alone (indexing it waits for its read only), and again. The float64 sum does
-    not depend on the order (RoutedSum), so computing what is here while the rest loads changes speed only."""
+    """expert_ids in batches: those in memory first, else the lowest still loading alone. The float64 sum
+    does not depend on the order (RoutedSum), so this changes speed only."""
     pending = expert_ids
     while pending:
         here = [e for e in pending if ready(e)]
@@ -263,9 +248,7 @@ def _in_arrival_order(expert_ids: list[int], ready: Callable[[int], bool]) -> It
 
 
 def _rows_routed_to(ids: torch.Tensor) -> dict[int, tuple[torch.Tensor | None, torch.Tensor | int]]:
-    """ids [N, topk] -> expert id -> (rows, slots): which rows routed to it and in which top-k place.
-
-    One row (decode) needs no tensor search: its slot per expert is a Python int and rows is None."""
+    """ids [N, topk] -> expert id -> (rows, slots) routed to it; one row (decode): (None, int slot), no search."""
     if ids.shape[0] == 1:
         return {expert: (None, slot) for slot, expert in enumerate(ids[0].tolist())}
     # torch.where(condition) of a 2-D ids is (rows, slots)
@@ -302,18 +285,13 @@ def chunks(expert_ids: list[int], size: int | None) -> list[list[int]]:
 class RoutedSum:
     """sum over experts e of gate weight * e(x[rows]), kept on each expert's device until the end.
 
-    Each term is the float32 product the experts always gave; the sum is float64. Adding up to top-k
-    float32 terms in float64 is exact unless one term is 2^26 times smaller than another in the same
-    element, so the float32 result does not depend on the order of the additions: experts summed on
-    other devices or in other processes (worker shares, partial sums added in any order) give the same
-    bits as one sum in expert order (where a float64 sum does round, the float32 result can still only
-    differ if it lands within 2^-53 of a float32 rounding midpoint).
+    float32 terms, float64 sum: adding up to top-k float32 terms in float64 is exact unless one is 2^26
+    times smaller than another in the same element, so the float32 result does not depend on the order
+    (worker shares, devices, partial sums in any order give the same bits).
 
-    An expert computes where its weights are (``expert.device``): a VRAM-tier expert on the GPU. x and
-    the gate weights go to such a device once per layer, and each device's partial sum comes back in one
-    transfer at ``total()``: a transfer per expert would stall the CPU on every GPU matmul and serialise
-    the side-stream copies behind them. With all experts on the activations' device this is the plain
-    index_add_ in expert order.
+    An expert computes where its weights are; x and the weights go to its device once per layer, and each
+    device's partial sum comes back once at ``total()``: a transfer per expert would stall the CPU on every
+    GPU matmul.
     """
 
     def __init__(
@@ -325,22 +303,19 @@ class RoutedSum:
         segments: Sequence[int] = (),
     ):
         self.home = x.device
-        self.limit = limit  # the swiglu clamp of DeepSeek-V4's experts
+        self.limit = limit  # V4's swiglu clamp
         self.ids = ids  # [N, topk]
-        self.rows_of = _rows_routed_to(ids)  # expert id -> (rows, slots) routed to it
-        # x's rows in runs (several prompt chunks, engine/kernels/rows.py rows_in_segments): each term of a chunk's rows
-        # as that chunk's own sum computes it; () or one run: x is one
+        self.rows_of = _rows_routed_to(ids)
+        # x's rows in runs (prompt chunks): each chunk's terms as its own sum computes them; (): one run
         self.segments = tuple(segments) if len(segments) > 1 else ()
         self._per_segment = _rows_per_segment(ids, self.segments) if self.segments else None
         self._inputs = {x.device: (x, weights)}  # device -> (x [N, dim], weights [N, topk]) there
         self._sums: dict[torch.device, torch.Tensor] = {}
 
     def add_batch(self, batch: Sequence[tuple[int, Expert]]) -> None:
-        """Add experts given as (id, expert): in one C call where they all take it (int8 activations,
-        engine/kernels/q8_experts.py); the 4-bit CPU experts of a decode step, or of a prompt those routed few enough
-        rows, in one C call (engine/kernels/nibble_experts.py) whatever else the batch holds, so an expert's term does
-        not depend on where the others are; the rest one by one. With segments, an expert's rows of each segment
-        go where that segment's own sum sends them. The float64 sum does not depend on the order."""
+        """Add (id, expert) pairs: all in one C call where they all take it (int8 activations); else the 4-bit
+        CPU experts with few enough rows in one C call whatever the others are (so an expert's term does
+        not depend on them), the rest one by one. Each segment's rows go where its own sum sends them."""
         experts = [expert for _, expert in batch]
         x, weights = self._inputs[self.home]
         if fused_experts_handle(experts, x):
@@ -360,15 +335,14 @@ class RoutedSum:
                 self.add(expert, rows, slot)
 
     def rows_routed(self, expert_id: int) -> int:
-        """How many rows of x routed to the expert (with segments: the fewest of any segment it is routed in,
-        so that the one C call takes it where some segment's own sum would)."""
+        """Rows of x routed to the expert (with segments: the fewest in any segment that has some, so the C
+        call takes it where some segment's own sum would)."""
         if self._per_segment is None:
             return _count(self.rows_of[expert_id][0])
         return min(n for n in self._per_segment[expert_id] if n)
 
     def _outside_call(self, expert_id: int, in_call: bool, x: torch.Tensor) -> list[_Routing]:
-        """The expert's (rows, slots) that ``add`` computes: all of them where the one C call does not take it;
-        where it does, its segments with more rows than the call takes (none without segments)."""
+        """The expert's (rows, slots) left to ``add``: all if not in the C call, else its segments too big for it."""
         if not in_call:
             return self._parts_of(expert_id)
         if self._per_segment is None or all(takes_rows(x, n) for n in self._per_segment[expert_id]):
@@ -376,7 +350,7 @@ class RoutedSum:
         return [part for part in self._parts_of(expert_id) if not takes_rows(x, _count(part[0]))]
 
     def _parts_of(self, expert_id: int) -> list[_Routing]:
-        """The (rows, slots) routed to an expert, one part per segment that has any (rows ascend), or the whole."""
+        """The (rows, slots) routed to an expert, one part per non-empty segment, or the whole."""
         rows, slot = self.rows_of[expert_id]
         if self._per_segment is None or rows is None:
             return [(rows, slot)]
@@ -401,11 +375,9 @@ class RoutedSum:
         return self._sums[device]
 
     def add(self, expert: Expert, rows: torch.Tensor | None, slot: torch.Tensor | int) -> None:
-        """rows/slot: which rows of x routed to ``expert`` and in which of their top-k places; rows None
-        and an int slot when x is one row (the decode path: no indexing, no index_add_)."""
+        """rows/slot: rows of x routed to ``expert`` and their top-k places; (None, int) when x is one row."""
         device = expert.device
-        # non_blocking: a blocking host-to-device copy waits for the GPU's queued work (every earlier
-        # expert), while from pageable memory a non-blocking one is staged at once and waits for nothing.
+        # non_blocking: a blocking host-to-device copy waits for the GPU's queued work (every earlier expert)
         if device not in self._inputs:
             x, weights = self._inputs[self.home]
             self._inputs[device] = (x.to(device, non_blocking=True), weights.to(device, non_blocking=True))
