@@ -1,9 +1,7 @@
-"""The compressed MLA KV cache: per layer exactly what MLA needs to attend again.
-
-Per position and layer that is the normalised latent [kv_lora_rank], the roped key [qk_rope_head_dim]
-shared by all heads, and, on layers that run their own DSA indexer, the indexer key [index_head_dim].
-Nothing per head is stored: keys and values are rebuilt from the latent (prefill) or never built at
-all (absorbed decode). Buffers grow by doubling so a long decode does not copy the cache per token.
+"""The compressed MLA KV cache: per position and layer the latent and the roped key shared by all heads
+(plus the DSA indexer key where a layer runs one). Nothing per head is stored: keys and values are rebuilt
+from the latent (prefill) or never built (absorbed decode). Buffers grow by doubling, so a long decode
+does not copy the cache per token.
 """
 
 from __future__ import annotations
@@ -41,12 +39,11 @@ class LayerCache:
     def empty(
         cls, args: ModelArgs, layer: int, batch: int, dtype: torch.dtype, device: str | torch.device
     ) -> LayerCache:
-        """Layer ``layer``'s state with no positions yet."""
 
         def buffer(width: int, buffer_dtype: torch.dtype = dtype) -> torch.Tensor:
             return torch.empty((batch, 0, width), dtype=buffer_dtype, device=device)
 
-        # Indexer keys are scored in float32 (as the reference does), so cached in float32.
+        # indexer keys are scored in float32 (as the reference does)
         index_key = buffer(args.index_head_dim, torch.float32) if args.has_indexer(layer) else None
         return cls(buffer(args.kv_lora_rank), buffer(args.qk_rope_head_dim), index_key)
 
@@ -60,8 +57,8 @@ class LayerCache:
         return self.latent[:, :end], self.rope_key[:, :end]
 
     def next_row(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One more position of a one-sequence cache, counted as stored: (latent [kv_lora_rank], rope key
-        [qk_rope_head_dim]) views of it that the caller fills (engine/mla/decode.py writes them in C)."""
+        """One more position of a one-sequence cache, counted as stored: views (latent [kv_lora_rank], rope key
+        [qk_rope_head_dim]) the caller fills."""
         if self.latent.shape[0] != 1:
             raise ValueError(f"next_row fills one sequence's row, not {self.latent.shape[0]}")
         end = self.length + 1
@@ -70,10 +67,7 @@ class LayerCache:
         return self.latent[0, end - 1], self.rope_key[0, end - 1]
 
     def append_index_key(self, index_key: torch.Tensor) -> torch.Tensor:
-        """Store the indexer keys of the positions just appended; return all of them [B, T, index_head_dim].
-
-        Called after ``append`` for the same positions, so the latent length is already the new end.
-        """
+        """After ``append`` of the same positions: store their indexer keys -> all of them [B, T, index_head_dim]."""
         if self.index_key is None:
             raise ValueError("this layer has no DSA indexer keys")
         start = self.length - index_key.shape[1]
@@ -89,9 +83,8 @@ class LayerCache:
 
     @contextmanager
     def as_seen_at(self, position: int) -> Iterator[None]:
-        """Inside, the cache ends at ``position`` (its newest), as that position's own decode step saw it: a
-        step that counted several rows of one sequence at once runs each row's DSA indexer inside
-        (engine/mla/fused_decode.py). The positions after it are kept, and counted again on the way out."""
+        """Inside, the cache ends at ``position``, as that position's own decode step saw it (for a step that
+        counted several rows of one sequence at once); later positions are kept and restored on exit."""
         held, self.length = self.length, position + 1
         try:
             yield
@@ -99,7 +92,7 @@ class LayerCache:
             self.length = held
 
     def state(self) -> dict[str, torch.Tensor]:
-        """The valid positions as plain tensors (copies), e.g. to persist them."""
+        """The valid positions as copies."""
         state = {
             "latent": self.latent[:, : self.length].clone(),
             "rope_key": self.rope_key[:, : self.length].clone(),
@@ -120,9 +113,7 @@ class LayerCache:
 
 @dataclass
 class KVCache:
-    """All layers' compressed state; ``length`` positions are valid in every layer (engine/core/interfaces.py
-    Cache). A position's log record: every layer's latent and roped key, then the DSA full layers'
-    indexer keys."""
+    """All layers' compressed state; ``length`` positions are valid in every layer."""
 
     layers: list[LayerCache] = field(default_factory=list)
 
@@ -164,14 +155,14 @@ class KVCache:
 
 @dataclass(frozen=True)
 class KVCacheLog:
-    """A KVCache as a log reads it (engine/core/interfaces.py CacheLog): a session's log and a prefix block
-    hold the same record per position, its rows; nothing is freed, every row held is one attention reads."""
+    """A KVCache as a log reads it: session log and prefix block hold the same rows; none is freed (attention
+    reads every row held)."""
 
     cache: KVCache
     frees_rows: ClassVar[bool] = False
 
     def rows(self, start: int, end: int) -> list[torch.Tensor]:
-        """Positions start..end of batch row 0 in record order, [end - start, width] each."""
+        """[end - start, width] each: every layer's latent and roped key, then the indexer keys."""
         layers = self.cache.layers
         rows = [t[0, start:end] for layer in layers for t in (layer.latent, layer.rope_key)]
         return rows + [layer.index_key[0, start:end] for layer in layers if layer.index_key is not None]
@@ -193,7 +184,7 @@ class KVCacheLog:
 
 
 class DraftLayer(Protocol):
-    """An MTP block's attention state: a LayerCache, or DeepSeek-V4's (engine/v4/cache.py V4DraftLayer)."""
+    """An MTP block's attention state: a LayerCache, or V4's V4DraftLayer."""
 
     @property
     def length(self) -> int: ...
@@ -206,8 +197,7 @@ L = TypeVar("L", bound=DraftLayer)
 
 @dataclass
 class DraftCache(Generic[L]):
-    """One sequence's MTP module attention state (engine/mla/mtp.py): cache index j holds position ``offset + j``.
-    ``fresh`` makes an empty state (at the start, and when drafting starts over)."""
+    """One sequence's MTP attention state: index j holds position ``offset + j``; ``fresh`` makes an empty one."""
 
     fresh: Callable[[], L]
     offset: int = 0
@@ -222,8 +212,8 @@ class DraftCache(Generic[L]):
         return self.offset + self.layer.length
 
     def continue_at(self, position: int) -> None:
-        """Make ``position`` the next one stored: forget those from it on (the draft chain's), or, when
-        positions before it were never stored (drafting paused), start over at it."""
+        """Make ``position`` the next one stored: forget those from it on, or start over at it when positions
+        before it were never stored (drafting paused)."""
         if self.offset <= position <= self.end:
             self.layer.trim(position - self.offset)
         else:

@@ -1,8 +1,5 @@
-"""The drafting loop every family's MTP module runs under (engine/mla/mtp.py MTP, engine/v4/mtp.py V4MTP).
-
-A draft only proposes: the main model verifies every drafted token, so drafts change how many tokens a
-step yields, never which.
-"""
+"""The drafting loop every family's MTP module runs under (drafts change how many tokens a step yields,
+never which: the main model verifies each)."""
 
 from __future__ import annotations
 
@@ -17,7 +14,7 @@ from engine.core.sources import Experts
 
 
 class DraftModule(Protocol):
-    """An MTP module as ``draft_with`` drives it: MTP here, engine/v4/mtp.py V4MTP."""
+    """An MTP module as ``draft_with`` drives it (MTP, V4MTP)."""
 
     def start_draft(self, position: int, cache: DraftCache[Any]) -> None: ...
 
@@ -43,8 +40,7 @@ def draft_with(
     experts: Experts,
     depth: int,
 ) -> list[int]:
-    """``depth`` drafts of ``module`` (with the main model's ``embed`` and ``head``) for ``request`` = the pairs
-    (hidden [S, ...], tokens, first position) not yet in ``cache`` (``draft_tokens``)."""
+    """``depth`` drafts for ``request`` = (hidden [S, ...], tokens, first position), pairs not yet in ``cache``."""
     hidden, tokens, position = request
     module.start_draft(position, cache)
 
@@ -66,12 +62,11 @@ def draft_tokens(
     position: int,
     depth: int,
 ) -> list[int]:
-    """``depth`` greedy drafts after the pairs (hidden [S, ...] = h_i, tokens[s] = t_{i+1}) of positions
-    i = position .. position + S - 1: the first predicts the token after tokens[-1], each next one is the
-    module applied again to its own last hidden state and draft (one position further on).
+    """``depth`` greedy drafts after the pairs (hidden[s] = h_i, tokens[s] = t_{i+1}), i = position..; each next
+    one feeds the module its own last hidden state and draft.
 
-    ``step(h [1, S, ...], ids [1, S], first position)``: the module's hidden states of S pairs (appended to
-    its cache); ``predict(x [1, 1, ...])``: the logits of one."""
+    ``step(h [1, S, ...], ids [1, S], first position)`` -> hidden [1, S, ...], appended to its cache;
+    ``predict(x [1, 1, ...])`` -> logits."""
     ids = torch.tensor([tokens], dtype=torch.long, device=hidden.device)
     x = step(hidden[None], ids, position)[:, -1:]
     drafts: list[int] = []
