@@ -1,20 +1,13 @@
-"""DeepSeek-V4's attention state per layer, kept as per-position rows plus what was compressed from them.
+"""DeepSeek-V4's attention state per layer: per-position rows plus what was compressed from them.
 
-- ``kv``: the positions' K=V rows [B, *, D]; a query attends to the last sliding_window of them.
-- ``compressor`` (CSA and HCA layers): the positions' compressor projections and the entries of the
-  windows closed so far (engine/v4/compressor.py).
-- ``indexer`` (CSA layers): the same for the lightning indexer's own compressor.
+- ``kv``: K=V rows [B, *, D]; a query attends to the last sliding_window of them.
+- ``compressor`` (CSA and HCA layers): compressor projections and the entries of closed windows.
+- ``indexer`` (CSA layers): the same for the lightning indexer's compressor.
 
-Per position the rows are what a prefix block stores (``V4CacheLog.rows``, widths ``layer_row_widths``), and all
-the state is a function of them: ``from_rows`` rebuilds it (the entries are recompressed on the next
-forward call), ``trim`` cuts it back. Once logged (or with no log) the rows attention no longer needs are
-released (engine/v4/position_rows.py), and what stays per position is the compressed entries: D / m per
-compressed layer (colibri_stream/planning/family_memory.py V4Memory counts them), plus the sliding
-window's and the open windows' rows.
-
-A session's lean log (storage/kv/lean_log.py) stores exactly that split: per position the entries of the
-windows it closes (``V4CacheLog.entries``, series ``entry_series``) and, at a few positions, the window state
-(``V4CacheLog.window``, series ``window_series``); ``from_snapshot`` rebuilds the state at such a position.
+All state is a function of the rows (what a prefix block stores; ``from_rows`` rebuilds it). Once logged,
+rows attention no longer needs are released, leaving per position the compressed entries (D / m per
+compressed layer) plus the sliding and open windows' rows. The lean session log stores that split:
+entries per position (``entry_series``) and window state at a few positions (``window_series``).
 """
 
 from __future__ import annotations
@@ -29,14 +22,13 @@ from engine.config.v4_args import V4Args
 from engine.v4.compressor import CompressorState
 from engine.v4.position_rows import PositionRows, RowsReleased
 
-# The order of a layer's rows in a log record (those the layer has; V4LayerCache.rows names).
+# a layer's rows in a log record (those it has)
 ROW_ORDER = ("kv", "compressor.kv", "compressor.gate", "indexer.kv", "indexer.gate")
 
 
 def layer_row_widths(v4: V4Args, layer: int) -> dict[str, int]:
-    """Name -> width of the rows ``layer`` keeps per position, in record order (ROW_ORDER):
-    kv [D] on every layer; on compressed layers the compressor's kv and gate [c * D] (c = 2: CSA's
-    windows overlap, 1: HCA's do not); on CSA layers the indexer's kv and gate [2 * index_head_dim]."""
+    """Name -> width of ``layer``'s rows per position, in ROW_ORDER: kv [D]; compressed layers' kv and gate
+    [c * D] (c = 2 where windows overlap, CSA; 1, HCA); CSA's indexer kv and gate [2 * index_head_dim]."""
     rows = {"kv": v4.head_dim}
     if v4.rate(layer):
         series = 2 if v4.is_csa(layer) else 1
@@ -54,9 +46,8 @@ def entry_series(v4: V4Args, layer: int) -> list[tuple[int, int]]:
 
 
 def window_series(v4: V4Args, layer: int) -> list[tuple[int, int, int]]:
-    """(width, period, keep) of the rows ``layer`` holds at any position, in ROW_ORDER: the K=V rows of the
-    last window - 1 positions, and each compressor's kv and gate rows of its open window (keep 0) plus,
-    if it overlaps, the closed window before it (keep 1): CompressorState.needed_from."""
+    """(width, period, keep) of the rows ``layer`` holds at any position, in ROW_ORDER: K=V rows of the last
+    window - 1 positions; each compressor's open window (keep 0) plus, if overlapping, the one before (1)."""
     widths = layer_row_widths(v4, layer)
     periods = {"kv": (1, v4.sliding_window - 1)}
     if v4.rate(layer):
@@ -70,7 +61,7 @@ def window_series(v4: V4Args, layer: int) -> list[tuple[int, int, int]]:
 class V4LayerCache:
     """One layer's state for a batch of B sequences of equal length."""
 
-    kv: PositionRows  # [B, *, D]: the K=V rows of the positions still held
+    kv: PositionRows  # [B, *, D]
     compressor: CompressorState | None = None
     indexer: CompressorState | None = None
 
@@ -79,8 +70,7 @@ class V4LayerCache:
         return self.kv.length
 
     def append(self, kv: torch.Tensor, window: int) -> tuple[torch.Tensor, int]:
-        """Add the S new positions' rows kv [B, S, D]; return (the rows any of them may see, i.e. from
-        window - 1 positions before the first, [B, R + S, D]; the position of the first of those rows)."""
+        """kv [B, S, D] appended -> (rows any of them may see [B, R + S, D], position of the first)."""
         first = max(0, self.length - (window - 1))
         self.kv.append(kv)
         return self.kv.between(first, self.length), first
@@ -89,8 +79,7 @@ class V4LayerCache:
         return [(state, rate) for state, rate in ((self.compressor, rates[0]), (self.indexer, rates[1])) if state]
 
     def trim(self, length: int, window: int, rates: tuple[int, int]) -> None:
-        """Forget every position from ``length`` on (and the entries of windows they closed); RowsReleased
-        if the rows that state needs were released."""
+        """Forget positions from ``length`` on and the entries they closed (RowsReleased if rows are gone)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot trim a cache of {self.length} positions to {length}")
         if max(0, length - (window - 1)) < self.kv.base:
@@ -100,14 +89,13 @@ class V4LayerCache:
         self.kv.trim(length)
 
     def release_before(self, position: int, window: int, rates: tuple[int, int]) -> None:
-        """Free the rows that neither attention, the open windows nor the state at ``position`` or later
-        (what a log may still record: its rows, its window) need."""
+        """Free the rows neither attention, the open windows nor the state at ``position`` or later need."""
         self.kv.release_before(min(position, self.length) - (window - 1))
         for state, rate in self.states(rates):
             state.release_before(position, rate)
 
     def rows(self) -> dict[str, PositionRows]:
-        """Each position's rows by name: kv, and the compressors' kv/gate projections (what a log holds)."""
+        """Each position's rows by name (what a log holds)."""
         rows = {"kv": self.kv}
         for name, state in (("compressor", self.compressor), ("indexer", self.indexer)):
             if state is not None:
@@ -115,7 +103,7 @@ class V4LayerCache:
         return rows
 
     def round_held(self, dtype: torch.dtype) -> None:
-        """Round every held row and entry in place to ``dtype`` (what a bf16 lean log holds of them)."""
+        """Round held rows and entries in place to ``dtype``."""
         for state in (self.compressor, self.indexer):
             if state is not None:
                 state.entries.copy_(state.entries.to(dtype))
@@ -124,8 +112,7 @@ class V4LayerCache:
             held.copy_(held.to(dtype))
 
     def window(self, position: int, window: int, rates: tuple[int, int]) -> list[torch.Tensor]:
-        """The rows window_series names at ``position`` (batch row 0), [n, width] each, in ROW_ORDER
-        (RowsReleased if they are gone)."""
+        """window_series' rows at ``position`` (batch row 0), [n, width] each (RowsReleased if gone)."""
         rows = [self.kv.between(max(0, position - (window - 1)), position)[0]]
         for state, rate in self.states(rates):
             start = state.window_start(position, rate)
@@ -138,18 +125,17 @@ class V4LayerCache:
 
     @classmethod
     def from_snapshot(cls, entries: list[torch.Tensor], window: list[torch.Tensor], position: int) -> V4LayerCache:
-        """The layer at ``position`` from its entry_series' entries [n, width] (every window closed before
-        it) and its window_series' rows [n, width], one sequence."""
+        """One sequence's layer at ``position`` from its entry_series and window_series, [n, width] each."""
         states: list[CompressorState | None] = []
         for kv, gate, closed in zip(window[1::2], window[2::2], entries, strict=True):
             base = position - kv.shape[0]
             states.append(CompressorState(PositionRows(kv[None], base), PositionRows(gate[None], base), closed[None]))
-        compressor, indexer = (*states, None, None)[:2]  # HCA: a compressor; CSA: and an indexer
+        compressor, indexer = (*states, None, None)[:2]  # CSA: both; HCA: a compressor
         return cls(PositionRows(window[0][None], position - window[0].shape[0]), compressor, indexer)
 
 
 def empty_layer(v4: V4Args, layer: int, batch: int, dtype: torch.dtype, device: str | torch.device) -> V4LayerCache:
-    """Layer ``layer``'s state holding no position (an MTP block's too: its id is past the last layer's)."""
+    """An empty layer state (an MTP block's too: its id is past the last layer's)."""
     device = torch.device(device)
 
     def state(width: int, overlap: bool) -> CompressorState:
@@ -164,8 +150,7 @@ def empty_layer(v4: V4Args, layer: int, batch: int, dtype: torch.dtype, device: 
 
 @dataclass
 class V4DraftLayer:
-    """An MTP block's state for one sequence (engine/core/cache.py DraftCache): its layer cache, trimmed back as a
-    draft chain is forgotten, and nothing kept that attention will not see again."""
+    """An MTP block's state for one sequence: nothing is kept that attention will not see again."""
 
     cache: V4LayerCache
     window: int
@@ -189,12 +174,8 @@ class V4DraftLayer:
 
 @dataclass
 class V4Cache:
-    """All layers' state; ``length`` positions have been fed to every layer.
-
-    ``keep_rows_from``: the first position a log has not recorded yet: its rows and the window state at
-    it or any later position stay (``V4CacheLog.rows``, ``.window``); None: no log, keep only what attention
-    needs. ``release`` frees the rest. A position's full record (a prefix block's): every layer's rows
-    (``rows``), layer after layer, each layer's in ROW_ORDER."""
+    """All layers' state, ``length`` positions long. ``keep_rows_from``: the first position a log lacks; rows
+    and window states from there stay (None: no log, keep only what attention needs)."""
 
     layers: list[V4LayerCache] = field(default_factory=list)
     rates: list[tuple[int, int]] = field(default_factory=list)  # per layer (compressor, indexer) window
@@ -206,16 +187,15 @@ class V4Cache:
         cls, args: ModelArgs, batch: int = 1, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
     ) -> V4Cache:
         v4 = args.v4
-        assert v4 is not None  # a V4 cache is built from deepseek_v4 args (engine/families.py)
+        assert v4 is not None
         layers = [empty_layer(v4, i, batch, dtype, device) for i in range(args.n_layers)]
         return cls(layers, _rates(args), v4.sliding_window)
 
     @classmethod
     def from_rows(cls, args: ModelArgs, rows: list[dict[str, torch.Tensor]]) -> V4Cache:
-        """A cache holding the positions whose per-layer rows (as ``V4LayerCache.rows`` names them,
-        [B, T, *] each) are ``rows``; the compressed entries are rebuilt by the next forward call."""
+        """A cache of per-layer ``rows`` ([B, T, *] by name); the next forward call recompresses the entries."""
         v4 = args.v4
-        assert v4 is not None  # a V4 cache is built from deepseek_v4 args (engine/families.py)
+        assert v4 is not None
         layers = []
         for layer_rows in rows:
             states = {}
@@ -241,8 +221,8 @@ class V4Cache:
             layer.trim(length, self.window, rates)
 
     def release(self, keep_from: int | None = None) -> None:
-        """Free the rows no one needs: before ``keep_rows_from`` (all but attention's when None), and before
-        ``keep_from`` when given (a verify step's first row: its drafts may be trimmed back to it)."""
+        """Free rows before ``keep_rows_from`` and before ``keep_from`` (a verify step's first row: its drafts
+        may be trimmed back to it)."""
         keep = self.length if self.keep_rows_from is None else self.keep_rows_from
         keep = keep if keep_from is None else min(keep, keep_from)
         for layer, rates in zip(self.layers, self.rates, strict=True):
@@ -255,10 +235,9 @@ class V4Cache:
     def from_snapshot(
         cls, args: ModelArgs, entries: list[torch.Tensor], window: list[torch.Tensor], position: int
     ) -> V4Cache:
-        """The one-sequence state at ``position`` from every layer's entry_series (the entries [n, width] of
-        the windows closed before it) and window_series (rows [n, width]), in the compute dtype."""
+        """The one-sequence state at ``position`` from every layer's entry_series and window_series."""
         v4 = args.v4
-        assert v4 is not None  # a V4 cache is built from deepseek_v4 args (engine/families.py)
+        assert v4 is not None
         rates, entry_it, window_it, layers = _rates(args), iter(entries), iter(window), []
         for layer in range(args.n_layers):
             own_entries = [next(entry_it) for _ in entry_series(v4, layer)]
@@ -269,14 +248,13 @@ class V4Cache:
 
 @dataclass(frozen=True)
 class V4CacheLog:
-    """A V4Cache as a log reads and frees it (engine/core/interfaces.py CacheLog): a prefix block's record is
-    every layer's rows; the lean log's, the entries per position and the window state at its snapshots."""
+    """A V4Cache as a log reads and frees it."""
 
     cache: V4Cache
     frees_rows: ClassVar[bool] = True
 
     def rows(self, start: int, end: int) -> list[torch.Tensor]:
-        """Every layer's rows in record order (ROW_ORDER), positions start..end of batch row 0."""
+        """Every layer's rows in ROW_ORDER, positions start..end of batch row 0."""
         rows = []
         for layer in self.cache.layers:
             held = layer.rows()
@@ -284,25 +262,23 @@ class V4CacheLog:
         return rows
 
     def entries(self, start: int, end: int) -> list[torch.Tensor]:
-        """Every layer's entry_series: the entries [n, width] of the windows positions start..end-1 close."""
+        """Every layer's entry_series of the windows positions start..end-1 close."""
         layers = zip(self.cache.layers, self.cache.rates, strict=True)
         return [e for layer, rates in layers for e in layer.closed_entries(start, end, rates)]
 
     def window(self, position: int) -> list[torch.Tensor]:
-        """Every layer's window_series: the rows [n, width] the state at ``position`` holds (RowsReleased if
-        they were freed: a session's end_turn asks before its log's length moves on)."""
+        """Every layer's window_series at ``position`` (RowsReleased if freed)."""
         layers = zip(self.cache.layers, self.cache.rates, strict=True)
         return [rows for layer, rates in layers for rows in layer.window(position, self.cache.window, rates)]
 
     def release(self, logged: int) -> None:
-        """Keep what a log lacks (from ``logged`` on: rows, window states) and release the rest: what
-        stays per position is the compressed entries."""
+        """Keep what a log lacks (from ``logged`` on), release the rest."""
         self.cache.keep_rows_from = logged
         self.cache.release()
 
     def round_to(self, dtype: torch.dtype) -> None:
-        """Held rows and entries rounded in place: what a cache restored from a lean log of ``dtype``
-        records holds (the log stores the entries, not the rows they were compressed from)."""
+        """Round in place to what a cache restored from a ``dtype`` lean log holds (the log stores the entries,
+        not the rows they were compressed from)."""
         if self.cache.dtype != dtype:
             for layer in self.cache.layers:
                 layer.round_held(dtype)
@@ -310,5 +286,5 @@ class V4CacheLog:
 
 def _rates(args: ModelArgs) -> list[tuple[int, int]]:
     v4 = args.v4
-    assert v4 is not None  # a V4 cache is built from deepseek_v4 args (engine/families.py)
+    assert v4 is not None
     return [(v4.rate(i), v4.csa_rate) for i in range(args.n_layers)]
