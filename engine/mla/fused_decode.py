@@ -1,26 +1,13 @@
-"""A decode step through every layer in one C call (engine/csrc/decode_step.c), for models whose routed experts
-are all resident, with int8 activations or on the float32 path (decode rows).
+"""A decode step through every layer in one C call (engine/csrc/decode_step.c) when every routed expert is
+resident: with experts in RAM the module path spent much of a step in Python between kernels
+(docs/benchmarks-log.md, "One call per decode step"). The same kernels in the same order, so the same bits.
 
-Once the experts fit in RAM, a decode step of the module path spent about a third of its time in Python
-between the kernels (module calls, routing glue, the store's acquire and release, prefetch guesses and
-read-ahead requests; docs/benchmarks-log.md, "One call per decode step"). Where every layer's weights are in
-the forms the C steps read and the expert source holds every expert for good (its ``ResidentSet``),
-the step is one call instead: per layer the fused MLA steps, the FFN norm, the router, the routed and
-shared experts and the residuals, the same kernels in the same order as the module path, so the same
-bits. The experts it used are then counted as the acquires it skipped would have (``count_resident``).
+Taken when decode_ops' C ops apply, caches are one-sequence float32 (any number of rows), every layer's
+attention is fused and its FFN in forms the C step reads, and the source's ``ResidentSet`` holds every MoE
+layer. Anything else keeps the module path.
 
-Taken when: decode_ops' C ops apply (int8 activations, or float32 decode rows: the default container's
-exact path), one-sequence caches (any number of rows: several requests, or a verify step's rows on one
-cache; the FFN runs over all rows, each expert of their union once), every layer's attention fused
-(``FusedMLA``), every FFN an MLP the C steps read (int8 records with int8 activations, bf16 weights) or a
-score-routed MoE whose router runs in C and whose shared expert is such an MLP, and a local expert source
-whose every MoE layer is resident with experts one C call takes (q8_moe with int8 activations, nibble_moe
-on float32 x). Anything else keeps the module path.
-
-DSA models (DeepSeek-V3.2, GLM-5): a layer with its own indexer hands the step back once every row's
-projections are done (the C step returns where it stopped); the indexer runs here with the module path's
-ops on each row's attention norm output and q latent, each row's selection goes into its step for that layer
-and the "shared" layers after it, and the C step resumes. Between two indexers no Python runs.
+DSA models: the C step returns at a layer with its own indexer once every row's projections are done; the
+indexer runs here, each row's selection goes into that layer and the "shared" layers after it, and C resumes.
 """
 
 from __future__ import annotations
@@ -51,14 +38,14 @@ MLPSpec = tuple[CMatrix, CMatrix, CMatrix, int]  # w1, w3, w2, inter
 Carry = tuple[int, int, int, int, int, int, int, int]  # decode_layers' carry: 4 addresses, their row strides
 
 
-STEP = 6  # uint64 per layer and row in decode_layers' steps (table, latents, rope keys, total, positions, count)
+STEP = 6  # uint64 per layer and row: table, latents, rope keys, total, DSA positions, count
 
 _off: ContextVar[bool] = ContextVar("fused_decode_off", default=False)
 
 
 @contextmanager
 def module_path() -> Iterator[None]:
-    """Inside, decode steps keep the module path (the comparison of tests and benchmarks): same bits, slower."""
+    """Inside, decode steps keep the module path (for comparisons): same bits, slower."""
     token = _off.set(True)
     try:
         yield
@@ -80,8 +67,7 @@ class LayerParts:
 
 
 def _mlp_spec(mlp: MLP) -> MLPSpec | None:
-    """A SwiGLU MLP as layer_plan takes it; None when the C steps do not compute its weights as the module
-    does now (c_computes_as_modules), or it is clamped."""
+    """A SwiGLU MLP as layer_plan takes it; None if clamped or the C step would not compute it as the module does."""
     w1, w3, w2 = (c_matrix_of(m) for m in (mlp.w1, mlp.w3, mlp.w2))
     if mlp.limit is not None or w1 is None or w3 is None or w2 is None or not c_computes_as_modules((w1, w3, w2)):
         return None
@@ -89,9 +75,8 @@ def _mlp_spec(mlp: MLP) -> MLPSpec | None:
 
 
 def expert_table(experts: Sequence[object]) -> tuple[tuple[int, ...], array[int]] | None:
-    """A layer's experts as decode_step.c takes them now: (layout (family, inter, kind13, kind2, scale kind,
-    group13, group2, interleaved), the six addresses of each, flat), family 0 for q8_moe (int8 activations), 1 for
-    nibble_moe (float32 x); None when that call does not take them all, alike."""
+    """A layer's experts for decode_step.c: (layout (family, inter, kind13, kind2, scale kind, group13, group2,
+    interleaved), six addresses each, flat); family 0: q8_moe (int8 activations), 1: nibble_moe. None: not all alike."""
     family = 0 if activations_are_int8() else 1
     described = (int8_expert_table if family == 0 else float_expert_table)(experts)
     return None if described is None else ((family, *described[0]), described[1])
@@ -109,8 +94,8 @@ def _router_spec(gate: Gate) -> tuple[int, int, int, int, int, int, int, bool, f
 
 
 def layer_plan(parts: LayerParts, layout: tuple[int, ...] | None) -> _kernels.LayerPlanCapsule | None:
-    """The layer described to C (a capsule), or None where it is not in forms the C step reads as the module
-    path computes them now. ``layout``: the routed experts' (expert_table), for a MoE layer."""
+    """The layer described to C, or None where the C step would not compute it as the module path does.
+    ``layout``: the routed experts' (expert_table)."""
     norm, ffn = parts.ffn_norm, parts.ffn
     if norm.weight.dtype != torch.float32 or not norm.weight.is_contiguous():
         return None
@@ -129,21 +114,20 @@ def layer_plan(parts: LayerParts, layout: tuple[int, ...] | None) -> _kernels.La
 
 
 class FusedDecode:
-    """A model's layers (or an MTP module's block) described to C once, with the expert tables of the source
-    they were built for. ``layer_ids``: each part's layer in the expert source."""
+    """Layers (a model's, or an MTP block) described to C once, with their source's expert tables."""
 
     def __init__(self, parts: Sequence[LayerParts], layer_ids: Sequence[int]):
         self.parts = parts  # keeps every array the plans point to alive
         self.layer_ids = list(layer_ids)
         self.moe_parts = [i for i, p in enumerate(parts) if isinstance(p.ffn, MoE)]
         self.topk = max([p.ffn.gate.topk for p in parts if isinstance(p.ffn, MoE)], default=1)
-        self._sources: list[Sequence[Expert]] = []  # what resident() gave, by MoE part: the tables' origin
-        self._int8 = False  # whether the plans are for int8 activations (else the float32 path's)
-        self._tables: list[array[int]] = []  # the C tables derived from them (kept alive: C reads them)
+        self._sources: list[Sequence[Expert]] = []  # what resident() gave, by MoE part
+        self._int8 = False  # plans for int8 activations, else float32
+        self._tables: list[array[int]] = []  # kept alive: C reads them
         self._plans: tuple[_kernels.LayerPlanCapsule, ...] | None = None
-        self._counter: ResidentSet | None = None  # the source of the experts a step uses: it counts them
-        self._table_addresses = [0] * len(parts)  # per layer: its expert table's, 0 on a dense layer
-        # per row, what its attention carries across a stop (decode_step.h DecodeCarry): the widest layer's
+        self._counter: ResidentSet | None = None  # counts a step's experts
+        self._table_addresses = [0] * len(parts)  # 0 on a dense layer
+        # per row, what attention carries across a DSA stop (DecodeCarry): the widest layer's
         attention = [p.attention for p in parts]
         self._widths = (
             max(a.normed.numel() for a in attention),
@@ -163,9 +147,8 @@ class FusedDecode:
         return addresses + self._widths
 
     def ready_for(self, experts: ResidentSet) -> bool:
-        """Whether every MoE layer's experts are resident in ``experts`` and the plans are built for them;
-        rebuilt when the source gives other experts than last time. False: the module path. A step counts
-        its experts with the last ``experts`` that held."""
+        """Whether every MoE layer's experts are resident and the plans built for them (rebuilt when the
+        source gives other experts). False: the module path."""
         sources = []
         for part in self.moe_parts:
             source = experts.resident(self.layer_ids[part])
@@ -203,10 +186,8 @@ class FusedDecode:
         self, x: torch.Tensor, starts: list[int], ropes: list[tuple[torch.Tensor, torch.Tensor]],
         caches: Sequence[Sequence[LayerCache]],
     ) -> torch.Tensor:  # fmt: skip
-        """Rows x [B, dim] (their tokens' embeddings), row b at position starts[b] of its layers' caches
-        caches[b] (rows of one sequence at consecutive positions, a verify step, pass the same list) -> the
-        hidden states [B, dim] after the last layer; each position is appended to its caches (``ready_for``
-        must hold)."""
+        """Embeddings x [B, dim], row b at starts[b] of caches[b] (a verify step's rows share one list) -> hidden
+        [B, dim] after the last layer, positions appended (``ready_for`` must hold)."""
         appended: dict[int, tuple[Sequence[LayerCache], int]] = {}  # id(caches[b]) -> (them, length before)
         try:
             for layers, start in zip(caches, starts, strict=True):
@@ -235,7 +216,7 @@ class FusedDecode:
             for i, table in enumerate(self._table_addresses)
             for layers, start in zip(caches, starts, strict=True)
             for value in (table, layers[i].latent.data_ptr(), layers[i].rope_key.data_ptr(), start + 1)
-            + (0, 0)  # DSA's chosen positions and their count: none yet (_share)
+            + (0, 0)  # DSA's chosen positions and count: set by _share
         ])  # fmt: skip
         width = rows * self.topk  # room for a layer's union of experts
         ids = torch.empty((len(self.parts), width), dtype=torch.int64)
@@ -249,7 +230,7 @@ class FusedDecode:
                 self._plans, steps.buffer_info()[0], rows, x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                 ids.data_ptr(), width, carry, (at, projected), ISA_BEST, kernel_threads(),
             )  # fmt: skip
-            if at is not None:  # a DSA layer's projections of every row: its indexer, then on from there
+            if at is not None:  # a DSA layer stopped: its indexer, then resume
                 for row, selection in enumerate(self._select(at, starts, (cos, sin), caches)):
                     if selection is not None:
                         selections.append(selection)
@@ -264,15 +245,14 @@ class FusedDecode:
         self, layer: int, starts: list[int], angles: tuple[torch.Tensor, torch.Tensor],
         caches: Sequence[Sequence[LayerCache]],
     ) -> list[torch.Tensor | None]:  # fmt: skip
-        """The indexer of ``layer`` for every row (its projections in the carry) -> each row's chosen positions
-        (int64 [K]), or None: all of them. The module path's ops (engine/mla/decode.py), but the keys, query
-        heads and weights of all rows in one pass (each position alone, so each row's bits: ``Indexer.keys``,
-        ``Indexer.queries``); then per row, in order, its key appended and its choice."""
+        """``layer``'s indexer for every row (projections in the carry) -> each row's chosen positions (int64 [K])
+        or None (all). Keys and queries of all rows in one pass (each position alone: each row's bits), then
+        per row its key appended and its choice."""
         attention = self.parts[layer].attention
         indexer = attention.mla.indexer
         assert indexer is not None  # only such layers stop
         rows, dim, q_rank = len(starts), attention.normed.numel(), attention.mla.q_lora_rank
-        normed = self.normed[None, :rows, :dim]  # [1, rows, dim]: the rows as one sequence of positions
+        normed = self.normed[None, :rows, :dim]  # [1, rows, dim]
         keys = indexer.keys(normed, *angles)[0].float()  # [rows, D]
         choosing = [indexer.chooses(start + 1) for start in starts]  # a row sees its own key and those before
         if any(choosing):  # DSA models have a q LoRA (wq_b reads it)
@@ -289,8 +269,7 @@ class FusedDecode:
         return chosen
 
     def _share(self, steps: array[int], layer: int, row: int, rows: int, selection: torch.Tensor) -> None:
-        """The row's steps at ``layer`` and the layers after it up to the next indexer attend to ``selection``
-        (DSA "shared" layers reuse the last full layer's choice)."""
+        """The row attends to ``selection`` at ``layer`` and the "shared" layers up to the next indexer."""
         for i in range(layer, len(self.parts)):
             if i > layer and self.parts[i].attention.mla.indexer is not None:
                 break
@@ -299,8 +278,7 @@ class FusedDecode:
 
 
 def caches_taken(caches: Sequence[Sequence[LayerCache]]) -> bool:
-    """Whether the C step writes these rows' caches (each row's layers): each one sequence's, float32,
-    contiguous (rows may share them: a verify step)."""
+    """Whether the C step writes these caches: one sequence each, float32, contiguous (rows may share them)."""
     return all(
         layer.latent.dtype == torch.float32
         and layer.latent.shape[0] == 1
@@ -312,8 +290,8 @@ def caches_taken(caches: Sequence[Sequence[LayerCache]]) -> bool:
 
 
 class OneCall:
-    """Where blocks' decode steps may run as one C call: ``parts_for(x, layers)`` describes them (None: not
-    every layer is in forms the C step reads), built the first time a step could take it."""
+    """Where blocks' decode steps may run as one C call: ``parts_for(x, layers)`` describes them (None: not in
+    C forms), built the first time a step could take it."""
 
     def __init__(
         self,
@@ -331,7 +309,7 @@ class OneCall:
         """The C step for rows x [B, 1, dim] on these caches with these experts, or None: the module path."""
         if not (decode_ops.small_ops_take(x) and available()):
             return None
-        resident = experts.offers().resident  # None: a source whose experts may move, or remote ones
+        resident = experts.offers().resident  # None: experts may move, or are remote
         if resident is None or not caches_taken(caches):
             return None
         if self._built is None:
