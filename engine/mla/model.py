@@ -1,10 +1,9 @@
-"""Block and Transformer: the whole forward pass, reading top to bottom.
+"""Block and Transformer: the MLA family's whole forward pass.
 
     tokens -> embed -> n_layers x [attn_norm -> MLA(+DSA) -> residual -> ffn_norm -> MLP|MoE -> residual]
            -> norm -> head -> logits
 
-Routed experts are not parameters of this module: every MoE layer asks the expert source passed to
-``forward`` (engine/core/sources.py) for the experts its router picked.
+Routed experts are not parameters: each MoE layer asks the expert source passed to ``forward``.
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ class Block(nn.Module):
         self.attn = MLA(args, layer_id)
         self.ffn_norm = RMSNorm(args.dim, args.rms_norm_eps)
         self.ffn = MoE(args, layer_id) if args.is_moe(layer_id) else MLP(args.dim, args.inter_dim)
-        self._fused: FusedMLA | Literal[False] | None = None  # the attention's C steps: None not built yet, False n/a
+        self._fused: FusedMLA | Literal[False] | None = None  # None: not built yet, False: n/a
 
     def forward(
         self,
@@ -56,16 +55,11 @@ class Block(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x [B, S, dim] at positions start_pos.. -> (x [B, S, dim], DSA selection [B, S, K] or None).
 
-        ``rope``: (cos, sin) from ``rope_tables``, each [S, qk_rope_head_dim // 2] float32.
-        ``cache``: this layer's compressed KV cache; the S new positions are appended to it.
-        ``selection``: DSA only, int64 [B, S, K], the cached positions each query attends to, as
-        chosen by the last "full" layer's indexer; None without DSA or while the context fits in
-        index_topk. Layers with their own indexer replace it, "shared" layers reuse it; the returned
-        one is passed on to the next layer.
-        ``absorb``: forces the attention path, True absorbed (decode), False expanded (prefill),
-        None automatic by S.
-        ``guess_ahead``: optional hook called with the post-attention hidden state [B, S, dim] before
-        this layer's FFN, to prefetch the experts the next MoE layer will probably route to.
+        ``rope``: (cos, sin), each [S, qk_rope_head_dim // 2] float32. ``selection``: DSA only, int64
+        [B, S, K], the positions each query attends to from the last "full" layer's indexer (None while the
+        context fits index_topk); indexer layers replace it, "shared" layers reuse it. ``absorb``: True
+        absorbed, False expanded, None by S. ``guess_ahead``: called with the post-attention state before
+        the FFN, to prefetch the next MoE layer's experts.
         """
         x, selection = self.attend(x, start_pos, rope, cache, selection, absorb)
         return self._ffn(x, experts, guess_ahead), selection
@@ -87,8 +81,7 @@ class Block(nn.Module):
         return x + attn_out, selection
 
     def ffn_window(self, xs: list[torch.Tensor], experts: Experts) -> list[torch.Tensor]:
-        """The FFN half of ``forward`` for several prompt chunks x_i [B, S_i, dim], each the bits it gets
-        alone; a MoE layer acquires their experts once (MoE.forward_window)."""
+        """The FFN half for prompt chunks x_i [B, S_i, dim], each bit-equal alone, experts acquired once."""
         if not isinstance(self.ffn, MoE):
             return [self._ffn(x, experts, None) for x in xs]
         outs = self.ffn.forward_window([self.ffn_norm(x) for x in xs], experts)
@@ -104,9 +97,8 @@ class Block(nn.Module):
         experts: ExpertSource,
         selections: list[torch.Tensor | None],
     ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-        """Inside rows_in_segments(sizes): prompt chunks of several sequences one after another, x [1, N, dim]
-        -> (x [1, N, dim], selections), each chunk the bits ``forward`` gives it alone (MLA.forward_segments,
-        MoE.forward_segments): the weights are read once for all of them."""
+        """Inside rows_in_segments(sizes): several sequences' chunks x [1, N, dim] -> (x [1, N, dim], selections),
+        each chunk bit-equal to ``forward`` alone, the weights read once for all."""
         attn_out, selections = self.attn.forward_segments(self.attn_norm(x), sizes, starts, ropes, caches, selections)
         x = x + attn_out
         h = self.ffn_norm(x)
@@ -123,11 +115,10 @@ class Block(nn.Module):
         selections: list[torch.Tensor | None],
         guess_ahead: Callable[[torch.Tensor], None] | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-        """One new position of each of B independent sequences (x [B, 1, dim]; see MLA.forward_rows): the
-        FFN runs over all rows, so a MoE layer acquires the union of the rows' experts once."""
+        """One new position of each of B sequences, x [B, 1, dim]; the FFN acquires the rows' experts once."""
         one_sequence = all(cache is caches[0] for cache in caches)  # decode alone, or a verify step's rows
         fused = self._fused_attention(x[:1], caches[0], None) if one_sequence else None
-        if fused is not None:  # each row the C steps of its own decode step, one after another
+        if fused is not None:  # each row its own decode step's C steps
             attended = [fused(x[b : b + 1], starts[b], ropes[b], caches[b], selections[b]) for b in range(len(caches))]
             x = torch.cat([row for row, _ in attended]) if len(attended) > 1 else attended[0][0]
             return self._ffn(x, experts, guess_ahead), [selection for _, selection in attended]
@@ -135,7 +126,7 @@ class Block(nn.Module):
         return self._ffn(x + attn_out, experts, guess_ahead), selections
 
     def _fused_attention(self, x: torch.Tensor, cache: LayerCache, absorb: bool | None) -> FusedMLA | None:
-        """The attention step in two C calls (engine/mla/decode.py) where it applies, built at first use."""
+        """The attention step in two C calls where it applies, built at first use."""
         if not fused_attention_applies(x, cache, absorb):
             return None
         if self._fused is None:
@@ -157,7 +148,7 @@ class Block(nn.Module):
 
 
 class Transformer(Model[KVCache]):
-    prompt_in_windows = True  # forward_prompt reads a prompt's chunks layer by layer
+    prompt_in_windows = True
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -169,11 +160,10 @@ class Transformer(Model[KVCache]):
         self.mtp = nn.ModuleList(MTP(args, layer, Block(args, layer)) for layer in args.mtp_layers)
         for mtp in cast("list[MTP]", self.mtp):  # a ModuleList of MTPs
             mtp.one_call = OneCall(partial(_block_parts, [mtp.block]), [mtp.layer_id])
-        self.int8_activations = False  # the kernel matmuls quantise their inputs (engine/kernels/q8.py; lossy, opt-in)
-        # decode reads the next layer's weights into the CPU caches on the kernels' idle thread (kernels/read_ahead.py);
-        # a loss where they do not fit the cache beside the current layer's, so the loader decides per machine
+        self.int8_activations = False
+        # a loss where the next layer's weights do not fit the cache beside the current's: the loader decides
         self.read_ahead = True
-        self._weights_listed: dict[int, list[torch.Tensor]] = {}  # layer -> its dense weights, for request_read_ahead()
+        self._weights_listed: dict[int, list[torch.Tensor]] = {}  # layer -> dense weights
         self._one_call = OneCall(self._layer_parts, range(args.n_layers))
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
@@ -183,25 +173,22 @@ class Transformer(Model[KVCache]):
         return cast(Self, super()._apply(fn, recurse))  # type: ignore[no-untyped-call]
 
     def _weights_of(self, layer: int) -> list[torch.Tensor]:
-        """Layer ``layer``'s dense weights in the order a forward reads them (past the last layer: the
-        final norm and the output head), listed once: the loader swaps modules before the first forward."""
+        """Layer ``layer``'s dense weights in read order (past the last: norm and head), listed once (the loader
+        swaps modules before the first forward)."""
         if layer not in self._weights_listed:
             following = self.layers[layer] if layer < len(self.layers) else nn.ModuleList([self.norm, self.head])
             self._weights_listed[layer] = module_arrays(following)
         return self._weights_listed[layer]
 
     def _start_read_ahead(self, x: torch.Tensor) -> bool:
-        """Whether this decode step reads ahead (CPU activations, 2+ kernel threads); if so, layer 0's
-        weights are asked for now, each later layer's at the guess before it."""
+        """Whether this decode step reads ahead; if so, layer 0's weights are requested now."""
         if not self.read_ahead or x.device.type != "cpu" or not read_ahead_available():
             return False
         request_read_ahead(self._weights_of(0))
         return True
 
     def read_ahead_bytes(self, experts_per_token: int, expert_bytes: int) -> int:
-        """The most bytes one read-ahead request names: a layer's dense weights (past the last layer, the
-        final norm and the head), plus on a MoE layer ``experts_per_token`` guessed experts of
-        ``expert_bytes`` each."""
+        """The largest request: a layer's dense weights plus, on a MoE layer, ``experts_per_token`` experts."""
 
         def request(layer: int) -> int:
             moe = layer < len(self.layers) and isinstance(self.layers[layer].ffn, MoE)
@@ -212,25 +199,21 @@ class Transformer(Model[KVCache]):
     def _guess_ahead(
         self, layer: int, experts: Experts, read_ahead: bool = False
     ) -> Callable[[torch.Tensor], None] | None:
-        """A hook given the current post-attention hidden state before the current layer's FFN: layer
-        ``layer``'s router picks the experts to prefetch while that FFN runs, and so do the routers of the
-        MoE layers after it the source looks ahead to (``lookahead``): a guess two layers ahead is less often
-        right (docs/benchmarks-log.md, "Figures behind the code") but its read has a whole layer more to land,
-        and the next layer guesses again. With ``read_ahead`` it also has the kernels' idle
-        helper thread read layer ``layer``'s dense weights, then the guessed experts the source holds,
-        into the CPU caches (engine/kernels/read_ahead.py); past the last layer, the output head. None when there is
-        nothing to do."""
+        """A hook on the post-attention state before the current FFN: layer ``layer``'s router (and those the
+        source looks ahead to) guess experts to prefetch while that FFN runs. Further ahead is less often right
+        (docs/benchmarks-log.md, "Figures behind the code") but has a layer more to land. With ``read_ahead``
+        it also requests layer ``layer``'s weights and held guessed experts. None: nothing to do."""
         if layer >= len(self.layers) or not isinstance(self.layers[layer].ffn, MoE):
             return (lambda x: request_read_ahead(self._weights_of(layer))) if read_ahead else None
         coming = range(layer, len(self.layers))
         memory = experts.offers().read_ahead
 
         def guess_ahead(x: torch.Tensor) -> None:
-            wanted = experts.lookahead(coming)  # a source may know a guess would change nothing
+            wanted = experts.lookahead(coming)
             for target in sorted({*wanted, layer} if read_ahead else wanted):  # the caches hold one layer's weights
                 if not isinstance(self.layers[target].ffn, MoE):
                     continue
-                block = cast(Block, self.layers[target])  # nn.ModuleList types its items as Module
+                block = cast(Block, self.layers[target])
                 guess = cast(MoE, block.ffn).predict(block.ffn_norm(x))
                 if target in wanted:
                     experts.prefetch(target, guess)
@@ -261,10 +244,7 @@ class Transformer(Model[KVCache]):
         absorb: bool | None = None,
         last_only: bool = False,
     ) -> torch.Tensor:
-        """tokens [B, S] at positions start_pos.. -> float32 logits [B, S, vocab] (S=1 if last_only).
-
-        Appends the S positions to ``cache``. ``absorb`` forces the attention path (None: automatic).
-        """
+        """Model.forward."""
         x = self.embed(tokens)
         rope = rope_tables(self.args, start_pos, tokens.shape[1], x.device)
         selection = None  # DSA: the last full layer's choice, reused by "shared" layers
@@ -288,16 +268,13 @@ class Transformer(Model[KVCache]):
         chunk: int,
         last_only: bool = False,
     ) -> torch.Tensor:
-        """``forward`` of tokens [B, S] cut in chunks of ``chunk`` positions, one after another, read layer
-        by layer: every chunk passes a layer before any chunk passes the next. Each chunk meets the same
-        cache, positions and DSA selection as in its own ``forward`` after the chunks before it, so the
-        logits and the cache hold the same bits; but a MoE layer acquires the union of the chunks' experts
-        once: a prompt under a small budget reads each expert once per layer, not once per chunk."""
+        """Model.forward_prompt layer by layer: every chunk passes a layer before any passes the next (same bits),
+        so a MoE layer acquires the chunks' experts once, not once per chunk."""
         parts = list(tokens.split(chunk, dim=1))
         starts = [start_pos + i * chunk for i in range(len(parts))]
         xs = [self.embed(part) for part in parts]
         ropes = [rope_tables(self.args, s, part.shape[1], xs[0].device) for s, part in zip(starts, parts, strict=True)]
-        selections: list[torch.Tensor | None] = [None] * len(parts)  # DSA: each chunk's, layer to layer
+        selections: list[torch.Tensor | None] = [None] * len(parts)
         with int8_activations(self.int8_activations), torch_on_one_thread():
             for layer, layer_cache in zip(cast("list[Block]", self.layers), cache.layers, strict=True):
                 for i, (x, start, rope) in enumerate(zip(xs, starts, ropes, strict=True)):
@@ -311,10 +288,8 @@ class Transformer(Model[KVCache]):
     def forward_prompts(
         self, chunks: list[torch.Tensor], caches: list[KVCache], experts: Experts
     ) -> list[torch.Tensor]:
-        """``Model.forward_prompts`` in one pass: the chunks' rows go through every weight together, each chunk
-        with the bits of its own forward (engine/kernels/rows.py rows_in_segments; Block.forward_segments); its last
-        position's logits as a one-row forward computes them (rows_alone). One-position chunks (a decode-shaped
-        step of its own) and experts held by workers: chunk by chunk."""
+        """Model.forward_prompts in one pass over every weight, each chunk bit-equal to its own forward.
+        One-position chunks and remote experts: chunk by chunk."""
         if len(chunks) < 2 or is_remote(experts) or min(c.shape[1] for c in chunks) < 2:
             return super().forward_prompts(chunks, caches, experts)
         sizes = [chunk.shape[1] for chunk in chunks]
@@ -328,31 +303,20 @@ class Transformer(Model[KVCache]):
                     layer_caches = [cache.layers[i] for cache in caches]
                     x, selections = layer.forward_segments(x, sizes, starts, ropes, layer_caches, experts, selections)
             last = torch.tensor(sizes).cumsum(0) - 1
-            with rows_alone():  # [chunks, 1, dim]: each as the one-row head of its own forward
+            with rows_alone():  # [chunks, 1, dim]
                 logits = self.head(self.norm(x[0, last, None])).float()
         return list(logits[:, None])
 
     @torch.inference_mode()
     def forward_rows(self, tokens: list[int], caches: list[KVCache], experts: Experts) -> torch.Tensor:
-        """Decode one token for each of B independent sequences in one pass -> float32 logits [B, vocab].
-
-        tokens[b] goes at the end of caches[b] (each its own length, positions and DSA state). Every
-        weight is read once for all rows and each MoE layer acquires the union of their experts, while
-        each row is computed exactly as ``forward`` computes it alone (engine/kernels/rows.py): a request's
-        tokens do not depend on what it is batched with.
-        """
+        """Model.forward_rows: every weight read once for all rows, each row bit-equal to ``forward`` alone."""
         return self.forward_rows_hidden(tokens, caches, experts)[0]
 
     @torch.inference_mode()
     def forward_rows_hidden(
         self, tokens: list[int], caches: list[KVCache], experts: Experts
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward_rows`` -> (logits [B, vocab], hidden states [B, dim] before the final norm: what an MTP
-        module drafts from). Consecutive rows may share a cache (the same object): each such row goes at
-        the position after the previous one's, and is computed as that sequence's own next decode step
-        would compute it: a verify step of drafted tokens gives each the bits plain decoding gives it. With
-        int8 activations and every expert resident the whole step is one C call (engine/mla/fused_decode.py), the
-        same bits."""
+        """Drafter.forward_rows_hidden; with every expert resident, one C call (fused_decode), same bits."""
         x = self.embed(torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None])  # [B, 1, dim]
         starts = row_positions(caches)
         ropes = [rope_tables(self.args, start, 1, x.device) for start in starts]
@@ -360,18 +324,18 @@ class Transformer(Model[KVCache]):
         with rows_alone(), int8_activations(self.int8_activations), torch_on_one_thread():
             layers = [cache.layers for cache in caches]
             fused = self._one_call.applies(x, layers, experts)
-            if fused is not None:  # the whole step in one C call
+            if fused is not None:
                 x = fused.step(x[:, 0], starts, ropes, layers)
                 return self.head(self.norm(x)).float(), x
             read_ahead = self._start_read_ahead(x)
-            for i, layer in enumerate(cast("list[Block]", self.layers)):  # a ModuleList of Blocks
+            for i, layer in enumerate(cast("list[Block]", self.layers)):
                 layer_caches = [cache.layers[i] for cache in caches]
                 guess_ahead = self._guess_ahead(i + 1, experts, read_ahead)
                 x, selections = layer.forward_rows(x, starts, ropes, layer_caches, experts, selections, guess_ahead)
             return self.head(self.norm(x)).float()[:, -1], x[:, -1]
 
     def _layer_parts(self, x: torch.Tensor, caches: Sequence[LayerCache]) -> list[LayerParts] | None:
-        return _block_parts(self.layers, x, caches)  # the layers now: the loader swaps modules before a forward
+        return _block_parts(self.layers, x, caches)  # now: the loader swaps modules
 
     def drafter(self) -> Self | None:
         """Itself, with its MTP modules loaded."""
@@ -379,7 +343,7 @@ class Transformer(Model[KVCache]):
 
     def hold_kv_b_int8(self, codes: Mapping[str, tuple[torch.Tensor, torch.Tensor, int]]) -> None:
         for name, (q, scales, group_size) in codes.items():
-            cast(MLA, self.get_submodule(name)).hold_kv_b_int8(q, scales, group_size)  # names of MLA modules
+            cast(MLA, self.get_submodule(name)).hold_kv_b_int8(q, scales, group_size)
 
     def new_draft_cache(self) -> DraftCache[LayerCache]:
         return cast(MTP, self.mtp[0]).new_cache(self.dtype, self.device)
@@ -394,17 +358,14 @@ class Transformer(Model[KVCache]):
         experts: Experts,
         depth: int,
     ) -> list[int]:
-        """``depth`` drafted tokens from the first MTP module (engine/mla/mtp.py draft_with), re-applied past
-        the first: hidden [S, dim] and tokens are the pairs (h_i, t_{i+1}) of positions position.. not yet
-        in ``cache``."""
+        """Drafter.draft with the first MTP module."""
         with int8_activations(self.int8_activations), torch_on_one_thread():
             mtp = cast(MTP, self.mtp[0])
             return draft_with(mtp, self.embed, self.head, (hidden, tokens, position), cache, experts, depth)
 
 
 def _block_parts(blocks: Iterable[nn.Module], x: torch.Tensor, caches: Sequence[LayerCache]) -> list[LayerParts] | None:
-    """The blocks (engine/mla/model.py Block) described for the one-call decode step (engine/mla/fused_decode.py), or
-    None where an attention is not in forms its C steps read."""
+    """The blocks described for the one-call decode step, or None where an attention is not in C forms."""
     parts = []
     for block, cache in zip(cast("Iterable[Block]", blocks), caches, strict=True):
         attention = block._fused_attention(x[:1], cache, None)
