@@ -1,14 +1,11 @@
-"""DeepSeek-V4's forward pass, reading top to bottom.
+"""DeepSeek-V4's forward pass (a Model, and with its MTP modules loaded a Drafter).
 
     tokens -> embed -> copy into n = hc_mult streams [B, S, n, dim]
            -> n_layers x [hc_attn: collapse -> attn_norm -> V4Attention -> spread back over the streams
                           hc_ffn:  collapse -> ffn_norm  -> MoE (hash-routed or scored) -> spread]
            -> hc_head collapse -> norm -> head -> logits
 
-With its MTP modules loaded (engine/v4/mtp.py) it is also a Drafter (engine/core/interfaces.py): speculative
-decoding drafts with them and verifies the drafts as rows on the sequence's own cache (``forward_rows_hidden``).
-The same interface as engine.mla.model.Transformer (engine/core/interfaces.py Model), so generation, sessions and
-serving drive either; routed experts come from the expert source as for V3.
+Routed experts come from the expert source passed to ``forward``.
 """
 
 from __future__ import annotations
@@ -38,7 +35,7 @@ class V4Block(nn.Module):
     def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
         v4 = args.v4
-        assert v4 is not None  # a V4 module is built from deepseek_v4 args (engine/families.py)
+        assert v4 is not None
         self.layer_id = layer_id
         self.hc_attn = HyperConnection(args.dim, v4.hc_mult, v4.hc_sinkhorn_iters, v4.hc_eps, args.rms_norm_eps)
         self.attn_norm = RMSNorm(args.dim, args.rms_norm_eps)
@@ -56,10 +53,8 @@ class V4Block(nn.Module):
         experts: Experts,
         guess_ahead: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
-        """streams [B, S, n, dim] of tokens [B, S] at positions start_pos.. -> [B, S, n, dim].
-
-        ``guess_ahead``: optional hook given the streams after attention, before this layer's FFN, to
-        prefetch the experts the next layer will probably route to."""
+        """streams [B, S, n, dim] of tokens [B, S] at start_pos.. -> [B, S, n, dim]; ``guess_ahead`` gets the
+        streams before the FFN, to prefetch the next layer's experts."""
         post, comb, x = self.hc_attn(streams)
         streams = spread(streams, self.attn(self.attn_norm(x), start_pos, cache), post, comb)
         if guess_ahead is not None:
@@ -76,9 +71,8 @@ class V4Block(nn.Module):
         experts: Experts,
         guess_ahead: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
-        """One new position of each of B independent sequences (streams [B, 1, n, dim]), inside
-        rows_alone(): each row's hyper-connections (per_row) and attention run alone (its own cache), the
-        FFN over all rows, so the MoE acquires the union of the rows' experts once."""
+        """streams [B, 1, n, dim], one position of each of B sequences, inside rows_alone(): hyper-connections and
+        attention per row, the FFN over all rows (experts acquired once)."""
         post, comb, x = per_row(self.hc_attn, streams)
         out = torch.cat(
             [
@@ -93,7 +87,7 @@ class V4Block(nn.Module):
         return per_row(spread, streams, self.ffn(self.ffn_norm(x), experts, tokens), post, comb)
 
     def router_input(self, streams: torch.Tensor) -> torch.Tensor:
-        """What this layer's router would see if its FFN ran on ``streams`` now [B, S, dim]."""
+        """What this layer's router would see from ``streams`` now: [B, S, dim]."""
         return self.ffn_norm(self.hc_ffn(streams)[2])
 
 
@@ -111,7 +105,7 @@ class V4Transformer(Model[V4Cache]):
         self.head = Linear(args.dim, args.vocab_size, bias=False)
         self.mtp = nn.ModuleList(V4MTP(args, layer, V4Block(args, layer)) for layer in args.mtp_layers)
         self.int8_activations = False
-        self.read_ahead = False  # no read-ahead into the CPU caches (read_ahead_bytes)
+        self.read_ahead = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -125,18 +119,17 @@ class V4Transformer(Model[V4Cache]):
         return V4Cache.empty(self.args, batch, self.dtype, self.device)
 
     def read_ahead_bytes(self, experts_per_token: int, expert_bytes: int) -> int | None:
-        """None: this model's decode does not read ahead into the CPU caches (engine/kernels/read_ahead.py)."""
+        """None: no read-ahead."""
         return None
 
     def _guess_ahead(self, layer: int, tokens: torch.Tensor, experts: Experts) -> Callable[[torch.Tensor], None] | None:
-        """A hook prefetching layer ``layer``'s experts while the current layer's FFN runs: exact from the
-        token ids on a hash-routed layer, else that layer's router applied to the current streams."""
+        """A hook prefetching layer ``layer``'s experts while the current FFN runs (exact on hash-routed layers)."""
         if layer >= len(self.layers):
             return None
-        block = cast(V4Block, self.layers[layer])  # nn.ModuleList types its items as Module
+        block = cast(V4Block, self.layers[layer])
 
         def guess_ahead(streams: torch.Tensor) -> None:
-            if experts.lookahead((layer,)):  # a source may know the guess would change nothing
+            if experts.lookahead((layer,)):
                 guess_input = None if block.ffn.hashed else block.router_input(streams)
                 experts.prefetch(layer, block.ffn.predict(guess_input, tokens))
 
@@ -152,10 +145,7 @@ class V4Transformer(Model[V4Cache]):
         absorb: bool | None = None,
         last_only: bool = False,
     ) -> torch.Tensor:
-        """tokens [B, S] at positions start_pos.. -> float32 logits [B, S, vocab] (S=1 if last_only).
-
-        Appends the S positions to ``cache``. ``absorb`` is accepted for the common interface; V4's one
-        K=V head has no absorbed form."""
+        """Model.forward; ``absorb`` is ignored: V4's one K=V head has no absorbed form."""
         x = self.embed(tokens)
         streams = x.unsqueeze(2).expand(-1, -1, self.n_streams, -1).contiguous()  # [B, S, n, dim]
         guess = tokens.shape[1] <= GUESS_MAX_NEW_POSITIONS
@@ -170,25 +160,19 @@ class V4Transformer(Model[V4Cache]):
 
     @torch.inference_mode()
     def forward_rows(self, tokens: list[int], caches: list[V4Cache], experts: Experts) -> torch.Tensor:
-        """Decode one token for each of B independent sequences in one pass -> float32 logits [B, vocab].
-
-        tokens[b] goes at the end of caches[b]. Each MoE layer acquires the union of the rows' experts
-        once, while each row is computed exactly as ``forward`` computes it alone (engine/kernels/rows.py)."""
+        """Model.forward_rows."""
         return self.forward_rows_hidden(tokens, caches, experts)[0]
 
     @torch.inference_mode()
     def forward_rows_hidden(
         self, tokens: list[int], caches: list[V4Cache], experts: Experts
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward_rows`` -> (logits [B, vocab], the streams [B, n, dim] before the head's collapse: what an
-        MTP module drafts from). Consecutive rows may share a cache: each such row goes at the position after
-        the previous one's, computed as that sequence's own next decode step (a verify step of drafts), and
-        the cache keeps what a trim back to its first row needs."""
+        """Drafter.forward_rows_hidden; a cache shared by rows keeps what a trim back to its first row needs."""
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]  # [B, 1]
         streams = self.embed(ids).unsqueeze(2).expand(-1, -1, self.n_streams, -1).contiguous()
         starts = row_positions(caches)
         with rows_alone(), int8_activations(self.int8_activations), torch_on_one_thread():
-            for i, layer in enumerate(cast("list[V4Block]", self.layers)):  # a ModuleList of V4Blocks
+            for i, layer in enumerate(cast("list[V4Block]", self.layers)):
                 layer_caches = [cache.layers[i] for cache in caches]
                 guess_ahead = self._guess_ahead(i + 1, ids, experts)
                 streams = layer.forward_rows(streams, ids, starts, layer_caches, experts, guess_ahead)
@@ -217,9 +201,7 @@ class V4Transformer(Model[V4Cache]):
         experts: Experts,
         depth: int,
     ) -> list[int]:
-        """``depth`` drafted tokens from the first MTP module, re-applied past the first (engine/mla/mtp.py
-        draft_with): hidden [S, n, dim] and tokens are the pairs (h_i, t_{i+1}) of positions position..
-        not yet in ``cache``."""
+        """Drafter.draft with the first MTP module; hidden [S, n, dim]."""
         with int8_activations(self.int8_activations), torch_on_one_thread():
             mtp = cast(V4MTP, self.mtp[0])
             return draft_with(mtp, self.embed, self.head, (hidden, tokens, position), cache, experts, depth)
