@@ -4,9 +4,8 @@
     x = block(x)                                          MLA + MoE, with its own cache
     logits = head(norm(x))                                predicts t_{i+2}; embed and head are the main model's
 
-The main model verifies every draft, so drafts change how many tokens a step yields, never which. The
-``DraftCache`` holds positions decoded since drafting began (a prefill keeps no hidden states); positions
-past the last real pair are the draft chain's and are forgotten at the next draft.
+The ``DraftCache`` holds positions decoded since drafting began (a prefill keeps no hidden states);
+positions past the last real pair are the draft chain's, forgotten at the next draft.
 """
 
 from __future__ import annotations
