@@ -40,6 +40,7 @@ REFUSED = {
 EXACT = {
     "--ram": ["--ram", "30%"],
     "--policy": ["--ram", "30%", "--policy", "hybrid"],
+    "--half-life": ["--ram", "30%", "--half-life", "4"],  # the frequent policy forgets faster: placement only
     "--no-prefetch": ["--ram", "30%", "--no-prefetch"],
     "--prefetch-layers": ["--ram", "30%", "--prefetch-layers", "2"],
     "--io-threads": ["--ram", "30%", "--io-threads", "1"],
