@@ -26,8 +26,10 @@ from colibri_stream.runtime.kv.sessions import Session
 from colibri_stream.runtime.loader import load_checkpoint
 from engine.config.args import ModelArgs
 
-# DeepSeek-V4-Flash's dims (tests/test_colibri_stream/runtime/test_v4_sessions.py FLASH holds the whole config).
-FLASH_CONFIG = Path(__file__).resolve().parents[1] / "tests" / "test_colibri_stream" / "runtime" / "test_v4_sessions.py"
+# DeepSeek-V4-Flash's dims (tests/test_colibri_stream/runtime/kv/test_v4_sessions.py FLASH holds the whole config).
+FLASH_CONFIG = (
+    Path(__file__).resolve().parents[1] / "tests" / "test_colibri_stream" / "runtime" / "kv" / "test_v4_sessions.py"
+)
 
 
 def _flash_args() -> ModelArgs:
