@@ -17,7 +17,7 @@ from colibri_stream.runtime import loader
 from colibri_stream.runtime.generate import generate
 from colibri_stream.runtime.memory import return_large_frees_to_the_os
 from storage.container.reader import Container
-from storage.tiers.tiered import StoreConfig
+from storage.tiers.config import StoreConfig
 
 
 def decode(path: str, prompt: list[int], tokens: int) -> dict:

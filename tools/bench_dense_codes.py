@@ -19,7 +19,7 @@ from colibri_stream.runtime.generate import generate
 from colibri_stream.runtime.loader import LoadedModel, load_container
 from engine.kernels.int8_dense import CodedLinear
 from storage.container.reader import Container
-from storage.tiers.tiered import StoreConfig
+from storage.tiers.config import StoreConfig
 
 FORMATS = ("int8", "int4")
 

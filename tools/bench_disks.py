@@ -116,7 +116,7 @@ def decode(path: Path, ram: str, tokens: int, threads: int, history: Path | None
     from colibri_stream.runtime.generate import generate
     from colibri_stream.runtime.loader import load_container
     from storage.container.reader import Container
-    from storage.tiers.tiered import StoreConfig
+    from storage.tiers.config import StoreConfig
 
     container = Container(path)
     ram_bytes = parse_size(ram, container.expert_bytes, "--ram")

@@ -24,7 +24,7 @@ from colibri_stream.convert.converter import Converter, ConvertOptions
 from colibri_stream.runtime.generate import generate
 from colibri_stream.runtime.loader import load_container
 from storage.container.reader import Container
-from storage.tiers.tiered import StoreConfig
+from storage.tiers.config import StoreConfig
 
 
 def decode(container: Path, vram_slots: int, prompt: list[int], tokens: int) -> dict:

@@ -19,7 +19,7 @@ from colibri_stream.planning.bandwidth import Bandwidth, measure
 from colibri_stream.planning.budget import auto_ram_bytes, parse_size
 from colibri_stream.planning.geometry import ContainerTarget, ModelGeometry, geometry_from_config
 from colibri_stream.planning.placement import Machine, expected_speed, floor_bytes, plan, verdict
-from storage.tiers.tiered import StoreConfig
+from storage.tiers.config import StoreConfig
 
 GIB = 2**30
 YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "mscale": 1.0, "mscale_all_dim": 1.0}

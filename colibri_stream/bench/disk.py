@@ -20,7 +20,8 @@ from pathlib import Path
 from colibri_stream.bench.system import drop_page_cache
 from storage.container.reader import Container
 from storage.files.buffers import aligned_empty
-from storage.tiers.tiered import StoreConfig, TieredExpertStore
+from storage.tiers.config import StoreConfig
+from storage.tiers.tiered import TieredExpertStore
 
 BLOCK = 8 << 20
 HUGE_PAGE = 2 << 20

@@ -65,8 +65,9 @@ from engine.kernels.bf16 import KEEP_FLOAT32
 from storage.container.layout import stored_shape
 from storage.container.reader import Container, DenseEntry
 from storage.errors import DiskFullError, free_bytes
+from storage.tiers.config import StoreConfig
 from storage.tiers.policy import DEFAULT_POLICY, POLICY_NAMES
-from storage.tiers.tiered import StoreConfig, minimum_slots, total_records
+from storage.tiers.tiered import minimum_slots, total_records
 
 GiB = 1 << 30
 RATIO_BUDGET = 25  # the budget (% of int4 expert bytes) at which the headline ratios (and sessions) are taken

@@ -33,7 +33,7 @@ from colibri_stream.planning.settings import load_budget_file as load_budget_fil
 from colibri_stream.planning.settings import parse_size as parse_size
 from engine.config.args import ModelArgs
 from storage.kv.prefix_store import PrefixConfig
-from storage.tiers.tiered import StoreConfig
+from storage.tiers.config import StoreConfig
 
 SAFETY_MARGIN = 0.10
 

@@ -32,7 +32,8 @@ from engine.config.args import ModelArgs
 from engine.families import meta_transformer
 from engine.kernels.bf16 import bf16_candidates, bf16_kernel_available, linear_candidates
 from storage.container.reader import Container
-from storage.tiers.tiered import StoreConfig, slots_for
+from storage.tiers.config import StoreConfig
+from storage.tiers.tiered import slots_for
 
 # Measured here: the process after importing torch and running a first step (code pages, pools).
 RUNTIME_BASELINE_BYTES = 330 * 2**20

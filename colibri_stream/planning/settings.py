@@ -4,7 +4,7 @@ check (``load_budget_file``: each error one line naming the file and the key), t
 docs/planning.md (``markdown_table``; a test holds the two equal) and a local worker's store flags
 (``store_flags``).
 
-A store setting's default and range are those of its StoreConfig field (storage/tiers/tiered.py: storage is used
+A store setting's default and range are those of its StoreConfig field (storage/tiers/config.py: storage is used
 without this package, and a StoreConfig built there is checked the same); its row names the field and reads
 them, and so for the prefix cache's PrefixConfig. A new store setting is its StoreConfig field and one row
 (tests then ask for the docs table regenerated and the key in the README's budget example).
@@ -27,7 +27,7 @@ from colibri_stream.errors import BudgetError
 from storage.errors import FormatError
 from storage.files.safe_read import decode_utf8, read_bounded
 from storage.kv.prefix_store import PrefixConfig
-from storage.tiers.tiered import CHOICES, RANGE, StoreConfig
+from storage.tiers.config import CHOICES, RANGE, StoreConfig
 
 # What a budget file or a flag gives: TOML's strings, integers and booleans; a caller may give a Path.
 Value = str | int | bool | Path | None

@@ -51,8 +51,9 @@ from engine.kernels.quant import QuantizedMatrix
 from storage.container.reader import Container, ExpertReader, is_container
 from storage.errors import FormatError
 from storage.files.buffers import aligned_empty
+from storage.tiers.config import StoreConfig
 from storage.tiers.history import UsageHistory
-from storage.tiers.tiered import StoreConfig, TieredExpertStore, total_records
+from storage.tiers.tiered import TieredExpertStore, total_records
 from storage.tiers.trace import TraceWriter
 
 

@@ -13,7 +13,7 @@ from colibri_stream.runtime.generate import generate
 from colibri_stream.runtime.loader import load_container
 from storage.container.parts import PARTS_FILE
 from storage.container.reader import Container
-from storage.tiers.tiered import StoreConfig
+from storage.tiers.config import StoreConfig
 
 
 @pytest.fixture

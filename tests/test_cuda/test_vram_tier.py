@@ -15,7 +15,8 @@ from colibri_stream.runtime.generate import generate
 from colibri_stream.runtime.loader import load_container
 from engine.kernels.quant import QuantizedExpert
 from storage.container.reader import Container
-from storage.tiers.tiered import StoreConfig, minimum_slots
+from storage.tiers.config import StoreConfig
+from storage.tiers.tiered import minimum_slots
 
 pytestmark = pytest.mark.gpu
 

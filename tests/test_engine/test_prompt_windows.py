@@ -11,7 +11,7 @@ from colibri_stream.devtools.fixtures import make_prompt
 from colibri_stream.runtime.generate import generate
 from colibri_stream.runtime.loader import load_container
 from storage.container.reader import Container
-from storage.tiers.tiered import StoreConfig
+from storage.tiers.config import StoreConfig
 
 CHUNK = 7  # 45 positions: six chunks of 7 and one of 3
 

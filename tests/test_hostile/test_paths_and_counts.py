@@ -28,8 +28,8 @@ from colibri_stream.planning.budget import load_budget_file
 from colibri_stream.runtime.kv.transcript import load_transcript
 from storage.errors import BudgetError  # the library's BudgetError derives from it
 from storage.files.safe_read import NotRegularFileError, OutputPathError
+from storage.tiers.config import MAX_IO_THREADS, StoreConfig
 from storage.tiers.history import UsageHistory
-from storage.tiers.tiered import MAX_IO_THREADS, StoreConfig
 from storage.tiers.trace import TraceWriter
 
 

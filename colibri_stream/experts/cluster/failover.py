@@ -19,8 +19,9 @@ from colibri_stream.experts.codec import expert_from_record
 from engine.core.moe import routed_sum
 from engine.kernels.rows import torch_on_one_thread
 from storage.container.reader import Container
+from storage.tiers.config import StoreConfig
 from storage.tiers.stats import StoreStats
-from storage.tiers.tiered import StoreConfig, TieredExpertStore, minimum_slots
+from storage.tiers.tiered import TieredExpertStore, minimum_slots
 
 
 class Fallback:

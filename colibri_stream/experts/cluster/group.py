@@ -28,8 +28,8 @@ from colibri_stream.planning.geometry import container_args
 from colibri_stream.planning.settings import store_flags
 from engine.families import family_of
 from storage.container.reader import Container
+from storage.tiers.config import StoreConfig
 from storage.tiers.history import UsageHistory
-from storage.tiers.tiered import StoreConfig
 from storage.tiers.trace import TraceWriter
 
 DEFAULT_TIMEOUT_S = 60.0

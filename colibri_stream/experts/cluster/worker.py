@@ -38,8 +38,9 @@ from engine.families import family_of
 from engine.kernels.modes import int8_activations
 from engine.kernels.rows import rows_alone, torch_on_one_thread
 from storage.container.reader import Container
+from storage.tiers.config import StoreConfig
 from storage.tiers.history import UsageHistory
-from storage.tiers.tiered import StoreConfig, TieredExpertStore
+from storage.tiers.tiered import TieredExpertStore
 from storage.tiers.trace import TraceWriter
 
 COORDINATOR = "the coordinator"

@@ -115,7 +115,7 @@ def test_plan_counts_the_codes_the_int8_path_holds(int4_dense, capsys):
     holds, not their dequantised size (which a float run holds, and plan says without the flag)."""
     from colibri_stream import cli
     from colibri_stream.planning.placement import plan
-    from storage.tiers.tiered import StoreConfig
+    from storage.tiers.config import StoreConfig
 
     geometry = geometry_from_container(Container(int4_dense))
     fast, exact = (plan(geometry, StoreConfig(ram_bytes=1 << 30), int8_activations=i) for i in (True, False))

@@ -25,7 +25,8 @@ from colibri_stream.planning.budget import (
 from colibri_stream.planning.placement import RUNTIME_BASELINE_BYTES
 from colibri_stream.planning.settings import SETTINGS
 from storage.container.reader import Container
-from storage.tiers.tiered import StoreConfig, slots_for
+from storage.tiers.config import StoreConfig
+from storage.tiers.tiered import slots_for
 
 GIB = 2**30
 

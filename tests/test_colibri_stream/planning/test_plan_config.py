@@ -17,7 +17,8 @@ from colibri_stream.planning.bandwidth import Bandwidth
 from colibri_stream.planning.geometry import ContainerTarget, model_geometry
 from colibri_stream.planning.placement import check_fits, expected_speed, plan, verdict
 from storage.container.reader import Container
-from storage.tiers.tiered import StoreConfig, minimum_slots
+from storage.tiers.config import StoreConfig
+from storage.tiers.tiered import minimum_slots
 
 GIB = 2**30
 

@@ -17,7 +17,7 @@ from colibri_stream.planning import placement, settings
 from colibri_stream.planning.budget import StoreOptions, load_budget_file, prefix_config, worker_store_config
 from colibri_stream.planning.settings import BUDGET_KEYS, SETTINGS, Kind, Setting, markdown_table
 from storage.kv.prefix_store import PrefixConfig
-from storage.tiers.tiered import StoreConfig
+from storage.tiers.config import StoreConfig
 
 ROOT = Path(__file__).resolve().parents[3]
 SAMPLES = {Kind.SIZE: "3GiB", Kind.BLOCKS: "64MiB", Kind.PATH: "h.json", Kind.TEXT: "cpu"}

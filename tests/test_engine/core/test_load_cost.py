@@ -12,7 +12,7 @@ from engine.core.layers import embedding
 CHECK = """
 import sys
 from colibri_stream.runtime.loader import load_container
-from storage.tiers.tiered import StoreConfig
+from storage.tiers.config import StoreConfig
 loaded = load_container(sys.argv[1], store=StoreConfig(ram_bytes=10**12, preload=True))
 loaded.experts.close()
 print("torch._dynamo" in sys.modules)

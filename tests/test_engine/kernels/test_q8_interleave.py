@@ -23,7 +23,7 @@ from engine.kernels.interleaved_expert import InterleavedExpert
 from engine.kernels.q8 import ISA_AVX2, ISA_BEST, ISA_SCALAR, deinterleave, interleavable, interleave, q8_matmul
 from engine.kernels.quant import KERNEL_SCALES, QuantizedExpert
 from storage.container.reader import Container
-from storage.tiers.tiered import StoreConfig
+from storage.tiers.config import StoreConfig
 
 pytest.importorskip("engine.kernels._kernels")
 

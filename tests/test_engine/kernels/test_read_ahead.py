@@ -130,7 +130,7 @@ def test_resident_experts_give_their_memory_gate_and_up_before_down():
 def test_decoding_with_read_ahead_gives_the_same_logits(stream_container, int8, monkeypatch):
     from colibri_stream.runtime.loader import load_container
     from storage.container.reader import Container
-    from storage.tiers.tiered import StoreConfig
+    from storage.tiers.config import StoreConfig
 
     def logits(read_ahead: bool, calls: list) -> list[torch.Tensor]:
         monkeypatch.setattr(engine.mla.model, "read_ahead_available", lambda: read_ahead)

@@ -17,7 +17,7 @@ from engine.core.cache import KVCache
 from engine.kernels import decode_ops
 from engine.mla import fused_decode
 from storage.container.reader import Container
-from storage.tiers.tiered import StoreConfig
+from storage.tiers.config import StoreConfig
 
 pytestmark = pytest.mark.skipif(not fused_decode.available(), reason="the C kernels are not built")
 

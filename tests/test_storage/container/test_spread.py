@@ -21,8 +21,8 @@ from storage.container.spread import JOURNAL, apply_layout, current_parts, gathe
 from storage.container.verify import verify_container
 from storage.errors import CorruptDataError
 from storage.files.buffers import aligned_empty
+from storage.tiers.config import StoreConfig
 from storage.tiers.history import UsageHistory
-from storage.tiers.tiered import StoreConfig
 
 PROMPT = [5, 9, 17, 33, 65, 129, 257, 300, 11, 23]
 NEW_TOKENS = 10

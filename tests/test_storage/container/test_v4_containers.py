@@ -25,7 +25,7 @@ from colibri_stream.runtime.speculation import Speculation
 from engine.kernels.bf16 import bf16_kernel_available
 from storage.container.reader import Container
 from storage.container.verify import verify_container
-from storage.tiers.tiered import StoreConfig
+from storage.tiers.config import StoreConfig
 
 NEW_TOKENS = 24
 

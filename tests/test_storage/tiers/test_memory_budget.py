@@ -20,7 +20,7 @@ from colibri_stream.runtime.loader import load_container
 from colibri_stream.runtime.generate import generate
 from colibri_stream.runtime.memory import PeakSampler, return_large_frees_to_the_os, uss_bytes
 from storage.container.reader import Container
-from storage.tiers.tiered import StoreConfig
+from storage.tiers.config import StoreConfig
 
 return_large_frees_to_the_os()
 torch.set_num_threads(1)

@@ -15,9 +15,10 @@ from colibri_stream.runtime.generate import generate
 from colibri_stream.runtime.loader import load_container
 from storage.container.reader import Container
 from storage.errors import BudgetError, CorruptDataError
+from storage.tiers.config import StoreConfig
 from storage.tiers.history import UsageHistory
 from storage.tiers.policy import POLICY_NAMES
-from storage.tiers.tiered import StoreConfig, minimum_slots
+from storage.tiers.tiered import minimum_slots
 
 PROMPT = [5, 9, 17, 33, 65, 129, 257, 300, 11, 23]
 NEW_TOKENS = 12

@@ -14,8 +14,8 @@ from colibri_stream.experts.cluster import wire
 from colibri_stream.experts.cluster.group import ClusterOptions, local_worker_flags
 from colibri_stream.experts.cluster.shares import deal, measured_owners, read_expert_map, share_weights
 from colibri_stream.experts.cluster.wire import Hello, Op
+from storage.tiers.config import StoreConfig
 from storage.tiers.stats import StoreStats
-from storage.tiers.tiered import StoreConfig
 
 RECORD = 1000
 
