@@ -6,9 +6,16 @@ import argparse
 import dataclasses
 import ipaddress
 import sys
+from typing import cast
 
 from colibri_stream.cli.help import help_options
-from colibri_stream.cli.options import add_runtime_arguments, positive_int, runtime_options, session_wait
+from colibri_stream.cli.options import (
+    add_runtime_arguments,
+    add_setting_arguments,
+    positive_int,
+    runtime_options,
+    session_wait,
+)
 from colibri_stream.errors import ColibriError
 
 DEFAULT_MAX_CONNECTIONS = 64  # serve/ needs FastAPI and uvicorn (an extra): imported only when serving
@@ -70,11 +77,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="answer 404 for a request naming another model than --model-name or an --alias "
         "(default: any name is served by the one model)",
     )
-    parser.add_argument(
-        "--default-max-tokens",
-        type=int,
-        help="answer length when a request sets none (default: the rest of the context)",
-    )
+    add_setting_arguments(parser, "serve")  # --default-max-tokens (budget key serve.default_max_tokens)
     parser.add_argument(
         "--api-key",
         action="append",
@@ -120,7 +123,7 @@ def run_serve(args: argparse.Namespace) -> int:
             runtime,
             args.slots,
             args.max_queue,
-            args.default_max_tokens,
+            cast(int, options.store["default_max_tokens"]),  # a COUNT row: an int, checked
             args.kv_sync_every,
             keys,
             strict_model_name=args.strict_model_name,

@@ -201,6 +201,13 @@ SETTINGS: tuple[Setting, ...] = (
         group="prefix", help="restore the longest cached prefix of each prompt and remember what each turn "
         "computes (--no-prefix-cache computes every prompt whole)",
     ),
+    Setting(
+        "default_max_tokens", "serve.default_max_tokens", "--default-max-tokens", Kind.COUNT, default=4096, low=1,
+        unit="tokens", metavar="N", group="serve",
+        help="answer length of a request that sets none (max_tokens, max_completion_tokens, max_output_tokens): "
+        "clients such as Aider send none, and the rest of a long context is minutes of decoding; cut to the "
+        "room the context leaves",
+    ),
 )  # fmt: skip
 BY_NAME: Mapping[str, Setting] = MappingProxyType({s.name: s for s in SETTINGS})
 BY_KEY: Mapping[str, Setting] = MappingProxyType({s.key: s for s in SETTINGS if s.key is not None})

@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from colibri_stream.errors import ChatTemplateError, ColibriError, SessionError
+from colibri_stream.planning.settings import BY_NAME
 from colibri_stream.runtime.generate import SamplingParams
 from colibri_stream.runtime.kv.lock import REFUSE, SessionLease, SessionWait
 from colibri_stream.runtime.kv.sessions import check_session_name
@@ -60,7 +61,7 @@ class Server:
         runtime: Runtime,
         slots: int = 4,
         max_queue: int = 16,
-        default_max_tokens: int | None = None,
+        default_max_tokens: int = cast(int, BY_NAME["default_max_tokens"].default),
         sync_every: int = 0,
         api_keys: ApiKeys | None = None,
         strict_model_name: bool = False,
@@ -197,7 +198,7 @@ class Server:
         room = context - len(prompt)
         limit = body.token_limit()
         if limit is None:
-            return min(room, self.default_max_tokens) if self.default_max_tokens else room
+            return min(room, self.default_max_tokens)
         if limit > room:
             raise ApiError(
                 400,

@@ -46,14 +46,15 @@ def test_the_docs_settings_table_is_the_generated_one():
 
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: s.name)
 def test_every_row_has_a_flag_the_commands_read(setting):
-    """Each row's flag reaches the StoreOptions a command builds (run holds every group: store, prefix,
-    context), with the value given."""
+    """Each row's flag reaches the StoreOptions a command builds (run holds the store, prefix and context
+    groups; serve its own too), with the value given."""
     value = _sample(setting)
     if setting.kind is Kind.SWITCH:
         flag = [setting.flag if value else setting.off_flag or f"--no-{setting.flag[2:]}"]
     else:
         flag = [setting.flag, str(value)]
-    args = cli.build_parser().parse_args(["run", "MODEL", "--ids", "1", *flag])
+    command = ["serve", "MODEL"] if setting.group == "serve" else ["run", "MODEL", "--ids", "1"]
+    args = cli.build_parser().parse_args([*command, *flag])
     given = cli.options.store_options(args).given
     assert given == {setting.name: value}
 
