@@ -2,10 +2,11 @@
 
 A step runs at most one prefill chunk's worth of prompt positions (PREFILL_CHUNK_TOKENS: the next
 chunk of the oldest sequences still reading their prompts, as many as fit; a sequence alone in the batch
-reads a window of chunks layer by layer, Model.forward_prompt) and then one decode pass
+reads a window of chunks layer by layer, Model.forward_prompt) and then a decode pass
 over every sequence that has a token to feed (``Model.forward_rows``: each weight read once,
 each MoE layer's experts acquired once for the union of the rows). Several short prompts are read in
-one step; a long prompt costs the others one chunk per step, never the whole prompt. Sequences join
+one step; a long prompt costs the others one chunk per step, never the whole prompt, and a step that read
+prompt chunks makes more decode passes until the decoding rows had DECODE_SHARE of the chunks' time. Sequences join
 between steps and leave the step they finish, are cancelled or fail.
 
 Every sequence is computed exactly as if it ran alone (its prompt in the same chunks, its decode rows
@@ -34,6 +35,11 @@ from colibri_stream.runtime.sampling import SamplingParams, TokenLogprob, sample
 from colibri_stream.runtime.speculation import DraftedSequence, DraftState, Speculation
 from engine.core.interfaces import Cache, Model
 from engine.core.sources import Experts
+
+# While prompts are read, the rows decoding beside them get this much of the prompt chunks' time again in
+# extra decode passes (1.0: half the step's time each): a 10k-token prefill no longer slows them to one
+# token per 256-position chunk.
+DECODE_SHARE = 1.0
 
 
 @dataclass
@@ -169,8 +175,10 @@ class ContinuousBatch:
         experts: Experts,
         prefill_chunk: int = PREFILL_CHUNK_TOKENS,
         speculation: Speculation | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ):
         self.model, self.experts, self.prefill_chunk = model, experts, prefill_chunk
+        self.clock = clock  # times the decode rows' share of a step that reads prompts
         self.speculation = speculation  # decode drafts with the model's MTP module (runtime/speculation.py)
         self.active: list[Generation] = []
 
@@ -205,6 +213,7 @@ class ContinuousBatch:
             if generation.pending:  # a client gone while its prompt waits or is read
                 generation.poll_cancel()
         reading = self._readers()
+        started = self.clock()
         together = [g for g in reading if g.request.prompt_logprobs is None]  # logprobs need every position's logits
         together = together if len(together) > 1 else []
         if together:
@@ -212,12 +221,22 @@ class ContinuousBatch:
         for generation in reading:
             if generation not in together:
                 self._guarded([generation], self._prefill_chunk)
-        feeding = [g for g in self.active if g.next_token is not None and not g.done and g not in reading]
-        if feeding:
-            self._guarded(feeding, self._decode)
+        self._decode_passes(reading, started)
         finished = [g for g in self.active if g.done]
         self.active = [g for g in self.active if not g.done]
         return finished
+
+    def _decode_passes(self, reading: list[Generation], started: float) -> None:
+        """One decode pass over the rows with a token to feed; when prompt chunks ran this step (since
+        ``started``), more passes until the rows have had DECODE_SHARE of the chunks' time: a long prompt
+        costs the rows beside it a share of their rate, not all but one token per chunk. The rows' tokens
+        do not depend on how many passes a step makes (decode rows are batch-invariant)."""
+        prefill_s = self.clock() - started if reading else 0.0
+        decode_started = self.clock()
+        while feeding := [g for g in self.active if g.next_token is not None and not g.done and g not in reading]:
+            self._guarded(feeding, self._decode)
+            if self.clock() - decode_started >= DECODE_SHARE * prefill_s:
+                return
 
     def _readers(self) -> list[Generation]:
         """The generations whose next prompt chunk runs this step: oldest first, as long as their chunks

@@ -16,6 +16,12 @@ CHUNK = 8  # prompt positions per prefill forward: small, so a 30-token prompt t
 LONG_PROMPT = list(range(5, 35))
 
 
+def still() -> float:
+    """A clock that stands still: each step makes one decode pass (no prompt chunk seems to take time), so
+    the tokens per step are counts these tests can assert."""
+    return 0.0
+
+
 def requests(stop_id: int) -> list[tuple[int, GenerationRequest]]:
     """(join step, request): greedy, seeded sampling, top-p, a stop id, a long prompt joining late."""
     return [
@@ -40,8 +46,8 @@ def solo(model, experts, request: GenerationRequest) -> list[int]:
 
 
 def run_batched(model, experts, joined: list[tuple[int, GenerationRequest]]):
-    """Step the batch, adding each request at its step; per step, how many tokens each one has."""
-    batch, generations, progress, step = ContinuousBatch(model, experts, CHUNK), {}, [], 0
+    """Step the batch (its clock still), adding each request at its step; per step, how many tokens each one has."""
+    batch, generations, progress, step = ContinuousBatch(model, experts, CHUNK, clock=still), {}, [], 0
     while step == 0 or batch or len(generations) < len(joined):
         for i, (at, request) in enumerate(joined):
             if at == step:
@@ -94,7 +100,7 @@ def tiny(tiny_checkpoints):
 
 
 def test_a_cancelled_generation_leaves_the_step_it_is_cancelled(tiny):
-    batch = ContinuousBatch(tiny.model, tiny.experts, CHUNK)
+    batch = ContinuousBatch(tiny.model, tiny.experts, CHUNK, clock=still)
     cancel = {"decoding": False, "reading": False}
     decoding = batch.add(GenerationRequest([1, 2, 3], 50, should_stop=lambda: cancel["decoding"]))
     staying = batch.add(GenerationRequest([3, 2, 1], 50))
@@ -120,7 +126,7 @@ def test_a_request_that_cannot_run_is_refused_when_added(tiny):
 
 
 def test_a_failing_forward_ends_only_its_generations(tiny, monkeypatch):
-    batch = ContinuousBatch(tiny.model, tiny.experts, CHUNK)
+    batch = ContinuousBatch(tiny.model, tiny.experts, CHUNK, clock=still)
     first = batch.add(GenerationRequest([1, 2, 3], 3))
     batch.step()  # first: prompt read, one token
     broken = batch.add(GenerationRequest(LONG_PROMPT, 3))
@@ -139,7 +145,7 @@ def test_a_failing_forward_ends_only_its_generations(tiny, monkeypatch):
 def test_short_prompts_share_a_step_and_a_long_one_waits_its_turn(tiny):
     """Prompt chunks fill one chunk's worth of positions per step, oldest first: two prompts of 3
     positions (CHUNK 8) are read together; a third whose chunk (8) no longer fits waits for the next step."""
-    batch = ContinuousBatch(tiny.model, tiny.experts, CHUNK)
+    batch = ContinuousBatch(tiny.model, tiny.experts, CHUNK, clock=still)
     short = [batch.add(GenerationRequest([i + 1, i + 2, i + 3], 4)) for i in range(2)]
     later = batch.add(GenerationRequest(LONG_PROMPT, 4))
     batch.step()
@@ -155,7 +161,7 @@ def test_short_prompts_share_a_step_and_a_long_one_waits_its_turn(tiny):
 def test_a_prompt_beside_one_that_asks_for_its_logprobs_is_read_in_the_same_step(tiny):
     """Prompts asking for their logprobs are read on their own (every position's logits); the one prompt left
     beside such a reader has no partner to share a forward with, and is still read that step."""
-    batch = ContinuousBatch(tiny.model, tiny.experts, CHUNK)
+    batch = ContinuousBatch(tiny.model, tiny.experts, CHUNK, clock=still)
     logprobs = batch.add(GenerationRequest([1, 2, 3], 2, prompt_logprobs=1))
     plain = batch.add(GenerationRequest([4, 5, 6], 2))
     batch.step()
@@ -164,3 +170,43 @@ def test_a_prompt_beside_one_that_asks_for_its_logprobs_is_read_in_the_same_step
     while batch:
         batch.step()
     assert plain.result.ids == solo(tiny.model, tiny.experts, plain.request)
+
+
+class ForwardClock:
+    """A clock that only the model's forwards move, each by a set cost: the share of a step the decoding
+    rows get is then a count, not a timing."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def costing(self, forward, seconds: float):
+        def timed(*args, **kwargs):
+            self.now += seconds
+            return forward(*args, **kwargs)
+
+        return timed
+
+
+def test_rows_decoding_beside_a_long_prompt_get_a_share_of_its_time(tiny, monkeypatch):
+    clock = ForwardClock()
+    for name, cost in (("forward_prompt", 1.0), ("forward_prompts", 1.0), ("forward_rows", 0.25)):
+        monkeypatch.setattr(tiny.model, name, clock.costing(getattr(tiny.model, name), cost))
+    batch = ContinuousBatch(tiny.model, tiny.experts, CHUNK, clock=clock)
+    decoding = batch.add(GenerationRequest([1, 2, 3], 30))
+    batch.step()  # its prompt: the first token, then decode passes for as long as the prompt took
+    after_prompt = len(decoding.result.ids)
+    reading = batch.add(GenerationRequest(LONG_PROMPT, 1))
+    per_step = []
+    while not reading.done:
+        before = len(decoding.result.ids)
+        batch.step()
+        per_step.append(len(decoding.result.ids) - before)
+    # each 1.0 s chunk of the long prompt is followed by 1.0 s of 0.25 s decode passes (DECODE_SHARE 1.0)
+    assert per_step == [4] * -(-len(LONG_PROMPT) // CHUNK)
+    assert after_prompt == 1
+    while batch:
+        batch.step()
+    assert decoding.result.ids == solo(tiny.model, tiny.experts, GenerationRequest([1, 2, 3], 30))
