@@ -34,9 +34,32 @@ BOS, EOS = 0, 1
 SPECIAL_TOKENS = ["<bos>", "<eos>"]
 SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "dist-packages"}
 HELDOUT_EVERY = 20  # every 20th file (by sorted path) is held out
-CHAT_TEMPLATE = (  # the same shape as the server's fallback: <|role|>\ncontent + eos per message
-    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}"
-    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+# GLM-5's conversation shape, written for the demo: <|role|>\ncontent + eos per message (what the model was
+# trained beside: it never saw a chat), the tools offered as JSON lines in a system turn, GLM's tool calls
+# (<tool_call>NAME, <arg_key>/<arg_value> pairs: text/tool_calls.py finds the format from these markers),
+# tool results as <|observation|> turns, and GLM's thinking switch: ``enable_thinking`` opens <think> in
+# the generation prompt (off unless asked: the demo never learned to close it). Without tools or thinking
+# a conversation renders as the first demo's template did, so its answers did not change. (A newline right
+# after a block tag is written {{ '\n' }}: chat templates render with trim_blocks, which drops it.)
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if tools %}<|system|>\n# Tools\nYou may call one or more functions. Their signatures, one JSON "
+    "object a line:\n<tools>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n"
+    "For each call, write <tool_call>{function-name}\n<arg_key>{arg-key}</arg_key>\n"
+    "<arg_value>{arg-value}</arg_value>\n...</tool_call>{{ eos_token }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'tool' %}<|observation|>\n<tool_response>{{ message['content'] }}"
+    "</tool_response>{{ eos_token }}"
+    "{% elif message['role'] == 'assistant' %}<|assistant|>\n"
+    "{% if message.get('reasoning_content') %}<think>{{ message['reasoning_content'] }}</think>{% endif %}"
+    "{{ message['content'] }}"
+    "{% for call in message.get('tool_calls') or [] %}{{ '\n' }}<tool_call>{{ call['function']['name'] }}"
+    "{% for key, value in call['function']['arguments'].items() %}{{ '\n' }}<arg_key>{{ key }}</arg_key>\n"
+    "<arg_value>{{ value if value is string else value | tojson }}</arg_value>{% endfor %}{{ '\n' }}</tool_call>"
+    "{% endfor %}{{ eos_token }}"
+    "{% else %}<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% if enable_thinking %}<think>{% endif %}{% endif %}"
 )
 
 # The model: ~13M parameters, 73% of them in routed experts (hidden and moe_intermediate are
@@ -66,7 +89,7 @@ DEMO_CONFIG: dict[str, Any] = dict(
     index_head_dim=32,
     index_n_heads=16,
     indexer_types=["full", "shared", "full", "shared"],
-    max_position_embeddings=2048,
+    max_position_embeddings=32768,  # an agent's preamble fits; trained on 256-token windows (README)
     initializer_range=0.02,
     rms_norm_eps=1e-6,
     tie_word_embeddings=False,
