@@ -98,8 +98,14 @@ class Output:
         return events + self._close_message(status)
 
     def _open_message(self) -> list[Event]:
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        item = {"id": new_id("msg"), "type": "message", "role": "assistant", "status": "in_progress", "content": []}
+        part: dict[str, Any] = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        item: dict[str, Any] = {
+            "id": new_id("msg"),
+            "type": "message",
+            "role": "assistant",
+            "status": "in_progress",
+            "content": [],
+        }
         events = [self._added(item)]
         item["content"] = [dict(part)]
         events.append({"type": "response.content_part.added", **self._where(item), "content_index": 0, "part": part})

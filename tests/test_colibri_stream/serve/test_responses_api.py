@@ -29,6 +29,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from colibri_stream.runtime.turn import RuntimeOptions, TurnResult, load_runtime
 from colibri_stream.serve.responses_api import sealed_reasoning_item
 from colibri_stream.serve.responses_store import ResponseStore
+from colibri_stream.serve.schemas import ApiError
 from colibri_stream.serve.sealed import KEY_ENV, Sealer, SealError, load_key
 from colibri_stream.text.chat_format import IncrementalDecoder
 from colibri_stream.text.tool_calls import TOOL_MARKERS
@@ -298,6 +299,25 @@ def test_a_cut_answer_streams_response_incomplete(served):
     assert final["output"][0]["status"] == "incomplete"
     done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
     assert done == final["output"]
+
+
+def test_a_failed_generation_is_response_failed_when_streamed_and_its_status_when_not(served, monkeypatch):
+    async def submit(body, prompt, limit, session, owner=None, **options):
+        job = SimpleNamespace(events=asyncio.Queue(), cancel=threading.Event())
+        job.events.put_nowait(("text", "Par"))
+        job.events.put_nowait(("error", ApiError(507, "disk full", "insufficient_storage")))
+        return job
+
+    monkeypatch.setattr(served.server, "submit", submit)
+    body = {"model": MODEL, "input": "Hello, world!", "stream": True}
+    status, _, raw = request(served, "POST", "/v1/responses", body)
+    events = sse_events(raw)
+    assert status == 200 and [e["type"] for e in events][-1] == "response.failed"
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"] == {"code": "insufficient_storage", "message": "disk full"}
+    with pytest.raises(openai.APIStatusError) as refused:
+        client(served).responses.create(model=MODEL, input="Hello, world!")
+    assert refused.value.status_code == 507
 
 
 # ------------------------------------------------------------------------------------ conversations
