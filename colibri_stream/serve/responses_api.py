@@ -121,7 +121,12 @@ def add_responses_routes(app: FastAPI, server: Server) -> None:
         items = earlier + body.input_items()
         first = -len(earlier)  # stored items are numbered before the request's own
         messages = template_messages(body.instructions, items, state.open_reasoning, first)
-        prompt: list[int] = server.encode_messages(messages, tools.functions)
+        try:
+            prompt: list[int] = server.encode_messages(messages, tools.functions)
+        except ApiError as exc:
+            if exc.param != "messages":  # the chat routes' name for the conversation
+                raise
+            raise ApiError(exc.status, exc.message, exc.code, "input", exc.headers) from None
         return prompt
 
     def shell_of(rid: str, created: int, body: ResponsesRequest, tools: OfferedTools) -> Any:

@@ -145,9 +145,10 @@ class ReasoningItem(BaseModel):
     encrypted_content: str | None = None
 
 
-def _item_type(value: Any) -> str:
-    kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", "message")
-    return kind if isinstance(kind, str) else "?"
+def _item_type(value: Any) -> str | None:
+    """The tag of an input item (request JSON: a dict); None (pydantic's "unable to extract tag") else."""
+    kind = value.get("type", "message") if isinstance(value, dict) else None
+    return kind if isinstance(kind, str) else None
 
 
 InputItem = Annotated[
@@ -190,9 +191,10 @@ class OtherTool(BaseModel):
     type: str
 
 
-def _tool_type(value: Any) -> str:
-    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return kind if kind in ("function", "namespace") else "other"
+def _tool_type(value: Any) -> str | None:
+    if not isinstance(value, dict):
+        return None
+    return value["type"] if value.get("type") in ("function", "namespace") else "other"
 
 
 ToolSpec = Annotated[
