@@ -15,7 +15,8 @@ the official SDK's accumulator (openai/lib/streaming/responses) and Codex read t
   a function call: response.output_item.added, response.function_call_arguments.delta,
                    response.function_call_arguments.done, response.output_item.done
   then response.completed, or response.incomplete (max_output_tokens reached:
-  incomplete_details.reason "max_output_tokens"), or response.failed (``error``: code and message).
+  incomplete_details.reason "max_output_tokens"), or response.failed (``error``: code and message; also
+  for a response cancelled before its end, by a client that left or a server stopping).
 """
 
 from __future__ import annotations
@@ -171,6 +172,8 @@ class ResponseRun:
 
     def _done(self, turn: TurnResult) -> list[Event]:
         self.turn = turn
+        if turn.finish_reason == "cancelled":  # the client left, or the server is stopping: not an answer
+            return [self._failed(ApiError(499, "the response was cancelled before it was finished", "cancelled"))]
         cut = turn.finish_reason == "length"
         events = self.output.finish("incomplete" if cut else "completed")
         details = {"incomplete_details": {"reason": "max_output_tokens"}} if cut else {}

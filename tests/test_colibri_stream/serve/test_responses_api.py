@@ -289,6 +289,17 @@ def test_a_codex_request_is_answered_in_the_event_order_the_clients_read(served,
     assert status == 404  # store: false
 
 
+def test_the_codex_request_runs_on_the_real_model(served):
+    """The same request, generated for real (a few tokens: Codex sends no max_output_tokens, this test does)."""
+    codex = {**json.loads(FIXTURE.read_text()), "max_output_tokens": 4, "temperature": 0}
+    status, _, raw = request(served, "POST", "/v1/responses", codex)
+    events = sse_events(raw)
+    final = events[-1]["response"]
+    assert status == 200 and events[-1]["type"] in ("response.completed", "response.incomplete")
+    assert final["usage"]["input_tokens"] > 200 and 1 <= final["usage"]["output_tokens"] <= 4
+    assert [e["item"] for e in events if e["type"] == "response.output_item.done"] == final["output"]
+
+
 def test_a_cut_answer_streams_response_incomplete(served):
     body = {"model": MODEL, "input": "Hello, world!", "max_output_tokens": 3, "temperature": 0, "stream": True}
     status, _, raw = request(served, "POST", "/v1/responses", body)
@@ -318,6 +329,22 @@ def test_a_failed_generation_is_response_failed_when_streamed_and_its_status_whe
     with pytest.raises(openai.APIStatusError) as refused:
         client(served).responses.create(model=MODEL, input="Hello, world!")
     assert refused.value.status_code == 507
+    seen = script(monkeypatch, served, "Par")  # then cancelled (a server stopping): no answer, nothing stored
+    turn = TurnResult([5], "cancelled", 3, {"reused_tokens": 0})
+    scripted = served.server.submit
+
+    async def cancelled(*args, **kwargs):
+        job = await scripted(*args, **kwargs)
+        job.events = asyncio.Queue()
+        job.events.put_nowait(("done", turn))
+        return job
+
+    monkeypatch.setattr(served.server, "submit", cancelled)
+    status, _, raw = request(served, "POST", "/v1/responses", body)
+    last = sse_events(raw)[-1]
+    assert last["type"] == "response.failed" and last["response"]["error"]["code"] == "cancelled" and seen
+    status, _, _ = request(served, "GET", f"/v1/responses/{last['response']['id']}")
+    assert status == 404
 
 
 # ------------------------------------------------------------------------------------ conversations
