@@ -43,6 +43,7 @@ from colibri_stream.serve.dashboard import add_dashboard_routes
 from colibri_stream.serve.intake import parse_request, read_body
 from colibri_stream.serve.logprobs import ChatShape, CompletionShape, TokenTexts, chat_logprobs, joined
 from colibri_stream.serve.model_thread import Admission, Job, ModelThread, api_error
+from colibri_stream.serve.responses_api import add_responses_routes
 from colibri_stream.serve.schemas import ApiError, ChatRequest, CompletionRequest
 from colibri_stream.text.chat_format import PromptTooLong
 from colibri_stream.text.tool_calls import ToolCall, ToolCallParser
@@ -515,5 +516,6 @@ def create_app(server: Server) -> FastAPI:
         }
 
     add_anthropic_routes(app, server)
+    add_responses_routes(app, server)
     add_dashboard_routes(app, server)
     return app

@@ -222,6 +222,7 @@ def test_maximal_prompts_are_refused_before_they_are_tokenised_whole(runtime, mo
         ("/v1/completions", completion(prompt=text), "prompt"),
         ("/v1/chat/completions", json.dumps(chat).encode(), "messages"),
         ("/v1/messages", json.dumps(anthropic).encode(), None),
+        ("/v1/responses", json.dumps({"model": MODEL, "input": text, "max_output_tokens": 4}).encode(), "input"),
         ("/v1/completions", completion(prompt="word " * 600), "prompt"),  # found by counting its tokens
         ("/v1/completions", completion(prompt=[5] * 600), "messages"),  # token ids: found by their length
     ]

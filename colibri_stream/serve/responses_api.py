@@ -1,0 +1,264 @@
+"""The OpenAI Responses API: ``POST /v1/responses`` (JSON or SSE), ``GET`` and ``DELETE /v1/responses/{id}``.
+
+A request (instructions, input items, tools; responses_schemas.py) is mapped onto the same template
+messages as a chat request and runs through the same Server (auth, limits, the model thread, the prefix
+cache); its answer is shaped into output items and events by responses_output.py. Errors are OpenAI's
+``{"error": {...}}``, as on the chat routes.
+
+What the route does with the API's fields:
+- ``store`` (default true) keeps the response and its conversation in memory (responses_store.py,
+  bounded); ``previous_response_id`` puts that conversation before ``input`` (an unknown id, or one
+  evicted or made by another key: 400 ``previous_response_not_found``); ``instructions`` are never
+  carried over, as OpenAI does.
+- Tools the server cannot run (hosted tools: web_search, file_search, code_interpreter, ...; freeform
+  ``custom`` tools) are left out of the prompt and reported: the ``x-colibri-ignored-tools`` header,
+  ``colibri.ignored_tools`` in the response, an INFO log line. Never a failed request.
+- ``tool_choice`` "auto" / "none" and ``text.format`` {"type": "text"} are served; a forced call or a
+  JSON output needs constrained decoding and is refused in one place, ``output_constraint``, where it
+  will plug in.
+- ``include: ["reasoning.encrypted_content"]``: reasoning items the server returns carry their text
+  sealed (sealed.py, ``sealed_reasoning_item``); a reasoning item sent back with it is opened and
+  rendered as the next assistant message's ``reasoning_content`` (a forged one: 400). A model whose
+  answer has no reasoning part returns no reasoning item.
+- ``user``, ``safety_identifier``, ``prompt_cache_key`` (the prefix cache reuses prompts by content),
+  ``reasoning`` (effort, summary), ``parallel_tool_calls``, ``service_tier``, ``metadata`` (echoed)
+  are accepted; ``user`` never names a KV session here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from colibri_stream.serve.answers import cancel_on_disconnect, tool_parser
+from colibri_stream.serve.intake import parse_request, read_body
+from colibri_stream.serve.model_thread import Job
+from colibri_stream.serve.responses_output import ResponseRun, new_id, sse_event
+from colibri_stream.serve.responses_schemas import (
+    ITEMS,
+    RESPONSES_UNIMPLEMENTED,
+    SEALED_REASONING,
+    OfferedTools,
+    ResponsesRequest,
+    template_messages,
+)
+from colibri_stream.serve.responses_store import ResponseStore
+from colibri_stream.serve.schemas import ApiError
+from colibri_stream.serve.sealed import Sealer, load_key
+from colibri_stream.text.tool_calls import ToolCallParser
+
+Server = Any  # serve.app.Server, which imports this module (so it cannot be imported here)
+IGNORED_TOOLS_HEADER = "x-colibri-ignored-tools"
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ResponsesState:
+    """What the routes keep between requests (``app.state.responses``)."""
+
+    store: ResponseStore
+    sealer: Sealer
+
+    def open_reasoning(self, blob: str) -> str:
+        return self.sealer.open(blob, SEALED_REASONING)
+
+
+def sealed_reasoning_item(sealer: Sealer, text: str, summary: list[str], include_sealed: bool) -> dict[str, Any]:
+    """A reasoning output item for a model's reasoning ``text`` (for the thinking-mode split to emit):
+    its summary parts, and the text sealed when the request's ``include`` asked for it."""
+    item: dict[str, Any] = {
+        "id": new_id("rs"),
+        "type": "reasoning",
+        "summary": [{"type": "summary_text", "text": part} for part in summary],
+    }
+    if include_sealed:
+        item["encrypted_content"] = sealer.seal(text, SEALED_REASONING)
+    return item
+
+
+# ------------------------------------------------------------------------------------ constrained decoding
+def output_constraint(body: ResponsesRequest) -> None:
+    """THE place constrained decoding (issue #69 item 3) plugs into this route: what the answer must
+    be beyond free text. A forced call (``tool_choice`` "required", {"type": "function", "name"}, any
+    other object) and structured text (``text.format`` json_object / json_schema) are refused (400
+    naming the field) until the grammar sampler is wired; then build the constraint here from
+    ``body.tool_choice``, ``body.offered_tools()`` and ``body.text.format``, return it, and hand it to
+    ``server.submit`` in ``create`` below."""
+    choice = body.tool_choice
+    if choice not in (None, "auto", "none"):
+        shown = repr(choice) if isinstance(choice, str) else "an object"
+        raise ApiError(
+            400,
+            f'tool_choice: only "auto" and "none" are supported (got {shown}; a call cannot be forced yet)',
+            "unsupported_parameter",
+            "tool_choice",
+        )
+    text_format = body.text.format if body.text is not None else None
+    if text_format is not None and text_format.type != "text":
+        raise ApiError(
+            400,
+            f'text.format: only {{"type": "text"}} is supported (got {text_format.type!r}; structured output needs '
+            "constrained decoding)",
+            "unsupported_parameter",
+            "text.format",
+        )
+
+
+# ------------------------------------------------------------------------------------ routes
+def add_responses_routes(app: FastAPI, server: Server) -> None:
+    state = ResponsesState(ResponseStore(), Sealer(load_key(server.runtime.kv_dir)))
+    app.state.responses = state
+    model = server.runtime.model_id
+
+    def prompt_of(body: ResponsesRequest, earlier: list[Any], tools: OfferedTools) -> list[int]:
+        items = earlier + body.input_items()
+        first = -len(earlier)  # stored items are numbered before the request's own
+        messages = template_messages(body.instructions, items, state.open_reasoning, first)
+        try:
+            prompt: list[int] = server.encode_messages(messages, tools.functions)
+        except ApiError as exc:
+            if exc.param != "messages":  # the chat routes' name for the conversation
+                raise
+            raise ApiError(exc.status, exc.message, exc.code, "input", exc.headers) from None
+        return prompt
+
+    def shell_of(rid: str, created: int, body: ResponsesRequest, tools: OfferedTools) -> Any:
+        def shell(status: str, output: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
+            return {
+                "id": rid,
+                "object": "response",
+                "created_at": created,
+                "status": status,
+                "error": None,
+                "incomplete_details": None,
+                "instructions": body.instructions,
+                "max_output_tokens": body.max_output_tokens,
+                "model": model,
+                "output": output,
+                "parallel_tool_calls": body.parallel_tool_calls is not False,
+                "previous_response_id": body.previous_response_id,
+                "reasoning": body.reasoning.model_dump() if body.reasoning else {"effort": None, "summary": None},
+                "store": body.store,
+                "temperature": body.temperature,
+                "text": {"format": {"type": "text"}},
+                "tool_choice": body.tool_choice or "auto",
+                "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or []],
+                "top_p": body.top_p,
+                "truncation": "disabled",
+                "usage": None,
+                "metadata": body.metadata or {},
+                **fields,
+            }
+
+        return shell
+
+    @app.post("/v1/responses")
+    async def create(request: Request):
+        key = server.authenticate(request)  # before the body is read: strangers cost nothing
+        raw = await read_body(request)
+        body: ResponsesRequest = await server.off_loop(parse_request, raw, ResponsesRequest, RESPONSES_UNIMPLEMENTED)
+        server.check_fields(body)
+        body.check_include()
+        output_constraint(body)  # constrained decoding plugs in here (see its docstring)
+        tools = body.offered_tools()
+        parser = tool_parser(server.runtime, tools.functions)
+        earlier = previous_items(state.store, body.previous_response_id, key)
+        prompt = await server.off_loop(prompt_of, body, earlier, tools)
+        limit = output_limit(server, body, prompt)
+        job = await server.submit(body, prompt, limit, None, key)  # user/safety_identifier: labels, not sessions
+        rid = new_id("resp")
+        run = ResponseRun(shell_of(rid, _now(), body, tools), tools.names)
+        headers = {IGNORED_TOOLS_HEADER: ",".join(tools.ignored)} if tools.ignored else {}
+        if tools.ignored:
+            log.info("/v1/responses %s: tools left out (this server cannot run them): %s", rid, tools.ignored)
+
+        def keep(final: dict[str, Any]) -> None:
+            final["colibri"] = {**(run.turn.stats if run.turn else {}), "ignored_tools": tools.ignored}
+            if body.store:
+                conversation = [item.model_dump(exclude_none=True) for item in earlier + body.input_items()]
+                if not state.store.put(rid, final, conversation + final["output"], key):
+                    log.info("/v1/responses %s: not stored (over %d bytes)", rid, state.store.max_bytes)
+
+        if body.stream:
+            events = stream(run, job, parser, keep)
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        final = await whole(request, run, job, parser)
+        keep(final)
+        return JSONResponse(final, headers=headers)
+
+    @app.get("/v1/responses/{rid}")
+    async def retrieve(request: Request, rid: str):
+        stored = state.store.get(rid, server.authenticate(request))
+        if stored is None:
+            raise ApiError(404, f"no stored response with id {rid!r}", "not_found", "response_id")
+        return stored.response
+
+    @app.delete("/v1/responses/{rid}")
+    async def delete(request: Request, rid: str):
+        if not state.store.delete(rid, server.authenticate(request)):
+            raise ApiError(404, f"no stored response with id {rid!r}", "not_found", "response_id")
+        return {"id": rid, "object": "response", "deleted": True}
+
+
+def previous_items(store: ResponseStore, rid: str | None, key: bytes | None) -> list[Any]:
+    """The stored conversation ``previous_response_id`` continues, as input items; 400 when unknown."""
+    if rid is None:
+        return []
+    stored = store.get(rid, key)
+    if stored is None:
+        raise ApiError(
+            400,
+            f"previous_response_id: no stored response with id {rid!r} (never stored, evicted, or stored with "
+            "store: false)",
+            "previous_response_not_found",
+            "previous_response_id",
+        )
+    items: list[Any] = ITEMS.validate_python(stored.items)
+    return items
+
+
+def output_limit(server: Server, body: ResponsesRequest, prompt: list[int]) -> int:
+    try:
+        limit: int = server.token_limit(body, prompt)
+    except ApiError as exc:
+        if exc.param != "max_tokens":  # the chat routes' name for it
+            raise
+        param = "max_output_tokens"
+        raise ApiError(exc.status, f"{param}: {exc.message}", exc.code, param, exc.headers) from None
+    return limit
+
+
+async def stream(run: ResponseRun, job: Job, parser: ToolCallParser | None, keep: Any) -> AsyncIterator[bytes]:
+    """The SSE events; the job is cancelled however the stream ends (see app.stream)."""
+    try:
+        async for event in run.events(job, parser):
+            if run.final is not None and event.get("response") is run.final:
+                keep(run.final)  # before the last event is sent: a client may continue from it at once
+            yield sse_event(event)
+    finally:
+        job.cancel.set()
+
+
+async def whole(request: Request, run: ResponseRun, job: Job, parser: ToolCallParser | None) -> dict[str, Any]:
+    """The final Response; the job is cancelled if the client disconnects meanwhile (answers.collect)."""
+    watcher = asyncio.create_task(cancel_on_disconnect(request, job))
+    try:
+        async for _ in run.events(job, parser):
+            pass
+    finally:
+        watcher.cancel()
+    if run.error is not None:
+        raise run.error
+    assert run.final is not None
+    return run.final
+
+
+def _now() -> int:
+    return int(time.time())
