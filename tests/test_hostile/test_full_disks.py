@@ -250,12 +250,14 @@ def test_serve_answers_507_on_a_full_kv_disk_and_keeps_serving(tiny_checkpoints,
     results: dict[str, Any] = {}
 
     async def test(app) -> None:
-        results["first"] = await call(app, "POST", "/v1/completions", completion(user="s"))
+        session = {"X-Colibri-Session": "s"}
+        results["first"] = await call(app, "POST", "/v1/completions", completion(), session)
         stored = (kv / "s.kvlog").read_bytes()
         filler = fill(kv)
-        longer = completion(user="s", prompt="Hello there, a longer turn")
-        results["full"] = await call(app, "POST", "/v1/completions", longer)
-        results["new_session"] = await call(app, "POST", "/v1/completions", completion(user="other"))
+        longer = completion(prompt="Hello there, a longer turn")
+        results["full"] = await call(app, "POST", "/v1/completions", longer, session)
+        other = {"X-Colibri-Session": "other"}
+        results["new_session"] = await call(app, "POST", "/v1/completions", completion(), other)
         results["sessionless"] = await call(app, "POST", "/v1/completions", completion())
         now = (kv / "s.kvlog").read_bytes()  # the turn cut the log back to the common prefix, then failed
         record_bytes = read_header(kv / "s.kvlog")[1].record_bytes
