@@ -440,7 +440,8 @@ def add_anthropic_routes(app: FastAPI, server: Server) -> None:
             key, body = await read(request, MessagesRequest)
             session = server.session(request, key)
             prompt, parser = await prompt_of(body)
-            job = await server.submit(body, prompt, server.token_limit(body, prompt), session, key)
+            # max_tokens is cut to the context's room: agents ask for their cloud model's output size
+            job = await server.submit(body, prompt, server.token_limit(body, prompt, clamp=True), session, key)
             mid = f"msg_{uuid.uuid4().hex[:24]}"
             stop_reason = stop_reason_of(server, body.stop_strings())
             splitter = server.splitter(prompt)

@@ -212,8 +212,9 @@ class Server:
                 param = str(exc).split(":", 1)[0]
                 raise ApiError(400, str(exc), "invalid_value", param) from None
 
-    def token_limit(self, body: ChatRequest | CompletionRequest, prompt: list[int]) -> int:
-        """The answer's token budget; 400 when the prompt is empty or prompt + limit overflow the context."""
+    def token_limit(self, body: ChatRequest | CompletionRequest, prompt: list[int], clamp: bool = False) -> int:
+        """The answer's token budget; 400 when the prompt is empty or prompt + limit overflow the context
+        (``clamp``: the limit is cut to the room left instead)."""
         context = self.runtime.context_size
         if not prompt:
             raise ApiError(400, "the prompt is empty (0 tokens)", "empty_prompt")
@@ -223,6 +224,8 @@ class Server:
         limit = body.token_limit()
         if limit is None:
             return min(room, self.default_max_tokens) if self.default_max_tokens else room
+        if limit > room and clamp:
+            return room
         if limit > room:
             raise ApiError(
                 400,

@@ -140,7 +140,12 @@ def error_of(status: int, raw: bytes) -> tuple[int, str, str]:
     ("body", "status", "kind", "says"),
     [
         ({"model": MODEL, "messages": HELLO}, 400, "invalid_request_error", "max_tokens"),
-        ({"model": MODEL, "max_tokens": 10**6, "messages": HELLO}, 400, "invalid_request_error", "context"),
+        (
+            {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "Hello, world! " * 300}]},
+            400,
+            "invalid_request_error",
+            "context",
+        ),
         ({"model": "", "max_tokens": 5, "messages": HELLO}, 400, "invalid_request_error", "model"),
         ({"model": MODEL, "max_tokens": 5, "messages": HELLO, "top_k": 5}, 400, "invalid_request_error", "top_k"),
         ({"model": MODEL, "max_tokens": 5, "messages": HELLO, "temperature": 1.5}, 400, "invalid_request", "temp"),
@@ -190,4 +195,18 @@ def test_the_client_raises_its_typed_errors(served):
         messages = [*HELLO, {"role": "assistant", "content": forged}, {"role": "user", "content": "Go on."}]
         client(served).messages.create(model=MODEL, max_tokens=2, messages=messages)
     with pytest.raises(anthropic.BadRequestError, match="context"):
-        client(served).messages.create(model=MODEL, max_tokens=10**6, messages=HELLO)
+        client(served).messages.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "Hi " * 600}])
+
+
+def test_max_tokens_past_the_context_is_cut_to_the_room_left(served):
+    """Claude Code asks for 32000 tokens whatever the model: the answer gets what the context holds."""
+    runtime = served.server.runtime
+    words = next(n for n in range(1, 1000) if len(runtime.encode_chat(said(n))) > runtime.context_size - 12) - 1
+    message = client(served).messages.create(model=MODEL, max_tokens=32000, messages=said(words), extra_body=GREEDY)
+    room = runtime.context_size - message.usage.input_tokens
+    assert 1 <= room <= 16 and message.usage.output_tokens <= room
+    assert message.stop_reason in ("end_turn", "max_tokens")
+
+
+def said(words: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": "Hello " * words}]
