@@ -2,7 +2,8 @@
 
 Neither model ships a chat template: DeepSeek publishes the encoding as Python in the checkpoint's
 ``encoding/`` folder, and model files are untrusted input, so colibri never runs it. This module writes the
-same prompt text itself, in chat mode (no thinking: the answer starts after ``</think>``), from the
+same prompt text itself, in chat mode (the answer starts after ``</think>``; ``thinking``: the answer's header
+opens ``<think>`` instead, and text/reasoning.py reads the reasoning back), from the
 messages chat templates get (``ChatMessage.for_template``: content text; an assistant's ``tool_calls``
 with their arguments as a mapping; a tool result's ``tool_call_id``). The model's answer is parsed back
 by tool_calls.FORMATS["deepseek_v32" | "deepseek_v4"].
