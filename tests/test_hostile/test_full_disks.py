@@ -264,7 +264,7 @@ def test_serve_answers_507_on_a_full_kv_disk_and_keeps_serving(tiny_checkpoints,
         results["kept"] = stored.startswith(now) and (len(now) - HEADER_BYTES) // record_bytes > 0
         results["whole_records"] = (len(now) - HEADER_BYTES) % record_bytes == 0
         filler.unlink()
-        results["after"] = await call(app, "POST", "/v1/completions", longer)
+        results["after"] = await call(app, "POST", "/v1/completions", longer, session)
 
     try:
         scenario(Server(runtime, slots=1, max_queue=1), test)
