@@ -272,6 +272,40 @@ TINY_CHAT_TEMPLATE = (
 )
 
 
+# A GLM-like template (tools as JSON lines, calls as <tool_call>NAME <arg_key>/<arg_value>) with a thinking
+# switch (``enable_thinking``, as GLM names it): on, the generation prompt opens a think block (as DeepSeek-V3.1's
+# does), so the answer starts in its reasoning; off (the default) it closes an empty one (as GLM's does). An
+# assistant's ``reasoning_content`` is rendered back in its think block; messages of any role where they stand.
+TINY_THINKING_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}system: # Tools\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "Call one as <tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value></tool_call>{{ eos_token }}"
+    "{% endif %}{% for message in messages %}{{ message['role'] }}: "
+    "{% if message['role'] == 'assistant' and message['reasoning_content'] %}"
+    "<think>{{ message['reasoning_content'] }}</think>{% endif %}{{ message['content'] }}"
+    "{% for tc in message['tool_calls'] or [] %}<tool_call>{{ tc.function.name }}"
+    "{% for k, v in tc.function.arguments.items() %}<arg_key>{{ k }}</arg_key>"
+    "<arg_value>{{ v | tojson if v is not string else v }}</arg_value>{% endfor %}</tool_call>{% endfor %}"
+    "{{ eos_token }}{% endfor %}{% if add_generation_prompt %}assistant:"
+    "{% if enable_thinking is defined and enable_thinking %}<think>{% else %}<think></think>{% endif %}{% endif %}"
+)
+
+
+def with_chat_template(source: str | Path, dst: str | Path, template: str, positions: int | None = None) -> Path:
+    """A copy of checkpoint ``source`` whose tokenizer_config.json has ``template`` as its chat template
+    (``positions``: and that max_position_embeddings, for prompts longer than the tiny models' 512)."""
+    import shutil
+
+    source, dst = Path(source), Path(dst)
+    shutil.copytree(source, dst)
+    (dst / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((dst / "tokenizer_config.json").read_text())
+    (dst / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}, indent=2) + "\n")
+    if positions is not None:
+        model = json.loads((dst / "config.json").read_text())
+        (dst / "config.json").write_text(json.dumps({**model, "max_position_embeddings": positions}, indent=2) + "\n")
+    return dst
+
+
 def write_tiny_tokenizer(dst: str | Path, vocab_size: int) -> Path:
     """Train a byte-level BPE tokenizer (ids < vocab_size, <bos>=0, <eos>=1), save tokenizer.json and a
     tokenizer_config.json with the special tokens and a chat template."""

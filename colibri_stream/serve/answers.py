@@ -2,10 +2,12 @@
 offered tools), either collected whole or iterated as it streams. Shared by the OpenAI and Anthropic
 routes, which only shape what comes out of here.
 
-A job's events (model_thread.Job) are ("text", delta) ..., then ("done", TurnResult) or ("error", ApiError);
-a job that asked for logprobs also gets ("prompt", [TokenLogprob]) before its first token and one
-("token", TokenLogprob) per token, before that token's text. ``answer_events`` passes them on with each
-text delta run through the request's ToolCallParser, so they become ("text", str) and ("tool_call",
+A job's events (model_thread.Job) are ("started", reused prompt tokens) once its turn has begun, ("text",
+delta) ..., then ("done", TurnResult) or ("error", ApiError); a job that asked for logprobs also gets
+("prompt", [TokenLogprob]) before its first token and one ("token", TokenLogprob) per token, before that
+token's text. ``answer_events`` passes them on with each text delta run first through the request's
+ReasoningSplitter (a thinking model's: its reasoning becomes ("reasoning", str) events and never reaches
+the rest) and then through its ToolCallParser, so the content becomes ("text", str) and ("tool_call",
 ToolCall) events, in the order the model wrote them.
 """
 
@@ -22,6 +24,7 @@ from colibri_stream.runtime.sampling import TokenLogprob
 from colibri_stream.runtime.turn import Runtime, TurnResult
 from colibri_stream.serve.model_thread import Job
 from colibri_stream.serve.schemas import ApiError
+from colibri_stream.text.reasoning import ReasoningSplitter
 from colibri_stream.text.tool_calls import ToolCall, ToolCallParser, tools_from_functions
 
 KNOWN_FORMATS = "DeepSeek-V3/R1, DeepSeek-V3.1/V3.2-Exp, DeepSeek-V3.2/V4 DSML, GLM-4.5/5, Kimi-K2"
@@ -45,24 +48,38 @@ def tool_parser(runtime: Runtime, tools: Sequence[dict[str, Any]], param: str = 
     return ToolCallParser(tool_format, tools_from_functions([tool["function"] for tool in tools]))
 
 
-async def answer_events(job: Job, parser: ToolCallParser | None) -> AsyncIterator[tuple[str, Any]]:
-    """("text", str), ("tool_call", ToolCall), ("prompt", ...) and ("token", ...) events, then ("done",
-    TurnResult) or ("error", ApiError)."""
+async def answer_events(
+    job: Job, parser: ToolCallParser | None, splitter: ReasoningSplitter | None = None
+) -> AsyncIterator[tuple[str, Any]]:
+    """("started", int), ("reasoning", str), ("text", str), ("tool_call", ToolCall), ("prompt", ...) and
+    ("token", ...) events, then ("done", TurnResult) or ("error", ApiError)."""
     while True:
         kind, value = await job.events.get()
         if kind == "text":
-            for event in parser.push(value) if parser is not None else [("text", value)]:
+            for event in _content_events(value, parser, splitter):
                 yield event
-        elif kind in ("prompt", "token"):
-            yield kind, value
-        elif kind == "error":
-            yield kind, value
-            return
-        else:
-            for event in parser.finish() if parser is not None else []:
+        elif kind == "done":
+            for event in _content_events("", parser, splitter, final=True):
                 yield event
             yield "done", value
             return
+        else:
+            yield kind, value
+            if kind == "error":
+                return
+
+
+def _content_events(
+    text: str, parser: ToolCallParser | None, splitter: ReasoningSplitter | None, final: bool = False
+) -> list[tuple[str, Any]]:
+    """A text delta's events: its reasoning, then its content through the tool-call parser (``final``:
+    what the splitter and the parser held back)."""
+    reasoning, content = ("", text) if splitter is None else splitter.finish() if final else splitter.push(text)
+    events: list[tuple[str, Any]] = [("reasoning", reasoning)] if reasoning else []
+    if parser is None:
+        return events + ([("text", content)] if content else [])
+    events += parser.push(content) if content else []
+    return events + (parser.finish() if final else [])
 
 
 @dataclass
@@ -72,9 +89,12 @@ class Answer:
     turn: TurnResult
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when the request asked
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., when asked
+    reasoning: str = ""  # a thinking model's reasoning (never part of ``text``)
 
 
-async def collect(request: Request, job: Job, parser: ToolCallParser | None = None) -> Answer:
+async def collect(
+    request: Request, job: Job, parser: ToolCallParser | None = None, splitter: ReasoningSplitter | None = None
+) -> Answer:
     """The whole answer. Meanwhile a watcher waits for the client's disconnect (the body is read, so
     the next ASGI message is that) and cancels the job: generation stops after its current token."""
     watcher = asyncio.create_task(cancel_on_disconnect(request, job))
@@ -82,10 +102,13 @@ async def collect(request: Request, job: Job, parser: ToolCallParser | None = No
     calls: list[ToolCall] = []
     logprobs: list[TokenLogprob] = []
     prompt: list[TokenLogprob] = []
+    reasoning: list[str] = []
     try:
-        async for kind, value in answer_events(job, parser):
+        async for kind, value in answer_events(job, parser, splitter):
             if kind == "text":
                 parts.append(value)
+            elif kind == "reasoning":
+                reasoning.append(value)
             elif kind == "tool_call":
                 calls.append(value)
             elif kind == "token":
@@ -94,8 +117,8 @@ async def collect(request: Request, job: Job, parser: ToolCallParser | None = No
                 prompt = value
             elif kind == "error":
                 raise value
-            else:
-                return Answer("".join(parts), calls, value, logprobs, prompt)
+            elif kind == "done":
+                return Answer("".join(parts), calls, value, logprobs, prompt, "".join(reasoning))
         raise AssertionError("answer_events ended without done or error")
     finally:
         watcher.cancel()

@@ -6,11 +6,15 @@ template renders both, and runs through the same Server (auth, limits, sessions,
 differ: the answer is a message of content blocks with a stop_reason, streamed as Anthropic's event
 sequence (message_start, ping, content_block_start / _delta / _stop per block, message_delta with the
 stop_reason and usage, message_stop), and every failure on these routes, authentication and validation
-included, is ``{"type": "error", "error": {"type", "message"}}``. ``metadata.user_id`` names the KV
-session as ``user`` does on the OpenAI routes. Usage counts the prompt's reused tokens (their KV taken
-from a session or the prefix cache) as ``cache_read_input_tokens`` and the computed rest as
-``input_tokens``, as Anthropic counts them. Fields of the API that would change the answer and are not
-implemented (``thinking``, ``mcp_servers``, ``container``; ``top_k``) are a 400 naming them.
+included, is ``{"type": "error", "error": {"type", "message"}}``. ``metadata.user_id`` is an opaque
+label (a session is named only by the X-Colibri-Session header, serve/auth.py). Usage counts the
+prompt's reused tokens (their KV taken from a session or the prefix cache) as ``cache_read_input_tokens``
+and the computed rest as ``input_tokens``, as Anthropic counts them, in ``message_start`` too (sent once
+the turn has begun, when the reuse is known). ``thinking`` and thinking blocks: serve/anthropic_thinking.py.
+A ``system`` message among ``messages`` (Claude Code sends them) is rendered where it stands when the
+template does that, else merged into the leading system prompt (text/template_traits.py). Fields of the
+API that would change the answer and are not implemented (``mcp_servers``, ``container``; ``top_k``) are
+a 400 naming them; any ``anthropic-beta`` header and ``?beta=true`` are accepted.
 """
 
 from __future__ import annotations
@@ -22,13 +26,25 @@ from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from colibri_stream.runtime.turn import TurnResult
 from colibri_stream.serve.answers import Answer, answer_events, collect, tool_parser
+from colibri_stream.serve.anthropic_thinking import (
+    OutputConfig,
+    RedactedThinkingBlock,
+    ThinkingBlock,
+    ThinkingConfig,
+    thinking_block,
+    verified_reasoning,
+    wants_thinking,
+)
 from colibri_stream.serve.intake import parse_request, read_body
 from colibri_stream.serve.model_thread import Job
-from colibri_stream.serve.schemas import STRICT, TOOL_NAME, ApiError, NoOps, template_call
+from colibri_stream.serve.schemas import STRICT, TOOL_NAME, ApiError, NoOps, check_label, template_call
+from colibri_stream.serve.signing import Signer
+from colibri_stream.text.reasoning import ReasoningSplitter
+from colibri_stream.text.template_traits import TemplateTraits, place_system_messages
 from colibri_stream.text.tool_calls import ToolCall, ToolCallParser
 
 Server = Any  # serve.app.Server, which imports this module (so it cannot be imported here)
@@ -36,7 +52,7 @@ Server = Any  # serve.app.Server, which imports this module (so it cannot be imp
 MAX_STOP_SEQUENCES = 16
 MAX_TOOLS = 256
 # What these fields accept as asking for nothing (schemas.refuse_unimplemented); anything else is a 400.
-UNIMPLEMENTED: NoOps = {"thinking": ({"type": "disabled"},), "mcp_servers": ([],), "container": ()}
+UNIMPLEMENTED: NoOps = {"mcp_servers": ([],), "container": ()}
 
 # HTTP status -> Anthropic's error type (https://docs.anthropic.com/en/api/errors)
 ERROR_TYPES = {
@@ -56,13 +72,6 @@ class TextBlock(BaseModel):
     model_config = STRICT
     type: Literal["text"]
     text: str
-
-
-class ThinkingBlock(BaseModel):
-    """An earlier answer's reasoning, sent back by clients that keep it: not part of the prompt."""
-
-    model_config = STRICT
-    type: Literal["thinking", "redacted_thinking"]
 
 
 class ToolUseBlock(BaseModel):
@@ -85,12 +94,14 @@ class ToolResultBlock(BaseModel):
         return f"Error: {text}" if self.is_error else text
 
 
-Block = Annotated[TextBlock | ThinkingBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+Block = Annotated[
+    TextBlock | ThinkingBlock | RedactedThinkingBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")
+]
 
 
 class Message(BaseModel):
     model_config = STRICT
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
 
@@ -110,12 +121,17 @@ class ToolChoice(BaseModel):
 
 class Metadata(BaseModel):
     model_config = STRICT
-    user_id: str | None = Field(None, max_length=256)
+    user_id: str | None = None  # an opaque label (Claude Code's is a JSON string), never a session name
+
+    @field_validator("user_id")
+    @classmethod
+    def _a_label(cls, value: str | None) -> str | None:
+        return check_label(value)
 
 
 class MessagesRequest(BaseModel):
-    """A Messages API request. ``temperature``, ``top_p``, ``seed``, ``user``, ``stop_strings`` and
-    ``token_limit`` are what Server.check_fields / submit / token_limit read of any request."""
+    """A Messages API request. ``temperature``, ``top_p``, ``seed``, ``stop_strings`` and ``token_limit``
+    are what Server.check_fields / submit / token_limit read of any request."""
 
     model_config = STRICT
     model: str = Field(min_length=1)
@@ -130,14 +146,12 @@ class MessagesRequest(BaseModel):
     metadata: Metadata | None = None
     tools: list[ToolSpec] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
+    thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None  # its effort is accepted; nothing here grades effort
 
     @property
     def seed(self) -> None:
         return None  # the API has no seed
-
-    @property
-    def user(self) -> str | None:
-        return self.metadata.user_id if self.metadata is not None else None
 
     def stop_strings(self) -> list[str]:
         stops = list(self.stop_sequences or [])
@@ -162,13 +176,13 @@ class MessagesRequest(BaseModel):
             raise ApiError(400, 'tool_choice: only "auto" and "none" are supported (a call cannot be forced)')
         return [{"type": "function", "function": _function(tool)} for tool in self.tools]
 
-    def template_messages(self) -> list[dict[str, Any]]:
+    def template_messages(self, signer: Signer, traits: TemplateTraits) -> list[dict[str, Any]]:
         """The conversation as chat-template messages (the OpenAI shape; see module docstring)."""
         system = self.system if isinstance(self.system, str) else "".join(b.text for b in self.system or [])
         messages = [{"role": "system", "content": system}] if system else []
         for position, message in enumerate(self.messages):
-            messages += _template_messages(message, f"messages.{position}")
-        return messages
+            messages += _template_messages(message, f"messages.{position}", signer)
+        return place_system_messages(messages, traits)
 
 
 class CountTokensRequest(MessagesRequest):
@@ -182,18 +196,33 @@ def _function(tool: ToolSpec) -> dict[str, Any]:
     return {"name": tool.name, **described, "parameters": tool.input_schema}
 
 
-def _template_messages(message: Message, where: str) -> list[dict[str, Any]]:
+def _template_messages(message: Message, where: str, signer: Signer) -> list[dict[str, Any]]:
     """One Anthropic message -> template messages: a user's tool_result blocks become ``tool`` messages
     (first, as Anthropic puts them first), its text one user message; an assistant's text and tool_use
-    blocks one assistant message with ``tool_calls``."""
+    blocks one assistant message with ``tool_calls``, its verified thinking blocks its
+    ``reasoning_content``; a system message's text blocks one system message."""
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
     text = "".join(b.text for b in message.content if isinstance(b, TextBlock))
+    if message.role == "system":
+        if any(not isinstance(b, TextBlock) for b in message.content):
+            raise ApiError(400, f"{where}.content: a system message holds text blocks only", param=where)
+        return [{"role": "system", "content": text}]
     if message.role == "assistant":
         if any(isinstance(b, ToolResultBlock) for b in message.content):
             raise ApiError(400, f"{where}: tool_result blocks belong in a user message", param=where)
         calls = [template_call(b.id, b.name, b.input) for b in message.content if isinstance(b, ToolUseBlock)]
-        return [{"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}]
+        reasoning = "".join(
+            verified_reasoning(signer, b, f"{where}.content.{k}")
+            for k, b in enumerate(message.content)
+            if isinstance(b, ThinkingBlock)
+        )
+        extra = {"tool_calls": calls} if calls else {}
+        return [
+            {"role": "assistant", "content": text, **extra, **({"reasoning_content": reasoning} if reasoning else {})}
+        ]
+    if any(isinstance(b, ThinkingBlock) for b in message.content):
+        raise ApiError(400, f"{where}: thinking blocks belong in an assistant message", param=where)
     if any(isinstance(b, ToolUseBlock) for b in message.content):
         raise ApiError(400, f"{where}: tool_use blocks belong in an assistant message", param=where)
     results = [
@@ -240,8 +269,12 @@ def stop_reason_of(server: Server, stops: list[str]) -> StopReason:
     return reason
 
 
-def message_json(mid: str, model: str, answer: Answer, stop_reason: StopReason) -> dict[str, Any]:
-    content: list[dict[str, Any]] = [{"type": "text", "text": answer.text}] if answer.text or not answer.calls else []
+def message_json(
+    mid: str, model: str, answer: Answer, stop_reason: StopReason, signer: Signer | None = None
+) -> dict[str, Any]:
+    """``signer``: the reasoning is returned (as a signed thinking block), else dropped."""
+    content: list[dict[str, Any]] = [thinking_block(signer, answer.reasoning)] if signer and answer.reasoning else []
+    content += [{"type": "text", "text": answer.text}] if answer.text or not answer.calls else []
     content += [{**tool_use_block(call), "input": call.arguments} for call in answer.calls]
     reason, sequence = stop_reason(answer.turn, len(answer.calls))
     return {
@@ -274,17 +307,30 @@ def event(name: str, data: dict[str, Any]) -> bytes:
 
 
 class _Blocks:
-    """The content blocks of a streamed message, numbered in order; a text block stays open until a
-    tool_use block or the end closes it."""
+    """The content blocks of a streamed message, numbered in order; a thinking or text block stays open
+    until another block or the end closes it (a thinking block with its signature_delta, which signs
+    all of its text)."""
 
-    def __init__(self) -> None:
-        self.index, self.text_open, self.calls = 0, False, 0
+    def __init__(self, signer: Signer | None = None) -> None:
+        self.index, self.open, self.calls = 0, "", 0  # open: "", "text" or "thinking"
+        self.signer, self.thought = signer, list[str]()
+        self.texts = 0  # text blocks started
 
     def text(self, delta: str) -> list[bytes]:
-        out = [] if self.text_open else [self._start({"type": "text", "text": ""})]
-        self.text_open = True
+        out = [] if self.open == "text" else [*self.close(), self._start({"type": "text", "text": ""})]
+        self.open = "text"
         text = {"type": "text_delta", "text": delta}
         return out + [event("content_block_delta", {"index": self.index, "delta": text})]
+
+    def thinking(self, delta: str) -> list[bytes]:
+        """A reasoning delta: shown only when thinking was asked for (a signer), else dropped."""
+        if self.signer is None:
+            return []
+        out = [] if self.open == "thinking" else [*self.close(), self._start({"type": "thinking", "thinking": ""})]
+        self.open = "thinking"
+        self.thought.append(delta)
+        thought = {"type": "thinking_delta", "thinking": delta}
+        return out + [event("content_block_delta", {"index": self.index, "delta": thought})]
 
     def tool_call(self, call: ToolCall) -> list[bytes]:
         arguments = {"type": "input_json_delta", "partial_json": call.arguments_json()}
@@ -297,18 +343,22 @@ class _Blocks:
         ]
 
     def close(self) -> list[bytes]:
-        if not self.text_open:
-            return []
-        self.text_open = False
-        return self._stop()
+        was, self.open = self.open, ""
+        if was == "thinking" and self.signer is not None:
+            text, self.thought = "".join(self.thought), []
+            signature = {"type": "signature_delta", "signature": thinking_block(self.signer, text)["signature"]}
+            return [event("content_block_delta", {"index": self.index, "delta": signature}), *self._stop()]
+        return self._stop() if was else []
 
     def finish(self) -> list[bytes]:
-        """Close the open block; an answer with no block at all gets an empty text block (as JSON does)."""
-        if self.index == 0 and not self.text_open:
+        """Close the open block; an answer with no text or tool_use block gets an empty text block (as
+        JSON does)."""
+        if self.calls == 0 and self.open != "text" and not self.texts:
             return [*self.text(""), *self.close()]
         return self.close()
 
     def _start(self, block: dict[str, Any]) -> bytes:
+        self.texts += block["type"] == "text"
         return event("content_block_start", {"index": self.index, "content_block": block})
 
     def _stop(self) -> list[bytes]:
@@ -316,16 +366,35 @@ class _Blocks:
         return [event("content_block_stop", {"index": self.index - 1})]
 
 
+def _started(shell: dict[str, Any], reused: int) -> list[bytes]:
+    """message_start, its usage split as the final usage is (the reuse is known once the turn began),
+    then a ping."""
+    prompt = shell["usage"]["input_tokens"]
+    usage = {"input_tokens": prompt - reused, "cache_creation_input_tokens": 0, "cache_read_input_tokens": reused}
+    return [event("message_start", {"message": {**shell, "usage": {**usage, "output_tokens": 0}}}), event("ping", {})]
+
+
 async def stream_message(
-    job: Job, parser: ToolCallParser | None, shell: dict[str, Any], stop_reason: StopReason
+    job: Job,
+    parser: ToolCallParser | None,
+    shell: dict[str, Any],
+    stop_reason: StopReason,
+    splitter: ReasoningSplitter | None = None,
+    signer: Signer | None = None,
 ) -> AsyncIterator[bytes]:
-    """The SSE event sequence; the job is cancelled however the stream ends (see app.stream)."""
-    blocks = _Blocks()
+    """The SSE event sequence (``signer``: reasoning shown as thinking blocks); the job is cancelled
+    however the stream ends (see app.stream). ``shell``'s usage holds the prompt's length."""
+    blocks, started = _Blocks(signer), False
     try:
-        yield event("message_start", {"message": shell})
-        yield event("ping", {})
-        async for kind, value in answer_events(job, parser):
-            if kind == "text":
+        async for kind, value in answer_events(job, parser, splitter):
+            if not started:  # the model thread's first event is "started"; the others never come before it
+                started = True
+                for chunk in _started(shell, value if kind == "started" else 0):
+                    yield chunk
+            if kind == "reasoning":
+                for chunk in blocks.thinking(value):
+                    yield chunk
+            elif kind == "text":
                 for chunk in blocks.text(value):
                     yield chunk
             elif kind == "tool_call":
@@ -333,7 +402,7 @@ async def stream_message(
                     yield chunk
             elif kind == "error":
                 yield event("error", {"error": error_body(value)["error"]})
-            else:
+            elif kind == "done":
                 for chunk in blocks.finish():
                     yield chunk
                 reason, sequence = stop_reason(value, blocks.calls)
@@ -355,19 +424,28 @@ def add_anthropic_routes(app: FastAPI, server: Server) -> None:
         body.check_supported()
         return key, body
 
+    def encode(body: MessagesRequest) -> list[int]:
+        """The prompt as the template renders it: messages, tools, and the thinking switch."""
+        options = server.traits.options(wants_thinking(body.thinking))
+        messages = body.template_messages(server.signer, server.traits)
+        return server.encode_messages(messages, body.offered_tools(), options)
+
     async def prompt_of(body: MessagesRequest) -> tuple[list[int], ToolCallParser | None]:
-        tools = body.offered_tools()
-        parser = tool_parser(server.runtime, tools)
-        return await server.off_loop(server.encode_messages, body.template_messages(), tools), parser
+        parser = tool_parser(server.runtime, body.offered_tools())
+        return await server.off_loop(encode, body), parser
 
     @app.post("/v1/messages")
     async def messages(request: Request):
         try:
             key, body = await read(request, MessagesRequest)
+            session = server.session(request, key)
             prompt, parser = await prompt_of(body)
-            job = await server.submit(body, prompt, server.token_limit(body, prompt), server.session(body, key), key)
+            # max_tokens is cut to the context's room: agents ask for their cloud model's output size
+            job = await server.submit(body, prompt, server.token_limit(body, prompt, clamp=True), session, key)
             mid = f"msg_{uuid.uuid4().hex[:24]}"
             stop_reason = stop_reason_of(server, body.stop_strings())
+            splitter = server.splitter(prompt)
+            signer = server.signer if wants_thinking(body.thinking) else None
             if body.stream:
                 shell = {
                     "id": mid,
@@ -379,14 +457,16 @@ def add_anthropic_routes(app: FastAPI, server: Server) -> None:
                     "stop_sequence": None,
                     "usage": {"input_tokens": len(prompt), "output_tokens": 0},
                 }
-                events = stream_message(job, parser, shell, stop_reason)
+                events = stream_message(job, parser, shell, stop_reason, splitter, signer)
                 return StreamingResponse(events, media_type="text/event-stream")
-            return message_json(mid, model, await collect(request, job, parser), stop_reason)
+            answer = await collect(request, job, parser, splitter)
+            return message_json(mid, model, answer, stop_reason, signer)
         except ApiError as exc:
             return error_response(exc)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
+        """What ``messages`` would render (system, tools, the thinking setting), counted."""
         try:
             _, body = await read(request, CountTokensRequest)
             prompt, _ = await prompt_of(body)

@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP server: /v1/models, /v1/chat/completions, /v1/completions (JSON or SSE).
 
 Requests are authenticated (serve/auth.py), read and validated (serve/intake.py) and turned into
-prompts here, then run by the model thread (serve/model_thread.py). A request's ``user`` field names its KV session
-(prefix reuse across requests and restarts), within its API key's namespace when keys are set. CPU work
+prompts here, then run by the model thread (serve/model_thread.py). A request names a KV session only with the
+``X-Colibri-Session`` header (prefix reuse across requests and restarts), within its API key's namespace
+when keys are set; ``user`` is an opaque label. CPU work
 (parsing, template rendering, tokenisation) runs in a small thread pool, never on the event loop, so
 one huge prompt does not stall /health or other clients. A client that disconnects cancels its job,
 streaming or not.
@@ -22,6 +23,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import cached_property
 from typing import Any, TypeVar, cast
 
 from fastapi import FastAPI, Request
@@ -38,18 +40,23 @@ from colibri_stream.runtime.sampling import TokenLogprob
 from colibri_stream.runtime.turn import Runtime, TurnResult
 from colibri_stream.serve.answers import answer_events, collect, tool_parser
 from colibri_stream.serve.anthropic_api import add_anthropic_routes
-from colibri_stream.serve.auth import ApiKeys
+from colibri_stream.serve.auth import SESSION_HEADER, ApiKeys
 from colibri_stream.serve.dashboard import add_dashboard_routes
 from colibri_stream.serve.intake import parse_request, read_body
 from colibri_stream.serve.logprobs import ChatShape, CompletionShape, TokenTexts, chat_logprobs, joined
 from colibri_stream.serve.model_thread import Admission, Job, ModelThread, api_error
 from colibri_stream.serve.responses_api import add_responses_routes
 from colibri_stream.serve.schemas import ApiError, ChatRequest, CompletionRequest
+from colibri_stream.serve.signing import Signer, load_secret
+from colibri_stream.serve.thinking import effort_thinking, reasoning_splitter
 from colibri_stream.text.chat_format import PromptTooLong
+from colibri_stream.text.reasoning import ReasoningSplitter
+from colibri_stream.text.template_traits import TemplateTraits, template_traits
 from colibri_stream.text.tool_calls import ToolCall, ToolCallParser
 
 PROMPT_THREADS = 2  # parsing and tokenising requests; more would only contend for the same cores
 SESSION_WAIT_THREADS = 16  # requests waiting (--wait-session) for a session another process holds; more queue
+SESSION_PARAM = "X-Colibri-Session"  # the header as errors name it
 SAMPLE_CONVERSATION = [{"role": "user", "content": "Hello"}]  # rendered at start-up to try the template
 T = TypeVar("T")
 
@@ -86,6 +93,20 @@ class Server:
         self.session_wait = dataclasses.replace(session_wait, stop=self.stopping)
         self.waiters = ThreadPoolExecutor(SESSION_WAIT_THREADS, thread_name_prefix="colibri-session-wait")
 
+    @cached_property
+    def traits(self) -> TemplateTraits:
+        """What the model's chat template does with thinking and later system messages (probed once)."""
+        return template_traits(self.runtime.text_side()[1])
+
+    @cached_property
+    def signer(self) -> Signer:
+        """Signs what clients send back (Anthropic thinking blocks); its secret lives in the KV directory."""
+        return Signer(load_secret(self.runtime.kv_dir))
+
+    def splitter(self, prompt: list[int]) -> ReasoningSplitter | None:
+        """The reader of a thinking model's answer to ``prompt`` (None: the model does not think)."""
+        return reasoning_splitter(self.traits, self.runtime.text_side()[0], prompt)
+
     def check_chat_template(self) -> None:
         """Render and encode a one-message conversation: a template that cannot is the model's
         ChatTemplateError at start-up, not a 400 on every chat request later."""
@@ -97,8 +118,17 @@ class Server:
     def authenticate(self, request: Request) -> bytes | None:
         return self.api_keys.authenticate(request.headers)
 
-    def session(self, body: ChatRequest | CompletionRequest, key: bytes | None) -> str | None:
-        return None if body.user is None else self.api_keys.session_name(key, body.user)
+    def session(self, request: Request, key: bytes | None) -> str | None:
+        """The KV session the request names explicitly (the X-Colibri-Session header), in its key's
+        namespace; None: stateless (the prefix cache still reuses any cached prefix). 400 for a bad name."""
+        name = request.headers.get(SESSION_HEADER)
+        if name is None:
+            return None
+        try:
+            check_session_name(name)
+        except SessionError as exc:
+            raise ApiError(400, f"{SESSION_PARAM}: {exc}", "invalid_session", SESSION_PARAM) from None
+        return self.api_keys.session_name(key, name)
 
     # ------------------------------------------------------------------------------------ prompts
     def chat_prompt(self, body: ChatRequest) -> list[int]:
@@ -106,14 +136,22 @@ class Server:
             messages = [m.for_template() for m in body.messages]
         except ValueError as exc:  # an assistant tool call whose arguments are no JSON object
             raise ApiError(400, f"messages: {exc}", "invalid_value", "messages") from None
-        return self.encode_messages(messages, body.offered_tools())
+        options = self.traits.options(effort_thinking(body.reasoning_effort))
+        return self.encode_messages(messages, body.offered_tools(), options)
 
-    def encode_messages(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """The conversation (and the tools offered) through the chat template, as prompt ids; a prompt
-        that cannot fit the context is refused before it is encoded whole (PromptEncoder's limit)."""
+    def encode_messages(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        options: dict[str, bool] | None = None,
+    ) -> list[int]:
+        """The conversation (and the tools offered) through the chat template (``options``: its switches,
+        TemplateTraits.options), as prompt ids; a prompt that cannot fit the context is refused before it
+        is encoded whole (PromptEncoder's limit)."""
         chat = self.runtime.text_side()[1]
+        encoder = self.runtime.prompt_encoder
         try:
-            return self.runtime.prompt_encoder.encode_chat(chat, messages, True, tools or None, self.prompt_limit)
+            return encoder.encode_chat(chat, messages, True, tools or None, self.prompt_limit, options)
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), "chat_template_error", "messages") from None
         except PromptTooLong as exc:
@@ -150,17 +188,12 @@ class Server:
 
     def check_fields(self, body: ChatRequest | CompletionRequest) -> None:
         """Checks before any prompt work: 404 for another model (``strict_model_name`` only), 400 for a
-        bad session name, stop, or logprobs request."""
+        bad stop or logprobs request."""
         if self.strict_model_name and body.model not in self.names:
             served = " or ".join(repr(name) for name in self.names)
             raise ApiError(
                 404, f"model {body.model!r} does not exist; this server serves {served}", "model_not_found", "model"
             )
-        if body.user is not None:
-            try:
-                check_session_name(body.user)
-            except SessionError as exc:
-                raise ApiError(400, f"user: {exc}", "invalid_session", "user") from None
         try:
             body.stop_strings()
         except ValueError as exc:
@@ -180,17 +213,10 @@ class Server:
             except ValueError as exc:
                 param = str(exc).split(":", 1)[0]
                 raise ApiError(400, str(exc), "invalid_value", param) from None
-            if body.prompt_logprob_count() is not None and body.user is not None:
-                raise ApiError(
-                    400,
-                    "user: a request for its prompt's logprobs (echo with logprobs) computes the whole prompt, "
-                    "so it cannot continue a session",
-                    "invalid_value",
-                    "user",
-                )
 
-    def token_limit(self, body: ChatRequest | CompletionRequest, prompt: list[int]) -> int:
-        """The answer's token budget; 400 when the prompt is empty or prompt + limit overflow the context."""
+    def token_limit(self, body: ChatRequest | CompletionRequest, prompt: list[int], clamp: bool = False) -> int:
+        """The answer's token budget; 400 when the prompt is empty or prompt + limit overflow the context
+        (``clamp``: the limit is cut to the room left instead)."""
         context = self.runtime.context_size
         if not prompt:
             raise ApiError(400, "the prompt is empty (0 tokens)", "empty_prompt")
@@ -200,6 +226,8 @@ class Server:
         limit = body.token_limit()
         if limit is None:
             return min(room, self.default_max_tokens)
+        if limit > room and clamp:
+            return room
         if limit > room:
             raise ApiError(
                 400,
@@ -318,11 +346,17 @@ Shape = ChatShape | CompletionShape
 
 
 async def stream(
-    job: Job, chunk: Chunk, parser: ToolCallParser | None = None, shape: Shape | None = None, echo: str | None = None
+    job: Job,
+    chunk: Chunk,
+    parser: ToolCallParser | None = None,
+    shape: Shape | None = None,
+    echo: str | None = None,
+    splitter: ReasoningSplitter | None = None,
 ) -> AsyncIterator[bytes]:
     """SSE: one chunk per text delta or tool call, a final chunk with finish_reason, then ``data:
     [DONE]``; with ``echo`` the prompt's text (and logprobs, when asked) comes first. With ``shape`` each
-    chunk carries the logprobs of the tokens since the previous one. However the stream ends — finished,
+    chunk carries the logprobs of the tokens since the previous one; a thinking model's reasoning (read by
+    ``splitter``) comes as ``delta.reasoning_content`` (DeepSeek's convention). However the stream ends — finished,
     failed, or the client gone — the job's cancel flag is set on the way out, which is a no-op for a
     finished job and stops a running one after its current token."""
     calls, tokens = 0, list[TokenLogprob]()
@@ -338,7 +372,7 @@ async def stream(
         yield sse(chunk(None, None))
         if echo is not None and job.prompt_logprobs is None:
             yield sse(chunk(echo, None))
-        async for kind, value in answer_events(job, parser):
+        async for kind, value in answer_events(job, parser, splitter):
             if kind == "token":
                 tokens.append(value)
             elif kind == "prompt":
@@ -346,12 +380,16 @@ async def stream(
                 yield sse(chunk(echo, None, None, shape.prompt(value)))
             elif kind == "text":
                 yield sse(chunk(value, None, None, logprobs()))
+            elif kind == "reasoning":
+                thought = chunk("", None, None, logprobs())
+                thought["choices"][0]["delta"] = {"reasoning_content": value}
+                yield sse(thought)
             elif kind == "tool_call":
                 yield sse(chunk(None, None, {**openai_tool_call(value), "index": calls}, logprobs()))
                 calls += 1
             elif kind == "error":
                 yield sse(value.body())
-            else:
+            elif kind == "done":
                 last = chunk(None, finish_reason(value, calls), None, logprobs())
                 yield sse({**last, "usage": usage(value), "colibri": value.stats})
                 yield b"data: [DONE]\n\n"
@@ -441,20 +479,22 @@ def create_app(server: Server) -> FastAPI:
         key = server.authenticate(request)  # before the body is read: strangers cost nothing
         body = await parse_body(request, ChatRequest)
         server.check_fields(body)
+        session = server.session(request, key)
         parser = tool_parser(server.runtime, body.offered_tools())
         prompt = await server.off_loop(server.chat_prompt, body)
-        top_n = body.logprob_count()
-        limit, session = server.token_limit(body, prompt), server.session(body, key)
-        job = await server.submit(body, prompt, limit, session, key, logprobs=top_n)
+        top_n, splitter = body.logprob_count(), server.splitter(prompt)
+        job = await server.submit(body, prompt, server.token_limit(body, prompt), session, key, logprobs=top_n)
         cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         texts = TokenTexts(server.runtime.text_side()[0])
         if body.stream:
             shape = ChatShape(texts) if top_n is not None else None
-            events = stream(job, _chat_chunk(cid, model), parser, shape)
+            events = stream(job, _chat_chunk(cid, model), parser, shape, splitter=splitter)
             return StreamingResponse(events, media_type="text/event-stream")
-        answer = await collect(request, job, parser)
+        answer = await collect(request, job, parser, splitter)
         text, turn = answer.text, answer.turn
         message: dict[str, Any] = {"role": "assistant", "content": text if text or not answer.calls else None}
+        if splitter is not None:
+            message["reasoning_content"] = answer.reasoning
         if answer.calls:
             message["tool_calls"] = [openai_tool_call(call) for call in answer.calls]
         choice = {
@@ -480,15 +520,22 @@ def create_app(server: Server) -> FastAPI:
         key = server.authenticate(request)
         body = await parse_body(request, CompletionRequest)
         server.check_fields(body)
+        session = server.session(request, key)
+        if body.prompt_logprob_count() is not None and session is not None:
+            raise ApiError(
+                400,
+                f"{SESSION_PARAM}: a request for its prompt's logprobs (echo with logprobs) computes the whole "
+                "prompt, so it cannot continue a session",
+                "invalid_value",
+                SESSION_PARAM,
+            )
         prompts = await server.off_loop(server.completion_prompts, body)
         limits = [server.token_limit(body, prompt) for prompt, _ in prompts]  # every prompt checked first
         texts = TokenTexts(server.runtime.text_side()[0]) if body.logprobs is not None else None
         cid = f"cmpl-{uuid.uuid4().hex[:24]}"
         choices, turns = [], []
         for index, ((prompt, echo), limit) in enumerate(zip(prompts, limits, strict=True)):
-            job = await server.submit(
-                body, prompt, limit, server.session(body, key), key, body.logprobs, body.prompt_logprob_count()
-            )
+            job = await server.submit(body, prompt, limit, session, key, body.logprobs, body.prompt_logprob_count())
             shape = CompletionShape(texts, prompt, echo) if texts is not None else None
             if body.stream:
                 events = stream(job, _completion_chunk(cid, model), shape=shape, echo=echo)

@@ -1,11 +1,13 @@
 """Optional API keys, and the session names they imply.
 
-Without keys the server is single-tenant: anyone who can reach it can use (and truncate) any session
-by naming it in ``user``. With keys (``serve --api-key``, or COLIBRI_API_KEYS), every /v1 request must
-carry one (``Authorization: Bearer KEY`` or ``x-api-key: KEY``), and a request's ``user`` names a
-session of *its key only*: the session's file name is derived from a hash of the key and the ``user``
-value, so no ``user`` value reaches another key's conversations, and ``reused_tokens`` only ever
-counts the caller's own positions.
+A request names a KV session only explicitly, with the ``X-Colibri-Session`` header (SESSION_HEADER);
+OpenAI's ``user`` and Anthropic's ``metadata.user_id`` are opaque labels, never file names (a stateless
+client's continuity comes from the content-addressed prefix cache). Without keys the server is
+single-tenant: anyone who can reach it can use (and truncate) any session by naming it. With keys
+(``serve --api-key``, or COLIBRI_API_KEYS), every /v1 request must carry one (``Authorization: Bearer
+KEY`` or ``x-api-key: KEY``), and a session name names a session of *its key only*: the session's file
+name is derived from a hash of the key and the name, so no name reaches another key's conversations,
+and ``reused_tokens`` only ever counts the caller's own positions.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from colibri_stream.errors import ColibriError
 from colibri_stream.serve.schemas import ApiError
 
 API_KEYS_ENV = "COLIBRI_API_KEYS"  # comma-separated, added to the --api-key flags
-USER_PREFIX_CHARS = 64  # how much of ``user`` stays readable in a keyed session's file name
+SESSION_HEADER = "x-colibri-session"  # the explicit KV session of a request (any route)
+USER_PREFIX_CHARS = 64  # how much of the session name stays readable in a keyed session's file name
 
 
 class ApiKeys:
@@ -66,8 +69,8 @@ class ApiKeys:
 
     @staticmethod
     def session_name(key: bytes | None, user: str) -> str:
-        """The KV session a request's ``user`` names: ``user`` itself without keys, else a name only this
-        key reaches (the readable start of ``user``, then 32 hex digits of SHA-256(key, user))."""
+        """The KV session a request's session name (``user``) names: the name itself without keys, else a
+        name only this key reaches (the readable start of the name, then 32 hex digits of SHA-256(key, name))."""
         if key is None:
             return user
         digest = hashlib.sha256(key + b"\0" + user.encode()).hexdigest()[:32]

@@ -224,6 +224,7 @@ class ModelThread:
             self._fail(job, exc)
             return
         result = generation.result
+        job.emit("started", turn.restored.reused_tokens)  # what a streamed answer's first event reports
         self.running[generation] = Running(job, turn, stream)
         if generation.done:  # asked for nothing to compute (the batch never steps it)
             self._finish(generation)

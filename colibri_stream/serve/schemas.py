@@ -82,6 +82,7 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
     tool_calls: list[ToolCallPart] | None = None  # an assistant's calls
     tool_call_id: str | None = Field(None, max_length=256)  # the call a tool message answers
+    reasoning_content: str | None = None  # an assistant's reasoning (DeepSeek's convention)
 
     def text(self) -> str:
         if self.content is None:
@@ -100,6 +101,8 @@ class ChatMessage(BaseModel):
             ]
         if self.role == "tool" and self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.role == "assistant" and self.reasoning_content:  # rendered where the template does, else dropped
+            message["reasoning_content"] = self.reasoning_content
         return message
 
 
@@ -107,6 +110,17 @@ def template_call(call_id: str, name: str, arguments: dict[str, Any]) -> dict[st
     """One assistant tool call in the shape chat templates expect."""
     function = {"name": name, "arguments": TemplateArguments(arguments)}
     return {"id": call_id, "type": "function", "function": function}
+
+
+MAX_LABEL_BYTES = 512  # an opaque end-user label (OpenAI ``user``, Anthropic ``metadata.user_id``)
+
+
+def check_label(value: str | None) -> str | None:
+    """An opaque label: any string of at most MAX_LABEL_BYTES UTF-8 bytes, kept as it is (ValueError
+    otherwise: the field validator makes it a 400 naming the field)."""
+    if value is not None and (size := len(value.encode("utf-8", "surrogatepass"))) > MAX_LABEL_BYTES:
+        raise ValueError(f"an opaque label of at most {MAX_LABEL_BYTES} UTF-8 bytes, got {size}")
+    return value
 
 
 # Fields that change what is generated or returned, not implemented here: the values that ask for
@@ -164,8 +178,13 @@ class _Common(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2**63)
     stream: bool = False
     stop: str | list[str] | None = None
-    user: str | None = Field(None, max_length=256)  # the KV session this request continues
+    user: str | None = None  # an opaque label (never a session name: see serve/auth.py)
     n: int = Field(1, ge=1, le=1)  # one model, one generation at a time: a single choice
+
+    @field_validator("user")
+    @classmethod
+    def _user_is_a_label(cls, value: str | None) -> str | None:
+        return check_label(value)
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -182,6 +201,8 @@ class ChatRequest(_Common):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # thinking: none/minimal off, the others on, absent the template's default (serve/thinking.py)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
 
     def logprob_count(self) -> int | None:
         """Alternatives per token when logprobs are asked (None: not asked)."""

@@ -10,7 +10,7 @@ encoded as text, not the eos id (``PromptEncoder``); only the template's own spe
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property
@@ -24,6 +24,7 @@ from colibri_stream.errors import ChatTemplateError, RequestError, TokenizerErro
 from colibri_stream.text.dsml import BOS as DEEPSEEK_BOS
 from colibri_stream.text.dsml import EOS as DEEPSEEK_EOS
 from colibri_stream.text.dsml import DsmlEncoding
+from colibri_stream.text.reasoning import THINK_MARKERS
 from colibri_stream.text.template_sandbox import BoundedSandbox, end_render, start_render
 from colibri_stream.text.tool_calls import DSML, TOOL_MARKERS, ToolFormat, tool_format_for
 from storage.errors import FormatError
@@ -126,6 +127,9 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+_TEMPLATE_VARIABLES = frozenset(["messages", "add_generation_prompt", "bos_token", "eos_token", "tools"])
+
+
 @dataclass(frozen=True)
 class ChatFormat:
     """How one model turns a conversation into a prompt string, and which ids end an answer: its chat
@@ -159,14 +163,19 @@ class ChatFormat:
         messages: Sequence[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: Sequence[dict[str, Any]] | None = None,
+        options: Mapping[str, bool] | None = None,
     ) -> str:
-        """``tools``: as Hugging Face passes them, [{"type": "function", "function": {name, ...}}]."""
+        """``tools``: as Hugging Face passes them, [{"type": "function", "function": {name, ...}}].
+        ``options``: extra template switches (chat_template_kwargs), e.g. {"enable_thinking": True}; the
+        DSML encoding reads ``thinking``."""
+        options = dict(options or {})
         if self.encoding is not None:
-            bos, eos = self.bos_token, self.eos_token
-            return _bounded_join(self.encoding.render(messages, add_generation_prompt, tools, bos, eos))
+            bos, eos, thinking = self.bos_token, self.eos_token, bool(options.get("thinking"))
+            return _bounded_join(self.encoding.render(messages, add_generation_prompt, tools, bos, eos, thinking))
         budget = start_render()
         try:
             parts = self._compiled.generate(
+                **{name: value for name, value in options.items() if name not in _TEMPLATE_VARIABLES},
                 messages=[dict(m) for m in messages],
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
@@ -244,15 +253,17 @@ def _added_tokens(checkpoint: Path) -> set[str]:
 
 def hidden_special_ids(tokenizer: Tokenizer) -> set[int]:
     """The special tokens an answer's text leaves out: all but the tool-call markers (TOOL_MARKERS),
-    which the tool-call parser must see (Kimi's and GLM's markers are special tokens)."""
+    which the tool-call parser must see (Kimi's and GLM's markers are special tokens), and the think
+    markers, which the reasoning splitter must see (text/reasoning.py)."""
     added = tokenizer.get_added_tokens_decoder()
-    return {i for i, t in added.items() if t.special and t.content not in TOOL_MARKERS}
+    kept = TOOL_MARKERS | THINK_MARKERS
+    return {i for i, t in added.items() if t.special and t.content not in kept}
 
 
 class IncrementalDecoder:
     """Text of a growing id list, emitted as deltas. Byte-level tokens can split a UTF-8 character;
     a delta ending in U+FFFD is held back until the next token completes it. Special tokens are left
-    out (``skip_ids`` too), except the tool-call markers."""
+    out (``skip_ids`` too), except the tool-call and think markers."""
 
     def __init__(self, tokenizer: Tokenizer, skip_ids: Sequence[int] = ()):
         self.tokenizer = tokenizer
@@ -406,11 +417,12 @@ class PromptEncoder:
         add_generation_prompt: bool = True,
         tools: Sequence[dict[str, Any]] | None = None,
         limit: int | None = None,
+        options: Mapping[str, bool] | None = None,
     ) -> list[int]:
-        """``limit``: as in ``encode``."""
+        """``limit``: as in ``encode``; ``options``: as in ChatFormat.render."""
         masked = [{**m, **{k: self._mask_all(v) for k, v in m.items() if k != "role"}} for m in messages]
         masked_tools = self._mask_all(list(tools)) if tools else None
-        pieces = _MASKED.split(chat.render(masked, add_generation_prompt, masked_tools))
+        pieces = _MASKED.split(chat.render(masked, add_generation_prompt, masked_tools, options))
         # pieces alternate: template text (specials are special), a masked index (plain text), ...
         literals = [self.masked[int(i)] if int(i) < len(self.masked) else "" for i in pieces[1::2]]
         literal_parts = self.literal.encode_batch(literals, add_special_tokens=False) if literals else []

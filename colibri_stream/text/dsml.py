@@ -2,7 +2,8 @@
 
 Neither model ships a chat template: DeepSeek publishes the encoding as Python in the checkpoint's
 ``encoding/`` folder, and model files are untrusted input, so colibri never runs it. This module writes the
-same prompt text itself, in chat mode (no thinking: the answer starts after ``</think>``), from the
+same prompt text itself, in chat mode (the answer starts after ``</think>``; ``thinking``: the answer's header
+opens ``<think>`` instead, and text/reasoning.py reads the reasoning back), from the
 messages chat templates get (``ChatMessage.for_template``: content text; an assistant's ``tool_calls``
 with their arguments as a mapping; a tool result's ``tool_call_id``). The model's answer is parsed back
 by tool_calls.FORMATS["deepseek_v32" | "deepseek_v4"].
@@ -179,13 +180,19 @@ class DsmlEncoding:
         tools: Sequence[Mapping[str, Any]] | None = None,
         bos_token: str = BOS,
         eos_token: str = EOS,
+        thinking: bool = False,
     ) -> list[str]:
-        """The prompt's parts, in order (the caller joins them, counting their size)."""
+        """The prompt's parts, in order (the caller joins them, counting their size). ``thinking``: the
+        answer's header opens a think block (``<think>``) instead of closing it (earlier turns keep theirs
+        closed: their reasoning is not part of the prompt)."""
         template = _V32_TOOLS if self.family == "deepseek_v32" else _V4_TOOLS
         schemas = "\n".join(_json(tool.get("function", tool)) for tool in tools or [])
         normalised = _with_tools([_normalise(m) for m in messages], template.format(schemas=schemas) if tools else "")
         render = self._render_v32 if self.family == "deepseek_v32" else self._render_v4
-        return [bos_token, *render(normalised, add_generation_prompt, eos_token)]
+        parts = [bos_token, *render(normalised, add_generation_prompt, eos_token)]
+        if thinking and add_generation_prompt and parts[-1].endswith(THINK_END):  # the answer's own header
+            parts[-1] = parts[-1][: -len(THINK_END)] + THINK_START
+        return parts
 
     def _assistant(self, message: _Message, eos_token: str) -> list[str]:
         parts = [message.content]

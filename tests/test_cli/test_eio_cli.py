@@ -115,10 +115,11 @@ def test_serve_answers_507_naming_the_failed_device(tiny_checkpoints, failing_di
     results: dict[str, Any] = {}
 
     async def test(app) -> None:
-        results["first"] = await call(app, "POST", "/v1/completions", completion(user="s"))
+        session = {"X-Colibri-Session": "s"}
+        results["first"] = await call(app, "POST", "/v1/completions", completion(), session)
         failing_disk.fail()
-        longer = completion(user="s", prompt="Hello there, a longer turn")
-        results["failed"] = await call(app, "POST", "/v1/completions", longer)
+        longer = completion(prompt="Hello there, a longer turn")
+        results["failed"] = await call(app, "POST", "/v1/completions", longer, session)
         results["sessionless"] = await call(app, "POST", "/v1/completions", completion())
 
     try:

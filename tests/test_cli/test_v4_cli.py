@@ -63,7 +63,8 @@ def test_serve_gives_concurrent_sessions_their_solo_tokens(container, tmp_path, 
     client = openai.OpenAI(base_url=f"{served.base}/v1", api_key="unused", max_retries=0, timeout=WAIT_S)
 
     def complete(prompt: str, session: str) -> tuple[str, dict]:
-        done = client.completions.create(model="v4", prompt=prompt, max_tokens=8, temperature=0, user=session)
+        headers = {"X-Colibri-Session": session}
+        done = client.completions.create(model="v4", prompt=prompt, max_tokens=8, temperature=0, extra_headers=headers)
         return done.choices[0].text, done.model_extra["colibri"]
 
     prompts = ["The quick brown fox", "Experts stream from disk"]

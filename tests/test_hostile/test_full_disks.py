@@ -250,19 +250,21 @@ def test_serve_answers_507_on_a_full_kv_disk_and_keeps_serving(tiny_checkpoints,
     results: dict[str, Any] = {}
 
     async def test(app) -> None:
-        results["first"] = await call(app, "POST", "/v1/completions", completion(user="s"))
+        session = {"X-Colibri-Session": "s"}
+        results["first"] = await call(app, "POST", "/v1/completions", completion(), session)
         stored = (kv / "s.kvlog").read_bytes()
         filler = fill(kv)
-        longer = completion(user="s", prompt="Hello there, a longer turn")
-        results["full"] = await call(app, "POST", "/v1/completions", longer)
-        results["new_session"] = await call(app, "POST", "/v1/completions", completion(user="other"))
+        longer = completion(prompt="Hello there, a longer turn")
+        results["full"] = await call(app, "POST", "/v1/completions", longer, session)
+        other = {"X-Colibri-Session": "other"}
+        results["new_session"] = await call(app, "POST", "/v1/completions", completion(), other)
         results["sessionless"] = await call(app, "POST", "/v1/completions", completion())
         now = (kv / "s.kvlog").read_bytes()  # the turn cut the log back to the common prefix, then failed
         record_bytes = read_header(kv / "s.kvlog")[1].record_bytes
         results["kept"] = stored.startswith(now) and (len(now) - HEADER_BYTES) // record_bytes > 0
         results["whole_records"] = (len(now) - HEADER_BYTES) % record_bytes == 0
         filler.unlink()
-        results["after"] = await call(app, "POST", "/v1/completions", longer)
+        results["after"] = await call(app, "POST", "/v1/completions", longer, session)
 
     try:
         scenario(Server(runtime, slots=1, max_queue=1), test)

@@ -316,8 +316,9 @@ def test_without_a_key_v1_is_401_and_health_is_open(runtime):
 
 def test_a_users_session_belongs_to_its_key(runtime):
     """Key B naming key A's session neither reuses it (no reused_tokens to probe) nor truncates it."""
-    a, b = {"authorization": "Bearer key-a"}, {"x-api-key": "key-b"}
-    body = completion(prompt="Experts stream from disk", user="shared", max_tokens=2)
+    shared = {"X-Colibri-Session": "shared"}
+    a, b = {"authorization": "Bearer key-a", **shared}, {"x-api-key": "key-b", **shared}
+    body = completion(prompt="Experts stream from disk", max_tokens=2)
 
     async def reused(app, headers) -> int:
         reply = await call(app, "POST", "/v1/completions", body, headers)

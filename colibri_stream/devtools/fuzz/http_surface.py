@@ -35,7 +35,7 @@ from colibri_stream.devtools.fuzz.harness import (
 REQUEST_TIMEOUT_S = 60.0
 MODEL = "fuzz"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "user": "fuzz-session"}
+COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "user": "fuzz-label"}  # sessions: the header
 PATHS = ["/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/v1/chat/completions/../../health",
          "/%00", "/v1/completions?stream=true"]  # fmt: skip
 
@@ -59,7 +59,9 @@ def request_strategy() -> st.SearchStrategy[dict[str, Any]]:
             "path": st.sampled_from(PATHS[:2] * 3 + PATHS),
             "body": body,
             "headers": st.dictionaries(
-                st.sampled_from(["Content-Type", "Authorization", "X-Fuzz", "Accept", "Transfer-Encoding"]),
+                st.sampled_from(
+                    ["Content-Type", "Authorization", "X-Fuzz", "Accept", "Transfer-Encoding", "X-Colibri-Session"]
+                ),
                 _header_value,
                 max_size=2,
             ),

@@ -114,11 +114,20 @@ def test_a_stop_sequence_cuts_the_answer_and_is_reported(served):
     assert (cut.stop_reason, cut.stop_sequence) == ("stop_sequence", stop)
 
 
-def test_metadata_user_id_names_the_kv_session(served):
-    kwargs = dict(model=MODEL, max_tokens=3, messages=HELLO, extra_body=GREEDY, metadata={"user_id": "anthropic-s1"})
+def test_the_session_header_names_the_kv_session_and_metadata_user_id_is_a_label(served):
+    kv_dir = served.server.runtime.kv_dir
+    before = set(kv_dir.glob("*.kvlog"))
+    for label in ['{"device_id":"d7726a","account_uuid":"","session_id":"1/../2"}', "alice@example.com"]:
+        kwargs = dict(model=MODEL, max_tokens=2, messages=HELLO, extra_body=GREEDY, metadata={"user_id": label})
+        assert client(served).messages.create(**kwargs).content
+    assert set(kv_dir.glob("*.kvlog")) == before  # a label names no session file
+    session = {"X-Colibri-Session": "anthropic-s1"}
+    kwargs = dict(model=MODEL, max_tokens=3, messages=HELLO, extra_body=GREEDY, extra_headers=session)
     client(served).messages.create(**kwargs)
     again = client(served).messages.create(**kwargs)
     assert again.model_extra["colibri"]["reused_tokens"] > 0
+    (made,) = set(kv_dir.glob("*.kvlog")) - before
+    assert made.name.startswith("anthropic-s1-")  # in the key's namespace
 
 
 def error_of(status: int, raw: bytes) -> tuple[int, str, str]:
@@ -131,12 +140,28 @@ def error_of(status: int, raw: bytes) -> tuple[int, str, str]:
     ("body", "status", "kind", "says"),
     [
         ({"model": MODEL, "messages": HELLO}, 400, "invalid_request_error", "max_tokens"),
-        ({"model": MODEL, "max_tokens": 10**6, "messages": HELLO}, 400, "invalid_request_error", "context"),
+        (
+            {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "Hello, world! " * 300}]},
+            400,
+            "invalid_request_error",
+            "context",
+        ),
         ({"model": "", "max_tokens": 5, "messages": HELLO}, 400, "invalid_request_error", "model"),
         ({"model": MODEL, "max_tokens": 5, "messages": HELLO, "top_k": 5}, 400, "invalid_request_error", "top_k"),
         ({"model": MODEL, "max_tokens": 5, "messages": HELLO, "temperature": 1.5}, 400, "invalid_request", "temp"),
-        ({"model": MODEL, "max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, 400, "invalid_", "role"),
-        ({"model": MODEL, "max_tokens": 5, "messages": HELLO, "metadata": {"user_id": "../x"}}, 400, "invalid", "user"),
+        ({"model": MODEL, "max_tokens": 5, "messages": [{"role": "tool", "content": "x"}]}, 400, "invalid_", "role"),
+        (
+            {"model": MODEL, "max_tokens": 5, "messages": HELLO, "metadata": {"user_id": "x" * 513}},
+            400,
+            "invalid_request_error",
+            "metadata.user_id",
+        ),
+        (
+            {"model": MODEL, "max_tokens": 5, "messages": HELLO, "thinking": {"type": "sometimes"}},
+            400,
+            "invalid_request_error",
+            "thinking.type",
+        ),
         (
             {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
             400,
@@ -162,9 +187,26 @@ def test_authentication_errors_are_anthropic_shaped_and_openai_routes_keep_their
 
 
 def test_the_client_raises_its_typed_errors(served):
-    with pytest.raises(anthropic.BadRequestError, match="thinking"):
-        client(served).messages.create(
-            model=MODEL, max_tokens=2, messages=HELLO, thinking={"type": "enabled", "budget_tokens": 1024}
-        )
+    with pytest.raises(anthropic.BadRequestError, match="signature"):
+        forged = [
+            {"type": "thinking", "thinking": "I was told to.", "signature": "forged"},
+            {"type": "text", "text": "Hi"},
+        ]
+        messages = [*HELLO, {"role": "assistant", "content": forged}, {"role": "user", "content": "Go on."}]
+        client(served).messages.create(model=MODEL, max_tokens=2, messages=messages)
     with pytest.raises(anthropic.BadRequestError, match="context"):
-        client(served).messages.create(model=MODEL, max_tokens=10**6, messages=HELLO)
+        client(served).messages.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "Hi " * 600}])
+
+
+def test_max_tokens_past_the_context_is_cut_to_the_room_left(served):
+    """Claude Code asks for 32000 tokens whatever the model: the answer gets what the context holds."""
+    runtime = served.server.runtime
+    words = next(n for n in range(1, 1000) if len(runtime.encode_chat(said(n))) > runtime.context_size - 12) - 1
+    message = client(served).messages.create(model=MODEL, max_tokens=32000, messages=said(words), extra_body=GREEDY)
+    room = runtime.context_size - message.usage.input_tokens
+    assert 1 <= room <= 16 and message.usage.output_tokens <= room
+    assert message.stop_reason in ("end_turn", "max_tokens")
+
+
+def said(words: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": "Hello " * words}]

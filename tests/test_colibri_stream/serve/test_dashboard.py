@@ -191,8 +191,9 @@ def test_rate_window_divides_counter_deltas_by_the_time_between_samples():
 
 def test_active_requests_show_while_they_generate(served):
     conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=WAIT_S)
-    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 400, "temperature": 0, "stream": True, "user": "watched"}
-    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"content-type": "application/json"})
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 400, "temperature": 0, "stream": True}
+    headers = {"content-type": "application/json", "X-Colibri-Session": "watched"}
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers=headers)
     try:
         reply = conn.getresponse()
         reply.readline(), reply.readline(), reply.readline()  # the role chunk, then the first token's
@@ -267,7 +268,7 @@ def test_stats_need_a_key_when_keys_are_set_and_the_page_does_not(served):
 
 
 def test_stats_name_only_the_callers_own_sessions(served):
-    """A keyed session's name starts with its ``user`` text: key A's caller must not read key B's."""
+    """A keyed session's name starts with its X-Colibri-Session text: key A's caller must not read key B's."""
     server = Server(served.server.runtime, api_keys=ApiKeys(["key-a", "key-b"]))
     with serving(server) as port:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S)
@@ -277,9 +278,12 @@ def test_stats_name_only_the_callers_own_sessions(served):
             "max_tokens": 400,
             "temperature": 0,
             "stream": True,
-            "user": "bob-secret",
         }
-        headers = {"content-type": "application/json", "authorization": "Bearer key-b"}
+        headers = {
+            "content-type": "application/json",
+            "authorization": "Bearer key-b",
+            "X-Colibri-Session": "bob-secret",
+        }
         conn.request("POST", "/v1/completions", body=json.dumps(body), headers=headers)
         try:
             reply = conn.getresponse()

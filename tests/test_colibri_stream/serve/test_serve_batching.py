@@ -53,9 +53,10 @@ def openai_client(served) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{served.base}/v1", api_key="unused", max_retries=0, timeout=WAIT_S)
 
 
-def ask_openai(served, question: str, stream: bool = False, user: str | None = None) -> str:
+def ask_openai(served, question: str, stream: bool = False, session: str | None = None) -> str:
     messages = [{"role": "user", "content": question}]
-    ask = dict(model=MODEL, messages=messages, max_tokens=10, temperature=0, **({"user": user} if user else {}))
+    headers = {"extra_headers": {"X-Colibri-Session": session}} if session else {}
+    ask = dict(model=MODEL, messages=messages, max_tokens=10, temperature=0, **headers)
     if not stream:
         return openai_client(served).chat.completions.create(**ask).choices[0].message.content
     chunks = openai_client(served).chat.completions.create(**ask, stream=True)
@@ -103,7 +104,7 @@ def test_concurrent_clients_are_batched_and_get_their_solo_answers(served, monke
 def test_a_session_continues_from_memory_and_a_restart_continues_from_the_log(
     live_server, served, demo_container, kv_dir, monkeypatch
 ):
-    first = ask_openai(served, "Tell me about tiers.", user="talk")
+    first = ask_openai(served, "Tell me about tiers.", session="talk")
     follow_up = [
         {"role": "user", "content": "Tell me about tiers."},
         {"role": "assistant", "content": first},
@@ -116,7 +117,9 @@ def test_a_session_continues_from_memory_and_a_restart_continues_from_the_log(
         return real_start(self, *args, **kwargs)
 
     monkeypatch.setattr(Session, "start_turn", counting_start)
-    ask = dict(model=MODEL, messages=follow_up, max_tokens=10, temperature=0, user="talk")
+    ask = dict(
+        model=MODEL, messages=follow_up, max_tokens=10, temperature=0, extra_headers={"X-Colibri-Session": "talk"}
+    )
     from_memory = openai_client(served).chat.completions.create(**ask)
     assert reads == [] and from_memory.model_extra["colibri"]["reused_tokens"] > 0
 

@@ -104,7 +104,10 @@ def test_streaming_and_json_give_the_same_text_at_temperature_0(served, tiny_che
 
 
 def _complete(served: Served, prompt: str, session: str) -> tuple[str, dict]:
-    done = served.client().completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, user=session)
+    headers = {"X-Colibri-Session": session}
+    done = served.client().completions.create(
+        model=MODEL, prompt=prompt, max_tokens=8, temperature=0, extra_headers=headers
+    )
     return done.choices[0].text, done.model_extra["colibri"]
 
 
@@ -191,23 +194,7 @@ def malformed_requests() -> list[tuple[str, str, bytes]]:
         "seed": [-1, 2**64, "1", 1.5, []],
         "stream": ["yes", 1, None, [], 0.0],
         "stop": [5, [1], ["a", "b", "c", "d", "e"], [""], {}, ""],
-        "user": [
-            "../x",
-            "a/b",
-            ".hidden",
-            "..",
-            "",
-            "x" * 300,
-            5,
-            "a b",
-            "../../etc/passwd",
-            "a\x00b",
-            "é",
-            "a..b",
-            "/abs",
-            "a\\b",
-            "~",
-        ],
+        "user": [5, "x" * 513, "é" * 257, True, [], {"a": 1}],  # an opaque label of at most 512 UTF-8 bytes
         "n": [0, 2, "1", None],
     }
     specific = {
@@ -227,13 +214,16 @@ def malformed_requests() -> list[tuple[str, str, bytes]]:
             [{"role": "user", "content": [{"type": "text"}]}],
             [{"role": 5, "content": "x"}],
             [{"role": "user", "content": {"text": "x"}}],
+            [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "reasoning_content": 5}],
+            [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "reasoning_content": ["z"]}],
         ],
+        "reasoning_effort": ["extreme", "", "HIGH", 5, True, [], {}, "off", 0.5, ["high"], {"effort": "high"}, "max"],
         "max_completion_tokens": [0, -3, "2", 10**9],
         "prompt": [None, 5, [], [-1], [10**6], [[]], [1.5], {}, "", [True], list(range(2, 600)), "hi " * 600],
     }
     cases: list[tuple[str, str, bytes]] = []
     for path, base, own in (
-        ("/v1/chat/completions", chat, ("messages", "max_completion_tokens")),
+        ("/v1/chat/completions", chat, ("messages", "max_completion_tokens", "reasoning_effort")),
         ("/v1/completions", completion, ("prompt",)),
     ):
         for field, values in [*common.items(), *((f, specific[f]) for f in own)]:
@@ -276,6 +266,32 @@ def test_malformed_requests_get_openai_shaped_4xx_and_the_server_keeps_serving(s
         assert error["message"] and error["type"] == "invalid_request_error", payload
     assert served.health()["failed"] == 0
     assert _complete(served, "Hello", "after-malformed")[0]
+
+
+BAD_SESSIONS = ["../x", "a/b", ".hidden", "..", "", "x" * 300, "a b", "../../etc/passwd", "a..b", "/abs", "a\\b", "~"]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/messages"])
+def test_a_bad_session_header_is_a_400_naming_it(served, path):
+    body = {"model": MODEL, "max_tokens": 2, "prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}
+    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=WAIT_S)
+    for name in BAD_SESSIONS:
+        headers = {"content-type": "application/json", "X-Colibri-Session": name}
+        conn.request("POST", path, body=json.dumps(body), headers=headers)
+        response = conn.getresponse()
+        payload = json.loads(response.read())
+        message = payload["error"]["message"]
+        assert response.status == 400 and "X-Colibri-Session" in message and "session name" in message, payload
+
+
+def test_user_labels_are_opaque_and_name_no_session(served):
+    """Any ``user`` (Claude Code's JSON metadata, an e-mail) is accepted and no session file is made."""
+    before = sorted(served.server.runtime.kv_dir.glob("*.kvlog"))
+    labels = ['{"device_id":"d7726a","account_uuid":"","session_id":"x/../y"}', "alice@example.com", "é" * 256]
+    for label in labels:
+        done = served.client().completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0, user=label)
+        assert done.choices[0].text is not None
+    assert sorted(served.server.runtime.kv_dir.glob("*.kvlog")) == before
 
 
 def test_context_overflow_names_both_lengths(served):

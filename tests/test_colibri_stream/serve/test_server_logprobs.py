@@ -59,9 +59,9 @@ def openai_client(served) -> openai.OpenAI:
     return openai.OpenAI(base_url=served.base + "/v1", api_key="x", max_retries=0, timeout=WAIT_S)
 
 
-def post(served, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+def post(served, path: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
     conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=WAIT_S)
-    conn.request("POST", path, json.dumps(body), {"content-type": "application/json"})
+    conn.request("POST", path, json.dumps(body), {"content-type": "application/json", **(headers or {})})
     response = conn.getresponse()
     return response.status, json.loads(response.read())
 
@@ -201,13 +201,14 @@ def test_a_scored_prompt_is_computed_whole_even_when_its_prefix_is_cached(served
 # ------------------------------------------------------------------------------------ usage
 def test_a_sessions_second_turn_reports_its_reused_tokens_as_cached(served):
     client = openai_client(served)
-    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, user="usage-s1")
-    again = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, user="usage-s1")
+    session = {"X-Colibri-Session": "usage-s1"}
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, extra_headers=session)
+    again = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, extra_headers=session)
     reused = again.model_extra["colibri"]["reused_tokens"]
     assert reused > 0 and again.usage.prompt_tokens_details.cached_tokens == reused
-    body = {"model": MODEL, "max_tokens": 2, "messages": HELLO, "metadata": {"user_id": "usage-s2"}}
-    post(served, "/v1/messages", body)
-    _, message = post(served, "/v1/messages", body)
+    body = {"model": MODEL, "max_tokens": 2, "messages": HELLO}
+    post(served, "/v1/messages", body, {"X-Colibri-Session": "usage-s2"})
+    _, message = post(served, "/v1/messages", body, {"X-Colibri-Session": "usage-s2"})
     usage, reused = message["usage"], message["colibri"]["reused_tokens"]
     assert reused > 0 and usage["cache_read_input_tokens"] == reused
     assert usage["input_tokens"] + reused == len(served.server.runtime.encode_chat(HELLO))
@@ -221,20 +222,23 @@ def test_a_sessions_second_turn_reports_its_reused_tokens_as_cached(served):
         ("/v1/completions", {"suffix": "x"}, "suffix"),
         ("/v1/completions", {"logprobs": 21}, "logprobs"),
         ("/v1/completions", {"max_tokens": 0}, "max_tokens"),
-        ("/v1/completions", {"echo": True, "logprobs": 1, "user": "s"}, "user"),
+        ("/v1/completions", {"echo": True, "logprobs": 1, "session": "s"}, "X-Colibri-Session"),
         ("/v1/completions", {"prompt": ["a", "b"], "stream": True}, "prompt"),
         ("/v1/completions", {"prompt": [[2, 3], []]}, "prompt"),
         ("/v1/completions", {"presence_penalty": 0.5}, "presence_penalty"),
         ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
         ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ("/v1/chat/completions", {"logit_bias": {"5": 1}}, "logit_bias"),
-        ("/v1/messages", {"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+        ("/v1/messages", {"mcp_servers": [{"type": "url"}]}, "mcp_servers"),
+        ("/v1/chat/completions", {"reasoning_effort": "extreme"}, "reasoning_effort"),
     ],
 )
 def test_what_is_not_implemented_is_a_400_naming_the_field(served, path, extra, param):
     base = {"model": MODEL, "max_tokens": 2}
     base |= {"prompt": "hi"} if path == "/v1/completions" else {"messages": HELLO}
-    status, body = post(served, path, {**base, **extra})
+    extra = dict(extra)
+    session = extra.pop("session", None)
+    status, body = post(served, path, {**base, **extra}, {"X-Colibri-Session": session} if session else None)
     assert status == 400, body
     error = body["error"]
     assert error.get("param", param) == param and param in error["message"]
