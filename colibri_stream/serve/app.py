@@ -47,7 +47,8 @@ from colibri_stream.serve.logprobs import ChatShape, CompletionShape, TokenTexts
 from colibri_stream.serve.model_thread import Admission, Job, ModelThread, api_error
 from colibri_stream.serve.responses_api import add_responses_routes
 from colibri_stream.serve.schemas import ApiError, ChatRequest, CompletionRequest
-from colibri_stream.serve.signing import Signer, load_secret
+from colibri_stream.serve.sealed import load_key
+from colibri_stream.serve.signing import Signer
 from colibri_stream.serve.thinking import effort_thinking, reasoning_splitter
 from colibri_stream.text.chat_format import PromptTooLong
 from colibri_stream.text.reasoning import ReasoningSplitter
@@ -100,8 +101,8 @@ class Server:
 
     @cached_property
     def signer(self) -> Signer:
-        """Signs what clients send back (Anthropic thinking blocks); its secret lives in the KV directory."""
-        return Signer(load_secret(self.runtime.kv_dir))
+        """Signs what clients send back (Anthropic thinking blocks) with the server's seal key."""
+        return Signer(load_key(self.runtime.kv_dir))
 
     def splitter(self, prompt: list[int]) -> ReasoningSplitter | None:
         """The reader of a thinking model's answer to ``prompt`` (None: the model does not think)."""
