@@ -252,10 +252,14 @@ def add_activations_argument(parser: argparse.ArgumentParser | argparse._Argumen
     )
 
 
-def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
+def add_runtime_arguments(parser: argparse.ArgumentParser, path_help: str = "") -> None:
     """Flags of the commands that hold a model and its sessions (run, chat, serve): PATH, dtype,
-    sessions, expert streaming."""
-    parser.add_argument("path", help="a converted container, or a Hugging Face checkpoint directory")
+    sessions, expert streaming. ``path_help``: PATH may be left out, and what that means (serve: the demo)."""
+    path = "a converted container, or a Hugging Face checkpoint directory"
+    if path_help:
+        parser.add_argument("path", nargs="?", help=f"{path}; {path_help}")
+    else:
+        parser.add_argument("path", help=path)
     add_dtype_argument(parser)
     add_activations_argument(parser)
     add_context_argument(parser)

@@ -18,25 +18,29 @@ from colibri_stream.cli.options import (
 )
 from colibri_stream.errors import ColibriError
 
+DEMO_NAME = "colibri-demo"  # the model id of `serve` without PATH
 DEFAULT_MAX_CONNECTIONS = 64  # serve/ needs FastAPI and uvicorn (an extra): imported only when serving
 
 EPILOG = """\
 examples:
+  colibri-stream serve                                # the shipped demo model, for trying clients and agents
   colibri-stream serve MODEL.cstream --budget budgets/laptop-32g.toml
   colibri-stream serve MODEL.cstream --port 8080 --slots 2 --max-queue 4 --model-name dsv3
   COLIBRI_API_KEYS=key-a,key-b colibri-stream serve MODEL.cstream --host 0.0.0.0   # keys required
 
-  then, from any OpenAI client (the `user` field names the KV session, reused across requests):
+  then, from any OpenAI or Anthropic client or coding agent (base URL http://127.0.0.1:8000/v1 and any
+  key); a stateless client's repeated prompt prefix is reused by the prefix cache, and the header
+  X-Colibri-Session names a KV session kept across requests and restarts:
   curl http://127.0.0.1:8000/v1/chat/completions -H 'content-type: application/json' \\
-    -d '{"model": "dsv3", "user": "alice", "messages": [{"role": "user", "content": "Hi"}]}'
+    -H 'X-Colibri-Session: alice' -d '{"model": "dsv3", "messages": [{"role": "user", "content": "Hi"}]}'
 
-endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (JSON or "stream": true
-for SSE), POST /v1/messages (Anthropic), GET /health (slots busy, queue, served/cancelled counts; needs
-no key). Any `model` a request names is served by the one model (responses name --model-name);
---strict-model-name answers 404 for names other than --model-name and the --alias names.
-without --api-key the server is single-tenant: any client can use any session by naming it in `user`.
+endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions, POST /v1/responses
+(JSON or "stream": true for SSE), POST /v1/messages (Anthropic), GET /health (slots busy, queue,
+served/cancelled counts; needs no key). Any `model` a request names is served by the one model
+(responses name --model-name); --strict-model-name answers 404 for names other than --model-name and the --alias names.
+without --api-key the server is single-tenant: any client can use any session by naming it in the header.
 with keys (--api-key, repeatable, and/or COLIBRI_API_KEYS=k1,k2) /v1 needs `Authorization: Bearer KEY`
-(or `x-api-key: KEY`), and each key's `user` names only that key's sessions.
+(or `x-api-key: KEY`), and each key's X-Colibri-Session names only that key's sessions.
 limits: bodies over 4 MiB get 413, a body not sent within 30 s 408, headers not sent within 10 s close
 the connection, connections beyond --max-connections get 503.
 exit status: 0 after a clean shutdown (Ctrl-C / SIGTERM), 1 on a user error (bad path, budget,
@@ -54,7 +58,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "sessions kept in memory between requests.",
         **help_options(EPILOG),
     )
-    add_runtime_arguments(parser)
+    add_runtime_arguments(parser, path_help=f"left out: the shipped demo model (converted once), named {DEMO_NAME!r}")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     parser.add_argument(
@@ -114,10 +118,16 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.slots < 1 or args.max_queue < 0:
         raise ColibriError(f"--slots must be >= 1 and --max-queue >= 0, got {args.slots} and {args.max_queue}")
     keys = ApiKeys.from_sources(args.api_key)  # refuses blank keys before the (slow) model load
-    options = runtime_options(args, model_id=args.model_name)
+    path = args.path
+    if path is None:  # the demo: agents can be pointed at it with nothing else installed
+        from colibri_stream.cli.demo import demo_source
+
+        path = demo_source(None)
+    name = args.model_name or (DEMO_NAME if args.path is None else None)
+    options = runtime_options(args, model_id=name)
     # The batch's caches and as many sessions kept in memory between requests, each up to the context.
     options = dataclasses.replace(options, store=dataclasses.replace(options.store, kv_sequences=2 * args.slots))
-    runtime = load_runtime(args.path, options)
+    runtime = load_runtime(path, options)
     try:
         server = Server(
             runtime,

@@ -11,8 +11,15 @@ import contextlib
 import io
 import json
 import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import openai
 import pytest
 import torch
 
@@ -111,3 +118,41 @@ def test_int4_heldout_perplexity_within_5_percent_of_float(first_run, windows):
     # trained: 56.6 over 16k held-out tokens (demo_model/README.md); random weights give ~4096
     assert math.isfinite(float_ppl) and float_ppl < 200
     assert abs(int4_ppl / float_ppl - 1) < 0.05, (float_ppl, int4_ppl)
+
+
+def test_serve_without_a_model_serves_the_demo_with_tools(first_run, tmp_path):
+    """`colibri-stream serve` with no PATH: the demo's container (the one the first demo run converted), named
+    colibri-demo, with a context an agent's preamble fits in and a template that renders the tools offered."""
+    cache_home, _ = first_run
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "colibri_stream", "serve", "--port", str(port), "--kv-dir", str(tmp_path)]
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache_home)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.communicate()[1][-2000:]
+            assert time.monotonic() < deadline, "serve did not start"
+            try:
+                models = client.models.list().data
+                break
+            except openai.APIConnectionError:
+                time.sleep(0.2)
+        assert [m.id for m in models] == ["colibri-demo"]
+        tool = {"type": "function", "function": {"name": "read_file", "parameters": {"type": "object"}}}
+        preamble = "You are a coding agent. " * 1200  # ~6k tokens: past the old 2048-token context
+        answer = client.chat.completions.create(
+            model="anything",
+            messages=[{"role": "system", "content": preamble}, {"role": "user", "content": "List the files."}],
+            tools=[tool],
+            max_tokens=4,
+            temperature=0,
+        )
+        assert answer.model == "colibri-demo" and answer.usage.prompt_tokens > 2048
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
+    assert proc.returncode == 0
