@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.requests import Request
 
@@ -22,7 +22,17 @@ from colibri_stream.runtime.sampling import TokenLogprob
 from colibri_stream.runtime.turn import Runtime, TurnResult
 from colibri_stream.serve.model_thread import Job
 from colibri_stream.serve.schemas import ApiError
-from colibri_stream.text.tool_calls import ToolCall, ToolCallParser, tools_from_functions
+from colibri_stream.text.tool_calls import Event, ToolCall, ToolCallParser, tools_from_functions
+
+
+class AnswerParser(Protocol):
+    """Text deltas -> ("text", str) / ("tool_call", ToolCall) events: a family's ToolCallParser, or a forced
+    call's (serve/constrained.py ForcedCallParser)."""
+
+    def push(self, delta: str) -> list[Event]: ...
+
+    def finish(self) -> list[Event]: ...
+
 
 KNOWN_FORMATS = "DeepSeek-V3/R1, DeepSeek-V3.1/V3.2-Exp, DeepSeek-V3.2/V4 DSML, GLM-4.5/5, Kimi-K2"
 
@@ -45,7 +55,7 @@ def tool_parser(runtime: Runtime, tools: Sequence[dict[str, Any]], param: str = 
     return ToolCallParser(tool_format, tools_from_functions([tool["function"] for tool in tools]))
 
 
-async def answer_events(job: Job, parser: ToolCallParser | None) -> AsyncIterator[tuple[str, Any]]:
+async def answer_events(job: Job, parser: AnswerParser | None) -> AsyncIterator[tuple[str, Any]]:
     """("text", str), ("tool_call", ToolCall), ("prompt", ...) and ("token", ...) events, then ("done",
     TurnResult) or ("error", ApiError)."""
     while True:
@@ -74,7 +84,7 @@ class Answer:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., when asked
 
 
-async def collect(request: Request, job: Job, parser: ToolCallParser | None = None) -> Answer:
+async def collect(request: Request, job: Job, parser: AnswerParser | None = None) -> Answer:
     """The whole answer. Meanwhile a watcher waits for the client's disconnect (the body is read, so
     the next ASGI message is that) and cancels the job: generation stops after its current token."""
     watcher = asyncio.create_task(cancel_on_disconnect(request, job))

@@ -30,21 +30,23 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from colibri_stream.errors import ChatTemplateError, ColibriError, SessionError
+from colibri_stream.runtime.constraint import TokenConstraint
 from colibri_stream.runtime.generate import SamplingParams
 from colibri_stream.runtime.kv.lock import REFUSE, SessionLease, SessionWait
 from colibri_stream.runtime.kv.sessions import check_session_name
 from colibri_stream.runtime.sampling import TokenLogprob
 from colibri_stream.runtime.turn import Runtime, TurnResult
-from colibri_stream.serve.answers import answer_events, collect, tool_parser
+from colibri_stream.serve.answers import AnswerParser, answer_events, collect, tool_parser
 from colibri_stream.serve.anthropic_api import add_anthropic_routes
 from colibri_stream.serve.auth import ApiKeys
+from colibri_stream.serve.constrained import chat_constraint
 from colibri_stream.serve.dashboard import add_dashboard_routes
 from colibri_stream.serve.intake import parse_request, read_body
 from colibri_stream.serve.logprobs import ChatShape, CompletionShape, TokenTexts, chat_logprobs, joined
 from colibri_stream.serve.model_thread import Admission, Job, ModelThread, api_error
 from colibri_stream.serve.schemas import ApiError, ChatRequest, CompletionRequest
 from colibri_stream.text.chat_format import PromptTooLong
-from colibri_stream.text.tool_calls import ToolCall, ToolCallParser
+from colibri_stream.text.tool_calls import ToolCall
 
 PROMPT_THREADS = 2  # parsing and tokenising requests; more would only contend for the same cores
 SESSION_WAIT_THREADS = 16  # requests waiting (--wait-session) for a session another process holds; more queue
@@ -218,6 +220,7 @@ class Server:
         owner: bytes | None = None,
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
+        constraint: TokenConstraint | None = None,
     ) -> Job:
         assert self.admission is not None
         lease = await self.wait_for_session(session)
@@ -235,6 +238,7 @@ class Server:
             prompt, limit, sampling, session, body.stop_strings(), asyncio.get_running_loop(), _then(lease, release)
         )
         job.owner, job.logprobs, job.prompt_logprobs = owner, logprobs, prompt_logprobs
+        job.constraint = constraint
         self.model_thread.jobs.put(job)
         return job
 
@@ -316,7 +320,7 @@ Shape = ChatShape | CompletionShape
 
 
 async def stream(
-    job: Job, chunk: Chunk, parser: ToolCallParser | None = None, shape: Shape | None = None, echo: str | None = None
+    job: Job, chunk: Chunk, parser: AnswerParser | None = None, shape: Shape | None = None, echo: str | None = None
 ) -> AsyncIterator[bytes]:
     """SSE: one chunk per text delta or tool call, a final chunk with finish_reason, then ``data:
     [DONE]``; with ``echo`` the prompt's text (and logprobs, when asked) comes first. With ``shape`` each
@@ -439,11 +443,14 @@ def create_app(server: Server) -> FastAPI:
         key = server.authenticate(request)  # before the body is read: strangers cost nothing
         body = await parse_body(request, ChatRequest)
         server.check_fields(body)
-        parser = tool_parser(server.runtime, body.offered_tools())
+        constrained = await server.off_loop(chat_constraint, server.runtime, body)  # forced call, response_format
+        forced = constrained.parser() if constrained is not None else None
+        parser = forced or tool_parser(server.runtime, body.offered_tools())
         prompt = await server.off_loop(server.chat_prompt, body)
         top_n = body.logprob_count()
         limit, session = server.token_limit(body, prompt), server.session(body, key)
-        job = await server.submit(body, prompt, limit, session, key, logprobs=top_n)
+        constraint = constrained.constraint if constrained is not None else None
+        job = await server.submit(body, prompt, limit, session, key, logprobs=top_n, constraint=constraint)
         cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         texts = TokenTexts(server.runtime.text_side()[0])
         if body.stream:
