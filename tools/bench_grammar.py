@@ -4,13 +4,15 @@ llguidance and xgrammar, each where importable, on the demo model's tokenizer (4
 
     python tools/bench_grammar.py [--schemas 100] [--walks 100] [--seed 0] [--json FILE]
 
-Per library and tokenizer:
+Rows: each library's own matcher, and "colibri": text/grammar.py's constraint, the library's mask unpacked
+into the bool tensor the batch masks logits with (what a constrained decode step really pays). Per row:
   tokenizer_s   building the library's tokenizer info (once per tokenizer; the runtime caches it)
   compile_ms    a JSON schema -> grammar (and its matcher), median over the schemas
   mask_us       computing one token's mask, over every token of a valid instance of each schema (median,
                 p90, p99, max): the cost a constrained decode step adds on the CPU
   accepted      valid instances (colibri_stream/devtools/json_schemas.py random_instance, written as
                 json.dumps writes it) whose tokens the grammar accepts, then only the end: completeness
+                (llguidance writes a multiple of 0.25 with two decimals: "2.50", never "2.5")
   walks         random walks through the mask (a random allowed token each step; every other step a
                 structural one when any is allowed, so numbers end): completed within 512 tokens, and of
                 those how many parse and validate (jsonschema): soundness, which must be all of them
@@ -125,10 +127,31 @@ class XGrammar:
         return m
 
 
+class Colibri:
+    """What the runtime pays per token: text/grammar.py's constraint (llguidance's mask unpacked to the bool
+    tensor the batch masks logits with)."""
+
+    name = "colibri (llguidance + unpack)"
+
+    def __init__(self, vocab: Vocab):
+        from colibri_stream.text.grammar import json_constraint, library_vocab
+
+        self.make, self.vocab = json_constraint, vocab
+        library_vocab(vocab.tokenizer, vocab.size, [vocab.eos])
+
+    def matcher(self, schema: dict[str, Any]) -> Matcher:
+        constraint = self.make(self.vocab.tokenizer, self.vocab.size, [self.vocab.eos], schema)
+        m = Matcher()
+        m.buffer = constraint.words  # allowed() fills it (and returns the bool tensor)
+        m.mask = lambda: constraint.allowed(self.vocab.size)
+        m.consume = lambda token: constraint.advance(token) is None and not constraint.matcher.is_error()
+        m.stopped = lambda: constraint.finished
+        return m
+
+
 def libraries() -> list[type]:
-    return [
-        lib for lib, module in ((LLGuidance, "llguidance"), (XGrammar, "xgrammar")) if importlib.util.find_spec(module)
-    ]
+    found = [(LLGuidance, "llguidance"), (Colibri, "llguidance"), (XGrammar, "xgrammar")]
+    return [lib for lib, module in found if importlib.util.find_spec(module)]
 
 
 def follow(matcher: Matcher, ids: list[int], eos: int, times: list[float]) -> bool:
