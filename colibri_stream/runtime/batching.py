@@ -17,6 +17,10 @@ A request may ask for log-probabilities (runtime/sampling.py ``token_logprobs``)
 (computed from the logits it was sampled from: the tokens do not change), and of every prompt token but
 the first, for which its prompt chunks compute the logits of every position instead of only the last
 (only such a request pays for that). A prompt-logprobs request may stop after its prompt (no tokens).
+
+A request may carry a ``TokenConstraint`` (runtime/constraint.py: a grammar its answer must follow): its
+logits are masked before every sample and the constraint follows each token taken; such a sequence is
+never drafted for (its next mask depends on the token before), and the others are untouched.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 
 from colibri_stream.errors import RequestError
 from colibri_stream.planning.activations import PREFILL_CHUNK_TOKENS, PREFILL_WINDOW_CHUNKS
+from colibri_stream.runtime.constraint import TokenConstraint, masked
 from colibri_stream.runtime.sampling import SamplingParams, TokenLogprob, sample, sample_against, token_logprobs
 from colibri_stream.runtime.speculation import DraftedSequence, DraftState, Speculation
 from engine.core.interfaces import Cache, Model
@@ -96,6 +101,7 @@ class GenerationRequest:
     on_prompt_chunk: Callable[[], object] | None = None  # after each prompt chunk but the last (a session logs it)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    constraint: TokenConstraint | None = None  # what the answer may be (a grammar); None: anything
 
 
 class Generation:
@@ -118,8 +124,11 @@ class Generation:
 
     def choose(self, logits: torch.Tensor, draft: int | None = None) -> int:
         """The token this sequence samples from logits [vocab]; with a drafted token proposed, by the
-        rejection rule (``sample_against``: the same distribution)."""
+        rejection rule (``sample_against``: the same distribution). A constrained sequence samples from
+        the logits its constraint masks (and is never drafted for)."""
         sampling = self.request.sampling
+        if self.request.constraint is not None:
+            logits = masked(logits, self.request.constraint)
         if draft is None:
             return sample(logits, sampling, self.generator)
         return sample_against(logits, sampling, self.generator, draft)
@@ -129,6 +138,8 @@ class Generation:
         finish on a stop id, max tokens or should_stop. Returns the token."""
         if token is None:
             token = self.choose(logits)
+        if self.request.constraint is not None:
+            self.request.constraint.advance(token)
         if self.request.logprobs is not None:  # before on_token, which may pass it on
             self.result.logprobs += token_logprobs(logits[None], [token], self.request.logprobs)
         now = time.perf_counter()
@@ -321,7 +332,9 @@ class ContinuousBatch:
             return not generations[index].done
 
         sequences = [
-            DraftedSequence(g.cache, token, state, g.choose, partial(take, i), g.room, g.stop)
+            DraftedSequence(
+                g.cache, token, state, g.choose, partial(take, i), g.room, g.stop, g.request.constraint is None
+            )
             for i, (g, token, state) in enumerate(zip(generations, tokens, states, strict=True))
         ]
         for g, (drafted, accepted) in zip(generations, speculation.step(sequences, self.experts), strict=True):

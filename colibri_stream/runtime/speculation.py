@@ -66,7 +66,8 @@ class DraftState:
 class DraftedSequence:
     """A sequence in a drafting step: its cache and next token (fed now), its drafting state, how it
     chooses a token from logits [vocab] (a draft proposed, or None) and takes it (False: it finished),
-    the tokens it may still take and its stop ids (it ends at one)."""
+    the tokens it may still take, its stop ids (it ends at one) and whether it may be drafted for (a
+    constrained sequence may not: its mask for a position depends on the token chosen before it)."""
 
     cache: Cache
     next_token: int
@@ -75,6 +76,7 @@ class DraftedSequence:
     take: Callable[[torch.Tensor, int], bool]
     room: int
     stops: set[int]
+    drafted: bool = True
 
 
 class Row:
@@ -110,7 +112,7 @@ class Speculation:
             self._plain(sequences, experts)
             self._observe(StepCost(0, (), time.perf_counter() - started, 0.0, None), before)
             return [(0, 0)] * len(sequences)
-        rows = [Row(sequence, self._drafts(sequence.state, experts, depth)) for sequence in sequences]
+        rows = [Row(s, self._drafts(s.state, experts, depth) if s.drafted else []) for s in sequences]
         drafted = time.perf_counter()
         tokens = [token for row in rows for token in row.tokens]
         caches = [row.sequence.cache for row in rows for _ in row.tokens]

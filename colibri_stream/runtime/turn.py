@@ -33,6 +33,7 @@ from colibri_stream.experts.cluster.group import ClusterOptions
 from colibri_stream.experts.store import ExpertStore
 from colibri_stream.planning.budget import StoreOptions, planned_context
 from colibri_stream.runtime.batching import ContinuousBatch, GenerationRequest, GenerationResult, GenerationStats
+from colibri_stream.runtime.constraint import TokenConstraint
 from colibri_stream.runtime.kv.front import (
     KVState,
     Persistence,
@@ -184,6 +185,7 @@ class TurnOptions:
     # also every prompt token's (GenerationRequest.prompt_logprobs): the whole prompt must be computed,
     # so no stored or cached prefix may be reused for such a turn
     prompt_logprobs: int | None = None
+    constraint: TokenConstraint | None = None  # what the answer may be (runtime/constraint.py); one turn's own
 
 
 @dataclass
@@ -256,6 +258,7 @@ def begin_turn(
             kv.prompt_chunk_hook(cache, prompt_ids),
             logprobs=options.logprobs,
             prompt_logprobs=options.prompt_logprobs,
+            constraint=options.constraint,
         )
     except BaseException:
         kv.abort()

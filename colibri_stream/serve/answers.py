@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.requests import Request
 
@@ -25,7 +25,17 @@ from colibri_stream.runtime.turn import Runtime, TurnResult
 from colibri_stream.serve.model_thread import Job
 from colibri_stream.serve.schemas import ApiError
 from colibri_stream.text.reasoning import ReasoningSplitter
-from colibri_stream.text.tool_calls import ToolCall, ToolCallParser, tools_from_functions
+from colibri_stream.text.tool_calls import Event, ToolCall, ToolCallParser, tools_from_functions
+
+
+class AnswerParser(Protocol):
+    """Text deltas -> ("text", str) / ("tool_call", ToolCall) events: a family's ToolCallParser, or a forced
+    call's (serve/constrained.py ForcedCallParser)."""
+
+    def push(self, delta: str) -> list[Event]: ...
+
+    def finish(self) -> list[Event]: ...
+
 
 KNOWN_FORMATS = "DeepSeek-V3/R1, DeepSeek-V3.1/V3.2-Exp, DeepSeek-V3.2/V4 DSML, GLM-4.5/5, Kimi-K2"
 
@@ -49,7 +59,7 @@ def tool_parser(runtime: Runtime, tools: Sequence[dict[str, Any]], param: str = 
 
 
 async def answer_events(
-    job: Job, parser: ToolCallParser | None, splitter: ReasoningSplitter | None = None
+    job: Job, parser: AnswerParser | None, splitter: ReasoningSplitter | None = None
 ) -> AsyncIterator[tuple[str, Any]]:
     """("started", int), ("reasoning", str), ("text", str), ("tool_call", ToolCall), ("prompt", ...) and
     ("token", ...) events, then ("done", TurnResult) or ("error", ApiError)."""
@@ -70,7 +80,7 @@ async def answer_events(
 
 
 def _content_events(
-    text: str, parser: ToolCallParser | None, splitter: ReasoningSplitter | None, final: bool = False
+    text: str, parser: AnswerParser | None, splitter: ReasoningSplitter | None, final: bool = False
 ) -> list[tuple[str, Any]]:
     """A text delta's events: its reasoning, then its content through the tool-call parser (``final``:
     what the splitter and the parser held back)."""
@@ -93,7 +103,7 @@ class Answer:
 
 
 async def collect(
-    request: Request, job: Job, parser: ToolCallParser | None = None, splitter: ReasoningSplitter | None = None
+    request: Request, job: Job, parser: AnswerParser | None = None, splitter: ReasoningSplitter | None = None
 ) -> Answer:
     """The whole answer. Meanwhile a watcher waits for the client's disconnect (the body is read, so
     the next ASGI message is that) and cancels the job: generation stops after its current token."""

@@ -28,8 +28,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field, field_validator
 
+from colibri_stream.runtime.constraint import TokenConstraint
 from colibri_stream.runtime.turn import TurnResult
-from colibri_stream.serve.answers import Answer, answer_events, collect, tool_parser
+from colibri_stream.serve.answers import Answer, AnswerParser, answer_events, collect, tool_parser
 from colibri_stream.serve.anthropic_thinking import (
     OutputConfig,
     RedactedThinkingBlock,
@@ -39,13 +40,14 @@ from colibri_stream.serve.anthropic_thinking import (
     verified_reasoning,
     wants_thinking,
 )
+from colibri_stream.serve.constrained import anthropic_constraint
 from colibri_stream.serve.intake import parse_request, read_body
 from colibri_stream.serve.model_thread import Job
 from colibri_stream.serve.schemas import STRICT, TOOL_NAME, ApiError, NoOps, check_label, template_call
 from colibri_stream.serve.signing import Signer
 from colibri_stream.text.reasoning import ReasoningSplitter
 from colibri_stream.text.template_traits import TemplateTraits, place_system_messages
-from colibri_stream.text.tool_calls import ToolCall, ToolCallParser
+from colibri_stream.text.tool_calls import ToolCall
 
 Server = Any  # serve.app.Server, which imports this module (so it cannot be imported here)
 
@@ -117,6 +119,7 @@ class ToolChoice(BaseModel):
     model_config = STRICT
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
+    disable_parallel_tool_use: bool = False
 
 
 class Metadata(BaseModel):
@@ -167,13 +170,15 @@ class MessagesRequest(BaseModel):
             raise ApiError(400, "top_k: not supported by this server (temperature and top_p are)", param="top_k")
 
     def offered_tools(self) -> list[dict[str, Any]]:
-        """The tools in Hugging Face's function shape; none for tool_choice "none"; 400 for a choice
-        that forces a call (nothing here constrains what the model writes)."""
+        """The tools in Hugging Face's function shape; none for tool_choice "none". A choice that forces
+        a call ("any", "tool") needs tools, and "tool" a name (serve/constrained.py forces it)."""
         choice = self.tool_choice.type if self.tool_choice is not None else "auto"
+        if choice in ("any", "tool") and not self.tools:
+            raise ApiError(400, "tool_choice: forcing a tool call needs tools", param="tool_choice")
+        if choice == "tool" and self.tool_choice is not None and self.tool_choice.name is None:
+            raise ApiError(400, 'tool_choice.name: required for type "tool"', param="tool_choice.name")
         if not self.tools or choice == "none":
             return []
-        if choice != "auto":
-            raise ApiError(400, 'tool_choice: only "auto" and "none" are supported (a call cannot be forced)')
         return [{"type": "function", "function": _function(tool)} for tool in self.tools]
 
     def template_messages(self, signer: Signer, traits: TemplateTraits) -> list[dict[str, Any]]:
@@ -376,7 +381,7 @@ def _started(shell: dict[str, Any], reused: int) -> list[bytes]:
 
 async def stream_message(
     job: Job,
-    parser: ToolCallParser | None,
+    parser: AnswerParser | None,
     shell: dict[str, Any],
     stop_reason: StopReason,
     splitter: ReasoningSplitter | None = None,
@@ -430,18 +435,27 @@ def add_anthropic_routes(app: FastAPI, server: Server) -> None:
         messages = body.template_messages(server.signer, server.traits)
         return server.encode_messages(messages, body.offered_tools(), options)
 
-    async def prompt_of(body: MessagesRequest) -> tuple[list[int], ToolCallParser | None]:
-        parser = tool_parser(server.runtime, body.offered_tools())
-        return await server.off_loop(encode, body), parser
+    async def prompt_of(body: MessagesRequest) -> tuple[list[int], AnswerParser | None, TokenConstraint | None]:
+        tools, choice = body.offered_tools(), body.tool_choice
+        forced = None
+        if choice is not None:  # "any" / "tool": the call is decoded under its grammar (serve/constrained.py)
+            parallel = not choice.disable_parallel_tool_use
+            forced = await server.off_loop(
+                anthropic_constraint, server.runtime, choice.type, choice.name, tools, parallel
+            )
+        parser = forced.parser() if forced is not None else tool_parser(server.runtime, tools)
+        prompt = await server.off_loop(encode, body)
+        return prompt, parser, forced.constraint if forced is not None else None
 
     @app.post("/v1/messages")
     async def messages(request: Request):
         try:
             key, body = await read(request, MessagesRequest)
             session = server.session(request, key)
-            prompt, parser = await prompt_of(body)
+            prompt, parser, constraint = await prompt_of(body)
             # max_tokens is cut to the context's room: agents ask for their cloud model's output size
-            job = await server.submit(body, prompt, server.token_limit(body, prompt, clamp=True), session, key)
+            limit = server.token_limit(body, prompt, clamp=True)
+            job = await server.submit(body, prompt, limit, session, key, constraint=constraint)
             mid = f"msg_{uuid.uuid4().hex[:24]}"
             stop_reason = stop_reason_of(server, body.stop_strings())
             splitter = server.splitter(prompt)
@@ -469,7 +483,7 @@ def add_anthropic_routes(app: FastAPI, server: Server) -> None:
         """What ``messages`` would render (system, tools, the thinking setting), counted."""
         try:
             _, body = await read(request, CountTokensRequest)
-            prompt, _ = await prompt_of(body)
+            prompt, _, _ = await prompt_of(body)
             return {"input_tokens": len(prompt)}
         except ApiError as exc:
             return error_response(exc)

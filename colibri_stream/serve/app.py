@@ -33,14 +33,16 @@ from starlette.exceptions import HTTPException
 
 from colibri_stream.errors import ChatTemplateError, ColibriError, SessionError
 from colibri_stream.planning.settings import BY_NAME
+from colibri_stream.runtime.constraint import TokenConstraint
 from colibri_stream.runtime.generate import SamplingParams
 from colibri_stream.runtime.kv.lock import REFUSE, SessionLease, SessionWait
 from colibri_stream.runtime.kv.sessions import check_session_name
 from colibri_stream.runtime.sampling import TokenLogprob
 from colibri_stream.runtime.turn import Runtime, TurnResult
-from colibri_stream.serve.answers import answer_events, collect, tool_parser
+from colibri_stream.serve.answers import AnswerParser, answer_events, collect, tool_parser
 from colibri_stream.serve.anthropic_api import add_anthropic_routes
 from colibri_stream.serve.auth import SESSION_HEADER, ApiKeys
+from colibri_stream.serve.constrained import chat_constraint
 from colibri_stream.serve.dashboard import add_dashboard_routes
 from colibri_stream.serve.intake import parse_request, read_body
 from colibri_stream.serve.logprobs import ChatShape, CompletionShape, TokenTexts, chat_logprobs, joined
@@ -53,7 +55,7 @@ from colibri_stream.serve.thinking import effort_thinking, reasoning_splitter
 from colibri_stream.text.chat_format import PromptTooLong
 from colibri_stream.text.reasoning import ReasoningSplitter
 from colibri_stream.text.template_traits import TemplateTraits, template_traits
-from colibri_stream.text.tool_calls import ToolCall, ToolCallParser
+from colibri_stream.text.tool_calls import ToolCall
 
 PROMPT_THREADS = 2  # parsing and tokenising requests; more would only contend for the same cores
 SESSION_WAIT_THREADS = 16  # requests waiting (--wait-session) for a session another process holds; more queue
@@ -249,6 +251,7 @@ class Server:
         owner: bytes | None = None,
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
+        constraint: TokenConstraint | None = None,
     ) -> Job:
         assert self.admission is not None
         lease = await self.wait_for_session(session)
@@ -266,6 +269,7 @@ class Server:
             prompt, limit, sampling, session, body.stop_strings(), asyncio.get_running_loop(), _then(lease, release)
         )
         job.owner, job.logprobs, job.prompt_logprobs = owner, logprobs, prompt_logprobs
+        job.constraint = constraint
         self.model_thread.jobs.put(job)
         return job
 
@@ -349,7 +353,7 @@ Shape = ChatShape | CompletionShape
 async def stream(
     job: Job,
     chunk: Chunk,
-    parser: ToolCallParser | None = None,
+    parser: AnswerParser | None = None,
     shape: Shape | None = None,
     echo: str | None = None,
     splitter: ReasoningSplitter | None = None,
@@ -481,10 +485,14 @@ def create_app(server: Server) -> FastAPI:
         body = await parse_body(request, ChatRequest)
         server.check_fields(body)
         session = server.session(request, key)
-        parser = tool_parser(server.runtime, body.offered_tools())
+        constrained = await server.off_loop(chat_constraint, server.runtime, body)  # forced call, response_format
+        forced = constrained.parser() if constrained is not None else None
+        parser = forced or tool_parser(server.runtime, body.offered_tools())
         prompt = await server.off_loop(server.chat_prompt, body)
         top_n, splitter = body.logprob_count(), server.splitter(prompt)
-        job = await server.submit(body, prompt, server.token_limit(body, prompt), session, key, logprobs=top_n)
+        limit = server.token_limit(body, prompt)
+        constraint = constrained.constraint if constrained is not None else None
+        job = await server.submit(body, prompt, limit, session, key, logprobs=top_n, constraint=constraint)
         cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         texts = TokenTexts(server.runtime.text_side()[0])
         if body.stream:

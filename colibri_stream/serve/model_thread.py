@@ -20,6 +20,7 @@ from typing import Any
 from colibri_stream.errors import ColibriError
 from colibri_stream.experts.cluster.wire import WorkerError
 from colibri_stream.runtime.batching import ContinuousBatch, Generation, GenerationResult
+from colibri_stream.runtime.constraint import TokenConstraint
 from colibri_stream.runtime.kv.pool import SessionPool
 from colibri_stream.runtime.sampling import SamplingParams
 from colibri_stream.runtime.turn import OpenTurn, Runtime, TurnOptions, abort_turn, begin_turn, finish_turn
@@ -78,6 +79,7 @@ class Job:
     logprobs: int | None = None  # each token's logprob with this many alternatives: ("token", TokenLogprob) events
     prompt_logprobs: int | None = None  # the prompt's too: one ("prompt", [TokenLogprob]) event before any token
     prompt_sent: bool = False
+    constraint: TokenConstraint | None = None  # what the answer may be (serve/constrained.py); this job's own
 
     def count_token(self) -> None:
         self.generated += 1
@@ -211,6 +213,7 @@ class ModelThread:
             should_stop=lambda: job.cancel.is_set() or stream.stopped,
             logprobs=job.logprobs,
             prompt_logprobs=job.prompt_logprobs,
+            constraint=job.constraint,
         )
         try:
             turn = begin_turn(self.runtime, job.prompt_ids, options, self.pool)

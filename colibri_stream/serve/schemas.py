@@ -54,6 +54,22 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
+class JsonSchemaSpec(BaseModel):
+    model_config = STRICT
+    name: str = Field(pattern=r"^[A-Za-z0-9_\-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced (constrained decoding)
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema (serve/constrained.py)."""
+
+    model_config = STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+
 class FunctionCall(BaseModel):
     model_config = STRICT
     name: str = Field(pattern=TOOL_NAME)
@@ -136,7 +152,6 @@ COMMON_UNIMPLEMENTED: NoOps = {
 }
 CHAT_UNIMPLEMENTED: NoOps = {
     **COMMON_UNIMPLEMENTED,
-    "response_format": ({"type": "text"},),
     "functions": ([],),  # the deprecated form of tools
     "function_call": ("none", "auto"),
     "parallel_tool_calls": (True,),
@@ -199,6 +214,7 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    response_format: ResponseFormat | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     # thinking: none/minimal off, the others on, absent the template's default (serve/thinking.py)
@@ -214,11 +230,11 @@ class ChatRequest(_Common):
 
     def offered_tools(self) -> list[dict[str, Any]]:
         """The tools for the template (Hugging Face's shape), none when tool_choice is "none"; a choice
-        that forces a call is refused: nothing here constrains what the model writes."""
+        that forces a call needs tools (serve/constrained.py forces it)."""
+        if self.tool_choice not in (None, "auto", "none") and not self.tools:
+            raise ValueError("tool_choice: forcing a tool call needs tools")
         if not self.tools or self.tool_choice == "none":
             return []
-        if self.tool_choice not in (None, "auto"):
-            raise ValueError('tool_choice: only "auto" and "none" are supported (a call cannot be forced)')
         return [tool.model_dump(exclude_none=True) for tool in self.tools]
 
     def token_limit(self) -> int | None:

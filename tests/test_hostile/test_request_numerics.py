@@ -90,7 +90,6 @@ ASKING = {  # a value per unimplemented field that asks for something (type-matc
 }
 CHAT_ASKING = {
     **ASKING,
-    "response_format": {"type": "json_object"},
     "functions": [{"name": "f"}],
     "function_call": {"name": "f"},
     "parallel_tool_calls": False,

@@ -396,14 +396,14 @@ def test_tools_are_refused_where_they_cannot_work(tiny_checkpoints, family_serve
         openai_client(plain).chat.completions.create(model=MODEL, messages=USER, tools=OPENAI_TOOLS)
     with pytest.raises(anthropic.BadRequestError, match="no tool-call format"):
         anthropic_client(plain).messages.create(model=MODEL, messages=USER, tools=ANTHROPIC_TOOLS, max_tokens=5)
-    glm = family_server("glm")
-    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+    glm = family_server("glm")  # a forced call of a tool not offered (serve/constrained.py forces offered ones)
+    with pytest.raises(openai.BadRequestError, match="tool_choice.function.name"):
         openai_client(glm).chat.completions.create(
-            model=MODEL, messages=USER, tools=OPENAI_TOOLS, tool_choice="required"
+            model=MODEL, messages=USER, tools=OPENAI_TOOLS, tool_choice={"type": "function", "function": {"name": "x"}}
         )
-    with pytest.raises(anthropic.BadRequestError, match="tool_choice"):
+    with pytest.raises(anthropic.BadRequestError, match="tool_choice.name"):
         anthropic_client(glm).messages.create(
-            model=MODEL, messages=USER, tools=ANTHROPIC_TOOLS, max_tokens=5, tool_choice={"type": "any"}
+            model=MODEL, messages=USER, tools=ANTHROPIC_TOOLS, max_tokens=5, tool_choice={"type": "tool", "name": "x"}
         )
 
 
