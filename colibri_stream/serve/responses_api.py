@@ -83,8 +83,9 @@ class ResponsesState:
         return self.sealer.seal(text, SEALED_REASONING)
 
     def kept_items(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """A conversation as stored for previous_response_id: reasoning items sealed when they are not
-        (the server made them, so a continued conversation renders their text back)."""
+        """A response's output items as stored for previous_response_id: its reasoning items sealed when
+        they are not, so a continued conversation renders their text back. Only for the server's own
+        items: a client's unsealed reasoning must stay unsealed (it renders nothing)."""
         return [
             {**item, "encrypted_content": self.seal_reasoning(_reasoning_text(item))}
             if item.get("type") == "reasoning" and "encrypted_content" not in item and _reasoning_text(item)
@@ -206,7 +207,7 @@ def add_responses_routes(app: FastAPI, server: Server) -> None:
             final["colibri"] = {**(run.turn.stats if run.turn else {}), "ignored_tools": tools.ignored}
             if body.store:
                 conversation = [item.model_dump(exclude_none=True) for item in earlier + body.input_items()]
-                if not state.store.put(rid, final, state.kept_items(conversation + final["output"]), key):
+                if not state.store.put(rid, final, conversation + state.kept_items(final["output"]), key):
                     log.info("/v1/responses %s: not stored (over %d bytes)", rid, state.store.max_bytes)
 
         if body.stream:
