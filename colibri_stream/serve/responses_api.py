@@ -16,13 +16,22 @@ What the route does with the API's fields:
 - ``tool_choice`` "auto" / "none" and ``text.format`` {"type": "text"} are served; a forced call or a
   JSON output needs constrained decoding and is refused in one place, ``output_constraint``, where it
   will plug in.
-- ``include: ["reasoning.encrypted_content"]``: reasoning items the server returns carry their text
-  sealed (sealed.py, ``sealed_reasoning_item``); a reasoning item sent back with it is opened and
-  rendered as the next assistant message's ``reasoning_content`` (a forged one: 400). A model whose
-  answer has no reasoning part returns no reasoning item.
+- ``reasoning.effort`` turns a thinking model's thinking mode on or off where its chat template has a
+  switch, as chat's ``reasoning_effort`` does (serve/thinking.py: none/minimal off, low..xhigh on,
+  absent the template's default); a model without a switch accepts it and answers as it always does.
+  The answer of a model that thinks is read through the ReasoningSplitter, so its reasoning never
+  reaches ``output_text`` or the tool-call parser: it comes first, as a ``reasoning`` item whose summary
+  is the reasoning text itself (nothing summarises it; ``reasoning.summary`` is accepted and changes
+  nothing) and whose ``content`` is the same text as ``reasoning_text`` (responses_output.py).
+  ``usage.output_tokens_details.reasoning_tokens``: the answer's tokens up to and including the one that
+  closes the think block (all of them when it never closes; thinking.reasoning_tokens).
+- ``include: ["reasoning.encrypted_content"]``: reasoning items carry their text sealed (sealed.py); a
+  reasoning item sent back with it is opened and rendered as the next assistant message's
+  ``reasoning_content`` (a forged one: 400). The conversation kept for ``previous_response_id`` has its
+  reasoning sealed whatever was included, so a continued conversation renders it back too.
 - ``user``, ``safety_identifier``, ``prompt_cache_key`` (the prefix cache reuses prompts by content),
-  ``reasoning`` (effort, summary), ``parallel_tool_calls``, ``service_tier``, ``metadata`` (echoed)
-  are accepted; ``user`` never names a KV session here.
+  ``parallel_tool_calls``, ``service_tier``, ``metadata`` (echoed) are accepted; ``user`` never names a
+  KV session here.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +49,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from colibri_stream.serve.answers import cancel_on_disconnect, tool_parser
 from colibri_stream.serve.intake import parse_request, read_body
 from colibri_stream.serve.model_thread import Job
-from colibri_stream.serve.responses_output import ResponseRun, new_id, sse_event
+from colibri_stream.serve.responses_output import Output, ResponseRun, new_id, sse_event
 from colibri_stream.serve.responses_schemas import (
     ITEMS,
     RESPONSES_UNIMPLEMENTED,
@@ -52,6 +61,7 @@ from colibri_stream.serve.responses_schemas import (
 from colibri_stream.serve.responses_store import ResponseStore
 from colibri_stream.serve.schemas import ApiError
 from colibri_stream.serve.sealed import Sealer, load_key
+from colibri_stream.serve.thinking import effort_thinking, reasoning_tokens
 from colibri_stream.text.tool_calls import ToolCallParser
 
 Server = Any  # serve.app.Server, which imports this module (so it cannot be imported here)
@@ -69,18 +79,29 @@ class ResponsesState:
     def open_reasoning(self, blob: str) -> str:
         return self.sealer.open(blob, SEALED_REASONING)
 
+    def seal_reasoning(self, text: str) -> str:
+        return self.sealer.seal(text, SEALED_REASONING)
 
-def sealed_reasoning_item(sealer: Sealer, text: str, summary: list[str], include_sealed: bool) -> dict[str, Any]:
-    """A reasoning output item for a model's reasoning ``text`` (for the thinking-mode split to emit):
-    its summary parts, and the text sealed when the request's ``include`` asked for it."""
-    item: dict[str, Any] = {
-        "id": new_id("rs"),
-        "type": "reasoning",
-        "summary": [{"type": "summary_text", "text": part} for part in summary],
-    }
-    if include_sealed:
-        item["encrypted_content"] = sealer.seal(text, SEALED_REASONING)
-    return item
+    def kept_items(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """A response's output items as stored for previous_response_id: its reasoning items sealed when
+        they are not, so a continued conversation renders their text back. Only for the server's own
+        items: a client's unsealed reasoning must stay unsealed (it renders nothing)."""
+        return [
+            {**item, "encrypted_content": self.seal_reasoning(_reasoning_text(item))}
+            if item.get("type") == "reasoning" and "encrypted_content" not in item and _reasoning_text(item)
+            else item
+            for item in items
+        ]
+
+
+def _reasoning_text(item: dict[str, Any]) -> str:
+    return "".join(part["text"] for part in item.get("content") or [])
+
+
+def reasoning_counter(server: Server, prompt: list[int]) -> Callable[[list[int]], int]:
+    """The answer's ids -> its reasoning tokens (thinking.reasoning_tokens), with a fresh splitter."""
+    tokenizer, chat = server.runtime.text_side()
+    return lambda ids: reasoning_tokens(server.splitter(prompt), tokenizer, ids, chat.stop_ids)
 
 
 # ------------------------------------------------------------------------------------ constrained decoding
@@ -121,8 +142,9 @@ def add_responses_routes(app: FastAPI, server: Server) -> None:
         items = earlier + body.input_items()
         first = -len(earlier)  # stored items are numbered before the request's own
         messages = template_messages(body.instructions, items, state.open_reasoning, first)
+        options = server.traits.options(effort_thinking(body.reasoning.effort if body.reasoning else None))
         try:
-            prompt: list[int] = server.encode_messages(messages, tools.functions)
+            prompt: list[int] = server.encode_messages(messages, tools.functions, options)
         except ApiError as exc:
             if exc.param != "messages":  # the chat routes' name for the conversation
                 raise
@@ -174,7 +196,9 @@ def add_responses_routes(app: FastAPI, server: Server) -> None:
         limit = output_limit(server, body, prompt)
         job = await server.submit(body, prompt, limit, None, key)  # user/safety_identifier: labels, not sessions
         rid = new_id("resp")
-        run = ResponseRun(shell_of(rid, _now(), body, tools), tools.names)
+        output = Output(tools.names, state.seal_reasoning if body.wants_sealed_reasoning() else None)
+        shell = shell_of(rid, _now(), body, tools)
+        run = ResponseRun(shell, output, server.splitter(prompt), reasoning_counter(server, prompt))
         headers = {IGNORED_TOOLS_HEADER: ",".join(tools.ignored)} if tools.ignored else {}
         if tools.ignored:
             log.info("/v1/responses %s: tools left out (this server cannot run them): %s", rid, tools.ignored)
@@ -183,7 +207,7 @@ def add_responses_routes(app: FastAPI, server: Server) -> None:
             final["colibri"] = {**(run.turn.stats if run.turn else {}), "ignored_tools": tools.ignored}
             if body.store:
                 conversation = [item.model_dump(exclude_none=True) for item in earlier + body.input_items()]
-                if not state.store.put(rid, final, conversation + final["output"], key):
+                if not state.store.put(rid, final, conversation + state.kept_items(final["output"]), key):
                     log.info("/v1/responses %s: not stored (over %d bytes)", rid, state.store.max_bytes)
 
         if body.stream:

@@ -27,7 +27,6 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from colibri_stream.runtime.turn import RuntimeOptions, TurnResult, load_runtime
-from colibri_stream.serve.responses_api import sealed_reasoning_item
 from colibri_stream.serve.responses_store import ResponseStore
 from colibri_stream.serve.schemas import ApiError
 from colibri_stream.serve.sealed import KEY_ENV, Sealer, SealError, load_key
@@ -431,8 +430,14 @@ def test_the_store_is_bounded_in_count_and_bytes():
 
 # ------------------------------------------------------------------------------------ sealed reasoning
 def test_sealed_reasoning_is_rendered_back_and_a_forged_one_is_refused(served, prompts):
-    sealer = served.http_server.config.app.state.responses.sealer
-    item = sealed_reasoning_item(sealer, "The user wants a listing.", ["Listing."], include_sealed=True)
+    seal = served.http_server.config.app.state.responses.seal_reasoning
+    summary = [{"type": "summary_text", "text": "Listing."}]
+    item = {
+        "type": "reasoning",
+        "id": "rs_1",
+        "summary": summary,
+        "encrypted_content": seal("The user wants a listing."),
+    }
     items = [
         {"role": "user", "content": "List the files."},
         item,
@@ -451,6 +456,20 @@ def test_sealed_reasoning_is_rendered_back_and_a_forged_one_is_refused(served, p
     items[1] = {"type": "reasoning", "summary": [{"type": "summary_text", "text": "x"}]}  # nothing sealed
     client(served).responses.create(model=MODEL, input=items, max_output_tokens=1, temperature=0)
     assert "<think>" not in decoded(served, prompts[-1])
+
+
+def test_an_always_thinking_models_reasoning_comes_before_its_text_and_calls(served, monkeypatch):
+    """This template has no thinking switch but knows </think> (as R1's): its answers are read for
+    reasoning whatever ``reasoning`` asks, and the calls after the reasoning are parsed."""
+    seen = script(monkeypatch, served, "<think>\nList first, then search.</think>\n\n" + ANSWER)
+    docs = {"type": "namespace", "name": "mcp__docs__", "tools": [{**SHELL, "name": "search"}]}
+    kwargs = dict(model=MODEL, input="List the files.", tools=[SHELL, docs], max_output_tokens=200)
+    whole = client(served).responses.create(**kwargs, reasoning={"effort": "high"})
+    assert [item.type for item in whole.output] == ["reasoning", "message", "function_call", "function_call"]
+    assert whole.output[0].summary[0].text == "List first, then search." and whole.output_text == "Let me look."
+    assert whole.usage.output_tokens_details.reasoning_tokens > 0
+    client(served).responses.create(**kwargs)
+    assert seen[0] == seen[1]  # no switch: effort renders nothing
 
 
 @pytest.mark.parametrize("encrypt", [True, False])
