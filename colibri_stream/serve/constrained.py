@@ -38,6 +38,9 @@ from colibri_stream.text.tool_calls import Event, ToolCall
 
 Kind = Literal["json_object", "json_schema", "required", "function"]
 KINDS = ("json_object", "json_schema", "required", "function")
+# A forced answer's calls, at most (parallel calls allowed): the grammar must be able to end the list, or a
+# weak model appends calls until max_tokens (the demo did) and the answer is cut, not a call.
+MAX_FORCED_CALLS = 4
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
@@ -148,7 +151,7 @@ def answer_schema(
         return arguments[name]
     calls = [call_schema(tool, parameters) for tool, parameters in arguments.items()]
     listed: dict[str, Any] = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
-    return {**listed, "minItems": 1, **({} if parallel else {"maxItems": 1})}
+    return {**listed, "minItems": 1, "maxItems": MAX_FORCED_CALLS if parallel else 1}
 
 
 def call_schema(name: str, parameters: dict[str, Any]) -> dict[str, Any]:

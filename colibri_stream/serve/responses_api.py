@@ -13,9 +13,9 @@ What the route does with the API's fields:
 - Tools the server cannot run (hosted tools: web_search, file_search, code_interpreter, ...; freeform
   ``custom`` tools) are left out of the prompt and reported: the ``x-colibri-ignored-tools`` header,
   ``colibri.ignored_tools`` in the response, an INFO log line. Never a failed request.
-- ``tool_choice`` "auto" / "none" and ``text.format`` {"type": "text"} are served; a forced call or a
-  JSON output needs constrained decoding and is refused in one place, ``output_constraint``, where it
-  will plug in.
+- ``tool_choice`` "auto" / "none" / "required" / {"type": "function", "name"} and ``text.format`` text /
+  json_object / json_schema: a forced call or a JSON output is decoded under its grammar
+  (``output_constraint``; serve/constrained.py), so it always parses and a call's arguments validate.
 - ``reasoning.effort`` turns a thinking model's thinking mode on or off where its chat template has a
   switch, as chat's ``reasoning_effort`` does (serve/thinking.py: none/minimal off, low..xhigh on,
   absent the template's default); a model without a switch accepts it and answers as it always does.
@@ -46,7 +46,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from colibri_stream.serve.answers import cancel_on_disconnect, tool_parser
+from colibri_stream.runtime.turn import Runtime
+from colibri_stream.serve.answers import AnswerParser, cancel_on_disconnect, tool_parser
+from colibri_stream.serve.constrained import Constrained, Params, constraint_for
 from colibri_stream.serve.intake import parse_request, read_body
 from colibri_stream.serve.model_thread import Job
 from colibri_stream.serve.responses_output import Output, ResponseRun, new_id, sse_event
@@ -62,7 +64,6 @@ from colibri_stream.serve.responses_store import ResponseStore
 from colibri_stream.serve.schemas import ApiError
 from colibri_stream.serve.sealed import Sealer, load_key
 from colibri_stream.serve.thinking import effort_thinking, reasoning_tokens
-from colibri_stream.text.tool_calls import ToolCallParser
 
 Server = Any  # serve.app.Server, which imports this module (so it cannot be imported here)
 IGNORED_TOOLS_HEADER = "x-colibri-ignored-tools"
@@ -105,31 +106,39 @@ def reasoning_counter(server: Server, prompt: list[int]) -> Callable[[list[int]]
 
 
 # ------------------------------------------------------------------------------------ constrained decoding
-def output_constraint(body: ResponsesRequest) -> None:
-    """THE place constrained decoding (issue #69 item 3) plugs into this route: what the answer must
-    be beyond free text. A forced call (``tool_choice`` "required", {"type": "function", "name"}, any
-    other object) and structured text (``text.format`` json_object / json_schema) are refused (400
-    naming the field) until the grammar sampler is wired; then build the constraint here from
-    ``body.tool_choice``, ``body.offered_tools()`` and ``body.text.format``, return it, and hand it to
-    ``server.submit`` in ``create`` below."""
+RESPONSES = Params(lambda i: f"tools.{i}.parameters", "text.format.schema", "tool_choice.name", "tool_choice")
+
+
+def output_constraint(runtime: Runtime, body: ResponsesRequest, tools: OfferedTools) -> Constrained | None:
+    """What the answer must be beyond free text, decoded under its grammar (serve/constrained.py): a forced
+    call (``tool_choice`` "required" or {"type": "function", "name"}) or structured text (``text.format``
+    json_object / json_schema); None for free text. Other choices (``allowed_tools``, a hosted tool's) are a
+    400 naming ``tool_choice``."""
     choice = body.tool_choice
+    if choice == "required":
+        return constraint_for(runtime, "required", tools=tools.functions, params=RESPONSES)
+    if isinstance(choice, dict):
+        name = choice.get("name")
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise ApiError(
+                400,
+                'tool_choice: an object must be {"type": "function", "name": ...} (other choices are not supported)',
+                "unsupported_parameter",
+                "tool_choice",
+            )
+        return constraint_for(runtime, "function", tools=tools.functions, name=name, params=RESPONSES)
     if choice not in (None, "auto", "none"):
-        shown = repr(choice) if isinstance(choice, str) else "an object"
         raise ApiError(
-            400,
-            f'tool_choice: only "auto" and "none" are supported (got {shown}; a call cannot be forced yet)',
-            "unsupported_parameter",
-            "tool_choice",
+            400, f'tool_choice: {choice!r} is not one of "auto", "none", "required"', "invalid_value", "tool_choice"
         )
     text_format = body.text.format if body.text is not None else None
-    if text_format is not None and text_format.type != "text":
-        raise ApiError(
-            400,
-            f'text.format: only {{"type": "text"}} is supported (got {text_format.type!r}; structured output needs '
-            "constrained decoding)",
-            "unsupported_parameter",
-            "text.format",
-        )
+    if text_format is None or text_format.type == "text":
+        return None
+    if text_format.type == "json_object":
+        return constraint_for(runtime, "json_object", params=RESPONSES)
+    if text_format.schema_ is None:
+        raise ApiError(400, "text.format.schema: required for type json_schema", "invalid_value", "text.format.schema")
+    return constraint_for(runtime, "json_schema", schema=text_format.schema_, params=RESPONSES)
 
 
 # ------------------------------------------------------------------------------------ routes
@@ -188,13 +197,15 @@ def add_responses_routes(app: FastAPI, server: Server) -> None:
         body: ResponsesRequest = await server.off_loop(parse_request, raw, ResponsesRequest, RESPONSES_UNIMPLEMENTED)
         server.check_fields(body)
         body.check_include()
-        output_constraint(body)  # constrained decoding plugs in here (see its docstring)
         tools = body.offered_tools()
-        parser = tool_parser(server.runtime, tools.functions)
+        forced = await server.off_loop(output_constraint, server.runtime, body, tools)
+        parser = (forced.parser() if forced is not None else None) or tool_parser(server.runtime, tools.functions)
         earlier = previous_items(state.store, body.previous_response_id, key)
         prompt = await server.off_loop(prompt_of, body, earlier, tools)
         limit = output_limit(server, body, prompt)
-        job = await server.submit(body, prompt, limit, None, key)  # user/safety_identifier: labels, not sessions
+        constraint = forced.constraint if forced is not None else None
+        # user/safety_identifier: labels, not sessions
+        job = await server.submit(body, prompt, limit, None, key, constraint=constraint)
         rid = new_id("resp")
         output = Output(tools.names, state.seal_reasoning if body.wants_sealed_reasoning() else None)
         shell = shell_of(rid, _now(), body, tools)
@@ -259,7 +270,7 @@ def output_limit(server: Server, body: ResponsesRequest, prompt: list[int]) -> i
     return limit
 
 
-async def stream(run: ResponseRun, job: Job, parser: ToolCallParser | None, keep: Any) -> AsyncIterator[bytes]:
+async def stream(run: ResponseRun, job: Job, parser: AnswerParser | None, keep: Any) -> AsyncIterator[bytes]:
     """The SSE events; the job is cancelled however the stream ends (see app.stream)."""
     try:
         async for event in run.events(job, parser):
@@ -270,7 +281,7 @@ async def stream(run: ResponseRun, job: Job, parser: ToolCallParser | None, keep
         job.cancel.set()
 
 
-async def whole(request: Request, run: ResponseRun, job: Job, parser: ToolCallParser | None) -> dict[str, Any]:
+async def whole(request: Request, run: ResponseRun, job: Job, parser: AnswerParser | None) -> dict[str, Any]:
     """The final Response; the job is cancelled if the client disconnects meanwhile (answers.collect)."""
     watcher = asyncio.create_task(cancel_on_disconnect(request, job))
     try:

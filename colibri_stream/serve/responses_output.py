@@ -39,11 +39,11 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from colibri_stream.runtime.turn import TurnResult
-from colibri_stream.serve.answers import answer_events
+from colibri_stream.serve.answers import AnswerParser, answer_events
 from colibri_stream.serve.model_thread import Job
 from colibri_stream.serve.schemas import ApiError
 from colibri_stream.text.reasoning import ReasoningSplitter
-from colibri_stream.text.tool_calls import ToolCall, ToolCallParser
+from colibri_stream.text.tool_calls import ToolCall
 
 Event = dict[str, Any]
 Seal = Callable[[str], str]  # reasoning text -> its encrypted_content
@@ -227,7 +227,7 @@ class ResponseRun:
         self.turn: TurnResult | None = None
         self._sequence = 0
 
-    async def events(self, job: Job, parser: ToolCallParser | None) -> AsyncIterator[Event]:
+    async def events(self, job: Job, parser: AnswerParser | None) -> AsyncIterator[Event]:
         yield self._numbered({"type": "response.created", "response": self.shell("in_progress", [])})
         yield self._numbered({"type": "response.in_progress", "response": self.shell("in_progress", [])})
         async for kind, value in answer_events(job, parser, self.splitter):

@@ -251,8 +251,15 @@ class Reasoning(BaseModel):
 
 
 class TextFormat(BaseModel):
+    """``text.format``: free text, any JSON object, or JSON valid against ``schema`` (always enforced, as
+    ``strict`` asks: constrained decoding, serve/constrained.py)."""
+
     model_config = STRICT
     type: Literal["text", "json_object", "json_schema"]
+    name: str | None = Field(None, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
 
 
 class TextConfig(BaseModel):
@@ -310,8 +317,8 @@ class ResponsesRequest(BaseModel):
                 )
 
     def offered_tools(self) -> OfferedTools:
-        """The tools for the template and the parser; none for tool_choice "none" (the choices that
-        force a call are refused in responses_api.output_constraint, before this is asked)."""
+        """The tools for the template and the parser; none for tool_choice "none" (a forced call's
+        constraint is made from them in responses_api.output_constraint)."""
         offered = OfferedTools()
         for position, tool in enumerate(self.tools or []):
             where = f"tools.{position}"

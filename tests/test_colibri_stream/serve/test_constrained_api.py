@@ -198,3 +198,34 @@ def test_anthropic_refusals_name_the_field(served):
         with pytest.raises(anthropic.BadRequestError, match=param.replace(".", r"\.")) as refused:
             client.messages.create(**ask, **fields)
         assert refused.value.status_code == 400
+
+
+# ------------------------------------------------------------------------------------ Responses API
+RESPONSES_TOOLS = [{"type": "function", "name": n, "description": n, "parameters": s} for n, s in SCHEMAS.items()]
+
+
+def respond(served, **request):
+    request = {"max_output_tokens": 200, "temperature": 0, **request}
+    return openai_client(served).responses.create(model=MODEL, input=ASK[0]["content"], **request)
+
+
+def test_responses_forced_calls_are_function_call_items(served):
+    calls = [item for item in respond(served, tools=RESPONSES_TOOLS, tool_choice="required").output]
+    calls = [item for item in calls if item.type == "function_call"]
+    assert calls
+    for call in calls:
+        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    named = {"type": "function", "name": "search"}
+    request = {"max_output_tokens": 200, "temperature": 0, "tools": RESPONSES_TOOLS, "tool_choice": named}
+    with openai_client(served).responses.stream(model=MODEL, input=ASK[0]["content"], **request) as stream:
+        final = stream.get_final_response()
+    (call,) = [item for item in final.output if item.type == "function_call"]
+    assert call.name == "search" and not final.output_text  # no JSON leaks as text
+    jsonschema.validate(json.loads(call.arguments), SEARCH)
+
+
+def test_responses_text_format_json_schema_parses(served):
+    parsed = openai_client(served).responses.parse(
+        model=MODEL, input=ASK[0]["content"], max_output_tokens=200, temperature=0, text_format=Forecast
+    )
+    assert isinstance(parsed.output_parsed, Forecast) and parsed.status == "completed"
