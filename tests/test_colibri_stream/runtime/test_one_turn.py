@@ -20,6 +20,7 @@ from colibri_stream.cli.chat import Chat
 from colibri_stream.planning.budget import StoreOptions
 from colibri_stream.runtime.turn import RuntimeOptions, TurnOptions, load_runtime, run_turn
 from colibri_stream.serve.app import Server, create_app
+from colibri_stream.serve.auth import SESSION_HEADER
 
 FAMILY = "deepseek_v3"
 WAIT_S = 120
@@ -94,9 +95,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _post(port: int, path: str, body: dict) -> dict:
+def _post(port: int, path: str, body: dict, session: str | None = None) -> dict:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S)
-    conn.request("POST", path, body=json.dumps(body), headers={"content-type": "application/json"})
+    headers = {"content-type": "application/json"} | ({SESSION_HEADER: session} if session else {})
+    conn.request("POST", path, body=json.dumps(body), headers=headers)
     response = conn.getresponse()
     assert response.status == 200, response.read()
     return json.loads(response.read())
@@ -126,8 +128,8 @@ def serving(make_container, tmp_path):
 def test_serve_saves_history_and_trace_after_each_request(serving, tmp_path):
     totals, lines = [], []
     for i in range(3):
-        body = {"model": "tiny", "prompt": f"Hello {i}", "max_tokens": 4, "temperature": 0, "user": "s"}
-        _post(serving, "/v1/completions", body)
+        body = {"model": "tiny", "prompt": f"Hello {i}", "max_tokens": 4, "temperature": 0}
+        _post(serving, "/v1/completions", body, session="s")
         totals.append(history_total(tmp_path / "history.json"))
         lines.append(trace_lines(tmp_path / "trace.jsonl"))
     assert 0 < totals[0] < totals[1] < totals[2]
@@ -140,8 +142,8 @@ def _schema(stats: dict) -> dict:
 
 
 def test_run_and_serve_report_one_stats_schema(serving, make_container, tmp_path, capsys):
-    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0, "user": "schema"}
-    served = _post(serving, "/v1/completions", body)["colibri"]
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    served = _post(serving, "/v1/completions", body, session="schema")["colibri"]
     argv = ["run", str(make_container(FAMILY)), "--ids", "5,6,7", "--max-new-tokens", "4", "--ram", "60%", "--json"]
     assert cli.main([*argv, "--session", "schema", "--kv-dir", str(tmp_path / "run-kv")]) == 0
     ran = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["stats"]

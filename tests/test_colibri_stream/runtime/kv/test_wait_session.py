@@ -23,6 +23,7 @@ from colibri_stream.runtime.kv import lock as session_lock
 from colibri_stream.runtime.kv.lock import SessionLease, SessionWait
 from colibri_stream.runtime.turn import RuntimeOptions, load_runtime
 from colibri_stream.serve.app import Server
+from colibri_stream.serve.auth import SESSION_HEADER
 from storage.kv.log import KVLog, read_header_state
 from tests.test_hostile.test_server_abuse import MODEL, call, completion, scenario
 from tests.test_hostile.test_session_writers import COMMAND, FOOTER, chat_argv, say, start_chat, transcript
@@ -125,8 +126,8 @@ def test_serve_waits_for_a_session_another_process_holds(tiny_checkpoints, tmp_p
 
     async def test(app) -> None:
         results["held_at_start"] = short.poll() is None
-        results["waited"] = await call(app, "POST", "/v1/completions", completion(user="s"))
-        results["gave_up"] = await call(app, "POST", "/v1/completions", completion(user="t"))
+        results["waited"] = await call(app, "POST", "/v1/completions", completion(), {SESSION_HEADER: "s"})
+        results["gave_up"] = await call(app, "POST", "/v1/completions", completion(), {SESSION_HEADER: "t"})
 
     try:
         scenario(Server(runtime, slots=1, max_queue=1, session_wait=SessionWait(10.0, told.append)), test)
