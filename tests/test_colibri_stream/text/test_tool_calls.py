@@ -502,7 +502,7 @@ def test_health_answers_while_a_tool_section_parses(family_server, monkeypatch):
         if not entered.is_set():
             order.append("parse started")
             entered.set()
-            release.wait(WAIT_S)
+            release.wait(4 * WAIT_S)  # longer than /health's timeout: on the loop, /health would fail first
         return real_parsed(self, section)
 
     monkeypatch.setattr(ToolCallParser, "_parsed", held)
