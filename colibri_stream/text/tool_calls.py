@@ -350,8 +350,8 @@ class ToolCallParser:
     _space: list[str] = field(default_factory=list)  # whitespace-only text held until real text follows
 
     def push(self, delta: str) -> list[Event]:
-        text, events = self._partial + delta, []
-        self._partial, at = "", 0
+        events: list[Event] = []
+        text, at, self._partial = self._partial + delta, 0, ""
         while at < len(text):
             at = self._in_section(text, at, events) if self.in_section else self._outside(text, at, events)
         return events
