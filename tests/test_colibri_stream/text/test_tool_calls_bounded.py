@@ -180,3 +180,18 @@ def test_an_end_marker_cut_between_deltas_is_found():
     for size in range(1, 14):
         content, calls, _ = streamed("glm", text, size)
         assert content == "" and calls == [ToolCall("f", {"s": "v"})] * 3, size
+
+
+def test_client_sent_arguments_nested_10000_deep_are_refused_as_not_json():
+    """A client's own tool-call arguments (OpenAI's JSON text; DSML's rendering): a ValueError (the API's
+    400), never a RecursionError (a 500)."""
+    from colibri_stream.serve.schemas import FunctionCall
+    from colibri_stream.text.dsml import DsmlEncoding
+
+    deep = '{"x": ' + DEEP + "}"
+    with pytest.raises(ValueError, match="must be the JSON text of an object"):
+        FunctionCall(name="f", arguments=deep).parsed_arguments()
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": deep}}
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    prompt = "".join(DsmlEncoding("deepseek_v4").render(messages))
+    assert '<｜DSML｜parameter name="arguments" string="true">' + deep in prompt  # kept as the text it was
