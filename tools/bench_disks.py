@@ -208,8 +208,9 @@ def main() -> None:
     load = os.getloadavg()
     results: dict[str, Any] = {"rates": [rate, rate_b], "load_before": load, "model": str(model), "ram": args.ram}
     # DIR:WEIGHT and --home-weight from the rates, or nothing: `container spread` measures each device
-    weight_a = ["--home-weight", str(rate)] if args.given_weights else []
-    weight_b = f":{rate_b}" if args.given_weights else ""
+    # (as speeds, "B": a plain number for --to would mean a multiple of the home directory's weight)
+    weight_a = ["--home-weight", f"{rate}B"] if args.given_weights else []
+    weight_b = f":{rate_b}B" if args.given_weights else ""
     with throttled_devices(Path(args.workdir), size, (rate, rate_b), args.keep) as (a, b):
         whole = a / "model.cstream"
         shutil.copytree(model, whole)

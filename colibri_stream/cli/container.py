@@ -59,7 +59,8 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     convert.add_argument(
         "--spread",
         metavar="DIR[:WEIGHT],...",
-        help="then spread the expert records over these directories too (as `container spread --to`)",
+        help="then spread the expert records over these directories too (as `container spread --to`; WEIGHT: "
+        "a speed like 2GB, or N times the container directory's measured weight)",
     )
     convert.add_argument(
         SKIP_FLAG, action="store_true", help="skip the free-space check (the container's size is an estimate)"

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,15 @@ from storage.container.mirror import MARGIN, MirrorPlan, copy_problems, mirror_l
 from storage.container.parts import HOME, PartError, Parts
 from storage.container.probe import probe_directory
 from storage.container.reader import Container
-from storage.container.spread import Layout, apply_layout, current_parts, describe, gather_layout, spread_layout
+from storage.container.spread import (
+    Layout,
+    apply_layout,
+    current_parts,
+    describe,
+    gather_layout,
+    layout_lock,
+    spread_layout,
+)
 from storage.errors import StorageError
 from storage.tiers.history import UsageHistory
 
@@ -26,12 +36,19 @@ EPILOG = """\
 examples:
   colibri-stream container spread dsv3.cstream --to /mnt/ssd2/dsv3              # weights measured
   colibri-stream container spread dsv3.cstream --to /mnt/ssd2/dsv3 --share 40%  # 40% of records move
-  colibri-stream container spread dsv3.cstream --to /mnt/a:3 --to /mnt/b:1      # weights given
+  colibri-stream container spread dsv3.cstream --to /mnt/ssd2/dsv3:1            # half the records move
+  colibri-stream container spread dsv3.cstream --to /mnt/a:3 --to /mnt/b:1      # home:a:b = 1:3:1
+  colibri-stream container spread dsv3.cstream --to /mnt/a:2GB --home-weight 1GB # speeds given
   colibri-stream container mirror plan dsv3.cstream --history hist.json --to /mnt/ssd2/hot
   colibri-stream container mirror stage dsv3.cstream --history hist.json --to /mnt/ssd2/hot
   colibri-stream container mirror verify dsv3.cstream
   colibri-stream container gather dsv3.cstream                                  # all back home
   colibri-stream container parts dsv3.cstream
+Weights: a speed with a unit (2GB = 2 GB/s of random reads) or a plain number N, meaning N times the
+container directory's own weight (DIR:1 gets as many records as the container directory keeps). A weight
+left out is measured (a speed). So every weight is in one unit; a plain --home-weight (a ratio) with a
+--to weight that is a speed or measured is refused. A --to directory whose weight gets it no record is an
+error. One spread, gather or mirror stage at a time per container (spread.lock in its directory).
 Interrupted? Run the same command again: it resumes (copy, verify, switch the manifest, then delete).
 exit status: 0 on success, 1 on a user error or a failed check (one line each), 2 on bad flags."""
 
@@ -54,7 +71,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     verbs = container.add_subparsers(dest="verb", metavar="VERB", required=True)
     spread = verbs.add_parser("spread", help="move records to other directories, by weight")
     _model(spread)
-    spread.add_argument("--to", action="append", required=True, metavar="DIR[:WEIGHT]", help="a part directory")
+    spread.add_argument(
+        "--to",
+        action="append",
+        required=True,
+        metavar="DIR[:WEIGHT]",
+        help="a part directory; WEIGHT: a speed (2GB) or N times the container directory's weight (default: measured)",
+    )
     spread.add_argument("--share", help="share of all records the --to directories take, e.g. 40%%")
     _common(spread)
     spread.set_defaults(handler=run_spread)
@@ -89,11 +112,22 @@ def _model(parser: argparse.ArgumentParser) -> None:
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument("--probe-seconds", type=float, default=1.0, help="random-read probe per device (default 1)")
-    parser.add_argument("--home-weight", help="weight of the container's own directory (default: measured)")
+    parser.add_argument(
+        "--home-weight", help="the container directory's weight: a speed (2GB) or a plain ratio (default: measured)"
+    )
 
 
 # ------------------------------------------------------------------------------------- flags
-def parse_target(text: str) -> tuple[Path, float | None]:
+@dataclass(frozen=True)
+class Weight:
+    """A part directory's weight: ``speed`` (bytes/s: a unit given, or measured), else a plain number (a
+    --to directory's: a multiple of the container directory's weight; --home-weight's: a ratio)."""
+
+    value: float
+    speed: bool
+
+
+def parse_target(text: str) -> tuple[Path, Weight | None]:
     """DIR or DIR:WEIGHT (a number, or bytes/s like 3GB)."""
     directory, sep, weight = text.rpartition(":")
     if not sep or not directory:
@@ -101,15 +135,24 @@ def parse_target(text: str) -> tuple[Path, float | None]:
     return Path(directory), parse_weight(weight, f"--to {text}")
 
 
-def parse_weight(text: str, flag: str) -> float:
-    units = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
-    body = text.strip().upper().removesuffix("B").removesuffix("/S")
-    unit = body[-1:] if body[-1:] in units else ""
+_UNITS = {"": 1.0, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+
+
+def parse_weight(text: str, flag: str) -> Weight:
+    """A speed when a unit is written (3G, 3GB, 800MB/s, 1000B), else a plain number."""
+    value, body = parse_amount(text, flag), text.strip().upper().removesuffix("/S")
+    return Weight(value, speed=body.endswith("B") or body[-1] in "KMGT")
+
+
+def parse_amount(text: str, flag: str) -> float:
+    """A number, or bytes (per second) like 3GB or 800MB/s."""
+    body = text.strip().upper().removesuffix("/S").removesuffix("B")
+    unit = body[-1:] if body[-1:] in _UNITS else ""
     try:
-        value = float(body[: len(body) - len(unit)]) * units[unit]
+        value = float(body[: len(body) - len(unit)]) * _UNITS[unit]
     except ValueError:
         raise SpreadFlagError(f"{flag}: weight {text!r} is not a number or a speed like 3GB") from None
-    if value <= 0:
+    if not value > 0 or value == float("inf"):
         raise SpreadFlagError(f"{flag}: weight must be > 0")
     return value
 
@@ -125,6 +168,22 @@ def parse_share(text: str) -> float:
     return share
 
 
+def resolve_weight(
+    directory: Path, weight: Weight | None, home: Weight, container: Container, args: argparse.Namespace
+) -> float:
+    """A --to directory's weight in the container directory's unit: a plain number times ``home``; a
+    speed (given or measured) as it is, when ``home`` is a speed too."""
+    if weight is not None and not weight.speed:
+        return weight.value * home.value
+    if not home.speed:
+        what = "is a speed" if weight is not None else "would be measured (a speed)"
+        raise SpreadFlagError(
+            f"{directory}: its weight {what} while --home-weight {home.value:g} is a plain ratio: give every "
+            "weight as a speed (2GB) or every --to weight as a plain number"
+        )
+    return weight.value if weight is not None else measured(directory, container, args)
+
+
 def measured(directory: Path, container: Container, args: argparse.Namespace) -> float:
     try:
         speed = probe_directory(directory, container.layout.record_bytes, args.probe_seconds)
@@ -134,39 +193,54 @@ def measured(directory: Path, container: Container, args: argparse.Namespace) ->
     return speed.bytes_per_s
 
 
-def _home_weight(container: Container, args: argparse.Namespace) -> float:
+def _home_weight(container: Container, args: argparse.Namespace) -> Weight:
     if args.home_weight:
         return parse_weight(args.home_weight, "--home-weight")
-    return measured(container.path, container, args)
+    return Weight(measured(container.path, container, args), speed=True)
 
 
 # ------------------------------------------------------------------------------------ commands
 def run_spread(args: argparse.Namespace) -> int:
     container = Container(args.model)
-    layout = _spread_layout(container, [t for flag in args.to for t in flag.split(",") if t], args)
-    return _apply(container, layout, args)
+    with layout_lock(container.path):  # before measuring: a second spread is refused at once
+        layout = _spread_layout(container, [t for flag in args.to for t in flag.split(",") if t], args)
+        return _apply(container, layout, args)
 
 
 def _spread_layout(container: Container, texts: list[str], args: argparse.Namespace) -> Layout:
-    targets = [(d, w if w is not None else measured(d, container, args)) for d, w in map(parse_target, texts)]
+    targets = [parse_target(text) for text in texts]
     if args.share:
-        share = parse_share(args.share)
-        home = (1 - share) / share * sum(w for _, w in targets)
-    else:
-        home = _home_weight(container, args)
-    return spread_layout(container, targets, home)
+        return _shared_layout(container, targets, parse_share(args.share), args)
+    home = _home_weight(container, args)
+    weights = [(d, resolve_weight(d, w, home, container, args)) for d, w in targets]
+    return spread_layout(container, weights, home.value)
+
+
+def _shared_layout(
+    container: Container, targets: list[tuple[Path, Weight | None]], share: float, args: argparse.Namespace
+) -> Layout:
+    """--share: the --to directories take that share of the records, split among them by their weights,
+    which must then be of one kind (all plain numbers, or all speeds given or measured)."""
+    if len({w is not None and not w.speed for _, w in targets}) > 1:
+        raise SpreadFlagError("--share: give every --to directory a plain weight, or none a plain one")
+    values = [w.value if w is not None else measured(d, container, args) for d, w in targets]
+    home = (1 - share) / share * sum(values)
+    return spread_layout(container, list(zip([d for d, _ in targets], values, strict=True)), home)
 
 
 def spread_container(path: str, texts: list[str]) -> dict[str, int]:
     """`convert --spread`: the conversion's container spread as `container spread --to` would."""
     container = Container(path)
     args = argparse.Namespace(share=None, home_weight=None, probe_seconds=1.0)
-    return apply_layout(container, _spread_layout(container, [t for t in texts if t], args), progress=_Dots())
+    with layout_lock(container.path):
+        layout = _spread_layout(container, [t for t in texts if t], args)
+        return apply_layout(container, layout, progress=_Dots())
 
 
 def run_gather(args: argparse.Namespace) -> int:
     container = Container(args.model)
-    return _apply(container, gather_layout(container), args)
+    with layout_lock(container.path):
+        return _apply(container, gather_layout(container), args)
 
 
 def _apply(container: Container, layout: Layout, args: argparse.Namespace) -> int:
@@ -234,33 +308,37 @@ def run_mirror(args: argparse.Namespace) -> int:
     if not args.history:
         raise SpreadFlagError(f"mirror {args.action} needs --history (the usage counts that say what is hot)")
     history = UsageHistory.load(args.history, container.n_experts, container_fingerprint(container))
-    parts = _mirror_parts(container, args)
-    max_bytes = int(parse_weight(args.max_bytes, "--max-bytes")) if args.max_bytes else None
-    if not 0 <= args.margin < 1:
-        raise SpreadFlagError(f"--margin {args.margin}: must be in [0, 1)")
-    plan = plan_mirror(container, history.counts, parts.weights, max_bytes, parts, args.margin)
-    _print_plan(plan, parts, args.json)
-    if args.action == "stage":
-        result = apply_layout(container, mirror_layout(parts, plan), progress=_Dots())
-        print(json.dumps(result) if args.json else f"staged: {result['records_copied']} copies written")
+    with layout_lock(container.path) if args.action == "stage" else nullcontext():
+        parts = _mirror_parts(container, args)
+        max_bytes = int(parse_amount(args.max_bytes, "--max-bytes")) if args.max_bytes else None
+        if not 0 <= args.margin < 1:
+            raise SpreadFlagError(f"--margin {args.margin}: must be in [0, 1)")
+        plan = plan_mirror(container, history.counts, parts.weights, max_bytes, parts, args.margin)
+        _print_plan(plan, parts, args.json)
+        if args.action == "stage":
+            result = apply_layout(container, mirror_layout(parts, plan), progress=_Dots())
+            print(json.dumps(result) if args.json else f"staged: {result['records_copied']} copies written")
     return 0
 
 
 def _mirror_parts(container: Container, args: argparse.Namespace) -> Parts:
-    """The container's parts, plus the --to directory (measured unless weighted) if it is new; weights of
-    existing parts are the manifest's (measured when spread); a whole container's own is measured."""
+    """The container's parts, plus the --to directory if it is new; weights of existing parts are the
+    manifest's (measured when spread); a whole container's own is measured, and a plain --to weight is a
+    multiple of the container directory's, as for spread."""
     parts = current_parts(container)
     dirs, weights = list(parts.dirs), list(parts.weights)
+    home = Weight(weights[HOME], speed=True)
     if args.home_weight or len(dirs) == 1:
-        weights[HOME] = _home_weight(container, args)
+        home = _home_weight(container, args)
+        weights[HOME] = home.value
     if args.to:
         directory, weight = parse_target(args.to)
         directory = directory.absolute()
         if directory not in dirs:
             dirs.append(directory)
-            weights.append(weight if weight is not None else measured(directory, container, args))
+            weights.append(resolve_weight(directory, weight, home, container, args))
         elif weight is not None:
-            weights[dirs.index(directory)] = weight
+            weights[dirs.index(directory)] = resolve_weight(directory, weight, home, container, args)
     if len(dirs) < 2:
         raise SpreadFlagError("a mirror needs a second device: spread the container first or give --to DIR")
     return Parts(parts.home, tuple(dirs), tuple(weights), parts.copies)

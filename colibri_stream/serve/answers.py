@@ -62,21 +62,43 @@ async def answer_events(
     job: Job, parser: AnswerParser | None, splitter: ReasoningSplitter | None = None
 ) -> AsyncIterator[tuple[str, Any]]:
     """("started", int), ("reasoning", str), ("text", str), ("tool_call", ToolCall), ("prompt", ...) and
-    ("token", ...) events, then ("done", TurnResult) or ("error", ApiError)."""
+    ("token", ...) events, then ("done", TurnResult) or ("error", ApiError).
+
+    The splitter and the parser run in a worker thread, never on the event loop (a section closing can
+    be a lot of text to parse, and the loop serves every other request and /health): each round takes the
+    job's events queued so far, in order, and hands them over together."""
+    loop = asyncio.get_running_loop()
     while True:
-        kind, value = await job.events.get()
-        if kind == "text":
-            for event in _content_events(value, parser, splitter):
-                yield event
-        elif kind == "done":
-            for event in _content_events("", parser, splitter, final=True):
-                yield event
-            yield "done", value
+        batch = [await job.events.get()]
+        while not job.events.empty():
+            batch.append(job.events.get_nowait())
+        if parser is None and splitter is None:
+            events, ended = _answer_batch(batch, parser, splitter)
+        else:  # one round at a time: the parser sees the deltas in the model's order
+            events, ended = await loop.run_in_executor(None, _answer_batch, batch, parser, splitter)
+        for event in events:
+            yield event
+        if ended:
             return
+
+
+def _answer_batch(
+    batch: list[tuple[str, Any]], parser: ToolCallParser | None, splitter: ReasoningSplitter | None
+) -> tuple[list[tuple[str, Any]], bool]:
+    """A round's events out, and whether the answer ended (done or error; nothing follows either)."""
+    out: list[tuple[str, Any]] = []
+    for kind, value in batch:
+        if kind == "text":
+            out += _content_events(value, parser, splitter)
+        elif kind == "done":
+            out += _content_events("", parser, splitter, final=True)
+            out.append((kind, value))
+            return out, True
         else:
-            yield kind, value
+            out.append((kind, value))
             if kind == "error":
-                return
+                return out, True
+    return out, False
 
 
 def _content_events(

@@ -22,7 +22,6 @@ of the prompt and reported (ResponsesRequest.ignored_tools), never refused.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal
@@ -38,6 +37,7 @@ from colibri_stream.serve.schemas import (
     describe_validation_error,
     template_call,
 )
+from colibri_stream.text import bounded_json
 
 MAX_TOOLS = 256
 MAX_ID = 256
@@ -400,7 +400,7 @@ def _assistant_turn(messages: list[dict[str, Any]], reasoning: str | None) -> di
 
 def _call(item: FunctionCallItem, where: str) -> dict[str, Any]:
     try:
-        arguments = json.loads(item.arguments)
+        arguments = bounded_json.loads(item.arguments)  # too deep: a ValueError, not recursion
     except ValueError:
         arguments = None
     if not isinstance(arguments, dict):

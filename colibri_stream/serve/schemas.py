@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from colibri_stream.text import bounded_json
 from colibri_stream.text.tool_calls import TemplateArguments
 
 STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
@@ -77,7 +78,7 @@ class FunctionCall(BaseModel):
 
     def parsed_arguments(self) -> dict[str, Any]:
         try:
-            value = json.loads(self.arguments)
+            value = bounded_json.loads(self.arguments)  # nested too deeply: a ValueError too, never recursion
         except ValueError:
             value = None
         if not isinstance(value, dict):

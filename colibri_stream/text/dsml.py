@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from colibri_stream.text import bounded_json
 from colibri_stream.text.tool_calls import DSML, DSML_V4_BLOCK, DSML_V32_BLOCK, FORMATS, ToolFormat
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
@@ -112,11 +113,12 @@ class _Message:
 
 
 def _arguments(raw: Any) -> Mapping[str, Any]:
-    """A call's arguments as a mapping: JSON text is decoded; anything that is no object is one
-    ``arguments`` parameter holding it (the prompt still shows what the client sent)."""
+    """A call's arguments as a mapping: JSON text is decoded; anything that is no object (or is nested
+    too deeply to decode safely) is one ``arguments`` parameter holding it (the prompt still shows what
+    the client sent)."""
     if isinstance(raw, str):
         try:
-            decoded = json.loads(raw)
+            decoded = bounded_json.loads(raw)
         except ValueError:
             decoded = None
         return decoded if isinstance(decoded, dict) else {"arguments": raw}

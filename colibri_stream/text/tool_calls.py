@@ -31,6 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from colibri_stream.text import bounded_json
+
 
 class ToolCallError(ValueError):
     """A tool-call section that does not parse (the caller turns it back into text)."""
@@ -98,6 +100,14 @@ class Tools:
         return isinstance(spec, dict) and spec.get("type") == "string"
 
 
+@dataclass
+class Steps:
+    """The characters a parser has looked at, all its scans together (a marker search counts the text it
+    passed over): the number tests bound to show parsing is linear in the text."""
+
+    count: int = 0
+
+
 @dataclass(frozen=True)
 class ToolFormat:
     """One family's tool-call text: a section opens with ``begin``, closes with ``end`` and holds calls."""
@@ -105,15 +115,37 @@ class ToolFormat:
     family: str
     begin: str
     end: str
-    parse_section: Callable[[str, Tools], list[ToolCall]]
+    parse_section: Callable[[str, Tools, Steps], list[ToolCall]]
 
 
-def _json_object(text: str, where: str) -> dict[str, Any]:
+# Every scan below moves forward through the text (str.find from a position, one anchored match): no
+# regular expression that can backtrack, no slice of "the rest" per call, no recursion, so a section of
+# n characters costs O(n) however its markers are arranged.
+_SPACE = re.compile(r"\s*")
+
+
+def _find(text: str, marker: str, start: int, steps: Steps) -> int:
+    at = text.find(marker, start)
+    steps.count += (at + len(marker) if at >= 0 else len(text)) - start
+    return at
+
+
+def _skip_space(text: str, start: int, steps: Steps) -> int:
+    end = _SPACE.match(text, start)
+    at = end.end() if end is not None else start
+    steps.count += at - start + 1
+    return at
+
+
+def _json_object(text: str, where: str, steps: Steps) -> dict[str, Any]:
+    steps.count += len(text)  # the depth scan, then the decoder: each linear
     text = text.strip()
     if not text:
         return {}
     try:
-        value = json.loads(text)
+        value = bounded_json.loads(text)
+    except bounded_json.TooDeep:
+        raise ToolCallError(f"{where}: arguments nested too deeply") from None
     except ValueError:
         raise ToolCallError(f"{where}: arguments are not JSON") from None
     if not isinstance(value, dict):
@@ -121,15 +153,18 @@ def _json_object(text: str, where: str) -> dict[str, Any]:
     return value
 
 
-def _between(section: str, begin: str, end: str, empty_ok: bool = False) -> list[str]:
+def _between(section: str, begin: str, end: str, steps: Steps, empty_ok: bool = False) -> list[str]:
     """The bodies of ``begin``...``end`` pairs; only whitespace may lie around and between them."""
-    bodies, rest = [], section
-    while rest.strip():
-        rest = rest.lstrip()
-        if not rest.startswith(begin) or end not in rest:
+    bodies, at = [], _skip_space(section, 0, steps)
+    while at < len(section):
+        steps.count += len(begin)
+        if not section.startswith(begin, at):
             raise ToolCallError(f"expected {begin}...{end}")
-        body, _, rest = rest[len(begin) :].partition(end)
-        bodies.append(body)
+        close = _find(section, end, at + len(begin), steps)
+        if close < 0:
+            raise ToolCallError(f"expected {begin}...{end}")
+        bodies.append(section[at + len(begin) : close])
+        at = _skip_space(section, close + len(end), steps)
     if not bodies and not empty_ok:
         raise ToolCallError("an empty tool-call section")
     return bodies
@@ -141,95 +176,110 @@ def _known(name: str, tools: Tools) -> str:
     return name
 
 
-_DS_V3_CALL = re.compile(r"\A\s*(\w+)" + re.escape(DS_SEP) + r"(.+?)\s*\n```(?:json)?\s*\n(.*?)\n?```\s*\Z", re.S)
+_WORD = re.compile(r"\w+")
+_FENCE = "\n```"
 
 
-def _parse_deepseek_v3(section: str, tools: Tools) -> list[ToolCall]:
+def _parse_deepseek_v3(section: str, tools: Tools, steps: Steps) -> list[ToolCall]:
+    """Each call: TYPE<｜tool▁sep｜>NAME, a newline, then ```json, a newline, ARGS, a closing ```."""
     calls = []
-    for body in _between(section, DS_CALL_BEGIN, DS_CALL_END):
-        match = _DS_V3_CALL.match(body)
-        if match is None:
+    for body in _between(section, DS_CALL_BEGIN, DS_CALL_END, steps):
+        steps.count += len(body)  # partition, rstrip
+        kind, sep, rest = body.partition(DS_SEP)
+        rest = rest.rstrip()
+        fence = _find(rest, _FENCE, 0, steps)
+        if not sep or not _WORD.fullmatch(kind.lstrip()) or fence <= 0 or not rest.endswith("```"):
             raise ToolCallError("expected TYPE<｜tool▁sep｜>NAME and a json code block")
-        name = _known(match.group(2).strip(), tools)
-        calls.append(ToolCall(name, _json_object(match.group(3), name)))
+        name = _known(rest[:fence].strip(), tools)
+        at = fence + len(_FENCE)
+        at += 4 if rest.startswith("json", at) else 0
+        opened = _skip_space(rest, at, steps)
+        if "\n" not in rest[at:opened] or opened > len(rest) - 3:  # the fence's line ends; the code follows
+            raise ToolCallError(f"{name}: expected a json code block")
+        calls.append(ToolCall(name, _json_object(rest[opened:-3], name, steps)))
     return calls
 
 
-def _parse_deepseek_v31(section: str, tools: Tools) -> list[ToolCall]:
+def _parse_deepseek_v31(section: str, tools: Tools, steps: Steps) -> list[ToolCall]:
     calls = []
-    for body in _between(section, DS_CALL_BEGIN, DS_CALL_END):
-        name, sep, arguments = body.partition(DS_SEP)
-        if not sep:
+    for body in _between(section, DS_CALL_BEGIN, DS_CALL_END, steps):
+        sep = _find(body, DS_SEP, 0, steps)
+        if sep < 0:
             raise ToolCallError("expected NAME<｜tool▁sep｜>ARGUMENTS")
-        name = _known(name.strip(), tools)
-        calls.append(ToolCall(name, _json_object(arguments, name)))
+        name = _known(body[:sep].strip(), tools)
+        calls.append(ToolCall(name, _json_object(body[sep + len(DS_SEP) :], name, steps)))
     return calls
 
 
-_GLM_PAIR = re.compile(
-    re.escape(GLM_KEY)
-    + r"(.*?)"
-    + re.escape(GLM_KEY_END)
-    + r"\s*"
-    + re.escape(GLM_VALUE)
-    + r"(.*?)"
-    + re.escape(GLM_VALUE_END),
-    re.S,
-)
-
-
-def _typed_value(text: str, string_typed: bool) -> Any:
+def _typed_value(text: str, string_typed: bool, steps: Steps) -> Any:
     """A parameter declared a string is taken as written; others are JSON when they parse (the template
-    writes non-strings ``| tojson``), else the text itself (a model that forgot a string's flag)."""
+    writes non-strings ``| tojson``), else the text itself (a model that forgot a string's flag; JSON nested
+    too deeply to decode safely is that text too)."""
     if string_typed:
         return text
+    steps.count += len(text)
     try:
-        return json.loads(text)
+        return bounded_json.loads(text)
     except ValueError:
         return text
 
 
-def _parse_glm(section: str, tools: Tools) -> list[ToolCall]:
-    head, _, _ = section.partition(GLM_KEY)
-    name = _known(head.strip(), tools)
-    arguments, last = {}, len(head)
-    for match in _GLM_PAIR.finditer(section, len(head)):
-        if section[last : match.start()].strip():
-            raise ToolCallError(f"{name}: text between arguments")
-        key = match.group(1).strip()
-        arguments[key] = _typed_value(match.group(2), tools.parameter_is_string(name, key))
-        last = match.end()
-    if section[last:].strip():
-        raise ToolCallError(f"{name}: unterminated or malformed arguments")
+def _glm_part(section: str, at: int, begin: str, end: str, steps: Steps) -> tuple[str, int]:
+    """The text of the ``begin``...``end`` pair at ``at`` (after whitespace) and where it ends."""
+    at = _skip_space(section, at, steps)
+    steps.count += len(begin)
+    if not section.startswith(begin, at):
+        raise ToolCallError(f"expected {begin}")
+    close = _find(section, end, at + len(begin), steps)
+    if close < 0:
+        raise ToolCallError(f"{begin} without {end}")
+    return section[at + len(begin) : close], close + len(end)
+
+
+def _parse_glm(section: str, tools: Tools, steps: Steps) -> list[ToolCall]:
+    """NAME, then <arg_key>K</arg_key> <arg_value>V</arg_value> pairs with only whitespace around them."""
+    first = _find(section, GLM_KEY, 0, steps)
+    first = len(section) if first < 0 else first
+    name = _known(section[:first].strip(), tools)
+    arguments, at = {}, _skip_space(section, first, steps)
+    while at < len(section):
+        key, at = _glm_part(section, at, GLM_KEY, GLM_KEY_END, steps)
+        value, at = _glm_part(section, at, GLM_VALUE, GLM_VALUE_END, steps)
+        key = key.strip()
+        arguments[key] = _typed_value(value, tools.parameter_is_string(name, key), steps)
+        at = _skip_space(section, at, steps)
     return [ToolCall(name, arguments)]
 
 
-def _parse_kimi(section: str, tools: Tools) -> list[ToolCall]:
+def _parse_kimi(section: str, tools: Tools, steps: Steps) -> list[ToolCall]:
     calls = []
-    for body in _between(section, KIMI_CALL_BEGIN, KIMI_CALL_END):
-        call_id, sep, arguments = body.partition(KIMI_ARGS)
-        call_id = call_id.strip()
-        if not sep or not call_id:
+    for body in _between(section, KIMI_CALL_BEGIN, KIMI_CALL_END, steps):
+        sep = _find(body, KIMI_ARGS, 0, steps)
+        call_id = body[:sep].strip() if sep >= 0 else ""
+        if not call_id:
             raise ToolCallError("expected functions.NAME:IDX<|tool_call_argument_begin|>ARGUMENTS")
         name = _known(call_id.removeprefix("functions.").rsplit(":", 1)[0], tools)
-        calls.append(ToolCall(name, _json_object(arguments, name), id=call_id))
+        calls.append(ToolCall(name, _json_object(body[sep + len(KIMI_ARGS) :], name, steps), id=call_id))
     return calls
 
 
-# after <｜DSML｜invoke / <｜DSML｜parameter: the attributes (DSML writes names unescaped, so no quote in them)
-_DSML_INVOKE_HEAD = re.compile(r'\A\s+name="([^"]*)"\s*>')
-_DSML_PARAMETER_HEAD = re.compile(r'\A\s+name="([^"]*)"(?:\s+string="(true|false)")?\s*>')
+# after <｜DSML｜invoke / <｜DSML｜parameter: the attributes (DSML writes names unescaped, so no quote in them);
+# anchored, and no two of their repeats can match the same characters, so a match is one pass
+_DSML_INVOKE_HEAD = re.compile(r'\s+name="([^"]*)"\s*>')
+_DSML_PARAMETER_HEAD = re.compile(r'\s+name="([^"]*)"(?:\s+string="(true|false)")?\s*>')
 
 
-def _parse_dsml(section: str, tools: Tools) -> list[ToolCall]:
+def _parse_dsml(section: str, tools: Tools, steps: Steps) -> list[ToolCall]:
     calls = []
-    for body in _between(section, DSML_INVOKE, DSML_INVOKE_END):
+    for body in _between(section, DSML_INVOKE, DSML_INVOKE_END, steps):
+        steps.count += len(body)  # the head's match
         head = _DSML_INVOKE_HEAD.match(body)
         if head is None:
             raise ToolCallError(f'expected {DSML_INVOKE} name="NAME">')
         name = _known(head.group(1), tools)
         arguments: dict[str, Any] = {}
-        for parameter in _between(body[head.end() :], DSML_PARAMETER, DSML_PARAMETER_END, empty_ok=True):
+        for parameter in _between(body[head.end() :], DSML_PARAMETER, DSML_PARAMETER_END, steps, empty_ok=True):
+            steps.count += len(parameter)
             match = _DSML_PARAMETER_HEAD.match(parameter)
             if match is None:
                 raise ToolCallError(f'{name}: expected {DSML_PARAMETER} name="KEY" string="true|false">')
@@ -238,7 +288,7 @@ def _parse_dsml(section: str, tools: Tools) -> list[ToolCall]:
                 raise ToolCallError(f"{name}: parameter {key!r} given twice")
             # no string flag (a model's slip): the tool's schema says whether the value is a string
             string_typed = string == "true" if string else tools.parameter_is_string(name, key)
-            arguments[key] = _typed_value(parameter[match.end() :], string_typed)
+            arguments[key] = _typed_value(parameter[match.end() :], string_typed, steps)
         calls.append(ToolCall(name, arguments))
     return calls
 
@@ -283,65 +333,93 @@ class ToolCallParser:
     Text that could be the start of the section marker is held back until it cannot; a section is held
     until it closes, then becomes its calls (or, when it does not parse, its text, with every character the
     model wrote). Whitespace-only text before a call (the newlines between GLM's calls, the blank line before
-    a DSML section) or after an answer's last call is dropped, so it makes no empty text blocks."""
+    a DSML section) or after an answer's last call is dropped, so it makes no empty text blocks.
+
+    Linear in the text: each delta is searched once (a marker cut between deltas is found in the held
+    marker-sized tail), a section is kept as its deltas and joined once when it closes, and ``steps`` counts
+    the characters looked at."""
 
     format: ToolFormat
     tools: Tools
-    buffer: str = ""
     in_section: bool = False
-    space: str = ""  # whitespace-only text held until real text follows
     calls: list[ToolCall] = field(default_factory=list)
+    steps: Steps = field(default_factory=Steps)
+    _partial: str = ""  # outside a section: text that may start the begin marker
+    _section: list[str] = field(default_factory=list)  # inside: the section's text so far, as pushed
+    _tail: str = ""  # inside: the section's last len(end) - 1 characters (where a cut end marker starts)
+    _space: list[str] = field(default_factory=list)  # whitespace-only text held until real text follows
 
     def push(self, delta: str) -> list[Event]:
-        self.buffer += delta
         events: list[Event] = []
-        while True:
-            if self.in_section:
-                end = self.buffer.find(self.format.end)
-                if end < 0:
-                    return events
-                section, self.buffer = self.buffer[:end], self.buffer[end + len(self.format.end) :]
-                self.in_section = False
-                events += self._section(section)
-            else:
-                begin = self.buffer.find(self.format.begin)
-                if begin < 0:
-                    keep = _partial_suffix(self.buffer, self.format.begin)
-                    events += self._text(self.buffer[: len(self.buffer) - keep])
-                    self.buffer = self.buffer[len(self.buffer) - keep :]
-                    return events
-                events += self._text(self.buffer[:begin])  # whitespace before it waits in self.space
-                self.buffer, self.in_section = self.buffer[begin + len(self.format.begin) :], True
+        text, at, self._partial = self._partial + delta, 0, ""
+        while at < len(text):
+            at = self._in_section(text, at, events) if self.in_section else self._outside(text, at, events)
+        return events
 
     def finish(self) -> list[Event]:
         """What is left; a section never closed is text, markers included."""
         if self.in_section:
-            events, self.in_section = self._text(self.format.begin + self.buffer), False
+            events, self.in_section = self._text(self.format.begin + "".join(self._section)), False
         else:
-            events = self._text(self.buffer)
-        self.buffer = ""
-        if self.space and not self.calls:
-            events.append(("text", self.space))
-        self.space = ""
+            events = self._text(self._partial)
+        self._partial, self._section, self._tail = "", [], ""
+        if self._space and not self.calls:
+            events.append(("text", "".join(self._space)))
+        self._space = []
         return events
+
+    def _outside(self, text: str, at: int, events: list[Event]) -> int:
+        """Text from ``at`` up to the next begin marker; returns where the section's text starts."""
+        begin = _find(text, self.format.begin, at, self.steps)
+        if begin < 0:
+            keep = min(_partial_suffix(text, self.format.begin), len(text) - at)
+            events += self._text(text[at : len(text) - keep])
+            self._partial = text[len(text) - keep :]
+            return len(text)
+        events += self._text(text[at:begin])  # whitespace before it waits in self._space
+        self.in_section, self._section, self._tail = True, [], ""
+        return begin + len(self.format.begin)
+
+    def _in_section(self, text: str, at: int, events: list[Event]) -> int:
+        """The section's text from ``at``: held, or (once its end marker shows) parsed; returns where the
+        text after the section starts."""
+        end, size = self.format.end, len(self.format.end)
+        joint = self._tail + text[at : at + size - 1]  # an end marker begun in the held text
+        cut = _find(joint, end, 0, self.steps) if self._tail else -1
+        if cut >= 0:
+            held = "".join(self._section)
+            section, after = held[: len(held) - len(self._tail) + cut], at + cut + size - len(self._tail)
+        else:
+            close = _find(text, end, at, self.steps)
+            if close < 0:
+                piece = text[at:]
+                self._section.append(piece)
+                self._tail = (self._tail + piece[-(size - 1) :])[-(size - 1) :] if size > 1 else ""
+                return len(text)
+            section, after = "".join(self._section) + text[at:close], close + size
+        self.in_section, self._section, self._tail = False, [], ""
+        events += self._parsed(section)
+        return after
 
     def _text(self, text: str) -> list[Event]:
         if not text:
             return []
+        self.steps.count += len(text)
         if not text.strip():
-            self.space += text
+            self._space.append(text)
             return []
         stripped = text.rstrip()
-        out, self.space = self.space + stripped, text[len(stripped) :]
+        out = "".join(self._space) + stripped
+        self._space = [text[len(stripped) :]] if len(stripped) < len(text) else []
         return [("text", out)]
 
-    def _section(self, section: str) -> list[Event]:
+    def _parsed(self, section: str) -> list[Event]:
         try:
-            calls = self.format.parse_section(section, self.tools)
+            calls = self.format.parse_section(section, self.tools, self.steps)
         except ToolCallError:
             return self._text(self.format.begin + section + self.format.end)
         self.calls += calls
-        self.space = ""  # whitespace before a call is dropped
+        self._space = []  # whitespace before a call is dropped
         return [("tool_call", call) for call in calls]
 
 

@@ -13,13 +13,20 @@ resumable and never leaves a record unlisted or listed where it is not:
 A kill anywhere leaves the manifest listing verified copies only; rerunning the same command finds the
 journal, redoes the unfinished batch (a temp file is rewritten, a copy already there is re-checked) and
 removes what a killed step left behind. The records' bytes, and so the fingerprint, never change.
+
+One change at a time per container: ``layout_lock`` holds ``spread.lock`` in the container's directory
+(an flock, storage/files/lockfile.py: a killed holder's lock is free again) from before the layout is
+computed until the manifest is final, so a second spread, gather or mirror stage is refused in one line
+naming the lock and its holder instead of copying beside the first.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,13 +34,15 @@ import numpy as np
 
 from storage.container.parts import HOME, PART_MARKER, Parts, RecordKey, save_parts, whole, with_copies, write_marker
 from storage.container.reader import Container, expert_chunk_relpath, o_direct_refusal, read_record_file
-from storage.errors import CorruptDataError, FormatError, write_errors
+from storage.errors import CorruptDataError, FormatError, IncompatibleStateError, write_errors
+from storage.files import lockfile
 from storage.files.atomic import atomic_write_json, fsync_dir
 from storage.files.buffers import aligned_empty
 from storage.files.checksum import crc32c
 from storage.files.safe_read import read_json
 
 JOURNAL = "spread.journal.json"
+LOCK = "spread.lock"
 BATCH_BYTES = 1 << 30  # records copied between manifest switches: a kill redoes at most this much
 Target = dict[RecordKey, tuple[int, ...]]
 Progress = Callable[[int], object]
@@ -47,6 +56,42 @@ class Layout:
     dirs: tuple[Path, ...]
     weights: tuple[float, ...]
     target: Target
+
+
+class EmptyPartError(FormatError):
+    """A part directory whose weight is too small to get a single record."""
+
+
+_held: dict[Path, int] = {}  # container directory -> how many layout_lock blocks of this process hold it
+
+
+@contextmanager
+def layout_lock(path: Path) -> Iterator[None]:
+    """The container's layout lock for the block (re-entered freely within this process: the CLI takes it
+    before measuring and computing a layout, apply_layout again); IncompatibleStateError naming the lock
+    file and its holder when another process has it."""
+    key = path.absolute()
+    if key in _held:
+        _held[key] += 1
+        try:
+            yield
+        finally:
+            _held[key] -= 1
+        return
+    try:
+        fd = lockfile.acquire(key / LOCK)
+    except lockfile.LockHeldError as exc:
+        holder = f"pid {exc.pid}" if exc.pid is not None else "another process"
+        raise IncompatibleStateError(
+            f"{exc.path}: held by {holder}, another spread, gather or mirror stage of this container; "
+            "rerun when it has finished"
+        ) from None
+    _held[key] = 1
+    try:
+        yield
+    finally:
+        del _held[key]
+        lockfile.release(fd)
 
 
 def current_parts(container: Container) -> Parts:
@@ -91,8 +136,23 @@ def spread_layout(container: Container, targets: Sequence[tuple[Path, float]], h
         indices.append(dirs.index(directory))
     used = [HOME, *indices]
     primary = stripe([weights[i] if i in used else 0.0 for i in range(len(dirs))], all_keys(container))
+    _check_every_part_gets_records(primary, [(dirs[i], weights[i], i) for i in indices], sum(weights[i] for i in used))
     target = {key: (p, *[m for m in parts.of(*key)[1:] if m != p]) for key, p in primary.items()}
     return Layout(tuple(dirs), tuple(weights), target)
+
+
+def _check_every_part_gets_records(
+    primary: dict[RecordKey, int], parts: Sequence[tuple[Path, float, int]], total: float
+) -> None:
+    """A named directory whose weight earns it no record is an error, never a spread that silently copies
+    nothing there."""
+    counts = Counter(primary.values())
+    for directory, weight, i in parts:
+        if counts[i] == 0:
+            raise EmptyPartError(
+                f"{directory}: its weight {weight:.3g} is {weight / total:.2%} of all the weights, too little for "
+                f"one of the {len(primary)} records; give it a larger weight"
+            )
 
 
 def gather_layout(container: Container) -> Layout:
@@ -108,7 +168,13 @@ def apply_layout(
     """Move records until the container matches ``layout``; returns what was copied and deleted.
     Resumes a journal of the same directories left by a killed run (its target wins: weights measured
     again would otherwise move records twice)."""
-    layout = _resume(container, layout)
+    with layout_lock(container.path):
+        return _apply_locked(container, _resume(container, layout), progress, batch_records)
+
+
+def _apply_locked(
+    container: Container, layout: Layout, progress: Progress, batch_records: int | None
+) -> dict[str, int]:
     content = container.content_hash
     atomic_write_json(container.path / JOURNAL, _journal_json(layout))
     for directory in layout.dirs[1:]:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -120,10 +123,92 @@ def test_dashboard_shows_each_devices_reads(make_container, tmp_path, capsys):
 
 def test_convert_spread_converts_then_spreads(tiny_checkpoints, tmp_path, capsys):
     dst, part = tmp_path / "out.cstream", tmp_path / "ssd2"
-    argv = ["convert", str(tiny_checkpoints["deepseek_v3"]), str(dst), "--no-progress", "--spread", f"{part}:1e12"]
+    argv = ["convert", str(tiny_checkpoints["deepseek_v3"]), str(dst), "--no-progress", "--spread", f"{part}:1"]
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     container = Container(dst)
     assert container.parts is not None and report["spread"]["parts"] == 2
-    assert container.parts.primary_counts()[1] > container.parts.primary_counts()[0]  # the far heavier weight
+    home, other = container.parts.primary_counts()  # DIR:1: as many as the measured home directory keeps
+    assert abs(home - other) <= 1 and other > 0
     assert main(["verify", str(dst)]) == 0
+
+
+# ------------------------------------------------------------------------------------ weights, lock
+def _parts(model: Path, capsys) -> list[dict]:
+    capsys.readouterr()
+    assert main(["container", "parts", str(model), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_a_plain_weight_is_a_multiple_of_the_measured_home_weight(model, tmp_path, capsys):
+    """DIR:1 against the container directory's measured speed (bytes/s): about half the records move
+    (they were unitless against ~1e9 before, so none did)."""
+    part = tmp_path / "ssd2"
+    assert main(["container", "spread", str(model), "--to", f"{part}:1", "--probe-seconds", "0.05"]) == 0
+    home, other = _parts(model, capsys)
+    assert home["weight"] > 1e3 and other["weight"] == home["weight"]  # one unit: bytes/s, both
+    assert other["primary_records"] > 0 and abs(home["primary_records"] - other["primary_records"]) <= 1
+
+
+def test_weights_of_two_kinds_are_refused_in_one_line(model, tmp_path, capsys):
+    part = tmp_path / "ssd2"
+    for to in (f"{part}", f"{part}:2GB"):  # measured, or a speed, against a plain --home-weight
+        assert main(["container", "spread", str(model), "--to", to, "--home-weight", "1"]) == 1
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and str(part) in err and "plain ratio" in err
+    assert not part.exists() and not (model / PARTS_FILE).exists()
+
+
+def test_a_part_that_would_get_no_record_is_an_error(model, tmp_path, capsys):
+    part = tmp_path / "ssd2"
+    argv = ["container", "spread", str(model), "--to", f"{part}:2KB", "--home-weight", "2GB"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(part) in err and "too little for one of the" in err
+    assert not part.exists() and not (model / PARTS_FILE).exists()  # nothing was copied or listed
+
+
+HOLDER = """
+import sys, time
+from pathlib import Path
+from storage.container.reader import Container
+from storage.container.spread import apply_layout, spread_layout
+path, part, ready, go = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4])
+def progress(n):  # after its first record: say so, then wait (bounded) for the test's word
+    if not ready.exists():
+        ready.touch()
+        for _ in range(1200):
+            if go.exists():
+                return
+            time.sleep(0.05)
+container = Container(path)
+apply_layout(container, spread_layout(container, [(part, 1.0)], 1.0), progress=progress, batch_records=4)
+"""
+
+
+def test_a_second_spread_is_refused_while_one_runs(model, tmp_path, capsys):
+    """Two spreads of one container: while the first holds the lock (paused after its first record),
+    the second is refused in one line naming the lock and its holder, copies nothing, and the first
+    finishes to a verified container; afterwards the second runs."""
+    first, second, ready, go = (tmp_path / n for n in ("ssd2", "ssd3", "ready", "go"))
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(model), str(first), str(ready), str(go)])
+    try:
+        for _ in range(1200):  # bounded: the holder's first record (every wait here ends on an event)
+            if ready.exists() or holder.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert ready.exists(), "the first spread never copied a record"
+        assert main(["container", "spread", str(model), "--to", f"{second}:1", "--home-weight", "1"]) == 1
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1
+        assert f"{model / 'spread.lock'}: held by pid {holder.pid}" in err
+        assert main(["container", "gather", str(model)]) == 1  # any layout change waits its turn
+        assert "spread.lock" in capsys.readouterr().err
+    finally:
+        go.touch()
+        assert holder.wait(timeout=120) == 0
+    assert not second.exists()  # the refused spread copied nothing
+    assert main(["verify", str(model)]) == 0
+    assert [p["dir"] for p in _parts(model, capsys)] == [str(model), str(first)]
+    assert main(["container", "spread", str(model), "--to", f"{second}:1", "--home-weight", "1"]) == 0
+    assert main(["verify", str(model)]) == 0

@@ -13,6 +13,7 @@ import asyncio
 import json
 import shutil
 import threading
+import urllib.request
 from types import SimpleNamespace
 
 import anthropic
@@ -438,3 +439,87 @@ def test_a_tool_round_trip_on_the_real_model(family_server, monkeypatch):
     assert RENDERED_CALL["deepseek_v31"] in with_result
     assert with_result.endswith("<｜tool▁output▁begin｜>sunny, 21C<｜tool▁output▁end｜><｜Assistant｜>")
     assert prompts[2] == prompts[1] and anthropic_form == with_result
+
+
+# ------------------------------------------------------------------------------------ hostile output
+NESTED = "[" * 10_000 + "]" * 10_000
+HOSTILE_ANSWERS = {  # family -> (what the model writes, the content and calls the client must get)
+    # 16,000 keys that never close (parsed in quadratic time before), then a value nested 10,000 deep
+    "glm": (
+        "<tool_call>get_weather" + "<arg_key>" * 16_000 + "</tool_call>"
+        f"<tool_call>get_weather<arg_key>days</arg_key><arg_value>{NESTED}</arg_value></tool_call>",
+        "<tool_call>get_weather" + "<arg_key>" * 16_000 + "</tool_call>",
+        [("get_weather", {"days": NESTED})],
+    ),
+    # arguments nested 10,000 deep (a RecursionError, a 500, before): the section is text
+    "deepseek_v31": (
+        f'{DS["calls"]}{DS["call"]}get_weather{DS["sep"]}{{"days": {NESTED}}}{DS["call_end"]}{DS["calls_end"]}',
+        f'{DS["calls"]}{DS["call"]}get_weather{DS["sep"]}{{"days": {NESTED}}}{DS["call_end"]}{DS["calls_end"]}',
+        [],
+    ),
+}
+
+
+def script_text(monkeypatch, served, answer: str, size: int = 16) -> None:
+    """Replace served.server.submit: the job's 'model' writes ``answer`` as ``size``-character text deltas
+    (hostile output longer than the tiny model's context, so not as its token ids)."""
+
+    async def submit(body, prompt, limit, session, owner=None, **options):
+        job = SimpleNamespace(events=asyncio.Queue(), cancel=threading.Event())
+        for at in range(0, len(answer), size):
+            job.events.put_nowait(("text", answer[at : at + size]))
+        job.events.put_nowait(("done", TurnResult([0], "stop", len(prompt), {"reused_tokens": 0})))
+        return job
+
+    monkeypatch.setattr(served.server, "submit", submit)
+
+
+@pytest.mark.parametrize("family", HOSTILE_ANSWERS)
+def test_hostile_tool_output_streams_as_text_and_calls_never_a_5xx(family, family_server, monkeypatch):
+    served = family_server(family)
+    answer, content, calls = HOSTILE_ANSWERS[family]
+    script_text(monkeypatch, served, answer)
+    kwargs = dict(model=MODEL, messages=USER, tools=OPENAI_TOOLS, max_tokens=20)
+    chunks = list(openai_client(served).chat.completions.create(**kwargs, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in deltas) == content
+    streamed = [(c.function.name, json.loads(c.function.arguments)) for d in deltas for c in d.tool_calls or []]
+    assert streamed == calls
+    whole = openai_client(served).chat.completions.create(**kwargs).choices[0].message
+    assert whole.content == content
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in whole.tool_calls or []] == calls
+
+
+def test_health_answers_while_a_tool_section_parses(family_server, monkeypatch):
+    """The parser runs off the event loop: with a section's parse held, /health still answers, and the
+    stream finishes once the parse goes on (order of events, not timing)."""
+    served = family_server("glm")
+    script(monkeypatch, served, ANSWERS["glm"])
+    entered, release, order = threading.Event(), threading.Event(), []
+    real_parsed = ToolCallParser._parsed
+
+    def held(self, section):
+        if not entered.is_set():
+            order.append("parse started")
+            entered.set()
+            release.wait(4 * WAIT_S)  # longer than /health's timeout: on the loop, /health would fail first
+        return real_parsed(self, section)
+
+    monkeypatch.setattr(ToolCallParser, "_parsed", held)
+    result = {}
+    kwargs = dict(model=MODEL, messages=USER, tools=OPENAI_TOOLS, max_tokens=200, stream=True)
+    client = threading.Thread(
+        target=lambda: result.update(chunks=list(openai_client(served).chat.completions.create(**kwargs)))
+    )
+    client.start()
+    try:
+        assert entered.wait(WAIT_S), "the section never reached the parser"
+        with urllib.request.urlopen(served.base + "/health", timeout=WAIT_S) as response:
+            order.append(f"health {response.status}")
+    finally:
+        order.append("parse released")
+        release.set()
+        client.join(WAIT_S)
+    assert order == ["parse started", "health 200", "parse released"]
+    calls = [c for chunk in result["chunks"] for c in chunk.choices[0].delta.tool_calls or []]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == EXPECTED_CALLS
