@@ -83,7 +83,7 @@ async def answer_events(
 
 
 def _answer_batch(
-    batch: list[tuple[str, Any]], parser: ToolCallParser | None, splitter: ReasoningSplitter | None
+    batch: list[tuple[str, Any]], parser: AnswerParser | None, splitter: ReasoningSplitter | None
 ) -> tuple[list[tuple[str, Any]], bool]:
     """A round's events out, and whether the answer ended (done or error; nothing follows either)."""
     out: list[tuple[str, Any]] = []
