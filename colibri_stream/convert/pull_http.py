@@ -14,8 +14,9 @@ user-agent, HF_HUB_OFFLINE) and its headers (HF_TOKEN or the saved login):
   streaming; a 206 from another offset skips to ours or is refused;
 - redirects are followed here, at most ``MAX_REDIRECTS``, to http(s) only, the token dropped when the
   host changes (the CDN);
-- deadlines: ``stall_s`` with no byte ends a request (the read timeout), and a body of N bytes must
-  arrive within ``stall_s + N / min_rate`` seconds (checked as bytes arrive);
+- deadlines: ``stall_s`` with no byte ends a request (the read timeout), and after ``stall_s`` of grace
+  the bytes of a body must keep up with ``min_rate`` (a body of N bytes: within ``stall_s + N /
+  min_rate`` seconds; a drip-fed one ends as soon as it falls behind, listed size or not);
 - a dropped connection continues with a Range request from the bytes written (``RETRIES`` drops in a row
   without a new byte end it);
 - every failure is a one-line ``PullError`` that says what to do.
@@ -79,19 +80,21 @@ def offline() -> bool:
 
 
 class Clock:
-    """The overall deadline of one body of ``n_bytes`` (over every retry of this run)."""
+    """The rate deadline of one body: after ``stall_s`` of grace, the bytes received (over every retry of
+    this run) must keep up with ``min_rate``, so a body of N bytes ends within stall_s + N / min_rate
+    seconds, and a drip-fed one as soon as it falls behind (whether its size is listed or not)."""
 
-    def __init__(self, what: str, deadlines: Deadlines, n_bytes: int):
+    def __init__(self, what: str, deadlines: Deadlines):
         self.what, self.deadlines = what, deadlines
-        self.limit = deadlines.seconds(n_bytes)
+        self.received = 0
         self.started = time.monotonic()
 
-    def check(self, got: int, want: int | None) -> None:
+    def tick(self, n_bytes: int) -> None:
+        self.received += n_bytes
         elapsed = time.monotonic() - self.started
-        if elapsed > self.limit:
-            of = f" of {want}" if want is not None else ""
+        if elapsed > self.deadlines.seconds(self.received):
             raise PullError(
-                f"{self.what}: {got}{of} bytes after {elapsed:.0f} s, below --min-rate "
+                f"{self.what}: {self.received} bytes in {elapsed:.1f} s, below --min-rate "
                 f"{self.deadlines.min_rate:g} bytes/s; run the same command again to continue"
             )
 
@@ -140,7 +143,7 @@ class HubHttp:
                 "GET", url, headers=headers, timeout=self.deadlines.stall_s, follow_redirects=False
             ) as r:
                 if r.status_code in (301, 302, 303, 307, 308) and r.headers.get("Location"):
-                    target = urljoin(url, r.headers["Location"])
+                    target = self._redirect(url, r.headers["Location"], what)
                     if urlsplit(target).netloc != urlsplit(url).netloc:  # a CDN: the token stays with the Hub
                         headers.pop("authorization", None)
                         headers.pop("Authorization", None)
@@ -151,6 +154,15 @@ class HubHttp:
                 yield r
                 return
         raise PullError(f"{self.repo_id}: {what}: more than {MAX_REDIRECTS} redirects")
+
+    def _redirect(self, url: str, location: str, what: str) -> str:
+        """The absolute URL a redirect's Location names, if it is one."""
+        try:
+            target = urljoin(url, location)
+            urlsplit(target).port  # noqa: B018 (raises ValueError on a port that is not a number)
+        except ValueError:
+            raise PullError(f"{self.repo_id}: {what}: redirected to a malformed URL {location[:200]!r}") from None
+        return target
 
     def status_error(self, response: httpx2.Response, what: str) -> PullError:
         """The Hub's refusal as one line that says what to do (huggingface_hub's error codes)."""
@@ -190,10 +202,10 @@ class HubHttp:
         much the server sends), or a whole body of at most ``limit`` bytes (more: a PullError)."""
         room = limit if end is None else min(limit, end - start + 1)
         out = io.BytesIO()
-        clock = Clock(f"{self.repo_id}: {what}", self.deadlines, room)
+        clock = Clock(f"{self.repo_id}: {what}", self.deadlines)
         with self.errors(what), self.get(url, what, start, end) as response:
             try:
-                copy_body(response, out, self._skip(response, start, what), room, clock, 0, lambda n: None)
+                copy_body(response, out, self._skip(response, start, what), room, clock, lambda n: None)
             except _TooLong:
                 if end is None:
                     raise PullError(
@@ -207,7 +219,7 @@ class HubHttp:
         ``cap`` bytes. Dropped connections continue with a Range request."""
         held = part.stat().st_size if part.is_file() else 0
         want = size if size is not None else cap
-        clock = Clock(f"{self.repo_id}: {what}", self.deadlines, max(0, want - held))
+        clock = Clock(f"{self.repo_id}: {what}", self.deadlines)
         try:
             with self.errors(what), open(part, "ab", buffering=0) as out:
                 self._fill(url, what, out, held, size, want, clock, on_bytes)
@@ -240,39 +252,36 @@ class HubHttp:
             try:
                 with self.get(url, what, start=held) as response:
                     skip = self._skip(response, held, what)
-                    copy_body(response, out, skip, want - held, clock, held, on_bytes)
+                    copy_body(response, out, skip, want - held, clock, on_bytes)
                 held = out.tell()
                 if size is None or held >= size:
                     return
-            except _RETRYABLE:
+                ended: Exception | None = None  # the body ended short: a drop too
+            except _RETRYABLE as exc:
                 if size is None:
                     raise
-                held = out.tell()  # what reached the file before the connection dropped
-            drops = 0 if held > before else drops + 1  # a body ending short counts as a drop too
+                held, ended = out.tell(), exc  # what reached the file before the connection dropped
+            drops = 0 if held > before else drops + 1
             if drops > RETRIES:
+                if ended is not None:
+                    raise ended  # worded by errors(): the network's own reason
                 raise PullError(
-                    f"{self.repo_id}: {what}: {held} of {size} bytes, the connection dropped {drops} times in a row "
+                    f"{self.repo_id}: {what}: {held} of {size} bytes, the body ended short {drops} times in a row "
                     "without a byte; run the same command again to continue"
                 )
-            clock.check(held, size)
-            time.sleep(RETRY_PAUSE_S if drops else 0)
+            clock.tick(0)
+            if drops:
+                time.sleep(RETRY_PAUSE_S)
+                clock.started += RETRY_PAUSE_S  # our own pause is not the Hub's slowness
 
 
-def copy_body(
-    response: httpx2.Response,
-    out: BinaryIO,
-    skip: int,
-    room: int,
-    clock: Clock,
-    held: int,
-    on_bytes: OnBytes,
-) -> int:
+def copy_body(response: httpx2.Response, out: BinaryIO, skip: int, room: int, clock: Clock, on_bytes: OnBytes) -> int:
     """Write the body after its first ``skip`` bytes, at most ``room`` bytes (one more: _TooLong, after
-    writing up to ``room``); the deadline checked as bytes arrive (``held``: bytes the file had before,
-    for the message). Returns the bytes written."""
+    writing up to ``room``); the rate deadline checked as bytes arrive. Returns the bytes written."""
     written = 0
     for chunk in response.iter_raw():
         on_bytes(len(chunk))
+        clock.tick(len(chunk))
         if skip:
             cut = min(skip, len(chunk))
             chunk, skip = chunk[cut:], skip - cut
@@ -281,5 +290,4 @@ def copy_body(
             raise _TooLong
         out.write(chunk)
         written += len(chunk)
-        clock.check(held + written, held + room)
     return written

@@ -43,9 +43,9 @@ from urllib.parse import unquote, urlsplit
 from huggingface_hub import constants as hf_constants
 
 CHUNK = 16 << 10
-# `python -c SCALED_CHUNK_CLI <command> ...`: the CLI with huggingface_hub writing downloads in 1 KiB
-# pieces instead of 10 MB (0.2% of a 4.3 GB DeepSeek-V3 shard; 1 KiB is 2% of the fixture's ~48 KB shards),
-# so a killed pull keeps about what it would keep at full scale instead of losing the whole tiny shard.
+# `python -c SCALED_CHUNK_CLI <command> ...`: the CLI with huggingface_hub's DOWNLOAD_CHUNK_SIZE at 1 KiB.
+# pull's downloads (convert/pull_http.py) now write every read as it arrives, so a killed pull keeps what it
+# received whatever that constant is; the kill tests keep the launcher so they run as before.
 SCALED_CHUNK_CLI = (
     "import sys; import huggingface_hub.constants as c; c.DOWNLOAD_CHUNK_SIZE = 1024; "
     "from colibri_stream.cli import main; sys.exit(main(sys.argv[1:]))"

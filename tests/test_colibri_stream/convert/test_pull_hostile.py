@@ -154,8 +154,8 @@ def test_a_stalled_body_ends_at_the_stall_deadline_and_the_next_run_continues(re
 
 
 def test_a_drip_fed_body_ends_at_the_overall_deadline(repo, tmp_path):
-    """One byte every 50 ms never trips a 1 s stall deadline; at --min-rate 1 MB/s a 48 KB shard has
-    1 s + 0.05 s in all."""
+    """One byte every 50 ms never trips a 1 s stall deadline; at --min-rate 1 MB/s, after the 1 s of
+    grace the bytes must keep up with 1 MB/s (a 48 KB shard: 1.05 s in all)."""
     with FakeHub({REPO: repo}, Faults(drip={SHARD: 0.05})) as hub, HubEnv(hub, tmp_path):
         with pytest.raises(PullError, match=r"below --min-rate 1e\+06 bytes/s"):
             _pull(tmp_path / "out.cstream", deadlines=Deadlines(stall_s=1.0, min_rate=1e6))
