@@ -13,6 +13,8 @@ from colibri_stream.cli.options import add_dtype_argument, add_store_arguments, 
 from colibri_stream.cli.plan import PLAN_RAM
 from colibri_stream.convert.converter import ConvertOptions
 from colibri_stream.convert.pull import Pull, PullOptions
+from colibri_stream.convert.pull_http import Deadlines
+from colibri_stream.convert.pull_ids import check_repo_id, check_revision
 from colibri_stream.convert.pull_space import SKIP_FLAG
 from storage.files.safe_read import check_output_dir
 
@@ -26,12 +28,15 @@ examples:
   HF_TOKEN=hf_... colibri-stream pull org/gated-model --out m.cstream       # gated or private repos
 The Hub is huggingface_hub's: HF_ENDPOINT, HF_TOKEN (or `hf auth login`), HF_HUB_OFFLINE (refused: pull
 needs the network). Peak disk: the container plus --in-flight shards (default 2), checked against the free
-space of --out's and --download-dir's filesystems before anything is downloaded. Interrupted (Ctrl-C,
+space of --out's and --download-dir's filesystems before anything is downloaded. Bounded by the Hub's
+listing: no file grows past its listed size (config and tokenizer files: 64 MiB at most), a request with
+no byte for --stall-timeout seconds ends, and so does a file slower than --min-rate. Interrupted (Ctrl-C,
 kill, network error, full disk)? Run the same command again: it continues, and the container is
 byte-identical to an uninterrupted pull and to `colibri-stream convert` of the same files.
 exit status: 0 when the container is complete (or --plan-only printed a verdict that fits), 1 on a user
-error (a refused repo or config, "does not fit" without --force, not enough disk, a download that keeps
-failing its checksum), 2 on bad flags, 130 on Ctrl-C (run it again to continue)."""
+error (a refused repo id, repo or config, "does not fit" without --force, not enough disk, a download that
+keeps failing its checksum, a Hub that sends more than it lists or stalls), 2 on bad flags, 130 on Ctrl-C
+(run it again to continue)."""
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -54,6 +59,22 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--plan-only", action="store_true", help="print the verdict and stop before any weight")
     parser.add_argument("--force", action="store_true", help='pull even when the verdict is "does not fit"')
     parser.add_argument(SKIP_FLAG, action="store_true", help="skip the free-space check (its estimate may be off)")
+    defaults = Deadlines()
+    parser.add_argument(
+        "--stall-timeout",
+        type=_positive,
+        default=defaults.stall_s,
+        metavar="SECONDS",
+        help=f"end a download when no byte comes for this long (default {defaults.stall_s:g}; run again to continue)",
+    )
+    parser.add_argument(
+        "--min-rate",
+        type=_rate,
+        default=defaults.min_rate,
+        metavar="BYTES_PER_S",
+        help="end a file slower than this: N bytes get --stall-timeout + N / rate seconds "
+        f"(default {defaults.min_rate / 1000:g}k; suffixes k, M, G)",
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object per line: plan, shards, result")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_dtype_argument(parser)
@@ -63,7 +84,26 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run_pull)
 
 
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < 1e9:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be more than 0")
+    return value
+
+
+def _rate(text: str) -> float:
+    """Bytes per second: a number with an optional k, M or G (decimal)."""
+    scale = {"k": 1e3, "m": 1e6, "g": 1e9}.get(text[-1:].lower(), 1.0)
+    return _positive(text[:-1] if scale != 1.0 else text) * scale
+
+
 def run_pull(args: argparse.Namespace) -> int:
+    check_repo_id(args.repo_id)
+    if args.revision is not None:
+        check_revision(args.revision)
     out = Path(args.out or f"{args.repo_id.rsplit('/', 1)[-1]}.cstream")
     check_output_dir(out, "the destination container")
     store = store_options(args).with_ram(PLAN_RAM)  # as `plan`: what this machine has
@@ -81,6 +121,7 @@ def run_pull(args: argparse.Namespace) -> int:
         store=store,
         dtype=args.dtype,
         progress=not (args.no_progress or args.json),
+        deadlines=Deadlines(stall_s=args.stall_timeout, min_rate=args.min_rate),
     )
     report = _json_line if args.json else _human_line
     try:

@@ -24,6 +24,7 @@ from colibri_stream.checkpoint.files import INDEX_FILE
 from colibri_stream.convert.converter import ConvertOptions
 from colibri_stream.convert.hf_source import COPIED_FILES
 from colibri_stream.convert.pull_convert import StreamingConversion
+from colibri_stream.convert.pull_http import Deadlines
 from colibri_stream.convert.pull_hub import HubClient, PullError, RepoSnapshot
 from colibri_stream.convert.pull_queue import DownloadQueue
 from colibri_stream.convert.pull_source import HubSource, shard_names
@@ -61,6 +62,7 @@ class PullOptions:
     store: StoreOptions = field(default_factory=lambda: StoreOptions(ram="auto"))
     dtype: str = "float32"
     progress: bool = True
+    deadlines: Deadlines = field(default_factory=Deadlines)  # --stall-timeout, --min-rate
 
     @property
     def downloads(self) -> Path:
@@ -71,7 +73,7 @@ class Pull:
     def __init__(self, options: PullOptions, report: Report, client: HubClient | None = None):
         self.options = options
         self.report = report
-        self.client = client or HubClient(options.repo_id)
+        self.client = client or HubClient(options.repo_id, deadlines=options.deadlines)
 
     def run(self) -> dict[str, Any]:
         o = self.options

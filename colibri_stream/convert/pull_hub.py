@@ -1,58 +1,57 @@
-"""The Hugging Face Hub side of `pull`, on ``huggingface_hub``'s own API and conventions: the endpoint
-(``HF_ENDPOINT``), the token (``HF_TOKEN`` or a saved login), offline mode (``HF_HUB_OFFLINE``),
-``hf_hub_download`` into a local directory for the small files, and for shards its lower-level pieces
-(``get_hf_file_metadata``, ``http_get``) writing into a partial file of ours that a later run continues
-(``HubClient.fetch_shard``).
+"""The Hugging Face Hub side of `pull`, on huggingface_hub's conventions (``HF_ENDPOINT``, ``HF_TOKEN`` or
+a saved login, ``HF_HUB_OFFLINE``, its URLs and HTTP session), every byte through convert/pull_http.py:
+streamed, bounded by the listing, with stall and overall deadlines.
 
-A revision is resolved once to a commit, and everything after is fetched at that commit, so a repo
-updated midway cannot mix two versions into one container. The Hub's errors become one-line
-``PullError``s that say what to do (a gated or private repo: set HF_TOKEN).
+A revision is resolved once to a commit (the listing, ``/api/models/REPO/revision/REV?blobs=true``: every
+file's size and, for LFS files, its sha256), and everything after is fetched at that commit, so a repo
+updated midway cannot mix two versions into one container. The listing is checked as input: a commit id
+that is one, sizes that are non-negative integers, sha256s that are 64 hex digits (anything else counts as
+not listed: a shard without a size or a sha256 is refused by pull_source.shard_names). The small files
+(config, tokenizer, template, index) are bounded by their listed size, and by ``SIDE_FILE_CAP`` whether
+listed or not; a shard by its listed size, into ``SHARD.part``, which a later run continues unless it is
+longer than listed (then it is deleted). The Hub's refusals are one-line ``PullError``s that say what to
+do (a gated or private repo: set HF_TOKEN).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
+import json
 import os
-from collections.abc import Callable, Iterator
+import re
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote
 
-from huggingface_hub import HfApi, constants, get_hf_file_metadata, hf_hub_download, hf_hub_url
-from huggingface_hub._local_folder import get_local_download_paths
-from huggingface_hub.errors import (
-    EntryNotFoundError,
-    GatedRepoError,
-    HfHubHTTPError,
-    HTTPError,
-    OfflineModeIsEnabled,
-    RepositoryNotFoundError,
-    RevisionNotFoundError,
-)
-from huggingface_hub.file_download import http_get
-from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
-from tqdm.auto import tqdm
+from huggingface_hub import hf_hub_url
+from huggingface_hub.utils import build_hf_headers
 
 from colibri_stream.checkpoint.files import TensorInfo, header_length, parse_header
-from colibri_stream.errors import ColibriError
+from colibri_stream.convert.pull_http import OFFLINE, Deadlines, HubHttp, OnBytes, PullError, endpoint, offline
+from colibri_stream.convert.pull_ids import check_commit, check_repo_id, check_revision
 from storage.errors import write_errors
+
+__all__ = ["HubClient", "HubFile", "PullError", "RepoSnapshot", "endpoint", "parse_shard_header"]
 
 HEADER_PREFETCH = 100_000  # bytes: most shard headers fit (huggingface_hub fetches the same first)
 CHUNK = 1 << 22
-PART = ".part"  # a shard's partial download, beside where it will be
-
-
-class PullError(ColibriError):
-    """The Hub refused or failed a request; the message says what to do."""
+PART = ".part"  # a download in progress, beside where it will be
+# The most pull takes for a config, tokenizer, chat template or shard index, listed or not: DeepSeek-V3's
+# index is 9 MB; the largest tokenizer.json of a well-known model (Gemma 3) is 33 MB.
+SIDE_FILE_CAP = 64 << 20
+LISTING_CAP = 64 << 20  # the repo listing's JSON (DeepSeek-V3's, with its 163 shards: ~40 KB)
+MAX_FILE_BYTES = 1 << 50  # a listed size past this (1 PiB) is not a file's size
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
 class HubFile:
     name: str
-    size: int
+    size: int  # bytes, as listed (0 when the listing gives none: see ``sized``)
     sha256: str | None  # LFS files (every shard: pull_source.shard_names): the content's sha256, as published
+    sized: bool = True  # the listing gave a size
 
     def check(self, path: Path) -> str | None:
         """Why the file at ``path`` is not this one (size, then sha256), or None when it is."""
@@ -76,156 +75,125 @@ class RepoSnapshot:
     modified_ns: int  # the commit's date: pull stamps downloaded files with it (reproducible containers)
 
 
-def endpoint() -> str:
-    """HF_ENDPOINT as set now (huggingface_hub reads it once, at import)."""
-    return os.environ.get("HF_ENDPOINT", constants.ENDPOINT).rstrip("/")
-
-
-def offline() -> bool:
-    return constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
-
-
-@contextlib.contextmanager
-def hub_errors(repo_id: str, what: str) -> Iterator[None]:
-    """The Hub's exceptions, as one line each that says what to do."""
+def parse_listing(repo_id: str, raw: bytes) -> RepoSnapshot:
+    """The Hub's repo info (JSON), checked: a commit id, a file list; sizes and sha256s kept only when valid."""
     try:
-        yield
-    except GatedRepoError:
-        raise PullError(
-            f"{repo_id} is gated: accept its terms on its Hub page, then set HF_TOKEN to a token of that account "
-            "(or run `hf auth login`)"
-        ) from None
-    except RepositoryNotFoundError:
-        raise PullError(
-            f"{repo_id}: no such repo on {endpoint()}, or it is private or gated: if you have access, set HF_TOKEN "
-            "(or run `hf auth login`)"
-        ) from None
-    except RevisionNotFoundError:
-        raise PullError(f"{repo_id}: {what}: no such revision") from None
-    except EntryNotFoundError:
-        raise PullError(f"{repo_id}: {what}: not in the repo") from None
-    except OfflineModeIsEnabled:
-        raise PullError("HF_HUB_OFFLINE is set: pull downloads from the Hub; unset it to continue") from None
-    except HfHubHTTPError as exc:
-        status = exc.response.status_code if exc.response is not None else "?"
-        raise PullError(f"{repo_id}: {what}: the Hub answered {status}; run the same command again to resume") from None
-    except HTTPError as exc:
-        raise PullError(
-            f"{repo_id}: {what}: network error talking to {endpoint()} ({type(exc).__name__}: {exc}); "
-            "run the same command again to resume"
-        ) from None
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise PullError(f"{repo_id}: the Hub's repo info is not JSON") from None
+    if not isinstance(data, dict):
+        raise PullError(f"{repo_id}: the Hub's repo info is not a JSON object")
+    commit = check_commit(repo_id, data.get("sha"))
+    siblings = data.get("siblings")
+    if not isinstance(siblings, list):
+        raise PullError(f"{repo_id}: the Hub's repo info has no file list ('siblings')")
+    files = {}
+    for sibling in siblings:
+        name = sibling.get("rfilename") if isinstance(sibling, dict) else None
+        if not isinstance(name, str):
+            raise PullError(f"{repo_id}: the Hub's file list has an entry without a file name ('rfilename')")
+        size, lfs = sibling.get("size"), sibling.get("lfs")
+        sha = lfs.get("sha256") if isinstance(lfs, dict) else None
+        sized = type(size) is int and 0 <= size <= MAX_FILE_BYTES
+        signed = isinstance(sha, str) and _SHA256.fullmatch(sha) is not None
+        files[name] = HubFile(name, int(size) if sized else 0, str(sha) if signed else None, sized)
+    return RepoSnapshot(repo_id, commit, files, _modified_ns(data.get("lastModified")))
+
+
+def _modified_ns(value: Any) -> int:
+    """The commit's date in ns since the epoch; 0 when the listing gives none that a file can carry."""
+    try:
+        stamp = int(datetime.fromisoformat(value).timestamp() * 1e9) if isinstance(value, str) else 0
+    except (ValueError, OverflowError, OSError):
+        return 0
+    return stamp if 0 <= stamp < 1 << 62 else 0
 
 
 class HubClient:
-    def __init__(self, repo_id: str, token: str | None = None):
-        self.repo_id = repo_id
+    def __init__(self, repo_id: str, token: str | None = None, deadlines: Deadlines | None = None):
+        self.repo_id = check_repo_id(repo_id)
         self.token = token  # None: huggingface_hub's own lookup (HF_TOKEN, then the saved login)
+        self.deadlines = deadlines or Deadlines()
+
+    def _http(self) -> HubHttp:
+        return HubHttp(self.repo_id, build_hf_headers(token=self.token), self.deadlines)
+
+    def _url(self, snapshot: RepoSnapshot, name: str) -> str:
+        return hf_hub_url(self.repo_id, name, revision=snapshot.commit, endpoint=endpoint())
 
     def snapshot(self, revision: str | None) -> RepoSnapshot:
         """The repo at ``revision`` (default: main) resolved to a commit, with every file's size and checksum."""
         if offline():
-            raise PullError("HF_HUB_OFFLINE is set: pull downloads from the Hub; unset it to continue")
-        with hub_errors(self.repo_id, f"revision {revision or 'main'}"):
-            info = HfApi(endpoint=endpoint(), token=self.token).model_info(
-                self.repo_id, revision=revision, files_metadata=True
-            )
-        if not info.sha or info.siblings is None:
-            raise PullError(f"{self.repo_id}: the Hub's repo info has no commit or file list")
-        files = {
-            s.rfilename: HubFile(s.rfilename, int(s.size or 0), s.lfs.sha256 if s.lfs else None) for s in info.siblings
-        }
-        modified = int(info.last_modified.timestamp() * 1e9) if info.last_modified else 0
-        return RepoSnapshot(self.repo_id, info.sha, files, modified)
+            raise PullError(OFFLINE)
+        url = f"{endpoint()}/api/models/{self.repo_id}"
+        if revision is not None:
+            url += f"/revision/{quote(check_revision(revision), safe='')}"
+        raw = self._http().read(url + "?blobs=true", f"revision {revision or 'main'}", LISTING_CAP)
+        return parse_listing(self.repo_id, raw)
 
     def download(self, snapshot: RepoSnapshot, name: str, local_dir: Path) -> Path:
-        """A small file (config, tokenizer, index) at the snapshot's commit into ``local_dir/name``, by
-        ``hf_hub_download``, stamped with the commit's date."""
-        with hub_errors(self.repo_id, name), write_errors(local_dir, "the download directory"):
-            path = Path(
-                hf_hub_download(
-                    self.repo_id,
-                    name,
-                    revision=snapshot.commit,
-                    local_dir=local_dir,
-                    endpoint=endpoint(),
-                    token=self.token,
-                )
+        """A small file (config, tokenizer, index) at the snapshot's commit into ``local_dir/name``, bounded
+        by its listed size and SIDE_FILE_CAP, stamped with the commit's date."""
+        file = snapshot.files[name]
+        if file.size > SIDE_FILE_CAP:
+            raise PullError(
+                f"{self.repo_id}: {name}: the Hub lists {file.size} bytes, more than the {SIDE_FILE_CAP} pull "
+                "takes for a config, tokenizer or index file"
             )
-        os.utime(path, ns=(snapshot.modified_ns, snapshot.modified_ns))
-        return path
+        target = local_dir / name
+        part = target.with_name(target.name + PART)
+        with write_errors(local_dir, "the download directory"):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            part.unlink(missing_ok=True)  # small: fetched whole each run
+            size = file.size if file.sized else None
+            self._http().download(self._url(snapshot, name), name, part, size, SIDE_FILE_CAP, lambda n: None)
+            os.replace(part, target)
+        os.utime(target, ns=(snapshot.modified_ns, snapshot.modified_ns))
+        return target
 
-    def fetch_shard(
-        self, snapshot: RepoSnapshot, name: str, local_dir: Path, counter: type[tqdm] | None = None
-    ) -> Path:
+    def fetch_shard(self, snapshot: RepoSnapshot, name: str, local_dir: Path, on_bytes: OnBytes) -> Path:
         """A shard into ``local_dir/name``, continuing ``name.part`` where an earlier run (or a dropped
-        connection) left it, with huggingface_hub's own HEAD (redirects, commit and size headers) and
-        ``http_get`` (Range from the partial size, retries). ``hf_hub_download`` itself would start over:
-        since huggingface_hub 1.x each process downloads into a file of its own and deletes it on failure."""
+        connection) left it, unless that holds more than the listed size (then it starts over); never
+        more than the listed size on disk (pull_http.HubHttp.download)."""
         target = local_dir / name
         if target.is_file():
             return target
+        size = snapshot.files[name].size
         part = target.with_name(target.name + PART)
-        url = hf_hub_url(self.repo_id, name, revision=snapshot.commit, endpoint=endpoint())
-        headers = build_hf_headers(token=self.token)
-        with hub_errors(self.repo_id, name), write_errors(local_dir, "the download directory"):
-            meta = get_hf_file_metadata(url, token=self.token, endpoint=endpoint(), retry_on_errors=True)
-            location = meta.location or url
-            if urlsplit(location).netloc != urlsplit(url).netloc:  # a CDN: the token stays with the Hub
-                headers.pop("authorization", None)
+        with write_errors(local_dir, "the download directory"):
             part.parent.mkdir(parents=True, exist_ok=True)
-            with open(part, "ab") as f:
-                http_get(
-                    location, f, resume_size=f.tell(), headers=headers, expected_size=meta.size, tqdm_class=counter
-                )
+            if part.is_file() and part.stat().st_size > size:
+                part.unlink()  # longer than listed: never continued
+            self._http().download(self._url(snapshot, name), name, part, size, size, on_bytes)
             os.replace(part, target)
         os.utime(target, ns=(snapshot.modified_ns, snapshot.modified_ns))
         return target
 
     @staticmethod
     def delete(local_dir: Path, name: str) -> None:
-        """A downloaded file, its partial download and huggingface_hub's bookkeeping of it."""
-        paths = get_local_download_paths(local_dir, name)
-        part = paths.file_path.with_name(paths.file_path.name + PART)
-        for path in (paths.file_path, part, paths.metadata_path, paths.lock_path):
+        """A downloaded file and its partial download."""
+        target = local_dir / name
+        for path in (target, target.with_name(target.name + PART)):
             path.unlink(missing_ok=True)
 
     def header(self, snapshot: RepoSnapshot, name: str) -> bytes:
-        """A shard's safetensors header (its JSON, without the 8-byte length), by Range requests."""
+        """A shard's safetensors header (its JSON, without the 8-byte length), by Range requests; never
+        more than the header's bytes in memory, whatever the server sends."""
         size = snapshot.files[name].size
-        url = hf_hub_url(self.repo_id, name, revision=snapshot.commit, endpoint=endpoint())
-        headers = build_hf_headers(token=self.token)
-        with hub_errors(self.repo_id, f"{name} (header)"):
-            first = self._get(url, headers, 0, min(size, HEADER_PREFETCH) - 1)
-            length = header_length(Path(name), first[:8], size)
-            if 8 + length <= len(first):
-                return first[8 : 8 + length]
-            return self._get(url, headers, 8, 8 + length - 1)
-
-    @staticmethod
-    def _get(url: str, headers: dict[str, str], start: int, end: int) -> bytes:
-        response = get_session().get(url, headers={**headers, "Range": f"bytes={start}-{end}"}, follow_redirects=True)
-        hf_raise_for_status(response)
-        data = response.content
-        if response.status_code == 200:  # a server that ignores Range: take the span from the whole body
-            data = data[start : end + 1]
-        return data
+        url = self._url(snapshot, name)
+        what = f"{name} (header)"
+        first = self._http().read(url, what, HEADER_PREFETCH, 0, max(8, min(size, HEADER_PREFETCH)) - 1)
+        length = header_length(Path(name), first[:8], size)
+        if 8 + length <= len(first):
+            return first[8 : 8 + length]
+        raw = self._http().read(url, what, length, 8, 8 + length - 1)
+        if len(raw) != length:
+            raise PullError(
+                f"{self.repo_id}: {what}: {len(raw)} of its {length} bytes came; run the same command again"
+            )
+        return raw
 
 
 def parse_shard_header(name: str, raw: bytes, size: int, local: Path) -> dict[str, TensorInfo]:
     """A fetched header, checked as a shard on disk would be (every span inside a file of ``size`` bytes)."""
     return parse_header(local / name, raw, size)
-
-
-def counting_tqdm(add: Callable[[int], Any]) -> type[tqdm]:
-    """A silent tqdm class that reports each downloaded chunk to ``add`` (huggingface_hub's progress hook)."""
-
-    class Counting(tqdm):
-        def __init__(self, *args: Any, **kwargs: Any):
-            kwargs["disable"] = True
-            super().__init__(*args, **kwargs)
-
-        def update(self, n: float | None = 1) -> bool | None:
-            add(int(n or 0))
-            return super().update(n)
-
-    return Counting

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 
-from colibri_stream.convert.pull_hub import HubClient, PullError, RepoSnapshot, counting_tqdm
+from colibri_stream.convert.pull_hub import HubClient, PullError, RepoSnapshot
 
 ATTEMPTS = 3  # downloads of one shard whose checksum does not match, before giving up
 
@@ -42,7 +42,6 @@ class DownloadQueue:
         self._lock = threading.Lock()
         self.downloaded = 0  # body bytes received by this run
         self.refetched: list[str] = []
-        self._counter = counting_tqdm(self._add)
 
     def _add(self, n: int) -> None:
         with self._lock:
@@ -80,7 +79,7 @@ class DownloadQueue:
         expected = self.snapshot.files[name]
         why = ""
         for _ in range(ATTEMPTS):
-            path = self.client.fetch_shard(self.snapshot, name, self.local, self._counter)
+            path = self.client.fetch_shard(self.snapshot, name, self.local, self._add)
             why = expected.check(path) or ""
             if not why:
                 return path

@@ -49,6 +49,9 @@ def shard_names(local: Path, snapshot: RepoSnapshot) -> list[str]:
     missing = [name for name in names if name not in snapshot.files]
     if missing:
         raise PullError(f"{snapshot.repo_id}: {INDEX_FILE} names {missing[0]}, which is not in the repo")
+    unsized = [name for name in names if not snapshot.files[name].sized]
+    if unsized:
+        raise PullError(f"{snapshot.repo_id}: {unsized[0]} has no size in the Hub's listing")
     unsigned = [name for name in names if not snapshot.files[name].sha256]
     if unsigned:
         raise PullError(f"{snapshot.repo_id}: {unsigned[0]} has no sha256 on the Hub (not an LFS file)")

@@ -16,6 +16,13 @@ connection after N bytes of a file's body (the first K times it is fetched), ser
 flipped (the first K times), throttle the body rate so a kill lands
 mid-download (whole-file GETs only). Every request is logged with the body bytes it sent, so a test can count what was
 downloaded and see that no weight file was asked for.
+
+Hostile modes (a Hub that does not keep to its own listing; `pull` must stay within it): answer Range
+requests with 200 and the whole body (``ignore_range``); send a file as a longer body than listed, or an
+endless one, without a Content-Length (``oversize``); list a file at another size or with none
+(``listed``); drip a file's body one byte at a time (``drip``, seconds per byte; whole-file GETs); answer a
+file's URL with a redirect to a given Location (``redirect``); answer a file with a status
+(``status``). The bodies are generated as they are sent, never held whole.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import re
 import threading
 import time
@@ -32,10 +40,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+from huggingface_hub import constants as hf_constants
+
 CHUNK = 16 << 10
-# `python -c SCALED_CHUNK_CLI <command> ...`: the CLI with huggingface_hub writing downloads in 1 KiB
-# pieces instead of 10 MB (0.2% of a 4.3 GB DeepSeek-V3 shard; 1 KiB is 2% of the fixture's ~48 KB shards),
-# so a killed pull keeps about what it would keep at full scale instead of losing the whole tiny shard.
+# `python -c SCALED_CHUNK_CLI <command> ...`: the CLI with huggingface_hub's DOWNLOAD_CHUNK_SIZE at 1 KiB.
+# pull's downloads (convert/pull_http.py) now write every read as it arrives, so a killed pull keeps what it
+# received whatever that constant is; the kill tests keep the launcher so they run as before.
 SCALED_CHUNK_CLI = (
     "import sys; import huggingface_hub.constants as c; c.DOWNLOAD_CHUNK_SIZE = 1024; "
     "from colibri_stream.cli import main; sys.exit(main(sys.argv[1:]))"
@@ -63,6 +73,12 @@ class Faults:
     drop_after: dict[str, tuple[int, int]] = field(default_factory=dict)  # file -> (body bytes sent, times)
     corrupt: dict[str, int] = field(default_factory=dict)  # file -> times served with a flipped byte
     bytes_per_s: float | None = None  # body rate of every response (None: as fast as it goes)
+    ignore_range: bool = False  # Range requests answered 200 with the whole body
+    oversize: dict[str, int | None] = field(default_factory=dict)  # file -> body bytes sent (None: endless)
+    listed: dict[str, int | None] = field(default_factory=dict)  # file -> size the listing gives (None: none)
+    drip: dict[str, float] = field(default_factory=dict)  # file -> seconds per body byte (whole-file GETs)
+    redirect: dict[str, str] = field(default_factory=dict)  # file -> Location of a 302 answering its URL
+    status: dict[str, int] = field(default_factory=dict)  # file -> status its URL answers with, no body
 
 
 @dataclass(frozen=True)
@@ -129,6 +145,34 @@ class FakeHub:
         return {e.path.split("/resolve/", 1)[1].split("/", 1)[1] for e in self.log if "/resolve/" in e.path}
 
 
+class HubEnv:
+    """HF_ENDPOINT at a fake Hub and a private HF_HOME, for this process and its children; online even
+    where an earlier test of the session left huggingface_hub offline (lm-eval's check runs offline)."""
+
+    def __init__(self, hub: FakeHub, root: Path, token: str | None = None):
+        self.values = {"HF_ENDPOINT": hub.url, "HF_HOME": str(root / "hf-home"), "HF_TOKEN": token}
+        self.values["HF_HUB_OFFLINE"] = None
+        self.saved: dict[str, str | None] = {}
+        self.offline = hf_constants.HF_HUB_OFFLINE
+
+    def __enter__(self) -> None:
+        hf_constants.HF_HUB_OFFLINE = False
+        for key, value in self.values.items():
+            self.saved[key] = os.environ.get(key)
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+    def __exit__(self, *exc: object) -> None:
+        hf_constants.HF_HUB_OFFLINE = self.offline
+        for key, value in self.saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 _INFO = re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+?)(?:/revision/(?P<rev>[^/]+))?$")
 _RESOLVE = re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<path>.+)$")
 
@@ -188,10 +232,11 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             for name, data in repo.files.items():
                 sibling: dict[str, Any] = {"rfilename": name}
                 if blobs:
-                    sibling.update(size=len(data), blobId=git_blob_sha1(data))
+                    size = hub.faults.listed.get(name, len(data))
+                    sibling.update(blobId=git_blob_sha1(data), **({} if size is None else {"size": size}))
                     if is_lfs(name):
                         sha = hashlib.sha256(data).hexdigest()
-                        sibling["lfs"] = {"sha256": sha, "size": len(data), "pointerSize": 134}
+                        sibling["lfs"] = {"sha256": sha, "size": size, "pointerSize": 134}
                 siblings.append(sibling)
             info = {
                 "_id": repo.commit[:24],
@@ -215,6 +260,14 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             data = repo.files.get(name)
             if data is None:
                 return self._error(404, "EntryNotFound", f"{name} does not exist on {rev}")
+            if name in hub.faults.redirect:
+                self._send(302, b"", {"Location": hub.faults.redirect[name]}, False)
+                return 302
+            if name in hub.faults.status:
+                self._send(hub.faults.status[name], b"", {}, False)
+                return hub.faults.status[name]
+            if name in hub.faults.oversize:
+                return self._hostile_body(data, hub.faults.oversize[name], body)
             headers = {"X-Repo-Commit": repo.commit, "Accept-Ranges": "bytes", "ETag": f'"{git_blob_sha1(data)}"'}
             if is_lfs(name):
                 sha = hashlib.sha256(data).hexdigest()
@@ -225,15 +278,54 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 flipped[len(data) // 2] ^= 0x40
                 data = bytes(flipped)
             start, end, status = 0, len(data), 200
-            wanted = self.headers.get("Range")
+            wanted = None if hub.faults.ignore_range else self.headers.get("Range")
             if wanted and (match := re.fullmatch(r"bytes=(\d+)-(\d*)", wanted.strip())):
                 start = int(match[1])
                 end = min(len(data), int(match[2]) + 1) if match[2] else len(data)
                 status = 206
                 headers["Content-Range"] = f"bytes {start}-{end - 1}/{len(data)}"
             drop = hub.take_fault(hub.faults.drop_after, name) if whole else None
+            if whole and name in hub.faults.drip:
+                self._drip(data, hub.faults.drip[name], headers)
+                return status
             self._send(status, data[start:end], headers, body, drop[0] if drop else None, whole)
             return status
+
+        def _hostile_body(self, data: bytes, total: int | None, body: bool) -> int:
+            """``data`` then filler, ``total`` bytes in all (None: until the client hangs up), from the
+            Range's start unless ``ignore_range``; no Content-Length: the body ends when the connection does."""
+            start, status = 0, 200
+            wanted = None if hub.faults.ignore_range else self.headers.get("Range")
+            if wanted and (match := re.fullmatch(r"bytes=(\d+)-(\d*)", wanted.strip())):
+                start, status = int(match[1]), 206
+            self.send_response(status)
+            if status == 206:
+                self.send_header("Content-Range", f"bytes {start}-{(total or 1 << 40) - 1}/*")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.close_connection = True
+            position = start
+            filler = bytes(range(256)) * (CHUNK // 256)
+            while body and (total is None or position < total):
+                chunk = data[position : position + CHUNK] if position < len(data) else filler
+                if total is not None:
+                    chunk = chunk[: total - position]
+                self.wfile.write(chunk)
+                position += len(chunk)
+                self.sent += len(chunk)
+            return status
+
+        def _drip(self, data: bytes, seconds_per_byte: float, headers: dict[str, str]) -> None:
+            self.send_response(200)
+            for key, value in headers.items():
+                self.send_header(key, value)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            for i in range(len(data)):
+                self.wfile.write(data[i : i + 1])
+                self.wfile.flush()
+                self.sent += 1
+                time.sleep(seconds_per_byte)
 
         def _error(self, status: int, code: str, message: str) -> int:
             payload = json.dumps({"error": message}).encode()

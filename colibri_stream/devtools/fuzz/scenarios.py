@@ -393,6 +393,7 @@ class Scenario:
     entries: tuple[str, ...]
     function: str
     params: Any  # () -> the hypothesis strategy of the parameters
+    module: str = __name__  # where ``function`` is (hub_surface.py's scenario lives there)
 
     def draw(self) -> st.SearchStrategy[dict[str, Any]]:
         strategy: st.SearchStrategy[dict[str, Any]] = self.params()
@@ -407,7 +408,7 @@ class Scenario:
             mutation=[drawn],
             mutated=sorted({str(k) for k in _flag_names(drawn)}),
             kind="call",
-            target=f"{__name__}:{self.function}",
+            target=f"{self.module}:{self.function}",
             args=[str(case_dir), json.dumps(drawn), canary],
             timeout_s=SCENARIO_TIMEOUT_S,
         )
