@@ -176,6 +176,7 @@ class TurnOptions:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     session: str | None = None  # continue (or start) this named conversation
     reset: bool = False  # forget the session's stored positions first
+    tenant: str | None = None  # whose prefix-cache blocks the turn sees (serve: derived from the API key)
     stop_ids: tuple[int, ...] = ()  # e.g. Runtime.stop_ids for chat; run generates max_new_tokens
     sync_every: int = 0  # also persist the session every N generated tokens (0: at the end only)
     on_token: Callable[[int], None] | None = None  # sees each generated id as it is sampled
@@ -240,7 +241,7 @@ def begin_turn(
     check_prompt(runtime, prompt_ids)
     # prompt logprobs: every position of a turn without a session is computed
     reuse = options.session is not None or options.prompt_logprobs is None
-    kv = runtime.kv.open(options.session, options.reset, pool, reuse_prefix=reuse)
+    kv = runtime.kv.open(options.session, options.reset, pool, reuse_prefix=reuse, tenant=options.tenant)
     try:
         restored = kv.restore(prompt_ids)
         cache = restored.cache
