@@ -46,9 +46,14 @@ BAD_TRACEBACK, BAD_HANG, BAD_MEMORY, BAD_CRASH, BAD_PATH, BAD_LINES, BAD_HTTP = 
 # differ from the same turns run with the same flags in a fresh session, an acknowledged turn missing
 # from the transcript or the KV log, a write outside the KV directory (canary changed).
 BAD_RESUME, BAD_LOST = "wrong-resume", "lost-turn"
+# A KV pack import that let through values the model does not produce (pack_scenario.py): NaN, infinite,
+# huge or random values imported, or tokens changed by a pack that was honest or verified whole.
+BAD_POISON = "poisoned"
 SCENARIO_BAD_EXIT = 4  # a scenario's exit status when it prints "BAD <kind>: <detail>"
 SCENARIO_SKIP_EXIT, SKIPPED = 5, "skipped"  # a scenario this machine cannot run (no root for a mount)
-BAD = frozenset({BAD_TRACEBACK, BAD_HANG, BAD_MEMORY, BAD_CRASH, BAD_PATH, BAD_LINES, BAD_HTTP, BAD_RESUME, BAD_LOST})
+BAD = frozenset(
+    {BAD_TRACEBACK, BAD_HANG, BAD_MEMORY, BAD_CRASH, BAD_PATH, BAD_LINES, BAD_HTTP, BAD_RESUME, BAD_LOST, BAD_POISON}
+)
 
 
 @dataclass

@@ -393,6 +393,7 @@ class Scenario:
     entries: tuple[str, ...]
     function: str
     params: Any  # () -> the hypothesis strategy of the parameters
+    module: str = __name__  # where ``function`` is (pack_scenario.py's own surface)
 
     def draw(self) -> st.SearchStrategy[dict[str, Any]]:
         strategy: st.SearchStrategy[dict[str, Any]] = self.params()
@@ -407,7 +408,7 @@ class Scenario:
             mutation=[drawn],
             mutated=sorted({str(k) for k in _flag_names(drawn)}),
             kind="call",
-            target=f"{__name__}:{self.function}",
+            target=f"{self.module}:{self.function}",
             args=[str(case_dir), json.dumps(drawn), canary],
             timeout_s=SCENARIO_TIMEOUT_S,
         )
@@ -415,7 +416,7 @@ class Scenario:
 
 def _flag_names(drawn: dict[str, Any]) -> list[str]:
     """What a refusal may name: the flags a state change set (the session's name too)."""
-    names = ["talk", "'s'", "kv", "colibri-tmpfs"]  # the session, its directory, the case's small disk
+    names = ["talk", "'s'", "kv", "colibri-tmpfs", "pack.kvpack"]  # session, its directory, small disk, pack
     for side in ("first", "second"):
         names += [flag for flag, value in drawn.get(side, {}).items() if value is not None]
     return names

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from colibri_stream.devtools.fuzz import mutations as mut
 from colibri_stream.devtools.fuzz.bases import PROMPT_IDS, SESSION, copy_case
 from colibri_stream.devtools.fuzz.harness import Case
+from colibri_stream.devtools.fuzz.pack_scenario import PACK_SCENARIO
 from colibri_stream.devtools.fuzz.scenarios import SCENARIOS, Scenario
 from colibri_stream.devtools.fuzz.templates import hostile_template
 
@@ -347,3 +348,4 @@ SURFACES: dict[str, Surface | Scenario] = {
     )
 }  # fmt: skip
 SURFACES.update(SCENARIOS)  # the multi-step ones: state changes between runs, concurrent writers, full disks
+SURFACES[PACK_SCENARIO.name] = PACK_SCENARIO  # KV packs edited, imported, then run
