@@ -176,7 +176,6 @@ class TurnOptions:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     session: str | None = None  # continue (or start) this named conversation
     reset: bool = False  # forget the session's stored positions first
-    tenant: str | None = None  # whose prefix-cache blocks the turn sees (serve: derived from the API key)
     stop_ids: tuple[int, ...] = ()  # e.g. Runtime.stop_ids for chat; run generates max_new_tokens
     sync_every: int = 0  # also persist the session every N generated tokens (0: at the end only)
     on_token: Callable[[int], None] | None = None  # sees each generated id as it is sampled
@@ -185,6 +184,7 @@ class TurnOptions:
     # also every prompt token's (GenerationRequest.prompt_logprobs): the whole prompt must be computed,
     # so no stored or cached prefix may be reused for such a turn
     prompt_logprobs: int | None = None
+    tenant: str | None = None  # whose prefix-cache blocks the turn sees (serve: derived from the API key)
 
 
 @dataclass

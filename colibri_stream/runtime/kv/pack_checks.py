@@ -73,7 +73,7 @@ class Recompute:
         return family_of(self.args).kv_log.log_row_widths()
 
     def new_cache(self) -> Cache:
-        cache = self.model.new_cache()
+        cache: Cache = self.model.new_cache()
         cache.log_view().release(0)  # keep every row: they are what is compared
         return cache
 
