@@ -32,6 +32,11 @@ class KVLogFormat(Protocol):
         """A record's row widths (values), in record order."""
         ...
 
+    def log_row_layers(self) -> list[tuple[int, str]]:
+        """A record's rows as (layer, row name), in record order: what a refusal names. Layer 0's rows are
+        projections of its input, the token's embedding: they depend on the token and position only."""
+        ...
+
     def cache_from_log(self, rows: list[torch.Tensor], dtype: torch.dtype) -> Cache:
         """The one-sequence cache of logged ``rows`` (float32 [1, n, width] each, record order) in ``dtype``."""
         ...
@@ -133,6 +138,10 @@ class MLALog:
         latent = [args.kv_lora_rank, args.qk_rope_head_dim] * args.n_layers
         return latent + [args.index_head_dim] * len(self.index_layers)
 
+    def log_row_layers(self) -> list[tuple[int, str]]:
+        latent = [(i, row) for i in range(self.args.n_layers) for row in ("latent", "rope key")]
+        return latent + [(i, "indexer key") for i in self.index_layers]
+
     def cache_from_log(self, rows: list[torch.Tensor], dtype: torch.dtype) -> KVCache:
         """Latent and roped key in ``dtype``; the indexer keys stay float32 (as KVCache holds them)."""
         if rows[0].shape[1] == 0:
@@ -185,6 +194,9 @@ class V4Log:
 
     def log_row_widths(self) -> list[int]:
         return [width for rows in self._layer_rows() for width in rows.values()]
+
+    def log_row_layers(self) -> list[tuple[int, str]]:
+        return [(i, name) for i, rows in enumerate(self._layer_rows()) for name in rows]
 
     def cache_from_log(self, rows: list[torch.Tensor], dtype: torch.dtype) -> V4Cache:
         """Its compressed entries are rebuilt by the next forward call."""

@@ -34,7 +34,7 @@ examples:
   colibri-stream kv rm MODEL.cstream chat          # refused while another process has it open
   colibri-stream kv prefix MODEL.cstream           # the shared prefix cache: blocks, tokens, bytes
   colibri-stream kv export MODEL.cstream agent.kvpack --prompt-file preamble.txt
-  colibri-stream kv import MODEL.cstream agent.kvpack   # on another machine: the preamble is not recomputed
+  colibri-stream kv import MODEL.cstream agent.kvpack --verify 16   # elsewhere: values checked, 32 recomputed
 A session whose header is damaged is listed as "corrupt header"; `kv rm` (or run --reset) clears it.
 exit status: 0 on success, 1 for an unknown session or one in use, 2 on bad flags."""
 

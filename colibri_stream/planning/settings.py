@@ -202,6 +202,11 @@ SETTINGS: tuple[Setting, ...] = (
         "computes (--no-prefix-cache computes every prompt whole)",
     ),
     Setting(
+        "prefix_shared", "prefix.shared", "--shared-prefix-cache", Kind.SWITCH, owner=PrefixConfig, target="shared",
+        group="prefix", help="`serve` with API keys: one prefix cache for every key (one user's several keys); "
+        "off, each key's cached prefixes are its own, so no key learns what another's prompts began with",
+    ),
+    Setting(
         "default_max_tokens", "serve.default_max_tokens", "--default-max-tokens", Kind.COUNT, default=4096, low=1,
         unit="tokens", metavar="N", group="serve",
         help="answer length of a request that sets none (max_tokens, max_completion_tokens, max_output_tokens): "

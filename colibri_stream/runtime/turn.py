@@ -186,6 +186,7 @@ class TurnOptions:
     # so no stored or cached prefix may be reused for such a turn
     prompt_logprobs: int | None = None
     constraint: TokenConstraint | None = None  # what the answer may be (runtime/constraint.py); one turn's own
+    tenant: str | None = None  # whose prefix-cache blocks the turn sees (serve: derived from the API key)
 
 
 @dataclass
@@ -242,7 +243,7 @@ def begin_turn(
     check_prompt(runtime, prompt_ids)
     # prompt logprobs: every position of a turn without a session is computed
     reuse = options.session is not None or options.prompt_logprobs is None
-    kv = runtime.kv.open(options.session, options.reset, pool, reuse_prefix=reuse)
+    kv = runtime.kv.open(options.session, options.reset, pool, reuse_prefix=reuse, tenant=options.tenant)
     try:
         restored = kv.restore(prompt_ids)
         cache = restored.cache

@@ -7,7 +7,8 @@ single-tenant: anyone who can reach it can use (and truncate) any session by nam
 (``serve --api-key``, or COLIBRI_API_KEYS), every /v1 request must carry one (``Authorization: Bearer
 KEY`` or ``x-api-key: KEY``), and a session name names a session of *its key only*: the session's file
 name is derived from a hash of the key and the name, so no name reaches another key's conversations,
-and ``reused_tokens`` only ever counts the caller's own positions.
+and ``reused_tokens`` only ever counts the caller's own positions. The prefix cache is per key too
+(``tenant_id``: the namespace of a key's blocks), unless the operator shares it (``--shared-prefix-cache``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 from collections.abc import Iterable, Mapping
 
 from colibri_stream.errors import ColibriError
+from colibri_stream.runtime.kv.prefix_cache import tenant_of_key
 from colibri_stream.serve.schemas import ApiError
 
 API_KEYS_ENV = "COLIBRI_API_KEYS"  # comma-separated, added to the --api-key flags
@@ -75,6 +77,12 @@ class ApiKeys:
             return user
         digest = hashlib.sha256(key + b"\0" + user.encode()).hexdigest()[:32]
         return f"{user[:USER_PREFIX_CHARS]}-{digest}"
+
+
+def tenant_id(key: bytes | None) -> str | None:
+    """Whose prefix-cache blocks a request with API key ``key`` sees (prefix_cache.tenant_of_key: a digest,
+    never the key itself, is what block headers record); None without keys."""
+    return None if key is None else tenant_of_key(key)
 
 
 def _presented_key(headers: Mapping[str, str]) -> bytes | None:

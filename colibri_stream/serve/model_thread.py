@@ -24,6 +24,7 @@ from colibri_stream.runtime.constraint import TokenConstraint
 from colibri_stream.runtime.kv.pool import SessionPool
 from colibri_stream.runtime.sampling import SamplingParams
 from colibri_stream.runtime.turn import OpenTurn, Runtime, TurnOptions, abort_turn, begin_turn, finish_turn
+from colibri_stream.serve.auth import tenant_id
 from colibri_stream.serve.schemas import ApiError
 from colibri_stream.text.chat_format import IncrementalDecoder
 from storage.errors import DiskFullError, DiskWriteError, StorageError
@@ -207,6 +208,7 @@ class ModelThread:
             job.max_tokens,
             job.sampling,
             job.session,
+            tenant=tenant_id(job.owner),  # each API key's prefix-cache blocks are its own
             stop_ids=self.runtime.stop_ids,
             sync_every=self.sync_every,
             on_token=on_token,

@@ -43,6 +43,10 @@ class PrefixConfig:
     # in float32 records, so this holds a dozen of them
     disk_bytes: int = 8 << 30
     enabled: bool = True
+    # with API keys, every key's prefixes are its own (another key's blocks are not found); shared: one
+    # namespace for all keys, for one user's several keys (an operator's choice: a key then learns, from
+    # cached tokens or timing, what other keys' prompts began with)
+    shared: bool = False
 
 
 @dataclass(frozen=True)

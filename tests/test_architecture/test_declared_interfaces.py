@@ -139,7 +139,8 @@ def test_the_source_protocols_are_narrow():
 def test_a_family_is_its_construction_its_log_format_and_its_geometry():
     """The memory estimates are planning's (colibri_stream/planning/family_memory.py), from the geometry."""
     assert set(_members(Family)) == {"args", "swiglu_limit", "model", "kv_log", "geometry"}
-    log = {"log_record", "log_row_widths", "cache_from_log", "session_log_record", "cache_from_snapshot"}
+    log = {"log_record", "log_row_widths", "log_row_layers", "cache_from_log", "session_log_record"}
+    log |= {"cache_from_snapshot"}
     assert set(_members(KVLogFormat)) == log
 
 

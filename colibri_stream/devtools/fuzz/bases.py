@@ -1,7 +1,7 @@
 """The valid inputs every mutation starts from, built once per run: the tiny deepseek_v32 checkpoint
 (DSA, so KV records carry indexer keys), its int4 container, a session's KV log, a usage history, a
-routing trace and a budget file — the last three written by real ``run`` commands, so they are what
-the product itself writes. Each case copies what its surface needs into its own directory."""
+routing trace, a budget file and a KV pack — the last four written by real ``run`` and ``kv export``
+commands, so they are what the product itself writes. Each case copies what its surface needs into its own directory."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from colibri_stream.devtools.fuzz.harness import Case, Worker, judge
 FAMILY = "deepseek_v32"
 SESSION = "s"
 PROMPT_IDS = "5,6,7,8"
+PACK = "pack.kvpack"  # a KV pack of two blocks, written by `kv export` (pack_scenario.py)
+PACK_IDS = ",".join(str(5 + i) for i in range(130))
 BUDGET_TOML = """\
 [memory]
 ram = "50%"
@@ -30,7 +32,7 @@ history = "history.json"
 """
 
 # What a case directory may hold, each copied from the base of the same name.
-ENTRIES = ("ckpt", "container", "kv", "history.json", "trace.jsonl", "budget.toml")
+ENTRIES = ("ckpt", "container", "kv", "history.json", "trace.jsonl", "budget.toml", PACK)
 
 
 def build(root: Path, worker: Worker, checkpoint: Path | None = None, container: Path | None = None) -> Path:
@@ -51,6 +53,11 @@ def build(root: Path, worker: Worker, checkpoint: Path | None = None, container:
     (base / "budget.toml").write_text(BUDGET_TOML)
     _must(worker, base, ["run", "container", "--ids", PROMPT_IDS, "--max-new-tokens", "3", "--budget", "budget.toml",
                          "--kv-dir", "kv", "--session", SESSION, "--trace", "trace.jsonl", "--json"])  # fmt: skip
+    _must(
+        worker, base, ["run", "container", "--ids", PACK_IDS, "--max-new-tokens", "1", "--kv-dir", "pack-kv", "--json"]
+    )
+    _must(worker, base, ["kv", "export", "container", PACK, "--ids", PACK_IDS, "--kv-dir", "pack-kv", "--json"])
+    shutil.rmtree(base / "pack-kv")
     _write_index(base / "ckpt")
     for entry in ENTRIES:
         assert (base / entry).exists(), f"base input {entry} was not written"

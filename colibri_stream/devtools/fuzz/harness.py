@@ -49,12 +49,15 @@ BAD_RESUME, BAD_LOST = "wrong-resume", "lost-turn"
 # What the Hub-responses surface (hub_surface.py) finds: a download directory that held more than the
 # Hub's listing allows, or a pull that the same command against an honest Hub cannot finish afterwards.
 BAD_LISTING, BAD_STUCK = "over-listing", "no-recovery"
+# A KV pack import that let through values the model does not produce (pack_scenario.py): NaN, infinite,
+# huge or random values imported, or tokens changed by a pack that was honest or verified whole.
+BAD_POISON = "poisoned"
 SCENARIO_BAD_EXIT = 4  # a scenario's exit status when it prints "BAD <kind>: <detail>"
 SCENARIO_SKIP_EXIT, SKIPPED = 5, "skipped"  # a scenario this machine cannot run (no root for a mount)
 BAD = frozenset(
     {
         BAD_TRACEBACK, BAD_HANG, BAD_MEMORY, BAD_CRASH, BAD_PATH, BAD_LINES, BAD_HTTP, BAD_RESUME, BAD_LOST,
-        BAD_LISTING, BAD_STUCK,
+        BAD_LISTING, BAD_STUCK, BAD_POISON,
     }
 )  # fmt: skip
 

@@ -393,7 +393,7 @@ class Scenario:
     entries: tuple[str, ...]
     function: str
     params: Any  # () -> the hypothesis strategy of the parameters
-    module: str = __name__  # where ``function`` is (hub_surface.py's scenario lives there)
+    module: str = __name__  # where ``function`` is (hub_surface.py's and pack_scenario.py's live there)
 
     def draw(self) -> st.SearchStrategy[dict[str, Any]]:
         strategy: st.SearchStrategy[dict[str, Any]] = self.params()
@@ -416,7 +416,7 @@ class Scenario:
 
 def _flag_names(drawn: dict[str, Any]) -> list[str]:
     """What a refusal may name: the flags a state change set (the session's name too)."""
-    names = ["talk", "'s'", "kv", "colibri-tmpfs"]  # the session, its directory, the case's small disk
+    names = ["talk", "'s'", "kv", "colibri-tmpfs", "pack.kvpack"]  # session, its directory, small disk, pack
     for side in ("first", "second"):
         names += [flag for flag, value in drawn.get(side, {}).items() if value is not None]
     return names

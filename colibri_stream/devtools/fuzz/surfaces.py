@@ -20,6 +20,7 @@ from colibri_stream.devtools.fuzz import mutations as mut
 from colibri_stream.devtools.fuzz.bases import PROMPT_IDS, SESSION, copy_case
 from colibri_stream.devtools.fuzz.harness import Case
 from colibri_stream.devtools.fuzz.hub_surface import HUB_SCENARIOS
+from colibri_stream.devtools.fuzz.pack_scenario import PACK_SCENARIO
 from colibri_stream.devtools.fuzz.scenarios import SCENARIOS, Scenario
 from colibri_stream.devtools.fuzz.templates import hostile_template
 
@@ -349,3 +350,4 @@ SURFACES: dict[str, Surface | Scenario] = {
 }  # fmt: skip
 SURFACES.update(SCENARIOS)  # the multi-step ones: state changes between runs, concurrent writers, full disks
 SURFACES.update(HUB_SCENARIOS)  # `pull` against a Hub that breaks its own listing
+SURFACES[PACK_SCENARIO.name] = PACK_SCENARIO  # KV packs edited, imported, then run

@@ -19,12 +19,16 @@ pool            sessions held open with their cache between turns (pool.py; serv
 prefix cache    prompt prefixes' KV shared by every turn of a model (prefix_cache.py), in blocks
   block         64 positions' records keyed by a hash chain over the prefix (storage/kv/prefix_blocks.py),
                 held in RAM and a directory (storage/kv/prefix_store.py)
-  pack          a file of one prefix's blocks, `kv export` / `kv import` (packs.py, storage/kv/pack.py)
+  tenant        whose blocks they are: an id derived from an API key (none without keys), folded into the
+                hash chain, so a key finds its own blocks only (unless the operator shares them)
+  pack          a file of one prefix's blocks, `kv export` / `kv import` (packs.py, storage/kv/pack.py),
+                its values checked against the model before import (pack_checks.py)
+  origin        where an imported block's values came from (the pack, its digest, the time): its header
 restore         build a cache from stored positions; the RestoredPrefix is what a turn starts from, its
                 length the turn's reused_tokens
 commit          persist a turn's positions: blocks remembered, the log appended (fsynced)
 sync            append the log mid-turn (sync_every); remember: add blocks to the prefix cache
 
 Rooms, lowest first: records.py (cache <-> payloads, RestoredPrefix); lock.py, transcript.py; logs.py;
-sessions.py; pool.py, prefix_cache.py; packs.py; front.py (Persistence, KVState).
+sessions.py; pool.py, prefix_cache.py; pack_checks.py; packs.py; front.py (Persistence, KVState).
 """

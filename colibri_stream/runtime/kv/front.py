@@ -3,7 +3,8 @@
 of colibri_stream/runtime/kv/ is the turn's business (the words: __init__.py).
 
     Persistence (one per model)      where its sessions live, the prefix cache, what values depend on
-      .open(session, reset, pool)    -> KVState: the session locked (taken from the pool, or its log opened)
+      .open(session, reset, pool,    -> KVState: the session locked (taken from the pool, or its log opened),
+            tenant)                     and whose prefixes the turn sees (None: no API key's, or shared)
     KVState (one per turn)
       .restore(prompt_ids)           the longest reusable prefix: the session's (pool memory or log), else
                                      the prefix cache's blocks when they hold more of the prompt
@@ -50,6 +51,7 @@ class Persistence:
     record_dtype: str = "float32"
     activations: str = DEFAULT_ACTIVATIONS
     prefix: PrefixCache | None = None
+    shared_prefix: bool = False  # every tenant's turns see one namespace of prefixes (PrefixConfig.shared)
 
     @property
     def compute_dtype(self) -> str:
@@ -69,28 +71,35 @@ class Persistence:
     ) -> Persistence:
         """With the prefix cache opened when ``prefix`` enables it (blocks computed in another dtype or on
         another activation path are other blocks)."""
-        made = cls(kv_dir, fingerprint, args, new_cache, dtype, record_dtype, activations)
+        made = cls(kv_dir, fingerprint, args, new_cache, dtype, record_dtype, activations, shared_prefix=prefix.shared)
         if prefix.enabled:
             state = session_state(made.compute_dtype, activations)
             made.prefix = PrefixCache.open(kv_dir, fingerprint, args, record_dtype, state, prefix)
         return made
 
     def open(
-        self, session: str | None, reset: bool = False, pool: SessionPool | None = None, reuse_prefix: bool = True
+        self,
+        session: str | None,
+        reset: bool = False,
+        pool: SessionPool | None = None,
+        reuse_prefix: bool = True,
+        tenant: str | None = None,
     ) -> KVState:
         """A turn's KVState: ``session`` taken from ``pool`` (its KV still in memory: nothing read) or its log
         opened and locked (``reset``: started over, a damaged header included); None: no session.
         ``reuse_prefix`` False: a turn without a session restores nothing from the prefix cache (prompt
-        logprobs: every position computed)."""
+        logprobs: every position computed). ``tenant``: whose prefixes it restores and remembers (an id
+        derived from the request's API key; None without keys), unless the prefix cache is shared."""
+        tenant = None if self.shared_prefix else tenant
         if session is None:
-            return KVState(self, None, reuse_prefix=reuse_prefix)
+            return KVState(self, None, reuse_prefix=reuse_prefix, tenant=tenant)
         held = pool.take(session) if pool is not None else None
         if held is not None:
             if reset:
                 held.session.reset()
                 held.cache.trim(0)
                 held.ids.clear()
-            return KVState(self, held.session, held)
+            return KVState(self, held.session, held, tenant=tenant)
         opened = Session(
             self.kv_dir,
             session,
@@ -101,18 +110,20 @@ class Persistence:
             reset=reset,
             activations=self.activations,
         )
-        return KVState(self, opened)
+        return KVState(self, opened, tenant=tenant)
 
 
 @dataclass
 class KVState:
     """One turn's persistence, between ``Persistence.open`` and ``commit`` / ``abort``: its session (locked;
-    ``held``: taken from the pool with its cache) and the model's prefix cache."""
+    ``held``: taken from the pool with its cache) and the model's prefix cache, of which it sees ``tenant``'s
+    blocks only."""
 
     door: Persistence
     session: Session | None
     held: HeldSession | None = None
     reuse_prefix: bool = True
+    tenant: str | None = None
 
     @property
     def prefix(self) -> PrefixCache | None:
@@ -128,7 +139,7 @@ class KVState:
         logged = self.session.start_turn(prompt_ids, self.door.dtype) if self.session is not None else None
         reused = logged.reused_tokens if logged is not None else 0
         prefix = self.prefix if self.reuse_prefix else None
-        hit = prefix.lookup(prompt_ids, more_than=reused) if prefix is not None else None
+        hit = prefix.lookup(prompt_ids, more_than=reused, tenant=self.tenant) if prefix is not None else None
         if prefix is None or hit is None:
             return logged if logged is not None else RestoredPrefix(self.door.new_cache(), 0)
         if self.session is not None:
@@ -139,7 +150,7 @@ class KVState:
         return RestoredPrefix(cache, hit.tokens, load_s, hit.ram_tokens, hit.disk_tokens)
 
     def prompt_chunk_hook(self, cache: Cache, prompt_ids: Sequence[int]) -> Callable[[], object] | None:
-        return prompt_chunk_hook(self.prefix, self.session, cache, prompt_ids)
+        return prompt_chunk_hook(self.prefix, self.session, cache, prompt_ids, self.tenant)
 
     def sync(self, cache: Cache, ids: list[int]) -> None:
         """Append the positions computed so far (``ids[i]``: the token at position i) to the session's log."""
@@ -151,7 +162,7 @@ class KVState:
         frees), append the positions the log lacks (fsynced), then keep the session with its KV in ``pool``
         for the next turn, or close it."""
         if self.prefix is not None:
-            self.prefix.remember(cache, ids)
+            self.prefix.remember(cache, ids, self.tenant)
         if self.session is None:
             return
         try:
@@ -171,7 +182,11 @@ class KVState:
 
 
 def prompt_chunk_hook(
-    prefix: PrefixCache | None, session: Session | None, cache: Cache, prompt_ids: Sequence[int]
+    prefix: PrefixCache | None,
+    session: Session | None,
+    cache: Cache,
+    prompt_ids: Sequence[int],
+    tenant: str | None = None,
 ) -> Callable[[], object] | None:
     """What runs after each prompt chunk but the last, for a cache that frees rows once they are kept
     elsewhere (DeepSeek-V4's, engine/v4/position_rows.py): the chunk's whole blocks are remembered and its
@@ -185,14 +200,14 @@ def prompt_chunk_hook(
         log.release(0)  # keep every row until its block is remembered
 
         def remember_then_release() -> None:
-            prefix.remember(cache, prompt_ids)
+            prefix.remember(cache, prompt_ids, tenant)
             log.release(cache.length // BLOCK_TOKENS * BLOCK_TOKENS)
 
         return remember_then_release
 
     def remember_then_log() -> None:
         if prefix is not None:
-            prefix.remember(cache, prompt_ids)
+            prefix.remember(cache, prompt_ids, tenant)
         session.end_turn(cache, list(prompt_ids))
 
     return remember_then_log
