@@ -20,6 +20,7 @@ from starlette.requests import Request
 
 from colibri_stream.runtime.sampling import TokenLogprob
 from colibri_stream.runtime.turn import Runtime, TurnResult
+from colibri_stream.serve import request_log
 from colibri_stream.serve.model_thread import Job
 from colibri_stream.serve.schemas import ApiError
 from colibri_stream.text.tool_calls import ToolCall, ToolCallParser, tools_from_functions
@@ -52,6 +53,7 @@ async def answer_events(job: Job, parser: ToolCallParser | None) -> AsyncIterato
         kind, value = await job.events.get()
         if kind == "text":
             for event in parser.push(value) if parser is not None else [("text", value)]:
+                _note(event)
                 yield event
         elif kind in ("prompt", "token"):
             yield kind, value
@@ -60,9 +62,16 @@ async def answer_events(job: Job, parser: ToolCallParser | None) -> AsyncIterato
             return
         else:
             for event in parser.finish() if parser is not None else []:
+                _note(event)
                 yield event
+            request_log.note_turn(value, job)
             yield "done", value
             return
+
+
+def _note(event: tuple[str, Any]) -> None:
+    if event[0] == "tool_call":  # counted for serve --request-log
+        request_log.note_tool_call()
 
 
 @dataclass
