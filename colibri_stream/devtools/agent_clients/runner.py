@@ -7,7 +7,8 @@ its two turns each bounded by a timeout (the process group is killed past it). W
 from the server's request log (serve/request_log.py): the lines written while the turn ran.
 
 A turn's *main request* is its model request (chat, Messages or Responses) with the most prompt tokens:
-agents also send short side requests (a title, a quota probe). TTFT and cached tokens in the table are
+agents also send short side requests (a title, a quota probe); a turn with a refused model request has
+none (its numbers show as "-"). TTFT and cached tokens in the table are
 those of turn 1's and turn 2's main requests, as the server measured them (arrival to first token).
 """
 
@@ -47,9 +48,13 @@ class TurnRun:
     output_tail: str
 
     def main_request(self) -> dict[str, Any] | None:
+        """None when a model request of the turn was refused: the request left is then a side one (a
+        title), whose numbers would pass for the agent's."""
         model = [r for r in self.requests if r["method"] == "POST" and r["route"] in MODEL_ROUTES]
         answered = [r for r in model if r["status"] == 200 and r["prompt_tokens"] is not None]
-        return max(answered, key=lambda r: r["prompt_tokens"]) if answered else None
+        if not answered or any(r["status"] >= 400 for r in model):
+            return None
+        return max(answered, key=lambda r: r["prompt_tokens"])
 
 
 @dataclass
