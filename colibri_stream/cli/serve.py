@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import ipaddress
 import sys
+from pathlib import Path
 from typing import cast
 
 from colibri_stream.cli.help import help_options
@@ -94,6 +95,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default=DEFAULT_MAX_CONNECTIONS,
         help=f"open connections before 503s (default {DEFAULT_MAX_CONNECTIONS})",
     )
+    parser.add_argument(
+        "--request-log",
+        type=Path,
+        metavar="FILE",
+        help="append one JSON line per HTTP request to FILE when its answer ends: route, status, prompt and "
+        "cached tokens, time to first token, tool calls parsed, a refusal's message (default: none)",
+    )
     parser.set_defaults(handler=run_serve)
 
 
@@ -109,6 +117,7 @@ def run_serve(args: argparse.Namespace) -> int:
         from colibri_stream.serve.app import Server, create_app
         from colibri_stream.serve.auth import ApiKeys
         from colibri_stream.serve.http import HttpLimits, run_server, server_config
+        from colibri_stream.serve.request_log import RequestLog
     except ModuleNotFoundError as exc:
         if exc.name not in ("fastapi", "uvicorn", "starlette", "h11"):
             raise
@@ -139,6 +148,7 @@ def run_serve(args: argparse.Namespace) -> int:
             strict_model_name=args.strict_model_name,
             aliases=args.alias,
             session_wait=session_wait(args, "serve"),
+            request_log=RequestLog(args.request_log) if args.request_log is not None else None,
         )
         server.check_chat_template()  # a broken template stops the start, not every chat request
         if not _is_loopback(args.host) and not keys.enabled:

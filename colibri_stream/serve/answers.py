@@ -22,6 +22,7 @@ from starlette.requests import Request
 
 from colibri_stream.runtime.sampling import TokenLogprob
 from colibri_stream.runtime.turn import Runtime, TurnResult
+from colibri_stream.serve import request_log
 from colibri_stream.serve.model_thread import Job
 from colibri_stream.serve.schemas import ApiError
 from colibri_stream.text.reasoning import ReasoningSplitter
@@ -77,9 +78,18 @@ async def answer_events(
         else:  # one round at a time: the parser sees the deltas in the model's order
             events, ended = await loop.run_in_executor(None, _answer_batch, batch, parser, splitter)
         for event in events:
+            _note(event, job)  # here, in the request's context: serve --request-log reads it
             yield event
         if ended:
             return
+
+
+def _note(event: tuple[str, Any], job: Job) -> None:
+    """What serve --request-log counts of an answer: its tool calls and its turn."""
+    if event[0] == "tool_call":
+        request_log.note_tool_call()
+    elif event[0] == "done":
+        request_log.note_turn(event[1], job)
 
 
 def _answer_batch(

@@ -47,6 +47,7 @@ from colibri_stream.serve.dashboard import add_dashboard_routes
 from colibri_stream.serve.intake import parse_request, read_body
 from colibri_stream.serve.logprobs import ChatShape, CompletionShape, TokenTexts, chat_logprobs, joined
 from colibri_stream.serve.model_thread import Admission, Job, ModelThread, api_error
+from colibri_stream.serve.request_log import RequestLog, RequestLogMiddleware
 from colibri_stream.serve.responses_api import add_responses_routes
 from colibri_stream.serve.schemas import ApiError, ChatRequest, CompletionRequest
 from colibri_stream.serve.sealed import load_key
@@ -78,6 +79,7 @@ class Server:
         strict_model_name: bool = False,
         aliases: Sequence[str] = (),
         session_wait: SessionWait = REFUSE,
+        request_log: RequestLog | None = None,
     ):
         if slots < 1 or max_queue < 0:
             raise ColibriError(f"--slots must be >= 1 and --max-queue >= 0, got {slots} and {max_queue}")
@@ -95,6 +97,7 @@ class Server:
         self.stopping = threading.Event()  # set at shutdown: ends every wait for a session
         self.session_wait = dataclasses.replace(session_wait, stop=self.stopping)
         self.waiters = ThreadPoolExecutor(SESSION_WAIT_THREADS, thread_name_prefix="colibri-session-wait")
+        self.request_log = request_log  # --request-log: one JSON line per request (serve/request_log.py)
 
     @cached_property
     def traits(self) -> TemplateTraits:
@@ -574,4 +577,6 @@ def create_app(server: Server) -> FastAPI:
     add_anthropic_routes(app, server)
     add_responses_routes(app, server)
     add_dashboard_routes(app, server)
+    if server.request_log is not None:
+        app.add_middleware(RequestLogMiddleware, log=server.request_log)
     return app
