@@ -453,8 +453,7 @@ def add_anthropic_routes(app: FastAPI, server: Server) -> None:
             key, body = await read(request, MessagesRequest)
             session = server.session(request, key)
             prompt, parser, constraint = await prompt_of(body)
-            # max_tokens is cut to the context's room: agents ask for their cloud model's output size
-            limit = server.token_limit(body, prompt, clamp=True)
+            limit = server.token_limit(body, prompt)  # max_tokens cut to the context's room
             job = await server.submit(body, prompt, limit, session, key, constraint=constraint)
             mid = f"msg_{uuid.uuid4().hex[:24]}"
             stop_reason = stop_reason_of(server, body.stop_strings())

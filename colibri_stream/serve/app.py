@@ -220,29 +220,17 @@ class Server:
                 param = str(exc).split(":", 1)[0]
                 raise ApiError(400, str(exc), "invalid_value", param) from None
 
-    def token_limit(self, body: ChatRequest | CompletionRequest, prompt: list[int], clamp: bool = False) -> int:
-        """The answer's token budget; 400 when the prompt is empty or prompt + limit overflow the context
-        (``clamp``: the limit is cut to the room left instead)."""
+    def token_limit(self, body: ChatRequest | CompletionRequest, prompt: list[int]) -> int:
+        """The answer's token budget: the request's (else ``default_max_tokens``), cut to the room the context
+        leaves (agents ask for their cloud model's output size: Claude Code 64000, OpenCode 32000 of a 32k
+        context; a cut answer ends with "length"); 400 when the prompt is empty or fills the context."""
         context = self.runtime.context_size
         if not prompt:
             raise ApiError(400, "the prompt is empty (0 tokens)", "empty_prompt")
         if len(prompt) >= context:
             raise self.too_long(len(prompt), "messages", at_least=False)
-        room = context - len(prompt)
         limit = body.token_limit()
-        if limit is None:
-            return min(room, self.default_max_tokens)
-        if limit > room and clamp:
-            return room
-        if limit > room:
-            raise ApiError(
-                400,
-                f"this model's context is {context} tokens; the prompt has {len(prompt)} and "
-                f"{limit} more were requested ({len(prompt) + limit} > {context})",
-                "context_length_exceeded",
-                "max_tokens",
-            )
-        return limit
+        return min(context - len(prompt), self.default_max_tokens if limit is None else limit)
 
     # ------------------------------------------------------------------------------------ jobs
     async def submit(

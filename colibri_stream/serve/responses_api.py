@@ -151,7 +151,7 @@ def add_responses_routes(app: FastAPI, server: Server) -> None:
         items = earlier + body.input_items()
         first = -len(earlier)  # stored items are numbered before the request's own
         messages = template_messages(body.instructions, items, state.open_reasoning, first)
-        options = server.traits.options(effort_thinking(body.reasoning.effort if body.reasoning else None))
+        options = server.traits.options(effort_thinking(body.effort()))
         try:
             prompt: list[int] = server.encode_messages(messages, tools.functions, options)
         except ApiError as exc:
@@ -202,7 +202,7 @@ def add_responses_routes(app: FastAPI, server: Server) -> None:
         parser = (forced.parser() if forced is not None else None) or tool_parser(server.runtime, tools.functions)
         earlier = previous_items(state.store, body.previous_response_id, key)
         prompt = await server.off_loop(prompt_of, body, earlier, tools)
-        limit = output_limit(server, body, prompt)
+        limit = server.token_limit(body, prompt)  # max_output_tokens cut to the context's room
         constraint = forced.constraint if forced is not None else None
         # user/safety_identifier: labels, not sessions
         job = await server.submit(body, prompt, limit, None, key, constraint=constraint)
@@ -257,17 +257,6 @@ def previous_items(store: ResponseStore, rid: str | None, key: bytes | None) -> 
         )
     items: list[Any] = ITEMS.validate_python(stored.items)
     return items
-
-
-def output_limit(server: Server, body: ResponsesRequest, prompt: list[int]) -> int:
-    try:
-        limit: int = server.token_limit(body, prompt)
-    except ApiError as exc:
-        if exc.param != "max_tokens":  # the chat routes' name for it
-            raise
-        param = "max_output_tokens"
-        raise ApiError(exc.status, f"{param}: {exc.message}", exc.code, param, exc.headers) from None
-    return limit
 
 
 async def stream(run: ResponseRun, job: Job, parser: AnswerParser | None, keep: Any) -> AsyncIterator[bytes]:

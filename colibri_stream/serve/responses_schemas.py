@@ -13,6 +13,9 @@ Input items -> template messages:
                                               assistant message as ``reasoning_content``, which templates
                                               of thinking models render and others ignore; without it,
                                               a reasoning item renders nothing
+  additional_tools                            nothing: its tools are offered with ``tools`` (Codex 0.171
+                                              sends its tools only so)
+  configuration_update                        nothing: its ``reasoning`` (the last one's) is the request's
 Tools: ``function`` tools, and the function tools of a ``namespace`` (their name joined to the
 namespace's, e.g. ``mcp__fs__`` + ``read`` -> ``mcp__fs__read``; the call comes back split). Every other
 tool type (OpenAI's hosted tools: web_search, file_search, code_interpreter, computer use, image
@@ -37,6 +40,7 @@ from colibri_stream.serve.schemas import (
     describe_validation_error,
     template_call,
 )
+from colibri_stream.serve.thinking import Effort
 from colibri_stream.text import bounded_json
 
 MAX_TOOLS = 256
@@ -145,22 +149,6 @@ class ReasoningItem(BaseModel):
     encrypted_content: str | None = None
 
 
-def _item_type(value: Any) -> str | None:
-    """The tag of an input item (request JSON: a dict); None (pydantic's "unable to extract tag") else."""
-    kind = value.get("type", "message") if isinstance(value, dict) else None
-    return kind if isinstance(kind, str) else None
-
-
-InputItem = Annotated[
-    Annotated[MessageItem, Tag("message")]
-    | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
-    | Annotated[ReasoningItem, Tag("reasoning")],
-    Discriminator(_item_type),
-]
-ITEMS = TypeAdapter(list[InputItem])
-
-
 def _as_items(value: Any) -> Any:
     """A string input is one user message."""
     return [{"type": "message", "role": "user", "content": value}] if isinstance(value, str) else value
@@ -192,6 +180,10 @@ class OtherTool(BaseModel):
 
 
 def _tool_type(value: Any) -> str | None:
+    """The tag of a tool: of request JSON (a dict) when validating, of a tool model when serialising (a
+    stored conversation's additional_tools item)."""
+    if isinstance(value, FunctionTool | NamespaceTool | OtherTool):
+        return "other" if isinstance(value, OtherTool) else value.type
     if not isinstance(value, dict):
         return None
     return value["type"] if value.get("type") in ("function", "namespace") else "other"
@@ -246,7 +238,7 @@ class Reasoning(BaseModel):
     """Accepted, with no effect on a model without a thinking mode (see README)."""
 
     model_config = STRICT
-    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    effort: Effort | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
 
 
@@ -266,6 +258,45 @@ class TextConfig(BaseModel):
     model_config = STRICT
     format: TextFormat | None = None
     verbosity: Literal["low", "medium", "high"] | None = None  # a hint to the model: accepted
+
+
+# ------------------------------------------------------------------------------------ all input items
+class AdditionalToolsItem(BaseModel):
+    """Tools offered inside the input (Codex 0.171 sends its tools so, as namespaces in a developer item,
+    with no top-level ``tools``): offered as if they were in ``tools``."""
+
+    model_config = STRICT
+    type: Literal["additional_tools"]
+    id: str | None = Field(None, max_length=MAX_ID)
+    role: Literal["developer", "system", "user"] | None = None
+    tools: list[ToolSpec] = Field(max_length=MAX_TOOLS)
+
+
+class ConfigurationUpdateItem(BaseModel):
+    """A change of the request's settings within the input (Codex: ``{"reasoning": {"effort": "low"}}``);
+    the last one's ``reasoning`` is the request's (other settings it may carry are accepted, unread)."""
+
+    model_config = STRICT
+    type: Literal["configuration_update"]
+    reasoning: Reasoning | None = None
+
+
+def _item_type(value: Any) -> str | None:
+    """The tag of an input item (request JSON: a dict); None (pydantic's "unable to extract tag") else."""
+    kind = value.get("type", "message") if isinstance(value, dict) else None
+    return kind if isinstance(kind, str) else None
+
+
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")]
+    | Annotated[AdditionalToolsItem, Tag("additional_tools")]
+    | Annotated[ConfigurationUpdateItem, Tag("configuration_update")],
+    Discriminator(_item_type),
+]
+ITEMS = TypeAdapter(list[InputItem])
 
 
 class ResponsesRequest(BaseModel):
@@ -320,8 +351,11 @@ class ResponsesRequest(BaseModel):
         """The tools for the template and the parser; none for tool_choice "none" (a forced call's
         constraint is made from them in responses_api.output_constraint)."""
         offered = OfferedTools()
-        for position, tool in enumerate(self.tools or []):
-            where = f"tools.{position}"
+        given = [(f"tools.{position}", tool) for position, tool in enumerate(self.tools or [])]
+        for index, item in enumerate(self.input):
+            if isinstance(item, AdditionalToolsItem):
+                given += [(f"input.{index}.tools.{position}", tool) for position, tool in enumerate(item.tools)]
+        for where, tool in given:
             if isinstance(tool, FunctionTool):
                 offered.add(tool, None, where)
             elif isinstance(tool, NamespaceTool):
@@ -339,6 +373,12 @@ class ResponsesRequest(BaseModel):
 
     def input_items(self) -> list[Any]:
         return list(self.input)
+
+    def effort(self) -> Effort | None:
+        """The reasoning effort asked: the last ``configuration_update`` item's, else ``reasoning``'s."""
+        updates = [i.reasoning for i in self.input if isinstance(i, ConfigurationUpdateItem) and i.reasoning]
+        reasoning = updates[-1] if updates else self.reasoning
+        return reasoning.effort if reasoning is not None else None
 
 
 def _validated(model: type[BaseModel], data: dict[str, Any], where: str) -> Any:
@@ -362,6 +402,8 @@ def template_messages(
     reasoning: str | None = None
     for position, item in enumerate(items, start=first_index):
         where = f"input.{position}"
+        if isinstance(item, AdditionalToolsItem | ConfigurationUpdateItem):
+            continue  # settings, not conversation: read by offered_tools / effort
         if isinstance(item, ReasoningItem):
             if item.encrypted_content is not None:
                 try:

@@ -527,7 +527,6 @@ def test_the_seal_key_is_kept_in_the_kv_dir_or_read_from_a_file(tmp_path):
             "input.0.arguments",
         ),
         ("tools", [{"type": "function", "name": "bad name", "parameters": {}}], "tools.0.function.name"),
-        ("max_output_tokens", CONTEXT, "max_output_tokens"),
     ],
 )
 def test_unimplemented_or_bad_fields_are_400s_naming_them(served, field, value, param):
@@ -562,3 +561,42 @@ def test_no_op_values_labels_and_hints_are_accepted(served):
     assert status == 200, response
     assert headers["x-colibri-ignored-tools"] == "web_search_preview,local_shell"
     assert response["metadata"] == {"k": "v"} and response["reasoning"] == {"effort": "high", "summary": "detailed"}
+
+
+def test_max_output_tokens_past_the_context_is_cut_to_the_room(served):
+    body = {"model": MODEL, "input": "Hello, world!", "max_output_tokens": CONTEXT, "temperature": 0}
+    status, _, raw = request(served, "POST", "/v1/responses", body)
+    answer = json.loads(raw)
+    assert status == 200, answer
+    usage = answer["usage"]
+    assert usage["input_tokens"] + usage["output_tokens"] <= CONTEXT
+
+
+def test_codex_additional_tools_and_configuration_update_items(served):
+    """Codex 0.171 offers its tools in an ``additional_tools`` input item (no top-level ``tools``) and sets its
+    effort with a ``configuration_update`` item: the same prompt as the tools given in ``tools``."""
+    namespace = {
+        "type": "namespace",
+        "name": "functions",
+        "description": "",
+        "tools": [
+            {"type": "function", "name": "shell", "parameters": {"type": "object"}},
+            {"type": "custom", "name": "x"},
+        ],
+    }
+    ask = {"type": "message", "role": "user", "content": "Hello, world!"}
+    inside = [{"type": "additional_tools", "role": "developer", "tools": [namespace]}, ask]
+    inside.append({"type": "configuration_update", "reasoning": {"effort": "low"}})
+    bodies = [
+        {"model": MODEL, "input": inside, "max_output_tokens": 1, "temperature": 0},
+        {"model": MODEL, "input": [ask], "tools": [namespace], "max_output_tokens": 1, "temperature": 0},
+        {"model": MODEL, "input": [ask], "max_output_tokens": 1, "temperature": 0},
+    ]
+    answers = []
+    for body in bodies:
+        status, _, raw = request(served, "POST", "/v1/responses", body)
+        assert status == 200, raw
+        answers.append(json.loads(raw))
+    tokens = [a["usage"]["input_tokens"] for a in answers]
+    assert tokens[0] == tokens[1] > tokens[2]  # the tools are in the prompt, as if given in tools
+    assert answers[0]["colibri"]["ignored_tools"] == ["functions:custom"]
