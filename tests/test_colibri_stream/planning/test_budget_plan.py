@@ -82,7 +82,7 @@ def test_budget_file_reads_every_section(tmp_path):
         ("[cache]\npolicy = 'mru'\n", "cache.policy must be one of"),
         (
             "[disk]\nx = 1\n",
-            "unknown table [disk] in disk.x (a budget file has [cache], [io], [kv], [memory], [prefix])",
+            "unknown table [disk] in disk.x (a budget file has [cache], [io], [kv], [memory], [prefix], [serve])",
         ),
         ("[memory\nram = 1\n", "not valid TOML"),
     ],
