@@ -226,7 +226,7 @@ class DistributedExperts:
             if link is None:
                 raise self._lost_error(request.rank)
             out = link.wait(request.reply, self.timeout_s)
-            self.network.bytes_received += out.nbytes + wire.HEAD.size
+            self.network.bytes_received += out.nbytes + wire.FRAME_BYTES
             return out
         except WorkerError as exc:
             self._lose(request.rank, exc)
