@@ -11,8 +11,8 @@ the key to the worker (a worker never serves whoever bound the port first) and t
 the coordinator. Each side sends its proof before it checks the other's, so a wrong key is refused on
 both sides in one line. Every frame after it is sealed (transport.py): its head carries a tag checked
 before its payload is allocated, its payload a tag checked before the frame is used; the tags are
-HMAC-SHA256 (truncated to TAG_BYTES) under a key per direction derived from both nonces, over a frame
-counter, so a frame cannot be forged, replayed, reordered or reflected. The frames are not encrypted:
+AES-GCM's (Seal) under a key per direction derived from the key and both nonces, over a frame counter,
+so a frame cannot be forged, replayed, reordered or reflected. The frames are not encrypted:
 the key gives authenticity, not confidentiality (README, "Workers on other machines").
 
 The key is 64 hex digits (256 bits) of text: --cluster-key-file FILE, else COLIBRI_CLUSTER_KEY, else
@@ -23,15 +23,15 @@ every user).
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import logging
 import os
 import secrets
 import stat
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
+
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from colibri_stream.errors import ColibriError
 from colibri_stream.experts.cluster.wire import TAG_BYTES  # HMAC-SHA256 truncated: 128 bits a frame
@@ -135,14 +135,18 @@ def proves(key: bytes, role: bytes, worker_nonce: bytes, coordinator_nonce: byte
 COORDINATOR_ROLE, WORKER_ROLE = b"coordinator", b"worker"
 
 
-@dataclass
 class Seal:
-    """A link's per-direction frame tags after the handshake (transport.py calls it for every frame)."""
+    """A link's per-direction frame tags after the handshake (transport.py calls it for every frame).
 
-    send_key: bytes
-    recv_key: bytes
-    sent: int = field(default=0)  # frames sealed so far: the counter in the next tag
-    received: int = field(default=0)
+    A tag is AES-256-GCM's over nothing to encrypt and the bytes as associated data (GMAC: AES-NI and
+    carry-less multiply, ~30 GB/s against stdlib HMAC-SHA256's ~0.8 on a reply of 57 KB), under a key per
+    direction and a nonce that is the frame's counter (and whether it is the head or the payload): the
+    key is new per link (the handshake's nonces), so no nonce repeats under a key."""
+
+    def __init__(self, send_key: bytes, recv_key: bytes):
+        self._send, self._recv = AESGCM(send_key), AESGCM(recv_key)
+        self.sent = 0  # frames sealed so far: the counter in the next tag
+        self.received = 0
 
     @classmethod
     def for_side(cls, key: bytes, role: bytes, worker_nonce: bytes, coordinator_nonce: bytes) -> Seal:
@@ -153,24 +157,24 @@ class Seal:
             return cls(to_worker, to_coordinator)
         return cls(to_coordinator, to_worker)
 
-    def head_tag(self, key: bytes, count: int, head: Buffer) -> bytes:
-        return hmac.digest(key, b"h" + count.to_bytes(8, "little") + bytes(head), "sha256")[:TAG_BYTES]
-
-    def payload_tag(self, key: bytes, count: int, head: Buffer, parts: Sequence[memoryview]) -> bytes:
-        mac = hmac.new(key, b"p" + count.to_bytes(8, "little") + bytes(head), hashlib.sha256)
-        for part in parts:
-            mac.update(part)
-        return mac.digest()[:TAG_BYTES]
-
     def seal(self, head: Buffer, parts: Sequence[memoryview]) -> tuple[bytes, bytes]:
         """(head tag, payload tag) of the next frame sent."""
         count, self.sent = self.sent, self.sent + 1
-        return self.head_tag(self.send_key, count, head), self.payload_tag(self.send_key, count, head, parts)
+        payload = parts[0] if len(parts) == 1 else b"".join(parts)  # a request's few parts: ~14 KB copied
+        return _tag(self._send, count, HEAD_PART, head), _tag(self._send, count, PAYLOAD_PART, payload)
 
     def head_ok(self, head: Buffer, tag: Buffer) -> bool:
-        return hmac.compare_digest(self.head_tag(self.recv_key, self.received, head), bytes(tag))
+        return hmac.compare_digest(_tag(self._recv, self.received, HEAD_PART, head), bytes(tag))
 
-    def payload_ok(self, head: Buffer, payload: memoryview, tag: Buffer) -> bool:
+    def payload_ok(self, payload: Buffer, tag: Buffer) -> bool:
         """The payload's tag; the frame counts as received either way (a bad tag ends the link)."""
         count, self.received = self.received, self.received + 1
-        return hmac.compare_digest(self.payload_tag(self.recv_key, count, head, [payload]), bytes(tag))
+        return hmac.compare_digest(_tag(self._recv, count, PAYLOAD_PART, payload), bytes(tag))
+
+
+HEAD_PART, PAYLOAD_PART = 0, 1
+
+
+def _tag(aead: AESGCM, count: int, part: int, data: Buffer) -> bytes:
+    nonce = count.to_bytes(8, "little") + part.to_bytes(4, "little")
+    return aead.encrypt(nonce, b"", data)[:TAG_BYTES]  # nothing encrypted: the tag of ``data`` alone

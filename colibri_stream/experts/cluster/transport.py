@@ -180,7 +180,7 @@ class Link:
             return
         tag = bytearray(TAG_BYTES)
         self._receive_into(memoryview(tag), deadline)
-        if not self.seal.payload_ok(head, payload, tag):
+        if not self.seal.payload_ok(payload, tag):
             raise WorkerError(f"{self.name}: a frame whose payload does not match its cluster-key tag")
 
     def _receive_into(self, view: memoryview, deadline: float | None) -> None:
