@@ -30,7 +30,7 @@ history = "history.json"
 """
 
 # What a case directory may hold, each copied from the base of the same name.
-ENTRIES = ("ckpt", "container", "kv", "history.json", "trace.jsonl", "budget.toml")
+ENTRIES = ("ckpt", "container", "kv", "history.json", "trace.jsonl", "budget.toml", "cluster")
 
 
 def build(root: Path, worker: Worker, checkpoint: Path | None = None, container: Path | None = None) -> Path:
@@ -52,6 +52,7 @@ def build(root: Path, worker: Worker, checkpoint: Path | None = None, container:
     _must(worker, base, ["run", "container", "--ids", PROMPT_IDS, "--max-new-tokens", "3", "--budget", "budget.toml",
                          "--kv-dir", "kv", "--session", SESSION, "--trace", "trace.jsonl", "--json"])  # fmt: skip
     _write_index(base / "ckpt")
+    _must_call(worker, base, "colibri_stream.devtools.fuzz.cluster_calls:write_bases")  # the cluster frame files
     for entry in ENTRIES:
         assert (base / entry).exists(), f"base input {entry} was not written"
     return base
@@ -63,6 +64,14 @@ def _must(worker: Worker, cwd: Path, argv: list[str]) -> None:
     if verdict.judgement != "ok":
         stderr = verdict.result.get("stderr", "")[-2000:]
         raise RuntimeError(f"building a base input failed: {case.command()}: {verdict.detail}\n{stderr}")
+
+
+def _must_call(worker: Worker, cwd: Path, target: str) -> None:
+    """A library function run in the child (it imports torch; this process does not)."""
+    case = Case("base", str(cwd), [], [], kind="call", target=target, args=[str(cwd)])
+    verdict = judge(case, worker.run(case), extra_roots=worker.scratch_roots())
+    if verdict.judgement != "ok":
+        raise RuntimeError(f"building the base input failed: {target}: {verdict.result.get('stderr', '')[-2000:]}")
 
 
 def _write_index(ckpt: Path) -> None:

@@ -353,10 +353,9 @@ class DistributedExperts:
                 if member.link is None:
                     raise self._lost_error(rank)
                 values = member.link.wait(reply, self.timeout_s)
+                member.stats, member.ram_slots, member.experts_held = wire.read_stats(values)
             except WorkerError as exc:
                 self._lose(rank, exc)
-                continue
-            member.stats, member.ram_slots, member.experts_held = wire.read_stats(values)
         total = self.fallback.snapshot()
         for member in self.members.values():
             total.add(**vars(member.total()))

@@ -168,6 +168,8 @@ def read_hello(values: tuple[int, ...], host: bytes) -> Hello:
     name = host[:HOST_BYTES].decode(errors="replace")
     if protocol != PROTOCOL_VERSION:
         raise WorkerError(f"worker {rank} ({name}) speaks protocol {protocol}, this coordinator {PROTOCOL_VERSION}")
+    if min(rank, layers, experts, record, ram, disk) < 0:
+        raise WorkerError(f"worker {rank} ({name}) said a negative count in its HELLO: {values[:9]}")
     return Hello(rank, name, pid, layers, experts, record, ram, disk, crc)
 
 
@@ -177,6 +179,9 @@ def stats_tensor(stats: StoreStats, ram_slots: int, experts_held: int) -> torch.
 
 
 def read_stats(values: torch.Tensor) -> tuple[StoreStats, int, int]:
+    """A worker's counters; a WorkerError when they are not counters (negative, NaN, past 2^62)."""
+    if not bool(((values >= 0) & (values < 2.0**62)).all()):  # NaN compares false
+        raise WorkerError(f"a worker sent STATS that are not counters: {values.tolist()[:4]} ...")
     raw = dict(zip(STATS_FIELDS, values.tolist(), strict=True))
     stats = StoreStats(**{f.name: raw[f.name] if f.type == "float" else int(raw[f.name]) for f in fields(StoreStats)})
     return stats, int(raw["ram_slots"]), int(raw["experts_held"])
