@@ -113,12 +113,13 @@ def bounded_memory() -> Iterator[None]:
     sampler.start()
     try:
         yield
-    finally:
+    finally:  # checked on the way out of a refusal too (an AssertionError then replaces the typed error)
         stop.set()
         sampler.join()
         threading.excepthook = saved
-    assert peak[0] - start < RSS_SLACK, f"RSS grew {(peak[0] - start) >> 20} MiB reading the frames"
-    assert not escaped, f"an exception escaped a thread: {escaped}"
+        grown = peak[0] - start
+        if grown >= RSS_SLACK or escaped:
+            raise AssertionError(f"RSS grew {grown >> 20} MiB reading the frames; escaped threads: {escaped}")
 
 
 # --------------------------------------------------------------------------- to the coordinator
