@@ -19,7 +19,6 @@ import pytest
 from colibri_stream.experts.cluster import auth, wire
 from colibri_stream.experts.cluster.auth import COORDINATOR_ROLE, WORKER_ROLE, Seal
 from colibri_stream.experts.cluster.handshake import check_worker, prove_to_coordinator
-from colibri_stream.experts.cluster.members import LOST
 from colibri_stream.experts.cluster.rendezvous import MAX_GREETING, Listener
 from colibri_stream.experts.cluster.transport import Link
 from colibri_stream.experts.cluster.wire import Op, WorkerError
