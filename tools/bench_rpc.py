@@ -3,6 +3,14 @@
 group (the transport before issue #43) vs Ray, one run.
 
     python tools/bench_rpc.py [--kib 14] [--calls 2000] [--workers 2] [--dim 7168] [--rounds 3]  # Ray: pip install ray
+    python tools/bench_rpc.py --auth [--calls 2000] [--rounds 3]  # authenticated links only (issue #70)
+
+"--auth": the candidates for links only the cluster's processes can use, per MoE layer as above against
+today's link (socket_per_worker, unsealed): socket_sealed_per_worker (the same Link after the cluster key
+handshake: every frame carries two HMAC-SHA256 tags, auth.py; what #70 chose), zmq_curve_per_worker
+(pyzmq PAIR sockets with CURVE, libsodium's Curve25519 + XSalsa20-Poly1305, and ZMQ_MAXMSGSIZE; needs
+pyzmq importable) and tls_per_worker (Python's ssl, TLS 1.3 with a self-signed certificate pinned by the
+client; needs `cryptography` to make the certificate).
 
 "layer" numbers: per MoE layer the coordinator sends each of --workers workers one request (a token's
 activations at --dim, bf16, plus ids and weights) and waits for every float64 [1, dim] partial sum:
@@ -34,8 +42,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from colibri_stream.experts.cluster.auth import COORDINATOR_ROLE, WORKER_ROLE, Seal
 from colibri_stream.experts.cluster.transport import Link, Reply, dial
-from colibri_stream.experts.cluster.wire import Op
+from colibri_stream.experts.cluster.wire import HEAD, Op
 
 MOE_LAYERS_V3 = 58
 WARMUP = 200
@@ -129,23 +138,30 @@ def gloo_layer_round_trips(workers: int, dim: int, calls: int, per_worker: bool)
         return list(out["times"]), list(out["regroup"])
 
 
-def _socket_worker(index: int, port: int, dim: int, calls: int) -> None:
+BENCH_KEY, NONCES = b"k" * 64, (b"w" * 32, b"c" * 32)  # fixed: the handshake is not what is timed
+
+
+def _socket_worker(index: int, port: int, dim: int, calls: int, sealed: bool = False) -> None:
     link = dial("127.0.0.1", port, 60.0, "the coordinator")
+    if sealed:
+        link.seal = Seal.for_side(BENCH_KEY, WORKER_ROLE, *NONCES)
     reply = torch.zeros(dim, dtype=torch.float64).numpy().tobytes()
     for _ in range(WARMUP + calls):
-        link.receive(None, "request")
+        link.receive(None, "request", 1 << 20)
         link.send(Op.SUM, [reply], (), None)
     link.close()
 
 
-def socket_layer_round_trips(workers: int, dim: int, calls: int) -> list[float]:
+def socket_layer_round_trips(workers: int, dim: int, calls: int, sealed: bool = False) -> list[float]:
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]
     context = mp.get_context("spawn")
-    processes = [context.Process(target=_socket_worker, args=(w, port, dim, calls)) for w in range(workers)]
+    processes = [context.Process(target=_socket_worker, args=(w, port, dim, calls, sealed)) for w in range(workers)]
     for process in processes:
         process.start()
     links = [Link(server.accept()[0], f"worker {w}") for w in range(workers)]
+    for link in links:
+        link.seal = Seal.for_side(BENCH_KEY, COORDINATOR_ROLE, *NONCES) if sealed else None
     request = _layer_request(dim).numpy().tobytes()
     times = []
     for i in range(WARMUP + calls):
@@ -161,6 +177,179 @@ def socket_layer_round_trips(workers: int, dim: int, calls: int) -> list[float]:
         process.join()
     server.close()
     return times
+
+
+def _zmq_worker(index: int, port: int, dim: int, calls: int, server_public: bytes) -> None:
+    import zmq
+
+    context = zmq.Context()
+    sock = context.socket(zmq.PAIR)
+    sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+    sock.curve_serverkey = server_public
+    sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    reply = bytes(HEAD.size) + torch.zeros(dim, dtype=torch.float64).numpy().tobytes()
+    for _ in range(WARMUP + calls):
+        sock.recv(copy=False)
+        sock.send(reply, copy=False)
+    sock.close(linger=1000)
+    context.term()
+
+
+def zmq_layer_round_trips(workers: int, dim: int, calls: int) -> list[float] | None:
+    """One CURVE-authenticated PAIR socket per worker, the coordinator the CURVE server of each."""
+    try:
+        import zmq
+    except ImportError:
+        return None
+    context = zmq.Context()
+    public, secret = zmq.curve_keypair()
+    socks, processes = [], []
+    spawn = mp.get_context("spawn")
+    for w in range(workers):
+        sock = context.socket(zmq.PAIR)
+        sock.curve_server, sock.curve_secretkey = True, secret
+        sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
+        port = sock.bind_to_random_port("tcp://127.0.0.1")
+        socks.append(sock)
+        processes.append(spawn.Process(target=_zmq_worker, args=(w, port, dim, calls, public)))
+        processes[-1].start()
+    request = bytes(HEAD.size) + _layer_request(dim).numpy().tobytes()
+    times = []
+    for i in range(WARMUP + calls):
+        start = time.perf_counter()
+        for sock in socks:
+            sock.send(request, copy=False)
+        replies = [torch.frombuffer(sock.recv(copy=False).buffer[HEAD.size :], dtype=torch.float64) for sock in socks]
+        if i >= WARMUP:
+            times.append(time.perf_counter() - start)
+        del replies
+    for process in processes:
+        process.join()
+    for sock in socks:
+        sock.close(linger=0)
+    context.term()
+    return times
+
+
+def _tls_certificate(directory: str) -> tuple[str, str] | None:
+    """(certificate, key) files of a fresh self-signed P-256 certificate, or None without `cryptography`."""
+    try:
+        import datetime
+
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+    except ImportError:
+        return None
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "colibri-cluster")])
+    now = datetime.datetime.now(datetime.UTC)
+    builder = x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+    builder = builder.serial_number(1).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
+    cert = builder.sign(key, hashes.SHA256())
+    cert_file, key_file = os.path.join(directory, "cert.pem"), os.path.join(directory, "key.pem")
+    with open(cert_file, "wb") as out:
+        out.write(cert.public_bytes(serialization.Encoding.PEM))
+    with open(key_file, "wb") as out:
+        out.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                    serialization.NoEncryption()))  # fmt: skip
+    return cert_file, key_file
+
+
+def _recv_exact(sock, n: int, out: bytearray) -> None:
+    view, got = memoryview(out), 0
+    while got < n:
+        got += sock.recv_into(view[got:n])
+
+
+def _tls_worker(index: int, port: int, dim: int, calls: int, cert_file: str) -> None:
+    import ssl
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    context.load_verify_locations(cert_file)  # the pinned certificate is the only trusted one
+    raw = socket.create_connection(("127.0.0.1", port))
+    raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock = context.wrap_socket(raw, server_hostname="colibri-cluster")
+    request = bytearray(HEAD.size + _layer_request(dim).numel())
+    reply = bytes(HEAD.size) + torch.zeros(dim, dtype=torch.float64).numpy().tobytes()
+    for _ in range(WARMUP + calls):
+        _recv_exact(sock, len(request), request)
+        sock.sendall(reply)
+    sock.close()
+
+
+def tls_layer_round_trips(workers: int, dim: int, calls: int) -> list[float] | None:
+    import ssl
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as directory:
+        files = _tls_certificate(directory)
+        if files is None:
+            return None
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_3
+        context.load_cert_chain(*files)
+        server = socket.create_server(("127.0.0.1", 0))
+        port = server.getsockname()[1]
+        spawn = mp.get_context("spawn")
+        processes = [spawn.Process(target=_tls_worker, args=(w, port, dim, calls, files[0])) for w in range(workers)]
+        for process in processes:
+            process.start()
+        socks = []
+        for _ in range(workers):
+            conn = server.accept()[0]
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            socks.append(context.wrap_socket(conn, server_side=True))
+        request = bytes(HEAD.size) + _layer_request(dim).numpy().tobytes()
+        reply = bytearray(HEAD.size + dim * 8)
+        times = []
+        for i in range(WARMUP + calls):
+            start = time.perf_counter()
+            for sock in socks:
+                sock.sendall(request)
+            for sock in socks:
+                _recv_exact(sock, len(reply), reply)
+            if i >= WARMUP:
+                times.append(time.perf_counter() - start)
+        for process in processes:
+            process.join()
+        for sock in socks:
+            sock.close()
+        server.close()
+        return times
+
+
+def _auth_rounds(workers: int, dim: int, calls: int, rounds: int) -> dict:
+    """Today's link and the authenticated candidates, alternated ``rounds`` times (best round of each)."""
+    contenders = {
+        "socket_per_worker": lambda: socket_layer_round_trips(workers, dim, calls),
+        "socket_sealed_per_worker": lambda: socket_layer_round_trips(workers, dim, calls, sealed=True),
+        "zmq_curve_per_worker": lambda: zmq_layer_round_trips(workers, dim, calls),
+        "tls_per_worker": lambda: tls_layer_round_trips(workers, dim, calls),
+    }
+    runs: dict[str, list[list[float]]] = {name: [] for name in contenders}
+    out: dict = {}
+    for _ in range(rounds):
+        for name, run in contenders.items():
+            times = run()
+            if times is None:
+                out[name] = "not installed"
+            else:
+                runs[name].append(times)
+    base = None
+    for name, rounds_of in runs.items():
+        if not rounds_of:
+            continue
+        medians = [statistics.median(times) for times in rounds_of]
+        best = summary(rounds_of[medians.index(min(medians))])
+        assert best is not None
+        out[name] = {**best, "round_medians_us": [round(m * 1e6, 1) for m in medians]}
+        base = base or best["median_us"]
+        out[name]["vs_today"] = round(best["median_us"] / base, 2)
+    return out
 
 
 def ray_round_trips(values: int, calls: int) -> list[float] | None:
@@ -230,7 +419,17 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=7168, help="model width (default 7168: DeepSeek-V3)")
     parser.add_argument("--rounds", type=int, default=3, help="layer contenders alternated this many times")
     parser.add_argument("--no-ray", action="store_true", help="leave Ray out")
+    parser.add_argument("--auth", action="store_true", help="only today's link vs the authenticated candidates")
     args = parser.parse_args()
+    if args.auth:
+        layer = {
+            "workers": args.workers,
+            "request_bytes": _layer_request(args.dim).numel(),
+            "reply_bytes": args.dim * 8,
+        }
+        layer.update(_auth_rounds(args.workers, args.dim, args.calls, args.rounds))
+        print(json.dumps({"calls": args.calls, "layer": layer}))
+        return
     values = max(1, int(args.kib * 1024) // 4)  # float32 elements
     gloo = summary(gloo_round_trips(values, args.calls))
     ray = None if args.no_ray else summary(ray_round_trips(values, args.calls))

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from colibri_stream.checkpoint.dtypes import COMPUTE_DTYPES
 from colibri_stream.errors import BudgetError, RequestError
+from colibri_stream.experts.cluster.auth import KEY_ENV, KEY_FILE_HINT
 from colibri_stream.experts.cluster.group import DEFAULT_TIMEOUT_S, ClusterOptions
 from colibri_stream.experts.cluster.local import LOCALHOST, MAX_LOCAL_WORKERS, check_local_workers
 from colibri_stream.planning.budget import StoreOptions, prefix_config
@@ -338,6 +339,12 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         "--master-port", type=int, help="port the workers connect to (default with --local-workers: a free one)"
     )
     group.add_argument(
+        "--cluster-key-file",
+        metavar="FILE",
+        help="the cluster key every worker must prove (and this coordinator proves to them); default: "
+        f"${KEY_ENV}, else {KEY_FILE_HINT}, created (mode 0600) when missing: copy it to each worker's machine",
+    )
+    group.add_argument(
         "--worker-timeout",
         type=positive_seconds,
         default=DEFAULT_TIMEOUT_S,
@@ -370,6 +377,7 @@ def cluster_options(args: argparse.Namespace) -> ClusterOptions:
         timeout_s=args.worker_timeout,
         expert_map=args.expert_map,
         replicas=args.replicas,
+        key_file=args.cluster_key_file,
     )
 
 

@@ -8,6 +8,7 @@ import argparse
 from colibri_stream.cli.help import help_options
 from colibri_stream.cli.options import add_store_arguments, positive_seconds, store_options
 from colibri_stream.errors import ColibriError
+from colibri_stream.experts.cluster.auth import KEY_ENV, KEY_FILE_HINT
 from colibri_stream.experts.cluster.group import DEFAULT_CONNECT_TIMEOUT_S
 from colibri_stream.experts.cluster.worker import WorkerOptions, run_worker
 from colibri_stream.planning.budget import parse_size
@@ -19,8 +20,9 @@ examples:
   colibri-stream worker MODEL.cstream --rank 1 --world-size 3 --master-addr 10.0.0.1 --master-port 29500 --ram 48GiB
   colibri-stream worker MODEL.cstream --rank 2 --world-size 3 --master-addr 10.0.0.1 --master-port 29500 --ram 24GiB
   # one machine, to try it: colibri-stream run MODEL.cstream --ids 1,2,3 --local-workers 2
-Each worker needs the same container (same model, same conversion) on its own disk. Shares follow the
-workers' RAM budgets and measured disk speeds (or --expert-map on the coordinator).
+Each worker needs the same container (same model, same conversion) on its own disk, and the
+coordinator's cluster key (a copy of its key file, mode 0600: --cluster-key-file, or COLIBRI_CLUSTER_KEY).
+Shares follow the workers' RAM budgets and measured disk speeds (or --expert-map on the coordinator).
 exit status: 0 when the coordinator ends the session, 1 on a user error or when the coordinator is gone,
 2 on bad flags."""
 
@@ -52,6 +54,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         metavar="S",
         help=f"give up if the coordinator is not there within S seconds (default {DEFAULT_CONNECT_TIMEOUT_S:g})",
     )
+    parser.add_argument(
+        "--cluster-key-file",
+        metavar="FILE",
+        help=f"the coordinator's cluster key (a copy of its key file; default: ${KEY_ENV}, else {KEY_FILE_HINT})",
+    )
     add_store_arguments(parser)
     parser.set_defaults(handler=worker)
 
@@ -69,5 +76,6 @@ def worker(args: argparse.Namespace) -> int:
         store_options(args),
         disk,
         args.connect_timeout,
+        args.cluster_key_file,
     )
     return run_worker(options)

@@ -215,7 +215,7 @@ def test_workers_started_before_one_fails_are_killed_and_reaped(monkeypatch):
     before = {child.pid for child in psutil.Process().children()}
     monkeypatch.setattr(subprocess, "Popen", popen)
     with pytest.raises(WorkerError, match="cannot start local worker 4 of 5 .*temporarily unavailable"):
-        local.LocalWorkers.start("model", 5, 1, lambda rank: [])
+        local.LocalWorkers.start("model", 5, 1, lambda rank: [], b"k" * 64)
     assert len(started) == 3 and all(process.returncode is not None for process in started)
     assert {child.pid for child in psutil.Process().children()} == before  # killed and reaped: no zombies
 
@@ -228,14 +228,14 @@ def test_a_stray_client_on_the_workers_port_is_closed_and_the_wait_ends_within_t
     from colibri_stream.experts.cluster.group import _gather
     from colibri_stream.experts.cluster.rendezvous import Listener
 
-    listener = Listener(local.LOCALHOST, 0, hello_timeout_s=1.0)
+    listener = Listener(local.LOCALHOST, 0, hello_timeout_s=1.0, key=b"k" * 64)
     try:
         garbage = socket.create_connection((local.LOCALHOST, listener.port))
         garbage.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" * 8)
         silent = socket.create_connection((local.LOCALHOST, listener.port))
         start = time.monotonic()
         with pytest.raises(WorkerError, match=r"worker\(s\) \[1\] did not join .* within 2 s"):
-            _gather(listener, 2, 2.0, lambda: None)
+            _gather(listener, 2, 2.0, dict)
         assert time.monotonic() - start < 8
         for client in (garbage, silent):
             client.settimeout(10)

@@ -88,6 +88,7 @@ NOT_RUNTIME = {
     "--master-port": "a multi-machine cluster (tests/test_colibri_stream/experts/cluster)",
     "--expert-map": "which worker computes an expert (tests/test_colibri_stream/experts/cluster)",
     "--replicas": "which worker computes an expert (tests/test_colibri_stream/experts/cluster)",
+    "--cluster-key-file": "who may join a cluster (tests/test_colibri_stream/experts/cluster/test_cluster_key.py)",
 }
 
 

@@ -32,7 +32,7 @@ history = "history.json"
 """
 
 # What a case directory may hold, each copied from the base of the same name.
-ENTRIES = ("ckpt", "container", "kv", "history.json", "trace.jsonl", "budget.toml", PACK)
+ENTRIES = ("ckpt", "container", "kv", "history.json", "trace.jsonl", "budget.toml", PACK, "cluster")
 
 
 def build(root: Path, worker: Worker, checkpoint: Path | None = None, container: Path | None = None) -> Path:
@@ -59,6 +59,7 @@ def build(root: Path, worker: Worker, checkpoint: Path | None = None, container:
     _must(worker, base, ["kv", "export", "container", PACK, "--ids", PACK_IDS, "--kv-dir", "pack-kv", "--json"])
     shutil.rmtree(base / "pack-kv")
     _write_index(base / "ckpt")
+    _must_call(worker, base, "colibri_stream.devtools.fuzz.cluster_calls:write_bases")  # the cluster frame files
     for entry in ENTRIES:
         assert (base / entry).exists(), f"base input {entry} was not written"
     return base
@@ -70,6 +71,14 @@ def _must(worker: Worker, cwd: Path, argv: list[str]) -> None:
     if verdict.judgement != "ok":
         stderr = verdict.result.get("stderr", "")[-2000:]
         raise RuntimeError(f"building a base input failed: {case.command()}: {verdict.detail}\n{stderr}")
+
+
+def _must_call(worker: Worker, cwd: Path, target: str) -> None:
+    """A library function run in the child (it imports torch; this process does not)."""
+    case = Case("base", str(cwd), [], [], kind="call", target=target, args=[str(cwd)])
+    verdict = judge(case, worker.run(case), extra_roots=worker.scratch_roots())
+    if verdict.judgement != "ok":
+        raise RuntimeError(f"building the base input failed: {target}: {verdict.result.get('stderr', '')[-2000:]}")
 
 
 def _write_index(ckpt: Path) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
+from colibri_stream.devtools.fuzz import cluster_frames as frames
 from colibri_stream.devtools.fuzz import mutations as mut
 from colibri_stream.devtools.fuzz.bases import PROMPT_IDS, SESSION, copy_case
 from colibri_stream.devtools.fuzz.harness import Case
@@ -184,6 +185,7 @@ EDITS: dict[str, st.SearchStrategy] = {
     "symlink": st.lists(
         st.fixed_dictionaries({"op": st.just("link"), "to": st.sampled_from(LINK_TARGETS)}), min_size=1, max_size=1
     ),
+    "frames": frames.frames_ops(),
     "template": st.one_of(
         st.lists(
             st.fixed_dictionaries({"op": st.just("template"), "template": hostile_template()}), min_size=1, max_size=1
@@ -273,6 +275,7 @@ APPLY: dict[str, Callable[[Path, list[dict], str], list[dict]]] = {
     "outpath": _make_path,
     "outpath-file": _make_path,
     "symlink": _plant_link,
+    "frames": frames.edit_frames,
 }
 
 
@@ -346,6 +349,12 @@ SURFACES: dict[str, Surface | Scenario] = {
                  ("kv", "ls", "container", "--kv-dir", "kv"), ("kv", "rm", "container", SESSION, "--kv-dir", "kv"),
                  ("chat", "container", "--max-new-tokens", "2", "--kv-dir", "kv", "--session", SESSION)),
                 stdin="hello\n"),
+        Surface("cluster-to-coordinator", ("container", "cluster"), _files(frames.TO_COORDINATOR), "frames",
+                tuple((f"colibri_stream.devtools.fuzz.cluster_calls:{call}", frames.TO_COORDINATOR)
+                      for call in ("to_coordinator_raw", "to_coordinator_sealed")), kind="call"),
+        Surface("cluster-to-worker", ("container", "cluster"), _files(frames.TO_WORKER), "frames",
+                tuple((f"colibri_stream.devtools.fuzz.cluster_calls:{call}", frames.TO_WORKER)
+                      for call in ("to_worker_raw", "to_worker_sealed")), kind="call"),
     )
 }  # fmt: skip
 SURFACES.update(SCENARIOS)  # the multi-step ones: state changes between runs, concurrent writers, full disks

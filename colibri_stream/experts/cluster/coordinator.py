@@ -226,7 +226,7 @@ class DistributedExperts:
             if link is None:
                 raise self._lost_error(request.rank)
             out = link.wait(request.reply, self.timeout_s)
-            self.network.bytes_received += out.nbytes + wire.HEAD.size
+            self.network.bytes_received += out.nbytes + wire.FRAME_BYTES
             return out
         except WorkerError as exc:
             self._lose(request.rank, exc)
@@ -353,10 +353,9 @@ class DistributedExperts:
                 if member.link is None:
                     raise self._lost_error(rank)
                 values = member.link.wait(reply, self.timeout_s)
+                member.stats, member.ram_slots, member.experts_held = wire.read_stats(values)
             except WorkerError as exc:
                 self._lose(rank, exc)
-                continue
-            member.stats, member.ram_slots, member.experts_held = wire.read_stats(values)
         total = self.fallback.snapshot()
         for member in self.members.values():
             total.add(**vars(member.total()))

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from colibri_stream.errors import ColibriError
+from colibri_stream.experts.cluster.auth import KEY_ENV
 from colibri_stream.experts.cluster.wire import WorkerError
 
 LOCALHOST = "127.0.0.1"
@@ -33,21 +34,22 @@ def free_port() -> int:
 
 @dataclass
 class LocalWorkers:
-    """The child processes; ``check`` raises for one that has exited, ``end`` kills a lost one, ``stop``
+    """The child processes; ``exited`` names those that have ended, ``end`` kills a lost one, ``stop``
     ends them all."""
 
     processes: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)  # rank -> process
 
     @classmethod
-    def start(cls, path: str, count: int, port: int, flags: Callable[[int], list[str]]) -> LocalWorkers:
-        """Workers 1 .. count of a group of count + 1 at 127.0.0.1:port; ``flags(rank)``: their store flags.
+    def start(cls, path: str, count: int, port: int, flags: Callable[[int], list[str]], key: bytes) -> LocalWorkers:
+        """Workers 1 .. count of a group of count + 1 at 127.0.0.1:port; ``flags(rank)``: their store flags;
+        ``key``: the cluster key, passed in their environment (a command line is visible to every user).
         If one cannot be started (no memory, a process limit), those already started are killed and reaped
         before the WorkerError: none is left running without its coordinator."""
         check_local_workers(count)
         workers = cls()
         try:
             for rank in range(1, count + 1):
-                workers.processes[rank] = _start_worker(path, count, port, rank, flags(rank))
+                workers.processes[rank] = _start_worker(path, count, port, rank, flags(rank), key)
         except BaseException as exc:
             workers.stop(kill=True)
             if isinstance(exc, OSError):
@@ -55,10 +57,16 @@ class LocalWorkers:
             raise
         return workers
 
-    def check(self) -> None:
-        for rank, process in self.processes.items():
-            if process.poll() is not None:
-                raise WorkerError(f"local worker {rank} (pid {process.pid}) exited with status {process.returncode}")
+    def exited(self) -> dict[int, str]:
+        """rank -> why, for each worker that has ended (reaped)."""
+        return {
+            rank: f"local worker {rank} (pid {process.pid}) exited with status {process.returncode}"
+            for rank, process in self.processes.items()
+            if process.poll() is not None
+        }
+
+    def pid(self, rank: int) -> int:
+        return self.processes[rank].pid
 
     def end(self, rank: int) -> None:
         """Kill and reap worker ``rank`` (lost: stopped or unreachable, it must not linger)."""
@@ -82,15 +90,15 @@ def check_local_workers(count: int) -> None:
         raise ColibriError(f"--local-workers must be 0..{MAX_LOCAL_WORKERS}, got {count}")
 
 
-def _start_worker(path: str, count: int, port: int, rank: int, flags: list[str]) -> subprocess.Popen[bytes]:
+def _start_worker(path: str, count: int, port: int, rank: int, flags: list[str], key: bytes) -> subprocess.Popen[bytes]:
     command = [sys.executable, "-m", "colibri_stream", "worker", str(path), "--rank", str(rank)]
     command += ["--world-size", str(count + 1), "--master-addr", LOCALHOST, "--master-port", str(port)]
     command += ["--disk-speed", "0", *flags]  # one disk for all: equal shares, nothing to measure
-    return subprocess.Popen(command, stdin=subprocess.DEVNULL, env=_worker_env(count))
+    return subprocess.Popen(command, stdin=subprocess.DEVNULL, env=_worker_env(count, key))
 
 
-def _worker_env(count: int) -> dict[str, str]:
+def _worker_env(count: int, key: bytes) -> dict[str, str]:
     """Each local worker computes on its part of this machine's cores (the coordinator's torch threads
     over the workers): they compute a layer at the same time, and more threads than cores only switch."""
     threads = max(1, torch.get_num_threads() // count)
-    return {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), KEY_ENV: key.decode()}

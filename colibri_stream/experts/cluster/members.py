@@ -12,11 +12,16 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from colibri_stream.experts.cluster import wire
 from colibri_stream.experts.cluster.transport import Link
 from colibri_stream.experts.cluster.wire import Hello, Op, WorkerError
 from storage.tiers.stats import StoreStats
 
 SERVING, LOST, REJOINED = "serving", "lost", "rejoined"
+
+
+class ShareRefused(WorkerError):
+    """A worker that answered its SETUP but cannot take its share (its budget, its history file)."""
 
 
 @dataclass
@@ -100,11 +105,11 @@ def send_setup(link: Link, hello: Hello, held: bytes, timeout_s: float) -> None:
 def wait_ready(link: Link, hello: Hello, timeout_s: float) -> None:
     """READY from a worker that was sent SETUP; one that cannot take its share (its budget, its history
     file) is a WorkerError saying why."""
-    head, payload = link.receive(timeout_s, "setting up")
+    head, payload = link.receive(timeout_s, "setting up", wire.MAX_TEXT_BYTES)
     if head.op != Op.READY:
-        raise WorkerError(f"{hello.name()}, setting up: answered {head.op.name}, not READY")
+        raise ShareRefused(f"{hello.name()}, setting up: answered {head.op.name}, not READY")
     if payload:
-        raise WorkerError(f"{hello.name()} cannot take its share: {payload.decode(errors='replace')}")
+        raise ShareRefused(f"{hello.name()} cannot take its share: {payload.decode(errors='replace')}")
 
 
 def refuse(link: Link, why: str) -> None:

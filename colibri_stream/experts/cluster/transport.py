@@ -8,6 +8,10 @@ whoever waits for a reply reads frames off the socket until its own is filled (a
 request may read a MoE layer's reply on the way, into that layer's buffer). A link that fails (closed,
 silent past its deadline, a frame it cannot read) is closed for good: every later call raises the same
 WorkerError at once, and no other link is touched.
+
+Nothing a peer sends is allocated before it is checked: a head's payload size against the limit the
+receiver gives for that step (the geometry of the model, or a text's bound), and once the link is sealed
+(auth.py, after the key handshake) the head's tag before that. A frame that fails either ends the link.
 """
 
 from __future__ import annotations
@@ -18,18 +22,20 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from colibri_stream.experts.cluster import wire
-from colibri_stream.experts.cluster.wire import Head, Op, WorkerError
+from colibri_stream.experts.cluster.auth import Seal
+from colibri_stream.experts.cluster.wire import TAG_BYTES, Head, Op, WorkerError
 
 CONNECT_RETRY_S = 0.1
 # keepalive: first probe after 30 s of silence, then every 10 s, 6 unanswered -> the link is dead (~90 s)
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 30, 10, 6
 Bytes = bytes | bytearray | memoryview
+Limit = int | Callable[[Head], int]  # the most payload bytes a frame may announce (given its head)
 
 
 @dataclass
@@ -50,6 +56,7 @@ class Link:
         _keep_alive(sock)
         sock.setblocking(False)
         self.sock, self.name = sock, name
+        self.seal: Seal | None = None  # set once the key handshake is done: every later frame is tagged
         self.failure: WorkerError | None = None
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -68,11 +75,16 @@ class Link:
             self._check()
             if reply is not None:
                 self._pending.append(reply)
+            head = wire.encode_head(op, size, *values)
+            frame = [memoryview(head), *views]
+            if self.seal is not None:
+                head_tag, payload_tag = self.seal.seal(head, views)
+                frame = [memoryview(head), memoryview(head_tag), *views, memoryview(payload_tag)]
             try:
-                self._send_all([memoryview(wire.encode_head(op, size, *values)), *views], _deadline(timeout_s))
+                self._send_all(frame, _deadline(timeout_s))
             except (OSError, TimeoutError) as exc:
                 raise self._fail(exc, f"sending {op.name.lower()}", timeout_s) from None
-            self.bytes_sent += wire.HEAD.size + size
+            self.bytes_sent += sum(view.nbytes for view in frame)
 
     def _send_all(self, views: list[memoryview], deadline: float | None) -> None:
         while views:
@@ -104,43 +116,72 @@ class Link:
         return reply.out
 
     def _read_reply(self, deadline: float, what: str, timeout_s: float) -> None:
+        expected = self._pending[0] if self._pending else None
+        allowed = expected.out.nbytes if expected is not None else 0
+
+        def limit(head: Head) -> int:
+            return wire.MAX_TEXT_BYTES if head.op == Op.ERROR else allowed
+
         try:
-            head = self._read_head(deadline)
+            head, raw = self._read_head(deadline, limit, what)
             if head.op == Op.ERROR:
-                text = self._read_payload(head, deadline).decode(errors="replace")
+                text = self._read_payload(head, raw, deadline).decode(errors="replace")
                 raise WorkerError(f"{self.name}: {text}")
-            expected = self._pending.popleft() if self._pending else None
             if expected is None or head.op != expected.op or head.payload_bytes != expected.out.nbytes:
                 raise WorkerError(f"{self.name}, {what}: unexpected {head.op.name} frame of {head.payload_bytes} B")
-            self._receive_into(wire.tensor_bytes(expected.out), deadline)
+            self._pending.popleft()
+            out = wire.tensor_bytes(expected.out)
+            self._receive_into(out, deadline)
+            self._check_payload(raw, out, deadline)
             expected.done = True
         except (OSError, TimeoutError) as exc:
             raise self._fail(exc, what, timeout_s) from None
         except WorkerError as exc:
             raise self._fail(exc, what, timeout_s) from None
 
-    def receive(self, timeout_s: float | None, what: str) -> tuple[Head, bytearray]:
-        """The next frame whole (head, payload): a worker's next request, a handshake's answer."""
+    def receive(self, timeout_s: float | None, what: str, limit: Limit) -> tuple[Head, bytearray]:
+        """The next frame whole (head, payload): a worker's next request, a handshake's answer; a frame
+        announcing more than ``limit`` payload bytes ends the link before anything is allocated."""
         deadline = _deadline(timeout_s)
         with self._recv_lock:
             self._check()
             try:
-                head = self._read_head(deadline)
-                return head, self._read_payload(head, deadline)
+                head, raw = self._read_head(deadline, limit, what)
+                return head, self._read_payload(head, raw, deadline)
             except (OSError, TimeoutError) as exc:
                 raise self._fail(exc, what, timeout_s) from None
             except WorkerError as exc:
                 raise self._fail(exc, what, timeout_s) from None
 
-    def _read_head(self, deadline: float | None) -> Head:
-        raw = bytearray(wire.HEAD.size)
+    def _read_head(self, deadline: float | None, limit: Limit, what: str) -> tuple[Head, bytes]:
+        """(the head, its bytes) once its tag (sealed) and its size are checked."""
+        raw = bytearray(wire.HEAD.size + (TAG_BYTES if self.seal is not None else 0))
         self._receive_into(memoryview(raw), deadline)
-        return wire.decode_head(raw)
+        head_bytes = bytes(raw[: wire.HEAD.size])
+        if self.seal is not None and not self.seal.head_ok(head_bytes, raw[wire.HEAD.size :]):
+            raise WorkerError(f"{self.name}, {what}: a frame not sealed with the cluster key")
+        head = wire.decode_head(head_bytes)
+        allowed = limit(head) if callable(limit) else limit
+        if head.payload_bytes > allowed:
+            raise WorkerError(
+                f"{self.name}, {what}: a {head.op.name} frame of {head.payload_bytes} B, more than the {allowed} B "
+                "it may carry here"
+            )
+        return head, head_bytes
 
-    def _read_payload(self, head: Head, deadline: float | None) -> bytearray:
+    def _read_payload(self, head: Head, raw: bytes, deadline: float | None) -> bytearray:
         payload = bytearray(head.payload_bytes)
         self._receive_into(memoryview(payload), deadline)
+        self._check_payload(raw, memoryview(payload), deadline)
         return payload
+
+    def _check_payload(self, head: bytes, payload: memoryview, deadline: float | None) -> None:
+        if self.seal is None:
+            return
+        tag = bytearray(TAG_BYTES)
+        self._receive_into(memoryview(tag), deadline)
+        if not self.seal.payload_ok(payload, tag):
+            raise WorkerError(f"{self.name}: a frame whose payload does not match its cluster-key tag")
 
     def _receive_into(self, view: memoryview, deadline: float | None) -> None:
         got = 0

@@ -7,6 +7,8 @@ shares and the transport").
 Every frame is a fixed head, int64 [HEAD] = (op, payload bytes, then up to VALUES values), and a payload
 of that many bytes: tensors' bytes back to back, 8-byte types first so every view starts aligned.
 
+    both, before any other  AUTH      the cluster key handshake (auth.py, handshake.py); every later frame is
+                                      sealed: head | head tag | payload | payload tag (TAG_BYTES each)
     coordinator -> worker   SETUP     rank; payload: uint8 [MoE layers, experts], 1 where this worker holds
                                       the expert (its share and its replicas); reply READY
                             SUM       layer, rows, topk, dim, dtype, flags, prefetch layer, prefetches,
@@ -37,7 +39,7 @@ import torch
 from colibri_stream.errors import ColibriError
 from storage.tiers.stats import StoreStats
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: the cluster key handshake, sealed frames
 VALUES = 10
 HEAD = struct.Struct(f"<{2 + VALUES}q")  # op, payload bytes, values
 HOST_BYTES = 64
@@ -49,6 +51,8 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # x's dtype travels as 
 Spec = tuple[torch.dtype, tuple[int, ...]]  # one tensor of a payload
 STATS_FIELDS = tuple(f.name for f in fields(StoreStats)) + ("ram_slots", "experts_held")
 MAX_TEXT_BYTES = 4096  # an error text or host name in a payload
+TAG_BYTES = 16  # auth.TAG_BYTES: a sealed frame's two tags
+FRAME_BYTES = HEAD.size + 2 * TAG_BYTES  # what a sealed frame adds to its payload
 
 
 class Op(IntEnum):
@@ -62,6 +66,7 @@ class Op(IntEnum):
     READY = 8
     ERROR = 9
     REFUSE = 10
+    AUTH = 11
 
 
 class WorkerError(ColibriError):
@@ -163,6 +168,8 @@ def read_hello(values: tuple[int, ...], host: bytes) -> Hello:
     name = host[:HOST_BYTES].decode(errors="replace")
     if protocol != PROTOCOL_VERSION:
         raise WorkerError(f"worker {rank} ({name}) speaks protocol {protocol}, this coordinator {PROTOCOL_VERSION}")
+    if min(rank, layers, experts, record, ram, disk) < 0:
+        raise WorkerError(f"worker {rank} ({name}) said a negative count in its HELLO: {values[:9]}")
     return Hello(rank, name, pid, layers, experts, record, ram, disk, crc)
 
 
@@ -172,6 +179,9 @@ def stats_tensor(stats: StoreStats, ram_slots: int, experts_held: int) -> torch.
 
 
 def read_stats(values: torch.Tensor) -> tuple[StoreStats, int, int]:
+    """A worker's counters; a WorkerError when they are not counters (negative, NaN, past 2^62)."""
+    if not bool(((values >= 0) & (values < 2.0**62)).all()):  # NaN compares false
+        raise WorkerError(f"a worker sent STATS that are not counters: {values.tolist()[:4]} ...")
     raw = dict(zip(STATS_FIELDS, values.tolist(), strict=True))
     stats = StoreStats(**{f.name: raw[f.name] if f.type == "float" else int(raw[f.name]) for f in fields(StoreStats)})
     return stats, int(raw["ram_slots"]), int(raw["experts_held"])

@@ -2,7 +2,8 @@
 own tiered store (RAM/VRAM budget, policy, usage history), serving the coordinator's per-layer requests
 until told to stop.
 
-    join      connect to the coordinator, say HELLO (rank, budget, measured disk speed, model fingerprint)
+    join      connect to the coordinator, prove the cluster key both ways (handshake.py), say HELLO (rank,
+              budget, measured disk speed, model fingerprint)
     setup     receive which experts it holds, open the store sized for them, say READY
     serve     SUM: prefetch the guessed ids sent along, compute the assigned experts' part of the routed sum
               (the engine's own routed_sum over the store), send it back; PREFETCH, STATS, END_TURN, SHUTDOWN
@@ -10,7 +11,8 @@ until told to stop.
 Started again with the same flags after it was lost, a worker joins the same way and the coordinator
 gives it its share back (between steps). A worker computes with the same engine code as a single
 process (rows_alone and int8 activations as the request's flags say), so its part of the sum is the
-same float64 terms.
+same float64 terms. Every request is checked against the model's geometry (RequestLimits) before its
+payload is allocated: a frame that does not fit ends the worker in one line.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ import torch
 from colibri_stream.checkpoint.fingerprint import container_fingerprint
 from colibri_stream.errors import USER_ERRORS, ColibriError
 from colibri_stream.experts.cluster import wire
+from colibri_stream.experts.cluster.auth import load_key
+from colibri_stream.experts.cluster.handshake import prove_to_coordinator
+from colibri_stream.experts.cluster.limits import RequestLimits
 from colibri_stream.experts.cluster.transport import Link, dial
 from colibri_stream.experts.cluster.wire import Hello, Op, WorkerError
 from colibri_stream.experts.codec import expert_from_record
@@ -59,11 +64,13 @@ class WorkerOptions:
     store: StoreOptions
     disk_bytes_per_s: int | None = None  # None: measured at start; 0: not known (equal to the others)
     connect_timeout_s: float = 600.0
+    key_file: str | Path | None = None  # None: $COLIBRI_CLUSTER_KEY, else the default key file (auth.py)
 
 
 def run_worker(options: WorkerOptions) -> int:
     """Join, take a share, serve until SHUTDOWN (0); a coordinator that is gone or refuses it is a
     WorkerError (exit status 1)."""
+    key = load_key(options.key_file, create=False)  # before anything slow: a worker without one is refused now
     container = Container(options.path)
     geometry = geometry_from_container(container)
     config = worker_store_config(options.store, geometry.expert_bytes)
@@ -72,6 +79,8 @@ def run_worker(options: WorkerOptions) -> int:
         disk = int(disk_bandwidth(Path(options.path))[0])
     link = dial(options.master_addr, options.master_port, options.connect_timeout_s, COORDINATOR)
     try:
+        where = f"{options.master_addr}:{options.master_port}"
+        prove_to_coordinator(link, key, options.connect_timeout_s, where)
         hello = Hello(
             options.rank,
             socket.gethostname(),
@@ -88,7 +97,7 @@ def run_worker(options: WorkerOptions) -> int:
         trace = TraceWriter(options.store.trace) if options.store.trace else None
         store = _open_store(link, container, config, int(held.sum()), trace)
         try:
-            return Server(link, container, store, held).serve()
+            return Server(link, container, store, held, RequestLimits.of(container)).serve()
         finally:
             store.close()
     finally:
@@ -97,10 +106,10 @@ def run_worker(options: WorkerOptions) -> int:
 
 def _receive_setup(link: Link, container: Container) -> torch.Tensor:
     """bool [MoE layers, experts]: the experts this worker holds."""
-    head, payload = link.receive(None, "waiting for its share")
+    shape = (len(container.moe_layers), container.n_experts)
+    head, payload = link.receive(None, "waiting for its share", max(shape[0] * shape[1], wire.MAX_TEXT_BYTES))
     if head.op == Op.REFUSE:
         raise WorkerError(f"the coordinator refused this worker: {payload.decode(errors='replace')}")
-    shape = (len(container.moe_layers), container.n_experts)
     if head.op != Op.SETUP or len(payload) != shape[0] * shape[1]:
         raise ColibriError(f"expected the share table from the coordinator, got {head.op.name} ({len(payload)} B)")
     return torch.frombuffer(payload, dtype=torch.uint8).view(shape).bool()
@@ -132,8 +141,11 @@ def _open_store(
 class Server:
     """The request loop of a joined worker."""
 
-    def __init__(self, link: Link, container: Container, store: TieredExpertStore, held: torch.Tensor):
+    def __init__(
+        self, link: Link, container: Container, store: TieredExpertStore, held: torch.Tensor, limits: RequestLimits
+    ):
         self.link = link
+        self.limits = limits
         self.store = store
         self.layers = list(container.moe_layers)  # share table row -> model layer
         self.row = {layer: i for i, layer in enumerate(self.layers)}
@@ -142,7 +154,7 @@ class Server:
 
     def serve(self) -> int:
         while True:
-            head, payload = self.link.receive(None, "waiting for a request")
+            head, payload = self.link.receive(None, "waiting for a request", self.limits.payload_bytes)
             if head.op == Op.SHUTDOWN:
                 return 0
             try:
@@ -157,7 +169,9 @@ class Server:
             self._sum(payload, *head.values[:9])
         elif head.op == Op.PREFETCH:
             layer, count = head.values[:2]
-            self._prefetch(layer, torch.frombuffer(payload, dtype=torch.int64) if count else torch.empty(0))
+            guess = torch.frombuffer(payload, dtype=torch.int64) if count else torch.empty(0, dtype=torch.int64)
+            self.limits.check_ids(guess)
+            self._prefetch(layer, guess)
         elif head.op == Op.STATS:
             stats = wire.stats_tensor(self.store.snapshot(), self.store.ram.n_slots, self.held)
             self.link.send(Op.STATS, [wire.tensor_bytes(stats)], (), None)
@@ -173,6 +187,7 @@ class Server:
         """The assigned experts' part of ``layer``'s routed sum; first the prefetch guess for layer ``ahead``."""
         specs = wire.sum_payload_specs(rows, topk, dim, wire.DTYPES[dtype], count, assigned)
         guess, mine, ids, weights, x = wire.unpack(torch.frombuffer(payload, dtype=torch.uint8), specs)
+        self.limits.check_ids(guess, mine, ids)
         if count:
             self._prefetch(ahead, guess)  # read while this layer computes
         wanted = set(mine.tolist())

@@ -64,7 +64,7 @@ def test_replies_reach_their_requests_in_order_across_threads():
 
     def serve() -> None:
         for want in (Op.SUM, Op.STATS):
-            head, payload = worker.receive(5.0, "request")
+            head, payload = worker.receive(5.0, "request", 1 << 20)
             assert head.op == want
             reply = sums if want == Op.SUM else stats
             worker.send(want, [reply.numpy().tobytes()], (), 5.0)
@@ -86,10 +86,10 @@ def test_a_silent_or_closed_peer_fails_its_link_only():
     with pytest.raises(WorkerError, match="no answer within 0.2 s"):  # failed for good: at once, the same error
         silent.send(Op.STATS, [], (), 1.0)
     other.send(Op.END_TURN, [], (), 1.0)  # another link is untouched
-    assert other_peer.receive(1.0, "request")[0].op == Op.END_TURN
+    assert other_peer.receive(1.0, "request", 0)[0].op == Op.END_TURN
     other_peer.close()
     with pytest.raises(WorkerError, match="connection lost"):
-        other.receive(1.0, "a reply")
+        other.receive(1.0, "a reply", 0)
 
 
 def test_a_member_counts_its_losses_and_keeps_its_counters_across_a_rejoin():

@@ -18,7 +18,7 @@ import psutil
 
 from colibri_stream import cli
 from colibri_stream.experts.cluster.local import free_port
-from colibri_stream.experts.cluster.wire import HEAD
+from colibri_stream.experts.cluster.wire import FRAME_BYTES
 
 TIMEOUT_S = 8
 
@@ -168,8 +168,8 @@ def test_hand_started_worker_serves_a_turn(make_container, tmp_path):
     tokens = 5 + 4  # the prompt and the generated tokens fed back (the last one is not)
     assert network["layer_requests"] == 2 * (1 + 4)  # a prefill and 4 decode steps through 2 MoE layers
     assert network["bytes_per_token"] == round((network["bytes_sent"] + network["bytes_received"]) / tokens)
-    # float64 partial sums [rows, dim 64] per layer, each in one frame (a head of HEAD.size bytes)
-    assert network["bytes_received"] == tokens * 2 * 64 * 8 + network["layer_requests"] * HEAD.size
+    # float64 partial sums [rows, dim 64] per layer, each in one sealed frame (head and tags: FRAME_BYTES)
+    assert network["bytes_received"] == tokens * 2 * 64 * 8 + network["layer_requests"] * FRAME_BYTES
     assert network["round_trip_ms_mean"] > 0
 
 
