@@ -458,6 +458,11 @@ def create_app(server: Server) -> FastAPI:
     async def health() -> dict[str, Any]:
         return server.status()
 
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def root() -> dict[str, Any]:
+        """Claude Code probes ``HEAD /`` before its first request: a server that answers it is reachable."""
+        return {"status": "ok", "model": server.runtime.model_id, "api": "/v1"}
+
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         server.authenticate(request)
