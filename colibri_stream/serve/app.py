@@ -28,7 +28,7 @@ from typing import Any, TypeVar, cast
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from colibri_stream.errors import ChatTemplateError, ColibriError, SessionError
@@ -458,10 +458,10 @@ def create_app(server: Server) -> FastAPI:
     async def health() -> dict[str, Any]:
         return server.status()
 
-    @app.api_route("/", methods=["GET", "HEAD"])
-    async def root() -> dict[str, Any]:
-        """Claude Code probes ``HEAD /`` before its first request: a server that answers it is reachable."""
-        return {"status": "ok", "model": server.runtime.model_id, "api": "/v1"}
+    @app.head("/", include_in_schema=False)
+    async def probe() -> Response:
+        """Claude Code probes ``HEAD /`` before its first request (GET / is the dashboard's page)."""
+        return Response(status_code=200)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:

@@ -92,15 +92,16 @@ def test_models_lists_the_served_model(served):
 
 
 def test_the_root_answers_a_connectivity_probe(served):
-    """Claude Code sends ``HEAD /`` first; a 405 there reads as a server that is not the API's."""
+    """Claude Code sends ``HEAD /`` first; a 405 there reads as a server that is not the API's. GET / stays
+    the dashboard's page."""
+    statuses = {}
     for method in ("HEAD", "GET"):
         conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=WAIT_S)
         conn.request(method, "/")
         response = conn.getresponse()
-        body = response.read()
-        assert response.status == 200
-        if method == "GET":
-            assert json.loads(body)["model"] == MODEL
+        statuses[method] = (response.status, response.getheader("content-type") or "", response.read())
+    assert statuses["HEAD"][0] == 200
+    assert statuses["GET"][0] == 200 and statuses["GET"][1].startswith("text/html")
 
 
 def test_streaming_and_json_give_the_same_text_at_temperature_0(served, tiny_checkpoints):
