@@ -7,7 +7,7 @@ measured.
     python tools/agent_clients.py [--cache ~/.cache/colibri-stream/agents] [--model PATH]
                                   [--clients claude_code,codex,opencode,aider] [--timeout 900]
                                   [--work DIR] [--record DIR [--fixtures tests/fixtures/agents]]
-                                  [--no-install] [--json FILE]
+                                  [--no-install] [--json FILE] [--serve-flags '--default-max-tokens 16384']
 
 --record DIR puts a recording proxy between the clients and the server: every request each client sends
 (headers with keys redacted, body, the answer's status and first characters) is saved under
@@ -47,6 +47,7 @@ def main() -> int:
     parser.add_argument("--fixtures", type=Path, help="with --record: write <client>_recorded.json here")
     parser.add_argument("--no-install", action="store_true", help="use the clients already in the cache")
     parser.add_argument("--json", type=Path, help="also write every turn's requests and results here")
+    parser.add_argument("--serve-flags", default="", help="more flags for serve, e.g. '--default-max-tokens 16384'")
     args = parser.parse_args()
     chosen = [label for label in args.clients.split(",") if label]
     if unknown := set(chosen) - set(labels):
@@ -55,7 +56,8 @@ def main() -> int:
         install(args.cache, log)
     work = args.work or Path(tempfile.mkdtemp(prefix="colibri-agents-"))
     log(f"run folder: {work} (server log, request log, each client's output and home)")
-    runs = run_all(args.model or demo_model_dir(), args.cache, work, chosen, args.timeout, args.record, log)
+    flags = args.serve_flags.split()
+    runs = run_all(args.model or demo_model_dir(), args.cache, work, chosen, args.timeout, args.record, log, flags)
     print(report(runs))
     if args.record is not None and args.fixtures is not None:
         for path in extract_fixtures(args.record, args.fixtures, runs):

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,10 +95,13 @@ class RequestLogReader:
 
 
 @contextmanager
-def served(model: Path, work: Path, key: str, model_name: str, log: Callable[[str], None]) -> Iterator[int]:
-    """`colibri-stream serve` on ``model`` in a child process; yields its port once /health answers."""
+def served(
+    model: Path, work: Path, key: str, model_name: str, log: Callable[[str], None], extra: Sequence[str] = ()
+) -> Iterator[int]:
+    """`colibri-stream serve` on ``model`` (with the ``extra`` flags) in a child process; yields its port once
+    /health answers."""
     port = _free_port()
-    argv = [sys.executable, "-m", "colibri_stream", "serve", str(model), "--port", str(port), "--api-key", key]
+    argv = [sys.executable, "-m", "colibri_stream", "serve", str(model), "--port", str(port), "--api-key", key, *extra]
     argv += ["--model-name", model_name, "--kv-dir", str(work / "kv"), "--request-log", str(work / "requests.jsonl")]
     log(" ".join(argv[1:]))
     with (work / "serve.log").open("w") as out:
@@ -197,11 +200,12 @@ def run_all(
     timeout_s: float,
     record: Path | None,
     log: Callable[[str], None],
+    serve_flags: Sequence[str] = (),
 ) -> list[ClientRun]:
     key, name = "sk-colibri-agents", "demo"
     work.mkdir(parents=True, exist_ok=True)
     runs = []
-    with served(model, work, key, name, log) as port:
+    with served(model, work, key, name, log, serve_flags) as port:
         recorder = Recorder(port, record).start() if record is not None else None
         origin = f"http://127.0.0.1:{recorder.port if recorder else port}"
         reader = RequestLogReader(work / "requests.jsonl")
