@@ -56,6 +56,7 @@ EXACT = {
     "--context": ["--context", "64"],
     "--no-prefix-cache": ["--no-prefix-cache"],
     "--prefix-cache": ["--prefix-cache", "--prefix-ram", "1MiB", "--prefix-disk", "0"],
+    "--shared-prefix-cache": ["--shared-prefix-cache"],  # which tenants' blocks a turn sees: placement only
     "--wait-session": ["--wait-session", "5"],
     "--local-workers": ["--local-workers", "1"],
     "--worker-timeout": ["--local-workers", "1", "--worker-timeout", "30"],
@@ -82,6 +83,7 @@ NOT_RUNTIME = {
     "--prefix-disk": "with --prefix-cache above",
     "--vram-device": "with --vram above",
     "--prefetch": "--no-prefetch above",
+    "--no-shared-prefix-cache": "--shared-prefix-cache above",
     "--preload": "--no-preload above",
     "--world-size": "a multi-machine cluster (tests/test_colibri_stream/experts/cluster)",
     "--master-addr": "a multi-machine cluster (tests/test_colibri_stream/experts/cluster)",

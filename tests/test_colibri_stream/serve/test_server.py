@@ -201,7 +201,7 @@ def malformed_requests() -> list[tuple[str, str, bytes]]:
     completion = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
     common = {
         "model": [None, 5, [], {}, "", True],  # any other name is served (test_server_logprobs.py)
-        "max_tokens": [0, -1, "5", 5.5, True, [], {}],  # a large one is cut to the room, not refused
+        "max_tokens": [0, -1, -(10**6), "5", "", 5.5, 2.0, True, [], [1], {}],  # a large one is cut to the room
         "temperature": [-0.1, 2.5, "0", [], True, None, {}],
         "top_p": [0, -1, 1.5, "1", {}, None],
         "seed": [-1, 2**64, "1", 1.5, []],
@@ -309,7 +309,7 @@ def test_user_labels_are_opaque_and_name_no_session(served):
 
 def test_context_overflow_names_both_lengths_and_max_tokens_is_cut_to_the_room(served):
     with pytest.raises(openai.BadRequestError) as err:
-        served.client().completions.create(model=MODEL, prompt=list(range(2, 602)), max_tokens=1)
+        served.client().completions.create(model=MODEL, prompt=[*range(2, 502), *range(2, 102)], max_tokens=1)
     assert "600" in err.value.body["message"] and "512" in err.value.body["message"]
     # 500 + 100 > 512: the answer gets the 12 positions left (agents ask for more than any context holds)
     cut = served.client().completions.create(model=MODEL, prompt=list(range(2, 502)), max_tokens=100, temperature=0)

@@ -30,7 +30,7 @@ def _env(isa: str | None) -> dict[str, str]:
 
 
 def _constants(isa: str | None) -> tuple[int, ...]:
-    code = "from engine import _kernels as k; print(k.SIMD_LEVEL, k.Q8_VNNI, k.BF16_SIMD, k.ISA_CAP)"
+    code = "from engine.kernels import _kernels as k; print(k.SIMD_LEVEL, k.Q8_VNNI, k.BF16_SIMD, k.ISA_CAP)"
     done = subprocess.run([sys.executable, "-c", code], env=_env(isa), capture_output=True, text=True, check=True)
     return tuple(int(word) for word in done.stdout.split())
 
