@@ -118,17 +118,11 @@ class FunctionCallItem(BaseModel):
     arguments: str  # JSON text of an object
 
 
-class OutputText(BaseModel):
-    model_config = STRICT
-    type: Literal["input_text", "output_text"]
-    text: str
-
-
 class FunctionCallOutputItem(BaseModel):
     model_config = STRICT
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1, max_length=MAX_ID)
-    output: Annotated[list[OutputText], BeforeValidator(_as_parts)]
+    output: Annotated[list[TextPart], BeforeValidator(_as_parts)]
 
     def text(self) -> str:
         return "".join(p.text for p in self.output)

@@ -157,14 +157,9 @@ def _between(section: str, begin: str, end: str, steps: Steps, empty_ok: bool = 
     """The bodies of ``begin``...``end`` pairs; only whitespace may lie around and between them."""
     bodies, at = [], _skip_space(section, 0, steps)
     while at < len(section):
-        steps.count += len(begin)
-        if not section.startswith(begin, at):
-            raise ToolCallError(f"expected {begin}...{end}")
-        close = _find(section, end, at + len(begin), steps)
-        if close < 0:
-            raise ToolCallError(f"expected {begin}...{end}")
-        bodies.append(section[at + len(begin) : close])
-        at = _skip_space(section, close + len(end), steps)
+        body, end_at = _pair(section, at, begin, end, steps)
+        bodies.append(body)
+        at = _skip_space(section, end_at, steps)
     if not bodies and not empty_ok:
         raise ToolCallError("an empty tool-call section")
     return bodies
@@ -224,7 +219,7 @@ def _typed_value(text: str, string_typed: bool, steps: Steps) -> Any:
         return text
 
 
-def _glm_part(section: str, at: int, begin: str, end: str, steps: Steps) -> tuple[str, int]:
+def _pair(section: str, at: int, begin: str, end: str, steps: Steps) -> tuple[str, int]:
     """The text of the ``begin``...``end`` pair at ``at`` (after whitespace) and where it ends."""
     at = _skip_space(section, at, steps)
     steps.count += len(begin)
@@ -243,8 +238,8 @@ def _parse_glm(section: str, tools: Tools, steps: Steps) -> list[ToolCall]:
     name = _known(section[:first].strip(), tools)
     arguments, at = {}, _skip_space(section, first, steps)
     while at < len(section):
-        key, at = _glm_part(section, at, GLM_KEY, GLM_KEY_END, steps)
-        value, at = _glm_part(section, at, GLM_VALUE, GLM_VALUE_END, steps)
+        key, at = _pair(section, at, GLM_KEY, GLM_KEY_END, steps)
+        value, at = _pair(section, at, GLM_VALUE, GLM_VALUE_END, steps)
         key = key.strip()
         arguments[key] = _typed_value(value, tools.parameter_is_string(name, key), steps)
         at = _skip_space(section, at, steps)
