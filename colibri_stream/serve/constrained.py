@@ -100,18 +100,29 @@ def chat_constraint(runtime: Runtime, body: ChatRequest) -> Constrained | None:
     if body.tool_choice == "required":
         return constraint_for(runtime, "required", tools=tools)
     form = body.response_format
-    if form is None or form.type == "text":
+    if form is None:
         return None
-    if form.type == "json_object":
-        return constraint_for(runtime, "json_object")
-    if form.json_schema is None:
-        raise ApiError(
-            400,
-            "response_format.json_schema: required for type json_schema",
-            "invalid_value",
-            "response_format.json_schema",
-        )
-    return constraint_for(runtime, "json_schema", schema=form.json_schema.schema_)
+    schema = form.json_schema.schema_ if form.json_schema is not None else None
+    return format_constraint(runtime, form.type, schema, "response_format.json_schema")
+
+
+def format_constraint(
+    runtime: Runtime,
+    kind: str,
+    schema: dict[str, Any] | None,
+    missing: str,
+    params: Params = Params(),  # noqa: B008 (frozen)
+) -> Constrained | None:
+    """A response format's constraint (chat's ``response_format``, Responses' ``text.format``): none for
+    "text", any JSON object, or JSON valid against ``schema``; a json_schema without one is a 400 naming
+    ``missing``."""
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return constraint_for(runtime, "json_object", params=params)
+    if schema is None:
+        raise ApiError(400, f"{missing}: required for type json_schema", "invalid_value", missing)
+    return constraint_for(runtime, "json_schema", schema=schema, params=params)
 
 
 def anthropic_constraint(

@@ -48,7 +48,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from colibri_stream.runtime.turn import Runtime
 from colibri_stream.serve.answers import AnswerParser, cancel_on_disconnect, tool_parser
-from colibri_stream.serve.constrained import Constrained, Params, constraint_for
+from colibri_stream.serve.constrained import Constrained, Params, constraint_for, format_constraint
 from colibri_stream.serve.intake import parse_request, read_body
 from colibri_stream.serve.model_thread import Job
 from colibri_stream.serve.responses_output import Output, ResponseRun, new_id, sse_event
@@ -132,13 +132,9 @@ def output_constraint(runtime: Runtime, body: ResponsesRequest, tools: OfferedTo
             400, f'tool_choice: {choice!r} is not one of "auto", "none", "required"', "invalid_value", "tool_choice"
         )
     text_format = body.text.format if body.text is not None else None
-    if text_format is None or text_format.type == "text":
+    if text_format is None:
         return None
-    if text_format.type == "json_object":
-        return constraint_for(runtime, "json_object", params=RESPONSES)
-    if text_format.schema_ is None:
-        raise ApiError(400, "text.format.schema: required for type json_schema", "invalid_value", "text.format.schema")
-    return constraint_for(runtime, "json_schema", schema=text_format.schema_, params=RESPONSES)
+    return format_constraint(runtime, text_format.type, text_format.schema_, "text.format.schema", RESPONSES)
 
 
 # ------------------------------------------------------------------------------------ routes
