@@ -107,7 +107,12 @@ class Server:
     @cached_property
     def signer(self) -> Signer:
         """Signs what clients send back (Anthropic thinking blocks) with the server's seal key."""
-        return Signer(load_key(self.runtime.kv_dir))
+        return Signer(self.seal_key)
+
+    @cached_property
+    def seal_key(self) -> bytes:
+        """The one secret of every round trip through a client (serve/sealed.py ``load_key``), read once."""
+        return load_key(self.runtime.kv_dir)
 
     def splitter(self, prompt: list[int]) -> ReasoningSplitter | None:
         """The reader of a thinking model's answer to ``prompt`` (None: the model does not think)."""

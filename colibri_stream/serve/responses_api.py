@@ -62,7 +62,7 @@ from colibri_stream.serve.responses_schemas import (
 )
 from colibri_stream.serve.responses_store import ResponseStore
 from colibri_stream.serve.schemas import ApiError
-from colibri_stream.serve.sealed import Sealer, load_key
+from colibri_stream.serve.sealed import Sealer
 from colibri_stream.serve.thinking import effort_thinking, reasoning_tokens
 
 Server = Any  # serve.app.Server, which imports this module (so it cannot be imported here)
@@ -139,7 +139,7 @@ def output_constraint(runtime: Runtime, body: ResponsesRequest, tools: OfferedTo
 
 # ------------------------------------------------------------------------------------ routes
 def add_responses_routes(app: FastAPI, server: Server) -> None:
-    state = ResponsesState(ResponseStore(), Sealer(load_key(server.runtime.kv_dir)))
+    state = ResponsesState(ResponseStore(), Sealer(server.seal_key))
     app.state.responses = state
     model = server.runtime.model_id
 
