@@ -7,7 +7,7 @@ group (the transport before issue #43) vs Ray, one run.
 
 "--auth": the candidates for links only the cluster's processes can use, per MoE layer as above against
 today's link (socket_per_worker, unsealed): socket_sealed_per_worker (the same Link after the cluster key
-handshake: every frame carries two AES-GCM (GMAC) tags, auth.py; what #70 chose), zmq_curve_per_worker
+handshake: every frame carries one AES-GCM tag over head and payload, auth.py; what #70 chose), zmq_curve_per_worker
 (pyzmq PAIR sockets with CURVE, libsodium's Curve25519 + XSalsa20-Poly1305, and ZMQ_MAXMSGSIZE; needs
 pyzmq importable) and tls_per_worker (Python's ssl, TLS 1.3 with a self-signed certificate pinned by the
 client; needs `cryptography` to make the certificate).

@@ -82,14 +82,13 @@ def write_bases(base_dir: str) -> None:
 
 
 def send_frames(sock: socket.socket, data: bytes, seal: auth.Seal | None) -> None:
-    """The file's bytes as they are (no seal), or each frame with its two tags."""
+    """The file's bytes as they are (no seal), or each frame with its tag."""
     try:
         if seal is None:
             sock.sendall(data)
             return
         for head, payload in split_frames(data):
-            head_tag, payload_tag = seal.seal(head, [memoryview(payload)])
-            sock.sendall(head + head_tag + payload + payload_tag)
+            sock.sendall(head + payload + seal.seal(head, [memoryview(payload)]))
     except OSError:
         pass  # the receiver dropped the link: what a refusal looks like
 

@@ -11,7 +11,8 @@ WorkerError at once, and no other link is touched.
 
 Nothing a peer sends is allocated before it is checked: a head's payload size against the limit the
 receiver gives for that step (the geometry of the model, or a text's bound), and once the link is sealed
-(auth.py, after the key handshake) the head's tag before that. A frame that fails either ends the link.
+(auth.py, after the key handshake) its tag, over head and payload, before it is used. A frame that fails
+either ends the link.
 """
 
 from __future__ import annotations
@@ -78,8 +79,7 @@ class Link:
             head = wire.encode_head(op, size, *values)
             frame = [memoryview(head), *views]
             if self.seal is not None:
-                head_tag, payload_tag = self.seal.seal(head, views)
-                frame = [memoryview(head), memoryview(head_tag), *views, memoryview(payload_tag)]
+                frame.append(memoryview(self.seal.seal(head, views)))
             try:
                 self._send_all(frame, _deadline(timeout_s))
             except (OSError, TimeoutError) as exc:
@@ -93,12 +93,7 @@ class Link:
             except BlockingIOError:
                 self._await(select.POLLOUT, deadline)
                 continue
-            while sent and views:  # drop what went out, keep the rest of a part cut short
-                if sent >= views[0].nbytes:
-                    sent -= views[0].nbytes
-                    views.pop(0)
-                else:
-                    views[0], sent = views[0][sent:], 0
+            _consume(views, sent)
 
     # ---------------------------------------------------------------------------------- receiving
     def wait(self, reply: Reply, timeout_s: float) -> torch.Tensor:
@@ -130,9 +125,7 @@ class Link:
             if expected is None or head.op != expected.op or head.payload_bytes != expected.out.nbytes:
                 raise WorkerError(f"{self.name}, {what}: unexpected {head.op.name} frame of {head.payload_bytes} B")
             self._pending.popleft()
-            out = wire.tensor_bytes(expected.out)
-            self._receive_into(out, deadline)
-            self._check_payload(raw, out, deadline)
+            self._receive_payload(raw, wire.tensor_bytes(expected.out), deadline)
             expected.done = True
         except (OSError, TimeoutError) as exc:
             raise self._fail(exc, what, timeout_s) from None
@@ -153,13 +146,10 @@ class Link:
             except WorkerError as exc:
                 raise self._fail(exc, what, timeout_s) from None
 
-    def _read_head(self, deadline: float | None, limit: Limit, what: str) -> tuple[Head, bytes]:
-        """(the head, its bytes) once its tag (sealed) and its size are checked."""
-        raw = bytearray(wire.HEAD.size + (TAG_BYTES if self.seal is not None else 0))
-        self._receive_into(memoryview(raw), deadline)
-        head_bytes = bytes(raw[: wire.HEAD.size])
-        if self.seal is not None and not self.seal.head_ok(head_bytes, raw[wire.HEAD.size :]):
-            raise WorkerError(f"{self.name}, {what}: a frame not sealed with the cluster key")
+    def _read_head(self, deadline: float | None, limit: Limit, what: str) -> tuple[Head, bytearray]:
+        """(the head, its bytes) once its size is checked: a sealed frame's tag comes after its payload."""
+        head_bytes = bytearray(wire.HEAD.size)
+        self._receive_into([memoryview(head_bytes)], deadline)
         head = wire.decode_head(head_bytes)
         allowed = limit(head) if callable(limit) else limit
         if head.payload_bytes > allowed:
@@ -169,32 +159,34 @@ class Link:
             )
         return head, head_bytes
 
-    def _read_payload(self, head: Head, raw: bytes, deadline: float | None) -> bytearray:
+    def _read_payload(self, head: Head, raw: bytearray, deadline: float | None) -> bytearray:
         payload = bytearray(head.payload_bytes)
-        self._receive_into(memoryview(payload), deadline)
-        self._check_payload(raw, memoryview(payload), deadline)
+        self._receive_payload(raw, memoryview(payload), deadline)
         return payload
 
-    def _check_payload(self, head: bytes, payload: memoryview, deadline: float | None) -> None:
+    def _receive_payload(self, head: bytearray, payload: memoryview, deadline: float | None) -> None:
+        """``payload`` filled, and once sealed its tag read in the same calls and checked."""
         if self.seal is None:
+            self._receive_into([payload], deadline)
             return
         tag = bytearray(TAG_BYTES)
-        self._receive_into(memoryview(tag), deadline)
-        if not self.seal.payload_ok(payload, tag):
-            raise WorkerError(f"{self.name}: a frame whose payload does not match its cluster-key tag")
+        self._receive_into([payload, memoryview(tag)], deadline)
+        if not self.seal.frame_ok(head, payload, tag):
+            raise WorkerError(f"{self.name}: a frame that does not match its cluster-key tag")
 
-    def _receive_into(self, view: memoryview, deadline: float | None) -> None:
-        got = 0
-        while got < view.nbytes:
+    def _receive_into(self, views: list[memoryview], deadline: float | None) -> None:
+        """Fill ``views`` in order, as few calls as the socket allows."""
+        views = [view for view in views if view.nbytes]
+        while views:
             try:
-                n = self.sock.recv_into(view[got:])
+                n = self.sock.recvmsg_into(views)[0] if len(views) > 1 else self.sock.recv_into(views[0])
             except BlockingIOError:
                 self._await(select.POLLIN, deadline)
                 continue
             if n == 0:
                 raise ConnectionResetError("closed by the peer")
-            got += n
-        self.bytes_received += got
+            self.bytes_received += n
+            _consume(views, n)
 
     # ------------------------------------------------------------------------------------ faults
     def _await(self, event: int, deadline: float | None) -> None:
@@ -244,6 +236,16 @@ def _keep_alive(sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_S)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES)
+
+
+def _consume(views: list[memoryview], done: int) -> None:
+    """Drop the ``done`` bytes sent or received from the front of ``views`` (a part cut short keeps its rest)."""
+    while done and views:
+        if done >= views[0].nbytes:
+            done -= views[0].nbytes
+            views.pop(0)
+        else:
+            views[0], done = views[0][done:], 0
 
 
 def _deadline(timeout_s: float | None) -> float | None:

@@ -8,7 +8,7 @@ Every frame is a fixed head, int64 [HEAD] = (op, payload bytes, then up to VALUE
 of that many bytes: tensors' bytes back to back, 8-byte types first so every view starts aligned.
 
     both, before any other  AUTH      the cluster key handshake (auth.py, handshake.py); every later frame is
-                                      sealed: head | head tag | payload | payload tag (TAG_BYTES each)
+                                      sealed: head | payload | tag (TAG_BYTES, over both)
     coordinator -> worker   SETUP     rank; payload: uint8 [MoE layers, experts], 1 where this worker holds
                                       the expert (its share and its replicas); reply READY
                             SUM       layer, rows, topk, dim, dtype, flags, prefetch layer, prefetches,
@@ -51,8 +51,8 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # x's dtype travels as 
 Spec = tuple[torch.dtype, tuple[int, ...]]  # one tensor of a payload
 STATS_FIELDS = tuple(f.name for f in fields(StoreStats)) + ("ram_slots", "experts_held")
 MAX_TEXT_BYTES = 4096  # an error text or host name in a payload
-TAG_BYTES = 16  # auth.TAG_BYTES: a sealed frame's two tags
-FRAME_BYTES = HEAD.size + 2 * TAG_BYTES  # what a sealed frame adds to its payload
+TAG_BYTES = 16  # a sealed frame's tag (auth.Seal)
+FRAME_BYTES = HEAD.size + TAG_BYTES  # what a sealed frame adds to its payload
 
 
 class Op(IntEnum):

@@ -149,7 +149,7 @@ def test_a_huge_frame_to_the_coordinator_allocates_nothing(listener, size, caplo
     prove_to_coordinator(link, KEY, 10, "test")
     assert link.seal is not None
     head = wire.encode_head(Op.HELLO, size, *wire.hello_values(wire.Hello(1, "h", 1, 2, 16, 1024, 1, 0, 7)))
-    link.sock.sendall(head + link.seal.seal(head, [memoryview(b"")])[0])  # the head and its true tag
+    link.sock.sendall(head)  # a huge size: refused before any payload (or its tag) is read
     time.sleep(0.3)  # what a bytearray(size) would have taken by now
     grown = rss() - before
     with pytest.raises(WorkerError):
@@ -241,7 +241,7 @@ def test_a_huge_frame_to_a_worker_allocates_nothing(make_container, key_file, si
         link.receive(10, "hello", wire.HOST_BYTES)
         assert link.seal is not None
         head = wire.encode_head(Op.SETUP, size, 1)
-        conn.sendall(head + link.seal.seal(head, [memoryview(b"")])[0])
+        conn.sendall(head)
         time.sleep(0.5)
 
     error, grown = worker_against(make_container("deepseek_v3", "int4"), huge, key_file)
@@ -263,11 +263,22 @@ def test_a_worker_without_a_key_is_refused_in_one_line(monkeypatch, tmp_path):
 
 
 def test_sealed_frames_cannot_be_forged_replayed_or_reflected():
-    nonces = (auth.nonce(), auth.nonce())
-    coordinator, worker = Seal.for_side(KEY, COORDINATOR_ROLE, *nonces), Seal.for_side(KEY, WORKER_ROLE, *nonces)
+    def link_seals(nonces=None) -> tuple[Seal, Seal]:
+        nonces = nonces or (auth.nonce(), auth.nonce())
+        return Seal.for_side(KEY, COORDINATOR_ROLE, *nonces), Seal.for_side(KEY, WORKER_ROLE, *nonces)
+
     head, payload = wire.encode_head(Op.SUM, 3), memoryview(b"abc")
-    head_tag, payload_tag = coordinator.seal(head, [payload])
-    assert not coordinator.head_ok(head, head_tag)  # reflected back to its sender
-    assert not worker.head_ok(wire.encode_head(Op.SUM, 4), head_tag)  # another head
-    assert worker.head_ok(head, head_tag) and not worker.payload_ok(memoryview(b"abd"), payload_tag)
-    assert not worker.head_ok(head, head_tag)  # replayed: the counter moved on
+    coordinator, worker = link_seals()
+    tag = coordinator.seal(head, [payload])
+    assert len(tag) == wire.TAG_BYTES and not coordinator.frame_ok(head, payload, tag)  # reflected to its sender
+    for forged_head, forged_payload in ((wire.encode_head(Op.SUM, 4), payload), (head, memoryview(b"abd"))):
+        assert not link_seals((b"w", b"c"))[1].frame_ok(forged_head, forged_payload, tag)  # another link's key
+        _, fresh = link_seals()
+        assert not fresh.frame_ok(forged_head, forged_payload, tag)
+    assert worker.frame_ok(head, payload, tag) and not worker.frame_ok(head, payload, tag)  # replayed: counter moved
+    coordinator, worker = link_seals()
+    first, second = coordinator.seal(head, [payload]), coordinator.seal(head, [payload[:1], payload[1:]])
+    assert not worker.frame_ok(head, payload, second)  # reordered: the second frame's tag first
+    coordinator, worker = link_seals()
+    first, second = coordinator.seal(head, [payload]), coordinator.seal(head, [payload[:1], payload[1:]])
+    assert worker.frame_ok(head, payload, first) and worker.frame_ok(head, payload, second)  # parts or whole: one tag
