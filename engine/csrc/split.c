@@ -197,11 +197,13 @@ static void wake_helper(void) {
 
 int split_read_ahead(const void *const *starts, const size_t *lengths, int n, int threads) {
     if (n == 0) return read_ahead_request(starts, lengths, 0); /* a clear needs no helper */
-    if (threads < 2 || solo(now_ns())) return 0;            /* no idle core to read ahead on */
+    /* No idle core to read ahead on: the older request is dropped all the same, for the caller lets its arrays
+     * go once this returns (read_ahead.py): left pending, the helper would read freed memory later. */
+    if (threads < 2 || solo(now_ns())) return read_ahead_request(starts, lengths, 0);
     pthread_mutex_lock(&call_lock);
     int helper = ensure_helper();
     pthread_mutex_unlock(&call_lock);
-    if (!helper) return 0;
+    if (!helper) return read_ahead_request(starts, lengths, 0);
     if (now_ns() - __atomic_load_n(&measured_at, __ATOMIC_RELAXED) > SHARE_FORGET_NS)
         __atomic_store_n(&core_shared, 0, __ATOMIC_SEQ_CST); /* stale: measured again from this request on */
     int status = read_ahead_request(starts, lengths, n);

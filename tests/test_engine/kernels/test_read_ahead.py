@@ -93,6 +93,26 @@ def test_a_new_request_replaces_the_old_one_and_the_old_memory_may_go():
     assert read >= small.nbytes
 
 
+@needs_helper
+def test_a_request_the_helper_cannot_take_still_drops_the_one_before():
+    """split.c drops a request when no core is idle (one kernel thread, or the cores found shared): the
+    request before it must go too, for read_ahead.py lets that request's arrays go once the call returns.
+    Left pending, the helper read freed memory (a segfault seen in test_huge_pages.py on a busy machine)."""
+    big = np.ones(512 * 2**20, dtype=np.uint8)  # far more than is read before the next request
+    small = np.ones(2**20, dtype=np.uint8)
+    with helper_share_given(1.0):  # the first request read whatever the machine's load
+        before = ahead._kernels.bytes_read_ahead()
+        ahead._kernels.read_ahead([(big.ctypes.data, big.nbytes)], 2)
+        started = _read_after(before, 1)
+        ahead._kernels.read_ahead([(small.ctypes.data, small.nbytes)], 1)  # one kernel thread: not taken
+        stopped = ahead._kernels.bytes_read_ahead()
+        time.sleep(0.2)
+        grown = ahead._kernels.bytes_read_ahead() - stopped
+        ahead.stop_read_ahead()
+    assert started > 0
+    assert grown <= 2 * 16 * 1024  # at most the step under way when the request came (READ_AHEAD_STEP_BYTES)
+
+
 def test_module_arrays_are_the_large_cpu_weights_in_registration_order():
     module = nn.Sequential(nn.Linear(64, 128, bias=True), nn.LayerNorm(128), nn.Linear(128, 96, bias=False))
     module.register_buffer("table", torch.zeros(100, 50))
