@@ -10,7 +10,7 @@ anything else is a bug and gets a traceback (exit status 3).
         ChatTemplateError        a chat template that fails to render in the sandbox
       RequestError               a prompt or sampling request that cannot be served
     storage.errors.StorageError  containers, KV logs, usage histories (FormatError, CorruptDataError,
-                                 IncompatibleStateError, BudgetError)
+                                 IncompatibleStateError, BudgetError), SettingError (its environment knob)
     engine.config.args.ConfigError      a config.json whose semantics the engine does not implement
     engine.config.weights.WeightNameError  tensors that do not map onto the engine's weights
 

@@ -25,6 +25,11 @@ class IncompatibleStateError(StorageError):
     """State written for another model, source or geometry."""
 
 
+class SettingError(StorageError, ValueError):
+    """An environment setting storage reads (COLIBRI_STREAM_IO_FEATURES) with a value it does not take; the
+    message names the variable and what it takes."""
+
+
 class BudgetError(StorageError):
     """A memory budget that cannot work: below the minimum, above the machine, or exhausted."""
 

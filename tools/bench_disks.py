@@ -81,6 +81,7 @@ def raw_reads(path: Path, n: int, threads: int, seed: int = 0) -> dict[str, Any]
     """``n`` random records read at once through the store's read path; MB/s over the wall time."""
     from storage.container.reader import Container, ExpertReader
     from storage.files.buffers import aligned_empty
+    from storage.files.page_cache import Bypass
     from storage.tiers.read_queue import ReadQueue
     from storage.tiers.spread_reads import SpreadReads
 
@@ -91,7 +92,7 @@ def raw_reads(path: Path, n: int, threads: int, seed: int = 0) -> dict[str, Any]
     slots = [aligned_empty(size) for _ in range(min(n, 64))]
     start = time.perf_counter()
     if container.parts is None:
-        reader, queue = ExpertReader(container, direct=True, verify=False), ReadQueue(threads)
+        reader, queue = ExpertReader(container, Bypass.O_DIRECT, verify=False), ReadQueue(threads)
         futures = [
             queue.submit(lambda k=k, i=i: reader.read_into(*k, slots[i % len(slots)])) for i, k in enumerate(keys)
         ]

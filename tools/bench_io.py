@@ -20,6 +20,7 @@ import aiofiles
 from colibri_stream.bench.system import drop_page_cache
 from storage.container.reader import Container, ExpertReader
 from storage.files.buffers import aligned_empty
+from storage.files.page_cache import Bypass
 
 
 def timed(fn) -> float:
@@ -47,7 +48,7 @@ def main() -> None:
             subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=4M", "iflag=direct", "status=none"], check=True)
 
     def pool(direct: bool) -> None:
-        reader = ExpertReader(container, direct=direct, verify=False)
+        reader = ExpertReader(container, Bypass.O_DIRECT if direct else Bypass.NONE, verify=False)
         with ThreadPoolExecutor(args.threads) as executor:
             list(executor.map(lambda kb: reader.read_into(*kb[0], kb[1]), zip(keys, buffers, strict=True)))
 

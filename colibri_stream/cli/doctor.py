@@ -21,8 +21,9 @@ from colibri_stream.cli.options import add_dtype_argument, add_store_arguments, 
 from colibri_stream.planning.budget import StoreOptions
 from colibri_stream.planning.machine_memory import memory_here
 from engine.kernels.isa import kernel_isa
-from storage.container.reader import o_direct_refusal
 from storage.files.buffers import PAGE
+from storage.files.io_features import feature_states
+from storage.files.page_cache import Bypass, bypass_refusal, platform_bypass
 
 EPILOG = """\
 examples:
@@ -52,7 +53,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "doctor",
         help="check this machine (and a model) before running: versions, memory, disk, container, budget",
         description="Read-only checks: Python, torch, CUDA, free RAM and disk; with PATH also `plan`'s verdict, "
-        "the container structure (every checksum with --full) and O_DIRECT support of the model's filesystem.",
+        "the container structure (every checksum with --full) and whether reads of the model bypass the page cache.",
         **help_options(EPILOG),
     )
     parser.add_argument(
@@ -89,6 +90,17 @@ def machine_checks() -> Iterator[Check]:
     status = OK if memory.available_bytes >= 4 * GIB else WARN
     limited = "" if memory.cap is None else f" (memory cgroup limit, {memory.cap.source})"
     yield Check(status, "ram", f"{_gib(memory.available_bytes)} available of {_gib(memory.total_bytes)}{limited}")
+    yield io_check()
+
+
+def io_check() -> Check:
+    """The platform features the I/O and memory code uses here (storage/files/io_features.py); a misspelt
+    COLIBRI_STREAM_IO_FEATURES is a SettingError, which the command prints as one line."""
+    states = feature_states()
+    words = ", ".join(f"{feature} {state}" for feature, state in states.items())
+    bypass = platform_bypass()
+    how = "no page-cache bypass" if bypass is Bypass.NONE else f"page cache bypassed with {bypass.flag}"
+    return Check(OK if bypass is not Bypass.NONE else WARN, "io", f"{how}; {words}")
 
 
 def disk_check(name: str, path: Path) -> Check:
@@ -97,15 +109,16 @@ def disk_check(name: str, path: Path) -> Check:
     return Check(OK if free >= 10 * GIB else WARN, name, f"{_gib(free)} free on the filesystem of {existing}")
 
 
-def o_direct_check(path: Path) -> Check:
-    """One aligned O_DIRECT read of a model file: the default streaming mode needs the filesystem's support."""
+def page_cache_check(path: Path) -> Check:
+    """One read past the page cache of a model file, as the store reads experts by default (--direct)."""
     files = [p for p in sorted(path.rglob("*")) if p.is_file() and p.stat().st_size >= PAGE]
     if not files:
-        return Check(WARN, "o_direct", f"no file of 4 KiB or more under {path} to probe")
-    refusal = o_direct_refusal(files[0])
+        return Check(WARN, "page cache", f"no file of 4 KiB or more under {path} to probe")
+    refusal = bypass_refusal(files[0])
     if refusal is not None:
-        return Check(WARN, "o_direct", f"{refusal}: experts will be read through the page cache")
-    return Check(OK, "o_direct", "supported: experts are read with O_DIRECT (the default; --buffered to opt out)")
+        return Check(WARN, "page cache", f"{refusal}: experts will be read through the page cache")
+    flag = platform_bypass().flag
+    return Check(OK, "page cache", f"bypassed: experts are read with {flag} (the default; --buffered to opt out)")
 
 
 def plan_check(path: Path, store: StoreOptions, dtype: str) -> Check:
@@ -183,7 +196,7 @@ def model_checks(path: Path, full: bool, store: StoreOptions, dtype: str) -> Ite
     yield from _guarded("chat template", lambda: [_template_check(load_chat_format(path))])
     yield disk_check("model disk", path)
     yield disk_check("kv disk", default_kv_dir(model_fingerprint(path)))
-    yield o_direct_check(path)
+    yield page_cache_check(path)
 
 
 def _template_check(chat) -> Check:

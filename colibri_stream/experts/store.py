@@ -86,7 +86,7 @@ class ResidentStore(ResidentExperts):
         return [TierView("ram", n, size, n * size, self._keys)]
 
     def report(self) -> dict[str, Any]:
-        return {**self.snapshot().as_dict(), "store": "resident", "direct_io": False}
+        return {**self.snapshot().as_dict(), "store": "resident", "direct_io": False, "page_cache_bypass": "none"}
 
     def end_turn(self) -> None:
         if self.trace is not None:

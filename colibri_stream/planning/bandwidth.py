@@ -2,8 +2,9 @@
 `plan`'s expected decode speed. Measured once per process and per filesystem.
 
     memory: copy of a 256 MiB numpy array, best of three; 2 x bytes / s (read + write traffic)
-    disk:   a 256 MiB temporary file written beside the model, then read back with O_DIRECT where the
-            filesystem allows (else buffered after fsync + fadvise DONTNEED); bytes / s
+    disk:   a 256 MiB temporary file written beside the model, then read back with O_DIRECT (F_NOCACHE on
+            macOS) where the filesystem allows (else buffered after fsync + fadvise DONTNEED where there is
+            fadvise); bytes / s
     spread: per part directory of a spread container, random record-sized O_DIRECT reads
             (storage.container.probe), combined by each device's share of the reads
 """
@@ -32,7 +33,7 @@ PHASE_SECONDS = 0.9  # the disk probe stops writing, then reading, after this lo
 class Bandwidth:
     memory_bytes_per_s: float
     disk_bytes_per_s: float
-    disk_method: str  # "O_DIRECT", "buffered", or "given" when injected
+    disk_method: str  # how the probe read (storage.container.probe.open_for_reads), or "given" when injected
 
 
 def memory_bandwidth(n_bytes: int = PROBE_BYTES) -> float:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import psutil
 
+from storage.files.io_features import Feature, enabled
+
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_CGROUP = Path("/proc/self/cgroup")
 UNLIMITED_FROM = 1 << 62  # cgroup v1 writes "no limit" as a page-rounded 2^63 - 1
@@ -41,8 +43,11 @@ class MemoryHere:
 
 
 def memory_here() -> MemoryHere:
+    """The machine's memory (psutil: every OS), capped by the cgroup where cgroups and /proc are on
+    (storage/files/io_features.py: the process's group is found in /proc/self/cgroup); without them, the
+    machine's alone, as on macOS."""
     memory = psutil.virtual_memory()
-    cap = cgroup_cap()
+    cap = cgroup_cap() if enabled(Feature.CGROUPS) and enabled(Feature.PROC) else None
     if cap is None:
         return MemoryHere(memory.total, memory.available, None)
     return MemoryHere(min(memory.total, cap.limit_bytes), min(memory.available, cap.available_bytes), cap)

@@ -169,7 +169,7 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "direct", "io.direct", "--direct", Kind.SWITCH, owner=StoreConfig, target="direct",
-        help="read experts with O_DIRECT where the filesystem allows",
+        help="read experts past the page cache (O_DIRECT; F_NOCACHE on macOS) where the filesystem allows",
         off_flag="--buffered", off_help="read experts through the page cache",
     ),
     Setting(

@@ -421,7 +421,7 @@ def kv_b_codes_kept(name: str, dtype: str) -> bool:
 
 def _read_experts(container: Container, settle: bool = False) -> dict[int, dict[int, Expert]]:
     """Every expert read into memory; ``settle``: held as codec.Settler holds them (int8 activations)."""
-    reader = ExpertReader(container, direct=False)
+    reader = ExpertReader(container)
     build = Settler(container.layout) if settle else partial(expert_from_record, container.layout)
     size = container.layout.record_bytes
     experts: dict[int, dict[int, Expert]] = {}

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import resource
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -12,6 +14,9 @@ from pathlib import Path
 
 import psutil
 
+from storage.files.io_features import Feature, enabled
+
+STATUS = Path("/proc/self/status")
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 MMAP_THRESHOLD_BYTES = 1 << 20
 
@@ -50,22 +55,34 @@ def peak_rss_bytes() -> int:
     """This process image's peak resident set: VmHWM. Not ru_maxrss, which on Linux also keeps the peak
     of the image exec replaced: a child spawned by a 700 MB process reports 700 MB before doing anything
     (a test's pytest parent, a bench suite)."""
-    status = Path("/proc/self/status")
-    if status.exists():
-        for line in status.read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024  # kB
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # without /proc (KiB on BSD)
+    if enabled(Feature.PROC):
+        with contextlib.suppress(OSError):
+            for line in STATUS.read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    # without /proc: the kernel's peak, in bytes on macOS and KiB elsewhere
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+def disk_reads_counted() -> bool:
+    """Whether this OS counts a process's block-device bytes: Linux does (/proc/self/io, or getrusage's
+    ru_inblock/ru_oublock in 512-byte units without /proc); macOS does not (psutil has no io_counters there)."""
+    return sys.platform.startswith("linux")
 
 
 def disk_read_bytes() -> int:
-    """Bytes this process has caused to be read from block devices (page-cache hits excluded)."""
-    return psutil.Process().io_counters().read_bytes
+    """Bytes this process has caused to be read from block devices (page-cache hits excluded). Only where
+    ``disk_reads_counted()``."""
+    if enabled(Feature.PROC):
+        return psutil.Process().io_counters().read_bytes
+    return resource.getrusage(resource.RUSAGE_SELF).ru_inblock * 512  # Linux: read_bytes >> 9
 
 
 def disk_write_bytes() -> int:
-    """Bytes this process has caused to be written to block devices."""
-    return psutil.Process().io_counters().write_bytes
+    """Bytes this process has caused to be written to block devices. Only where ``disk_reads_counted()``."""
+    if enabled(Feature.PROC):
+        return psutil.Process().io_counters().write_bytes
+    return resource.getrusage(resource.RUSAGE_SELF).ru_oublock * 512  # Linux: write_bytes >> 9
 
 
 ROLLUP = Path("/proc/self/smaps_rollup")
@@ -77,18 +94,24 @@ def uss_bytes() -> int:
     whole of /proc/self/smaps in Python, mostly holding the GIL the model's thread needs (the kernel's
     walk of the pages remains either way; docs/benchmarks-log.md, "Figures behind the code")."""
     try:
+        if not enabled(Feature.PROC):
+            raise FileNotFoundError(ROLLUP)
         lines = ROLLUP.read_bytes().splitlines()
-    except OSError:
+    except OSError:  # no /proc (macOS), or a kernel without smaps_rollup: psutil's way for this OS
         return psutil.Process().memory_full_info().uss
     return sum(int(line.split()[1]) * 1024 for line in lines if line.startswith(_PRIVATE))
 
 
 def anon_rss_bytes() -> int:
-    """Resident anonymous memory (RssAnon): RSS without the mmapped files a cgroup may reclaim."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024  # kB
-    raise RuntimeError("/proc/self/status has no RssAnon (not Linux?)")
+    """Resident anonymous memory (RssAnon): RSS without the mmapped files a cgroup may reclaim. Without /proc
+    (macOS), USS: memory only this process holds, which also counts private file pages, so at least RssAnon
+    less shared anonymous pages and possibly more."""
+    if enabled(Feature.PROC):
+        with contextlib.suppress(OSError):
+            for line in STATUS.read_text().splitlines():
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024  # kB
+    return psutil.Process().memory_full_info().uss
 
 
 # USS is sampled this often during a turn: each sample costs the kernel a walk of the process's pages

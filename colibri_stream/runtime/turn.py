@@ -11,8 +11,9 @@ usage history and flushes its routing trace.
 The stats schema (README "Stats"): generation (prefill_tokens, decode_tokens, prefill_s, decode_s,
 ttft_s, decode_tok_per_s, wall_s), session (reused_tokens, kv_load_s), experts over the turn
 (expert_requests, hits {ram, vram}, hit_rate, misses, reads, expert_bytes_read, io_wait_s,
-io_service_s, prefetch {issued, useful, wasted}, prefetch_recall, store, direct_io), decode_phase (the same
-expert counters from the first token on, plus disk_read_bytes), memory (peak_rss_bytes, peak_uss_bytes).
+io_service_s, prefetch {issued, useful, wasted}, prefetch_recall, store, direct_io, page_cache_bypass),
+decode_phase (the same expert counters from the first token on, plus disk_read_bytes: null where the OS does
+not count it), memory (peak_rss_bytes, peak_uss_bytes).
 """
 
 from __future__ import annotations
@@ -43,7 +44,13 @@ from colibri_stream.runtime.kv.front import (
     default_kv_dir,
 )
 from colibri_stream.runtime.loader import LoadedModel, load
-from colibri_stream.runtime.memory import PeakWatch, SharedPeakSampler, disk_read_bytes, peak_rss_bytes
+from colibri_stream.runtime.memory import (
+    PeakWatch,
+    SharedPeakSampler,
+    disk_read_bytes,
+    disk_reads_counted,
+    peak_rss_bytes,
+)
 from colibri_stream.runtime.mtp_governor import MTPOptions
 from colibri_stream.runtime.sampling import SamplingParams
 from colibri_stream.runtime.speculation import Speculation
@@ -345,12 +352,12 @@ class PhaseRecorder:
     def __init__(self, store: ExpertStore):
         self.store = store
         self.at_start = store.snapshot()
-        self.at_first_token: tuple[StoreStats, int] | None = None
+        self.at_first_token: tuple[StoreStats, int | None] | None = None
 
     def wrap(self, on_token: Callable[[int], None] | None) -> Callable[[int], None]:
         def first_token_aware(token: int) -> None:
             if self.at_first_token is None:
-                self.at_first_token = (self.store.snapshot(), disk_read_bytes())
+                self.at_first_token = (self.store.snapshot(), disk_read_bytes() if disk_reads_counted() else None)
             if on_token is not None:
                 on_token(token)
 
@@ -367,7 +374,8 @@ class PhaseRecorder:
         }
         if self.at_first_token is not None:
             then, disk_then = self.at_first_token
-            report["decode_phase"] = {**now.minus(then).as_dict(), "disk_read_bytes": disk_read_bytes() - disk_then}
+            read = None if disk_then is None else disk_read_bytes() - disk_then  # None: the OS does not count it
+            report["decode_phase"] = {**now.minus(then).as_dict(), "disk_read_bytes": read}
         return report
 
 

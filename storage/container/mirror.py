@@ -167,7 +167,7 @@ def copy_problems(container: Container, mirrored_only: bool = True) -> Iterator[
                 if path.exists() and path.stat().st_size != size:
                     yield f"layer {key[0]} expert {key[1]}: {path} holds {path.stat().st_size} bytes, expected {size}"
                     continue
-                data = read_record_file(path, *key, buffer, size, direct=False)
+                data = read_record_file(path, *key, buffer, size)
             except StorageError as exc:
                 yield f"{exc} (device {parts.device_name(part)})"
                 continue

@@ -3,8 +3,8 @@ several threads at once (the weight a spread gives each device, and `plan`'s per
 
 A probe file is written in the directory (fsynced; up to ``PROBE_BYTES``, less on a slow disk), then
 read at random 4 KiB-aligned offsets, ``record_bytes`` per read, for ``seconds``, by ``threads``
-readers. O_DIRECT where the filesystem allows (the page cache holds the fresh file), else buffered after
-dropping the file's cached pages. The file is removed afterwards.
+readers. O_DIRECT (F_NOCACHE on macOS) where the filesystem allows (the page cache holds the fresh file),
+else buffered after dropping the file's cached pages where posix_fadvise can. The file is removed afterwards.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from storage.files.buffers import PAGE, aligned_empty
+from storage.files.page_cache import Bypass, drop_cached, file_bypass, open_file, set_nocache, write_bypass
 
 PROBE_BYTES = 256 << 20
 WRITE_SECONDS = 1.5
@@ -31,7 +32,7 @@ CHUNK = 8 << 20
 class DeviceSpeed:
     directory: Path
     bytes_per_s: float
-    method: str  # "O_DIRECT" | "buffered"
+    method: str  # open_for_reads': "O_DIRECT" | "F_NOCACHE" | "buffered" | "buffered, cached"
 
 
 def probe_directory(directory: Path, record_bytes: int, seconds: float = 1.0, threads: int = 4) -> DeviceSpeed:
@@ -51,6 +52,8 @@ def probe_file(directory: Path, seconds: float, at_least: int = 0) -> Iterator[t
     """A temporary file in ``directory`` synced to its device: up to PROBE_BYTES, at least ``at_least``
     bytes, written for at most ``seconds`` beyond that (less on a slow disk); removed afterwards."""
     fd, name = tempfile.mkstemp(prefix=".colibri-probe-", dir=directory)
+    if write_bypass() is Bypass.F_NOCACHE:  # macOS: the written pages are not kept for the reads to hit
+        set_nocache(fd)
     chunk = aligned_empty(CHUNK)
     chunk[:] = np.random.default_rng(0).integers(0, 255, CHUNK, dtype=np.uint8)
     written, start = 0, time.perf_counter()
@@ -67,21 +70,15 @@ def probe_file(directory: Path, seconds: float, at_least: int = 0) -> Iterator[t
 
 
 def open_for_reads(path: Path) -> tuple[int, str]:
-    """``path`` opened past the page cache: O_DIRECT where a read succeeds, else buffered after dropping
-    the file's cached pages; the descriptor and which it is."""
-    flag = getattr(os, "O_DIRECT", 0)  # reflection: Linux only
-    if flag:
-        with contextlib.suppress(OSError):
-            fd = os.open(path, os.O_RDONLY | flag)
-            try:
-                os.preadv(fd, [memoryview(aligned_empty(PAGE))], 0)  # type: ignore[arg-type]
-                return fd, "O_DIRECT"
-            except OSError:  # some filesystems accept the open and refuse the read
-                os.close(fd)
-    fd = os.open(path, os.O_RDONLY)
-    if hasattr(os, "posix_fadvise"):  # reflection: not on macOS
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    return fd, "buffered"
+    """``path`` opened past the page cache: O_DIRECT (F_NOCACHE on macOS) where a read succeeds, else buffered
+    after dropping the file's cached pages where fadvise can; the descriptor and which it is ("O_DIRECT",
+    "F_NOCACHE", "buffered", or "buffered, cached": nothing could drop the fresh file's pages, so the rate
+    is the page cache's)."""
+    bypass = file_bypass(path)
+    fd = open_file(path, os.O_RDONLY, bypass)
+    if bypass is not Bypass.NONE:
+        return fd, bypass.flag
+    return fd, "buffered" if drop_cached(fd) else "buffered, cached"
 
 
 def _random_reads(fd: int, size: int, record: int, seconds: float, threads: int) -> float:

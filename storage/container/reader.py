@@ -8,8 +8,8 @@
 
 Stock ``zarr.open`` reads all of it. The hot path does not: a zarr chunk read costs several times one
 ``pread`` of the same bytes (docs/benchmarks-log.md, "Figures behind the code"), so ``ExpertReader`` opens
-the chunk file itself and reads the record in one call, optionally with O_DIRECT (records are 4 KiB
-multiples at offset 0).
+the chunk file itself and reads the record in one call, optionally past the page cache (O_DIRECT, or
+F_NOCACHE on macOS: storage/files/page_cache.py; records are 4 KiB multiples at offset 0).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import zarr
 from storage.container.layout import DENSE_ARRAY_DTYPES, QUANTISED_DENSE, ExpertRecordLayout, stored_shape
 from storage.container.parts import Parts, load_parts
 from storage.errors import CorruptDataError, FormatError
-from storage.files.buffers import PAGE, aligned_empty
 from storage.files.checksum import crc32c
+from storage.files.page_cache import Bypass, open_file
 
 FORMAT_NAME = "colibri-stream-container"
 FORMAT_VERSION = 1
@@ -401,34 +401,20 @@ class Container:
         return array
 
 
-def o_direct_refusal(file: Path) -> str | None:
-    """Why an aligned O_DIRECT read of ``file`` fails here (None: it works). tmpfs and some network
-    filesystems refuse O_DIRECT; the reader then goes through the page cache."""
-    if not hasattr(os, "O_DIRECT"):  # reflection: Linux only
-        return "this OS has no O_DIRECT"
-    buffer = aligned_empty(PAGE)
-    try:
-        fd = os.open(file, os.O_RDONLY | os.O_DIRECT)
-        try:
-            os.preadv(fd, [memoryview(buffer)], 0)  # type: ignore[arg-type]  # numpy: a Buffer only on >= 3.12
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        return f"O_DIRECT unsupported on this filesystem ({exc.strerror})"
-    return None
-
-
-def read_record_file(path: Path, layer: int, expert: int, out: np.ndarray, size: int, direct: bool) -> memoryview:
-    """One ``pread`` of the ``size``-byte record at ``path`` into ``out``; the bytes read, unverified.
-    Short reads and I/O errors are CorruptDataError naming the expert and the file."""
+def read_record_file(
+    path: Path, layer: int, expert: int, out: np.ndarray, size: int, bypass: Bypass = Bypass.NONE
+) -> memoryview:
+    """One ``pread`` of the ``size``-byte record at ``path`` into ``out``, past the page cache as ``bypass``
+    says (storage/files/page_cache.py); the bytes read, unverified. Short reads and I/O errors are
+    CorruptDataError naming the expert and the file."""
     if out.nbytes < size:
         raise ValueError(f"buffer of {out.nbytes} bytes cannot hold a {size}-byte record")
     # O_NONBLOCK: opening a FIFO planted as a chunk returns at once (and is refused below) instead
     # of waiting forever for a writer; it changes nothing for a regular file.
-    flags = os.O_RDONLY | os.O_NONBLOCK | (os.O_DIRECT if direct else 0)
+    flags = os.O_RDONLY | os.O_NONBLOCK
     target = memoryview(out.reshape(-1)[:size])  # type: ignore[arg-type]  # numpy: a Buffer only on >= 3.12
     try:
-        fd = os.open(path, flags)
+        fd = open_file(path, flags, bypass)
     except FileNotFoundError:
         raise CorruptDataError(f"layer {layer} expert {expert}: chunk file {path} is missing") from None
     except OSError as exc:  # a part directory made unreadable after open
@@ -453,9 +439,9 @@ class ExpertReader:
     become CorruptDataError naming the expert. Thread-safe (reads from a thread pool).
     """
 
-    def __init__(self, container: Container, direct: bool = False, verify: bool = True):
+    def __init__(self, container: Container, bypass: Bypass = Bypass.NONE, verify: bool = True):
         self.container = container
-        self.direct = direct
+        self.bypass = bypass
         self.verify = verify
         self._verified: set[tuple[int, int]] = set()
         self._lock = threading.Lock()
@@ -466,7 +452,7 @@ class ExpertReader:
 
     def read_into(self, layer: int, expert: int, out: np.ndarray) -> int:
         path = self.container.expert_path(layer, expert)
-        target = read_record_file(path, layer, expert, out, self.record_bytes, self.direct)
+        target = read_record_file(path, layer, expert, out, self.record_bytes, self.bypass)
         if self.verify:
             self._verify_once(layer, expert, target)
         return len(target)

@@ -33,12 +33,13 @@ from pathlib import Path
 import numpy as np
 
 from storage.container.parts import HOME, PART_MARKER, Parts, RecordKey, save_parts, whole, with_copies, write_marker
-from storage.container.reader import Container, expert_chunk_relpath, o_direct_refusal, read_record_file
+from storage.container.reader import Container, expert_chunk_relpath, read_record_file
 from storage.errors import CorruptDataError, FormatError, IncompatibleStateError, write_errors
 from storage.files import lockfile
 from storage.files.atomic import atomic_write_json, fsync_dir
 from storage.files.buffers import aligned_empty
 from storage.files.checksum import crc32c
+from storage.files.page_cache import drop_cached, file_bypass, open_file, write_bypass
 from storage.files.safe_read import read_json
 
 JOURNAL = "spread.journal.json"
@@ -249,7 +250,7 @@ def _verified_source(container: Container, parts: Parts, key: RecordKey) -> np.n
     for part in parts.of(*key):
         path = parts.root(part) / expert_chunk_relpath(*key)
         try:
-            data = read_record_file(path, *key, buffer, container.layout.record_bytes, direct=False)
+            data = read_record_file(path, *key, buffer, container.layout.record_bytes)
         except CorruptDataError as exc:
             problems.append(str(exc))
             continue
@@ -264,7 +265,7 @@ def _write_copy(container: Container, path: Path, key: RecordKey, record: np.nda
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     with write_errors(path, "an expert record"):
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        fd = open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, write_bypass(), 0o644)
         try:
             view, done = memoryview(record), 0  # type: ignore[arg-type]  # numpy: a Buffer only on >= 3.12
             while done < len(view):
@@ -275,21 +276,20 @@ def _write_copy(container: Container, path: Path, key: RecordKey, record: np.nda
         os.replace(tmp, path)
         fsync_dir(path.parent)
     _drop_cached(path)
-    direct = o_direct_refusal(path) is None
     back = aligned_empty(container.layout.record_bytes)
-    data = read_record_file(path, *key, back, container.layout.record_bytes, direct)
+    data = read_record_file(path, *key, back, container.layout.record_bytes, file_bypass(path))
     if crc32c(data) != container.expert_checksum(*key):
         raise CorruptDataError(f"layer {key[0]} expert {key[1]}: the copy written to {path} reads back wrong")
 
 
 def _drop_cached(path: Path) -> None:
-    """The page cache's copy dropped, so a buffered read-back comes from the device."""
-    if hasattr(os, "posix_fadvise"):  # reflection: not on macOS
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    """The page cache's copy dropped, so a buffered read-back comes from the device. Without fadvise (macOS)
+    the read-back past the cache (F_NOCACHE) still checks the bytes, perhaps from the cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        drop_cached(fd)
+    finally:
+        os.close(fd)
 
 
 def _delete_dropped(container: Container, before: Parts, key: RecordKey, where: tuple[int, ...]) -> int:

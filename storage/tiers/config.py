@@ -40,7 +40,8 @@ class StoreConfig:
     # eviction: frequent | lru | hybrid | pinned (lru + learned hot store), storage.tiers.policy
     policy: str = field(default=DEFAULT_POLICY, metadata={CHOICES: POLICY_NAMES})
     prefetch: bool = True  # read the experts the router guesses for the next layers while this one computes
-    # O_DIRECT reads (where the filesystem allows): the RAM slots are the cache; buffered reads would
+    # reads past the page cache (O_DIRECT, F_NOCACHE on macOS: storage/files/page_cache.py; where the
+    # filesystem allows): the RAM slots are the cache; buffered reads would
     # keep the same bytes twice and, under a memory limit, pay page-cache reclaim on every miss
     # (docs/benchmarks.md).
     direct: bool = True

@@ -23,9 +23,10 @@ from pathlib import Path
 import numpy as np
 
 from storage.container.parts import Parts
-from storage.container.reader import Container, o_direct_refusal, read_record_file
+from storage.container.reader import Container, read_record_file
 from storage.errors import CorruptDataError
 from storage.files.checksum import crc32c
+from storage.files.page_cache import Bypass, file_bypass
 from storage.tiers.read_queue import ReadQueue
 from storage.tiers.stats import DeviceStats
 
@@ -35,8 +36,8 @@ Key = tuple[int, int]
 class _Device:
     """One part directory: its queue, what is in flight on it, and its counters."""
 
-    def __init__(self, name: str, part: int, threads: int, weight: float, direct: bool):
-        self.name, self.weight, self.direct = name, weight, direct
+    def __init__(self, name: str, part: int, threads: int, weight: float, bypass: Bypass):
+        self.name, self.weight, self.bypass = name, weight, bypass
         self.queue = ReadQueue(threads, name=f"expert-io-d{part}")
         self.in_flight = 0  # bytes queued or being read here (guarded by SpreadReads' lock)
         self.lock = threading.Lock()
@@ -91,19 +92,22 @@ class SpreadReads:
         self._owner: dict[Future[None], _Device] = {}
         self._verified: set[tuple[int, int, int]] = set()  # (layer, expert, part): each copy checked once
         self.devices = [
-            _Device(parts.device_name(p), p, threads, parts.weights[p], direct and self._direct_works(p))
+            _Device(parts.device_name(p), p, threads, parts.weights[p], self._bypass(p) if direct else Bypass.NONE)
             for p in range(len(parts.dirs))
         ]
 
-    def _direct_works(self, part: int) -> bool:
+    def _bypass(self, part: int) -> Bypass:
+        """How reads on one device pass the page cache, from a read of one of its records."""
         for key, where in self.parts.records():
             if part in where:
-                return o_direct_refusal(self.container.expert_copies(*key)[where.index(part)][1]) is None
-        return False
+                return file_bypass(self.container.expert_copies(*key)[where.index(part)][1])
+        return Bypass.NONE
 
     @property
-    def direct(self) -> bool:
-        return all(d.direct for d in self.devices)
+    def bypass(self) -> Bypass:
+        """The devices' way past the page cache where they share one, else none (one device reads cached)."""
+        modes = {d.bypass for d in self.devices}
+        return modes.pop() if len(modes) == 1 else Bypass.NONE
 
     def submit(self, key: Key, slot: np.ndarray, demand: bool = True) -> Future[None]:
         copies = self.container.expert_copies(*key)
@@ -151,7 +155,7 @@ class SpreadReads:
             start = device.begin()
             ok = False
             try:
-                data = read_record_file(path, key[0], key[1], slot, self.size, device.direct)
+                data = read_record_file(path, key[0], key[1], slot, self.size, device.bypass)
                 self._check(key, part, path, data)
                 ok = True
                 self.on_read(time.perf_counter() - began)

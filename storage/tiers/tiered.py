@@ -27,9 +27,10 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from storage.container.reader import Container, ExpertReader, o_direct_refusal
+from storage.container.reader import Container, ExpertReader
 from storage.errors import BudgetError, CorruptDataError
 from storage.files.buffers import aligned_empty
+from storage.files.page_cache import Bypass, file_bypass
 from storage.tiers.config import StoreConfig
 from storage.tiers.device_copy import DeviceCopies
 from storage.tiers.history import UsageHistory
@@ -116,8 +117,8 @@ class TieredExpertStore:
         self.stats = StoreStats()
         self.routed = RoutingCounts(container.moe_layers, container.n_experts)
         self._stats_lock = threading.Lock()
-        direct = config.direct and o_direct_refusal(container.expert_path(container.moe_layers[0], 0)) is None
-        self._reader = ExpertReader(container, direct=direct)
+        first = container.expert_path(container.moe_layers[0], 0)
+        self._reader = ExpertReader(container, bypass=file_bypass(first) if config.direct else Bypass.NONE)
         # A spread container gets one queue per device (storage/tiers/spread_reads.py); a whole one the single
         # queue, read exactly as before. Either serves demand reads before queued prefetch guesses.
         self._spread: SpreadReads | None = None
@@ -493,13 +494,19 @@ class TieredExpertStore:
         report = {
             **self.snapshot().as_dict(),
             "store": "tiered",
-            "direct_io": self._reader.direct,
+            "page_cache_bypass": self.bypass.value,
+            "direct_io": self.bypass is not Bypass.NONE,
             "ram_slots": self.ram.n_slots,
         }
         if self._spread is not None:
-            report["direct_io"] = self._spread.direct
             report["devices"] = [device.as_dict() for device in self.device_stats()]
         return report
+
+    @property
+    def bypass(self) -> Bypass:
+        """How expert reads pass the page cache (storage/files/page_cache.py); a spread container's devices
+        all, or none."""
+        return self._reader.bypass if self._spread is None else self._spread.bypass
 
     def device_stats(self) -> tuple[DeviceStats, ...]:
         """Per device of a spread container, since the store opened (empty for a whole one)."""

@@ -15,7 +15,7 @@ def doctor(capsys, *argv: str) -> tuple[int, str]:
 
 def test_machine_checks_without_a_model(capsys):
     code, out = doctor(capsys)
-    for name in ("python", "torch", "kernels", "cuda", "ram", "disk"):
+    for name in ("python", "torch", "kernels", "cuda", "ram", "io", "disk"):
         assert any(line.split()[1:2] == [name] for line in out.splitlines()), (name, out)
     assert out.splitlines()[-1].startswith("verdict: ")
     assert code == (1 if "NOT READY" in out else 0)
@@ -26,7 +26,9 @@ def test_a_sound_container_within_budget_is_ready(make_container, capsys):
     lines = {line.split()[1]: line for line in out.splitlines() if not line.startswith("verdict")}
     assert "0 problems, every checksum valid" in lines["container"]
     assert lines["budget"].startswith("ok") and "expert slots" in lines["budget"]
-    assert "chat template" in out and "o_direct" in lines and "kv" in lines
+    assert "chat template" in out and "kv" in lines
+    assert "page cache bypassed with O_DIRECT" in lines["io"] and "o_direct on" in lines["io"]
+    assert "bypassed: experts are read with O_DIRECT" in out  # the model's filesystem takes it
     assert code == 0 and "NOT READY" not in out
 
 
@@ -53,3 +55,22 @@ def test_a_checkpoint_directory_and_a_missing_path(tiny_checkpoints, tmp_path, c
     assert code == 0 and "4 layers" in out and "stop ids [1]" in out
     code, out = doctor(capsys, str(tmp_path / "nowhere"))
     assert code == 1 and "not a directory" in out.splitlines()[-1]
+
+
+def test_the_io_lines_name_what_the_knob_turned_off(make_container, capsys, monkeypatch):
+    from storage.files.io_features import IO_FEATURES_ENV
+
+    monkeypatch.setenv(IO_FEATURES_ENV, "-o_direct,-fadvise,-cgroups,-proc")
+    code, out = doctor(capsys, str(make_container("deepseek_v3")), "--ram", "50%")
+    io = next(line for line in out.splitlines() if line.split()[1:2] == ["io"])
+    assert io.startswith("warn") and "no page-cache bypass" in io
+    for feature in ("o_direct", "fadvise", "cgroups", "proc"):
+        assert f"{feature} off ({IO_FEATURES_ENV})" in io, feature
+    assert "f_nocache absent" in io  # Linux has none; the knob cannot turn a feature on
+    assert "warn  page cache     no page-cache bypass here" in out and code == 0
+
+    monkeypatch.setenv(IO_FEATURES_ENV, "-odirect")
+    code = cli.main(["doctor"])
+    printed = capsys.readouterr()
+    assert code == 1 and printed.out == ""  # one line on stderr naming the knob (the CLI's user error)
+    assert printed.err.startswith(f"colibri-stream doctor: error: {IO_FEATURES_ENV}: '-odirect'")

@@ -373,6 +373,7 @@ class DistributedExperts:
             **totals.as_dict(),
             "store": "workers",
             "direct_io": None,
+            "page_cache_bypass": None,
             "workers": [m.as_dict() for m in self.members.values()],
             "failovers": sum(m.failovers for m in self.members.values()),
             "replicas": self.holders.replica_count(),

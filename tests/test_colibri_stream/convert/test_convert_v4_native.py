@@ -49,7 +49,7 @@ def test_expert_codes_and_scales_are_copied_as_shipped(native):
     opened = Container(container)
     assert opened.layout.scheme == "mxfp4" and opened.layout.group_size == 32
     record = np.empty(opened.layout.record_bytes, dtype=np.uint8)
-    ExpertReader(opened, direct=False).read_into(2, 5, record)
+    ExpertReader(opened).read_into(2, 5, record)
     fields = {f.name: f for f in opened.layout.fields}
     for proj in ("w1", "w2", "w3"):
         for part, shipped_name in (("q", "weight"), ("scale", "scale")):

@@ -114,3 +114,20 @@ def test_plan_in_a_real_memory_group_sizes_auto_from_its_limit_and_refuses_a_bud
 def _doctor_ram(limit: MemoryLimit) -> str:
     done = limit.run(cli_argv("doctor"), 120)
     return next(line for line in done.stdout.splitlines() if " ram " in f" {line} ")
+
+
+@pytest.mark.parametrize("off", ["-cgroups", "-proc"])
+def test_without_cgroups_or_proc_the_machine_alone_counts(monkeypatch, off):
+    """As on macOS: no cgroup is read (its group is found through /proc/self/cgroup), psutil's numbers stand."""
+    import psutil
+
+    from storage.files.io_features import IO_FEATURES_ENV
+
+    class Memory:
+        total, available = 16 * GIB, 10 * GIB
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Memory)
+    monkeypatch.setattr(machine_memory, "cgroup_cap", lambda: machine_memory.MemoryCap(4 * GIB, 3 * GIB, "memory.max"))
+    assert memory_here().cap is not None  # the knob, not a missing cgroup, is what the next line tests
+    monkeypatch.setenv(IO_FEATURES_ENV, off)
+    assert (memory_here().total_bytes, memory_here().available_bytes, memory_here().cap) == (16 * GIB, 10 * GIB, None)

@@ -40,15 +40,6 @@ def test_fast_path_returns_exactly_zarrs_bytes_for_every_expert(make_container):
             assert np.array_equal(buffer, array[expert])
 
 
-def test_o_direct_read_equals_buffered_read(make_container):
-    container = Container(make_container("deepseek_v32"))
-    size = container.layout.record_bytes
-    direct, buffered = aligned_empty(size), aligned_empty(size)
-    ExpertReader(container, direct=True).read_into(1, 3, direct)
-    ExpertReader(container).read_into(1, 3, buffered)
-    assert np.array_equal(direct, buffered)
-
-
 def test_aligned_buffers_and_records():
     for alignment in (64, 4096):
         assert all(is_aligned(aligned_empty(n, alignment), alignment) for n in (1, 4095, 10000))

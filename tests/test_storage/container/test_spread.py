@@ -75,7 +75,7 @@ def _generate(path: Path, fraction: float, **overrides: object) -> tuple[list[in
         loaded.experts.close()
 
 
-def test_spread_keeps_bytes_fingerprint_and_tokens(copy, tmp_path, reference_ids, records):
+def test_spread_keeps_bytes_fingerprint_and_tokens(copy, tmp_path, reference_ids, records, io_features):
     before = (model_fingerprint(copy), container_fingerprint(Container(copy)))
     container = _spread(copy, [tmp_path / "ssd2", tmp_path / "ssd3"], [2.0, 1.0], home=1.0)
     parts = container.parts
@@ -94,6 +94,7 @@ def test_spread_keeps_bytes_fingerprint_and_tokens(copy, tmp_path, reference_ids
         assert isinstance(devices, list) and len(devices) == 3
         assert all(d["reads"] > 0 and d["bytes_read"] > 0 for d in devices)
         assert sum(d["reads"] for d in devices) == report["reads"]
+        assert report["page_cache_bypass"] == io_features.bypass  # every device reads the one way (or none)
 
 
 def test_gather_brings_every_record_home(copy, tmp_path, records):
@@ -117,6 +118,7 @@ def _history(path: Path) -> UsageHistory:
     return history
 
 
+@pytest.mark.usefixtures("io_features")  # also with O_DIRECT and fadvise forced off
 def test_mirrored_hot_set_balances_devices_and_keeps_tokens(copy, tmp_path, reference_ids, records):
     history = _history(copy)
     container = Container(copy)
@@ -139,6 +141,7 @@ def test_mirrored_hot_set_balances_devices_and_keeps_tokens(copy, tmp_path, refe
         assert report["devices"][1]["reads"] > 0  # the mirror serves reads
 
 
+@pytest.mark.usefixtures("io_features")  # also with O_DIRECT and fadvise forced off
 def test_a_corrupted_mirror_copy_falls_back_and_is_counted(copy, tmp_path, reference_ids):
     container = Container(copy)
     parts = current_parts(container)
@@ -187,6 +190,7 @@ def test_unreadable_part_directory_is_one_line(copy, tmp_path):
         part.chmod(0o755)
 
 
+@pytest.mark.usefixtures("io_features")  # also with O_DIRECT and fadvise forced off
 def test_a_changed_record_on_one_device_names_device_and_record(copy, tmp_path):
     part = tmp_path / "ssd2"
     container = _spread(copy, [part], [1.0])

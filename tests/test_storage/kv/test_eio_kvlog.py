@@ -17,6 +17,10 @@ from storage.kv.geometry import LeanGeometry
 from storage.kv.lean_log import LeanLog
 from storage.kv.log import HEADER_BYTES, KVGeometry, KVLog
 
+# with O_DIRECT, fadvise, cgroups and /proc forced off too (tests/test_storage/conftest.py)
+pytestmark = pytest.mark.usefixtures("io_features")
+
+
 GEOMETRY = KVGeometry(
     n_layers=2, kv_lora_rank=48, qk_rope_head_dim=16, index_layers=(1,), index_head_dim=24, dtype="float32"
 )

@@ -31,6 +31,11 @@ from storage.kv.log import (
     remove_log,
 )
 
+# with O_DIRECT, fadvise, cgroups and /proc forced off too (tests/test_storage/conftest.py); the exhaustive
+# loops (ONCE) run as the platform is
+pytestmark = pytest.mark.usefixtures("io_features")
+ONCE = pytest.mark.parametrize("io_features", ["platform"], indirect=True)
+
 
 def kill_at(point: str) -> FaultHook:
     """The crash tests' fault hook: SIGKILL this process at the named point of an append."""
@@ -107,6 +112,7 @@ def _run_child(path, geometry=GEOMETRY, fault_point=None, batches=10_000, kill_a
     return int(lengths[-1]) if lengths else 0
 
 
+@ONCE
 @pytest.mark.parametrize(("geometry", "kills"), [(GEOMETRY, 200), (ROWS, 80)], ids=["mla", "v4-rows"])
 def test_kill_9_at_random_points_recovers_a_prefix_holding_every_acknowledged_record(tmp_path, geometry, kills):
     path = tmp_path / "s.kvlog"
@@ -122,6 +128,7 @@ def test_kill_9_at_random_points_recovers_a_prefix_holding_every_acknowledged_re
 
 
 @GEOMETRIES
+@ONCE
 @pytest.mark.parametrize("point", ["before_write", "mid_record", "before_fsync", "after_fsync"])
 def test_kill_9_at_instrumented_points(tmp_path, point, geometry):
     path = tmp_path / "s.kvlog"
@@ -145,6 +152,7 @@ def _file_with_records(path, count: int, geometry=GEOMETRY) -> bytes:
     return path.read_bytes()
 
 
+@ONCE
 @pytest.mark.parametrize(("geometry", "records"), [(GEOMETRY, 64), (ROWS, 16)], ids=["mla", "v4-rows"])
 def test_every_one_byte_truncation_gives_a_prefix_or_a_typed_header_error(tmp_path, geometry, records):
     full = _file_with_records(tmp_path / "full.kvlog", records, geometry)

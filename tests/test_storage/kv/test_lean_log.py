@@ -19,6 +19,12 @@ from tests.test_storage.kv.test_kvlog import kill_at
 
 # Odd widths: an entry series closing every 2 positions and one every 4; a sliding window of 3 rows, an
 # overlapping compressor (rate 2, keep 1) and a plain one (rate 4).
+# with O_DIRECT, fadvise, cgroups and /proc forced off too (tests/test_storage/conftest.py); the exhaustive
+# loops (ONCE) run as the platform is
+pytestmark = pytest.mark.usefixtures("io_features")
+ONCE = pytest.mark.parametrize("io_features", ["platform"], indirect=True)
+
+
 GEOMETRY = LeanGeometry.sized(((51, 2), (29, 4)), ((71, 1, 3), (61, 2, 1), (53, 4, 0)), "float32")
 
 
@@ -107,6 +113,7 @@ def _child(path, point: str) -> None:
     os._exit(0)
 
 
+@ONCE
 @pytest.mark.parametrize("point", ["before_write", "mid_record", "before_fsync", "after_fsync"])
 def test_kill_9_during_an_append_leaves_a_prefix_and_never_a_torn_snapshot(tmp_path, point):
     path = tmp_path / "s.kvlog"
@@ -131,6 +138,7 @@ def test_kill_9_during_an_append_leaves_a_prefix_and_never_a_torn_snapshot(tmp_p
                 assert log.length == before
 
 
+@ONCE
 def test_every_one_byte_truncation_opens_as_a_checked_prefix(tmp_path):
     full_path = tmp_path / "full.kvlog"
     with LeanLog(full_path, "fp", GEOMETRY) as log:

@@ -15,6 +15,10 @@ from storage.kv.prefix_blocks import Block, Namespace, read_block
 from storage.kv.prefix_store import PrefixStore
 
 # odd widths: 3 layers x (kv_lora 7 + rope 5) + one index layer of 3
+# with O_DIRECT, fadvise, cgroups and /proc forced off too (tests/test_storage/conftest.py)
+pytestmark = pytest.mark.usefixtures("io_features")
+
+
 GEOMETRY = KVGeometry(
     n_layers=3, kv_lora_rank=7, qk_rope_head_dim=5, index_layers=(1,), index_head_dim=3, dtype="float32"
 )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import shutil
 import threading
 import time
@@ -15,6 +16,7 @@ from colibri_stream.runtime.generate import generate
 from colibri_stream.runtime.loader import load_container
 from storage.container.reader import Container
 from storage.errors import BudgetError, CorruptDataError
+from storage.files.page_cache import file_bypass
 from storage.tiers.config import StoreConfig
 from storage.tiers.history import UsageHistory
 from storage.tiers.policy import POLICY_NAMES
@@ -51,11 +53,17 @@ def _budget(container: Container, name: str) -> int:
 # 16 VRAM slots hold fewer than a token's 28 experts (7 MoE layers x top-4): every expert is staged
 # through the tier, and only a policy that resists that cycle keeps some for a hit (LRU kept none)
 GRID = list(itertools.product(["min", "20%", "50%", "100%"], POLICY_NAMES, [True, False], [False, True], [0, 16]))
+# ... and a slice of it with O_DIRECT, fadvise, cgroups and /proc forced off (tests/test_storage/conftest.py)
+FALLBACK_GRID = [(*g, "forced-off") for g in GRID if g[0] in ("min", "50%") and g[2] and g[3] and g[4] == 0]
 
 
-@pytest.mark.parametrize("budget, policy, prefetch, direct, vram_slots", GRID)
+@pytest.mark.parametrize(
+    "budget, policy, prefetch, direct, vram_slots, io_features",
+    [(*g, "platform") for g in GRID] + FALLBACK_GRID,
+    indirect=["io_features"],
+)
 def test_any_placement_generates_the_resident_tokens(
-    stream_container, reference_ids, history_file, budget, policy, prefetch, direct, vram_slots
+    stream_container, reference_ids, history_file, budget, policy, prefetch, direct, vram_slots, io_features
 ):
     container = Container(stream_container)
     config = StoreConfig(
@@ -76,6 +84,8 @@ def test_any_placement_generates_the_resident_tokens(
     finally:
         loaded.experts.close()
     assert stats["hits"]["ram"] + stats["hits"]["vram"] + stats["misses"] == stats["expert_requests"]
+    first = container.expert_path(container.moe_layers[0], 0)
+    assert stats["page_cache_bypass"] == (file_bypass(first) if direct and not io_features.fallback else "none")
     if budget != "100%":
         assert stats["reads"] > len(container.moe_layers) * 4  # small budgets really evict and re-read
     if vram_slots:
@@ -110,9 +120,15 @@ def _prompt_acquires_per_layer(acquires, moe_layers) -> dict[int, int]:
 FAMILY_STORES = [("frequent", 0), ("lru", 0), ("hybrid", 0), ("frequent", 3)]
 
 
-@pytest.mark.parametrize("policy, vram_slots", FAMILY_STORES)
+@pytest.mark.parametrize(
+    "policy, vram_slots, io_features",
+    [(*s, "platform") for s in FAMILY_STORES] + [("frequent", 0, "forced-off")],
+    indirect=["io_features"],
+)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_every_family_at_the_floor_generates_the_resident_tokens(make_container, family, policy, vram_slots):
+def test_every_family_at_the_floor_generates_the_resident_tokens(
+    make_container, family, policy, vram_slots, io_features
+):
     """Top-k RAM slots and nothing else: the prompt's union of each layer comes in several chunks, decode
     one token's experts at a time, and the greedy tokens are the resident run's."""
     path = make_container(family)
@@ -139,6 +155,7 @@ def test_every_family_at_the_floor_generates_the_resident_tokens(make_container,
     assert all(len(chunk) <= 4 for _, chunk in acquires)
 
 
+@pytest.mark.usefixtures("io_features")
 def test_a_chunk_reads_no_more_than_its_own_union(stream_container):
     """At the floor, with prefetch off: between a chunk's acquire and its release the store reads the
     chunk's missing records and nothing else, and never pins more than max_acquire RAM slots."""
@@ -181,6 +198,7 @@ def _fresh(stream_container, **overrides):
     return container, load_container(stream_container, store=config)
 
 
+@pytest.mark.usefixtures("io_features")
 def test_cold_decode_reads_exactly_the_missed_records(stream_container):
     container, loaded = _fresh(stream_container, prefetch=False)
     store = loaded.experts
@@ -196,6 +214,7 @@ def test_cold_decode_reads_exactly_the_missed_records(stream_container):
     assert after["reads"] - before["reads"] == misses
 
 
+@pytest.mark.usefixtures("io_features")
 def test_cold_prefill_reads_each_expert_at_most_once(stream_container):
     container, loaded = _fresh(stream_container, prefetch=False)
     long_prompt = [(i * 37) % 500 + 2 for i in range(64)]
@@ -208,6 +227,7 @@ def test_cold_prefill_reads_each_expert_at_most_once(stream_container):
     assert stats["expert_bytes_read"] <= container.expert_bytes
 
 
+@pytest.mark.usefixtures("io_features")
 def test_prefetch_is_counted_and_recalls_some_experts(stream_container):
     _, loaded = _fresh(stream_container, prefetch=True)
     generate(loaded.model, PROMPT, NEW_TOKENS, loaded.experts)
@@ -262,6 +282,7 @@ def _with_a_flipped_bit(container: Path, destination: Path, layer: int, offset: 
     return destination
 
 
+@pytest.mark.usefixtures("io_features")
 def test_a_corrupted_record_read_while_streaming_is_a_typed_error(stream_container, tmp_path):
     broken = _with_a_flipped_bit(stream_container, tmp_path / "broken", layer=1, offset=10)
     _, loaded = _fresh(broken)
@@ -270,23 +291,40 @@ def test_a_corrupted_record_read_while_streaming_is_a_typed_error(stream_contain
     loaded.experts.close()
 
 
-def test_o_direct_is_the_default_and_falls_back_where_the_filesystem_refuses(
-    stream_container, reference_ids, monkeypatch
+@pytest.mark.parametrize("io_features", ["platform", "forced-off", "f_nocache"], indirect=True)
+def test_reads_bypass_the_page_cache_by_default_and_fall_back_where_they_cannot(
+    stream_container, reference_ids, monkeypatch, io_features
 ):
-    import storage.tiers.tiered
+    """O_DIRECT where the OS and filesystem take it, F_NOCACHE where O_DIRECT does not exist (macOS), else
+    buffered; the stats name which, and the tokens never change."""
+    import storage.files.page_cache
 
     container = Container(stream_container)
     config = StoreConfig(ram_bytes=_budget(container, "min"))
     assert config.direct
     loaded = load_container(stream_container, store=config)
-    assert loaded.experts.report()["direct_io"]  # this filesystem takes O_DIRECT (the 96-way grid reads with it)
-    loaded.experts.close()
+    try:
+        assert generate(loaded.model, PROMPT, NEW_TOKENS, loaded.experts).ids == reference_ids
+        report = loaded.experts.report()
+    finally:
+        loaded.experts.close()
+    expected = {"platform": "o_direct", "forced-off": "none", "f_nocache": "f_nocache"}[io_features.name]
+    if not hasattr(os, "O_DIRECT") and io_features.name == "platform":  # reflection: the host OS's constant
+        expected = str(io_features.bypass)
+    assert report["page_cache_bypass"] == expected  # this filesystem takes O_DIRECT (the 96-way grid reads with it)
+    assert report["direct_io"] is (expected != "none")
+    if io_features.name == "f_nocache":  # F_NOCACHE set on every record opened: the first-file check, then each read
+        assert len(io_features.nocache_fds) == 1 + report["reads"]
 
-    monkeypatch.setattr(storage.tiers.tiered, "o_direct_refusal", lambda path: "O_DIRECT unsupported (test)")
+    # a filesystem that refuses the bypass (tmpfs refuses O_DIRECT): buffered reads, the same tokens
+    monkeypatch.setattr(storage.files.page_cache, "bypass_refusal", lambda path: "unsupported (test)")
     loaded = load_container(stream_container, store=config)
-    assert generate(loaded.model, PROMPT, NEW_TOKENS, loaded.experts).ids == reference_ids
-    assert loaded.experts.report()["direct_io"] is False
-    loaded.experts.close()
+    try:
+        assert generate(loaded.model, PROMPT, NEW_TOKENS, loaded.experts).ids == reference_ids
+        assert loaded.experts.report()["direct_io"] is False
+        assert loaded.experts.report()["page_cache_bypass"] == "none"
+    finally:
+        loaded.experts.close()
 
 
 def test_acquired_experts_say_whether_indexing_would_wait_for_a_read(stream_container):
@@ -409,6 +447,7 @@ def test_any_prefetch_depth_generates_the_resident_tokens(stream_container, refe
     assert stats["prefetch"]["issued"] > 0
 
 
+@pytest.mark.usefixtures("io_features")
 def test_preload_reads_every_expert_once_when_the_budget_holds_them_all(stream_container, reference_ids):
     container = Container(stream_container)
     loaded = load_container(stream_container, store=StoreConfig(ram_bytes=container.expert_bytes, preload=True))
@@ -441,6 +480,7 @@ def test_preload_reads_nothing_when_the_budget_holds_part_or_it_is_off(stream_co
             loaded.experts.close()
 
 
+@pytest.mark.usefixtures("io_features")
 def test_a_corrupted_record_met_by_preload_fails_the_load_naming_it(stream_container, tmp_path):
     broken = _with_a_flipped_bit(stream_container, tmp_path / "broken", layer=2, offset=99)
     config = StoreConfig(ram_bytes=Container(broken).expert_bytes, preload=True)
