@@ -32,6 +32,7 @@
 #include <string.h>
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define HAVE_X86 1
 #else
@@ -443,6 +444,14 @@ int arm_features(void) {
 int arm_features(void) { return 0; }
 #endif
 
+#if HAVE_X86
+/* F16C (CPUID leaf 1, ECX bit 29): clang's __builtin_cpu_supports does not know the name. */
+static int x86_f16c(void) {
+    unsigned a, b, c, d;
+    return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
+}
+#endif
+
 /* The loops this CPU runs at best, capped. x86: 0 none, 1 AVX2 (with FMA and F16C), 2 AVX2 and AVX-512 (F,
  * VL, BW). aarch64: 1 NEON (every such CPU), 2 NEON with dot-product (the q8 kernel's SDOT loops). */
 static int simd_level(void) {
@@ -450,7 +459,7 @@ static int simd_level(void) {
     if (level < 0) {
 #if HAVE_X86
         __builtin_cpu_init();
-        int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+        int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && x86_f16c();
         int vl = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw");
         int found = avx2 ? 1 + vl : 0;
 #elif HAVE_NEON

@@ -78,12 +78,23 @@ NEON_INLINE Q8I chunk_dot_neon(int kind, const Q8W w[2], const uint8_t *s) {
                  sums4_neon(start.hi, w[0].hi, vld1q_s8(x + 16), w[1].hi, vld1q_s8(x + 48))};
 }
 
-/* The same sums with SDOT: lane l += the 4 products of bytes 4l..4l+3 */
+/* SDOT: lane l += the 4 products of bytes 4l..4l+3. Older clang declares vdotq_s32 only when the whole
+ * file targets dot-product; there it is the instruction itself. */
+#if defined(__clang__) && !defined(__ARM_FEATURE_DOTPROD)
+DOTPROD NEON_INLINE int32x4_t sdot(int32x4_t acc, int8x16_t a, int8x16_t b) {
+    __asm__("sdot %0.4s, %1.16b, %2.16b" : "+w"(acc) : "w"(a), "w"(b));
+    return acc;
+}
+#else
+#define sdot vdotq_s32
+#endif
+
+/* The same sums with SDOT */
 DOTPROD NEON_INLINE Q8I chunk_dot_dotprod(int kind, const Q8W w[2], const uint8_t *s) {
     const int8_t *x = (const int8_t *)s;
     Q8I start = chunk_start(kind, s);
-    return (Q8I){vdotq_s32(vdotq_s32(start.lo, w[0].lo, vld1q_s8(x)), w[1].lo, vld1q_s8(x + 32)),
-                 vdotq_s32(vdotq_s32(start.hi, w[0].hi, vld1q_s8(x + 16)), w[1].hi, vld1q_s8(x + 48))};
+    return (Q8I){sdot(sdot(start.lo, w[0].lo, vld1q_s8(x)), w[1].lo, vld1q_s8(x + 32)),
+                 sdot(sdot(start.hi, w[0].hi, vld1q_s8(x + 16)), w[1].hi, vld1q_s8(x + 48))};
 }
 
 #define Q8_TARGET
