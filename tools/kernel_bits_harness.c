@@ -5,7 +5,8 @@
  * every line is the same: the NEON paths give the x86 paths' bits. Not a benchmark.
  *
  *   gcc -O3 -ffp-contract=off -Iengine/csrc -o /tmp/bits tools/kernel_bits_harness.c engine/csrc/nibble.c \
- *       engine/csrc/q8.c engine/csrc/bf16.c engine/csrc/decode_ops.c -lm && /tmp/bits
+ *       engine/csrc/q8.c engine/csrc/bf16.c engine/csrc/decode_ops.c engine/csrc/index_select.c \
+ *       engine/csrc/split.c engine/csrc/read_ahead.c -lm -lpthread && /tmp/bits
  *   aarch64-linux-gnu-gcc -static (same) && qemu-aarch64 -cpu max /tmp/bits; qemu-aarch64 -cpu cortex-a57 /tmp/bits
  *
  * Each line: kernel, case, FNV-1a of the SIMD result's bytes. The SIMD result is also checked against the
@@ -22,6 +23,7 @@
 
 #include "bf16.h"
 #include "decode_ops.h"
+#include "index_select.h"
 #include "nibble.h"
 #include "q8.h"
 
@@ -169,6 +171,27 @@ static void decode_ops_case(int n, int group) {
     free(a), free(b), free(s), free(q);
 }
 
+/* The DSA indexer's scores of one row (index_select.h), heads past a multiple of 8 and dims with a tail too. */
+static void index_case(int heads, int dim, int seen, int rows) {
+    size_t nq = (size_t)rows * heads * dim, nk = (size_t)(seen + rows - 1) * dim;
+    float *q = malloc(sizeof(float) * nq), *w = malloc(sizeof(float) * rows * heads), *keys = malloc(sizeof(float) * nk);
+    for (size_t i = 0; i < nq; i++) q[i] = small();
+    for (size_t i = 0; i < nk; i++) keys[i] = small();
+    for (int i = 0; i < rows * heads; i++) w[i] = small() / 8.f;
+    IndexSelect j = {q, w, keys, rows, heads, dim, seen, 1, 1.f / sqrtf((float)dim), NULL};
+    float *a = malloc(sizeof(float) * (seen + rows)), *b = malloc(sizeof(float) * (seen + rows));
+    char what[64];
+    snprintf(what, sizeof what, "index heads=%d dim=%d seen=%d", heads, dim, seen);
+    uint64_t h = 0;
+    for (int r = 0; r < rows; r++) {
+        index_row_scores(&j, r, 0, a), index_row_scores(&j, r, 1, b);
+        close_to(what, b, a, (size_t)(seen + r));
+        h = h * 31 + fnv(b, sizeof(float) * (size_t)(seen + r));
+    }
+    printf("%s %016llx\n", what, (unsigned long long)h);
+    free(q), free(w), free(keys), free(a), free(b);
+}
+
 int main(void) {
     printf("levels simd=%d wide=%d q8-vnni=%d bf16=%d\n", nibble_simd_available(), nibble_simd_wide(), q8_vnni_available(), bf16_isa(64, 2));
     /* test_int4_kernel's shapes, every record kind, and ragged ones: odd widths, partial groups and chunks */
@@ -203,6 +226,8 @@ int main(void) {
         for (int alone = 0; alone < 2; alone++) bf16_case(bf16_shapes[s][0], bf16_shapes[s][1], bf16_shapes[s][2], alone);
     const int ops[][2] = {{64, 32}, {200, 40}, {7, 7}, {4096, 128}, {1000, 64}};
     for (int s = 0; s < 5; s++) decode_ops_case(ops[s][0], ops[s][1]);
+    const int index_shapes[][3] = {{64, 128, 300}, {8, 64, 40}, {13, 20, 7}, {16, 7, 600}};
+    for (int s = 0; s < 4; s++) index_case(index_shapes[s][0], index_shapes[s][1], index_shapes[s][2], 3);
     printf("%s\n", failures ? "FAILED" : "ok");
     return failures ? 1 : 0;
 }

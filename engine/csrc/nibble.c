@@ -24,6 +24,8 @@
  * bytes contribute nothing; a row's last, partial chunk is copied to a zeroed buffer first: nothing
  * past a row's bytes, nor past its scales, is read. Columns go in blocks whose x (all rows) fits in L1
  * while every output row of the slice passes.
+ *
+ * aarch64 takes a NEON set, the AVX2 set lane for lane (neon8.h): the same bits (docs/kernels.md, "ARM (NEON)").
  */
 #include "nibble.h"
 

@@ -22,6 +22,9 @@
  * unsigned x signed product maddubs needs.
  *
  * Each row of x is accumulated the same way whatever else is in the call: batch-invariant.
+ *
+ * aarch64: q8_neon.h's sets (SDOT where the CPU has dot-product, else widening NEON multiplies), AVX2's
+ * lanes and order, so AVX2's bytes; x is prepared by the plain C loop there (the same bytes).
  */
 #include "q8.h"
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from engine.kernels.isa import ISA_ENV, check_isa_env, describe_isa, isa_caps
 
 ROOT = Path(__file__).resolve().parents[3]
 SOURCES = [ROOT / "tools" / "kernel_bits_harness.c"] + [
-    ROOT / "engine" / "csrc" / f"{name}.c" for name in ("nibble", "q8", "bf16", "decode_ops", "split", "read_ahead")
+    ROOT / "engine" / "csrc" / f"{name}.c" for name in ("nibble", "q8", "bf16", "decode_ops", "index_select", "split", "read_ahead")
 ]
 # -O1: half the compile time of -O3 on a busy box; the bits do not depend on it (no float reassociation without
 # -ffast-math, no fusing with -ffp-contract=off)
@@ -91,6 +92,32 @@ def test_the_arm_build_carries_the_sdot_and_neon_loops(arm_binary):
 @pytest.mark.skipif(shutil.which("clang") is None, reason="clang not installed (apt-get install clang)")
 def test_clang_builds_the_kernels_with_the_same_bits(x86_lines, tmp_path):
     assert _run([str(_build("clang", tmp_path / "bits"))]) == x86_lines
+
+
+CLANG_ARM = ["--target=aarch64-linux-gnu", "--sysroot=/usr/aarch64-linux-gnu", "--gcc-toolchain=/usr"]
+
+
+@needs_arm_tools
+@pytest.mark.skipif(shutil.which("clang") is None, reason="clang not installed (apt-get install clang)")
+def test_clang_builds_the_arm_kernels_with_the_same_bits(x86_lines, tmp_path):
+    """clang for aarch64 (the gcc cross toolchain's libraries and linker), both CPU models."""
+    binary = _build("clang", tmp_path / "bits", *CLANG_ARM, "-fuse-ld=/usr/bin/aarch64-linux-gnu-ld", "-static")
+    for cpu in ("max", "cortex-a57"):
+        assert _run([QEMU, "-cpu", cpu, str(binary)])[1:] == x86_lines[1:]
+
+
+@needs_arm_tools
+def test_every_extension_source_compiles_for_aarch64(tmp_path):
+    """The whole extension's sources, Python entry points included, for aarch64 with gcc (and clang where
+    installed), warnings as errors; against this machine's Python headers (no aarch64 Python here to link)."""
+    include = sysconfig.get_paths()["include"]
+    compilers = [[CROSS]] + ([["clang", *CLANG_ARM]] if shutil.which("clang") else [])
+    for compiler in compilers:
+        for source in sorted((ROOT / "engine" / "csrc").glob("*.c")):
+            cmd = [*compiler, "-O0", "-Wall", "-Werror", "-ffp-contract=off", "-fPIC", f"-I{include}", "-c"]
+            cmd += [f"-I{ROOT / 'engine' / 'csrc'}", str(source), "-o", str(tmp_path / f"{source.stem}.o")]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            assert done.returncode == 0, f"{' '.join(compiler)} {source.name}: {done.stderr[-2000:]}"
 
 
 def test_each_architecture_names_its_own_caps():
