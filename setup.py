@@ -42,8 +42,15 @@ setup(
                 "engine/csrc/nibble_body.h",
                 "engine/csrc/index_score_body.h",
                 "engine/csrc/moe_terms.h",
+                "engine/csrc/neon8.h",
+                "engine/csrc/q8_neon.h",
             ],
-            extra_compile_args=["-O3"],
+            # -ffp-contract=off: no multiply and add fused unless the code says so. GCC fuses by default where
+            # the target has FMA (every aarch64 CPU), which would change the plain C loops' bits there (and so
+            # the NEON loops' agreement with them and with x86: tools/kernel_bits_harness.c). No -m flags: the
+            # x86 SIMD loops carry their instruction sets as function attributes, so the same flags build
+            # every architecture, with gcc or clang.
+            extra_compile_args=["-O3", "-ffp-contract=off"],
         )
     ],
     cmdclass={"build_ext": OptionalBuildExt},

@@ -14,6 +14,12 @@
 #else
 #define HAVE_X86 0
 #endif
+#if defined(__aarch64__)
+#include "neon8.h"
+#define HAVE_NEON 1
+#else
+#define HAVE_NEON 0
+#endif
 
 #if HAVE_X86
 __attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v) {
@@ -150,6 +156,41 @@ __attribute__((target("avx2,fma"))) static void bf16_gemm_avx2(const uint16_t *w
 }
 #endif
 
+#if HAVE_NEON
+/* 8 bf16 as floats: the 16 bits become the high half (exact) */
+F8_INLINE F8 load_bf16x8_neon(const uint16_t *p) {
+    uint16x8_t h = vld1q_u16(p);
+    return (F8){vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(h), 16)), vreinterpretq_f32_u32(vshll_high_n_u16(h, 16))};
+}
+
+/* bf16_gemm_avx2 over NEON registers, lane for lane (neon8.h): the same bits. in a multiple of 32. */
+static void bf16_gemm_neon(const uint16_t *w, const float *x, int rows, int in, int out, int alone, float *y) {
+    for (int o = 0; o < out; o++) {
+        const uint16_t *row = w + (size_t)o * in;
+        for (int first = 0; first < rows;) {
+            int group = rows == 1 || alone ? (rows - first >= 2 ? 2 : 1) : rows;
+            int lanes = rows == 1 || alone ? 4 : 1;
+            const float *xg = x + (size_t)first * in;
+            F8 acc[MAX_ROWS * 4];
+            for (int k = 0; k < group * lanes; k++) acc[k] = f8_zero();
+            for (int i = 0; i < in; i += 8 * lanes) {
+                for (int l = 0; l < lanes; l++) {
+                    F8 wv = load_bf16x8_neon(row + i + 8 * l);
+                    for (int r = 0; r < group; r++)
+                        acc[r * lanes + l] = f8_fma(wv, f8_load(xg + (size_t)r * in + i + 8 * l), acc[r * lanes + l]);
+                }
+            }
+            for (int r = 0; r < group; r++) {
+                F8 sum = acc[r * lanes];
+                for (int l = 1; l < lanes; l++) sum = f8_add(sum, acc[r * lanes + l]);
+                y[(size_t)(first + r) * out + o] = f8_hsum(sum);
+            }
+            first += group;
+        }
+    }
+}
+#endif
+
 int bf16_isa(int in, int limit) {
 #if HAVE_X86
     static int avx512 = -1, avx2 = -1;
@@ -160,6 +201,8 @@ int bf16_isa(int in, int limit) {
     }
     if (limit >= 2 && avx512 && in % 64 == 0) return 2;
     if (limit >= 1 && avx2 && in % 32 == 0) return 1;
+#elif HAVE_NEON /* level 1: the AVX2 loops' NEON twin (no 16-lane set: it would give AVX-512's other bits) */
+    if (limit >= 1 && isa_cap() >= 1 && in % 32 == 0) return 1;
 #else
     (void)in;
     (void)limit;
@@ -181,6 +224,10 @@ static void gemm_rows(const uint16_t *w, const float *x, int rows, int in, int b
             bf16_gemm_avx512(wb, x, rows, in, m, end - o, alone, tmp);
         else if (isa == 1)
             bf16_gemm_avx2(wb, x, rows, in, m, alone, tmp);
+        else
+#elif HAVE_NEON
+        if (isa == 1)
+            bf16_gemm_neon(wb, x, rows, in, m, alone, tmp);
         else
 #endif
             bf16_gemm_scalar(wb, x, rows, in, m, tmp);

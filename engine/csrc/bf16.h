@@ -7,8 +7,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* The path the kernel takes for rows `in` wide: 2 AVX-512 (in % 64 == 0), 1 AVX2+FMA (in % 32 == 0),
- * 0 scalar; capped by `limit` (tests reach every path on any CPU). */
+/* The path the kernel takes for rows `in` wide: 2 AVX-512 (in % 64 == 0), 1 AVX2+FMA or NEON (in % 32 == 0;
+ * the same bits), 0 scalar; capped by `limit` (tests reach every path on any CPU). */
 int bf16_isa(int in, int limit);
 
 /* y[r * ldy + o - begin] = sum_k w[o, k] x[r, k] for output rows [begin, end) of w bf16 [out, in] and

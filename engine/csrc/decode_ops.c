@@ -25,6 +25,12 @@
 #else
 #define HAVE_X86 0
 #endif
+#if defined(__aarch64__)
+#include "neon8.h"
+#define HAVE_NEON 1
+#else
+#define HAVE_NEON 0
+#endif
 
 /* ------------------------------------------------------------------ vector helpers, AVX2 or plain */
 
@@ -103,39 +109,69 @@ AVX2 static void axpy_i8_avx2(float *y, float a, const int8_t *q, const float *s
 }
 #endif
 
-static int simd(void) {
-#if HAVE_X86
-    static int known = -1;
-    if (known < 0) known = nibble_simd_available();
-    return known;
-#else
-    return 0;
-#endif
+#if HAVE_NEON
+/* The AVX2 helpers over NEON registers, lane for lane (neon8.h): the same bits. The heads of attend_one go
+ * one at a time here (attend_head, whose numbers attend_heads_avx2's are, bit for bit). */
+static float dot_neon(const float *a, const float *b, int n) {
+    F8 s0 = f8_zero(), s1 = f8_zero();
+    int k = 0;
+    for (; k + 16 <= n; k += 16) s0 = f8_fma(f8_load(a + k), f8_load(b + k), s0), s1 = f8_fma(f8_load(a + k + 8), f8_load(b + k + 8), s1);
+    float s = f8_hsum(f8_add(s0, s1));
+    for (int i = k; i < n; i++) s += a[i] * b[i];
+    return s;
 }
 
-static float dot(const float *a, const float *b, int n) {
-#if HAVE_X86
-    if (simd()) return dot_avx2(a, b, n);
+static void axpy_neon(float *y, float a, const float *x, int n) {
+    F8 va = f8_dup(a);
+    int k = 0;
+    for (; k + 8 <= n; k += 8) f8_store(y + k, f8_fma(va, f8_load(x + k), f8_load(y + k)));
+    for (; k < n; k++) y[k] += a * x[k];
+}
+
+F8_INLINE F8 codes8_neon(const int8_t *q) { /* 8 int8 codes as floats */
+    int16x8_t wide = vmovl_s8(vld1_s8(q));
+    return (F8){vcvtq_f32_s32(vmovl_s16(vget_low_s16(wide))), vcvtq_f32_s32(vmovl_high_s16(wide))};
+}
+
+static float dot_i8_neon(const int8_t *q, const float *scales, int group, const float *x, int n) {
+    float s = 0.f;
+    for (int g0 = 0; g0 < n; g0 += group) {
+        int end = g0 + group < n ? g0 + group : n, k = g0;
+        F8 acc = f8_zero();
+        for (; k + 8 <= end; k += 8) acc = f8_fma(codes8_neon(q + k), f8_load(x + k), acc);
+        float part = f8_hsum(acc);
+        for (; k < end; k++) part += (float)q[k] * x[k];
+        s += part * scales[g0 / group];
+    }
+    return s;
+}
+
+static void axpy_i8_neon(float *y, float a, const int8_t *q, const float *scales, int group, int n) {
+    for (int g0 = 0; g0 < n; g0 += group) {
+        int end = g0 + group < n ? g0 + group : n, k = g0;
+        float as = a * scales[g0 / group];
+        F8 va = f8_dup(as);
+        for (; k + 8 <= end; k += 8) f8_store(y + k, f8_fma(va, codes8_neon(q + k), f8_load(y + k)));
+        for (; k < end; k++) y[k] += as * (float)q[k];
+    }
+}
+#define VEC(name) name##_neon
+#elif HAVE_X86
+#define VEC(name) name##_avx2
 #endif
+
+/* The plain C helpers (every machine; simd() 0 or the harness's probe). */
+static float dot_plain(const float *a, const float *b, int n) {
     float s = 0.f;
     for (int k = 0; k < n; k++) s += a[k] * b[k];
     return s;
 }
 
-static void axpy(float *y, float a, const float *x, int n) {
-#if HAVE_X86
-    if (simd()) {
-        axpy_avx2(y, a, x, n);
-        return;
-    }
-#endif
+static void axpy_plain(float *y, float a, const float *x, int n) {
     for (int k = 0; k < n; k++) y[k] += a * x[k];
 }
 
-static float dot_i8(const int8_t *q, const float *scales, int group, const float *x, int n) {
-#if HAVE_X86
-    if (simd()) return dot_i8_avx2(q, scales, group, x, n);
-#endif
+static float dot_i8_plain(const int8_t *q, const float *scales, int group, const float *x, int n) {
     float s = 0.f;
     for (int g0 = 0; g0 < n; g0 += group) {
         float part = 0.f;
@@ -145,14 +181,65 @@ static float dot_i8(const int8_t *q, const float *scales, int group, const float
     return s;
 }
 
-static void axpy_i8(float *y, float a, const int8_t *q, const float *scales, int group, int n) {
-#if HAVE_X86
+static void axpy_i8_plain(float *y, float a, const int8_t *q, const float *scales, int group, int n) {
+    for (int k = 0; k < n; k++) y[k] += a * scales[k / group] * (float)q[k];
+}
+
+static int simd(void) {
+#if HAVE_X86 || HAVE_NEON
+    static int known = -1;
+    if (known < 0) known = nibble_simd_available();
+    return known;
+#else
+    return 0;
+#endif
+}
+
+/* x86: the AVX2 helpers; aarch64: their NEON twins */
+static float dot(const float *a, const float *b, int n) {
+#if HAVE_X86 || HAVE_NEON
+    if (simd()) return VEC(dot)(a, b, n);
+#endif
+    return dot_plain(a, b, n);
+}
+
+static void axpy(float *y, float a, const float *x, int n) {
+#if HAVE_X86 || HAVE_NEON
     if (simd()) {
-        axpy_i8_avx2(y, a, q, scales, group, n);
+        VEC(axpy)(y, a, x, n);
         return;
     }
 #endif
-    for (int k = 0; k < n; k++) y[k] += a * scales[k / group] * (float)q[k];
+    axpy_plain(y, a, x, n);
+}
+
+static float dot_i8(const int8_t *q, const float *scales, int group, const float *x, int n) {
+#if HAVE_X86 || HAVE_NEON
+    if (simd()) return VEC(dot_i8)(q, scales, group, x, n);
+#endif
+    return dot_i8_plain(q, scales, group, x, n);
+}
+
+static void axpy_i8(float *y, float a, const int8_t *q, const float *scales, int group, int n) {
+#if HAVE_X86 || HAVE_NEON
+    if (simd()) {
+        VEC(axpy_i8)(y, a, q, scales, group, n);
+        return;
+    }
+#endif
+    axpy_i8_plain(y, a, q, scales, group, n);
+}
+
+void decode_ops_probe(int simd_path, const float *a, const float *b, const int8_t *q, const float *scales, int group, int n,
+                      float *out) {
+    int fast = simd_path && simd();
+    out[0] = fast ? dot(a, b, n) : dot_plain(a, b, n);
+    out[1] = fast ? dot_i8(q, scales, group, b, n) : dot_i8_plain(q, scales, group, b, n);
+    out[2] = out[3] = 0.f;
+    memcpy(out + 4, b, sizeof(float) * (size_t)n);
+    memcpy(out + 4 + n, b, sizeof(float) * (size_t)n);
+    if (fast) axpy(out + 4, 0.375f, a, n), axpy_i8(out + 4 + n, -1.25f, q, scales, group, n);
+    else axpy_plain(out + 4, 0.375f, a, n), axpy_i8_plain(out + 4 + n, -1.25f, q, scales, group, n);
 }
 
 /* ------------------------------------------------------------------------------------ RMSNorm */

@@ -69,4 +69,10 @@ typedef struct {
  * split over `threads`. 0, or -1 without memory. */
 int attend_one(const AttendOne *job, int threads);
 
+/* tools/kernel_bits_harness.c's window on the vector helpers: out[0] = a . b, out[1] = the int8 row q (group
+ * scales) . b, out[2..3] = 0, out[4..4+n) = b + 0.375 a, out[4+n..4+2n) = b - 1.25 q*scales; simd_path 0 the
+ * plain C helpers, 1 the AVX2 / NEON ones where the CPU has them. */
+void decode_ops_probe(int simd_path, const float *a, const float *b, const int8_t *q, const float *scales, int group, int n,
+                      float *out);
+
 #endif

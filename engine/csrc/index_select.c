@@ -27,6 +27,12 @@
 #else
 #define HAVE_X86 0
 #endif
+#if defined(__aarch64__)
+#include "neon8.h"
+#define HAVE_NEON 1
+#else
+#define HAVE_NEON 0
+#endif
 
 enum { KEYS_PER_BLOCK = 256 }; /* the threads' share: 256 keys of 128 floats are 128 KiB */
 
@@ -57,6 +63,56 @@ static float relu(float v) { return v < 0.f ? 0.f : v; } /* NaN stays NaN, as to
 #undef IS_TARGET
 #undef IS_INLINE
 #undef IS_NAME
+#endif
+
+#if HAVE_NEON
+/* index_score_body.h's score_keys for one key over NEON registers, lane for lane (neon8.h): the same bits. */
+F8_INLINE F8 sums8_neon(const F8 v[8]) { /* hadd, hadd, then the 128-bit halves added: lane i sums v[i] */
+    float32x4_t a = vaddq_f32(vpaddq_f32(vpaddq_f32(v[0].lo, v[1].lo), vpaddq_f32(v[2].lo, v[3].lo)),
+                              vpaddq_f32(vpaddq_f32(v[0].hi, v[1].hi), vpaddq_f32(v[2].hi, v[3].hi)));
+    float32x4_t b = vaddq_f32(vpaddq_f32(vpaddq_f32(v[4].lo, v[5].lo), vpaddq_f32(v[6].lo, v[7].lo)),
+                              vpaddq_f32(vpaddq_f32(v[4].hi, v[5].hi), vpaddq_f32(v[6].hi, v[7].hi)));
+    return (F8){a, b};
+}
+
+F8_INLINE F8 tail8(const float *p, int n) { /* _mm256_maskload_ps of the first n: zeros after */
+    float padded[8] = {0};
+    memcpy(padded, p, sizeof(float) * (size_t)n);
+    return f8_load(padded);
+}
+
+F8_INLINE F8 max_ps(F8 a, F8 b) { /* _mm256_max_ps: a > b ? a : b (b where either is NaN) */
+    return (F8){vbslq_f32(vcgtq_f32(a.lo, b.lo), a.lo, b.lo), vbslq_f32(vcgtq_f32(a.hi, b.hi), a.hi, b.hi)};
+}
+
+static float score1_neon(const IndexSelect *j, const float *key) {
+    int dim = j->dim, whole = dim / 8 * 8, h = 0;
+    F8 total = f8_zero(), scale = f8_dup(j->scale);
+    for (; h + 8 <= j->heads; h += 8) {
+        const float *q = j->q + (size_t)h * dim;
+        F8 acc[8];
+        for (int i = 0; i < 8; i++) acc[i] = f8_zero();
+        for (int k = 0; k < whole; k += 8) {
+            F8 kv = f8_load(key + k);
+            for (int i = 0; i < 8; i++) acc[i] = f8_fma(f8_load(q + (size_t)i * dim + k), kv, acc[i]);
+        }
+        if (whole < dim) {
+            F8 kv = tail8(key + whole, dim - whole);
+            for (int i = 0; i < 8; i++) acc[i] = f8_fma(tail8(q + (size_t)i * dim + whole, dim - whole), kv, acc[i]);
+        }
+        total = f8_fma(f8_load(j->weights + h), max_ps(f8_zero(), f8_mul(sums8_neon(acc), scale)), total);
+    }
+    float score = f8_hsum(total);
+    for (; h < j->heads; h++) { /* heads_after */
+        const float *q = j->q + (size_t)h * dim;
+        F8 acc = f8_zero();
+        for (int k = 0; k < whole; k += 8) acc = f8_fma(f8_load(q + k), f8_load(key + k), acc);
+        float dot = f8_hsum(acc);
+        for (int k = whole; k < dim; k++) dot += q[k] * key[k];
+        score += j->weights[h] * relu(dot * j->scale);
+    }
+    return score;
+}
 #endif
 
 static float score_plain(const IndexSelect *j, const float *key) {
@@ -91,6 +147,11 @@ static void score_block(void *arg, int b) {
     }
     if (nibble_simd_available()) {
         for (; begin < end; begin++) score1_avx2(&one, j->keys + (size_t)begin * j->dim, scores + begin);
+        return;
+    }
+#elif HAVE_NEON
+    if (nibble_simd_available()) {
+        for (; begin < end; begin++) scores[begin] = score1_neon(&one, j->keys + (size_t)begin * j->dim);
         return;
     }
 #endif
@@ -152,6 +213,18 @@ static void choose_row(void *arg, int row) {
     qsort(ranks, (size_t)ranked, sizeof *ranks, descending);
     for (int i = 0; i < ranked; i++) chosen[i] = (int64_t)(uint32_t)~(uint32_t)ranks[i];
     for (int i = ranked; i < j->topk; i++) chosen[i] = seen + (i - ranked); /* the masked positions, in order */
+}
+
+void index_row_scores(const IndexSelect *j, int row, int simd_path, float *scores) {
+    IndexSelect one = *j; /* the row alone: row 0 of a one-row job that sees what it sees */
+    one.q = j->q + (size_t)row * j->heads * j->dim, one.weights = j->weights + (size_t)row * j->heads;
+    one.rows = 1, one.seen = seen_by(j, row);
+    if (simd_path) {
+        ScoreJob s = {&one, (int)((row_stride(&one) + KEYS_PER_BLOCK - 1) / KEYS_PER_BLOCK), scores, NULL};
+        for (int b = 0; b < s.blocks_per_row; b++) score_block(&s, b);
+        return;
+    }
+    for (int t = 0; t < one.seen; t++) scores[t] = score_plain(&one, j->keys + (size_t)t * j->dim);
 }
 
 int index_select(const IndexSelect *j, int threads) {

@@ -21,4 +21,8 @@ typedef struct {
  * -inf gives the stable sort: fillers the attention's own mask removes). 0, or -1 without memory. */
 int index_select(const IndexSelect *job, int threads);
 
+/* Row `row`'s scores over the keys it sees into scores[0, seen + row): what index_select ranks (simd_path 1:
+ * the AVX2 / AVX-512VL / NEON loops where the CPU has them, 0 the plain C loop). tools/kernel_bits_harness.c. */
+void index_row_scores(const IndexSelect *job, int row, int simd_path, float *scores);
+
 #endif

@@ -522,14 +522,18 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     if (m && PyModule_AddFunctions(m, py_decode_methods) != 0) Py_CLEAR(m);
     if (m) PyModule_AddIntConstant(m, "MAX_ROWS", MAX_ROWS);
     /* the entry points and signatures of this build (engine/kernels/native.py checks it): raise both together */
-    if (m) PyModule_AddIntConstant(m, "ABI_VERSION", 4);
-    /* 2 AVX-512, 1 AVX2, 0 none: without SIMD the bf16 path would be slower than float32 matmul. */
+    if (m) PyModule_AddIntConstant(m, "ABI_VERSION", 5);
+    /* 2 AVX-512, 1 AVX2 or NEON, 0 none: without SIMD the bf16 path would be slower than float32 matmul. */
     if (m) PyModule_AddIntConstant(m, "BF16_SIMD", bf16_isa(64, 2));
     /* 1: the int8-activation kernels multiply with AVX-512 VNNI's dpbusd (else AVX2 maddubs, or C) */
     if (m) PyModule_AddIntConstant(m, "Q8_VNNI", q8_vnni_available());
-    /* the loops the quantised kernels take (2 AVX-512, 1 AVX2, 0 plain C), COLIBRI_STREAM_ISA's cap applied */
+    /* the loops the quantised kernels take (x86: 2 AVX-512, 1 AVX2; aarch64: 2 NEON with dot-product, 1 NEON;
+     * 0 plain C), COLIBRI_STREAM_ISA's cap applied */
     if (m) PyModule_AddIntConstant(m, "SIMD_LEVEL", nibble_simd_available() + nibble_simd_wide());
-    /* 1 where COLIBRI_STREAM_ISA=avx2 held the kernels to their AVX2 loops when the extension loaded, else 2 */
+    /* 1 where COLIBRI_STREAM_ISA=avx2 (x86) or =neon (aarch64) held the kernels to those loops when the extension
+     * loaded, else 2 */
     if (m) PyModule_AddIntConstant(m, "ISA_CAP", isa_cap());
+    /* aarch64: bit 0 dot-product, bit 1 i8mm, as the CPU reports them (uncapped); 0 elsewhere */
+    if (m) PyModule_AddIntConstant(m, "ARM_FEATURES", arm_features());
     return m;
 }

@@ -22,7 +22,12 @@
 /* Rotate one rope vector in[r] by the position's angles into out[r] (halves: x1 * cos - x2 * sin, then
  * x2 * cos + x1 * sin), as engine/core/rope.py apply_rope: each product rounded on its own (no fused
  * multiply-add), so the cache row has torch's bits. */
-__attribute__((optimize("fp-contract=off"))) static void rotate(const float *in, float *out, int r, const float *cos, const float *sin, int interleaved) {
+#if defined(__clang__) /* no optimize attribute; setup.py's -ffp-contract=off holds (clang fuses within one expression at most) */
+#define UNFUSED
+#else
+#define UNFUSED __attribute__((optimize("fp-contract=off")))
+#endif
+UNFUSED static void rotate(const float *in, float *out, int r, const float *cos, const float *sin, int interleaved) {
     int half = r / 2;
     for (int i = 0; i < half; i++) {
         float x1 = interleaved ? in[2 * i] : in[i], x2 = interleaved ? in[2 * i + 1] : in[half + i];

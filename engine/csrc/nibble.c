@@ -24,6 +24,8 @@
  * bytes contribute nothing; a row's last, partial chunk is copied to a zeroed buffer first: nothing
  * past a row's bytes, nor past its scales, is read. Columns go in blocks whose x (all rows) fits in L1
  * while every output row of the slice passes.
+ *
+ * aarch64 takes a NEON set, the AVX2 set lane for lane (neon8.h): the same bits (docs/kernels.md, "ARM (NEON)").
  */
 #include "nibble.h"
 
@@ -32,10 +34,22 @@
 #include <string.h>
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define HAVE_X86 1
 #else
 #define HAVE_X86 0
+#endif
+#if defined(__aarch64__)
+#include "neon8.h"
+#define HAVE_NEON 1
+#if defined(__linux__)
+#include <sys/auxv.h>
+#elif defined(__APPLE__)
+#include <sys/sysctl.h>
+#endif
+#else
+#define HAVE_NEON 0
 #endif
 
 /* Element values as engine/kernels/quant.py's code_values gives them (int4: n - 8); all exact in bfloat16. */
@@ -114,10 +128,7 @@ static void gemm_scalar(const NibbleMatrix *m, const float *xs, int rows, int be
     }
 }
 
-#if HAVE_X86
-#define AVX2 __attribute__((target("avx2,fma,f16c")))
-#define AVX2_INLINE AVX2 __attribute__((always_inline)) static inline
-
+#if HAVE_X86 || HAVE_NEON
 /* How many output rows ahead a pass asks for the codes (row_block's ahead). */
 #define AHEAD_ROWS 2
 
@@ -144,6 +155,9 @@ static int simd_shape(const NibbleMatrix *m) { return broadcast_scales(m) || m->
 typedef struct {
     int32_t lane[16], hi[8];
     int base, base_hi;
+#if HAVE_NEON
+    uint8_t bytes[2][32]; /* NEON: lanes 0-7 (h 0) and 8-15 (h 1) as vqtbl2 byte indexes into their 8 floats */
+#endif
 } ChunkScales;
 
 static void block_scales(const NibbleMatrix *m, size_t c0, size_t c1, ChunkScales *cs) {
@@ -159,8 +173,19 @@ static void block_scales(const NibbleMatrix *m, size_t c0, size_t c1, ChunkScale
         s->base = (int)(start - first);
         s->base_hi = s->base + s->lane[8];
         for (int d = 0; d < 8; d++) s->hi[d] = s->lane[8 + d] - s->lane[8];
+#if HAVE_NEON
+        for (int d = 0; d < 8; d++)
+            for (int j = 0; j < 4; j++)
+                s->bytes[0][4 * d + j] = (uint8_t)(4 * s->lane[d] + j), s->bytes[1][4 * d + j] = (uint8_t)(4 * s->hi[d] + j);
+#endif
     }
 }
+#endif
+
+#if HAVE_X86
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+#define AVX2_INLINE AVX2 __attribute__((always_inline)) static inline
+#define prefetch_t0(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
 
 /* Row o's scales of groups first.. as float32 (0 past the row's last group: a tail chunk's padding
  * columns, where x is 0, and the lanes a chunk_lanes load reads beyond its groups; no scale past the
@@ -203,7 +228,10 @@ typedef struct {
     __m512 values;
 } Table16;
 AVX512_INLINE Table16 value_table_avx512(int code) { return (Table16){_mm512_loadu_ps(VALUES[code])}; }
-AVX512_INLINE __m512i load_codes_avx512(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
+AVX512_INLINE __m512i load_codes_avx512(const uint8_t *p, const Table16 *t) {
+    (void)t;
+    return _mm512_loadu_si512((const void *)p);
+}
 AVX512_INLINE __m512 weights_avx512(__m512i v, int s, const Table16 *t) {
     return _mm512_permutexvar_ps(s ? _mm512_srli_epi32(v, 4 * s) : v, t->values);
 }
@@ -249,7 +277,10 @@ typedef struct {
 AVX2_INLINE Table8 value_table_avx2(int code) {
     return (Table8){_mm256_loadu_ps(VALUES[code]), _mm256_loadu_ps(VALUES[code] + 8), code == CODE_INT4};
 }
-AVX2_INLINE __m256i load_codes_avx2(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+AVX2_INLINE __m256i load_codes_avx2(const uint8_t *p, const Table8 *t) {
+    (void)t;
+    return _mm256_loadu_si256((const __m256i *)p);
+}
 AVX2_INLINE __m256 weights_avx2(__m256i v, int s, const Table8 *t) {
     __m256i index = s ? _mm256_srli_epi32(v, 4 * s) : v;
     if (t->int4) { /* n - 8 as (2^23 + n) - (2^23 + 8): the float bits of 2^23 with n in the mantissa, exact */
@@ -288,6 +319,93 @@ AVX2_INLINE float total_avx2(__m256 acc[2][2], int r) { return hsum8(_mm256_add_
 #undef NB_MAX_RS
 #endif
 
+#if HAVE_NEON
+/* The NEON set (every aarch64 CPU): the AVX2 set lane for lane (neon8.h), a chunk two halves of 8 dword
+ * lanes, each lane's products in the same order, so the same bits as AVX2 and AVX-512. */
+#define prefetch_t0(p) __builtin_prefetch((p), 0, 3)
+#define NEON_INLINE __attribute__((always_inline)) static inline
+
+/* Row o's scales of groups first.. as float32, as the AVX2 row_scales (the conversions are exact). */
+static void row_scales(const NibbleMatrix *m, int o, size_t first, size_t count, float *out) {
+    size_t groups = (size_t)nibble_groups(m), s0 = (size_t)o * groups + first, have = first + count < groups ? count : groups - first;
+    size_t i = 0;
+    const uint16_t *halves = (const uint16_t *)m->scales + s0;
+    switch (m->scale_kind) {
+    case SCALE_F16:
+        for (; i + 8 <= have; i += 8) f8_store(out + i, f8_from_halves(halves + i));
+        for (; i < have; i++) out[i] = half_to_float(halves[i]);
+        break;
+    case SCALE_BF16:
+        for (; i + 4 <= have; i += 4) vst1q_f32(out + i, vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(halves + i), 16)));
+        for (; i < have; i++) out[i] = from_bits((uint32_t)halves[i] << 16);
+        break;
+    default:
+        for (; i < have; i++) out[i] = e8m0_to_float(((const uint8_t *)m->scales)[s0 + i]);
+    }
+    for (i = have; i < count; i++) out[i] = 0.f;
+}
+
+typedef struct {
+    uint32x4_t lo, hi; /* 8 dwords of codes: lanes 0-3, 4-7 */
+} Codes8;
+typedef struct {
+    uint8x16x4_t values; /* the code's 16 floats' bytes, for vqtbl4q_u8 (fp4) */
+    int int4;
+} TableNeon;
+NEON_INLINE TableNeon value_table_neon(int code) {
+    return (TableNeon){vld1q_u8_x4((const uint8_t *)VALUES[code]), code == CODE_INT4};
+}
+/* int4: every nibble n stored as n ^ 8, whose signed value is n - 8 (weights_neon sign-extends it) */
+NEON_INLINE Codes8 load_codes_neon(const uint8_t *p, const TableNeon *t) {
+    uint32x4_t lo = vld1q_u32((const uint32_t *)p), hi = vld1q_u32((const uint32_t *)(p + 16));
+    if (t->int4) {
+        uint32x4_t flip = vdupq_n_u32(0x88888888u);
+        lo = veorq_u32(lo, flip), hi = veorq_u32(hi, flip);
+    }
+    return (Codes8){lo, hi};
+}
+/* nibble s of each dword as its float value: int4 by shifting it to the top and back, signed (exact);
+ * fp4 by a byte lookup of the value's 4 bytes */
+NEON_INLINE float32x4_t weights4_neon(uint32x4_t v, int s, const TableNeon *t) {
+    if (t->int4) {
+        int32x4_t top = s == 7 ? vreinterpretq_s32_u32(v) : vshlq_s32(vreinterpretq_s32_u32(v), vdupq_n_s32(28 - 4 * s));
+        return vcvtq_f32_s32(vshlq_s32(top, vdupq_n_s32(-28)));
+    }
+    uint32x4_t n = vandq_u32(vshlq_u32(v, vdupq_n_s32(-4 * s)), vdupq_n_u32(0x0F));
+    uint32x4_t index = vmlaq_u32(vdupq_n_u32(0x03020100u), n, vdupq_n_u32(0x04040404u));
+    return vreinterpretq_f32_u8(vqtbl4q_u8(t->values, vreinterpretq_u8_u32(index)));
+}
+NEON_INLINE F8 weights_neon(Codes8 v, int s, const TableNeon *t) { return (F8){weights4_neon(v.lo, s, t), weights4_neon(v.hi, s, t)}; }
+NEON_INLINE F8 load_x_neon(const float *p) { return f8_load(p); }
+NEON_INLINE F8 fma_neon(F8 a, F8 b, F8 c) { return f8_fma(a, b, c); }
+NEON_INLINE F8 zero_neon(void) { return f8_zero(); }
+NEON_INLINE F8 add_neon(F8 a, F8 b) { return f8_add(a, b); }
+NEON_INLINE F8 broadcast_neon(const float *p) { return f8_dup(*p); }
+NEON_INLINE F8 chunk_lanes_neon(const float *scales, const ChunkScales *cs, int h) {
+    uint8x16x2_t eight = vld1q_u8_x2((const uint8_t *)(scales + (h ? cs->base_hi : cs->base)));
+    return (F8){vreinterpretq_f32_u8(vqtbl2q_u8(eight, vld1q_u8(cs->bytes[h]))),
+                vreinterpretq_f32_u8(vqtbl2q_u8(eight, vld1q_u8(cs->bytes[h] + 16)))};
+}
+NEON_INLINE float total_neon(F8 acc[2][2], int r) { return f8_hsum(f8_add(acc[0][r], acc[1][r])); }
+#define NB_TARGET
+#define NB_INLINE NEON_INLINE
+#define NB_NAME(name) name##_neon
+#define NB_VEC F8
+#define NB_CODES Codes8
+#define NB_TABLE TableNeon
+#define NB_HALVES 2
+#define NB_MAX_RS 2
+#include "nibble_body.h"
+#undef NB_TARGET
+#undef NB_INLINE
+#undef NB_NAME
+#undef NB_VEC
+#undef NB_CODES
+#undef NB_TABLE
+#undef NB_HALVES
+#undef NB_MAX_RS
+#endif
+
 float nibble_scale(int scale_kind, const void *scales, size_t i) {
     NibbleMatrix m = {NULL, scales, CODE_INT4, scale_kind, 2, 2};
     return scale_at(&m, i);
@@ -297,26 +415,63 @@ int isa_cap(void) {
     static int cap = -1;
     if (cap < 0) {
         const char *value = getenv("COLIBRI_STREAM_ISA");
-        cap = value != NULL && strcmp(value, "avx2") == 0 ? 1 : 2;
+        cap = value != NULL && (strcmp(value, "avx2") == 0 || strcmp(value, "neon") == 0) ? 1 : 2;
     }
     return cap;
 }
 
-/* 0 none, 1 AVX2 (with FMA and F16C), 2 AVX2 and AVX-512 (F, VL, BW): the loops this CPU runs at best, capped. */
-static int simd_level(void) {
+#if HAVE_NEON
+/* Whether the CPU has the dot-product instructions (SDOT/UDOT, FEAT_DotProd; 1) and the int8 matrix ones
+ * (SMMLA, FEAT_I8MM; 2), from the kernel's hardware capabilities (Linux) or sysctl (macOS). */
+int arm_features(void) {
+    static int found = -1;
+    if (found < 0) {
+#if defined(__linux__)
+        unsigned long hw = getauxval(AT_HWCAP), hw2 = getauxval(AT_HWCAP2);
+        found = ((hw & (1ul << 20)) ? 1 : 0) | ((hw2 & (1ul << 13)) ? 2 : 0); /* HWCAP_ASIMDDP, HWCAP2_I8MM */
+#elif defined(__APPLE__)
+        int dp = 0, i8mm = 0;
+        size_t size = sizeof dp;
+        if (sysctlbyname("hw.optional.arm.FEAT_DotProd", &dp, &size, NULL, 0) != 0) dp = 0;
+        size = sizeof i8mm;
+        if (sysctlbyname("hw.optional.arm.FEAT_I8MM", &i8mm, &size, NULL, 0) != 0) i8mm = 0;
+        found = (dp ? 1 : 0) | (i8mm ? 2 : 0);
+#else
+        found = 0;
+#endif
+    }
+    return found;
+}
+#else
+int arm_features(void) { return 0; }
+#endif
+
 #if HAVE_X86
+/* F16C (CPUID leaf 1, ECX bit 29): clang's __builtin_cpu_supports does not know the name. */
+static int x86_f16c(void) {
+    unsigned a, b, c, d;
+    return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
+}
+#endif
+
+/* The loops this CPU runs at best, capped. x86: 0 none, 1 AVX2 (with FMA and F16C), 2 AVX2 and AVX-512 (F,
+ * VL, BW). aarch64: 1 NEON (every such CPU), 2 NEON with dot-product (the q8 kernel's SDOT loops). */
+static int simd_level(void) {
     static int level = -1;
     if (level < 0) {
+#if HAVE_X86
         __builtin_cpu_init();
-        int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+        int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && x86_f16c();
         int vl = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw");
         int found = avx2 ? 1 + vl : 0;
+#elif HAVE_NEON
+        int found = 1 + (arm_features() & 1);
+#else
+        int found = 0;
+#endif
         level = found < isa_cap() ? found : isa_cap();
     }
     return level;
-#else
-    return 0;
-#endif
 }
 
 int nibble_simd_available(void) { return simd_level() >= 1; }
@@ -330,6 +485,11 @@ void nibble_gemm(const NibbleMatrix *m, const float *xs, int rows, int begin, in
             gemm_simd_avx512(m, alone, xs, rows, begin, end, y);
         else
             gemm_simd_avx2(m, alone, xs, rows, begin, end, y);
+        return;
+    }
+#elif HAVE_NEON
+    if (simd && simd_shape(m) && rows >= 1 && rows <= MAX_ROWS && nibble_simd_available()) {
+        gemm_simd_neon(m, alone, xs, rows, begin, end, y);
         return;
     }
 #endif

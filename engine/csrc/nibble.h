@@ -56,15 +56,21 @@ void nibble_dequant(const NibbleMatrix *m, int out, float *w);
 /* Scale i of a scales array of kind scale_kind (SCALE_*), as float32. */
 float nibble_scale(int scale_kind, const void *scales, size_t i);
 
-/* The highest loops any kernel may take (2 AVX-512, 1 AVX2): COLIBRI_STREAM_ISA ("avx2"; unset or "best":
- * no cap), read once. It measures a host without AVX-512 on one with it; engine/kernels/isa.py refuses other
- * values before the extension loads. */
+/* The highest loops any kernel may take (2 AVX-512 / NEON dot-product, 1 AVX2 / plain NEON):
+ * COLIBRI_STREAM_ISA ("avx2" or "neon": 1; unset, "best" or "dotprod": no cap), read once. It measures a
+ * host without AVX-512 (or without dot-product) on one with it; engine/kernels/isa.py refuses other values
+ * before the extension loads. */
 int isa_cap(void);
 
-/* Whether the CPU has the AVX2 path (AVX2, FMA, F16C) and the cap allows it. */
+/* aarch64: bit 0 the CPU has dot-product (SDOT/UDOT), bit 1 int8 matrix multiply (SMMLA; detected, named by
+ * doctor, not used: docs/kernels.md "ARM (NEON)"); 0 elsewhere. Not capped. */
+int arm_features(void);
+
+/* Whether the CPU has the AVX2 path (AVX2, FMA, F16C), or is an aarch64 one (NEON), and the cap allows it. */
 int nibble_simd_available(void);
 
-/* 1 when the CPU also has AVX-512 (F, VL and BW) and the cap allows it: the 16-lane loops. */
+/* 1 when the CPU also has AVX-512 (F, VL and BW; x86) or dot-product (aarch64) and the cap allows it: the
+ * 16-lane loops (x86), the SDOT loops (q8.c, aarch64). */
 int nibble_simd_wide(void);
 
 #endif

@@ -2,7 +2,7 @@
  * (function attributes), NB_NAME (the set's suffix), NB_VEC / NB_CODES / NB_TABLE (types), NB_HALVES
  * (lane groups per chunk: 1 of 16 lanes, or 2 of 8), NB_MAX_RS (rows of x per pass, the accumulators'
  * register budget) and the per-set primitives value_table, load_codes, weights, load_x, fma, add, zero,
- * chunk_lanes, broadcast and total defined.
+ * chunk_lanes, broadcast and total defined, and prefetch_t0.
  *
  * Every lane does the same float operations in the same order in every set: a chunk's 8 products per
  * lane (two FMA chains from 0, even and odd s, then added), then one FMA by the lane's group scale into
@@ -17,7 +17,7 @@ NB_INLINE void NB_NAME(chunk_rows)(int RS, int broad, const uint8_t *codes, cons
                                    const ChunkScales *cs, const float *xc, NB_VEC acc[NB_HALVES][NB_MAX_RS]) {
 #pragma GCC unroll 2
     for (int h = 0; h < NB_HALVES; h++) {
-        NB_CODES v = NB_NAME(load_codes)(codes + h * (CHUNK_BYTES / NB_HALVES));
+        NB_CODES v = NB_NAME(load_codes)(codes + h * (CHUNK_BYTES / NB_HALVES), table);
         NB_VEC part[2][NB_MAX_RS]; /* even and odd s: two chains, half the latency */
 #pragma GCC unroll 8
         for (int r = 0; r < RS; r++) part[0][r] = part[1][r] = NB_NAME(zero)();
@@ -47,7 +47,7 @@ NB_INLINE void NB_NAME(row_block)(int RS, int XR, int broad, const NibbleMatrix 
 #pragma GCC unroll 8
         for (int r = 0; r < RS; r++) acc[h][r] = NB_NAME(zero)();
     for (size_t c = c0; c < c1_full; c++) {
-        if (ahead) _mm_prefetch((const char *)ahead + (c - c0) * CHUNK_BYTES, _MM_HINT_T0);
+        if (ahead) prefetch_t0(ahead + (c - c0) * CHUNK_BYTES);
         NB_NAME(chunk_rows)(RS, broad, row + c * CHUNK_BYTES, table, scales, cs + (c - c0), xs + c * XR * CHUNK_COLS, acc);
     }
     if (c1 > c1_full) { /* the row's last bytes, zero-padded to a chunk */

@@ -22,6 +22,9 @@
  * unsigned x signed product maddubs needs.
  *
  * Each row of x is accumulated the same way whatever else is in the call: batch-invariant.
+ *
+ * aarch64: q8_neon.h's sets (SDOT where the CPU has dot-product, else widening NEON multiplies), AVX2's
+ * lanes and order, so AVX2's bytes; x is prepared by the plain C loop there (the same bytes).
  */
 #include "q8.h"
 
@@ -37,6 +40,11 @@
 #define HAVE_X86 1
 #else
 #define HAVE_X86 0
+#endif
+#if defined(__aarch64__)
+#define HAVE_NEON 1
+#else
+#define HAVE_NEON 0
 #endif
 
 /* Per row and chunk in the work area: 64 int8 of x, 8 float block scales, 8 int32 offset corrections. */
@@ -155,12 +163,20 @@ static void gemm_scalar(const Q8Matrix *m, const Q8Rows *x, int begin, int end, 
 }
 
 #if HAVE_X86
+#define prefetch_l2_line(p) _mm_prefetch((const char *)(p), _MM_HINT_T2)
+#elif HAVE_NEON
+#define prefetch_l2_line(p) __builtin_prefetch((p), 0, 2)
+#endif
+
+#if HAVE_X86 || HAVE_NEON
 /* [start, start + bytes) into L2, a line at a time (the kernels' software prefetch: q8_body.h). Inlined: a call
  * inside the kernels' loops would spill their accumulators (measured: the interleaved kernel at half speed). */
 __attribute__((always_inline)) static inline void prefetch_l2(const void *start, size_t bytes) {
-    for (size_t at = 0; at < bytes; at += 64) _mm_prefetch((const char *)start + at, _MM_HINT_T2);
+    for (size_t at = 0; at < bytes; at += 64) prefetch_l2_line((const char *)start + at);
 }
+#endif
 
+#if HAVE_X86
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 #define AVX2_INLINE AVX2 __attribute__((always_inline)) static inline
 
@@ -170,6 +186,20 @@ AVX2_INLINE float hsum(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+
+/* q8_body.h's 8-lane types and helpers: lanes 0-3 block 0, 4-7 block 1 */
+typedef __m256 Q8F;
+typedef __m256i Q8I;
+typedef __m256i Q8W;
+AVX2_INLINE Q8F q8f_load(const float *p) { return _mm256_loadu_ps(p); }
+AVX2_INLINE Q8F q8f_zero(void) { return _mm256_setzero_ps(); }
+AVX2_INLINE Q8F q8f_dup(const float *p) { return _mm256_broadcast_ss(p); }
+AVX2_INLINE Q8F q8f_pair(const float *a, const float *b) {
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(a)), _mm_broadcast_ss(b), 1);
+}
+/* acc + float(dot) * (d * sv), one fused multiply-add per lane */
+AVX2_INLINE Q8F q8_accumulate(Q8F acc, Q8I dot, Q8F d, Q8F sv) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, sv), acc); }
+AVX2_INLINE void halves8(const uint16_t *p, float *out) { _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p))); }
 
 /* Row o's group scales as float32, and a 0 after them (the group of a block past the row). */
 AVX2 static void row_scales(const Q8Matrix *m, int o, int groups, float *out) {
@@ -269,6 +299,10 @@ AVX2 static void prepare_avx2(int kind, const float *x, int rows, int in, Q8Rows
 }
 #endif
 
+#if HAVE_NEON
+#include "q8_neon.h"
+#endif
+
 void q8_prepare(int kind, const float *x, int rows, int in, int simd, Q8Rows *out) {
     out->rows = rows, out->chunks = chunks_of(in), out->kind = kind, out->floats = x;
     if (kind == Q8_WEIGHTS_BF16) return;
@@ -305,6 +339,15 @@ void q8_gemm(const Q8Matrix *m, const Q8Rows *x, int begin, int end, int isa, fl
     }
     if (isa >= Q8_ISA_AVX2 && nibble_simd_available()) {
         gemm_avx2(m, x, begin, end, y, ldy);
+        return;
+    }
+#elif HAVE_NEON /* Q8_ISA_VNNI's level: dot-product (SDOT), Q8_ISA_AVX2's: plain NEON; the same bytes */
+    if (isa >= Q8_ISA_VNNI && nibble_simd_wide()) {
+        gemm_dotprod(m, x, begin, end, y, ldy);
+        return;
+    }
+    if (isa >= Q8_ISA_AVX2 && nibble_simd_available()) {
+        gemm_neon(m, x, begin, end, y, ldy);
         return;
     }
 #endif

@@ -1,7 +1,12 @@
 /* The q8 gemm loops, included by q8.c once per instruction set with Q8_TARGET / Q8_INLINE (function
- * attributes), Q8_VNNI (1: dpbusd products), Q8_NAME (the set's suffix) and Q8_RB (rows of x per block:
- * each chunk's weights are unpacked once for that many rows; 4 where AVX-512VL gives 32 vector registers
- * for the 4 x 4 accumulators, else 2) defined. */
+ * attributes), Q8_NAME (the set's suffix) and Q8_RB (rows of x per block: each chunk's weights are unpacked
+ * once for that many rows; 4 where AVX-512VL gives 32 vector registers for the 4 x 4 accumulators, else 2)
+ * defined, and the architecture's 8-lane types and helpers (Q8W weights, Q8I int32 lane sums, Q8F floats;
+ * q8f_load, q8f_zero, q8f_dup, q8f_pair, q8_accumulate, hsum, halves8, prefetch_l2_line: q8.c for x86,
+ * q8_neon.h for aarch64). The x86 sets define Q8_VNNI (1: dpbusd products) and take chunk_weights and
+ * chunk_dot from here; the NEON sets bring their own. */
+
+#if defined(Q8_VNNI)
 
 /* A chunk's weights as two vectors of unsigned (int4) or signed (int8) bytes, block 0 in the low lanes:
  * int4: the low nibbles (even columns) and the high ones; int8: columns 0-15|32-47 and 16-31|48-63. */
@@ -40,6 +45,7 @@ Q8_INLINE __m256i Q8_NAME(chunk_dot)(int kind, const __m256i w[2], const uint8_t
     return _mm256_add_epi32(sum, start);
 #endif
 }
+#endif
 
 /* acc[p][r] += chunk c of P output rows (codes at rows[p], group scales sc[p]; the chunk's blocks are in
  * groups gi[2c], gi[2c + 1]) times RB rows of x. one_scale: groups of 64 columns or more, so both blocks
@@ -47,26 +53,22 @@ Q8_INLINE __m256i Q8_NAME(chunk_dot)(int kind, const __m256i w[2], const uint8_t
  * zeros in x and in the codes' copy, so its scale never mattered). */
 Q8_INLINE void Q8_NAME(chunk_step)(int kind, int one_scale, int P, int RB, const uint8_t *const rows[4],
                             const float *const sc[4], const int *gi, const uint8_t *const s[Q8_RB], int c, size_t step,
-                            size_t ahead, __m256 acc[4][Q8_RB]) {
-    __m256 d[Q8_RB];
+                            size_t ahead, Q8F acc[4][Q8_RB]) {
+    Q8F d[Q8_RB];
 #pragma GCC unroll 4
-    for (int r = 0; r < RB; r++) d[r] = _mm256_loadu_ps((const float *)(s[r] + (size_t)c * SLOT_BYTES + SLOT_SCALES));
+    for (int r = 0; r < RB; r++) d[r] = q8f_load((const float *)(s[r] + (size_t)c * SLOT_BYTES + SLOT_SCALES));
 #pragma GCC unroll 4
     for (int p = 0; p < P; p++) {
-        __m256i w[2];
+        Q8W w[2];
         /* the rows two blocks ahead, same columns, into L2: a few short rows interleaved are not a
          * stream the hardware prefetchers follow; one block ahead is too late from DRAM and into L1
          * evicts what this block still reads (docs/kernels.md, "int8 activations") */
-        if (ahead) _mm_prefetch((const char *)(rows[p] + ahead + (size_t)c * step), _MM_HINT_T2);
+        if (ahead) prefetch_l2_line(rows[p] + ahead + (size_t)c * step);
         Q8_NAME(chunk_weights)(kind, rows[p] + (size_t)c * step, w);
-        __m256 sv = one_scale ? _mm256_broadcast_ss(sc[p] + gi[2 * c])
-                              : _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(sc[p] + gi[2 * c])),
-                                                     _mm_broadcast_ss(sc[p] + gi[2 * c + 1]), 1);
+        Q8F sv = one_scale ? q8f_dup(sc[p] + gi[2 * c]) : q8f_pair(sc[p] + gi[2 * c], sc[p] + gi[2 * c + 1]);
 #pragma GCC unroll 4
-        for (int r = 0; r < RB; r++) {
-            __m256 dot = _mm256_cvtepi32_ps(Q8_NAME(chunk_dot)(kind, w, s[r] + (size_t)c * SLOT_BYTES));
-            acc[p][r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d[r], sv), acc[p][r]);
-        }
+        for (int r = 0; r < RB; r++)
+            acc[p][r] = q8_accumulate(acc[p][r], Q8_NAME(chunk_dot)(kind, w, s[r] + (size_t)c * SLOT_BYTES), d[r], sv);
     }
 }
 
@@ -83,12 +85,12 @@ Q8_INLINE void Q8_NAME(rows_block)(int kind, int one_scale, int P, int RB, const
     const uint8_t *s[Q8_RB];
 #pragma GCC unroll 4
     for (int r = 0; r < Q8_RB; r++) s[r] = slot(x, r0 + (r < RB ? r : RB - 1), 0);
-    __m256 acc[4][Q8_RB];
+    Q8F acc[4][Q8_RB];
 #pragma GCC unroll 4
     for (int p = 0; p < P; p++) {
         rows[p] = (const uint8_t *)m->w + (size_t)(o + p) * row_bytes;
 #pragma GCC unroll 4
-        for (int r = 0; r < RB; r++) acc[p][r] = _mm256_setzero_ps();
+        for (int r = 0; r < RB; r++) acc[p][r] = q8f_zero();
     }
     /* only on the first pass over these rows (r0 == 0), and not past this caller's last block */
     size_t ahead = r0 == 0 && o + 3 * P <= end ? (size_t)2 * P * row_bytes : 0;
@@ -159,7 +161,7 @@ Q8_INLINE void Q8_NAME(span_scales)(const Q8Matrix *m, const uint8_t *scales, fl
     int per = Q8_SPAN / m->group;
     if (m->scale_kind == SCALE_F16 && per == 8) {
 #pragma GCC unroll 4
-        for (int p = 0; p < 4; p++) _mm256_storeu_ps(sc[p], _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)scales + p)));
+        for (int p = 0; p < 4; p++) halves8((const uint16_t *)scales + 8 * p, sc[p]);
         return;
     }
     for (int p = 0; p < 4; p++)
@@ -176,11 +178,11 @@ Q8_INLINE void Q8_NAME(interleaved_block)(int kind, int RB, const Q8Matrix *m, c
     const uint8_t *s[Q8_RB];
 #pragma GCC unroll 4
     for (int r = 0; r < Q8_RB; r++) s[r] = slot(x, r0 + (r < RB ? r : RB - 1), 0);
-    __m256 acc[4][Q8_RB];
+    Q8F acc[4][Q8_RB];
 #pragma GCC unroll 4
     for (int p = 0; p < 4; p++)
 #pragma GCC unroll 4
-        for (int r = 0; r < RB; r++) acc[p][r] = _mm256_setzero_ps();
+        for (int r = 0; r < RB; r++) acc[p][r] = q8f_zero();
     for (int sp = 0; sp < spans; sp++) {
         const uint8_t *span = first + (size_t)sp * span_bytes;
         /* the stream `ahead` bytes on into L2, a span at a time: the hardware prefetchers of some hosts do
@@ -190,19 +192,17 @@ Q8_INLINE void Q8_NAME(interleaved_block)(int kind, int RB, const Q8Matrix *m, c
         Q8_NAME(span_scales)(m, span + span_code_bytes(kind), sc);
         for (int c8 = 0; c8 < Q8_SPAN / Q8_CHUNK; c8++) {
             size_t c = (size_t)sp * (Q8_SPAN / Q8_CHUNK) + (size_t)c8;
-            __m256 d[Q8_RB];
+            Q8F d[Q8_RB];
 #pragma GCC unroll 4
-            for (int r = 0; r < RB; r++) d[r] = _mm256_loadu_ps((const float *)(s[r] + c * SLOT_BYTES + SLOT_SCALES));
+            for (int r = 0; r < RB; r++) d[r] = q8f_load((const float *)(s[r] + c * SLOT_BYTES + SLOT_SCALES));
 #pragma GCC unroll 4
             for (int p = 0; p < 4; p++) {
-                __m256i w[2];
+                Q8W w[2];
                 Q8_NAME(chunk_weights)(kind, span + (size_t)(4 * c8 + p) * step, w);
-                __m256 sv = _mm256_broadcast_ss(&sc[p][c8]);
+                Q8F sv = q8f_dup(&sc[p][c8]);
 #pragma GCC unroll 4
-                for (int r = 0; r < RB; r++) {
-                    __m256 dot = _mm256_cvtepi32_ps(Q8_NAME(chunk_dot)(kind, w, s[r] + c * SLOT_BYTES));
-                    acc[p][r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d[r], sv), acc[p][r]);
-                }
+                for (int r = 0; r < RB; r++)
+                    acc[p][r] = q8_accumulate(acc[p][r], Q8_NAME(chunk_dot)(kind, w, s[r] + c * SLOT_BYTES), d[r], sv);
             }
         }
     }

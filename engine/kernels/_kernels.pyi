@@ -13,6 +13,7 @@ BF16_SIMD: int
 Q8_VNNI: int
 SIMD_LEVEL: int
 ISA_CAP: int
+ARM_FEATURES: int  # aarch64: bit 0 dot-product, bit 1 i8mm (as the CPU reports them); 0 elsewhere
 
 # mla_weights' result: a capsule holding a layer's MLA weights for mla_project and mla_output
 MlaWeights = NewType("MlaWeights", object)
