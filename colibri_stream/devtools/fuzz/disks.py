@@ -96,8 +96,11 @@ class LoopDisk:
         self.mounted = True
 
     def fail(self) -> None:
-        """From now on the device fails every write (and every read not already cached)."""
+        """From now on the device fails every write (and every read not already cached). What was written
+        before is on the device first: left to writeback, a busy machine's late journal commit failed instead
+        and ext4 went read-only before the write under test was tried (EROFS in place of its own error)."""
         assert self.device is not None
+        os.sync()
         set_loop_size_limit(self.device, FAIL_LIMIT_BYTES)
 
     def heal(self) -> None:
