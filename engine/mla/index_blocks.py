@@ -24,7 +24,7 @@ from engine.core.layers import stable_topk_indices
 from engine.kernels.rows import products_on_threads
 
 KEY_BLOCK = 256  # keys per score block
-SCORE_BYTES = 4 << 20  # a score block [Sq, H, KEY_BLOCK] float32 within this (Sq at least 1)
+SCORE_BYTES = 2 << 20  # a score block [Sq, H, KEY_BLOCK] float32 within this (Sq at least 1)
 SLAB_KEYS = 8192  # index scores held between merges into the running top-k (at least 4 x topk)
 
 

@@ -192,10 +192,12 @@ def test_selected_attention_equals_the_masked_whole_cache(monkeypatch, block_byt
 
 def test_the_selected_query_block_bounds_its_gather():
     """DeepSeek-V3.2's geometry: gathered keys and scores of a query block within SELECTED_BLOCK_BYTES."""
-    heads, topk, width = 128, 2048, 512 + 64
-    block = prefill_attention.selected_block(heads, topk, width, 4)
-    assert block >= 1
-    assert block * topk * (width * 4 + heads * 12) <= prefill_attention.SELECTED_BLOCK_BYTES
+    heads, topk, rank, rope = 128, 2048, 512, 64
+    assert prefill_attention.selected_block(heads, topk, rank, rope, 4) == 1  # 8.3 MB a query: one at a time
+    heads, topk = 4, 128  # the demo's
+    block = prefill_attention.selected_block(heads, topk, 64, 16, 4)
+    per_query = topk * (64 + 16) * 4 + 2 * heads * 64 * 4 + heads * topk * 12
+    assert block > 1 and block * per_query <= prefill_attention.SELECTED_BLOCK_BYTES
 
 
 # ---------------------------------------------------------------------------------- whole models
