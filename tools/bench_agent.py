@@ -76,7 +76,8 @@ def replay_once(port: int, fixture: dict[str, Any], max_tokens: int) -> dict[str
     cpu, start = time.process_time(), time.perf_counter()
     connection.request("POST", fixture["path"], json.dumps(body).encode(), {"content-type": "application/json"})
     response = connection.getresponse()
-    first, usage = None, {}
+    first: float | None = None
+    usage: dict[str, Any] = {}
     for raw in response:
         line = raw.decode().strip()
         if not line.startswith("data: ") or line == "data: [DONE]":
