@@ -25,7 +25,10 @@ from engine.kernels.rows import products_on_threads
 
 KEY_BLOCK = 256  # keys per score block
 SCORE_BYTES = 2 << 20  # a score block [Sq, H, KEY_BLOCK] float32 within this (Sq at least 1)
-SLAB_KEYS = 8192  # index scores held between merges into the running top-k (at least 4 x topk)
+# index scores held between merges into the running top-k: a demo-sized context (32k) is one slab, so one
+# sort per query block; a compare and a compaction per slab past it (a slab's own sort would cost ~20 ns a
+# score against the ~35 of its products)
+SLAB_KEYS = 32768
 
 
 def query_block(heads: int) -> int:
@@ -34,10 +37,10 @@ def query_block(heads: int) -> int:
 
 
 def slabs(seen: int, topk: int) -> list[slice]:
-    """Keys [0, seen) in slabs: a first one of 4 x topk (its full sort is the only one over many keys; the
-    running top-k it leaves filters the rest), then SLAB_KEYS each (at least 4 x topk)."""
-    first, width = min(seen, 4 * topk), max(SLAB_KEYS, 4 * topk)
-    return [slice(0, first)] + [slice(start, min(start + width, seen)) for start in range(first, seen, width)]
+    """Keys [0, seen) in slabs of max(SLAB_KEYS, 4 x topk): within it one sort per query block (the first
+    slab's); past it the running top-k's last scores filter each later slab."""
+    width = max(SLAB_KEYS, 4 * topk)
+    return [slice(start, min(start + width, seen)) for start in range(0, seen, width)]
 
 
 def blocked_choice(
