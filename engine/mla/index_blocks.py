@@ -84,11 +84,13 @@ def _choose_rows(
 
 
 def _mask_future(slab: torch.Tensor, start_pos: int, slab_start: int) -> None:
-    """slab [Sq, W] of keys slab_start.. for rows at positions start_pos..: -inf where key > row."""
+    """slab [Sq, W] of keys slab_start.. for rows at positions start_pos..: -inf where key > row (only keys
+    after start_pos can be)."""
     rows, width = slab.shape
+    first = max(start_pos + 1 - slab_start, 0)
     row_pos = torch.arange(start_pos, start_pos + rows, device=slab.device)[:, None]
-    key_pos = torch.arange(slab_start, slab_start + width, device=slab.device)[None, :]
-    slab.masked_fill_(key_pos > row_pos, float("-inf"))
+    key_pos = torch.arange(slab_start + first, slab_start + width, device=slab.device)[None, :]
+    slab[:, first:].masked_fill_(key_pos > row_pos, float("-inf"))
 
 
 def _merge(
@@ -96,12 +98,19 @@ def _merge(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The running top-k with a slab of keys slab_start.. (all after the running positions). Candidates in
     (running, in its order; the slab, by position): a stable sort over them ranks equal scores by position.
-    Once every row holds topk finite scores, only slab scores above a row's last one can enter (an equal one
-    loses to it on position): those are compacted first, so a slab costs a compare, not a sort."""
+
+    Before that sort the slab is cut to the scores that can enter, in position order, so the sort sees a few
+    per row, not the slab: past the first slab (every row holding topk finite scores) those above a row's
+    last (an equal one loses to it on position); in the first, those at least the topk-th largest of the
+    maxima of CHUNK-key chunks (topk distinct scores reach it, so the topk-th largest score does too)."""
     rows = slab.shape[0]
     positions = torch.arange(slab_start, slab_start + slab.shape[1], device=slab.device).expand(rows, -1)
-    if best is not None and best[0].shape[1] == topk and bool(best[0][:, -1].isfinite().all()):
-        slab, positions = _above(slab, positions, best[0][:, -1])
+    if best is None:
+        floor = _chunk_floor(slab, topk)
+        if floor is not None:
+            slab, positions = _compact(slab.ge(floor[:, None]), slab, positions)
+    elif best[0].shape[1] == topk and bool(best[0][:, -1].isfinite().all()):
+        slab, positions = _compact(slab.gt(best[0][:, -1, None]), slab, positions)
     if best is not None:
         slab = torch.cat([best[0], slab], dim=1)
         positions = torch.cat([best[1], positions], dim=1)
@@ -109,11 +118,27 @@ def _merge(
     return slab.gather(1, keep), positions.gather(1, keep)
 
 
-def _above(slab: torch.Tensor, positions: torch.Tensor, floor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row the slab's scores above floor [Sq] and their positions, in position order, padded with -inf
-    (which never enter: every running score is finite) to the longest row: [Sq, <= W] each."""
-    above = slab > floor[:, None]
-    row, col = above.nonzero(as_tuple=True)  # row-major: each row's in position order
+CHUNK = 64  # keys per chunk maximum in the first slab's cut
+
+
+def _chunk_floor(slab: torch.Tensor, topk: int) -> torch.Tensor | None:
+    """Per row the topk-th largest of the slab's chunk maxima [Sq] (no more than the row's topk-th largest
+    score); None when the slab has too few chunks for the cut to pay (or to exist)."""
+    whole = slab.shape[1] // CHUNK
+    if whole < 8 * topk:
+        return None
+    maxima = slab[:, : whole * CHUNK].unfold(1, CHUNK, CHUNK).amax(-1)  # [Sq, whole]
+    if slab.shape[1] > whole * CHUNK:
+        maxima = torch.cat([maxima, slab[:, whole * CHUNK :].amax(1, keepdim=True)], dim=1)
+    floor = maxima.topk(topk, dim=1).values[:, -1]
+    return None if bool(floor.isnan().any()) else floor
+
+
+def _compact(keep: torch.Tensor, slab: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row the slab's scores where ``keep`` [Sq, W] and their positions, in position order, padded with
+    -inf to the longest row: [Sq, <= W] each. A padded row has at least topk kept scores, all finite or all
+    of it kept, so a pad never enters."""
+    row, col = keep.nonzero(as_tuple=True)  # row-major: each row's in position order
     counts = torch.bincount(row, minlength=slab.shape[0])
     width = int(counts.max()) if row.numel() else 0
     rank = torch.arange(row.numel(), device=slab.device) - (counts.cumsum(0) - counts)[row]

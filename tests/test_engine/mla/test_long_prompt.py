@@ -85,6 +85,38 @@ def test_real_scores_choose_the_references_top_k(odd_blocks, total, seqlen, topk
     assert (chosen == expected).float().mean().item() >= 0.99
 
 
+@pytest.mark.parametrize("integers", [True, False], ids=["integers", "normal"])
+@pytest.mark.parametrize("total, seqlen", [(1001, 63), (1100, 300)])
+def test_the_first_slabs_chunk_cut_keeps_the_stable_sorts_choice(monkeypatch, integers, total, seqlen):
+    """One slab of 1000+ keys cut to the scores at least the topk-th largest of 7-key chunk maxima before
+    its sort (and 300 rows from position 800: some rows see fewer keys than others): the same positions in
+    the same order as the stable sort of the whole row."""
+    monkeypatch.setattr(index_blocks, "CHUNK", 7)
+    cuts: list[bool] = []
+    floor = index_blocks._chunk_floor
+    monkeypatch.setattr(index_blocks, "_chunk_floor", lambda *a: cuts.append(True) or floor(*a))
+    gen = torch.Generator().manual_seed(total + seqlen)
+    if integers:
+        q = torch.randint(-2, 3, (seqlen, HEADS, DIM), generator=gen).float()
+        keys = torch.randint(-1, 2, (total, DIM), generator=gen).float()
+        weights = torch.randint(-2, 3, (seqlen, HEADS), generator=gen).float()
+    else:
+        q, keys = torch.randn(seqlen, HEADS, DIM, generator=gen), torch.randn(total, DIM, generator=gen)
+        weights = torch.randn(seqlen, HEADS, generator=gen)
+    start, topk = total - seqlen, 8
+    chosen = blocked_choice(q, weights, keys, start, 0.25, topk)
+    # the reference in the blocked form's order of operations (scale in the weights)
+    scores = torch.bmm((weights * 0.25)[:, None], torch.einsum("shd,td->sht", q, keys).relu_())[:, 0]
+    rows = torch.arange(start, total)[:, None]
+    scores = scores.masked_fill(torch.arange(total)[None] > rows, float("-inf"))
+    expected = stable_topk_indices(scores, topk)
+    assert cuts
+    if integers:  # exact scores: exactly the stable sort's choice
+        assert torch.equal(chosen, expected)
+    else:  # the einsum's bits may differ from the blocked products' on another CPU: a near-tie at most
+        assert (chosen == expected).all(-1).float().mean().item() >= 0.99
+
+
 def test_the_indexer_takes_the_blocked_form_past_the_threshold_and_agrees_with_the_kernel(monkeypatch):
     """Indexer.choose on a 300-key chunk: the per-query path (kernel or einsum) within BLOCKED_FROM_KEYS,
     the blocked one past it; the same positions (a rounding apart, so a near-tie could swap one: 95% of rows
