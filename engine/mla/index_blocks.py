@@ -102,7 +102,7 @@ def _merge(
     Before that sort the slab is cut to the scores that can enter, in position order, so the sort sees a few
     per row, not the slab: past the first slab (every row holding topk finite scores) those above a row's
     last (an equal one loses to it on position); in the first, those at least the topk-th largest of the
-    maxima of CHUNK-key chunks (topk distinct scores reach it, so the topk-th largest score does too)."""
+    maxima of chunks of keys (topk distinct scores reach it, so the topk-th largest score does too)."""
     rows = slab.shape[0]
     positions = torch.arange(slab_start, slab_start + slab.shape[1], device=slab.device).expand(rows, -1)
     if best is None:
@@ -118,18 +118,20 @@ def _merge(
     return slab.gather(1, keep), positions.gather(1, keep)
 
 
-CHUNK = 64  # keys per chunk maximum in the first slab's cut
+CHUNK = 64  # keys per chunk maximum in the first slab's cut, at most
 
 
 def _chunk_floor(slab: torch.Tensor, topk: int) -> torch.Tensor | None:
     """Per row the topk-th largest of the slab's chunk maxima [Sq] (no more than the row's topk-th largest
-    score); None when the slab has too few chunks for the cut to pay (or to exist)."""
-    whole = slab.shape[1] // CHUNK
-    if whole < 8 * topk:
+    score), chunks of up to CHUNK keys, at least 4 x topk of them; None when chunks would be under 4 keys
+    (the cut would not pay) or a row has a NaN."""
+    chunk = min(CHUNK, slab.shape[1] // (4 * topk))
+    if chunk < 4:
         return None
-    maxima = slab[:, : whole * CHUNK].unfold(1, CHUNK, CHUNK).amax(-1)  # [Sq, whole]
-    if slab.shape[1] > whole * CHUNK:
-        maxima = torch.cat([maxima, slab[:, whole * CHUNK :].amax(1, keepdim=True)], dim=1)
+    whole = slab.shape[1] // chunk
+    maxima = slab[:, : whole * chunk].unfold(1, chunk, chunk).amax(-1)  # [Sq, whole]
+    if slab.shape[1] > whole * chunk:
+        maxima = torch.cat([maxima, slab[:, whole * chunk :].amax(1, keepdim=True)], dim=1)
     floor = maxima.topk(topk, dim=1).values[:, -1]
     return None if bool(floor.isnan().any()) else floor
 
