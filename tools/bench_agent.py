@@ -41,10 +41,13 @@ from typing import Any
 from bench_serve import container_for  # the script beside this one (tools/ is on sys.path when run)
 
 from colibri_stream.bench.agent_trace import AgentTrace, RequestRecord, TraceShape, as_rows, run_phase, summary
+from colibri_stream.checkpoint.demo_model import demo_cache_dir, demo_container_path, demo_model_dir
+from colibri_stream.convert.converter import Converter, ConvertOptions
 from colibri_stream.planning.budget import StoreOptions
 from colibri_stream.runtime.turn import RuntimeOptions, load_runtime
 from colibri_stream.serve.app import Server
 from colibri_stream.serve.in_process import start_server
+from storage.container.reader import is_container
 from storage.kv.prefix_store import PrefixConfig
 
 MODEL_ID = "bench-agent"
@@ -102,12 +105,19 @@ def _is_delta(event: dict[str, Any]) -> bool:
     return any(choice.get("delta", {}).get("content") for choice in event.get("choices", []))
 
 
+def serve_demo_container() -> Path:
+    """The container `colibri-stream serve` without PATH serves (colibri_stream/cli/demo.py ensure_container:
+    the shipped model in int4, in the user cache), converted here if it is not there yet."""
+    dst = demo_container_path(demo_model_dir(), demo_cache_dir())
+    if not is_container(dst):
+        Converter(demo_model_dir(), dst, ConvertOptions()).run()
+    return dst
+
+
 def replay(args: argparse.Namespace) -> None:
     """--replay: cold, warm and restart rows of one recorded request, --rounds times."""
-    from colibri_stream.cli.demo import demo_source
-
     fixture = json.loads(Path(args.replay).read_text())
-    container = demo_source(None) if args.model == "demo" else Path(args.model)
+    container = serve_demo_container() if args.model == "demo" else Path(args.model)
     rows = []
     for round_ in range(args.rounds):
         kv = Path(tempfile.mkdtemp(prefix="bench-agent-replay-"))

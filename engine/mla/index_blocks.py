@@ -6,8 +6,8 @@ query that sees fewer than topk gets the lowest future ones as fillers, which at
 
 Per block of queries (Sq) and keys (Tk): one matmul [Sq * H, D] x [D, Tk], ReLU in place, the heads summed
 by one batched matmul with the weights [Sq, 1, H] -> index scores [Sq, Tk], written into a slab of SLAB_KEYS
-keys; each full slab is merged into the running top-k (stable_topk_indices over the running K then the
-slab's positions, which gives the same positions in the same order as one stable sort of the whole row).
+keys; each full slab is merged into the running top-k (a stable sort over the running K then the slab's
+positions, which gives the same positions in the same order as one stable sort of the whole row).
 Key blocks past a query block's last position are never computed. Memory: one score block
 (<= SCORE_BYTES), one slab [Sq, SLAB_KEYS] and the running [Sq, K] values and positions, whatever T is.
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import torch
 
-from engine.core.layers import stable_topk_indices
 from engine.kernels.rows import products_on_threads
 
 KEY_BLOCK = 256  # keys per score block
@@ -114,7 +113,9 @@ def _merge(
     if best is not None:
         slab = torch.cat([best[0], slab], dim=1)
         positions = torch.cat([best[1], positions], dim=1)
-    keep = stable_topk_indices(slab, min(topk, slab.shape[1]))
+    # a stable sort: equal scores keep their order (engine/core/layers.py stable_topk_indices' rule); cut,
+    # the rows are short, so it sorts a few scores each
+    keep = torch.sort(slab, dim=1, descending=True, stable=True).indices[:, :topk]
     return slab.gather(1, keep), positions.gather(1, keep)
 
 
