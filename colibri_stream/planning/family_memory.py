@@ -129,7 +129,9 @@ class MLAMemory:
     def attention_bytes(self, d: int, chunk: int, context: int) -> int:
         """engine/mla/attention.py MLA.forward's peak for ``chunk`` new positions (and a decode step) against
         ``context`` cached ones: the whole-cache expanded path while the cache fits one key block
-        (engine/mla/prefill.py key_block), else the key-blocked form MLA picks (absorbed_is_cheaper)."""
+        (engine/mla/prefill.py key_block), else the key-blocked form MLA picks (absorbed_is_cheaper). Under a
+        DSA selection of fewer positions MLA attends only those (prefill.selected_blocks: the output and one
+        query block's temporaries within SELECTED_BLOCK_BYTES), less than the key-blocked form counted here."""
         args, h = self.args, self.args.n_heads
         per_position = (
             args.q_lora_rank  # q latent [C, q_lora]
@@ -197,7 +199,9 @@ class MLAMemory:
         return query + keys + self._block_common_bytes(d, c, context, rank)
 
     def indexer_bytes(self, d: int, chunk: int, context: int) -> int:
-        """The DSA lightning indexer (engine/mla/indexer.py), Hi heads of D, on layers with their own indexer."""
+        """The DSA lightning indexer (engine/mla/indexer.py), Hi heads of D, on layers with their own indexer.
+        Counted in its per-query form; past BLOCKED_FROM_KEYS a chunk is scored in blocks (engine/mla/
+        index_blocks.py: a score block, a slab of keys and the running top-k), which holds less."""
         args = self.args
         if not args.has_dsa:
             return 0

@@ -28,7 +28,7 @@ from engine.kernels.quant import scale_values
 from engine.kernels.read_ahead import ReadsOtherFormInDecode
 from engine.kernels.rows import Linear, one_segment, products_on_threads
 from engine.mla.indexer import Indexer
-from engine.mla.prefill import absorbed_blocks, absorbed_is_cheaper, expanded_blocks, key_block
+from engine.mla.prefill import absorbed_blocks, absorbed_is_cheaper, expanded_blocks, key_block, selected_blocks
 
 ABSORB_MAX_NEW_POSITIONS = 4  # auto mode: absorbed attention for decode-sized steps
 
@@ -182,6 +182,8 @@ class MLA(nn.Module, ReadsOtherFormInDecode):
         if self.indexer is not None:
             selection = self.indexer(x, q_latent, start_pos, rope, cache)
         if seqlen > 1 and latents.shape[1] > key_block(seqlen, self.n_heads):
+            if absorb is None and selection is not None and selection.shape[-1] < latents.shape[1]:
+                return self._selected(q_nope, q_rope, latents, rope_keys, start_pos, selection), selection
             if absorb is None:
                 dims = (self.kv_lora_rank, self.nope_dim, self.rope_dim, self.v_dim)
                 absorb = absorbed_is_cheaper(seqlen, self.n_heads, *dims)
@@ -217,6 +219,20 @@ class MLA(nn.Module, ReadsOtherFormInDecode):
             else:
                 outs.append(expanded_blocks(*row, self.wkv_b, self.softmax_scale))
         return torch.stack(outs)
+
+    def _selected(
+        self,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        latents: torch.Tensor,
+        rope_keys: torch.Tensor,
+        start_pos: int,
+        selection: torch.Tensor,
+    ) -> torch.Tensor:
+        """S > 1 new positions, each against its K DSA-chosen cached positions only -> [B, S, H, v]."""
+        rows = zip(q_nope, q_rope, latents, rope_keys, selection, strict=True)
+        kv_b = self._kv_b()
+        return torch.stack([selected_blocks(*row[:4], start_pos, row[4], kv_b, self.softmax_scale) for row in rows])
 
     def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         """wkv_b split per head: k part [H, n, c] and v part [H, v, c]."""

@@ -16,6 +16,11 @@ from engine.core.layers import query_blocks, stable_topk_indices
 from engine.core.rope import apply_rope
 from engine.kernels import decode_ops
 from engine.kernels.rows import Linear, linear, products_on_threads
+from engine.mla.index_blocks import blocked_choice
+
+# A prompt chunk against more keys than this is scored in blocked GEMMs (engine/mla/index_blocks.py); within
+# it, and for every decode row, the per-query kernel (or the einsum form) as before, bit for bit.
+BLOCKED_FROM_KEYS = 2048
 
 
 class Indexer(nn.Module):
@@ -98,6 +103,11 @@ class Indexer(nn.Module):
     def choose(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, start_pos: int) -> torch.Tensor:
         """q [B, S, H, D], weights [B, S, H] of positions start_pos.. against keys [B, T, D] -> chosen [B, S, K]."""
         bsz, seqlen, total = q.shape[0], q.shape[1], keys.shape[1]
+        if seqlen > 1 and total > BLOCKED_FROM_KEYS:
+            scale = self.head_dim**-0.5
+            return torch.stack(
+                [blocked_choice(q[b], weights[b], keys[b], start_pos, scale, self.topk) for b in range(bsz)]
+            )
         score_bytes = bsz * self.n_heads * total * 4  # one query's float32 head scores
         return torch.cat(
             [

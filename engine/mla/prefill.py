@@ -167,3 +167,58 @@ def absorbed_blocks(
         softmax.accumulate(mixed.view(heads, seqlen, rank).float())
     with products_on_threads(heads * seqlen * rank * w_v.shape[1]):
         return torch.bmm(softmax.result(dtype), w_v.transpose(1, 2)).transpose(0, 1)  # [H, S, c] -> [S, H, v]
+
+
+# selected_blocks: a query block's temporaries (``selected_block``) within this
+SELECTED_BLOCK_BYTES = 8 << 20
+
+
+def selected_block(heads: int, topk: int, rank: int, rope_dim: int, item: int) -> int:
+    """Queries per block of ``selected_blocks``: per query its gathered latents and rope keys [K, c + r] and
+    its absorbed query and weighted latents [H, c] (``item`` bytes each), its float32 scores and softmax and
+    their cast [H, K], within SELECTED_BLOCK_BYTES."""
+    per_query = topk * (rank + rope_dim) * item + 2 * heads * rank * item + heads * topk * (2 * 4 + item)
+    return max(1, SELECTED_BLOCK_BYTES // per_query)
+
+
+def selected_blocks(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    latents: torch.Tensor,
+    rope_keys: torch.Tensor,
+    start_pos: int,
+    selection: torch.Tensor,
+    kv_b: tuple[torch.Tensor, torch.Tensor],
+    scale: float,
+) -> torch.Tensor:
+    """One sequence under a DSA selection [S, K] (K < T): each query against its K chosen positions only,
+    absorbed as one decode query's attention is: its latents and rope keys gathered, a query's positions
+    after its own (the indexer's fillers) masked. The same attention as the masked forms above at K / T of
+    their products and exps. Memory: the output [S, H, v] and one query block's temporaries, never [S, T]
+    nor [T, ...] copies."""
+    seqlen, heads, nope_dim = q_nope.shape
+    rank, rope_dim, dtype = latents.shape[-1], rope_keys.shape[-1], q_nope.dtype
+    topk = selection.shape[-1]
+    w_k, w_v = kv_b
+    out = q_nope.new_empty(seqlen, heads, w_v.shape[1])
+    step = selected_block(heads, topk, rank, rope_dim, latents.element_size())
+    for first in range(0, seqlen, step):
+        rows = slice(first, min(first + step, seqlen))
+        chosen = selection[rows]  # [Sq, K]
+        block = chosen.shape[0]
+        flat = chosen.reshape(-1)
+        chosen_latents = latents.index_select(0, flat).view(block, topk, rank)
+        chosen_rope = rope_keys.index_select(0, flat).view(block, topk, rope_dim)
+        work = block * heads * topk * (rank + rope_dim)
+        with products_on_threads(work + block * heads * nope_dim * rank):
+            q_latent = torch.bmm(q_nope[rows].transpose(0, 1), w_k).transpose(0, 1)  # [Sq, H, c]
+            scores = torch.bmm(q_rope[rows], chosen_rope.transpose(1, 2))  # [Sq, H, K]
+            scores = scores.baddbmm_(q_latent, chosen_latents.transpose(1, 2))
+        position = torch.arange(start_pos + rows.start, start_pos + rows.stop, device=q_nope.device)
+        future = (chosen > position[:, None])[:, None, :]  # [Sq, 1, K]
+        scores = scores.mul_(scale).masked_fill_(future, float("-inf"))
+        probs = scores.softmax(dim=-1, dtype=torch.float32).to(dtype)  # exp: on one thread
+        with products_on_threads(work + block * heads * rank * w_v.shape[1]):
+            mixed = torch.bmm(probs, chosen_latents).transpose(0, 1)  # [H, Sq, c]
+            out[rows] = torch.bmm(mixed, w_v.transpose(1, 2)).transpose(0, 1)  # [Sq, H, v]
+    return out

@@ -1,0 +1,152 @@
+"""The DSA indexer's choice over a long context as blocked GEMMs with a running top-k (engine/mla/indexer.py).
+
+index[s, t] = sum_h w[s, h] * ReLU(scale * q[s, h] . k[t]) for queries at positions start.. against T keys,
+then per query the topk positions, highest first, ties to the lower position, future positions -inf (so a
+query that sees fewer than topk gets the lowest future ones as fillers, which attention masks out).
+
+Per block of queries (Sq) and keys (Tk): one matmul [Sq * H, D] x [D, Tk], ReLU in place, the heads summed
+by one batched matmul with the weights [Sq, 1, H] -> index scores [Sq, Tk], written into a slab of SLAB_KEYS
+keys; each full slab is merged into the running top-k (a stable sort over the running K then the slab's
+positions, which gives the same positions in the same order as one stable sort of the whole row).
+Key blocks past a query block's last position are never computed. Memory: one score block
+(<= SCORE_BYTES), one slab [Sq, SLAB_KEYS] and the running [Sq, K] values and positions, whatever T is.
+
+The scale is folded into the weights (ReLU(scale x) = scale ReLU(x), scale > 0): equal in exact arithmetic,
+a rounding apart from the per-query kernel (engine/kernels decode_ops.index_select), which short contexts
+and decode keep (Indexer.choose: BLOCKED_FROM_KEYS).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kernels.rows import products_on_threads
+
+KEY_BLOCK = 256  # keys per score block
+SCORE_BYTES = 2 << 20  # a score block [Sq, H, KEY_BLOCK] float32 within this (Sq at least 1)
+# index scores held between merges into the running top-k: a demo-sized context (32k) is one slab, so one
+# sort per query block; a compare and a compaction per slab past it (a slab's own sort would cost ~20 ns a
+# score against the ~35 of its products)
+SLAB_KEYS = 32768
+
+
+def query_block(heads: int) -> int:
+    """Queries per score block: [Sq, H, KEY_BLOCK] float32 within SCORE_BYTES."""
+    return max(1, SCORE_BYTES // (heads * KEY_BLOCK * 4))
+
+
+def slabs(seen: int, topk: int) -> list[slice]:
+    """Keys [0, seen) in slabs of max(SLAB_KEYS, 4 x topk): within it one sort per query block (the first
+    slab's); past it the running top-k's last scores filter each later slab."""
+    width = max(SLAB_KEYS, 4 * topk)
+    return [slice(start, min(start + width, seen)) for start in range(0, seen, width)]
+
+
+def blocked_choice(
+    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, start_pos: int, scale: float, topk: int
+) -> torch.Tensor:
+    """One sequence: q [S, H, D] float32 (roped) at positions start_pos.., weights [S, H], keys [T, D] ->
+    int64 [S, topk]; topk < T, start_pos + S <= T."""
+    seqlen, heads, _ = q.shape
+    weighted = (weights.float() * scale)[:, None, :]  # [S, 1, H]: scale folded in
+    step = query_block(heads)
+    return torch.cat(
+        [
+            _choose_rows(q[first : first + step], weighted[first : first + step], keys, start_pos + first, topk)
+            for first in range(0, seqlen, step)
+        ]
+    )
+
+
+def _choose_rows(
+    q: torch.Tensor, weighted: torch.Tensor, keys: torch.Tensor, start_pos: int, topk: int
+) -> torch.Tensor:
+    """A block of queries q [Sq, H, D] at positions start_pos.. -> [Sq, topk]."""
+    rows, heads, dim = q.shape
+    flat = q.reshape(rows * heads, dim)
+    # keys any of these rows may see, and at least topk (a row that sees fewer takes future fillers)
+    seen = min(keys.shape[0], max(start_pos + rows, topk))
+    best: tuple[torch.Tensor, torch.Tensor] | None = None  # running (values, positions) [Sq, <= K]
+    for keys_of_slab in slabs(seen, topk):
+        slab_start, slab_end = keys_of_slab.start, keys_of_slab.stop
+        slab = torch.empty(rows, slab_end - slab_start, dtype=torch.float32, device=q.device)
+        for first in range(slab_start, slab_end, KEY_BLOCK):
+            last = min(first + KEY_BLOCK, slab_end)
+            with products_on_threads(rows * heads * (last - first) * dim):
+                scores = torch.mm(flat, keys[first:last].t()).relu_().view(rows, heads, -1)
+                slab[:, first - slab_start : last - slab_start] = torch.bmm(weighted, scores)[:, 0]
+        if slab_end > start_pos:  # the rows' own positions and those after: -inf past each row's position
+            _mask_future(slab, start_pos, slab_start)
+        best = _merge(best, slab, slab_start, topk)
+    assert best is not None
+    return best[1]
+
+
+def _mask_future(slab: torch.Tensor, start_pos: int, slab_start: int) -> None:
+    """slab [Sq, W] of keys slab_start.. for rows at positions start_pos..: -inf where key > row (only keys
+    after start_pos can be)."""
+    rows, width = slab.shape
+    first = max(start_pos + 1 - slab_start, 0)
+    row_pos = torch.arange(start_pos, start_pos + rows, device=slab.device)[:, None]
+    key_pos = torch.arange(slab_start + first, slab_start + width, device=slab.device)[None, :]
+    slab[:, first:].masked_fill_(key_pos > row_pos, float("-inf"))
+
+
+def _merge(
+    best: tuple[torch.Tensor, torch.Tensor] | None, slab: torch.Tensor, slab_start: int, topk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The running top-k with a slab of keys slab_start.. (all after the running positions). Candidates in
+    (running, in its order; the slab, by position): a stable sort over them ranks equal scores by position.
+
+    Before that sort the slab is cut to the scores that can enter, in position order, so the sort sees a few
+    per row, not the slab: past the first slab (every row holding topk finite scores) those above a row's
+    last (an equal one loses to it on position); in the first, those at least the topk-th largest of the
+    maxima of chunks of keys (topk distinct scores reach it, so the topk-th largest score does too)."""
+    rows = slab.shape[0]
+    positions = torch.arange(slab_start, slab_start + slab.shape[1], device=slab.device).expand(rows, -1)
+    if best is None:
+        floor = _chunk_floor(slab, topk)
+        if floor is not None:
+            slab, positions = _compact(slab.ge(floor[:, None]), slab, positions)
+    elif best[0].shape[1] == topk and bool(best[0][:, -1].isfinite().all()):
+        slab, positions = _compact(slab.gt(best[0][:, -1, None]), slab, positions)
+    if best is not None:
+        slab = torch.cat([best[0], slab], dim=1)
+        positions = torch.cat([best[1], positions], dim=1)
+    # a stable sort: equal scores keep their order (engine/core/layers.py stable_topk_indices' rule); cut,
+    # the rows are short, so it sorts a few scores each
+    keep = torch.sort(slab, dim=1, descending=True, stable=True).indices[:, :topk]
+    return slab.gather(1, keep), positions.gather(1, keep)
+
+
+CHUNK = 64  # keys per chunk maximum in the first slab's cut, at most
+
+
+def _chunk_floor(slab: torch.Tensor, topk: int) -> torch.Tensor | None:
+    """Per row the topk-th largest of the slab's chunk maxima [Sq] (no more than the row's topk-th largest
+    score), chunks of up to CHUNK keys, at least 4 x topk of them; None when chunks would be under 4 keys
+    (the cut would not pay) or a row has a NaN."""
+    chunk = min(CHUNK, slab.shape[1] // (4 * topk))
+    if chunk < 4:
+        return None
+    whole = slab.shape[1] // chunk
+    maxima = slab[:, : whole * chunk].unfold(1, chunk, chunk).amax(-1)  # [Sq, whole]
+    if slab.shape[1] > whole * chunk:
+        maxima = torch.cat([maxima, slab[:, whole * chunk :].amax(1, keepdim=True)], dim=1)
+    floor = maxima.topk(topk, dim=1).values[:, -1]
+    return None if bool(floor.isnan().any()) else floor
+
+
+def _compact(keep: torch.Tensor, slab: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row the slab's scores where ``keep`` [Sq, W] and their positions, in position order, padded with
+    -inf to the longest row: [Sq, <= W] each. A padded row has at least topk kept scores, all finite or all
+    of it kept, so a pad never enters."""
+    row, col = keep.nonzero(as_tuple=True)  # row-major: each row's in position order
+    counts = torch.bincount(row, minlength=slab.shape[0])
+    width = int(counts.max()) if row.numel() else 0
+    rank = torch.arange(row.numel(), device=slab.device) - (counts.cumsum(0) - counts)[row]
+    values = slab.new_full((slab.shape[0], width), float("-inf"))
+    values[row, rank] = slab[row, col]
+    kept = positions.new_zeros((slab.shape[0], width))
+    kept[row, rank] = positions[row, col]
+    return values, kept
