@@ -121,8 +121,9 @@ def test_calibration_stops_at_the_probe_without_budget_and_measures_what_fits():
     rate, shape = calibrate_kernel(make, budget_s=0.0, shapes=[(256, 2048, 2048)])
     assert shape == PROBE and called == [PROBE] and rate > 0
     called.clear()
-    rate, shape = calibrate_kernel(make, budget_s=60.0, shapes=[(32, 64, 64)])
-    assert called == [PROBE, (32, 64, 64)] and shape == (32, 64, 64)
+    rate, shape = calibrate_kernel(make, budget_s=0.05, shapes=[(32, 64, 64)])
+    assert called[0] == PROBE and set(called[1:]) == {(32, 64, 64)} and shape == (32, 64, 64)
+    assert len(called) > 2  # the budget left after one pass buys more tries
 
 
 def test_compute_peaks_on_a_tiny_shape_gives_every_format_a_positive_rate():
