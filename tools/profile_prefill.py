@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from colibri_stream.bench.prefill_limit import compute_peaks, prefill_limit_line, prompt_multiply_adds
 from colibri_stream.bench.sessions import random_prompt_ids
@@ -39,7 +38,7 @@ from colibri_stream.runtime.turn import TurnOptions, load_runtime, run_turn
 from storage.container.reader import Container
 
 
-def torch_top_ops(prof: profile, top: int, seconds: float) -> list[dict]:
+def torch_top_ops(prof: "torch.profiler.profile", top: int, seconds: float) -> list[dict]:
     """The ``top`` torch ops by self CPU time, each with its share of the profiled prefill's ``seconds``."""
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
     return [
@@ -98,6 +97,8 @@ def main() -> None:
         stats = run_turn(runtime, ids, options).stats
         wall = time.perf_counter() - start
         if args.profiler == "torch":
+            from torch.profiler import ProfilerActivity, profile  # only when asked for
+
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 profiled = run_turn(runtime, ids, options).stats
             ops = torch_top_ops(prof, args.top, profiled["prefill_s"])

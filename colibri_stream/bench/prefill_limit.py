@@ -33,7 +33,11 @@ LIMIT_FORMAT = "int8"  # the format the limit line is drawn in: the int8 path's 
 SHAPES: tuple[tuple[int, int, int], ...] = tuple(
     (m, k, n) for m in (256, 1024) for k in (2048, 4096, 7168) for n in (2048, 4096, 7168)
 )
-PROBE = (64, 512, 512)  # timed first: its rate says which of SHAPES fit a kernel's budget
+# timed first, smallest first, each while it fits: their best rate says which of SHAPES fit a kernel's budget.
+# A ladder, not one small probe: on a busy 2-core host a 64x512x512 fp32 product took 20-40 ms every call
+# (0.4-0.8 G/s: its two threads waiting to be scheduled, not arithmetic) where 256x2048x2048 ran at 13 G/s,
+# and the small one's rate alone kept every real shape out of the budget
+PROBES: tuple[tuple[int, int, int], ...] = ((64, 512, 512), (128, 1024, 512), (256, 1024, 1024))
 CALIBRATION_BUDGET_S = 10.0  # all kernels together (2 cores); QUICK settings pass less
 
 
@@ -150,28 +154,37 @@ def calibrate_kernel(
     shapes: Iterable[tuple[int, int, int]] = SHAPES,
     repeats: int = 2,
 ) -> tuple[float, tuple[int, int, int]]:
-    """(best multiply-adds/s, its shape) of one kernel over ``shapes``: the probe shape first, then passes
-    over ``shapes`` (smallest first), each shape whose run at the fastest rate seen fits what is left of
-    ``budget_s``, until a pass fits none: on a shared host a lone try can run at a fraction of the machine,
-    so the budget buys more tries, not just more shapes. The probe's own rate counts only where no shape
-    fits (its weights sit in cache): a kernel that falls back to a reference loop (``_int_mm`` without VNNI,
-    bf16 without AVX512-BF16) stops there."""
+    """(best multiply-adds/s, its shape) of one kernel over ``shapes``. First the PROBES while each fits what
+    is left of ``budget_s`` at the fastest rate seen (the first always runs), then passes over ``shapes``
+    (smallest first), each shape whose run fits, until a pass fits none: on a shared host a lone try can run
+    at a fraction of the machine, so the budget buys more tries, not just more shapes. A probe's rate counts
+    only where no shape fits (its weights sit in cache): a kernel that falls back to a reference loop
+    (``_int_mm`` without VNNI, bf16 without AVX512-BF16) stops there."""
     start = time.perf_counter()
-    probe = _rate(make(*PROBE), math.prod(PROBE), repeats)
-    best, best_shape = 0.0, PROBE
+
+    def fits(shape: tuple[int, int, int], rate: float) -> bool:
+        return (repeats + 1) * math.prod(shape) / rate <= budget_s - (time.perf_counter() - start)
+
+    probe, probe_shape = 0.0, PROBES[0]
+    for shape in PROBES:
+        if probe > 0 and not fits(shape, probe):
+            break
+        rate = _rate(make(*shape), math.prod(shape), repeats)
+        if rate > probe:
+            probe, probe_shape = rate, shape
+    best, best_shape = 0.0, probe_shape
     ordered = sorted(shapes, key=math.prod)
     measured = True
     while measured:
         measured = False
         for shape in ordered:
-            left = budget_s - (time.perf_counter() - start)
-            if (repeats + 1) * math.prod(shape) / max(best, probe) > left:
+            if not fits(shape, max(best, probe)):
                 continue
             measured = True
             rate = _rate(make(*shape), math.prod(shape), repeats)
             if rate > best:
                 best, best_shape = rate, shape
-    return (best, best_shape) if best > 0 else (probe, PROBE)
+    return (best, best_shape) if best > 0 else (probe, probe_shape)
 
 
 def compute_peaks(
