@@ -38,7 +38,7 @@ from colibri_stream.runtime.turn import TurnOptions, load_runtime, run_turn
 from storage.container.reader import Container
 
 
-def torch_top_ops(prof: "torch.profiler.profile", top: int, seconds: float) -> list[dict]:
+def torch_top_ops(prof: torch.profiler.profile, top: int, seconds: float) -> list[dict]:
     """The ``top`` torch ops by self CPU time, each with its share of the profiled prefill's ``seconds``."""
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
     return [
