@@ -29,7 +29,12 @@ from pathlib import Path
 
 import torch
 
-from colibri_stream.bench.prefill_limit import compute_peaks, prefill_limit_line, prompt_multiply_adds
+from colibri_stream.bench.prefill_limit import (
+    CALIBRATION_BUDGET_S,
+    compute_peaks,
+    prefill_limit_line,
+    prompt_multiply_adds,
+)
 from colibri_stream.bench.sessions import random_prompt_ids
 from colibri_stream.cli import build_parser
 from colibri_stream.cli.options import runtime_options
@@ -75,7 +80,7 @@ def main() -> None:
     parser.add_argument("--activations", default="int8")
     parser.add_argument("--profiler", choices=("cprofile", "torch"), default="cprofile")
     parser.add_argument("--top", type=int, default=15)
-    parser.add_argument("--calibration-s", type=float, default=10.0)
+    parser.add_argument("--calibration-s", type=float, default=CALIBRATION_BUDGET_S)
     parser.add_argument("--json", type=Path)
     parser.add_argument("run_flags", nargs="*", help="more `colibri-stream run` flags (after --)")
     args = parser.parse_args()

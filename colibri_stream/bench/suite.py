@@ -48,6 +48,7 @@ from colibri_stream.bench.llama_cpp_section import (
 from colibri_stream.bench.load import loaded_vs_idle
 from colibri_stream.bench.mtp_rows import mtp_section
 from colibri_stream.bench.prefill_limit import (
+    CALIBRATION_BUDGET_S,
     best_prefill_ttft,
     compute_peaks,
     prefill_limit_line,
@@ -102,7 +103,7 @@ class BenchSettings:
     alternation_rounds: int = 3  # the section's 100% decode pairs again, alternating (bench/alternated_rows.py)
     alternation_tokens: int = 128
     batch: BatchSettings = BatchSettings()  # the batch section's client counts, tokens and rounds
-    calibration_budget_s: float = 10.0  # the prefill limit line's compute-peak kernels, all together
+    calibration_budget_s: float = CALIBRATION_BUDGET_S  # the prefill limit line's compute-peak kernels, all together
 
 
 FULL = BenchSettings(shape=StressShape(), prompt_tokens=32, new_tokens=32)
