@@ -34,11 +34,11 @@ SHAPES: tuple[tuple[int, int, int], ...] = tuple(
     (m, k, n) for m in (256, 1024) for k in (2048, 4096, 7168) for n in (2048, 4096, 7168)
 )
 # timed first, smallest first, each while it fits: their best rate says which of SHAPES fit a kernel's budget.
-# A ladder, not one small probe: on a busy 2-core host a 64x512x512 fp32 product took 20-40 ms every call
-# (0.4-0.8 G/s: its two threads waiting to be scheduled, not arithmetic) where 256x2048x2048 ran at 13 G/s,
-# and the small one's rate alone kept every real shape out of the budget
+# A ladder, not one small probe: on a busy 2-core host the smallest product's time is its threads waiting to be
+# scheduled, not arithmetic, and its rate alone kept every real shape out of the budget (docs/benchmarks-log.md,
+# "How the bench measures", the prefill limit line)
 PROBES: tuple[tuple[int, int, int], ...] = ((64, 512, 512), (128, 1024, 512), (256, 1024, 1024))
-CALIBRATION_BUDGET_S = 8.0  # all kernels together: ~10 s with the probes and the last run past it (2 cores)
+CALIBRATION_BUDGET_S = 8.0  # all kernels together; the probes and a last run past it make it ~10 s on 2 cores
 
 
 @dataclass(frozen=True)
