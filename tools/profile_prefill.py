@@ -11,11 +11,10 @@ process, the model loaded once, all experts in RAM:
      (`--profiler torch`: torch's ops only, the C kernels are not among them).
 
     python tools/profile_prefill.py CONTAINER [--tokens 1024] [--activations int8] [--profiler cprofile|torch]
-        [--top 15] [--json FILE] [-- more run flags]
+        [--dtype float32|bfloat16] [--top 15] [--json FILE]
 
 CONTAINER: e.g. the bench's stress model converted `--experts int4 --dense int8` (tools/make_stress_model.py,
-then `colibri-stream convert`). The store is sized to hold every expert record (100%); other `run` flags go
-after `--`.
+then `colibri-stream convert`). The store is sized to hold every expert record (100%), the prefix cache is off.
 """
 
 from __future__ import annotations
@@ -36,11 +35,11 @@ from colibri_stream.bench.prefill_limit import (
     prompt_multiply_adds,
 )
 from colibri_stream.bench.sessions import random_prompt_ids
-from colibri_stream.cli import build_parser
-from colibri_stream.cli.options import runtime_options
+from colibri_stream.planning.budget import StoreOptions
 from colibri_stream.planning.geometry import geometry_from_container
-from colibri_stream.runtime.turn import TurnOptions, load_runtime, run_turn
+from colibri_stream.runtime.turn import RuntimeOptions, TurnOptions, load_runtime, run_turn
 from storage.container.reader import Container
+from storage.kv.prefix_store import PrefixConfig
 
 
 def torch_top_ops(prof: torch.profiler.profile, top: int, seconds: float) -> list[dict]:
@@ -82,35 +81,39 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--calibration-s", type=float, default=CALIBRATION_BUDGET_S)
     parser.add_argument("--json", type=Path)
-    parser.add_argument("run_flags", nargs="*", help="more `colibri-stream run` flags (after --)")
+    parser.add_argument("--dtype", default="float32", help="compute dtype (float32 or bfloat16)")
     args = parser.parse_args()
 
     threads = torch.get_num_threads()
     peaks = compute_peaks(threads, args.calibration_s)
     container = Container(args.container)
     geometry = geometry_from_container(container)
-    run_args = build_parser().parse_args(
-        ["run", str(args.container), "--ids", "1", "--activations", args.activations, "--no-prefix-cache"]
-        + ["--ram", f"{geometry.expert_bytes + (64 << 20)}B", *args.run_flags]
+    ram = f"{geometry.expert_bytes + (64 << 20)}B"  # every expert record held: the prompt is compute, not reads
+    options = RuntimeOptions(
+        dtype=args.dtype,
+        activations=args.activations,
+        store=StoreOptions(ram=ram),
+        text=False,
+        prefix=PrefixConfig(enabled=False),
     )
-    runtime = load_runtime(args.container, runtime_options(run_args, text=False))
+    runtime = load_runtime(args.container, options)
     ids = random_prompt_ids(geometry.args.vocab_size, args.tokens, 11)
-    options = TurnOptions(max_new_tokens=1)
+    turn = TurnOptions(max_new_tokens=1)
     try:
-        run_turn(runtime, ids, options)  # warm: the expert records into the store, the kernels' first calls
+        run_turn(runtime, ids, turn)  # warm: the expert records into the store, the kernels' first calls
         start = time.perf_counter()
-        stats = run_turn(runtime, ids, options).stats
+        stats = run_turn(runtime, ids, turn).stats
         wall = time.perf_counter() - start
         if args.profiler == "torch":
             from torch.profiler import ProfilerActivity, profile  # only when asked for
 
             with profile(activities=[ProfilerActivity.CPU]) as prof:
-                profiled = run_turn(runtime, ids, options).stats
+                profiled = run_turn(runtime, ids, turn).stats
             ops = torch_top_ops(prof, args.top, profiled["prefill_s"])
         else:
             cprof = cProfile.Profile()
             cprof.enable()
-            profiled = run_turn(runtime, ids, options).stats
+            profiled = run_turn(runtime, ids, turn).stats
             cprof.disable()
             ops = cprofile_top(cprof, args.top, profiled["prefill_s"])
     finally:
