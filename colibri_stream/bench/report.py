@@ -13,6 +13,7 @@ from colibri_stream.bench.report_peers import (
     load_lines,
     machine_lines,
     plot_llama_cpp,
+    prefill_limit_lines,
 )
 from colibri_stream.bench.report_peers import table as _table
 from storage.tiers.policy import DEFAULT_POLICY, POLICY_NAMES
@@ -89,6 +90,9 @@ def markdown(results: dict) -> str:
         lines += batch_table(batch)
     if "limit_line" in results:
         lines += ["", "## The limit line (100%: everything in RAM)", ""] + limit_line_lines(results["limit_line"])
+    if "prefill_limit_line" in results:
+        lines += ["", "## The prefill limit line (100%: everything in RAM)", ""]
+        lines += prefill_limit_lines(results["prefill_limit_line"])
     return "\n".join(lines) + "\n"
 
 

@@ -1,5 +1,5 @@
 """The report's parts about llama.cpp, load and the machine: the llama.cpp table and plot, loaded_vs_idle,
-the limit line and the machine facts that explain one machine's numbers against another's."""
+the limit lines (decode and prefill) and the machine facts that explain one machine's numbers against another's."""
 
 from __future__ import annotations
 
@@ -185,6 +185,37 @@ def limit_line_lines(limit: dict) -> list[str]:
     return [
         f"Memory bandwidth {limit['memory_bandwidth_GBps']} GB/s over the bytes one decode step reads "
         "(dense part as stored, top-k experts per MoE layer, KV at the prompt length):",
+        "",
+        *table(header, body),
+    ]
+
+
+def prefill_limit_lines(line: dict) -> list[str]:
+    """The prefill limit line (bench/prefill_limit.py): the peaks, each prompt length's multiply-adds and
+    fastest TTFT, each contender's best 100% warm TTFT as a fraction."""
+    peaks = ", ".join(f"{fmt} {rate:,.1f}" for fmt, rate in line["compute_peak_GMACps"].items())
+    kernels = "; ".join(
+        f"{name} {row['GMACps']:,.2f} at {'x'.join(map(str, row['shape']))}"
+        for name, row in line["calibration"].items()
+    )
+    body = []
+    for tokens, prompt in line["prompts"].items():
+        need = prompt["multiply_adds"]
+        fastest = prompt["fastest_ttft_s"]
+        body.append(
+            [f"{tokens} tokens: the limit", f"{need['total'] / 1e9:,.1f}", "-" if fastest is None else fastest, "", ""]
+        )
+        for name, rows in line["contenders"].items():
+            if tokens in rows:
+                row = rows[tokens]
+                fraction = "-" if row["fraction_of_limit"] is None else row["fraction_of_limit"]
+                body.append([name, "", row["measured_ttft_s"], row["measured_GMACps"], fraction])
+    header = ["prompt / contender", "G multiply-adds", "TTFT s", "G multiply-adds/s", "fraction"]
+    return [
+        f"Compute peak on {line['threads']} threads, G multiply-adds/s: {peaks} (the limit: {line['limit_format']}; "
+        f"best of the calibration kernels and shapes: {kernels}). The multiply-adds a prompt needs (experts, "
+        "shared experts, dense MLPs, attention projections, causal attention, DSA indexer, the last position's "
+        "head) over the peak are the fastest first token at 100%; each contender's best warm 100% prefill row:",
         "",
         *table(header, body),
     ]

@@ -12,7 +12,8 @@ Sections (docs/benchmarks-log.md, "How the bench measures", says how to read the
   7. load      our decode beside a competing CPU-bound process vs idle (`loaded_vs_idle`);
   8. mtp       the demo model's MTP drafts: plain vs the governor vs forced on, at 100% and 25%;
   9. batch     the demo model served to 1/4/8 concurrent clients vs the same requests one after another.
-Then the limit line: memory bandwidth / bytes each contender touches per token, at 100%.
+Then the limit lines at 100%: memory bandwidth / bytes each contender touches per token (decode), and the
+int8 compute peak / multiply-adds a prompt needs (prefill: the llama_cpp section's long-prompt rows).
 `sections` picks a subset (caching replays decode's trace, so it needs decode).
 The model is generated (DeepSeek-V3 proportions, random weights) and converted once into the work
 directory; later runs reuse it.
@@ -46,6 +47,13 @@ from colibri_stream.bench.llama_cpp_section import (
 )
 from colibri_stream.bench.load import loaded_vs_idle
 from colibri_stream.bench.mtp_rows import mtp_section
+from colibri_stream.bench.prefill_limit import (
+    CALIBRATION_BUDGET_S,
+    best_prefill_ttft,
+    compute_peaks,
+    prefill_limit_line,
+    prompt_multiply_adds,
+)
 from colibri_stream.bench.sessions import random_prompt_ids, sessions_section
 from colibri_stream.bench.stress_model import QUICK, StressShape, checkpoint_bytes, write_stress_checkpoint
 from colibri_stream.bench.system import (
@@ -95,6 +103,7 @@ class BenchSettings:
     alternation_rounds: int = 3  # the section's 100% decode pairs again, alternating (bench/alternated_rows.py)
     alternation_tokens: int = 128
     batch: BatchSettings = BatchSettings()  # the batch section's client counts, tokens and rounds
+    calibration_budget_s: float = CALIBRATION_BUDGET_S  # the prefill limit line's compute-peak kernels, all together
 
 
 FULL = BenchSettings(shape=StressShape(), prompt_tokens=32, new_tokens=32)
@@ -112,6 +121,7 @@ QUICK_SETTINGS = BenchSettings(
     alternation_rounds=2,
     alternation_tokens=24,
     batch=BatchSettings(clients=(1, 4), max_tokens=16, rounds=1),
+    calibration_budget_s=2.0,
     # --quick checks every invariant at fewer points: the ratio budget and all-in-RAM for the side
     # contenders, prefetch off for the default policy only (the full run keeps every point)
     side_budgets_pct=(RATIO_BUDGET, 100),
@@ -416,6 +426,15 @@ class Bench:
         bandwidth = max(machine["memory_bandwidth_Bps"], machine["memory_bandwidth_Bps_at_end"])
         return limit_line(bandwidth, touched, best)
 
+    def prefill_limit_summary(self) -> dict:
+        """The int8 compute peak / the multiply-adds of each prompt length the prefill rows measured (the
+        bench's prefill length where none ran), and each contender's best 100% warm TTFT as a fraction of it."""
+        measured = best_prefill_ttft(self.results.get("llama_cpp", {}).get("prefill", {}))
+        lengths = {n for by_length in measured.values() for n in by_length} or {self.settings.prefill_tokens}
+        args = geometry_from_container(self.container).args
+        work = {n: prompt_multiply_adds(args, n) for n in lengths}
+        return prefill_limit_line(compute_peaks(self.threads, self.settings.calibration_budget_s), work, measured)
+
 
 def run_bench(
     settings: BenchSettings,
@@ -450,6 +469,7 @@ def run_bench(
             getattr(bench, name)()
     bench.results["ratios"] = bench.ratios()
     bench.results["limit_line"] = bench.limit_line_summary()
+    bench.results["prefill_limit_line"] = bench.prefill_limit_summary()
     bench.results["machine"]["cpu_steal_share"] = steal_share(cpu_start, cpu_times())
     bench.results["elapsed_s"] = round(time.perf_counter() - start, 1)
     return bench.results

@@ -73,6 +73,9 @@ def test_quick_bench_reports_every_section_and_ratio(bench, capsys, monkeypatch)
     assert results["machine"]["memory_bandwidth_Bps"] > 0 and len(results["machine"]["load_average_at_start"]) == 3
     ours_limit = results["limit_line"]["contenders"]["colibri-stream"]
     assert 0 < ours_limit["fraction_of_limit"] and ours_limit["bytes_per_token"]["experts"] > 0
+    prefill_limit = results["prefill_limit_line"]  # no prefill rows without the llama_cpp section: the line alone
+    assert prefill_limit["compute_peak_GMACps"]["int8"] > 0 and prefill_limit["contenders"] == {}
+    assert prefill_limit["prompts"][str(E2E.prefill_tokens)]["multiply_adds"]["total"] > 0
 
     disk = results["disk"]
     for name in ("raw_sequential_odirect", "raw_expert_random_odirect", "ours_cold_buffered", "ours_cold_odirect"):
@@ -110,7 +113,8 @@ def test_quick_bench_reports_every_section_and_ratio(bench, capsys, monkeypatch)
     for path in results["plots"]:
         assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     report = (out / "benchmarks.md").read_text()
-    for heading in ("## Ratios", "## 1. Disk", "## 2-3. Decode", "## 4. Caching", "## 5. Sessions"):
+    headings = ("## Ratios", "## 1. Disk", "## 2-3. Decode", "## 4. Caching", "## 5. Sessions", "## The prefill limit")
+    for heading in headings:
         assert heading in report
 
 
