@@ -6,6 +6,7 @@ runs the surface on derandomized cases with the others.)"""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -55,7 +56,11 @@ def test_a_download_past_its_listed_size_is_judged_over_listing(tmp_path, capsys
     real = pull_http.copy_body
 
     def unbounded(response, out, skip, room, clock, on_bytes):  # the planted bug: the listing's bound ignored
-        return real(response, out, skip, 1 << 40, clock, on_bytes)
+        copied = real(response, out, skip, 1 << 40, clock, on_bytes)
+        # the oversized file held a moment before pull's own size check deletes it: the judge samples the
+        # directory every 5 ms, and on a busy machine its thread could miss a file that lived for less
+        time.sleep(0.5)
+        return copied
 
     monkeypatch.setattr(pull_http, "copy_body", unbounded)
     params = _params({"fault": "oversize", "file": "model-00005-of-00015.safetensors", "extra": 1 << 20})

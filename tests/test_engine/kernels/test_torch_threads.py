@@ -35,11 +35,15 @@ def select(indexer: Indexer, args: ModelArgs, x: torch.Tensor, q_latent: torch.T
     """``forward`` of the S new positions x [1, S, dim] at start.. in a forward pass (torch on one thread),
     and the torch thread counts the scores ran on."""
     seen = []
-    einsum = torch.einsum
+    einsum, mm = torch.einsum, torch.mm
 
-    def counting(*operands):
+    def counting(*operands):  # a decode row's and a short context's scores (Indexer.forward)
         seen.append(torch.get_num_threads())
         return einsum(*operands)
+
+    def counting_mm(*operands):  # a prompt block past BLOCKED_FROM_KEYS keys (engine/mla/index_blocks.py)
+        seen.append(torch.get_num_threads())
+        return mm(*operands)
 
     cache.append(
         torch.zeros(1, x.shape[1], args.kv_lora_rank), torch.zeros(1, x.shape[1], args.qk_rope_head_dim)
@@ -48,11 +52,15 @@ def select(indexer: Indexer, args: ModelArgs, x: torch.Tensor, q_latent: torch.T
     # torch_ops: a decode row's choice is otherwise one C call (engine/kernels/decode_ops.py index_select)
     with torch.inference_mode(), torch_on_one_thread(), decode_ops.torch_ops(), pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch, "einsum", counting)
+        patch.setattr(torch, "mm", counting_mm)
         chosen = indexer(x, q_latent, start, rope, cache)
     return chosen, seen
 
 
-@pytest.mark.parametrize("new_positions", [1, 24])  # a decode row, a prompt's block
+# a decode row; a prompt's block, which past BLOCKED_FROM_KEYS keys takes the blocked indexer, whose score
+# blocks of query_block() queries (128 here) cross PARALLEL_PRODUCT_MACS (a chunk of a few queries stays on one
+# thread by that rule)
+@pytest.mark.parametrize("new_positions", [1, 128])
 def test_long_context_scores_run_on_the_kernel_threads_with_one_threads_bits(new_positions, monkeypatch):
     args = ModelArgs.from_hf_config(json.loads((demo_model_dir() / "config.json").read_text()))
     torch.manual_seed(0)
