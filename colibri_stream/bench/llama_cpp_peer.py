@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from colibri_stream.runtime.memory import PeakSampler, anon_rss_bytes, disk_read_bytes, peak_rss_bytes
+from storage.files.page_cache import drop_cached
 
 LLAMA_LOAD_MODE_MMAP = 1  # llama.h enum llama_load_mode
 
@@ -39,7 +40,7 @@ def _evict(path: Path) -> None:
     """Drop the file from the page cache, so pages another process cached cannot serve this one free."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        drop_cached(fd)  # fadvise where the OS has it (not macOS)
     finally:
         os.close(fd)
 

@@ -33,6 +33,7 @@ import torch
 
 from colibri_stream.checkpoint.dtypes import COMPUTE_DTYPES
 from colibri_stream.runtime.memory import PeakSampler, anon_rss_bytes, disk_read_bytes, disk_write_bytes, peak_rss_bytes
+from storage.files.page_cache import drop_cached
 
 
 def _tree_bytes(folder: Path) -> int:
@@ -46,7 +47,7 @@ def evict_page_cache(folder: Path) -> None:
         if path.is_file():
             fd = os.open(path, os.O_RDONLY)
             try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                drop_cached(fd)  # fadvise where the OS has it (not macOS)
             finally:
                 os.close(fd)
 
