@@ -27,6 +27,7 @@ from engine.core.layers import stable_topk_indices
 from engine.core.rope import rope_tables
 from engine.mla.attention import MLA
 from engine.mla.index_blocks import blocked_choice, query_block, slabs
+from tests.test_engine.mla.test_prefill_attention import ODD  # widths that divide neither 64 nor 32
 
 HEADS, DIM = 16, 32
 
@@ -166,19 +167,6 @@ def test_the_blocked_indexers_temporaries_are_bounded(odd_blocks, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------- MLA under a selection
-
-ODD = dict(
-    fixtures._COMMON,
-    model_type="deepseek_v3",
-    hidden_size=40,
-    num_attention_heads=3,
-    num_key_value_heads=3,
-    kv_lora_rank=37,
-    q_lora_rank=19,
-    qk_nope_head_dim=11,
-    qk_rope_head_dim=6,
-    v_head_dim=13,
-)
 
 
 def _attend(args, attn, x, split, selection, absorb=None):
