@@ -170,7 +170,8 @@ def build_tree(cache: Path, sysroot: Path) -> Path:
     if compiler is None:
         raise SetupError("aarch64-linux-gnu-gcc not found (apt-get install gcc-aarch64-linux-gnu)")
     out = tree / "engine" / "kernels" / "_kernels.cpython-311-aarch64-linux-gnu.so"
-    includes = [f"-I{sysroot}/usr/include/python3.11", f"-I{sysroot}/usr/include/aarch64-linux-gnu/python3.11"]
+    # pyconfig.h includes <aarch64-linux-gnu/python3.11/pyconfig.h>; -idirafter: the compiler's libc headers first
+    includes = [f"-I{sysroot}/usr/include/python3.11", "-idirafter", f"{sysroot}/usr/include"]
     flags = ["-DNDEBUG", "-fwrapv", "-Wall", "-fPIC", "-O3", "-ffp-contract=off", "-shared"]
     sources = [str(ROOT / "engine" / "csrc" / f"{name}.c") for name in c_files()]
     log(f"cross-compiling {len(sources)} engine/csrc files for aarch64")
@@ -186,22 +187,37 @@ class Target:
     cpu: str | None = None
 
 
-def run_target(target: Target, tokens: int, oracle: bool) -> dict[str, object]:
-    log(f"{target.name}: probe (doctor's kernel level, float engine greedy{', transformers' if oracle else ''})")
+def run_target(target: Target, tokens: int, oracle: bool, results: Path) -> dict[str, object]:
     start = time.perf_counter()
-    probe = [*target.prefix, str(ROOT / "tools" / "arm64_demo_probe.py"), "--tokens", str(tokens), "--prompt", PROMPT]
-    done = run(probe + (["--oracle"] if oracle else []), "probe", env=target.env)
-    result: dict[str, object] = json.loads(done.stdout.splitlines()[-1])
-    log(f"{target.name}: colibri-stream demo (convert to int4 in a fresh cache, then generate)")
     with tempfile.TemporaryDirectory() as xdg:
+        log(f"{target.name}: colibri-stream demo (convert to int4 in a fresh cache, then generate)")
         demo = [*target.prefix, "-m", "colibri_stream", "demo", "--json", "--reset", "--prompt", PROMPT,
                 "--max-new-tokens", str(tokens)]  # fmt: skip
-        done = run(demo, "colibri-stream demo", env={**target.env, "XDG_CACHE_HOME": xdg})
-        result["demo_ids"] = json.loads(done.stdout.splitlines()[-1])["ids"]
-        result["converted"] = bool(list(Path(xdg).glob("colibri-stream/demo/*.cstream")))
+        shown = run(demo, "colibri-stream demo", env={**target.env, "XDG_CACHE_HOME": xdg}).stdout
+        demo_ids = json.loads(shown.splitlines()[-1])["ids"]
+        containers = list(Path(xdg).glob("colibri-stream/demo/*.cstream"))
+        if len(containers) != 1:
+            raise SetupError(f"{target.name}: the demo left {len(containers)} containers in its cache, not 1")
+        log(f"{target.name}: probe (kernel level, float and int8-activation greedy, logits)")
+        logits = results / f"{target.name.replace(' ', '_')}.npz"
+        probe = [*target.prefix, str(ROOT / "tools" / "arm64_demo_probe.py"), "--tokens", str(tokens), "--prompt",
+                 PROMPT, "--container", str(containers[0]), "--logits-out", str(logits)]  # fmt: skip
+        done = run(probe + (["--oracle"] if oracle else []), "probe", env=target.env)
+    result: dict[str, object] = {**json.loads(done.stdout.splitlines()[-1]), "demo_ids": demo_ids, "logits": logits}
     result["wall_s"] = round(time.perf_counter() - start)
     log(f"{target.name}: done in {result['wall_s']} s ({result['kernels']})")
     return result
+
+
+IDS = ("demo_ids", "float_ids", "int8_activation_ids")  # demo: int4 experts, float activations, streamed
+
+
+def logit_gaps(result: dict[str, object], host: dict[str, object]) -> str:
+    """max |logit - host logit| per model (float, int4, int4 + int8 activations); "0" when bit-identical."""
+    import numpy as np
+
+    mine, theirs = np.load(str(result["logits"])), np.load(str(host["logits"]))
+    return "/".join(f"{float(np.abs(mine[k] - theirs[k]).max()):.2g}" for k in theirs.files)
 
 
 def level_expected(level: str, cpu: str, isa: str | None) -> bool:
@@ -242,8 +258,10 @@ def main() -> int:
         prefix = ["nice", "-n", "10", str(qemu), "-cpu", cpu, "-L", str(sysroot), python]
         targets.append(Target(f"aarch64 -cpu {cpu}", prefix, arm_env, cpu))
     log(f"{version.strip()}; prompt {PROMPT!r}, {args.tokens} tokens")
+    out = args.cache / "results"
+    out.mkdir(exist_ok=True)
     try:
-        results = [run_target(t, args.tokens, oracle=t.cpu is None) for t in targets]
+        results = [run_target(t, args.tokens, t.cpu is None, out) for t in targets]
     except SetupError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -251,20 +269,21 @@ def main() -> int:
     failures = []
     if host["float_ids"] != host["oracle_ids"]:
         failures.append("host: the float engine's ids differ from transformers'")
-    print(f"\n{'target':<24} {'machine':<8} {'kernels':<42} {'demo int4 ids':<14} {'float ids':<10} {'wall s':>6}")
+    print(f"\n{'target':<24} {'kernels':<42} {'ids: demo/float/int8-act':<25} {'max |dlogit| vs host':<21} wall s")
     for target, result in zip(targets, results, strict=True):
-        same_demo = result["demo_ids"] == host["demo_ids"] and result["converted"]
-        same_float = result["float_ids"] == host["float_ids"]
+        same = [result[k] == host[k] for k in IDS]
         level = str(result["kernels"])
         if target.cpu is not None and not level_expected(level, target.cpu, args.isa):
             failures.append(f"{target.name}: kernels {level!r}, not the NEON level this CPU model has")
-        if target.cpu is not None and not (same_demo and same_float):
-            failures.append(f"{target.name}: ids differ from the host's")
-        tags = ("= host" if same_demo else "DIFFER", "= host" if same_float else "DIFFER")
-        row = f"{target.name:<24} {result['machine']!s:<8} {level:<42} {tags[0]:<14} {tags[1]:<10}"
-        print(f"{row} {result['wall_s']:>6}")
-    print(f"host demo ids: {host['demo_ids']}")
-    print(f"host float ids (= transformers: {host['float_ids'] == host['oracle_ids']}): {host['float_ids']}")
+        if not all(same):
+            failures.append(f"{target.name}: ids differ from the host's ({', '.join(IDS)}: {same})")
+        tags = "/".join("=" if equal else "DIFFER" for equal in same) + (" host" if target.cpu else " (host)")
+        gaps = logit_gaps(result, host) if target.cpu is not None else "-"
+        print(f"{target.name:<24} {level:<42} {tags:<25} {gaps:<21} {result['wall_s']:>6}")
+    print(f"host torch {host['torch']} vs aarch64 torch {results[-1]['torch']}; logits: float/int4/int4 int8-act")
+    for key in IDS:
+        print(f"host {key}: {host[key]}")
+    print(f"host float ids = transformers' greedy ids: {host['float_ids'] == host['oracle_ids']}")
     for failure in failures:
         print(f"FAIL {failure}", file=sys.stderr)
     return 1 if failures else 0
