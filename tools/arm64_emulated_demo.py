@@ -1,11 +1,11 @@
 """The shipped demo, converted and run by an aarch64 Python under qemu, token for token against this x86 host.
 
-python tools/arm64_emulated_demo.py [--tokens 24] [--cpus max,cortex-a57] [--threads 1]
+python tools/arm64_emulated_demo.py [--tokens 24] [--cpus max,cortex-a57,max:neon] [--threads 1]
 
-Slow (minutes: every aarch64 instruction is emulated), so a tool run by hand, not a test. Debian/Ubuntu x86-64
+Slow (~8 min: every aarch64 instruction is emulated), so a tool run by hand, not a test. Debian/Ubuntu x86-64
 only (apt-get, dpkg-deb) with aarch64-linux-gnu-gcc installed; downloads once into --cache (~8 GB):
   1. an aarch64 Python 3.11 sysroot: Debian bookworm's arm64 .debs, fetched with a private apt state (no
-     `dpkg --add-architecture`, nothing installed on the host) and unpacked with `dpkg -x`;
+     `dpkg --add-architecture`, nothing installed on the host) and unpacked with `dpkg-deb -x`;
   2. qemu-user 10 from bookworm-backports, unpacked the same way (bookworm's qemu 7.2 crashes in torch's
      import: SIGSEGV in torch._C's init);
   3. aarch64 wheels of the package's dependencies, pinned to the versions this host has installed, from PyPI
@@ -13,11 +13,12 @@ only (apt-get, dpkg-deb) with aarch64-linux-gnu-gcc installed; downloads once in
      too: they are only loaded, the run is on the CPU);
   4. engine/csrc cross-compiled with setup.py's flags to engine/kernels/_kernels.cpython-311-aarch64-linux-gnu.so
      in a copy of the packages (the tree's x86 extension is left alone).
-Then, per target (the host, and qemu as each --cpus model): tools/arm64_demo_probe.py (doctor's kernel level,
-the float engine's greedy ids; transformers' ids on the host) and `python -m colibri_stream demo --json` in a
-fresh cache (converts the demo to int4, then generates). Exits 1 unless every id list equals the host's, the
-host's float ids equal transformers', and each ARM target ran NEON kernels ("NEON dot-product" on a CPU with
-dot-product, "NEON" on one without).
+Then per target (this host; qemu as each --cpus model, MODEL:ISA also setting COLIBRI_STREAM_ISA=ISA):
+`python -m colibri_stream demo --json` in a fresh cache (converts the demo to int4, generates from the
+container), then tools/arm64_demo_probe.py on that container (doctor's kernel level; greedy ids of the float
+checkpoint and of the container with int8 activations; every model's prefill logits; transformers' ids on the
+host). Exits 1 unless every id list equals the host's, the host's float ids equal transformers', and each ARM
+target names the NEON level its CPU model (and ISA cap) should take.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "import os\n\n\nclass Path:\n    def __init__(self, "  # varied greedy text (the default prompt loops)
@@ -185,6 +188,7 @@ class Target:
     prefix: list[str]  # the Python to run (qemu + aarch64 python, or this one)
     env: dict[str, str]
     cpu: str | None = None
+    isa: str | None = None  # COLIBRI_STREAM_ISA
 
 
 def run_target(target: Target, tokens: int, oracle: bool, results: Path) -> dict[str, object]:
@@ -214,8 +218,6 @@ IDS = ("demo_ids", "float_ids", "int8_activation_ids")  # demo: int4 experts, fl
 
 def logit_gaps(result: dict[str, object], host: dict[str, object]) -> str:
     """max |logit - host logit| per model (float, int4, int4 + int8 activations); "0" when bit-identical."""
-    import numpy as np
-
     mine, theirs = np.load(str(result["logits"])), np.load(str(host["logits"]))
     return "/".join(f"{float(np.abs(mine[k] - theirs[k]).max()):.2g}" for k in theirs.files)
 
@@ -232,8 +234,9 @@ def level_expected(level: str, cpu: str, isa: str | None) -> bool:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--tokens", type=int, default=24, help="tokens to generate (default 24)")
-    parser.add_argument("--cpus", default="max,cortex-a57", help="qemu -cpu models (default max,cortex-a57)")
-    parser.add_argument("--isa", help="COLIBRI_STREAM_ISA for the ARM runs (e.g. neon)")
+    parser.add_argument(
+        "--cpus", default="max,cortex-a57,max:neon", help="qemu -cpu models, MODEL:ISA sets COLIBRI_STREAM_ISA"
+    )
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS everywhere (default 1)")
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "colibri-stream" / "arm64-emulated")
     parser.add_argument("--qemu", help="a qemu-aarch64 to use (>= 8; default: bookworm-backports' 10, downloaded)")
@@ -251,12 +254,14 @@ def main() -> int:
         return 2
     base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "COLIBRI_STREAM_ISA", "PYTHONHOME")}
     base["OMP_NUM_THREADS"] = str(args.threads)
-    arm_env = {**base, "PYTHONPATH": f"{tree}:{site}", **({"COLIBRI_STREAM_ISA": args.isa} if args.isa else {})}
+    arm_env = {**base, "PYTHONPATH": f"{tree}:{site}"}
     python = str(sysroot / "usr" / "bin" / "python3.11")
     targets = [Target("x86-64 host", [sys.executable], {**base, "PYTHONPATH": str(ROOT)})]
-    for cpu in args.cpus.split(","):
+    for spec in args.cpus.split(","):
+        cpu, _, isa = spec.partition(":")
         prefix = ["nice", "-n", "10", str(qemu), "-cpu", cpu, "-L", str(sysroot), python]
-        targets.append(Target(f"aarch64 -cpu {cpu}", prefix, arm_env, cpu))
+        env = {**arm_env, "COLIBRI_STREAM_ISA": isa} if isa else arm_env
+        targets.append(Target(f"aarch64 -cpu {cpu}" + (f" ISA={isa}" if isa else ""), prefix, env, cpu, isa or None))
     log(f"{version.strip()}; prompt {PROMPT!r}, {args.tokens} tokens")
     out = args.cache / "results"
     out.mkdir(exist_ok=True)
@@ -273,13 +278,17 @@ def main() -> int:
     for target, result in zip(targets, results, strict=True):
         same = [result[k] == host[k] for k in IDS]
         level = str(result["kernels"])
-        if target.cpu is not None and not level_expected(level, target.cpu, args.isa):
+        if target.cpu is not None and not level_expected(level, target.cpu, target.isa):
             failures.append(f"{target.name}: kernels {level!r}, not the NEON level this CPU model has")
         if not all(same):
             failures.append(f"{target.name}: ids differ from the host's ({', '.join(IDS)}: {same})")
         tags = "/".join("=" if equal else "DIFFER" for equal in same) + (" host" if target.cpu else " (host)")
         gaps = logit_gaps(result, host) if target.cpu is not None else "-"
         print(f"{target.name:<24} {level:<42} {tags:<25} {gaps:<21} {result['wall_s']:>6}")
+    arm = [np.load(str(r["logits"])) for r in results[1:]]
+    if len(arm) > 1:  # informational: torch may pick other loops per CPU model, the NEON kernels promise the same bits
+        identical = all(np.array_equal(a[k], arm[0][k]) for a in arm[1:] for k in arm[0].files)
+        print(f"aarch64 targets' logits bit-identical to each other: {identical}")
     print(f"host torch {host['torch']} vs aarch64 torch {results[-1]['torch']}; logits: float/int4/int4 int8-act")
     for key in IDS:
         print(f"host {key}: {host[key]}")
