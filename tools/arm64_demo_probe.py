@@ -4,9 +4,10 @@ python tools/arm64_demo_probe.py --tokens 24 [--prompt TEXT] [--container C] [--
 
 Prints one JSON line: the machine, torch's version, the kernel level `colibri-stream doctor` names (its
 "kernels" line: the same function) and greedy ids after the prompt: the float engine's on the shipped demo
-checkpoint (bfloat16 weights: the C bf16 kernel) and, given --container (the int4 container `colibri-stream
-demo` converted), the container's with int8 activations (`--activations int8`: the q8 kernel, SDOT where the
-CPU has dot-product; the demo itself computes float activations: the float 4-bit kernel). --logits-out: every
+checkpoint (loaded as float32: torch's matmuls; what transformers' ids are compared with) and, given
+--container (the int4 container `colibri-stream demo` converted: bf16 dense weights, int4 experts), the
+container's with int8 activations (`--activations int8`: the q8 kernel, SDOT where the CPU has dot-product;
+the demo itself computes float activations: the float 4-bit kernel). --logits-out: every
 position's logits over the prompt and the float ids, prefilled, of each model (float, int4, int4 with int8
 activations) in one .npz. --oracle: transformers' greedy ids too (the host only: transformers is not installed
 for the aarch64 Python).
