@@ -2,8 +2,9 @@
 
 python tools/arm64_emulated_demo.py [--tokens 24] [--cpus max,cortex-a57,max:neon] [--threads 1]
 
-Slow (~8 min: every aarch64 instruction is emulated), so a tool run by hand, not a test. Debian/Ubuntu x86-64
-only (apt-get, dpkg-deb) with aarch64-linux-gnu-gcc installed; downloads once into --cache (~8 GB):
+Slow (~8 min: every aarch64 instruction is emulated), so a tool run by hand, not a test. Debian x86-64 hosts
+(apt-get, dpkg-deb, Debian's archive keyring; Ubuntu needs debian-archive-keyring) with aarch64-linux-gnu-gcc;
+downloads once into --cache (~8 GB):
   1. an aarch64 Python 3.11 sysroot: Debian bookworm's arm64 .debs, fetched with a private apt state (no
      `dpkg --add-architecture`, nothing installed on the host) and unpacked with `dpkg-deb -x`;
   2. qemu-user 10 from bookworm-backports, unpacked the same way (bookworm's qemu 7.2 crashes in torch's
@@ -17,8 +18,9 @@ Then per target (this host; qemu as each --cpus model, MODEL:ISA also setting CO
 `python -m colibri_stream demo --json` in a fresh cache (converts the demo to int4, generates from the
 container), then tools/arm64_demo_probe.py on that container (doctor's kernel level; greedy ids of the float
 checkpoint and of the container with int8 activations; every model's prefill logits; transformers' ids on the
-host). Exits 1 unless every id list equals the host's, the host's float ids equal transformers', and each ARM
-target names the NEON level its CPU model (and ISA cap) should take.
+host). Exits 1 unless every id list equals the host's, the host's float ids equal transformers', every ARM
+logit is within LOGIT_TOLERANCE of the host's, and each ARM target names the NEON level its CPU model (and ISA
+cap) should take; 2 when a setup step fails (the message says which).
 """
 
 from __future__ import annotations
