@@ -17,6 +17,8 @@ transformers is a dev dependency, imported lazily as in ``colibri_stream.devtool
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import math
 import subprocess
@@ -401,3 +403,38 @@ def make_demo(dst: str | Path, options: TrainOptions, log: Callable[[str], None]
     meta["total_minutes"] = round((time.perf_counter() - started) / 60, 1)
     (Path(dst) / "training.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     return meta
+
+
+# -------------------------------------------------------------------------------------------- cli
+
+
+@dataclass(frozen=True)
+class TrainingRun:
+    """What every demo training command takes: the folder, the options (defaults with --steps/--seed
+    applied) and the time cap; ``args`` has the command's own flags too."""
+
+    dst: str
+    options: TrainOptions
+    max_seconds: float | None
+    args: argparse.Namespace
+
+
+def training_command(
+    doc: str | None, defaults: TrainOptions, extra: Callable[[argparse.ArgumentParser], None] | None = None
+) -> TrainingRun:
+    """Parse a demo training command's arguments (DST, --steps, --seed, --threads, --max-minutes and
+    ``extra``'s) and set torch's threads."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("dst", nargs="?", default="colibri_stream/demo_model")
+    parser.add_argument("--steps", type=int, help=f"optimizer steps (default {defaults.steps})")
+    parser.add_argument("--seed", type=int, help=f"seed (default {defaults.seed})")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--max-minutes", type=float, help="stop training early after this long (safety cap)")
+    if extra is not None:
+        extra(parser)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    changes = {"steps": args.steps, "seed": args.seed}
+    options = dataclasses.replace(defaults, **{k: v for k, v in changes.items() if v is not None})
+    return TrainingRun(args.dst, options, args.max_minutes * 60 if args.max_minutes else None, args)

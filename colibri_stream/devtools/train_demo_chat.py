@@ -8,12 +8,11 @@ the model keeps its Python). Same tokenizer, same training files; the held-out s
 the quality report of ``train_demo`` is redone on the result. ``model.safetensors`` is replaced (bfloat16);
 the MTP shard is not touched (retrain it after: ``python -m colibri_stream.devtools.train_demo_mtp``).
 
-    python -m colibri_stream.devtools.train_demo_chat [DST] [--steps N] [--threads T] [--max-minutes M]
+    python -m colibri_stream.devtools.train_demo_chat [DST] [--steps N] [--seed S] [--threads T] [--max-minutes M]
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sysconfig
@@ -36,6 +35,7 @@ from colibri_stream.devtools.train_demo import (
     read_texts,
     split_files,
     stdlib_files,
+    training_command,
 )
 from colibri_stream.devtools.train_demo_mtp import load_main
 from colibri_stream.text.chat_format import PromptEncoder, load_chat_format
@@ -133,8 +133,12 @@ def save_main(model: Any, dst: Path) -> None:
 
 
 def make_chat(
-    dst: str | Path, options: TrainOptions = CHAT_OPTIONS, log: Callable[[str], None] = print, **kw: Any
+    dst: str | Path,
+    options: TrainOptions = CHAT_OPTIONS,
+    log: Callable[[str], None] = print,
+    max_seconds: float | None = None,
 ) -> dict:
+    """Fine-tune the demo in ``dst`` (see the module docstring), save it and record the run in training.json."""
     dst = Path(dst)
     started = time.perf_counter()
     torch.manual_seed(options.seed)
@@ -150,7 +154,7 @@ def make_chat(
         p.requires_grad_(True)
     before = heldout_answer_loss(model, held)
     log(f"held-out answer loss before: {before:.3f}")
-    run = fine_tune(model, chats, lm_ids, options, log, kw.get("max_seconds"))
+    run = fine_tune(model, chats, lm_ids, options, log, max_seconds)
     after = heldout_answer_loss(model, held)
     log(f"held-out answer loss after: {after:.3f}")
     save_main(model, dst)
@@ -172,17 +176,8 @@ def make_chat(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("dst", nargs="?", default="colibri_stream/demo_model")
-    parser.add_argument("--steps", type=int, help=f"optimizer steps (default {CHAT_OPTIONS.steps})")
-    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--max-minutes", type=float, help="stop training early after this long (safety cap)")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    options = dataclasses.replace(CHAT_OPTIONS, steps=args.steps or CHAT_OPTIONS.steps)
-    max_seconds = args.max_minutes * 60 if args.max_minutes else None
-    print(json.dumps(make_chat(args.dst, options, max_seconds=max_seconds), indent=1))
+    run = training_command(__doc__, CHAT_OPTIONS)
+    print(json.dumps(make_chat(run.dst, run.options, max_seconds=run.max_seconds), indent=1))
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ from colibri_stream.devtools.train_demo import (
     read_texts,
     split_files,
     stdlib_files,
+    training_command,
 )
 
 MTP_SHARD = "model-mtp.safetensors"
@@ -327,20 +328,11 @@ def make_mtp(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("dst", nargs="?", default="colibri_stream/demo_model")
-    parser.add_argument("--steps", type=int, help=f"optimizer steps (default {MTP_OPTIONS.steps})")
-    parser.add_argument("--seed", type=int, help=f"seed (default {MTP_OPTIONS.seed})")
-    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--max-minutes", type=float, help="stop training early after this long (safety cap)")
-    parser.add_argument("--distill", action="store_true", help="train on the main model's next distribution")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    changes = {"steps": args.steps, "seed": args.seed}
-    options = dataclasses.replace(MTP_OPTIONS, **{k: v for k, v in changes.items() if v is not None})
-    max_seconds = args.max_minutes * 60 if args.max_minutes else None
-    print(json.dumps(make_mtp(args.dst, options, max_seconds=max_seconds, distill=args.distill), indent=1))
+    def distill_flag(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--distill", action="store_true", help="train on the main model's next distribution")
+
+    run = training_command(__doc__, MTP_OPTIONS, distill_flag)
+    print(json.dumps(make_mtp(run.dst, run.options, max_seconds=run.max_seconds, distill=run.args.distill), indent=1))
 
 
 if __name__ == "__main__":
