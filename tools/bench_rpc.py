@@ -10,7 +10,10 @@ today's link (socket_per_worker, unsealed): socket_sealed_per_worker (the same L
 handshake: every frame carries one AES-GCM tag over head and payload, auth.py; what #70 chose), zmq_curve_per_worker
 (pyzmq PAIR sockets with CURVE, libsodium's Curve25519 + XSalsa20-Poly1305, and ZMQ_MAXMSGSIZE; needs
 pyzmq importable) and tls_per_worker (Python's ssl, TLS 1.3 with a self-signed certificate pinned by the
-client; needs `cryptography` to make the certificate).
+client; needs `cryptography` to make the certificate). Each runs in its own processes, which a 2-core host
+places differently run to run (the same contender's medians 42 or 88 us apart), so "interleaved" also
+times today's link and the sealed one over the same links, alternating call by call, in --rounds fresh
+sets of processes: "sealed_vs_plain" is the ratio of medians in each, both on the same placement.
 
 "layer" numbers: per MoE layer the coordinator sends each of --workers workers one request (a token's
 activations at --dim, bf16, plus ids and weights) and waits for every float64 [1, dim] partial sum:
@@ -173,6 +176,48 @@ def socket_layer_round_trips(workers: int, dim: int, calls: int, sealed: bool = 
             link.wait(reply, 10.0)
         if i >= WARMUP:
             times.append(time.perf_counter() - start)
+    for process in processes:
+        process.join()
+    server.close()
+    return times
+
+
+def _interleaved_worker(index: int, port: int, dim: int, calls: int) -> None:
+    link = dial("127.0.0.1", port, 60.0, "the coordinator")
+    seal = Seal.for_side(BENCH_KEY, WORKER_ROLE, *NONCES)
+    reply = torch.zeros(dim, dtype=torch.float64).numpy().tobytes()
+    for i in range(2 * (WARMUP + calls)):
+        link.seal = seal if i % 2 else None  # the coordinator alternates the same way
+        link.receive(None, "request", 1 << 20)
+        link.send(Op.SUM, [reply], (), None)
+    link.close()
+
+
+def interleaved_layer_round_trips(workers: int, dim: int, calls: int) -> tuple[list[float], list[float]]:
+    """(plain, sealed) round trips per layer over the same links, alternating call by call: both see the
+    same processes on the same cores (separate runs of 2-3 processes on 2 cores land 42 or 88 us apart)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    context = mp.get_context("spawn")
+    processes = [context.Process(target=_interleaved_worker, args=(w, port, dim, calls)) for w in range(workers)]
+    for process in processes:
+        process.start()
+    links = [Link(server.accept()[0], f"worker {w}") for w in range(workers)]
+    seals = [Seal.for_side(BENCH_KEY, COORDINATOR_ROLE, *NONCES) for _ in links]
+    request = _layer_request(dim).numpy().tobytes()
+    times: tuple[list[float], list[float]] = ([], [])
+    for i in range(2 * (WARMUP + calls)):
+        sealed = i % 2
+        for link, seal in zip(links, seals, strict=True):
+            link.seal = seal if sealed else None
+        start = time.perf_counter()
+        replies = [Reply(Op.SUM, torch.empty(dim, dtype=torch.float64), "layer") for _ in links]
+        for link, reply in zip(links, replies, strict=True):
+            link.send(Op.SUM, [request], (1, 1, 8, dim), 10.0, reply)
+        for link, reply in zip(links, replies, strict=True):
+            link.wait(reply, 10.0)
+        if i >= 2 * WARMUP:
+            times[sealed].append(time.perf_counter() - start)
     for process in processes:
         process.join()
     server.close()
@@ -349,7 +394,25 @@ def _auth_rounds(workers: int, dim: int, calls: int, rounds: int) -> dict:
         out[name] = {**best, "round_medians_us": [round(m * 1e6, 1) for m in medians]}
         base = base or best["median_us"]
         out[name]["vs_today"] = round(best["median_us"] / base, 2)
+    out["interleaved"] = _interleaved_rounds(workers, dim, calls, rounds)
     return out
+
+
+def _interleaved_rounds(workers: int, dim: int, calls: int, rounds: int) -> dict:
+    """Today's link vs the sealed one alternating call by call, ``rounds`` fresh sets of processes: the
+    sealed/plain ratio of medians per round (each round's two contenders on the same placement)."""
+    ratios, plain_us, sealed_us = [], [], []
+    for _ in range(rounds):
+        plain, sealed = interleaved_layer_round_trips(workers, dim, calls)
+        plain_us.append(round(statistics.median(plain) * 1e6, 1))
+        sealed_us.append(round(statistics.median(sealed) * 1e6, 1))
+        ratios.append(round(sealed_us[-1] / plain_us[-1], 3))
+    return {
+        "plain_median_us": plain_us,
+        "sealed_median_us": sealed_us,
+        "sealed_vs_plain": ratios,
+        "sealed_vs_plain_median": round(statistics.median(ratios), 2),
+    }
 
 
 def ray_round_trips(values: int, calls: int) -> list[float] | None:
