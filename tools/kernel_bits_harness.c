@@ -12,7 +12,8 @@
  * Each line: kernel, case, FNV-1a of the SIMD result's bytes. The SIMD result is also checked against the
  * plain C one (a different summation order: to float rounding) and, where a kernel has two SIMD levels
  * that promise the same bytes (q8: AVX2 and VNNI, NEON and dot-product; nibble: AVX2 and AVX-512), the
- * two against each other; a failure prints "FAIL" and the exit status is 1. The first line names the
+ * two against each other (the indexer's tiles: every path against the plain C loop, byte for byte); a failure
+ * prints "FAIL" and the exit status is 1. The first line names the
  * levels found (they differ between machines: the test compares the other lines).
  */
 #include <math.h>
@@ -56,7 +57,7 @@ static void close_to(const char *what, const float *got, const float *want, size
 
 static void same(const char *what, const void *a, const void *b, size_t bytes) {
     if (memcmp(a, b, bytes) != 0) {
-        printf("FAIL %s: the two SIMD levels give different bytes\n", what);
+        printf("FAIL %s: two paths that promise the same bytes differ\n", what);
         failures++;
     }
 }
@@ -192,6 +193,27 @@ static void index_case(int heads, int dim, int seen, int rows) {
     free(q), free(w), free(keys), free(a), free(b);
 }
 
+/* A long prompt's indexer scores (index_select.h index_tile_scores): a column slice of a wider key matrix, key
+ * counts off the vector widths; every path promises the plain C loop's bytes. */
+static void tile_case(int heads, int dim, int keys, int rows) {
+    int stride = keys + 5;
+    size_t nq = (size_t)rows * heads * dim, nk = (size_t)dim * stride, ns = (size_t)rows * keys;
+    float *q = malloc(sizeof(float) * nq), *w = malloc(sizeof(float) * rows * heads), *kt = malloc(sizeof(float) * nk);
+    float *a = malloc(sizeof(float) * ns), *b = malloc(sizeof(float) * ns);
+    for (size_t i = 0; i < nq; i++) q[i] = small();
+    for (size_t i = 0; i < nk; i++) kt[i] = small();
+    for (int i = 0; i < rows * heads; i++) w[i] = small() / 8.f;
+    IndexTiles j = {q, w, kt + 3, rows, heads, dim, keys, stride, 1.f / sqrtf((float)dim), a, keys};
+    index_tile_scores(&j, 0, 1);
+    j.scores = b;
+    index_tile_scores(&j, 1, 2);
+    char what[64];
+    snprintf(what, sizeof what, "index tiles heads=%d dim=%d keys=%d", heads, dim, keys);
+    same(what, a, b, sizeof(float) * ns);
+    printf("%s %016llx\n", what, (unsigned long long)fnv(b, sizeof(float) * ns));
+    free(q), free(w), free(kt), free(a), free(b);
+}
+
 int main(void) {
     printf("levels simd=%d wide=%d q8-vnni=%d bf16=%d\n", nibble_simd_available(), nibble_simd_wide(), q8_vnni_available(), bf16_isa(64, 2));
     /* test_int4_kernel's shapes, every record kind, and ragged ones: odd widths, partial groups and chunks */
@@ -228,6 +250,8 @@ int main(void) {
     for (int s = 0; s < 5; s++) decode_ops_case(ops[s][0], ops[s][1]);
     const int index_shapes[][3] = {{64, 128, 300}, {8, 64, 40}, {13, 20, 7}, {16, 7, 600}};
     for (int s = 0; s < 4; s++) index_case(index_shapes[s][0], index_shapes[s][1], index_shapes[s][2], 3);
+    const int tile_shapes[][3] = {{64, 128, 300}, {16, 32, 513}, {13, 20, 7}, {8, 7, 33}, {1, 1, 1}, {19, 33, 40}};
+    for (int s = 0; s < 6; s++) tile_case(tile_shapes[s][0], tile_shapes[s][1], tile_shapes[s][2], 3);
     printf("%s\n", failures ? "FAILED" : "ok");
     return failures ? 1 : 0;
 }

@@ -241,3 +241,108 @@ int index_select(const IndexSelect *j, int threads) {
     free(scores), free(ranks);
     return 0;
 }
+
+/* ---------------------------------------------------------------- a long prompt's scores (index_tile_scores) */
+/* One score as every vector path computes each of its lanes (index_tile_body.h). */
+static float tile_score_plain(const IndexTiles *j, const float *q, const float *w, int t) {
+    float total = 0.f;
+    for (int h = 0; h < j->heads; h++) {
+        float dot = 0.f;
+        for (int d = 0; d < j->dim; d++) dot = fmaf(q[(size_t)h * j->dim + d], j->keys_t[(size_t)d * j->key_stride + t], dot);
+        total = fmaf(w[h], relu(dot * j->scale), total);
+    }
+    return total;
+}
+
+#if HAVE_X86
+#define IT_TARGET __attribute__((target("avx2,fma,avx512f")))
+#define IT_NAME(name) name##_avx512
+#define IT_VEC __m512
+#define IT_ZERO _mm512_setzero_ps
+#define IT_DUP _mm512_set1_ps
+#define IT_LOAD _mm512_loadu_ps
+#define IT_STORE _mm512_storeu_ps
+#define IT_FMA _mm512_fmadd_ps
+#define IT_MUL _mm512_mul_ps
+#define IT_RELU _mm512_max_ps /* (zero, x): zero > x ? zero : x, a NaN stays NaN, as relu() */
+#define IT_LANES 16
+#define IT_KV 2
+#include "index_tile_body.h"
+#undef IT_TARGET
+#undef IT_NAME
+#undef IT_VEC
+#undef IT_ZERO
+#undef IT_DUP
+#undef IT_LOAD
+#undef IT_STORE
+#undef IT_FMA
+#undef IT_MUL
+#undef IT_RELU
+#undef IT_LANES
+#undef IT_KV
+
+#define IT_TARGET AVX2
+#define IT_NAME(name) name##_avx2
+#define IT_VEC __m256
+#define IT_ZERO _mm256_setzero_ps
+#define IT_DUP _mm256_set1_ps
+#define IT_LOAD _mm256_loadu_ps
+#define IT_STORE _mm256_storeu_ps
+#define IT_FMA _mm256_fmadd_ps
+#define IT_MUL _mm256_mul_ps
+#define IT_RELU _mm256_max_ps
+#define IT_LANES 8
+#define IT_KV 1
+#include "index_tile_body.h"
+#endif
+
+#if HAVE_NEON
+#define IT_TARGET
+#define IT_NAME(name) name##_neon
+#define IT_VEC F8
+#define IT_ZERO f8_zero
+#define IT_DUP f8_dup
+#define IT_LOAD f8_load
+#define IT_STORE f8_store
+#define IT_FMA f8_fma
+#define IT_MUL f8_mul
+#define IT_RELU max_ps /* _mm256_max_ps's rule, lane for lane */
+#define IT_LANES 8
+#define IT_KV 1
+#include "index_tile_body.h"
+#endif
+
+typedef struct {
+    const IndexTiles *job;
+    int simd, blocks_per_row;
+} TileJob;
+
+static void tile_block(void *arg, int b) {
+    const TileJob *s = arg;
+    const IndexTiles *j = s->job;
+    int row = b / s->blocks_per_row, begin = b % s->blocks_per_row * KEYS_PER_BLOCK;
+    int end = begin + KEYS_PER_BLOCK < j->keys ? begin + KEYS_PER_BLOCK : j->keys;
+#if HAVE_X86
+    if (s->simd && nibble_simd_wide()) {
+        tile_row_avx512(j, row, begin, end);
+        return;
+    }
+    if (s->simd && nibble_simd_available()) {
+        tile_row_avx2(j, row, begin, end);
+        return;
+    }
+#elif HAVE_NEON
+    if (s->simd && nibble_simd_available()) {
+        tile_row_neon(j, row, begin, end);
+        return;
+    }
+#endif
+    const float *q = j->q + (size_t)row * j->heads * j->dim, *w = j->weights + (size_t)row * j->heads;
+    float *out = j->scores + (size_t)row * j->score_stride;
+    for (int t = begin; t < end; t++) out[t] = tile_score_plain(j, q, w, t);
+}
+
+void index_tile_scores(const IndexTiles *j, int simd, int threads) {
+    TileJob s = {j, simd, (j->keys + KEYS_PER_BLOCK - 1) / KEYS_PER_BLOCK};
+    split_run(tile_block, &s, j->rows * s.blocks_per_row, threads);
+}

@@ -25,4 +25,21 @@ int index_select(const IndexSelect *job, int threads);
  * the AVX2 / AVX-512VL / NEON loops where the CPU has them, 0 the plain C loop). tools/kernel_bits_harness.c. */
 void index_row_scores(const IndexSelect *job, int row, int simd_path, float *scores);
 
+/* A long prompt's indexer scores without the top-k (engine/mla/index_blocks.py keeps a running one): for query
+ * rows against a range of keys stored as columns, which a key block loads as whole vectors. */
+typedef struct {
+    const float *q;       /* [rows, heads, dim] the roped query heads */
+    const float *weights; /* [rows, heads] their head weights */
+    const float *keys_t;  /* [dim, key_stride] the keys as columns, the first one scored at column 0 */
+    int rows, heads, dim, keys, key_stride; /* keys: columns scored, [0, keys) */
+    float scale;          /* on each head's product before its ReLU: dim^-0.5 */
+    float *scores;        /* [rows, score_stride]: row r's scores of the keys in its first `keys` */
+    int score_stride;
+} IndexTiles;
+
+/* scores[r, t] = sum_h weights[r, h] * relu(scale * q[r, h] . keys_t[:, t]), each dot and the head sum fused
+ * multiply-adds in order from zero, so the plain C loop (simd 0), AVX2, AVX-512 and NEON (simd 1, where the
+ * CPU has them) give the same bits; split over `threads` in blocks of (row, 256 keys). No causal mask. */
+void index_tile_scores(const IndexTiles *job, int simd, int threads);
+
 #endif

@@ -489,12 +489,37 @@ static PyObject *py_index_select(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* index_tile_scores(q_ptr, weights_ptr, keys_t_ptr, rows, heads, dim, keys, key_stride, scale, scores_ptr,
+ * score_stride, simd, threads): a long prompt's DSA indexer scores (index_select.c), float32: q [rows, heads, dim],
+ * weights [rows, heads], keys_t [dim, key_stride] from the first key scored, scores [rows, score_stride]. */
+static PyObject *py_index_tile_scores(PyObject *self, PyObject *args) {
+    unsigned long long q, weights, keys_t, scores;
+    int rows, heads, dim, keys, key_stride, score_stride, simd, threads;
+    float scale;
+    if (!PyArg_ParseTuple(args, "KKKiiiiifKiii", &q, &weights, &keys_t, &rows, &heads, &dim, &keys, &key_stride, &scale,
+                          &scores, &score_stride, &simd, &threads))
+        return NULL;
+    if (rows < 1 || heads < 1 || dim < 1 || keys < 1 || key_stride < keys || score_stride < keys) {
+        PyErr_Format(PyExc_ValueError, "index_tile_scores: rows=%d heads=%d dim=%d keys=%d key_stride=%d score_stride=%d",
+                     rows, heads, dim, keys, key_stride, score_stride);
+        return NULL;
+    }
+    IndexTiles job = {(const float *)(uintptr_t)q, (const float *)(uintptr_t)weights, (const float *)(uintptr_t)keys_t,
+                      rows, heads, dim, keys, key_stride, scale, (float *)(uintptr_t)scores, score_stride};
+    (void)nibble_simd_available(); /* detect the CPU once, before any helper thread looks */
+    Py_BEGIN_ALLOW_THREADS
+    index_tile_scores(&job, simd, threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"rms_norm", py_rms_norm, METH_VARARGS, "out = w * x / sqrt(mean(x^2) + eps) per row, float32."},
     {"route", py_route, METH_VARARGS, "a MoE router's expert ids and weights for rows of x, float32."},
     {"attend_one", py_attend_one, METH_VARARGS, "absorbed MLA attention of one query over the compressed cache."},
     {"index_finish", py_index_finish, METH_VARARGS, "the DSA indexer's key or query heads normed and roped, float32."},
     {"index_select", py_index_select, METH_VARARGS, "the DSA indexer's top-k positions for query rows."},
+    {"index_tile_scores", py_index_tile_scores, METH_VARARGS, "a long prompt's DSA indexer scores, keys as columns."},
     {"bytes_read_ahead", py_bytes_read_ahead, METH_NOARGS, "bytes the helper thread has read ahead into the caches, ever."},
     {"cores_shared", py_cores_shared, METH_VARARGS, "the helper thread's last verdict on its core (None: none that recent)."},
     {"split_probe", py_split_probe, METH_VARARGS, "blocks the helper ran of a two-block job whose helper block sleeps or spins (tests)."},
@@ -522,7 +547,7 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     if (m && PyModule_AddFunctions(m, py_decode_methods) != 0) Py_CLEAR(m);
     if (m) PyModule_AddIntConstant(m, "MAX_ROWS", MAX_ROWS);
     /* the entry points and signatures of this build (engine/kernels/native.py checks it): raise both together */
-    if (m) PyModule_AddIntConstant(m, "ABI_VERSION", 5);
+    if (m) PyModule_AddIntConstant(m, "ABI_VERSION", 6);
     /* 2 AVX-512, 1 AVX2 or NEON, 0 none: without SIMD the bf16 path would be slower than float32 matmul. */
     if (m) PyModule_AddIntConstant(m, "BF16_SIMD", bf16_isa(64, 2));
     /* 1: the int8-activation kernels multiply with AVX-512 VNNI's dpbusd (else AVX2 maddubs, or C) */

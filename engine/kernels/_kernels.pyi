@@ -95,6 +95,22 @@ def index_select(
     threads: int,
     /,
 ) -> None: ...
+def index_tile_scores(
+    q: int,
+    weights: int,
+    keys_t: int,
+    rows: int,
+    heads: int,
+    dim: int,
+    keys: int,
+    key_stride: int,
+    scale: float,
+    scores: int,
+    score_stride: int,
+    simd: int,
+    threads: int,
+    /,
+) -> None: ...
 def read_ahead(ranges: Sequence[tuple[int, int]], threads: int, /) -> None: ...
 def nibble_moe(
     x: int,

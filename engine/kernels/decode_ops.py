@@ -191,3 +191,27 @@ def index_select(
             chosen[b].data_ptr(), kernel_threads(),
         )  # fmt: skip
     return chosen
+
+
+def index_tile_scores(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys_t: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    simd: bool = True,
+) -> torch.Tensor:
+    """A long prompt's indexer scores without a mask or top-k: q [S, H, D] (roped), weights [S, H], keys_t
+    [D, W] (keys as columns; a column slice of a contiguous [D, T] is fine), out [S, >= W] float32, rows
+    contiguous -> out[s, t] = sum_h weights[s, h] * relu(scale * q[s, h] . keys_t[:, t]). The same bits from
+    every instruction set and from the plain C loop (``simd`` False: tests); ``index_select_takes`` says
+    where it runs."""
+    rows, heads, dim = q.shape
+    q, weights = q.contiguous(), weights.float().contiguous()
+    if keys_t.stride(1) != 1 or out.stride(1) != 1 or keys_t.shape[0] != dim:
+        raise ValueError(f"index_tile_scores: keys_t {tuple(keys_t.shape)} / out {tuple(out.shape)} not row-major")
+    _kernels.index_tile_scores(
+        q.data_ptr(), weights.data_ptr(), keys_t.data_ptr(), rows, heads, dim, keys_t.shape[1], keys_t.stride(0),
+        scale, out.data_ptr(), out.stride(0), int(simd), kernel_threads(),
+    )  # fmt: skip
+    return out

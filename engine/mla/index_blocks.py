@@ -4,22 +4,24 @@ index[s, t] = sum_h w[s, h] * ReLU(scale * q[s, h] . k[t]) for queries at positi
 then per query the topk positions, highest first, ties to the lower position, future positions -inf (so a
 query that sees fewer than topk gets the lowest future ones as fillers, which attention masks out).
 
-Per block of queries (Sq) and keys (Tk): one matmul [Sq * H, D] x [D, Tk], ReLU in place, the heads summed
-by one batched matmul with the weights [Sq, 1, H] -> index scores [Sq, Tk], written into a slab of SLAB_KEYS
-keys; each full slab is merged into the running top-k (a stable sort over the running K then the slab's
-positions, which gives the same positions in the same order as one stable sort of the whole row).
-Key blocks past a query block's last position are never computed. Memory: one score block
-(<= SCORE_BYTES), one slab [Sq, SLAB_KEYS] and the running [Sq, K] values and positions, whatever T is.
-
-The scale is folded into the weights (ReLU(scale x) = scale ReLU(x), scale > 0): equal in exact arithmetic,
-a rounding apart from the per-query kernel (engine/kernels decode_ops.index_select), which short contexts
-and decode keep (Indexer.choose: BLOCKED_FROM_KEYS).
+Per block of queries (Sq) the scores go into a slab of SLAB_KEYS keys, and each full slab is merged into the
+running top-k (a stable sort over the running K then the slab's positions, which gives the same positions in
+the same order as one stable sort of the whole row). A slab is scored by the C kernel where it runs
+(engine/csrc/index_select.c index_tile_scores: products, ReLU and the head sum in registers, the keys read as
+columns of one transposed copy [D, T]), else by torch per key block (Tk): one matmul [Sq * H, D] x [D, Tk],
+ReLU in place, the heads summed by one batched matmul with the weights [Sq, 1, H], the scale folded into the
+weights (ReLU(scale x) = scale ReLU(x), scale > 0). The two are a rounding apart, and both a rounding apart
+from the per-query kernel (engine/kernels decode_ops.index_select), which short contexts and decode keep
+(Indexer.choose: BLOCKED_FROM_KEYS). Key blocks past a query block's last position are never computed.
+Memory: one slab [Sq, SLAB_KEYS], the running [Sq, K] values and positions, the keys' copy [D, T] for the
+kernel, one score block (<= SCORE_BYTES) for torch's, whatever T is.
 """
 
 from __future__ import annotations
 
 import torch
 
+from engine.kernels import decode_ops
 from engine.kernels.rows import products_on_threads
 
 KEY_BLOCK = 256  # keys per score block
@@ -48,33 +50,56 @@ def blocked_choice(
     """One sequence: q [S, H, D] float32 (roped) at positions start_pos.., weights [S, H], keys [T, D] ->
     int64 [S, topk]; topk < T, start_pos + S <= T."""
     seqlen, heads, _ = q.shape
-    weighted = (weights.float() * scale)[:, None, :]  # [S, 1, H]: scale folded in
+    scorer = _KernelScores(keys, scale) if decode_ops.index_select_takes(q, keys) else _TorchScores(keys, scale)
     step = query_block(heads)
     return torch.cat(
         [
-            _choose_rows(q[first : first + step], weighted[first : first + step], keys, start_pos + first, topk)
+            _choose_rows(q[first : first + step], weights[first : first + step], scorer, start_pos + first, topk)
             for first in range(0, seqlen, step)
         ]
     )
 
 
+class _KernelScores:
+    """Slabs scored by the C kernel over one transposed copy of the keys."""
+
+    def __init__(self, keys: torch.Tensor, scale: float):
+        self.keys_t, self.scale = keys.t().contiguous(), scale  # [D, T]: a key block loads whole vectors
+        self.total = keys.shape[0]
+
+    def fill(self, slab: torch.Tensor, q: torch.Tensor, weights: torch.Tensor, first: int) -> None:
+        """slab [Sq, W] <- the scores of q [Sq, H, D] (weights [Sq, H]) against keys first.. first + W."""
+        decode_ops.index_tile_scores(q, weights, self.keys_t[:, first : first + slab.shape[1]], self.scale, slab)
+
+
+class _TorchScores:
+    """Slabs scored by torch's matmuls, KEY_BLOCK keys at a time."""
+
+    def __init__(self, keys: torch.Tensor, scale: float):
+        self.keys, self.scale, self.total = keys, scale, keys.shape[0]
+
+    def fill(self, slab: torch.Tensor, q: torch.Tensor, weights: torch.Tensor, first: int) -> None:
+        rows, heads, dim = q.shape
+        flat, weighted = q.reshape(rows * heads, dim), (weights.float() * self.scale)[:, None, :]  # [Sq, 1, H]
+        for begin in range(first, first + slab.shape[1], KEY_BLOCK):
+            end = min(begin + KEY_BLOCK, first + slab.shape[1])
+            with products_on_threads(rows * heads * (end - begin) * dim):
+                scores = torch.mm(flat, self.keys[begin:end].t()).relu_().view(rows, heads, -1)
+                slab[:, begin - first : end - first] = torch.bmm(weighted, scores)[:, 0]
+
+
 def _choose_rows(
-    q: torch.Tensor, weighted: torch.Tensor, keys: torch.Tensor, start_pos: int, topk: int
+    q: torch.Tensor, weights: torch.Tensor, scorer: _KernelScores | _TorchScores, start_pos: int, topk: int
 ) -> torch.Tensor:
     """A block of queries q [Sq, H, D] at positions start_pos.. -> [Sq, topk]."""
-    rows, heads, dim = q.shape
-    flat = q.reshape(rows * heads, dim)
+    rows = q.shape[0]
     # keys any of these rows may see, and at least topk (a row that sees fewer takes future fillers)
-    seen = min(keys.shape[0], max(start_pos + rows, topk))
+    seen = min(scorer.total, max(start_pos + rows, topk))
     best: tuple[torch.Tensor, torch.Tensor] | None = None  # running (values, positions) [Sq, <= K]
     for keys_of_slab in slabs(seen, topk):
         slab_start, slab_end = keys_of_slab.start, keys_of_slab.stop
         slab = torch.empty(rows, slab_end - slab_start, dtype=torch.float32, device=q.device)
-        for first in range(slab_start, slab_end, KEY_BLOCK):
-            last = min(first + KEY_BLOCK, slab_end)
-            with products_on_threads(rows * heads * (last - first) * dim):
-                scores = torch.mm(flat, keys[first:last].t()).relu_().view(rows, heads, -1)
-                slab[:, first - slab_start : last - slab_start] = torch.bmm(weighted, scores)[:, 0]
+        scorer.fill(slab, q, weights, slab_start)
         if slab_end > start_pos:  # the rows' own positions and those after: -inf past each row's position
             _mask_future(slab, start_pos, slab_start)
         best = _merge(best, slab, slab_start, topk)

@@ -1,7 +1,8 @@
 """Long-prompt prefill (engine/mla/index_blocks.py, engine/mla/prefill.py selected_blocks) against the unblocked
 computations and against transformers.
 
-- The indexer in blocked GEMMs with a running top-k: on integer-valued inputs (every product and sum exact in
+- The indexer in blocked GEMMs with a running top-k, its slabs scored by the C kernel and by torch's matmuls
+  (both forms each time): on integer-valued inputs (every product and sum exact in
   float32, ties everywhere) the same positions in the same order as one stable sort of the whole row; on
   real-valued inputs every chosen position within a rounding of the reference's top-k; odd lengths, key and
   query blocks that divide nothing, rows that see fewer than topk; its temporaries bounded by construction.
@@ -12,6 +13,8 @@ computations and against transformers.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -25,6 +28,7 @@ from engine.config.args import ModelArgs
 from engine.core.cache import KVCache
 from engine.core.layers import stable_topk_indices
 from engine.core.rope import rope_tables
+from engine.kernels import decode_ops, native
 from engine.mla.attention import MLA
 from engine.mla.index_blocks import blocked_choice, query_block, slabs
 from tests.test_engine.mla.test_prefill_attention import ODD  # widths that divide neither 64 nor 32
@@ -40,12 +44,22 @@ def _reference_scores(q, weights, keys, start_pos, scale):
     return index.masked_fill(torch.arange(keys.shape[0])[None] > rows, float("-inf"))
 
 
+@pytest.fixture(params=["kernel", "torch"])
+def scorer(request):
+    """The blocked indexer's slabs scored by the C kernel (index_tile_scores), then by torch's matmuls."""
+    if request.param == "kernel" and not native.BUILT:
+        pytest.skip("engine.kernels._kernels was not built")
+    with decode_ops.torch_ops() if request.param == "torch" else contextlib.nullcontext():
+        yield request.param
+
+
 @pytest.fixture
-def odd_blocks(monkeypatch):
+def odd_blocks(scorer, monkeypatch):
     """Key blocks of 37, slabs of 100 (or 4 x topk), query blocks of 11: no length below is a multiple."""
     monkeypatch.setattr(index_blocks, "KEY_BLOCK", 37)
     monkeypatch.setattr(index_blocks, "SLAB_KEYS", 100)
     monkeypatch.setattr(index_blocks, "SCORE_BYTES", 11 * HEADS * 37 * 4)
+    return scorer
 
 
 # (keys T, new positions S, topk): one key past topk; S = T from position 0 (rows seeing fewer than topk
@@ -88,7 +102,7 @@ def test_real_scores_choose_the_references_top_k(odd_blocks, total, seqlen, topk
 
 @pytest.mark.parametrize("integers", [True, False], ids=["integers", "normal"])
 @pytest.mark.parametrize("total, seqlen", [(1001, 63), (1100, 300)])
-def test_the_first_slabs_chunk_cut_keeps_the_stable_sorts_choice(monkeypatch, integers, total, seqlen):
+def test_the_first_slabs_chunk_cut_keeps_the_stable_sorts_choice(scorer, monkeypatch, integers, total, seqlen):
     """One slab of 1000+ keys cut to the scores at least the topk-th largest of 7-key chunk maxima before
     its sort (and 300 rows from position 800: some rows see fewer keys than others): the same positions in
     the same order as the stable sort of the whole row."""
@@ -160,7 +174,10 @@ def test_the_blocked_indexers_temporaries_are_bounded(odd_blocks, monkeypatch):
     total, topk = 1001, 20
     q, keys = torch.randn(30, HEADS, DIM), torch.randn(total, DIM)
     blocked_choice(q, torch.randn(30, HEADS), keys, total - 30, 1.0, topk)
-    assert blocks and max(rows * width * 4 for rows, width in blocks) <= index_blocks.SCORE_BYTES
+    if odd_blocks == "torch":  # the kernel holds its products in registers: no score block at all
+        assert blocks and max(rows * width * 4 for rows, width in blocks) <= index_blocks.SCORE_BYTES
+    else:
+        assert not blocks
     assert max(width for _, width in merged) <= max(index_blocks.SLAB_KEYS, 4 * topk)
     assert query_block(HEADS) * HEADS * index_blocks.KEY_BLOCK * 4 <= index_blocks.SCORE_BYTES
     assert [s.stop - s.start for s in slabs(total, topk)] == [100] * 10 + [1]
