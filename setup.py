@@ -41,6 +41,7 @@ setup(
                 "engine/csrc/q8_body.h",
                 "engine/csrc/nibble_body.h",
                 "engine/csrc/index_score_body.h",
+                "engine/csrc/index_tile_body.h",
                 "engine/csrc/moe_terms.h",
                 "engine/csrc/neon8.h",
                 "engine/csrc/q8_neon.h",
