@@ -155,30 +155,42 @@ def _socket_worker(index: int, port: int, dim: int, calls: int, sealed: bool = F
     link.close()
 
 
-def socket_layer_round_trips(workers: int, dim: int, calls: int, sealed: bool = False) -> list[float]:
+def _links_to_workers(target, workers: int, *args) -> tuple[socket.socket, list, list[Link]]:
+    """A listening socket, ``workers`` spawned processes running ``target(w, port, *args)`` and the
+    coordinator's Link to each."""
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]
     context = mp.get_context("spawn")
-    processes = [context.Process(target=_socket_worker, args=(w, port, dim, calls, sealed)) for w in range(workers)]
+    processes = [context.Process(target=target, args=(w, port, *args)) for w in range(workers)]
     for process in processes:
         process.start()
-    links = [Link(server.accept()[0], f"worker {w}") for w in range(workers)]
-    for link in links:
-        link.seal = Seal.for_side(BENCH_KEY, COORDINATOR_ROLE, *NONCES) if sealed else None
-    request = _layer_request(dim).numpy().tobytes()
-    times = []
-    for i in range(WARMUP + calls):
-        start = time.perf_counter()
-        replies = [Reply(Op.SUM, torch.empty(dim, dtype=torch.float64), "layer") for _ in links]
-        for link, reply in zip(links, replies, strict=True):
-            link.send(Op.SUM, [request], (1, 1, 8, dim), 10.0, reply)
-        for link, reply in zip(links, replies, strict=True):
-            link.wait(reply, 10.0)
-        if i >= WARMUP:
-            times.append(time.perf_counter() - start)
+    return server, processes, [Link(server.accept()[0], f"worker {w}") for w in range(workers)]
+
+
+def _one_layer(links: list[Link], request: bytes, dim: int) -> float:
+    """One MoE layer's round trip in seconds: the request to every worker, then every partial sum back."""
+    start = time.perf_counter()
+    replies = [Reply(Op.SUM, torch.empty(dim, dtype=torch.float64), "layer") for _ in links]
+    for link, reply in zip(links, replies, strict=True):
+        link.send(Op.SUM, [request], (1, 1, 8, dim), 10.0, reply)
+    for link, reply in zip(links, replies, strict=True):
+        link.wait(reply, 10.0)
+    return time.perf_counter() - start
+
+
+def _finish(server: socket.socket, processes: list) -> None:
     for process in processes:
         process.join()
     server.close()
+
+
+def socket_layer_round_trips(workers: int, dim: int, calls: int, sealed: bool = False) -> list[float]:
+    server, processes, links = _links_to_workers(_socket_worker, workers, dim, calls, sealed)
+    for link in links:
+        link.seal = Seal.for_side(BENCH_KEY, COORDINATOR_ROLE, *NONCES) if sealed else None
+    request = _layer_request(dim).numpy().tobytes()
+    times = [_one_layer(links, request, dim) for _ in range(WARMUP + calls)][WARMUP:]
+    _finish(server, processes)
     return times
 
 
@@ -196,13 +208,7 @@ def _interleaved_worker(index: int, port: int, dim: int, calls: int) -> None:
 def interleaved_layer_round_trips(workers: int, dim: int, calls: int) -> tuple[list[float], list[float]]:
     """(plain, sealed) round trips per layer over the same links, alternating call by call: both see the
     same processes on the same cores (separate runs of 2-3 processes on 2 cores land 42 or 88 us apart)."""
-    server = socket.create_server(("127.0.0.1", 0))
-    port = server.getsockname()[1]
-    context = mp.get_context("spawn")
-    processes = [context.Process(target=_interleaved_worker, args=(w, port, dim, calls)) for w in range(workers)]
-    for process in processes:
-        process.start()
-    links = [Link(server.accept()[0], f"worker {w}") for w in range(workers)]
+    server, processes, links = _links_to_workers(_interleaved_worker, workers, dim, calls)
     seals = [Seal.for_side(BENCH_KEY, COORDINATOR_ROLE, *NONCES) for _ in links]
     request = _layer_request(dim).numpy().tobytes()
     times: tuple[list[float], list[float]] = ([], [])
@@ -210,17 +216,10 @@ def interleaved_layer_round_trips(workers: int, dim: int, calls: int) -> tuple[l
         sealed = i % 2
         for link, seal in zip(links, seals, strict=True):
             link.seal = seal if sealed else None
-        start = time.perf_counter()
-        replies = [Reply(Op.SUM, torch.empty(dim, dtype=torch.float64), "layer") for _ in links]
-        for link, reply in zip(links, replies, strict=True):
-            link.send(Op.SUM, [request], (1, 1, 8, dim), 10.0, reply)
-        for link, reply in zip(links, replies, strict=True):
-            link.wait(reply, 10.0)
+        took = _one_layer(links, request, dim)
         if i >= 2 * WARMUP:
-            times[sealed].append(time.perf_counter() - start)
-    for process in processes:
-        process.join()
-    server.close()
+            times[sealed].append(took)
+    _finish(server, processes)
     return times
 
 

@@ -19,6 +19,8 @@ kernel, one score block (<= SCORE_BYTES) for torch's, whatever T is.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from engine.kernels import decode_ops
@@ -50,7 +52,9 @@ def blocked_choice(
     """One sequence: q [S, H, D] float32 (roped) at positions start_pos.., weights [S, H], keys [T, D] ->
     int64 [S, topk]; topk < T, start_pos + S <= T."""
     seqlen, heads, _ = q.shape
-    scorer = _KernelScores(keys, scale) if decode_ops.index_select_takes(q, keys) else _TorchScores(keys, scale)
+    scorer: SlabScores = (
+        _KernelScores(keys, scale) if decode_ops.index_select_takes(q, keys) else _TorchScores(keys, scale)
+    )
     step = query_block(heads)
     return torch.cat(
         [
@@ -58,6 +62,14 @@ def blocked_choice(
             for first in range(0, seqlen, step)
         ]
     )
+
+
+class SlabScores(Protocol):
+    """Who fills a slab with index scores: over ``total`` keys, a slab [Sq, W] of keys first.. first + W."""
+
+    total: int
+
+    def fill(self, slab: torch.Tensor, q: torch.Tensor, weights: torch.Tensor, first: int) -> None: ...
 
 
 class _KernelScores:
@@ -68,7 +80,6 @@ class _KernelScores:
         self.total = keys.shape[0]
 
     def fill(self, slab: torch.Tensor, q: torch.Tensor, weights: torch.Tensor, first: int) -> None:
-        """slab [Sq, W] <- the scores of q [Sq, H, D] (weights [Sq, H]) against keys first.. first + W."""
         decode_ops.index_tile_scores(q, weights, self.keys_t[:, first : first + slab.shape[1]], self.scale, slab)
 
 
@@ -88,9 +99,7 @@ class _TorchScores:
                 slab[:, begin - first : end - first] = torch.bmm(weighted, scores)[:, 0]
 
 
-def _choose_rows(
-    q: torch.Tensor, weights: torch.Tensor, scorer: _KernelScores | _TorchScores, start_pos: int, topk: int
-) -> torch.Tensor:
+def _choose_rows(q: torch.Tensor, weights: torch.Tensor, scorer: SlabScores, start_pos: int, topk: int) -> torch.Tensor:
     """A block of queries q [Sq, H, D] at positions start_pos.. -> [Sq, topk]."""
     rows = q.shape[0]
     # keys any of these rows may see, and at least topk (a row that sees fewer takes future fillers)
