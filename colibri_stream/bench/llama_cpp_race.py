@@ -105,6 +105,7 @@ class LlamaCppRace:
         return {
             "threads": host.threads,
             "ours_matched": matched,
+            "matched_containers": {label: str(path) for label, path in self.matched.items()},  # for the limit line
             "ours_same_limit": same_limit,
             "files": {kind: {"path": str(path)} | gguf_facts(path, context) for kind, path in files.items()},
             "rows": rows,

@@ -397,8 +397,8 @@ class Bench:
             )
         }
         names = {"int4": "colibri-stream", INT8_MATCHED: "colibri-stream int8", INT4_MATCHED: "colibri-stream int4"}
-        for label, path in getattr(self, "matched", {}).items():
-            matched = Container(path)
+        for label, path in self.results.get("llama_cpp", {}).get("matched_containers", {}).items():
+            matched = Container(Path(path))
             m = plan(geometry_from_container(matched), StoreConfig(ram_bytes=0))
             touched[names[label]] = ours_touched(
                 coded_dense_bytes_per_token(matched.dense),

@@ -15,9 +15,10 @@ import tarfile
 import pytest
 
 from colibri_stream import cli
-from colibri_stream.bench import llama_cpp, system
+from colibri_stream.bench import llama_cpp, suite, system
 from colibri_stream.bench.alternated_rows import alternated_ratios, alternated_rows
 from colibri_stream.bench.limit_line import TouchedBytes, gguf_touched, limit_line, llama_cpp_kv_bytes, ours_touched
+from colibri_stream.bench.llama_cpp_race import INT8_MATCHED
 from colibri_stream.bench.llama_cpp_section import (
     best_row,
     fastest_warm_mode,
@@ -33,6 +34,29 @@ from colibri_stream.bench.system import ContenderFailed, ProcessRun, steal_share
 
 
 # ------------------------------------------------------------------------------------ limit line
+def test_the_limit_line_holds_our_matched_rows_when_the_llama_cpp_section_runs_alone(tmp_path, monkeypatch):
+    """`tools/bench_llama_cpp.py` runs the llama_cpp section without the decode one: our quality-matched
+    containers' 100% rows are on the limit line anyway, measured, since the section hands their paths over
+    in its results (the suite looked for them on itself and found none: "measured None")."""
+    bench = suite.Bench(suite.QUICK_SETTINGS, tmp_path, tmp_path / "out", lambda line: None)
+    bench.prepare_models()
+    int8 = bench.convert_container("int4", dense="int8")
+    row = {"container": INT8_MATCHED, "budget_pct": 100, "decode_tok_per_s": 7.0}
+    bench.results.update(
+        machine={"memory_bandwidth_Bps": 10**10, "torch_threads": 1},
+        llama_cpp={
+            "matched_containers": {INT8_MATCHED: str(int8)},
+            "ours_matched": [row, {**row, "budget_pct": 25, "decode_tok_per_s": 99.0}],  # 25% never counts
+            "files": {},
+            "rows": [],
+        },
+    )
+    monkeypatch.setattr(suite, "memory_bandwidth", lambda threads: 10**10)
+    line = bench.limit_line_summary()["contenders"]["colibri-stream int8"]
+    assert line["measured_tok_per_s"] == 7.0
+    assert line["fraction_of_limit"] == round(7.0 / line["fastest_tok_per_s"], 3)
+
+
 def test_bytes_touched_per_token_and_the_limit_line():
     ours = ours_touched(
         dense_bytes_per_token=1000, record_bytes=50, top_k=6, moe_layers=3, kv_bytes_per_token=4, context=10
