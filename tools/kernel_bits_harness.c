@@ -13,8 +13,8 @@
  * plain C one (a different summation order: to float rounding) and, where a kernel has two SIMD levels
  * that promise the same bytes (q8: AVX2 and VNNI, NEON and dot-product; nibble: AVX2 and AVX-512), the
  * two against each other (the indexer's tiles: every path against the plain C loop, byte for byte); a failure
- * prints "FAIL" and the exit status is 1. The first line names the
- * levels found (they differ between machines: the test compares the other lines).
+ * prints "FAIL" and the exit status is 1. The first line names the levels found (they differ between
+ * machines: the test compares the other lines).
  */
 #include <math.h>
 #include <stdint.h>

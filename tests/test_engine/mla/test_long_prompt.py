@@ -2,8 +2,8 @@
 computations and against transformers.
 
 - The indexer in blocked GEMMs with a running top-k, its slabs scored by the C kernel and by torch's matmuls
-  (both forms each time): on integer-valued inputs (every product and sum exact in
-  float32, ties everywhere) the same positions in the same order as one stable sort of the whole row; on
+  (both forms each time): on integer-valued inputs (every product and sum exact in float32, ties everywhere)
+  the same positions in the same order as one stable sort of the whole row; on
   real-valued inputs every chosen position within a rounding of the reference's top-k; odd lengths, key and
   query blocks that divide nothing, rows that see fewer than topk; its temporaries bounded by construction.
 - MLA under a DSA selection (each query against its K chosen positions, gathered) against the whole-cache
