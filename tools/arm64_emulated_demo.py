@@ -12,8 +12,9 @@ downloads once into --cache (~8 GB):
   3. aarch64 wheels of the package's dependencies, pinned to the versions this host has installed, from PyPI
      (`pip download --platform`; torch's aarch64 wheel on PyPI is a CUDA build, so its CUDA libraries come
      too: they are only loaded, the run is on the CPU);
-  4. engine/csrc cross-compiled with setup.py's flags to engine/kernels/_kernels.cpython-311-aarch64-linux-gnu.so
-     in a copy of the packages (the tree's x86 extension is left alone).
+  4. the package's wheel for linux_aarch64: `pip wheel` of this tree, its x86 extension swapped for engine/csrc
+     cross-compiled with setup.py's flags (engine/kernels/_kernels.cpython-311-aarch64-linux-gnu.so), retagged,
+     then `pip install --target --platform linux_aarch64` of it: the ARM targets import what that wheel holds.
 Then per target (this host; qemu as each --cpus model, MODEL:ISA also setting COLIBRI_STREAM_ISA=ISA):
 `python -m colibri_stream demo --json` in a fresh cache (converts the demo to int4, generates from the
 container), then tools/arm64_demo_probe.py on that container (doctor's kernel level; greedy ids of the float
@@ -27,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import ast
+import base64
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -36,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,24 +168,65 @@ def c_files() -> list[str]:
     raise SetupError("setup.py has no C_FILES")
 
 
-def build_tree(cache: Path, sysroot: Path) -> Path:
-    """A copy of the packages with the extension cross-built for aarch64 (setup.py's flags, Debian's CFLAGS)."""
-    tree = cache / "tree"
-    shutil.rmtree(tree, ignore_errors=True)
-    skip = shutil.ignore_patterns("__pycache__", "*.so", "*.pyc")
-    for package in ("colibri_stream", "engine", "storage"):
-        shutil.copytree(ROOT / package, tree / package, ignore=skip)
+def cross_build_extension(sysroot: Path, out: Path) -> Path:
+    """engine/csrc cross-built for aarch64 into ``out`` (setup.py's flags, Debian's aarch64 Python headers)."""
     compiler = shutil.which("aarch64-linux-gnu-gcc")
     if compiler is None:
         raise SetupError("aarch64-linux-gnu-gcc not found (apt-get install gcc-aarch64-linux-gnu)")
-    out = tree / "engine" / "kernels" / "_kernels.cpython-311-aarch64-linux-gnu.so"
     # pyconfig.h includes <aarch64-linux-gnu/python3.11/pyconfig.h>; -idirafter: the compiler's libc headers first
     includes = [f"-I{sysroot}/usr/include/python3.11", "-idirafter", f"{sysroot}/usr/include"]
     flags = ["-DNDEBUG", "-fwrapv", "-Wall", "-fPIC", "-O3", "-ffp-contract=off", "-shared"]
     sources = [str(ROOT / "engine" / "csrc" / f"{name}.c") for name in c_files()]
     log(f"cross-compiling {len(sources)} engine/csrc files for aarch64")
     run([compiler, *flags, *includes, *sources, "-o", str(out), "-lm", "-lpthread"], "aarch64-linux-gnu-gcc")
-    return tree
+    return out
+
+
+def aarch64_wheel(cache: Path, sysroot: Path) -> Path:
+    """The package's wheel for linux_aarch64: pip builds this host's wheel, whose x86 extension is swapped for
+    the cross-built one, its tag retagged and its RECORD rewritten (what `wheel tags` does, with the stdlib)."""
+    out = cache / "wheels"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    log("building the package's wheel (pip wheel, this host)")
+    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out / "host"),
+         str(ROOT)], "pip wheel")  # fmt: skip
+    (host,) = (out / "host").glob("colibri_stream-*.whl")
+    extension = cross_build_extension(sysroot, out / "_kernels.cpython-311-aarch64-linux-gnu.so")
+    arm = out / host.name.replace("linux_x86_64", "linux_aarch64")
+    if arm == out / host.name:
+        raise SetupError(f"{host.name}: not a linux_x86_64 wheel to retag")
+    with zipfile.ZipFile(host) as source, zipfile.ZipFile(arm, "w", zipfile.ZIP_DEFLATED) as wheel:
+        record = next(name for name in source.namelist() if name.endswith(".dist-info/RECORD"))
+        files: dict[str, bytes] = {}
+        for name in source.namelist():
+            if name == record or (name.startswith("engine/kernels/_kernels.") and name.endswith(".so")):
+                continue
+            data = source.read(name)
+            files[name] = data.replace(b"linux_x86_64", b"linux_aarch64") if name.endswith("/WHEEL") else data
+        files[f"engine/kernels/{extension.name}"] = extension.read_bytes()
+        rows = [f"{name},sha256={_digest(data)},{len(data)}" for name, data in files.items()] + [f"{record},,"]
+        for name, data in {**files, record: ("\n".join(rows) + "\n").encode()}.items():
+            wheel.writestr(name, data)
+    return arm
+
+
+def _digest(data: bytes) -> str:
+    return base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
+def install_wheel(cache: Path, wheel: Path) -> Path:
+    """``wheel`` installed by pip for aarch64 CPython 3.11 into a target folder (what the ARM targets import)."""
+    target = cache / "installed"
+    shutil.rmtree(target, ignore_errors=True)
+    run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), "--platform",
+         "linux_aarch64", "--python-version", "3.11", "--implementation", "cp", "--only-binary=:all:", str(wheel)],
+        "pip install --target (the aarch64 wheel)")  # fmt: skip
+    built = sorted(p.name for p in (target / "engine" / "kernels").glob("_kernels.*.so"))
+    if built != ["_kernels.cpython-311-aarch64-linux-gnu.so"]:
+        raise SetupError(f"the installed aarch64 wheel holds {built}, not the aarch64 extension alone")
+    log(f"installed {wheel.name} for aarch64 into {target}")
+    return target
 
 
 @dataclass
@@ -257,13 +302,13 @@ def main() -> int:
         if int(re.findall(r"version (\d+)", version)[0]) < 8:
             raise SetupError(f"{version}: too old (7.2 crashes in torch's import); leave out --qemu")
         site = ensure_site(args.cache)
-        tree = build_tree(args.cache, sysroot)
+        installed = install_wheel(args.cache, aarch64_wheel(args.cache, sysroot))
     except SetupError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "COLIBRI_STREAM_ISA", "PYTHONHOME")}
     base["OMP_NUM_THREADS"] = str(args.threads)
-    arm_env = {**base, "PYTHONPATH": f"{tree}:{site}"}
+    arm_env = {**base, "PYTHONPATH": f"{installed}:{site}"}
     python = str(sysroot / "usr" / "bin" / "python3.11")
     targets = [Target("x86-64 host", [sys.executable], {**base, "PYTHONPATH": str(ROOT)})]
     for spec in args.cpus.split(","):
