@@ -3,15 +3,19 @@ process, the model loaded once, all experts in RAM:
 
   1. the int8 compute peak calibrated first (colibri_stream/bench/prefill_limit.py, the bench's kernels), before
      the model loads, so nothing else of this process runs beside it;
-  2. the prompt read once to warm up (the expert records into the store, the kernels' first calls), then once
-     more unprofiled: its time (`stats.prefill_s`) and the prompt's multiply-adds from the geometry give the
-     fraction of the prefill limit line reached;
+  2. the prompt's first --warm-tokens (default: all of it) read once to warm up (the expert records into the
+     store, the kernels' first calls), then the whole prompt once unprofiled: its time (`stats.prefill_s`) and
+     the prompt's multiply-adds from the geometry give the fraction of the prefill limit line reached;
   3. the same prompt again under cProfile (default: the engine's C kernels are calls from Python, one row
-     each; the table: each function's own time and its share of the profiled prefill) or torch.profiler
-     (`--profiler torch`: torch's ops only, the C kernels are not among them).
+     each; the table: each function's own time and its share of the profiled prefill), torch.profiler
+     (`--profiler torch`: torch's ops only, the C kernels are not among them), or not at all (`none`).
 
-    python tools/profile_prefill.py CONTAINER [--tokens 1024] [--activations int8] [--profiler cprofile|torch]
-        [--dtype float32|bfloat16] [--top 15] [--json FILE]
+    python tools/profile_prefill.py CONTAINER [--tokens 1024] [--warm-tokens N] [--activations int8]
+        [--profiler cprofile|torch|none] [--dtype float32|bfloat16] [--top 15] [--json FILE]
+
+An 8192-token prompt needs a model whose context is longer: `tools/make_stress_model.py DST --context 16384`;
+`--tokens 8192 --warm-tokens 1024 --profiler none` times it once after a 1024-token warm-up (1024 tokens route
+to nearly every expert of a layer; the stats' `expert_bytes_read` says what the timed prompt still read).
 
 CONTAINER: e.g. the bench's stress model converted `--experts int4 --dense int8` (tools/make_stress_model.py,
 then `colibri-stream convert`). The store is sized to hold every expert record (100%), the prefix cache is off.
@@ -77,7 +81,8 @@ def main() -> None:
     parser.add_argument("container", type=Path)
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--activations", default="int8")
-    parser.add_argument("--profiler", choices=("cprofile", "torch"), default="cprofile")
+    parser.add_argument("--warm-tokens", type=int, help="tokens of the warm-up prompt (default: --tokens)")
+    parser.add_argument("--profiler", choices=("cprofile", "torch", "none"), default="cprofile")
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--calibration-s", type=float, default=CALIBRATION_BUDGET_S)
     parser.add_argument("--json", type=Path)
@@ -100,17 +105,18 @@ def main() -> None:
     ids = random_prompt_ids(geometry.args.vocab_size, args.tokens, 11)
     turn = TurnOptions(max_new_tokens=1)
     try:
-        run_turn(runtime, ids, turn)  # warm: the expert records into the store, the kernels' first calls
+        run_turn(runtime, ids[: args.warm_tokens], turn)  # warm: the expert records in, the kernels' first calls
         start = time.perf_counter()
         stats = run_turn(runtime, ids, turn).stats
         wall = time.perf_counter() - start
+        profiled, ops = stats, []
         if args.profiler == "torch":
             from torch.profiler import ProfilerActivity, profile  # only when asked for
 
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 profiled = run_turn(runtime, ids, turn).stats
             ops = torch_top_ops(prof, args.top, profiled["prefill_s"])
-        else:
+        elif args.profiler == "cprofile":
             cprof = cProfile.Profile()
             cprof.enable()
             profiled = run_turn(runtime, ids, turn).stats
@@ -122,15 +128,19 @@ def main() -> None:
     line = prefill_limit_line(peaks, {args.tokens: work}, {"ours": {args.tokens: stats["prefill_s"]}})
     print(
         f"prefill {args.tokens} tokens: {stats['prefill_s']:.2f} s ({wall:.2f} s the whole turn); profiled "
-        f"{profiled['prefill_s']:.2f} s; {work.total / 1e9:,.1f} G multiply-adds; threads {threads}"
+        f"{profiled['prefill_s']:.2f} s; {work.total / 1e9:,.1f} G multiply-adds; threads {threads}; "
+        f"expert bytes read {stats['expert_bytes_read']:,}"
     )
     print(f"peaks G multiply-adds/s: {line['compute_peak_GMACps']}; kernels: {line['calibration']}")
     print(f"fraction of the int8 limit: {line['contenders']['ours'][str(args.tokens)]}")
-    print(f"| {args.profiler}: function / op | calls | own s | share of the profiled prefill |\n|---|---:|---:|---:|")
-    for op in ops:
-        print(f"| {op['op']} | {op['calls']} | {op['self_s']} | {op['share']} |")
     if args.json:
         args.json.write_text(json.dumps({"stats": stats, "profiled": profiled, "ops": ops, "limit": line}, indent=1))
+    if ops:
+        print(
+            f"| {args.profiler}: function / op | calls | own s | share of the profiled prefill |\n|---|---:|---:|---:|"
+        )
+    for op in ops:
+        print(f"| {op['op']} | {op['calls']} | {op['self_s']} | {op['share']} |")
 
 
 if __name__ == "__main__":
