@@ -47,6 +47,13 @@
 #define HAVE_NEON 0
 #endif
 
+/* Rows of x per pass over a call's output rows: the tile's prepared x (16 rows x 128 bytes a chunk: 64 KB at
+ * 2048 columns) and the call's weights stay in L2 while every output row meets them; one pass over all rows
+ * streamed x from L3 or DRAM once per 4 output rows. A multiple of both Q8_RB. */
+#ifndef Q8_ROW_TILE
+#define Q8_ROW_TILE 16
+#endif
+
 /* Per row and chunk in the work area: 64 int8 of x, 8 float block scales, 8 int32 offset corrections. */
 #define SLOT_BYTES 128
 #define SLOT_SCALES 64

@@ -121,35 +121,46 @@ Q8_INLINE void Q8_NAME(prefetch_start)(int kind, const Q8Matrix *m, int begin, i
 }
 
 #define ROWS_BLOCK(P, RB) Q8_NAME(rows_block)(kind, one_scale, P, RB, m, x, o, r0, end, scales, gi, y, ldy, begin)
+/* Output rows [o, o + P) times rows [first, last) of x, Q8_RB at a time; scales[p] hold row o + p's. */
+Q8_INLINE void Q8_NAME(output_rows)(int kind, int one_scale, int P, const Q8Matrix *m, const Q8Rows *x, int o, int first,
+                                    int last, int end, float *const scales[4], const int *gi, float *y, size_t ldy,
+                                    int begin) {
+    for (int r0 = first; r0 < last; r0 += Q8_RB) {
+        int rb = last - r0 < Q8_RB ? last - r0 : Q8_RB;
+        switch (P * 8 + rb) { /* constant P and RB: the loops above unroll into registers */
+        case 9: ROWS_BLOCK(1, 1); break;
+        case 10: ROWS_BLOCK(1, 2); break;
+        case 17: ROWS_BLOCK(2, 1); break;
+        case 18: ROWS_BLOCK(2, 2); break;
+        case 25: ROWS_BLOCK(3, 1); break;
+        case 26: ROWS_BLOCK(3, 2); break;
+        case 33: ROWS_BLOCK(4, 1); break;
+        case 34: ROWS_BLOCK(4, 2); break;
+#if Q8_RB == 4
+        case 11: ROWS_BLOCK(1, 3); break;
+        case 12: ROWS_BLOCK(1, 4); break;
+        case 19: ROWS_BLOCK(2, 3); break;
+        case 20: ROWS_BLOCK(2, 4); break;
+        case 27: ROWS_BLOCK(3, 3); break;
+        case 28: ROWS_BLOCK(3, 4); break;
+        case 35: ROWS_BLOCK(4, 3); break;
+        case 36: ROWS_BLOCK(4, 4); break;
+#endif
+        }
+    }
+}
+
+/* x's rows a tile at a time (Q8_ROW_TILE), each tile against every output row of the call. */
 Q8_INLINE void Q8_NAME(gemm_kind)(int kind, int one_scale, const Q8Matrix *m, const Q8Rows *x, int begin, int end, float *const scales[4],
                            const int *gi, float *y, size_t ldy) {
     int groups = (m->in + m->group - 1) / m->group;
     if (x->rows <= 2) Q8_NAME(prefetch_start)(kind, m, begin, end);
-    for (int o = begin; o < end; o += 4) {
-        int P = end - o < 4 ? end - o : 4;
-        for (int p = 0; p < P; p++) row_scales(m, o + p, groups, scales[p]);
-        for (int r0 = 0; r0 < x->rows; r0 += Q8_RB) {
-            int rb = x->rows - r0 < Q8_RB ? x->rows - r0 : Q8_RB;
-            switch (P * 8 + rb) { /* constant P and RB: the loops above unroll into registers */
-            case 9: ROWS_BLOCK(1, 1); break;
-            case 10: ROWS_BLOCK(1, 2); break;
-            case 17: ROWS_BLOCK(2, 1); break;
-            case 18: ROWS_BLOCK(2, 2); break;
-            case 25: ROWS_BLOCK(3, 1); break;
-            case 26: ROWS_BLOCK(3, 2); break;
-            case 33: ROWS_BLOCK(4, 1); break;
-            case 34: ROWS_BLOCK(4, 2); break;
-#if Q8_RB == 4
-            case 11: ROWS_BLOCK(1, 3); break;
-            case 12: ROWS_BLOCK(1, 4); break;
-            case 19: ROWS_BLOCK(2, 3); break;
-            case 20: ROWS_BLOCK(2, 4); break;
-            case 27: ROWS_BLOCK(3, 3); break;
-            case 28: ROWS_BLOCK(3, 4); break;
-            case 35: ROWS_BLOCK(4, 3); break;
-            case 36: ROWS_BLOCK(4, 4); break;
-#endif
-            }
+    for (int first = 0; first < x->rows; first += Q8_ROW_TILE) {
+        int last = x->rows - first < Q8_ROW_TILE ? x->rows : first + Q8_ROW_TILE;
+        for (int o = begin; o < end; o += 4) {
+            int P = end - o < 4 ? end - o : 4;
+            for (int p = 0; p < P; p++) row_scales(m, o + p, groups, scales[p]);
+            Q8_NAME(output_rows)(kind, one_scale, P, m, x, o, first, last, end, scales, gi, y, ldy, begin);
         }
     }
 }
@@ -212,6 +223,35 @@ Q8_INLINE void Q8_NAME(interleaved_block)(int kind, int RB, const Q8Matrix *m, c
         for (int r = 0; r < RB; r++) out[p][r] = hsum(acc[p][r]);
 }
 
+/* One 4-row block of an interleaved matrix times rows [first, last) of x, Q8_RB at a time; the block's rows in
+ * [begin, end) stored. */
+Q8_INLINE void Q8_NAME(interleaved_rows)(const Q8Matrix *m, const Q8Rows *x, int block, int first, int last, int begin,
+                                         int end, size_t block_bytes, float *y, size_t ldy) {
+    for (int r0 = first; r0 < last; r0 += Q8_RB) {
+        int rb = last - r0 < Q8_RB ? last - r0 : Q8_RB;
+        /* two blocks on, on the first pass over the block and not past this caller's last one */
+        size_t ahead = r0 == 0 && (block + 3) * 4 <= end ? 2 * block_bytes : 0;
+        float out[4][Q8_RB];
+        switch ((m->kind == Q8_WEIGHTS_INT4 ? 0 : 8) + rb) { /* constant kind and RB: registers, as rows_block */
+        case 1: Q8_NAME(interleaved_block)(Q8_WEIGHTS_INT4, 1, m, x, block, r0, ahead, out); break;
+        case 2: Q8_NAME(interleaved_block)(Q8_WEIGHTS_INT4, 2, m, x, block, r0, ahead, out); break;
+        case 9: Q8_NAME(interleaved_block)(Q8_WEIGHTS_INT8, 1, m, x, block, r0, ahead, out); break;
+        case 10: Q8_NAME(interleaved_block)(Q8_WEIGHTS_INT8, 2, m, x, block, r0, ahead, out); break;
+#if Q8_RB == 4
+        case 3: Q8_NAME(interleaved_block)(Q8_WEIGHTS_INT4, 3, m, x, block, r0, ahead, out); break;
+        case 4: Q8_NAME(interleaved_block)(Q8_WEIGHTS_INT4, 4, m, x, block, r0, ahead, out); break;
+        case 11: Q8_NAME(interleaved_block)(Q8_WEIGHTS_INT8, 3, m, x, block, r0, ahead, out); break;
+        case 12: Q8_NAME(interleaved_block)(Q8_WEIGHTS_INT8, 4, m, x, block, r0, ahead, out); break;
+#endif
+        }
+        for (int p = 0; p < 4; p++) {
+            int o = 4 * block + p;
+            if (o < begin || o >= end) continue;
+            for (int r = 0; r < rb; r++) y[(size_t)(r0 + r) * ldy + (o - begin)] = out[p][r];
+        }
+    }
+}
+
 /* Output rows [begin, end) of an interleaved matrix: the 4-row blocks holding them, every row of a block
  * computed (its codes are one stream), those in range stored. */
 Q8_INLINE void Q8_NAME(interleaved_gemm)(const Q8Matrix *m, const Q8Rows *x, int begin, int end, float *y, size_t ldy) {
@@ -220,30 +260,11 @@ Q8_INLINE void Q8_NAME(interleaved_gemm)(const Q8Matrix *m, const Q8Rows *x, int
         int blocks = (end + 3) / 4 - begin / 4 < 2 ? 1 : 2;
         prefetch_l2((const char *)m->w + (size_t)(begin / 4) * block_bytes, (size_t)blocks * block_bytes);
     }
-    for (int block = begin / 4; block * 4 < end; block++)
-        for (int r0 = 0; r0 < x->rows; r0 += Q8_RB) {
-            int rb = x->rows - r0 < Q8_RB ? x->rows - r0 : Q8_RB;
-            /* two blocks on, on the first pass over the block and not past this caller's last one */
-            size_t ahead = r0 == 0 && (block + 3) * 4 <= end ? 2 * block_bytes : 0;
-            float out[4][Q8_RB];
-            switch ((m->kind == Q8_WEIGHTS_INT4 ? 0 : 8) + rb) { /* constant kind and RB: registers, as rows_block */
-            case 1: Q8_NAME(interleaved_block)(Q8_WEIGHTS_INT4, 1, m, x, block, r0, ahead, out); break;
-            case 2: Q8_NAME(interleaved_block)(Q8_WEIGHTS_INT4, 2, m, x, block, r0, ahead, out); break;
-            case 9: Q8_NAME(interleaved_block)(Q8_WEIGHTS_INT8, 1, m, x, block, r0, ahead, out); break;
-            case 10: Q8_NAME(interleaved_block)(Q8_WEIGHTS_INT8, 2, m, x, block, r0, ahead, out); break;
-#if Q8_RB == 4
-            case 3: Q8_NAME(interleaved_block)(Q8_WEIGHTS_INT4, 3, m, x, block, r0, ahead, out); break;
-            case 4: Q8_NAME(interleaved_block)(Q8_WEIGHTS_INT4, 4, m, x, block, r0, ahead, out); break;
-            case 11: Q8_NAME(interleaved_block)(Q8_WEIGHTS_INT8, 3, m, x, block, r0, ahead, out); break;
-            case 12: Q8_NAME(interleaved_block)(Q8_WEIGHTS_INT8, 4, m, x, block, r0, ahead, out); break;
-#endif
-            }
-            for (int p = 0; p < 4; p++) {
-                int o = 4 * block + p;
-                if (o < begin || o >= end) continue;
-                for (int r = 0; r < rb; r++) y[(size_t)(r0 + r) * ldy + (o - begin)] = out[p][r];
-            }
-        }
+    for (int first = 0; first < x->rows; first += Q8_ROW_TILE) {
+        int last = x->rows - first < Q8_ROW_TILE ? x->rows : first + Q8_ROW_TILE;
+        for (int block = begin / 4; block * 4 < end; block++)
+            Q8_NAME(interleaved_rows)(m, x, block, first, last, begin, end, block_bytes, y, ldy);
+    }
 }
 
 /* Four output rows at a time; rows of x Q8_RB at a time (the accumulators stay in registers). */

@@ -61,6 +61,22 @@ def test_bf16_scales_and_every_row_alone():
 
 
 @needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+def test_rows_past_a_tile_are_each_computed_as_alone(bits):
+    """A prompt window's rows go through the kernel a tile at a time (q8.c Q8_ROW_TILE, 16): 37 rows are
+    two full tiles and a ragged one (odd for both row steps, 2 and 4), and each row's bytes are its own
+    call's, AVX2's and VNNI's alike, over 70 output rows (not a multiple of the 4-row blocks)."""
+    gen = torch.Generator().manual_seed(bits)
+    m = quantized_matrix(torch.randn(70, 1000, generator=gen) * 0.02, bits, 64)
+    x = torch.randn(37, 1000, generator=gen)
+    together = run_q8(x, m)
+    assert (together - reference(x, m)).abs().max() <= 2e-6 * together.abs().max()
+    assert torch.equal(run_q8(x, m, ISA_AVX2), together)  # maddubs and dpbusd: the same exact integer sums
+    for r in (0, 15, 16, 17, 31, 32, 36):
+        assert torch.equal(together[r : r + 1], run_q8(x[r : r + 1], m)), r
+
+
+@needs_kernel
 def test_matmul_takes_the_integer_kernel_only_inside_the_context():
     gen = torch.Generator().manual_seed(2)
     m = quantized_matrix(torch.randn(48, 192, generator=gen) * 0.02, 4, 64)
