@@ -267,6 +267,7 @@ static float tile_score_plain(const IndexTiles *j, const float *q, const float *
 #define IT_RELU _mm512_max_ps /* (zero, x): zero > x ? zero : x, a NaN stays NaN, as relu() */
 #define IT_LANES 16
 #define IT_KV 2
+#define IT_HEADS 8
 #include "index_tile_body.h"
 #undef IT_TARGET
 #undef IT_NAME
@@ -280,6 +281,7 @@ static float tile_score_plain(const IndexTiles *j, const float *q, const float *
 #undef IT_RELU
 #undef IT_LANES
 #undef IT_KV
+#undef IT_HEADS
 
 #define IT_TARGET AVX2
 #define IT_NAME(name) name##_avx2
@@ -292,7 +294,8 @@ static float tile_score_plain(const IndexTiles *j, const float *q, const float *
 #define IT_MUL _mm256_mul_ps
 #define IT_RELU _mm256_max_ps
 #define IT_LANES 8
-#define IT_KV 1
+#define IT_KV 3
+#define IT_HEADS 4 /* 12 accumulators of 16 registers: more in flight than 8 x 1 */
 #include "index_tile_body.h"
 #endif
 
@@ -309,6 +312,7 @@ static float tile_score_plain(const IndexTiles *j, const float *q, const float *
 #define IT_RELU max_ps /* _mm256_max_ps's rule, lane for lane */
 #define IT_LANES 8
 #define IT_KV 1
+#define IT_HEADS 8
 #include "index_tile_body.h"
 #endif
 

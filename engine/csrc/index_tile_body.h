@@ -1,11 +1,13 @@
 /* The DSA indexer's long-prompt scores (index_select.c, index_tile_scores), included once per instruction set
  * with IT_TARGET (function attributes), IT_NAME (the set's suffix), IT_VEC and its operations (IT_ZERO, IT_DUP,
- * IT_LOAD, IT_STORE, IT_FMA, IT_MUL, IT_RELU), IT_LANES floats a vector and IT_KV vectors of keys at a time.
+ * IT_LOAD, IT_STORE, IT_FMA, IT_MUL, IT_RELU), IT_LANES floats a vector, IT_KV vectors of keys and IT_HEADS heads
+ * at a time (IT_HEADS x IT_KV accumulators, IT_KV key vectors and a query broadcast in registers).
  *
  * Each lane is one key: its dot product with a head is one fused multiply-add per dim in order from 0.f, and its
  * score one fused multiply-add per head in order from 0.f over that head's ReLU(scale x dot): the plain C loop
- * (tile_score_plain) with another width, so every instruction set gives the same bits. Heads go 8 at a time,
- * one accumulator per (head, key vector), the key vectors loaded once per dim for the 8 heads. */
+ * (tile_score_plain) with another width, so every instruction set gives the same bits. Heads go IT_HEADS at a
+ * time, one accumulator per (head, key vector), the key vectors loaded once per dim for those heads; the head sum
+ * goes in head order whatever the grouping, so the grouping leaves the bits alone. */
 
 /* Scores of W = IT_KV * IT_LANES keys: keys [dim, key_stride] from the first -> out[0, W). */
 IT_TARGET static void IT_NAME(tile_keys)(const IndexTiles *j, const float *q, const float *w, const float *keys,
@@ -13,24 +15,24 @@ IT_TARGET static void IT_NAME(tile_keys)(const IndexTiles *j, const float *q, co
     int heads = j->heads, dim = j->dim, h = 0;
     IT_VEC zero = IT_ZERO(), scale = IT_DUP(j->scale), total[IT_KV];
     for (int v = 0; v < IT_KV; v++) total[v] = zero;
-    for (; h + 8 <= heads; h += 8) {
-        IT_VEC acc[8][IT_KV];
-        for (int i = 0; i < 8; i++)
+    for (; h + IT_HEADS <= heads; h += IT_HEADS) {
+        IT_VEC acc[IT_HEADS][IT_KV];
+        for (int i = 0; i < IT_HEADS; i++)
             for (int v = 0; v < IT_KV; v++) acc[i][v] = zero;
         for (int d = 0; d < dim; d++) {
             IT_VEC k[IT_KV];
             for (int v = 0; v < IT_KV; v++) k[v] = IT_LOAD(keys + (size_t)d * key_stride + v * IT_LANES);
-            for (int i = 0; i < 8; i++) {
+            for (int i = 0; i < IT_HEADS; i++) {
                 IT_VEC qv = IT_DUP(q[(size_t)(h + i) * dim + d]);
                 for (int v = 0; v < IT_KV; v++) acc[i][v] = IT_FMA(qv, k[v], acc[i][v]);
             }
         }
-        for (int i = 0; i < 8; i++) {
+        for (int i = 0; i < IT_HEADS; i++) {
             IT_VEC wv = IT_DUP(w[h + i]);
             for (int v = 0; v < IT_KV; v++) total[v] = IT_FMA(wv, IT_RELU(zero, IT_MUL(acc[i][v], scale)), total[v]);
         }
     }
-    for (; h < heads; h++) { /* the heads past a multiple of 8, one at a time */
+    for (; h < heads; h++) { /* the heads past a multiple of IT_HEADS, one at a time */
         IT_VEC acc[IT_KV];
         for (int v = 0; v < IT_KV; v++) acc[v] = zero;
         for (int d = 0; d < dim; d++) {
