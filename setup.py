@@ -28,7 +28,7 @@ class OptionalBuildExt(build_ext):
 # engine/csrc/<name>.c, each with its .h but kernels and py_decode (the Python entry points)
 C_FILES = (
     "kernels", "bf16", "nibble", "nibble_moe", "q8", "split", "read_ahead", "q8_moe", "decode_ops", "mla_decode",
-    "decode_step", "index_select", "py_decode",
+    "decode_step", "index_select", "index_choose", "py_decode",
 )  # fmt: skip
 
 setup(
@@ -42,6 +42,7 @@ setup(
                 "engine/csrc/nibble_body.h",
                 "engine/csrc/index_score_body.h",
                 "engine/csrc/index_tile_body.h",
+                "engine/csrc/index_rank.h",
                 "engine/csrc/moe_terms.h",
                 "engine/csrc/neon8.h",
                 "engine/csrc/q8_neon.h",

@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "index_rank.h"
 #include "nibble.h"
 #include "split.h"
 
@@ -158,48 +159,6 @@ static void score_block(void *arg, int b) {
     for (int t = begin; t < end; t++) scores[t] = score_plain(&one, j->keys + (size_t)t * j->dim);
 }
 
-/* A score and its position as one integer whose order is the choice's: higher score first (any NaN above
- * every number, -0 equal to +0), then the lower position. */
-static uint64_t rank_key(float score, int position) {
-    uint32_t bits;
-    if (isnan(score)) bits = UINT32_MAX;
-    else {
-        if (score == 0.f) score = 0.f;
-        memcpy(&bits, &score, sizeof bits);
-        bits = bits & 0x80000000u ? ~bits : bits | 0x80000000u;
-    }
-    return (uint64_t)bits << 32 | (uint32_t)~(uint32_t)position;
-}
-
-static void swap(uint64_t *a, uint64_t *b) {
-    uint64_t t = *a;
-    *a = *b, *b = t;
-}
-
-/* Moves the k largest of keys[0, n) to keys[0, k) (in no order): quickselect with a median-of-three pivot. */
-static void select_largest(uint64_t *keys, int n, int k) {
-    int lo = 0, hi = n - 1;
-    while (lo < hi) {
-        int mid = lo + (hi - lo) / 2;
-        if (keys[mid] > keys[lo]) swap(&keys[mid], &keys[lo]);
-        if (keys[hi] > keys[lo]) swap(&keys[hi], &keys[lo]);
-        if (keys[mid] > keys[hi]) swap(&keys[mid], &keys[hi]); /* keys[hi]: the median of the three */
-        uint64_t pivot = keys[hi];
-        int store = lo;
-        for (int i = lo; i < hi; i++)
-            if (keys[i] > pivot) swap(&keys[i], &keys[store++]);
-        swap(&keys[store], &keys[hi]); /* [lo, store) above the pivot, store the pivot, then the rest */
-        if (store == k - 1 || store == k) return;
-        if (store < k) lo = store + 1;
-        else hi = store - 1;
-    }
-}
-
-static int descending(const void *a, const void *b) {
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return x < y ? 1 : x > y ? -1 : 0;
-}
-
 /* Row `row`'s choice from its scores: the topk highest ranked (or all it sees, then the positions after). */
 static void choose_row(void *arg, int row) {
     const ScoreJob *s = arg;
@@ -211,7 +170,7 @@ static void choose_row(void *arg, int row) {
     for (int t = 0; t < seen; t++) ranks[t] = rank_key(scores[t], t);
     if (ranked < seen) select_largest(ranks, seen, ranked);
     qsort(ranks, (size_t)ranked, sizeof *ranks, descending);
-    for (int i = 0; i < ranked; i++) chosen[i] = (int64_t)(uint32_t)~(uint32_t)ranks[i];
+    for (int i = 0; i < ranked; i++) chosen[i] = rank_position(ranks[i]);
     for (int i = ranked; i < j->topk; i++) chosen[i] = seen + (i - ranked); /* the masked positions, in order */
 }
 

@@ -14,6 +14,7 @@
 #include "nibble.h"
 #include "q8.h"
 #include "index_select.h"
+#include "index_choose.h"
 #include "nibble_moe.h"
 #include "q8_moe.h"
 #include "decode_ops.h"
@@ -513,6 +514,29 @@ static PyObject *py_index_tile_scores(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* index_tile_choose(slab_ptr, rows, width, slab_stride, first, position, topk, merged, ranks_ptr, threads): a long
+ * prompt's running top-k (index_choose.c): slab float32 [rows, slab_stride] (keys first .. first + width), ranks
+ * uint64 [rows, topk] (read where merged, written). */
+static PyObject *py_index_tile_choose(PyObject *self, PyObject *args) {
+    unsigned long long slab, ranks;
+    int rows, width, slab_stride, first, position, topk, merged, threads, rc;
+    if (!PyArg_ParseTuple(args, "KiiiiiipKi", &slab, &rows, &width, &slab_stride, &first, &position, &topk, &merged,
+                          &ranks, &threads))
+        return NULL;
+    if (rows < 1 || topk < 1 || width < 1 || slab_stride < width || first < 0 || (!merged && width < topk)) {
+        PyErr_Format(PyExc_ValueError, "index_tile_choose: rows=%d width=%d slab_stride=%d first=%d topk=%d merged=%d",
+                     rows, width, slab_stride, first, topk, merged);
+        return NULL;
+    }
+    IndexChoice choice = {(const float *)(uintptr_t)slab, rows, width, slab_stride, first, position, topk, merged,
+                          (uint64_t *)(uintptr_t)ranks};
+    Py_BEGIN_ALLOW_THREADS
+    rc = index_tile_choose(&choice, threads);
+    Py_END_ALLOW_THREADS
+    if (rc) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"rms_norm", py_rms_norm, METH_VARARGS, "out = w * x / sqrt(mean(x^2) + eps) per row, float32."},
     {"route", py_route, METH_VARARGS, "a MoE router's expert ids and weights for rows of x, float32."},
@@ -520,6 +544,7 @@ static PyMethodDef methods[] = {
     {"index_finish", py_index_finish, METH_VARARGS, "the DSA indexer's key or query heads normed and roped, float32."},
     {"index_select", py_index_select, METH_VARARGS, "the DSA indexer's top-k positions for query rows."},
     {"index_tile_scores", py_index_tile_scores, METH_VARARGS, "a long prompt's DSA indexer scores, keys as columns."},
+    {"index_tile_choose", py_index_tile_choose, METH_VARARGS, "a long prompt's DSA indexer running top-k, one slab."},
     {"bytes_read_ahead", py_bytes_read_ahead, METH_NOARGS, "bytes the helper thread has read ahead into the caches, ever."},
     {"cores_shared", py_cores_shared, METH_VARARGS, "the helper thread's last verdict on its core (None: none that recent)."},
     {"split_probe", py_split_probe, METH_VARARGS, "blocks the helper ran of a two-block job whose helper block sleeps or spins (tests)."},
@@ -547,7 +572,7 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     if (m && PyModule_AddFunctions(m, py_decode_methods) != 0) Py_CLEAR(m);
     if (m) PyModule_AddIntConstant(m, "MAX_ROWS", MAX_ROWS);
     /* the entry points and signatures of this build (engine/kernels/native.py checks it): raise both together */
-    if (m) PyModule_AddIntConstant(m, "ABI_VERSION", 6);
+    if (m) PyModule_AddIntConstant(m, "ABI_VERSION", 7);
     /* 2 AVX-512, 1 AVX2 or NEON, 0 none: without SIMD the bf16 path would be slower than float32 matmul. */
     if (m) PyModule_AddIntConstant(m, "BF16_SIMD", bf16_isa(64, 2));
     /* 1: the int8-activation kernels multiply with AVX-512 VNNI's dpbusd (else AVX2 maddubs, or C) */

@@ -111,6 +111,19 @@ def index_tile_scores(
     threads: int,
     /,
 ) -> None: ...
+def index_tile_choose(
+    slab: int,
+    rows: int,
+    width: int,
+    slab_stride: int,
+    first: int,
+    position: int,
+    topk: int,
+    merged: bool,
+    ranks: int,
+    threads: int,
+    /,
+) -> None: ...
 def read_ahead(ranges: Sequence[tuple[int, int]], threads: int, /) -> None: ...
 def nibble_moe(
     x: int,

@@ -215,3 +215,24 @@ def index_tile_scores(
         scale, out.data_ptr(), out.stride(0), int(simd), kernel_threads(),
     )  # fmt: skip
     return out
+
+
+def index_tile_choose(slab: torch.Tensor, first: int, position: int, ranks: torch.Tensor, merged: bool) -> torch.Tensor:
+    """A long prompt's running top-k, one slab merged: slab [S, W] float32 (rows contiguous) the scores of keys
+    first.. for rows at positions position..; ranks int64 [S, topk] (the C side's uint64 rank keys; read where
+    ``merged``, else W >= topk) -> ranks, each row's topk best so far, best first: the higher score, a NaN above
+    every number, ties to the lower position, keys after a row's position as -inf. ``index_positions`` turns
+    them into positions."""
+    rows, topk = ranks.shape
+    if slab.stride(1) != 1 or not ranks.is_contiguous() or slab.shape[0] != rows or ranks.dtype != torch.int64:
+        raise ValueError(f"index_tile_choose: slab {tuple(slab.shape)} / ranks {tuple(ranks.shape)} {ranks.dtype}")
+    _kernels.index_tile_choose(
+        slab.data_ptr(), rows, slab.shape[1], slab.stride(0), first, position, topk, merged, ranks.data_ptr(),
+        kernel_threads(),
+    )  # fmt: skip
+    return ranks
+
+
+def index_positions(ranks: torch.Tensor) -> torch.Tensor:
+    """The positions ``index_tile_choose``'s rank keys hold: the complement of their low 32 bits."""
+    return ~ranks & 0xFFFFFFFF

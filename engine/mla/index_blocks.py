@@ -5,8 +5,9 @@ then per query the topk positions, highest first, ties to the lower position, fu
 query that sees fewer than topk gets the lowest future ones as fillers, which attention masks out).
 
 Per block of queries (Sq) the scores go into a slab of SLAB_KEYS keys, and each full slab is merged into the
-running top-k (a stable sort over the running K then the slab's positions, which gives the same positions in
-the same order as one stable sort of the whole row). A slab is scored by the C kernel where it runs
+running top-k, which gives the same positions in the same order as one stable sort of the whole row: in C where
+the kernels run (engine/csrc/index_choose.c: per row only the scores that can enter ranked), else in torch (a
+stable sort over the running K then the slab's positions). A slab is scored by the C kernel where it runs
 (engine/csrc/index_select.c index_tile_scores: products, ReLU and the head sum in registers, the keys read as
 columns of one transposed copy [D, T]), else by torch per key block (Tk): one matmul [Sq * H, D] x [D, Tk],
 ReLU in place, the heads summed by one batched matmul with the weights [Sq, 1, H], the scale folded into the
@@ -52,16 +53,16 @@ def blocked_choice(
     """One sequence: q [S, H, D] float32 (roped) at positions start_pos.., weights [S, H], keys [T, D] ->
     int64 [S, topk]; topk < T, start_pos + S <= T."""
     seqlen, heads, _ = q.shape
-    scorer: SlabScores = (
-        _KernelScores(keys, scale) if decode_ops.index_select_takes(q, keys) else _TorchScores(keys, scale)
-    )
+    in_c = decode_ops.index_select_takes(q, keys)
+    scorer: SlabScores = _KernelScores(keys, scale) if in_c else _TorchScores(keys, scale)
     step = query_block(heads)
-    return torch.cat(
-        [
-            _choose_rows(q[first : first + step], weights[first : first + step], scorer, start_pos + first, topk)
-            for first in range(0, seqlen, step)
-        ]
-    )
+    chosen = []
+    for first in range(0, seqlen, step):
+        rows = min(step, seqlen - first)
+        choice: RunningChoice = _KernelChoice(rows, topk) if in_c else _TorchChoice(topk)
+        _choose_rows(q[first : first + rows], weights[first : first + rows], scorer, choice, start_pos + first)
+        chosen.append(choice.positions())
+    return torch.cat(chosen)
 
 
 class SlabScores(Protocol):
@@ -99,21 +100,64 @@ class _TorchScores:
                 slab[:, begin - first : end - first] = torch.bmm(weighted, scores)[:, 0]
 
 
-def _choose_rows(q: torch.Tensor, weights: torch.Tensor, scorer: SlabScores, start_pos: int, topk: int) -> torch.Tensor:
-    """A block of queries q [Sq, H, D] at positions start_pos.. -> [Sq, topk]."""
+class RunningChoice(Protocol):
+    """A block of query rows' running top-k: slabs of their scores merged in key order."""
+
+    topk: int
+
+    def merge(self, slab: torch.Tensor, slab_start: int, start_pos: int) -> None:
+        """slab [Sq, W] float32: the scores of keys slab_start.. (after every key merged before) for rows at
+        positions start_pos..; a key after a row's position counts as -inf."""
+
+    def positions(self) -> torch.Tensor:
+        """int64 [Sq, topk]: each row's chosen positions, highest score first, ties to the lower position."""
+        ...
+
+
+class _KernelChoice:
+    """The running top-k in C (engine/csrc/index_choose.c): rank keys [Sq, topk], only a slab's scores that
+    can enter ranked."""
+
+    def __init__(self, rows: int, topk: int):
+        self.topk, self.merged = topk, False
+        self.ranks = torch.empty(rows, topk, dtype=torch.int64)
+
+    def merge(self, slab: torch.Tensor, slab_start: int, start_pos: int) -> None:
+        decode_ops.index_tile_choose(slab, slab_start, start_pos, self.ranks, self.merged)
+        self.merged = True
+
+    def positions(self) -> torch.Tensor:
+        return decode_ops.index_positions(self.ranks)
+
+
+class _TorchChoice:
+    """The running top-k in torch: (values, positions) [Sq, <= topk], a stable sort per merge."""
+
+    def __init__(self, topk: int):
+        self.topk = topk
+        self.best: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def merge(self, slab: torch.Tensor, slab_start: int, start_pos: int) -> None:
+        if slab_start + slab.shape[1] > start_pos:  # the rows' own positions and those after: -inf past each
+            _mask_future(slab, start_pos, slab_start)
+        self.best = _merge(self.best, slab, slab_start, self.topk)
+
+    def positions(self) -> torch.Tensor:
+        assert self.best is not None, "no slab merged"
+        return self.best[1]
+
+
+def _choose_rows(
+    q: torch.Tensor, weights: torch.Tensor, scorer: SlabScores, choice: RunningChoice, start_pos: int
+) -> None:
+    """A block of queries q [Sq, H, D] at positions start_pos.., every slab they may see merged into ``choice``."""
     rows = q.shape[0]
     # keys any of these rows may see, and at least topk (a row that sees fewer takes future fillers)
-    seen = min(scorer.total, max(start_pos + rows, topk))
-    best: tuple[torch.Tensor, torch.Tensor] | None = None  # running (values, positions) [Sq, <= K]
-    for keys_of_slab in slabs(seen, topk):
-        slab_start, slab_end = keys_of_slab.start, keys_of_slab.stop
-        slab = torch.empty(rows, slab_end - slab_start, dtype=torch.float32, device=q.device)
-        scorer.fill(slab, q, weights, slab_start)
-        if slab_end > start_pos:  # the rows' own positions and those after: -inf past each row's position
-            _mask_future(slab, start_pos, slab_start)
-        best = _merge(best, slab, slab_start, topk)
-    assert best is not None
-    return best[1]
+    seen = min(scorer.total, max(start_pos + rows, choice.topk))
+    for keys_of_slab in slabs(seen, choice.topk):
+        slab = torch.empty(rows, keys_of_slab.stop - keys_of_slab.start, dtype=torch.float32, device=q.device)
+        scorer.fill(slab, q, weights, keys_of_slab.start)
+        choice.merge(slab, keys_of_slab.start, start_pos)
 
 
 def _mask_future(slab: torch.Tensor, start_pos: int, slab_start: int) -> None:

@@ -46,7 +46,8 @@ def _reference_scores(q, weights, keys, start_pos, scale):
 
 @pytest.fixture(params=["kernel", "torch"])
 def scorer(request):
-    """The blocked indexer's slabs scored by the C kernel (index_tile_scores), then by torch's matmuls."""
+    """The blocked indexer's slabs scored and merged into the running top-k by the C kernels (index_tile_scores,
+    index_tile_choose), then by torch."""
     if request.param == "kernel" and not native.BUILT:
         pytest.skip("engine.kernels._kernels was not built")
     with decode_ops.torch_ops() if request.param == "torch" else contextlib.nullcontext():
@@ -103,9 +104,9 @@ def test_real_scores_choose_the_references_top_k(odd_blocks, total, seqlen, topk
 @pytest.mark.parametrize("integers", [True, False], ids=["integers", "normal"])
 @pytest.mark.parametrize("total, seqlen", [(1001, 63), (1100, 300)])
 def test_the_first_slabs_chunk_cut_keeps_the_stable_sorts_choice(scorer, monkeypatch, integers, total, seqlen):
-    """One slab of 1000+ keys cut to the scores at least the topk-th largest of 7-key chunk maxima before
-    its sort (and 300 rows from position 800: some rows see fewer keys than others): the same positions in
-    the same order as the stable sort of the whole row."""
+    """One slab of 1000+ keys cut to the scores at least the topk-th largest of chunk maxima before its sort
+    (torch: 7-key chunks; C: 31 or fewer, visible // (4 topk)), and 300 rows from position 800 (some rows see
+    fewer keys than others): the same positions in the same order as the stable sort of the whole row."""
     monkeypatch.setattr(index_blocks, "CHUNK", 7)
     cuts: list[bool] = []
     floor = index_blocks._chunk_floor
@@ -125,7 +126,7 @@ def test_the_first_slabs_chunk_cut_keeps_the_stable_sorts_choice(scorer, monkeyp
     rows = torch.arange(start, total)[:, None]
     scores = scores.masked_fill(torch.arange(total)[None] > rows, float("-inf"))
     expected = stable_topk_indices(scores, topk)
-    assert cuts
+    assert bool(cuts) == (scorer == "torch")  # the kernel's choice is C's (engine/csrc/index_choose.c)
     if integers:  # exact scores: exactly the stable sort's choice
         assert torch.equal(chosen, expected)
     else:  # the einsum's bits may differ from the blocked products' on another CPU: a near-tie at most
@@ -164,13 +165,12 @@ def test_the_blocked_indexers_temporaries_are_bounded(odd_blocks, monkeypatch):
         return out
 
     monkeypatch.setattr(torch, "mm", recording_mm)
-    merged: list[tuple[int, int]] = []
-    original_merge = index_blocks._merge
-    monkeypatch.setattr(
-        index_blocks,
-        "_merge",
-        lambda best, slab, *a: merged.append(tuple(slab.shape)) or original_merge(best, slab, *a),
-    )
+    merged: list[tuple[int, int]] = []  # every slab either running top-k took, with the top-k's own width
+    for choice in (index_blocks._KernelChoice, index_blocks._TorchChoice):
+        original = choice.merge
+        monkeypatch.setattr(
+            choice, "merge", lambda self, slab, *a, m=original: merged.append(tuple(slab.shape)) or m(self, slab, *a)
+        )
     total, topk = 1001, 20
     q, keys = torch.randn(30, HEADS, DIM), torch.randn(total, DIM)
     blocked_choice(q, torch.randn(30, HEADS), keys, total - 30, 1.0, topk)
@@ -178,7 +178,7 @@ def test_the_blocked_indexers_temporaries_are_bounded(odd_blocks, monkeypatch):
         assert blocks and max(rows * width * 4 for rows, width in blocks) <= index_blocks.SCORE_BYTES
     else:
         assert not blocks
-    assert max(width for _, width in merged) <= max(index_blocks.SLAB_KEYS, 4 * topk)
+    assert merged and max(width for _, width in merged) <= max(index_blocks.SLAB_KEYS, 4 * topk)
     assert query_block(HEADS) * HEADS * index_blocks.KEY_BLOCK * 4 <= index_blocks.SCORE_BYTES
     assert [s.stop - s.start for s in slabs(total, topk)] == [100] * 10 + [1]
 
