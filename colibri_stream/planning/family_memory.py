@@ -21,6 +21,7 @@ from typing import Protocol, assert_never
 from engine.config.args import ModelArgs
 from engine.core.layers import SCORE_BLOCK_BYTES
 from engine.families import MLAGeometry, V4Geometry, family_of
+from engine.mla.expansions import KEPT_EXPANSION_BYTES
 from engine.mla.prefill import absorbed_is_cheaper, key_block
 
 F32 = 4
@@ -181,12 +182,15 @@ class MLAMemory:
 
     def _expanded_blocks_bytes(self, d: int, chunk: int, context: int) -> int:
         """prefill_attention.expanded_blocks: queries [H, C, n + r]; per block wkv_b's output [Tk, H, n + v]
-        and the keys [Tk, H, n + r]."""
+        and the keys [Tk, H, n + r]; in a prompt window the full blocks' outputs kept across the layer's
+        chunks (engine/mla/expansions.py), at most KEPT_EXPANSION_BYTES."""
         args, c, h = self.args, chunk, self.args.n_heads
         block = min(context, key_block(c, h))
         query = d * h * c * args.qk_head_dim
-        keys = d * block * h * (args.qk_nope_head_dim + args.v_head_dim + args.qk_head_dim)
-        return query + keys + self._block_common_bytes(d, c, context, args.v_head_dim)
+        expansion = d * h * (args.qk_nope_head_dim + args.v_head_dim)  # one position's
+        keys = block * (expansion + d * h * args.qk_head_dim)
+        kept = min(KEPT_EXPANSION_BYTES, context * expansion)
+        return query + keys + kept + self._block_common_bytes(d, c, context, args.v_head_dim)
 
     def _absorbed_blocks_bytes(self, d: int, chunk: int, context: int) -> int:
         """prefill_attention.absorbed_blocks: q_nope folded [H, C, c] and the queries [H, C, c + r]; per

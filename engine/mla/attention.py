@@ -27,6 +27,7 @@ from engine.kernels import decode_ops
 from engine.kernels.quant import scale_values
 from engine.kernels.read_ahead import ReadsOtherFormInDecode
 from engine.kernels.rows import Linear, one_segment, products_on_threads
+from engine.mla.expansions import block_expansion
 from engine.mla.indexer import Indexer
 from engine.mla.prefill import absorbed_blocks, absorbed_is_cheaper, expanded_blocks, key_block, selected_blocks
 
@@ -217,7 +218,7 @@ class MLA(nn.Module, ReadsOtherFormInDecode):
             if absorb:
                 outs.append(absorbed_blocks(*row, self._kv_b(), self.softmax_scale))
             else:
-                outs.append(expanded_blocks(*row, self.wkv_b, self.softmax_scale))
+                outs.append(expanded_blocks(*row, block_expansion(self.wkv_b, b), self.softmax_scale))
         return torch.stack(outs)
 
     def _selected(

@@ -28,6 +28,7 @@ from engine.kernels.read_ahead import module_arrays, read_ahead_available, reque
 from engine.kernels.rows import Linear, rows_alone, rows_in_segments, torch_on_one_thread
 from engine.mla.attention import MLA
 from engine.mla.decode import FusedMLA, fused_attention_applies
+from engine.mla.expansions import expansions_kept
 from engine.mla.fused_decode import LayerParts, OneCall
 from engine.mla.mtp import MTP
 
@@ -277,8 +278,9 @@ class Transformer(Model[KVCache]):
         selections: list[torch.Tensor | None] = [None] * len(parts)
         with int8_activations(self.int8_activations), torch_on_one_thread():
             for layer, layer_cache in zip(cast("list[Block]", self.layers), cache.layers, strict=True):
-                for i, (x, start, rope) in enumerate(zip(xs, starts, ropes, strict=True)):
-                    xs[i], selections[i] = layer.attend(x, start, rope, layer_cache, selections[i], None)
+                with expansions_kept():  # the cache only grows here: each full key block expanded once
+                    for i, (x, start, rope) in enumerate(zip(xs, starts, ropes, strict=True)):
+                        xs[i], selections[i] = layer.attend(x, start, rope, layer_cache, selections[i], None)
                 xs = layer.ffn_window(xs, experts)
             if last_only:
                 return self.head(self.norm(xs[-1][:, -1:])).float()

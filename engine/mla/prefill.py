@@ -6,7 +6,8 @@ c kv_lora_rank, r qk_rope_head_dim, n qk_nope_head_dim, v v_head_dim; Tk the pos
 Expanding every cached position for every head ([T, H, n + v]) is tens of GiB per layer at full context, so
 keys go one block at a time with an online softmax, in one of two exact forms:
 
-- expanded: each block's latents through wkv_b ([Tk, H, n + v]), scores per head against them;
+- expanded: each block's latents through wkv_b ([Tk, H, n + v]), scores per head against them (a prompt
+  window's chunks expand each full block once: engine/mla/expansions.py);
 - absorbed: wkv_b's k half folded into the queries ([S, H, n] -> [S, H, c]), one score matmul for all heads
   against the latents, its v half applied once at the end. Cheaper for short chunks (``absorbed_is_cheaper``).
 
@@ -15,18 +16,14 @@ DSA masks the unchosen positions with one [S, T] bool mask, never per head.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from engine.kernels.rows import products_on_threads
+from engine.mla.expansions import BlockExpansion
 
 # A key block's scores [S, H, Tk] float32 take at most this (Tk at least MIN_KEY_BLOCK positions).
 KEY_BLOCK_BYTES = 8 << 20
 MIN_KEY_BLOCK = 32
-
-# latent block [Tk, c] -> its expansion through wkv_b [Tk, H * (n + v)]
-Expand = Callable[[torch.Tensor], torch.Tensor]
 
 
 def key_block(seqlen: int, heads: int) -> int:
@@ -100,7 +97,7 @@ def expanded_blocks(
     rope_keys: torch.Tensor,
     start_pos: int,
     selection: torch.Tensor | None,
-    expand: Expand,
+    expand: BlockExpansion,
     scale: float,
 ) -> torch.Tensor:
     """One sequence: q_nope [S, H, n], q_rope [S, H, r] against latents [T, c], rope_keys [T, r] ->
@@ -110,12 +107,13 @@ def expanded_blocks(
     query = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1).contiguous()  # [H, S, n + r]
     chosen = None if selection is None else chosen_mask(selection, latents.shape[0])
     softmax: OnlineSoftmax | None = None
-    for keys in key_blocks(latents.shape[0], key_block(seqlen, heads)):
+    step = key_block(seqlen, heads)
+    for keys in key_blocks(latents.shape[0], step):
         bias = mask_bias(start_pos, seqlen, keys, chosen, q_nope.device)
         if chosen is not None and bool(bias.isneginf().all()):
             continue  # no query chose a position of this block: nothing to expand
         block = keys.stop - keys.start
-        kv = expand(latents[keys]).view(block, heads, -1)  # [Tk, H, n + v]
+        kv = expand(latents, keys, block == step).view(block, heads, -1)  # [Tk, H, n + v]
         key = torch.cat([kv[..., :nope_dim], rope_keys[keys, None].expand(block, heads, rope_dim)], dim=-1)
         value = kv[..., nope_dim:].transpose(0, 1)  # [H, Tk, v], a view
         work = heads * seqlen * block * (nope_dim + rope_dim)

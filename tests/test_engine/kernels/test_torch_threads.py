@@ -18,6 +18,7 @@ from engine.core.cache import LayerCache
 from engine.core.rope import rope_tables
 from engine.kernels import decode_ops
 from engine.kernels.rows import torch_on_one_thread
+from engine.mla.expansions import block_expansion
 from engine.mla.indexer import Indexer
 from engine.mla.prefill import absorbed_blocks, expanded_blocks, key_block
 
@@ -118,7 +119,7 @@ def test_prefill_attention_over_key_blocks_keeps_one_threads_bits(form, monkeypa
         with torch.inference_mode(), torch_on_one_thread():
             args = (q_nope, q_rope, latents, rope_keys, total - seqlen, selection)
             if form == "expanded":
-                out = expanded_blocks(*args, wkv_b, 0.1)
+                out = expanded_blocks(*args, block_expansion(wkv_b, 0), 0.1)
             else:
                 out = absorbed_blocks(*args, (kv_b[:, :nope], kv_b[:, nope:]), 0.1)
         results.append((out, entered))
