@@ -113,16 +113,22 @@ static int64_t thread_cpu_ns(void) { return clock_ns(CLOCK_THREAD_CPUTIME_ID); }
 #define SHARE_FORGET_NS 20000000L /* a verdict older than this is measured again on the next request */
 static int core_shared = 0;
 static int64_t measured_at = 0; /* when core_shared was last measured */
+/* split_give_load's count, and the count a verdict was measured under: a helper that read the signals just
+ * before a test gave new ones must not leave its verdict as one about the new signals */
+static int signals_given = 0;
+static int verdict_signals = 0;
 
 static int shared(void) { return __atomic_load_n(&core_shared, __ATOMIC_SEQ_CST); }
 
 static void watch_share(int64_t wall, int64_t *wall0, int64_t *cpu0) {
     if (wall - *wall0 < SHARE_WINDOW_NS) return;
     int64_t cpu = thread_cpu_ns();
-    int given = __atomic_load_n(&given_share, __ATOMIC_RELAXED); /* per mille, or -1: measured */
+    int signals = __atomic_load_n(&signals_given, __ATOMIC_SEQ_CST); /* before the signals it counts */
+    int given = __atomic_load_n(&given_share, __ATOMIC_SEQ_CST);     /* per mille, or -1: measured */
     int verdict = given >= 0 ? given < SHARE_MIN * 1000 : (double)(cpu - *cpu0) < SHARE_MIN * (double)(wall - *wall0);
     __atomic_store_n(&measured_at, wall, __ATOMIC_RELAXED);
     __atomic_store_n(&core_shared, verdict, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&verdict_signals, signals, __ATOMIC_SEQ_CST);
     *wall0 = wall, *cpu0 = cpu;
 }
 
@@ -317,13 +323,16 @@ void split_run(split_block_fn fn, void *job, int n_blocks, int threads) {
 int split_cores_shared(long max_age_ns) {
     if (solo(now_ns())) return 1;
     if (helper_state != 1 || now_ns() - __atomic_load_n(&measured_at, __ATOMIC_RELAXED) > max_age_ns) return -1;
+    if (__atomic_load_n(&verdict_signals, __ATOMIC_SEQ_CST) != __atomic_load_n(&signals_given, __ATOMIC_SEQ_CST))
+        return -1; /* measured under signals given before the latest split_give_load */
     return shared();
 }
 
 long split_solo_ns(void) { return (long)solo_length; }
 
 void split_give_load(double helper_share, int yield_lost, long solo_ns) {
-    __atomic_store_n(&given_share, helper_share >= 0 ? (int)(helper_share * 1000 + 0.5) : -1, __ATOMIC_RELAXED);
+    __atomic_store_n(&given_share, helper_share >= 0 ? (int)(helper_share * 1000 + 0.5) : -1, __ATOMIC_SEQ_CST);
+    __atomic_add_fetch(&signals_given, 1, __ATOMIC_SEQ_CST); /* after the share: a helper that sees it sees the share */
     __atomic_store_n(&given_yield_lost, yield_lost, __ATOMIC_RELAXED);
     given_solo_ns = solo_ns;
     /* what was measured before is not about these signals */
