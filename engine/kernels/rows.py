@@ -140,6 +140,23 @@ def products_on_threads(macs: int) -> AbstractContextManager[None]:
     return torch_on_kernel_threads()
 
 
+# torch's elementwise loops (ATen's vectorized loop) take two vectors a step, at most 2 x 16 float32, and
+# at::parallel_for gives each of n tasks ceil(numel / n) elements, tasks of at least TORCH_GRAIN elements.
+ELEMENTWISE_ALIGN = 64
+TORCH_GRAIN = 32768
+
+
+def elementwise_on_threads(x: torch.Tensor) -> AbstractContextManager[None]:
+    """torch_on_kernel_threads() around an elementwise op on contiguous ``x`` (exp: a transcendental) where
+    torch's split of x falls on ELEMENTWISE_ALIGN boundaries: every element then takes the vector path it
+    takes on one thread, so the bits do not follow the split. Else (or the core shared) one thread."""
+    threads, numel = kernel_threads(), x.numel()
+    tasks = min(threads, -(-numel // TORCH_GRAIN))
+    if tasks < 2 or not x.is_contiguous() or -(-numel // tasks) % ELEMENTWISE_ALIGN or cores_shared():
+        return nullcontext()
+    return torch_on_kernel_threads()
+
+
 def cores_shared() -> bool:
     """The helper thread's recent verdict (engine/csrc/split.c watch_share); False without one."""
     return BUILT and bool(_kernels.cores_shared(SHARE_VERDICT_NS))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.kernels.rows import products_on_threads
+from engine.kernels.rows import elementwise_on_threads, products_on_threads
 from engine.mla.expansions import BlockExpansion
 
 # A key block's scores [S, H, Tk] float32 take at most this (Tk at least MIN_KEY_BLOCK positions).
@@ -54,7 +54,8 @@ class OnlineSoftmax:
         new_best = torch.maximum(self.best, scores.amax(dim=-1))
         # a row that has seen no position yet keeps -inf: shift it by 0, so exp gives 0 rather than nan
         shift = new_best.masked_fill(new_best == float("-inf"), 0.0)
-        weights = scores.sub_(shift[..., None]).exp_()
+        with elementwise_on_threads(scores):  # exact, and exp on aligned parts: the bits of one thread
+            weights = scores.sub_(shift[..., None]).exp_()
         self.rescale = (self.best - shift).exp_()  # exp(-inf) = 0 before a row's first visible position
         self.mass.mul_(self.rescale).add_(weights.sum(dim=-1))
         self.best = new_best
@@ -121,7 +122,7 @@ def expanded_blocks(
             scores = torch.baddbmm(bias.to(dtype), query, key.permute(1, 2, 0), alpha=scale)  # [H, S, Tk]
         if softmax is None:
             softmax = OnlineSoftmax((heads, seqlen), value.shape[-1], q_nope.device)
-        weights = softmax.weigh(scores.float(), dtype)  # exp on one thread: its bits follow a split
+        weights = softmax.weigh(scores.float(), dtype)
         with products_on_threads(work):
             mixed = torch.bmm(weights, value)
         softmax.accumulate(mixed.float())
@@ -159,7 +160,7 @@ def absorbed_blocks(
         work = heads * seqlen * key.shape[0] * key.shape[1]
         with products_on_threads(work):
             scores = torch.mm(query, key.t()).view(heads, seqlen, -1).add_(bias.to(dtype))  # [H, S, Tk]
-        weights = softmax.weigh(scores.float(), dtype).view(heads * seqlen, -1)  # exp: on one thread
+        weights = softmax.weigh(scores.float(), dtype).view(heads * seqlen, -1)
         with products_on_threads(work):
             mixed = torch.mm(weights, block_latents)
         softmax.accumulate(mixed.view(heads, seqlen, rank).float())

@@ -115,6 +115,8 @@ def test_prefill_attention_over_key_blocks_keeps_one_threads_bits(form, monkeypa
     results = []
     for threshold in (rows_module.PARALLEL_PRODUCT_MACS, 1 << 62):
         monkeypatch.setattr(rows_module, "PARALLEL_PRODUCT_MACS", threshold)
+        # then no exp split either (the ragged last block, 37 x 16 x 168, is split on aligned parts before)
+        monkeypatch.setattr(rows_module, "ELEMENTWISE_ALIGN", 64 if threshold < 1 << 62 else 1 << 62)
         entered = threads_entered(monkeypatch)
         with torch.inference_mode(), torch_on_one_thread():
             args = (q_nope, q_rope, latents, rope_keys, total - seqlen, selection)
@@ -126,6 +128,36 @@ def test_prefill_attention_over_key_blocks_keeps_one_threads_bits(form, monkeypa
     (parallel, parallel_threads), (alone, alone_threads) = results
     assert parallel_threads and set(parallel_threads) == {torch.get_num_threads()} and not alone_threads
     assert torch.equal(parallel, alone)
+
+
+def _exp_values(shape: tuple[int, ...]) -> torch.Tensor:
+    """Scores after the online softmax's shift: mostly in [-90, 0], some -inf (masked), zeros (the row's
+    best) and values whose exp is subnormal or 0."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.rand(shape, generator=gen).mul_(-90.0)
+    flat = x.view(-1)
+    picks = torch.randint(0, flat.numel(), (flat.numel() // 50,), generator=gen)
+    flat[picks[0::3]] = float("-inf")
+    flat[picks[1::3]] = 0.0
+    flat[picks[2::3]] = -104.0
+    return x
+
+
+@pytest.mark.parametrize(
+    "shape, on_threads",
+    [((16, 256, 512), True), ((16, 64, 1024), True), ((16, 37, 1132), False), ((3, 5, 7), False)],
+)
+def test_exp_goes_on_the_threads_only_where_the_split_keeps_one_threads_bits(shape, on_threads, monkeypatch):
+    """elementwise_on_threads: a block of scores whose split falls on ELEMENTWISE_ALIGN boundaries runs its exp
+    on the kernel threads with the bits one thread gives; a ragged or small one stays on one thread."""
+    x = _exp_values(shape)
+    entered = threads_entered(monkeypatch)
+    with torch_on_one_thread():
+        alone = x.clone().exp_()
+        with rows_module.elementwise_on_threads(x):
+            split = x.clone().exp_()
+    assert entered == ([torch.get_num_threads()] if on_threads else [])
+    assert torch.equal(split, alone) and not split.isnan().any()
 
 
 def test_a_prompt_in_chunks_keeps_one_threads_bits_in_every_family(loaded, family, monkeypatch):
