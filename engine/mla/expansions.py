@@ -18,9 +18,8 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 
 import torch
-from torch import nn
 
-from engine.kernels.rows import products_on_threads
+from engine.kernels.rows import Linear, products_on_threads
 
 # The stress model's 8192 positions take 64 MiB per layer (16 heads x 128 float32); DeepSeek-V3's 128 heads
 # x 256 in float32 keep the first 2048 positions.
@@ -38,9 +37,7 @@ class KeptExpansions:
         self.bytes = 0
         self.blocks: dict[tuple[int, int, int], torch.Tensor] = {}
 
-    def expansion(
-        self, wkv_b: nn.Linear, latents: torch.Tensor, keys: slice, sequence: int, full: bool
-    ) -> torch.Tensor:
+    def expansion(self, wkv_b: Linear, latents: torch.Tensor, keys: slice, sequence: int, full: bool) -> torch.Tensor:
         """Block ``keys`` of sequence ``sequence``'s latents [T, c] expanded, or its kept expansion; kept
         when ``full`` (a whole key block: its latents stay as they are while the cache grows) and it fits."""
         key = (sequence, keys.start, keys.stop)
@@ -70,7 +67,7 @@ def expansions_kept(limit: int = KEPT_EXPANSION_BYTES) -> Iterator[KeptExpansion
         _kept.reset(token)
 
 
-def expand_block(wkv_b: nn.Linear, latents: torch.Tensor, keys: slice) -> torch.Tensor:
+def expand_block(wkv_b: Linear, latents: torch.Tensor, keys: slice) -> torch.Tensor:
     """latents [T, c] -> the block's [Tk, H * (n + v)]: a product split by output rows, so its bits do not
     follow the threads (engine/kernels/rows.py products_on_threads)."""
     block = latents[keys]
@@ -78,7 +75,7 @@ def expand_block(wkv_b: nn.Linear, latents: torch.Tensor, keys: slice) -> torch.
         return wkv_b(block)
 
 
-def block_expansion(wkv_b: nn.Linear, sequence: int) -> BlockExpansion:
+def block_expansion(wkv_b: Linear, sequence: int) -> BlockExpansion:
     """wkv_b over key blocks of sequence ``sequence``'s latents, through the kept expansions where there are."""
     kept = _kept.get()
 
