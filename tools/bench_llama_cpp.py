@@ -5,6 +5,8 @@ count scales alike for both contenders and the expert count does not change).
     python tools/bench_llama_cpp.py --work /tmp/llb [--layers 12] [--experts 16] [--budgets 100] [--prefill 128]
                                     [--with-decode]
 
+A --prefill longer than the stress model's 4096 positions makes a model whose context holds it (a new --work).
+
 Needs `pip install 'colibri-stream[peers]'` and `colibri-stream bench --setup-peers` once. Prints the
 section's report (each llama.cpp file against ours computed as it is), the ratios and the limit line;
 --out keeps results.json.
@@ -22,6 +24,8 @@ from colibri_stream.bench.report_peers import llama_cpp_lines
 from colibri_stream.bench.stress_model import StressShape
 from colibri_stream.bench.suite import FULL, run_bench
 
+CONTEXT_FOR_ANSWER = 256
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -35,7 +39,11 @@ def main() -> None:
         "--with-decode", action="store_true", help="the decode section too: our default exact path's rows (exact_*)"
     )
     args = parser.parse_args()
-    shape = replace(StressShape(), num_hidden_layers=args.layers, n_routed_experts=args.experts)
+    # the context: the longest prompt with room for its answer (an 8192-token prompt needs more than the 4096 default)
+    context = max(StressShape().max_position_embeddings, args.prefill + CONTEXT_FOR_ANSWER)
+    shape = replace(
+        StressShape(), num_hidden_layers=args.layers, n_routed_experts=args.experts, max_position_embeddings=context
+    )
     budgets = tuple(int(b) for b in args.budgets.split(","))
     settings = replace(
         FULL, shape=shape, budgets_pct=budgets, llama_cpp_budgets_pct=budgets, prefill_tokens=args.prefill
