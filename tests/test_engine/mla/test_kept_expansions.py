@@ -4,7 +4,6 @@ the limit."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 import engine.mla.expansions as expansions
@@ -16,24 +15,8 @@ from engine.core.rope import rope_tables
 from engine.mla.attention import MLA
 from engine.mla.expansions import expansions_kept
 
-from .test_prefill_attention import ODD, _mla_family
-
-BLOCK = 7  # positions per key block: no chunk end below is a multiple of it but some
-
-
-@pytest.fixture
-def small_blocks(monkeypatch):
-    monkeypatch.setattr(prefill_attention, "KEY_BLOCK_BYTES", 1)
-    monkeypatch.setattr(prefill_attention, "MIN_KEY_BLOCK", BLOCK)
-
-
-def _mla() -> tuple[ModelArgs, MLA]:
-    args = ModelArgs.from_hf_config(ODD)
-    torch.manual_seed(0)
-    attn = MLA(args, 0)
-    for p in attn.parameters():
-        p.data.normal_(0, 0.3)
-    return args, attn.eval()
+from .conftest import BLOCK  # small_blocks: every key block BLOCK positions
+from .test_prefill_attention import _mla, _mla_family  # _mla: one MLA layer on odd widths
 
 
 def _chunks(args: ModelArgs, attn: MLA, x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, LayerCache]:

@@ -16,7 +16,8 @@ from engine.core.rope import rope_tables
 from engine.mla.attention import MLA
 from engine.mla.prefill import absorbed_is_cheaper, key_block
 
-BLOCK = 7  # positions per key block in these tests: no context below is a multiple of it
+from .conftest import BLOCK  # small_blocks: every key block BLOCK positions
+
 PATHS = {"auto": None, "expanded": False, "absorbed": True}
 
 # Widths that divide neither 64 nor 32 (nor each other); rope even, as RoPE needs.
@@ -32,13 +33,6 @@ ODD = dict(
     qk_rope_head_dim=6,
     v_head_dim=13,
 )
-
-
-@pytest.fixture
-def small_blocks(monkeypatch):
-    """Every key block BLOCK positions, so short test contexts span several."""
-    monkeypatch.setattr(prefill_attention, "KEY_BLOCK_BYTES", 1)
-    monkeypatch.setattr(prefill_attention, "MIN_KEY_BLOCK", BLOCK)
 
 
 def _mla(dtype: torch.dtype = torch.float32, **changes) -> tuple[ModelArgs, MLA]:
