@@ -27,8 +27,8 @@ class OptionalBuildExt(build_ext):
 
 # engine/csrc/<name>.c, each with its .h but kernels and py_decode (the Python entry points)
 C_FILES = (
-    "kernels", "bf16", "nibble", "nibble_moe", "q8", "split", "read_ahead", "q8_moe", "decode_ops", "mla_decode",
-    "decode_step", "index_select", "index_choose", "py_decode",
+    "kernels", "bf16", "nibble", "nibble_moe", "q8", "q8_tiles", "split", "read_ahead", "q8_moe", "decode_ops",
+    "mla_decode", "decode_step", "index_select", "index_choose", "py_decode",
 )  # fmt: skip
 
 setup(
@@ -39,6 +39,7 @@ setup(
             depends=[f"engine/csrc/{name}.h" for name in C_FILES if name not in ("kernels", "py_decode")]
             + [
                 "engine/csrc/q8_body.h",
+                "engine/csrc/q8_layout.h",
                 "engine/csrc/nibble_body.h",
                 "engine/csrc/index_score_body.h",
                 "engine/csrc/index_tile_body.h",

@@ -5,13 +5,14 @@
  * every line is the same: the NEON paths give the x86 paths' bits. Not a benchmark.
  *
  *   gcc -O3 -ffp-contract=off -Iengine/csrc -o /tmp/bits tools/kernel_bits_harness.c engine/csrc/nibble.c \
- *       engine/csrc/q8.c engine/csrc/bf16.c engine/csrc/decode_ops.c engine/csrc/index_select.c \
+ *       engine/csrc/q8.c engine/csrc/q8_tiles.c engine/csrc/bf16.c engine/csrc/decode_ops.c engine/csrc/index_select.c \
  *       engine/csrc/split.c engine/csrc/read_ahead.c -lm -lpthread && /tmp/bits
  *   aarch64-linux-gnu-gcc -static (same) && qemu-aarch64 -cpu max /tmp/bits; qemu-aarch64 -cpu cortex-a57 /tmp/bits
  *
  * Each line: kernel, case, FNV-1a of the SIMD result's bytes. The SIMD result is also checked against the
  * plain C one (a different summation order: to float rounding) and, where a kernel has two SIMD levels
- * that promise the same bytes (q8: AVX2 and VNNI, NEON and dot-product; nibble: AVX2 and AVX-512), the
+ * that promise the same bytes (q8: AVX2 and VNNI, NEON and dot-product, the tile products' AVX-512 and plain C;
+ * nibble: AVX2 and AVX-512), the
  * two against each other (the indexer's tiles: every path against the plain C loop, byte for byte); a failure
  * prints "FAIL" and the exit status is 1. The first line names the levels found (they differ between
  * machines: the test compares the other lines).
@@ -131,13 +132,16 @@ static void q8_case(int in, int out, int group, int rows, int kind, int scale_ki
     char what[112];
     snprintf(what, sizeof what, "q8 in=%d out=%d group=%d rows=%d kind=%d scales=%d interleaved=%d", in, out, group, rows, kind, scale_kind, interleaved);
     if (memcmp(work[0], work[1], q8_work_bytes(rows, in)) != 0) printf("FAIL %s: prepared x differs from plain C's\n", what), failures++;
-    float *y[3];
+    float *y[5]; /* q8_gemm at each isa, then the tile products (q8_tiles.h) of the plain C loop and the best */
     for (int isa = 0; isa < 3; isa++) y[isa] = malloc(sizeof(float) * n), q8_gemm(&m, &xq[1], 0, out, isa, y[isa], (size_t)out);
+    for (int t = 0; t < 2; t++) y[3 + t] = malloc(sizeof(float) * n), q8_gemm(&m, &xq[1], 0, out, 2 * t | Q8_TILES, y[3 + t], (size_t)out);
     close_to(what, y[1], y[0], n);
+    close_to(what, y[3], y[0], n);
     same(what, y[1], y[2], n * sizeof(float));
-    printf("%s %016llx x %016llx\n", what, (unsigned long long)fnv(y[2], n * sizeof(float)),
-           (unsigned long long)fnv(work[0], q8_work_bytes(rows, in)));
-    for (int i = 0; i < 3; i++) free(y[i]);
+    same(what, y[3], y[4], n * sizeof(float));
+    printf("%s %016llx x %016llx t %016llx\n", what, (unsigned long long)fnv(y[2], n * sizeof(float)),
+           (unsigned long long)fnv(work[0], q8_work_bytes(rows, in)), (unsigned long long)fnv(y[4], n * sizeof(float)));
+    for (int i = 0; i < 5; i++) free(y[i]);
     free(w), free(scales), free(packed), free(x), free(work[0]), free(work[1]);
 }
 

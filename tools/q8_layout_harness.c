@@ -5,7 +5,7 @@
  * time in contiguous halves. Prints GB/s of codes and scales (medians and bests of the sweeps) and checks
  * that both layouts give the same bytes. docs/kernels.md, "The interleaved layout".
  *
- *   gcc -O3 -Iengine/csrc -o /tmp/q8_layout tools/q8_layout_harness.c engine/csrc/q8.c engine/csrc/nibble.c \
+ *   gcc -O3 -Iengine/csrc -o /tmp/q8_layout tools/q8_layout_harness.c engine/csrc/q8.c engine/csrc/q8_tiles.c engine/csrc/nibble.c \
  *       engine/csrc/bf16.c -lpthread -lm && /tmp/q8_layout [threads=2] [sweeps=7]
  */
 #include <pthread.h>

@@ -17,6 +17,7 @@
 #include "index_choose.h"
 #include "nibble_moe.h"
 #include "q8_moe.h"
+#include "q8_tiles.h"
 #include "decode_ops.h"
 #include "split.h"
 #include "read_ahead.h"
@@ -572,11 +573,12 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     if (m && PyModule_AddFunctions(m, py_decode_methods) != 0) Py_CLEAR(m);
     if (m) PyModule_AddIntConstant(m, "MAX_ROWS", MAX_ROWS);
     /* the entry points and signatures of this build (engine/kernels/native.py checks it): raise both together */
-    if (m) PyModule_AddIntConstant(m, "ABI_VERSION", 7);
+    if (m) PyModule_AddIntConstant(m, "ABI_VERSION", 8);
     /* 2 AVX-512, 1 AVX2 or NEON, 0 none: without SIMD the bf16 path would be slower than float32 matmul. */
     if (m) PyModule_AddIntConstant(m, "BF16_SIMD", bf16_isa(64, 2));
     /* 1: the int8-activation kernels multiply with AVX-512 VNNI's dpbusd (else AVX2 maddubs, or C) */
     if (m) PyModule_AddIntConstant(m, "Q8_VNNI", q8_vnni_available());
+    if (m) PyModule_AddIntConstant(m, "Q8_TILES_FAST", q8_tiles_fast());
     /* the loops the quantised kernels take (x86: 2 AVX-512, 1 AVX2; aarch64: 2 NEON with dot-product, 1 NEON;
      * 0 plain C), COLIBRI_STREAM_ISA's cap applied */
     if (m) PyModule_AddIntConstant(m, "SIMD_LEVEL", nibble_simd_available() + nibble_simd_wide());

@@ -34,6 +34,8 @@
 
 #include "bf16.h"
 #include "nibble.h"
+#include "q8_layout.h"
+#include "q8_tiles.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -54,23 +56,7 @@
 #define Q8_ROW_TILE 16
 #endif
 
-/* Per row and chunk in the work area: 64 int8 of x, 8 float block scales, 8 int32 offset corrections. */
-#define SLOT_BYTES 128
-#define SLOT_SCALES 64
-#define SLOT_OFFSETS 96
-
-static inline int chunks_of(int in) { return (in + Q8_CHUNK - 1) / Q8_CHUNK; }
-
-size_t q8_work_bytes(int rows, int in) { return (size_t)rows * (size_t)chunks_of(in) * SLOT_BYTES; }
-
-static inline uint8_t *slot(const Q8Rows *x, int r, int c) { return x->work + ((size_t)r * x->chunks + c) * SLOT_BYTES; }
-
-/* Where column j (0..63) of a chunk goes in the prepared 64 bytes. */
-static inline int x_position(int kind, int j) {
-    if (kind == Q8_WEIGHTS_INT4) return j % 2 ? 32 + j / 2 : j / 2;
-    int piece = j / 16; /* pieces 0 1 2 3 -> positions 0 2 1 3 */
-    return 16 * (piece == 1 ? 2 : piece == 2 ? 1 : piece) + j % 16;
-}
+size_t q8_work_bytes(int rows, int in) { return (size_t)rows * (size_t)slots_per_row(chunks_of(in)) * SLOT_BYTES; }
 
 static void prepare_scalar(int kind, const float *x, int rows, int in, Q8Rows *out) {
     for (int r = 0; r < rows; r++) {
@@ -96,17 +82,13 @@ static void prepare_scalar(int kind, const float *x, int rows, int in, Q8Rows *o
             int32_t *off = (int32_t *)(s + SLOT_OFFSETS);
             for (int l = 0; l < 8; l++) {
                 sv[l] = scales[l / 4];
-                /* int4: lanes 0 and 4 carry the blocks' -8 sum xq (each lane's integer sum is added up at the end) */
-                off[l] = kind == Q8_WEIGHTS_INT4 && l % 4 == 0 ? -8 * sums[l / 4] : 0;
+                /* lanes 0 and 4 carry the blocks' -8 sum xq: int4's correction (each lane's integer sum is added
+                 * up at the end; q8_gemm's int8 weights start from zeros); q8_tiles.c's for either kind */
+                off[l] = l % 4 == 0 ? -8 * sums[l / 4] : 0;
             }
         }
     }
 }
-
-static inline size_t chunk_step_bytes(int kind) { return kind == Q8_WEIGHTS_INT4 ? 32 : 64; }
-
-/* Bytes of a span's codes (interleaved layout, q8.h): its scales follow them. */
-static inline size_t span_code_bytes(int kind) { return Q8_SPAN / Q8_CHUNK * 4 * chunk_step_bytes(kind); }
 
 size_t q8_span_bytes(int kind, int scale_kind, int group) {
     size_t scale_bytes = scale_kind == SCALE_E8M0 ? 1 : 2;
@@ -117,36 +99,6 @@ int q8_interleavable(int kind, int scale_kind, int in, int out, int group) {
     return (kind == Q8_WEIGHTS_INT4 || kind == Q8_WEIGHTS_INT8) && scale_kind >= 0 && scale_kind < N_SCALE_KINDS &&
            in >= Q8_SPAN && in % Q8_SPAN == 0 && out >= 4 && out % 4 == 0 && group >= Q8_CHUNK && group % Q8_CHUNK == 0 &&
            Q8_SPAN % group == 0;
-}
-
-/* Span s (columns s Q8_SPAN ..) of row o's 4-row block in an interleaved matrix. */
-static inline const uint8_t *span_at(const Q8Matrix *m, int o, int s) {
-    size_t spans = (size_t)(m->in / Q8_SPAN);
-    return (const uint8_t *)m->w + ((size_t)(o / 4) * spans + (size_t)s) * q8_span_bytes(m->kind, m->scale_kind, m->group);
-}
-
-/* Weight row o's value at column k (before its group's scale). */
-static inline int weight_at(const Q8Matrix *m, int o, int k) {
-    if (m->interleaved) {
-        int j = k % Q8_CHUNK, c8 = k % Q8_SPAN / Q8_CHUNK;
-        const uint8_t *chunk = span_at(m, o, k / Q8_SPAN) + (size_t)(4 * c8 + o % 4) * chunk_step_bytes(m->kind);
-        if (m->kind == Q8_WEIGHTS_INT8) return ((const int8_t *)chunk)[j];
-        return ((chunk[j / 2] >> (4 * (j % 2))) & 0x0F) - 8;
-    }
-    if (m->kind == Q8_WEIGHTS_INT8) return ((const int8_t *)m->w)[(size_t)o * m->in + k];
-    const uint8_t *row = (const uint8_t *)m->w + (size_t)o * ((m->in + 1) / 2);
-    return ((row[k / 2] >> (4 * (k % 2))) & 0x0F) - 8;
-}
-
-/* Weight row o's scale of group g. */
-static inline float scale_of(const Q8Matrix *m, int o, int g) {
-    if (m->interleaved) {
-        int per = Q8_SPAN / m->group;
-        const uint8_t *scales = span_at(m, o, g / per) + span_code_bytes(m->kind);
-        return nibble_scale(m->scale_kind, scales, (size_t)(o % 4) * per + g % per);
-    }
-    int groups = (m->in + m->group - 1) / m->group;
-    return nibble_scale(m->scale_kind, m->scales, (size_t)o * groups + g);
 }
 
 static void gemm_scalar(const Q8Matrix *m, const Q8Rows *x, int begin, int end, float *y, size_t ldy) {
@@ -300,8 +252,7 @@ AVX2 static void prepare_avx2(int kind, const float *x, int rows, int in, Q8Rows
             _mm256_storeu_si256((__m256i *)(s + 32), _mm256_permute2x128_si256(v[0], v[1], 0x31));
             _mm256_storeu_ps((float *)(s + SLOT_SCALES),
                              _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(scales[0])), _mm_set1_ps(scales[1]), 1));
-            int off0 = kind == Q8_WEIGHTS_INT4 ? -8 * sums[0] : 0, off1 = kind == Q8_WEIGHTS_INT4 ? -8 * sums[1] : 0;
-            _mm256_storeu_si256((__m256i *)(s + SLOT_OFFSETS), _mm256_setr_epi32(off0, 0, 0, 0, off1, 0, 0, 0));
+            _mm256_storeu_si256((__m256i *)(s + SLOT_OFFSETS), _mm256_setr_epi32(-8 * sums[0], 0, 0, 0, -8 * sums[1], 0, 0, 0));
         }
 }
 #endif
@@ -313,6 +264,8 @@ AVX2 static void prepare_avx2(int kind, const float *x, int rows, int in, Q8Rows
 void q8_prepare(int kind, const float *x, int rows, int in, int simd, Q8Rows *out) {
     out->rows = rows, out->chunks = chunks_of(in), out->kind = kind, out->floats = x;
     if (kind == Q8_WEIGHTS_BF16) return;
+    if (out->chunks % 2 == 0) /* each row's spare slot (slots_per_row): zeros, so the work area's bytes are all set */
+        for (int r = 0; r < rows; r++) memset(slot(out, r, out->chunks), 0, SLOT_BYTES);
 #if HAVE_X86
     if (simd && nibble_simd_available()) {
         prepare_avx2(kind, x, rows, in, out);
@@ -335,6 +288,13 @@ int q8_vnni_available(void) {
 }
 
 void q8_gemm(const Q8Matrix *m, const Q8Rows *x, int begin, int end, int isa, float *y, size_t ldy) {
+    if (isa & Q8_TILES) { /* a prompt's rows (bf16 weights have one kind of product) */
+        isa &= ~Q8_TILES;
+        if (m->kind != Q8_WEIGHTS_BF16) {
+            q8_tiles_gemm(m, x, begin, end, isa, y, ldy);
+            return;
+        }
+    }
     if (m->kind == Q8_WEIGHTS_BF16) { /* Q8_ISA_* and bf16_isa's limits are the same ladder */
         bf16_gemm_rows(m->w, x->floats, x->rows, m->in, begin, end, isa, 1, y, ldy);
         return;

@@ -41,7 +41,8 @@ size_t q8_span_bytes(int kind, int scale_kind, int group);
 
 /* x quantised: per row and chunk of 64 columns, 64 int8 (int4 weights: the even columns, then the odd
  * ones, which is how a chunk's 32 packed bytes unpack; int8 weights: in order), then 8 floats of block
- * scales as the kernel multiplies them, then (int4) 8 int32 of offset corrections (-8 sum xq of block 0 in lane 0, of block 1 in lane 4). */
+ * scales as the kernel multiplies them, then 8 int32 of offset corrections (-8 sum xq of block 0 in lane 0, of
+ * block 1 in lane 4; int8 weights' q8_gemm does not read them, q8_tiles_gemm does). */
 typedef struct {
     uint8_t *work;
     int rows, chunks, kind;
@@ -57,6 +58,8 @@ void q8_prepare(int kind, const float *x, int rows, int in, int simd, Q8Rows *ou
 
 /* The instruction sets q8_gemm may use, at most: each level gives the same bytes as the one below. */
 enum { Q8_ISA_SCALAR = 0, Q8_ISA_AVX2 = 1, Q8_ISA_VNNI = 2 };
+/* OR'd into an isa: the product in q8_tiles.h's numbers (a prompt's rows), not q8_gemm's (every other row). */
+#define Q8_TILES 8
 int q8_vnni_available(void);
 
 /* y[r * ldy + o - begin] = sum_k dequant(W)[o, k] * dequant(xq)[r, k] for output rows [begin, end),

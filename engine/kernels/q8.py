@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 import torch
 
-from engine.kernels.modes import activations_are_int8
+from engine.kernels.modes import activations_are_int8, rows_are_prompt
 from engine.kernels.native import _kernels
 from engine.kernels.rows import kernel_threads
 
@@ -21,6 +21,17 @@ SPAN = 512  # columns per span of the interleaved layout (q8.h Q8_SPAN)
 WEIGHT_KINDS = {"int4": 0, "int8": 1}  # the kernel's weight kinds (q8.h)
 BF16_KIND = 2  # q8.h Q8_WEIGHTS_BF16: the float32 path's bf16 matrices in the fused C steps
 ISA_SCALAR, ISA_AVX2, ISA_BEST = 0, 1, 2  # q8.h Q8_ISA_*
+TILES = 8  # q8.h Q8_TILES, OR'd into an isa: the products in q8_tiles.h's numbers (a prompt's rows)
+
+
+def q8_isa() -> int:
+    """The isa the int8 matmuls pass: the best, as tile GEMMs inside ``prompt_rows()``."""
+    return ISA_BEST | TILES if rows_are_prompt() else ISA_BEST
+
+
+def tiles_fast() -> bool:
+    """Whether the tile GEMMs have their vector path here (AVX-512 VNNI); elsewhere the plain C loop."""
+    return _kernels is not None and bool(_kernels.Q8_TILES_FAST)
 
 
 def q8_kernel_handles(code: str, group_size: int, x: torch.Tensor) -> bool:
@@ -42,12 +53,12 @@ def q8_matmul(
     code: str,
     group_size: int,
     scale_kind: int,
-    isa: int = ISA_BEST,
+    isa: int | None = None,
     out_dim: int | None = None,
 ) -> torch.Tensor:
     """int8(x) [rows, in] @ dequant(w, scales)^T -> [rows, out] float32. ``w``: int4 nibbles uint8
     [out, ceil(in / 2)], int8 [out, in], or ``interleave``'s bytes (``out_dim`` given, ``scales`` unused).
-    ``isa`` caps the instruction set (every level gives the same bytes)."""
+    ``isa`` caps the instruction set (every level gives the same bytes; default ``q8_isa()``)."""
     rows, in_dim = x.shape
     x = x.contiguous()
     out = w.shape[0] if out_dim is None else out_dim
@@ -61,7 +72,7 @@ def q8_matmul(
         in_dim,
         out,
         group_size,
-        isa,
+        q8_isa() if isa is None else isa,
         kernel_threads(),
         WEIGHT_KINDS[code],
         scale_kind,
@@ -176,6 +187,6 @@ def q8_mlp(w1: object, w2: object, w3: object, x: torch.Tensor, limit: float | N
     out = torch.empty(flat.shape, dtype=torch.float32)
     _kernels.q8_mlp(
         gate, up, down, flat.data_ptr(), flat.shape[0], dim, inter, limit is not None, float(limit or 0.0),
-        out.data_ptr(), ISA_BEST, kernel_threads(),
+        out.data_ptr(), q8_isa(), kernel_threads(),
     )  # fmt: skip
     return out.view(x.shape)

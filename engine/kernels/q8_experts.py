@@ -17,7 +17,7 @@ from engine.kernels.expert_calls import common_table, parts_within
 from engine.kernels.interleaved_expert import InterleavedExpert
 from engine.kernels.modes import activations_are_int8
 from engine.kernels.native import _kernels
-from engine.kernels.q8 import BLOCK, ISA_BEST, WEIGHT_KINDS
+from engine.kernels.q8 import BLOCK, WEIGHT_KINDS, q8_isa
 from engine.kernels.quant import KERNEL_SCALES, QuantizedExpert, QuantizedMatrix
 from engine.kernels.rows import kernel_threads
 
@@ -122,7 +122,7 @@ def add_experts(
             part_ids.buffer_info()[0], len(part), mats.buffer_info()[0],
             kind13, kind2, scale_kind, group13, group2, bool(interleaved),
             limit is not None, float(limit or 0.0),
-            out.data_ptr(), ISA_BEST, kernel_threads(),
+            out.data_ptr(), q8_isa(), kernel_threads(),
         )  # fmt: skip
 
 

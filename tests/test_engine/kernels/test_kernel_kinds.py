@@ -3,8 +3,6 @@ any width (odd, ragged last group, whole groups) against the torch reference."""
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
 
 import pytest
@@ -133,35 +131,22 @@ def test_e8m0_extremes_decode_as_the_reference():
     assert torch.isnan(kernel_matmul(torch.ones(1, 64), m)[0, 2])
 
 
-def _guarded(nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
-    """A uint8 tensor of nbytes ending exactly where an unreadable page starts."""
-    page = mmap.PAGESIZE
-    pages = -(-nbytes // page) + 1
-    area = mmap.mmap(-1, pages * page)
-    base = ctypes.addressof(ctypes.c_char.from_buffer(area))
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    assert libc.mprotect(base + (pages - 1) * page, page, 0) == 0  # PROT_NONE
-    start = (pages - 1) * page - nbytes
-    return area, torch.frombuffer(area, dtype=torch.uint8, count=nbytes, offset=start)
-
-
 @needs_kernel
 @pytest.mark.parametrize("kind", ["int4-bf16-g32", "fp4-e8m0-g32"])
-def test_kernel_reads_nothing_past_the_matrix(kind):
+def test_kernel_reads_nothing_past_the_matrix(kind, guarded):
     """Codes and scales end on an unreadable page: an over-read would kill the (forked) child."""
     m = random_matrix(kind, 119, out_dim=5)
     pid = os.fork()
     if pid == 0:
         try:
-            area_q, q = _guarded(m.q.numel())
-            area_s, s = _guarded(m.scales.numel() * m.scales.element_size())
+            area_q, q = guarded(m.q.numel())
+            area_s, s = guarded(m.scales.numel() * m.scales.element_size())
             q.copy_(m.q.flatten())
             s.copy_(m.scales.contiguous().view(torch.uint8).flatten())
-            guarded = QuantizedMatrix(q.view(m.q.shape), s.view(m.scales.dtype).view(m.scales.shape), m.code, 32, 119)
+            at_edge = QuantizedMatrix(q.view(m.q.shape), s.view(m.scales.dtype).view(m.scales.shape), m.code, 32, 119)
             x = torch.randn(8, 119)
-            ok = torch.equal(guarded.dequantize(), m.dequantize()) and all(
-                torch.equal(kernel_matmul(x[:rows], guarded, fs), kernel_matmul(x[:rows], m, fs))
+            ok = torch.equal(at_edge.dequantize(), m.dequantize()) and all(
+                torch.equal(kernel_matmul(x[:rows], at_edge, fs), kernel_matmul(x[:rows], m, fs))
                 for rows in (1, 4, 8)
                 for fs in (False, True)
             )

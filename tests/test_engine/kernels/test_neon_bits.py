@@ -19,7 +19,7 @@ from engine.kernels.isa import ISA_ENV, check_isa_env, describe_isa, isa_caps
 ROOT = Path(__file__).resolve().parents[3]
 SOURCES = [ROOT / "tools" / "kernel_bits_harness.c"] + [
     ROOT / "engine" / "csrc" / f"{name}.c"
-    for name in ("nibble", "q8", "bf16", "decode_ops", "index_select", "split", "read_ahead")
+    for name in ("nibble", "q8", "q8_tiles", "bf16", "decode_ops", "index_select", "split", "read_ahead")
 ]
 # -O1: half the compile time of -O3 on a busy box; the bits do not depend on it (no float reassociation without
 # -ffast-math, no fusing with -ffp-contract=off)
