@@ -34,7 +34,7 @@ class OurConfig:
     @property
     def name(self) -> str:
         fetch = "prefetch" if self.prefetch else "no-prefetch"
-        act = " int8-act" if self.activations == "int8" else ""
+        act = {"int8": " int8-act", "int8-tiles": " int8-tiles"}.get(self.activations, "")
         ram = " ram-auto" if self.auto_ram else ""
         return f"{self.container}{act} {self.budget_pct}%{ram} {self.policy} {fetch} {'cold' if self.cold else 'warm'}"
 

@@ -29,7 +29,7 @@ from storage.kv.pack import PACK_SUFFIX, read_pack_header
 from storage.kv.prefix_blocks import describe_blocks
 from storage.kv.prefix_store import PrefixConfig, PrefixStore
 
-ACTIVATIONS = ("float32", "int8")
+ACTIVATIONS = ("float32", "int8", "int8-tiles")  # runtime/loader.py ACTIVATIONS
 MAX_VERIFY = 1 << 20  # positions; a pack is never near this long
 MAX_KEY_FILE_BYTES = 1 << 16
 

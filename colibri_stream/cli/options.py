@@ -26,6 +26,7 @@ from colibri_stream.planning.geometry import (
 from colibri_stream.planning.settings import SETTINGS, TABLES, Budget, Kind, Setting, Value
 from colibri_stream.runtime.generate import SamplingParams
 from colibri_stream.runtime.kv.lock import SessionWait
+from colibri_stream.runtime.loader import ACTIVATIONS
 from colibri_stream.runtime.mtp_governor import MODES, MTPOptions
 from colibri_stream.runtime.turn import RuntimeOptions
 from storage.kv.log import RECORD_DTYPES
@@ -244,12 +245,13 @@ def session_wait(args: argparse.Namespace, command: str) -> SessionWait:
 def add_activations_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     parser.add_argument(
         "--activations",
-        choices=("float32", "int8"),
+        choices=ACTIVATIONS,
         default="float32",
         help="float32 (default): token-exact against the reference; int8: the 4-bit experts and int8/int4 dense "
         "records multiply int8-quantised activations with integer dot products, as llama.cpp does (faster, "
         "lossy: +0.2%% held-out perplexity on the demo model, docs/quantization.md; the dense records then stay "
-        "codes in memory)",
+        "codes in memory); int8-tiles: int8, with a prompt's rows computed as tile GEMMs (AVX-512 VNNI CPUs; "
+        "faster prompts; a prompt's values then differ from decoded ones in their last bits, docs/kernels.md)",
     )
 
 

@@ -98,7 +98,7 @@ def bandwidth(args: argparse.Namespace, devices: list[DeviceShare] | None = None
 def run_plan(args: argparse.Namespace) -> int:
     geometry = model_geometry(Path(args.path), target_options(args))
     options = store_options(args).with_ram(PLAN_RAM)
-    placement = store_plan(options, geometry, args.dtype, args.activations == "int8")[1]
+    placement = store_plan(options, geometry, args.dtype, args.activations != "float32")[1]
     devices = device_shares(args.path)
     speed = expected_speed(placement, bandwidth(args, devices))
     per_device = [

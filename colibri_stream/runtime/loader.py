@@ -47,6 +47,8 @@ from engine.core.sources import Expert, ExpertWeights
 from engine.families import meta_transformer
 from engine.kernels.bf16 import hold_in_bf16, linear_candidates
 from engine.kernels.int8_dense import hold_codes, interleave_codes
+from engine.kernels.isa import kernel_isa
+from engine.kernels.q8 import tiles_fast
 from engine.kernels.quant import QuantizedMatrix
 from storage.container.reader import Container, ExpertReader, is_container
 from storage.errors import FormatError
@@ -187,7 +189,8 @@ def load(
 ) -> LoadedModel:
     """What `run`, `chat`, `serve` and `demo` load: a container streams its experts under the budget
     ``store`` describes (refused with the numbers when it cannot fit); an HF directory is resident.
-    ``activations`` "int8": the kernel matmuls quantise their inputs (engine/kernels/q8.py; lossy, opt-in).
+    ``activations`` "int8": the kernel matmuls quantise their inputs (engine/kernels/q8.py; lossy, opt-in);
+    "int8-tiles": and a prompt's rows are tile GEMMs (engine/csrc/q8_tiles.h: AVX-512 VNNI hosts).
     ``cluster``: the routed experts live in worker processes (colibri_stream/cluster); with local
     workers the budget is theirs together, so it is checked as for one process."""
     store = store or StoreOptions()
@@ -199,6 +202,7 @@ def load(
             raise ColibriError(f"{path}: workers serve a converted container's experts; convert this checkpoint first")
         loaded = load_checkpoint(path, COMPUTE_DTYPES[dtype], trace=trace)
         loaded.model.int8_activations = int8
+        loaded.model.prompt_tiles = activations == "int8-tiles"
         args = loaded.args
         return _as_decode_reads_it(loaded, 3 * args.dim * args.moe_inter_dim * COMPUTE_DTYPES[dtype].itemsize)
     geometry = geometry_from_container(Container(path))
@@ -206,6 +210,7 @@ def load(
     if cluster is None or cluster.local_workers:
         check_fits(placement)
     loaded = load_container(path, COMPUTE_DTYPES[dtype], config, trace, int8_activations=int8, cluster=cluster)
+    loaded.model.prompt_tiles = activations == "int8-tiles"
     return _as_decode_reads_it(loaded, geometry.record_bytes)
 
 
@@ -218,16 +223,23 @@ def _as_decode_reads_it(loaded: LoadedModel, expert_bytes: int) -> LoadedModel:
     return loaded
 
 
-ACTIVATIONS = ("float32", "int8")
+ACTIVATIONS = ("float32", "int8", "int8-tiles")
 
 
 def check_activations(activations: str, dtype: str) -> bool:
     """Whether the model runs with int8 activations; refuses what cannot."""
     if activations not in ACTIVATIONS:
         raise ColibriError(f"activations {activations!r}: expected one of {', '.join(ACTIVATIONS)}")
-    if activations == "int8" and dtype != "float32":
-        raise ColibriError("int8 activations quantise float32 inputs: use --dtype float32 with --activations int8")
-    return activations == "int8"
+    if activations != "float32" and dtype != "float32":
+        raise ColibriError(
+            f"int8 activations quantise float32 inputs: use --dtype float32 with --activations {activations}"
+        )
+    if activations == "int8-tiles" and not tiles_fast():
+        raise ColibriError(
+            "--activations int8-tiles computes prompts as AVX-512 VNNI tile GEMMs, which this CPU or build lacks "
+            f"({kernel_isa()}): use --activations int8"
+        )
+    return activations != "float32"
 
 
 # ------------------------------------------------------------------------------ HF checkpoints

@@ -65,7 +65,7 @@ from storage.tiers.stats import StoreStats
 @dataclass(frozen=True)
 class RuntimeOptions:
     dtype: str = "float32"  # compute dtype: float32 (token-exact) or bfloat16
-    activations: str = "float32"  # int8: quantised matmul inputs (engine/kernels/q8.py; lossy, opt-in)
+    activations: str = "float32"  # int8: quantised matmul inputs (engine/kernels/q8.py; lossy, opt-in); int8-tiles
     store: StoreOptions = field(default_factory=StoreOptions)
     kv_dir: str | Path | None = None  # default: the user cache, per model fingerprint
     kv_dtype: str = "float32"  # KV log record dtype
@@ -158,7 +158,8 @@ def load_runtime(path: str | Path, options: RuntimeOptions | None = None) -> Run
     check_output_dir(kv_dir, "the session directory")
     model_id = options.model_id or Path(path).resolve().name
     model = loaded.model
-    activations = "int8" if model.int8_activations else "float32"  # what stored values depend on, with the dtype
+    # what stored values depend on, with the dtype (a prompt's tile GEMMs sum in another order: kept apart)
+    activations = "int8-tiles" if model.prompt_tiles else "int8" if model.int8_activations else "float32"
     kv = Persistence.of(
         kv_dir, fingerprint, loaded.args, model.new_cache, model.dtype, options.kv_dtype, activations, options.prefix
     )

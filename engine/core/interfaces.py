@@ -14,6 +14,7 @@ from torch import nn
 from engine.config.args import ModelArgs
 from engine.core.cache import DraftCache
 from engine.core.sources import Experts
+from engine.kernels.modes import prompt_rows
 
 
 class CacheLog(Protocol):
@@ -74,6 +75,7 @@ class Model(nn.Module, ABC, Generic[CacheT]):
     prompt_in_windows: ClassVar[bool] = False
     args: ModelArgs
     int8_activations: bool  # kernel matmuls quantise their inputs (lossy, opt-in)
+    prompt_tiles: bool  # with int8_activations: forward_prompt(s) compute a prompt's rows as tile GEMMs
     read_ahead: bool  # decode prefetches the next weights into CPU caches
 
     @property
@@ -103,20 +105,24 @@ class Model(nn.Module, ABC, Generic[CacheT]):
     def forward_prompt(
         self, tokens: torch.Tensor, start_pos: int, cache: CacheT, experts: Experts, chunk: int, last_only: bool = False
     ) -> torch.Tensor:
-        """``forward`` over tokens [B, S] in chunks of ``chunk``: the same logits and cache as those forwards."""
-        logits = [
-            self.forward(part, start_pos + i * chunk, cache, experts, last_only=last_only)
-            for i, part in enumerate(tokens.split(chunk, dim=1))
-        ]
+        """``forward`` over tokens [B, S] in chunks of ``chunk`` in ``prompt_rows(prompt_tiles)``: the same logits
+        and cache as those forwards."""
+        with prompt_rows(self.prompt_tiles):
+            logits = [
+                self.forward(part, start_pos + i * chunk, cache, experts, last_only=last_only)
+                for i, part in enumerate(tokens.split(chunk, dim=1))
+            ]
         return logits[-1] if last_only else torch.cat(logits, dim=1)
 
     def forward_prompts(self, chunks: list[torch.Tensor], caches: list[CacheT], experts: Experts) -> list[torch.Tensor]:
         """chunks[i] [1, S_i] at the end of caches[i] -> each one's last-position logits [1, 1, vocab], as
-        ``forward(..., last_only=True)`` alone; a family may compute them in one pass."""
-        return [
-            self.forward(chunk, cache.length, cache, experts, last_only=True)
-            for chunk, cache in zip(chunks, caches, strict=True)
-        ]
+        ``forward(..., last_only=True)`` alone in ``prompt_rows(prompt_tiles)``; a family may compute them in one
+        pass."""
+        with prompt_rows(self.prompt_tiles):
+            return [
+                self.forward(chunk, cache.length, cache, experts, last_only=True)
+                for chunk, cache in zip(chunks, caches, strict=True)
+            ]
 
     @abstractmethod
     def forward_rows(self, tokens: list[int], caches: list[CacheT], experts: Experts) -> torch.Tensor:

@@ -23,7 +23,7 @@ from engine.core.layers import MLP, RMSNorm, embedding
 from engine.core.moe import GUESS_MAX_NEW_POSITIONS, MoE
 from engine.core.rope import rope_tables
 from engine.core.sources import Experts, ExpertSource, is_remote
-from engine.kernels.modes import int8_activations
+from engine.kernels.modes import int8_activations, prompt_rows
 from engine.kernels.read_ahead import module_arrays, read_ahead_available, request_read_ahead
 from engine.kernels.rows import Linear, rows_alone, rows_in_segments, torch_on_one_thread
 from engine.mla.attention import MLA
@@ -162,6 +162,7 @@ class Transformer(Model[KVCache]):
         for mtp in cast("list[MTP]", self.mtp):  # a ModuleList of MTPs
             mtp.one_call = OneCall(partial(_block_parts, [mtp.block]), [mtp.layer_id])
         self.int8_activations = False
+        self.prompt_tiles = False
         # a loss where the next layer's weights do not fit the cache beside the current's: the loader decides
         self.read_ahead = True
         self._weights_listed: dict[int, list[torch.Tensor]] = {}  # layer -> dense weights
@@ -276,7 +277,7 @@ class Transformer(Model[KVCache]):
         xs = [self.embed(part) for part in parts]
         ropes = [rope_tables(self.args, s, part.shape[1], xs[0].device) for s, part in zip(starts, parts, strict=True)]
         selections: list[torch.Tensor | None] = [None] * len(parts)
-        with int8_activations(self.int8_activations), torch_on_one_thread():
+        with int8_activations(self.int8_activations), prompt_rows(self.prompt_tiles), torch_on_one_thread():
             for layer, layer_cache in zip(cast("list[Block]", self.layers), cache.layers, strict=True):
                 with expansions_kept():  # the cache only grows here: each full key block expanded once
                     for i, (x, start, rope) in enumerate(zip(xs, starts, ropes, strict=True)):
@@ -299,7 +300,7 @@ class Transformer(Model[KVCache]):
         x = self.embed(torch.cat(chunks, dim=1))  # [1, N, dim]
         ropes = [rope_tables(self.args, start, size, x.device) for start, size in zip(starts, sizes, strict=True)]
         selections: list[torch.Tensor | None] = [None] * len(chunks)
-        with int8_activations(self.int8_activations), torch_on_one_thread():
+        with int8_activations(self.int8_activations), prompt_rows(self.prompt_tiles), torch_on_one_thread():
             with rows_in_segments(sizes):
                 for i, layer in enumerate(cast("list[Block]", self.layers)):
                     layer_caches = [cache.layers[i] for cache in caches]

@@ -105,6 +105,7 @@ class V4Transformer(Model[V4Cache]):
         self.head = Linear(args.dim, args.vocab_size, bias=False)
         self.mtp = nn.ModuleList(V4MTP(args, layer, V4Block(args, layer)) for layer in args.mtp_layers)
         self.int8_activations = False
+        self.prompt_tiles = False
         self.read_ahead = False
 
     @property

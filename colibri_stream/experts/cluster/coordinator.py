@@ -37,7 +37,7 @@ from colibri_stream.experts.cluster.replicas import COORDINATOR, Holders, assign
 from colibri_stream.experts.cluster.transport import Link, Reply
 from colibri_stream.experts.cluster.wire import Hello, Op, WorkerError
 from engine.core.sources import Offered
-from engine.kernels.modes import activations_are_int8
+from engine.kernels.modes import activations_are_int8, rows_are_prompt
 from engine.kernels.rows import computing_alone
 from storage.container.reader import Container
 from storage.tiers.history import UsageHistory
@@ -170,8 +170,10 @@ class DistributedExperts:
         prefetch guess), a lone PREFETCH to one that computes none but has a guess waiting -> (the experts
         the coordinator computes itself, the requests sent)."""
         row = self.row[layer]
-        flags = (wire.FLAG_ROWS_ALONE if computing_alone() else 0) | (
-            wire.FLAG_INT8_ACTIVATIONS if activations_are_int8() else 0
+        flags = (
+            (wire.FLAG_ROWS_ALONE if computing_alone() else 0)
+            | (wire.FLAG_INT8_ACTIVATIONS if activations_are_int8() else 0)
+            | (wire.FLAG_PROMPT_ROWS if rows_are_prompt() else 0)
         )
         sent: list[Sent] = []
         with self._lock:

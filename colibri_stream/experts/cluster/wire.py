@@ -46,6 +46,7 @@ HOST_BYTES = 64
 
 FLAG_ROWS_ALONE = 1  # the engine's rows_alone(): batched decode, each row computed as alone
 FLAG_INT8_ACTIVATIONS = 2  # the engine's int8_activations()
+FLAG_PROMPT_ROWS = 4  # the engine's prompt_rows(): a prompt's rows as tile GEMMs
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # x's dtype travels as its index here
 Spec = tuple[torch.dtype, tuple[int, ...]]  # one tensor of a payload

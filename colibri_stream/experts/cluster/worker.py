@@ -10,7 +10,7 @@ until told to stop.
 
 Started again with the same flags after it was lost, a worker joins the same way and the coordinator
 gives it its share back (between steps). A worker computes with the same engine code as a single
-process (rows_alone and int8 activations as the request's flags say), so its part of the sum is the
+process (rows_alone, int8 activations and prompt rows as the request's flags say), so its part of the sum is the
 same float64 terms. Every request is checked against the model's geometry (RequestLimits) before its
 payload is allocated: a frame that does not fit ends the worker in one line.
 """
@@ -40,7 +40,7 @@ from colibri_stream.planning.budget import StoreOptions, worker_store_config
 from colibri_stream.planning.geometry import container_args, geometry_from_container
 from engine.core.moe import routed_sum
 from engine.families import family_of
-from engine.kernels.modes import int8_activations
+from engine.kernels.modes import int8_activations, prompt_rows
 from engine.kernels.rows import rows_alone, torch_on_one_thread
 from storage.container.reader import Container
 from storage.tiers.config import StoreConfig
@@ -207,5 +207,6 @@ def _engine_context(flags: int) -> Iterator[None]:
         if flags & wire.FLAG_ROWS_ALONE:
             stack.enter_context(rows_alone())
         stack.enter_context(int8_activations(bool(flags & wire.FLAG_INT8_ACTIVATIONS)))
+        stack.enter_context(prompt_rows(bool(flags & wire.FLAG_PROMPT_ROWS)))
         stack.enter_context(torch_on_one_thread())
         yield
