@@ -27,14 +27,20 @@ static inline void swiglu_in_place(float *gate, const float *up, size_t n, int c
     }
 }
 
-/* out[row[i]] += (double)(y[i] * weight[i]) for an expert's n rows (y [n, dim]): the float32 product, added in
- * float64, as engine/core/moe.py's RoutedSum adds it. */
-static inline void add_terms(double *out, int dim, const int *row, const float *weight, int n, const float *y) {
+/* Columns [c0, c1) of out[row[i]] += (double)(y[i] * weight[i]) for an expert's n rows (y [n, dim]): the float32
+ * product, added in float64, as engine/core/moe.py's RoutedSum adds it. An element's terms are added in the order
+ * of the calls, whichever columns a call takes. */
+static inline void add_terms_columns(double *out, int dim, int c0, int c1, const int *row, const float *weight, int n,
+                                     const float *y) {
     for (int i = 0; i < n; i++) {
         double *into = out + (size_t)row[i] * dim;
         const float *term = y + (size_t)i * dim;
-        for (int d = 0; d < dim; d++) into[d] += (double)(term[d] * weight[i]);
+        for (int d = c0; d < c1; d++) into[d] += (double)(term[d] * weight[i]);
     }
+}
+
+static inline void add_terms(double *out, int dim, const int *row, const float *weight, int n, const float *y) {
+    add_terms_columns(out, dim, 0, dim, row, weight, n, y);
 }
 
 #endif

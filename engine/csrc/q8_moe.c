@@ -5,7 +5,7 @@
  *   A  g_e = x_e @ w1_e^T, u_e = x_e @ w3_e^T   every expert's two matrices, blocks of 64 output rows
  *   B  h_e = int8(silu(g_e) * u_e)              per expert
  *   C  y_e = h_e @ w2_e^T                       every expert's down matrix, blocks of 64 output rows
- *   D  out[r] += (double)(y_e[r] * weight)      on the caller, experts in the given order
+ *   D  out[r] += (double)(y_e[r] * weight)      blocks of 256 columns, experts in the given order
  *
  * x_e are the rows routed to expert e; x is quantised once for all rows and each expert's rows are
  * copied from it. Every row is computed the same way whatever the other rows are (the q8 kernels are
@@ -23,6 +23,8 @@
 #include "moe_terms.h"
 
 #define BLOCK_ROWS 64 /* output rows per block of phases A and C */
+#define SUM_COLUMNS 256 /* columns per block of phase D */
+#define PREPARE_ROWS 32 /* rows of x per block of its quantisation */
 
 typedef struct {
     int rows; /* rows of x routed to this expert */
@@ -37,6 +39,7 @@ typedef struct {
     const Q8MoE *moe;
     Term *terms;
     int blocks_per_matrix; /* phase A: per matrix; phase C: per expert */
+    Q8Rows *x_all; /* every row of x quantised once, then copied into each expert's term */
 } Phase;
 
 static inline int blocks(int rows) { return (rows + BLOCK_ROWS - 1) / BLOCK_ROWS; }
@@ -71,6 +74,35 @@ static void down_block(void *arg, int b) {
     q8_gemm(&p->moe->experts[e].w2, &t->h, begin, end, p->moe->isa, t->y + begin, (size_t)p->moe->dim);
 }
 
+/* Phase D's columns [b SUM_COLUMNS, ..): every expert's terms, in the given order (each element's order, whatever
+ * thread adds it). */
+static void sum_block(void *arg, int b) {
+    const Phase *p = arg;
+    int c0 = b * SUM_COLUMNS, c1 = c0 + SUM_COLUMNS < p->moe->dim ? c0 + SUM_COLUMNS : p->moe->dim;
+    for (int e = 0; e < p->moe->n_experts; e++) {
+        const Term *t = &p->terms[e];
+        add_terms_columns(p->moe->out, p->moe->dim, c0, c1, t->row, t->weight, t->rows, t->y);
+    }
+}
+
+/* Rows [b PREPARE_ROWS, ..) of x quantised into x_all. */
+static void prepare_block(void *arg, int b) {
+    const Phase *p = arg;
+    const Q8MoE *moe = p->moe;
+    int r0 = b * PREPARE_ROWS, n = moe->rows - r0 < PREPARE_ROWS ? moe->rows - r0 : PREPARE_ROWS;
+    Q8Rows part = {p->x_all->work + (size_t)r0 * q8_work_bytes(1, moe->dim), 0, 0, 0, NULL};
+    q8_prepare(moe->experts[0].w1.kind, moe->x + (size_t)r0 * moe->dim, n, moe->dim, moe->isa, &part);
+}
+
+/* Expert e's rows of x_all copied into its term (assign_rows has listed them). */
+static void gather_block(void *arg, int e) {
+    const Phase *p = arg;
+    const Term *t = &p->terms[e];
+    size_t row_bytes = q8_work_bytes(1, p->moe->dim);
+    for (int i = 0; i < t->rows; i++)
+        memcpy(t->x.work + (size_t)i * row_bytes, p->x_all->work + (size_t)t->row[i] * row_bytes, row_bytes);
+}
+
 /* Bytes of one expert's work area for n rows (rows, weights, x and h quantised, gate, up, y). */
 static size_t term_bytes(const Q8MoE *moe, int n) {
     size_t floats = (size_t)n * (2 * (size_t)moe->inter + (size_t)moe->dim);
@@ -78,7 +110,8 @@ static size_t term_bytes(const Q8MoE *moe, int n) {
            floats * sizeof(float) + 64;
 }
 
-/* Which rows each expert takes, and its part of the work area (one allocation, freed by the caller). */
+/* Which rows each expert takes, and its part of the work area (one allocation, freed by the caller); x_all holds
+ * the layout of the rows (gather_block copies them). */
 static void *assign_rows(const Q8MoE *moe, Term *terms, const Q8Rows *x_all) {
     size_t total = 0;
     for (int e = 0; e < moe->n_experts; e++) {
@@ -87,7 +120,6 @@ static void *assign_rows(const Q8MoE *moe, Term *terms, const Q8Rows *x_all) {
     }
     char *area = malloc(total > 0 ? total : 1), *at = area;
     if (area == NULL) return NULL;
-    size_t row_bytes = q8_work_bytes(1, moe->dim);
     for (int e = 0; e < moe->n_experts; e++) {
         Term *t = &terms[e];
         int n = t->rows;
@@ -102,11 +134,8 @@ static void *assign_rows(const Q8MoE *moe, Term *terms, const Q8Rows *x_all) {
         int i = 0;
         for (int r = 0; r < moe->rows; r++)
             for (int s = 0; s < moe->topk; s++)
-                if (moe->ids[(size_t)r * moe->topk + s] == moe->expert_ids[e]) {
-                    t->row[i] = r, t->weight[i] = moe->weights[(size_t)r * moe->topk + s];
-                    memcpy(t->x.work + (size_t)i * row_bytes, x_all->work + (size_t)r * row_bytes, row_bytes);
-                    i++;
-                }
+                if (moe->ids[(size_t)r * moe->topk + s] == moe->expert_ids[e])
+                    t->row[i] = r, t->weight[i] = moe->weights[(size_t)r * moe->topk + s], i++;
     }
     return area;
 }
@@ -133,23 +162,25 @@ Q8Expert q8_expert_at(const uint64_t m[6], const Q8Layout *l) {
 int q8_moe_run(const Q8MoE *moe) {
     if (moe->n_experts == 0) return 0;
     Term *terms = calloc((size_t)moe->n_experts, sizeof(Term));
-    Q8Rows x_all = {malloc(q8_work_bytes(moe->rows, moe->dim)), 0, 0, 0};
+    Q8Rows x_all = {malloc(q8_work_bytes(moe->rows, moe->dim)), 0, 0, 0, NULL};
     void *area = NULL;
+    Phase p = {moe, terms, blocks(moe->inter), &x_all};
     if (terms != NULL && x_all.work != NULL) {
-        q8_prepare(moe->experts[0].w1.kind, moe->x, moe->rows, moe->dim, moe->isa, &x_all);
+        q8_prepare(moe->experts[0].w1.kind, moe->x, 0, moe->dim, moe->isa, &x_all); /* the layout; rows below */
+        x_all.rows = moe->rows;
+        split_run(prepare_block, &p, (moe->rows + PREPARE_ROWS - 1) / PREPARE_ROWS, moe->threads);
         area = assign_rows(moe, terms, &x_all);
     }
     if (area == NULL) {
         free(terms), free(x_all.work);
         return -1;
     }
-    Phase p = {moe, terms, blocks(moe->inter)};
+    split_run(gather_block, &p, moe->n_experts, moe->threads);
     split_run(gate_up_block, &p, moe->n_experts * 2 * p.blocks_per_matrix, moe->threads);
     split_run(swiglu_block, &p, moe->n_experts, moe->threads);
     p.blocks_per_matrix = blocks(moe->dim);
     split_run(down_block, &p, moe->n_experts * p.blocks_per_matrix, moe->threads);
-    for (int e = 0; e < moe->n_experts; e++) /* in the given order */
-        add_terms(moe->out, moe->dim, terms[e].row, terms[e].weight, terms[e].rows, terms[e].y);
+    split_run(sum_block, &p, (moe->dim + SUM_COLUMNS - 1) / SUM_COLUMNS, moe->threads);
     free(area), free(terms), free(x_all.work);
     return 0;
 }
