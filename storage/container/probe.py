@@ -89,8 +89,10 @@ def _random_reads(fd: int, size: int, record: int, seconds: float, threads: int)
     def reader(i: int) -> None:
         rng = np.random.default_rng(i)
         view = memoryview(aligned_empty(record))  # type: ignore[arg-type]
-        while time.perf_counter() < deadline:
+        while True:  # one read at least: a thread that starts past the deadline (a busy machine) still counts
             done[i] += os.preadv(fd, [view], int(rng.integers(0, slots)) * PAGE)
+            if time.perf_counter() >= deadline:
+                break
 
     start = time.perf_counter()
     workers = [threading.Thread(target=reader, args=(i,), daemon=True) for i in range(threads)]
