@@ -3,7 +3,7 @@
 count scales alike for both contenders and the expert count does not change).
 
     python tools/bench_llama_cpp.py --work /tmp/llb [--layers 12] [--experts 16] [--budgets 100] [--prefill 128]
-                                    [--with-decode]
+                                    [--prefill-activations int8|int8-tiles] [--with-decode]
 
 A --prefill longer than the stress model's 4096 positions makes a model whose context holds it (a new --work).
 
@@ -36,6 +36,11 @@ def main() -> None:
     parser.add_argument("--budgets", default="100", help="comma-separated RAM budgets in %% (the bench: 25,100)")
     parser.add_argument("--prefill", type=int, default=128, help="tokens of the long-prompt TTFT rows")
     parser.add_argument(
+        "--prefill-activations",
+        choices=("int8", "int8-tiles"),
+        help="our path in the long-prompt rows (default: int8-tiles where the CPU has AVX-512 VNNI, else int8)",
+    )
+    parser.add_argument(
         "--with-decode", action="store_true", help="the decode section too: our default exact path's rows (exact_*)"
     )
     args = parser.parse_args()
@@ -46,7 +51,12 @@ def main() -> None:
     )
     budgets = tuple(int(b) for b in args.budgets.split(","))
     settings = replace(
-        FULL, shape=shape, budgets_pct=budgets, llama_cpp_budgets_pct=budgets, prefill_tokens=args.prefill
+        FULL,
+        shape=shape,
+        budgets_pct=budgets,
+        llama_cpp_budgets_pct=budgets,
+        prefill_tokens=args.prefill,
+        prefill_activations=args.prefill_activations,
     )
     command = " ".join(sys.argv)
     results = run_bench(settings, args.work, args.out, command, lambda line: print(f"[bench] {line}", file=sys.stderr),

@@ -26,6 +26,7 @@ from colibri_stream.bench.prefill_rows import PREFILL_NEW_TOKENS, llama_cpp_pref
 from colibri_stream.bench.sessions import random_prompt_ids
 from colibri_stream.bench.stress_model import StressShape
 from colibri_stream.bench.system import ContenderFailed, MemoryLimit
+from engine.kernels.q8 import tiles_fast
 
 INT8_MATCHED = MATCHED_CONTAINERS["q4e_q8"]  # ours quality-matched to llama.cpp's Q4_0-experts + Q8_0 file
 INT4_MATCHED = MATCHED_CONTAINERS["q4_0"]  # ours as its all-Q4_0 file: int4 dense records too (convert --dense int4)
@@ -41,6 +42,8 @@ class RaceSettings(Protocol):
     def prompt_tokens(self) -> int: ...
     @property
     def prefill_tokens(self) -> int: ...
+    @property
+    def prefill_activations(self) -> str | None: ...
     @property
     def timeout_s(self) -> float: ...
     @property
@@ -141,15 +144,18 @@ class LlamaCppRace:
     def prefill_rows(
         self, pct: int, files: dict[str, Path], into: tuple[list[dict], list[dict]], failed: list[dict]
     ) -> None:
-        """A long prompt's first token, ours (the int8 path) and each llama.cpp file's, at one budget."""
+        """A long prompt's first token, ours (the int8 path; its prompts as tile GEMMs where the CPU has them) and
+        each llama.cpp file's, at one budget."""
         host = self.host
         n = host.settings.prefill_tokens
         prompt = random_prompt_ids(host.settings.shape.vocab_size, n, 11)
         inputs = RunInputs(prompt, PREFILL_NEW_TOKENS, host.settings.timeout_s)
         host.log(f"6/7 prefill: a {n}-token prompt at {pct}%")
 
+        activations = host.settings.prefill_activations or ("int8-tiles" if tiles_fast() else "int8")
+
         def ours(cold: bool) -> dict:
-            config = OurConfig(pct, container=INT8_MATCHED, activations="int8", cold=cold)
+            config = OurConfig(pct, container=INT8_MATCHED, activations=activations, cold=cold)
             return run_ours(self.matched[INT8_MATCHED], config, host.ram_bytes(pct), inputs, host.limit(pct))
 
         into[0].extend(our_prefill_rows(n, ours))

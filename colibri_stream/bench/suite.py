@@ -100,6 +100,8 @@ class BenchSettings:
     demo_tokens: int = 128
     llama_cpp_budgets_pct: tuple[int, ...] = (RATIO_BUDGET, 100)
     prefill_tokens: int = 1024  # the llama.cpp section's long-prompt TTFT rows (bench/prefill_rows.py)
+    # our prompt path in those rows: None = the fastest this CPU has (int8-tiles with AVX-512 VNNI, else int8)
+    prefill_activations: str | None = None
     alternation_rounds: int = 3  # the section's 100% decode pairs again, alternating (bench/alternated_rows.py)
     alternation_tokens: int = 128
     batch: BatchSettings = BatchSettings()  # the batch section's client counts, tokens and rounds
