@@ -19,6 +19,7 @@ from colibri_stream.convert.converter import Converter, ConvertOptions
 from colibri_stream.devtools.quantized_fixtures import build_quantized_checkpoint
 from colibri_stream.devtools.train_demo import engine_perplexity, heldout_windows
 from colibri_stream.runtime.loader import load_checkpoint, load_container
+from engine.kernels.modes import prompt_rows
 from storage.container.reader import Container
 
 DEMO = demo_model_dir()
@@ -39,22 +40,25 @@ def variants(root: Path) -> list[tuple[str, Path]]:
     return made
 
 
-def int8_variants(root: Path) -> list[tuple[str, Path, bool]]:
-    """(label, container, int8 activations): the int8 and int4 dense choices and int8 activations on int4 g64
+def int8_variants(root: Path) -> list[tuple[str, Path, str]]:
+    """(label, container, activations): the int8 and int4 dense choices and int8 activations on int4 g64
     experts, each alone and together (dense int8 + activations: quality-matched to llama.cpp's Q4_0 experts +
-    Q8_0 rest; dense int4 + activations: its all-Q4_0 file)."""
+    Q8_0 rest; dense int4 + activations: its all-Q4_0 file), and those two with the prompts as tile GEMMs."""
     coded = {}
     for dense in ("int8", "int4"):
         coded[dense] = root / f"int4-g64-dense-{dense}"
         Converter(
             DEMO, coded[dense], ConvertOptions(experts="int4", group_size=64, dense=dense, mtp=False), progress=False
         ).run()
+    tiles = " (`--activations int8-tiles`: each window a prompt of tile GEMMs)"
     return [
-        ("int4 g64, dense int8 records", coded["int8"], False),
-        ("int4 g64, int8 activations", root / "int4-g64", True),
-        ("int4 g64, dense int8 + int8 activations", coded["int8"], True),
-        ("int4 g64, dense int4 records", coded["int4"], False),
-        ("int4 g64, dense int4 + int8 activations (as llama.cpp's all-Q4_0)", coded["int4"], True),
+        ("int4 g64, dense int8 records", coded["int8"], "float32"),
+        ("int4 g64, int8 activations", root / "int4-g64", "int8"),
+        ("int4 g64, dense int8 + int8 activations", coded["int8"], "int8"),
+        ("int4 g64, dense int8 + int8 activations" + tiles, coded["int8"], "int8-tiles"),
+        ("int4 g64, dense int4 records", coded["int4"], "float32"),
+        ("int4 g64, dense int4 + int8 activations (as llama.cpp's all-Q4_0)", coded["int4"], "int8"),
+        ("int4 g64, dense int4 + int8 activations" + tiles, coded["int4"], "int8-tiles"),
     ]
 
 
@@ -64,9 +68,10 @@ def main() -> None:
     print("| experts | record kind | held-out perplexity | vs float |\n|---|---|---|---|")
     print(f"| float32 (checkpoint) | - | {reference:.3f} | - |")
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [(label, path, False) for label, path in variants(Path(tmp))] + int8_variants(Path(tmp))
-        for label, path, int8 in rows:
-            ppl = engine_perplexity(load_container(path, int8_activations=int8), windows)
+        rows = [(label, path, "float32") for label, path in variants(Path(tmp))] + int8_variants(Path(tmp))
+        for label, path, activations in rows:
+            with prompt_rows(activations == "int8-tiles"):  # the plain C loop's bytes where the CPU lacks VNNI
+                ppl = engine_perplexity(load_container(path, int8_activations=activations != "float32"), windows)
             kind = Container(path).layout.scheme
             print(f"| {label} | {kind} | {ppl:.3f} | {100 * (ppl / reference - 1):+.2f}% |", flush=True)
 

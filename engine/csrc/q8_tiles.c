@@ -2,9 +2,9 @@
  * A prompt's rows as tile GEMMs (q8_tiles.h has the numbers). q8_gemm puts a row's columns across the vector
  * lanes, so every 8 columns cost a conversion, a multiply and a multiply-add per (row, output row) pair beside
  * two dot products: on a VNNI host it runs at about a third of oneDNN's int8 GEMM. Here the lanes are 16
- * output rows: a chunk's codes of those 16 rows are gathered into 8 (int4: 16 after splitting the nibbles) or 16
- * (int8) vectors once, and every row of x meets them with 16 dpbusd, each taking 4 bytes of the row broadcast:
- * a block's 32 products are one integer sum per lane, then one conversion and one multiply-add.
+ * output rows: a chunk's codes of those 16 rows are loaded and transposed into 8 (int4: 16 after splitting the
+ * nibbles) or 16 (int8) vectors once, and every row of x meets them with 16 dpbusd, each taking 4 bytes of the
+ * row broadcast: a block's 32 products are one integer sum per lane, then one conversion and one multiply-add.
  *
  * dpbusd multiplies unsigned weight bytes by signed x bytes: int4 codes are the unsigned n (value n - 8) and
  * int8 codes go in as w + 128 (w xor 0x80), so a block's dot is the stored bytes' dot minus 8 or 128 times the
@@ -26,8 +26,8 @@
 #define HAVE_X86 0
 #endif
 
-/* Rows of x per pass over the call's tiles: their slots of a chunk stay in L1 while a tile's codes are gathered
- * once for all of them; the float sums of a pass, [TILE_ROWS][16], 4 KB. */
+/* Rows of x per pass over a tile: their slots of a chunk stay in L1 while the tile's codes of the chunk are
+ * transposed once for all of them; the float sums of a pass, [TILE_ROWS][16], 4 KB. */
 #define TILE_ROWS 64
 
 /* The scale block b of row o is multiplied by: its group's, 0 past the row's columns. */
@@ -60,14 +60,17 @@ static void tiles_scalar(const Q8Matrix *m, const Q8Rows *x, int begin, int end,
 /* Row o's codes of chunk c (row-major: step bytes from c * step; interleaved: its place in the span). */
 static inline const uint8_t *chunk_codes(const Q8Matrix *m, int o, int c) {
     size_t step = chunk_step_bytes(m->kind);
-    if (m->interleaved) return span_at(m, o, c * Q8_CHUNK / Q8_SPAN) + (size_t)(4 * (c % (Q8_SPAN / Q8_CHUNK)) + o % 4) * step;
+    if (m->interleaved)
+        return span_at(m, o, c * Q8_CHUNK / Q8_SPAN) + (size_t)(4 * (c % (Q8_SPAN / Q8_CHUNK)) + o % 4) * step;
     size_t row_bytes = m->kind == Q8_WEIGHTS_INT4 ? (size_t)(m->in + 1) / 2 : (size_t)m->in;
     return (const uint8_t *)m->w + (size_t)o * row_bytes + (size_t)c * step;
 }
 
 /* Where weight vector j meets x in a slot, and its block. int4: j < 8 the low nibbles of dword j (columns 8j,
  * 8j + 2, .., x's even half), j >= 8 the high ones (the odd half); int8: dword j, columns 4j..4j + 3. */
-TILES_INLINE int x_offset(int kind, int j) { return kind == Q8_WEIGHTS_INT4 ? (j < 8 ? 4 * j : 32 + 4 * (j - 8)) : x_position(kind, 4 * j); }
+TILES_INLINE int x_offset(int kind, int j) {
+    return kind == Q8_WEIGHTS_INT4 ? (j < 8 ? 4 * j : 32 + 4 * (j - 8)) : x_position(kind, 4 * j);
+}
 TILES_INLINE int block_of(int kind, int j) { return kind == Q8_WEIGHTS_INT4 ? j % 8 / 4 : j / 8; }
 
 /* One chunk of a tile (w: its 16 weight vectors, sv: its two blocks' scales per lane) times R rows of x from r:
@@ -126,7 +129,7 @@ TILES_VNNI static Exchanges exchanges(void) {
     Exchanges e;
     for (int bit = 0; bit < 3; bit++) {
         int32_t first[16], second[16];
-        for (int p = 0; p < 16; p++) { /* a lane whose bit is 0 keeps the first vector's element, 1 takes the second's */
+        for (int p = 0; p < 16; p++) { /* bit clear: keep the first vector's element; set: take the second's */
             int set = p >> bit & 1, partner = p ^ 1 << bit;
             first[p] = set ? 16 + partner : p, second[p] = set ? 16 + p : partner;
         }
@@ -153,7 +156,8 @@ TILES_INLINE void transpose8(const Exchanges *e, const uint8_t *const rows[16], 
 #pragma GCC unroll 8
     for (int k = 0; k < 8; k++) {
         __m256i a = _mm256_loadu_si256((const __m256i *)(rows[2 * k] + at));
-        v[k] = _mm512_inserti64x4(_mm512_castsi256_si512(a), _mm256_loadu_si256((const __m256i *)(rows[2 * k + 1] + at)), 1);
+        __m256i b = _mm256_loadu_si256((const __m256i *)(rows[2 * k + 1] + at));
+        v[k] = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
     }
     for (int bit = 2; bit >= 0; bit--) swap_bit(e, bit, v);
 }
@@ -227,7 +231,8 @@ TILES_VNNI static void group_scales(const Q8Matrix *m, int o, int groups, float 
     if (!m->interleaved && m->scale_kind == SCALE_F16) {
         const uint16_t *h = (const uint16_t *)m->scales + (size_t)o * groups;
         int g = 0;
-        for (; g + 8 <= groups; g += 8) _mm256_storeu_ps(out + g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + g))));
+        for (; g + 8 <= groups; g += 8)
+            _mm256_storeu_ps(out + g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + g))));
         for (; g < groups; g++) out[g] = _cvtsh_ss(h[g]);
         return;
     }
