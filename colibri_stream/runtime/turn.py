@@ -281,7 +281,7 @@ def finish_turn(turn: OpenTurn, result: GenerationResult, pool: SessionPool | No
     wall = time.perf_counter() - turn.started
     turn.uss.stop()
     try:
-        turn.kv.commit(turn.restored.cache, turn.prompt_ids + result.ids, pool)
+        turn.kv.commit(turn.restored.cache, turn.prompt_ids + result.ids, pool, prompt=len(turn.prompt_ids))
     finally:
         turn.runtime.loaded.experts.end_turn()  # a failed turn's routings and trace are kept too
     stats = turn_stats(result, turn.restored, wall, turn.recorder.report(), turn.uss.peak)

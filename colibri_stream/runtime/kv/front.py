@@ -36,6 +36,10 @@ from engine.config.args import ModelArgs
 from engine.core.interfaces import Cache
 from storage.kv.prefix_store import PrefixConfig
 
+# activation paths whose prompts compute a position otherwise than decoding it (a prompt's rows as tile GEMMs,
+# engine/csrc/q8_tiles.h): their prefix blocks hold prompt positions only
+PROMPTS_COMPUTE_OTHERWISE = frozenset({"int8-tiles"})
+
 
 @dataclass
 class Persistence:
@@ -157,12 +161,15 @@ class KVState:
         if self.session is not None:
             self.session.end_turn(cache, ids)
 
-    def commit(self, cache: Cache, ids: list[int], pool: SessionPool | None = None) -> None:
+    def commit(self, cache: Cache, ids: list[int], pool: SessionPool | None = None, prompt: int | None = None) -> None:
         """Remember the cache's whole blocks in the prefix cache (before the log takes the rows a cache then
         frees), append the positions the log lacks (fsynced), then keep the session with its KV in ``pool``
-        for the next turn, or close it."""
+        for the next turn, or close it. ``prompt``: how many of ``ids`` the turn read as its prompt; on an
+        activation path whose prompts compute a position otherwise than decoding does, only those are
+        remembered, so a later hit gives what recomputing them as a prompt gives."""
         if self.prefix is not None:
-            self.prefix.remember(cache, ids, self.tenant)
+            decoded_differ = prompt is not None and self.door.activations in PROMPTS_COMPUTE_OTHERWISE
+            self.prefix.remember(cache, ids[:prompt] if decoded_differ else ids, self.tenant)
         if self.session is None:
             return
         try:

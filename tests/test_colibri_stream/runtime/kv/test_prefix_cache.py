@@ -13,6 +13,7 @@ from colibri_stream.devtools import fixtures
 from colibri_stream.planning.budget import StoreOptions
 from colibri_stream.runtime.kv.prefix_cache import BLOCK_TOKENS, PREFIX_DIR
 from colibri_stream.runtime.turn import RuntimeOptions, TurnOptions, load_runtime, run_turn
+from engine.kernels.q8 import tiles_fast
 from storage.kv.prefix_store import PrefixConfig
 
 # 203 positions: three whole blocks and an odd tail; past the DSA index_topk (8) and V4's windows
@@ -26,8 +27,8 @@ def _runtime(path: Path, kv_dir: Path, prefix: PrefixConfig = ON, **options):
     return load_runtime(path, RuntimeOptions(kv_dir=kv_dir, text=False, prefix=prefix, **options))
 
 
-def _turn(runtime, ids, **options):
-    return run_turn(runtime, ids, TurnOptions(max_new_tokens=6, **options))
+def _turn(runtime, ids, max_new_tokens=6, **options):
+    return run_turn(runtime, ids, TurnOptions(max_new_tokens=max_new_tokens, **options))
 
 
 @pytest.mark.parametrize("family", fixtures.FAMILIES)
@@ -219,3 +220,23 @@ def test_auto_ram_leaves_the_prefix_caches_ram_tier_room(make_container, monkeyp
     alone = store_config(StoreOptions(ram="auto"), geometry).ram_bytes
     beside = store_config(StoreOptions(ram="auto", beside_store_bytes=512 << 20), geometry).ram_bytes
     assert alone - beside == pytest.approx(0.9 * (512 << 20), abs=1)  # the margin applies to what is left
+
+
+@pytest.mark.skipif(not tiles_fast(), reason="--activations int8-tiles needs AVX-512 VNNI")
+def test_int8_tiles_keeps_prompt_blocks_only_so_a_hit_is_what_recomputing_gives(make_container, tmp_path):
+    """A prompt's rows as tile GEMMs compute a position otherwise than decoding it: the answer's positions are
+    not kept, so the next request reads them as prompt whether the cache has the rest or not. Plain int8 keeps
+    the block the answer completes (250 + 11 positions: block 3 whole)."""
+    container = make_container("deepseek_v3", "int4", "int8")
+    prompt = fixtures.make_prompt(512, 250, seed=5)
+    reused = {}
+    for activations in ("int8", "int8-tiles"):
+        cached = _runtime(container, tmp_path / activations, activations=activations)
+        first = _turn(cached, prompt, max_new_tokens=12)
+        follow = prompt + first.ids + FOLLOW_UP
+        again = _turn(cached, follow, max_new_tokens=6)
+        reused[activations] = again.stats["reused_tokens"]
+        if activations == "int8-tiles":  # the hit gives the tokens a cold runtime computes
+            assert again.ids == _turn(_runtime(container, tmp_path / "off", OFF, activations=activations), follow).ids
+        cached.close()
+    assert reused == {"int8": 256, "int8-tiles": 192}
