@@ -173,6 +173,8 @@ AVX2 static void row_scales(const Q8Matrix *m, int o, int groups, float *out) {
     out[groups] = 0.f;
 }
 
+void q8_row_scales(const Q8Matrix *m, int o, int groups, float *out) { row_scales(m, o, groups, out); }
+
 /* The gemm loops, once per instruction set: AVX2 multiplies bytes with maddubs + madd, AVX-512 VNNI
  * (with VL, on 256-bit vectors) with one dpbusd; both sums are exact integers, so the bytes agree. */
 #define Q8_TARGET AVX2

@@ -77,7 +77,7 @@ Q8_INLINE void Q8_NAME(chunk_step)(int kind, int one_scale, int P, int RB, const
  * past a row is touched). */
 Q8_INLINE void Q8_NAME(rows_block)(int kind, int one_scale, int P, int RB, const Q8Matrix *m, const Q8Rows *x, int o, int r0, int end,
                             float *const scales[4], const int *gi, float *y, size_t ldy, int begin) {
-    size_t row_bytes = kind == Q8_WEIGHTS_INT4 ? (size_t)(m->in + 1) / 2 : (size_t)m->in;
+    size_t row_bytes = row_code_bytes(kind, m->in);
     size_t step = chunk_step_bytes(kind);
     int full = (int)(row_bytes / step);
     const uint8_t *rows[4];
@@ -114,7 +114,7 @@ Q8_INLINE void Q8_NAME(rows_block)(int kind, int one_scale, int P, int RB, const
  * steps ahead of those it computes, so without this the call's first two steps wait on DRAM line by
  * line (without any prefetch the kernel is much slower: docs/kernels.md, "Fused decode steps"). */
 Q8_INLINE void Q8_NAME(prefetch_start)(int kind, const Q8Matrix *m, int begin, int end) {
-    size_t row_bytes = kind == Q8_WEIGHTS_INT4 ? (size_t)(m->in + 1) / 2 : (size_t)m->in;
+    size_t row_bytes = row_code_bytes(kind, m->in);
     int rows = end - begin < 8 ? end - begin : 8;
     const char *first = (const char *)m->w + (size_t)begin * row_bytes;
     prefetch_l2(first, (size_t)rows * row_bytes);

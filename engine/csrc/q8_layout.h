@@ -34,6 +34,11 @@ static inline int x_position(int kind, int j) {
 
 static inline size_t chunk_step_bytes(int kind) { return kind == Q8_WEIGHTS_INT4 ? 32 : 64; }
 
+/* Bytes of one row's codes in the row-major layout: int4 ceil(in / 2), int8 in. */
+static inline size_t row_code_bytes(int kind, int in) {
+    return kind == Q8_WEIGHTS_INT4 ? (size_t)(in + 1) / 2 : (size_t)in;
+}
+
 /* Bytes of a span's codes (interleaved layout, q8.h): its scales follow them. */
 static inline size_t span_code_bytes(int kind) { return Q8_SPAN / Q8_CHUNK * 4 * chunk_step_bytes(kind); }
 
@@ -51,8 +56,8 @@ static inline int weight_at(const Q8Matrix *m, int o, int k) {
         if (m->kind == Q8_WEIGHTS_INT8) return ((const int8_t *)chunk)[j];
         return ((chunk[j / 2] >> (4 * (j % 2))) & 0x0F) - 8;
     }
-    if (m->kind == Q8_WEIGHTS_INT8) return ((const int8_t *)m->w)[(size_t)o * m->in + k];
-    const uint8_t *row = (const uint8_t *)m->w + (size_t)o * ((m->in + 1) / 2);
+    const uint8_t *row = (const uint8_t *)m->w + (size_t)o * row_code_bytes(m->kind, m->in);
+    if (m->kind == Q8_WEIGHTS_INT8) return ((const int8_t *)row)[k];
     return ((row[k / 2] >> (4 * (k % 2))) & 0x0F) - 8;
 }
 
@@ -66,5 +71,10 @@ static inline float scale_of(const Q8Matrix *m, int o, int g) {
     int groups = (m->in + m->group - 1) / m->group;
     return nibble_scale(m->scale_kind, m->scales, (size_t)o * groups + g);
 }
+
+#if defined(__x86_64__)
+/* Row o's group scales of a row-major matrix as float32, and a 0 after them (q8.c's, for q8_tiles.c). */
+void q8_row_scales(const Q8Matrix *m, int o, int groups, float *out);
+#endif
 
 #endif

@@ -62,8 +62,7 @@ static inline const uint8_t *chunk_codes(const Q8Matrix *m, int o, int c) {
     size_t step = chunk_step_bytes(m->kind);
     if (m->interleaved)
         return span_at(m, o, c * Q8_CHUNK / Q8_SPAN) + (size_t)(4 * (c % (Q8_SPAN / Q8_CHUNK)) + o % 4) * step;
-    size_t row_bytes = m->kind == Q8_WEIGHTS_INT4 ? (size_t)(m->in + 1) / 2 : (size_t)m->in;
-    return (const uint8_t *)m->w + (size_t)o * row_bytes + (size_t)c * step;
+    return (const uint8_t *)m->w + (size_t)o * row_code_bytes(m->kind, m->in) + (size_t)c * step;
 }
 
 /* Where weight vector j meets x in a slot, and its block. int4: j < 8 the low nibbles of dword j (columns 8j,
@@ -186,7 +185,7 @@ TILES_INLINE void load_chunk(int kind, const Exchanges *e, const uint8_t *const 
 TILES_INLINE void tile_vnni(int kind, const Q8Matrix *m, const Q8Rows *x, int o0, int P, const float *sv, int r0,
                             int r1, float *y, size_t ldy, int begin) {
     int groups = (m->in + m->group - 1) / m->group;
-    size_t step = chunk_step_bytes(kind), row_bytes = kind == Q8_WEIGHTS_INT4 ? (size_t)(m->in + 1) / 2 : (size_t)m->in;
+    size_t step = chunk_step_bytes(kind), row_bytes = row_code_bytes(kind, m->in);
     int full = m->interleaved ? x->chunks : (int)(row_bytes / step);
     static const uint8_t zeros[64] = {0}; /* the codes of rows past the tile's last */
     const Exchanges e = exchanges();
@@ -218,25 +217,20 @@ TILES_INLINE void tile_vnni(int kind, const Q8Matrix *m, const Q8Rows *x, int o0
             if (lane_row(p) < P) y[(size_t)r * ldy + (o0 + lane_row(p) - begin)] = facc[(r - r0) * Q8_TILE_OUTS + p];
 }
 
-/* Row o's group scales as floats (out [groups + 8]): f16 scales 8 at a time, the rest one by one. */
+/* Row o's group scales as floats (out [groups + 8]): an interleaved matrix's f16 scales 8 at a time, a row-major
+ * matrix's as q8_gemm reads them (q8_row_scales), the rest one by one. */
 TILES_VNNI static void group_scales(const Q8Matrix *m, int o, int groups, float *out) {
     int per = Q8_SPAN / m->group;
-    if (m->interleaved && m->scale_kind == SCALE_F16 && per == 8) {
+    if (!m->interleaved) {
+        q8_row_scales(m, o, groups, out);
+    } else if (m->scale_kind == SCALE_F16 && per == 8) {
         for (int s = 0; s < groups / per; s++) {
             const uint16_t *h = (const uint16_t *)(span_at(m, o, s) + span_code_bytes(m->kind)) + (size_t)(o % 4) * per;
             _mm256_storeu_ps(out + per * s, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)));
         }
-        return;
+    } else {
+        for (int g = 0; g < groups; g++) out[g] = scale_of(m, o, g);
     }
-    if (!m->interleaved && m->scale_kind == SCALE_F16) {
-        const uint16_t *h = (const uint16_t *)m->scales + (size_t)o * groups;
-        int g = 0;
-        for (; g + 8 <= groups; g += 8)
-            _mm256_storeu_ps(out + g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + g))));
-        for (; g < groups; g++) out[g] = _cvtsh_ss(h[g]);
-        return;
-    }
-    for (int g = 0; g < groups; g++) out[g] = scale_of(m, o, g);
 }
 
 /* The group scales of output rows [o0, o0 + P) as the tile reads them: sv [groups + 1][16] (lanes as lane_row),

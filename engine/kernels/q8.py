@@ -136,15 +136,21 @@ def deinterleave(
     return q, scale_bytes.contiguous().view(scale_dtype)
 
 
-def quantize_rows(x: torch.Tensor) -> torch.Tensor:
-    """Reference of the kernel's activation quantisation: x [rows, in] float32 -> dequantised int8 [rows, in]."""
+def quantized_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of the kernel's activation quantisation (q8_prepare's numbers): x [rows, in] float32 -> xq
+    [rows, blocks, 32] (integer values, float32; zeros past in) and the block scales d [rows, blocks, 1]."""
     rows, in_dim = x.shape
     blocks = -(-in_dim // BLOCK)
     padded = torch.nn.functional.pad(x.float(), (0, blocks * BLOCK - in_dim)).view(rows, blocks, BLOCK)
     amax = padded.abs().amax(dim=-1, keepdim=True)
     inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
-    q = torch.round(padded * inv)  # ties to even, as nearbyintf
-    return (q * (amax / 127.0)).view(rows, -1)[:, :in_dim]
+    return torch.round(padded * inv), amax / 127.0  # ties to even, as nearbyintf
+
+
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] float32 -> its int8 quantisation dequantised, [rows, in] (quantized_blocks)."""
+    q, d = quantized_blocks(x)
+    return (q * d).view(x.shape[0], -1)[:, : x.shape[1]]
 
 
 # (w, scales, kind, scale kind, in, group, interleaved) as the C steps take a matrix

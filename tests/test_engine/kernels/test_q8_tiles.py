@@ -11,7 +11,17 @@ import pytest
 import torch
 
 from engine.kernels.modes import prompt_rows, rows_are_prompt
-from engine.kernels.q8 import BLOCK, ISA_BEST, ISA_SCALAR, TILES, interleave, q8_isa, q8_matmul, tiles_fast
+from engine.kernels.q8 import (
+    BLOCK,
+    ISA_BEST,
+    ISA_SCALAR,
+    TILES,
+    interleave,
+    q8_isa,
+    q8_matmul,
+    quantized_blocks,
+    tiles_fast,
+)
 from engine.kernels.quant import KERNEL_SCALES, QuantizedMatrix, int4_kernel_available, quantized_matrix
 
 needs_kernel = pytest.mark.skipif(not int4_kernel_available(), reason="the C kernels are not built")
@@ -21,20 +31,11 @@ needs_kernel = pytest.mark.skipif(not int4_kernel_available(), reason="the C ker
 SHAPES = [(37, 101, 32, 5), (33, 130, 64, 70), (64, 1024, 64, 9), (20, 2048, 128, 1), (16, 512, 512, 3)]
 
 
-def quantized_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q8_prepare's numbers: xq int [rows, blocks, 32] and d float32 [rows, blocks] (absmax / 127, nearest even)."""
-    rows, in_dim = x.shape
-    blocks = -(-in_dim // BLOCK)
-    padded = torch.nn.functional.pad(x, (0, blocks * BLOCK - in_dim)).view(rows, blocks, BLOCK)
-    amax = padded.abs().amax(dim=-1)
-    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
-    return torch.round(padded * inv[..., None]).to(torch.int64), amax / 127.0
-
-
 def stated_numbers(x: torch.Tensor, m: QuantizedMatrix) -> torch.Tensor:
     """q8_tiles.h: acc = fma(float(dot_b), d[r, b] * s[o, g(b)], acc) block by block, in float32 (the product
     exact in float64, the sum rounded once there, then to float32)."""
-    xq, d = quantized_x(x)
+    q, d = quantized_blocks(x)  # d [rows, blocks, 1]
+    xq, d = q.to(torch.int64), d[..., 0]
     out, in_dim = m.out_dim, m.in_dim
     blocks = xq.shape[1]
     codes = m.q.to(torch.int64)
