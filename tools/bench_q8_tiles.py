@@ -1,5 +1,6 @@
 """The int8 kernels side by side on one matrix (a benchmark, not a test): q8_gemm (every decoded row), the tile
-GEMMs (a prompt's rows under --activations int8-tiles, engine/csrc/q8_tiles.c) in both weight layouts, and
+GEMMs (a prompt's rows under --activations int8-tiles, engine/csrc/q8_tiles.c) in both weight layouts, on the AMX
+unit where the CPU has it (interleaved), and
 torch._int_mm (oneDNN: the bench's int8 limit) at the same shape, best of 5, for each row count.
 
     python tools/bench_q8_tiles.py [--rows 4,16,96,256] [--shape 1024x2048] [--code int4|int8] [--threads 2]
@@ -15,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.kernels.q8 import ISA_BEST, TILES, interleave, q8_matmul, tiles_fast
+from engine.kernels.q8 import ISA_AMX, ISA_BEST, TILES, amx_tiles, interleave, q8_matmul, tiles_fast
 from engine.kernels.quant import quantized_matrix
 
 GROUP = 64
@@ -44,9 +45,9 @@ def main() -> None:
     out, in_dim = (int(v) for v in args.shape.split("x"))
     m = quantized_matrix(torch.randn(out, in_dim) * 0.02, 4 if args.code == "int4" else 8, GROUP)
     packed = interleave(m.q, m.scales, m.code, GROUP)
-    print(f"{args.code} {out} x {in_dim}, {args.threads} threads; tile vector path: {tiles_fast()}")
-    print("| rows | q8_gemm | tiles, interleaved | tiles, row-major | torch._int_mm |")
-    print("|---:|---:|---:|---:|---:|")
+    print(f"{args.code} {out} x {in_dim}, {args.threads} threads; tile vector path: {tiles_fast()}, AMX: {amx_tiles()}")
+    print("| rows | q8_gemm | tiles, interleaved | tiles, row-major | tiles on AMX | torch._int_mm |")
+    print("|---:|---:|---:|---:|---:|---:|")
     for rows in (int(r) for r in args.rows.split(",")):
         x = torch.randn(rows, in_dim)
         macs = rows * out * in_dim
@@ -62,6 +63,7 @@ def main() -> None:
             rate(ours(ISA_BEST, True), macs),
             rate(ours(ISA_BEST | TILES, True), macs),
             rate(ours(ISA_BEST | TILES, False), macs),
+            rate(ours(ISA_AMX | TILES, True), macs),
             rate(lambda a=a, b=b: torch._int_mm(a, b), max(rows, 17) * out * in_dim),
         ]
         print(f"| {rows} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")

@@ -579,6 +579,8 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     /* 1: the int8-activation kernels multiply with AVX-512 VNNI's dpbusd (else AVX2 maddubs, or C) */
     if (m) PyModule_AddIntConstant(m, "Q8_VNNI", q8_vnni_available());
     if (m) PyModule_AddIntConstant(m, "Q8_TILES_FAST", q8_tiles_fast());
+    /* 1: a prompt's tile products run on the AMX unit (AMX-INT8, granted by Linux) */
+    if (m) PyModule_AddIntConstant(m, "Q8_AMX", q8_amx_available());
     /* the loops the quantised kernels take (x86: 2 AVX-512, 1 AVX2; aarch64: 2 NEON with dot-product, 1 NEON;
      * 0 plain C), COLIBRI_STREAM_ISA's cap applied */
     if (m) PyModule_AddIntConstant(m, "SIMD_LEVEL", nibble_simd_available() + nibble_simd_wide());

@@ -297,6 +297,7 @@ void q8_gemm(const Q8Matrix *m, const Q8Rows *x, int begin, int end, int isa, fl
             return;
         }
     }
+    if (isa > Q8_ISA_VNNI) isa = Q8_ISA_VNNI; /* Q8_ISA_AMX is the tile products' alone */
     if (m->kind == Q8_WEIGHTS_BF16) { /* Q8_ISA_* and bf16_isa's limits are the same ladder */
         bf16_gemm_rows(m->w, x->floats, x->rows, m->in, begin, end, isa, 1, y, ldy);
         return;

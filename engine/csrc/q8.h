@@ -57,7 +57,8 @@ size_t q8_work_bytes(int rows, int in);
 void q8_prepare(int kind, const float *x, int rows, int in, int simd, Q8Rows *out);
 
 /* The instruction sets q8_gemm may use, at most: each level gives the same bytes as the one below. */
-enum { Q8_ISA_SCALAR = 0, Q8_ISA_AVX2 = 1, Q8_ISA_VNNI = 2 };
+/* Q8_ISA_AMX: q8_tiles_gemm's AMX path where the CPU has it; every other product takes Q8_ISA_VNNI's loops. */
+enum { Q8_ISA_SCALAR = 0, Q8_ISA_AVX2 = 1, Q8_ISA_VNNI = 2, Q8_ISA_AMX = 3 };
 /* OR'd into an isa: the product in q8_tiles.h's numbers (a prompt's rows), not q8_gemm's (every other row). */
 #define Q8_TILES 8
 int q8_vnni_available(void);

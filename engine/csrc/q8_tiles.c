@@ -20,8 +20,13 @@
 #include "q8_layout.h"
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #define HAVE_X86 1
+#define ARCH_REQ_XCOMP_PERM 0x1023 /* arch_prctl: ask for an extended state component (Linux 5.16+) */
+#define XFEATURE_XTILEDATA 18
 #else
 #define HAVE_X86 0
 #endif
@@ -56,6 +61,7 @@ static void tiles_scalar(const Q8Matrix *m, const Q8Rows *x, int begin, int end,
 #if HAVE_X86
 #define TILES_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 #define TILES_INLINE TILES_VNNI __attribute__((always_inline)) static inline
+#define TILES_AMX __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")))
 
 /* Row o's codes of chunk c (row-major: step bytes from c * step; interleaved: its place in the span). */
 static inline const uint8_t *chunk_codes(const Q8Matrix *m, int o, int c) {
@@ -180,37 +186,59 @@ TILES_INLINE void load_chunk(int kind, const Exchanges *e, const uint8_t *const 
     }
 }
 
+/* Where a tile's codes are: each of its P rows' chunk c at the first row's plus offsets[i] (the same for every
+ * chunk), zeros past P; a row-major row's last, partial chunk copied zeroed into tail (nothing past a row read). */
+typedef struct {
+    int P, full; /* rows of the tile, chunks read in place */
+    size_t step, row_bytes;
+    ptrdiff_t offsets[Q8_TILE_OUTS];
+    const uint8_t *rows[Q8_TILE_OUTS], *tails[Q8_TILE_OUTS];
+    uint8_t tail[Q8_TILE_OUTS * 64];
+} TileCodes;
+
+static void tile_codes_init(TileCodes *t, int kind, const Q8Matrix *m, const Q8Rows *x, int o0, int P) {
+    static const uint8_t zeros[64] = {0}; /* the codes of rows past the tile's last */
+    t->P = P, t->step = chunk_step_bytes(kind), t->row_bytes = row_code_bytes(kind, m->in);
+    t->full = m->interleaved ? x->chunks : (int)(t->row_bytes / t->step);
+    const uint8_t *first = chunk_codes(m, o0, 0);
+    for (int i = 0; i < Q8_TILE_OUTS; i++) t->offsets[i] = i < P ? chunk_codes(m, o0 + i, 0) - first : 0;
+    for (int i = 0; i < Q8_TILE_OUTS; i++) t->tails[i] = i < P ? t->tail + 64 * i : zeros, t->rows[i] = zeros;
+}
+
+/* Chunk c's codes of the tile [o0, o0 + P) as rows_step's 16 weight vectors. */
+TILES_INLINE void tile_chunk(int kind, TileCodes *t, const Exchanges *e, const Q8Matrix *m, int o0, int c, __m512i w[16]) {
+    if (c < t->full) {
+        const uint8_t *codes = chunk_codes(m, o0, c);
+        for (int i = 0; i < t->P; i++) t->rows[i] = codes + t->offsets[i];
+        load_chunk(kind, e, t->rows, w);
+    } else {
+        memset(t->tail, 0, sizeof t->tail);
+        for (int i = 0; i < t->P; i++)
+            memcpy(t->tail + 64 * i, chunk_codes(m, o0 + i, c), t->row_bytes - (size_t)c * t->step);
+        load_chunk(kind, e, t->tails, w);
+    }
+}
+
+/* The scales block b of the tile's rows is multiplied by (sv: tile_scales'): its group's row, zeros past in. */
+static inline const float *block_scales(const Q8Matrix *m, const float *sv, int b) {
+    int first = b * Q8_BLOCK, groups = (m->in + m->group - 1) / m->group;
+    return sv + (size_t)(first < m->in ? first / m->group : groups) * Q8_TILE_OUTS;
+}
+
 /* The tile of output rows [o0, o0 + P) times rows [r0, r1) of x into y. sv: the tile's group scales [groups + 1][16],
  * the last row zeros (a block past the row's columns). */
 TILES_INLINE void tile_vnni(int kind, const Q8Matrix *m, const Q8Rows *x, int o0, int P, const float *sv, int r0,
                             int r1, float *y, size_t ldy, int begin) {
-    int groups = (m->in + m->group - 1) / m->group;
-    size_t step = chunk_step_bytes(kind), row_bytes = row_code_bytes(kind, m->in);
-    int full = m->interleaved ? x->chunks : (int)(row_bytes / step);
-    static const uint8_t zeros[64] = {0}; /* the codes of rows past the tile's last */
     const Exchanges e = exchanges();
-    const uint8_t *first = chunk_codes(m, o0, 0), *rows[Q8_TILE_OUTS], *tails[Q8_TILE_OUTS];
-    ptrdiff_t offsets[Q8_TILE_OUTS]; /* each row's codes from the first row's, the same for every chunk */
-    uint8_t tail[Q8_TILE_OUTS * 64];
-    for (int i = 0; i < Q8_TILE_OUTS; i++) offsets[i] = i < P ? chunk_codes(m, o0 + i, 0) - first : 0;
-    for (int i = 0; i < Q8_TILE_OUTS; i++) tails[i] = i < P ? tail + 64 * i : zeros, rows[i] = zeros;
+    TileCodes codes;
+    tile_codes_init(&codes, kind, m, x, o0, P);
     float facc[TILE_ROWS * Q8_TILE_OUTS];
     memset(facc, 0, sizeof(float) * (size_t)(r1 - r0) * Q8_TILE_OUTS);
     __m512i w[16];
     for (int c = 0; c < x->chunks; c++) {
-        if (c < full) {
-            const uint8_t *codes = chunk_codes(m, o0, c);
-            for (int i = 0; i < P; i++) rows[i] = codes + offsets[i];
-            load_chunk(kind, &e, rows, w);
-        } else { /* a row-major row's last, partial chunk: zeroed copies, nothing past a row read */
-            memset(tail, 0, sizeof tail);
-            for (int i = 0; i < P; i++) memcpy(tail + 64 * i, chunk_codes(m, o0 + i, c), row_bytes - (size_t)c * step);
-            load_chunk(kind, &e, tails, w);
-        }
-        int b0 = 2 * c * Q8_BLOCK, b1 = b0 + Q8_BLOCK; /* the chunk's blocks' first columns */
-        const float *s0 = sv + (size_t)(b0 < m->in ? b0 / m->group : groups) * Q8_TILE_OUTS;
-        const float *s1 = sv + (size_t)(b1 < m->in ? b1 / m->group : groups) * Q8_TILE_OUTS;
-        chunk_rows(kind, w, _mm512_loadu_ps(s0), _mm512_loadu_ps(s1), x, c, r0, r1, facc);
+        tile_chunk(kind, &codes, &e, m, o0, c, w);
+        __m512 s0 = _mm512_loadu_ps(block_scales(m, sv, 2 * c)), s1 = _mm512_loadu_ps(block_scales(m, sv, 2 * c + 1));
+        chunk_rows(kind, w, s0, s1, x, c, r0, r1, facc);
     }
     for (int r = r0; r < r1; r++)
         for (int p = 0; p < Q8_TILE_OUTS; p++)
@@ -262,7 +290,161 @@ TILES_VNNI static void tiles_vnni(const Q8Matrix *m, const Q8Rows *x, int begin,
         }
     }
 }
+/* ---------------------------------------------------------------- AMX: the same numbers, a block as one tile product
+ *
+ * TDPBSSD multiplies a tile of 16 rows of x (A: 16 x 32 signed bytes, a block's columns) by the block's weights of
+ * the 16 output rows (B: 8 x 64 bytes, 4 columns of each output row per dword, lanes as lane_row: the vectors
+ * load_chunk makes, made signed), giving C [16 rows of x][16 lanes] int32: each the block's exact dot, the same
+ * integer as the dpbusd chains' (which add the -8 / -128 sum xq corrections to unsigned codes). Each C row is then
+ * one conversion and one multiply-add by d * s, in block order, as in rows_step. A block's A row is the prepared
+ * slot's two 16-byte pieces of its columns (q8_layout.h x_position): slot[16h, 16h + 16) and slot[32 + 16h, ..);
+ * x is copied so once per call. */
+/* Tiles (literal numbers: the intrinsics paste them into the instructions): 0 and 1 C (a chunk's two blocks, so one
+ * block's product overlaps the other's conversion), 2 A, 3 B. */
+#define AMX_BLOCK_BYTES 512 /* an A tile (16 x 32) or a B tile (8 x 64) */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+static int amx_permitted(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d >> 24 & 1) || !(d >> 25 & 1)) return 0; /* AMX-TILE, -INT8 */
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0; /* Linux grants the state */
+}
+
+/* x rows [16 g, 16 g + 16) as A tiles, block after block ([groups of 16][blocks][16][32]), and their block scales
+ * ([..][blocks][16]); rows past x's are zeros. A chunk's 64 bytes are its pieces 0 2 | 1 3 once the 16-byte pieces
+ * are reordered: block 0's A row, then block 1's. */
+TILES_AMX static void amx_pack_x(const Q8Rows *x, int8_t *xa, float *xd) {
+    int blocks = 2 * x->chunks, row_groups = (x->rows + 15) / 16, last = x->rows % 16;
+    const __m512i pieces = _mm512_setr_epi64(0, 1, 4, 5, 2, 3, 6, 7);
+    if (last != 0) /* the last group's rows past x: zero products */
+        for (int b = 0; b < blocks; b++) {
+            size_t at = (size_t)(row_groups - 1) * blocks + (size_t)b;
+            memset(xa + at * AMX_BLOCK_BYTES + (size_t)last * 32, 0, (size_t)(16 - last) * 32);
+            memset(xd + at * 16 + last, 0, sizeof(float) * (size_t)(16 - last));
+        }
+    for (int r = 0; r < x->rows; r++) {
+        size_t first = (size_t)(r / 16) * blocks;
+        for (int c = 0; c < x->chunks; c++) {
+            const uint8_t *s = slot(x, r, c);
+            __m512i both = _mm512_permutexvar_epi64(pieces, _mm512_loadu_si512(s));
+            int8_t *a0 = xa + (first + 2 * (size_t)c) * AMX_BLOCK_BYTES + (size_t)(r % 16) * 32;
+            _mm256_storeu_si256((__m256i *)a0, _mm512_castsi512_si256(both));
+            _mm256_storeu_si256((__m256i *)(a0 + AMX_BLOCK_BYTES), _mm512_extracti64x4_epi64(both, 1));
+            const float *d = (const float *)(s + SLOT_SCALES);
+            xd[(first + 2 * (size_t)c) * 16 + (size_t)(r % 16)] = d[0];
+            xd[(first + 2 * (size_t)c + 1) * 16 + (size_t)(r % 16)] = d[4];
+        }
+    }
+}
+
+/* The tile's weights of every block as B tiles ([blocks][8][64], signed): int4 block h is vectors 4h.. 4h + 3 (even
+ * columns) and 8 + 4h.. (odd), each n - 8; int8 block h is vectors 8h.. 8h + 7 as stored (w xor 0x80 undone). */
+TILES_AMX static inline __attribute__((always_inline)) void amx_pack_weights(int kind, const Q8Matrix *m, const Q8Rows *x, int o0, int P, int8_t *wb) {
+    const Exchanges e = exchanges();
+    TileCodes codes;
+    tile_codes_init(&codes, kind, m, x, o0, P);
+    __m512i w[16];
+    for (int c = 0; c < x->chunks; c++) {
+        tile_chunk(kind, &codes, &e, m, o0, c, w);
+        for (int h = 0; h < 2; h++)
+            for (int k = 0; k < 8; k++) {
+                __m512i v = kind == Q8_WEIGHTS_INT4 ? _mm512_sub_epi8(w[(k < 4 ? 0 : 4) + 4 * h + k], _mm512_set1_epi8(8))
+                                                    : _mm512_xor_si512(w[8 * h + k], _mm512_set1_epi8((char)0x80));
+                _mm512_storeu_si512(wb + (size_t)(2 * c + h) * AMX_BLOCK_BYTES + 64 * k, v);
+            }
+    }
+}
+
+/* One block's conversion: acc[r] = fma(float(C[r]), d[r] * s, acc[r]) for the 16 rows. */
+TILES_AMX static inline void amx_accumulate(const int32_t *dots, const float *d, __m512 s, __m512 acc[16]) {
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; r++)
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(dots + 16 * r)),
+                                 _mm512_mul_ps(_mm512_set1_ps(d[r]), s), acc[r]);
+}
+
+/* Rows [16 g, 16 g + R) of x times the packed tile [o0, o0 + P) into y. */
+TILES_AMX static void amx_rows(const Q8Matrix *m, int blocks, const int8_t *xa, const float *xd, const int8_t *wb,
+                               const float *sv, int R, int o0, int P, float *y, size_t ldy) {
+    __m512 acc[16];
+    for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+    int32_t dots[2][256] __attribute__((aligned(64)));
+    for (int b = 0; b < blocks; b += 2) { /* blocks come in pairs (a chunk's two) */
+        _tile_zero(0);
+        _tile_loadd(2, xa + (size_t)b * AMX_BLOCK_BYTES, 32);
+        _tile_loadd(3, wb + (size_t)b * AMX_BLOCK_BYTES, 64);
+        _tile_dpbssd(0, 2, 3);
+        _tile_zero(1);
+        _tile_loadd(2, xa + (size_t)(b + 1) * AMX_BLOCK_BYTES, 32);
+        _tile_loadd(3, wb + (size_t)(b + 1) * AMX_BLOCK_BYTES, 64);
+        _tile_dpbssd(1, 2, 3);
+        _tile_stored(0, dots[0], 64);
+        amx_accumulate(dots[0], xd + (size_t)b * 16, _mm512_loadu_ps(block_scales(m, sv, b)), acc);
+        _tile_stored(1, dots[1], 64);
+        amx_accumulate(dots[1], xd + (size_t)(b + 1) * 16, _mm512_loadu_ps(block_scales(m, sv, b + 1)), acc);
+    }
+    float out[16][16] __attribute__((aligned(64)));
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out[r], acc[r]);
+    for (int r = 0; r < R; r++)
+        for (int p = 0; p < Q8_TILE_OUTS; p++)
+            if (lane_row(p) < P) y[(size_t)r * ldy + (o0 + lane_row(p))] = out[r][p];
+}
+
+/* tiles_vnni's product on the AMX unit. work: tiles_vnni's scales, then xa, xd and wb (amx_work_bytes). */
+TILES_AMX static void tiles_amx(const Q8Matrix *m, const Q8Rows *x, int begin, int end, float *work, float *y,
+                                size_t ldy) {
+    int groups = (m->in + m->group - 1) / m->group, blocks = 2 * x->chunks, row_groups = (x->rows + 15) / 16;
+    float *sv = work, *row = work + (size_t)(groups + 1) * Q8_TILE_OUTS;
+    int8_t *xa = (int8_t *)(row + groups + 8 + 16); /* 64-byte aligned: see amx_work_bytes */
+    xa += (64 - (uintptr_t)xa % 64) % 64;
+    float *xd = (float *)(xa + (size_t)row_groups * blocks * AMX_BLOCK_BYTES);
+    int8_t *wb = (int8_t *)(xd + (size_t)row_groups * blocks * 16);
+    amx_pack_x(x, xa, xd);
+    TileConfig config = {.palette = 1};
+    config.rows[0] = config.rows[1] = config.rows[2] = 16, config.rows[3] = 8;
+    config.colsb[0] = config.colsb[1] = config.colsb[3] = 64, config.colsb[2] = 32;
+    _tile_loadconfig(&config);
+    for (int o0 = begin; o0 < end; o0 += Q8_TILE_OUTS) {
+        int P = end - o0 < Q8_TILE_OUTS ? end - o0 : Q8_TILE_OUTS;
+        tile_scales(m, o0, P, groups, row, sv);
+        if (m->kind == Q8_WEIGHTS_INT4) /* a constant kind: load_chunk's loops unroll */
+            amx_pack_weights(Q8_WEIGHTS_INT4, m, x, o0, P, wb);
+        else
+            amx_pack_weights(Q8_WEIGHTS_INT8, m, x, o0, P, wb);
+        for (int g = 0; g < row_groups; g++) {
+            int R = x->rows - 16 * g < 16 ? x->rows - 16 * g : 16;
+            amx_rows(m, blocks, xa + (size_t)g * blocks * AMX_BLOCK_BYTES, xd + (size_t)g * blocks * 16, wb, sv, R,
+                     o0 - begin, P, y + (size_t)(16 * g) * ldy, ldy);
+        }
+    }
+    _tile_release();
+}
+
+static size_t amx_work_bytes(const Q8Matrix *m, const Q8Rows *x) {
+    size_t groups = (size_t)(m->in + m->group - 1) / (size_t)m->group, blocks = 2 * (size_t)x->chunks;
+    size_t row_groups = ((size_t)x->rows + 15) / 16;
+    return sizeof(float) * ((groups + 1) * Q8_TILE_OUTS + groups + 8 + 16) + 64 +
+           row_groups * blocks * (AMX_BLOCK_BYTES + 16 * sizeof(float)) + blocks * AMX_BLOCK_BYTES;
+}
 #endif
+
+int q8_amx_available(void) {
+#if HAVE_X86
+    static int known = -1;
+    if (known < 0) { /* COLIBRI_STREAM_ISA=avx512 (or avx2) measures a host without AMX on one with it */
+        const char *cap = getenv("COLIBRI_STREAM_ISA");
+        known = q8_tiles_fast() && !(cap != NULL && strcmp(cap, "avx512") == 0) && amx_permitted();
+    }
+    return known;
+#else
+    return 0;
+#endif
+}
 
 int q8_tiles_fast(void) {
 #if HAVE_X86
@@ -274,6 +456,14 @@ int q8_tiles_fast(void) {
 
 void q8_tiles_gemm(const Q8Matrix *m, const Q8Rows *x, int begin, int end, int isa, float *y, size_t ldy) {
 #if HAVE_X86
+    if (isa >= Q8_ISA_AMX && q8_amx_available() && x->rows > 0 && end > begin) {
+        float *work = malloc(amx_work_bytes(m, x));
+        if (work != NULL) {
+            tiles_amx(m, x, begin, end, work, y, ldy);
+            free(work);
+            return;
+        }
+    }
     if (isa >= Q8_ISA_VNNI && q8_tiles_fast() && x->rows > 0 && end > begin) {
         int groups = (m->in + m->group - 1) / m->group;
         float *work = malloc(sizeof(float) * ((size_t)(groups + 1) * Q8_TILE_OUTS + (size_t)groups + 8));

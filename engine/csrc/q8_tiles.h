@@ -24,8 +24,12 @@
 /* 1 where q8_tiles_gemm has its vector path (AVX-512 VNNI); elsewhere the plain C loop gives its bytes. */
 int q8_tiles_fast(void);
 
+/* 1 where q8_tiles_gemm can run on the AMX unit (AMX-INT8, and Linux grants the tile state): the same bytes. */
+int q8_amx_available(void);
+
 /* q8_gemm's product (output rows [begin, end) of m, int4 or int8 weights in either layout, times every row
- * of x) in the numbers above. isa: q8.h Q8_ISA_*, the best to use (below Q8_ISA_VNNI: the plain C loop). */
+ * of x) in the numbers above. isa: q8.h Q8_ISA_*, the best to use (Q8_ISA_AMX: AMX tiles where the CPU has them;
+ * below Q8_ISA_VNNI: the plain C loop). */
 void q8_tiles_gemm(const Q8Matrix *m, const Q8Rows *x, int begin, int end, int isa, float *y, size_t ldy);
 
 #endif

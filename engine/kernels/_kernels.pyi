@@ -12,6 +12,7 @@ ABI_VERSION: int
 BF16_SIMD: int
 Q8_VNNI: int
 Q8_TILES_FAST: int
+Q8_AMX: int
 SIMD_LEVEL: int
 ISA_CAP: int
 ARM_FEATURES: int  # aarch64: bit 0 dot-product, bit 1 i8mm (as the CPU reports them); 0 elsewhere

@@ -21,12 +21,18 @@ SPAN = 512  # columns per span of the interleaved layout (q8.h Q8_SPAN)
 WEIGHT_KINDS = {"int4": 0, "int8": 1}  # the kernel's weight kinds (q8.h)
 BF16_KIND = 2  # q8.h Q8_WEIGHTS_BF16: the float32 path's bf16 matrices in the fused C steps
 ISA_SCALAR, ISA_AVX2, ISA_BEST = 0, 1, 2  # q8.h Q8_ISA_*
+ISA_AMX = 3  # q8.h Q8_ISA_AMX: the tile products on the AMX unit where the CPU has it (every other product: ISA_BEST)
 TILES = 8  # q8.h Q8_TILES, OR'd into an isa: the products in q8_tiles.h's numbers (a prompt's rows)
 
 
 def q8_isa() -> int:
-    """The isa the int8 matmuls pass: the best, as tile GEMMs inside ``prompt_rows()``."""
-    return ISA_BEST | TILES if rows_are_prompt() else ISA_BEST
+    """The isa the int8 matmuls pass: the best, as tile GEMMs (AMX where present) inside ``prompt_rows()``."""
+    return ISA_AMX | TILES if rows_are_prompt() else ISA_BEST
+
+
+def amx_tiles() -> bool:
+    """Whether the tile GEMMs run on the AMX unit here (AMX-INT8 and the kernel's grant); the same bytes."""
+    return _kernels is not None and bool(_kernels.Q8_AMX)
 
 
 def tiles_fast() -> bool:

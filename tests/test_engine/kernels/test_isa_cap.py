@@ -16,8 +16,8 @@ from engine.kernels.isa import ISA_ENV, check_isa_env
 
 
 def test_a_misspelt_cap_is_refused_naming_the_variable():
-    with pytest.raises(ValueError, match="COLIBRI_STREAM_ISA='avx512': expected one of best, avx2"):
-        check_isa_env({ISA_ENV: "avx512"})
+    with pytest.raises(ValueError, match="COLIBRI_STREAM_ISA='avx512f': expected one of best, avx2, avx512"):
+        check_isa_env({ISA_ENV: "avx512f"})
     check_isa_env({})
     check_isa_env({ISA_ENV: "avx2"})
     done = subprocess.run([sys.executable, "-c", "import engine"], env=_env("AVX2"), capture_output=True, text=True)
@@ -42,6 +42,14 @@ NO_AVX512 = pytest.mark.skipif(_kernels.SIMD_LEVEL < 2, reason="no AVX-512 here:
 def test_the_cap_takes_the_avx2_loops():
     assert _constants(None)[::3] == (2, 2) and _constants("best")[::3] == (2, 2)
     assert _constants("avx2") == (1, 0, 1, 1)  # AVX2 loops, no VNNI, the bf16 kernel's AVX2 loops, capped
+
+
+@pytest.mark.skipif(not _kernels.Q8_AMX, reason="no AMX here: the tile products take the AVX-512 loops already")
+def test_the_avx512_cap_leaves_the_amx_tiles_alone():
+    code = "from engine.kernels import _kernels as k; print(k.Q8_AMX, k.Q8_TILES_FAST, k.SIMD_LEVEL, k.ISA_CAP)"
+    for isa, want in ((None, "1 1 2 2"), ("avx512", "0 1 2 2"), ("avx2", "0 0 1 1")):
+        done = subprocess.run([sys.executable, "-c", code], env=_env(isa), capture_output=True, text=True, check=True)
+        assert done.stdout.split() == want.split(), isa
 
 
 @NO_AVX512

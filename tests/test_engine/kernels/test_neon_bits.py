@@ -122,11 +122,11 @@ def test_every_extension_source_compiles_for_aarch64(tmp_path):
 
 
 def test_each_architecture_names_its_own_caps():
-    assert isa_caps("x86_64") == ("best", "avx2") and isa_caps("aarch64") == ("best", "neon", "dotprod")
+    assert isa_caps("x86_64") == ("best", "avx2", "avx512") and isa_caps("aarch64") == ("best", "neon", "dotprod")
     check_isa_env({ISA_ENV: "neon"}, machine="arm64")
     with pytest.raises(ValueError, match="expected one of best, neon, dotprod"):
         check_isa_env({ISA_ENV: "avx2"}, machine="aarch64")
-    with pytest.raises(ValueError, match="expected one of best, avx2"):
+    with pytest.raises(ValueError, match="expected one of best, avx2, avx512"):
         check_isa_env({ISA_ENV: "neon"}, machine="x86_64")
     assert describe_isa(2, 2, False, 1, machine="aarch64") == "NEON dot-product"
     assert describe_isa(1, 1, False, 3, machine="aarch64") == (
@@ -134,3 +134,4 @@ def test_each_architecture_names_its_own_caps():
     )
     assert describe_isa(1, 1, False, 0, machine="x86_64") == "AVX2 (capped by COLIBRI_STREAM_ISA=avx2)"
     assert describe_isa(2, 2, True, 0, machine="x86_64") == "AVX-512 VNNI"
+    assert describe_isa(2, 2, True, 0, machine="x86_64", amx=True) == "AVX-512 VNNI, AMX tiles"

@@ -1,5 +1,5 @@
 """A prompt's rows as tile GEMMs (engine/csrc/q8_tiles.c): the products are the numbers q8_tiles.h states, the
-AVX-512 path gives the plain C loop's bytes, a row's result is its own whatever else is in the call, and the
+AVX-512 and AMX paths give the plain C loop's bytes, a row's result is its own whatever else is in the call, and the
 tile products differ from q8_gemm's (decoded rows) only in the order of the float sum."""
 
 from __future__ import annotations
@@ -13,9 +13,11 @@ import torch
 from engine.kernels.modes import prompt_rows, rows_are_prompt
 from engine.kernels.q8 import (
     BLOCK,
+    ISA_AMX,
     ISA_BEST,
     ISA_SCALAR,
     TILES,
+    amx_tiles,
     interleave,
     q8_isa,
     q8_matmul,
@@ -74,20 +76,24 @@ def test_tile_products_are_the_stated_numbers_on_every_path(out, in_dim, group, 
     plain = run(x, m, ISA_SCALAR | TILES)
     assert torch.equal(plain, stated_numbers(x, m))
     assert torch.equal(run(x, m, ISA_BEST | TILES), plain)  # AVX-512 VNNI where the CPU has it
+    assert torch.equal(run(x, m, ISA_AMX | TILES), plain)  # AMX where the CPU has it
     if in_dim % 512 == 0 and out % 4 == 0:  # the interleaved layout: the same codes, the same bytes
         assert torch.equal(run(x, m, ISA_BEST | TILES, interleaved=True), plain)
+        assert torch.equal(run(x, m, ISA_AMX | TILES, interleaved=True), plain)
 
 
 @needs_kernel
+@pytest.mark.parametrize("isa", [ISA_BEST, ISA_AMX])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_each_row_is_its_own_whatever_else_is_in_the_call(bits):
-    """130 rows: two full passes of 64 and a ragged one, against 100 output rows (six tiles and a partial one)."""
+def test_each_row_is_its_own_whatever_else_is_in_the_call(bits, isa):
+    """130 rows: two full passes of 64 (AMX: eight groups of 16) and a ragged one, against 100 output rows (six
+    tiles and a partial one)."""
     m = matrix(100, 1024, 64, bits, seed=bits)
     x = torch.randn(130, 1024, generator=torch.Generator().manual_seed(7))
-    together = run(x, m, ISA_BEST | TILES, interleaved=True)
-    for r in (0, 5, 63, 64, 65, 127, 128, 129):
-        assert torch.equal(together[r : r + 1], run(x[r : r + 1], m, ISA_BEST | TILES, interleaved=True)), r
-        assert torch.equal(together[r : r + 1], run(x[r : r + 1], m, ISA_BEST | TILES)), r
+    together = run(x, m, isa | TILES, interleaved=True)
+    for r in (0, 5, 15, 16, 63, 64, 65, 127, 128, 129):
+        assert torch.equal(together[r : r + 1], run(x[r : r + 1], m, isa | TILES, interleaved=True)), r
+        assert torch.equal(together[r : r + 1], run(x[r : r + 1], m, isa | TILES)), r
 
 
 @needs_kernel
@@ -103,7 +109,7 @@ def test_tile_products_differ_from_decoded_rows_only_in_the_order_of_the_sum(bit
 def test_the_isa_carries_tiles_only_inside_prompt_rows():
     assert q8_isa() == ISA_BEST and not rows_are_prompt()
     with prompt_rows():
-        assert q8_isa() == ISA_BEST | TILES
+        assert q8_isa() == ISA_AMX | TILES
         with prompt_rows(False):
             assert q8_isa() == ISA_BEST
     assert q8_isa() == ISA_BEST
@@ -111,8 +117,9 @@ def test_the_isa_carries_tiles_only_inside_prompt_rows():
 
 @needs_kernel
 @pytest.mark.skipif(not tiles_fast(), reason="no AVX-512 VNNI: the tile GEMMs' vector path is not built for this CPU")
+@pytest.mark.parametrize("isa", [ISA_BEST, ISA_AMX])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_the_vector_path_reads_nothing_past_the_matrix(bits, guarded):
+def test_the_vector_path_reads_nothing_past_the_matrix(bits, isa, guarded):
     """Codes and scales of a row-major matrix with a partial last chunk end on an unreadable page: the gathers and
     the tail copies must stay inside (an over-read kills the forked child)."""
     m = matrix(21, 119, 32, bits, seed=11)
@@ -127,8 +134,18 @@ def test_the_vector_path_reads_nothing_past_the_matrix(bits, guarded):
             s.copy_(m.scales.contiguous().view(torch.uint8).flatten())
             codes = q.view(m.q.dtype).view(m.q.shape)
             at_edge = QuantizedMatrix(codes, s.view(m.scales.dtype).view(m.scales.shape), m.code, 32, 119)
-            os._exit(0 if torch.equal(run(x, at_edge, ISA_BEST | TILES), want) else 3)
+            os._exit(0 if torch.equal(run(x, at_edge, isa | TILES), want) else 3)
         except BaseException:  # noqa: BLE001 - any failure in the child is reported by its exit code
             os._exit(4)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+@needs_kernel
+@pytest.mark.skipif(not amx_tiles(), reason="no AMX-INT8 here: the tile products' AMX path does not run")
+def test_amx_gives_the_vector_paths_bytes_at_a_prompts_shapes():
+    """A routed expert's rows at a 1024-token prompt's shapes (many rows, odd counts) and a dense projection."""
+    for out, in_dim, rows, bits in ((1024, 2048, 97, 4), (2048, 1024, 33, 4), (576, 2048, 250, 8)):
+        m = matrix(out, in_dim, 64, bits, seed=rows)
+        x = torch.randn(rows, in_dim, generator=torch.Generator().manual_seed(out))
+        assert torch.equal(run(x, m, ISA_AMX | TILES), run(x, m, ISA_BEST | TILES)), (out, in_dim, rows)
