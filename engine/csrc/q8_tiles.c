@@ -302,6 +302,10 @@ TILES_VNNI static void tiles_vnni(const Q8Matrix *m, const Q8Rows *x, int begin,
 /* Tiles (literal numbers: the intrinsics paste them into the instructions): 0 and 1 C (a chunk's two blocks, so one
  * block's product overlaps the other's conversion), 2 A, 3 B. */
 #define AMX_BLOCK_BYTES 512 /* an A tile (16 x 32) or a B tile (8 x 64) */
+/* Fewer rows take the AVX-512 path: a call packs x and every tile's weights, and a group of 16 rows costs as much
+ * however few are real (tools/bench_q8_tiles.py, int4 1024 x 2048, 2 threads, the Sapphire Rapids host, under
+ * load: 4 rows 43 vs 87 GMAC/s, 16 rows 161 vs 178; idle: 64 rows 236 vs 226, 256 rows 295 vs 252). */
+#define AMX_MIN_ROWS 64
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -456,7 +460,7 @@ int q8_tiles_fast(void) {
 
 void q8_tiles_gemm(const Q8Matrix *m, const Q8Rows *x, int begin, int end, int isa, float *y, size_t ldy) {
 #if HAVE_X86
-    if (isa >= Q8_ISA_AMX && q8_amx_available() && x->rows > 0 && end > begin) {
+    if (isa >= Q8_ISA_AMX && q8_amx_available() && x->rows >= AMX_MIN_ROWS && end > begin) {
         float *work = malloc(amx_work_bytes(m, x));
         if (work != NULL) {
             tiles_amx(m, x, begin, end, work, y, ldy);

@@ -24,7 +24,8 @@
 /* 1 where q8_tiles_gemm has its vector path (AVX-512 VNNI); elsewhere the plain C loop gives its bytes. */
 int q8_tiles_fast(void);
 
-/* 1 where q8_tiles_gemm can run on the AMX unit (AMX-INT8, and Linux grants the tile state): the same bytes. */
+/* 1 where q8_tiles_gemm can run on the AMX unit (AMX-INT8, and Linux grants the tile state): the same bytes, for
+ * calls of 64 rows of x or more (q8_tiles.c AMX_MIN_ROWS). */
 int q8_amx_available(void);
 
 /* q8_gemm's product (output rows [begin, end) of m, int4 or int8 weights in either layout, times every row

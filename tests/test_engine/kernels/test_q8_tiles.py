@@ -123,7 +123,7 @@ def test_the_vector_path_reads_nothing_past_the_matrix(bits, isa, guarded):
     """Codes and scales of a row-major matrix with a partial last chunk end on an unreadable page: the gathers and
     the tail copies must stay inside (an over-read kills the forked child)."""
     m = matrix(21, 119, 32, bits, seed=11)
-    x = torch.randn(9, 119)
+    x = torch.randn(70, 119)  # AMX takes 64 rows or more
     want = run(x, m, ISA_SCALAR | TILES)
     pid = os.fork()
     if pid == 0:
@@ -144,8 +144,9 @@ def test_the_vector_path_reads_nothing_past_the_matrix(bits, isa, guarded):
 @needs_kernel
 @pytest.mark.skipif(not amx_tiles(), reason="no AMX-INT8 here: the tile products' AMX path does not run")
 def test_amx_gives_the_vector_paths_bytes_at_a_prompts_shapes():
-    """A routed expert's rows at a 1024-token prompt's shapes (many rows, odd counts) and a dense projection."""
-    for out, in_dim, rows, bits in ((1024, 2048, 97, 4), (2048, 1024, 33, 4), (576, 2048, 250, 8)):
+    """A routed expert's rows at a 1024-token prompt's shapes (many rows, odd counts) and a dense projection (AMX
+    takes calls of 64 rows or more: q8_tiles.c AMX_MIN_ROWS)."""
+    for out, in_dim, rows, bits in ((1024, 2048, 97, 4), (2048, 1024, 65, 4), (576, 2048, 250, 8), (37, 101, 70, 8)):
         m = matrix(out, in_dim, 64, bits, seed=rows)
         x = torch.randn(rows, in_dim, generator=torch.Generator().manual_seed(out))
         assert torch.equal(run(x, m, ISA_AMX | TILES), run(x, m, ISA_BEST | TILES)), (out, in_dim, rows)
