@@ -206,7 +206,8 @@ static void tile_codes_init(TileCodes *t, int kind, const Q8Matrix *m, const Q8R
 }
 
 /* Chunk c's codes of the tile [o0, o0 + P) as rows_step's 16 weight vectors. */
-TILES_INLINE void tile_chunk(int kind, TileCodes *t, const Exchanges *e, const Q8Matrix *m, int o0, int c, __m512i w[16]) {
+TILES_INLINE void tile_chunk(int kind, TileCodes *t, const Exchanges *e, const Q8Matrix *m, int o0, int c,
+                             __m512i w[16]) {
     if (c < t->full) {
         const uint8_t *codes = chunk_codes(m, o0, c);
         for (int i = 0; i < t->P; i++) t->rows[i] = codes + t->offsets[i];
@@ -348,7 +349,8 @@ TILES_AMX static void amx_pack_x(const Q8Rows *x, int8_t *xa, float *xd) {
 
 /* The tile's weights of every block as B tiles ([blocks][8][64], signed): int4 block h is vectors 4h.. 4h + 3 (even
  * columns) and 8 + 4h.. (odd), each n - 8; int8 block h is vectors 8h.. 8h + 7 as stored (w xor 0x80 undone). */
-TILES_AMX static inline __attribute__((always_inline)) void amx_pack_weights(int kind, const Q8Matrix *m, const Q8Rows *x, int o0, int P, int8_t *wb) {
+TILES_AMX static inline __attribute__((always_inline)) void amx_pack_weights(int kind, const Q8Matrix *m,
+                                                                             const Q8Rows *x, int o0, int P, int8_t *wb) {
     const Exchanges e = exchanges();
     TileCodes codes;
     tile_codes_init(&codes, kind, m, x, o0, P);
@@ -357,8 +359,9 @@ TILES_AMX static inline __attribute__((always_inline)) void amx_pack_weights(int
         tile_chunk(kind, &codes, &e, m, o0, c, w);
         for (int h = 0; h < 2; h++)
             for (int k = 0; k < 8; k++) {
-                __m512i v = kind == Q8_WEIGHTS_INT4 ? _mm512_sub_epi8(w[(k < 4 ? 0 : 4) + 4 * h + k], _mm512_set1_epi8(8))
-                                                    : _mm512_xor_si512(w[8 * h + k], _mm512_set1_epi8((char)0x80));
+                int j = kind == Q8_WEIGHTS_INT4 ? (k < 4 ? 4 * h + k : 8 + 4 * h + k - 4) : 8 * h + k;
+                __m512i v = kind == Q8_WEIGHTS_INT4 ? _mm512_sub_epi8(w[j], _mm512_set1_epi8(8))
+                                                    : _mm512_xor_si512(w[j], _mm512_set1_epi8((char)0x80));
                 _mm512_storeu_si512(wb + (size_t)(2 * c + h) * AMX_BLOCK_BYTES + 64 * k, v);
             }
     }
