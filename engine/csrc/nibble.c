@@ -411,14 +411,20 @@ float nibble_scale(int scale_kind, const void *scales, size_t i) {
     return scale_at(&m, i);
 }
 
-int isa_cap(void) {
-    static int cap = -1;
-    if (cap < 0) {
+/* COLIBRI_STREAM_ISA read once: 1 avx2 / neon, 2 avx512 (AVX-512 without AMX), 3 no cap. */
+static int isa_env_level(void) {
+    static int level = -1;
+    if (level < 0) {
         const char *value = getenv("COLIBRI_STREAM_ISA");
-        cap = value != NULL && (strcmp(value, "avx2") == 0 || strcmp(value, "neon") == 0) ? 1 : 2;
+        int lowest = value != NULL && (strcmp(value, "avx2") == 0 || strcmp(value, "neon") == 0);
+        level = lowest ? 1 : value != NULL && strcmp(value, "avx512") == 0 ? 2 : 3;
     }
-    return cap;
+    return level;
 }
+
+int isa_cap(void) { return isa_env_level() < 2 ? 1 : 2; }
+
+int isa_amx_allowed(void) { return isa_env_level() > 2; }
 
 #if HAVE_NEON
 /* Whether the CPU has the dot-product instructions (SDOT/UDOT, FEAT_DotProd; 1) and the int8 matrix ones

@@ -62,6 +62,10 @@ float nibble_scale(int scale_kind, const void *scales, size_t i);
  * before the extension loads. */
 int isa_cap(void);
 
+/* 0 where COLIBRI_STREAM_ISA is "avx512" (or "avx2"): a prompt's tile products keep off the AMX unit, so an AMX
+ * host measures one without it. */
+int isa_amx_allowed(void);
+
 /* aarch64: bit 0 the CPU has dot-product (SDOT/UDOT), bit 1 int8 matrix multiply (SMMLA; detected, named by
  * doctor, not used: docs/kernels.md "ARM (NEON)"); 0 elsewhere. Not capped. */
 int arm_features(void);

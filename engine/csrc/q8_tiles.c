@@ -443,10 +443,7 @@ static size_t amx_work_bytes(const Q8Matrix *m, const Q8Rows *x) {
 int q8_amx_available(void) {
 #if HAVE_X86
     static int known = -1;
-    if (known < 0) { /* COLIBRI_STREAM_ISA=avx512 (or avx2) measures a host without AMX on one with it */
-        const char *cap = getenv("COLIBRI_STREAM_ISA");
-        known = q8_tiles_fast() && !(cap != NULL && strcmp(cap, "avx512") == 0) && amx_permitted();
-    }
+    if (known < 0) known = q8_tiles_fast() && isa_amx_allowed() && amx_permitted();
     return known;
 #else
     return 0;
